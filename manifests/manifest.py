@@ -1,0 +1,277 @@
+"""Manifest IO: write parquet parts, then ``_manifest.json`` last; read back only what it lists.
+
+A manifest folder is valid when its ``_manifest.json`` exists. That file names every part, so a
+reader never lists the folder, and a writer that dies before committing leaves at most some
+unreferenced parts (removed by the next commit) while the previous manifest stays readable.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import io
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from manifests import __version__
+from manifests.buckets import BucketSpec, assign_buckets, bucket_names
+from manifests.schema import ERRORS_SCHEMA, FORMAT_VERSION, SAMPLES_SCHEMA
+from manifests.storage import join, open_url, read_json, redact, write_bytes_atomic, write_json_atomic
+
+__all__ = [
+    "MANIFEST_FILE",
+    "ManifestError",
+    "Manifest",
+    "write_manifest",
+    "read_manifest",
+    "conform",
+    "apply_buckets",
+    "rebucket",
+    "manifest_stats",
+]
+
+MANIFEST_FILE = "_manifest.json"
+_KIND = "bucketeer.manifest"
+ROWS_PER_PART = 1_000_000
+
+
+class ManifestError(ValueError):
+    """A manifest folder is missing, uncommitted, of another format version, or malformed."""
+
+
+@dataclass
+class Manifest:
+    """A committed manifest: its metadata and its two tables (``SAMPLES_SCHEMA``, ``ERRORS_SCHEMA``)."""
+
+    url: str
+    meta: dict[str, Any]
+    samples: pa.Table
+    errors: pa.Table
+
+    @property
+    def fingerprint(self) -> str:
+        return self.meta["fingerprint"]
+
+    @property
+    def spec(self) -> BucketSpec:
+        return BucketSpec.from_json(self.meta["bucket_spec"])
+
+    @property
+    def source(self) -> str:
+        return self.meta["source"]
+
+    def samples_df(self) -> pl.DataFrame:
+        return pl.from_arrow(self.samples)  # type: ignore[return-value]
+
+    def errors_df(self) -> pl.DataFrame:
+        return pl.from_arrow(self.errors)  # type: ignore[return-value]
+
+
+def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """Order and cast ``table``'s columns to ``schema``; absent nullable columns become nulls.
+
+    Raises ManifestError naming required columns that are absent or hold nulls.
+    """
+    columns = []
+    for field in schema:
+        if field.name in table.column_names:
+            col = table.column(field.name)
+            if col.type != field.type:
+                col = col.cast(field.type)
+            if not field.nullable and col.null_count:
+                raise ManifestError(f"column {field.name!r} has {col.null_count} null values")
+        elif field.nullable:
+            col = pa.nulls(table.num_rows, field.type)
+        else:
+            raise ManifestError(f"required column {field.name!r} is missing")
+        columns.append(col)
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
+def _part_bytes(table: pa.Table) -> bytes:
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd", row_group_size=128 * 1024)
+    return buf.getvalue()
+
+
+def _write_parts(fs, root: str, kind: str, table: pa.Table, rows_per_part: int) -> list[dict[str, Any]]:
+    parts = []
+    for start in range(0, max(table.num_rows, 1), rows_per_part):
+        chunk = table.slice(start, rows_per_part)
+        data = _part_bytes(chunk)
+        digest = hashlib.sha256(data).hexdigest()
+        # content-addressed names: a rerun writes the same names, and never overwrites a part
+        # that a committed _manifest.json still points to with different content
+        name = f"{kind}/part-{len(parts):05d}-{digest[:16]}.parquet"
+        write_bytes_atomic(fs, join(root, name), data)
+        parts.append({"path": name, "rows": chunk.num_rows, "sha256": digest, "bytes": len(data)})
+    return parts
+
+
+def write_manifest(
+    url: str,
+    samples: pa.Table,
+    errors: pa.Table,
+    *,
+    source: str,
+    spec: BucketSpec,
+    counts: dict[str, int] | None = None,
+    summary: dict[str, Any] | None = None,
+    storage_options: dict[str, Any] | None = None,
+    rows_per_part: int = ROWS_PER_PART,
+) -> dict[str, Any]:
+    """Commit a manifest at ``url``: parts first, ``_manifest.json`` last; returns its metadata.
+
+    Rows are sorted by filename so the same content gives the same bytes and fingerprint.
+    ``counts`` may add e.g. ``listed`` and ``ignored`` to the sample/error counts; ``summary``
+    holds the producing job's figures. Parts no longer referenced are deleted after the commit.
+    """
+    samples = conform(samples, SAMPLES_SCHEMA).sort_by("filename")
+    errors = conform(errors, ERRORS_SCHEMA).sort_by("filename")
+    both = pa.concat_arrays([samples.column("sample_id").combine_chunks(), errors.column("sample_id").combine_chunks()])
+    if len(np.unique(both.to_numpy())) != len(both):
+        raise ManifestError("duplicate sample_id: a file is listed twice, or two paths hash alike")
+
+    fs, root = open_url(url, storage_options)
+    fs.makedirs(root, exist_ok=True)
+    parts = {
+        "samples": _write_parts(fs, root, "samples", samples, rows_per_part),
+        "errors": _write_parts(fs, root, "errors", errors, rows_per_part),
+    }
+    fingerprint = hashlib.sha256(
+        json.dumps(
+            [FORMAT_VERSION, redact(source), spec.to_json(), [p["sha256"] for k in ("samples", "errors") for p in parts[k]]],
+            sort_keys=True,
+        ).encode()
+    ).hexdigest()
+    meta = {
+        "kind": _KIND,
+        "format_version": FORMAT_VERSION,
+        "tool_version": __version__,
+        "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "source": redact(source),
+        "bucket_spec": spec.to_json(),
+        "counts": {**(counts or {}), "samples": samples.num_rows, "errors": errors.num_rows},
+        "fingerprint": fingerprint,
+        "parts": parts,
+        "summary": summary or {},
+    }
+    write_json_atomic(fs, join(root, MANIFEST_FILE), meta)
+    _remove_unreferenced(fs, root, {p["path"] for k in parts for p in parts[k]})
+    return meta
+
+
+def _remove_unreferenced(fs, root: str, keep: set[str]) -> None:
+    for kind in ("samples", "errors"):
+        folder = join(root, kind)
+        try:
+            entries = fs.ls(folder, detail=False)
+        except FileNotFoundError:
+            continue
+        for path in entries:
+            rel = f"{kind}/{path.rstrip('/').rsplit('/', 1)[-1]}"
+            if rel not in keep:
+                fs.rm(path)
+
+
+def read_manifest(url: str, storage_options: dict[str, Any] | None = None) -> Manifest:
+    """Read a committed manifest; raises ManifestError saying what is wrong and what to do."""
+    fs, root = open_url(url, storage_options)
+    try:
+        meta = read_json(fs, join(root, MANIFEST_FILE))
+    except FileNotFoundError:
+        raise ManifestError(
+            f"{redact(url)} has no {MANIFEST_FILE}: it is not a manifest, or its scan never committed "
+            "(still running or killed). Run `bucketeer scan` to (re)build it."
+        ) from None
+    except json.JSONDecodeError as e:
+        raise ManifestError(f"{redact(url)}/{MANIFEST_FILE} is not valid JSON: {e.msg}") from None
+    if meta.get("kind") != _KIND:
+        raise ManifestError(f"{redact(url)}/{MANIFEST_FILE} is not a bucketeer manifest (kind={meta.get('kind')!r})")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ManifestError(
+            f"{redact(url)} has manifest format version {meta.get('format_version')!r}; this bucketeer "
+            f"reads version {FORMAT_VERSION}. Rescan with this version, or use the bucketeer that wrote it."
+        )
+    tables = {}
+    for kind, schema in (("samples", SAMPLES_SCHEMA), ("errors", ERRORS_SCHEMA)):
+        pieces = []
+        for part in meta["parts"][kind]:
+            path = join(root, part["path"])
+            try:
+                with fs.open(path, "rb") as f:
+                    piece = pq.read_table(f)
+            except FileNotFoundError:
+                raise ManifestError(f"{redact(url)}: part {part['path']} named in {MANIFEST_FILE} is missing") from None
+            missing = [n for n in schema.names if n not in piece.column_names]
+            if missing:
+                raise ManifestError(f"{redact(url)}: part {part['path']} lacks columns {missing}")
+            try:
+                pieces.append(conform(piece, schema))
+            except ManifestError as e:
+                raise ManifestError(f"{redact(url)}: part {part['path']}: {e}") from None
+        tables[kind] = pa.concat_tables(pieces) if pieces else schema.empty_table()
+    return Manifest(url=url, meta=meta, samples=tables["samples"], errors=tables["errors"])
+
+
+def apply_buckets(images: pa.Table, spec: BucketSpec) -> tuple[pa.Table, pa.Table]:
+    """Bucket image rows (samples-like, with ``width``/``height``); split off ``too_small`` rejects.
+
+    Returns ``(samples, rejects)`` conformed to SAMPLES_SCHEMA and ERRORS_SCHEMA. Every row
+    ends in exactly one of them. This is the one bucketing path: scan and rebucket both use it.
+    """
+    w = images.column("width").to_numpy()
+    h = images.column("height").to_numpy()
+    bw, bh, too_small = assign_buckets(spec, w, h)
+    images = images.drop_columns([c for c in ("bucket", "error", "message") if c in images.column_names])
+    images = images.append_column("bucket", bucket_names(bw, bh))
+    keep = pa.array(~too_small)
+    samples = conform(images.filter(keep), SAMPLES_SCHEMA)
+    small = images.filter(pa.array(too_small))
+    short = np.minimum(small.column("width").to_numpy(), small.column("height").to_numpy())
+    small = small.drop_columns(["bucket"])
+    small = small.append_column("error", pa.array(["too_small"] * small.num_rows, pa.string()))
+    small = small.append_column(
+        "message",
+        pa.array([f"shorter side {s}px is below --min-side {spec.min_side}px" for s in short], pa.string()),
+    )
+    return samples, conform(small, ERRORS_SCHEMA)
+
+
+def rebucket(manifest: Manifest, spec: BucketSpec) -> tuple[pa.Table, pa.Table]:
+    """Re-assign buckets from stored sizes, no image I/O. ``too_small`` rejects are re-judged too.
+
+    Returns new ``(samples, errors)`` tables; other error rows are carried over unchanged.
+    """
+    errors = manifest.errors
+    is_small = pc.equal(errors.column("error"), "too_small")
+    image_schema = pa.schema([f for f in SAMPLES_SCHEMA if f.name != "bucket"])
+    candidates = pa.concat_tables(
+        [conform(manifest.samples, image_schema), conform(errors.filter(is_small), image_schema)]
+    )
+    others = errors.filter(pc.invert(is_small))
+    samples, small = apply_buckets(candidates, spec)
+    return samples, pa.concat_tables([others, small])
+
+
+def manifest_stats(manifest: Manifest) -> dict[str, Any]:
+    """Counts, bucket histogram (largest first) and errors by kind, as plain JSON-ready values."""
+    samples = manifest.samples_df()
+    errors = manifest.errors_df()
+    buckets = samples.group_by("bucket").len().sort(["len", "bucket"], descending=[True, False])
+    kinds = errors.group_by("error").len().sort(["len", "error"], descending=[True, False])
+    captioned = samples.select(pl.col("caption").is_not_null().sum()).item() if samples.height else 0
+    return {
+        "counts": manifest.meta["counts"],
+        "captioned": int(captioned),
+        "buckets": {r["bucket"]: r["len"] for r in buckets.iter_rows(named=True)},
+        "errors": {r["error"]: r["len"] for r in kinds.iter_rows(named=True)},
+        "fingerprint": manifest.fingerprint,
+    }

@@ -1,0 +1,97 @@
+"""The manifest's columns, in one place, and the stable ``sample_id``.
+
+``samples/*.parquet`` holds one row per usable image; ``errors/*.parquet`` one row per listed image
+file that cannot be used. Every listed image is in exactly one of the two.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Iterable
+
+import numpy as np
+import pyarrow as pa
+
+__all__ = [
+    "FORMAT_VERSION",
+    "SAMPLES_SCHEMA",
+    "ERRORS_SCHEMA",
+    "ERROR_KINDS",
+    "sample_id",
+    "sample_ids",
+    "empty_samples",
+    "empty_errors",
+]
+
+FORMAT_VERSION = 1
+
+# what incremental rescans and audits need comes after the five contract columns
+SAMPLES_SCHEMA = pa.schema(
+    [
+        pa.field("sample_id", pa.uint64(), nullable=False),
+        pa.field("filename", pa.string(), nullable=False),  # relative to the source root, '/'-separated
+        pa.field("width", pa.int32(), nullable=False),  # display orientation (after EXIF orientation)
+        pa.field("height", pa.int32(), nullable=False),
+        pa.field("caption", pa.string()),  # null when the image has none
+        pa.field("bucket", pa.string(), nullable=False),  # "WxH"
+        pa.field("size", pa.int64(), nullable=False),  # bytes of the image file
+        pa.field("etag", pa.string()),  # object-store ETag, when the store gives one
+        pa.field("mtime", pa.float64()),  # seconds since the epoch, when the store gives one
+        pa.field("format", pa.string()),  # Pillow's format name: JPEG, PNG, WEBP, ...
+        pa.field("orientation", pa.int8()),  # EXIF orientation tag 1..8 (1 when absent)
+        pa.field("bytes_read", pa.int64()),  # how much of the file the scan read
+    ]
+)
+
+ERRORS_SCHEMA = pa.schema(
+    [
+        pa.field("sample_id", pa.uint64(), nullable=False),
+        pa.field("filename", pa.string(), nullable=False),
+        pa.field("error", pa.string(), nullable=False),  # one of ERROR_KINDS
+        pa.field("message", pa.string(), nullable=False),
+        pa.field("size", pa.int64()),
+        pa.field("etag", pa.string()),
+        pa.field("mtime", pa.float64()),
+        pa.field("width", pa.int32()),  # known for e.g. too_small / too_many_pixels rejects
+        pa.field("height", pa.int32()),
+        pa.field("caption", pa.string()),  # kept so a rebucket can bring a reject back
+        pa.field("format", pa.string()),
+        pa.field("orientation", pa.int8()),
+        pa.field("bytes_read", pa.int64()),
+    ]
+)
+
+ERROR_KINDS = (
+    "empty",  # zero bytes
+    "truncated",  # a known format whose header ends early
+    "not_an_image",  # bytes that no decoder recognises (HTML named .jpg, random bytes)
+    "unsupported",  # an image format Pillow knows but bucketeer cannot use
+    "too_many_pixels",  # declared size above the pixel limit; never decoded
+    "too_small",  # shorter side below the bucket spec's min_side
+    "read_failed",  # storage refused or lost the object
+    "decode_failed",  # (embed) the full decode failed although the header was fine
+)
+
+
+def sample_id(filename: str) -> int:
+    """Stable uint64 id of a sample: the first 8 bytes (big-endian) of blake2b(relative path).
+
+    The path is relative to the dataset root and ``/``-separated, so the id survives moving the
+    dataset between buckets or machines. 2^64 ids make a collision among 10^9 files ~3e-2 %
+    likely; the scan checks for collisions and fails loudly.
+    """
+    digest = hashlib.blake2b(filename.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def sample_ids(filenames: Iterable[str]) -> np.ndarray:
+    """:func:`sample_id` for many names, as a uint64 array."""
+    return np.fromiter((sample_id(f) for f in filenames), dtype=np.uint64)
+
+
+def empty_samples() -> pa.Table:
+    return SAMPLES_SCHEMA.empty_table()
+
+
+def empty_errors() -> pa.Table:
+    return ERRORS_SCHEMA.empty_table()

@@ -1,0 +1,1 @@
+"""bucketeer's Ray jobs (scan, embed, plan) and the ``bucketeer`` command line."""

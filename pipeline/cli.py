@@ -1,0 +1,101 @@
+"""``bucketeer`` — the command line. Each subcommand is a module with ``add_arguments`` and ``run``.
+
+Only the module of the command being run is imported, so ``bucketeer --help`` does not pay for
+Ray or torch. Each Ray job is also runnable as ``python -m pipeline.<job>`` (for
+``ray job submit -- python -m pipeline.scan …``) through :func:`module_main`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from typing import Callable, Sequence
+
+from manifests import __version__
+
+# name -> (module, one-line help). A registry is a dict from name to where the code lives.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "scan": ("pipeline.scan", "list a dataset once and read image headers into a parquet manifest (Ray job)"),
+    "embed": ("pipeline.embed", "precompute VAE latents and text embeddings into a gzip cache (Ray job)"),
+    "plan": ("pipeline.plan", "write per-rank shard plans: bucketed batches, equal steps, disjoint ranks"),
+    "verify": ("pipeline.verify", "check every record of a cache: checksum, decompression, shapes, finite values"),
+    "rebucket": ("pipeline.rebucket", "re-assign buckets from stored sizes into a new manifest (no image I/O)"),
+    "stats": ("pipeline.stats", "print counts, the bucket histogram and errors by kind of a manifest"),
+    "report": ("pipeline.report", "write a self-contained HTML report with plots of a manifest / cache / plan"),
+    "demo": ("pipeline.demo", "run scan -> embed -> plan -> train on a generated dataset on this machine"),
+}
+
+
+def _load(name: str):
+    return importlib.import_module(COMMANDS[name][0])
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The top-level parser; only ``command``'s own options are loaded (all of them when None)."""
+    parser = argparse.ArgumentParser(
+        prog="bucketeer",
+        description="Offline preprocessing and metadata for diffusion training on S3 / R2 / local datasets.",
+    )
+    parser.add_argument("--version", action="version", version=f"bucketeer {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if command is None or name == command:
+            module = _load(name)
+            if getattr(module, "__doc__", None):
+                p.description = module.__doc__.strip().splitlines()[0]
+            module.add_arguments(p)
+            p.set_defaults(_run=module.run)
+    return parser
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+
+
+def _invoke(run: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    try:
+        return int(run(args) or 0)
+    except (ValueError, FileNotFoundError, PermissionError, RuntimeError) as e:
+        # errors a user can act on: one clear line, no traceback (use -v for one)
+        from manifests.storage import redact
+
+        if getattr(args, "verbose", False):
+            logging.getLogger("bucketeer").exception("failed")
+        print(f"bucketeer {args.command or ''}: error: {redact(str(e))}", file=sys.stderr)
+        return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command if command in COMMANDS else None)
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 0 if not argv else 2
+    _setup_logging(args.verbose)
+    return _invoke(args._run, args)
+
+
+def module_main(name: str, argv: Sequence[str] | None = None) -> int:
+    """``python -m pipeline.<name> …``: the same options as ``bucketeer <name> …``."""
+    module = _load(name)
+    parser = argparse.ArgumentParser(prog=f"python -m {COMMANDS[name][0]}", description=COMMANDS[name][1])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    module.add_arguments(parser)
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    args.command = name
+    _setup_logging(args.verbose)
+    return _invoke(module.run, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,21 @@
+"""Header-only Ray scan of a local folder or s3:// prefix into MANIFEST (coming: issue 3)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = "Not available yet in this version of bucketeer: it arrives with issue 3."
+
+
+def run(args: argparse.Namespace) -> int:
+    print("bucketeer scan is not available yet in this version (it arrives with issue 3).", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    from pipeline.cli import module_main
+
+    sys.exit(module_main("scan"))

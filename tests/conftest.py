@@ -1,0 +1,76 @@
+"""Session fixtures: a real S3-compatible server on 127.0.0.1 and one local Ray instance.
+
+The S3 server is moto in server mode (the same one s3fs tests against): real HTTP, real
+botocore signing, reached through s3fs with an ``endpoint_url`` exactly as a user reaches R2.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+
+import pytest
+
+# fake credentials for the local server only; never a real account
+os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing-key-id")
+os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing-secret-key")
+os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+# ray workers started by tests must not try to reach any usage-stats endpoint
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class S3Server:
+    """A running moto server: ``endpoint``, ``storage_options`` and a ``fresh_url()`` per test."""
+
+    def __init__(self, endpoint: str, bucket: str):
+        import s3fs
+
+        self.endpoint = endpoint
+        self.bucket = bucket
+        self.storage_options = {"endpoint_url": endpoint}
+        self.fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, use_listings_cache=False)
+
+    def fresh_url(self, name: str = "t") -> str:
+        """A new, empty prefix in the test bucket."""
+        return f"s3://{self.bucket}/{name}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    s3 = S3Server(endpoint, "bucketeer-test")
+    s3.fs.mkdir(s3.bucket)
+    try:
+        yield s3
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3(s3_server):
+    """The session's S3 server, with the filesystem's caches cleared for this test."""
+    s3_server.fs.invalidate_cache()
+    return s3_server
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray for the whole session (Ray takes seconds to start)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()
