@@ -1,18 +1,227 @@
-"""Per-rank shard plans from a MANIFEST (coming: issue 5)."""
+"""Write per-rank shard plans: bucketed batches, disjoint ranks, equal steps, deterministic, resumable.
+
+    bucketeer plan MANIFEST --out PLAN --world-size 8 --batch-size 4 --seed 0 --epochs 10
+    bucketeer plan MANIFEST --out PLAN --world-size 8 --max-tokens 16384 --cache CACHE   # packing mode
+    bucketeer plan --check PLAN MANIFEST                      # re-check every invariant (exit 1 if violated)
+    bucketeer plan --resume PLAN --at 3:1200 --world-size 4 --out PLAN2   # elastic resume
+
+``python -m pipeline.plan`` takes the same options. The planning is pure numpy
+(:mod:`manifests.plan_schedule`); this module reads the inputs and prints the summary.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from manifests.plan_schedule import LEFTOVER_POLICIES, PlanConfig, cached_mask
+from manifests.storage import parse_storage_options, redact
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = "Not available yet in this version of bucketeer: it arrives with issue 5."
+    parser.add_argument("manifest", nargs="?", help="manifest folder (local path or URL)")
+    parser.add_argument("--out", help="plan folder to write (local path or URL)")
+    parser.add_argument("--world-size", type=int, help="number of training processes (ranks)")
+    parser.add_argument(
+        "--batch-size", type=int, default=None, help="samples per rank per step (in packing mode: an optional cap)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="shuffle seed; each epoch is seeded by (seed, epoch)")
+    parser.add_argument("--epochs", type=int, default=1, help="epochs to plan (default 1)")
+    parser.add_argument(
+        "--leftover",
+        choices=LEFTOVER_POLICIES,
+        default="drop",
+        help="a bucket's last partial global batch: drop it (no repeats) or pad it with repeats "
+        "from the same bucket (every sample seen); default drop",
+    )
+    parser.add_argument(
+        "--grad-accum",
+        type=int,
+        default=1,
+        help="steps per epoch become a multiple of this (whole global batches dropped or repeated)",
+    )
+    parser.add_argument("--cache", default=None, help="plan only samples with a good record in this cache folder")
+    g = parser.add_argument_group("packing mode")
+    g.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="latent tokens per rank per step; per-bucket batch = max_tokens // tokens(bucket)",
+    )
+    g.add_argument("--latent-factor", type=int, default=8, help="VAE downsampling factor (default 8)")
+    g.add_argument("--patch-size", type=int, default=2, help="transformer patch size on latents (default 2)")
+    c = parser.add_argument_group("check and resume")
+    c.add_argument(
+        "--check",
+        metavar="PLAN",
+        default=None,
+        help="re-check every invariant of PLAN against MANIFEST (and --cache); exit 1 on a violation",
+    )
+    c.add_argument(
+        "--resume",
+        metavar="PLAN",
+        default=None,
+        help="write the rest of PLAN from --at for --world-size ranks into --out (same global batch)",
+    )
+    c.add_argument(
+        "--at",
+        metavar="EPOCH:STEP",
+        default=None,
+        help="with --resume: the position reached (STEP = first step of EPOCH not yet run)",
+    )
+    parser.add_argument("--storage-options", default=None, help="fsspec options as JSON, e.g. an endpoint_url")
+    parser.add_argument("--json", action="store_true", help="print _plan.json instead of the summary")
+
+
+def _cache_inputs(url: str, options: dict[str, Any]) -> tuple[np.ndarray, dict[str, Any]]:
+    # the cache module belongs to the embed job; imported only when --cache is given
+    from manifests.cache import available_sample_ids, read_cache_meta
+
+    return np.asarray(available_sample_ids(url, options), dtype=np.uint64), read_cache_meta(url, options)
+
+
+def _print_summary(meta: dict[str, Any]) -> None:
+    inputs = meta["inputs"]
+    print(
+        f"plan:     {meta['mode']} batches, world size {inputs['world_size']}, "
+        + (
+            f"batch {inputs['batch_size']} per rank (global {meta['global_batch']})"
+            if meta["mode"] == "fixed"
+            else f"max {inputs['max_tokens']} latent tokens per rank"
+        )
+        + f", seed {inputs['seed']}, leftover {inputs['leftover']}, grad accum {inputs['grad_accum']}"
+    )
+    samples = meta["samples"]
+    print(
+        f"samples:  {samples['planned']} planned"
+        + (f", {samples['not_in_cache']} not in the cache (left out)" if inputs.get("cache_fingerprint") else "")
+    )
+    epochs = meta["epochs"]
+    print(
+        f"steps:    {meta['steps_per_epoch']} per epoch, epochs {epochs[0]['epoch']}..{epochs[-1]['epoch']}"
+        + (
+            f" (resumed at epoch {meta['resumed_from']['epoch']} step {meta['resumed_from']['step']})"
+            if meta.get("resumed_from")
+            else ""
+        )
+    )
+    counts = meta["counts"]
+    print(f"padded:   {counts['padded']} repeats over all epochs; dropped: {counts['dropped']} sample-epochs")
+    print(f"  {'bucket':>10}  {'samples':>9}  {'batch':>5}  {'padded':>8}  {'dropped':>8}")
+    for name, b in sorted(meta["buckets"].items(), key=lambda kv: -kv[1]["samples"]):
+        print(
+            f"  {name:>10}  {b['samples']:>9}  {b['batch_size']:>5}  "
+            f"{counts['padded_per_bucket'].get(name, 0):>8}  {counts['dropped_per_bucket'].get(name, 0):>8}"
+        )
+    if meta["mode"] == "packing":
+        t = meta["tokens_per_step"]
+        print(
+            f"tokens:   per rank per step min {t['min']} / mean {t['mean']} / max {t['max']}"
+            f" (budget {inputs['max_tokens']})"
+        )
+    print(f"fingerprint: {meta['fingerprint']}")
+
+
+def _run_check(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    from manifests.manifest import read_manifest
+    from manifests.plan_check import check_plan
+
+    manifest = read_manifest(args.manifest, options) if args.manifest else None
+    available = cache_fp = None
+    if args.cache:
+        available, cache_meta = _cache_inputs(args.cache, options)
+        cache_fp = cache_meta["fingerprint"]
+    problems = check_plan(args.check, options, manifest=manifest, available_ids=available, cache_fingerprint=cache_fp)
+    for p in problems:
+        print(f"violation: {redact(p)}")
+    if problems:
+        print(f"{redact(args.check)}: {len(problems)} violation(s)", file=sys.stderr)
+        return 1
+    print(f"{redact(args.check)}: ok" + ("" if manifest else " (no MANIFEST given: membership not checked)"))
+    return 0
+
+
+def _run_resume(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
+    from manifests.plan import resume_plan
+
+    try:
+        epoch, step = (int(x) for x in (args.at or "").split(":"))
+    except ValueError:
+        raise ValueError(f"--at must be EPOCH:STEP, e.g. 3:1200, got {args.at!r}") from None
+    return resume_plan(
+        args.resume,
+        args.out,
+        epoch=epoch,
+        step=step,
+        world_size=args.world_size,
+        batch_size=args.batch_size,
+        storage_options=options,
+        out_storage_options=options,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    print("bucketeer plan is not available yet in this version (it arrives with issue 5).", file=sys.stderr)
-    return 2
+    options = parse_storage_options(args.storage_options)
+    if args.check:
+        return _run_check(args, options)
+    if not args.out:
+        raise ValueError("--out PLAN is required (the plan folder to write)")
+    if args.world_size is None:
+        raise ValueError("--world-size is required (number of training processes)")
+    if args.resume:
+        meta = _run_resume(args, options)
+    else:
+        if not args.manifest:
+            raise ValueError("MANIFEST is required: bucketeer plan MANIFEST --out PLAN …")
+        meta = _plan(args, options)
+    if args.json:
+        print(json.dumps(meta, indent=2, sort_keys=True))
+    else:
+        _print_summary(meta)
+    return 0
+
+
+def _plan(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
+    from manifests.manifest import read_manifest
+    from manifests.plan import write_plan
+
+    config = PlanConfig(
+        world_size=args.world_size,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        epochs=args.epochs,
+        leftover=args.leftover,
+        grad_accum=args.grad_accum,
+        max_tokens=args.max_tokens,
+        latent_factor=args.latent_factor,
+        patch_size=args.patch_size,
+    )
+    manifest = read_manifest(args.manifest, options)
+    ids = manifest.samples.column("sample_id").to_numpy()
+    buckets = manifest.samples.column("bucket")
+    cache_fp, left_out = None, 0
+    if args.cache:
+        available, cache_meta = _cache_inputs(args.cache, options)
+        keep = cached_mask(ids, available)
+        left_out = int((~keep).sum())
+        ids, buckets = ids[keep], buckets.filter(pa.array(keep))
+        cache_fp = cache_meta["fingerprint"]
+    return write_plan(
+        args.out,
+        ids,
+        buckets,
+        config,
+        manifest_fingerprint=manifest.fingerprint,
+        cache_fingerprint=cache_fp,
+        not_in_cache=left_out,
+        sources={"manifest": args.manifest, "cache": args.cache},
+        storage_options=options,
+    )
 
 
 if __name__ == "__main__":

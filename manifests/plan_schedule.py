@@ -1,0 +1,424 @@
+"""Epoch schedules for shard plans: a pure numpy function of (samples, world shape, seed, epoch).
+
+An epoch is a sequence of **global batches**. A global batch holds samples of one bucket,
+``world_size`` times the per-rank batch of that bucket; step ``s`` of rank ``r`` is the ``r``-th
+equal slice of global batch ``s``. So every rank has exactly one batch per step, every rank has
+the same number of steps, and all ranks at a step hold the same bucket (same work, no hang).
+
+The sequence of global batches depends on the world shape only through the global batch size.
+That is what makes an elastic resume N1 -> N2 with ``N1*B1 == N2*B2`` exact: the remaining global
+batches are cut into N2 slices instead of N1 (:func:`resplit`), and later epochs are the ones a
+fresh plan with (N2, B2) gives.
+
+One epoch, with ``rng = np.random.default_rng([seed, epoch])`` (no global random state):
+
+1. shuffle each bucket's samples (canonical order first: by bucket name, then sample id, so the
+   manifest's row order does not matter);
+2. cut each bucket into global batches. A leftover (fewer than a global batch) is dropped (the
+   tail of this epoch's shuffle, so a different subset each epoch), or padded with repeats from
+   the start of the same bucket's shuffle (cyclically when the bucket is smaller than the pad);
+3. shuffle the order of all global batches across buckets;
+4. with gradient accumulation A, make the step count a multiple of A so that no optimizer step
+   mixes epochs: ``drop`` drops the last ``S mod A`` global batches, ``pad`` repeats the first
+   ``A - S mod A`` global batches of the epoch. Both are counted per bucket.
+
+Packing mode (``max_tokens``): the per-rank batch of a bucket is ``max_tokens // tokens(bucket)``
+(capped by ``batch_size`` when given), with ``tokens(WxH) = ceil(W/(f*p)) * ceil(H/(f*p))`` for VAE
+factor ``f`` and patch size ``p``: small images get bigger batches, and every rank at a step holds
+the same bucket and batch size, so tokens are balanced across ranks exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from manifests.buckets import parse_bucket
+
+__all__ = [
+    "LEFTOVER_POLICIES",
+    "PLAN_SCHEMA",
+    "PlanConfig",
+    "BucketedSamples",
+    "EpochSchedule",
+    "group_samples",
+    "cached_mask",
+    "latent_tokens",
+    "bucket_batch_sizes",
+    "plan_epoch",
+    "rank_slices",
+    "rank_table",
+    "schedule_from_rank_tables",
+    "resplit",
+]
+
+LEFTOVER_POLICIES = ("drop", "pad")
+
+# every parquet file under PLAN/ has exactly these columns
+PLAN_SCHEMA = pa.schema(
+    [
+        pa.field("epoch", pa.int32(), nullable=False),
+        pa.field("step", pa.int32(), nullable=False),
+        pa.field("rank", pa.int32(), nullable=False),
+        pa.field("bucket", pa.string(), nullable=False),
+        pa.field("sample_ids", pa.list_(pa.uint64()), nullable=False),
+    ]
+)
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """What a plan is made with. ``batch_size`` is per rank (a cap in packing mode).
+
+    Raises ValueError naming the CLI option when a value is out of range.
+    """
+
+    world_size: int
+    batch_size: int | None = None
+    seed: int = 0
+    epochs: int = 1
+    leftover: str = "drop"
+    grad_accum: int = 1
+    max_tokens: int | None = None
+    latent_factor: int = 8
+    patch_size: int = 2
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"--world-size must be >= 1 (number of training processes), got {self.world_size}")
+        if self.batch_size is None and self.max_tokens is None:
+            raise ValueError("give --batch-size (samples per rank per step) or --max-tokens (packing mode)")
+        if self.batch_size is not None and self.batch_size < 1:
+            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"--max-tokens must be >= 1, got {self.max_tokens}")
+        if self.epochs < 1:
+            raise ValueError(f"--epochs must be >= 1, got {self.epochs}")
+        if self.grad_accum < 1:
+            raise ValueError(f"--grad-accum must be >= 1, got {self.grad_accum}")
+        if self.leftover not in LEFTOVER_POLICIES:
+            raise ValueError(f"--leftover must be one of {LEFTOVER_POLICIES}, got {self.leftover!r}")
+        if self.latent_factor < 1 or self.patch_size < 1:
+            raise ValueError("--latent-factor and --patch-size must be >= 1")
+        if self.seed < 0:
+            raise ValueError(f"--seed must be >= 0, got {self.seed}")
+
+    @property
+    def packing(self) -> bool:
+        return self.max_tokens is not None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "PlanConfig":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+    def with_world(self, world_size: int, batch_size: int | None) -> "PlanConfig":
+        return replace(self, world_size=world_size, batch_size=batch_size)
+
+
+@dataclass(frozen=True)
+class BucketedSamples:
+    """The samples to plan, grouped by bucket in canonical order.
+
+    ``names``: bucket names, sorted; ``ids``: (n,) uint64 grouped by bucket in ``names`` order,
+    ascending within a bucket; ``counts``: (k,) int64 samples per bucket.
+    """
+
+    names: tuple[str, ...]
+    ids: np.ndarray
+    counts: np.ndarray
+
+    @property
+    def starts(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.counts)[:-1]]).astype(np.int64)  # (k,)
+
+
+@dataclass(frozen=True)
+class EpochSchedule:
+    """One epoch (or its tail, from ``first_step``) as global batches.
+
+    ``step_buckets``: (S,) int32 index into ``names``; ``step_sizes``: (S,) int64 samples per global
+    batch; ``ids``: (sum(step_sizes),) uint64, global batch ``i`` at ``offsets[i]:offsets[i+1]``.
+    ``padded`` / ``dropped``: (k,) int64 per bucket (of the whole epoch).
+    """
+
+    epoch: int
+    first_step: int
+    names: tuple[str, ...]
+    step_buckets: np.ndarray
+    step_sizes: np.ndarray
+    ids: np.ndarray
+    padded: np.ndarray
+    dropped: np.ndarray
+
+    @property
+    def steps(self) -> int:
+        return len(self.step_sizes)
+
+    @property
+    def offsets(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.step_sizes)]).astype(np.int64)  # (S+1,)
+
+    def tail(self, step: int) -> "EpochSchedule":
+        """The global batches from ``step`` (an absolute step number) to the end of the epoch."""
+        if not self.first_step <= step <= self.first_step + self.steps:
+            raise ValueError(
+                f"step {step} is outside epoch {self.epoch} (steps {self.first_step}..{self.first_step + self.steps})"
+            )
+        cut = step - self.first_step
+        start = int(self.offsets[cut])
+        return replace(
+            self,
+            first_step=step,
+            step_buckets=self.step_buckets[cut:],
+            step_sizes=self.step_sizes[cut:],
+            ids=self.ids[start:],
+        )
+
+
+def group_samples(
+    sample_ids: Sequence[int] | np.ndarray | pa.Array, buckets: Sequence[str] | pa.Array, *, source: str = "manifest"
+) -> BucketedSamples:
+    """Group samples by bucket name in canonical order (bucket name, then sample id).
+
+    Raises ValueError naming ``source`` for a bucket name that is not ``"WxH"``, a null bucket, or
+    a sample id listed twice in one bucket.
+    """
+    ids = np.asarray(
+        sample_ids.to_numpy() if isinstance(sample_ids, (pa.Array, pa.ChunkedArray)) else sample_ids, dtype=np.uint64
+    )
+    arr = buckets if isinstance(buckets, (pa.Array, pa.ChunkedArray)) else pa.array(buckets, pa.string())
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks()
+    if len(arr) != len(ids):
+        raise ValueError(f"{source}: {len(ids)} sample ids but {len(arr)} bucket names")
+    if arr.null_count:
+        raise ValueError(f"{source}: {arr.null_count} samples have no bucket; rebuild it with `bucketeer scan`")
+    enc = pc.dictionary_encode(arr.cast(pa.string()))
+    names = enc.dictionary.to_pylist()
+    for name in names:
+        try:
+            parse_bucket(name)
+        except ValueError as e:
+            raise ValueError(
+                f"{source}: unknown bucket {name!r} ({e}); rebucket it with `bucketeer rebucket`"
+            ) from None
+    rank = np.argsort(np.argsort(np.asarray(names, dtype=object)))  # dictionary index -> sorted position
+    codes = rank[enc.indices.to_numpy()].astype(np.int32)  # (n,)
+    order = np.argsort(ids)
+    # a stable sort of small ints is a radix sort in numpy: cheap even for 10M rows
+    small = codes.astype(np.int16) if len(names) < 2**15 else codes
+    order = order[np.argsort(small[order], kind="stable")]  # (n,) by bucket, then id
+    ids, codes = ids[order], codes[order]
+    if len(ids) > 1 and np.any((ids[1:] == ids[:-1]) & (codes[1:] == codes[:-1])):
+        raise ValueError(f"{source}: a sample id is listed twice; rebuild it with `bucketeer scan`")
+    counts = np.bincount(codes, minlength=len(names)).astype(np.int64)
+    return BucketedSamples(names=tuple(sorted(names)), ids=ids, counts=counts)
+
+
+def cached_mask(sample_ids: np.ndarray, available: Iterable[int] | np.ndarray) -> np.ndarray:
+    """(n,) bool: which samples have a good record in the cache (``available`` sample ids)."""
+    avail = np.asarray(
+        available if isinstance(available, np.ndarray) else np.fromiter(available, np.uint64), dtype=np.uint64
+    )
+    return np.isin(np.asarray(sample_ids, dtype=np.uint64), avail)
+
+
+def latent_tokens(names: Sequence[str], latent_factor: int = 8, patch_size: int = 2) -> np.ndarray:
+    """(k,) int64 latent tokens per bucket: ``ceil(W/(f*p)) * ceil(H/(f*p))`` (pixels -> patches)."""
+    cell = latent_factor * patch_size
+    sides = np.asarray([parse_bucket(n) for n in names], dtype=np.int64).reshape(-1, 2)  # (k, 2)
+    return (-(-sides[:, 0] // cell)) * (-(-sides[:, 1] // cell))
+
+
+def bucket_batch_sizes(names: Sequence[str], config: PlanConfig) -> np.ndarray:
+    """(k,) int64 per-rank batch size of each bucket. Raises ValueError when one image exceeds --max-tokens."""
+    if not config.packing:
+        return np.full(len(names), config.batch_size, dtype=np.int64)
+    tokens = latent_tokens(names, config.latent_factor, config.patch_size)
+    sizes = config.max_tokens // tokens
+    if config.batch_size is not None:
+        sizes = np.minimum(sizes, config.batch_size)
+    if np.any(sizes < 1):
+        worst = int(np.argmax(tokens))
+        raise ValueError(
+            f"bucket {names[worst]} has {tokens[worst]} latent tokens per image, above --max-tokens "
+            f"{config.max_tokens}; raise --max-tokens to at least {tokens.max()}"
+        )
+    return sizes
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of ``arange(s, s + n)`` for each (s, n), vectorised: (sum(lengths),) int64."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    total = int(lengths.sum())
+    ends = np.cumsum(lengths)
+    return np.repeat(np.asarray(starts, dtype=np.int64) - (ends - lengths), lengths) + np.arange(total, dtype=np.int64)
+
+
+def plan_epoch(samples: BucketedSamples, config: PlanConfig, epoch: int) -> EpochSchedule:
+    """The global batches of ``epoch``. Raises ValueError when the epoch would have no step."""
+    rng = np.random.default_rng([config.seed, epoch])
+    n = samples.counts  # (k,)
+    k = len(n)
+    starts = samples.starts  # (k,)
+    global_size = bucket_batch_sizes(samples.names, config) * config.world_size  # (k,)
+
+    # 1. a shuffle per bucket: shuffled[starts[b] + q] is the q-th sample of bucket b this epoch
+    shuffled = np.empty(len(samples.ids), dtype=np.int64)  # (n_samples,)
+    for b in range(k):  # a loop over buckets (tens), never over samples
+        shuffled[starts[b] : starts[b] + n[b]] = starts[b] + rng.permutation(int(n[b]))
+
+    # 2. global batches per bucket
+    batches = n // global_size if config.leftover == "drop" else -(-n // global_size)  # (k,)
+    taken = batches * global_size
+    padded = np.maximum(taken - n, 0)
+    dropped = np.maximum(n - taken, 0)
+    if batches.sum() == 0:
+        largest = int(np.argmax(n)) if k else 0
+        raise ValueError(
+            f"nothing to train: no bucket fills one global batch ({config.world_size} ranks x per-rank batch "
+            f"= {int(global_size[largest]) if k else 0}) and --leftover drop drops them all "
+            f"(largest bucket {samples.names[largest] if k else '-'} has {int(n[largest]) if k else 0} samples); "
+            "lower --batch-size / --world-size, or use --leftover pad"
+        )
+
+    # 3. shuffle the global batches across buckets
+    batch_bucket = np.repeat(np.arange(k), batches)  # (S,) bucket of each global batch
+    batch_index = _ranges(np.zeros(k, np.int64), batches)  # (S,) its index within the bucket
+    order = rng.permutation(len(batch_bucket))
+    batch_bucket, batch_index = batch_bucket[order], batch_index[order]
+
+    # 4. steps per epoch: a multiple of grad_accum
+    rest = len(batch_bucket) % config.grad_accum
+    if rest and config.leftover == "drop":
+        keep = len(batch_bucket) - rest
+        dropped = dropped + np.bincount(
+            batch_bucket[keep:], weights=global_size[batch_bucket[keep:]], minlength=k
+        ).astype(np.int64)
+        batch_bucket, batch_index = batch_bucket[:keep], batch_index[:keep]
+        if keep == 0:
+            raise ValueError(
+                f"nothing to train: the epoch has {rest} global batches, fewer than --grad-accum "
+                f"{config.grad_accum}, and --leftover drop drops them; lower --grad-accum or use --leftover pad"
+            )
+    elif rest:
+        repeat = np.arange(config.grad_accum - rest) % len(batch_bucket)
+        padded = padded + np.bincount(
+            batch_bucket[repeat], weights=global_size[batch_bucket[repeat]], minlength=k
+        ).astype(np.int64)
+        batch_bucket = np.concatenate([batch_bucket, batch_bucket[repeat]])
+        batch_index = np.concatenate([batch_index, batch_index[repeat]])
+
+    # 5. sample ids: position q of bucket b's (cyclic, for padding) shuffle, for every slot
+    sizes = global_size[batch_bucket]  # (S,)
+    q = _ranges(batch_index * sizes, sizes)  # (sum(sizes),) position within the bucket's sequence
+    slot_bucket = np.repeat(batch_bucket, sizes)  # (sum(sizes),)
+    ids = samples.ids[shuffled[starts[slot_bucket] + q % n[slot_bucket]]]
+    return EpochSchedule(
+        epoch=epoch,
+        first_step=0,
+        names=samples.names,
+        step_buckets=batch_bucket.astype(np.int32),
+        step_sizes=sizes.astype(np.int64),
+        ids=ids,
+        padded=padded.astype(np.int64),
+        dropped=dropped.astype(np.int64),
+    )
+
+
+def rank_slices(schedule: EpochSchedule, world_size: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rank ``rank``'s samples: ``(ids (L,) uint64, per-step batch sizes (S,) int64)``.
+
+    Raises ValueError when a global batch does not split into ``world_size`` equal batches.
+    """
+    sizes = schedule.step_sizes
+    if np.any(sizes % world_size):
+        bad = int(np.flatnonzero(sizes % world_size)[0])
+        raise ValueError(
+            f"epoch {schedule.epoch} step {schedule.first_step + bad}: a global batch of {int(sizes[bad])} samples "
+            f"does not split evenly over {world_size} ranks; pick a world size that divides it"
+        )
+    per_rank = sizes // world_size  # (S,)
+    if len(sizes) and np.all(sizes == sizes[0]):  # fixed batch: a reshape, no index arrays
+        ids = schedule.ids.reshape(len(sizes), world_size, -1)[:, rank, :].reshape(-1)  # (S, W, B) -> (S*B,)
+        return ids, per_rank
+    starts = schedule.offsets[:-1] + rank * per_rank  # (S,)
+    return schedule.ids[_ranges(starts, per_rank)], per_rank
+
+
+def rank_table(schedule: EpochSchedule, world_size: int, rank: int) -> pa.Table:
+    """Rank ``rank``'s rows ``(epoch, step, rank, bucket, sample_ids)`` of one epoch, by step (PLAN_SCHEMA)."""
+    ids, per_rank = rank_slices(schedule, world_size, rank)
+    steps = len(per_rank)
+    offsets = np.concatenate([[0], np.cumsum(per_rank)]).astype(np.int32)
+    return pa.Table.from_arrays(
+        [
+            pa.array(np.full(steps, schedule.epoch, np.int32)),
+            pa.array(np.arange(schedule.first_step, schedule.first_step + steps, dtype=np.int32)),
+            pa.array(np.full(steps, rank, np.int32)),
+            pa.array(schedule.names, pa.string()).take(pa.array(schedule.step_buckets)),
+            pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids, pa.uint64())),
+        ],
+        schema=PLAN_SCHEMA,
+    )
+
+
+def schedule_from_rank_tables(
+    tables: Sequence[pa.Table], padded: dict[str, int] | None = None, dropped: dict[str, int] | None = None
+) -> EpochSchedule:
+    """Rebuild the global batches of one epoch from all ranks' rows (``tables[r]`` is rank r's).
+
+    Inverse of :func:`rank_table` over all ranks. Raises ValueError when the ranks disagree (steps,
+    buckets or batch sizes), which a plan written by bucketeer never does.
+    """
+    world = len(tables)
+    first = tables[0]
+    steps = first.column("step").to_numpy()
+    epoch = int(first.column("epoch")[0].as_py()) if first.num_rows else 0
+    bucket = first.column("bucket").combine_chunks()
+    lengths = []
+    values = []
+    for r, t in enumerate(tables):
+        if not np.array_equal(t.column("step").to_numpy(), steps):
+            raise ValueError(f"epoch {epoch}: rank {r} has other steps than rank 0")
+        if not t.column("bucket").combine_chunks().equals(bucket):
+            raise ValueError(f"epoch {epoch}: rank {r} holds another bucket than rank 0 at some step")
+        ids = t.column("sample_ids").combine_chunks()
+        lengths.append(pc.list_value_length(ids).to_numpy().astype(np.int64))
+        values.append(ids.flatten().to_numpy())
+    per_rank = lengths[0]  # (S,)
+    for r in range(world):
+        if not np.array_equal(lengths[r], per_rank):
+            raise ValueError(f"epoch {epoch}: rank {r} has other batch sizes than rank 0")
+    sizes = per_rank * world  # (S,)
+    gids = np.empty(int(sizes.sum()), dtype=np.uint64)
+    goff = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)  # (S,)
+    for r in range(world):
+        gids[_ranges(goff + r * per_rank, per_rank)] = values[r]
+    enc = pc.dictionary_encode(bucket)
+    names = tuple(sorted(set(enc.dictionary.to_pylist()) | set(padded or {}) | set(dropped or {})))
+    index = {name: i for i, name in enumerate(names)}
+    remap = np.asarray([index[x] for x in enc.dictionary.to_pylist()], dtype=np.int32)
+    codes = remap[enc.indices.to_numpy()] if len(remap) else np.zeros(0, np.int32)
+    return EpochSchedule(
+        epoch=epoch,
+        first_step=int(steps[0]) if len(steps) else 0,
+        names=names,
+        step_buckets=codes.astype(np.int32),
+        step_sizes=sizes,
+        ids=gids,
+        padded=np.asarray([(padded or {}).get(n, 0) for n in names], np.int64),
+        dropped=np.asarray([(dropped or {}).get(n, 0) for n in names], np.int64),
+    )
+
+
+def resplit(schedule: EpochSchedule, world_size: int) -> list[pa.Table]:
+    """All ranks' rows of ``schedule`` for a new world size (the elastic-resume cut)."""
+    return [rank_table(schedule, world_size, r) for r in range(world_size)]

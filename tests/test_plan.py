@@ -1,0 +1,429 @@
+"""Plan IO, the CLI, --check, elastic resume on storage, and the S3 round trip."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from manifests.buckets import BucketSpec
+from manifests.manifest import read_manifest, write_manifest
+from manifests.plan import (
+    PLAN_FILE,
+    PLAN_SCHEMA,
+    PlanConfig,
+    PlanError,
+    rank_part,
+    read_epoch_tables,
+    read_plan_meta,
+    read_rank_plan,
+    resume_plan,
+    write_plan,
+)
+from manifests.plan_check import check_plan
+from manifests.plan_schedule import cached_mask
+from pipeline.cli import main
+from tests.factories import manifest_tables
+
+
+@pytest.fixture(scope="module")
+def manifest_url(tmp_path_factory) -> str:
+    url = str(tmp_path_factory.mktemp("m") / "manifest")
+    write_manifest(url, *manifest_tables(600, seed=1), source="/data", spec=BucketSpec(area=512 * 512))
+    return url
+
+
+def plan_args(manifest: str, out: str, *extra: str) -> list[str]:
+    return [
+        "plan",
+        manifest,
+        "--out",
+        out,
+        "--world-size",
+        "4",
+        "--batch-size",
+        "2",
+        "--seed",
+        "5",
+        "--epochs",
+        "3",
+        *extra,
+    ]
+
+
+def all_files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def epoch_ids(url: str, epoch: int, storage_options=None, steps: slice = slice(None)) -> Counter:
+    out: Counter = Counter()
+    for t in read_epoch_tables(url, epoch, storage_options):
+        for batch in t.column("sample_ids").to_pylist()[steps]:
+            out.update(batch)
+    return out
+
+
+def test_cli_plans_checks_and_is_byte_identical(manifest_url, tmp_path, capsys):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert main(plan_args(manifest_url, a, "--leftover", "pad", "--grad-accum", "2")) == 0
+    out = capsys.readouterr().out
+    assert "per epoch" in out and "padded" in out and "fingerprint" in out
+    assert main(plan_args(manifest_url, b, "--leftover", "pad", "--grad-accum", "2")) == 0
+    files_a, files_b = all_files(Path(a)), all_files(Path(b))
+    assert files_a == files_b  # same inputs, same bytes (the _plan.json too: no timestamps)
+    assert len(files_a) == 1 + 3 * 4  # _plan.json + (epoch, rank) parts
+    meta = read_plan_meta(a)
+    assert meta["inputs"]["manifest_fingerprint"] == read_manifest(manifest_url).fingerprint
+    assert meta["steps_per_epoch"] % 2 == 0 and meta["counts"]["padded"] > 0
+    assert sum(meta["counts"]["padded_per_bucket"].values()) == meta["counts"]["padded"]
+    for path in files_a:
+        if path.endswith(".parquet"):
+            assert pq.read_schema(Path(a) / path).names == PLAN_SCHEMA.names
+    assert main(["plan", "--check", a, manifest_url]) == 0
+    assert "ok" in capsys.readouterr().out
+
+
+def test_epochs_differ_and_rows_are_sorted(manifest_url, tmp_path):
+    url = str(tmp_path / "p")
+    assert main(plan_args(manifest_url, url)) == 0
+    rows = read_rank_plan(url, 2)
+    assert rows.schema.equals(PLAN_SCHEMA)
+    d = rows.to_pydict()
+    meta = read_plan_meta(url)
+    steps = meta["steps_per_epoch"]
+    assert d["epoch"] == [e for e in range(3) for _ in range(steps)]
+    assert d["step"] == list(range(steps)) * 3 and set(d["rank"]) == {2}
+    assert d["sample_ids"][:steps] != d["sample_ids"][steps : 2 * steps]
+    assert read_rank_plan(url, 2, epoch=1).to_pydict()["sample_ids"] == d["sample_ids"][steps : 2 * steps]
+    # drop: the ranks' samples are disjoint within an epoch
+    seen = epoch_ids(url, 0)
+    assert max(seen.values()) == 1
+    assert sum(seen.values()) + meta["epochs"][0]["dropped_total"] == meta["samples"]["planned"]
+
+
+def test_a_rank_reads_only_its_own_files(manifest_url, tmp_path):
+    url = tmp_path / "p"
+    assert main(plan_args(manifest_url, str(url))) == 0
+    expected = read_rank_plan(str(url), 1)
+    # remove every other rank's parts: rank 1 must read exactly the same rows
+    only = tmp_path / "only"
+    shutil.copytree(url, only)
+    for path in only.rglob("*.parquet"):
+        if not path.name.endswith("rank-00001.parquet"):
+            path.unlink()
+    assert read_rank_plan(str(only), 1).equals(expected)
+    with pytest.raises(PlanError, match="missing"):
+        read_rank_plan(str(only), 0)
+
+
+def test_unreadable_plans_are_refused(tmp_path, manifest_url):
+    with pytest.raises(PlanError, match="no _plan.json"):
+        read_rank_plan(str(tmp_path), 0)
+    url = str(tmp_path / "p")
+    assert main(plan_args(manifest_url, url)) == 0
+    with pytest.raises(PlanError, match="outside"):
+        read_rank_plan(url, 4)
+    with pytest.raises(PlanError, match="no epoch 7"):
+        read_rank_plan(url, 0, epoch=7)
+    meta = json.loads((tmp_path / "p" / PLAN_FILE).read_text())
+    (tmp_path / "p" / PLAN_FILE).write_text(json.dumps(dict(meta, format_version=99)))
+    with pytest.raises(PlanError, match="format version 99"):
+        read_plan_meta(url)
+
+
+def _rewrite(path: Path, table: pa.Table) -> None:
+    pq.write_table(table, path)
+
+
+def test_check_catches_a_duplicated_sample(manifest_url, tmp_path):
+    url = tmp_path / "p"
+    assert main(plan_args(manifest_url, str(url))) == 0
+    assert check_plan(str(url), manifest=read_manifest(manifest_url)) == []
+    part = url / rank_part(0, 0)
+    rows = pq.read_table(part).to_pydict()
+    rows["sample_ids"][0] = [rows["sample_ids"][0][0]] * len(rows["sample_ids"][0])  # same bucket, a repeat
+    _rewrite(part, pa.Table.from_pydict(rows, schema=PLAN_SCHEMA))
+    problems = check_plan(str(url), manifest=read_manifest(manifest_url))
+    assert any("repeated samples" in p for p in problems)
+    assert any("sha256" in p for p in problems)
+    assert main(["plan", "--check", str(url), manifest_url]) == 1
+
+
+def test_check_catches_unequal_steps_and_missing_columns(manifest_url, tmp_path):
+    url = tmp_path / "p"
+    assert main(plan_args(manifest_url, str(url))) == 0
+    part = url / rank_part(1, 3)
+    _rewrite(part, pq.read_table(part).slice(0, 5))
+    problems = check_plan(str(url))
+    assert any("epoch 1 rank 3" in p and "steps" in p for p in problems)
+    _rewrite(url / rank_part(2, 0), pq.read_table(url / rank_part(2, 0)).drop_columns(["bucket"]))
+    assert any("epoch 2 rank 0: columns" in p for p in check_plan(str(url)))
+
+
+def test_check_catches_a_changed_manifest(tmp_path, capsys):
+    murl = str(tmp_path / "m")
+    write_manifest(murl, *manifest_tables(200, seed=2), source="/d", spec=BucketSpec(area=256 * 256))
+    purl = str(tmp_path / "p")
+    assert main(["plan", murl, "--out", purl, "--world-size", "2", "--batch-size", "2"]) == 0
+    write_manifest(murl, *manifest_tables(210, seed=2), source="/d", spec=BucketSpec(area=256 * 256))
+    capsys.readouterr()
+    assert main(["plan", "--check", purl, murl]) == 1
+    out = capsys.readouterr().out
+    assert "manifest fingerprint mismatch" in out and "re-run `bucketeer plan`" in out
+
+
+def test_bad_inputs_are_one_clear_line(tmp_path, manifest_url, capsys):
+    out = str(tmp_path / "p")
+    assert main(["plan", manifest_url, "--out", out, "--world-size", "0", "--batch-size", "2"]) == 2
+    assert "--world-size must be >= 1" in capsys.readouterr().err
+    assert main(["plan", manifest_url, "--out", out, "--world-size", "64", "--batch-size", "32"]) == 2
+    err = capsys.readouterr().err
+    assert "nothing to train" in err and "--leftover pad" in err and "Traceback" not in err
+    assert not (tmp_path / "p" / PLAN_FILE).exists()
+    # a manifest whose bucket column holds a name that is not WxH
+    samples, errors = manifest_tables(20)
+    samples = samples.set_column(
+        samples.schema.get_field_index("bucket"), "bucket", pa.array(["square"] * 20, pa.string())
+    )
+    bad = str(tmp_path / "bad")
+    write_manifest(bad, samples, errors, source="/d", spec=BucketSpec())
+    assert main(["plan", bad, "--out", out, "--world-size", "1", "--batch-size", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown bucket 'square'" in err and bad in err
+    assert main(["plan", manifest_url, "--out", out, "--world-size", "1", "--max-tokens", "10"]) == 2
+    assert "raise --max-tokens" in capsys.readouterr().err
+
+
+def test_packing_mode_summary_and_check(tmp_path, capsys):
+    # buckets of three areas: 512x512 (1024 tokens), 768x1024 / 1024x768 (3072), 1024x1024 (4096)
+    spec = BucketSpec(buckets=((512, 512), (768, 1024), (1024, 768), (1024, 1024)), no_upscale=False)
+    manifest_url = str(tmp_path / "m")
+    write_manifest(manifest_url, *manifest_tables(300, seed=4, spec=spec), source="/d", spec=spec)
+    url = str(tmp_path / "p")
+    assert (
+        main(
+            [
+                "plan",
+                manifest_url,
+                "--out",
+                url,
+                "--world-size",
+                "2",
+                "--max-tokens",
+                "4096",
+                "--leftover",
+                "pad",
+                "--epochs",
+                "2",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "tokens:   per rank per step min" in out
+    meta = read_plan_meta(url)
+    assert meta["mode"] == "packing" and meta["inputs"]["latent_factor"] == 8 and meta["inputs"]["patch_size"] == 2
+    assert meta["tokens_per_step"]["max"] <= 4096
+    sizes = {n: b["batch_size"] for n, b in meta["buckets"].items()}
+    assert sizes == {"512x512": 4, "768x1024": 1, "1024x768": 1, "1024x1024": 1}  # small images, bigger batches
+    r0, r1 = read_rank_plan(url, 0).to_pydict(), read_rank_plan(url, 1).to_pydict()
+    assert r0["bucket"] == r1["bucket"]
+    assert [len(b) for b in r0["sample_ids"]] == [len(b) for b in r1["sample_ids"]] == [sizes[b] for b in r0["bucket"]]
+    assert check_plan(url, manifest=read_manifest(manifest_url)) == []
+
+
+@pytest.mark.parametrize(
+    "old_world,old_batch,new_world,leftover",
+    [
+        (4, 6, 2, "drop"),
+        (4, 6, 8, "pad"),
+        (4, 6, 24, "drop"),
+        (2, 4, 1, "pad"),
+        (1, 8, 8, "drop"),
+        (3, 2, 6, "pad"),
+    ],
+)
+def test_elastic_resume_union_is_exact(manifest_url, tmp_path, old_world, old_batch, new_world, leftover):
+    old, new = str(tmp_path / "old"), str(tmp_path / "new")
+    assert (
+        main(
+            [
+                "plan",
+                manifest_url,
+                "--out",
+                old,
+                "--world-size",
+                str(old_world),
+                "--batch-size",
+                str(old_batch),
+                "--epochs",
+                "3",
+                "--leftover",
+                leftover,
+                "--seed",
+                "11",
+            ]
+        )
+        == 0
+    )
+    steps = read_plan_meta(old)["steps_per_epoch"]
+    at = steps // 3
+    meta = resume_plan(old, new, epoch=1, step=at, world_size=new_world)
+    assert meta["inputs"]["world_size"] == new_world
+    assert meta["inputs"]["batch_size"] * new_world == old_world * old_batch
+    assert [e["epoch"] for e in meta["epochs"]] == [1, 2] and meta["epochs"][0]["first_step"] == at
+    consumed = epoch_ids(old, 1, steps=slice(0, at))
+    rest = epoch_ids(new, 1)
+    assert consumed + rest == epoch_ids(old, 1)  # exactly the epoch: no replay, no skip
+    if leftover == "drop":
+        assert not set(consumed) & set(rest)
+    rows = read_rank_plan(new, new_world - 1, epoch=1).to_pydict()
+    assert rows["step"] == list(range(at, steps))
+    # a later epoch is what a fresh plan for (N2, B2) gives
+    fresh = str(tmp_path / "fresh")
+    assert (
+        main(
+            [
+                "plan",
+                manifest_url,
+                "--out",
+                fresh,
+                "--world-size",
+                str(new_world),
+                "--batch-size",
+                str(meta["inputs"]["batch_size"]),
+                "--epochs",
+                "3",
+                "--leftover",
+                leftover,
+                "--seed",
+                "11",
+            ]
+        )
+        == 0
+    )
+    for r in range(new_world):
+        assert read_rank_plan(new, r, epoch=2).equals(read_rank_plan(fresh, r, epoch=2))
+    assert check_plan(new, manifest=read_manifest(manifest_url)) == []
+
+
+def test_resume_refuses_what_it_cannot_do(manifest_url, tmp_path):
+    old = str(tmp_path / "old")
+    assert main(plan_args(manifest_url, old)) == 0  # global batch 8
+    with pytest.raises(ValueError, match="is the plan being resumed"):
+        resume_plan(old, old, epoch=0, step=1, world_size=2)
+    assert read_plan_meta(old)  # and it is untouched
+    with pytest.raises(ValueError, match="does not split over 3 ranks"):
+        resume_plan(old, str(tmp_path / "n"), epoch=0, step=1, world_size=3)
+    with pytest.raises(ValueError, match="use batch size 4"):
+        resume_plan(old, str(tmp_path / "n"), epoch=0, step=1, world_size=2, batch_size=3)
+    steps = read_plan_meta(old)["steps_per_epoch"]
+    with pytest.raises(PlanError, match="outside epoch"):
+        resume_plan(old, str(tmp_path / "n"), epoch=0, step=steps + 1, world_size=2)
+    with pytest.raises(PlanError, match="nothing is left"):
+        resume_plan(old, str(tmp_path / "n"), epoch=2, step=steps, world_size=2)
+    # the end of an epoch resumes at the start of the next
+    meta = resume_plan(old, str(tmp_path / "n"), epoch=0, step=steps, world_size=2)
+    assert [e["epoch"] for e in meta["epochs"]] == [1, 2] and meta["epochs"][0]["first_step"] == 0
+
+
+def test_cli_resume(manifest_url, tmp_path, capsys):
+    old, new = str(tmp_path / "old"), str(tmp_path / "new")
+    assert main(plan_args(manifest_url, old)) == 0
+    assert main(["plan", "--resume", old, "--at", "1:3", "--world-size", "8", "--out", new]) == 0
+    assert "resumed at epoch 1 step 3" in capsys.readouterr().out
+    assert read_plan_meta(new)["resumed_from"]["world_size"] == 4
+    assert main(["plan", "--resume", old, "--at", "one", "--world-size", "8", "--out", new]) == 2
+    assert "--at must be EPOCH:STEP" in capsys.readouterr().err
+
+
+def test_cache_filter_keeps_only_cached_samples(manifest_url, tmp_path):
+    manifest = read_manifest(manifest_url)
+    ids = manifest.samples.column("sample_id").to_numpy()
+    available = set(ids[::3].tolist()) | {12345}  # a good record for every third sample (+ a stranger)
+    keep = cached_mask(ids, available)
+    assert keep.sum() == len(ids[::3]) and np.array_equal(np.flatnonzero(keep), np.arange(0, len(ids), 3))
+    assert cached_mask(ids, np.asarray(sorted(available), np.uint64)).tolist() == keep.tolist()
+    url = str(tmp_path / "p")
+    buckets = manifest.samples.column("bucket").filter(pa.array(keep))
+    meta = write_plan(
+        url,
+        ids[keep],
+        buckets,
+        PlanConfig(world_size=2, batch_size=1, leftover="pad"),
+        manifest_fingerprint=manifest.fingerprint,
+        cache_fingerprint="cache-fp",
+        not_in_cache=int((~keep).sum()),
+    )
+    assert meta["inputs"]["cache_fingerprint"] == "cache-fp" and meta["samples"]["planned"] == keep.sum()
+    planned = epoch_ids(url, 0)
+    assert set(planned) == set(ids[keep].tolist())
+    available_ids = np.asarray(sorted(available), np.uint64)
+    assert check_plan(url, manifest=manifest, available_ids=available_ids, cache_fingerprint="cache-fp") == []
+    assert any("cache fingerprint mismatch" in p for p in check_plan(url, manifest=manifest, cache_fingerprint="other"))
+    assert check_plan(url, manifest=manifest) == []  # without the cache: membership in the manifest only
+
+
+def test_cli_cache_option_wiring(manifest_url, tmp_path, monkeypatch, capsys):
+    # manifests.cache is being written by the embed issue; until it lands, stand in for its two
+    # functions at the seam (_cache_inputs) to test what the CLI does with them
+    import pipeline.plan as plan_cli
+
+    ids = read_manifest(manifest_url).samples.column("sample_id").to_numpy()
+    monkeypatch.setattr(plan_cli, "_cache_inputs", lambda url, options: (ids[1::2], {"fingerprint": "fp-1"}))
+    url = str(tmp_path / "p")
+    assert main(plan_args(manifest_url, url, "--cache", str(tmp_path / "cache"), "--leftover", "pad")) == 0
+    assert "not in the cache (left out)" in capsys.readouterr().out
+    meta = read_plan_meta(url)
+    assert meta["inputs"]["cache_fingerprint"] == "fp-1" and meta["samples"]["not_in_cache"] == len(ids) - len(
+        ids[1::2]
+    )
+    assert set(epoch_ids(url, 0)) == set(ids[1::2].tolist())
+    assert main(["plan", "--check", url, manifest_url, "--cache", str(tmp_path / "cache")]) == 0
+
+
+def test_memory_round_trip_and_rewrite_removes_stale_parts():
+    ids = np.arange(1, 401, dtype=np.uint64)
+    buckets = ["512x512"] * 300 + ["640x384"] * 100
+    url = "memory://plans/roundtrip"
+    write_plan(url, ids, buckets, PlanConfig(world_size=4, batch_size=4, epochs=2), manifest_fingerprint="m")
+    rows = read_rank_plan(url, 3)
+    assert rows.num_rows == 2 * read_plan_meta(url)["steps_per_epoch"]
+    write_plan(url, ids, buckets, PlanConfig(world_size=2, batch_size=4, epochs=1), manifest_fingerprint="m")
+    import fsspec
+
+    parts = [p for p in fsspec.filesystem("memory").find("/plans/roundtrip") if p.endswith(".parquet")]
+    assert len(parts) == 2  # the old world's parts are gone
+    assert check_plan(url) == []
+
+
+@pytest.mark.s3
+def test_s3_round_trip_resume_and_check(s3, manifest_url, tmp_path):
+    url, local = s3.fresh_url("plan"), str(tmp_path / "local")
+    opts = json.dumps(s3.storage_options)
+    assert main(plan_args(manifest_url, url, "--storage-options", opts)) == 0
+    assert main(plan_args(manifest_url, local)) == 0
+    for r in range(4):
+        assert read_rank_plan(url, r, s3.storage_options).equals(read_rank_plan(local, r))
+    assert read_plan_meta(url, s3.storage_options)["fingerprint"] == read_plan_meta(local)["fingerprint"]
+    new = s3.fresh_url("resumed")
+    resume_plan(
+        url,
+        new,
+        epoch=0,
+        step=2,
+        world_size=2,
+        storage_options=s3.storage_options,
+        out_storage_options=s3.storage_options,
+    )
+    assert epoch_ids(url, 0, s3.storage_options, slice(0, 2)) + epoch_ids(new, 0, s3.storage_options) == epoch_ids(
+        local, 0
+    )
+    assert check_plan(new, s3.storage_options) == []
+    assert main(["plan", "--check", url, manifest_url, "--storage-options", opts]) == 0

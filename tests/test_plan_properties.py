@@ -1,0 +1,228 @@
+"""Property tests of the pure schedule: world sizes 1..64, batch sizes 1..32, skewed buckets.
+
+Each invariant is computed here from the rows, independently of ``manifests.plan_check``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from manifests.plan_schedule import (
+    PlanConfig,
+    bucket_batch_sizes,
+    group_samples,
+    latent_tokens,
+    plan_epoch,
+    rank_table,
+    resplit,
+    schedule_from_rank_tables,
+)
+
+NAMES = ["1024x1024", "1152x896", "896x1152", "1344x768", "768x1344", "512x2048", "2048x512"]
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def make_samples(counts: list[int], seed: int = 0):
+    rng = np.random.default_rng(seed)
+    ids = rng.choice(2**62, size=sum(counts), replace=False).astype(np.uint64)
+    buckets = np.repeat(np.asarray(NAMES[: len(counts)]), counts)
+    rng.shuffle(buckets)  # manifest row order is arbitrary
+    return ids, buckets
+
+
+# skew: a bucket of one sample, buckets smaller than a global batch, one giant bucket
+bucket_counts = st.lists(
+    st.one_of(st.just(1), st.integers(2, 40), st.integers(41, 400), st.integers(2000, 6000)), min_size=1, max_size=6
+)
+
+
+def rows_by_rank(schedule, world):
+    return [rank_table(schedule, world, r).to_pydict() for r in range(world)]
+
+
+def check_epoch(ids, buckets, config: PlanConfig, schedule) -> None:
+    """Every invariant of one planned epoch, from the rows."""
+    world = config.world_size
+    bucket_of = dict(zip(ids.tolist(), buckets.tolist()))
+    sizes = dict(zip(sorted(set(buckets.tolist())), bucket_batch_sizes(sorted(set(buckets.tolist())), config).tolist()))
+    rows = rows_by_rank(schedule, world)
+    steps = len(rows[0]["step"])
+    assert steps > 0 and steps % config.grad_accum == 0
+    seen: Counter = Counter()
+    for r, t in enumerate(rows):
+        assert t["step"] == list(range(steps))  # same steps on every rank, in order
+        assert set(t["rank"]) == {r} and set(t["epoch"]) == {schedule.epoch}
+        assert t["bucket"] == rows[0]["bucket"]  # all ranks at a step share a bucket
+        for bucket, batch in zip(t["bucket"], t["sample_ids"]):
+            assert len(batch) == sizes[bucket]  # exactly B (or the bucket's packing batch)
+            assert {bucket_of[i] for i in batch} == {bucket}  # one bucket per batch, the right one
+            seen.update(batch)
+    repeats = {b: 0 for b in sizes}
+    for i, c in seen.items():
+        repeats[bucket_of[i]] += c - 1
+    padded = dict(zip(schedule.names, schedule.padded.tolist()))
+    dropped = dict(zip(schedule.names, schedule.dropped.tolist()))
+    assert repeats == padded  # nothing repeats except the counted padding
+    per_bucket = Counter(buckets.tolist())
+    distinct = Counter(bucket_of[i] for i in seen)
+    for b in sizes:
+        assert distinct[b] + dropped[b] == per_bucket[b]  # nothing vanishes uncounted
+    if config.leftover == "pad":
+        assert set(seen) == set(ids.tolist()) and sum(dropped.values()) == 0  # every sample at least once
+    else:
+        assert sum(padded.values()) == 0
+
+
+def trainable(counts, config) -> bool:
+    g = config.world_size * config.batch_size
+    batches = sum(n // g for n in counts) if config.leftover == "drop" else sum(-(-n // g) for n in counts)
+    return batches >= (config.grad_accum if config.leftover == "drop" else 1)
+
+
+@SETTINGS
+@given(
+    counts=bucket_counts,
+    world=st.integers(1, 64),
+    batch=st.integers(1, 32),
+    leftover=st.sampled_from(["drop", "pad"]),
+    grad_accum=st.integers(1, 4),
+    seed=st.integers(0, 2**31),
+)
+def test_every_invariant_holds(counts, world, batch, leftover, grad_accum, seed):
+    ids, buckets = make_samples(counts, seed % 1000)
+    config = PlanConfig(world_size=world, batch_size=batch, seed=seed, leftover=leftover, grad_accum=grad_accum)
+    samples = group_samples(ids, buckets)
+    event(f"trainable: {trainable(counts, config)}")
+    if not trainable(counts, config):
+        with pytest.raises(ValueError, match="nothing to train"):
+            plan_epoch(samples, config, 0)
+        return
+    first = plan_epoch(samples, config, 0)
+    for epoch in (0, 1):
+        schedule = plan_epoch(samples, config, epoch)
+        assert schedule.steps == first.steps  # same steps in every epoch
+        check_epoch(ids, buckets, config, schedule)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    counts=bucket_counts,
+    world=st.integers(1, 16),
+    max_tokens=st.integers(256, 20000),
+    leftover=st.sampled_from(["drop", "pad"]),
+    cap=st.one_of(st.none(), st.integers(1, 32)),
+)
+def test_packing_mode(counts, world, max_tokens, leftover, cap):
+    ids, buckets = make_samples(counts)
+    config = PlanConfig(world_size=world, batch_size=cap, max_tokens=max_tokens, leftover=leftover)
+    names = sorted(set(buckets.tolist()))
+    tokens = latent_tokens(names)
+    if tokens.max() > max_tokens:
+        with pytest.raises(ValueError, match="--max-tokens"):
+            bucket_batch_sizes(names, config)
+        return
+    sizes = bucket_batch_sizes(names, config)
+    assert np.all(sizes * tokens <= max_tokens)  # a rank's tokens per step never exceed the budget
+    if cap is None:
+        assert np.all((sizes + 1) * tokens > max_tokens)  # and the batch is as large as fits
+    else:
+        assert np.all(sizes <= cap)
+    samples = group_samples(ids, buckets)
+    try:
+        schedule = plan_epoch(samples, config, 0)
+    except ValueError as e:
+        assert "nothing to train" in str(e) and leftover == "drop"
+        return
+    check_epoch(ids, buckets, config, schedule)
+
+
+def test_small_images_get_bigger_batches():
+    config = PlanConfig(world_size=2, max_tokens=8192)
+    sizes = bucket_batch_sizes(["512x512", "1024x1024", "2048x512"], config)
+    # 1024 tokens, 4096 tokens, 4096 tokens (8x upsampled latent, 2x2 patches)
+    assert sizes.tolist() == [8, 2, 2]
+
+
+@SETTINGS
+@given(
+    counts=bucket_counts,
+    world=st.integers(1, 12),
+    batch=st.integers(1, 12),
+    data=st.data(),
+    leftover=st.sampled_from(["drop", "pad"]),
+)
+def test_elastic_resume_consumes_every_sample_exactly_once(counts, world, batch, leftover, data):
+    ids, buckets = make_samples(counts)
+    config = PlanConfig(world_size=world, batch_size=batch, leftover=leftover, seed=7)
+    samples = group_samples(ids, buckets)
+    if not trainable(counts, config):
+        return
+    schedule = plan_epoch(samples, config, 3)
+    global_batch = world * batch
+    new_world = data.draw(st.sampled_from([d for d in range(1, global_batch + 1) if global_batch % d == 0]))
+    step = data.draw(st.integers(0, schedule.steps))
+    old = rows_by_rank(schedule, world)
+    consumed = Counter(i for t in old for batch_ in t["sample_ids"][:step] for i in batch_)
+    rest_tables = resplit(schedule.tail(step), new_world)
+    rest = Counter(i for t in rest_tables for batch_ in t.column("sample_ids").to_pylist() for i in batch_)
+    whole = Counter(i for t in old for batch_ in t["sample_ids"] for i in batch_)
+    assert consumed + rest == whole  # none skipped, none seen again (beyond the plan's own padding)
+    if leftover == "drop":
+        assert not set(consumed) & set(rest)
+    for t in rest_tables:
+        d = t.to_pydict()
+        assert d["step"] == list(range(step, schedule.steps))  # original step numbers continue
+        assert all(len(b) == global_batch // new_world for b in d["sample_ids"])
+    # later epochs: a fresh plan with (N2, B2) has the very same global batches
+    fresh = plan_epoch(
+        samples, PlanConfig(world_size=new_world, batch_size=global_batch // new_world, leftover=leftover, seed=7), 4
+    )
+    assert np.array_equal(fresh.ids, plan_epoch(samples, config, 4).ids)
+    # rows -> global batches -> rows is the identity
+    back = schedule_from_rank_tables([rank_table(schedule, world, r) for r in range(world)])
+    assert np.array_equal(back.ids, schedule.ids) and np.array_equal(back.step_sizes, schedule.step_sizes)
+
+
+def test_pure_function_and_epochs_differ():
+    ids, buckets = make_samples([500, 300, 7, 1])
+    config = PlanConfig(world_size=4, batch_size=8, seed=3, leftover="drop")
+    a = plan_epoch(group_samples(ids, buckets), config, 0)
+    order = np.random.default_rng(1).permutation(len(ids))  # another manifest row order
+    b = plan_epoch(group_samples(ids[order], buckets[order]), config, 0)
+    assert np.array_equal(a.ids, b.ids) and np.array_equal(a.step_buckets, b.step_buckets)
+    c = plan_epoch(group_samples(ids, buckets), config, 1)
+    assert not np.array_equal(a.ids, c.ids)
+    # drop leaves a different subset out each epoch
+    assert set(a.ids.tolist()) != set(c.ids.tolist())
+    d = plan_epoch(group_samples(ids, buckets), PlanConfig(world_size=4, batch_size=8, seed=4), 0)
+    assert not np.array_equal(a.ids, d.ids)
+
+
+def test_grad_accum_counts_whole_global_batches():
+    ids, buckets = make_samples([100, 50])  # global batch 16: 6 + 3 = 9 full batches
+    drop = plan_epoch(group_samples(ids, buckets), PlanConfig(world_size=2, batch_size=8, grad_accum=4), 0)
+    assert drop.steps == 8 and drop.dropped.sum() == 150 - 8 * 16
+    pad = plan_epoch(
+        group_samples(ids, buckets), PlanConfig(world_size=2, batch_size=8, grad_accum=4, leftover="pad"), 0
+    )
+    # pad: 7 + 4 = 11 batches (10 padded slots), then one more whole batch repeated -> 12
+    assert pad.steps == 12 and pad.padded.sum() == 12 * 16 - 150
+
+
+def test_bad_inputs_name_the_option():
+    with pytest.raises(ValueError, match="--world-size"):
+        PlanConfig(world_size=0, batch_size=1)
+    with pytest.raises(ValueError, match="--batch-size"):
+        PlanConfig(world_size=1, batch_size=0)
+    with pytest.raises(ValueError, match="--leftover"):
+        PlanConfig(world_size=1, batch_size=1, leftover="wrap")
+    with pytest.raises(ValueError, match="'square'"):
+        group_samples(np.arange(3, dtype=np.uint64), ["512x512", "square", "512x512"])
+    ids, buckets = make_samples([5, 9])
+    with pytest.raises(ValueError, match="nothing to train.*--leftover pad"):
+        plan_epoch(group_samples(ids, buckets), PlanConfig(world_size=2, batch_size=8), 0)
