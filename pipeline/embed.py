@@ -1,18 +1,305 @@
-"""Ray GPU/CPU actors encode VAE latents and text embeddings into CACHE (coming: issue 4)."""
+"""Embed a manifest into a cache: VAE latents and text embeddings, gzip'd safetensors records (Ray job).
+
+    bucketeer embed MANIFEST --out CACHE [--vae ID|PATH] [--text-encoder ID|PATH ...] [--dtype bf16]
+    ray job submit --working-dir . -- python -m pipeline.embed MANIFEST --out s3://bucket/cache ...
+
+Phases: (1) every unique caption not yet cached is encoded once by a text-encoder actor; (2) the
+samples the cache lacks are grouped by bucket into batches; CPU tasks fetch, decode and crop a
+batch while VAE actors (``num_gpus=1`` each when the cluster has GPUs, else one CPU actor)
+encode earlier ones. The driver packs records into shards and commits ``_cache.json`` after each
+shard, so a killed job resumes where the last commit left off and a rerun embeds only what is
+missing. Without encoder options the embedded tiny random-weight defaults are used (see
+:mod:`pipeline.encoders`): good for trying the pipeline, useless for training a real model.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from manifests.cache import (
+    CACHE_FORMAT_VERSION,
+    SHARD_RECORDS,
+    CacheError,
+    CacheWriter,
+    _flatten,
+    read_cache_meta,
+    read_index,
+)
+from manifests.cache_format import GZIP_BACKEND, caption_key
+from manifests.storage import parse_storage_options, public_options, redact
+
+# test hook: after the first committed sample shard, print a marker and sleep this many seconds
+PAUSE_ENV = "BUCKETEER_TEST_PAUSE_AFTER_COMMIT"
+PAUSE_MARKER = "bucketeer-test: paused after shard commit"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = "Not available yet in this version of bucketeer: it arrives with issue 4."
+    from pipeline.imaging import DEFAULT_MAX_PIXELS
+
+    parser.add_argument("manifest", help="manifest folder (local path or URL) written by `bucketeer scan`")
+    parser.add_argument("--out", required=True, help="cache folder (local path or URL); resumed if it exists")
+    g = parser.add_argument_group("encoders")
+    g.add_argument("--vae", default="default",
+                   help="AutoencoderKL hub id or local folder; 'default' = tiny random-weight VAE for trying the pipeline")
+    g.add_argument("--vae-subfolder", default=None, help="subfolder of --vae, e.g. 'vae' for a pipeline repo")
+    g.add_argument("--text-encoder", action="append", default=None, metavar="ID|PATH",
+                   help="text encoder hub id or folder; repeat for SDXL-style pairs (order kept); default: tiny CLIP")
+    g.add_argument("--text-encoder-subfolder", action="append", default=None,
+                   help="subfolder per --text-encoder (same order), e.g. text_encoder / text_encoder_2; "
+                        "the tokenizer is read from the matching tokenizer* subfolder")
+    g.add_argument("--text-layer", choices=("last", "penultimate"), default="last",
+                   help="hidden state stored: last, or penultimate (what SDXL conditions on)")
+    g.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="stored tensor dtype")
+    g = parser.add_argument_group("images")
+    g.add_argument("--crop", choices=("center", "random"), default="center", help="crop after resize-to-cover")
+    g.add_argument("--seed", type=int, default=0, help="seed of --crop random (per sample: seed + sample id)")
+    g.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS, help="refuse larger images (error row)")
+    g.add_argument("--source", default=None, help="dataset root, if it moved since the scan (default: the manifest's)")
+    g = parser.add_argument_group("job")
+    g.add_argument("--storage-options", default=None, help="JSON fsspec options for all URLs, e.g. an endpoint_url")
+    g.add_argument("--batch-size", type=int, default=16, help="images per VAE forward pass (one bucket each)")
+    g.add_argument("--text-batch-size", type=int, default=128, help="captions per text-encoder forward pass")
+    g.add_argument("--shard-records", type=int, default=SHARD_RECORDS, help="records per shard object")
+    g.add_argument("--vae-workers", type=int, default=None, help="VAE actors (default: one per GPU, or 1 on CPU)")
+    g.add_argument("--torch-threads", type=int, default=None, help="torch threads per CPU actor (default: CPUs/2)")
+    g.add_argument("--ray-address", default=None, help="Ray cluster address (default: start Ray on this machine)")
+
+
+def _init_ray(address: str | None):
+    import ray
+
+    if not ray.is_initialized():
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no reporting from a local start
+        ray.init(address=address, include_dashboard=False, configure_logging=False)
+    return ray
+
+
+def _sources(args: argparse.Namespace):
+    from pipeline.encoders import EncoderSource
+
+    home = os.environ.get("BUCKETEER_HOME")
+    vae = EncoderSource(args.vae, args.vae_subfolder, home)
+    texts = args.text_encoder or ["default"]
+    subs = args.text_encoder_subfolder or []
+    if len(subs) > len(texts):
+        raise ValueError(f"{len(subs)} --text-encoder-subfolder options for {len(texts)} --text-encoder options")
+    subs = subs + [None] * (len(texts) - len(subs))
+    return vae, [EncoderSource(t, s, home) for t, s in zip(texts, subs)]
+
+
+def _request_settings(args: argparse.Namespace, bucket_spec: dict) -> dict[str, Any]:
+    """The settings known before any model is loaded (checked first, so a mismatch fails fast)."""
+    from pipeline.encoders import STORAGE_DTYPES
+
+    vae, texts = _sources(args)
+    return {
+        "format_version": CACHE_FORMAT_VERSION,
+        "dtype": STORAGE_DTYPES[args.dtype],
+        "buckets": bucket_spec,
+        "crop": args.crop,
+        "seed": args.seed if args.crop == "random" else None,
+        "resample": "lanczos",
+        "pixels": "rgb, [-1, 1], exif-transposed, alpha on white",
+        "latent": "posterior_mean",
+        "vae": {"id": "bucketeer:default-v1" if vae.is_default else redact(vae.source),
+                "subfolder": None if vae.is_default else vae.subfolder},
+        "text": {"layer": args.text_layer,
+                 "encoders": [{"id": "bucketeer:default-v1" if t.is_default else redact(t.source),
+                               "subfolder": None if t.is_default else t.subfolder} for t in texts]},
+    }  # fmt: skip
+
+
+def _missing(url: str, storage_options: dict, manifest) -> int:
+    """How many manifest samples a committed cache has neither a record nor an error row for."""
+    index = read_index(url, storage_options)
+    done = np.concatenate([index["samples"].column("sample_id").to_numpy(), index["errors"].column("sample_id").to_numpy()])
+    return int((~np.isin(manifest.samples.column("sample_id").to_numpy(), done)).sum())
+
+
+def _check_early(url: str, storage_options: dict, request: dict) -> bool:
+    """Refuse a cache made with other requested settings; True when a cache exists at ``url``."""
+    try:
+        old = read_cache_meta(url, storage_options)["settings"]
+    except CacheError as e:
+        if "has no _cache.json" in str(e):
+            return False
+        raise
+    a, b = _flatten(old), _flatten(request)
+    diff = [f"{k}: {a.get(k, '<absent>')!r} -> {v!r}" for k, v in b.items() if a.get(k, "<absent>") != v]
+    if diff:
+        raise CacheError(f"{redact(url)} was embedded with other settings:\n  " + "\n  ".join(diff)
+                         + "\nUse a new --out for these settings (a cache holds exactly one setting).")  # fmt: skip
+    return True
+
+
+def _settings(request: dict, vae: dict, text: dict) -> dict[str, Any]:
+    settings = {**request}
+    settings["vae"] = {**request["vae"], **{k: vae[k] for k in
+                       ("class", "weights_sha256", "factor", "channels", "scaling_factor", "shift_factor")}}
+    settings["text"] = {"layer": request["text"]["layer"], "pooled_dim": text["pooled_dim"], "encoders": [
+        {**r, **{k: e[k] for k in ("class", "weights_sha256", "max_length", "hidden_size")}}
+        for r, e in zip(request["text"]["encoders"], text["encoders"])]}  # fmt: skip
+    return settings
+
+
+def _batches(rows: list[dict[str, Any]], batch_size: int) -> list[tuple[str, list[dict[str, Any]]]]:
+    """Rows grouped by bucket (sorted, deterministic) and cut into batches of one bucket each."""
+    by_bucket: dict[str, list[dict[str, Any]]] = {}
+    for row in sorted(rows, key=lambda r: (r["bucket"], r["sample_id"])):
+        by_bucket.setdefault(row["bucket"], []).append(row)
+    return [(b, group[i : i + batch_size]) for b, group in by_bucket.items() for i in range(0, len(group), batch_size)]
+
+
+def _pause_hook(committed: bool, state: dict) -> None:
+    if committed and os.environ.get(PAUSE_ENV) and not state.get("paused"):
+        state["paused"] = True
+        print(PAUSE_MARKER, flush=True)
+        time.sleep(float(os.environ[PAUSE_ENV]))
 
 
 def run(args: argparse.Namespace) -> int:
-    print("bucketeer embed is not available yet in this version (it arrives with issue 4).", file=sys.stderr)
-    return 2
+    from manifests.manifest import read_manifest
+
+    from pipeline import embed_workers as w
+
+    if args.batch_size < 1 or args.shard_records < 1 or args.text_batch_size < 1:
+        raise ValueError("--batch-size, --text-batch-size and --shard-records must be >= 1")
+    so = parse_storage_options(args.storage_options)
+    manifest = read_manifest(args.manifest, so)
+    source = args.source or manifest.source
+    request = _request_settings(args, manifest.meta["bucket_spec"])
+    if _check_early(args.out, so, request) and not _missing(args.out, so, manifest):
+        print(f"bucketeer embed: {redact(args.out)} already holds every sample of the manifest; nothing to embed")
+        return 0
+    vae_source, text_sources = _sources(args)
+    if vae_source.is_default or any(t.is_default for t in text_sources):
+        print(_default_notice(), file=sys.stderr, flush=True)
+
+    ray = _init_ray(args.ray_address)
+    resources = ray.cluster_resources()
+    gpus = int(resources.get("GPU", 0))
+    threads = args.torch_threads or max(1, int(resources.get("CPU", 2)) // 2)
+    gpu_opts = {"num_gpus": 1, "num_cpus": 1} if gpus else {"num_cpus": 1}
+    t0 = time.time()
+
+    # phase 1: text. Its actor is started first so a settings mismatch is found before any work
+    text_actor = ray.remote(w.TextWorker).options(**gpu_opts).remote(
+        text_sources, bool(gpus), request["dtype"], args.text_layer, None if gpus else threads)
+    n_vae = args.vae_workers or max(1, gpus)
+    vae_actors = []
+    text_info = ray.get(text_actor.describe.remote())
+    if not gpus or gpus > 1:  # on one GPU the VAE waits for the text actor to free it
+        vae_actors = [ray.remote(w.LatentWorker).options(max_concurrency=2, **gpu_opts).remote(
+            vae_source, bool(gpus), request["dtype"], None if gpus else threads) for _ in range(n_vae)]  # fmt: skip
+    samples = manifest.samples.select(["sample_id", "filename", "caption", "bucket"]).to_pylist()
+    for row in samples:
+        row["caption_key"] = caption_key(row["caption"])
+
+    def start_vae() -> dict:
+        if not vae_actors:
+            vae_actors.extend(ray.remote(w.LatentWorker).options(max_concurrency=2, **gpu_opts).remote(
+                vae_source, bool(gpus), request["dtype"], None) for _ in range(n_vae))  # fmt: skip
+        infos = ray.get([a.describe.remote() for a in vae_actors])
+        if len({i["weights_sha256"] for i in infos}) != 1:
+            raise RuntimeError("VAE workers loaded different weights (nodes disagree on the model files)")
+        return infos[0]
+
+    vae_info = start_vae() if vae_actors else None
+    settings = _settings(request, vae_info, text_info) if vae_info else None
+    writer = None
+    if settings:
+        writer = _open_writer(args, so, settings, vae_info, text_info, gpus)
+    todo_keys = {}
+    done_texts = writer.done_texts if writer else set()
+    for row in samples:
+        if row["caption_key"] not in done_texts:
+            todo_keys[row["caption_key"]] = row["caption"] or ""
+    items = sorted(todo_keys.items(), key=lambda kv: kv[1])
+    text_results = [text_actor.encode.remote(items[i : i + args.text_batch_size])
+                    for i in range(0, len(items), args.text_batch_size)]  # fmt: skip
+    encoded_texts = [r for ref in text_results for r in ray.get(ref)]
+    ray.kill(text_actor)
+    if writer is None:  # single GPU: the VAE starts now
+        vae_info = start_vae()
+        settings = _settings(request, vae_info, text_info)
+        writer = _open_writer(args, so, settings, vae_info, text_info, gpus)
+    for key, blob in encoded_texts:
+        writer.add_text(key, blob)
+    writer.commit("texts")  # text records are committed before any sample that refers to them
+
+    # phase 2: images, batched by bucket; prepared batches go straight from task to actor
+    done = writer.done_samples | writer.done_errors
+    todo = [r for r in samples if r["sample_id"] not in done]
+    batches = _batches(todo, args.batch_size)
+    print(f"bucketeer embed: {len(samples)} samples in the manifest, {len(samples) - len(todo)} already cached, "
+          f"{len(todo)} to embed in {len(batches)} batches; {len(items)} new captions; "
+          f"{'%d GPU' % gpus if gpus else 'CPU'} VAE x{len(vae_actors)}; gzip via {GZIP_BACKEND}", flush=True)
+    prepare = ray.remote(w.prepare_batch).options(num_cpus=1)
+    t_images = time.time()
+    window: deque = deque()
+    state: dict[str, Any] = {}
+    counts = {"embedded": 0, "errors": 0}
+    fields = ("sample_id", "filename", "caption_key")
+
+    def collect(ref) -> None:
+        result = ray.get(ref)
+        for sample_id, blob, key, bucket in result["records"]:
+            counts["embedded"] += 1
+            _pause_hook(writer.add_sample(sample_id, blob, key, bucket), state)
+        for sample_id, filename, kind, message in result["errors"]:
+            counts["errors"] += 1
+            writer.add_error(sample_id, filename, kind, message)
+
+    for i, (bucket, rows) in enumerate(batches):
+        prepared = prepare.remote(source, so, bucket, [{k: r[k] for k in fields} for r in rows],
+                                  args.crop, args.seed, args.max_pixels)  # fmt: skip
+        window.append(vae_actors[i % len(vae_actors)].encode.remote(prepared))
+        if len(window) >= 2 * len(vae_actors) + 2:  # bounded: a few batches in flight per actor
+            collect(window.popleft())
+    while window:
+        collect(window.popleft())
+    for actor in vae_actors:
+        ray.kill(actor)
+    seconds, image_seconds = time.time() - t0, time.time() - t_images
+    summary = {**counts, "skipped": len(samples) - len(todo), "new_captions": len(items), "seconds": round(seconds, 2),
+               "image_seconds": round(image_seconds, 2),  # the image phase alone, without model loading
+               "images_per_second": round(counts["embedded"] / image_seconds, 2) if image_seconds else None}  # fmt: skip
+    meta = writer.finish(manifest.fingerprint, summary)
+    print(f"bucketeer embed: {counts['embedded']} embedded, {counts['errors']} error rows, "
+          f"{summary['skipped']} skipped in {seconds:.1f}s -> {redact(args.out)} "
+          f"({meta['counts']['samples']} samples, {meta['counts']['texts']} captions, "
+          f"{len(meta['shards'])} shards)", flush=True)
+    return 0
+
+
+def _default_notice() -> str:
+    from pipeline.encoders import DEFAULT_NOTICE
+
+    return DEFAULT_NOTICE
+
+
+def _open_writer(args, so: dict, settings: dict, vae: dict, text: dict, gpus: int) -> CacheWriter:
+    info = {
+        "latent": {"kind": "posterior_mean", "dtype": settings["dtype"], "channels": vae["channels"],
+                   "factor": vae["factor"], "scaling_factor": vae["scaling_factor"], "shift_factor": vae["shift_factor"],
+                   "usage": "z = (latent - shift_factor) * scaling_factor (shift 0 when null)"},
+        "text": {"dtype": settings["dtype"], "layer": args.text_layer, "pooled_dim": text["pooled_dim"],
+                 "encoders": [{"id": e["id"], "hidden_size": e["hidden_size"], "max_length": e["max_length"]}
+                              for e in text["encoders"]],
+                 "layout": "per caption: tokens.<i> (L_i, D_i) unpadded per encoder in order; pooled (D,) "
+                           "from the last encoder with one; null caption = empty string"},
+        "compute": {"device": vae.get("device"), "dtype": vae.get("compute_dtype"), "gpus": gpus},
+        "gzip": GZIP_BACKEND,
+        "storage_options": public_options(so),
+    }  # fmt: skip
+    return CacheWriter(args.out, settings, info=info, storage_options=so, shard_records=args.shard_records)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,206 @@
+"""Embed benchmark: the pipeline against encoder-only compute, the cache against per-file torch.save.
+
+    python benchmarks/embed.py [--images 256] [--size 256]
+
+In one run, with the embedded default (tiny random-weight) encoders on this machine's CPU:
+1. end-to-end images/s of `bucketeer embed` (fetch, decode, resize, VAE, gzip, shard commits; image
+   phase, model loading excluded) vs VAE forward passes alone on pre-decoded tensors, same threads;
+2. bytes per sample: cache record vs raw bf16 latent vs one gzip'd ``torch.save`` fp32 file per image;
+3. text bytes per caption: unpadded vs padded to 77 tokens;
+4. time to read 256 random records: shards (CacheReader, ranged reads) vs one file per record,
+   locally and from a moto S3 server started here on 127.0.0.1.
+The H200 part of the issue (SDXL-VAE at 1024^2 in bf16, GPU busy fraction) needs a GPU: not run here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import io
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+def make_images(root: str, manifest: str, n: int, size: int) -> None:
+    import pyarrow as pa
+    from PIL import Image
+
+    from manifests.buckets import BucketSpec
+    from manifests.manifest import apply_buckets, write_manifest
+    from manifests.schema import ERRORS_SCHEMA, sample_ids
+
+    os.makedirs(root, exist_ok=True)
+    rng = np.random.default_rng(0)
+    w, h = size * 5 // 4, size * 9 // 8  # a little larger than the bucket: resize + crop do real work
+    yy, xx = np.mgrid[0:h, 0:w]
+    names = []
+    for i in range(n):
+        # smooth gradients + mild noise: photo-like compressibility, unlike pure noise
+        base = np.stack([(xx * (i % 7 + 1)) % 256, (yy * (i % 5 + 1)) % 256, (xx + yy + 17 * i) % 256], -1)
+        img = np.clip(base + rng.normal(0, 8, base.shape), 0, 255).astype(np.uint8)
+        name = f"img_{i:05d}.jpg"
+        Image.fromarray(img).save(os.path.join(root, name), quality=90)
+        names.append(name)
+    captions = [f"a synthetic photo of pattern {i % 40} with colours" for i in range(n)]
+    table = pa.table({"sample_id": pa.array(sample_ids(names), pa.uint64()), "filename": names,
+                      "width": pa.array([w] * n, pa.int32()), "height": pa.array([h] * n, pa.int32()),
+                      "caption": captions, "size": pa.array([0] * n, pa.int64())})  # fmt: skip
+    spec = BucketSpec(buckets=((size, size),))
+    samples, _ = apply_buckets(table, spec)
+    write_manifest(manifest, samples, ERRORS_SCHEMA.empty_table(), source=root, spec=spec)
+
+
+def encoder_only(size: int, batch: int, threads: int, n: int) -> float:
+    import torch
+
+    from pipeline.encoders import EncoderSource, LatentEncoder, quiet_loading
+
+    quiet_loading()
+    torch.set_num_threads(threads)
+    enc = LatentEncoder(EncoderSource("default"))
+    x = np.random.default_rng(0).integers(0, 255, (batch, size, size, 3), dtype=np.uint8)
+    enc.encode(x)  # warm-up
+    t = time.perf_counter()
+    for _ in range(max(1, n // batch)):
+        enc.encode(x)
+    return max(1, n // batch) * batch / (time.perf_counter() - t)
+
+
+def per_file_records(cache: str, out: str, ids: list[int]) -> None:
+    """The alternative layout: one gzip'd torch.save (fp32, as trainers write it) per image."""
+    import torch
+
+    from manifests.cache import CacheReader
+    from manifests.cache_format import to_float32
+
+    os.makedirs(out, exist_ok=True)
+    for r in CacheReader(cache).read(ids):
+        buf = io.BytesIO()
+        torch.save({"latent": torch.from_numpy(to_float32(r.latent, r.dtype).copy()),
+                    "original_size": r.original_size, "crop_top_left": r.crop_top_left,
+                    "target_size": r.target_size}, buf)  # fmt: skip
+        with open(os.path.join(out, f"{r.sample_id}.pt.gz"), "wb") as f:
+            f.write(gzip.compress(buf.getvalue()))
+
+
+def time_reads(cache: str, per_file: str, ids: list[int], so: dict | None) -> tuple[float, float, float]:
+    """(open reader s, read 256 from shards s, read 256 per-file s incl. torch.load)."""
+    import torch
+
+    from manifests.cache import CacheReader
+    from manifests.storage import join, open_url
+
+    t = time.perf_counter()
+    reader = CacheReader(cache, so)
+    t_open = time.perf_counter() - t
+    t = time.perf_counter()
+    reader.read(ids)
+    t_shards = time.perf_counter() - t
+    fs, root = open_url(per_file, so)
+    t = time.perf_counter()
+    paths = [join(root, f"{i}.pt.gz") for i in ids]
+    blobs = fs.cat(paths)
+    for p in paths:
+        torch.load(io.BytesIO(gzip.decompress(blobs[p])), weights_only=True)
+    return t_open, t_shards, time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--images", type=int, default=256)
+    ap.add_argument("--size", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=16)
+    args = ap.parse_args()
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    work = tempfile.mkdtemp(prefix="bucketeer-bench-")
+    os.environ.setdefault("BUCKETEER_HOME", os.path.join(work, "home"))
+    root, manifest, cache = (os.path.join(work, d) for d in ("images", "manifest", "cache"))
+    make_images(root, manifest, args.images, args.size)
+
+    import ray
+
+    from manifests.cache import CacheReader, read_cache_meta, read_index
+    from pipeline import embed
+
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    p = argparse.ArgumentParser()
+    embed.add_arguments(p)
+    embed.run(p.parse_args([manifest, "--out", cache, "--batch-size", str(args.batch_size), "--shard-records", "128"]))
+    ray.shutdown()
+    meta = read_cache_meta(cache)
+    e2e = meta["summary"]["images_per_second"]
+    threads = max(1, 2 // 2)
+    enc1 = encoder_only(args.size, args.batch_size, threads, 64)
+    enc2 = encoder_only(args.size, args.batch_size, 2, 64)
+    print(f"\n## images/s at {args.size}x{args.size}, default tiny VAE, CPU ({os.cpu_count()} cores, shared machine)")
+    print(f"end-to-end embed (image phase)      : {e2e:8.1f} img/s")
+    print(f"VAE forward only, {threads} thread (= actor) : {enc1:8.1f} img/s   ratio {e2e / enc1:.2f}")
+    print(f"VAE forward only, 2 threads         : {enc2:8.1f} img/s   ratio {e2e / enc2:.2f}")
+
+    index = read_index(cache)
+    samples = index["samples"].to_pylist()
+    lat = meta["latent"]
+    raw = lat["channels"] * (args.size // lat["factor"]) ** 2 * 2
+    ids = [r["sample_id"] for r in samples]
+    rng = np.random.default_rng(1)
+    pick = [int(i) for i in rng.choice(np.asarray(ids, dtype=np.uint64), size=min(256, len(ids)), replace=False)]
+    per_file = os.path.join(work, "per_file")
+    per_file_records(cache, per_file, ids)
+    pf = np.mean([os.path.getsize(os.path.join(per_file, f)) for f in os.listdir(per_file)])
+    print("\n## bytes per sample (latent + geometry)")
+    print(f"cache record (gzip safetensors bf16): {np.mean([r['length'] for r in samples]):8.0f}")
+    print(f"raw bf16 latent                     : {raw:8.0f}")
+    print(f"gzip'd torch.save fp32 per file     : {pf:8.0f}")
+
+    texts = CacheReader(cache).read(pick[:64])
+    uniq = {t.text.caption_key: t.text for t in texts}
+    d = meta["text"]["encoders"][0]["hidden_size"]
+    unpadded = np.mean([t.tokens[0].shape[0] * d * 2 for t in uniq.values()])
+    print(f"\n## text bytes per caption (bf16, D={d}; {len(uniq)} captions sampled)")
+    print(f"unpadded tokens                     : {unpadded:8.0f}   (mean length {unpadded / d / 2:.1f})")
+    print(f"padded to 77 tokens                 : {77 * d * 2:8.0f}   ratio {77 * d * 2 / unpadded:.1f}x")
+    print(f"text records stored / samples       : {meta['counts']['texts']} / {meta['counts']['samples']}")
+
+    local = time_reads(cache, per_file, pick, None)
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    import logging
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one access-log line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        import s3fs
+
+        so = {"endpoint_url": f"http://127.0.0.1:{port}"}
+        fs = s3fs.S3FileSystem(client_kwargs=so)
+        fs.mkdir("bench")
+        fs.put(cache + "/", "bench/cache", recursive=True)
+        fs.put(per_file + "/", "bench/per_file", recursive=True)
+        remote = time_reads("s3://bench/cache", "s3://bench/per_file", pick, so)
+    finally:
+        server.stop()
+    print(f"\n## read {len(pick)} random records (seconds)")
+    print("                 open index   shards (ranged)   one file per record")
+    print(f"local folder   : {local[0]:9.3f}   {local[1]:14.3f}   {local[2]:19.3f}")
+    print(f"moto S3 (HTTP) : {remote[0]:9.3f}   {remote[1]:14.3f}   {remote[2]:19.3f}")
+    print("\n(H200 figures not measured: no GPU on this machine)")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

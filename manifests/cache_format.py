@@ -1,0 +1,332 @@
+"""One cache record: a gzip-compressed safetensors payload, encoded and decoded without pickle.
+
+A record is ``gzip(safetensors)``. Safetensors is an 8-byte little-endian header length, a JSON
+header ``{name: {"dtype", "shape", "data_offsets"}, "__metadata__": {str: str}}`` and raw
+little-endian tensor bytes. We parse it ourselves (numpy has no bfloat16): tensors come back as
+numpy arrays, and a BF16 tensor comes back as its raw ``uint16`` bits with the tag ``"BF16"``.
+:func:`to_torch` turns ``(array, tag)`` into a torch tensor (torch imported only when called).
+
+gzip: ISA-L (``isal.igzip``) when installed, else the standard library; both write and read the
+same RFC 1952 format, so a cache written with one is read with the other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+
+try:  # ISA-L: several times faster than zlib at similar ratios, same gzip format
+    from isal import igzip as _gzip
+    from isal import isal_zlib as _zlib
+
+    GZIP_BACKEND = "isal"
+    _LEVEL = 2  # isal levels are 0..3
+except ImportError:  # pragma: no cover - exercised by the backend tests via stdlib_* functions
+    import gzip as _gzip
+
+    _zlib = zlib
+    GZIP_BACKEND = "zlib"
+    _LEVEL = 6
+
+__all__ = [
+    "GZIP_BACKEND",
+    "RecordError",
+    "gzip_compress",
+    "gzip_decompress",
+    "crc32",
+    "encode_tensors",
+    "decode_tensors",
+    "encode_record",
+    "decode_record",
+    "caption_key",
+    "to_torch",
+    "to_float32",
+    "numpy_tag",
+    "DTYPES",
+    "SampleRecord",
+    "TextRecord",
+    "encode_sample",
+    "decode_sample",
+    "encode_text",
+    "decode_text",
+]
+
+# safetensors dtype tag -> numpy dtype of the stored bits (BF16 has no numpy dtype: raw uint16)
+DTYPES: dict[str, np.dtype] = {
+    "BF16": np.dtype("<u2"),
+    "F16": np.dtype("<f2"),
+    "F32": np.dtype("<f4"),
+    "F64": np.dtype("<f8"),
+    "I32": np.dtype("<i4"),
+    "I64": np.dtype("<i8"),
+    "U8": np.dtype("u1"),
+    "U16": np.dtype("<u2"),
+}
+_NUMPY_TAGS = {np.dtype("<f2"): "F16", np.dtype("<f4"): "F32", np.dtype("<f8"): "F64",
+               np.dtype("<i4"): "I32", np.dtype("<i8"): "I64", np.dtype("u1"): "U8"}  # fmt: skip
+_MAX_HEADER = 1 << 20  # a record header is a few hundred bytes; refuse absurd lengths early
+
+
+class RecordError(ValueError):
+    """Bytes that are not a valid record: bad gzip, bad safetensors header, inconsistent offsets."""
+
+
+def gzip_compress(data: bytes) -> bytes:
+    """gzip ``data`` (mtime 0, so equal input gives equal output with the same backend)."""
+    return _gzip.compress(data, _LEVEL, mtime=0)
+
+
+def gzip_decompress(data: bytes) -> bytes:
+    """Decompress one gzip member; raises RecordError on corrupt or truncated input."""
+    try:
+        return _gzip.decompress(data)
+    except (OSError, EOFError, zlib.error, _zlib.error) as e:
+        raise RecordError(f"gzip decompression failed: {e}") from None
+
+
+def crc32(data: bytes) -> int:
+    """CRC-32 (the gzip/zlib polynomial) of ``data`` as an unsigned int."""
+    return _zlib.crc32(data) & 0xFFFFFFFF
+
+
+def caption_key(caption: str | None) -> int:
+    """uint64 key of a caption's text record; a missing caption is the empty string's embedding."""
+    text = caption or ""
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "big")
+
+
+def encode_tensors(tensors: Mapping[str, tuple[np.ndarray, str]], metadata: Mapping[str, str]) -> bytes:
+    """Serialize ``{name: (array, dtype_tag)}`` to safetensors bytes.
+
+    ``dtype_tag`` is a safetensors tag; for ``"BF16"`` the array holds the bf16 bits as uint16.
+    Raises ValueError if an array's numpy dtype does not match its tag.
+    """
+    header: dict[str, Any] = {"__metadata__": {str(k): str(v) for k, v in metadata.items()}}
+    blobs, offset = [], 0
+    for name in sorted(tensors):
+        array, tag = tensors[name]
+        array = np.ascontiguousarray(array)
+        if tag not in DTYPES or array.dtype.newbyteorder("<") != DTYPES[tag].newbyteorder("<"):
+            raise ValueError(f"tensor {name!r}: numpy dtype {array.dtype} does not store safetensors {tag}")
+        raw = array.astype(DTYPES[tag], copy=False).tobytes()
+        header[name] = {"dtype": tag, "shape": list(array.shape), "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # safetensors pads the header so tensor data is 8-byte aligned
+    return struct.pack("<Q", len(head)) + head + b"".join(blobs)
+
+
+def decode_tensors(data: bytes) -> tuple[dict[str, tuple[np.ndarray, str]], dict[str, str]]:
+    """Parse safetensors bytes into ``({name: (array, dtype_tag)}, metadata)``; no code runs.
+
+    Raises RecordError for a malformed header or offsets outside the data.
+    """
+    if len(data) < 8:
+        raise RecordError("safetensors payload shorter than its 8-byte header length")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > _MAX_HEADER or 8 + n > len(data):
+        raise RecordError(f"safetensors header length {n} does not fit the {len(data)}-byte payload")
+    try:
+        header = json.loads(data[8 : 8 + n])
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RecordError(f"safetensors header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise RecordError("safetensors header is not a JSON object")
+    metadata = header.pop("__metadata__", {}) or {}
+    body = memoryview(data)[8 + n :]
+    tensors: dict[str, tuple[np.ndarray, str]] = {}
+    for name, info in header.items():
+        try:
+            tag, shape, (start, end) = info["dtype"], [int(s) for s in info["shape"]], info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise RecordError(f"tensor {name!r} has a malformed header entry") from None
+        if tag not in DTYPES:
+            raise RecordError(f"tensor {name!r} has unsupported dtype {tag!r}")
+        count = int(np.prod(shape)) if shape else 1
+        if not (0 <= start <= end <= len(body)) or end - start != count * DTYPES[tag].itemsize:
+            raise RecordError(f"tensor {name!r} offsets {start}..{end} do not match shape {shape} / the payload")
+        tensors[name] = (np.frombuffer(body[start:end], dtype=DTYPES[tag]).reshape(shape), tag)
+    return tensors, {str(k): str(v) for k, v in metadata.items()}
+
+
+def encode_record(tensors: Mapping[str, tuple[np.ndarray, str]], metadata: Mapping[str, str]) -> bytes:
+    """One record: ``gzip(safetensors(tensors, metadata))``."""
+    return gzip_compress(encode_tensors(tensors, metadata))
+
+
+def decode_record(data: bytes) -> tuple[dict[str, tuple[np.ndarray, str]], dict[str, str]]:
+    """Inverse of :func:`encode_record`; raises RecordError for corrupt bytes."""
+    return decode_tensors(gzip_decompress(data))
+
+
+def numpy_tag(array: np.ndarray) -> str:
+    """The safetensors tag of a numpy array (not for BF16, whose bits travel as uint16)."""
+    try:
+        return _NUMPY_TAGS[array.dtype.newbyteorder("<")]
+    except KeyError:
+        raise ValueError(f"numpy dtype {array.dtype} has no safetensors tag here") from None
+
+
+def to_float32(array: np.ndarray, tag: str) -> np.ndarray:
+    """Widen a stored tensor to float32 numpy (BF16 bits shifted into the high half of a float32)."""
+    if tag == "BF16":
+        return (array.astype(np.uint32) << 16).view(np.float32)
+    return array.astype(np.float32)
+
+
+def to_torch(array: np.ndarray, tag: str):
+    """A torch tensor with the stored dtype (``torch.bfloat16`` for BF16); imports torch lazily.
+
+    The tensor owns a copy of the data (the record's buffer is read-only).
+    """
+    import torch
+
+    if tag == "BF16":
+        return torch.from_numpy(array.astype(np.int16, copy=True)).view(torch.bfloat16)
+    return torch.from_numpy(array.copy())
+
+
+@dataclass(frozen=True)
+class TextRecord:
+    """Text embeddings of one unique caption (the null caption is stored as ``""``).
+
+    ``tokens[i]``: ``(L_i, D_i)`` token embeddings of text encoder ``i`` (``--text-encoder`` order),
+    **unpadded**: ``L_i`` is the tokenized length incl. BOS/EOS, truncated at the encoder's max
+    length. ``pooled``: ``(D,)`` pooled embedding of the last encoder that has one, else None.
+    Arrays are in ``dtype`` (a safetensors tag; BF16 as raw uint16 bits, see :func:`to_torch`).
+    """
+
+    caption_key: int
+    tokens: tuple[np.ndarray, ...]
+    pooled: np.ndarray | None
+    dtype: str
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return tuple(int(t.shape[0]) for t in self.tokens)
+
+
+@dataclass(frozen=True)
+class SampleRecord:
+    """Everything the trainer needs for one image, with its caption's text embeddings joined in.
+
+    Sizes and positions are ``(height, width)`` / ``(top, left)`` in pixels, the order SDXL's
+    micro-conditioning uses (``original_size``, ``crops_coords_top_left``, ``target_size``):
+
+    - ``original_size``: the decoded image, display orientation (after EXIF transpose);
+    - ``resized_size``: after resizing to cover the bucket; the crop box lives in these pixels:
+      ``crop_box = (top, left, top + target_h, left + target_w)``;
+    - ``target_size``: the bucket, ``(height, width)``; ``bucket`` is the same as ``"WxH"``.
+
+    ``latent``: ``(C, target_h / f, target_w / f)``, the VAE posterior **mean** (not a sample), NOT
+    yet multiplied by ``scaling_factor`` (see ``_cache.json["latent"]``). ``text``: the caption's
+    :class:`TextRecord`. ``dtype`` is the safetensors tag of ``latent`` (BF16 as uint16 bits).
+    """
+
+    sample_id: int
+    bucket: str
+    latent: np.ndarray
+    dtype: str
+    original_size: tuple[int, int]
+    resized_size: tuple[int, int]
+    crop_top_left: tuple[int, int]
+    target_size: tuple[int, int]
+    caption_key: int
+    text: TextRecord | None = None
+
+    @property
+    def crop_box(self) -> tuple[int, int, int, int]:
+        """``(top, left, bottom, right)`` of the crop, in resized pixels."""
+        top, left = self.crop_top_left
+        return top, left, top + self.target_size[0], left + self.target_size[1]
+
+    def torch(self) -> dict[str, Any]:
+        """The tensors as torch tensors in their stored dtype (imports torch only here).
+
+        Keys: ``latent`` (C, h, w); ``tokens_<i>`` (L_i, D_i) per text encoder; ``pooled`` (D,)
+        when present; ``time_ids`` int64 (6,) = original_size + crop_top_left + target_size.
+        """
+        import torch
+
+        out = {"latent": to_torch(self.latent, self.dtype)}
+        if self.text is not None:
+            for i, t in enumerate(self.text.tokens):
+                out[f"tokens_{i}"] = to_torch(t, self.text.dtype)
+            if self.text.pooled is not None:
+                out["pooled"] = to_torch(self.text.pooled, self.text.dtype)
+        out["time_ids"] = torch.tensor([*self.original_size, *self.crop_top_left, *self.target_size])
+        return out
+
+
+def _pair(text: str) -> tuple[int, int]:
+    a, b = text.split(",")
+    return int(a), int(b)
+
+
+def encode_sample(record: SampleRecord) -> bytes:
+    """The compressed bytes of a sample record (its text is stored separately, by caption)."""
+    meta = {
+        "kind": "sample",
+        "sample_id": str(record.sample_id),
+        "bucket": record.bucket,
+        "original_size": "%d,%d" % record.original_size,
+        "resized_size": "%d,%d" % record.resized_size,
+        "crop_top_left": "%d,%d" % record.crop_top_left,
+        "target_size": "%d,%d" % record.target_size,
+        "caption_key": str(record.caption_key),
+    }
+    return encode_record({"latent": (record.latent, record.dtype)}, meta)
+
+
+def decode_sample(data: bytes) -> SampleRecord:
+    """Inverse of :func:`encode_sample` (``text`` is None); raises RecordError for bad bytes."""
+    tensors, meta = decode_record(data)
+    try:
+        if meta.get("kind") != "sample" or "latent" not in tensors:
+            raise KeyError("kind")
+        latent, tag = tensors["latent"]
+        return SampleRecord(
+            sample_id=int(meta["sample_id"]),
+            bucket=meta["bucket"],
+            latent=latent,
+            dtype=tag,
+            original_size=_pair(meta["original_size"]),
+            resized_size=_pair(meta["resized_size"]),
+            crop_top_left=_pair(meta["crop_top_left"]),
+            target_size=_pair(meta["target_size"]),
+            caption_key=int(meta["caption_key"]),
+        )
+    except (KeyError, ValueError):
+        raise RecordError("payload is not a sample record (metadata or latent missing)") from None
+
+
+def encode_text(record: TextRecord) -> bytes:
+    """The compressed bytes of a caption's text record."""
+    tensors = {f"tokens.{i}": (t, record.dtype) for i, t in enumerate(record.tokens)}
+    if record.pooled is not None:
+        tensors["pooled"] = (record.pooled, record.dtype)
+    meta = {"kind": "text", "caption_key": str(record.caption_key), "encoders": str(len(record.tokens))}
+    return encode_record(tensors, meta)
+
+
+def decode_text(data: bytes) -> TextRecord:
+    """Inverse of :func:`encode_text`; raises RecordError for bad bytes."""
+    tensors, meta = decode_record(data)
+    try:
+        if meta.get("kind") != "text":
+            raise KeyError("kind")
+        n = int(meta["encoders"])
+        tokens = tuple(tensors[f"tokens.{i}"][0] for i in range(n))
+        tags = {tensors[f"tokens.{i}"][1] for i in range(n)}
+        pooled = tensors["pooled"][0] if "pooled" in tensors else None
+        return TextRecord(caption_key=int(meta["caption_key"]), tokens=tokens, pooled=pooled,
+                          dtype=tags.pop() if tags else "F32")
+    except (KeyError, ValueError):
+        raise RecordError("payload is not a text record (metadata or tensors missing)") from None

@@ -1,0 +1,133 @@
+"""Random access to a committed cache: records by sample id, one ranged read each, batched.
+
+The reader loads ``_cache.json`` and the index once and never lists storage afterwards; the
+trainer constructs one per process (it is picklable for DataLoader workers) and calls ``read``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import replace
+from typing import Sequence
+
+import numpy as np
+
+from manifests.cache import TEXT_INDEX_SCHEMA, CacheError, _read_meta, read_index
+from manifests.cache_format import RecordError, SampleRecord, TextRecord, crc32, decode_sample, decode_text
+from manifests.storage import join, open_url, redact
+
+__all__ = ["CacheReader"]
+
+
+class CacheReader:
+    """Random access to committed records by sample id: one ranged read per record, batched.
+
+    Loads ``_cache.json`` and the index once at construction and never lists storage afterwards.
+    Text records (one per unique caption) are joined into each :class:`SampleRecord`; recently
+    read ones are kept in a small LRU since captions repeat.
+    """
+
+    def __init__(self, url: str, storage_options: dict | None = None, text_cache_size: int = 4096):
+        self.url = url
+        self.fs, self.root = open_url(url, storage_options)
+        self.meta: dict = _read_meta(self.fs, self.root, url)
+        tables = read_index(url, storage_options, self.meta)
+        samples = tables["samples"].sort_by("sample_id")
+        self._ids = samples.column("sample_id").to_numpy().astype(np.uint64)  # (n,) sorted
+        self._samples = {name: samples.column(name).to_numpy() for name in ("offset", "length", "crc32", "caption_key")}
+        shard = samples.column("shard").combine_chunks().dictionary_encode()
+        self._sample_shard = shard.indices.to_numpy(zero_copy_only=False)
+        self._sample_shard_names = shard.dictionary.to_pylist()
+        texts = tables["texts"]
+        self._texts = {
+            int(k): (s, int(o), int(n), int(c))
+            for k, s, o, n, c in zip(*(texts.column(c).to_pylist() for c in TEXT_INDEX_SCHEMA.names))
+        }
+        self._text_lru: OrderedDict[int, TextRecord] = OrderedDict()
+        self._text_lru_size = text_cache_size
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    @property
+    def sample_ids(self) -> np.ndarray:
+        """Sorted uint64 ids of all readable samples."""
+        return self._ids
+
+    def _locate(self, sample_ids: Sequence[int]) -> np.ndarray:
+        want = np.asarray(sample_ids, dtype=np.uint64)  # (k,)
+        pos = np.searchsorted(self._ids, want)
+        found = (pos < len(self._ids)) & (self._ids[np.minimum(pos, len(self._ids) - 1)] == want)
+        if not found.all():
+            missing = want[~found][:5].tolist()
+            raise CacheError(f"samples {missing} are not in cache {redact(self.url)} (not embedded, or an error row); "
+                             "plan with --cache so plans only hold cached samples")  # fmt: skip
+        return pos
+
+    def _fetch(self, items: list[tuple[str, int, int, int, str]]) -> list[bytes]:
+        """Ranged reads of ``(shard, offset, length, crc32, what)``; checks length and checksum."""
+        if not items:
+            return []
+        paths = [join(self.root, s) for s, *_ in items]
+        starts = [o for _, o, *_ in items]
+        ends = [o + n for _, o, n, *_ in items]
+        blobs = self.fs.cat_ranges(paths, starts, ends, on_error="return")
+        out = []
+        for (shard, offset, length, crc, what), blob in zip(items, blobs):
+            if isinstance(blob, BaseException):
+                problem = "is missing" if isinstance(blob, FileNotFoundError) else f"could not be read ({blob!r})"
+                raise CacheError(self._bad(what, shard, f"shard {problem}"))
+            if len(blob) != length:
+                raise CacheError(self._bad(what, shard, f"shard is truncated ({len(blob)} of {length} bytes "
+                                                        f"at offset {offset})"))  # fmt: skip
+            if crc32(blob) != crc:
+                raise CacheError(self._bad(what, shard, f"checksum mismatch at offset {offset}"))
+            out.append(blob)
+        return out
+
+    def _bad(self, what: str, shard: str, problem: str) -> str:
+        return redact(f"{what} in shard {shard} of {self.url}: {problem}; run `bucketeer verify {self.url}`")
+
+    def read(self, sample_ids: Sequence[int]) -> list[SampleRecord]:
+        """Records for ``sample_ids`` in the given order, each with its caption's text joined in.
+
+        Raises CacheError naming the sample id and shard when a record is missing, truncated,
+        fails its checksum or does not decode.
+        """
+        pos = self._locate(sample_ids)
+        keys = self._samples["caption_key"][pos]
+        items = [
+            (self._sample_shard_names[self._sample_shard[p]], int(self._samples["offset"][p]),
+             int(self._samples["length"][p]), int(self._samples["crc32"][p]), f"sample {int(self._ids[p])}")
+            for p in pos
+        ]  # fmt: skip
+        texts = {int(k): self._text_lru[int(k)] for k in set(keys.tolist()) if int(k) in self._text_lru}
+        need = [int(k) for k in dict.fromkeys(keys.tolist()) if int(k) not in texts]
+        for k in need:
+            if k not in self._texts:
+                raise CacheError(f"caption key {k} has no text record in {redact(self.url)}; "
+                                 f"run `bucketeer verify {redact(self.url)}`")  # fmt: skip
+        text_items = [(*self._texts[k], f"text record {k}") for k in need]
+        blobs = self._fetch(items + text_items)
+        for k, blob, item in zip(need, blobs[len(items) :], text_items):
+            try:
+                texts[k] = decode_text(blob)
+            except RecordError as e:
+                raise CacheError(self._bad(item[-1], item[0], str(e))) from None
+            self._remember(k, texts[k])
+        records = []
+        for item, blob, key, sid in zip(items, blobs, keys, np.asarray(sample_ids, dtype=np.uint64)):
+            try:
+                record = decode_sample(blob)
+            except RecordError as e:
+                raise CacheError(self._bad(item[-1], item[0], str(e))) from None
+            if record.sample_id != int(sid):
+                raise CacheError(self._bad(item[-1], item[0], f"record holds sample {record.sample_id}"))
+            records.append(replace(record, text=texts[int(key)]))
+        return records
+
+    def _remember(self, key: int, text: TextRecord) -> None:
+        self._text_lru[key] = text
+        self._text_lru.move_to_end(key)
+        while len(self._text_lru) > self._text_lru_size:
+            self._text_lru.popitem(last=False)

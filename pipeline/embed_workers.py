@@ -1,0 +1,118 @@
+"""The embed job's Ray work: image preparation tasks, the VAE actor and the text-encoder actor.
+
+``prepare_batch`` (a CPU task) fetches one batch's images concurrently, decodes and crops them to
+the batch's bucket, so the pixels stack into one ``(B, H, W, 3)`` array. ``LatentWorker`` (one
+per GPU, or one CPU actor) turns a prepared batch into compressed sample records; it runs two
+calls at once so that the gzip of one batch overlaps the forward pass of the next.
+``TextWorker`` encodes unique captions into compressed text records.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from manifests.buckets import parse_bucket
+from manifests.cache_format import SampleRecord, TextRecord, encode_sample, encode_text
+from manifests.storage import join, open_url, redact
+from pipeline.encoders import EncoderSource, LatentEncoder, TextEncoders, quiet_loading, to_storage
+from pipeline.imaging import ImageFailure, fetch_all, prepare_image
+
+__all__ = ["prepare_batch", "LatentWorker", "TextWorker"]
+
+
+def prepare_batch(
+    source: str,
+    storage_options: dict | None,
+    bucket: str,
+    rows: list[dict[str, Any]],
+    crop: str,
+    seed: int,
+    max_pixels: int,
+) -> dict[str, Any]:
+    """Fetch, decode and crop ``rows`` (``sample_id``, ``filename``, ``caption_key``) to ``bucket``.
+
+    Returns ``{"bucket", "pixels": uint8 (B, H, W, 3), "rows": [geometry per good row],
+    "errors": [(sample_id, filename, kind, message)]}``; one bad image never fails the batch.
+    """
+    fs, root = open_url(source, storage_options)
+    bw, bh = parse_bucket(bucket)
+    blobs = fetch_all(fs, [join(root, r["filename"]) for r in rows])
+    good, pixels, errors = [], [], []
+    for row, blob in zip(rows, blobs):
+        try:
+            if isinstance(blob, BaseException):
+                raise ImageFailure("read_failed", redact(f"{type(blob).__name__}: {blob}"))
+            p = prepare_image(blob, (bh, bw), crop=crop, seed=seed, sample_id=row["sample_id"], max_pixels=max_pixels)
+        except ImageFailure as e:
+            errors.append((row["sample_id"], row["filename"], e.kind, e.message))
+            continue
+        except Exception as e:  # a decoder bug on one file must not kill the job: record it
+            errors.append((row["sample_id"], row["filename"], "decode_failed", redact(f"{type(e).__name__}: {e}")))
+            continue
+        pixels.append(p.pixels)
+        good.append({**row, "original_size": p.original_size, "resized_size": p.resized_size,
+                     "crop_top_left": p.crop_top_left})  # fmt: skip
+    stacked = np.stack(pixels) if pixels else np.zeros((0, bh, bw, 3), np.uint8)  # (B, H, W, 3)
+    return {"bucket": bucket, "pixels": stacked, "rows": good, "errors": errors}
+
+
+def _set_threads(threads: int | None) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+class LatentWorker:
+    """Holds the VAE; ``encode(prepared)`` -> ``{"records": [(sample_id, bytes, caption_key, bucket)], "errors"}``."""
+
+    def __init__(self, vae: EncoderSource, use_gpu: bool, dtype: str, threads: int | None = None):
+        _set_threads(threads)
+        quiet_loading()
+        self.dtype = dtype
+        self.encoder = LatentEncoder(vae, use_gpu=use_gpu, dtype=dtype)
+
+    def describe(self) -> dict[str, Any]:
+        return {**self.encoder.describe(), "device": str(self.encoder.device),
+                "compute_dtype": str(self.encoder.compute_dtype).replace("torch.", "")}  # fmt: skip
+
+    def encode(self, prepared: dict[str, Any]) -> dict[str, Any]:
+        records = []
+        if prepared["rows"]:
+            latents = to_storage(self.encoder.encode(prepared["pixels"]), self.dtype)  # (B, C, h, w)
+            bw, bh = parse_bucket(prepared["bucket"])
+            for row, latent in zip(prepared["rows"], latents):
+                record = SampleRecord(
+                    sample_id=row["sample_id"], bucket=prepared["bucket"], latent=latent, dtype=self.dtype,
+                    original_size=row["original_size"], resized_size=row["resized_size"],
+                    crop_top_left=row["crop_top_left"], target_size=(bh, bw), caption_key=row["caption_key"],
+                )  # fmt: skip
+                records.append((row["sample_id"], encode_sample(record), row["caption_key"], prepared["bucket"]))
+        return {"records": records, "errors": prepared["errors"]}
+
+
+class TextWorker:
+    """Holds the text encoders; ``encode([(caption_key, caption)])`` -> ``[(caption_key, bytes)]``."""
+
+    def __init__(self, sources: list[EncoderSource], use_gpu: bool, dtype: str, layer: str, threads: int | None = None):
+        _set_threads(threads)
+        quiet_loading()
+        self.dtype = dtype
+        self.encoders = TextEncoders(sources, use_gpu=use_gpu, dtype=dtype, layer=layer)
+
+    def describe(self) -> dict[str, Any]:
+        return self.encoders.describe()
+
+    def encode(self, items: list[tuple[int, str]]) -> list[tuple[int, bytes]]:
+        out = []
+        for (key, _), (tokens, pooled) in zip(items, self.encoders.encode([c for _, c in items])):
+            record = TextRecord(
+                caption_key=key,
+                tokens=tuple(to_storage(t, self.dtype) for t in tokens),
+                pooled=None if pooled is None else to_storage(pooled, self.dtype),
+                dtype=self.dtype,
+            )
+            out.append((key, encode_text(record)))
+        return out

@@ -1,0 +1,136 @@
+"""Fetch image bytes, decode them (EXIF transpose, RGB), resize to cover a bucket and crop it.
+
+Geometry follows SDXL's micro-conditioning: sizes are ``(height, width)``, the crop position is
+``(top, left)`` in the pixels of the resized image (the image scaled so that it just covers the
+bucket). A seeded random crop depends only on ``(seed, sample_id)``, never on processing order.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+__all__ = ["ImageFailure", "Prepared", "cover_and_crop", "prepare_image", "fetch_all", "DEFAULT_MAX_PIXELS"]
+
+DEFAULT_MAX_PIXELS = 100_000_000  # 100 MP: beyond this a decode costs GBs of memory (decompression bombs)
+_EXIF_ORIENTATION = 0x0112
+
+
+class ImageFailure(Exception):
+    """An image that cannot be embedded: ``kind`` is a manifests.schema.ERROR_KINDS kind."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """One decoded, resized and cropped image: ``pixels`` uint8 ``(bucket_h, bucket_w, 3)``."""
+
+    pixels: np.ndarray
+    original_size: tuple[int, int]  # (h, w), display orientation
+    resized_size: tuple[int, int]  # (h, w) after resize-to-cover
+    crop_top_left: tuple[int, int]  # (top, left) in resized pixels
+
+
+def cover_and_crop(
+    size: tuple[int, int], bucket: tuple[int, int], crop: str = "center", seed: int = 0, sample_id: int = 0
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Resized ``(h, w)`` covering ``bucket`` ``(h, w)`` at the image's aspect, and the crop ``(top, left)``.
+
+    Raises ValueError for an unknown ``crop`` policy (``center`` or ``random``).
+    """
+    h, w = size
+    bh, bw = bucket
+    scale = max(bh / h, bw / w)
+    rh, rw = max(bh, round(h * scale)), max(bw, round(w * scale))
+    if crop == "center":
+        return (rh, rw), ((rh - bh) // 2, (rw - bw) // 2)
+    if crop == "random":
+        rng = np.random.default_rng([seed, sample_id & 0xFFFFFFFF, sample_id >> 32])
+        return (rh, rw), (int(rng.integers(0, rh - bh + 1)), int(rng.integers(0, rw - bw + 1)))
+    raise ValueError(f"--crop must be 'center' or 'random', got {crop!r}")
+
+
+def _open(data: bytes, max_pixels: int) -> Image.Image:
+    if not data:
+        raise ImageFailure("empty", "the file has zero bytes")
+    try:
+        img = Image.open(io.BytesIO(data))
+    except UnidentifiedImageError:
+        raise ImageFailure("not_an_image", "no image decoder recognises these bytes") from None
+    except Image.DecompressionBombError as e:
+        raise ImageFailure("too_many_pixels", str(e)) from None
+    except OSError as e:
+        raise ImageFailure("truncated", f"header unreadable: {e}") from None
+    if img.width * img.height > max_pixels:
+        raise ImageFailure("too_many_pixels", f"{img.width}x{img.height} is over the {max_pixels}-pixel limit")
+    return img
+
+
+def _to_rgb(img: Image.Image) -> Image.Image:
+    if img.mode in ("RGBA", "LA") or (img.mode == "P" and "transparency" in img.info):
+        # composite transparency on white: convert("RGB") would turn transparent pixels black
+        rgba = img.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return img.convert("RGB")
+
+
+def prepare_image(
+    data: bytes,
+    bucket: tuple[int, int],
+    *,
+    crop: str = "center",
+    seed: int = 0,
+    sample_id: int = 0,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+) -> Prepared:
+    """Decode ``data`` and return the ``bucket`` ``(h, w)`` crop of it resized to cover the bucket.
+
+    Raises ImageFailure (kind + message) for bytes that cannot become an image.
+    """
+    img = _open(data, max_pixels)
+    try:
+        orientation = img.getexif().get(_EXIF_ORIENTATION, 1)
+    except Exception:  # a broken EXIF block is not a broken image
+        orientation = 1
+    swap = orientation in (5, 6, 7, 8)
+    stored_w, stored_h = img.size
+    original = (stored_w, stored_h) if swap else (stored_h, stored_w)  # (h, w) in display orientation
+    resized, (top, left) = cover_and_crop(original, bucket, crop, seed, sample_id)
+    try:
+        # JPEG: decode at 1/2, 1/4 or 1/8 scale when that still covers the resized size (much faster)
+        img.draft("RGB", (resized[0], resized[1]) if swap else (resized[1], resized[0]))
+        img = ImageOps.exif_transpose(img) if orientation != 1 else img
+        img = _to_rgb(img)
+    except Image.DecompressionBombError as e:
+        raise ImageFailure("too_many_pixels", str(e)) from None
+    except OSError as e:
+        kind = "truncated" if "truncat" in str(e).lower() else "decode_failed"
+        raise ImageFailure(kind, f"decode failed: {e}") from None
+    except (ValueError, SyntaxError) as e:
+        raise ImageFailure("decode_failed", f"decode failed: {e}") from None
+    # resample the crop region straight from the (possibly draft-reduced) image: one resampling pass
+    sx, sy = img.width / resized[1], img.height / resized[0]
+    bh, bw = bucket
+    box = (left * sx, top * sy, (left + bw) * sx, (top + bh) * sy)
+    out = img.resize((bw, bh), Image.Resampling.LANCZOS, box=box)
+    pixels = np.asarray(out, dtype=np.uint8)  # (bh, bw, 3)
+    return Prepared(pixels=pixels, original_size=original, resized_size=resized, crop_top_left=(top, left))
+
+
+def fetch_all(fs, paths: list[str]) -> list[bytes | BaseException]:
+    """Read whole objects, many in flight on object stores; failures come back as exceptions.
+
+    ``cat_ranges`` with open ends is one GET per object (``cat`` would first expand the paths,
+    which costs a HEAD or LIST each on S3).
+    """
+    if not paths:
+        return []
+    return list(fs.cat_ranges(paths, [0] * len(paths), [None] * len(paths), on_error="return"))
