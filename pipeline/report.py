@@ -1,18 +1,334 @@
-"""HTML report with plots of a manifest, cache and plan (coming: issue 7)."""
+"""Write a self-contained HTML report with plots of a manifest, and optionally of a plan and a cache.
+
+    bucketeer report MANIFEST [--plan PLAN] [--cache CACHE] --out report.html
+
+The page works offline: CSS inline, figures embedded as PNG ``data:`` URIs, no script, no external
+URL. The same figures are written as PNG files to ``<out stem>_figures/`` next to the page.
+"""
 
 from __future__ import annotations
 
 import argparse
+import base64
+import datetime as _dt
+import html
+import io
 import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from manifests.manifest import Manifest, manifest_stats, read_manifest
+from manifests.storage import join, open_url, parse_storage_options, read_json, redact, write_bytes_atomic
+
+PLAN_FILE = "_plan.json"
+CACHE_FILE = "_cache.json"
+
+
+@dataclass
+class Figure:
+    name: str  # file stem of the PNG, e.g. "buckets"
+    png: bytes
+    note: str = ""
+    wide: bool = False  # spans the whole row of the page
+
+
+@dataclass
+class Section:
+    title: str
+    rows: list[tuple[str, str]] = field(default_factory=list)  # summary table (label, value)
+    figures: list[Figure] = field(default_factory=list)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = "Not available yet in this version of bucketeer: it arrives with issue 7."
+    parser.add_argument("manifest", help="manifest folder (local path or URL)")
+    parser.add_argument("--out", required=True, help="the HTML file to write (local path or URL)")
+    parser.add_argument("--plan", default=None, help="a plan folder made from this manifest: adds padding/drops and tokens per step")
+    parser.add_argument("--cache", default=None, help="a cache folder: adds record counts, bytes per sample and errors")
+    parser.add_argument("--storage-options", default=None, help="fsspec options as JSON, e.g. an endpoint_url")
 
 
 def run(args: argparse.Namespace) -> int:
-    print("bucketeer report is not available yet in this version (it arrives with issue 7).", file=sys.stderr)
-    return 2
+    options = parse_storage_options(args.storage_options)
+    paths = write_report(args.manifest, args.out, plan=args.plan, cache=args.cache, storage_options=options)
+    print(f"report: {redact(paths[0])}  ({len(paths) - 1} figures in {redact(paths[0].rsplit('.', 1)[0])}_figures/)")
+    return 0
+
+
+def write_report(
+    manifest_url: str,
+    out: str,
+    *,
+    plan: str | None = None,
+    cache: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> list[str]:
+    """Build the report and write it; returns ``[html_path, png_path, ...]``.
+
+    Raises ManifestError (a ValueError) for a bad manifest, FileNotFoundError for a plan or cache
+    folder without its ``_plan.json`` / ``_cache.json``.
+    """
+    try:
+        from pipeline import plots  # matplotlib only when a report is made
+    except ImportError as e:
+        raise RuntimeError(f"bucketeer report needs matplotlib ({e}): pip install 'bucketeer[report]'") from None
+
+    if not out.endswith((".html", ".htm")):
+        raise ValueError(f"--out {out!r} must name an .html file")
+    manifest = read_manifest(manifest_url, storage_options)
+    sections = [manifest_section(manifest, plots)]
+    if plan:
+        sections.append(plan_section(plan, manifest, plots, storage_options))
+    if cache:
+        sections.append(cache_section(cache, plots, storage_options))
+
+    fs, html_path = open_url(out, storage_options)
+    figures_dir = html_path.rsplit(".", 1)[0] + "_figures"
+    written = [html_path]
+    for section in sections:
+        for fig in section.figures:
+            path = join(figures_dir, f"{fig.name}.png")
+            write_bytes_atomic(fs, path, fig.png)
+            written.append(path)
+    title = f"bucketeer report: {redact(manifest_url)}"
+    write_bytes_atomic(fs, html_path, render_html(title, sections).encode("utf-8"))
+    return written
+
+
+# ---------------------------------------------------------------- manifest
+
+
+def manifest_section(manifest: Manifest, plots) -> Section:
+    """Counts, fingerprint and source, and the five manifest figures."""
+    stats = manifest_stats(manifest)
+    samples = manifest.samples_df()
+    counts = stats["counts"]
+    spec = manifest.meta.get("bucket_spec", {})
+    rows = [
+        ("source", redact(manifest.source)),
+        ("manifest", redact(manifest.url)),
+        ("fingerprint", manifest.fingerprint),
+        ("created", str(manifest.meta.get("created_at", "?"))),
+        ("counts", ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))),
+        ("captions", f"{stats['captioned']} of {counts['samples']} samples have one"),
+        ("buckets", f"{len(stats['buckets'])} used; spec " + ", ".join(f"{k}={v}" for k, v in sorted(spec.items()) if v is not None and k != "buckets")),
+        ("errors", ", ".join(f"{k} {v}" for k, v in stats["errors"].items()) or "none"),
+    ]  # fmt: skip
+    widths = samples["width"].to_numpy()
+    heights = samples["height"].to_numpy()
+    captions = samples["caption"].drop_nulls()
+    words = captions.str.count_matches(r"\S+").to_numpy() if len(captions) else np.zeros(0, np.int64)
+    figures = [
+        Figure("buckets", plots.png_bytes(plots.bucket_histogram(stats["buckets"])), "Every sample lands in exactly one bucket; a batch holds one bucket."),
+        Figure("aspect_ratio", plots.png_bytes(plots.aspect_ratio_distribution(widths, heights)), "Display orientation (after EXIF rotation)."),
+        Figure("resolution", plots.png_bytes(plots.resolution_distribution(widths, heights)), "Points above the diagonal are portrait images.", wide=True),
+        Figure("caption_length", plots.png_bytes(plots.caption_length_histogram(words, samples.height - len(captions)))),
+        Figure("errors", plots.png_bytes(plots.error_kinds(stats["errors"])), "Files that were listed but cannot be used; none is dropped silently."),
+    ]  # fmt: skip
+    return Section("Manifest", rows, figures)
+
+
+# ---------------------------------------------------------------- plan
+
+
+def _bucket_tokens(name: str, meta_buckets: dict[str, Any]) -> int:
+    """Latent tokens of one sample of ``name``: the plan's own figure, else W*H/256 (8x VAE, 2x2 patches)."""
+    known = (meta_buckets.get(name) or {}).get("latent_tokens")
+    if known:
+        return int(known)
+    w, _, h = name.partition("x")
+    return int(w) * int(h) // 256
+
+
+_PLAN_COLUMNS = ["epoch", "step", "rank", "bucket", "sample_ids"]
+
+
+def _read_plan_rows(fs, root: str, meta: dict[str, Any], epoch: int | None):
+    """``(epoch, step, rank, bucket, sample_ids)`` rows of one epoch (the first when None).
+
+    When ``_plan.json`` gives its ``layout`` and world size, exactly those files are read (no
+    listing); otherwise every parquet file under the folder (``_``-prefixed files are skipped).
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.dataset as ds
+    import pyarrow.parquet as pq
+
+    layout = meta.get("layout")
+    world = (meta.get("inputs") or {}).get("world_size")
+    if isinstance(layout, str) and isinstance(world, int) and epoch is not None:
+        pieces = []
+        for rank in range(world):
+            with fs.open(join(root, layout.format(epoch=epoch, rank=rank)), "rb") as f:
+                pieces.append(pq.read_table(f, columns=_PLAN_COLUMNS))
+        return pa.concat_tables(pieces), epoch
+    dataset = ds.dataset(root, filesystem=fs, format="parquet")
+    if epoch is None:
+        epochs = dataset.to_table(columns=["epoch"]).column("epoch")
+        if len(epochs) == 0:
+            return dataset.to_table(columns=_PLAN_COLUMNS), None
+        epoch = int(pc.min(epochs).as_py())
+    return dataset.to_table(columns=_PLAN_COLUMNS, filter=ds.field("epoch") == epoch), epoch
+
+
+def plan_section(url: str, manifest: Manifest, plots, storage_options: dict[str, Any] | None = None) -> Section:
+    """Plan inputs, padding/drop waste per bucket and tokens per step of its first epoch.
+
+    Reads ``_plan.json`` (optional keys tolerated) and the plan's parquet rows; waste the JSON does
+    not give is computed from the rows and the manifest's bucket counts.
+    """
+    import pyarrow.compute as pc
+
+    fs, root = open_url(url, storage_options)
+    try:
+        meta = read_json(fs, join(root, PLAN_FILE))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--plan {redact(url)} has no {PLAN_FILE}: not a plan, or its writer has not finished") from None
+    inputs = meta.get("inputs") or {}
+    epochs_meta = meta.get("epochs") or []
+    first = epochs_meta[0] if epochs_meta else {}
+    table, epoch = _read_plan_rows(fs, root, meta, first.get("epoch"))
+
+    buckets_meta = meta.get("buckets") or {}
+    manifest_counts = manifest_stats(manifest)["buckets"]
+    sizes = pc.list_value_length(table.column("sample_ids")).to_numpy(zero_copy_only=False).astype(np.int64)  # (rows,)
+    bucket_col = np.asarray(table.column("bucket").to_pylist(), dtype=object)  # (rows,)
+    names = sorted(set(bucket_col.tolist()) | set(manifest_counts) | set(buckets_meta))
+    used, padded, dropped = [], [], []
+    for name in names:
+        in_bucket = bucket_col == name
+        ids = pc.list_flatten(table.column("sample_ids").filter(in_bucket)).to_numpy() if in_bucket.any() else np.zeros(0)
+        unique = len(np.unique(ids))
+        available = int((buckets_meta.get(name) or {}).get("samples", manifest_counts.get(name, 0)))
+        used.append(unique)
+        padded.append(int((first.get("padded") or {}).get(name, len(ids) - unique)))
+        dropped.append(int((first.get("dropped") or {}).get(name, max(available - unique, 0))))
+
+    steps = np.unique(table.column("step").to_numpy()) if table.num_rows else np.zeros(0, np.int64)  # (S,)
+    ranks = np.unique(table.column("rank").to_numpy()) if table.num_rows else np.zeros(0, np.int64)  # (R,)
+    tokens = np.zeros((len(ranks), len(steps)), np.int64)  # (R, S)
+    if table.num_rows:
+        per_row = np.array([_bucket_tokens(b, buckets_meta) for b in bucket_col], np.int64) * sizes  # (rows,)
+        np.add.at(tokens, (np.searchsorted(ranks, table.column("rank").to_numpy()), np.searchsorted(steps, table.column("step").to_numpy())), per_row)
+
+    fingerprint_in = inputs.get("manifest_fingerprint")
+    if fingerprint_in is None:
+        match = "not recorded"
+    elif fingerprint_in == manifest.fingerprint:
+        match = "yes"
+    else:
+        match = f"NO: plan made from {fingerprint_in[:16]}…, this manifest is {manifest.fingerprint[:16]}…"
+    total_slots = int(sizes.sum())
+    rows = [
+        ("plan", redact(url)),
+        ("fingerprint", str(meta.get("fingerprint", "?"))),
+        ("made from this manifest", match),
+        ("inputs", ", ".join(f"{k}={v}" for k, v in sorted(inputs.items()) if not isinstance(v, (dict, list)) and not k.endswith("fingerprint"))),
+        ("steps per epoch", str(meta.get("steps_per_epoch", len(steps)))),
+        (f"epoch {epoch}", f"{len(steps)} steps x {len(ranks)} ranks, {total_slots} sample slots, "
+                           f"{sum(padded)} padding repeats ({100 * sum(padded) / max(total_slots, 1):.1f}%), {sum(dropped)} dropped"),
+    ]  # fmt: skip
+    tps = meta.get("tokens_per_step")
+    if isinstance(tps, dict):
+        rows.append(("tokens per step and rank", ", ".join(f"{k} {v}" for k, v in tps.items())))
+    figures = [
+        Figure("plan_waste", plots.png_bytes(plots.plan_waste(names, used, padded, dropped)), "Padding repeats samples so every rank has equal steps; drops are leftovers of the leftover policy."),
+        Figure("tokens_per_step", plots.png_bytes(plots.tokens_per_step(steps, tokens)), "Per-rank work per step: big spreads mean ranks wait on each other."),
+    ]  # fmt: skip
+    return Section("Plan", rows, figures)
+
+
+# ---------------------------------------------------------------- cache
+
+
+def _read_index_column(fs, root: str, parts: list[str], column: str) -> np.ndarray:
+    import pyarrow.parquet as pq
+
+    values = []
+    for part in parts:
+        with fs.open(join(root, part), "rb") as f:
+            table = pq.read_table(f, columns=[column])
+        values.append(table.column(column).to_numpy(zero_copy_only=False))
+    return np.concatenate(values) if values else np.zeros(0)
+
+
+def cache_section(url: str, plots, storage_options: dict[str, Any] | None = None) -> Section:
+    """Record counts, bytes per sample, settings and errors of a cache (via ``_cache.json``)."""
+    fs, root = open_url(url, storage_options)
+    try:
+        meta = read_json(fs, join(root, CACHE_FILE))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--cache {redact(url)} has no {CACHE_FILE}: not a cache, or its embed job has not committed") from None
+    counts = meta.get("counts") or {}
+    shards = meta.get("shards") or []
+    index = meta.get("index") or {}
+    records = int(counts.get("samples", 0))
+    sample_bytes = sum(int(s.get("bytes", 0)) for s in shards if s.get("kind", "samples") == "samples")
+    lengths = _read_index_column(fs, root, index.get("samples") or [], "length")
+    errors = _read_index_column(fs, root, index.get("errors") or [], "error")
+    kinds = {str(k): int(n) for k, n in zip(*np.unique(errors.astype(str), return_counts=True))} if len(errors) else {}
+    settings = meta.get("settings") or {}
+    rows = [
+        ("cache", redact(url)),
+        ("fingerprint", str(meta.get("fingerprint", "?"))),
+        ("records", ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "?"),
+        ("bytes per sample", f"{sample_bytes / records / 1024:.1f} KiB ({len(shards)} shard objects)" if records else "n/a"),
+        ("settings", ", ".join(f"{k}={redact(str(v))}" for k, v in sorted(settings.items()) if not isinstance(v, (dict, list)))),
+    ]  # fmt: skip
+    figures = [
+        Figure("cache_record_sizes", plots.png_bytes(plots.cache_record_sizes(lengths))),
+        Figure("cache_errors", plots.png_bytes(plots.error_kinds(kinds, "Cache: errors by kind")), "Images whose full decode or encode failed during embed."),
+    ]  # fmt: skip
+    return Section("Cache", rows, figures)
+
+
+# ---------------------------------------------------------------- HTML
+
+_CSS = """
+body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 0; color: #1d2330; background: #f5f6f8; }
+header { background: #1d2330; color: #fff; padding: 18px 32px; }
+header h1 { margin: 0; font-size: 20px; } header p { margin: 4px 0 0; color: #b8bfcc; font-size: 12px; }
+main { padding: 8px 32px 32px; }
+section { margin-top: 24px; } h2 { font-size: 17px; border-bottom: 2px solid #3b6fb6; padding-bottom: 4px; }
+table { border-collapse: collapse; background: #fff; width: 100%; box-shadow: 0 1px 2px rgba(0,0,0,.08); }
+td { padding: 5px 10px; border-bottom: 1px solid #e6e8ec; vertical-align: top; word-break: break-all; }
+td:first-child { font-weight: 600; white-space: nowrap; width: 1%; color: #4a5263; word-break: normal; }
+.figures { display: grid; grid-template-columns: repeat(auto-fit, minmax(520px, 1fr)); gap: 16px; margin-top: 16px; }
+figure { margin: 0; background: #fff; padding: 10px; box-shadow: 0 1px 2px rgba(0,0,0,.08); }
+figure.wide { grid-column: 1 / -1; }
+figure img { width: 100%; height: auto; display: block; }
+figcaption { font-size: 12px; color: #5b6374; margin-top: 6px; }
+"""
+
+
+def _data_uri(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+
+
+def render_html(title: str, sections: list[Section]) -> str:
+    """The page: inline CSS, one table and a grid of embedded figures per section."""
+    esc = html.escape
+    now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    out = io.StringIO()
+    out.write(f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>')
+    out.write('<meta name="viewport" content="width=device-width, initial-scale=1">')
+    out.write(f"<style>{_CSS}</style></head><body>")
+    out.write(f"<header><h1>{esc(title)}</h1><p>written {esc(now)} by bucketeer report</p></header><main>")
+    for section in sections:
+        out.write(f"<section><h2>{esc(section.title)}</h2><table>")
+        for label, value in section.rows:
+            out.write(f"<tr><td>{esc(label)}</td><td>{esc(value)}</td></tr>")
+        out.write('</table><div class="figures">')
+        for fig in section.figures:
+            wide = ' class="wide"' if fig.wide else ""
+            out.write(f'<figure id="fig-{esc(fig.name)}"{wide}><img alt="{esc(fig.name)}" src="{_data_uri(fig.png)}">')
+            if fig.note:
+                out.write(f"<figcaption>{esc(fig.note)}</figcaption>")
+            out.write("</figure>")
+        out.write("</div></section>")
+    out.write("</main></body></html>\n")
+    return out.getvalue()
 
 
 if __name__ == "__main__":
