@@ -141,5 +141,5 @@ def write_json_atomic(fs: AbstractFileSystem, path: str, obj: Any) -> None:
 
 def read_json(fs: AbstractFileSystem, path: str) -> Any:
     """Read a JSON file; FileNotFoundError propagates so callers can say what is missing."""
-    with fs.open(path, "rb") as f:
-        return json.loads(f.read())
+    # one GET: fs.open() would first HEAD the object for its size (the trainer must not HEAD)
+    return json.loads(fs.cat_file(path))

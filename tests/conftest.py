@@ -74,3 +74,19 @@ def ray_local():
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def bucketeer_home(tmp_path_factory):
+    """Embed's default encoders built once per session into a temp home, not ~/.cache.
+
+    Ray workers get the home from the driver (it travels in each ``EncoderSource``).
+    """
+    home = str(tmp_path_factory.mktemp("bucketeer-home"))
+    old = os.environ.get("BUCKETEER_HOME")
+    os.environ["BUCKETEER_HOME"] = home
+    yield home
+    if old is None:
+        os.environ.pop("BUCKETEER_HOME", None)
+    else:
+        os.environ["BUCKETEER_HOME"] = old

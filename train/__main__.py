@@ -1,7 +1,276 @@
-"""``accelerate launch -m train --plan PLAN --cache CACHE`` — arrives with issue 6."""
+"""Train a diffusion transformer from a plan and a cache: the lean Accelerate loop.
 
+    accelerate launch -m train --plan PLAN --cache CACHE [--config FILE] [--output-dir DIR] [--resume]
+    ACCELERATE_USE_CPU=true accelerate launch --config_file infra/accelerate/cpu-2proc.yaml -m train --plan P --cache C
+    python -m train --plan PLAN --cache CACHE                 # one process (the plan must be for 1 rank)
+
+PLAN is made for as many ranks as there are processes (``bucketeer plan --world-size N``); each rank
+trains on exactly its plan rows. ``--resume`` continues from the latest checkpoint in
+``--output-dir`` with exactly the batches an uninterrupted run would have seen, on any number of
+processes that divides the global batch (the plan is re-cut for it). Nothing is listed: the plan,
+the cache's ``_cache.json`` and index are read by name, records by ranged reads.
+
+Reads top to bottom: arguments; setup (accelerator, position, data, model, optimizer); the loop;
+the end. The parts are in :mod:`train.data`, :mod:`train.model`, :mod:`train.checkpoint`,
+:mod:`train.metrics` and :mod:`train.config`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import signal
 import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from manifests.storage import StorageError, parse_storage_options, redact
+
+# test hook: after the first checkpoint, print a marker and sleep this many seconds (to be killed)
+PAUSE_ENV = "BUCKETEER_TEST_PAUSE_AFTER_CHECKPOINT"
+PAUSE_MARKER = "bucketeer-test: paused after checkpoint"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--plan", required=True, help="plan folder (local path or URL) from `bucketeer plan`")
+    p.add_argument("--cache", required=True, help="cache folder (local path or URL) from `bucketeer embed`")
+    p.add_argument("--config", default=None, help="YAML/JSON training config (default: train/configs/tiny.yaml)")
+    p.add_argument("--output-dir", default="train-output", help="checkpoints, logs, the final model (local folder)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output-dir")
+    p.add_argument("--record-samples", metavar="DIR", default=None,
+                   help="write DIR/rank-<r>.jsonl: the sample ids each rank trained on, one line per step")  # fmt: skip
+    p.add_argument("--max-steps", type=int, default=None, help="stop once this many plan steps have run in total")
+    p.add_argument("--skip-bad-records", action="store_true",
+                   help="drop missing/corrupt cache records (counted, logged) instead of stopping")  # fmt: skip
+    p.add_argument("--storage-options", default=None, help="fsspec options as JSON for the plan/cache URLs")
+    return p.parse_args(argv)
+
+
+def train(args: argparse.Namespace) -> int:
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from diffusers.optimization import get_scheduler
+    from tqdm.auto import tqdm
+
+    from manifests.cache import CacheReader
+    from manifests.plan import read_plan_meta
+    from train.checkpoint import Cursor, find_checkpoint, resume_elastic, save_checkpoint, truncate_records
+    from train.config import load_config
+    from train.data import BatchLoader, rank_steps
+    from train.metrics import MetricsFile, SampleRecorder, Window
+    from train.model import build_model, flow_matching_loss, step_generator
+
+    cfg = load_config(args.config)
+    so = _no_head_options(parse_storage_options(args.storage_options), args.plan, args.cache)
+    out = Path(args.output_dir)
+    if args.max_steps is not None and args.max_steps < 1:
+        raise ValueError(f"--max-steps must be >= 1, got {args.max_steps}")
+
+    # ---- accelerator -------------------------------------------------------------------------
+    accelerator = Accelerator(
+        mixed_precision=cfg.mixed_precision,
+        gradient_accumulation_steps=cfg.grad_accum,
+        step_scheduler_with_optimizer=False,  # we step the schedule once per optimizer step, on any world size
+        log_with="tensorboard" if _has_tensorboard() else None,
+        project_dir=str(out / "logs"),
+    )
+    rank, world, main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
+    say = accelerator.print
+    set_seed(cfg.seed)  # identical initial weights on every rank
+
+    # ---- position: the start of the plan, or a checkpoint's cursor ---------------------------
+    root_url = args.plan if "://" in args.plan else os.path.abspath(args.plan)
+    root_meta = read_plan_meta(root_url, so)
+    checkpoint = find_checkpoint(out) if args.resume else None
+    if checkpoint is not None:
+        cursor = checkpoint.cursor
+        if cursor.root_fingerprint != root_meta["fingerprint"]:
+            raise ValueError(f"{checkpoint.path} was trained on another plan than --plan {redact(args.plan)}; "
+                             "pass that plan, or use a new --output-dir")  # fmt: skip
+        say(f"resuming from {checkpoint.path}: epoch {cursor.epoch} step {cursor.step} "
+            f"(trained on {cursor.world_size} processes, now {world})")  # fmt: skip
+    else:
+        if args.resume:
+            say(f"--resume: no checkpoint in {out}; starting at the beginning of the plan")
+        if int(root_meta["inputs"]["world_size"]) != world:
+            raise ValueError(f"--plan {redact(args.plan)} is for {root_meta['inputs']['world_size']} ranks but "
+                             f"{world} processes are running: plan with --world-size {world}")  # fmt: skip
+        cursor = Cursor.start(root_meta, root_url, world)
+    with accelerator.main_process_first():  # rank 0 writes an elastic plan, the others then read it
+        plan_url, plan_meta = resume_elastic(cursor, out, world, so, write=main)
+    cursor = replace(cursor, world_size=world, plan_url=plan_url, plan_fingerprint=plan_meta["fingerprint"])
+    plan_so = so if "://" in plan_url else None
+
+    # ---- data: this rank's rows, records from the cache ----------------------------------------
+    reader = CacheReader(args.cache, so)
+    wanted = plan_meta["inputs"].get("cache_fingerprint")
+    if wanted and wanted != reader.meta["fingerprint"]:
+        raise ValueError(f"the plan was made for a cache with fingerprint {wanted[:12]}, but --cache "
+                         f"{redact(args.cache)} has {reader.meta['fingerprint'][:12]}: pass that cache or re-plan")  # fmt: skip
+    steps = rank_steps(plan_url, rank, plan_so, start=(cursor.epoch, cursor.step))
+    if args.max_steps is not None:
+        steps = steps[: max(args.max_steps - cursor.position, 0)]
+    counts = accelerator.gather(torch.tensor([len(steps)], device=accelerator.device)).tolist()
+    if len(set(counts)) != 1:  # a plan invariant; checked because a violation would hang DDP
+        raise ValueError(f"ranks have different step counts {counts}: run `bucketeer plan --check`")
+    loader = BatchLoader(reader, steps, reader.meta["latent"], rank=rank, prefetch=cfg.prefetch,
+                         skip_bad_records=args.skip_bad_records, pin_memory=accelerator.device.type == "cuda",
+                         log=lambda line: print(redact(line), file=sys.stderr, flush=True))  # fmt: skip
+    if args.record_samples and args.resume:
+        with accelerator.main_process_first():
+            if main:  # the steps a killed run took past its checkpoint are taken again below
+                truncate_records(args.record_samples, max(world, checkpoint.cursor.world_size if checkpoint else 1),
+                                 cursor)  # fmt: skip
+    recorder = SampleRecorder(args.record_samples, rank)
+
+    # ---- model, optimizer, schedule ----------------------------------------------------------
+    text_width = sum(int(e["hidden_size"]) for e in reader.meta["text"]["encoders"])
+    model = build_model(cfg.model, latent_channels=int(reader.meta["latent"]["channels"]), caption_channels=text_width)
+    patch = int(model.config.patch_size)
+    # linear scaling by the ROOT plan's world size: an elastic resume keeps the global batch, so the lr too
+    lr = cfg.lr * int(root_meta["inputs"]["world_size"]) if cfg.scale_lr else cfg.lr
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=cfg.adam_betas, eps=cfg.adam_eps,
+                                  weight_decay=cfg.weight_decay)  # fmt: skip
+    plan_steps = int(plan_meta["steps_per_epoch"]) * int(plan_meta["inputs"]["epochs"])
+    total_updates = math.ceil(plan_steps / cfg.grad_accum)  # the schedule's length comes from the plan
+    schedule = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[cfg.lr_schedule]
+    lr_scheduler = get_scheduler(schedule, optimizer, num_warmup_steps=cfg.warmup_steps,
+                                 num_training_steps=total_updates)  # fmt: skip
+    # only model/optimizer/schedule are prepared: the loader is already this rank's shard (see train.data)
+    model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
+    if checkpoint is not None:
+        accelerator.load_state(str(checkpoint.path))
+    accelerator.wait_for_everyone()
+
+    # ---- trackers ------------------------------------------------------------------------------
+    accelerator.init_trackers("bucketeer", config=_flat(cfg.to_json(), world=world, plan_steps=plan_steps))
+    metrics = MetricsFile(out / "metrics.jsonl" if main else None)
+    stop_requested = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop_requested.set())  # preemption: checkpoint, then stop
+    say(f"training {len(steps)} steps per rank on {world} process(es) from epoch {cursor.epoch} step {cursor.step}; "
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {total_updates} optimizer steps "
+        "in the schedule")  # fmt: skip
+
+    # ---- the loop ------------------------------------------------------------------------------
+    window, stop, saved_at, paused = Window(), None, None, False
+    updates = cursor.optimizer_steps
+    progress = tqdm(total=len(steps), disable=not main, desc="train", dynamic_ncols=True)
+    model.train()
+    batches = iter(loader)
+    while stop is None:
+        t0 = time.perf_counter()
+        batch = next(batches, None)
+        if batch is None:
+            break
+        t_data = time.perf_counter()
+        batch = batch.to(accelerator.device, non_blocking=True)
+        with accelerator.accumulate(model):
+            loss = flow_matching_loss(
+                model, batch.latents, batch.text, batch.text_mask,
+                {"resolution": batch.resolution, "aspect_ratio": batch.aspect_ratio},
+                step_generator(cfg.seed, batch.epoch, batch.step, rank),
+                weighting_scheme=cfg.weighting_scheme, logit_mean=cfg.logit_mean, logit_std=cfg.logit_std,
+                mode_scale=cfg.mode_scale,
+            )  # fmt: skip
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            optimizer.step()  # a no-op between accumulation boundaries (accelerate)
+            optimizer.zero_grad(set_to_none=True)
+        loss_value = loss.item()  # also syncs the device, so the step time below is real
+        if accelerator.sync_gradients:
+            updates += 1
+            if not accelerator.optimizer_step_was_skipped:
+                lr_scheduler.step()
+        recorder.write(batch.epoch, batch.step, batch.sample_ids, batch.skipped)
+        cursor = cursor.after(batch.epoch, batch.step, optimizer_steps=updates)
+        window.add(loss_value, len(batch.sample_ids), batch.latent_positions // (patch * patch), t_data - t0,
+                   time.perf_counter() - t0)  # fmt: skip
+        progress.update(1)
+
+        if cursor.position % cfg.log_every == 0:
+            values = window.reduce(accelerator) | {"lr": lr_scheduler.get_last_lr()[0], "epoch": cursor.epoch}
+            accelerator.log(values, step=cursor.position)
+            metrics.write({"position": cursor.position, "step": batch.step, **values})
+            progress.set_postfix(loss=f"{values['loss']:.4f}", wait=f"{values['data_wait']:.1%}")
+        if not accelerator.sync_gradients:
+            continue  # checkpoints and stops only between optimizer steps
+        if not math.isfinite(loss_value) or stop_requested.is_set():
+            accelerator.set_trigger()
+        if accelerator.check_trigger():  # some rank asked to stop: every rank stops at this step
+            finite = accelerator.gather(torch.tensor([float(math.isfinite(loss_value))], device=accelerator.device))
+            stop = "stop requested (SIGTERM)" if bool(finite.all()) else f"non-finite loss at position {cursor.position}"
+        elif args.max_steps is not None and cursor.position >= args.max_steps:
+            stop = f"--max-steps {args.max_steps} reached"
+        if (stop is None and cursor.position % cfg.checkpoint_every == 0) or (stop and "non-finite" not in stop):
+            save_checkpoint(accelerator, out, cursor, cfg.keep_checkpoints)
+            saved_at = cursor.position
+            if os.environ.get(PAUSE_ENV) and not paused:
+                paused = True
+                print(PAUSE_MARKER, flush=True)
+                time.sleep(float(os.environ[PAUSE_ENV]))
+    progress.close()
+    loader.close()
+    recorder.close()
+
+    # ---- the end -------------------------------------------------------------------------------
+    if stop is None and saved_at != cursor.position and steps:
+        save_checkpoint(accelerator, out, cursor, cfg.keep_checkpoints)
+    skipped = int(accelerator.reduce(torch.tensor([loader.skipped], device=accelerator.device), "sum").item())
+    if main and (stop is None or "non-finite" not in stop):
+        accelerator.unwrap_model(model).save_pretrained(str(out / "model"))
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    metrics.close()
+    say(f"done: {stop or 'plan finished'}; position {cursor.position}, epoch {cursor.epoch} step {cursor.step}, "
+        f"{updates} optimizer steps, {skipped} bad records skipped; output in {out}")  # fmt: skip
+    return 1 if stop and "non-finite" in stop else 0
+
+
+def _no_head_options(storage_options: dict, *urls: str) -> dict:
+    """s3fs HEADs an object before every whole-object GET when ``max_concurrency`` > 1 (its default, to
+    split big downloads); the files read whole here (JSON, index and plan parquet) are small."""
+    if any(u.startswith(("s3://", "s3a://")) for u in urls):
+        return {"max_concurrency": 1, **storage_options}
+    return storage_options
+
+
+def _has_tensorboard() -> bool:
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _flat(config: dict, **extra) -> dict:
+    """Scalars only: what TensorBoard's hparams accept."""
+    out = {}
+    for k, v in {**config, **extra}.items():
+        if isinstance(v, dict):
+            out.update({f"{k}.{kk}": vv if isinstance(vv, (int, float, str, bool)) else str(vv) for kk, vv in v.items()})
+        else:
+            out[k] = v if isinstance(v, (int, float, str, bool)) else str(v)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: errors a user can fix are printed as one line (credentials redacted), exit code 2."""
+    args = parse_args(argv)
+    sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        return train(args)
+    except (ValueError, FileNotFoundError, StorageError) as e:
+        print(f"error: {redact(str(e))}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)  # train() installs its own (checkpoint, then stop)
+
 
 if __name__ == "__main__":
-    print("the trainer is not available yet in this version of bucketeer (it arrives with issue 6).", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(main())

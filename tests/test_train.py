@@ -1,0 +1,180 @@
+"""The trainer on one process (in this process): learning, observability, exact resume, no listing, bad records."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from manifests.plan import read_rank_plan
+from tests.test_train_data import corrupt_copy
+from tests.train_dataset import train_data  # noqa: F401  (session fixture)
+from train.config import DEFAULT_CONFIG
+
+pytestmark = [pytest.mark.ray]
+
+LISTING = ("ls", "find", "glob", "info", "exists", "lexists", "isdir", "isfile", "walk", "du", "listdir")
+
+
+@pytest.fixture
+def run():
+    """``python -m train ARGS`` in this process, with accelerate's process-wide state reset afterwards."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    from train.__main__ import main
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # 2 shared cores: more threads only contend
+
+    def _run(*argv: str) -> int:
+        try:
+            return main([str(a) for a in argv])
+        finally:
+            AcceleratorState._reset_state(True)
+            GradientState._reset_state()
+            PartialState._reset_state()
+
+    yield _run
+    torch.set_num_threads(threads)
+
+
+def write_config(path: Path, **settings) -> Path:
+    """The tiny default config with ``settings`` changed."""
+    config = yaml.safe_load(DEFAULT_CONFIG.read_text()) | settings
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def records(folder: Path, rank: int = 0) -> list[dict]:
+    return [json.loads(line) for line in (folder / f"rank-{rank}.jsonl").read_text().splitlines()]
+
+
+def plan_rows(plan: str, rank: int = 0) -> list[tuple[int, int, list[int]]]:
+    return [(r["epoch"], r["step"], r["sample_ids"]) for r in read_rank_plan(plan, rank).to_pylist()]
+
+
+def forbid_listing(monkeypatch, cls) -> list[str]:
+    """Make every listing / HEAD-like method of ``cls`` (sync and async) raise; returns the calls seen."""
+    calls: list[str] = []
+
+    def forbidden(name):
+        def method(self, *args, **kwargs):
+            calls.append(f"{name}({args[0] if args else ''})")
+            raise AssertionError(f"the trainer called {name}() on storage")
+
+        return method
+
+    for name in LISTING:
+        for attr in (name, f"_{name}"):
+            if hasattr(cls, attr):
+                monkeypatch.setattr(cls, attr, forbidden(attr))
+    return calls
+
+
+def test_loss_goes_down_and_the_run_is_observable(run, train_data, tmp_path):
+    from diffusers import PixArtTransformer2DModel
+
+    out, rec = tmp_path / "out", tmp_path / "rec"
+    cfg = write_config(tmp_path / "c.yaml", checkpoint_every=20, log_every=10)
+    assert run("--plan", train_data.plan1, "--cache", train_data.cache, "--config", cfg, "--output-dir", out,
+               "--record-samples", rec) == 0  # fmt: skip
+
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["position"] for r in rows] == [10, 20, 30, 40, 50, 60]
+    assert rows[-1]["loss"] < 0.8 * rows[0]["loss"], [r["loss"] for r in rows]
+    for r in rows:
+        assert r["samples_per_s"] > 0 and 0 <= r["data_wait"] < 1
+        assert 0 < r["tokens_per_step_min"] <= r["tokens_per_step_mean"] <= r["tokens_per_step_max"]
+    assert list((out / "logs").rglob("events.out.tfevents.*")), "no TensorBoard events written"
+    assert [(r["epoch"], r["step"], r["sample_ids"]) for r in records(rec)] == plan_rows(train_data.plan1)
+
+    latest = json.loads((out / "checkpoints" / "latest.json").read_text())
+    assert latest == {"checkpoint": "step-00000060", "kept": ["step-00000040", "step-00000060"]}
+    assert not (out / "checkpoints" / "step-00000020").exists()  # keep_checkpoints: 2
+    cursor = json.loads((out / "checkpoints" / "step-00000060" / "cursor.json").read_text())
+    assert (cursor["epoch"], cursor["step"], cursor["position"], cursor["world_size"]) == (5, 10, 60, 1)
+    model = PixArtTransformer2DModel.from_pretrained(out / "model")
+    assert model.config.in_channels == 4 and model.config.caption_channels == 32
+
+
+def test_resume_continues_with_the_batches_and_weights_of_an_uninterrupted_run(run, train_data, tmp_path):
+    from safetensors.torch import load_file
+
+    cfg = write_config(tmp_path / "c.yaml", checkpoint_every=5)
+    common = ["--plan", train_data.plan1, "--cache", train_data.cache, "--config", cfg]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert run(*common, "--output-dir", straight, "--record-samples", straight / "rec", "--max-steps", 13) == 0
+    assert run(*common, "--output-dir", resumed, "--record-samples", resumed / "rec", "--max-steps", 7) == 0
+    cursor = json.loads((resumed / "checkpoints" / "step-00000007" / "cursor.json").read_text())
+    assert (cursor["epoch"], cursor["step"]) == (0, 7)
+    assert run(*common, "--output-dir", resumed, "--record-samples", resumed / "rec", "--max-steps", 13,
+               "--resume") == 0  # fmt: skip
+
+    assert records(resumed / "rec") == records(straight / "rec") and len(records(straight / "rec")) == 13
+    a = load_file(straight / "model" / "diffusion_pytorch_model.safetensors")
+    b = load_file(resumed / "model" / "diffusion_pytorch_model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_training_never_lists_local_storage(run, train_data, tmp_path, monkeypatch):
+    from fsspec.implementations.local import LocalFileSystem
+
+    calls = forbid_listing(monkeypatch, LocalFileSystem)
+    rc = run("--plan", train_data.plan1, "--cache", train_data.cache, "--output-dir", tmp_path / "out",
+             "--record-samples", tmp_path / "rec", "--max-steps", 3)  # fmt: skip
+    assert calls == [] and rc == 0
+    assert [(r["epoch"], r["step"], r["sample_ids"]) for r in records(tmp_path / "rec")] == plan_rows(train_data.plan1)[:3]
+
+
+@pytest.mark.s3
+def test_training_never_lists_or_heads_s3(run, train_data, tmp_path, monkeypatch, s3):
+    import s3fs
+
+    plan, cache = s3.fresh_url("plan"), s3.fresh_url("cache")
+    s3.fs.put(train_data.plan1 + "/", plan + "/", recursive=True)
+    s3.fs.put(train_data.cache + "/", cache + "/", recursive=True)
+    calls = forbid_listing(monkeypatch, s3fs.S3FileSystem)
+    s3fs.S3FileSystem.clear_instance_cache()
+    rc = run("--plan", plan, "--cache", cache, "--storage-options", json.dumps(s3.storage_options),
+             "--output-dir", tmp_path / "out", "--record-samples", tmp_path / "rec", "--max-steps", 3)  # fmt: skip
+    assert calls == [] and rc == 0
+    assert [(r["epoch"], r["step"], r["sample_ids"]) for r in records(tmp_path / "rec")] == plan_rows(train_data.plan1)[:3]
+
+
+def test_a_corrupt_record_stops_the_run_or_is_skipped_when_asked(run, train_data, tmp_path, capsys):
+    bad = plan_rows(train_data.plan1)[1][2][0]
+    shard = corrupt_copy(train_data.cache, tmp_path / "cache", bad)
+    args = ["--plan", train_data.plan1, "--cache", tmp_path / "cache", "--max-steps", 3]
+    assert run(*args, "--output-dir", tmp_path / "a") == 2
+    err = capsys.readouterr().err
+    assert f"sample {bad} in shard {shard}" in err and "bucketeer verify" in err and "--skip-bad-records" in err
+    assert not (tmp_path / "a" / "model").exists()
+
+    assert run(*args, "--output-dir", tmp_path / "b", "--record-samples", tmp_path / "rec", "--skip-bad-records") == 0
+    captured = capsys.readouterr()
+    assert f"skipping bad record (--skip-bad-records): sample {bad}" in captured.err
+    assert "1 bad records skipped" in captured.out
+    step1 = records(tmp_path / "rec")[1]
+    assert step1["skipped"] == [bad] and bad not in step1["sample_ids"] and len(step1["sample_ids"]) == 3
+
+
+def test_refusals_name_the_problem_and_the_fix(run, train_data, tmp_path, capsys):
+    assert run("--plan", train_data.plan2, "--cache", train_data.cache, "--output-dir", tmp_path / "a") == 2
+    assert "is for 2 ranks but 1 processes are running: plan with --world-size 1" in capsys.readouterr().err
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("lr: 0.001\nbatch_size: 4\n")
+    assert run("--plan", train_data.plan1, "--cache", train_data.cache, "--config", cfg, "--output-dir", tmp_path) == 2
+    assert "unknown keys ['batch_size']" in capsys.readouterr().err
+    # a checkpoint made with one plan is not resumed with another
+    out = tmp_path / "b"
+    assert run("--plan", train_data.plan1, "--cache", train_data.cache, "--output-dir", out, "--max-steps", 1) == 0
+    other = tmp_path / "plan-copy"
+    shutil.copytree(train_data.plan2, other)
+    assert run("--plan", other, "--cache", train_data.cache, "--output-dir", out, "--resume") == 2
+    assert "was trained on another plan" in capsys.readouterr().err

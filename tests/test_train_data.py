@@ -1,0 +1,153 @@
+"""The trainer's parts against a real (tiny) cache and plan: per-rank rows, batches, bad records, config, cursor."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from manifests.cache import CacheReader, read_cache_meta, read_index
+from manifests.cache_format import to_float32
+from manifests.plan import read_rank_plan
+from tests.train_dataset import train_data  # noqa: F401  (session fixture)
+from train.checkpoint import Cursor, truncate_records
+from train.config import load_config
+from train.data import BadRecordError, BatchLoader, PlanStep, rank_steps
+from train.model import build_model, flow_matching_loss, model_arguments, step_generator
+
+pytestmark = [pytest.mark.ray]
+
+
+def corrupt_copy(cache: str, dest, sample: int) -> str:
+    """A copy of ``cache`` in which ``sample``'s record has flipped bytes in the middle."""
+    shutil.copytree(cache, dest)
+    row = next(r for r in read_index(str(dest))["samples"].to_pylist() if r["sample_id"] == sample)
+    path = dest / row["shard"]
+    data = bytearray(path.read_bytes())
+    middle = row["offset"] + row["length"] // 2
+    data[middle : middle + 4] = bytes(b ^ 0xFF for b in data[middle : middle + 4])
+    path.write_bytes(bytes(data))
+    return row["shard"]
+
+
+def test_rank_steps_are_exactly_the_plan_rows_from_the_cursor(train_data):
+    for rank in (0, 1):
+        rows = read_rank_plan(train_data.plan2, rank).to_pylist()
+        steps = rank_steps(train_data.plan2, rank)
+        assert [(s.epoch, s.step, s.bucket, list(s.sample_ids)) for s in steps] == [
+            (r["epoch"], r["step"], r["bucket"], r["sample_ids"]) for r in rows
+        ]
+        later = rank_steps(train_data.plan2, rank, start=(0, 4))
+        assert later == steps[4:] and later[0].step == 4
+        assert all(s.epoch == 1 for s in rank_steps(train_data.plan2, rank, start=(0, 10)))
+
+
+def test_batches_follow_the_plan_with_padded_text_and_scaled_latents(train_data):
+    reader = CacheReader(train_data.cache)
+    latent = read_cache_meta(train_data.cache)["latent"]
+    steps = rank_steps(train_data.plan1, 0)[:10]  # epoch 0: every bucket
+    batches = list(BatchLoader(reader, steps, latent, prefetch=2))
+    assert [b.sample_ids for b in batches] == [list(s.sample_ids) for s in steps]
+    assert {b.bucket for b in batches} == {"64x64", "128x32", "32x128"}
+    for batch in batches:
+        w, h = map(int, batch.bucket.split("x"))
+        assert batch.latents.shape == (4, 4, h // 8, w // 8) and batch.latents.dtype == torch.float32
+        records = reader.read(batch.sample_ids)
+        expected = (np.stack([to_float32(r.latent, r.dtype) for r in records]) - 0.0) * latent["scaling_factor"]
+        np.testing.assert_allclose(batch.latents.numpy(), expected, rtol=1e-6)
+        lengths = [r.text.lengths[0] for r in records]
+        assert batch.text.shape == (4, max(lengths), 32) and batch.text_mask.sum(1).tolist() == lengths
+        for i, (n, r) in enumerate(zip(lengths, records)):
+            np.testing.assert_array_equal(batch.text[i, :n].numpy(), to_float32(r.text.tokens[0], r.text.dtype))
+            assert not batch.text[i, n:].any()  # padding is zeros, and masked
+            assert batch.resolution[i].tolist() == list(r.original_size)
+        assert batch.aspect_ratio[:, 0].tolist() == pytest.approx([h / w] * 4)
+    assert any(len(set(b.text_mask.sum(1).tolist())) > 1 for b in batches)  # captions of unequal length met
+
+
+def test_loader_stops_its_reading_thread_when_closed(train_data):
+    reader = CacheReader(train_data.cache)
+    loader = BatchLoader(reader, rank_steps(train_data.plan1, 0), reader.meta["latent"], prefetch=2)
+    it = iter(loader)
+    next(it)
+    it.close()  # what a `break` out of the training loop does
+    assert loader._thread is not None and not loader._thread.is_alive()
+
+
+def test_corrupt_record_stops_with_sample_shard_and_fix_or_is_skipped(train_data, tmp_path):
+    steps = rank_steps(train_data.plan1, 0)[:3]
+    bad = steps[1].sample_ids[2]
+    shard = corrupt_copy(train_data.cache, tmp_path / "cache", bad)
+    reader = CacheReader(str(tmp_path / "cache"))
+    loader = BatchLoader(reader, steps, reader.meta["latent"])
+    with pytest.raises(BadRecordError) as err:
+        list(loader)
+    message = str(err.value)
+    assert f"sample {bad}" in message and shard in message and "bucketeer verify" in message
+    assert "--skip-bad-records" in message and "step 1" in message
+
+    logged: list[str] = []
+    loader = BatchLoader(reader, steps, reader.meta["latent"], skip_bad_records=True, log=logged.append)
+    batches = list(loader)
+    assert batches[1].sample_ids == [s for s in steps[1].sample_ids if s != bad] and batches[1].skipped == [bad]
+    assert loader.skipped == 1 and len(logged) == 1 and f"sample {bad}" in logged[0]
+    assert [b.sample_ids for b in (batches[0], batches[2])] == [list(steps[0].sample_ids), list(steps[2].sample_ids)]
+
+
+def test_samples_missing_from_the_cache_fail_before_the_first_step(train_data):
+    reader = CacheReader(train_data.cache)
+    first = reader.read([int(reader.sample_ids[0])])[0]
+    steps = [PlanStep(0, 0, first.bucket, (first.sample_id, 12345))]
+    with pytest.raises(BadRecordError, match=r"1 samples of the plan are not in cache .*bucketeer plan .*--cache"):
+        BatchLoader(reader, steps, reader.meta["latent"])
+    logged: list[str] = []
+    loader = BatchLoader(reader, steps, reader.meta["latent"], skip_bad_records=True, log=logged.append)
+    assert [b.sample_ids for b in loader] == [[first.sample_id]] and loader.skipped == 1
+
+
+def test_config_refuses_unknown_keys_and_bad_values(tmp_path):
+    cfg = load_config()
+    assert cfg.model["num_layers"] == 2 and cfg.lr == 1e-3
+    path = tmp_path / "c.yaml"
+    path.write_text("lr: 1e-4\nwarmup: 3\n")
+    with pytest.raises(ValueError, match=r"c.yaml: unknown keys \['warmup'\]"):
+        load_config(path)
+    path.write_text("lr: 1e-4\n")  # YAML 1.1 reads this as a string
+    assert load_config(path).lr == 1e-4
+    path.write_text("grad_accum: two\n")
+    with pytest.raises(ValueError, match="grad_accum must be a int"):
+        load_config(path)
+    path.write_text("grad_accum: 2\ncheckpoint_every: 3\n")
+    with pytest.raises(ValueError, match="multiple of grad_accum"):
+        load_config(path)
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"model": {"num_layer": 3}}))
+    with pytest.raises(ValueError, match=r"unknown keys \['num_layer'\]"):
+        model_arguments(load_config(path).model, latent_channels=4, caption_channels=32)
+    with pytest.raises(ValueError, match="come from the cache"):
+        model_arguments({"in_channels": 8}, latent_channels=4, caption_channels=32)
+
+
+def test_noise_is_a_function_of_the_plan_position():
+    model = build_model({}, latent_channels=4, caption_channels=32)
+    latents, text, mask = torch.randn(2, 4, 8, 8), torch.randn(2, 5, 32), torch.ones(2, 5)
+    cond = {"resolution": torch.tensor([[64.0, 64.0]] * 2), "aspect_ratio": torch.ones(2, 1)}
+    with torch.no_grad():
+        a = flow_matching_loss(model, latents, text, mask, cond, step_generator(0, 1, 7, 0))
+        torch.randn(100)  # the global RNG does not matter
+        b = flow_matching_loss(model, latents, text, mask, cond, step_generator(0, 1, 7, 0))
+        c = flow_matching_loss(model, latents, text, mask, cond, step_generator(0, 1, 7, 1))
+    assert a.item() == b.item() and a.item() != c.item() and a.ndim == 0
+
+
+def test_truncate_records_drops_steps_taken_after_the_checkpoint(tmp_path):
+    rows = [{"epoch": e, "step": s, "rank": 0, "sample_ids": [s]} for e in (0, 1) for s in range(3)]
+    (tmp_path / "rank-0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"epoch": 1, "st')
+    cursor = Cursor(1, 1, 2, 4, 4, "p", "f", "f")
+    truncate_records(tmp_path, 2, cursor)  # rank 1 has no file: nothing to do
+    kept = [json.loads(line) for line in (tmp_path / "rank-0.jsonl").read_text().splitlines()]
+    assert [(r["epoch"], r["step"]) for r in kept] == [(0, 0), (0, 1), (0, 2), (1, 0)]
+    assert cursor.after(1, 1, optimizer_steps=5) == Cursor(1, 2, 2, 5, 5, "p", "f", "f")

@@ -1,0 +1,98 @@
+"""One tiny dataset -> manifest -> cache -> plans, built once per test session for the trainer tests.
+
+``build(base)`` is idempotent: the first caller (any trainer test module) embeds, later callers
+reuse the folders (embedding on 2 shared cores is the slow part). 40 smooth random images in three
+buckets (64x64: 16, 128x32: 12, 32x128: 12) with repeating captions, some missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import pyarrow as pa
+from PIL import Image
+
+from manifests.buckets import BucketSpec
+from manifests.manifest import apply_buckets, write_manifest
+from manifests.schema import ERRORS_SCHEMA, sample_ids
+
+SPEC = BucketSpec(area=64 * 64, step=32)
+# (w, h) -> bucket: 16 x 64x64, 12 x 128x32, 12 x 32x128
+SIZES = [(80, 80)] * 16 + [(150, 40)] * 12 + [(40, 150)] * 12
+
+
+@dataclass(frozen=True)
+class TrainData:
+    root: str
+    manifest: str
+    cache: str
+    plan2: str  # 2 ranks x 2 samples, 2 epochs: 10 steps per epoch
+    plan1: str  # 1 rank x 4 samples, 6 epochs: 10 steps per epoch
+
+
+def _png(w: int, h: int, seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    small = Image.fromarray(rng.integers(0, 255, (3, 3, 3), dtype=np.uint8))
+    buf = io.BytesIO()
+    small.resize((w, h), Image.BILINEAR).save(buf, "PNG")  # smooth: something a model can learn
+    return buf.getvalue()
+
+
+def _parse(module, argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def build(base: Path) -> TrainData:
+    """Build (or reuse) the dataset under ``base``; needs Ray (the embed job)."""
+    from pipeline import embed, plan
+
+    data = TrainData(str(base / "images"), str(base / "manifest"), str(base / "cache"),
+                     str(base / "plan2"), str(base / "plan1"))  # fmt: skip
+    if (Path(data.plan1) / "_plan.json").exists():
+        return data
+    os.makedirs(data.root, exist_ok=True)
+    names, rows = [], []
+    for i, (w, h) in enumerate(SIZES):
+        name = f"img_{i:03d}.png"
+        blob = _png(w, h, i)
+        Path(data.root, name).write_bytes(blob)
+        names.append(name)
+        rows.append((w, h, None if i % 7 == 0 else f"a picture of shape {i % 4}", len(blob)))
+    table = pa.table({
+        "sample_id": pa.array(sample_ids(names), pa.uint64()), "filename": names,
+        "width": pa.array([r[0] for r in rows], pa.int32()), "height": pa.array([r[1] for r in rows], pa.int32()),
+        "caption": pa.array([r[2] for r in rows], pa.string()), "size": pa.array([r[3] for r in rows], pa.int64()),
+    })  # fmt: skip
+    samples, rejects = apply_buckets(table, SPEC)
+    assert rejects.num_rows == 0
+    write_manifest(data.manifest, samples, ERRORS_SCHEMA.empty_table(), source=data.root, spec=SPEC)
+    assert embed.run(_parse(embed, [data.manifest, "--out", data.cache, "--batch-size", "8",
+                                    "--shard-records", "8"])) == 0  # fmt: skip
+    for out, world, batch, epochs in ((data.plan2, 2, 2, 2), (data.plan1, 1, 4, 6)):
+        argv = [data.manifest, "--out", out, "--world-size", str(world), "--batch-size", str(batch),
+                "--epochs", str(epochs), "--seed", "3", "--cache", data.cache]  # fmt: skip
+        assert plan.run(_parse(plan, argv)) == 0
+    return data
+
+
+@pytest.fixture(scope="session")
+def train_data(tmp_path_factory, ray_local) -> TrainData:
+    """The session's tiny dataset, cache and plans (embedded with the default tiny encoders)."""
+    base = tmp_path_factory.getbasetemp() / "train-data"
+    old = os.environ.get("BUCKETEER_HOME")
+    os.environ["BUCKETEER_HOME"] = str(base / "home")  # default encoders built here, not in ~/.cache
+    try:
+        return build(base)
+    finally:
+        if old is None:
+            os.environ.pop("BUCKETEER_HOME", None)
+        else:
+            os.environ["BUCKETEER_HOME"] = old

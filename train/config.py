@@ -1,0 +1,116 @@
+"""Training settings: one flat dataclass, read from a YAML or JSON file; unknown keys are an error.
+
+A config file starts with the command that uses it (see ``train/configs/``). Every key is a field
+of :class:`TrainConfig`; ``model`` holds ``PixArtTransformer2DModel`` arguments (checked in
+:mod:`train.model`). Values left out keep the defaults below, which train the tiny default model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["TrainConfig", "load_config", "DEFAULT_CONFIG"]
+
+DEFAULT_CONFIG = Path(__file__).parent / "configs" / "tiny.yaml"
+LR_SCHEDULES = ("cosine", "linear", "constant")
+WEIGHTING_SCHEMES = ("logit_normal", "uniform", "mode")
+MIXED_PRECISION = ("no", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What a run is made with (the plan and the cache say what it is made of)."""
+
+    seed: int = 0
+    mixed_precision: str = "no"  # no | bf16 | fp16 (accelerate autocast; weights stay fp32)
+    # optimisation
+    lr: float = 1e-4
+    scale_lr: bool = False  # lr *= number of processes (linear scaling with the global batch)
+    weight_decay: float = 0.0
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    grad_accum: int = 1  # plan steps per optimizer step
+    lr_schedule: str = "cosine"  # cosine | linear | constant, after warmup; length from the plan
+    warmup_steps: int = 0  # optimizer steps
+    # rectified flow: timestep density (diffusers.training_utils.compute_density_for_timestep_sampling)
+    weighting_scheme: str = "logit_normal"
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    mode_scale: float = 1.29
+    # bookkeeping
+    checkpoint_every: int = 500  # plan steps; a multiple of grad_accum
+    keep_checkpoints: int = 2
+    log_every: int = 10  # plan steps
+    prefetch: int = 4  # batches read ahead of the model
+    model: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.mixed_precision in MIXED_PRECISION, f"mixed_precision must be one of {MIXED_PRECISION}"),
+            (self.lr_schedule in LR_SCHEDULES, f"lr_schedule must be one of {LR_SCHEDULES}"),
+            (self.weighting_scheme in WEIGHTING_SCHEMES, f"weighting_scheme must be one of {WEIGHTING_SCHEMES}"),
+            (self.lr > 0, "lr must be > 0"),
+            (self.grad_accum >= 1, "grad_accum must be >= 1"),
+            (self.warmup_steps >= 0, "warmup_steps must be >= 0"),
+            (self.checkpoint_every >= 1, "checkpoint_every must be >= 1"),
+            (self.checkpoint_every % self.grad_accum == 0, "checkpoint_every must be a multiple of grad_accum "
+                                                           "(a checkpoint is taken between optimizer steps)"),
+            (self.keep_checkpoints >= 1, "keep_checkpoints must be >= 1"),
+            (self.log_every >= 1, "log_every must be >= 1"),
+            (self.prefetch >= 1, "prefetch must be >= 1"),
+            (self.max_grad_norm > 0, "max_grad_norm must be > 0"),
+            (len(self.adam_betas) == 2, "adam_betas must be two numbers, e.g. [0.9, 0.999]"),
+        ]  # fmt: skip
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"config: {message}")
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def load_config(path: str | Path | None = None, **overrides: Any) -> TrainConfig:
+    """Read a YAML/JSON config file (default: the tiny config) and apply ``overrides``.
+
+    Raises ValueError naming the file and the key for unknown keys, wrong types or bad values,
+    and FileNotFoundError when the file does not exist.
+    """
+    import yaml
+
+    path = Path(path) if path else DEFAULT_CONFIG
+    text = path.read_text()
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        raise ValueError(f"config {path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {e}") from None
+    if not isinstance(data, (dict, type(None))):
+        raise ValueError(f"config {path} must be a mapping of settings, got {type(data).__name__}")
+    data = dict(data or {})
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ValueError(f"config {path}: unknown keys {unknown}; valid keys: {sorted(fields)}")
+    if "adam_betas" in data:
+        data["adam_betas"] = tuple(data["adam_betas"])
+    defaults = TrainConfig()
+    for name, value in data.items():
+        want = type(getattr(defaults, name))
+        if want is float and isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
+            try:
+                value = data[name] = float(value)
+            except ValueError:
+                pass
+        if want is float and isinstance(value, int) and not isinstance(value, bool):
+            value = data[name] = float(value)
+        if not isinstance(value, want) or isinstance(value, bool) != (want is bool):
+            raise ValueError(f"config {path}: {name} must be a {want.__name__}, got {value!r}")
+    try:
+        return TrainConfig(**data)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None

@@ -1,0 +1,266 @@
+"""This rank's batches: its own plan rows, records from the cache by ranged reads, read ahead in a thread.
+
+A rank reads only its plan files (``read_rank_plan``) and asks the :class:`CacheReader` for each
+step's sample ids: no listing, no per-sample objects. Each plan row becomes exactly one
+:class:`Batch`, in plan order, on this rank only. The loader is deliberately NOT a DataLoader
+handed to ``accelerator.prepare()``: prepare would re-shard it across ranks (BatchSamplerShard /
+IterableDatasetShard), i.e. shard a plan that is already sharded, and it fails on
+``batch_size=None``. Reading ahead happens in one background thread rather than DataLoader worker
+processes: fsspec's S3 clients are not fork-safe, each worker would hold its own copy of the cache
+index, and one ordered producer keeps batch order trivially equal to plan order.
+
+A record that is missing, truncated or fails its checksum stops the run with an error naming the
+sample, the shard and the fix (``bucketeer verify``), unless ``skip_bad_records`` is set: then the
+bad records are dropped from their batch, counted and reported (a batch with no good record left
+still stops the run: every rank must take every step).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from manifests.cache import CacheError, CacheReader
+from manifests.cache_format import SampleRecord, to_float32
+from manifests.plan import read_rank_plan
+from manifests.storage import redact
+
+__all__ = ["PlanStep", "Batch", "BadRecordError", "rank_steps", "collate", "BatchLoader"]
+
+
+class BadRecordError(ValueError):
+    """A cache record this rank needs is missing or corrupt (and skipping was not asked for)."""
+
+
+@dataclass(frozen=True)
+class PlanStep:
+    """One plan row of this rank: the samples of one step, all of one bucket."""
+
+    epoch: int
+    step: int
+    bucket: str
+    sample_ids: tuple[int, ...]
+
+
+def rank_steps(
+    plan_url: str, rank: int, storage_options: dict | None = None, *, start: tuple[int, int] = (0, 0)
+) -> list[PlanStep]:
+    """This rank's plan rows from position ``start = (epoch, first step not yet run)`` on, in order.
+
+    Reads ``_plan.json`` and this rank's files only. Raises PlanError (a ValueError) for a bad plan.
+    """
+    table = read_rank_plan(plan_url, rank, storage_options)
+    epochs = table.column("epoch").to_pylist()
+    steps = table.column("step").to_pylist()
+    buckets = table.column("bucket").to_pylist()
+    ids = table.column("sample_ids").to_pylist()
+    return [
+        PlanStep(e, s, b, tuple(i))
+        for e, s, b, i in zip(epochs, steps, buckets, ids)
+        if (e, s) >= start
+    ]
+
+
+@dataclass
+class Batch:
+    """The tensors of one step. Latents are scaled for the model: ``(latent - shift) * scale``.
+
+    ``latents`` (B, C, h, w); ``text`` (B, L, D): every text encoder's tokens padded to the
+    batch's longest caption L and concatenated on features; ``text_mask`` (B, L), 1 for a real
+    token; ``resolution`` (B, 2) original (height, width) in pixels; ``aspect_ratio`` (B, 1) bucket
+    height / width. ``skipped``: ids dropped as bad records (only with ``skip_bad_records``).
+    """
+
+    epoch: int
+    step: int
+    bucket: str
+    sample_ids: list[int]
+    latents: torch.Tensor
+    text: torch.Tensor
+    text_mask: torch.Tensor
+    resolution: torch.Tensor
+    aspect_ratio: torch.Tensor
+    skipped: list[int] = field(default_factory=list)
+
+    @property
+    def latent_positions(self) -> int:
+        """B * h * w: latent pixels in the batch (divide by patch_size**2 for transformer tokens)."""
+        b, _, h, w = self.latents.shape
+        return b * h * w
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
+        move = {k: getattr(self, k).to(device, non_blocking=non_blocking)
+                for k in ("latents", "text", "text_mask", "resolution", "aspect_ratio")}  # fmt: skip
+        return replace(self, **move)
+
+    def pin_memory(self) -> "Batch":
+        return replace(self, **{k: getattr(self, k).pin_memory()
+                                for k in ("latents", "text", "text_mask", "resolution", "aspect_ratio")})  # fmt: skip
+
+
+def collate(records: Sequence[SampleRecord], step: PlanStep, *, scaling_factor: float, shift_factor: float) -> Batch:
+    """Stack one step's records (one bucket) into a :class:`Batch`.
+
+    Raises ValueError when a record's bucket is not the plan's (plan and cache from different
+    manifests) or a record has no text embeddings.
+    """
+    for r in records:
+        if r.bucket != step.bucket:
+            raise ValueError(f"sample {r.sample_id}: the cache says bucket {r.bucket}, the plan (epoch {step.epoch} "
+                             f"step {step.step}) says {step.bucket}; plan and cache come from different manifests")  # fmt: skip
+        if r.text is None:
+            raise ValueError(f"sample {r.sample_id} has no text embeddings in the cache; run `bucketeer verify`")
+    latents = np.stack([to_float32(r.latent, r.dtype) for r in records])  # (B, C, h, w)
+    latents = (latents - shift_factor) * scaling_factor
+    dims = [t.shape[1] for t in records[0].text.tokens]
+    length = max(t.shape[0] for r in records for t in r.text.tokens)
+    text = np.zeros((len(records), length, sum(dims)), np.float32)  # (B, L, D)
+    mask = np.zeros((len(records), length), np.float32)  # (B, L)
+    for b, r in enumerate(records):
+        col = 0
+        for tokens, d in zip(r.text.tokens, dims):
+            text[b, : len(tokens), col : col + d] = to_float32(tokens, r.text.dtype)
+            mask[b, : len(tokens)] = 1.0
+            col += d
+    resolution = np.asarray([r.original_size for r in records], np.float32)  # (B, 2) (h, w)
+    aspect = np.asarray([[r.target_size[0] / r.target_size[1]] for r in records], np.float32)  # (B, 1)
+    return Batch(
+        epoch=step.epoch,
+        step=step.step,
+        bucket=step.bucket,
+        sample_ids=[r.sample_id for r in records],
+        latents=torch.from_numpy(np.ascontiguousarray(latents, np.float32)),
+        text=torch.from_numpy(text),
+        text_mask=torch.from_numpy(mask),
+        resolution=torch.from_numpy(resolution),
+        aspect_ratio=torch.from_numpy(aspect),
+    )
+
+
+_DONE = object()
+
+
+class BatchLoader:
+    """Iterate :class:`Batch` es for ``steps`` in order, ``prefetch`` batches ahead, in one thread.
+
+    ``latent_info`` is ``_cache.json["latent"]`` (scaling and shift factors). ``log`` receives one
+    line per skipped record. ``skipped`` counts the records dropped so far.
+    """
+
+    def __init__(
+        self,
+        reader: CacheReader,
+        steps: Sequence[PlanStep],
+        latent_info: dict[str, Any],
+        *,
+        rank: int = 0,
+        prefetch: int = 4,
+        skip_bad_records: bool = False,
+        pin_memory: bool = False,
+        log: Callable[[str], None] = print,
+    ):
+        self.reader = reader
+        self.steps = list(steps)
+        self.scaling_factor = float(latent_info.get("scaling_factor") or 1.0)
+        self.shift_factor = float(latent_info.get("shift_factor") or 0.0)
+        self.rank = rank
+        self.prefetch = prefetch
+        self.skip_bad_records = skip_bad_records
+        self.pin_memory = pin_memory
+        self.log = log
+        self.skipped = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._check_ids()
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def _check_ids(self) -> None:
+        """Fail before the first step when the plan names samples the cache index lacks."""
+        if not self.steps:
+            return
+        wanted = np.unique(np.concatenate([np.asarray(s.sample_ids, np.uint64) for s in self.steps]))
+        missing = np.setdiff1d(wanted, self.reader.sample_ids)
+        if len(missing) and not self.skip_bad_records:
+            url = redact(self.reader.url)
+            raise BadRecordError(
+                f"rank {self.rank}: {len(missing)} samples of the plan are not in cache {url} "
+                f"(e.g. {missing[:5].tolist()}): the plan was made for another cache, or records were lost. "
+                f"Run `bucketeer verify {url}`, re-plan with `bucketeer plan ... --cache {url}`, "
+                "or pass --skip-bad-records to train without them."
+            )
+        if len(missing):
+            self.log(f"rank {self.rank}: {len(missing)} planned samples are not in the cache; they will be skipped")
+
+    def _read(self, step: PlanStep) -> Batch:
+        try:
+            records = self.reader.read(step.sample_ids)
+            skipped: list[int] = []
+        except CacheError as e:
+            if not self.skip_bad_records:
+                raise BadRecordError(f"rank {self.rank} epoch {step.epoch} step {step.step}: {e}. "
+                                     "To train on without bad records, pass --skip-bad-records.") from None  # fmt: skip
+            records, skipped = [], []
+            for sid in step.sample_ids:  # find the bad ones: one read each
+                try:
+                    records.extend(self.reader.read([sid]))
+                except CacheError as bad:
+                    skipped.append(sid)
+                    self.log(f"skipping bad record (--skip-bad-records): {bad}")
+            if not records:
+                raise BadRecordError(f"rank {self.rank} epoch {step.epoch} step {step.step}: all {len(skipped)} "
+                                     "records are bad; ranks cannot stay in step. Run `bucketeer verify`.") from None  # fmt: skip
+            self.skipped += len(skipped)
+        batch = collate(records, step, scaling_factor=self.scaling_factor, shift_factor=self.shift_factor)
+        batch.skipped = skipped
+        return batch.pin_memory() if self.pin_memory else batch
+
+    def _produce(self, out: queue.Queue) -> None:
+        try:
+            for step in self.steps:
+                item: Any = self._read(step)
+                while not self._stop.is_set():
+                    try:
+                        out.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+            item = _DONE
+        except BaseException as e:  # handed to the training thread, which raises it
+            item = e
+        while not self._stop.is_set():
+            try:
+                out.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def __iter__(self) -> Iterator[Batch]:
+        assert self._thread is None, "a BatchLoader is iterated once"
+        out: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        self._thread = threading.Thread(target=self._produce, args=(out,), name="bucketeer-prefetch", daemon=True)
+        self._thread.start()
+        try:
+            while True:
+                item = out.get()
+                if item is _DONE:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop the reading thread (safe to call twice)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)

@@ -1,0 +1,119 @@
+"""The model (a diffusers PixArt-style transformer) and the rectified-flow training objective.
+
+The transformer is conditioned on the cached text embeddings (padded per batch, with a mask) and,
+when ``use_additional_conditions`` is on, on PixArt's micro-conditioning: the original image
+size (``resolution``) and the bucket's aspect ratio. Shapes: latents ``(B, C, h, w)``, text
+``(B, L, D)`` with mask ``(B, L)``.
+
+Objective (rectified flow, as in SD3): ``x_t = (1 - t) x0 + t eps``, the model predicts the
+velocity ``eps - x0`` from ``(x_t, 1000 t, text)``; ``t`` is drawn from
+``compute_density_for_timestep_sampling``. Noise and ``t`` come from a generator seeded by the
+plan position ``(seed, epoch, step, rank)``, so a resumed run draws exactly what an uninterrupted
+run would have drawn, whatever RNG state the checkpoint restored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from typing import Any
+
+import torch
+
+__all__ = ["build_model", "model_arguments", "step_generator", "flow_matching_loss"]
+
+# PixArt-alpha's layout, shrunk: what trains in seconds on a CPU
+TINY = {
+    "num_layers": 2,
+    "num_attention_heads": 2,
+    "attention_head_dim": 24,
+    "patch_size": 2,
+    "sample_size": 8,
+    "use_additional_conditions": True,
+}
+# set from the cache: a config may not contradict what the records hold
+DERIVED = ("in_channels", "out_channels", "caption_channels", "cross_attention_dim")
+
+
+def model_arguments(model_cfg: dict[str, Any], *, latent_channels: int, caption_channels: int) -> dict[str, Any]:
+    """``PixArtTransformer2DModel`` keyword arguments: TINY, then the config, then what the cache fixes.
+
+    Raises ValueError for a key the class does not take or one that the cache determines.
+    """
+    from diffusers import PixArtTransformer2DModel
+
+    accepted = set(inspect.signature(PixArtTransformer2DModel.__init__).parameters) - {"self"}
+    unknown = sorted(set(model_cfg) - accepted)
+    if unknown:
+        raise ValueError(f"config model: unknown keys {unknown}; PixArtTransformer2DModel takes {sorted(accepted)}")
+    fixed = sorted(set(model_cfg) & set(DERIVED))
+    if fixed:
+        raise ValueError(f"config model: {fixed} come from the cache (latent channels, text width); remove them")
+    args = {**TINY, **model_cfg}
+    inner = args["num_attention_heads"] * args["attention_head_dim"]
+    if args.get("use_additional_conditions") and inner % 3:
+        raise ValueError(f"config model: num_attention_heads x attention_head_dim = {inner} must be divisible by 3 "
+                         "with use_additional_conditions (timestep, size and aspect embeddings share the width)")
+    args.update(
+        in_channels=latent_channels,
+        out_channels=latent_channels,  # a velocity, not PixArt's learned-sigma pair
+        caption_channels=caption_channels,
+        cross_attention_dim=inner,
+    )
+    return args
+
+
+def build_model(model_cfg: dict[str, Any], *, latent_channels: int, caption_channels: int) -> torch.nn.Module:
+    """A freshly initialised PixArt transformer for latents of ``latent_channels`` and text of width ``caption_channels``."""
+    from diffusers import PixArtTransformer2DModel
+
+    return PixArtTransformer2DModel(**model_arguments(model_cfg, latent_channels=latent_channels,
+                                                      caption_channels=caption_channels))  # fmt: skip
+
+
+def step_generator(seed: int, epoch: int, step: int, rank: int) -> torch.Generator:
+    """A CPU generator that is a pure function of the plan position (see the module docstring)."""
+    digest = hashlib.blake2b(f"{seed}:{epoch}:{step}:{rank}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
+
+
+def flow_matching_loss(
+    model: torch.nn.Module,
+    latents: torch.Tensor,
+    text: torch.Tensor,
+    text_mask: torch.Tensor,
+    added_cond: dict[str, torch.Tensor],
+    generator: torch.Generator,
+    *,
+    weighting_scheme: str = "logit_normal",
+    logit_mean: float = 0.0,
+    logit_std: float = 1.0,
+    mode_scale: float = 1.29,
+) -> torch.Tensor:
+    """Mean squared error between predicted and true velocity, a scalar.
+
+    ``latents``: (B, C, h, w), already scaled by the VAE's scaling factor. ``added_cond``: PixArt's
+    ``resolution`` (B, 2) and ``aspect_ratio`` (B, 1), ignored by a model without micro-conditioning.
+    Noise and timesteps are drawn on the CPU from ``generator`` (reproducible on any device).
+    """
+    from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
+
+    b = latents.shape[0]
+    u = compute_density_for_timestep_sampling(
+        weighting_scheme, b, logit_mean=logit_mean, logit_std=logit_std, mode_scale=mode_scale, generator=generator
+    )  # (B,) in [0, 1]
+    noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32)
+    t = u.to(latents.device, torch.float32).view(b, 1, 1, 1)  # (B, 1, 1, 1)
+    noise = noise.to(latents.device)
+    noisy = (1.0 - t) * latents + t * noise
+    pred = model(
+        noisy,
+        encoder_hidden_states=text,
+        encoder_attention_mask=text_mask,
+        timestep=u.to(latents.device) * 1000.0,  # PixArt embeds timesteps on DDPM's 0..1000 scale
+        added_cond_kwargs=added_cond,
+        return_dict=False,
+    )[0]
+    target = noise - latents
+    weight = compute_loss_weighting_for_sd3(weighting_scheme, sigmas=t)  # (B, 1, 1, 1); ones for logit_normal
+    return (weight.float() * (pred.float() - target.float()) ** 2).mean()
