@@ -1,0 +1,115 @@
+"""Captions: sidecar ``.txt`` / ``.caption`` files next to the images, or one metadata table.
+
+Decoding (:func:`decode_caption`): a UTF-8 (or UTF-16) byte-order mark is stripped; bytes that
+are not valid UTF-8 are read as Windows-1252 (what Windows editors write; it covers Latin-1's
+printable range), and, where even that fails, as Latin-1, which maps every byte: a caption is
+never a crash. All whitespace runs (newlines, CRLF, tabs) collapse to one space and the ends are
+stripped; a caption that is empty after that is null.
+
+The table (``--captions URL``) is parquet, jsonl or csv with a filename column (``filename``,
+``file_name``, ``path`` or ``image``) and a caption column (``caption``, ``text`` or ``prompt``);
+filenames are relative to the dataset root.
+"""
+
+from __future__ import annotations
+
+import codecs
+import io
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.csv as pcsv
+import pyarrow.json as pjson
+import pyarrow.parquet as pq
+
+from manifests.storage import open_url, redact
+
+__all__ = ["SIDECAR_EXTENSIONS", "decode_caption", "normalise_caption", "sidecar_stem", "load_caption_table"]
+
+SIDECAR_EXTENSIONS = (".txt", ".caption")  # when both exist, .txt wins
+_FILENAME_COLUMNS = ("filename", "file_name", "path", "image")
+_CAPTION_COLUMNS = ("caption", "text", "prompt")
+
+
+def normalise_caption(text: str | None) -> str | None:
+    """Collapse whitespace runs (newlines included) to one space and strip; empty gives None."""
+    if text is None:
+        return None
+    text = " ".join(text.replace("\ufeff", " ").split())
+    return text or None
+
+
+def decode_caption(data: bytes) -> str | None:
+    """Decode a sidecar file's bytes (see the module docstring for the fallbacks) and normalise."""
+    if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        try:
+            return normalise_caption(data.decode("utf-16"))
+        except UnicodeDecodeError:
+            pass
+    if data.startswith(codecs.BOM_UTF8):
+        data = data[len(codecs.BOM_UTF8) :]
+    for encoding in ("utf-8", "cp1252"):
+        try:
+            return normalise_caption(data.decode(encoding))
+        except UnicodeDecodeError:
+            continue
+    return normalise_caption(data.decode("latin-1"))
+
+
+def sidecar_stem(filename: str) -> str:
+    """``a/b/img.jpg`` -> ``a/b/img``: the name a sidecar caption shares with its image."""
+    head, _, base = filename.rpartition("/")
+    stem = base.rsplit(".", 1)[0] if "." in base else base
+    return f"{head}/{stem}" if head else stem
+
+
+def _clean_name(name: str) -> str:
+    name = name.replace("\\", "/")
+    while name.startswith("./"):
+        name = name[2:]
+    return name.lstrip("/")
+
+
+def load_caption_table(url: str, storage_options: dict[str, Any] | None = None) -> dict[str, str | None]:
+    """Read ``--captions URL`` into ``{filename: caption}`` (captions normalised).
+
+    Raises FileNotFoundError when the table is missing, ValueError for an unknown format,
+    missing columns or a filename given twice with different captions.
+    """
+    fs, path = open_url(url, storage_options)
+    try:
+        with fs.open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--captions {redact(url)}: no such file") from None
+    suffix = path.lower().rsplit(".", 1)[-1]
+    try:
+        if suffix == "parquet":
+            table = pq.read_table(io.BytesIO(data))
+        elif suffix in ("jsonl", "ndjson", "json"):
+            table = pjson.read_json(io.BytesIO(data))
+        elif suffix in ("csv", "tsv"):
+            parse = pcsv.ParseOptions(delimiter="\t" if suffix == "tsv" else ",", newlines_in_values=True)
+            table = pcsv.read_csv(io.BytesIO(data), parse_options=parse)
+        else:
+            raise ValueError(f"--captions {redact(url)}: unknown table format '.{suffix}'; use .parquet, .jsonl or .csv")
+    except pa.ArrowInvalid as e:
+        raise ValueError(f"--captions {redact(url)}: cannot parse it as {suffix}: {e}") from None
+    name_col = next((c for c in _FILENAME_COLUMNS if c in table.column_names), None)
+    text_col = next((c for c in _CAPTION_COLUMNS if c in table.column_names), None)
+    if name_col is None or text_col is None:
+        raise ValueError(
+            f"--captions {redact(url)} has columns {table.column_names}; it needs a filename column "
+            f"(one of {list(_FILENAME_COLUMNS)}) and a caption column (one of {list(_CAPTION_COLUMNS)})"
+        )
+    names = table.column(name_col).cast(pa.string()).to_pylist()
+    texts = table.column(text_col).cast(pa.string()).to_pylist()
+    out: dict[str, str | None] = {}
+    for row, (name, text) in enumerate(zip(names, texts)):
+        if name is None:
+            raise ValueError(f"--captions {redact(url)}: row {row} has no {name_col}")
+        key, caption = _clean_name(name), normalise_caption(text)
+        if key in out and out[key] != caption:
+            raise ValueError(f"--captions {redact(url)}: {key!r} appears twice with different captions (row {row})")
+        out[key] = caption
+    return out

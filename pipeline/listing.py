@@ -1,0 +1,322 @@
+"""List a dataset once: image files (by extension) with size, ETag and mtime, and caption sidecars.
+
+Object stores list keys in pages of 1,000 and each page needs the previous page's last key, so a
+million-key prefix is a 1,000-request chain. :func:`list_source` splits the key space instead: each
+ListObjectsV2 call covers a key range ``(after, upto]``; when a page comes back truncated, the
+rest of the range is cut in two at a key between the last key seen and the range's end, and both
+halves are listed in parallel. The split is exact whatever the key distribution (a badly placed
+cut only costs one request that finds nothing). Other filesystems use ``fs.find``.
+
+A rescan compares the listing with the previous manifest (:func:`plan_rescan`): unchanged files
+(same size and ETag, or mtime where the store has no ETag) keep their rows and are not read.
+
+Images: ``jpg jpeg png webp gif bmp tif tiff`` in any case. Hidden files and folders (any path
+part starting with ``.``, so also macOS ``._*`` AppleDouble files) and other files are skipped and
+counted as ``ignored``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from fsspec import AbstractFileSystem
+
+from manifests.manifest import ManifestError, conform, read_manifest
+from manifests.schema import ERRORS_SCHEMA, SAMPLES_SCHEMA
+from manifests.storage import is_local, redact
+from pipeline.captions import SIDECAR_EXTENSIONS, sidecar_stem
+from pipeline.retry import with_retries
+
+__all__ = ["IMAGE_EXTENSIONS", "IMAGE_SCHEMA", "FileEntry", "Listing", "RescanPlan", "list_source", "classify", "plan_rescan"]
+
+IMAGE_SCHEMA = pa.schema([f for f in SAMPLES_SCHEMA if f.name != "bucket"])  # a sample before bucketing
+IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff"})
+PAGE_SIZE = 1000  # the S3 maximum per ListObjectsV2 call
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One listed file: ``name`` relative to the root (``/``-separated), size in bytes, ETag, mtime (s)."""
+
+    name: str
+    size: int
+    etag: str | None
+    mtime: float | None
+
+
+@dataclass
+class Listing:
+    images: list[FileEntry] = field(default_factory=list)
+    sidecars: dict[str, FileEntry] = field(default_factory=dict)  # image stem -> its caption file
+    ignored_hidden: int = 0
+    ignored_other: int = 0
+    requests: int = 0
+    seconds: float = 0.0
+
+    @property
+    def ignored(self) -> int:
+        return self.ignored_hidden + self.ignored_other
+
+
+def classify(name: str) -> str:
+    """``image``, ``sidecar``, ``hidden`` or ``other`` for a root-relative file name."""
+    if any(part.startswith(".") for part in name.split("/")):
+        return "hidden"
+    ext = name.rsplit(".", 1)[-1].lower() if "." in name.rsplit("/", 1)[-1] else ""
+    if ext in IMAGE_EXTENSIONS:
+        return "image"
+    if f".{ext}" in SIDECAR_EXTENSIONS:
+        return "sidecar"
+    return "other"
+
+
+def list_source(fs: AbstractFileSystem, root: str, *, page_size: int = PAGE_SIZE, workers: int = 16) -> Listing:
+    """List everything under ``root`` once and sort it into images, sidecars and ignored files.
+
+    Raises FileNotFoundError when a local root does not exist; storage errors (403, missing
+    bucket) propagate from the filesystem.
+    """
+    start = time.perf_counter()
+    if hasattr(fs, "call_s3"):
+        entries, requests = _list_s3(fs, root, page_size, workers)
+    else:
+        if is_local(fs) and not fs.isdir(root):
+            raise FileNotFoundError(f"source folder {root} does not exist")
+        found = with_retries(lambda: fs.find(root, detail=True, withdirs=False))
+        prefix = fs._strip_protocol(root).rstrip("/") + "/"
+        outside = next((p for p in found if not p.startswith(prefix)), None)
+        if outside is not None:  # e.g. a relative root on a filesystem that returns absolute paths
+            raise ValueError(f"listing {root} returned {outside}, which is not under it; give an absolute path")
+        entries = [_entry(path[len(prefix) :], info) for path, info in found.items()]
+        requests = 1
+    listing = Listing(requests=requests)
+    for entry in entries:
+        kind = classify(entry.name)
+        if kind == "image":
+            listing.images.append(entry)
+        elif kind == "sidecar":
+            stem = sidecar_stem(entry.name)
+            current = listing.sidecars.get(stem)
+            # .txt wins over .caption whatever order the store lists them in
+            if current is None or SIDECAR_EXTENSIONS.index(_ext(entry.name)) < SIDECAR_EXTENSIONS.index(_ext(current.name)):
+                listing.sidecars[stem] = entry
+        elif kind == "hidden":
+            listing.ignored_hidden += 1
+        else:
+            listing.ignored_other += 1
+    listing.images.sort(key=lambda e: e.name)
+    listing.seconds = time.perf_counter() - start
+    return listing
+
+
+def _ext(name: str) -> str:
+    return "." + name.rsplit(".", 1)[-1].lower()
+
+
+def _mtime(value: Any) -> float | None:
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, _dt.datetime):
+        return value.timestamp()
+    return None
+
+
+def _entry(name: str, info: dict[str, Any]) -> FileEntry:
+    etag = info.get("ETag") or info.get("etag")
+    mtime = _mtime(info.get("mtime", info.get("LastModified", info.get("created"))))
+    return FileEntry(name, int(info.get("size") or 0), etag.strip('"') if etag else None, mtime)
+
+
+def _list_s3(fs: AbstractFileSystem, root: str, page_size: int, workers: int) -> tuple[list[FileEntry], int]:
+    bucket, _, key_prefix = root.partition("/")
+    prefix = f"{key_prefix.rstrip('/')}/" if key_prefix else ""
+
+    def page(after: str | None, upto: str | None) -> tuple[list[FileEntry], str | None, bool]:
+        """One ListObjectsV2 call over keys in (after, upto]: entries, last key, more to come."""
+        kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": page_size}
+        if after is not None:
+            kwargs["StartAfter"] = after
+        response = with_retries(lambda: fs.call_s3("list_objects_v2", **kwargs))
+        out = []
+        contents = response.get("Contents", [])
+        for obj in contents:
+            if upto is not None and obj["Key"] > upto:
+                return out, None, False
+            if not obj["Key"].endswith("/"):  # folder markers are not files
+                out.append(_entry(obj["Key"][len(prefix) :], {**obj, "size": obj["Size"]}))
+        more = bool(response.get("IsTruncated")) and bool(contents)
+        return out, (contents[-1]["Key"] if contents else None), more
+
+    entries: list[FileEntry] = []
+    requests = 0
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="list") as pool:
+        pending = {pool.submit(page, None, None): None}  # future -> its range's upper bound
+        while pending:
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for future in done:
+                upto = pending.pop(future)
+                found, last, more = future.result()
+                requests += 1
+                entries.extend(found)
+                if not more or last is None:
+                    continue
+                mid = _between(last, upto, prefix) if len(pending) < workers else None
+                if mid is None:
+                    pending[pool.submit(page, last, upto)] = upto
+                else:
+                    pending[pool.submit(page, last, mid)] = mid
+                    pending[pool.submit(page, mid, upto)] = upto
+    return entries, requests
+
+
+def _between(lo: str, hi: str | None, prefix: str, digits: int = 6) -> str | None:
+    """A key strictly between ``lo`` and ``hi`` (``None``: no upper bound), or None if none is found.
+
+    Keys are compared as code points (S3 orders by UTF-8 bytes, which is the same order). The
+    midpoint is taken in base 96 over printable ASCII after the common prefix; any key works as a
+    cut, so a non-ASCII key space only makes the cut less even, never wrong.
+    """
+    common = prefix
+    if hi is not None:
+        n = 0
+        while n < min(len(lo), len(hi)) and lo[n] == hi[n]:
+            n += 1
+        common = lo[:n]
+    base, first = 96, 0x20
+
+    def value(s: str | None) -> int:
+        rest = s[len(common) :] if s is not None else ""
+        out = 0
+        for i in range(digits):
+            d = base - 1 if s is None else (min(max(ord(rest[i]) - first, 0), base - 1) if i < len(rest) else 0)
+            out = out * base + d
+        return out
+
+    mid = (value(lo) + value(hi)) // 2
+    chars = []
+    for _ in range(digits):
+        mid, d = divmod(mid, base)
+        chars.append(chr(first + d))
+    candidate = common + "".join(reversed(chars)).rstrip(" ")
+    if candidate > lo and (hi is None or candidate < hi):
+        return candidate
+    return None
+
+
+# --- incremental rescans: what changed since the previous manifest ------------------------------
+
+# a sidecar edited this long before the previous scan started may have been read before the edit
+_CLOCK_SKEW_S = 300.0
+
+
+@dataclass
+class RescanPlan:
+    work: list[tuple[str, int, bool, str | None]]  # (name, size, probe image?, sidecar to read)
+    reused_images: pa.Table  # IMAGE_SCHEMA rows of unchanged files, caption as before
+    reused_errors: pa.Table  # ERRORS_SCHEMA rows of unchanged broken files
+    kept_captions: set[str]  # reused images whose previous caption still holds
+    reused: int = 0
+    new: int = 0
+    changed: int = 0
+    deleted: int = 0
+    previous: str | None = None
+
+
+def _unchanged(entry: FileEntry, size: int | None, etag: str | None, mtime: float | None) -> bool:
+    if size != entry.size:
+        return False
+    if entry.etag and etag:
+        return entry.etag == etag
+    return entry.mtime is not None and mtime is not None and entry.mtime == mtime
+
+
+def plan_rescan(
+    listing: Listing,
+    out: str,
+    previous: str | None,
+    storage_options: dict[str, Any] | None,
+    max_pixels: int,
+    captions: str | None,
+    table: dict[str, str | None] | None,
+) -> RescanPlan:
+    """Split the listed images into rows to reuse from the previous manifest and files to read.
+
+    The previous manifest is ``previous`` or, when absent, a committed one at ``out``. Error rows
+    of kind ``read_failed`` are always re-read, ``too_many_pixels`` when ``--max-pixels`` changed.
+    Sidecar captions of reused rows are re-read when the sidecar changed after the previous scan
+    started (by mtime) or the previous caption was null.
+    """
+    old = None
+    try:
+        old = read_manifest(previous or out, storage_options)
+    except ManifestError:
+        if previous:
+            raise
+    entries = {e.name: e for e in listing.images}
+    empty = RescanPlan([], IMAGE_SCHEMA.empty_table(), ERRORS_SCHEMA.empty_table(), set())
+    if old is None:
+        empty.work = [(e.name, e.size, True, _sidecar(listing, e.name, table)) for e in listing.images]
+        empty.new = len(listing.images)
+        return empty
+
+    prev_summary = old.meta.get("summary", {})
+    small = pc.equal(old.errors.column("error"), "too_small")
+    images = pa.concat_tables([conform(old.samples, IMAGE_SCHEMA), conform(old.errors.filter(small), IMAGE_SCHEMA)])
+    redo = {"read_failed"} | ({"too_many_pixels"} if prev_summary.get("max_pixels") != max_pixels else set())
+    errors = old.errors.filter(pc.invert(small))
+    errors = errors.filter(pc.invert(pc.is_in(errors.column("error"), pa.array(sorted(redo)))))
+    redo_names = set(old.errors.column("filename").to_pylist()) - set(errors.column("filename").to_pylist())
+    redo_names -= set(images.column("filename").to_pylist())
+
+    since = prev_summary.get("started_at_epoch")
+    same_captions = prev_summary.get("captions") == (redact(captions) if captions else "sidecars")
+    plan = RescanPlan([], images, errors, set(), previous=redact(previous or out))
+    seen: set[str] = set()
+    keep_image, keep_error = [], []
+    for kind, tab, keep in (("image", images, keep_image), ("error", errors, keep_error)):
+        cols = tab.select(["filename", "size", "etag", "mtime"]).to_pydict()
+        caps = tab.column("caption").to_pylist()
+        for i, name in enumerate(cols["filename"]):
+            entry = entries.get(name)
+            if entry is None or not _unchanged(entry, cols["size"][i], cols["etag"][i], cols["mtime"][i]):
+                keep.append(False)
+                continue
+            keep.append(True)
+            seen.add(name)
+            sidecar = _sidecar(listing, name, table) if kind == "image" else None
+            fresh = sidecar is not None and (
+                not same_captions or caps[i] is None or since is None
+                or (listing.sidecars[sidecar_stem(name)].mtime or float("inf")) >= since - _CLOCK_SKEW_S
+            )  # fmt: skip
+            if fresh:
+                plan.work.append((name, entry.size, False, sidecar))
+            elif sidecar is not None:
+                plan.kept_captions.add(name)
+    plan.reused_images = images.filter(pa.array(keep_image, pa.bool_()))
+    plan.reused_errors = errors.filter(pa.array(keep_error, pa.bool_()))
+    previous_names = set(images.column("filename").to_pylist()) | set(errors.column("filename").to_pylist()) | redo_names
+    for e in listing.images:
+        if e.name not in seen:
+            plan.work.append((e.name, e.size, True, _sidecar(listing, e.name, table)))
+            if e.name in previous_names:
+                plan.changed += 1
+            else:
+                plan.new += 1
+    plan.reused = len(seen)
+    plan.deleted = len(previous_names - set(entries))
+    plan.work.sort()
+    return plan
+
+
+def _sidecar(listing: Listing, name: str, table: dict[str, str | None] | None) -> str | None:
+    """The sidecar to read for ``name``: none when the caption table already has it."""
+    if table is not None and name in table:
+        return None
+    entry = listing.sidecars.get(sidecar_stem(name))
+    return entry.name if entry else None

@@ -1,0 +1,75 @@
+"""A small, varied, deterministic image dataset for demos: shapes, formats, captions, a few broken files.
+
+``make_sample_dataset(folder, n=300)`` writes ``n`` images of several aspect ratios (JPEG, PNG and
+WebP; some with an EXIF orientation that rotates them), ``.txt`` captions for most of them, and a
+handful of broken files (truncated, empty, HTML saved as .jpg) that a scan must report as errors.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+__all__ = ["make_sample_dataset"]
+
+# (width, height) shapes in the ratios photo datasets have: square, 4:3, 3:2, 16:9, 2:1 and portraits
+SHAPES = ((512, 512), (576, 432), (432, 576), (600, 400), (400, 600), (640, 360), (360, 640), (640, 320), (480, 480))
+SUBJECTS = ("a red fox", "a mountain lake", "an old bicycle", "a bowl of ramen", "a city at night", "a tabby cat")
+STYLES = ("photo", "watercolour painting", "pencil sketch", "35mm film still")
+
+
+def _picture(rng: np.random.Generator, w: int, h: int) -> Image.Image:
+    # a coarse random colour field, upscaled smoothly, plus fine noise: compresses like a photo
+    # and renders in about a millisecond
+    coarse = rng.integers(0, 256, (max(2, h // 64), max(2, w // 64), 3), dtype=np.uint8)  # (h/64, w/64, 3)
+    smooth = np.asarray(Image.fromarray(coarse, "RGB").resize((w, h), Image.Resampling.BICUBIC), np.int16)  # (h, w, 3)
+    noisy = smooth + rng.integers(-6, 7, (h, w, 1), dtype=np.int16)  # (h, w, 3)
+    return Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8), "RGB")
+
+
+def make_sample_dataset(folder: str | Path, n: int = 300, seed: int = 0) -> dict[str, Any]:
+    """Write ``n`` images (plus a few broken files) under ``folder``; returns what was written.
+
+    The summary has ``images`` (usable), ``broken``, ``captioned``, ``rotated`` (EXIF 6/8),
+    ``formats`` (count per format) and ``folder``. Same ``seed``, same files.
+    """
+    root = Path(folder)
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    formats = {"JPEG": 0, "PNG": 0, "WEBP": 0}
+    captioned = rotated = 0
+    for i in range(n):
+        w, h = SHAPES[i % len(SHAPES)]
+        fmt = ("JPEG", "JPEG", "JPEG", "PNG", "WEBP")[int(rng.integers(5))]
+        ext = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}[fmt]
+        path = root / f"part{i % 4}" / f"img_{i:05d}.{ext}"
+        path.parent.mkdir(exist_ok=True)
+        kwargs: dict[str, Any] = {"quality": 85} if fmt != "PNG" else {}
+        if fmt != "PNG" and rng.random() < 0.1:  # a camera held sideways: stored landscape, shown portrait
+            exif = Image.Exif()
+            exif[0x0112] = int(rng.choice([6, 8]))
+            kwargs["exif"] = exif.tobytes()
+            rotated += 1
+        buf = io.BytesIO()
+        _picture(rng, w, h).save(buf, fmt, **kwargs)
+        path.write_bytes(buf.getvalue())
+        formats[fmt] += 1
+        if rng.random() < 0.85:
+            subject, style = SUBJECTS[int(rng.integers(len(SUBJECTS)))], STYLES[int(rng.integers(len(STYLES)))]
+            path.with_suffix(".txt").write_text(f"{style} of {subject}, number {i}\n")
+            captioned += 1
+    broken_dir = root / "broken"
+    broken_dir.mkdir(exist_ok=True)
+    good = next(iter(sorted((root / "part0").glob("*.jpg"))), None)
+    head = good.read_bytes()[:200] if good else b"\xff\xd8\xff\xe0"
+    broken = {"truncated.jpg": head, "empty.png": b"", "error_page.jpg": b"<!DOCTYPE html><html>403 Forbidden</html>"}
+    for name, data in broken.items():
+        (broken_dir / name).write_bytes(data)
+    return {
+        "folder": str(root), "images": n, "broken": len(broken), "captioned": captioned,
+        "rotated": rotated, "formats": formats,
+    }  # fmt: skip
