@@ -37,9 +37,12 @@ _URL_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
 # AWS-style key ids and anything following "secret"/"signature"-like words in free text
 _AWS_KEY_ID = re.compile(r"\b(AKIA|ASIA)[A-Z0-9]{12,}\b")
 _KV_SECRET = re.compile(
-    r"(?i)((?:aws_)?(?:secret(?:_access)?_key|session_token|token|password|signature|credential)"
+    r"(?i)((?:aws_)?(?:secret(?:_access)?_key|secret|session_token|token|password|signature|credential)"
     r"[\"']?\s*[:=]\s*[\"']?)[^\s\"',}&]+"
 )
+
+
+_SECRET_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 
 
 class StorageError(RuntimeError):
@@ -108,8 +111,23 @@ def public_options(storage_options: dict[str, Any] | None) -> dict[str, Any]:
     return out
 
 
-def redact(text: str) -> str:
-    """Remove credentials from a URL or message: userinfo in URLs, AWS key ids, ``secret=…`` pairs."""
+def redact(text: str, storage_options: dict[str, Any] | None = None) -> str:
+    """Remove credentials from a URL or message.
+
+    Removes userinfo in URLs, AWS key ids and ``secret=…``-style pairs; and, because a storage
+    library may echo a credential in a form no pattern knows, the literal secret values found in
+    ``storage_options`` and the standard AWS environment variables, wherever they appear.
+    """
+    secrets = [os.environ.get(k, "") for k in _SECRET_ENV]
+    stack = [storage_options or {}]
+    while stack:
+        for k, v in stack.pop().items():
+            if isinstance(v, dict):
+                stack.append(v)
+            elif isinstance(v, str) and _SECRET_KEYS.search(k):
+                secrets.append(v)
+    for secret in sorted({x for x in secrets if len(x) >= 4}, key=len, reverse=True):
+        text = text.replace(secret, "***")
     text = _URL_USERINFO.sub(r"\g<scheme>***@", text)
     text = _AWS_KEY_ID.sub("***", text)
     return _KV_SECRET.sub(r"\1***", text)

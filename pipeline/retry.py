@@ -10,15 +10,13 @@ layer that also covers other fsspec filesystems.
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import re
 import time
-from typing import Any, Callable, TypeVar
+from typing import Callable, TypeVar
 
-from manifests.storage import redact
 
-__all__ = ["is_transient", "is_permanent", "with_retries", "scrub"]
+__all__ = ["is_transient", "is_permanent", "with_retries"]
 
 T = TypeVar("T")
 
@@ -70,26 +68,3 @@ def with_retries(
             # full jitter: many threads hitting the same throttled prefix must not retry in step
             time.sleep(random.uniform(0, min(max_delay, base_delay * 2**attempt)))
     raise AssertionError("unreachable")
-
-
-_SECRET_OPTION = ("key", "secret", "token", "password", "credential")
-_SECRET_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
-
-
-def scrub(text: str, storage_options: dict[str, Any] | None) -> str:
-    """:func:`redact`, plus the literal secret values in ``storage_options`` and the AWS environment.
-
-    A storage library may echo a credential in a form ``redact``'s patterns do not know; the
-    values themselves are known here, so they are removed wherever they appear.
-    """
-    secrets = [os.environ.get(k, "") for k in _SECRET_ENV]
-    stack = [storage_options or {}]
-    while stack:
-        for k, v in stack.pop().items():
-            if isinstance(v, dict):
-                stack.append(v)
-            elif isinstance(v, str) and any(w in k.lower() for w in _SECRET_OPTION):
-                secrets.append(v)
-    for secret in sorted({x for x in secrets if len(x) >= 4}, key=len, reverse=True):
-        text = text.replace(secret, "***")
-    return redact(text)

@@ -36,7 +36,7 @@ from manifests.storage import StorageError, open_url, parse_storage_options, red
 from pipeline.captions import load_caption_table
 from pipeline.headers import DEFAULT_MAX_PIXELS, FIRST_READ, probe_files
 from pipeline.listing import IMAGE_EXTENSIONS, IMAGE_SCHEMA, Listing, RescanPlan, list_source, plan_rescan
-from pipeline.retry import is_permanent, scrub
+from pipeline.retry import is_permanent
 
 log = logging.getLogger("bucketeer.scan")
 
@@ -128,7 +128,7 @@ def scan_dataset(
         listing = list_source(fs, root)
     except Exception as e:
         if isinstance(e, FileNotFoundError) or is_permanent(e):
-            raise StorageError(scrub(f"cannot list {source}: {e}", storage_options)) from None
+            raise StorageError(redact(f"cannot list {source}: {e}", storage_options)) from None
         raise
     if not listing.images:
         raise ValueError(
@@ -148,9 +148,9 @@ def scan_dataset(
         if caption_work:
             results.append(probe_files(fs, root, caption_work, threads=config.threads_per_task))
     except StorageError as e:
-        raise StorageError(scrub(str(e), storage_options)) from None
+        raise StorageError(redact(str(e), storage_options)) from None
     for result in results:  # messages of read_failed rows quote storage errors
-        result["message"] = [scrub(m, storage_options) if m else m for m in result["message"]]
+        result["message"] = [redact(m, storage_options) if m else m for m in result["message"]]
     images, errors, stats = _assemble(listing, plan, results, table)
     samples, too_small = apply_buckets(images, spec)
     errors = pa.concat_tables([errors, too_small])

@@ -121,9 +121,16 @@ def test_no_credentials_in_manifest(tmp_path):
     assert json.loads(text)["source"] == "s3://***@bucket/ds"
 
 
-def test_redact_messages():
+def test_redact_messages(monkeypatch):
     assert "abc123" not in redact("failed: aws_secret_access_key=abc123 for bucket")
+    assert "abc123" not in redact("failed: secret=abc123 for bucket")
     assert redact("s3://k:s@b/x") == "s3://***@b/x"
+    # literal secret values are removed wherever a library echoes them
+    options = {"key": "plainkeyvalue", "secret": "plainsecretvalue", "client_kwargs": {"endpoint_url": "http://h"}}
+    text = redact("denied for plainkeyvalue/plainsecretvalue at http://h", options)
+    assert "plainkeyvalue" not in text and "plainsecretvalue" not in text and "http://h" in text
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "envsecretvalue123")
+    assert "envsecretvalue123" not in redact("signature mismatch envsecretvalue123")
 
 
 def test_sample_id_is_stable():
