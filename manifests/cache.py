@@ -1,38 +1,47 @@
-"""The cache folder: shards of records, their index, ``_cache.json``, the writer and the reader.
+"""The cache folder: shards of records, their index, ``_cache.json``; reading the index and freshness.
+
+The writer (:mod:`manifests.cache_writer`) and the reader (:mod:`manifests.cache_reader`) live in
+their own modules; ``CacheWriter``, ``ShardWriter`` and ``CacheReader`` are importable from here too.
 
 Layout of ``CACHE/`` (every name below is listed in ``_cache.json``; nothing is ever listed)::
 
     _cache.json                          settings + fingerprint, shard and index parts, counts
     shards/samples-<sha256[:24]>.bin     concatenated sample records (latent + geometry)
     shards/texts-<sha256[:24]>.bin       concatenated text records, one per unique caption
-    index/samples-<sha>.parquet          sample_id, shard, offset, length, crc32, caption_key, bucket
+    index/samples-<sha>.parquet          sample_id, shard, offset, length, crc32, caption_key, bucket,
+                                         source_key, generation
     index/texts-<sha>.parquet            caption_key, shard, offset, length, crc32
-    index/errors-<sha>.parquet           sample_id, filename, error, message (images that failed)
+    index/errors-<sha>.parquet           sample_id, filename, error, message, source_key, generation
 
 A record is ``gzip(safetensors)`` (:mod:`manifests.cache_format`), readable alone with one ranged
 read. Writing is a sequence of commits: shard objects and index parts first (content-addressed,
 so a rerun never overwrites a different object under a committed name), then ``_cache.json``
 atomically. A job killed between commits leaves at most unreferenced objects; the committed state
-is always consistent and a resumed job embeds exactly the samples the index lacks. One writer at a
-time per cache folder.
+is always consistent and a resumed job embeds exactly the samples the index lacks (or holds stale).
+One writer at a time per cache folder.
+
+Never stale: every sample and error row stores the **source key** of the manifest row it was made
+from (:mod:`manifests.cache_freshness`) and the **generation** (the ``_cache.json`` commit that
+wrote it). A changed image or caption is re-embedded into a new shard; for a sample id the row of
+the highest generation wins, whether a record or an error row, and :func:`read_index` returns only
+the winners (``finish`` also drops the losers from the merged index; their bytes stay in old
+shards, unreferenced). Records of samples that left the manifest stay: harmless, since plans are
+drawn from the manifest and :func:`available_sample_ids` with a manifest returns fresh ids only.
 """
 
 from __future__ import annotations
 
-import datetime as _dt
 import hashlib
 import io
 import json
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from manifests import __version__
-from manifests.cache_format import crc32
-from manifests.storage import join, open_url, read_json, redact, write_bytes_atomic, write_json_atomic
+from manifests.cache_freshness import Freshness, classify, manifest_samples, source_key
+from manifests.storage import join, open_url, read_json, redact
 
 __all__ = [
     "CACHE_FILE",
@@ -46,9 +55,9 @@ __all__ = [
     "read_cache_meta",
     "read_index",
     "available_sample_ids",
-    "ShardWriter",
-    "CacheWriter",
-    "CacheReader",
+    "cache_freshness",
+    "source_key",
+    "Freshness",
 ]
 
 CACHE_FILE = "_cache.json"
@@ -66,6 +75,8 @@ SAMPLE_INDEX_SCHEMA = pa.schema(
         pa.field("crc32", pa.uint32(), nullable=False),  # of the compressed record
         pa.field("caption_key", pa.uint64(), nullable=False),  # -> texts index
         pa.field("bucket", pa.string(), nullable=False),  # "WxH"
+        pa.field("source_key", pa.uint64()),  # of the manifest row it was made from; null: unknown (stale)
+        pa.field("generation", pa.int64()),  # the _cache.json commit that wrote it; the newest wins
     ]
 )
 TEXT_INDEX_SCHEMA = pa.schema(
@@ -83,6 +94,8 @@ CACHE_ERRORS_SCHEMA = pa.schema(
         pa.field("filename", pa.string(), nullable=False),
         pa.field("error", pa.string(), nullable=False),  # a manifests.schema.ERROR_KINDS kind
         pa.field("message", pa.string(), nullable=False),
+        pa.field("source_key", pa.uint64()),
+        pa.field("generation", pa.int64()),
     ]
 )
 _SCHEMAS = {"samples": SAMPLE_INDEX_SCHEMA, "texts": TEXT_INDEX_SCHEMA, "errors": CACHE_ERRORS_SCHEMA}
@@ -154,7 +167,16 @@ def _read_meta(fs, root: str, url: str) -> dict:
     return meta
 
 
+def _conform_part(table: pa.Table, kind: str) -> pa.Table:
+    schema = _SCHEMAS[kind]
+    for name in ("source_key", "generation"):  # parts written before source keys existed lack them
+        if name in schema.names and name not in table.column_names:
+            table = table.append_column(name, pa.nulls(table.num_rows, schema.field(name).type))
+    return table.select(schema.names).cast(schema)
+
+
 def _read_parts(fs, root: str, url: str, meta: dict, kind: str) -> pa.Table:
+    """The index parts of ``kind`` as written, concatenated in commit order (no supersession applied)."""
     paths = [join(root, p) for p in meta["index"][kind]]
     if not paths:
         return _SCHEMAS[kind].empty_table()
@@ -165,190 +187,76 @@ def _read_parts(fs, root: str, url: str, meta: dict, kind: str) -> pa.Table:
         if isinstance(data, BaseException) or data is None:
             raise CacheError(f"{redact(url)}: index part {rel} listed in {CACHE_FILE} is missing or unreadable; "
                              "run `bucketeer verify` and re-embed into a new --out")  # fmt: skip
-        tables.append(pq.read_table(io.BytesIO(data)).select(_SCHEMAS[kind].names).cast(_SCHEMAS[kind]))
+        tables.append(_conform_part(pq.read_table(io.BytesIO(data)), kind))
     return pa.concat_tables(tables)
 
 
+def newest_rows(samples: pa.Table, errors: pa.Table) -> tuple[pa.Table, pa.Table]:
+    """Keep, per sample id, only the newest of its sample and error rows (highest generation).
+
+    Ties (rows written before generations existed) go to the later row, and an error row beats
+    a record of the same generation. Returns the surviving ``(samples, errors)`` rows, each in their original order.
+    """
+    ns = samples.num_rows
+    ids = np.concatenate([t.column("sample_id").to_numpy().astype(np.uint64) for t in (samples, errors)])  # (m,)
+    gens = np.concatenate([t.column("generation").combine_chunks().fill_null(0).to_numpy(zero_copy_only=False)
+                           for t in (samples, errors)]).astype(np.int64)  # (m,) fmt: skip
+    if len(np.unique(ids)) == len(ids):
+        return samples, errors  # the common case: nothing superseded
+    order = np.lexsort((np.arange(len(ids)), gens, ids))  # by id, then generation, then position
+    last = np.append(ids[order][1:] != ids[order][:-1], True)  # the newest row of each id
+    winners = np.sort(order[last])
+    return samples.take(winners[winners < ns]), errors.take(winners[winners >= ns] - ns)
+
+
+def _index_tables(fs, root: str, url: str, meta: dict) -> dict[str, pa.Table]:
+    tables = {kind: _read_parts(fs, root, url, meta, kind) for kind in _SCHEMAS}
+    tables["samples"], tables["errors"] = newest_rows(tables["samples"], tables["errors"])
+    return tables
+
+
 def read_index(url: str, storage_options: dict | None = None, meta: dict | None = None) -> dict[str, pa.Table]:
-    """The cache's ``samples``, ``texts`` and ``errors`` index tables (read via ``_cache.json``)."""
+    """The cache's ``samples``, ``texts`` and ``errors`` index tables (read via ``_cache.json``).
+
+    Superseded rows are left out: each sample id appears at most once, in ``samples`` (a record)
+    or in ``errors`` (an image that failed), whichever its newest embedding produced.
+    """
     fs, root = open_url(url, storage_options)
     meta = meta or _read_meta(fs, root, url)
-    return {kind: _read_parts(fs, root, url, meta, kind) for kind in _SCHEMAS}
+    return _index_tables(fs, root, url, meta)
 
 
-def available_sample_ids(url: str, storage_options: dict | None = None) -> np.ndarray:
-    """Sorted uint64 ids of the samples with a committed record (cache error rows excluded)."""
-    fs, root = open_url(url, storage_options)
-    meta = _read_meta(fs, root, url)
-    ids = _read_parts(fs, root, url, meta, "samples").column("sample_id").to_numpy()
+def cache_freshness(url: str, manifest: Any, storage_options: dict | None = None) -> Freshness:
+    """For each row of ``manifest`` (a Manifest or its samples table): fresh, failed, stale or missing.
+
+    Raises CacheError when ``url`` is not a committed cache.
+    """
+    tables = read_index(url, storage_options)
+    return classify(tables["samples"], tables["errors"], manifest_samples(manifest))
+
+
+def available_sample_ids(url: str, storage_options: dict | None = None, manifest: Any = None) -> np.ndarray:
+    """Sorted uint64 ids of the samples with a committed record (cache error rows excluded).
+
+    With ``manifest`` (a Manifest or its samples table), only the **fresh** ones: records made
+    from the manifest row as it is now (same source key; see :mod:`manifests.cache_freshness`).
+    """
+    if manifest is not None:
+        status = cache_freshness(url, manifest, storage_options)
+        return np.unique(status.sample_ids[status.fresh])
+    ids = read_index(url, storage_options)["samples"].column("sample_id").to_numpy()
     return np.unique(ids.astype(np.uint64))
 
 
-class ShardWriter:
-    """Packs records into one shard object; :meth:`commit` writes it and its index part.
+def __getattr__(name: str) -> Any:
+    # the writer and the reader live in their own modules (one job each), which import this one;
+    # resolving them lazily keeps `from manifests.cache import CacheReader` free of import cycles
+    if name in ("ShardWriter", "CacheWriter"):
+        from manifests import cache_writer
 
-    ``kind`` is ``"samples"`` or ``"texts"``; ``append`` takes the compressed record and the
-    index columns other than shard/offset/length/crc32.
-    """
+        return getattr(cache_writer, name)
+    if name == "CacheReader":
+        from manifests.cache_reader import CacheReader
 
-    def __init__(self, kind: str, max_records: int = SHARD_RECORDS, max_bytes: int = SHARD_BYTES):
-        assert kind in ("samples", "texts")
-        self.kind = kind
-        self.max_records = max_records
-        self.max_bytes = max_bytes
-        self._chunks: list[bytes] = []
-        self._rows: list[dict[str, Any]] = []
-        self._size = 0
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    @property
-    def full(self) -> bool:
-        return len(self._rows) >= self.max_records or self._size >= self.max_bytes
-
-    def append(self, data: bytes, **columns: Any) -> None:
-        self._rows.append({**columns, "offset": self._size, "length": len(data), "crc32": crc32(data)})
-        self._chunks.append(data)
-        self._size += len(data)
-
-    def commit(self, fs, root: str) -> tuple[dict[str, Any], str]:
-        """Write the shard, then its index part; returns ``(shard entry, index part path)``."""
-        assert self._rows, "empty shard"
-        data = b"".join(self._chunks)
-        digest = hashlib.sha256(data).hexdigest()
-        shard = f"shards/{self.kind}-{digest[:24]}.bin"
-        write_bytes_atomic(fs, join(root, shard), data)
-        schema = _SCHEMAS[self.kind]
-        columns = {name: [r.get(name, shard) for r in self._rows] for name in schema.names}
-        table = pa.table(columns, schema=schema)
-        blob = _table_bytes(table)
-        index = f"index/{self.kind}-{hashlib.sha256(blob).hexdigest()[:24]}.parquet"
-        write_bytes_atomic(fs, join(root, index), blob)
-        entry = {"path": shard, "kind": self.kind, "records": len(self._rows), "bytes": len(data), "sha256": digest}
-        self._chunks, self._rows, self._size = [], [], 0
-        return entry, index
-
-
-@dataclass
-class CacheWriter:
-    """Driver-side writer: appends records into shards and commits ``_cache.json`` after each shard.
-
-    Opening refuses an existing cache whose fingerprint differs from ``settings``' (CacheError that
-    lists what differs). ``done_samples`` / ``done_texts`` / ``done_errors`` say what is committed.
-    """
-
-    url: str
-    settings: dict[str, Any]
-    info: dict[str, Any] = field(default_factory=dict)  # non-fingerprinted facts (latent/text layout)
-    storage_options: dict | None = None
-    shard_records: int = SHARD_RECORDS
-    shard_bytes: int = SHARD_BYTES
-
-    def __post_init__(self) -> None:
-        self.fs, self.root = open_url(self.url, self.storage_options)
-        self.fingerprint = fingerprint_of(self.settings)
-        now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-        try:
-            self.meta = _read_meta(self.fs, self.root, self.url)
-        except CacheError as e:
-            if f"no {CACHE_FILE}" not in str(e):
-                raise
-            self.meta = {
-                "kind": _KIND, "format_version": CACHE_FORMAT_VERSION, "created_at": now,
-                "fingerprint": self.fingerprint, "settings": self.settings, "shards": [],
-                "index": {k: [] for k in _SCHEMAS}, "counts": {k: 0 for k in _SCHEMAS}, "manifests": [],
-            }  # fmt: skip
-        if self.meta["fingerprint"] != self.fingerprint:
-            diff = settings_diff(self.meta.get("settings", {}), self.settings)
-            raise CacheError(
-                f"{redact(self.url)} was embedded with other settings (fingerprint "
-                f"{self.meta['fingerprint'][:12]} vs {self.fingerprint[:12]}); differences:\n  "
-                + "\n  ".join(diff or ["(settings equal but fingerprints differ: other bucketeer format)"])
-                + "\nMixing them would silently train on inconsistent tensors: use a new --out for these settings."
-            )
-        self.meta.update(self.info, tool_version=__version__, complete=False)
-        tables = read_index(self.url, self.storage_options, self.meta)
-        self.done_samples = set(tables["samples"].column("sample_id").to_numpy().tolist())
-        self.done_texts = set(tables["texts"].column("caption_key").to_numpy().tolist())
-        self.done_errors = set(tables["errors"].column("sample_id").to_numpy().tolist())
-        self._shards = {k: ShardWriter(k, self.shard_records, self.shard_bytes) for k in ("samples", "texts")}
-        self._errors: list[dict[str, Any]] = []
-        self.commits = 0
-
-    def add_text(self, caption_key: int, data: bytes) -> bool:
-        """Queue a text record; returns True when a shard was committed."""
-        if caption_key in self.done_texts:
-            return False
-        self._shards["texts"].append(data, caption_key=caption_key)
-        self.done_texts.add(caption_key)
-        return self._commit_if_full("texts")
-
-    def add_sample(self, sample_id: int, data: bytes, caption_key: int, bucket: str) -> bool:
-        """Queue a sample record; returns True when a shard was committed."""
-        assert sample_id not in self.done_samples, f"sample {sample_id} embedded twice"
-        self._shards["samples"].append(data, sample_id=sample_id, caption_key=caption_key, bucket=bucket)
-        self.done_samples.add(sample_id)
-        return self._commit_if_full("samples")
-
-    def add_error(self, sample_id: int, filename: str, error: str, message: str) -> None:
-        """Record an image that could not be embedded (committed with the next shard)."""
-        self._errors.append({"sample_id": sample_id, "filename": filename, "error": error, "message": message})
-        self.done_errors.add(sample_id)
-
-    def _commit_if_full(self, kind: str) -> bool:
-        if self._shards[kind].full:
-            self.commit(kind)
-            return True
-        return False
-
-    def commit(self, *kinds: str) -> None:
-        """Write the pending shards of ``kinds`` (all when empty) and pending errors, then ``_cache.json``."""
-        for kind in kinds or ("texts", "samples"):
-            shard = self._shards[kind]
-            if len(shard):
-                n = len(shard)
-                entry, index = shard.commit(self.fs, self.root)
-                self.meta["shards"].append(entry)
-                self.meta["index"][kind].append(index)
-                self.meta["counts"][kind] += n
-        if self._errors:
-            table = pa.Table.from_pylist(self._errors, schema=CACHE_ERRORS_SCHEMA)
-            blob = _table_bytes(table)
-            part = f"index/errors-{hashlib.sha256(blob).hexdigest()[:24]}.parquet"
-            write_bytes_atomic(self.fs, join(self.root, part), blob)
-            self.meta["index"]["errors"].append(part)
-            self.meta["counts"]["errors"] += len(self._errors)
-            self._errors = []
-        self._write_meta()
-        self.commits += 1
-
-    def _write_meta(self) -> None:
-        self.meta["updated_at"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-        write_json_atomic(self.fs, join(self.root, CACHE_FILE), self.meta)
-
-    def finish(self, manifest_fingerprint: str | None = None, summary: dict | None = None) -> dict:
-        """Commit what is pending, merge the index parts into one per kind, mark the cache complete."""
-        self.commit()
-        old = {k: list(v) for k, v in self.meta["index"].items()}
-        tables = read_index(self.url, self.storage_options, self.meta)
-        for kind, key in (("samples", "sample_id"), ("texts", "caption_key"), ("errors", "sample_id")):
-            if len(old[kind]) <= 1:
-                continue
-            blob = _table_bytes(tables[kind].sort_by(key))
-            part = f"index/{kind}-{hashlib.sha256(blob).hexdigest()[:24]}.parquet"
-            write_bytes_atomic(self.fs, join(self.root, part), blob)
-            self.meta["index"][kind] = [part]
-        if manifest_fingerprint and manifest_fingerprint not in self.meta["manifests"]:
-            self.meta["manifests"].append(manifest_fingerprint)
-        self.meta["summary"] = summary or {}
-        self.meta["complete"] = True
-        self._write_meta()
-        keep = {p for parts in self.meta["index"].values() for p in parts}
-        for path in {p for parts in old.values() for p in parts} - keep:
-            self.fs.rm(join(self.root, path))  # superseded index parts; the committed meta no longer names them
-        return self.meta
-
-
-# the reader lives in its own module (one job each); importing it here keeps `manifests.cache.CacheReader`
-from manifests.cache_reader import CacheReader  # noqa: E402
+        return CacheReader
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,6 +2,8 @@
 
 The reader loads ``_cache.json`` and the index once and never lists storage afterwards; the
 trainer constructs one per process (it is picklable for DataLoader workers) and calls ``read``.
+Records of one shard that lie within ``max_gap`` bytes of each other are fetched with one ranged
+read (:func:`merge_reads`): on an object store a request costs far more than a few KB of gap.
 """
 
 from __future__ import annotations
@@ -16,7 +18,36 @@ from manifests.cache import TEXT_INDEX_SCHEMA, CacheError, _read_meta, read_inde
 from manifests.cache_format import RecordError, SampleRecord, TextRecord, crc32, decode_sample, decode_text
 from manifests.storage import join, open_url, redact
 
-__all__ = ["CacheReader"]
+__all__ = ["CacheReader", "merge_reads", "MAX_GAP", "MAX_BLOCK"]
+
+MAX_GAP = 64 << 10  # bytes: ~one request's latency worth of transfer on S3-like stores
+MAX_BLOCK = 16 << 20  # bytes: never fetch more than this in one merged read
+
+
+def merge_reads(
+    ranges: Sequence[tuple[str, int, int]], max_gap: int | None = MAX_GAP, max_block: int = MAX_BLOCK
+) -> tuple[list[tuple[str, int, int]], list[tuple[int, int]]]:
+    """Merge byte ranges ``(path, start, end)`` of one object that are at most ``max_gap`` apart.
+
+    Returns ``(reads, where)``: the reads to issue, and per input range ``(read index, offset of
+    the range in that read)``. Repeated and overlapping ranges share a read. ``max_gap=None``
+    merges nothing (one read per range); a merged read never grows past ``max_block`` bytes.
+    """
+    if max_gap is None:
+        return list(ranges), [(i, 0) for i in range(len(ranges))]
+    reads: list[tuple[str, int, int]] = []
+    where: list[tuple[int, int]] = [(0, 0)] * len(ranges)
+    for i in sorted(range(len(ranges)), key=lambda k: ranges[k]):
+        path, start, end = ranges[i]
+        if reads:
+            p, s, e = reads[-1]
+            if p == path and start - e <= max_gap and max(e, end) - s <= max_block:
+                reads[-1] = (p, s, max(e, end))
+                where[i] = (len(reads) - 1, start - s)
+                continue
+        reads.append((path, start, end))
+        where[i] = (len(reads) - 1, 0)
+    return reads, where
 
 
 class CacheReader:
@@ -27,8 +58,15 @@ class CacheReader:
     read ones are kept in a small LRU since captions repeat.
     """
 
-    def __init__(self, url: str, storage_options: dict | None = None, text_cache_size: int = 4096):
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict | None = None,
+        text_cache_size: int = 4096,
+        max_gap: int | None = MAX_GAP,
+    ):
         self.url = url
+        self.max_gap = max_gap  # merge reads of records this close in a shard; None: one read per record
         self.fs, self.root = open_url(url, storage_options)
         self.meta: dict = _read_meta(self.fs, self.root, url)
         tables = read_index(url, storage_options, self.meta)
@@ -68,12 +106,12 @@ class CacheReader:
         """Ranged reads of ``(shard, offset, length, crc32, what)``; checks length and checksum."""
         if not items:
             return []
-        paths = [join(self.root, s) for s, *_ in items]
-        starts = [o for _, o, *_ in items]
-        ends = [o + n for _, o, n, *_ in items]
-        blobs = self.fs.cat_ranges(paths, starts, ends, on_error="return")
+        reads, where = merge_reads([(join(self.root, s), o, o + n) for s, o, n, *_ in items], self.max_gap)
+        blocks = self.fs.cat_ranges(*(list(c) for c in zip(*reads)), on_error="return")
         out = []
-        for (shard, offset, length, crc, what), blob in zip(items, blobs):
+        for (shard, offset, length, crc, what), (k, at) in zip(items, where):
+            block = blocks[k]
+            blob = block if isinstance(block, BaseException) else block[at : at + length]  # short if truncated
             if isinstance(blob, BaseException):
                 problem = "is missing" if isinstance(blob, FileNotFoundError) else f"could not be read ({blob!r})"
                 raise CacheError(self._bad(what, shard, f"shard {problem}"))

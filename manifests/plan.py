@@ -195,6 +195,7 @@ def write_plan(
     manifest_fingerprint: str,
     cache_fingerprint: str | None = None,
     not_in_cache: int = 0,
+    stale: int = 0,
     sources: dict[str, str | None] | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
@@ -240,7 +241,7 @@ def write_plan(
             n: {"samples": int(c), "batch_size": int(b), "latent_tokens": int(t)}
             for n, c, b, t in zip(samples.names, samples.counts, per_rank, tokens)
         },
-        "samples": {"planned": int(len(samples.ids)), "not_in_cache": int(not_in_cache)},
+        "samples": {"planned": int(len(samples.ids)), "not_in_cache": int(not_in_cache), "stale": int(stale)},
         "global_batch": None if config.packing else config.world_size * config.batch_size,
         "steps_per_epoch": first.steps,
         "epochs": epochs,

@@ -4,12 +4,16 @@
     ray job submit --working-dir . -- python -m pipeline.embed MANIFEST --out s3://bucket/cache ...
 
 Phases: (1) every unique caption not yet cached is encoded once by a text-encoder actor; (2) the
-samples the cache lacks are grouped by bucket into batches; CPU tasks fetch, decode and crop a
-batch while VAE actors (``num_gpus=1`` each when the cluster has GPUs, else one CPU actor)
-encode earlier ones. The driver packs records into shards and commits ``_cache.json`` after each
-shard, so a killed job resumes where the last commit left off and a rerun embeds only what is
-missing. Without encoder options the embedded tiny random-weight defaults are used (see
-:mod:`pipeline.encoders`): good for trying the pipeline, useless for training a real model.
+samples the cache lacks or holds stale are grouped by bucket into batches; CPU tasks fetch,
+decode and crop a batch while VAE actors (``num_gpus=1`` each when the cluster has GPUs, else one
+CPU actor) encode earlier ones. The driver packs records into shards and commits ``_cache.json``
+after each shard, so a killed job resumes where the last commit left off. A rerun embeds what is
+missing and what **changed**: a row whose source key (size, etag or mtime, caption, bucket; see
+:mod:`manifests.cache_freshness`) differs from the one its record was made from is re-embedded,
+and the new record supersedes the old. Records of samples no longer in the manifest stay (plans
+are drawn from the manifest). Without encoder options the embedded tiny random-weight defaults
+are used (see :mod:`pipeline.encoders`): good for trying the pipeline, useless for training a
+real model.
 """
 
 from __future__ import annotations
@@ -28,9 +32,11 @@ from manifests.cache import (
     SHARD_RECORDS,
     CacheError,
     CacheWriter,
+    Freshness,
     _flatten,
+    cache_freshness,
     read_cache_meta,
-    read_index,
+    source_key,
 )
 from manifests.cache_format import GZIP_BACKEND, caption_key
 from manifests.storage import parse_storage_options, public_options, redact
@@ -116,11 +122,13 @@ def _request_settings(args: argparse.Namespace, bucket_spec: dict) -> dict[str, 
     }  # fmt: skip
 
 
-def _missing(url: str, storage_options: dict, manifest) -> int:
-    """How many manifest samples a committed cache has neither a record nor an error row for."""
-    index = read_index(url, storage_options)
-    done = np.concatenate([index["samples"].column("sample_id").to_numpy(), index["errors"].column("sample_id").to_numpy()])
-    return int((~np.isin(manifest.samples.column("sample_id").to_numpy(), done)).sum())
+def _freshness(url: str, storage_options: dict, manifest, exists: bool) -> Freshness:
+    """What the cache holds for each manifest row (everything missing when there is no cache yet)."""
+    if exists:
+        return cache_freshness(url, manifest, storage_options)
+    n = manifest.samples.num_rows
+    none = np.zeros(n, bool)
+    return Freshness(manifest.samples.column("sample_id").to_numpy(), none, none, none)
 
 
 def _check_early(url: str, storage_options: dict, request: dict) -> bool:
@@ -175,8 +183,12 @@ def run(args: argparse.Namespace) -> int:
     manifest = read_manifest(args.manifest, so)
     source = args.source or manifest.source
     request = _request_settings(args, manifest.meta["bucket_spec"])
-    if _check_early(args.out, so, request) and not _missing(args.out, so, manifest):
-        print(f"bucketeer embed: {redact(args.out)} already holds every sample of the manifest; nothing to embed")
+    # one look at the committed index decides the work: stale rows (changed image bytes, caption or
+    # bucket since they were embedded) and missing ones are embedded; fresh records and error rows stay
+    status = _freshness(args.out, so, manifest, _check_early(args.out, so, request))
+    if not status.todo.any():
+        print(f"bucketeer embed: {redact(args.out)} already holds every sample of the manifest, all up to date; "
+              "nothing to embed")  # fmt: skip
         return 0
     vae_source, text_sources = _sources(args)
     if vae_source.is_default or any(t.is_default for t in text_sources):
@@ -199,8 +211,12 @@ def run(args: argparse.Namespace) -> int:
         vae_actors = [ray.remote(w.LatentWorker).options(max_concurrency=2, **gpu_opts).remote(
             vae_source, bool(gpus), request["dtype"], None if gpus else threads) for _ in range(n_vae)]  # fmt: skip
     samples = manifest.samples.select(["sample_id", "filename", "caption", "bucket"]).to_pylist()
-    for row in samples:
+    source_keys = source_key(manifest.samples)  # (n,) what each record is made from, stored in its index row
+    for row, key, todo in zip(samples, source_keys.tolist(), status.todo.tolist()):
         row["caption_key"] = caption_key(row["caption"])
+        row["source_key"] = key
+        row["todo"] = todo
+    keys_by_id = {row["sample_id"]: row["source_key"] for row in samples}
 
     def start_vae() -> dict:
         if not vae_actors:
@@ -218,8 +234,8 @@ def run(args: argparse.Namespace) -> int:
         writer = _open_writer(args, so, settings, vae_info, text_info, gpus)
     todo_keys = {}
     done_texts = writer.done_texts if writer else set()
-    for row in samples:
-        if row["caption_key"] not in done_texts:
+    for row in samples:  # a fresh record's caption has its text record already (texts commit first)
+        if row["todo"] and row["caption_key"] not in done_texts:
             todo_keys[row["caption_key"]] = row["caption"] or ""
     items = sorted(todo_keys.items(), key=lambda kv: kv[1])
     text_results = [text_actor.encode.remote(items[i : i + args.text_batch_size])
@@ -235,10 +251,11 @@ def run(args: argparse.Namespace) -> int:
     writer.commit("texts")  # text records are committed before any sample that refers to them
 
     # phase 2: images, batched by bucket; prepared batches go straight from task to actor
-    done = writer.done_samples | writer.done_errors
-    todo = [r for r in samples if r["sample_id"] not in done]
+    todo = [r for r in samples if r["todo"]]
+    changed = int(status.stale.sum())
     batches = _batches(todo, args.batch_size)
     print(f"bucketeer embed: {len(samples)} samples in the manifest, {len(samples) - len(todo)} already cached, "
+          f"{changed} changed since embedded (re-embedding), {len(todo) - changed} new: "
           f"{len(todo)} to embed in {len(batches)} batches; {len(items)} new captions; "
           f"{'%d GPU' % gpus if gpus else 'CPU'} VAE x{len(vae_actors)}; gzip via {GZIP_BACKEND}", flush=True)
     prepare = ray.remote(w.prepare_batch).options(num_cpus=1)
@@ -252,10 +269,10 @@ def run(args: argparse.Namespace) -> int:
         result = ray.get(ref)
         for sample_id, blob, key, bucket in result["records"]:
             counts["embedded"] += 1
-            _pause_hook(writer.add_sample(sample_id, blob, key, bucket), state)
+            _pause_hook(writer.add_sample(sample_id, blob, key, bucket, keys_by_id[sample_id]), state)
         for sample_id, filename, kind, message in result["errors"]:
             counts["errors"] += 1
-            writer.add_error(sample_id, filename, kind, message)
+            writer.add_error(sample_id, filename, kind, message, keys_by_id[sample_id])
 
     for i, (bucket, rows) in enumerate(batches):
         prepared = prepare.remote(source, so, bucket, [{k: r[k] for k in fields} for r in rows],
@@ -268,12 +285,13 @@ def run(args: argparse.Namespace) -> int:
     for actor in vae_actors:
         ray.kill(actor)
     seconds, image_seconds = time.time() - t0, time.time() - t_images
-    summary = {**counts, "skipped": len(samples) - len(todo), "new_captions": len(items), "seconds": round(seconds, 2),
+    summary = {**counts, "skipped": len(samples) - len(todo), "changed": changed, "new_captions": len(items),
+               "seconds": round(seconds, 2),
                "image_seconds": round(image_seconds, 2),  # the image phase alone, without model loading
                "images_per_second": round(counts["embedded"] / image_seconds, 2) if image_seconds else None}  # fmt: skip
     meta = writer.finish(manifest.fingerprint, summary)
     print(f"bucketeer embed: {counts['embedded']} embedded, {counts['errors']} error rows, "
-          f"{summary['skipped']} skipped in {seconds:.1f}s -> {redact(args.out)} "
+          f"{changed} changed, {summary['skipped']} skipped in {seconds:.1f}s -> {redact(args.out)} "
           f"({meta['counts']['samples']} samples, {meta['counts']['texts']} captions, "
           f"{len(meta['shards'])} shards)", flush=True)
     return 0

@@ -78,11 +78,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print _plan.json instead of the summary")
 
 
-def _cache_inputs(url: str, options: dict[str, Any]) -> tuple[np.ndarray, dict[str, Any]]:
-    # the cache module belongs to the embed job; imported only when --cache is given
-    from manifests.cache import available_sample_ids, read_cache_meta
+def _cache_inputs(url: str, options: dict[str, Any], manifest: Any = None) -> tuple[np.ndarray, dict[str, Any], int]:
+    """``(ids with a good record, cache meta, stale count)``; with a manifest only fresh records count.
 
-    return np.asarray(available_sample_ids(url, options), dtype=np.uint64), read_cache_meta(url, options)
+    A record is fresh when it was made from the manifest row as it is now (same size, etag or
+    mtime, caption and bucket); stale ones are left out of the plan, never trained on.
+    """
+    from manifests.cache import available_sample_ids, cache_freshness, read_cache_meta
+
+    meta = read_cache_meta(url, options)
+    if manifest is None:
+        return np.asarray(available_sample_ids(url, options), dtype=np.uint64), meta, 0
+    status = cache_freshness(url, manifest, options)
+    return np.unique(status.sample_ids[status.fresh]), meta, int(status.stale.sum())
 
 
 def _print_summary(meta: dict[str, Any]) -> None:
@@ -100,7 +108,15 @@ def _print_summary(meta: dict[str, Any]) -> None:
     print(
         f"samples:  {samples['planned']} planned"
         + (f", {samples['not_in_cache']} not in the cache (left out)" if inputs.get("cache_fingerprint") else "")
+        + (f", {samples['stale']} stale in the cache (left out)" if samples.get("stale") else "")
     )
+    if samples.get("stale"):
+        source = (meta.get("sources") or {}).get("manifest") or "MANIFEST"
+        cache = (meta.get("sources") or {}).get("cache") or "CACHE"
+        print(
+            f"note:     {samples['stale']} samples changed (image bytes, caption or bucket) since they were "
+            f"embedded; run `bucketeer embed {source} --out {cache}` to re-embed them, then plan again"
+        )
     epochs = meta["epochs"]
     print(
         f"steps:    {meta['steps_per_epoch']} per epoch, epochs {epochs[0]['epoch']}..{epochs[-1]['epoch']}"
@@ -134,7 +150,7 @@ def _run_check(args: argparse.Namespace, options: dict[str, Any]) -> int:
     manifest = read_manifest(args.manifest, options) if args.manifest else None
     available = cache_fp = None
     if args.cache:
-        available, cache_meta = _cache_inputs(args.cache, options)
+        available, cache_meta, _ = _cache_inputs(args.cache, options, manifest)
         cache_fp = cache_meta["fingerprint"]
     problems = check_plan(args.check, options, manifest=manifest, available_ids=available, cache_fingerprint=cache_fp)
     for p in problems:
@@ -204,11 +220,17 @@ def _plan(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
     manifest = read_manifest(args.manifest, options)
     ids = manifest.samples.column("sample_id").to_numpy()
     buckets = manifest.samples.column("bucket")
-    cache_fp, left_out = None, 0
+    cache_fp, left_out, stale = None, 0, 0
     if args.cache:
-        available, cache_meta = _cache_inputs(args.cache, options)
+        available, cache_meta, stale = _cache_inputs(args.cache, options, manifest)
         keep = cached_mask(ids, available)
-        left_out = int((~keep).sum())
+        left_out = int((~keep).sum()) - stale
+        if stale and not keep.any():
+            raise ValueError(
+                f"none of the {len(ids)} samples of {redact(args.manifest)} has an up-to-date record in "
+                f"{redact(args.cache)} ({stale} changed since they were embedded): run "
+                f"`bucketeer embed {redact(args.manifest)} --out {redact(args.cache)}` first"
+            )
         ids, buckets = ids[keep], buckets.filter(pa.array(keep))
         cache_fp = cache_meta["fingerprint"]
     return write_plan(
@@ -219,6 +241,7 @@ def _plan(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
         manifest_fingerprint=manifest.fingerprint,
         cache_fingerprint=cache_fp,
         not_in_cache=left_out,
+        stale=stale,
         sources={"manifest": args.manifest, "cache": args.cache},
         storage_options=options,
     )

@@ -7,6 +7,7 @@ import json
 import struct
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from manifests import cache_format as cf
@@ -15,7 +16,10 @@ from manifests.cache import (
     CacheReader,
     CacheWriter,
     available_sample_ids,
+    cache_freshness,
     read_cache_meta,
+    read_index,
+    source_key,
 )
 from manifests.cache_format import SampleRecord, TextRecord, caption_key
 
@@ -163,3 +167,137 @@ def test_round_trip_on_s3(s3):
     got = reader.read(sorted(written))
     assert [r.sample_id for r in got] == sorted(written)
     assert all(np.array_equal(r.latent, written[r.sample_id].latent) for r in got)
+
+
+def manifest_rows(ids, sizes=None, captions=None, etags=None, mtimes=None, buckets=None) -> pa.Table:
+    """A samples-like table with just the columns a source key reads (and the ids)."""
+    n = len(ids)
+    return pa.table({
+        "sample_id": pa.array(ids, pa.uint64()),
+        "size": pa.array(sizes or [100 + i for i in range(n)], pa.int64()),
+        "etag": pa.array(etags or [None] * n, pa.string()),
+        "mtime": pa.array(mtimes or [1.5e9 + i for i in range(n)], pa.float64()),
+        "caption": pa.array(captions or ["a cat"] * n, pa.string()),
+        "bucket": pa.array(buckets or ["64x32"] * n, pa.string()),
+    })  # fmt: skip
+
+
+def test_source_key_tracks_exactly_the_inputs_of_a_record():
+    base = pa.table({"size": pa.array([123, 456], pa.int64()), "etag": pa.array(['"abc"', None]),
+                     "mtime": pa.array([None, 1700000000.25]), "caption": pa.array(["a cat", None]),
+                     "bucket": ["64x32", "32x64"]})  # fmt: skip
+    # pinned: keys are stored in caches, so the function must never drift between versions
+    assert source_key(base).tolist() == [7949151076773694728, 8462699479086781070]
+    key = source_key(base)
+
+    def changed(column: str, values: list) -> list[bool]:
+        i = base.column_names.index(column)
+        table = base.set_column(i, column, pa.array(values, base.schema.field(column).type))
+        return (source_key(table) != key).tolist()
+
+    assert changed("size", [124, 456]) == [True, False]
+    assert changed("caption", ["a cat", "a dog"]) == [False, True]
+    assert changed("caption", ["a cat", ""]) == [False, False]  # null and empty captions embed the same
+    assert changed("bucket", ["32x64", "32x64"]) == [True, False]
+    assert changed("mtime", [5.0, 1700000000.5]) == [False, True]  # mtime counts only without an etag
+    assert changed("etag", ['"abd"', '"x"']) == [True, True]
+    # other columns (dimensions, format, ...) do not enter; absent etag/mtime columns mean null
+    assert source_key(base.append_column("width", pa.array([1, 2], pa.int32()))).tolist() == key.tolist()
+    no_version = base.set_column(1, "etag", pa.nulls(2, pa.string())).set_column(2, "mtime", pa.nulls(2, pa.float64()))
+    assert source_key(base.drop_columns(["etag", "mtime"])).tolist() == source_key(no_version).tolist()
+    assert source_key(base.slice(1)).tolist() == key[1:].tolist()
+    big = manifest_rows(list(range(2500)), captions=[f"caption {i % 7}" for i in range(2500)])
+    from manifests import cache_freshness
+
+    whole = source_key(big)
+    old = cache_freshness._CHUNK_ROWS
+    cache_freshness._CHUNK_ROWS = 1000  # chunking must not change any key
+    try:
+        assert np.array_equal(source_key(big), whole)
+    finally:
+        cache_freshness._CHUNK_ROWS = old
+    assert len(np.unique(whole)) == 2500 and source_key(big.slice(0, 0)).dtype == np.uint64
+
+
+def test_newest_row_wins_and_freshness_follows_the_manifest(tmp_path):
+    url = str(tmp_path / "cache")
+    written = build_cache(url, n=6)  # rows without source keys, as caches before them were written
+    ids = sorted(written)
+    manifest = manifest_rows(ids)
+    keys = source_key(manifest)
+    status = cache_freshness(url, manifest)
+    assert status.stale.all() and available_sample_ids(url, manifest=manifest).tolist() == []
+
+    # a second run: 1000 re-embedded (new latent), 1001 now fails to decode, 1002/1003 get keys
+    from manifests.cache_format import encode_sample
+
+    writer = CacheWriter(url, SETTINGS, info=INFO, shard_records=4)
+    new = sample(1000, "a cat", seed=50)
+    writer.add_sample(1000, encode_sample(new), new.caption_key, new.bucket, int(keys[0]))
+    writer.add_error(1001, "img_1001.jpg", "not_an_image", "no decoder", int(keys[1]))
+    for i in (2, 3):
+        rec = written[ids[i]]
+        writer.add_sample(rec.sample_id, encode_sample(rec), rec.caption_key, rec.bucket, int(keys[i]))
+    with pytest.raises(AssertionError, match="twice in one run"):
+        writer.add_sample(1000, encode_sample(new), new.caption_key, new.bucket, int(keys[0]))
+    writer.commit()  # committed but not finished: the index parts overlap, the newest row wins
+    tables = read_index(url)
+    sample_ids = tables["samples"].column("sample_id").to_pylist()
+    assert sorted(sample_ids) == [1000, 1002, 1003, 1004, 1005]
+    assert tables["errors"].column("sample_id").to_pylist() == [1001]
+    reader = CacheReader(url)
+    assert np.array_equal(reader.read([1000])[0].latent, new.latent)
+    with pytest.raises(CacheError, match="not in cache"):
+        reader.read([1001])
+    status = cache_freshness(url, manifest)
+    assert status.fresh.tolist() == [True, False, True, True, False, False]
+    assert status.failed.tolist() == [False, True, False, False, False, False]
+    assert status.stale.tolist() == [False, False, False, False, True, True] and not status.missing.any()
+    assert available_sample_ids(url, manifest=manifest).tolist() == [1000, 1002, 1003]
+    # a manifest row the cache never saw is missing; another caption makes a fresh record stale
+    grown = manifest_rows([*ids, 77], captions=["a dog"] + ["a cat"] * 6)
+    counts = cache_freshness(url, grown).counts()
+    assert counts == {"fresh": 2, "failed": 1, "stale": 3, "missing": 1}
+
+    meta = writer.finish("manifest-fp")
+    assert meta["counts"] == {"samples": 5, "texts": 3, "errors": 1} and meta["superseded_records"] == 4
+    assert all(len(parts) == 1 for parts in meta["index"].values())
+    assert read_index(url)["samples"].num_rows == 5 and verify_cache_ok(url)
+    # the image is fixed: its record supersedes the error row
+    writer = CacheWriter(url, SETTINGS, info=INFO)
+    fixed = written[1001]
+    writer.add_sample(1001, encode_sample(fixed), fixed.caption_key, fixed.bucket, int(keys[1]) + 1)
+    writer.finish()
+    assert read_index(url)["errors"].num_rows == 0 and 1001 in CacheReader(url).sample_ids.tolist()
+
+
+def verify_cache_ok(url: str) -> bool:
+    from manifests.cache_verify import verify_cache
+
+    return verify_cache(url).ok
+
+
+def test_merge_reads_covers_every_range_with_fewer_reads():
+    from manifests.cache_reader import merge_reads
+
+    ranges = [("b", 0, 10), ("a", 100, 110), ("a", 0, 10), ("a", 15, 30), ("a", 0, 10), ("a", 5000, 5010)]
+    reads, where = merge_reads(ranges, max_gap=64)
+    assert reads == [("a", 0, 30), ("a", 100, 110), ("a", 5000, 5010), ("b", 0, 10)]
+    data = {"a": bytes(range(256)) * 20, "b": b"0123456789"}
+    blocks = [data[p][s:e] for p, s, e in reads]
+    for (p, s, e), (k, at) in zip(ranges, where):
+        assert blocks[k][at : at + e - s] == data[p][s:e]
+    assert merge_reads(ranges, max_gap=None)[0] == ranges  # merging off: one read per range
+    assert len(merge_reads(ranges, max_gap=10_000)[0]) == 2  # one per object
+    assert len(merge_reads(ranges, max_gap=10_000, max_block=200)[0]) == 3  # capped block size
+    assert len(merge_reads(ranges, max_gap=10_000, max_block=100)[0]) == 4
+
+
+def test_reader_with_and_without_merged_reads_agree(tmp_path):
+    url = str(tmp_path / "cache")
+    written = build_cache(url, n=10)
+    ids = [1009, 1002, 1003, 1002, 1000]  # a repeat (padding) and neighbours in one shard
+    for max_gap in (None, 0, 1 << 16):
+        got = CacheReader(url, max_gap=max_gap).read(ids)
+        assert [r.sample_id for r in got] == ids
+        assert all(np.array_equal(r.latent, written[r.sample_id].latent) for r in got)

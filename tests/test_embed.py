@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import argparse
-import io
+import json
 import os
 import signal
 import subprocess
@@ -13,97 +12,18 @@ import time
 import numpy as np
 import pyarrow as pa
 import pytest
-from PIL import Image
 
-from manifests.buckets import BucketSpec
-from manifests.cache import CacheError, CacheReader, available_sample_ids, read_cache_meta, read_index
+from manifests.cache import CacheError, available_sample_ids, read_cache_meta, read_index
 from manifests.cache_format import caption_key, to_float32
 from manifests.cache_verify import verify_cache
-from manifests.manifest import apply_buckets, write_manifest
-from manifests.schema import ERRORS_SCHEMA, sample_id, sample_ids
+from manifests.manifest import apply_buckets, read_manifest, write_manifest
+from manifests.plan import read_epoch_tables, read_plan_meta
+from manifests.schema import ERRORS_SCHEMA, SAMPLES_SCHEMA, sample_id
 from manifests.storage import join, open_url
+from pipeline.cli import main
+from tests.embed_data import SPEC, jpeg, make_dataset, record_bytes, records_by_id, run_embed
 
-pytestmark = [pytest.mark.ray]
-
-SPEC = BucketSpec(area=64 * 64, step=32)
-SIZES = [(96, 64), (64, 96), (80, 80), (150, 70), (70, 150)]  # (w, h): 64x64, 128x32 and 32x128 buckets
-
-
-@pytest.fixture(scope="session", autouse=True)
-def bucketeer_home(tmp_path_factory):
-    """Default encoders built once per session into a temp home (Ray workers get it via the driver)."""
-    home = str(tmp_path_factory.mktemp("bucketeer-home"))
-    old = os.environ.get("BUCKETEER_HOME")
-    os.environ["BUCKETEER_HOME"] = home
-    yield home
-    if old is None:
-        os.environ.pop("BUCKETEER_HOME", None)
-    else:
-        os.environ["BUCKETEER_HOME"] = old
-
-
-def _jpeg(w: int, h: int, seed: int, orientation: int = 1) -> bytes:
-    rng = np.random.default_rng(seed)
-    img = Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8))
-    buf = io.BytesIO()
-    exif = Image.Exif()
-    if orientation != 1:
-        exif[0x0112] = orientation
-    img.save(buf, "JPEG", quality=85, exif=exif.tobytes())
-    return buf.getvalue()
-
-
-def make_dataset(root: str, manifest: str, n: int = 12, *, storage_options=None, broken=(), start: int = 0) -> list[str]:
-    """``n`` tiny images under ``root`` (+ ``broken`` names with undecodable bytes) and their manifest.
-
-    Image 1 is stored sideways with EXIF orientation 6 (display 64x96); captions repeat; every
-    5th image has none. Returns the filenames in the manifest.
-    """
-    fs, base = open_url(root, storage_options)
-    fs.makedirs(base, exist_ok=True)
-    rows = []
-    for i in range(start, start + n):
-        w, h = SIZES[i % len(SIZES)]
-        name = f"img_{i:03d}.jpg"
-        if i == 1:  # stored 96x64 landscape, displayed as 64x96 portrait
-            data, (w, h) = _jpeg(96, 64, i, orientation=6), (64, 96)
-        else:
-            data = _jpeg(w, h, i)
-        rows.append((name, w, h, None if i % 5 == 0 else f"a photo of thing {i % 3}", data))
-    for name in broken:
-        rows.append((name, 80, 80, "broken", b"<html>not an image</html>"))
-    for name, *_, data in rows:
-        fs.pipe_file(join(base, name), data)
-    names = [r[0] for r in rows]
-    table = pa.table({
-        "sample_id": pa.array(sample_ids(names), pa.uint64()), "filename": names,
-        "width": pa.array([r[1] for r in rows], pa.int32()), "height": pa.array([r[2] for r in rows], pa.int32()),
-        "caption": pa.array([r[3] for r in rows], pa.string()), "size": pa.array([len(r[4]) for r in rows], pa.int64()),
-    })  # fmt: skip
-    samples, rejects = apply_buckets(table, SPEC)
-    assert rejects.num_rows == 0
-    write_manifest(manifest, samples, ERRORS_SCHEMA.empty_table(), source=root, spec=SPEC,
-                   storage_options=storage_options)  # fmt: skip
-    return names
-
-
-def embed_args(manifest: str, out: str, *extra: str) -> argparse.Namespace:
-    from pipeline import embed
-
-    parser = argparse.ArgumentParser()
-    embed.add_arguments(parser)
-    return parser.parse_args([manifest, "--out", out, "--batch-size", "4", "--shard-records", "4", *extra])
-
-
-def run_embed(manifest: str, out: str, *extra: str) -> int:
-    from pipeline import embed
-
-    return embed.run(embed_args(manifest, out, *extra))
-
-
-def records_by_id(url: str, storage_options=None) -> dict[int, object]:
-    reader = CacheReader(url, storage_options)
-    return {r.sample_id: r for r in reader.read(reader.sample_ids.tolist())}
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("bucketeer_home")]
 
 
 def test_embed_local_round_trip_errors_and_rerun(tmp_path, ray_local):
@@ -146,6 +66,69 @@ def test_embed_local_round_trip_errors_and_rerun(tmp_path, ray_local):
     assert shards_before <= {s["path"] for s in meta2["shards"]}
     ids = read_index(out)["samples"].column("sample_id").to_numpy()
     assert len(ids) == len(np.unique(ids)) == 15
+
+
+def _planned_ids(plan: str) -> set[int]:
+    return {i for t in read_epoch_tables(plan, 0) for batch in t.column("sample_ids").to_pylist() for i in batch}
+
+
+@pytest.mark.slow
+def test_changed_image_and_caption_are_reembedded(tmp_path, ray_local, capsys):
+    root, old_manifest, out = str(tmp_path / "data"), str(tmp_path / "m1"), str(tmp_path / "cache")
+    make_dataset(root, old_manifest, 8)
+    assert run_embed(old_manifest, out) == 0
+    before, bytes_before = records_by_id(out), record_bytes(out)
+
+    # same paths, new content: img_002 gets other bytes (a 112x112 image), img_003 another caption.
+    # The manifest a rescan would give is written directly (only size/etag/caption change).
+    image, captioned = sample_id("img_002.jpg"), sample_id("img_003.jpg")
+    new_bytes = jpeg(112, 112, seed=99)
+    fs, base = open_url(root)
+    fs.pipe_file(join(base, "img_002.jpg"), new_bytes)
+    rows = read_manifest(old_manifest).samples.to_pylist()
+    for row in rows:
+        if row["sample_id"] == image:
+            row.update(width=112, height=112, size=len(new_bytes), etag='"new-etag"')
+        if row["sample_id"] == captioned:
+            row["caption"] = "a caption written later"
+    samples, _ = apply_buckets(pa.Table.from_pylist(rows, SAMPLES_SCHEMA), SPEC)
+    new_manifest = str(tmp_path / "m2")
+    write_manifest(new_manifest, samples, ERRORS_SCHEMA.empty_table(), source=root, spec=SPEC)
+    manifest = read_manifest(new_manifest)
+    all_ids = sorted(before)
+    fresh = sorted(set(all_ids) - {image, captioned})
+
+    # before the re-embed the two are stale: left out of plans, and the user is told what to run
+    assert available_sample_ids(out).tolist() == all_ids  # without a manifest: every record
+    assert available_sample_ids(out, manifest=manifest).tolist() == fresh
+    assert available_sample_ids(out, manifest=manifest.samples).tolist() == fresh
+    plan = str(tmp_path / "plan")
+    capsys.readouterr()
+    assert main(["plan", new_manifest, "--out", plan, "--world-size", "1", "--batch-size", "1", "--cache", out]) == 0
+    printed = capsys.readouterr().out
+    assert "2 stale in the cache (left out)" in printed and f"bucketeer embed {new_manifest} --out {out}" in printed
+    assert read_plan_meta(plan)["samples"] == {"planned": 6, "not_in_cache": 0, "stale": 2}
+    assert _planned_ids(plan) == set(fresh)
+
+    assert run_embed(new_manifest, out) == 0
+    assert "2 changed" in capsys.readouterr().out
+    meta = read_cache_meta(out)
+    summary = meta["summary"]
+    assert (summary["embedded"], summary["changed"], summary["skipped"], summary["new_captions"]) == (2, 2, 6, 1)
+    after, bytes_after = records_by_id(out), record_bytes(out)
+    assert sorted(after) == all_ids
+    assert after[image].original_size == (112, 112) and before[image].original_size == (80, 80)
+    assert after[captioned].caption_key == caption_key("a caption written later") != before[captioned].caption_key
+    assert after[captioned].text.lengths != before[captioned].text.lengths
+    assert {i: bytes_after[i] for i in fresh} == {i: bytes_before[i] for i in fresh}  # untouched, byte for byte
+    ids = read_index(out)["samples"].column("sample_id").to_numpy()
+    assert len(ids) == len(np.unique(ids)) == 8  # the merged index holds only the newest record of each
+    assert meta["counts"]["samples"] == 8 and meta["superseded_records"] == 2
+    assert available_sample_ids(out, manifest=manifest).tolist() == all_ids
+    assert verify_cache(out).ok
+    assert run_embed(new_manifest, out) == 0 and "nothing to embed" in capsys.readouterr().out
+    # the old manifest is now the changed one: its two rows are stale against the new records
+    assert available_sample_ids(out, manifest=read_manifest(old_manifest)).tolist() == fresh
 
 
 def test_changed_settings_are_refused(tmp_path, ray_local, capsys):
@@ -204,8 +187,6 @@ def test_embed_on_s3(s3, ray_local):
     root, manifest, out = s3.fresh_url("data"), s3.fresh_url("manifest"), s3.fresh_url("cache")
     so = s3.storage_options
     names = make_dataset(root, manifest, 6, storage_options=so, broken=["zz_broken.jpg"])
-    import json
-
     assert run_embed(manifest, out, "--storage-options", json.dumps(so)) == 0
     s3.fs.invalidate_cache()
     assert available_sample_ids(out, so).tolist() == sorted(sample_id(n) for n in names[:-1])

@@ -6,6 +6,7 @@ import json
 import shutil
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pyarrow as pa
@@ -370,22 +371,82 @@ def test_cache_filter_keeps_only_cached_samples(manifest_url, tmp_path):
     assert check_plan(url, manifest=manifest) == []  # without the cache: membership in the manifest only
 
 
-def test_cli_cache_option_wiring(manifest_url, tmp_path, monkeypatch, capsys):
-    # manifests.cache is being written by the embed issue; until it lands, stand in for its two
-    # functions at the seam (_cache_inputs) to test what the CLI does with them
-    import pipeline.plan as plan_cli
+@pytest.fixture(scope="module")
+def embedded(tmp_path_factory, ray_local, bucketeer_home) -> SimpleNamespace:
+    """A real cache: tiny images (one undecodable) -> manifest -> `pipeline.embed` on local Ray.
 
-    ids = read_manifest(manifest_url).samples.column("sample_id").to_numpy()
-    monkeypatch.setattr(plan_cli, "_cache_inputs", lambda url, options: (ids[1::2], {"fingerprint": "fp-1"}))
+    Embedding takes seconds on two cores, so the tests of this module share one.
+    """
+    from manifests.schema import sample_id
+    from tests.embed_data import make_dataset, run_embed
+
+    base = tmp_path_factory.mktemp("embedded")
+    root, manifest, cache = str(base / "data"), str(base / "manifest"), str(base / "cache")
+    names = make_dataset(root, manifest, 10, broken=["zz_broken.jpg"])
+    assert run_embed(manifest, cache) == 0
+    return SimpleNamespace(root=root, manifest=manifest, cache=cache, names=names, broken=sample_id("zz_broken.jpg"))
+
+
+def _all_planned(url: str) -> tuple[set[int], list[tuple[str, int]]]:
+    ids, rows = set(), []
+    for epoch in range(read_plan_meta(url)["inputs"]["epochs"]):
+        for t in read_epoch_tables(url, epoch):
+            for bucket, batch in zip(t.column("bucket").to_pylist(), t.column("sample_ids").to_pylist()):
+                ids.update(batch)
+                rows += [(bucket, i) for i in batch]
+    return ids, rows
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_plan_with_a_real_cache_end_to_end(embedded, tmp_path, capsys):
+    from manifests.cache import CacheReader, available_sample_ids, read_cache_meta, read_index
+
+    errors = read_index(embedded.cache)["errors"].column("sample_id").to_pylist()
+    assert errors == [embedded.broken]  # the undecodable image is an error row of the cache
     url = str(tmp_path / "p")
-    assert main(plan_args(manifest_url, url, "--cache", str(tmp_path / "cache"), "--leftover", "pad")) == 0
-    assert "not in the cache (left out)" in capsys.readouterr().out
+    args = ["--world-size", "2", "--batch-size", "1", "--epochs", "2", "--leftover", "pad", "--cache", embedded.cache]
+    assert main(["plan", embedded.manifest, "--out", url, *args]) == 0
+    assert "1 not in the cache (left out)" in capsys.readouterr().out
     meta = read_plan_meta(url)
-    assert meta["inputs"]["cache_fingerprint"] == "fp-1" and meta["samples"]["not_in_cache"] == len(ids) - len(
-        ids[1::2]
-    )
-    assert set(epoch_ids(url, 0)) == set(ids[1::2].tolist())
-    assert main(["plan", "--check", url, manifest_url, "--cache", str(tmp_path / "cache")]) == 0
+    assert meta["inputs"]["cache_fingerprint"] == read_cache_meta(embedded.cache)["fingerprint"]
+    assert meta["samples"] == {"planned": 10, "not_in_cache": 1, "stale": 0}
+    planned, rows = _all_planned(url)
+    good = available_sample_ids(embedded.cache, manifest=read_manifest(embedded.manifest))
+    assert embedded.broken not in planned and planned == set(good.tolist()) and len(planned) == 10
+    records = {r.sample_id: r for r in CacheReader(embedded.cache).read(sorted(planned))}
+    assert all(records[i].bucket == bucket for bucket, i in rows)  # every planned id has a record of its bucket
+    assert main(["plan", "--check", url, embedded.manifest, "--cache", embedded.cache]) == 0
+    assert "ok" in capsys.readouterr().out
+
+    # the same folder re-embedded with other settings is another cache: the plan no longer matches it
+    from tests.embed_data import run_embed
+
+    other = str(tmp_path / "cache-fp32")
+    assert run_embed(embedded.manifest, other, "--dtype", "fp32") == 0
+    assert read_cache_meta(other)["fingerprint"] != meta["inputs"]["cache_fingerprint"]
+    capsys.readouterr()
+    assert main(["plan", "--check", url, embedded.manifest, "--cache", other]) == 1
+    assert "cache fingerprint mismatch" in capsys.readouterr().out
+    # without --cache the plan is still a sound plan of the manifest (membership only)
+    assert main(["plan", "--check", url, embedded.manifest]) == 0
+
+
+@pytest.mark.ray
+def test_plan_check_catches_a_cache_that_lost_records(embedded, tmp_path, capsys):
+    # a plan made from the full cache, checked against the cache's samples minus one: the
+    # per-bucket counts no longer match, so --check fails (the trainer would hit a missing record)
+    from manifests.cache import available_sample_ids, read_cache_meta
+
+    url = str(tmp_path / "p")
+    assert main(["plan", embedded.manifest, "--out", url, "--world-size", "1", "--batch-size", "1",
+                 "--cache", embedded.cache]) == 0  # fmt: skip
+    manifest = read_manifest(embedded.manifest)
+    fresh = available_sample_ids(embedded.cache, manifest=manifest)
+    fp = read_cache_meta(embedded.cache)["fingerprint"]
+    assert check_plan(url, manifest=manifest, available_ids=fresh, cache_fingerprint=fp) == []
+    problems = check_plan(url, manifest=manifest, available_ids=fresh[1:], cache_fingerprint=fp)
+    assert any("differ from the manifest's (and cache's)" in p for p in problems)
 
 
 def test_memory_round_trip_and_rewrite_removes_stale_parts():
