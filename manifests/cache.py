@@ -41,7 +41,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from manifests.cache_freshness import Freshness, classify, manifest_samples, source_key
-from manifests.storage import join, open_url, read_json, redact
+from manifests.storage import join, open_url, read_artifact_meta, redact
 
 __all__ = [
     "CACHE_FILE",
@@ -148,22 +148,12 @@ def read_cache_meta(url: str, storage_options: dict | None = None) -> dict:
 
 
 def _read_meta(fs, root: str, url: str) -> dict:
-    try:
-        meta = read_json(fs, join(root, CACHE_FILE))
-    except FileNotFoundError:
-        raise CacheError(
-            f"{redact(url)} has no {CACHE_FILE}: it is not a bucketeer cache, or its embed job has not "
-            "committed a shard yet. Run `bucketeer embed MANIFEST --out CACHE` to build it."
-        ) from None
-    except json.JSONDecodeError as e:
-        raise CacheError(f"{redact(url)}/{CACHE_FILE} is not valid JSON ({e.msg})") from None
-    if not isinstance(meta, dict) or meta.get("kind") != _KIND:
-        raise CacheError(f"{redact(url)}/{CACHE_FILE} is not a bucketeer cache (kind={meta.get('kind')!r})")
-    if meta.get("format_version") != CACHE_FORMAT_VERSION:
-        raise CacheError(
-            f"{redact(url)} has cache format version {meta.get('format_version')!r}; this bucketeer reads "
-            f"version {CACHE_FORMAT_VERSION}. Re-embed into a new --out, or use the bucketeer that wrote it."
-        )
+    meta = read_artifact_meta(
+        fs, root, url, file=CACHE_FILE, kind=_KIND, version=CACHE_FORMAT_VERSION, error=CacheError,
+        missing_hint="it is not a bucketeer cache, or its embed job has not committed a shard yet. "
+        "Run `bucketeer embed MANIFEST --out CACHE` to build it.",
+        version_hint="Re-embed into a new --out, or use the bucketeer that wrote it.",
+    )
     return meta
 
 

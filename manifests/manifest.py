@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 from manifests import __version__
 from manifests.buckets import BucketSpec, assign_buckets, bucket_names
 from manifests.schema import ERRORS_SCHEMA, FORMAT_VERSION, SAMPLES_SCHEMA
-from manifests.storage import join, open_url, read_json, redact, write_bytes_atomic, write_json_atomic
+from manifests.storage import join, open_url, read_artifact_meta, redact, write_bytes_atomic, write_json_atomic
 
 __all__ = [
     "MANIFEST_FILE",
@@ -184,22 +184,12 @@ def _remove_unreferenced(fs, root: str, keep: set[str]) -> None:
 def read_manifest(url: str, storage_options: dict[str, Any] | None = None) -> Manifest:
     """Read a committed manifest; raises ManifestError saying what is wrong and what to do."""
     fs, root = open_url(url, storage_options)
-    try:
-        meta = read_json(fs, join(root, MANIFEST_FILE))
-    except FileNotFoundError:
-        raise ManifestError(
-            f"{redact(url)} has no {MANIFEST_FILE}: it is not a manifest, or its scan never committed "
-            "(still running or killed). Run `bucketeer scan` to (re)build it."
-        ) from None
-    except json.JSONDecodeError as e:
-        raise ManifestError(f"{redact(url)}/{MANIFEST_FILE} is not valid JSON: {e.msg}") from None
-    if meta.get("kind") != _KIND:
-        raise ManifestError(f"{redact(url)}/{MANIFEST_FILE} is not a bucketeer manifest (kind={meta.get('kind')!r})")
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise ManifestError(
-            f"{redact(url)} has manifest format version {meta.get('format_version')!r}; this bucketeer "
-            f"reads version {FORMAT_VERSION}. Rescan with this version, or use the bucketeer that wrote it."
-        )
+    meta = read_artifact_meta(
+        fs, root, url, file=MANIFEST_FILE, kind=_KIND, version=FORMAT_VERSION, error=ManifestError,
+        missing_hint="it is not a manifest, or its scan never committed (still running or killed). "
+        "Run `bucketeer scan` to (re)build it.",
+        version_hint="Rescan with this version, or use the bucketeer that wrote it.",
+    )
     tables = {}
     for kind, schema in (("samples", SAMPLES_SCHEMA), ("errors", ERRORS_SCHEMA)):
         pieces = []

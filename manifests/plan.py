@@ -47,7 +47,15 @@ from manifests.plan_schedule import (
     rank_table,
     schedule_from_rank_tables,
 )
-from manifests.storage import is_local, join, open_url, read_json, redact, write_bytes_atomic, write_json_atomic
+from manifests.storage import (
+    is_local,
+    join,
+    open_url,
+    read_artifact_meta,
+    redact,
+    write_bytes_atomic,
+    write_json_atomic,
+)
 
 __all__ = [
     "PLAN_FILE",
@@ -257,23 +265,12 @@ def write_plan(
 def read_plan_meta(url: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """``_plan.json`` of a committed plan. Raises PlanError saying what is wrong and what to do."""
     fs, root = open_url(url, storage_options)
-    try:
-        meta = read_json(fs, join(root, PLAN_FILE))
-    except FileNotFoundError:
-        raise PlanError(
-            f"{redact(url)} has no {PLAN_FILE}: it is not a plan, or `bucketeer plan` never finished "
-            "(still running or killed). Run `bucketeer plan` to (re)build it."
-        ) from None
-    except json.JSONDecodeError as e:
-        raise PlanError(f"{redact(url)}/{PLAN_FILE} is not valid JSON: {e.msg}") from None
-    if not isinstance(meta, dict) or meta.get("kind") != PLAN_KIND:
-        kind = meta.get("kind") if isinstance(meta, dict) else None
-        raise PlanError(f"{redact(url)}/{PLAN_FILE} is not a bucketeer plan (kind={kind!r})")
-    if meta.get("format_version") != PLAN_FORMAT_VERSION:
-        raise PlanError(
-            f"{redact(url)} has plan format version {meta.get('format_version')!r}; this bucketeer reads version "
-            f"{PLAN_FORMAT_VERSION}. Re-run `bucketeer plan` with this version."
-        )
+    meta = read_artifact_meta(
+        fs, root, url, file=PLAN_FILE, kind=PLAN_KIND, version=PLAN_FORMAT_VERSION, error=PlanError,
+        missing_hint="it is not a plan, or `bucketeer plan` never finished (still running or killed). "
+        "Run `bucketeer plan` to (re)build it.",
+        version_hint="Re-run `bucketeer plan` with this version.",
+    )
     return meta
 
 

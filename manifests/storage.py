@@ -27,6 +27,7 @@ __all__ = [
     "write_bytes_atomic",
     "write_json_atomic",
     "read_json",
+    "read_artifact_meta",
     "is_local",
 ]
 
@@ -161,3 +162,37 @@ def read_json(fs: AbstractFileSystem, path: str) -> Any:
     """Read a JSON file; FileNotFoundError propagates so callers can say what is missing."""
     # one GET: fs.open() would first HEAD the object for its size (the trainer must not HEAD)
     return json.loads(fs.cat_file(path))
+
+
+def read_artifact_meta(
+    fs: AbstractFileSystem,
+    root: str,
+    url: str,
+    *,
+    file: str,
+    kind: str,
+    version: int,
+    error: type[Exception],
+    missing_hint: str,
+    version_hint: str,
+) -> dict[str, Any]:
+    """Read and check an artifact's root JSON (``_manifest.json``, ``_plan.json``, ``_cache.json``).
+
+    The file is what makes the folder valid: without it, or of another ``kind`` or format
+    ``version``, ``error`` is raised with the URL (redacted) and the hint saying what to do.
+    """
+    try:
+        meta = read_json(fs, join(root, file))
+    except FileNotFoundError:
+        raise error(f"{redact(url)} has no {file}: {missing_hint}") from None
+    except json.JSONDecodeError as e:
+        raise error(f"{redact(url)}/{file} is not valid JSON ({e.msg})") from None
+    found = meta.get("kind") if isinstance(meta, dict) else None
+    if found != kind:
+        raise error(f"{redact(url)}/{file} is not a {kind} (kind={found!r})")
+    if meta.get("format_version") != version:
+        raise error(
+            f"{redact(url)} has {file} format version {meta.get('format_version')!r}; this bucketeer reads "
+            f"version {version}. {version_hint}"
+        )
+    return meta
