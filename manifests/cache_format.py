@@ -111,7 +111,7 @@ def encode_tensors(tensors: Mapping[str, tuple[np.ndarray, str]], metadata: Mapp
     blobs, offset = [], 0
     for name in sorted(tensors):
         array, tag = tensors[name]
-        array = np.ascontiguousarray(array)
+        array = np.asarray(array, order="C")  # not ascontiguousarray: it turns a 0-d scalar into shape (1,)
         if tag not in DTYPES or array.dtype.newbyteorder("<") != DTYPES[tag].newbyteorder("<"):
             raise ValueError(f"tensor {name!r}: numpy dtype {array.dtype} does not store safetensors {tag}")
         raw = array.astype(DTYPES[tag], copy=False).tobytes()
