@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 
 from manifests import __version__
 from manifests.buckets import BucketSpec, assign_buckets, bucket_names
-from manifests.schema import ERRORS_SCHEMA, FORMAT_VERSION, SAMPLES_SCHEMA
+from manifests.schema import ADDED_COLUMNS, ERRORS_SCHEMA, FORMAT_VERSION, SAMPLES_SCHEMA
 from manifests.storage import join, open_url, read_artifact_meta, redact, write_bytes_atomic, write_json_atomic
 
 __all__ = [
@@ -200,7 +200,7 @@ def read_manifest(url: str, storage_options: dict[str, Any] | None = None) -> Ma
                     piece = pq.read_table(f)
             except FileNotFoundError:
                 raise ManifestError(f"{redact(url)}: part {part['path']} named in {MANIFEST_FILE} is missing") from None
-            missing = [n for n in schema.names if n not in piece.column_names]
+            missing = [n for n in schema.names if n not in piece.column_names and n not in ADDED_COLUMNS]
             if missing:
                 raise ManifestError(f"{redact(url)}: part {part['path']} lacks columns {missing}")
             try:

@@ -17,6 +17,7 @@ __all__ = [
     "SAMPLES_SCHEMA",
     "ERRORS_SCHEMA",
     "ERROR_KINDS",
+    "ADDED_COLUMNS",
     "sample_id",
     "sample_ids",
     "empty_samples",
@@ -40,6 +41,7 @@ SAMPLES_SCHEMA = pa.schema(
         pa.field("format", pa.string()),  # Pillow's format name: JPEG, PNG, WEBP, ...
         pa.field("orientation", pa.int8()),  # EXIF orientation tag 1..8 (1 when absent)
         pa.field("bytes_read", pa.int64()),  # how much of the file the scan read
+        pa.field("caption_source", pa.string()),  # version of what gave the caption (below)
     ]
 )
 
@@ -58,8 +60,22 @@ ERRORS_SCHEMA = pa.schema(
         pa.field("format", pa.string()),
         pa.field("orientation", pa.int8()),
         pa.field("bytes_read", pa.int64()),
+        pa.field("caption_source", pa.string()),
     ]
 )
+
+# ``caption_source``: the exact version of what the caption was taken from, so that a rescan
+# re-reads a caption exactly when its source changed (never by timestamps):
+#   "sidecar:<size>:<etag, else mtime>:<sidecar path>"  a .txt/.caption file (path relative to the
+#                                                       root, last, so a ':' in it is unambiguous)
+#   "table:<version>"                                   the --captions table; version = hash of its
+#                                                       {filename: caption} content
+#   null                                                no caption source, or a sidecar that could not
+#                                                       be read, or a manifest written before the column
+#                                                       existed: unknown, read again on the next scan
+
+# nullable columns added after FORMAT_VERSION 1 shipped: parts written before lack them and read as nulls
+ADDED_COLUMNS = frozenset({"caption_source"})
 
 ERROR_KINDS = (
     "empty",  # zero bytes

@@ -8,13 +8,17 @@ stripped; a caption that is empty after that is null.
 
 The table (``--captions URL``) is parquet, jsonl or csv with a filename column (``filename``,
 ``file_name``, ``path`` or ``image``) and a caption column (``caption``, ``text`` or ``prompt``);
-filenames are relative to the dataset root.
+filenames are relative to the dataset root. Its ``version`` is a hash of its content as read
+(``{filename: caption}`` after normalising), so a reformatted but equal table has the same version.
 """
 
 from __future__ import annotations
 
 import codecs
+import hashlib
 import io
+import json
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -24,7 +28,7 @@ import pyarrow.parquet as pq
 
 from manifests.storage import open_url, redact
 
-__all__ = ["SIDECAR_EXTENSIONS", "decode_caption", "normalise_caption", "sidecar_stem", "load_caption_table"]
+__all__ = ["SIDECAR_EXTENSIONS", "CaptionTable", "decode_caption", "normalise_caption", "sidecar_stem", "load_caption_table"]
 
 SIDECAR_EXTENSIONS = (".txt", ".caption")  # when both exist, .txt wins
 _FILENAME_COLUMNS = ("filename", "file_name", "path", "image")
@@ -70,8 +74,21 @@ def _clean_name(name: str) -> str:
     return name.lstrip("/")
 
 
-def load_caption_table(url: str, storage_options: dict[str, Any] | None = None) -> dict[str, str | None]:
-    """Read ``--captions URL`` into ``{filename: caption}`` (captions normalised).
+@dataclass(frozen=True)
+class CaptionTable:
+    """A loaded ``--captions`` table: ``{filename: caption}`` and a hash of that content."""
+
+    captions: dict[str, str | None]
+    version: str  # 16 hex digits of sha256 over the sorted (filename, caption) pairs
+
+    @classmethod
+    def of(cls, captions: dict[str, str | None]) -> CaptionTable:
+        pairs = json.dumps(sorted(captions.items()), ensure_ascii=False).encode()
+        return cls(captions, hashlib.sha256(pairs).hexdigest()[:16])
+
+
+def load_caption_table(url: str, storage_options: dict[str, Any] | None = None) -> CaptionTable:
+    """Read ``--captions URL`` into a :class:`CaptionTable` (captions normalised).
 
     Raises FileNotFoundError when the table is missing, ValueError for an unknown format,
     missing columns or a filename given twice with different captions.
@@ -112,4 +129,4 @@ def load_caption_table(url: str, storage_options: dict[str, Any] | None = None) 
         if key in out and out[key] != caption:
             raise ValueError(f"--captions {redact(url)}: {key!r} appears twice with different captions (row {row})")
         out[key] = caption
-    return out
+    return CaptionTable.of(out)

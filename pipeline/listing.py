@@ -8,7 +8,9 @@ halves are listed in parallel. The split is exact whatever the key distribution 
 cut only costs one request that finds nothing). Other filesystems use ``fs.find``.
 
 A rescan compares the listing with the previous manifest (:func:`plan_rescan`): unchanged files
-(same size and ETag, or mtime where the store has no ETag) keep their rows and are not read.
+(same size and ETag, or mtime where the store has no ETag) keep their rows and are not read, and
+their sidecar captions are read again exactly when the listed sidecar differs from the one each
+row's ``caption_source`` records (no timestamps are compared with any clock).
 
 Images: ``jpg jpeg png webp gif bmp tif tiff`` in any case. Hidden files and folders (any path
 part starting with ``.``, so also macOS ``._*`` AppleDouble files) and other files are skipped and
@@ -30,10 +32,13 @@ from fsspec import AbstractFileSystem
 from manifests.manifest import ManifestError, conform, read_manifest
 from manifests.schema import ERRORS_SCHEMA, SAMPLES_SCHEMA
 from manifests.storage import is_local, redact
-from pipeline.captions import SIDECAR_EXTENSIONS, sidecar_stem
+from pipeline.captions import SIDECAR_EXTENSIONS, CaptionTable, sidecar_stem
 from pipeline.retry import with_retries
 
-__all__ = ["IMAGE_EXTENSIONS", "IMAGE_SCHEMA", "FileEntry", "Listing", "RescanPlan", "list_source", "classify", "plan_rescan"]
+__all__ = [
+    "IMAGE_EXTENSIONS", "IMAGE_SCHEMA", "FileEntry", "Listing", "RescanPlan",
+    "list_source", "classify", "plan_rescan", "caption_source", "sidecar_version",
+]  # fmt: skip
 
 IMAGE_SCHEMA = pa.schema([f for f in SAMPLES_SCHEMA if f.name != "bucket"])  # a sample before bucketing
 IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff"})
@@ -211,21 +216,32 @@ def _between(lo: str, hi: str | None, prefix: str, digits: int = 6) -> str | Non
 
 # --- incremental rescans: what changed since the previous manifest ------------------------------
 
-# a sidecar edited this long before the previous scan started may have been read before the edit
-_CLOCK_SKEW_S = 300.0
-
 
 @dataclass
 class RescanPlan:
     work: list[tuple[str, int, bool, str | None]]  # (name, size, probe image?, sidecar to read)
     reused_images: pa.Table  # IMAGE_SCHEMA rows of unchanged files, caption as before
     reused_errors: pa.Table  # ERRORS_SCHEMA rows of unchanged broken files
-    kept_captions: set[str]  # reused images whose previous caption still holds
+    kept_captions: set[str]  # reused rows read from exactly the sidecar version still listed
     reused: int = 0
     new: int = 0
     changed: int = 0
     deleted: int = 0
     previous: str | None = None
+
+
+def sidecar_version(entry: FileEntry) -> str:
+    """``caption_source`` of a caption read from sidecar ``entry`` (format in manifests/schema.py)."""
+    version = entry.etag or (repr(entry.mtime) if entry.mtime is not None else "?")
+    return f"sidecar:{entry.size}:{version}:{entry.name}"
+
+
+def caption_source(listing: Listing, name: str, table: CaptionTable | None) -> str | None:
+    """``caption_source`` of image ``name`` now: the caption table's row, else its sidecar, else None."""
+    if table is not None and name in table.captions:
+        return f"table:{table.version}"
+    entry = listing.sidecars.get(sidecar_stem(name))
+    return sidecar_version(entry) if entry else None
 
 
 def _unchanged(entry: FileEntry, size: int | None, etag: str | None, mtime: float | None) -> bool:
@@ -242,15 +258,15 @@ def plan_rescan(
     previous: str | None,
     storage_options: dict[str, Any] | None,
     max_pixels: int,
-    captions: str | None,
-    table: dict[str, str | None] | None,
+    table: CaptionTable | None,
 ) -> RescanPlan:
     """Split the listed images into rows to reuse from the previous manifest and files to read.
 
     The previous manifest is ``previous`` or, when absent, a committed one at ``out``. Error rows
     of kind ``read_failed`` are always re-read, ``too_many_pixels`` when ``--max-pixels`` changed.
-    Sidecar captions of reused rows are re-read when the sidecar changed after the previous scan
-    started (by mtime) or the previous caption was null.
+    A reused row's sidecar is read again exactly when its ``caption_source`` differs from the
+    sidecar listed now (new, rewritten, or another sidecar wins), or was unknown (null: an older
+    manifest, or a failed read). Table captions need no read: the table is in memory.
     """
     old = None
     try:
@@ -274,14 +290,11 @@ def plan_rescan(
     redo_names = set(old.errors.column("filename").to_pylist()) - set(errors.column("filename").to_pylist())
     redo_names -= set(images.column("filename").to_pylist())
 
-    since = prev_summary.get("started_at_epoch")
-    same_captions = prev_summary.get("captions") == (redact(captions) if captions else "sidecars")
     plan = RescanPlan([], images, errors, set(), previous=redact(previous or out))
     seen: set[str] = set()
     keep_image, keep_error = [], []
-    for kind, tab, keep in (("image", images, keep_image), ("error", errors, keep_error)):
-        cols = tab.select(["filename", "size", "etag", "mtime"]).to_pydict()
-        caps = tab.column("caption").to_pylist()
+    for tab, keep in ((images, keep_image), (errors, keep_error)):
+        cols = tab.select(["filename", "size", "etag", "mtime", "caption_source"]).to_pydict()
         for i, name in enumerate(cols["filename"]):
             entry = entries.get(name)
             if entry is None or not _unchanged(entry, cols["size"][i], cols["etag"][i], cols["mtime"][i]):
@@ -289,15 +302,15 @@ def plan_rescan(
                 continue
             keep.append(True)
             seen.add(name)
-            sidecar = _sidecar(listing, name, table) if kind == "image" else None
-            fresh = sidecar is not None and (
-                not same_captions or caps[i] is None or since is None
-                or (listing.sidecars[sidecar_stem(name)].mtime or float("inf")) >= since - _CLOCK_SKEW_S
-            )  # fmt: skip
-            if fresh:
-                plan.work.append((name, entry.size, False, sidecar))
-            elif sidecar is not None:
+            sidecar = _sidecar(listing, name, table)
+            if sidecar is None:
+                continue  # the table's caption, or none: known without reading anything
+            listed = listing.sidecars[sidecar_stem(name)]
+            versioned = listed.etag is not None or listed.mtime is not None
+            if versioned and cols["caption_source"][i] == sidecar_version(listed):
                 plan.kept_captions.add(name)
+            else:
+                plan.work.append((name, entry.size, False, sidecar))
     plan.reused_images = images.filter(pa.array(keep_image, pa.bool_()))
     plan.reused_errors = errors.filter(pa.array(keep_error, pa.bool_()))
     previous_names = set(images.column("filename").to_pylist()) | set(errors.column("filename").to_pylist()) | redo_names
@@ -314,9 +327,9 @@ def plan_rescan(
     return plan
 
 
-def _sidecar(listing: Listing, name: str, table: dict[str, str | None] | None) -> str | None:
+def _sidecar(listing: Listing, name: str, table: CaptionTable | None) -> str | None:
     """The sidecar to read for ``name``: none when the caption table already has it."""
-    if table is not None and name in table:
+    if table is not None and name in table.captions:
         return None
     entry = listing.sidecars.get(sidecar_stem(name))
     return entry.name if entry else None

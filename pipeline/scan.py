@@ -11,7 +11,9 @@ bucketed through :func:`manifests.manifest.apply_buckets` and committed by
 leaves the previous manifest readable and a re-run gives the same manifest as a clean run.
 
 Incremental: rows of the manifest already at ``--out`` (or ``--previous``) whose file size and
-ETag (mtime when the store has no ETag) are unchanged are reused without reading the file.
+ETag (mtime when the store has no ETag) are unchanged are reused without reading the file; their
+sidecar caption is read again only when the listed sidecar is not the version recorded in the
+row's ``caption_source`` (see manifests/schema.py).
 Without ``--ray-address`` (or ``RAY_ADDRESS``) Ray starts in-process on this machine.
 """
 
@@ -33,9 +35,9 @@ from manifests.buckets import BucketSpec, add_bucket_arguments, spec_from_args
 from manifests.manifest import apply_buckets, conform, write_manifest
 from manifests.schema import ERRORS_SCHEMA, sample_ids
 from manifests.storage import StorageError, open_url, parse_storage_options, redact
-from pipeline.captions import load_caption_table
+from pipeline.captions import CaptionTable, load_caption_table
 from pipeline.headers import DEFAULT_MAX_PIXELS, FIRST_READ, probe_files
-from pipeline.listing import IMAGE_EXTENSIONS, IMAGE_SCHEMA, Listing, RescanPlan, list_source, plan_rescan
+from pipeline.listing import IMAGE_EXTENSIONS, IMAGE_SCHEMA, Listing, RescanPlan, caption_source, list_source, plan_rescan
 from pipeline.retry import is_permanent
 
 log = logging.getLogger("bucketeer.scan")
@@ -137,7 +139,7 @@ def scan_dataset(
         )
     log.info("listed %d images (%d ignored) in %.1f s", len(listing.images), listing.ignored, listing.seconds)
     table = load_caption_table(captions, storage_options) if captions else None
-    plan = plan_rescan(listing, out, previous, storage_options, config.max_pixels, captions, table)
+    plan = plan_rescan(listing, out, previous, storage_options, config.max_pixels, table)
 
     target = (source, storage_options, task_fs, root)
     # only image headers go to Ray; re-reading a few changed sidecars of reused rows is driver work
@@ -155,7 +157,7 @@ def scan_dataset(
     samples, too_small = apply_buckets(images, spec)
     errors = pa.concat_tables([errors, too_small])
     seconds = time.perf_counter() - clock - ray_seconds
-    summary = _summary(listing, plan, stats, samples, errors, seconds, started, config, captions)
+    summary = _summary(listing, plan, stats, samples, errors, seconds, started, config, captions, table)
     return write_manifest(
         out, samples, errors, source=source, spec=spec, storage_options=storage_options, summary=summary,
         counts={"listed": len(listing.images), "ignored": listing.ignored},
@@ -165,17 +167,40 @@ def scan_dataset(
 # --- the Ray part -------------------------------------------------------------------------------
 
 
+# Tests only: a fault injected into every scan task after its reads, before its result is
+# returned, so that tests can kill a scan mid-way or lose a worker with real Ray.
+TEST_FAULT_ENV = "_BUCKETEER_TEST_TASK_FAULT"
+
+
+def _inject_test_fault(fault: str) -> None:
+    """``sleep:SECONDS`` stalls the task; ``exit-once:PATH`` ends this worker process (``os._exit``)
+    in the one task attempt that creates PATH (``O_EXCL``, so exactly one attempt dies)."""
+    kind, _, arg = fault.partition(":")
+    if kind == "sleep":
+        time.sleep(float(arg))
+    elif kind == "exit-once":
+        try:
+            marker = os.open(arg, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return
+        os.write(marker, str(os.getpid()).encode())
+        os.close(marker)
+        os._exit(1)
+    else:
+        raise ValueError(f"{TEST_FAULT_ENV}={fault!r}: use sleep:SECONDS or exit-once:PATH")
+
+
 def scan_batch(target: tuple, items: list[tuple[str, int, bool, str | None]], config: ScanConfig) -> dict[str, Any]:
     """One Ray task: probe ``items`` (see :func:`pipeline.headers.probe_files`) on its own filesystem."""
     source, storage_options, fs, root = target
     if fs is None:
         fs, root = open_url(source, storage_options)
-    delay = float(os.environ.get("_BUCKETEER_TEST_TASK_DELAY_S", "0"))  # lets tests kill a scan mid-way
-    if delay:
-        time.sleep(delay)
-    return probe_files(
+    result = probe_files(
         fs, root, items, max_pixels=config.max_pixels, first_read=config.header_bytes, threads=config.threads_per_task
     )
+    if TEST_FAULT_ENV in os.environ:
+        _inject_test_fault(os.environ[TEST_FAULT_ENV])
+    return result
 
 
 def _run_tasks(target: tuple, work: list, config: ScanConfig, ray_address: str | None) -> tuple[list[dict], float]:
@@ -244,28 +269,34 @@ def _run_batches(ray, target: tuple, work: list, config: ScanConfig) -> list[dic
 # --- assembling the manifest --------------------------------------------------------------------
 
 
-def _assemble(listing: Listing, plan: RescanPlan, results: list[dict], table: dict | None):
+def _assemble(listing: Listing, plan: RescanPlan, results: list[dict], table: CaptionTable | None):
     """Image rows (IMAGE_SCHEMA) and error rows (ERRORS_SCHEMA) from reused rows and task results."""
     entries = {e.name: e for e in listing.images}
     merged: dict[str, list] = {k: [] for k in results[0]} if results else {}
     for r in results:
         for k, v in r.items():
             merged[k].extend(v)
-    sidecar_captions = {n: c for n, c, ok in zip(merged.get("name", []), merged.get("caption", []), merged.get("caption_read", [])) if ok}
+    read_results = list(zip(merged.get("name", []), merged.get("caption", []), merged.get("caption_read", [])))
+    sidecar_captions = {n: c for n, c, ok in read_results if ok}
+    failed_reads = {n for n, _, ok in read_results if ok is False}
     stats = {
         "files_read": sum(1 for w, e in zip(merged.get("width", []), merged.get("error", [])) if w is not None or e),
         "bytes_read": [b for b in merged.get("bytes_read", []) if b is not None],
         "requests": sum(r or 0 for r in merged.get("requests", [])),
         "captions_read": len(sidecar_captions),
-        "caption_read_failures": sum(1 for ok in merged.get("caption_read", []) if ok is False),
+        "caption_read_failures": len(failed_reads),
     }
 
     def caption_of(name: str, previous: str | None) -> str | None:
-        if table is not None and name in table:
-            return table[name]
+        if table is not None and name in table.captions:
+            return table.captions[name]
         if name in sidecar_captions:
             return sidecar_captions[name]
         return previous if name in plan.kept_captions else None
+
+    def source_of(name: str) -> str | None:
+        # a sidecar that could not be read records no source, so the next scan reads it again
+        return None if name in failed_reads else caption_source(listing, name, table)
 
     new_images: dict[str, list] = {k: [] for k in ("filename", "width", "height", "format", "orientation", "bytes_read")}
     new_errors: dict[str, list] = {k: [] for k in ("filename", "error", "message", "width", "height", "format", "bytes_read")}
@@ -286,18 +317,23 @@ def _assemble(listing: Listing, plan: RescanPlan, results: list[dict], table: di
         names = cols["filename"]
         cols = {**cols, "sample_id": pa.array(sample_ids(names), pa.uint64()),
                 "size": [entries[n].size for n in names], "etag": [entries[n].etag for n in names],
-                "mtime": [entries[n].mtime for n in names], "caption": [caption_of(n, None) for n in names]}  # fmt: skip
+                "mtime": [entries[n].mtime for n in names], "caption": [caption_of(n, None) for n in names],
+                "caption_source": [source_of(n) for n in names]}  # fmt: skip
         return conform(pa.table({k: pa.array(v, schema.field(k).type) for k, v in cols.items()}), schema)
 
-    reused = plan.reused_images
-    captions = [caption_of(n, c) for n, c in zip(reused.column("filename").to_pylist(), reused.column("caption").to_pylist())]
-    reused = reused.set_column(reused.schema.get_field_index("caption"), "caption", pa.array(captions, pa.string()))
-    images = pa.concat_tables([reused, with_listing(new_images, IMAGE_SCHEMA)])
-    errors = pa.concat_tables([plan.reused_errors, with_listing(new_errors, ERRORS_SCHEMA)])
+    def with_captions(reused: pa.Table) -> pa.Table:
+        names = reused.column("filename").to_pylist()
+        captions = [caption_of(n, c) for n, c in zip(names, reused.column("caption").to_pylist())]
+        reused = reused.set_column(reused.schema.get_field_index("caption"), "caption", pa.array(captions, pa.string()))
+        sources = pa.array([source_of(n) for n in names], pa.string())
+        return reused.set_column(reused.schema.get_field_index("caption_source"), "caption_source", sources)
+
+    images = pa.concat_tables([with_captions(plan.reused_images), with_listing(new_images, IMAGE_SCHEMA)])
+    errors = pa.concat_tables([with_captions(plan.reused_errors), with_listing(new_errors, ERRORS_SCHEMA)])
     return images, errors, stats
 
 
-def _summary(listing, plan, stats, samples, errors, seconds, started, config, captions) -> dict[str, Any]:
+def _summary(listing, plan, stats, samples, errors, seconds, started, config, captions, table) -> dict[str, Any]:
     kinds: dict[str, int] = {}
     for kind in errors.column("error").to_pylist():
         kinds[kind] = kinds.get(kind, 0) + 1
@@ -314,6 +350,7 @@ def _summary(listing, plan, stats, samples, errors, seconds, started, config, ca
         "started_at": _dt.datetime.fromtimestamp(started, _dt.timezone.utc).isoformat(timespec="seconds"),
         "started_at_epoch": started, "max_pixels": config.max_pixels, "header_bytes": config.header_bytes,
         "captions": redact(captions) if captions else "sidecars",
+        "caption_table_version": table.version if table is not None else None,
     }  # fmt: skip
 
 

@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from fsspec.implementations.local import LocalFileSystem
 
 from manifests.buckets import BucketSpec
 from manifests.manifest import ManifestError, read_manifest
 from manifests.schema import sample_id
+from pipeline.captions import load_caption_table
 from pipeline.cli import main
-from pipeline.scan import ScanConfig, scan_dataset
+from pipeline.scan import TEST_FAULT_ENV, ScanConfig, scan_dataset
 from tests.corpus import _pixels, _save, make_corpus
 
 pytestmark = pytest.mark.ray
@@ -24,6 +26,31 @@ QUIET = ScanConfig(progress=False, files_per_task=8)
 
 def scan(src, out, **kw):
     return scan_dataset(str(src), str(out), spec=kw.pop("spec", BucketSpec()), config=kw.pop("config", QUIET), **kw)
+
+
+class CountingLocalFS(LocalFileSystem):
+    """The local filesystem, recording every file read (root-relative). Passed as ``fs=`` to a
+    rescan that has no image to probe, so every read happens in this process (no Ray task)."""
+
+    cachable = False
+
+    def __init__(self, root: Path):
+        super().__init__()
+        self.prefix, self.reads = f"{root}/", []
+
+    def cat_file(self, path, start=None, end=None, **kwargs):
+        self.reads.append(str(path).removeprefix(self.prefix))
+        return super().cat_file(path, start=start, end=end, **kwargs)
+
+
+def rows_of(out) -> dict[str, dict]:
+    m = read_manifest(str(out))
+    return {r["filename"]: r for r in m.samples.to_pylist() + m.errors.to_pylist()}
+
+
+def assert_same_manifest(a, b) -> None:
+    ma, mb = read_manifest(str(a)), read_manifest(str(b))
+    assert ma.samples.equals(mb.samples) and ma.errors.equals(mb.errors)
 
 
 def test_corpus_matches_ground_truth(tmp_path, ray_local, capsys):
@@ -102,6 +129,81 @@ def test_caption_table_wins_over_sidecars(tmp_path, ray_local):
     assert rows["cap/crlf.jpg"] == "first line second line"  # not in the table: its sidecar
 
 
+def test_rescan_rereads_exactly_the_sidecars_that_changed(tmp_path, ray_local):
+    corpus = make_corpus(tmp_path / "ds")
+    root, out = corpus.root, tmp_path / "m"
+    scan(root, out)
+    before = (root / "cap/crlf.txt").stat()
+    (root / "cap/crlf.txt").write_bytes(b"x" * before.st_size)  # same size ...
+    os.utime(root / "cap/crlf.txt", (before.st_atime - 86400, before.st_mtime - 86400))  # ... OLDER mtime
+    (root / "cap/bom.txt").unlink()  # deleted
+    (root / "cap/missing.caption").write_bytes(b"now captioned")  # added to an image that had none
+    (root / "cap/other.txt").write_bytes(b"the txt wins")  # next to cap/other.caption
+    fs = CountingLocalFS(root)
+    meta = scan(root, out, fs=fs)
+    # unchanged sidecars (trailing, latin1, blank, unicode, other.caption) are not read
+    assert sorted(fs.reads) == ["cap/crlf.txt", "cap/missing.caption", "cap/other.txt"]
+    assert (meta["summary"]["captions_read"], meta["summary"]["files_read"], meta["summary"]["reused"]) == (3, 0, 41)
+    rows = rows_of(out)
+    crlf = (root / "cap/crlf.txt").stat()
+    assert rows["cap/crlf.jpg"]["caption"] == "x" * before.st_size
+    assert rows["cap/crlf.jpg"]["caption_source"] == f"sidecar:{crlf.st_size}:{crlf.st_mtime!r}:cap/crlf.txt"
+    assert rows["cap/bom.jpg"]["caption"] is None and rows["cap/bom.jpg"]["caption_source"] is None
+    assert rows["cap/missing.jpg"]["caption"] == "now captioned"
+    assert rows["cap/other.jpg"]["caption"] == "the txt wins"
+    assert rows["cap/blank.jpg"]["caption"] is None and rows["cap/blank.jpg"]["caption_source"].endswith(":cap/blank.txt")
+    scan(root, tmp_path / "clean")
+    assert_same_manifest(out, tmp_path / "clean")
+
+    fs = CountingLocalFS(root)
+    again = scan(root, out, fs=fs)
+    assert fs.reads == [] and again["summary"]["captions_read"] == 0 and again["fingerprint"] == meta["fingerprint"]
+
+
+def test_caption_table_edit_applies_to_all_its_rows_without_reads(tmp_path, ray_local):
+    corpus = make_corpus(tmp_path / "ds")
+    root, out, table = corpus.root, tmp_path / "m", tmp_path / "captions.jsonl"
+    lines = {"cap/bom.jpg": "bom v1", "UPPER.JPEG": "upper", "cap/crlf.jpg": "crlf from the table"}
+    table.write_text("".join(f'{{"filename": "{k}", "caption": "{v}"}}\n' for k, v in lines.items()))
+    scan(root, out, captions=str(table))
+    del lines["cap/crlf.jpg"]  # falls back to its sidecar
+    lines["cap/bom.jpg"] = "bom v2"
+    table.write_text("".join(f'{{"filename": "{k}", "caption": "{v}"}}\n' for k, v in lines.items()))
+    fs = CountingLocalFS(root)
+    scan(root, out, captions=str(table), fs=fs)
+    assert fs.reads == ["cap/crlf.txt"]  # the table itself is read whole, outside the dataset
+    rows = rows_of(out)
+    assert [rows[n]["caption"] for n in ("cap/bom.jpg", "UPPER.JPEG", "cap/crlf.jpg")] == ["bom v2", "upper", "first line second line"]
+    # every table row records the new table version, the unchanged one included
+    version = load_caption_table(str(table)).version
+    assert rows["cap/bom.jpg"]["caption_source"] == rows["UPPER.JPEG"]["caption_source"] == f"table:{version}"
+    assert rows["cap/crlf.jpg"]["caption_source"].startswith("sidecar:")
+    scan(root, tmp_path / "clean", captions=str(table))
+    assert_same_manifest(out, tmp_path / "clean")
+
+    fs = CountingLocalFS(root)  # without the table: its rows fall back to their sidecars, or none
+    scan(root, out, fs=fs)
+    assert fs.reads == ["cap/bom.txt"]
+    rows = rows_of(out)
+    assert (rows["cap/bom.jpg"]["caption"], rows["UPPER.JPEG"]["caption"], rows["UPPER.JPEG"]["caption_source"]) == ("a red fox", None, None)
+
+
+def test_manifest_without_caption_source_rereads_sidecars_once(tmp_path, ray_local):
+    corpus = make_corpus(tmp_path / "ds")
+    out = tmp_path / "m"
+    meta = scan(corpus.root, out)
+    for part in meta["parts"]["samples"] + meta["parts"]["errors"]:  # as written before the column existed
+        pq.write_table(pq.read_table(out / part["path"]).drop_columns(["caption_source"]), out / part["path"])
+    assert read_manifest(str(out)).samples.column("caption_source").null_count == 35
+    fs = CountingLocalFS(corpus.root)
+    again = scan(corpus.root, out, fs=fs)
+    assert sorted(fs.reads) == sorted(f"cap/{n}" for n in os.listdir(corpus.root / "cap") if n.endswith((".txt", ".caption")))
+    assert again["summary"]["files_read"] == 0 and again["fingerprint"] == meta["fingerprint"]
+    fs = CountingLocalFS(corpus.root)
+    scan(corpus.root, out, fs=fs)
+    assert fs.reads == []
+
+
 def test_user_errors_exit_2_and_commit_nothing(tmp_path, capsys):
     out = tmp_path / "m"
     assert main(["scan", str(tmp_path / "missing"), "--out", str(out)]) == 2
@@ -117,8 +219,11 @@ def test_user_errors_exit_2_and_commit_nothing(tmp_path, capsys):
 
 
 def _kill_session(proc: subprocess.Popen) -> None:
-    """SIGKILL the scan and every process of its session (its in-process Ray)."""
-    os.killpg(proc.pid, signal.SIGKILL)
+    """SIGKILL the scan and every process of its session (its in-process Ray), if still there."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
     proc.wait()
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -132,13 +237,19 @@ def _kill_session(proc: subprocess.Popen) -> None:
                 pass
 
 
-def _start_slow_scan(src: Path, out: Path, log: Path) -> subprocess.Popen:
-    """``python -m pipeline.scan`` in its own session, its Ray tasks sleeping 30 s; returns once they run."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own in-process Ray
-    env["_BUCKETEER_TEST_TASK_DELAY_S"] = "30"
+def _start_scan(src: Path, out: Path, log: Path, fault: str) -> subprocess.Popen:
+    """``python -m pipeline.scan`` in its own session with its own in-process Ray, its tasks
+    given ``fault`` (see ``pipeline.scan._inject_test_fault``)."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env[TEST_FAULT_ENV] = fault
     cmd = [sys.executable, "-m", "pipeline.scan", str(src), "--out", str(out), "--files-per-task", "8", "--no-progress"]
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _start_slow_scan(src: Path, out: Path, log: Path) -> subprocess.Popen:
+    """A scan whose Ray tasks sleep 30 s after their reads; returns once they run."""
+    proc = _start_scan(src, out, log, "sleep:30")
     deadline = time.time() + 60
     while "listed " not in log.read_text() and time.time() < deadline:
         assert proc.poll() is None, log.read_text()
@@ -180,3 +291,20 @@ def test_killed_first_scan_leaves_nothing_readable(tmp_path, ray_local):
         read_manifest(str(out))
     rerun = scan(corpus.root, out)
     assert rerun["fingerprint"] == scan(corpus.root, tmp_path / "clean")["fingerprint"]
+
+
+@pytest.mark.slow
+def test_worker_lost_mid_task_is_retried_and_equals_a_clean_run(tmp_path, ray_local):
+    corpus = make_corpus(tmp_path / "ds")
+    out, marker, log = tmp_path / "m", tmp_path / "worker-died", tmp_path / "scan.log"
+    # the first task attempt to finish its reads ends its worker process; Ray retries the task
+    proc = _start_scan(corpus.root, out, log, f"exit-once:{marker}")
+    try:
+        assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
+    finally:
+        _kill_session(proc)  # whatever its Ray left behind
+    assert marker.exists() and int(marker.read_text()) > 0  # a worker did die mid-task
+    assert "scanned 41 images" in log.read_text()
+    scan(corpus.root, tmp_path / "clean")
+    assert read_manifest(str(out)).fingerprint == read_manifest(str(tmp_path / "clean")).fingerprint
+    assert_same_manifest(out, tmp_path / "clean")

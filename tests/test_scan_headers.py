@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from pipeline.captions import decode_caption, load_caption_table, sidecar_stem
+from pipeline.captions import CaptionTable, decode_caption, load_caption_table, sidecar_stem
 from pipeline.headers import FIRST_READ, RangeReader, StorageFailure, probe_header
 from pipeline.listing import _between, classify, list_source
 from pipeline.retry import is_permanent, is_transient, with_retries
@@ -159,7 +159,12 @@ def test_caption_tables(tmp_path, fmt):
         path.write_text("".join(json.dumps(dict(zip(rows, v))) + "\n" for v in zip(*rows.values())))
     else:
         path.write_text('file_name,text\na.jpg,"  first\r\ncaption "\n./sub/b.png,second\nc.webp,\n')
-    assert load_caption_table(str(path)) == {"a.jpg": "first caption", "sub/b.png": "second", "c.webp": None}
+    expected = {"a.jpg": "first caption", "sub/b.png": "second", "c.webp": None}
+    table = load_caption_table(str(path))
+    assert table.captions == expected
+    # the version hashes the content as read, so every format of the same table agrees on it
+    assert table.version == CaptionTable.of(dict(reversed(expected.items()))).version
+    assert table.version != CaptionTable.of({**expected, "c.webp": "third"}).version
 
 
 def test_caption_table_errors_name_the_problem(tmp_path):

@@ -34,12 +34,14 @@ class FlakyS3(AbstractFileSystem):
         self.remaining = failures
         self.error = error
         self.lock = threading.Lock()
+        self.reads: list[str] = []  # paths read through this instance (in this process)
 
     def find(self, path, **kwargs):
         return self.inner.find(path, **kwargs)
 
     def cat_file(self, path, start=None, end=None, **kwargs):
         with self.lock:
+            self.reads.append(path)
             fail, self.remaining = self.remaining > 0, self.remaining - 1
         if fail and self.error == "slowdown":
             raise OSError("An error occurred (SlowDown) when calling the GetObject operation: Please reduce your request rate.")
@@ -73,6 +75,35 @@ def test_scan_s3_into_s3_matches_ground_truth(s3, dataset, ray_local, capsys):
 
     again = scan_dataset(url, out, spec=BucketSpec(), storage_options=s3.storage_options, config=ScanConfig(progress=False))
     assert again["summary"]["files_read"] == 0 and again["fingerprint"] == m.fingerprint
+
+
+def test_rescan_rereads_exactly_the_changed_sidecars_by_etag(s3, ray_local, tmp_path):
+    corpus = make_corpus(tmp_path / "c")
+    url = s3.fresh_url("caps")
+    s3.fs.put(str(corpus.root) + "/", url + "/", recursive=True)
+    out = s3.fresh_url("manifest")
+    cfg = ScanConfig(progress=False, files_per_task=8)
+    scan_dataset(url, out, spec=BucketSpec(), storage_options=s3.storage_options, config=cfg)
+    size = s3.fs.size(f"{url}/cap/crlf.txt")
+    s3.fs.pipe_file(f"{url}/cap/crlf.txt", b"y" * size)  # same size, new content: a new ETag
+    s3.fs.rm_file(f"{url}/cap/bom.txt")
+    s3.fs.pipe_file(f"{url}/cap/missing.caption", b"now captioned")
+    # no image changed, so nothing goes to Ray and every read passes through this instance
+    counting = FlakyS3(s3.endpoint, failures=0)
+    meta = scan_dataset(url.removeprefix("s3://"), out, spec=BucketSpec(), storage_options=s3.storage_options,
+                        fs=counting, config=cfg)  # fmt: skip
+    prefix = url.removeprefix("s3://") + "/"
+    assert sorted(p.removeprefix(prefix) for p in counting.reads) == ["cap/crlf.txt", "cap/missing.caption"]
+    assert meta["summary"]["captions_read"] == 2 and meta["summary"]["files_read"] == 0
+    rows = {r["filename"]: r for r in read_manifest(out, s3.storage_options).samples.to_pylist()}
+    etag = s3.fs.info(f"{url}/cap/crlf.txt")["ETag"].strip('"')
+    assert rows["cap/crlf.jpg"]["caption"] == "y" * size
+    assert rows["cap/crlf.jpg"]["caption_source"] == f"sidecar:{size}:{etag}:cap/crlf.txt"
+    assert rows["cap/bom.jpg"]["caption"] is None and rows["cap/missing.jpg"]["caption"] == "now captioned"
+    clean_url = s3.fresh_url("clean")
+    scan_dataset(url, clean_url, spec=BucketSpec(), storage_options=s3.storage_options, config=cfg)
+    a, b = read_manifest(out, s3.storage_options), read_manifest(clean_url, s3.storage_options)
+    assert a.samples.equals(b.samples) and a.errors.equals(b.errors)
 
 
 def test_key_range_listing_is_parallel_and_exact(s3):
