@@ -1,13 +1,15 @@
 """Random access to a committed cache: records by sample id, one ranged read each, batched.
 
 The reader loads ``_cache.json`` and the index once and never lists storage afterwards; the
-trainer constructs one per process (it is picklable for DataLoader workers) and calls ``read``.
+trainer constructs one per process (it is picklable for DataLoader workers) and calls ``read``,
+from several threads at once if it likes: ``read`` is thread-safe.
 Records of one shard that lie within ``max_gap`` bytes of each other are fetched with one ranged
 read (:func:`merge_reads`): on an object store a request costs far more than a few KB of gap.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import replace
 from typing import Sequence
@@ -55,7 +57,8 @@ class CacheReader:
 
     Loads ``_cache.json`` and the index once at construction and never lists storage afterwards.
     Text records (one per unique caption) are joined into each :class:`SampleRecord`; recently
-    read ones are kept in a small LRU since captions repeat.
+    read ones are kept in a small LRU since captions repeat. ``read`` may be called from several
+    threads at once (the LRU is the only state it changes, and it is changed under a lock).
     """
 
     def __init__(
@@ -83,6 +86,16 @@ class CacheReader:
         }
         self._text_lru: OrderedDict[int, TextRecord] = OrderedDict()
         self._text_lru_size = text_cache_size
+        self._text_lock = threading.Lock()  # guards _text_lru: concurrent reads look up, insert and evict
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        del state["_text_lock"]  # locks do not pickle; a copy gets its own
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._text_lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -139,8 +152,8 @@ class CacheReader:
              int(self._samples["length"][p]), int(self._samples["crc32"][p]), f"sample {int(self._ids[p])}")
             for p in pos
         ]  # fmt: skip
-        texts = {int(k): self._text_lru[int(k)] for k in set(keys.tolist()) if int(k) in self._text_lru}
-        need = [int(k) for k in dict.fromkeys(keys.tolist()) if int(k) not in texts]
+        texts = self._cached_texts(dict.fromkeys(int(k) for k in keys.tolist()))
+        need = [k for k in dict.fromkeys(int(k) for k in keys.tolist()) if k not in texts]
         for k in need:
             if k not in self._texts:
                 raise CacheError(f"caption key {k} has no text record in {redact(self.url)}; "
@@ -164,8 +177,20 @@ class CacheReader:
             records.append(replace(record, text=texts[int(key)]))
         return records
 
+    def _cached_texts(self, keys) -> dict[int, TextRecord]:
+        """The text records of ``keys`` that are in the LRU, looked up (and marked used) under the lock."""
+        found = {}
+        with self._text_lock:  # one lookup per key: another thread may evict right after
+            for k in keys:
+                text = self._text_lru.get(k)
+                if text is not None:
+                    self._text_lru.move_to_end(k)
+                    found[k] = text
+        return found
+
     def _remember(self, key: int, text: TextRecord) -> None:
-        self._text_lru[key] = text
-        self._text_lru.move_to_end(key)
-        while len(self._text_lru) > self._text_lru_size:
-            self._text_lru.popitem(last=False)
+        with self._text_lock:
+            self._text_lru[key] = text
+            self._text_lru.move_to_end(key)
+            while len(self._text_lru) > self._text_lru_size:
+                self._text_lru.popitem(last=False)

@@ -178,3 +178,26 @@ def test_refusals_name_the_problem_and_the_fix(run, train_data, tmp_path, capsys
     shutil.copytree(train_data.plan2, other)
     assert run("--plan", other, "--cache", train_data.cache, "--output-dir", out, "--resume") == 2
     assert "was trained on another plan" in capsys.readouterr().err
+
+
+def test_max_steps_between_optimizer_steps_stops_at_the_last_whole_one(run, train_data, tmp_path, capsys):
+    cfg = write_config(tmp_path / "c.yaml", grad_accum=2, checkpoint_every=2)
+    common = ["--plan", train_data.plan1a, "--cache", train_data.cache, "--config", cfg,
+              "--output-dir", tmp_path / "out", "--record-samples", tmp_path / "rec"]  # fmt: skip
+    assert run(*common, "--max-steps", 1) == 2
+    assert "--max-steps 1 is less than one optimizer step (grad_accum: 2" in capsys.readouterr().err
+    assert run(*common, "--max-steps", 5) == 0
+    assert "stopping after 4 plan steps" in capsys.readouterr().out
+    cursor = json.loads((tmp_path / "out" / "checkpoints" / "step-00000004" / "cursor.json").read_text())
+    assert (cursor["position"], cursor["optimizer_steps"]) == (4, 2)
+    assert json.loads((tmp_path / "out" / "checkpoints" / "latest.json").read_text())["checkpoint"] == "step-00000004"
+    assert len(records(tmp_path / "rec")) == 4  # step 5 was not taken: its gradients would have been thrown away
+    assert run(*common, "--resume") == 0  # the rest of the plan, from the optimizer-step boundary
+    assert [(r["epoch"], r["step"], r["sample_ids"]) for r in records(tmp_path / "rec")] == plan_rows(train_data.plan1a)
+    cursor = json.loads((tmp_path / "out" / "checkpoints" / "step-00000010" / "cursor.json").read_text())
+    assert (cursor["position"], cursor["optimizer_steps"]) == (10, 5)
+
+
+def test_the_config_must_accumulate_as_the_plan_was_made(run, train_data, tmp_path, capsys):
+    assert run("--plan", train_data.plan1a, "--cache", train_data.cache, "--output-dir", tmp_path) == 2
+    assert "was made with --grad-accum 2 but the config says grad_accum: 1" in capsys.readouterr().err

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
+import sys
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -49,7 +55,7 @@ def test_batches_follow_the_plan_with_padded_text_and_scaled_latents(train_data)
     reader = CacheReader(train_data.cache)
     latent = read_cache_meta(train_data.cache)["latent"]
     steps = rank_steps(train_data.plan1, 0)[:10]  # epoch 0: every bucket
-    batches = list(BatchLoader(reader, steps, latent, prefetch=2))
+    batches = list(BatchLoader(reader, steps, latent, prefetch=2, read_threads=2))
     assert [b.sample_ids for b in batches] == [list(s.sample_ids) for s in steps]
     assert {b.bucket for b in batches} == {"64x64", "128x32", "32x128"}
     for batch in batches:
@@ -68,13 +74,78 @@ def test_batches_follow_the_plan_with_padded_text_and_scaled_latents(train_data)
     assert any(len(set(b.text_mask.sum(1).tolist())) > 1 for b in batches)  # captions of unequal length met
 
 
-def test_loader_stops_its_reading_thread_when_closed(train_data):
+def reading_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("bucketeer-read")]
+
+
+def test_loader_stops_its_reading_threads_when_closed(train_data):
     reader = CacheReader(train_data.cache)
-    loader = BatchLoader(reader, rank_steps(train_data.plan1, 0), reader.meta["latent"], prefetch=2)
+    loader = BatchLoader(reader, rank_steps(train_data.plan1, 0), reader.meta["latent"], prefetch=4, read_threads=2)
     it = iter(loader)
     next(it)
+    assert reading_threads()
     it.close()  # what a `break` out of the training loop does
-    assert loader._thread is not None and not loader._thread.is_alive()
+    assert not reading_threads()
+
+
+def same_record(a, b) -> bool:
+    return (a.sample_id == b.sample_id and a.bucket == b.bucket and np.array_equal(a.latent, b.latent)
+            and a.text.caption_key == b.text.caption_key
+            and all(np.array_equal(x, y) for x, y in zip(a.text.tokens, b.text.tokens, strict=True)))  # fmt: skip
+
+
+class SlowDict(OrderedDict):
+    """An OrderedDict whose lookups yield to other threads first, as a preempted thread would."""
+
+    def __contains__(self, key) -> bool:
+        found = super().__contains__(key)
+        time.sleep(0.0002)
+        return found
+
+    def get(self, key, default=None):
+        value = super().get(key, default)
+        time.sleep(0.0002)
+        return value
+
+
+def test_reader_gives_concurrent_reads_the_single_threaded_results(train_data):
+    ids = CacheReader(train_data.cache).sample_ids.tolist()
+    expected = dict(zip(ids, CacheReader(train_data.cache).read(ids)))
+    reader = CacheReader(train_data.cache, text_cache_size=2)  # 2 of 5 captions: evictions all the time
+    reader._text_lru = SlowDict(reader._text_lru)  # widen the window between looking a caption up and using it
+    rng = np.random.default_rng(0)
+    # 300 reads of 5 samples: overlapping ids and captions
+    jobs = [[ids[i] for i in rng.choice(len(ids), 5, replace=False)] for _ in range(300)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: races show up at once
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(reader.read, jobs))
+    finally:
+        sys.setswitchinterval(interval)
+    for job, records in zip(jobs, results):
+        assert [r.sample_id for r in records] == job
+        assert all(same_record(r, expected[r.sample_id]) for r in records)
+    assert len(reader._text_lru) <= 2
+    reader._text_lru = OrderedDict(reader._text_lru)
+    assert same_record(pickle.loads(pickle.dumps(reader)).read(ids[:1])[0], expected[ids[0]])  # DataLoader workers
+
+
+def test_batches_come_in_plan_order_whatever_order_the_reads_finish(train_data):
+    reader = CacheReader(train_data.cache)
+    steps = rank_steps(train_data.plan1, 0)[:12]
+    read = reader.read
+
+    def slow_on_even_steps(sample_ids):  # later reads overtake earlier ones
+        if any(s.sample_ids == tuple(sample_ids) for s in steps[::2]):
+            time.sleep(0.02)
+        return read(sample_ids)
+
+    reader.read = slow_on_even_steps
+    loader = BatchLoader(reader, steps, reader.meta["latent"], prefetch=4, read_threads=3)
+    assert [(b.epoch, b.step, b.sample_ids) for b in loader] == [(s.epoch, s.step, list(s.sample_ids)) for s in steps]
+    with pytest.raises(ValueError, match="read_threads"):
+        BatchLoader(reader, steps, reader.meta["latent"], read_threads=0)
 
 
 def test_corrupt_record_stops_with_sample_shard_and_fix_or_is_skipped(train_data, tmp_path):

@@ -1,8 +1,11 @@
 """The trainer on two real processes (accelerate launch, torch.distributed over gloo on the CPU).
 
-One uninterrupted 2-process run, one run SIGKILLed right after its first checkpoint: resumed on 2
-processes it must reproduce the uninterrupted run's batches and weights; resumed on 1 process it
-must cover the rest of the epoch exactly (the plan is re-cut for 1 rank).
+Every run here accumulates gradients over 2 plan steps (a plan made with ``--grad-accum 2``). One
+uninterrupted 2-process run; one run SIGKILLed right after its first checkpoint: resumed on 2
+processes it must reproduce the uninterrupted run's batches and weights, resumed on 1 process it
+must cover the rest of the epoch exactly (the plan is re-cut for 1 rank); one run preempted with
+SIGTERM to the launcher: it must finish its optimizer step, checkpoint and stop, and its resume
+must reproduce the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -90,24 +93,21 @@ def consumed(folder: Path, rank: int) -> list[tuple[int, int, list[int]]]:
 
 @pytest.fixture(scope="module")
 def config(tmp_path_factory) -> Path:
-    return write_config(tmp_path_factory.mktemp("train-dist") / "c.yaml", checkpoint_every=4, log_every=5)
+    return write_config(tmp_path_factory.mktemp("train-dist") / "c.yaml", checkpoint_every=4, log_every=5,
+                        grad_accum=2)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def straight(train_data, config, tmp_path_factory) -> Path:
-    """An uninterrupted 2-process run over plan2 (2 epochs x 10 steps)."""
+    """An uninterrupted 2-process run over plan2a (2 epochs x 10 steps, 5 optimizer steps each)."""
     out = tmp_path_factory.mktemp("straight")
-    launch(2, "--plan", train_data.plan2, "--cache", train_data.cache, "--config", config, "--output-dir", out,
+    launch(2, "--plan", train_data.plan2a, "--cache", train_data.cache, "--config", config, "--output-dir", out,
            "--record-samples", out / "rec")  # fmt: skip
     return out
 
 
-@pytest.fixture(scope="module")
-def killed(train_data, config, tmp_path_factory) -> Path:
-    """A 2-process run SIGKILLed (whole process group) while paused right after its first checkpoint."""
-    out = tmp_path_factory.mktemp("killed")
-    argv = ["--plan", train_data.plan2, "--cache", train_data.cache, "--config", config, "--output-dir", out,
-            "--record-samples", out / "rec"]  # fmt: skip
+def paused_run(out: Path, *argv) -> tuple[subprocess.Popen, list[str]]:
+    """Start a 2-process run that pauses right after its first checkpoint; returns once it has paused."""
     proc = subprocess.Popen(command(2, *argv), cwd=ROOT, env=environment(**{PAUSE_ENV: "300"}),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
     seen = []
@@ -118,8 +118,19 @@ def killed(train_data, config, tmp_path_factory) -> Path:
             if PAUSE_MARKER in line or time.time() > deadline:
                 break
         assert proc.poll() is None and PAUSE_MARKER in seen[-1], "".join(seen)[-4000:]
-    finally:
+    except BaseException:
         kill_tree(proc)
+        raise
+    return proc, seen
+
+
+@pytest.fixture(scope="module")
+def killed(train_data, config, tmp_path_factory) -> Path:
+    """A 2-process run SIGKILLed (launcher and ranks) while paused right after its first checkpoint."""
+    out = tmp_path_factory.mktemp("killed")
+    proc, _ = paused_run(out, "--plan", train_data.plan2a, "--cache", train_data.cache, "--config", config,
+                         "--output-dir", out, "--record-samples", out / "rec")  # fmt: skip
+    kill_tree(proc)
     assert json.loads((out / "checkpoints" / "latest.json").read_text())["checkpoint"] == "step-00000004"
     snapshot = tmp_path_factory.mktemp("killed-snapshot") / "out"
     shutil.copytree(out, snapshot)
@@ -129,7 +140,7 @@ def killed(train_data, config, tmp_path_factory) -> Path:
 def test_each_rank_trains_on_exactly_its_plan_rows(straight, train_data):
     mine = {rank: consumed(straight / "rec", rank) for rank in (0, 1)}
     for rank in (0, 1):
-        assert mine[rank] == rows(train_data.plan2, rank)  # unchanged: no re-sharding, no duplication
+        assert mine[rank] == rows(train_data.plan2a, rank)  # unchanged: no re-sharding, no duplication
         assert {r["rank"] for r in records(straight / "rec", rank)} == {rank}
     assert len(mine[0]) == len(mine[1]) == 20
     for epoch in (0, 1):
@@ -143,37 +154,82 @@ def test_each_rank_trains_on_exactly_its_plan_rows(straight, train_data):
     assert (cursor["epoch"], cursor["step"], cursor["world_size"]) == (1, 10, 2)
 
 
-def test_kill_and_resume_reproduces_the_uninterrupted_run(straight, killed, train_data, config, tmp_path):
+def test_accumulation_makes_one_optimizer_step_per_grad_accum_plan_steps(straight, train_data):
+    assert read_plan_meta(train_data.plan2a)["inputs"]["grad_accum"] == 2
+    cursor = json.loads((straight / "checkpoints" / "step-00000020" / "cursor.json").read_text())
+    assert cursor["optimizer_steps"] == 20 // 2
+    scheduler = torch.load(straight / "checkpoints" / "step-00000020" / "scheduler.bin", weights_only=True)
+    assert scheduler["last_epoch"] == 10  # stepped once per optimizer step
+    # the schedule is as long as the run: 5 warm-up + 5 cosine updates end at lr 0 (a schedule of 20 would not)
+    lrs = [json.loads(line)["lr"] for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    assert lrs[-1] == pytest.approx(0.0, abs=1e-12) and max(lrs) > 0
+    first = json.loads((straight / "checkpoints" / "step-00000016" / "cursor.json").read_text())
+    assert first["optimizer_steps"] == 8  # checkpoints fall on optimizer steps
+
+
+def assert_same_run(straight: Path, out: Path) -> None:
+    """Same batches on every rank, weights within float tolerance."""
     from safetensors.torch import load_file
 
-    out = tmp_path / "out"
-    shutil.copytree(killed, out)
-    launch(2, "--plan", train_data.plan2, "--cache", train_data.cache, "--config", config, "--output-dir", out,
-           "--record-samples", out / "rec", "--resume")  # fmt: skip
     for rank in (0, 1):
         assert consumed(out / "rec", rank) == consumed(straight / "rec", rank)
     a = load_file(straight / "model" / "diffusion_pytorch_model.safetensors")
     b = load_file(out / "model" / "diffusion_pytorch_model.safetensors")
+    assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_kill_and_resume_reproduces_the_uninterrupted_run(straight, killed, train_data, config, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(killed, out)
+    launch(2, "--plan", train_data.plan2a, "--cache", train_data.cache, "--config", config, "--output-dir", out,
+           "--record-samples", out / "rec", "--resume")  # fmt: skip
+    assert_same_run(straight, out)
+
+
+def test_sigterm_checkpoints_at_the_next_optimizer_step_and_the_resume_completes_the_run(
+    straight, train_data, config, tmp_path
+):
+    """A preemption: SIGTERM to the launcher only (torchrun forwards it to the ranks), mid-run."""
+    out = tmp_path / "out"
+    argv = ["--plan", train_data.plan2a, "--cache", train_data.cache, "--config", config, "--output-dir", out,
+            "--record-samples", out / "rec"]  # fmt: skip
+    proc, seen = paused_run(out, *argv)  # paused after the checkpoint at plan step 4
+    try:
+        os.kill(proc.pid, signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    output = "".join(seen) + rest
+    assert "done: stop requested (SIGTERM)" in output, output[-4000:]
+    # the step under way (5) belongs to the optimizer step ending at 6: finished, then a checkpoint, then the stop
+    cursor = json.loads((out / "checkpoints" / "step-00000006" / "cursor.json").read_text())
+    assert (cursor["epoch"], cursor["step"], cursor["position"], cursor["optimizer_steps"]) == (0, 6, 6, 3)
+    assert json.loads((out / "checkpoints" / "latest.json").read_text())["checkpoint"] == "step-00000006"
+    assert [len(records(out / "rec", rank)) for rank in (0, 1)] == [6, 6]
+
+    launch(2, *argv, "--resume")
+    assert_same_run(straight, out)
 
 
 def test_resume_on_one_process_after_two_covers_the_epoch_exactly(killed, train_data, config, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(killed, out)
-    launch(1, "--plan", train_data.plan2, "--cache", train_data.cache, "--config", config, "--output-dir", out,
+    launch(1, "--plan", train_data.plan2a, "--cache", train_data.cache, "--config", config, "--output-dir", out,
            "--record-samples", out / "rec", "--resume")  # fmt: skip
     two = {rank: consumed(out / "rec", rank) for rank in (0, 1)}
     before = [r for r in two[0] if (r[0], r[1]) < (0, 4)]
-    assert before == rows(train_data.plan2, 0)[:4] and two[1] == rows(train_data.plan2, 1)[:4]
+    assert before == rows(train_data.plan2a, 0)[:4] and two[1] == rows(train_data.plan2a, 1)[:4]
     after = two[0][4:]  # rank 0's file continues with the 1-process steps
     assert [(e, s) for e, s, _ in after] == [(0, s) for s in range(4, 10)] + [(1, s) for s in range(10)]
 
     epoch0 = Counter(i for rank in (0, 1) for e, _, batch in two[rank] if e == 0 for i in batch)
-    everything = {i for rank in (0, 1) for _, _, batch in rows(train_data.plan2, rank) for i in batch}
+    everything = {i for rank in (0, 1) for _, _, batch in rows(train_data.plan2a, rank) for i in batch}
     assert set(epoch0) == everything and set(epoch0.values()) == {1}  # every sample once: none skipped, none repeated
-    planned = {(e, s): set(b0) | set(b1) for (e, s, b0), (_, _, b1) in zip(rows(train_data.plan2, 0),
-                                                                          rows(train_data.plan2, 1))}  # fmt: skip
+    planned = {(e, s): set(b0) | set(b1) for (e, s, b0), (_, _, b1) in zip(rows(train_data.plan2a, 0),
+                                                                          rows(train_data.plan2a, 1))}  # fmt: skip
     for e, s, batch in after:
         assert len(batch) == 4 and set(batch) == planned[(e, s)]  # the same global batches, now on one rank
 

@@ -34,6 +34,8 @@ class TrainData:
     cache: str
     plan2: str  # 2 ranks x 2 samples, 2 epochs: 10 steps per epoch
     plan1: str  # 1 rank x 4 samples, 6 epochs: 10 steps per epoch
+    plan2a: str  # plan2 made with --grad-accum 2: 5 optimizer steps per epoch
+    plan1a: str  # 1 rank x 4 samples, 1 epoch, --grad-accum 2
 
 
 def _png(w: int, h: int, seed: int) -> bytes:
@@ -55,8 +57,8 @@ def build(base: Path) -> TrainData:
     from pipeline import embed, plan
 
     data = TrainData(str(base / "images"), str(base / "manifest"), str(base / "cache"),
-                     str(base / "plan2"), str(base / "plan1"))  # fmt: skip
-    if (Path(data.plan1) / "_plan.json").exists():
+                     str(base / "plan2"), str(base / "plan1"), str(base / "plan2a"), str(base / "plan1a"))  # fmt: skip
+    if (Path(data.plan1a) / "_plan.json").exists():
         return data
     os.makedirs(data.root, exist_ok=True)
     names, rows = [], []
@@ -76,9 +78,10 @@ def build(base: Path) -> TrainData:
     write_manifest(data.manifest, samples, ERRORS_SCHEMA.empty_table(), source=data.root, spec=SPEC)
     assert embed.run(_parse(embed, [data.manifest, "--out", data.cache, "--batch-size", "8",
                                     "--shard-records", "8"])) == 0  # fmt: skip
-    for out, world, batch, epochs in ((data.plan2, 2, 2, 2), (data.plan1, 1, 4, 6)):
+    plans = ((data.plan2, 2, 2, 2, 1), (data.plan1, 1, 4, 6, 1), (data.plan2a, 2, 2, 2, 2), (data.plan1a, 1, 4, 1, 2))
+    for out, world, batch, epochs, accum in plans:
         argv = [data.manifest, "--out", out, "--world-size", str(world), "--batch-size", str(batch),
-                "--epochs", str(epochs), "--seed", "3", "--cache", data.cache]  # fmt: skip
+                "--epochs", str(epochs), "--seed", "3", "--cache", data.cache, "--grad-accum", str(accum)]  # fmt: skip
         assert plan.run(_parse(plan, argv)) == 0
     return data
 

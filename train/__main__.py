@@ -68,8 +68,7 @@ def train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     so = _no_head_options(parse_storage_options(args.storage_options), args.plan, args.cache)
     out = Path(args.output_dir)
-    if args.max_steps is not None and args.max_steps < 1:
-        raise ValueError(f"--max-steps must be >= 1, got {args.max_steps}")
+    max_steps = _whole_updates(args.max_steps, cfg.grad_accum)
 
     # ---- accelerator -------------------------------------------------------------------------
     accelerator = Accelerator(
@@ -86,6 +85,15 @@ def train(args: argparse.Namespace) -> int:
     # ---- position: the start of the plan, or a checkpoint's cursor ---------------------------
     root_url = args.plan if "://" in args.plan else os.path.abspath(args.plan)
     root_meta = read_plan_meta(root_url, so)
+    planned_accum = int(root_meta["inputs"].get("grad_accum", 1))
+    if planned_accum != cfg.grad_accum:  # the plan's epochs are whole optimizer steps of ITS grad_accum
+        raise ValueError(f"--plan {redact(args.plan)} was made with --grad-accum {planned_accum} but the config says "
+                         f"grad_accum: {cfg.grad_accum}; set grad_accum: {planned_accum} in the config, or re-plan "
+                         f"with --grad-accum {cfg.grad_accum}")  # fmt: skip
+    if max_steps != args.max_steps:
+        say(f"--max-steps {args.max_steps} is not a multiple of grad_accum {cfg.grad_accum}: stopping after "
+            f"{max_steps} plan steps, the last optimizer step before it (runs stop and checkpoint only between "
+            "optimizer steps)")  # fmt: skip
     checkpoint = find_checkpoint(out) if args.resume else None
     if checkpoint is not None:
         cursor = checkpoint.cursor
@@ -113,12 +121,13 @@ def train(args: argparse.Namespace) -> int:
         raise ValueError(f"the plan was made for a cache with fingerprint {wanted[:12]}, but --cache "
                          f"{redact(args.cache)} has {reader.meta['fingerprint'][:12]}: pass that cache or re-plan")  # fmt: skip
     steps = rank_steps(plan_url, rank, plan_so, start=(cursor.epoch, cursor.step))
-    if args.max_steps is not None:
-        steps = steps[: max(args.max_steps - cursor.position, 0)]
+    if max_steps is not None:
+        steps = steps[: max(max_steps - cursor.position, 0)]
     counts = accelerator.gather(torch.tensor([len(steps)], device=accelerator.device)).tolist()
     if len(set(counts)) != 1:  # a plan invariant; checked because a violation would hang DDP
         raise ValueError(f"ranks have different step counts {counts}: run `bucketeer plan --check`")
     loader = BatchLoader(reader, steps, reader.meta["latent"], rank=rank, prefetch=cfg.prefetch,
+                         read_threads=cfg.read_threads,
                          skip_bad_records=args.skip_bad_records, pin_memory=accelerator.device.type == "cuda",
                          log=lambda line: print(redact(line), file=sys.stderr, flush=True))  # fmt: skip
     if args.record_samples and args.resume:
@@ -136,8 +145,9 @@ def train(args: argparse.Namespace) -> int:
     lr = cfg.lr * int(root_meta["inputs"]["world_size"]) if cfg.scale_lr else cfg.lr
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=cfg.adam_betas, eps=cfg.adam_eps,
                                   weight_decay=cfg.weight_decay)  # fmt: skip
-    plan_steps = int(plan_meta["steps_per_epoch"]) * int(plan_meta["inputs"]["epochs"])
-    total_updates = math.ceil(plan_steps / cfg.grad_accum)  # the schedule's length comes from the plan
+    # the schedule's length comes from the plan the run started with (an elastic resume keeps every step)
+    plan_steps = int(root_meta["steps_per_epoch"]) * int(root_meta["inputs"]["epochs"])
+    total_updates = plan_steps // cfg.grad_accum  # exact: steps per epoch are a multiple of grad_accum (plan --check)
     schedule = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[cfg.lr_schedule]
     lr_scheduler = get_scheduler(schedule, optimizer, num_warmup_steps=cfg.warmup_steps,
                                  num_training_steps=total_updates)  # fmt: skip
@@ -150,8 +160,11 @@ def train(args: argparse.Namespace) -> int:
     # ---- trackers ------------------------------------------------------------------------------
     accelerator.init_trackers("bucketeer", config=_flat(cfg.to_json(), world=world, plan_steps=plan_steps))
     metrics = MetricsFile(out / "metrics.jsonl" if main else None)
+    # Preemption (SIGTERM to this rank; torchrun / accelerate launch forward theirs to every rank): finish the
+    # optimizer step under way, checkpoint, stop. torchrun SIGKILLs ranks 30 s after forwarding, so at real
+    # sizes keep a checkpoint's save_state well under that.
     stop_requested = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop_requested.set())  # preemption: checkpoint, then stop
+    signal.signal(signal.SIGTERM, lambda *_: stop_requested.set())
     say(f"training {len(steps)} steps per rank on {world} process(es) from epoch {cursor.epoch} step {cursor.step}; "
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {total_updates} optimizer steps "
         "in the schedule")  # fmt: skip
@@ -205,21 +218,24 @@ def train(args: argparse.Namespace) -> int:
         if accelerator.check_trigger():  # some rank asked to stop: every rank stops at this step
             finite = accelerator.gather(torch.tensor([float(math.isfinite(loss_value))], device=accelerator.device))
             stop = "stop requested (SIGTERM)" if bool(finite.all()) else f"non-finite loss at position {cursor.position}"
-        elif args.max_steps is not None and cursor.position >= args.max_steps:
-            stop = f"--max-steps {args.max_steps} reached"
+        elif max_steps is not None and cursor.position >= max_steps:
+            stop = f"--max-steps {max_steps} reached"
         if (stop is None and cursor.position % cfg.checkpoint_every == 0) or (stop and "non-finite" not in stop):
             save_checkpoint(accelerator, out, cursor, cfg.keep_checkpoints)
             saved_at = cursor.position
             if os.environ.get(PAUSE_ENV) and not paused:
                 paused = True
                 print(PAUSE_MARKER, flush=True)
-                time.sleep(float(os.environ[PAUSE_ENV]))
+                deadline = time.monotonic() + float(os.environ[PAUSE_ENV])
+                while time.monotonic() < deadline and not stop_requested.is_set():  # SIGTERM ends the pause
+                    time.sleep(0.05)
     progress.close()
     loader.close()
     recorder.close()
 
     # ---- the end -------------------------------------------------------------------------------
     if stop is None and saved_at != cursor.position and steps:
+        assert cursor.position % cfg.grad_accum == 0, "the plan's end and --max-steps are optimizer-step boundaries"
         save_checkpoint(accelerator, out, cursor, cfg.keep_checkpoints)
     skipped = int(accelerator.reduce(torch.tensor([loader.skipped], device=accelerator.device), "sum").item())
     if main and (stop is None or "non-finite" not in stop):
@@ -229,12 +245,37 @@ def train(args: argparse.Namespace) -> int:
     metrics.close()
     say(f"done: {stop or 'plan finished'}; position {cursor.position}, epoch {cursor.epoch} step {cursor.step}, "
         f"{updates} optimizer steps, {skipped} bad records skipped; output in {out}")  # fmt: skip
+    if torch.distributed.is_initialized():
+        # tear gloo down now: left to interpreter exit, its shutdown can deadlock with the GIL
+        # (seen about once in 8 two-process runs: "done" printed, the process never exited)
+        torch.distributed.destroy_process_group()
     return 1 if stop and "non-finite" in stop else 0
 
 
+def _whole_updates(max_steps: int | None, grad_accum: int) -> int | None:
+    """``--max-steps`` rounded down to whole optimizer steps. Raises ValueError when none is left."""
+    if max_steps is None:
+        return None
+    if max_steps < grad_accum:
+        raise ValueError(f"--max-steps {max_steps} is less than one optimizer step (grad_accum: {grad_accum} plan "
+                         f"steps); pass --max-steps {grad_accum} or more")  # fmt: skip
+    return max_steps - max_steps % grad_accum
+
+
 def _no_head_options(storage_options: dict, *urls: str) -> dict:
-    """s3fs HEADs an object before every whole-object GET when ``max_concurrency`` > 1 (its default, to
-    split big downloads); the files read whole here (JSON, index and plan parquet) are small."""
+    """Storage options under which s3fs reads a whole object with one GET and no HEAD.
+
+    The plan and cache readers read small files whole with ``fs.cat_file`` / ``fs.cat`` (JSON,
+    plan and index parquet). With ``max_concurrency`` > 1 (default 10), s3fs's ``_cat_file`` first
+    HEADs the object for its size, only to decide whether to split it into concurrent ranged GETs
+    of ``default_block_size`` (50 MiB); below that it then sends the same single GET. So at 1 the
+    requests are the same minus the HEAD for every file under 50 MiB (index parts of MBs
+    included); a file over 50 MiB (a merged index of several million samples) comes in one stream
+    instead of up to 10 parallel ones, a one-off start-up cost. ``max_concurrency`` touches nothing
+    else the trainer does: record reads are ``cat_ranges`` (explicit ranges, never a HEAD), and
+    the trainer writes nothing to S3 (uploads are what it would slow). A user's own
+    ``max_concurrency`` in ``--storage-options`` wins.
+    """
     if any(u.startswith(("s3://", "s3a://")) for u in urls):
         return {"max_concurrency": 1, **storage_options}
     return storage_options

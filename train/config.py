@@ -47,6 +47,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     log_every: int = 10  # plan steps
     prefetch: int = 4  # batches read ahead of the model
+    read_threads: int = 2  # of those, batches being read at once (concurrent ranged reads + decode)
     model: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -63,6 +64,7 @@ class TrainConfig:
             (self.keep_checkpoints >= 1, "keep_checkpoints must be >= 1"),
             (self.log_every >= 1, "log_every must be >= 1"),
             (self.prefetch >= 1, "prefetch must be >= 1"),
+            (1 <= self.read_threads <= self.prefetch, "read_threads must be between 1 and prefetch"),
             (self.max_grad_norm > 0, "max_grad_norm must be > 0"),
             (len(self.adam_betas) == 2, "adam_betas must be two numbers, e.g. [0.9, 0.999]"),
         ]  # fmt: skip

@@ -1,13 +1,15 @@
-"""This rank's batches: its own plan rows, records from the cache by ranged reads, read ahead in a thread.
+"""This rank's batches: its own plan rows, records from the cache by ranged reads, read ahead on threads.
 
 A rank reads only its plan files (``read_rank_plan``) and asks the :class:`CacheReader` for each
 step's sample ids: no listing, no per-sample objects. Each plan row becomes exactly one
 :class:`Batch`, in plan order, on this rank only. The loader is deliberately NOT a DataLoader
 handed to ``accelerator.prepare()``: prepare would re-shard it across ranks (BatchSamplerShard /
 IterableDatasetShard), i.e. shard a plan that is already sharded, and it fails on
-``batch_size=None``. Reading ahead happens in one background thread rather than DataLoader worker
-processes: fsspec's S3 clients are not fork-safe, each worker would hold its own copy of the cache
-index, and one ordered producer keeps batch order trivially equal to plan order.
+``batch_size=None``. Reading ahead happens on a few threads of this process rather than in
+DataLoader worker processes: fsspec's S3 clients are not fork-safe and each worker would hold its
+own copy of the cache index. ``read_threads`` batches are read at once (the reader is
+thread-safe): on an object store a batch read is one round of concurrent ranged GETs, so its
+latency, not bandwidth, bounds a single reader; the batches are still handed out in plan order.
 
 A record that is missing, truncated or fails its checksum stops the run with an error naming the
 sample, the shard and the fix (``bucketeer verify``), unless ``skip_bad_records`` is set: then the
@@ -17,8 +19,8 @@ still stops the run: every rank must take every step).
 
 from __future__ import annotations
 
-import queue
-import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Sequence
 
@@ -142,14 +144,14 @@ def collate(records: Sequence[SampleRecord], step: PlanStep, *, scaling_factor: 
     )
 
 
-_DONE = object()
-
-
 class BatchLoader:
-    """Iterate :class:`Batch` es for ``steps`` in order, ``prefetch`` batches ahead, in one thread.
+    """Iterate :class:`Batch` es for ``steps`` in plan order, reading ``prefetch`` batches ahead.
 
-    ``latent_info`` is ``_cache.json["latent"]`` (scaling and shift factors). ``log`` receives one
-    line per skipped record. ``skipped`` counts the records dropped so far.
+    Up to ``read_threads`` of those batches are read at once (each read is a batched ranged read
+    through the shared, thread-safe :class:`CacheReader`, then decode and collate); batches are
+    handed out in plan order whatever order the reads finish in. ``latent_info`` is
+    ``_cache.json["latent"]`` (scaling and shift factors). ``log`` receives one line per skipped
+    record. ``skipped`` counts the records dropped from the batches handed out so far.
     """
 
     def __init__(
@@ -160,22 +162,25 @@ class BatchLoader:
         *,
         rank: int = 0,
         prefetch: int = 4,
+        read_threads: int = 1,
         skip_bad_records: bool = False,
         pin_memory: bool = False,
         log: Callable[[str], None] = print,
     ):
+        if prefetch < 1 or read_threads < 1:
+            raise ValueError(f"prefetch ({prefetch}) and read_threads ({read_threads}) must be >= 1")
         self.reader = reader
         self.steps = list(steps)
         self.scaling_factor = float(latent_info.get("scaling_factor") or 1.0)
         self.shift_factor = float(latent_info.get("shift_factor") or 0.0)
         self.rank = rank
         self.prefetch = prefetch
+        self.read_threads = min(read_threads, prefetch)  # more threads than batches ahead would idle
         self.skip_bad_records = skip_bad_records
         self.pin_memory = pin_memory
         self.log = log
         self.skipped = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._pool: ThreadPoolExecutor | None = None
         self._check_ids()
 
     def __len__(self) -> int:
@@ -199,6 +204,7 @@ class BatchLoader:
             self.log(f"rank {self.rank}: {len(missing)} planned samples are not in the cache; they will be skipped")
 
     def _read(self, step: PlanStep) -> Batch:
+        """One step's batch (runs on a reading thread; touches no loader state)."""
         try:
             records = self.reader.read(step.sample_ids)
             skipped: list[int] = []
@@ -216,51 +222,33 @@ class BatchLoader:
             if not records:
                 raise BadRecordError(f"rank {self.rank} epoch {step.epoch} step {step.step}: all {len(skipped)} "
                                      "records are bad; ranks cannot stay in step. Run `bucketeer verify`.") from None  # fmt: skip
-            self.skipped += len(skipped)
         batch = collate(records, step, scaling_factor=self.scaling_factor, shift_factor=self.shift_factor)
         batch.skipped = skipped
         return batch.pin_memory() if self.pin_memory else batch
 
-    def _produce(self, out: queue.Queue) -> None:
-        try:
-            for step in self.steps:
-                item: Any = self._read(step)
-                while not self._stop.is_set():
-                    try:
-                        out.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if self._stop.is_set():
-                    return
-            item = _DONE
-        except BaseException as e:  # handed to the training thread, which raises it
-            item = e
-        while not self._stop.is_set():
-            try:
-                out.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                continue
-
     def __iter__(self) -> Iterator[Batch]:
-        assert self._thread is None, "a BatchLoader is iterated once"
-        out: queue.Queue = queue.Queue(maxsize=self.prefetch)
-        self._thread = threading.Thread(target=self._produce, args=(out,), name="bucketeer-prefetch", daemon=True)
-        self._thread.start()
+        assert self._pool is None, "a BatchLoader is iterated once"
+        self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix=f"bucketeer-read-{self.rank}")
+        todo = iter(self.steps)
+        ahead: deque[Future[Batch]] = deque()  # reads in plan order: running, queued or done
+
+        def read_next() -> None:
+            step = next(todo, None)
+            if step is not None:
+                ahead.append(self._pool.submit(self._read, step))
+
         try:
-            while True:
-                item = out.get()
-                if item is _DONE:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
+            for _ in range(self.prefetch):
+                read_next()
+            while ahead:
+                batch = ahead.popleft().result()  # a read's error is raised at its step, not before
+                read_next()
+                self.skipped += len(batch.skipped)
+                yield batch
         finally:
             self.close()
 
     def close(self) -> None:
-        """Stop the reading thread (safe to call twice)."""
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=10)
+        """Drop the reads not started, wait for the running ones, stop the threads (safe to call twice)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
