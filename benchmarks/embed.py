@@ -125,12 +125,15 @@ def main() -> None:
     root, manifest, cache = (os.path.join(work, d) for d in ("images", "manifest", "cache"))
     make_images(root, manifest, args.images, args.size)
 
+    from pipeline.ray_setup import loopback_only
+
+    loopback_only()  # before ray is imported: the local Ray listens on 127.0.0.1 only
     import ray
 
     from manifests.cache import CacheReader, read_cache_meta, read_index
     from pipeline import embed
 
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
     p = argparse.ArgumentParser()
     embed.add_arguments(p)
     embed.run(p.parse_args([manifest, "--out", cache, "--batch-size", str(args.batch_size), "--shard-records", "128"]))

@@ -30,7 +30,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from manifests.buckets import BucketSpec  # noqa: E402
+from pipeline.ray_setup import loopback_only  # noqa: E402
 from pipeline.scan import ScanConfig, scan_dataset  # noqa: E402
+
+loopback_only()  # before ray is imported: local Ray listens on 127.0.0.1 only
 
 SHAPES = ((2000, 1500), (1500, 2000), (2400, 1350), (1350, 2400), (1800, 1800), (2600, 1300), (2200, 1650))
 

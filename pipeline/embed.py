@@ -40,6 +40,7 @@ from manifests.cache import (
 )
 from manifests.cache_format import GZIP_BACKEND, caption_key
 from manifests.storage import parse_storage_options, public_options, redact
+from pipeline.ray_setup import init_ray
 
 # test hook: after the first committed sample shard, print a marker and sleep this many seconds
 PAUSE_ENV = "BUCKETEER_TEST_PAUSE_AFTER_COMMIT"
@@ -76,15 +77,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--vae-workers", type=int, default=None, help="VAE actors (default: one per GPU, or 1 on CPU)")
     g.add_argument("--torch-threads", type=int, default=None, help="torch threads per CPU actor (default: CPUs/2)")
     g.add_argument("--ray-address", default=None, help="Ray cluster address (default: start Ray on this machine)")
-
-
-def _init_ray(address: str | None):
-    import ray
-
-    if not ray.is_initialized():
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no reporting from a local start
-        ray.init(address=address, include_dashboard=False, configure_logging=False)
-    return ray
 
 
 def _sources(args: argparse.Namespace):
@@ -194,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
     if vae_source.is_default or any(t.is_default for t in text_sources):
         print(_default_notice(), file=sys.stderr, flush=True)
 
-    ray = _init_ray(args.ray_address)
+    ray, _ = init_ray(args.ray_address)  # a CLI process: Ray stops when it exits
     resources = ray.cluster_resources()
     gpus = int(resources.get("GPU", 0))
     threads = args.torch_threads or max(1, int(resources.get("CPU", 2)) // 2)

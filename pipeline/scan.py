@@ -38,6 +38,7 @@ from manifests.storage import StorageError, open_url, parse_storage_options, red
 from pipeline.captions import CaptionTable, load_caption_table
 from pipeline.headers import DEFAULT_MAX_PIXELS, FIRST_READ, probe_files
 from pipeline.listing import IMAGE_EXTENSIONS, IMAGE_SCHEMA, Listing, RescanPlan, caption_source, list_source, plan_rescan
+from pipeline.ray_setup import ray_session
 from pipeline.retry import is_permanent
 
 log = logging.getLogger("bucketeer.scan")
@@ -207,22 +208,10 @@ def _run_tasks(target: tuple, work: list, config: ScanConfig, ray_address: str |
     """Run :func:`scan_batch` over batches of ``work`` on Ray; returns results and Ray start-up seconds."""
     if not work:
         return [], 0.0
-    import ray
-
     clock = time.perf_counter()
-    started_here = not ray.is_initialized()
-    if started_here:
-        address = ray_address or os.environ.get("RAY_ADDRESS")
-        if address:
-            ray.init(address=address, logging_level=logging.WARNING)
-        else:
-            ray.init(include_dashboard=False, logging_level=logging.WARNING)
-    ray_seconds = time.perf_counter() - clock
-    try:
+    with ray_session(ray_address) as ray:
+        ray_seconds = time.perf_counter() - clock
         return _run_batches(ray, target, work, config), ray_seconds
-    finally:
-        if started_here:
-            ray.shutdown()
 
 
 def _run_batches(ray, target: tuple, work: list, config: ScanConfig) -> list[dict]:

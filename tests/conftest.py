@@ -16,8 +16,10 @@ import pytest
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing-key-id")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing-secret-key")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-# ray workers started by tests must not try to reach any usage-stats endpoint
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# before anything imports ray: every Ray the tests start listens on 127.0.0.1 only, reports nothing
+from pipeline.ray_setup import loopback_only  # noqa: E402
+
+loopback_only()
 
 
 def free_port() -> int:
@@ -71,7 +73,7 @@ def ray_local():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield ray
     ray.shutdown()
 
