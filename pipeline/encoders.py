@@ -90,12 +90,14 @@ def _byte_level_vocab() -> list[str]:
     return [chr(c) for c in printable] + [chr(256 + i) for i in range(len(extra))]
 
 
-def _build_default(target: Path) -> None:
-    import torch
-    from diffusers import AutoencoderKL
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer
+def _clip_tokenizer(model_max_length: int = 77, pad_token: str | None = None):
+    """A byte-level CLIP BPE tokenizer with a tiny vocabulary (every text tokenizes; few merges).
 
-    torch.manual_seed(0)
+    ``pad_token``: None pads with ``<|endoftext|>`` (SD 1.x / SDXL ``tokenizer``); SDXL's
+    ``tokenizer_2`` pads with ``"!"``.
+    """
+    from transformers import CLIPTokenizer
+
     chars = _byte_level_vocab()
     # a handful of English merges: enough to exercise BPE, and each side is an existing symbol
     merges = [("t", "h"), ("th", "e</w>"), ("o", "n"), ("i", "n"), ("e", "r"), ("p", "h")]
@@ -105,7 +107,18 @@ def _build_default(target: Path) -> None:
         vocab.setdefault(a + b, len(vocab))
     bos, eos = "<|startoftext|>", "<|endoftext|>"
     vocab[bos], vocab[eos] = len(vocab), len(vocab) + 1
-    tokenizer = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length, pad_token=pad_token or eos)
+
+
+def _build_default(target: Path) -> None:
+    import torch
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    torch.manual_seed(0)
+    tokenizer = _clip_tokenizer()
+    vocab = tokenizer.get_vocab()
+    bos, eos = tokenizer.bos_token, tokenizer.eos_token
     tokenizer.save_pretrained(target / "tokenizer")
     text = CLIPTextModelWithProjection(
         CLIPTextConfig(
@@ -183,6 +196,25 @@ def _device_and_dtype(use_gpu: bool, dtype: str):
     return torch.device("cpu"), torch.float32
 
 
+def _check_local(path: str, subfolder: str | None, option: str, expected: str, files: tuple[str, ...],
+                 note: str = "") -> None:
+    """Fail early and clearly when a local folder lacks what ``from_pretrained`` will look for.
+
+    Hub ids (not local folders) are left to ``from_pretrained``. Raises ValueError naming the
+    option and the folder, with the subfolder to pass when ``path`` is a diffusers pipeline folder.
+    """
+    if not os.path.isdir(path):
+        return
+    folder = Path(path, subfolder or "")
+    if any((folder / f).is_file() for f in files):
+        return
+    hint = note
+    if not subfolder and (Path(path) / expected / files[0]).is_file():
+        hint = f" It looks like a diffusers pipeline folder: pass {option}-subfolder {expected}."
+    raise ValueError(f"{option} {path}{f' ({option}-subfolder {subfolder})' if subfolder else ''}: "
+                     f"no {' or '.join(files)} in {folder}.{hint}")  # fmt: skip
+
+
 class LatentEncoder:
     """``AutoencoderKL`` latents: uint8 pixels ``(B, H, W, 3)`` -> posterior mean ``(B, C, H/f, W/f)``."""
 
@@ -190,6 +222,7 @@ class LatentEncoder:
         from diffusers import AutoencoderKL
 
         path, subfolder, self.id = source.resolve("vae")
+        _check_local(path, subfolder, "--vae", "vae", ("config.json",))
         self.device, self.compute_dtype = _device_and_dtype(use_gpu, dtype)
         self.vae = AutoencoderKL.from_pretrained(path, subfolder=subfolder).eval()
         self.weights = weights_sha256(self.vae)  # of the weights as published, before any cast
@@ -221,26 +254,26 @@ class LatentEncoder:
             return self.vae.encode(x).latent_dist.mean.float()
 
 
-def _load_clip(path: str, subfolder: str | None):
+def _load_clip(path: str, subfolder: str):
     from transformers import CLIPTextModel
 
     return CLIPTextModel.from_pretrained(path, subfolder=subfolder)
 
 
-def _load_clip_projection(path: str, subfolder: str | None):
+def _load_clip_projection(path: str, subfolder: str):
     from transformers import CLIPTextModelWithProjection
 
     return CLIPTextModelWithProjection.from_pretrained(path, subfolder=subfolder)
 
 
-def _load_t5(path: str, subfolder: str | None):
+def _load_t5(path: str, subfolder: str):
     from transformers import T5EncoderModel
 
     return T5EncoderModel.from_pretrained(path, subfolder=subfolder)
 
 
-# config.architectures[0] -> factory; a registry is a dict from name to factory
-TEXT_MODELS: dict[str, Callable[[str, str | None], Any]] = {
+# config.architectures[0] -> factory(path, subfolder); transformers spells "no subfolder" "" (None fails there)
+TEXT_MODELS: dict[str, Callable[[str, str], Any]] = {
     "CLIPTextModel": _load_clip,
     "CLIPTextModelWithProjection": _load_clip_projection,
     "CLIPModel": _load_clip_projection,
@@ -249,7 +282,7 @@ TEXT_MODELS: dict[str, Callable[[str, str | None], Any]] = {
 }
 
 
-def _load_text_model(path: str, subfolder: str | None):
+def _load_text_model(path: str, subfolder: str):
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path, subfolder=subfolder)
@@ -278,9 +311,14 @@ class TextEncoders:
         self.parts = []
         for i, source in enumerate(sources):
             path, subfolder, ident = source.resolve("text_encoder")
-            tok_sub = subfolder.replace("text_encoder", "tokenizer") if subfolder else None
+            # a pipeline repo keeps text_encoder_2's tokenizer in tokenizer_2; a bare model repo, beside it
+            tok_sub = subfolder.replace("text_encoder", "tokenizer") if subfolder else ""
+            _check_local(path, subfolder, "--text-encoder", "text_encoder", ("config.json",))
+            _check_local(path, tok_sub, "--text-encoder", "tokenizer", ("tokenizer_config.json", "tokenizer.json"),
+                         " The tokenizer is read from the tokenizer* folder matching --text-encoder-subfolder "
+                         "(text_encoder_2 -> tokenizer_2), or from beside config.json without one.")
             tokenizer = AutoTokenizer.from_pretrained(path, subfolder=tok_sub)
-            model = _load_text_model(path, subfolder).eval()
+            model = _load_text_model(path, subfolder or "").eval()
             weights = weights_sha256(model)
             model.to(device=self.device, dtype=self.compute_dtype)
             limit = getattr(model.config, "max_position_embeddings", None) or 512

@@ -73,9 +73,12 @@ class Batch:
     """The tensors of one step. Latents are scaled for the model: ``(latent - shift) * scale``.
 
     ``latents`` (B, C, h, w); ``text`` (B, L, D): every text encoder's tokens padded to the
-    batch's longest caption L and concatenated on features; ``text_mask`` (B, L), 1 for a real
-    token; ``resolution`` (B, 2) original (height, width) in pixels; ``aspect_ratio`` (B, 1) bucket
+    batch's longest caption L and concatenated on features (SDXL-style: D = sum of the encoders'
+    hidden sizes, each encoder's slice zero past its own length); ``text_mask`` (B, L), 1 where
+    any encoder has a token (SDXL's two CLIP tokenizers agree, so their lengths do);
+    ``resolution`` (B, 2) original (height, width) in pixels; ``aspect_ratio`` (B, 1) bucket
     height / width. ``skipped``: ids dropped as bad records (only with ``skip_bad_records``).
+    A record's ``pooled`` embedding is not used: the PixArt transformer conditions on tokens only.
     """
 
     epoch: int
