@@ -9,6 +9,13 @@ row whose key differs from the cached one is **stale** and gets re-embedded by t
 ``bucketeer embed``. A null caption and an empty one give the same key (they embed the same).
 The bucket is part of the key because the latent's shape is the bucket's: a plan drawn from a
 manifest whose buckets moved must not pair it with latents of the old ones.
+
+An error row made from the same inputs is **failed** and not retried when its kind says
+something about the image (``not_an_image``, ``truncated``, ``decode_failed``,
+``too_many_pixels``, ...): the same bytes would fail the same way. A ``read_failed`` row says
+only that storage did not deliver the bytes that time (transient errors that outlived their
+retries, a denied or missing object); it is **retry**: the next ``bucketeer embed`` reads the
+image again, and a record made then supersedes the error row. See :data:`RETRIED_ERRORS`.
 """
 
 from __future__ import annotations
@@ -21,10 +28,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-__all__ = ["source_key", "manifest_samples", "Freshness", "classify"]
+__all__ = ["source_key", "manifest_samples", "Freshness", "classify", "RETRIED_ERRORS"]
 
 _CHUNK_ROWS = 1 << 20  # hash a million rows at a time: bounded memory for any manifest
 _VIA_ETAG, _VIA_MTIME, _VIA_NONE = 1, 2, 3
+# error kinds that describe the storage, not the image: such rows are embedded again on a rerun
+RETRIED_ERRORS = frozenset({"read_failed"})
 
 
 def _column(table: pa.Table, name: str, type_: pa.DataType) -> pa.Array:
@@ -86,38 +95,47 @@ def manifest_samples(manifest: Any) -> pa.Table:
 
 @dataclass(frozen=True)
 class Freshness:
-    """What a cache holds for each manifest row, in manifest order; all arrays are ``(n,)``.
+    """What a cache holds for each manifest row, in manifest order; all arrays are ``(n,)`` bool.
 
     ``fresh``: a good record made from this row's inputs. ``failed``: an error row made from these
-    inputs (the image cannot be embedded; not retried). ``stale``: a record or error row made
-    from other inputs (changed bytes, caption or bucket; or written before source keys existed).
-    ``missing``: nothing cached.
+    inputs whose kind is about the image (it cannot be embedded; not retried). ``retry``: an
+    error row made from these inputs whose kind is a storage failure (:data:`RETRIED_ERRORS`;
+    embedded again). ``stale``: a record or error row made from other inputs (changed bytes,
+    caption or bucket; or written before source keys existed). ``missing``: nothing cached.
     """
 
     sample_ids: np.ndarray
     fresh: np.ndarray
     failed: np.ndarray
     stale: np.ndarray
+    retry: np.ndarray
 
     @property
     def missing(self) -> np.ndarray:
-        return ~(self.fresh | self.failed | self.stale)
+        return ~(self.fresh | self.failed | self.stale | self.retry)
 
     @property
     def todo(self) -> np.ndarray:
-        """Rows the embed job has to (re-)embed: stale or missing."""
+        """Rows the embed job has to (re-)embed: stale, retry or missing."""
         return ~(self.fresh | self.failed)
 
     def counts(self) -> dict[str, int]:
-        return {"fresh": int(self.fresh.sum()), "failed": int(self.failed.sum()),
+        return {"fresh": int(self.fresh.sum()), "failed": int(self.failed.sum()), "retry": int(self.retry.sum()),
                 "stale": int(self.stale.sum()), "missing": int(self.missing.sum())}  # fmt: skip
+
+    @classmethod
+    def empty_cache(cls, sample_ids: np.ndarray) -> "Freshness":
+        """Every row missing (there is no cache yet)."""
+        none = np.zeros(len(sample_ids), bool)
+        return cls(sample_ids=sample_ids, fresh=none, failed=none, stale=none, retry=none)
 
 
 def classify(samples_index: pa.Table, errors_index: pa.Table, samples: pa.Table) -> Freshness:
     """Compare a cache's (resolved) sample and error index with manifest ``samples``.
 
     The index tables hold at most one row per sample id between them (see
-    ``manifests.cache.read_index``) and a nullable ``source_key`` column.
+    ``manifests.cache.read_index``), a nullable ``source_key`` column, and the errors index an
+    ``error`` column (the kind, which decides failed vs retry).
     """
     ids = samples.column("sample_id").to_numpy().astype(np.uint64)  # (n,)
     keys = source_key(samples)  # (n,)
@@ -127,13 +145,19 @@ def classify(samples_index: pa.Table, errors_index: pa.Table, samples: pa.Table)
     cached_keys = np.concatenate([c.fill_null(0).to_numpy(zero_copy_only=False).astype(np.uint64) for c in key_cols])
     known = np.concatenate([c.is_valid().to_numpy(zero_copy_only=False) for c in key_cols])  # (m,)
     is_error = np.arange(len(cached_ids)) >= samples_index.num_rows  # (m,)
+    kinds = errors_index.column("error").combine_chunks()
+    retried_kind = pc.is_in(kinds, value_set=pa.array(sorted(RETRIED_ERRORS), kinds.type)).fill_null(False)
+    retryable = np.concatenate([np.zeros(samples_index.num_rows, bool),
+                                retried_kind.to_numpy(zero_copy_only=False)])  # (m,) fmt: skip
     order = np.argsort(cached_ids, kind="stable")
-    cached_ids, cached_keys, known, is_error = cached_ids[order], cached_keys[order], known[order], is_error[order]
+    cached_ids, cached_keys, known = cached_ids[order], cached_keys[order], known[order]
+    is_error, retryable = is_error[order], retryable[order]
     pos = np.minimum(np.searchsorted(cached_ids, ids), max(len(cached_ids) - 1, 0))  # (n,)
     if len(cached_ids):
         found = cached_ids[pos] == ids
         same = found & known[pos] & (cached_keys[pos] == keys)
-        error = is_error[pos]
+        error, storage = is_error[pos], retryable[pos]
     else:
-        found = same = error = np.zeros(len(ids), bool)
-    return Freshness(sample_ids=ids, fresh=same & ~error, failed=same & error, stale=found & ~same)
+        found = same = error = storage = np.zeros(len(ids), bool)
+    return Freshness(sample_ids=ids, fresh=same & ~error, failed=same & error & ~storage,
+                     stale=found & ~same, retry=same & error & storage)  # fmt: skip

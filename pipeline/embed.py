@@ -10,7 +10,11 @@ CPU actor) encode earlier ones. The driver packs records into shards and commits
 after each shard, so a killed job resumes where the last commit left off. A rerun embeds what is
 missing and what **changed**: a row whose source key (size, etag or mtime, caption, bucket; see
 :mod:`manifests.cache_freshness`) differs from the one its record was made from is re-embedded,
-and the new record supersedes the old. Records of samples no longer in the manifest stay (plans
+and the new record supersedes the old; so is a ``read_failed`` error row (storage did not deliver
+the bytes that time), while an error row about the image itself (not an image, truncated, ...)
+is not retried. Reads retry transient storage errors per file; when none of a few images spread
+over the job can be read at all (bucket gone, access denied, endpoint down) the job stops before
+loading any model or writing anything. Records of samples no longer in the manifest stay (plans
 are drawn from the manifest). Without encoder options the embedded tiny random-weight defaults
 are used (see :mod:`pipeline.encoders`): good for trying the pipeline, useless for training a
 real model.
@@ -118,9 +122,7 @@ def _freshness(url: str, storage_options: dict, manifest, exists: bool) -> Fresh
     """What the cache holds for each manifest row (everything missing when there is no cache yet)."""
     if exists:
         return cache_freshness(url, manifest, storage_options)
-    n = manifest.samples.num_rows
-    none = np.zeros(n, bool)
-    return Freshness(manifest.samples.column("sample_id").to_numpy(), none, none, none)
+    return Freshness.empty_cache(manifest.samples.column("sample_id").to_numpy())
 
 
 def _check_early(url: str, storage_options: dict, request: dict) -> bool:
@@ -157,6 +159,19 @@ def _batches(rows: list[dict[str, Any]], batch_size: int) -> list[tuple[str, lis
     return [(b, group[i : i + batch_size]) for b, group in by_bucket.items() for i in range(0, len(group), batch_size)]
 
 
+PROBE_FILES = 8  # images read up front to tell an unusable storage from a few bad files
+
+
+def _probe_files(samples, todo: np.ndarray) -> list[str]:
+    """Up to PROBE_FILES filenames of the ``todo`` rows, spread evenly over them (deterministic)."""
+    rows = np.flatnonzero(todo)  # (t,)
+    if not len(rows):
+        return []
+    picks = np.unique(np.linspace(0, len(rows) - 1, min(PROBE_FILES, len(rows))).round().astype(int))
+    names = samples.column("filename")
+    return [names[int(rows[i])].as_py() for i in picks]
+
+
 def _pause_hook(committed: bool, state: dict) -> None:
     if committed and os.environ.get(PAUSE_ENV) and not state.get("paused"):
         state["paused"] = True
@@ -176,12 +191,17 @@ def run(args: argparse.Namespace) -> int:
     source = args.source or manifest.source
     request = _request_settings(args, manifest.meta["bucket_spec"])
     # one look at the committed index decides the work: stale rows (changed image bytes, caption or
-    # bucket since they were embedded) and missing ones are embedded; fresh records and error rows stay
+    # bucket since they were embedded), read failures and missing ones are embedded; fresh records
+    # and error rows about the image itself stay
     status = _freshness(args.out, so, manifest, _check_early(args.out, so, request))
     if not status.todo.any():
         print(f"bucketeer embed: {redact(args.out)} already holds every sample of the manifest, all up to date; "
               "nothing to embed")  # fmt: skip
         return 0
+    # a bucket that is gone or denied would otherwise cost a model load and an error row per sample.
+    # Rows retried after a read failure are not probed: if they still cannot be read (deleted
+    # objects), renewing their error rows is the right outcome, not a failed job
+    w.check_source(source, so, _probe_files(manifest.samples, status.todo & ~status.retry))
     vae_source, text_sources = _sources(args)
     if vae_source.is_default or any(t.is_default for t in text_sources):
         print(_default_notice(), file=sys.stderr, flush=True)
@@ -244,10 +264,11 @@ def run(args: argparse.Namespace) -> int:
 
     # phase 2: images, batched by bucket; prepared batches go straight from task to actor
     todo = [r for r in samples if r["todo"]]
-    changed = int(status.stale.sum())
+    changed, retried = int(status.stale.sum()), int(status.retry.sum())
     batches = _batches(todo, args.batch_size)
     print(f"bucketeer embed: {len(samples)} samples in the manifest, {len(samples) - len(todo)} already cached, "
-          f"{changed} changed since embedded (re-embedding), {len(todo) - changed} new: "
+          f"{changed} changed since embedded (re-embedding), {retried} read failures (retrying), "
+          f"{len(todo) - changed - retried} new: "
           f"{len(todo)} to embed in {len(batches)} batches; {len(items)} new captions; "
           f"{'%d GPU' % gpus if gpus else 'CPU'} VAE x{len(vae_actors)}; gzip via {GZIP_BACKEND}", flush=True)
     prepare = ray.remote(w.prepare_batch).options(num_cpus=1)
@@ -277,13 +298,15 @@ def run(args: argparse.Namespace) -> int:
     for actor in vae_actors:
         ray.kill(actor)
     seconds, image_seconds = time.time() - t0, time.time() - t_images
-    summary = {**counts, "skipped": len(samples) - len(todo), "changed": changed, "new_captions": len(items),
+    summary = {**counts, "skipped": len(samples) - len(todo), "changed": changed, "retried": retried,
+               "new_captions": len(items),
                "seconds": round(seconds, 2),
                "image_seconds": round(image_seconds, 2),  # the image phase alone, without model loading
                "images_per_second": round(counts["embedded"] / image_seconds, 2) if image_seconds else None}  # fmt: skip
     meta = writer.finish(manifest.fingerprint, summary)
     print(f"bucketeer embed: {counts['embedded']} embedded, {counts['errors']} error rows, "
-          f"{changed} changed, {summary['skipped']} skipped in {seconds:.1f}s -> {redact(args.out)} "
+          f"{changed} changed, {retried} retried, {summary['skipped']} skipped in {seconds:.1f}s "
+          f"-> {redact(args.out)} "
           f"({meta['counts']['samples']} samples, {meta['counts']['texts']} captions, "
           f"{len(meta['shards'])} shards)", flush=True)
     return 0

@@ -4,7 +4,8 @@
 the batch's bucket, so the pixels stack into one ``(B, H, W, 3)`` array. ``LatentWorker`` (one
 per GPU, or one CPU actor) turns a prepared batch into compressed sample records; it runs two
 calls at once so that the gzip of one batch overlaps the forward pass of the next.
-``TextWorker`` encodes unique captions into compressed text records.
+``TextWorker`` encodes unique captions into compressed text records. ``check_source`` (on the
+driver, before any model loads) refuses a dataset whose storage cannot be read at all.
 """
 
 from __future__ import annotations
@@ -15,11 +16,25 @@ import numpy as np
 
 from manifests.buckets import parse_bucket
 from manifests.cache_format import SampleRecord, TextRecord, encode_sample, encode_text
-from manifests.storage import join, open_url, redact
+from manifests.storage import StorageError, join, open_url, redact
 from pipeline.encoders import EncoderSource, LatentEncoder, TextEncoders, quiet_loading, to_storage
 from pipeline.imaging import ImageFailure, fetch_all, prepare_image
+from pipeline.retry import is_transient
 
-__all__ = ["prepare_batch", "LatentWorker", "TextWorker"]
+__all__ = ["prepare_batch", "check_source", "LatentWorker", "TextWorker"]
+
+
+def _open_source(source: str, storage_options: dict | None, fs=None):
+    """``(fs, root)`` of the dataset; a given ``fs`` (tests, benchmarks) takes ``source`` as its path."""
+    if fs is not None:
+        return fs, fs._strip_protocol(source).rstrip("/")
+    return open_url(source, storage_options)
+
+
+def _read_failure(exc: BaseException, storage_options: dict | None) -> ImageFailure:
+    # a transient error here has outlived every retry; a permanent one was never retried
+    note = " (still failing after retries)" if is_transient(exc) else ""
+    return ImageFailure("read_failed", redact(f"{type(exc).__name__}: {exc}{note}", storage_options))
 
 
 def prepare_batch(
@@ -30,32 +45,59 @@ def prepare_batch(
     crop: str,
     seed: int,
     max_pixels: int,
+    fs=None,
 ) -> dict[str, Any]:
     """Fetch, decode and crop ``rows`` (``sample_id``, ``filename``, ``caption_key``) to ``bucket``.
 
     Returns ``{"bucket", "pixels": uint8 (B, H, W, 3), "rows": [geometry per good row],
     "errors": [(sample_id, filename, kind, message)]}``; one bad image never fails the batch.
+    Transient storage errors are retried per file (:func:`pipeline.imaging.fetch_all`); a read
+    that still fails is a ``read_failed`` error row (credentials redacted), which the next run
+    retries. ``fs`` replaces the filesystem of ``source`` (it must be picklable for Ray).
     """
-    fs, root = open_url(source, storage_options)
+    fs, root = _open_source(source, storage_options, fs)
     bw, bh = parse_bucket(bucket)
     blobs = fetch_all(fs, [join(root, r["filename"]) for r in rows])
     good, pixels, errors = [], [], []
     for row, blob in zip(rows, blobs):
         try:
             if isinstance(blob, BaseException):
-                raise ImageFailure("read_failed", redact(f"{type(blob).__name__}: {blob}"))
+                raise _read_failure(blob, storage_options)
             p = prepare_image(blob, (bh, bw), crop=crop, seed=seed, sample_id=row["sample_id"], max_pixels=max_pixels)
         except ImageFailure as e:
             errors.append((row["sample_id"], row["filename"], e.kind, e.message))
             continue
         except Exception as e:  # a decoder bug on one file must not kill the job: record it
-            errors.append((row["sample_id"], row["filename"], "decode_failed", redact(f"{type(e).__name__}: {e}")))
+            message = redact(f"{type(e).__name__}: {e}", storage_options)
+            errors.append((row["sample_id"], row["filename"], "decode_failed", message))
             continue
         pixels.append(p.pixels)
         good.append({**row, "original_size": p.original_size, "resized_size": p.resized_size,
                      "crop_top_left": p.crop_top_left})  # fmt: skip
     stacked = np.stack(pixels) if pixels else np.zeros((0, bh, bw, 3), np.uint8)  # (B, H, W, 3)
     return {"bucket": bucket, "pixels": stacked, "rows": good, "errors": errors}
+
+
+def check_source(source: str, storage_options: dict | None, filenames: list[str], fs=None) -> None:
+    """Refuse a dataset whose storage is unusable: raise StorageError when every one of
+    ``filenames`` (a few spread over the job, read with the usual retries) fails to read.
+
+    One unreadable file is that file's error row; all of them failing means the bucket is gone,
+    access is denied or the endpoint is down, and a job would only write an error row per
+    sample. The message quotes the first failure (credentials redacted) and names the file.
+    """
+    if not filenames:
+        return
+    fs, root = _open_source(source, storage_options, fs)
+    blobs = fetch_all(fs, [join(root, f) for f in filenames])
+    failures = [(f, b) for f, b in zip(filenames, blobs) if isinstance(b, BaseException)]
+    if len(failures) < len(filenames):
+        return
+    name, first = failures[0]
+    raise StorageError(redact(
+        f"cannot read the images of {source}: all {len(filenames)} probed files failed, e.g. {name}: "
+        f"{type(first).__name__}: {first}. Nothing was embedded; check that the dataset is still there "
+        "(--source if it moved) and the credentials/--storage-options allow reading it.", storage_options))
 
 
 def _set_threads(threads: int | None) -> None:

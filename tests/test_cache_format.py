@@ -257,7 +257,7 @@ def test_newest_row_wins_and_freshness_follows_the_manifest(tmp_path):
     # a manifest row the cache never saw is missing; another caption makes a fresh record stale
     grown = manifest_rows([*ids, 77], captions=["a dog"] + ["a cat"] * 6)
     counts = cache_freshness(url, grown).counts()
-    assert counts == {"fresh": 2, "failed": 1, "stale": 3, "missing": 1}
+    assert counts == {"fresh": 2, "failed": 1, "retry": 0, "stale": 3, "missing": 1}
 
     meta = writer.finish("manifest-fp")
     assert meta["counts"] == {"samples": 5, "texts": 3, "errors": 1} and meta["superseded_records"] == 4
