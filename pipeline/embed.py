@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from collections import deque
@@ -81,6 +82,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--vae-workers", type=int, default=None, help="VAE actors (default: one per GPU, or 1 on CPU)")
     g.add_argument("--torch-threads", type=int, default=None, help="torch threads per CPU actor (default: CPUs/2)")
     g.add_argument("--ray-address", default=None, help="Ray cluster address (default: start Ray on this machine)")
+
+
+def _actor_get(ray, refs):
+    """``ray.get`` on encoder actors: an encoder that fails to load in an actor (a bad path, a missing
+    subfolder) is reported as the one-line error it raised, not as an ActorDiedError traceback."""
+    try:
+        return ray.get(refs)
+    except ray.exceptions.ActorDiedError as e:
+        # Ray keeps only the formatted traceback of the creation task: its last "XError: msg" line
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(getattr(e, "error_msg", "")))
+        last = [m.group(1) for m in re.finditer(r"^\s*[\w.]*(?:Error|Exception): (.+)$", text, re.MULTILINE)]
+        if not last:
+            raise
+        raise ValueError(f"an encoder failed to load: {last[-1]}") from None
 
 
 def _sources(args: argparse.Namespace):
@@ -218,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
         text_sources, bool(gpus), request["dtype"], args.text_layer, None if gpus else threads)
     n_vae = args.vae_workers or max(1, gpus)
     vae_actors = []
-    text_info = ray.get(text_actor.describe.remote())
+    text_info = _actor_get(ray, text_actor.describe.remote())
     if not gpus or gpus > 1:  # on one GPU the VAE waits for the text actor to free it
         vae_actors = [ray.remote(w.LatentWorker).options(max_concurrency=2, **gpu_opts).remote(
             vae_source, bool(gpus), request["dtype"], None if gpus else threads) for _ in range(n_vae)]  # fmt: skip
@@ -234,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
         if not vae_actors:
             vae_actors.extend(ray.remote(w.LatentWorker).options(max_concurrency=2, **gpu_opts).remote(
                 vae_source, bool(gpus), request["dtype"], None) for _ in range(n_vae))  # fmt: skip
-        infos = ray.get([a.describe.remote() for a in vae_actors])
+        infos = _actor_get(ray, [a.describe.remote() for a in vae_actors])
         if len({i["weights_sha256"] for i in infos}) != 1:
             raise RuntimeError("VAE workers loaded different weights (nodes disagree on the model files)")
         return infos[0]

@@ -297,3 +297,18 @@ def test_a_pipeline_folder_without_subfolders_is_refused_with_the_option_to_pass
         LatentEncoder(EncoderSource(sdxl.path))
     with pytest.raises(ValueError, match=r"no tokenizer_config.json or tokenizer.json in .*encoder\. .*tokenizer_2"):
         TextEncoders([EncoderSource(str(Path(sdxl.path) / "text_encoder"))])  # the model alone, its tokenizer elsewhere
+
+
+@pytest.mark.ray
+@pytest.mark.usefixtures("bucketeer_home")
+def test_embed_cli_reports_an_encoder_that_fails_to_load_in_one_line(repos, tmp_path, capsys, ray_local):
+    """The encoder loads inside a Ray actor; its error must reach the user as one line, exit 2."""
+    from pipeline.cli import main
+
+    sdxl, _ = repos
+    manifest, out = str(tmp_path / "manifest"), str(tmp_path / "cache")
+    make_dataset(str(tmp_path / "data"), manifest, 2)
+    assert main(["embed", manifest, "--out", out, "--text-encoder", sdxl.path]) == 2
+    err = capsys.readouterr().err
+    assert "an encoder failed to load" in err and "pass --text-encoder-subfolder text_encoder" in err
+    assert "Traceback" not in err and "ActorDiedError" not in err
