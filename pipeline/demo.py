@@ -1,8 +1,8 @@
 """Run scan -> embed -> plan -> train -> verify -> report on a generated dataset, on this machine.
 
-    bucketeer demo                        # ./demo-output: ~300 images, 2 training processes, a few minutes on 2 cores
+    bucketeer demo                        # ./demo-output: ~300 images, 2 training processes, about a minute on 2 cores
     bucketeer demo --s3                   # the same flow against a local S3-compatible server (moto, 127.0.0.1)
-    bucketeer demo --images 60 --out-dir /tmp/demo
+    bucketeer demo --images 60 --out-dir demo-small
 
 Each stage is the real job, called the way a user calls it: scan, embed, plan, verify and report
 through their ``bucketeer`` entry points in this process (they are Ray drivers and share one
