@@ -76,6 +76,10 @@ def launch(processes: int, *argv, timeout: float = 240) -> str:
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
     try:
         output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        kill_tree(proc)
+        shown = e.output.decode(errors="replace") if isinstance(e.output, bytes) else (e.output or "")
+        pytest.fail(f"the run did not finish in {timeout} s; its output:\n{shown[-6000:]}")
     finally:
         if proc.poll() is None:
             kill_tree(proc)
