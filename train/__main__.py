@@ -246,10 +246,6 @@ def train(args: argparse.Namespace) -> int:
     metrics.close()
     say(f"done: {stop or 'plan finished'}; position {cursor.position}, epoch {cursor.epoch} step {cursor.step}, "
         f"{updates} optimizer steps, {skipped} bad records skipped; output in {out}")  # fmt: skip
-    if torch.distributed.is_initialized():
-        # tear gloo down now: left to interpreter exit, its shutdown can deadlock with the GIL
-        # (seen about once in 8 two-process runs: "done" printed, the process never exited)
-        torch.distributed.destroy_process_group()
     return 1 if stop and "non-finite" in stop else 0
 
 
@@ -316,10 +312,11 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     code = main()
-    # Everything is written and closed by now. PyTorch can still hang in interpreter finalization
-    # (its autograd/gloo worker threads racing the GIL's teardown, pytorch/pytorch#190489): seen
-    # about once in 8 two-process runs, "done" printed and the process never exiting. So leave
-    # without finalization, as a launcher needs every rank to exit.
+    # Everything is written and closed, and every rank has passed the final barrier. Tearing the
+    # process group down can still hang, in destroy_process_group (pytorch/pytorch#75097) or in
+    # interpreter finalization (gloo/autograd threads racing the GIL's teardown, #190489): seen
+    # about once in 8-12 two-process runs here, "done" printed and the rank never exiting. So each
+    # rank leaves without either; nothing collective happens after the barrier.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
