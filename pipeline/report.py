@@ -20,10 +20,7 @@ from typing import Any
 import numpy as np
 
 from manifests.manifest import Manifest, manifest_stats, read_manifest
-from manifests.storage import join, open_url, parse_storage_options, read_json, redact, write_bytes_atomic
-
-PLAN_FILE = "_plan.json"
-CACHE_FILE = "_cache.json"
+from manifests.storage import join, open_url, parse_storage_options, redact, write_bytes_atomic
 
 
 @dataclass
@@ -180,11 +177,10 @@ def plan_section(url: str, manifest: Manifest, plots, storage_options: dict[str,
     """
     import pyarrow.compute as pc
 
+    from manifests.plan import read_plan_meta
+
     fs, root = open_url(url, storage_options)
-    try:
-        meta = read_json(fs, join(root, PLAN_FILE))
-    except FileNotFoundError:
-        raise FileNotFoundError(f"--plan {redact(url)} has no {PLAN_FILE}: not a plan, or its writer has not finished") from None
+    meta = read_plan_meta(url, storage_options)  # refuses a folder that is not a committed plan
     inputs = meta.get("inputs") or {}
     epochs_meta = meta.get("epochs") or []
     first = epochs_meta[0] if epochs_meta else {}
@@ -255,11 +251,10 @@ def _read_index_column(fs, root: str, parts: list[str], column: str) -> np.ndarr
 
 def cache_section(url: str, plots, storage_options: dict[str, Any] | None = None) -> Section:
     """Record counts, bytes per sample, settings and errors of a cache (via ``_cache.json``)."""
+    from manifests.cache import read_cache_meta
+
     fs, root = open_url(url, storage_options)
-    try:
-        meta = read_json(fs, join(root, CACHE_FILE))
-    except FileNotFoundError:
-        raise FileNotFoundError(f"--cache {redact(url)} has no {CACHE_FILE}: not a cache, or its embed job has not committed") from None
+    meta = read_cache_meta(url, storage_options)  # refuses a folder that is not a bucketeer cache
     counts = meta.get("counts") or {}
     shards = meta.get("shards") or []
     index = meta.get("index") or {}

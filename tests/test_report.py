@@ -15,6 +15,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from manifests.cache import CACHE_FORMAT_VERSION
+from manifests.plan import PLAN_FORMAT_VERSION
 from manifests.buckets import BucketSpec
 from manifests.manifest import read_manifest, write_manifest
 from pipeline.cli import main
@@ -117,7 +119,7 @@ def write_plan_folder(root, manifest, *, world: int = 2, batch: int = 4, full_me
             }
         )
         pq.write_table(table, root / "epoch-00000" / f"rank-{rank:05d}.parquet")
-    meta = {"kind": "bucketeer.plan", "inputs": {"world_size": world, "batch_size": batch, "seed": 0}}
+    meta = {"kind": "bucketeer.plan", "format_version": PLAN_FORMAT_VERSION, "inputs": {"world_size": world, "batch_size": batch, "seed": 0}}
     if full_meta:
         counts = df.group_by("bucket").len()
         meta.update(
@@ -144,6 +146,7 @@ def write_cache_folder(root, n_records: int = 120) -> dict:
                    root / "index" / "errors-bb.parquet")  # fmt: skip
     meta = {
         "kind": "bucketeer.cache",
+        "format_version": CACHE_FORMAT_VERSION,
         "fingerprint": "c" * 64,
         "settings": {"vae": "stabilityai/sdxl-vae", "dtype": "bf16"},
         "counts": {"samples": n_records, "texts": 80, "errors": 3},
