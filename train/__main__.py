@@ -34,6 +34,13 @@ from manifests.storage import StorageError, parse_storage_options, redact
 PAUSE_ENV = "BUCKETEER_TEST_PAUSE_AFTER_CHECKPOINT"
 PAUSE_MARKER = "bucketeer-test: paused after checkpoint"
 
+# The prepared (DDP-wrapped) model lives until os._exit. When train() returns, its frame would free
+# the model, and the DDP Reducer's destructor joins the gloo process group's worker threads while
+# holding the GIL; a worker still finishing the last barrier needs the GIL to drop a tensor, and the
+# rank deadlocks after "done" (seen about once in 12 two-process runs, with py-spy showing
+# ~ProcessGroupGloo in std::thread::join against AsyncBarrierWork waiting in gil_scoped_acquire).
+_KEEP_ALIVE: list[object] = []
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m train", description=__doc__.split("\n\n")[0])
@@ -154,6 +161,7 @@ def train(args: argparse.Namespace) -> int:
                                  num_training_steps=total_updates)  # fmt: skip
     # only model/optimizer/schedule are prepared: the loader is already this rank's shard (see train.data)
     model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
+    _KEEP_ALIVE.append(model)  # never deallocated before os._exit: see _KEEP_ALIVE
     if checkpoint is not None:
         accelerator.load_state(str(checkpoint.path))
     accelerator.wait_for_everyone()
