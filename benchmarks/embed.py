@@ -61,7 +61,7 @@ def make_images(root: str, manifest: str, n: int, size: int) -> None:
 def encoder_only(size: int, batch: int, threads: int, n: int) -> float:
     import torch
 
-    from pipeline.encoders import EncoderSource, LatentEncoder, quiet_loading
+    from pipeline.embed.encoders import EncoderSource, LatentEncoder, quiet_loading
 
     quiet_loading()
     torch.set_num_threads(threads)
@@ -79,7 +79,7 @@ def per_file_records(cache: str, out: str, ids: list[int]) -> None:
     import torch
 
     from manifests.cache import CacheReader
-    from manifests.cache_format import to_float32
+    from manifests.cache.records import to_float32
 
     os.makedirs(out, exist_ok=True)
     for r in CacheReader(cache).read(ids):

@@ -52,7 +52,7 @@ def bucket_array(codes: np.ndarray, buckets: int):
 
 def child_plan(inputs: str, out: str, world: int, batch: int, buckets: int) -> dict:
     from manifests.plan import write_plan
-    from manifests.plan_schedule import PlanConfig, group_samples, plan_epoch
+    from manifests.plan.schedule import PlanConfig, group_samples, plan_epoch
 
     data = np.load(inputs)
     ids, names = data["ids"], bucket_array(data["codes"], buckets)

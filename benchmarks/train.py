@@ -40,9 +40,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from manifests.cache import CacheWriter  # noqa: E402
-from manifests.cache_format import SampleRecord, TextRecord, encode_sample, encode_text  # noqa: E402
+from manifests.cache.records import SampleRecord, TextRecord, encode_sample, encode_text  # noqa: E402
 from manifests.plan import write_plan  # noqa: E402
-from manifests.plan_schedule import PlanConfig  # noqa: E402
+from manifests.plan.schedule import PlanConfig  # noqa: E402
 
 
 def bf16_bits(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:

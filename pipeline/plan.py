@@ -6,7 +6,7 @@
     bucketeer plan --resume PLAN --at 3:1200 --world-size 4 --out PLAN2   # elastic resume
 
 ``python -m pipeline.plan`` takes the same options. The planning is pure numpy
-(:mod:`manifests.plan_schedule`); this module reads the inputs and prints the summary.
+(:mod:`manifests.plan.schedule`); this module reads the inputs and prints the summary.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from manifests.plan_schedule import LEFTOVER_POLICIES, PlanConfig, cached_mask
+from manifests.plan.schedule import LEFTOVER_POLICIES, PlanConfig, cached_mask
 from manifests.storage import parse_storage_options, redact
 
 
@@ -145,7 +145,7 @@ def _print_summary(meta: dict[str, Any]) -> None:
 
 def _run_check(args: argparse.Namespace, options: dict[str, Any]) -> int:
     from manifests.manifest import read_manifest
-    from manifests.plan_check import check_plan
+    from manifests.plan.check import check_plan
 
     manifest = read_manifest(args.manifest, options) if args.manifest else None
     available = cache_fp = None

@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from manifests.cache_verify import verify_cache
+    from manifests.cache.verify import verify_cache
 
     result = verify_cache(args.cache, parse_storage_options(args.storage_options))
     where = redact(args.cache)

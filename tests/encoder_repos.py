@@ -55,7 +55,7 @@ def sdxl_repo(path: Path) -> SDXLRepo:
     import torch
     from diffusers import AutoencoderKL
 
-    from pipeline.encoders import _clip_tokenizer
+    from pipeline.embed.encoders import _clip_tokenizer
 
     if (path / "model_index.json").exists():
         return SDXLRepo(str(path))

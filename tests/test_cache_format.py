@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from manifests import cache_format as cf
+from manifests.cache import records as cf
 from manifests.cache import (
     CacheError,
     CacheReader,
@@ -21,7 +21,7 @@ from manifests.cache import (
     read_index,
     source_key,
 )
-from manifests.cache_format import SampleRecord, TextRecord, caption_key
+from manifests.cache.records import SampleRecord, TextRecord, caption_key
 
 SETTINGS = {"dtype": "BF16", "crop": "center", "vae": {"id": "x", "weights_sha256": "aa"}}
 INFO = {"latent": {"kind": "posterior_mean", "dtype": "BF16", "channels": 4, "factor": 8},
@@ -48,7 +48,7 @@ def text(caption: str | None, length: int) -> TextRecord:
 
 def build_cache(url: str, storage_options=None, n: int = 10, shard_records: int = 4) -> dict[int, SampleRecord]:
     """A committed cache of ``n`` synthetic samples with 3 captions (incl. the null one), no Ray."""
-    from manifests.cache_format import encode_sample, encode_text
+    from manifests.cache.records import encode_sample, encode_text
 
     writer = CacheWriter(url, SETTINGS, info=INFO, storage_options=storage_options, shard_records=shard_records)
     captions = [None, "a cat", "a dog"]
@@ -207,7 +207,7 @@ def test_source_key_tracks_exactly_the_inputs_of_a_record():
     assert source_key(base.drop_columns(["etag", "mtime"])).tolist() == source_key(no_version).tolist()
     assert source_key(base.slice(1)).tolist() == key[1:].tolist()
     big = manifest_rows(list(range(2500)), captions=[f"caption {i % 7}" for i in range(2500)])
-    from manifests import cache_freshness
+    from manifests.cache import freshness as cache_freshness
 
     whole = source_key(big)
     old = cache_freshness._CHUNK_ROWS
@@ -229,7 +229,7 @@ def test_newest_row_wins_and_freshness_follows_the_manifest(tmp_path):
     assert status.stale.all() and available_sample_ids(url, manifest=manifest).tolist() == []
 
     # a second run: 1000 re-embedded (new latent), 1001 now fails to decode, 1002/1003 get keys
-    from manifests.cache_format import encode_sample
+    from manifests.cache.records import encode_sample
 
     writer = CacheWriter(url, SETTINGS, info=INFO, shard_records=4)
     new = sample(1000, "a cat", seed=50)
@@ -272,13 +272,13 @@ def test_newest_row_wins_and_freshness_follows_the_manifest(tmp_path):
 
 
 def verify_cache_ok(url: str) -> bool:
-    from manifests.cache_verify import verify_cache
+    from manifests.cache.verify import verify_cache
 
     return verify_cache(url).ok
 
 
 def test_merge_reads_covers_every_range_with_fewer_reads():
-    from manifests.cache_reader import merge_reads
+    from manifests.cache.reader import merge_reads
 
     ranges = [("b", 0, 10), ("a", 100, 110), ("a", 0, 10), ("a", 15, 30), ("a", 0, 10), ("a", 5000, 5010)]
     reads, where = merge_reads(ranges, max_gap=64)

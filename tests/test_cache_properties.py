@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import numpy as np
 import safetensors.numpy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from manifests import cache_format as cf
+from manifests.cache import records as cf
 
 # BF16 travels as raw uint16 bits, so every tag has a numpy dtype to draw from
 TAGS = sorted(cf.DTYPES)

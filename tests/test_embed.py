@@ -14,8 +14,8 @@ import pyarrow as pa
 import pytest
 
 from manifests.cache import CacheError, available_sample_ids, read_cache_meta, read_index
-from manifests.cache_format import caption_key, to_float32
-from manifests.cache_verify import verify_cache
+from manifests.cache.records import caption_key, to_float32
+from manifests.cache.verify import verify_cache
 from manifests.manifest import apply_buckets, read_manifest, write_manifest
 from manifests.plan import read_epoch_tables, read_plan_meta
 from manifests.schema import ERRORS_SCHEMA, SAMPLES_SCHEMA, sample_id

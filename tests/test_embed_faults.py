@@ -18,7 +18,7 @@ from manifests.manifest import read_manifest
 from manifests.schema import sample_id
 from manifests.storage import StorageError
 from pipeline.cli import main
-from pipeline.embed_workers import check_source, prepare_batch
+from pipeline.embed.workers import check_source, prepare_batch
 from tests.embed_data import jpeg, make_dataset, run_embed
 
 SECRET = "testing-secret-key"  # must never show up in an error row or message
@@ -104,7 +104,7 @@ def test_permanent_read_errors_are_error_rows_and_not_retried(tmp_path):
     assert "SlowDown" in errors["img_3.jpg"][1] and "still failing after retries" in errors["img_3.jpg"][1]
     assert all(SECRET not in m for _, m in errors.values())
     assert fs.calls["img_0.jpg"] == 1 and fs.calls["img_2.jpg"] == 1  # permanent: asked once
-    assert fs.calls["img_3.jpg"] == 6  # transient: every attempt of pipeline.retry, then an error row
+    assert fs.calls["img_3.jpg"] == 6  # transient: every attempt of manifests.retry, then an error row
 
 
 def test_check_source_refuses_storage_that_reads_nothing(tmp_path):

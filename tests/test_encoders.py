@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from manifests.cache import CacheError, read_cache_meta
-from manifests.cache_format import SampleRecord, TextRecord, caption_key, to_float32
-from manifests.cache_verify import verify_cache
-from pipeline.encoders import EncoderSource, LatentEncoder, TextEncoders, quiet_loading, weights_sha256
+from manifests.cache.records import SampleRecord, TextRecord, caption_key, to_float32
+from manifests.cache.verify import verify_cache
+from pipeline.embed.encoders import EncoderSource, LatentEncoder, TextEncoders, quiet_loading, weights_sha256
 from tests.embed_data import make_dataset, records_by_id, run_embed
 from tests.encoder_repos import (
     CLIP1_WIDTH,

@@ -7,7 +7,7 @@ import pytest
 from manifests.buckets import BucketSpec
 from manifests.manifest import MANIFEST_FILE, ManifestError, read_manifest, rebucket, write_manifest
 from manifests.schema import SAMPLES_SCHEMA, sample_id
-from manifests.storage import join, open_url, redact
+from manifests.storage import redact
 from tests.factories import manifest_tables
 
 

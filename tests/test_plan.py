@@ -27,8 +27,8 @@ from manifests.plan import (
     resume_plan,
     write_plan,
 )
-from manifests.plan_check import check_plan
-from manifests.plan_schedule import cached_mask
+from manifests.plan.check import check_plan
+from manifests.plan.schedule import cached_mask
 from pipeline.cli import main
 from tests.factories import manifest_tables
 

@@ -1,6 +1,6 @@
 """Property tests of the pure schedule: world sizes 1..64, batch sizes 1..32, skewed buckets.
 
-Each invariant is computed here from the rows, independently of ``manifests.plan_check``.
+Each invariant is computed here from the rows, independently of ``manifests.plan.check``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from manifests.plan_schedule import (
+from manifests.plan.schedule import (
     PlanConfig,
     bucket_batch_sizes,
     group_samples,

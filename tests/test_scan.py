@@ -14,9 +14,10 @@ from fsspec.implementations.local import LocalFileSystem
 from manifests.buckets import BucketSpec
 from manifests.manifest import ManifestError, read_manifest
 from manifests.schema import sample_id
-from pipeline.captions import load_caption_table
+from pipeline.scan.captions import load_caption_table
 from pipeline.cli import main
-from pipeline.scan import TEST_FAULT_ENV, ScanConfig, scan_dataset
+from pipeline.scan import ScanConfig, scan_dataset
+from pipeline.scan.job import TEST_FAULT_ENV
 from tests.corpus import _pixels, _save, make_corpus
 
 pytestmark = pytest.mark.ray

@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from pipeline.captions import CaptionTable, decode_caption, load_caption_table, sidecar_stem
-from pipeline.headers import FIRST_READ, RangeReader, StorageFailure, probe_header
-from pipeline.listing import _between, classify, list_source
-from pipeline.retry import is_permanent, is_transient, with_retries
+from pipeline.scan.captions import CaptionTable, decode_caption, load_caption_table, sidecar_stem
+from pipeline.scan.headers import FIRST_READ, RangeReader, StorageFailure, probe_header
+from pipeline.scan.listing import _between, classify, list_source
+from manifests.retry import is_permanent, is_transient, with_retries
 from tests.corpus import make_corpus, png_declaring
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from manifests.cache import CacheReader, read_cache_meta, read_index
-from manifests.cache_format import to_float32
+from manifests.cache.records import to_float32
 from manifests.plan import read_rank_plan
 from tests.train_dataset import train_data  # noqa: F401  (session fixture)
 from train.checkpoint import Cursor, truncate_records

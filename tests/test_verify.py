@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from manifests.cache import CacheError, CacheReader, read_cache_meta, read_index
-from manifests.cache_format import encode_sample
-from manifests.cache_verify import verify_cache
+from manifests.cache.records import encode_sample
+from manifests.cache.verify import verify_cache
 from manifests.storage import join, open_url
 from pipeline.cli import main
 from tests.test_cache_format import build_cache, sample

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from manifests.cache import CacheError, CacheReader
-from manifests.cache_format import SampleRecord, to_float32
+from manifests.cache.records import SampleRecord, to_float32
 from manifests.plan import read_rank_plan
 from manifests.storage import redact
 

@@ -15,24 +15,24 @@ from typing import Any
 import pyarrow as pa
 
 from manifests import __version__
-from manifests.cache import (
-    _KIND,
-    _SCHEMAS,
+from manifests.cache.layout import (
+    KIND,
+    INDEX_SCHEMAS,
     CACHE_ERRORS_SCHEMA,
     CACHE_FILE,
     CACHE_FORMAT_VERSION,
     SHARD_BYTES,
     SHARD_RECORDS,
     CacheError,
-    _read_meta,
-    _read_parts,
-    _table_bytes,
+    read_meta,
+    read_index_parts,
+    table_bytes,
     fingerprint_of,
     newest_rows,
     read_index,
     settings_diff,
 )
-from manifests.cache_format import crc32
+from manifests.cache.records import crc32
 from manifests.storage import join, open_url, redact, write_bytes_atomic, write_json_atomic
 
 __all__ = ["ShardWriter", "CacheWriter"]
@@ -76,11 +76,11 @@ class ShardWriter:
         digest = hashlib.sha256(data).hexdigest()
         shard = f"shards/{self.kind}-{digest[:24]}.bin"
         write_bytes_atomic(fs, join(root, shard), data)
-        schema = _SCHEMAS[self.kind]
+        schema = INDEX_SCHEMAS[self.kind]
         fixed = {"shard": shard, "generation": generation}
         columns = {name: [fixed[name] if name in fixed else r.get(name) for r in self._rows] for name in schema.names}
         table = pa.table(columns, schema=schema)
-        blob = _table_bytes(table)
+        blob = table_bytes(table)
         index = f"index/{self.kind}-{hashlib.sha256(blob).hexdigest()[:24]}.parquet"
         write_bytes_atomic(fs, join(root, index), blob)
         entry = {"path": shard, "kind": self.kind, "records": len(self._rows), "bytes": len(data), "sha256": digest}
@@ -110,14 +110,14 @@ class CacheWriter:
         self.fingerprint = fingerprint_of(self.settings)
         now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
         try:
-            self.meta = _read_meta(self.fs, self.root, self.url)
+            self.meta = read_meta(self.fs, self.root, self.url)
         except CacheError as e:
             if f"no {CACHE_FILE}" not in str(e):
                 raise
             self.meta = {
-                "kind": _KIND, "format_version": CACHE_FORMAT_VERSION, "created_at": now,
+                "kind": KIND, "format_version": CACHE_FORMAT_VERSION, "created_at": now,
                 "fingerprint": self.fingerprint, "settings": self.settings, "shards": [],
-                "index": {k: [] for k in _SCHEMAS}, "counts": {k: 0 for k in _SCHEMAS}, "manifests": [],
+                "index": {k: [] for k in INDEX_SCHEMAS}, "counts": {k: 0 for k in INDEX_SCHEMAS}, "manifests": [],
             }  # fmt: skip
         if self.meta["fingerprint"] != self.fingerprint:
             diff = settings_diff(self.meta.get("settings", {}), self.settings)
@@ -188,7 +188,7 @@ class CacheWriter:
         if self._errors:
             rows = [{**e, "generation": generation} for e in self._errors]
             table = pa.Table.from_pylist(rows, schema=CACHE_ERRORS_SCHEMA)
-            blob = _table_bytes(table)
+            blob = table_bytes(table)
             part = f"index/errors-{hashlib.sha256(blob).hexdigest()[:24]}.parquet"
             write_bytes_atomic(self.fs, join(self.root, part), blob)
             self.meta["index"]["errors"].append(part)
@@ -209,14 +209,14 @@ class CacheWriter:
         """
         self.commit()
         old = {k: list(v) for k, v in self.meta["index"].items()}
-        raw = {kind: _read_parts(self.fs, self.root, self.url, self.meta, kind) for kind in _SCHEMAS}
+        raw = {kind: read_index_parts(self.fs, self.root, self.url, self.meta, kind) for kind in INDEX_SCHEMAS}
         tables = dict(raw)
         tables["samples"], tables["errors"] = newest_rows(raw["samples"], raw["errors"])
         for kind, key in (("samples", "sample_id"), ("texts", "caption_key"), ("errors", "sample_id")):
             self.meta["counts"][kind] = tables[kind].num_rows
             if len(old[kind]) <= 1 and tables[kind].num_rows == raw[kind].num_rows:
                 continue
-            blob = _table_bytes(tables[kind].sort_by(key))
+            blob = table_bytes(tables[kind].sort_by(key))
             part = f"index/{kind}-{hashlib.sha256(blob).hexdigest()[:24]}.parquet"
             write_bytes_atomic(self.fs, join(self.root, part), blob)
             self.meta["index"][kind] = [part]

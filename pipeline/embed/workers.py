@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 
 from manifests.buckets import parse_bucket
-from manifests.cache_format import SampleRecord, TextRecord, encode_sample, encode_text
+from manifests.cache.records import SampleRecord, TextRecord, encode_sample, encode_text
 from manifests.storage import StorageError, join, open_url, redact
-from pipeline.encoders import EncoderSource, LatentEncoder, TextEncoders, quiet_loading, to_storage
-from pipeline.imaging import ImageFailure, fetch_all, prepare_image
-from pipeline.retry import is_transient
+from pipeline.embed.encoders import EncoderSource, LatentEncoder, TextEncoders, quiet_loading, to_storage
+from pipeline.embed.imaging import ImageFailure, fetch_all, prepare_image
+from manifests.retry import is_transient
 
 __all__ = ["prepare_batch", "check_source", "LatentWorker", "TextWorker"]
 
@@ -51,7 +51,7 @@ def prepare_batch(
 
     Returns ``{"bucket", "pixels": uint8 (B, H, W, 3), "rows": [geometry per good row],
     "errors": [(sample_id, filename, kind, message)]}``; one bad image never fails the batch.
-    Transient storage errors are retried per file (:func:`pipeline.imaging.fetch_all`); a read
+    Transient storage errors are retried per file (:func:`pipeline.embed.imaging.fetch_all`); a read
     that still fails is a ``read_failed`` error row (credentials redacted), which the next run
     retries. ``fs`` replaces the filesystem of ``source`` (it must be picklable for Ray).
     """

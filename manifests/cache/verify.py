@@ -14,8 +14,8 @@ from typing import Callable
 import numpy as np
 
 from manifests.buckets import parse_bucket
-from manifests.cache import _read_meta, read_index
-from manifests.cache_format import RecordError, crc32, decode_sample, decode_text, to_float32
+from manifests.cache.layout import read_meta, read_index
+from manifests.cache.records import RecordError, crc32, decode_sample, decode_text, to_float32
 from manifests.storage import join, open_url
 
 __all__ = ["BadRecord", "VerifyResult", "verify_cache"]
@@ -105,7 +105,7 @@ def verify_cache(
 ) -> VerifyResult:
     """Check every record; returns a :class:`VerifyResult` listing bad samples (CacheError if no cache)."""
     fs, root = open_url(url, storage_options)
-    meta = _read_meta(fs, root, url)
+    meta = read_meta(fs, root, url)
     tables = read_index(url, storage_options, meta)
     result = VerifyResult(complete=bool(meta.get("complete")))
     rows = {kind: tables[kind].to_pylist() for kind in ("samples", "texts")}

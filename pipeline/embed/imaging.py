@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from pipeline.retry import with_retries
+from manifests.retry import with_retries
 
 __all__ = ["ImageFailure", "Prepared", "cover_and_crop", "prepare_image", "fetch_all", "DEFAULT_MAX_PIXELS"]
 
@@ -133,7 +133,7 @@ def fetch_all(fs, paths: list[str], *, threads: int = 16) -> list[bytes | BaseEx
 
     The first read of every object is one concurrent ``cat_ranges`` (open ends: one GET per
     object; ``cat`` would first expand the paths, a HEAD or LIST each on S3). A read that failed
-    goes through :func:`pipeline.retry.with_retries`, the first failure counting as its first
+    goes through :func:`manifests.retry.with_retries`, the first failure counting as its first
     attempt: a transient error (throttling, timeout, reset, 5xx) is retried with backoff, so one
     flaky moment never becomes an error row; a permanent one (access denied, no such key or
     bucket) comes back at once.

@@ -32,8 +32,8 @@ from fsspec import AbstractFileSystem
 from manifests.manifest import ManifestError, conform, read_manifest
 from manifests.schema import ERRORS_SCHEMA, SAMPLES_SCHEMA
 from manifests.storage import is_local, redact
-from pipeline.captions import SIDECAR_EXTENSIONS, CaptionTable, sidecar_stem
-from pipeline.retry import with_retries
+from pipeline.scan.captions import SIDECAR_EXTENSIONS, CaptionTable, sidecar_stem
+from manifests.retry import with_retries
 
 __all__ = [
     "IMAGE_EXTENSIONS", "IMAGE_SCHEMA", "FileEntry", "Listing", "RescanPlan",

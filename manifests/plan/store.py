@@ -4,7 +4,7 @@ A plan folder holds one parquet file per (epoch, rank), ``epoch-EEEEE/rank-RRRRR
 with the columns ``(epoch int32, step int32, rank int32, bucket string, sample_ids list<uint64>)``
 sorted by step, and ``_plan.json``, written last, which makes the folder valid. A rank reads only
 its own files (their paths follow from ``(epoch, rank)``: no listing), so thousands of ranks each
-read a few hundred kilobytes. The schedule itself is :mod:`manifests.plan_schedule`.
+read a few hundred kilobytes. The schedule itself is :mod:`manifests.plan.schedule`.
 
 Public API (what the trainer calls)::
 
@@ -36,7 +36,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from manifests import __version__
-from manifests.plan_schedule import (
+from manifests.plan.schedule import (
     PLAN_SCHEMA,
     EpochSchedule,
     PlanConfig,

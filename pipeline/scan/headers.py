@@ -27,8 +27,8 @@ from typing import Any, Callable
 from PIL import Image
 
 from manifests.storage import StorageError, join, redact
-from pipeline.captions import decode_caption
-from pipeline.retry import is_permanent, with_retries
+from pipeline.scan.captions import decode_caption
+from manifests.retry import is_permanent, with_retries
 
 __all__ = [
     "DEFAULT_MAX_PIXELS",

@@ -9,14 +9,14 @@ decode and crop a batch while VAE actors (``num_gpus=1`` each when the cluster h
 CPU actor) encode earlier ones. The driver packs records into shards and commits ``_cache.json``
 after each shard, so a killed job resumes where the last commit left off. A rerun embeds what is
 missing and what **changed**: a row whose source key (size, etag or mtime, caption, bucket; see
-:mod:`manifests.cache_freshness`) differs from the one its record was made from is re-embedded,
+:mod:`manifests.cache.freshness`) differs from the one its record was made from is re-embedded,
 and the new record supersedes the old; so is a ``read_failed`` error row (storage did not deliver
 the bytes that time), while an error row about the image itself (not an image, truncated, ...)
 is not retried. Reads retry transient storage errors per file; when none of a few images spread
 over the job can be read at all (bucket gone, access denied, endpoint down) the job stops before
 loading any model or writing anything. Records of samples no longer in the manifest stay (plans
 are drawn from the manifest). Without encoder options the embedded tiny random-weight defaults
-are used (see :mod:`pipeline.encoders`): good for trying the pipeline, useless for training a
+are used (see :mod:`pipeline.embed.encoders`): good for trying the pipeline, useless for training a
 real model.
 """
 
@@ -38,12 +38,12 @@ from manifests.cache import (
     CacheError,
     CacheWriter,
     Freshness,
-    _flatten,
     cache_freshness,
     read_cache_meta,
+    settings_diff,
     source_key,
 )
-from manifests.cache_format import GZIP_BACKEND, caption_key
+from manifests.cache.records import GZIP_BACKEND, caption_key
 from manifests.storage import parse_storage_options, public_options, redact
 from pipeline.ray_setup import init_ray
 
@@ -53,7 +53,7 @@ PAUSE_MARKER = "bucketeer-test: paused after shard commit"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from pipeline.imaging import DEFAULT_MAX_PIXELS
+    from pipeline.embed.imaging import DEFAULT_MAX_PIXELS
 
     parser.add_argument("manifest", help="manifest folder (local path or URL) written by `bucketeer scan`")
     parser.add_argument("--out", required=True, help="cache folder (local path or URL); resumed if it exists")
@@ -99,7 +99,7 @@ def _actor_get(ray, refs):
 
 
 def _sources(args: argparse.Namespace):
-    from pipeline.encoders import EncoderSource
+    from pipeline.embed.encoders import EncoderSource
 
     home = os.environ.get("BUCKETEER_HOME")
     vae = EncoderSource(args.vae, args.vae_subfolder, home)
@@ -113,7 +113,7 @@ def _sources(args: argparse.Namespace):
 
 def _request_settings(args: argparse.Namespace, bucket_spec: dict) -> dict[str, Any]:
     """The settings known before any model is loaded (checked first, so a mismatch fails fast)."""
-    from pipeline.encoders import STORAGE_DTYPES
+    from pipeline.embed.encoders import STORAGE_DTYPES
 
     vae, texts = _sources(args)
     return {
@@ -148,8 +148,7 @@ def _check_early(url: str, storage_options: dict, request: dict) -> bool:
         if "has no _cache.json" in str(e):
             return False
         raise
-    a, b = _flatten(old), _flatten(request)
-    diff = [f"{k}: {a.get(k, '<absent>')!r} -> {v!r}" for k, v in b.items() if a.get(k, "<absent>") != v]
+    diff = settings_diff(old, request, only_new_keys=True)
     if diff:
         raise CacheError(f"{redact(url)} was embedded with other settings:\n  " + "\n  ".join(diff)
                          + "\nUse a new --out for these settings (a cache holds exactly one setting).")  # fmt: skip
@@ -197,7 +196,7 @@ def _pause_hook(committed: bool, state: dict) -> None:
 def run(args: argparse.Namespace) -> int:
     from manifests.manifest import read_manifest
 
-    from pipeline import embed_workers as w
+    from pipeline.embed import workers as w
 
     if args.batch_size < 1 or args.shard_records < 1 or args.text_batch_size < 1:
         raise ValueError("--batch-size, --text-batch-size and --shard-records must be >= 1")
@@ -328,7 +327,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _default_notice() -> str:
-    from pipeline.encoders import DEFAULT_NOTICE
+    from pipeline.embed.encoders import DEFAULT_NOTICE
 
     return DEFAULT_NOTICE
 
@@ -349,8 +348,3 @@ def _open_writer(args, so: dict, settings: dict, vae: dict, text: dict, gpus: in
     }  # fmt: skip
     return CacheWriter(args.out, settings, info=info, storage_options=so, shard_records=args.shard_records)
 
-
-if __name__ == "__main__":
-    from pipeline.cli import module_main
-
-    sys.exit(module_main("embed"))

@@ -1,6 +1,6 @@
 """The cache folder: shards of records, their index, ``_cache.json``; reading the index and freshness.
 
-The writer (:mod:`manifests.cache_writer`) and the reader (:mod:`manifests.cache_reader`) live in
+The writer (:mod:`manifests.cache.writer`) and the reader (:mod:`manifests.cache.reader`) live in
 their own modules; ``CacheWriter``, ``ShardWriter`` and ``CacheReader`` are importable from here too.
 
 Layout of ``CACHE/`` (every name below is listed in ``_cache.json``; nothing is ever listed)::
@@ -13,7 +13,7 @@ Layout of ``CACHE/`` (every name below is listed in ``_cache.json``; nothing is 
     index/texts-<sha>.parquet            caption_key, shard, offset, length, crc32
     index/errors-<sha>.parquet           sample_id, filename, error, message, source_key, generation
 
-A record is ``gzip(safetensors)`` (:mod:`manifests.cache_format`), readable alone with one ranged
+A record is ``gzip(safetensors)`` (:mod:`manifests.cache.records`), readable alone with one ranged
 read. Writing is a sequence of commits: shard objects and index parts first (content-addressed,
 so a rerun never overwrites a different object under a committed name), then ``_cache.json``
 atomically. A job killed between commits leaves at most unreferenced objects; the committed state
@@ -21,7 +21,7 @@ is always consistent and a resumed job embeds exactly the samples the index lack
 One writer at a time per cache folder.
 
 Never stale: every sample and error row stores the **source key** of the manifest row it was made
-from (:mod:`manifests.cache_freshness`) and the **generation** (the ``_cache.json`` commit that
+from (:mod:`manifests.cache.freshness`) and the **generation** (the ``_cache.json`` commit that
 wrote it). A changed image or caption is re-embedded into a new shard; for a sample id the row of
 the highest generation wins, whether a record or an error row, and :func:`read_index` returns only
 the winners (``finish`` also drops the losers from the merged index; their bytes stay in old
@@ -40,7 +40,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from manifests.cache_freshness import Freshness, classify, manifest_samples, source_key
+from manifests.cache.freshness import Freshness, classify, manifest_samples, source_key
 from manifests.storage import join, open_url, read_artifact_meta, redact
 
 __all__ = [
@@ -50,9 +50,18 @@ __all__ = [
     "SAMPLE_INDEX_SCHEMA",
     "TEXT_INDEX_SCHEMA",
     "CACHE_ERRORS_SCHEMA",
+    "INDEX_SCHEMAS",
+    "KIND",
+    "SHARD_RECORDS",
+    "SHARD_BYTES",
     "fingerprint_of",
     "settings_diff",
     "read_cache_meta",
+    "read_meta",
+    "read_index_parts",
+    "newest_rows",
+    "index_tables",
+    "table_bytes",
     "read_index",
     "available_sample_ids",
     "cache_freshness",
@@ -62,7 +71,7 @@ __all__ = [
 
 CACHE_FILE = "_cache.json"
 CACHE_FORMAT_VERSION = 1
-_KIND = "bucketeer.cache"
+KIND = "bucketeer.cache"
 SHARD_RECORDS = 1024  # records per shard: ~100 MB of SDXL latents, few enough objects for any store
 SHARD_BYTES = 256 << 20
 
@@ -98,7 +107,7 @@ CACHE_ERRORS_SCHEMA = pa.schema(
         pa.field("generation", pa.int64()),
     ]
 )
-_SCHEMAS = {"samples": SAMPLE_INDEX_SCHEMA, "texts": TEXT_INDEX_SCHEMA, "errors": CACHE_ERRORS_SCHEMA}
+INDEX_SCHEMAS = {"samples": SAMPLE_INDEX_SCHEMA, "texts": TEXT_INDEX_SCHEMA, "errors": CACHE_ERRORS_SCHEMA}
 
 
 class CacheError(ValueError):
@@ -124,14 +133,19 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: d}
 
 
-def settings_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """Human-readable ``key: old -> new`` lines for every setting that differs."""
+def settings_diff(old: dict[str, Any], new: dict[str, Any], *, only_new_keys: bool = False) -> list[str]:
+    """Human-readable ``key: old -> new`` lines for every setting that differs.
+
+    ``only_new_keys`` compares only the (nested) keys ``new`` sets, e.g. a request made before the
+    models are loaded against the full settings of a cache.
+    """
     a, b = _flatten(old), _flatten(new)
-    return [f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}" for k in sorted(set(a) | set(b))
+    keys = list(b) if only_new_keys else sorted(set(a) | set(b))
+    return [f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}" for k in keys
             if a.get(k, "<absent>") != b.get(k, "<absent>")]  # fmt: skip
 
 
-def _table_bytes(table: pa.Table) -> bytes:
+def table_bytes(table: pa.Table) -> bytes:
     buf = io.BytesIO()
     pq.write_table(table, buf, compression="zstd")
     return buf.getvalue()
@@ -144,12 +158,12 @@ def read_cache_meta(url: str, storage_options: dict | None = None) -> dict:
     not a bucketeer cache, or when its format version is not this bucketeer's.
     """
     fs, root = open_url(url, storage_options)
-    return _read_meta(fs, root, url)
+    return read_meta(fs, root, url)
 
 
-def _read_meta(fs, root: str, url: str) -> dict:
+def read_meta(fs, root: str, url: str) -> dict:
     meta = read_artifact_meta(
-        fs, root, url, file=CACHE_FILE, kind=_KIND, version=CACHE_FORMAT_VERSION, error=CacheError,
+        fs, root, url, file=CACHE_FILE, kind=KIND, version=CACHE_FORMAT_VERSION, error=CacheError,
         missing_hint="it is not a bucketeer cache, or its embed job has not committed a shard yet. "
         "Run `bucketeer embed MANIFEST --out CACHE` to build it.",
         version_hint="Re-embed into a new --out, or use the bucketeer that wrote it.",
@@ -158,18 +172,18 @@ def _read_meta(fs, root: str, url: str) -> dict:
 
 
 def _conform_part(table: pa.Table, kind: str) -> pa.Table:
-    schema = _SCHEMAS[kind]
+    schema = INDEX_SCHEMAS[kind]
     for name in ("source_key", "generation"):  # parts written before source keys existed lack them
         if name in schema.names and name not in table.column_names:
             table = table.append_column(name, pa.nulls(table.num_rows, schema.field(name).type))
     return table.select(schema.names).cast(schema)
 
 
-def _read_parts(fs, root: str, url: str, meta: dict, kind: str) -> pa.Table:
+def read_index_parts(fs, root: str, url: str, meta: dict, kind: str) -> pa.Table:
     """The index parts of ``kind`` as written, concatenated in commit order (no supersession applied)."""
     paths = [join(root, p) for p in meta["index"][kind]]
     if not paths:
-        return _SCHEMAS[kind].empty_table()
+        return INDEX_SCHEMAS[kind].empty_table()
     blobs = fs.cat(paths, on_error="return")  # one concurrent batch on object stores
     tables = []
     for rel, path in zip(meta["index"][kind], paths):
@@ -199,8 +213,8 @@ def newest_rows(samples: pa.Table, errors: pa.Table) -> tuple[pa.Table, pa.Table
     return samples.take(winners[winners < ns]), errors.take(winners[winners >= ns] - ns)
 
 
-def _index_tables(fs, root: str, url: str, meta: dict) -> dict[str, pa.Table]:
-    tables = {kind: _read_parts(fs, root, url, meta, kind) for kind in _SCHEMAS}
+def index_tables(fs, root: str, url: str, meta: dict) -> dict[str, pa.Table]:
+    tables = {kind: read_index_parts(fs, root, url, meta, kind) for kind in INDEX_SCHEMAS}
     tables["samples"], tables["errors"] = newest_rows(tables["samples"], tables["errors"])
     return tables
 
@@ -212,8 +226,8 @@ def read_index(url: str, storage_options: dict | None = None, meta: dict | None 
     or in ``errors`` (an image that failed), whichever its newest embedding produced.
     """
     fs, root = open_url(url, storage_options)
-    meta = meta or _read_meta(fs, root, url)
-    return _index_tables(fs, root, url, meta)
+    meta = meta or read_meta(fs, root, url)
+    return index_tables(fs, root, url, meta)
 
 
 def cache_freshness(url: str, manifest: Any, storage_options: dict | None = None) -> Freshness:
@@ -229,24 +243,10 @@ def available_sample_ids(url: str, storage_options: dict | None = None, manifest
     """Sorted uint64 ids of the samples with a committed record (cache error rows excluded).
 
     With ``manifest`` (a Manifest or its samples table), only the **fresh** ones: records made
-    from the manifest row as it is now (same source key; see :mod:`manifests.cache_freshness`).
+    from the manifest row as it is now (same source key; see :mod:`manifests.cache.freshness`).
     """
     if manifest is not None:
         status = cache_freshness(url, manifest, storage_options)
         return np.unique(status.sample_ids[status.fresh])
     ids = read_index(url, storage_options)["samples"].column("sample_id").to_numpy()
     return np.unique(ids.astype(np.uint64))
-
-
-def __getattr__(name: str) -> Any:
-    # the writer and the reader live in their own modules (one job each), which import this one;
-    # resolving them lazily keeps `from manifests.cache import CacheReader` free of import cycles
-    if name in ("ShardWriter", "CacheWriter"):
-        from manifests import cache_writer
-
-        return getattr(cache_writer, name)
-    if name == "CacheReader":
-        from manifests.cache_reader import CacheReader
-
-        return CacheReader
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,8 +18,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from manifests.plan import PLAN_FILE, PLAN_SCHEMA, epoch_files, rank_part, read_plan_meta
-from manifests.plan_schedule import PlanConfig, cached_mask, group_samples, plan_epoch
+from manifests.plan.store import PLAN_FILE, PLAN_SCHEMA, epoch_files, rank_part, read_plan_meta
+from manifests.plan.schedule import PlanConfig, cached_mask, group_samples, plan_epoch
 from manifests.storage import join, open_url, redact
 
 __all__ = ["check_plan"]

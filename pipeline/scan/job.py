@@ -5,7 +5,7 @@
 
 The source is listed once (on the driver, key ranges in parallel); the files to read are cut into
 batches, one Ray task per batch, and each task keeps many ranged reads in flight on threads
-(:func:`pipeline.headers.probe_files`). Only the first bytes of each image are read. Results are
+(:func:`pipeline.scan.headers.probe_files`). Only the first bytes of each image are read. Results are
 bucketed through :func:`manifests.manifest.apply_buckets` and committed by
 :func:`manifests.manifest.write_manifest` (parts first, ``_manifest.json`` last), so a killed scan
 leaves the previous manifest readable and a re-run gives the same manifest as a clean run.
@@ -35,11 +35,11 @@ from manifests.buckets import BucketSpec, add_bucket_arguments, spec_from_args
 from manifests.manifest import apply_buckets, conform, write_manifest
 from manifests.schema import ERRORS_SCHEMA, sample_ids
 from manifests.storage import StorageError, open_url, parse_storage_options, redact
-from pipeline.captions import CaptionTable, load_caption_table
-from pipeline.headers import DEFAULT_MAX_PIXELS, FIRST_READ, probe_files
-from pipeline.listing import IMAGE_EXTENSIONS, IMAGE_SCHEMA, Listing, RescanPlan, caption_source, list_source, plan_rescan
+from pipeline.scan.captions import CaptionTable, load_caption_table
+from pipeline.scan.headers import DEFAULT_MAX_PIXELS, FIRST_READ, probe_files
+from pipeline.scan.listing import IMAGE_EXTENSIONS, IMAGE_SCHEMA, Listing, RescanPlan, caption_source, list_source, plan_rescan
 from pipeline.ray_setup import ray_session
-from pipeline.retry import is_permanent
+from manifests.retry import is_permanent
 
 log = logging.getLogger("bucketeer.scan")
 
@@ -192,7 +192,7 @@ def _inject_test_fault(fault: str) -> None:
 
 
 def scan_batch(target: tuple, items: list[tuple[str, int, bool, str | None]], config: ScanConfig) -> dict[str, Any]:
-    """One Ray task: probe ``items`` (see :func:`pipeline.headers.probe_files`) on its own filesystem."""
+    """One Ray task: probe ``items`` (see :func:`pipeline.scan.headers.probe_files`) on its own filesystem."""
     source, storage_options, fs, root = target
     if fs is None:
         fs, root = open_url(source, storage_options)
@@ -342,8 +342,3 @@ def _summary(listing, plan, stats, samples, errors, seconds, started, config, ca
         "caption_table_version": table.version if table is not None else None,
     }  # fmt: skip
 
-
-if __name__ == "__main__":
-    from pipeline.cli import module_main
-
-    sys.exit(module_main("scan"))

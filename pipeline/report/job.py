@@ -13,7 +13,6 @@ import base64
 import datetime as _dt
 import html
 import io
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,7 +66,7 @@ def write_report(
     folder without its ``_plan.json`` / ``_cache.json``.
     """
     try:
-        from pipeline import plots  # matplotlib only when a report is made
+        from pipeline.report import plots  # matplotlib only when a report is made
     except ImportError as e:
         raise RuntimeError(f"bucketeer report needs matplotlib ({e}): pip install 'bucketeer[report]'") from None
 
@@ -325,8 +324,3 @@ def render_html(title: str, sections: list[Section]) -> str:
     out.write("</main></body></html>\n")
     return out.getvalue()
 
-
-if __name__ == "__main__":
-    from pipeline.cli import module_main
-
-    sys.exit(module_main("report"))

@@ -1,0 +1,48 @@
+"""The cache artifact: ``CACHE/_cache.json``, packed shards of gzip'd safetensors records, their index.
+
+One module a job: :mod:`~manifests.cache.layout` (the folder, index schemas, ``_cache.json``, index
+reading: what every other module shares), :mod:`~manifests.cache.records` (the record codec),
+:mod:`~manifests.cache.freshness` (is a record still what the manifest row would give),
+:mod:`~manifests.cache.writer`, :mod:`~manifests.cache.reader` and :mod:`~manifests.cache.verify`.
+The names below are the public API; each module imports only from ``layout`` and ``records``.
+"""
+
+from manifests.cache.freshness import Freshness, source_key
+from manifests.cache.layout import (
+    CACHE_ERRORS_SCHEMA,
+    CACHE_FILE,
+    CACHE_FORMAT_VERSION,
+    SAMPLE_INDEX_SCHEMA,
+    SHARD_RECORDS,
+    TEXT_INDEX_SCHEMA,
+    CacheError,
+    available_sample_ids,
+    cache_freshness,
+    fingerprint_of,
+    read_cache_meta,
+    read_index,
+    settings_diff,
+)
+from manifests.cache.reader import CacheReader
+from manifests.cache.writer import CacheWriter, ShardWriter
+
+__all__ = [
+    "CACHE_ERRORS_SCHEMA",
+    "CACHE_FILE",
+    "CACHE_FORMAT_VERSION",
+    "SAMPLE_INDEX_SCHEMA",
+    "SHARD_RECORDS",
+    "TEXT_INDEX_SCHEMA",
+    "CacheError",
+    "CacheReader",
+    "CacheWriter",
+    "Freshness",
+    "ShardWriter",
+    "available_sample_ids",
+    "cache_freshness",
+    "fingerprint_of",
+    "read_cache_meta",
+    "read_index",
+    "settings_diff",
+    "source_key",
+]

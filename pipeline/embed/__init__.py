@@ -1,0 +1,9 @@
+"""Embed a manifest into a cache: VAE latents and text embeddings, gzip'd safetensors records (Ray job).
+
+The job is :mod:`pipeline.embed.job` (``bucketeer embed``, ``python -m pipeline.embed``); the package
+holds its parts.
+"""
+
+from pipeline.embed.job import add_arguments, run
+
+__all__ = ["add_arguments", "run"]
