@@ -17,7 +17,7 @@ from manifests.schema import sample_id
 from pipeline.scan.captions import load_caption_table
 from pipeline.cli import main
 from pipeline.scan import ScanConfig, scan_dataset
-from pipeline.scan.job import TEST_FAULT_ENV
+from manifests.faults import FAULTS_ENV
 from tests.corpus import _pixels, _save, make_corpus
 
 pytestmark = pytest.mark.ray
@@ -58,8 +58,10 @@ def test_corpus_matches_ground_truth(tmp_path, ray_local, capsys):
     corpus = make_corpus(tmp_path / "ds")
     out = tmp_path / "m"
     assert main(["scan", str(corpus.root), "--out", str(out), "--no-progress", "--files-per-task", "8"]) == 0
-    line = capsys.readouterr().out
+    captured = capsys.readouterr()
+    line = captured.out
     assert "scanned 41 images" in line and "files/s" in line
+    assert "scan files:" not in captured.err  # --no-progress: not even the final progress line
     m = read_manifest(str(out))
     samples = m.samples.to_pylist()
     errors = {r["filename"]: r for r in m.errors.to_pylist()}
@@ -240,9 +242,9 @@ def _kill_session(proc: subprocess.Popen) -> None:
 
 def _start_scan(src: Path, out: Path, log: Path, fault: str) -> subprocess.Popen:
     """``python -m pipeline.scan`` in its own session with its own in-process Ray, its tasks
-    given ``fault`` (see ``pipeline.scan._inject_test_fault``)."""
+    given ``fault`` (an action of :mod:`manifests.faults` at the ``scan.task`` point)."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env[TEST_FAULT_ENV] = fault
+    env[FAULTS_ENV] = f"scan.task={fault}"
     cmd = [sys.executable, "-m", "pipeline.scan", str(src), "--out", str(out), "--files-per-task", "8", "--no-progress"]
     with open(log, "w") as f:
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)

@@ -23,16 +23,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from manifests.faults import FAULTS_ENV, pause_marker
 from manifests.plan import read_plan_meta, read_rank_plan
 from tests.conftest import free_port
 from tests.test_train import records, write_config
 from tests.train_dataset import train_data  # noqa: F401  (session fixture)
-from train.__main__ import PAUSE_ENV, PAUSE_MARKER
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.ray]
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE_CONFIG = ROOT / "infra" / "accelerate" / "cpu-2proc.yaml"
+PAUSED = pause_marker("train.checkpoint")
 
 
 def command(processes: int, *argv) -> list[str]:
@@ -112,16 +113,17 @@ def straight(train_data, config, tmp_path_factory) -> Path:
 
 def paused_run(out: Path, *argv) -> tuple[subprocess.Popen, list[str]]:
     """Start a 2-process run that pauses right after its first checkpoint; returns once it has paused."""
-    proc = subprocess.Popen(command(2, *argv), cwd=ROOT, env=environment(**{PAUSE_ENV: "300"}),
+    env = environment(**{FAULTS_ENV: "train.checkpoint=pause:300"})
+    proc = subprocess.Popen(command(2, *argv), cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
     seen = []
     try:
         deadline = time.time() + 240
         for line in proc.stdout:
             seen.append(line)
-            if PAUSE_MARKER in line or time.time() > deadline:
+            if PAUSED in line or time.time() > deadline:
                 break
-        assert proc.poll() is None and PAUSE_MARKER in seen[-1], "".join(seen)[-4000:]
+        assert proc.poll() is None and PAUSED in seen[-1], "".join(seen)[-4000:]
     except BaseException:
         kill_tree(proc)
         raise

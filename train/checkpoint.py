@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from manifests import faults
 from manifests.plan import read_plan_meta, resume_plan
 
 __all__ = ["Cursor", "Checkpoint", "find_checkpoint", "save_checkpoint", "resume_elastic", "truncate_records"]
@@ -105,6 +106,7 @@ def save_checkpoint(accelerator, output_dir: str | Path, cursor: Cursor, keep: i
         for old in kept[:-keep]:
             shutil.rmtree(root / old, ignore_errors=True)
     accelerator.wait_for_everyone()
+    faults.hit("train.checkpoint")  # tests: kill or preempt a run right after a checkpoint
     return root / name
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from manifests import __version__
+from manifests import __version__, faults
 from manifests.cache.layout import (
     KIND,
     INDEX_SCHEMAS,
@@ -177,6 +177,7 @@ class CacheWriter:
     def commit(self, *kinds: str) -> None:
         """Write the pending shards of ``kinds`` (all when empty) and pending errors, then ``_cache.json``."""
         generation = int(self.meta.get("generation", 0)) + 1
+        wrote_samples = "samples" in (kinds or ("samples",)) and len(self._shards["samples"]) > 0
         for kind in kinds or ("texts", "samples"):
             shard = self._shards[kind]
             if len(shard):
@@ -197,6 +198,8 @@ class CacheWriter:
         self.meta["generation"] = generation
         self._write_meta()
         self.commits += 1
+        if wrote_samples:
+            faults.hit("cache.samples_committed")  # tests: kill an embed job between two commits
 
     def _write_meta(self) -> None:
         self.meta["updated_at"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
