@@ -152,7 +152,8 @@ def _run_check(args: argparse.Namespace, options: dict[str, Any]) -> int:
     if args.cache:
         available, cache_meta, _ = _cache_inputs(args.cache, options, manifest)
         cache_fp = cache_meta["fingerprint"]
-    problems = check_plan(args.check, options, manifest=manifest, available_ids=available, cache_fingerprint=cache_fp)
+    problems = check_plan(args.check, options, manifest=manifest, available_ids=available, cache_fingerprint=cache_fp,
+                          progress=True)  # fmt: skip
     for p in problems:
         print(f"violation: {redact(p)}")
     if problems:
@@ -178,6 +179,7 @@ def _run_resume(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, 
         batch_size=args.batch_size,
         storage_options=options,
         out_storage_options=options,
+        progress=True,
     )
 
 
@@ -244,6 +246,7 @@ def _plan(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
         stale=stale,
         sources={"manifest": args.manifest, "cache": args.cache},
         storage_options=options,
+        progress=True,
     )
 
 

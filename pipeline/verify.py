@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from manifests.cache.verify import verify_cache
 
-    result = verify_cache(args.cache, parse_storage_options(args.storage_options))
+    result = verify_cache(args.cache, parse_storage_options(args.storage_options), progress=True)
     where = redact(args.cache)
     if not result.complete:
         print(f"note: {where} is not complete (its embed job is running or was killed; rerun it to resume)")

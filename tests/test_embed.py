@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,20 +17,28 @@ import pytest
 from manifests.cache import CacheError, available_sample_ids, read_cache_meta, read_index
 from manifests.cache.records import caption_key, to_float32
 from manifests.cache.verify import verify_cache
+from manifests.faults import FAULTS_ENV, pause_marker
 from manifests.manifest import apply_buckets, read_manifest, write_manifest
 from manifests.plan import read_epoch_tables, read_plan_meta
 from manifests.schema import ERRORS_SCHEMA, SAMPLES_SCHEMA, sample_id
 from manifests.storage import join, open_url
 from pipeline.cli import main
+from manifests.progress import INTERVAL_ENV
 from tests.embed_data import SPEC, jpeg, make_dataset, record_bytes, records_by_id, run_embed
+from tests.test_progress import assert_progress
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("bucketeer_home")]
 
 
-def test_embed_local_round_trip_errors_and_rerun(tmp_path, ray_local):
+def test_embed_local_round_trip_errors_and_rerun(tmp_path, ray_local, monkeypatch, capsys):
     root, manifest, out = str(tmp_path / "data"), str(tmp_path / "manifest"), str(tmp_path / "cache")
     names = make_dataset(root, manifest, 12, broken=["zz_broken.jpg"])
+    monkeypatch.setenv(INTERVAL_ENV, "0")  # a progress line per result (stderr is not a terminal here)
     assert run_embed(manifest, out) == 0  # the undecodable image does not fail the job
+    err = capsys.readouterr().err
+    assert_progress(err, "embed captions", "captions", 5)
+    images = assert_progress(err, "embed images", "images", 13)  # the broken one is an error row, counted
+    assert re.fullmatch(r"written [\d.]+ MB, errors 1", images[-1]["extra"])
 
     meta = read_cache_meta(out)
     assert meta["complete"] and meta["latent"]["kind"] == "posterior_mean" and meta["latent"]["factor"] == 8
@@ -150,7 +159,7 @@ def test_kill_and_resume_equals_clean_run(tmp_path, ray_local):
     clean, resumed = str(tmp_path / "clean"), str(tmp_path / "resumed")
     make_dataset(root, manifest, 14)
     address = ray_local.get_runtime_context().gcs_address
-    env = {**os.environ, "BUCKETEER_TEST_PAUSE_AFTER_COMMIT": "120"}
+    env = {**os.environ, FAULTS_ENV: "cache.samples_committed=pause:120"}
     cmd = [sys.executable, "-m", "pipeline.embed", manifest, "--out", resumed, "--batch-size", "4",
            "--shard-records", "4", "--ray-address", address]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
@@ -158,7 +167,7 @@ def test_kill_and_resume_equals_clean_run(tmp_path, ray_local):
     try:
         deadline = time.time() + 120
         for line in proc.stdout:
-            if "paused after shard commit" in line or time.time() > deadline:
+            if pause_marker("cache.samples_committed") in line or time.time() > deadline:
                 break
         assert proc.poll() is None, "embed exited before its first commit"
         partial = read_cache_meta(resumed)

@@ -9,13 +9,12 @@ makes every sample with that caption bad.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
-
 import numpy as np
 
 from manifests.buckets import parse_bucket
 from manifests.cache.layout import read_meta, read_index
 from manifests.cache.records import RecordError, crc32, decode_sample, decode_text, to_float32
+from manifests.progress import Progress
 from manifests.storage import join, open_url
 
 __all__ = ["BadRecord", "VerifyResult", "verify_cache"]
@@ -100,10 +99,11 @@ def _check(kind: str, blob: bytes, row: dict, meta: dict) -> str | None:
         return f"undecodable record at offset {row['offset']}: {e}"
 
 
-def verify_cache(
-    url: str, storage_options: dict | None = None, progress: Callable[[str], None] | None = None
-) -> VerifyResult:
-    """Check every record; returns a :class:`VerifyResult` listing bad samples (CacheError if no cache)."""
+def verify_cache(url: str, storage_options: dict | None = None, *, progress: bool = False) -> VerifyResult:
+    """Check every record; returns a :class:`VerifyResult` listing bad samples (CacheError if no cache).
+
+    ``progress``: report records checked (:class:`manifests.progress.Progress`, on stderr).
+    """
     fs, root = open_url(url, storage_options)
     meta = read_meta(fs, root, url)
     tables = read_index(url, storage_options, meta)
@@ -114,10 +114,9 @@ def verify_cache(
         for row in kind_rows:
             by_shard.setdefault(row["shard"], []).append((kind, row))
     bad_texts: dict[int, tuple[str, str]] = {}
+    reporter = Progress("verify", "records", total=sum(map(len, rows.values())), unit="records", enabled=progress)
     for shard, items in sorted(by_shard.items()):
         result.shards += 1
-        if progress:
-            progress(shard)
         try:
             data = fs.cat_file(join(root, shard))
         except FileNotFoundError:
@@ -136,6 +135,8 @@ def verify_cache(
                 result.bad.append(BadRecord(int(row["sample_id"]), shard, problem))
             else:
                 bad_texts[int(row["caption_key"])] = (shard, problem)
+        reporter.update(len(items), shards=result.shards, bad=len(result.bad) + len(bad_texts))
+    reporter.close()
     known_texts = {int(r["caption_key"]) for r in rows["texts"]}
     for row in rows["samples"]:
         key = int(row["caption_key"])

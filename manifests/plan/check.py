@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 
 from manifests.plan.store import PLAN_FILE, PLAN_SCHEMA, epoch_files, rank_part, read_plan_meta
 from manifests.plan.schedule import PlanConfig, cached_mask, group_samples, plan_epoch
+from manifests.progress import Progress
 from manifests.storage import join, open_url, redact
 
 __all__ = ["check_plan"]
@@ -152,12 +153,14 @@ def check_plan(
     manifest: Any = None,
     available_ids: np.ndarray | None = None,
     cache_fingerprint: str | None = None,
+    progress: bool = False,
 ) -> list[str]:
     """Every violated invariant of the plan at ``url``, one line each (empty when the plan is sound).
 
     ``manifest`` (a :class:`manifests.manifest.Manifest`) adds the fingerprint, membership and
     re-planning checks; ``available_ids`` / ``cache_fingerprint`` those of the cache the plan used.
-    Raises PlanError when ``url`` is not a readable plan at all.
+    ``progress``: report epochs checked (on stderr). Raises PlanError when ``url`` is not a
+    readable plan at all.
     """
     meta = read_plan_meta(url, storage_options)
     inputs = meta["inputs"]
@@ -222,11 +225,13 @@ def check_plan(
     fs, root = open_url(url, storage_options)
     world = int(inputs["world_size"])
     config = PlanConfig.from_json(inputs)
+    reporter = Progress("plan --check", "epochs", total=len(epochs), unit="epochs", enabled=progress)
     for entry in epochs:
         epoch = entry["epoch"]
         tables, digest, read_problems = _read_epoch(fs, root, epoch, world)
         problems += read_problems
         if read_problems:
+            reporter.update(1, violations=len(problems))
             continue
         problems += _check_ranks(epoch, entry, tables, batch_sizes)
         problems += _check_samples(epoch, entry, tables, planned, manifest_ids, manifest_codes, names)
@@ -241,4 +246,6 @@ def check_plan(
                     f"epoch {epoch}: re-planning from the recorded inputs gives other rows "
                     "(tampered, or not a pure function)"
                 )
+        reporter.update(1, violations=len(problems))
+    reporter.close()
     return problems

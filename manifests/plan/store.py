@@ -47,6 +47,7 @@ from manifests.plan.schedule import (
     rank_table,
     schedule_from_rank_tables,
 )
+from manifests.progress import Progress
 from manifests.storage import (
     is_local,
     join,
@@ -174,6 +175,21 @@ def _totals(epochs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+class _EpochProgress:
+    """Epochs written and their megabytes, through :class:`manifests.progress.Progress`."""
+
+    def __init__(self, job: str, epochs: int, enabled: bool):
+        self.progress = Progress(job, "epochs", total=epochs, unit="epochs", enabled=enabled)
+        self.bytes = 0
+
+    def written(self, files: dict[str, bytes]) -> None:
+        self.bytes += sum(len(data) for data in files.values())
+        self.progress.update(1, written=f"{self.bytes / 1e6:.1f} MB")
+
+    def close(self) -> None:
+        self.progress.close()
+
+
 def _fingerprint(inputs: dict[str, Any], resumed_from: Any, epochs: list[dict[str, Any]]) -> str:
     blob = json.dumps([PLAN_FORMAT_VERSION, inputs, resumed_from, [e["sha256"] for e in epochs]], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
@@ -206,12 +222,14 @@ def write_plan(
     stale: int = 0,
     sources: dict[str, str | None] | None = None,
     storage_options: dict[str, Any] | None = None,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Plan every epoch of ``(sample_ids, buckets)`` and commit it at ``url``; returns ``_plan.json``.
 
     Parts are written epoch by epoch (memory: one epoch), ``_plan.json`` last. ``sources`` (e.g.
-    the manifest URL) are recorded redacted, outside the fingerprint. Raises ValueError for bad
-    inputs (see :class:`PlanConfig`, :func:`group_samples`, :func:`plan_epoch`).
+    the manifest URL) are recorded redacted, outside the fingerprint. ``progress``: report epochs
+    written (:class:`manifests.progress.Progress`, on stderr). Raises ValueError for bad inputs
+    (see :class:`PlanConfig`, :func:`group_samples`, :func:`plan_epoch`).
     """
     samples = group_samples(sample_ids, buckets, source=(sources or {}).get("manifest") or "samples")
     if not len(samples.ids):
@@ -223,6 +241,7 @@ def write_plan(
     _begin(fs, root)
     stats = _TokenStats(dict(zip(samples.names, tokens.tolist())))
     epochs, keep = [], set()
+    reporter = _EpochProgress("plan", config.epochs, progress)
     for epoch in range(config.epochs):
         schedule = first if epoch == 0 else plan_epoch(samples, config, epoch)
         assert schedule.steps == first.steps, "steps per epoch depend only on bucket sizes"
@@ -231,7 +250,9 @@ def write_plan(
         keep |= set(files)
         stats.add(schedule, config.world_size)
         epochs.append(_epoch_entry(schedule, digest, first.steps))
+        reporter.written(files)
         del files, schedule
+    reporter.close()
     inputs = {
         **config.to_json(),
         "manifest_fingerprint": manifest_fingerprint,
@@ -343,13 +364,14 @@ def resume_plan(
     batch_size: int | None = None,
     storage_options: dict[str, Any] | None = None,
     out_storage_options: dict[str, Any] | None = None,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Write the rest of a plan, from ``(epoch, step)``, for ``world_size`` ranks at ``out_url``.
 
     ``step`` is the first step of ``epoch`` not yet run. ``batch_size`` (fixed mode, optional) must
-    equal the global batch / ``world_size``. Returns the new ``_plan.json``. Raises PlanError for
-    a position outside the plan and ValueError when the global batch does not split over
-    ``world_size`` ranks. See the module docstring for the guarantees.
+    equal the global batch / ``world_size``. Returns the new ``_plan.json``. ``progress``: report
+    epochs written. Raises PlanError for a position outside the plan and ValueError when the
+    global batch does not split over ``world_size`` ranks. See the module docstring for the guarantees.
     """
     meta = read_plan_meta(plan_url, storage_options)
     old_fs, old_root = open_url(plan_url, storage_options)
@@ -399,7 +421,9 @@ def resume_plan(
     _begin(fs, root)
     stats = _TokenStats({n: b["latent_tokens"] for n, b in buckets.items()})
     epochs, keep = [], set()
-    for e in sorted(x for x in entries if x >= epoch):
+    todo = sorted(x for x in entries if x >= epoch)
+    reporter = _EpochProgress("plan --resume", len(todo), progress)
+    for e in todo:
         tables = read_epoch_tables(plan_url, e, storage_options, meta)
         schedule = schedule_from_rank_tables(tables, entries[e]["padded"], entries[e]["dropped"])
         schedule = schedule.tail(step) if e == epoch else schedule
@@ -408,6 +432,8 @@ def resume_plan(
         keep |= set(files)
         stats.add(schedule, world_size)
         epochs.append(_epoch_entry(schedule, digest, entries[e]["steps_in_epoch"]))
+        reporter.written(files)
+    reporter.close()
     resumed_from = {
         "plan_fingerprint": meta["fingerprint"],
         "epoch": epoch,

@@ -7,8 +7,10 @@ Phases: (1) every unique caption not yet cached is encoded once by a text-encode
 samples the cache lacks or holds stale are grouped by bucket into batches; CPU tasks fetch,
 decode and crop a batch while VAE actors (``num_gpus=1`` each when the cluster has GPUs, else one
 CPU actor) encode earlier ones. The driver packs records into shards and commits ``_cache.json``
-after each shard, so a killed job resumes where the last commit left off. A rerun embeds what is
-missing and what **changed**: a row whose source key (size, etag or mtime, caption, bucket; see
+after each shard, so a killed job resumes where the last commit left off. Each phase reports its
+progress (captions/s; images/s and MB written) through :class:`manifests.progress.Progress`: a bar
+on a terminal, a plain line in a Ray job's log. A rerun embeds what is missing and what
+**changed**: a row whose source key (size, etag or mtime, caption, bucket; see
 :mod:`manifests.cache.freshness`) differs from the one its record was made from is re-embedded,
 and the new record supersedes the old; so is a ``read_failed`` error row (storage did not deliver
 the bytes that time), while an error row about the image itself (not an image, truncated, ...)
@@ -44,12 +46,9 @@ from manifests.cache import (
     source_key,
 )
 from manifests.cache.records import GZIP_BACKEND, caption_key
+from manifests.progress import Progress
 from manifests.storage import parse_storage_options, public_options, redact
 from pipeline.ray_setup import init_ray
-
-# test hook: after the first committed sample shard, print a marker and sleep this many seconds
-PAUSE_ENV = "BUCKETEER_TEST_PAUSE_AFTER_COMMIT"
-PAUSE_MARKER = "bucketeer-test: paused after shard commit"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -186,13 +185,6 @@ def _probe_files(samples, todo: np.ndarray) -> list[str]:
     return [names[int(rows[i])].as_py() for i in picks]
 
 
-def _pause_hook(committed: bool, state: dict) -> None:
-    if committed and os.environ.get(PAUSE_ENV) and not state.get("paused"):
-        state["paused"] = True
-        print(PAUSE_MARKER, flush=True)
-        time.sleep(float(os.environ[PAUSE_ENV]))
-
-
 def run(args: argparse.Namespace) -> int:
     from manifests.manifest import read_manifest
 
@@ -266,7 +258,12 @@ def run(args: argparse.Namespace) -> int:
     items = sorted(todo_keys.items(), key=lambda kv: kv[1])
     text_results = [text_actor.encode.remote(items[i : i + args.text_batch_size])
                     for i in range(0, len(items), args.text_batch_size)]  # fmt: skip
-    encoded_texts = [r for ref in text_results for r in ray.get(ref)]
+    encoded_texts = []
+    with Progress("embed", "captions", total=len(items), unit="captions", enabled=bool(items)) as progress:
+        for ref in text_results:
+            encoded = ray.get(ref)
+            encoded_texts.extend(encoded)
+            progress.update(len(encoded))
     ray.kill(text_actor)
     if writer is None:  # single GPU: the VAE starts now
         vae_info = start_vae()
@@ -288,18 +285,21 @@ def run(args: argparse.Namespace) -> int:
     prepare = ray.remote(w.prepare_batch).options(num_cpus=1)
     t_images = time.time()
     window: deque = deque()
-    state: dict[str, Any] = {}
-    counts = {"embedded": 0, "errors": 0}
+    counts = {"embedded": 0, "errors": 0, "bytes": 0}
     fields = ("sample_id", "filename", "caption_key")
+    progress = Progress("embed", "images", total=len(todo), unit="images")
 
     def collect(ref) -> None:
         result = ray.get(ref)
         for sample_id, blob, key, bucket in result["records"]:
             counts["embedded"] += 1
-            _pause_hook(writer.add_sample(sample_id, blob, key, bucket, keys_by_id[sample_id]), state)
+            counts["bytes"] += len(blob)
+            writer.add_sample(sample_id, blob, key, bucket, keys_by_id[sample_id])
         for sample_id, filename, kind, message in result["errors"]:
             counts["errors"] += 1
             writer.add_error(sample_id, filename, kind, message, keys_by_id[sample_id])
+        progress.update(len(result["records"]) + len(result["errors"]), written=f"{counts['bytes'] / 1e6:.1f} MB",
+                        errors=counts["errors"])  # fmt: skip
 
     for i, (bucket, rows) in enumerate(batches):
         prepared = prepare.remote(source, so, bucket, [{k: r[k] for k in fields} for r in rows],
@@ -309,11 +309,12 @@ def run(args: argparse.Namespace) -> int:
             collect(window.popleft())
     while window:
         collect(window.popleft())
+    progress.close()
     for actor in vae_actors:
         ray.kill(actor)
     seconds, image_seconds = time.time() - t0, time.time() - t_images
-    summary = {**counts, "skipped": len(samples) - len(todo), "changed": changed, "retried": retried,
-               "new_captions": len(items),
+    summary = {"embedded": counts["embedded"], "errors": counts["errors"], "skipped": len(samples) - len(todo),
+               "changed": changed, "retried": retried, "new_captions": len(items),
                "seconds": round(seconds, 2),
                "image_seconds": round(image_seconds, 2),  # the image phase alone, without model loading
                "images_per_second": round(counts["embedded"] / image_seconds, 2) if image_seconds else None}  # fmt: skip

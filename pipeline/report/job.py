@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from manifests.manifest import Manifest, manifest_stats, read_manifest
+from manifests.progress import Progress
 from manifests.storage import join, open_url, parse_storage_options, redact, write_bytes_atomic
 
 
@@ -47,7 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     options = parse_storage_options(args.storage_options)
-    paths = write_report(args.manifest, args.out, plan=args.plan, cache=args.cache, storage_options=options)
+    paths = write_report(args.manifest, args.out, plan=args.plan, cache=args.cache, storage_options=options,
+                         progress=True)  # fmt: skip
     print(f"report: {redact(paths[0])}  ({len(paths) - 1} figures in {redact(paths[0].rsplit('.', 1)[0])}_figures/)")
     return 0
 
@@ -59,8 +61,10 @@ def write_report(
     plan: str | None = None,
     cache: str | None = None,
     storage_options: dict[str, Any] | None = None,
+    progress: bool = False,
 ) -> list[str]:
-    """Build the report and write it; returns ``[html_path, png_path, ...]``.
+    """Build the report and write it; returns ``[html_path, png_path, ...]``. ``progress``:
+    report sections built (:class:`manifests.progress.Progress`, on stderr).
 
     Raises ManifestError (a ValueError) for a bad manifest, FileNotFoundError for a plan or cache
     folder without its ``_plan.json`` / ``_cache.json``.
@@ -72,12 +76,17 @@ def write_report(
 
     if not out.endswith((".html", ".htm")):
         raise ValueError(f"--out {out!r} must name an .html file")
+    reporter = Progress("report", "sections", total=1 + bool(plan) + bool(cache), unit="sections", enabled=progress)
     manifest = read_manifest(manifest_url, storage_options)
     sections = [manifest_section(manifest, plots)]
+    reporter.update(1, last="manifest")
     if plan:
         sections.append(plan_section(plan, manifest, plots, storage_options))
+        reporter.update(1, last="plan")
     if cache:
         sections.append(cache_section(cache, plots, storage_options))
+        reporter.update(1, last="cache")
+    reporter.close()
 
     fs, html_path = open_url(out, storage_options)
     figures_dir = html_path.rsplit(".", 1)[0] + "_figures"

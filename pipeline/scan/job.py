@@ -9,6 +9,8 @@ batches, one Ray task per batch, and each task keeps many ranged reads in flight
 bucketed through :func:`manifests.manifest.apply_buckets` and committed by
 :func:`manifests.manifest.write_manifest` (parts first, ``_manifest.json`` last), so a killed scan
 leaves the previous manifest readable and a re-run gives the same manifest as a clean run.
+Files probed are reported as they come back (:class:`manifests.progress.Progress`: a bar on a
+terminal, a plain line every 30 s in a Ray job's log; ``--no-progress`` for neither).
 
 Incremental: rows of the manifest already at ``--out`` (or ``--previous``) whose file size and
 ETag (mtime when the store has no ETag) are unchanged are reused without reading the file; their
@@ -22,8 +24,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import logging
-import os
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -31,8 +31,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from manifests import faults
 from manifests.buckets import BucketSpec, add_bucket_arguments, spec_from_args
 from manifests.manifest import apply_buckets, conform, write_manifest
+from manifests.progress import Progress
 from manifests.schema import ERRORS_SCHEMA, sample_ids
 from manifests.storage import StorageError, open_url, parse_storage_options, redact
 from pipeline.scan.captions import CaptionTable, load_caption_table
@@ -52,7 +54,7 @@ class ScanConfig:
     header_bytes: int = FIRST_READ  # first ranged read per image
     threads_per_task: int = 32  # ranged reads in flight per Ray task
     files_per_task: int | None = None  # None: enough tasks to keep every CPU busy 4 times over
-    progress: bool = True
+    progress: bool = True  # a bar on a terminal, else a line every $BUCKETEER_PROGRESS_SECONDS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,7 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads-per-task", type=int, default=32, help="ranged reads in flight per Ray task")
     parser.add_argument("--files-per-task", type=int, default=None, help="batch size of one Ray task (default: automatic)")
     parser.add_argument("--ray-address", default=None, help="Ray cluster to use (default: $RAY_ADDRESS, else start one here)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar (the summary line is always printed)")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar or progress lines (the summary line is always printed)")  # fmt: skip
     add_bucket_arguments(parser)
     parser.epilog = f"Images: {', '.join(sorted(IMAGE_EXTENSIONS))} (any case). Hidden and ._* files are ignored."
 
@@ -168,29 +171,6 @@ def scan_dataset(
 # --- the Ray part -------------------------------------------------------------------------------
 
 
-# Tests only: a fault injected into every scan task after its reads, before its result is
-# returned, so that tests can kill a scan mid-way or lose a worker with real Ray.
-TEST_FAULT_ENV = "_BUCKETEER_TEST_TASK_FAULT"
-
-
-def _inject_test_fault(fault: str) -> None:
-    """``sleep:SECONDS`` stalls the task; ``exit-once:PATH`` ends this worker process (``os._exit``)
-    in the one task attempt that creates PATH (``O_EXCL``, so exactly one attempt dies)."""
-    kind, _, arg = fault.partition(":")
-    if kind == "sleep":
-        time.sleep(float(arg))
-    elif kind == "exit-once":
-        try:
-            marker = os.open(arg, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            return
-        os.write(marker, str(os.getpid()).encode())
-        os.close(marker)
-        os._exit(1)
-    else:
-        raise ValueError(f"{TEST_FAULT_ENV}={fault!r}: use sleep:SECONDS or exit-once:PATH")
-
-
 def scan_batch(target: tuple, items: list[tuple[str, int, bool, str | None]], config: ScanConfig) -> dict[str, Any]:
     """One Ray task: probe ``items`` (see :func:`pipeline.scan.headers.probe_files`) on its own filesystem."""
     source, storage_options, fs, root = target
@@ -199,8 +179,7 @@ def scan_batch(target: tuple, items: list[tuple[str, int, bool, str | None]], co
     result = probe_files(
         fs, root, items, max_pixels=config.max_pixels, first_read=config.header_bytes, threads=config.threads_per_task
     )
-    if TEST_FAULT_ENV in os.environ:
-        _inject_test_fault(os.environ[TEST_FAULT_ENV])
+    faults.hit("scan.task")  # tests: stall or lose this worker mid-scan
     return result
 
 
@@ -215,8 +194,6 @@ def _run_tasks(target: tuple, work: list, config: ScanConfig, ray_address: str |
 
 
 def _run_batches(ray, target: tuple, work: list, config: ScanConfig) -> list[dict]:
-    from tqdm import tqdm
-
     cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
     per_task = config.files_per_task or int(np.clip(-(-len(work) // (4 * cpus)), 16, 1000))
     batches = [work[i : i + per_task] for i in range(0, len(work), per_task)]
@@ -225,9 +202,8 @@ def _run_batches(ray, target: tuple, work: list, config: ScanConfig) -> list[dic
     target_ref = ray.put(target)
     results: list[dict] = []
     pending: dict = {}
-    bar = tqdm(total=len(work), unit="file", file=sys.stderr,
-               disable=not (config.progress and sys.stderr.isatty()))  # fmt: skip
-    mb = errors = 0.0
+    progress = Progress("scan", "files", total=len(work), unit="files", enabled=config.progress)
+    mb, errors = 0.0, 0
     try:
         while batches or pending:
             while batches and len(pending) < 4 * cpus:  # a bounded window keeps driver memory flat
@@ -246,10 +222,10 @@ def _run_batches(ray, target: tuple, work: list, config: ScanConfig) -> list[dic
                 results.append(result)
                 mb += sum(b or 0 for b in result["bytes_read"]) / 1e6
                 errors += sum(1 for k in result["error"] if k)
-                bar.update(sum(1 for w in result["width"] if w is not None) + sum(1 for k in result["error"] if k))
-                bar.set_postfix_str(f"{mb:.1f} MB read, {int(errors)} errors")
+                progress.update(len(result["name"]), read=f"{mb:.1f} MB", errors=errors)  # a row per file
+        progress.close()
     finally:
-        bar.close()
+        progress.close(final=False)  # after a failure: no final "done" line
         for ref in pending:
             ray.cancel(ref, force=True)
     return results
