@@ -11,6 +11,8 @@ import torch
 import yaml
 
 from manifests.plan import read_rank_plan
+from manifests.progress import INTERVAL_ENV
+from tests.test_progress import assert_progress
 from tests.test_train_data import corrupt_copy
 from tests.train_dataset import train_data  # noqa: F401  (session fixture)
 from train.config import DEFAULT_CONFIG
@@ -180,14 +182,19 @@ def test_refusals_name_the_problem_and_the_fix(run, train_data, tmp_path, capsys
     assert "was trained on another plan" in capsys.readouterr().err
 
 
-def test_max_steps_between_optimizer_steps_stops_at_the_last_whole_one(run, train_data, tmp_path, capsys):
+def test_max_steps_between_optimizer_steps_stops_at_the_last_whole_one(
+    run, train_data, tmp_path, capsys, monkeypatch
+):
     cfg = write_config(tmp_path / "c.yaml", grad_accum=2, checkpoint_every=2)
     common = ["--plan", train_data.plan1a, "--cache", train_data.cache, "--config", cfg,
               "--output-dir", tmp_path / "out", "--record-samples", tmp_path / "rec"]  # fmt: skip
     assert run(*common, "--max-steps", 1) == 2
     assert "--max-steps 1 is less than one optimizer step (grad_accum: 2" in capsys.readouterr().err
+    monkeypatch.setenv(INTERVAL_ENV, "0")  # a progress line per step (stderr is not a terminal here)
     assert run(*common, "--max-steps", 5) == 0
-    assert "stopping after 4 plan steps" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "stopping after 4 plan steps" in captured.out and "done: --max-steps 4 reached" in captured.out
+    assert_progress(captured.err, "train steps", "steps", 4)
     cursor = json.loads((tmp_path / "out" / "checkpoints" / "step-00000004" / "cursor.json").read_text())
     assert (cursor["position"], cursor["optimizer_steps"]) == (4, 2)
     assert json.loads((tmp_path / "out" / "checkpoints" / "latest.json").read_text())["checkpoint"] == "step-00000004"
@@ -201,3 +208,17 @@ def test_max_steps_between_optimizer_steps_stops_at_the_last_whole_one(run, trai
 def test_the_config_must_accumulate_as_the_plan_was_made(run, train_data, tmp_path, capsys):
     assert run("--plan", train_data.plan1a, "--cache", train_data.cache, "--output-dir", tmp_path) == 2
     assert "was made with --grad-accum 2 but the config says grad_accum: 1" in capsys.readouterr().err
+
+
+def test_a_non_finite_loss_stops_the_run_without_saving_its_weights(run, train_data, tmp_path, capsys):
+    cfg = write_config(tmp_path / "c.yaml", lr=1.0e30, warmup_steps=0, checkpoint_every=1)  # diverges at once
+    out = tmp_path / "out"
+    assert run("--plan", train_data.plan1, "--cache", train_data.cache, "--config", cfg, "--output-dir", out,
+               "--max-steps", 6) == 1  # fmt: skip
+    done = [line for line in capsys.readouterr().out.splitlines() if line.startswith("done: ")]
+    assert len(done) == 1 and done[0].startswith("done: non-finite loss at position "), done
+    position = int(done[0].split("position ")[1].split(";")[0])
+    assert 1 < position < 6
+    latest = json.loads((out / "checkpoints" / "latest.json").read_text())["checkpoint"]
+    assert latest == f"step-{position - 1:08d}"  # the last finite step's checkpoint, not the diverged one
+    assert not (out / "model").exists()

@@ -18,6 +18,7 @@ the end. The parts are in :mod:`train.data`, :mod:`train.model`, :mod:`train.che
 from __future__ import annotations
 
 import argparse
+import enum
 import logging
 import math
 import os
@@ -30,16 +31,38 @@ from pathlib import Path
 
 from manifests.storage import StorageError, parse_storage_options, redact
 
-# test hook: after the first checkpoint, print a marker and sleep this many seconds (to be killed)
-PAUSE_ENV = "BUCKETEER_TEST_PAUSE_AFTER_CHECKPOINT"
-PAUSE_MARKER = "bucketeer-test: paused after checkpoint"
-
 # The prepared (DDP-wrapped) model lives until os._exit. When train() returns, its frame would free
 # the model, and the DDP Reducer's destructor joins the gloo process group's worker threads while
 # holding the GIL; a worker still finishing the last barrier needs the GIL to drop a tensor, and the
 # rank deadlocks after "done" (seen about once in 12 two-process runs, with py-spy showing
 # ~ProcessGroupGloo in std::thread::join against AsyncBarrierWork waiting in gil_scoped_acquire).
 _KEEP_ALIVE: list[object] = []
+
+
+class StopReason(enum.Enum):
+    """Why the loop ended. It decides the last checkpoint, the saved model and the exit code."""
+
+    PLAN_FINISHED = "plan finished"
+    MAX_STEPS = "--max-steps reached"
+    PREEMPTED = "stop requested (SIGTERM)"
+    NON_FINITE_LOSS = "non-finite loss"
+
+    @property
+    def keeps_weights(self) -> bool:
+        """A checkpoint at the stop and the final model are written (never for diverged weights)."""
+        return self is not StopReason.NON_FINITE_LOSS
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self is StopReason.NON_FINITE_LOSS else 0
+
+    def describe(self, *, max_steps: int | None, position: int) -> str:
+        """The text of the trainer's ``done: ...`` line."""
+        if self is StopReason.MAX_STEPS:
+            return f"--max-steps {max_steps} reached"
+        if self is StopReason.NON_FINITE_LOSS:
+            return f"non-finite loss at position {position}"
+        return self.value
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,10 +86,10 @@ def train(args: argparse.Namespace) -> int:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
     from diffusers.optimization import get_scheduler
-    from tqdm.auto import tqdm
 
     from manifests.cache import CacheReader
     from manifests.plan import read_plan_meta
+    from manifests.progress import Progress
     from train.checkpoint import Cursor, find_checkpoint, resume_elastic, save_checkpoint, truncate_records
     from train.config import load_config
     from train.data import BatchLoader, rank_steps
@@ -179,9 +202,9 @@ def train(args: argparse.Namespace) -> int:
         "in the schedule")  # fmt: skip
 
     # ---- the loop ------------------------------------------------------------------------------
-    window, stop, saved_at, paused = Window(), None, None, False
+    window, stop, saved_at = Window(), None, None
     updates = cursor.optimizer_steps
-    progress = tqdm(total=len(steps), disable=not main, desc="train", dynamic_ncols=True)
+    progress = Progress("train", "steps", total=len(steps), unit="steps", enabled=main)  # a bar, or log lines
     model.train()
     batches = iter(loader)
     while stop is None:
@@ -213,48 +236,46 @@ def train(args: argparse.Namespace) -> int:
         cursor = cursor.after(batch.epoch, batch.step, optimizer_steps=updates)
         window.add(loss_value, len(batch.sample_ids), batch.latent_positions // (patch * patch), t_data - t0,
                    time.perf_counter() - t0)  # fmt: skip
-        progress.update(1)
-
+        shown = {}
         if cursor.position % cfg.log_every == 0:
             values = window.reduce(accelerator) | {"lr": lr_scheduler.get_last_lr()[0], "epoch": cursor.epoch}
             accelerator.log(values, step=cursor.position)
             metrics.write({"position": cursor.position, "step": batch.step, **values})
-            progress.set_postfix(loss=f"{values['loss']:.4f}", wait=f"{values['data_wait']:.1%}")
+            shown = {"loss": f"{values['loss']:.4f}", "data_wait": f"{values['data_wait']:.1%}"}
+        progress.update(1, **shown)
         if not accelerator.sync_gradients:
             continue  # checkpoints and stops only between optimizer steps
         if not math.isfinite(loss_value) or stop_requested.is_set():
             accelerator.set_trigger()
         if accelerator.check_trigger():  # some rank asked to stop: every rank stops at this step
             finite = accelerator.gather(torch.tensor([float(math.isfinite(loss_value))], device=accelerator.device))
-            stop = "stop requested (SIGTERM)" if bool(finite.all()) else f"non-finite loss at position {cursor.position}"
+            stop = StopReason.PREEMPTED if bool(finite.all()) else StopReason.NON_FINITE_LOSS
         elif max_steps is not None and cursor.position >= max_steps:
-            stop = f"--max-steps {max_steps} reached"
-        if (stop is None and cursor.position % cfg.checkpoint_every == 0) or (stop and "non-finite" not in stop):
+            stop = StopReason.MAX_STEPS
+        elif cursor.position % cfg.checkpoint_every == 0:
             save_checkpoint(accelerator, out, cursor, cfg.keep_checkpoints)
             saved_at = cursor.position
-            if os.environ.get(PAUSE_ENV) and not paused:
-                paused = True
-                print(PAUSE_MARKER, flush=True)
-                deadline = time.monotonic() + float(os.environ[PAUSE_ENV])
-                while time.monotonic() < deadline and not stop_requested.is_set():  # SIGTERM ends the pause
-                    time.sleep(0.05)
+    if stop is None:
+        stop = StopReason.PLAN_FINISHED
     progress.close()
     loader.close()
     recorder.close()
 
     # ---- the end -------------------------------------------------------------------------------
-    if stop is None and saved_at != cursor.position and steps:
-        assert cursor.position % cfg.grad_accum == 0, "the plan's end and --max-steps are optimizer-step boundaries"
+    # the stop's checkpoint (SIGTERM, --max-steps, the plan's end) unless this step has one already
+    if stop.keeps_weights and saved_at != cursor.position and steps:
+        assert cursor.position % cfg.grad_accum == 0, "stops, the plan's end and --max-steps are optimizer steps"
         save_checkpoint(accelerator, out, cursor, cfg.keep_checkpoints)
     skipped = int(accelerator.reduce(torch.tensor([loader.skipped], device=accelerator.device), "sum").item())
-    if main and (stop is None or "non-finite" not in stop):
+    if main and stop.keeps_weights:
         accelerator.unwrap_model(model).save_pretrained(str(out / "model"))
     accelerator.wait_for_everyone()
     accelerator.end_training()
     metrics.close()
-    say(f"done: {stop or 'plan finished'}; position {cursor.position}, epoch {cursor.epoch} step {cursor.step}, "
-        f"{updates} optimizer steps, {skipped} bad records skipped; output in {out}")  # fmt: skip
-    return 1 if stop and "non-finite" in stop else 0
+    say(f"done: {stop.describe(max_steps=max_steps, position=cursor.position)}; position {cursor.position}, "
+        f"epoch {cursor.epoch} step {cursor.step}, {updates} optimizer steps, {skipped} bad records skipped; "
+        f"output in {out}")  # fmt: skip
+    return stop.exit_code
 
 
 def _whole_updates(max_steps: int | None, grad_accum: int) -> int | None:
