@@ -5,7 +5,8 @@
 
 Phases: (1) every unique caption not yet cached is encoded once by a text-encoder actor; (2) the
 samples the cache lacks or holds stale are grouped by bucket into batches; CPU tasks fetch,
-decode and crop a batch while VAE actors (``num_gpus=1`` each when the cluster has GPUs, else one
+decode (up to the manifest's ``max_pixels``, the limit its scan accepted images under) and crop a
+batch while VAE actors (``num_gpus=1`` each when the cluster has GPUs, else one
 CPU actor) encode earlier ones. The driver packs records into shards and commits ``_cache.json``
 after each shard, so a killed job resumes where the last commit left off. A rerun embeds what is
 missing and what **changed**: a row whose source key (size, etag or mtime, caption, bucket; see
@@ -53,8 +54,6 @@ PAUSE_MARKER = "bucketeer-test: paused after shard commit"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from pipeline.embed.imaging import DEFAULT_MAX_PIXELS
-
     parser.add_argument("manifest", help="manifest folder (local path or URL) written by `bucketeer scan`")
     parser.add_argument("--out", required=True, help="cache folder (local path or URL); resumed if it exists")
     g = parser.add_argument_group("encoders")
@@ -72,7 +71,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("images")
     g.add_argument("--crop", choices=("center", "random"), default="center", help="crop after resize-to-cover")
     g.add_argument("--seed", type=int, default=0, help="seed of --crop random (per sample: seed + sample id)")
-    g.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS, help="refuse larger images (error row)")
     g.add_argument("--source", default=None, help="dataset root, if it moved since the scan (default: the manifest's)")
     g = parser.add_argument_group("job")
     g.add_argument("--storage-options", default=None, help="JSON fsspec options for all URLs, e.g. an endpoint_url")
@@ -303,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
 
     for i, (bucket, rows) in enumerate(batches):
         prepared = prepare.remote(source, so, bucket, [{k: r[k] for k in fields} for r in rows],
-                                  args.crop, args.seed, args.max_pixels)  # fmt: skip
+                                  args.crop, args.seed, manifest.max_pixels)  # fmt: skip
         window.append(vae_actors[i % len(vae_actors)].encode.remote(prepared))
         if len(window) >= 2 * len(vae_actors) + 2:  # bounded: a few batches in flight per actor
             collect(window.popleft())

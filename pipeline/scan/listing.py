@@ -281,10 +281,9 @@ def plan_rescan(
         empty.new = len(listing.images)
         return empty
 
-    prev_summary = old.meta.get("summary", {})
     small = pc.equal(old.errors.column("error"), "too_small")
     images = pa.concat_tables([conform(old.samples, IMAGE_SCHEMA), conform(old.errors.filter(small), IMAGE_SCHEMA)])
-    redo = {"read_failed"} | ({"too_many_pixels"} if prev_summary.get("max_pixels") != max_pixels else set())
+    redo = {"read_failed"} | ({"too_many_pixels"} if old.max_pixels != max_pixels else set())
     errors = old.errors.filter(pc.invert(small))
     errors = errors.filter(pc.invert(pc.is_in(errors.column("error"), pa.array(sorted(redo)))))
     redo_names = set(old.errors.column("filename").to_pylist()) - set(errors.column("filename").to_pylist())
