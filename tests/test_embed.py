@@ -17,7 +17,7 @@ from manifests.cache import CacheError, available_sample_ids, read_cache_meta, r
 from manifests.cache.records import caption_key, to_float32
 from manifests.cache.verify import verify_cache
 from manifests.manifest import apply_buckets, read_manifest, write_manifest
-from manifests.plan import read_epoch_tables, read_plan_meta
+from manifests.plan import read_plan_meta, read_plan_rows
 from manifests.schema import ERRORS_SCHEMA, SAMPLES_SCHEMA, sample_id
 from manifests.storage import join, open_url
 from pipeline.cli import main
@@ -69,7 +69,7 @@ def test_embed_local_round_trip_errors_and_rerun(tmp_path, ray_local):
 
 
 def _planned_ids(plan: str) -> set[int]:
-    return {i for t in read_epoch_tables(plan, 0) for batch in t.column("sample_ids").to_pylist() for i in batch}
+    return {i for batch in read_plan_rows(plan, [0]).table().column("sample_ids").to_pylist() for i in batch}
 
 
 @pytest.mark.slow

@@ -41,6 +41,7 @@ from manifests.cache import (
     Freshness,
     cache_freshness,
     read_cache_meta,
+    read_index,
     settings_diff,
     source_key,
 )
@@ -131,26 +132,27 @@ def _request_settings(args: argparse.Namespace, bucket_spec: dict) -> dict[str, 
     }  # fmt: skip
 
 
-def _freshness(url: str, storage_options: dict, manifest, exists: bool) -> Freshness:
+def _freshness(url: str, manifest, index: dict | None) -> Freshness:
     """What the cache holds for each manifest row (everything missing when there is no cache yet)."""
-    if exists:
-        return cache_freshness(url, manifest, storage_options)
+    if index is not None:
+        return cache_freshness(url, manifest, index=index)
     return Freshness.empty_cache(manifest.samples.column("sample_id").to_numpy())
 
 
-def _check_early(url: str, storage_options: dict, request: dict) -> bool:
-    """Refuse a cache made with other requested settings; True when a cache exists at ``url``."""
+def _check_early(url: str, storage_options: dict, request: dict) -> dict | None:
+    """Refuse a cache made with other requested settings; its ``_cache.json``, None when there is no cache."""
     try:
-        old = read_cache_meta(url, storage_options)["settings"]
+        meta = read_cache_meta(url, storage_options)
     except CacheError as e:
         if "has no _cache.json" in str(e):
-            return False
+            return None
         raise
+    old = meta["settings"]
     diff = settings_diff(old, request, only_new_keys=True)
     if diff:
         raise CacheError(f"{redact(url)} was embedded with other settings:\n  " + "\n  ".join(diff)
                          + "\nUse a new --out for these settings (a cache holds exactly one setting).")  # fmt: skip
-    return True
+    return meta
 
 
 def _settings(request: dict, vae: dict, text: dict) -> dict[str, Any]:
@@ -204,8 +206,10 @@ def run(args: argparse.Namespace) -> int:
     request = _request_settings(args, manifest.meta["bucket_spec"])
     # one look at the committed index decides the work: stale rows (changed image bytes, caption or
     # bucket since they were embedded), read failures and missing ones are embedded; fresh records
-    # and error rows about the image itself stay
-    status = _freshness(args.out, so, manifest, _check_early(args.out, so, request))
+    # and error rows about the image itself stay. The writer opens on the same read of the index
+    committed = _check_early(args.out, so, request)
+    index = read_index(args.out, so, committed) if committed is not None else None
+    status = _freshness(args.out, manifest, index)
     if not status.todo.any():
         print(f"bucketeer embed: {redact(args.out)} already holds every sample of the manifest, all up to date; "
               "nothing to embed")  # fmt: skip
@@ -255,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
     settings = _settings(request, vae_info, text_info) if vae_info else None
     writer = None
     if settings:
-        writer = _open_writer(args, so, settings, vae_info, text_info, gpus)
+        writer = _open_writer(args, so, settings, vae_info, text_info, gpus, index)
     todo_keys = {}
     done_texts = writer.done_texts if writer else set()
     for row in samples:  # a fresh record's caption has its text record already (texts commit first)
@@ -269,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
     if writer is None:  # single GPU: the VAE starts now
         vae_info = start_vae()
         settings = _settings(request, vae_info, text_info)
-        writer = _open_writer(args, so, settings, vae_info, text_info, gpus)
+        writer = _open_writer(args, so, settings, vae_info, text_info, gpus, index)
     for key, blob in encoded_texts:
         writer.add_text(key, blob)
     writer.commit("texts")  # text records are committed before any sample that refers to them
@@ -330,7 +334,7 @@ def _default_notice() -> str:
     return DEFAULT_NOTICE
 
 
-def _open_writer(args, so: dict, settings: dict, vae: dict, text: dict, gpus: int) -> CacheWriter:
+def _open_writer(args, so: dict, settings: dict, vae: dict, text: dict, gpus: int, index: dict | None) -> CacheWriter:
     info = {
         "latent": {"kind": "posterior_mean", "dtype": settings["dtype"], "channels": vae["channels"],
                    "factor": vae["factor"], "scaling_factor": vae["scaling_factor"], "shift_factor": vae["shift_factor"],
@@ -344,5 +348,6 @@ def _open_writer(args, so: dict, settings: dict, vae: dict, text: dict, gpus: in
         "gzip": GZIP_BACKEND,
         "storage_options": public_options(so),
     }  # fmt: skip
-    return CacheWriter(args.out, settings, info=info, storage_options=so, shard_records=args.shard_records)
+    return CacheWriter(args.out, settings, info=info, storage_options=so, shard_records=args.shard_records,
+                       index=index)
 

@@ -137,53 +137,22 @@ def _bucket_tokens(name: str, meta_buckets: dict[str, Any]) -> int:
     return int(w) * int(h) // 256
 
 
-_PLAN_COLUMNS = ["epoch", "step", "rank", "bucket", "sample_ids"]
-
-
-def _read_plan_rows(fs, root: str, meta: dict[str, Any], epoch: int | None):
-    """``(epoch, step, rank, bucket, sample_ids)`` rows of one epoch (the first when None).
-
-    When ``_plan.json`` gives its ``layout`` and world size, exactly those files are read (no
-    listing); otherwise every parquet file under the folder (``_``-prefixed files are skipped).
-    """
-    import pyarrow as pa
-    import pyarrow.compute as pc
-    import pyarrow.dataset as ds
-    import pyarrow.parquet as pq
-
-    layout = meta.get("layout")
-    world = (meta.get("inputs") or {}).get("world_size")
-    if isinstance(layout, str) and isinstance(world, int) and epoch is not None:
-        pieces = []
-        for rank in range(world):
-            with fs.open(join(root, layout.format(epoch=epoch, rank=rank)), "rb") as f:
-                pieces.append(pq.read_table(f, columns=_PLAN_COLUMNS))
-        return pa.concat_tables(pieces), epoch
-    dataset = ds.dataset(root, filesystem=fs, format="parquet")
-    if epoch is None:
-        epochs = dataset.to_table(columns=["epoch"]).column("epoch")
-        if len(epochs) == 0:
-            return dataset.to_table(columns=_PLAN_COLUMNS), None
-        epoch = int(pc.min(epochs).as_py())
-    return dataset.to_table(columns=_PLAN_COLUMNS, filter=ds.field("epoch") == epoch), epoch
-
-
 def plan_section(url: str, manifest: Manifest, plots, storage_options: dict[str, Any] | None = None) -> Section:
     """Plan inputs, padding/drop waste per bucket and tokens per step of its first epoch.
 
-    Reads ``_plan.json`` (optional keys tolerated) and the plan's parquet rows; waste the JSON does
-    not give is computed from the rows and the manifest's bucket counts.
+    Reads ``_plan.json`` and the first epoch's rows through :func:`manifests.plan.read_plan_rows`
+    (PlanError for a folder that is not a committed plan, or a part that is missing or malformed).
     """
     import pyarrow.compute as pc
 
-    from manifests.plan import read_plan_meta
+    from manifests.plan import read_plan_meta, read_plan_rows
 
-    fs, root = open_url(url, storage_options)
     meta = read_plan_meta(url, storage_options)  # refuses a folder that is not a committed plan
-    inputs = meta.get("inputs") or {}
-    epochs_meta = meta.get("epochs") or []
-    first = epochs_meta[0] if epochs_meta else {}
-    table, epoch = _read_plan_rows(fs, root, meta, first.get("epoch"))
+    inputs = meta["inputs"]
+    first = meta["epochs"][0]
+    epoch = first["epoch"]
+    columns = ["step", "rank", "bucket", "sample_ids"]
+    table = read_plan_rows(url, [epoch], columns=columns, storage_options=storage_options, meta=meta).table()
 
     buckets_meta = meta.get("buckets") or {}
     manifest_counts = manifest_stats(manifest)["buckets"]
@@ -237,31 +206,23 @@ def plan_section(url: str, manifest: Manifest, plots, storage_options: dict[str,
 # ---------------------------------------------------------------- cache
 
 
-def _read_index_column(fs, root: str, parts: list[str], column: str) -> np.ndarray:
-    import pyarrow.parquet as pq
-
-    values = []
-    for part in parts:
-        with fs.open(join(root, part), "rb") as f:
-            table = pq.read_table(f, columns=[column])
-        values.append(table.column(column).to_numpy(zero_copy_only=False))
-    return np.concatenate(values) if values else np.zeros(0)
-
-
 def cache_section(url: str, plots, storage_options: dict[str, Any] | None = None) -> Section:
-    """Record counts, bytes per sample, settings and errors of a cache (via ``_cache.json``)."""
-    from manifests.cache import read_cache_meta
+    """Record counts, bytes per sample, settings and errors of a cache (via ``_cache.json`` and its index).
 
-    fs, root = open_url(url, storage_options)
+    The index is read through :func:`manifests.cache.read_index`: superseded rows (a sample embedded
+    again after its image changed, or after a read failure) are not counted.
+    """
+    from manifests.cache import read_cache_meta, read_index
+
     meta = read_cache_meta(url, storage_options)  # refuses a folder that is not a bucketeer cache
     counts = meta.get("counts") or {}
     shards = meta.get("shards") or []
-    index = meta.get("index") or {}
     records = int(counts.get("samples", 0))
     sample_bytes = sum(int(s.get("bytes", 0)) for s in shards if s.get("kind", "samples") == "samples")
-    lengths = _read_index_column(fs, root, index.get("samples") or [], "length")
-    errors = _read_index_column(fs, root, index.get("errors") or [], "error")
-    kinds = {str(k): int(n) for k, n in zip(*np.unique(errors.astype(str), return_counts=True))} if len(errors) else {}
+    index = read_index(url, storage_options, meta)
+    lengths = index["samples"].column("length").to_numpy()
+    errors = index["errors"].column("error").to_pylist()
+    kinds = {str(k): int(n) for k, n in zip(*np.unique(errors, return_counts=True))} if errors else {}
     settings = meta.get("settings") or {}
     rows = [
         ("cache", redact(url)),
@@ -269,6 +230,7 @@ def cache_section(url: str, plots, storage_options: dict[str, Any] | None = None
         ("records", ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "?"),
         ("bytes per sample", f"{sample_bytes / records / 1024:.1f} KiB ({len(shards)} shard objects)" if records else "n/a"),
         ("settings", ", ".join(f"{k}={redact(str(v))}" for k, v in sorted(settings.items()) if not isinstance(v, (dict, list)))),
+        ("errors", ", ".join(f"{k} {n}" for k, n in kinds.items()) or "none"),
     ]  # fmt: skip
     figures = [
         Figure("cache_record_sizes", plots.png_bytes(plots.cache_record_sizes(lengths))),
