@@ -158,11 +158,9 @@ def write_manifest(
         "samples": _write_parts(fs, root, "samples", samples, rows_per_part),
         "errors": _write_parts(fs, root, "errors", errors, rows_per_part),
     }
+    digests = [p["sha256"] for k in ("samples", "errors") for p in parts[k]]
     fingerprint = hashlib.sha256(
-        json.dumps(
-            [FORMAT_VERSION, redact(source), spec.to_json(), [p["sha256"] for k in ("samples", "errors") for p in parts[k]]],
-            sort_keys=True,
-        ).encode()
+        json.dumps([FORMAT_VERSION, redact(source), spec.to_json(), digests], sort_keys=True).encode()
     ).hexdigest()
     meta = {
         "kind": _KIND,

@@ -175,7 +175,8 @@ def test_kill_and_resume_equals_clean_run(tmp_path, ray_local):
     assert len(ids) == len(np.unique(ids)) == 14  # nothing duplicated
     for sid in a:
         x, y = a[sid], b[sid]
-        assert (x.bucket, x.original_size, x.crop_box, x.caption_key) == (y.bucket, y.original_size, y.crop_box, y.caption_key)
+        same = ("bucket", "original_size", "crop_box", "caption_key")
+        assert [getattr(x, a) for a in same] == [getattr(y, a) for a in same]
         np.testing.assert_allclose(to_float32(x.latent, x.dtype), to_float32(y.latent, y.dtype), atol=2e-2)
         np.testing.assert_array_equal(x.text.tokens[0], y.text.tokens[0])
     assert read_cache_meta(resumed)["fingerprint"] == read_cache_meta(clean)["fingerprint"]

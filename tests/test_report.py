@@ -143,7 +143,8 @@ def test_report_reads_plans_and_caches_through_their_readers(manifest_url, tmp_p
     (tmp_path / "plan" / rank_part(0, 1)).unlink()
     argv = ["report", manifest_url, "--plan", str(tmp_path / "plan"), "--out", str(tmp_path / "r.html")]
     assert main(argv) == 2
-    assert "epoch 0 rank 1: part epoch-00000/rank-00001.parquet named by _plan.json is missing" in capsys.readouterr().err
+    missing = "epoch 0 rank 1: part epoch-00000/rank-00001.parquet named by _plan.json is missing"
+    assert missing in capsys.readouterr().err
 
     # a superseded error row (the image was read on a later run) is not counted, even before the
     # job merged its index (killed after a commit)

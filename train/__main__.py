@@ -127,7 +127,8 @@ def train(args: argparse.Namespace) -> int:
     wanted = plan_meta["inputs"].get("cache_fingerprint")
     if wanted and wanted != reader.meta["fingerprint"]:
         raise ValueError(f"the plan was made for a cache with fingerprint {wanted[:12]}, but --cache "
-                         f"{redact(args.cache)} has {reader.meta['fingerprint'][:12]}: pass that cache or re-plan")  # fmt: skip
+                         f"{redact(args.cache)} has {reader.meta['fingerprint'][:12]}: "
+                         "pass that cache or re-plan")  # fmt: skip
     steps = rank_steps(plan_url, rank, plan_so, start=(cursor.epoch, cursor.step))
     if max_steps is not None:
         steps = steps[: max(max_steps - cursor.position, 0)]
@@ -226,7 +227,8 @@ def train(args: argparse.Namespace) -> int:
             accelerator.set_trigger()
         if accelerator.check_trigger():  # some rank asked to stop: every rank stops at this step
             finite = accelerator.gather(torch.tensor([float(math.isfinite(loss_value))], device=accelerator.device))
-            stop = "stop requested (SIGTERM)" if bool(finite.all()) else f"non-finite loss at position {cursor.position}"
+            stop = ("stop requested (SIGTERM)" if bool(finite.all())
+                    else f"non-finite loss at position {cursor.position}")  # fmt: skip
         elif max_steps is not None and cursor.position >= max_steps:
             stop = f"--max-steps {max_steps} reached"
         if (stop is None and cursor.position % cfg.checkpoint_every == 0) or (stop and "non-finite" not in stop):
@@ -299,7 +301,8 @@ def _flat(config: dict, **extra) -> dict:
     out = {}
     for k, v in {**config, **extra}.items():
         if isinstance(v, dict):
-            out.update({f"{k}.{kk}": vv if isinstance(vv, (int, float, str, bool)) else str(vv) for kk, vv in v.items()})
+            out.update({f"{k}.{kk}": vv if isinstance(vv, (int, float, str, bool)) else str(vv)
+                        for kk, vv in v.items()})  # fmt: skip
         else:
             out[k] = v if isinstance(v, (int, float, str, bool)) else str(v)
     return out

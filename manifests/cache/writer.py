@@ -94,8 +94,9 @@ class CacheWriter:
     Opening refuses an existing cache whose fingerprint differs from ``settings``' (CacheError that
     lists what differs). ``done_samples`` / ``done_texts`` / ``done_errors`` say what is committed
     (newest row per sample id), from ``index`` when the caller has read the committed index already
-    (:func:`manifests.cache.read_index`; embed reads it once, for freshness), else read here. A sample already in the cache may be added again (its source
-    changed): the new row supersedes the old one. Adding one sample twice in one run is a bug.
+    (:func:`manifests.cache.read_index`; embed reads it once, for freshness), else read here. A
+    sample already in the cache may be added again (its source changed): the new row supersedes
+    the old one. Adding one sample twice in one run is a bug.
     """
 
     url: str

@@ -78,7 +78,8 @@ class EncoderSource:
     def resolve(self, default_subfolder: str) -> tuple[str, str | None, str]:
         """``(path_or_id, subfolder, id for the fingerprint)``; the default is built on first use."""
         if self.is_default:
-            return str(ensure_default_encoders(self.home)), self.subfolder or default_subfolder, f"bucketeer:default-{_DEFAULT_VERSION}"
+            path = str(ensure_default_encoders(self.home))
+            return path, self.subfolder or default_subfolder, f"bucketeer:default-{_DEFAULT_VERSION}"
         return self.source, self.subfolder, self.source
 
 
@@ -308,7 +309,9 @@ class TextEncoders:
     ``layer`` is ``last`` (last hidden state) or ``penultimate`` (SDXL's choice).
     """
 
-    def __init__(self, sources: list[EncoderSource], *, use_gpu: bool = False, dtype: str = "BF16", layer: str = "last"):
+    def __init__(
+        self, sources: list[EncoderSource], *, use_gpu: bool = False, dtype: str = "BF16", layer: str = "last"
+    ):
         from transformers import AutoTokenizer
 
         if layer not in ("last", "penultimate"):

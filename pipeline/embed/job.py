@@ -59,7 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="cache folder (local path or URL); resumed if it exists")
     g = parser.add_argument_group("encoders")
     g.add_argument("--vae", default="default",
-                   help="AutoencoderKL hub id or local folder; 'default' = tiny random-weight VAE for trying the pipeline")
+                   help="AutoencoderKL hub id or local folder; "
+                        "'default' = tiny random-weight VAE for trying the pipeline")
     g.add_argument("--vae-subfolder", default=None, help="subfolder of --vae, e.g. 'vae' for a pipeline repo")
     g.add_argument("--text-encoder", action="append", default=None, metavar="ID|PATH",
                    help="text encoder hub id or folder; repeat for SDXL-style pairs (order kept); default: tiny CLIP")
@@ -318,7 +319,8 @@ def run(args: argparse.Namespace) -> int:
                "new_captions": len(items),
                "seconds": round(seconds, 2),
                "image_seconds": round(image_seconds, 2),  # the image phase alone, without model loading
-               "images_per_second": round(counts["embedded"] / image_seconds, 2) if image_seconds else None}  # fmt: skip
+               "images_per_second": round(counts["embedded"] / image_seconds, 2)
+               if image_seconds else None}  # fmt: skip
     meta = writer.finish(manifest.fingerprint, summary)
     print(f"bucketeer embed: {counts['embedded']} embedded, {counts['errors']} error rows, "
           f"{changed} changed, {retried} retried, {summary['skipped']} skipped in {seconds:.1f}s "
@@ -334,10 +336,13 @@ def _default_notice() -> str:
     return DEFAULT_NOTICE
 
 
-def _open_writer(args, so: dict, settings: dict, vae: dict, text: dict, gpus: int, index: dict | None) -> CacheWriter:
+def _open_writer(
+    args, so: dict, settings: dict, vae: dict, text: dict, gpus: int, index: dict | None
+) -> CacheWriter:
     info = {
         "latent": {"kind": "posterior_mean", "dtype": settings["dtype"], "channels": vae["channels"],
-                   "factor": vae["factor"], "scaling_factor": vae["scaling_factor"], "shift_factor": vae["shift_factor"],
+                   "factor": vae["factor"], "scaling_factor": vae["scaling_factor"],
+                   "shift_factor": vae["shift_factor"],
                    "usage": "z = (latent - shift_factor) * scaling_factor (shift 0 when null)"},
         "text": {"dtype": settings["dtype"], "layer": args.text_layer, "pooled_dim": text["pooled_dim"],
                  "encoders": [{"id": e["id"], "hidden_size": e["hidden_size"], "max_length": e["max_length"]}

@@ -40,7 +40,8 @@ class Section:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("manifest", help="manifest folder (local path or URL)")
     parser.add_argument("--out", required=True, help="the HTML file to write (local path or URL)")
-    parser.add_argument("--plan", default=None, help="a plan folder made from this manifest: adds padding/drops and tokens per step")
+    parser.add_argument("--plan", default=None,
+                        help="a plan folder made from this manifest: adds padding/drops and tokens per step")
     parser.add_argument("--cache", default=None, help="a cache folder: adds record counts, bytes per sample and errors")
     parser.add_argument("--storage-options", default=None, help="fsspec options as JSON, e.g. an endpoint_url")
 
@@ -108,19 +109,25 @@ def manifest_section(manifest: Manifest, plots) -> Section:
         ("created", str(manifest.meta.get("created_at", "?"))),
         ("counts", ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))),
         ("captions", f"{stats['captioned']} of {counts['samples']} samples have one"),
-        ("buckets", f"{len(stats['buckets'])} used; spec " + ", ".join(f"{k}={v}" for k, v in sorted(spec.items()) if v is not None and k != "buckets")),
+        ("buckets", f"{len(stats['buckets'])} used; spec "
+                    + ", ".join(f"{k}={v}" for k, v in sorted(spec.items()) if v is not None and k != "buckets")),
         ("errors", ", ".join(f"{k} {v}" for k, v in stats["errors"].items()) or "none"),
     ]  # fmt: skip
     widths = samples["width"].to_numpy()
     heights = samples["height"].to_numpy()
     captions = samples["caption"].drop_nulls()
     words = captions.str.count_matches(r"\S+").to_numpy() if len(captions) else np.zeros(0, np.int64)
+    png = plots.png_bytes
     figures = [
-        Figure("buckets", plots.png_bytes(plots.bucket_histogram(stats["buckets"])), "Every sample lands in exactly one bucket; a batch holds one bucket."),
-        Figure("aspect_ratio", plots.png_bytes(plots.aspect_ratio_distribution(widths, heights)), "Display orientation (after EXIF rotation)."),
-        Figure("resolution", plots.png_bytes(plots.resolution_distribution(widths, heights)), "Points above the diagonal are portrait images.", wide=True),
-        Figure("caption_length", plots.png_bytes(plots.caption_length_histogram(words, samples.height - len(captions)))),
-        Figure("errors", plots.png_bytes(plots.error_kinds(stats["errors"])), "Files that were listed but cannot be used; none is dropped silently."),
+        Figure("buckets", png(plots.bucket_histogram(stats["buckets"])),
+               "Every sample lands in exactly one bucket; a batch holds one bucket."),
+        Figure("aspect_ratio", png(plots.aspect_ratio_distribution(widths, heights)),
+               "Display orientation (after EXIF rotation)."),
+        Figure("resolution", png(plots.resolution_distribution(widths, heights)),
+               "Points above the diagonal are portrait images.", wide=True),
+        Figure("caption_length", png(plots.caption_length_histogram(words, samples.height - len(captions)))),
+        Figure("errors", png(plots.error_kinds(stats["errors"])),
+               "Files that were listed but cannot be used; none is dropped silently."),
     ]  # fmt: skip
     return Section("Manifest", rows, figures)
 
@@ -162,7 +169,8 @@ def plan_section(url: str, manifest: Manifest, plots, storage_options: dict[str,
     used, padded, dropped = [], [], []
     for name in names:
         in_bucket = bucket_col == name
-        ids = pc.list_flatten(table.column("sample_ids").filter(in_bucket)).to_numpy() if in_bucket.any() else np.zeros(0)
+        in_rows = table.column("sample_ids").filter(in_bucket)
+        ids = pc.list_flatten(in_rows).to_numpy() if in_bucket.any() else np.zeros(0)
         unique = len(np.unique(ids))
         available = int((buckets_meta.get(name) or {}).get("samples", manifest_counts.get(name, 0)))
         used.append(unique)
@@ -174,7 +182,9 @@ def plan_section(url: str, manifest: Manifest, plots, storage_options: dict[str,
     tokens = np.zeros((len(ranks), len(steps)), np.int64)  # (R, S)
     if table.num_rows:
         per_row = np.array([_bucket_tokens(b, buckets_meta) for b in bucket_col], np.int64) * sizes  # (rows,)
-        np.add.at(tokens, (np.searchsorted(ranks, table.column("rank").to_numpy()), np.searchsorted(steps, table.column("step").to_numpy())), per_row)
+        rank_at = np.searchsorted(ranks, table.column("rank").to_numpy())  # (rows,)
+        step_at = np.searchsorted(steps, table.column("step").to_numpy())  # (rows,)
+        np.add.at(tokens, (rank_at, step_at), per_row)
 
     fingerprint_in = inputs.get("manifest_fingerprint")
     if fingerprint_in is None:
@@ -188,17 +198,21 @@ def plan_section(url: str, manifest: Manifest, plots, storage_options: dict[str,
         ("plan", redact(url)),
         ("fingerprint", str(meta.get("fingerprint", "?"))),
         ("made from this manifest", match),
-        ("inputs", ", ".join(f"{k}={v}" for k, v in sorted(inputs.items()) if not isinstance(v, (dict, list)) and not k.endswith("fingerprint"))),
+        ("inputs", ", ".join(f"{k}={v}" for k, v in sorted(inputs.items())
+                             if not isinstance(v, (dict, list)) and not k.endswith("fingerprint"))),
         ("steps per epoch", str(meta.get("steps_per_epoch", len(steps)))),
         (f"epoch {epoch}", f"{len(steps)} steps x {len(ranks)} ranks, {total_slots} sample slots, "
-                           f"{sum(padded)} padding repeats ({100 * sum(padded) / max(total_slots, 1):.1f}%), {sum(dropped)} dropped"),
+                           f"{sum(padded)} padding repeats ({100 * sum(padded) / max(total_slots, 1):.1f}%), "
+                           f"{sum(dropped)} dropped"),
     ]  # fmt: skip
     tps = meta.get("tokens_per_step")
     if isinstance(tps, dict):
         rows.append(("tokens per step and rank", ", ".join(f"{k} {v}" for k, v in tps.items())))
     figures = [
-        Figure("plan_waste", plots.png_bytes(plots.plan_waste(names, used, padded, dropped)), "Padding repeats samples so every rank has equal steps; drops are leftovers of the leftover policy."),
-        Figure("tokens_per_step", plots.png_bytes(plots.tokens_per_step(steps, tokens)), "Per-rank work per step: big spreads mean ranks wait on each other."),
+        Figure("plan_waste", plots.png_bytes(plots.plan_waste(names, used, padded, dropped)),
+               "Padding repeats samples so every rank has equal steps; drops are leftovers of the leftover policy."),
+        Figure("tokens_per_step", plots.png_bytes(plots.tokens_per_step(steps, tokens)),
+               "Per-rank work per step: big spreads mean ranks wait on each other."),
     ]  # fmt: skip
     return Section("Plan", rows, figures)
 
@@ -228,13 +242,16 @@ def cache_section(url: str, plots, storage_options: dict[str, Any] | None = None
         ("cache", redact(url)),
         ("fingerprint", str(meta.get("fingerprint", "?"))),
         ("records", ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "?"),
-        ("bytes per sample", f"{sample_bytes / records / 1024:.1f} KiB ({len(shards)} shard objects)" if records else "n/a"),
-        ("settings", ", ".join(f"{k}={redact(str(v))}" for k, v in sorted(settings.items()) if not isinstance(v, (dict, list)))),
+        ("bytes per sample", f"{sample_bytes / records / 1024:.1f} KiB ({len(shards)} shard objects)"
+                             if records else "n/a"),
+        ("settings", ", ".join(f"{k}={redact(str(v))}" for k, v in sorted(settings.items())
+                               if not isinstance(v, (dict, list)))),
         ("errors", ", ".join(f"{k} {n}" for k, n in kinds.items()) or "none"),
     ]  # fmt: skip
     figures = [
         Figure("cache_record_sizes", plots.png_bytes(plots.cache_record_sizes(lengths))),
-        Figure("cache_errors", plots.png_bytes(plots.error_kinds(kinds, "Cache: errors by kind")), "Images whose full decode or encode failed during embed."),
+        Figure("cache_errors", plots.png_bytes(plots.error_kinds(kinds, "Cache: errors by kind")),
+               "Images whose full decode or encode failed during embed."),
     ]  # fmt: skip
     return Section("Cache", rows, figures)
 
@@ -242,7 +259,8 @@ def cache_section(url: str, plots, storage_options: dict[str, Any] | None = None
 # ---------------------------------------------------------------- HTML
 
 _CSS = """
-body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 0; color: #1d2330; background: #f5f6f8; }
+body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 0; color: #1d2330;
+       background: #f5f6f8; }
 header { background: #1d2330; color: #fff; padding: 18px 32px; }
 header h1 { margin: 0; font-size: 20px; } header p { margin: 4px 0 0; color: #b8bfcc; font-size: 12px; }
 main { padding: 8px 32px 32px; }

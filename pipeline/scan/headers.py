@@ -208,7 +208,8 @@ def _probe(reader: RangeReader, max_pixels: int) -> Header:
     if header.error is None:
         assert header.width is not None and header.height is not None
         if header.width < 1 or header.height < 1:
-            return Header(format=header.format, error="not_an_image", message=f"declares a size of {header.width}x{header.height}")
+            message = f"declares a size of {header.width}x{header.height}"
+            return Header(format=header.format, error="not_an_image", message=message)
         if header.orientation in _SWAPS_SIDES:
             header.width, header.height = header.height, header.width
         if header.width * header.height > max_pixels:
@@ -256,11 +257,13 @@ def _probe_with_pillow(reader: RangeReader, signature: bytes) -> Header:
         return Header(width=width, height=height, format=_format_name(im.format or "image"), orientation=orientation)
     if reader.hit_eof or (problems and reader.size <= len(signature)):
         fmt = problems[0][0] if problems else "image"
-        return Header(error="truncated", format=fmt, message=f"{fmt} header ends early: the file is cut off at {reader.size} bytes")
+        message = f"{fmt} header ends early: the file is cut off at {reader.size} bytes"
+        return Header(error="truncated", format=fmt, message=message)
     if problems:
         fmt, e = problems[0]
         text = str(e) or type(e).__name__
-        kind = "unsupported" if any(w in text.lower() for w in ("unsupported", "not supported", "unknown")) else "not_an_image"
+        unsupported = any(w in text.lower() for w in ("unsupported", "not supported", "unknown"))
+        kind = "unsupported" if unsupported else "not_an_image"
         return Header(error=kind, format=fmt, message=f"{fmt} signature but Pillow cannot read it: {text}")
     for magic, name in _OTHER_IMAGE_SIGNATURES.items():
         if magic in signature[:16]:
@@ -337,7 +340,9 @@ def _probe_webp(reader: RangeReader) -> Header:
             exif.load(reader.read(length))
             value = exif.get(_EXIF_ORIENTATION, 1)
             orientation = value if isinstance(value, int) and 1 <= value <= 8 else 1
-            return Header(width=width, height=height, format="WEBP", orientation=orientation) if width else _webp_truncated(reader)
+            if not width:
+                return _webp_truncated(reader)
+            return Header(width=width, height=height, format="WEBP", orientation=orientation)
         if width is not None and not has_exif:
             return Header(width=width, height=height, format="WEBP")
         reader.seek(start + length + (length & 1))  # skip the payload (image data) without reading it
@@ -398,8 +403,9 @@ def probe_files(
 
     with ThreadPoolExecutor(max_workers=max(1, min(threads, len(items))), thread_name_prefix="probe") as pool:
         results = list(pool.map(one, items))
-    columns: dict[str, list] = {k: [] for k in ("name", "width", "height", "format", "orientation", "bytes_read",
-                                                 "requests", "error", "message", "caption", "caption_read")}  # fmt: skip
+    names = ("name", "width", "height", "format", "orientation", "bytes_read", "requests", "error", "message",
+             "caption", "caption_read")  # fmt: skip
+    columns: dict[str, list] = {k: [] for k in names}
     for (name, _, _, sidecar), (header, caption, ok) in zip(items, results):
         columns["name"].append(name)
         for key in ("width", "height", "format", "orientation", "bytes_read", "requests", "error", "message"):

@@ -37,7 +37,15 @@ from manifests.schema import ERRORS_SCHEMA, MAX_PIXELS, sample_ids
 from manifests.storage import StorageError, open_url, parse_storage_options, redact
 from pipeline.scan.captions import CaptionTable, load_caption_table
 from pipeline.scan.headers import FIRST_READ, probe_files
-from pipeline.scan.listing import IMAGE_EXTENSIONS, IMAGE_SCHEMA, Listing, RescanPlan, caption_source, list_source, plan_rescan
+from pipeline.scan.listing import (
+    IMAGE_EXTENSIONS,
+    IMAGE_SCHEMA,
+    Listing,
+    RescanPlan,
+    caption_source,
+    list_source,
+    plan_rescan,
+)
 from pipeline.ray_setup import ray_session
 from manifests.retry import is_permanent
 
@@ -68,11 +76,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="images declaring more pixels are errors (too_many_pixels), never decoded; recorded "
                         f"in the manifest, embed decodes up to it (default and most {MAX_PIXELS:,}: "
                         "what Pillow decodes)")  # fmt: skip
-    parser.add_argument("--header-bytes", type=int, default=FIRST_READ, help="first ranged read per image (default 64 KiB)")
+    parser.add_argument("--header-bytes", type=int, default=FIRST_READ,
+                        help="first ranged read per image (default 64 KiB)")
     parser.add_argument("--threads-per-task", type=int, default=32, help="ranged reads in flight per Ray task")
-    parser.add_argument("--files-per-task", type=int, default=None, help="batch size of one Ray task (default: automatic)")
-    parser.add_argument("--ray-address", default=None, help="Ray cluster to use (default: $RAY_ADDRESS, else start one here)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar (the summary line is always printed)")
+    parser.add_argument("--files-per-task", type=int, default=None,
+                        help="batch size of one Ray task (default: automatic)")
+    parser.add_argument("--ray-address", default=None,
+                        help="Ray cluster to use (default: $RAY_ADDRESS, else start one here)")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar (the summary line is always printed)")
     add_bucket_arguments(parser)
     parser.epilog = f"Images: {', '.join(sorted(IMAGE_EXTENSIONS))} (any case). Hidden and ._* files are ignored."
 
@@ -291,8 +303,12 @@ def _assemble(listing: Listing, plan: RescanPlan, results: list[dict], table: Ca
         # a sidecar that could not be read records no source, so the next scan reads it again
         return None if name in failed_reads else caption_source(listing, name, table)
 
-    new_images: dict[str, list] = {k: [] for k in ("filename", "width", "height", "format", "orientation", "bytes_read")}
-    new_errors: dict[str, list] = {k: [] for k in ("filename", "error", "message", "width", "height", "format", "bytes_read")}
+    new_images: dict[str, list] = {
+        k: [] for k in ("filename", "width", "height", "format", "orientation", "bytes_read")
+    }
+    new_errors: dict[str, list] = {
+        k: [] for k in ("filename", "error", "message", "width", "height", "format", "bytes_read")
+    }
     for i, name in enumerate(merged.get("name", [])):
         if merged["error"][i]:
             row = new_errors
