@@ -295,7 +295,8 @@ class PlanRows:
     """
 
     url: str
-    tables: dict[tuple[int, int], pa.Table]  # rows sorted by step, in the columns asked for
+    schema: pa.Schema  # the columns asked for
+    tables: dict[tuple[int, int], pa.Table]  # rows sorted by step
     problems: dict[tuple[int, int], str]
     sha256: dict[int, str]  # per epoch read whole (every rank) and intact: comparable with _plan.json's
 
@@ -308,7 +309,7 @@ class PlanRows:
         """Every row read, by (epoch, rank, step). Raises PlanError for the first unusable part."""
         self._raise_first_problem()
         if not self.tables:
-            return PLAN_SCHEMA.empty_table()
+            return self.schema.empty_table()
         return pa.concat_tables([self.tables[k] for k in sorted(self.tables)])
 
     def ranks(self, epoch: int) -> list[pa.Table]:
@@ -317,17 +318,18 @@ class PlanRows:
         return [self.tables[k] for k in sorted(self.tables) if k[0] == epoch]
 
 
-def _part_rows(data: bytes | BaseException, epoch: int, rank: int, columns: list[str]) -> tuple[pa.Table | None, str]:
-    """One part's rows in ``columns``, or None and the problem (a line naming the epoch, rank, part)."""
+def _part_rows(data: bytes | None, epoch: int, rank: int, want: pa.Schema) -> tuple[pa.Table | None, str]:
+    """One part's rows in the columns of ``want``, or None and the problem (a line naming the epoch,
+    rank and part); ``data`` None: the part does not exist."""
     where = f"epoch {epoch} rank {rank}"
     part = rank_part(epoch, rank)
-    if not isinstance(data, bytes):
-        return None, f"{where}: part {part} named by {PLAN_FILE} is missing or unreadable ({redact(str(data))})"
+    if data is None:
+        return None, f"{where}: part {part} named by {PLAN_FILE} is missing"
     try:
         parquet = pq.ParquetFile(pa.BufferReader(data))
     except (pa.ArrowInvalid, OSError) as e:
         return None, f"{where}: part {part} is not parquet ({e})"
-    want = pa.schema([PLAN_SCHEMA.field(c) for c in columns])
+    columns = want.names
     schema = parquet.schema_arrow
     if any(c not in schema.names or not schema.field(c).type.equals(want.field(c).type) for c in columns):
         found, expected = ([f"{f.name}: {f.type}" for f in sch] for sch in (schema, want))
@@ -349,7 +351,8 @@ def read_plan_rows(
 
     ``meta`` is the plan's ``_plan.json`` when the caller has it. A missing or malformed part is a
     problem in the result (see :class:`PlanRows`), never an exception here. Raises PlanError for an
-    invalid plan, an epoch it does not hold, a rank outside its world size, or an unknown column.
+    invalid plan, an epoch it does not hold, a rank outside its world size, or an unknown column;
+    a storage failure other than a missing part is raised as storage raised it.
     """
     meta = meta or read_plan_meta(url, storage_options)
     held = [e["epoch"] for e in meta["epochs"]]
@@ -367,6 +370,7 @@ def read_plan_rows(
     unknown = [c for c in columns if c not in PLAN_SCHEMA.names]
     if unknown:
         raise PlanError(f"columns {unknown} are not plan columns {PLAN_SCHEMA.names}")
+    want = pa.schema([PLAN_SCHEMA.field(c) for c in columns])
 
     fs, root = open_url(url, storage_options)
     keys = [(e, r) for e in epochs for r in ranks]
@@ -374,7 +378,10 @@ def read_plan_rows(
     blobs = fs.cat(list(paths.values()), on_error="return") if keys else {}  # concurrent GETs on object stores
     tables, problems = {}, {}
     for key in keys:
-        table, problem = _part_rows(blobs.get(paths[key], FileNotFoundError(paths[key])), *key, columns)
+        data = blobs.get(paths[key], FileNotFoundError(paths[key]))
+        if isinstance(data, BaseException) and not isinstance(data, FileNotFoundError):
+            raise data  # denied, throttled, unreachable: a storage failure, not a fault of the plan
+        table, problem = _part_rows(None if isinstance(data, BaseException) else data, *key, want)
         if table is None:
             problems[key] = problem
         else:
@@ -384,7 +391,7 @@ def read_plan_rows(
         for epoch in epochs:
             if not any(k[0] == epoch for k in problems):
                 sha256[epoch] = _digest({rank_part(epoch, r): blobs[paths[(epoch, r)]] for r in ranks})
-    return PlanRows(url, tables, problems, sha256)
+    return PlanRows(url, want, tables, problems, sha256)
 
 
 def read_rank_plan(
