@@ -9,7 +9,7 @@ In one run, with the embedded default (tiny random-weight) encoders on this mach
 3. text bytes per caption: unpadded vs padded to 77 tokens;
 4. time to read 256 random records: shards (CacheReader, ranged reads) vs one file per record,
    locally and from a moto S3 server started here on 127.0.0.1.
-The H200 part of the issue (SDXL-VAE at 1024^2 in bf16, GPU busy fraction) needs a GPU: not run here.
+SDXL's VAE at 1024^2 in bf16 and the GPU's busy fraction need a GPU: not measured here.
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ landscape and a 2:3 portrait land in transposed buckets. Assignment is a pure nu
 from __future__ import annotations
 
 import argparse
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
@@ -212,9 +211,3 @@ def spec_from_args(args: argparse.Namespace) -> BucketSpec:
         pairs = tuple(parse_bucket(b.strip()) for b in args.buckets.split(",") if b.strip())
         return BucketSpec(buckets=pairs, **common)
     return BucketSpec(area=args.resolution * args.resolution, max_aspect=args.max_aspect, **common)
-
-
-def aspect_error(spec: BucketSpec, w: float, h: float) -> float:
-    """|log aspect(image) - log aspect(bucket)|: how far the bucket's shape is from the image's."""
-    bw, bh, _ = assign_buckets(spec, [w], [h])
-    return abs(math.log(w / h) - math.log(bw[0] / bh[0]))

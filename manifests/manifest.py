@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 
 from manifests import __version__
 from manifests.buckets import BucketSpec, assign_buckets, bucket_names
-from manifests.schema import ADDED_COLUMNS, ERRORS_SCHEMA, FORMAT_VERSION, SAMPLES_SCHEMA
+from manifests.schema import ADDED_COLUMNS, ERRORS_SCHEMA, FORMAT_VERSION, MAX_PIXELS, SAMPLES_SCHEMA
 from manifests.storage import join, open_url, read_artifact_meta, redact, write_bytes_atomic, write_json_atomic
 
 __all__ = [
@@ -66,6 +66,14 @@ class Manifest:
     @property
     def source(self) -> str:
         return self.meta["source"]
+
+    @property
+    def max_pixels(self) -> int:
+        """The pixel limit the scan applied (``_manifest.json`` ``max_pixels``); embed decodes up to it.
+
+        Manifests written before the field existed give their scan summary's figure, else MAX_PIXELS.
+        """
+        return int(self.meta.get("max_pixels") or self.meta.get("summary", {}).get("max_pixels") or MAX_PIXELS)
 
     def samples_df(self) -> pl.DataFrame:
         return pl.from_arrow(self.samples)  # type: ignore[return-value]
@@ -124,6 +132,7 @@ def write_manifest(
     spec: BucketSpec,
     counts: dict[str, int] | None = None,
     summary: dict[str, Any] | None = None,
+    max_pixels: int = MAX_PIXELS,
     storage_options: dict[str, Any] | None = None,
     rows_per_part: int = ROWS_PER_PART,
 ) -> dict[str, Any]:
@@ -131,8 +140,12 @@ def write_manifest(
 
     Rows are sorted by filename so the same content gives the same bytes and fingerprint.
     ``counts`` may add e.g. ``listed`` and ``ignored`` to the sample/error counts; ``summary``
-    holds the producing job's figures. Parts no longer referenced are deleted after the commit.
+    holds the producing job's figures; ``max_pixels`` is the pixel limit the rows were judged by
+    (recorded for embed, which decodes up to it). Parts no longer referenced are deleted after the
+    commit. Raises ManifestError for duplicate sample ids or a ``max_pixels`` outside 1..MAX_PIXELS.
     """
+    if not 1 <= max_pixels <= MAX_PIXELS:
+        raise ManifestError(f"max_pixels must be 1..{MAX_PIXELS:,} (what Pillow decodes), got {max_pixels:,}")
     samples = conform(samples, SAMPLES_SCHEMA).sort_by("filename")
     errors = conform(errors, ERRORS_SCHEMA).sort_by("filename")
     both = pa.concat_arrays([samples.column("sample_id").combine_chunks(), errors.column("sample_id").combine_chunks()])
@@ -145,11 +158,9 @@ def write_manifest(
         "samples": _write_parts(fs, root, "samples", samples, rows_per_part),
         "errors": _write_parts(fs, root, "errors", errors, rows_per_part),
     }
+    digests = [p["sha256"] for k in ("samples", "errors") for p in parts[k]]
     fingerprint = hashlib.sha256(
-        json.dumps(
-            [FORMAT_VERSION, redact(source), spec.to_json(), [p["sha256"] for k in ("samples", "errors") for p in parts[k]]],
-            sort_keys=True,
-        ).encode()
+        json.dumps([FORMAT_VERSION, redact(source), spec.to_json(), digests], sort_keys=True).encode()
     ).hexdigest()
     meta = {
         "kind": _KIND,
@@ -159,6 +170,8 @@ def write_manifest(
         "source": redact(source),
         "bucket_spec": spec.to_json(),
         "counts": {**(counts or {}), "samples": samples.num_rows, "errors": errors.num_rows},
+        # outside the fingerprint, like the summary: the rows already show its effect (too_many_pixels rows)
+        "max_pixels": int(max_pixels),
         "fingerprint": fingerprint,
         "parts": parts,
         "summary": summary or {},

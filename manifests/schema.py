@@ -18,13 +18,18 @@ __all__ = [
     "ERRORS_SCHEMA",
     "ERROR_KINDS",
     "ADDED_COLUMNS",
+    "MAX_PIXELS",
     "sample_id",
     "sample_ids",
-    "empty_samples",
-    "empty_errors",
 ]
 
 FORMAT_VERSION = 1
+
+# The most pixels an image may declare (width x height) to be a sample: Pillow refuses to open an
+# image above 2 * Image.MAX_IMAGE_PIXELS (178,956,970 px, ~13.4k x 13.4k), so a larger limit would let
+# the scan accept images that no embed can decode. ``scan --max-pixels`` can only lower it; the limit
+# a manifest was scanned with is its ``_manifest.json`` ``max_pixels``, and embed decodes up to that.
+MAX_PIXELS = 2 * 89_478_485
 
 # what incremental rescans and audits need comes after the five contract columns
 SAMPLES_SCHEMA = pa.schema(
@@ -82,7 +87,7 @@ ERROR_KINDS = (
     "truncated",  # a known format whose header ends early
     "not_an_image",  # bytes that no decoder recognises (HTML named .jpg, random bytes)
     "unsupported",  # an image format Pillow knows but bucketeer cannot use
-    "too_many_pixels",  # declared size above the pixel limit; never decoded
+    "too_many_pixels",  # above the manifest's max_pixels: declared (scan, never decoded) or decoded (embed)
     "too_small",  # shorter side below the bucket spec's min_side
     "read_failed",  # storage refused or lost the object
     "decode_failed",  # (embed) the full decode failed although the header was fine
@@ -103,11 +108,3 @@ def sample_id(filename: str) -> int:
 def sample_ids(filenames: Iterable[str]) -> np.ndarray:
     """:func:`sample_id` for many names, as a uint64 array."""
     return np.fromiter((sample_id(f) for f in filenames), dtype=np.uint64)
-
-
-def empty_samples() -> pa.Table:
-    return SAMPLES_SCHEMA.empty_table()
-
-
-def empty_errors() -> pa.Table:
-    return ERRORS_SCHEMA.empty_table()

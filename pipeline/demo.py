@@ -39,14 +39,16 @@ BATCH_SIZE = 4  # per rank: a global batch of 8
 EPOCHS = 2  # ~30 steps per epoch on 300 images: a few dozen steps in all
 DEMO_BUCKET = "bucketeer-demo"
 MARKER = ".bucketeer-demo"  # marks an --out-dir this demo made (and may clear)
-OWNED = ("manifest", "cache", "plan", "train", "report.html", "report_figures", "train.log", "s3-server.log", "demo-summary.json")
+OWNED = ("manifest", "cache", "plan", "train", "report.html", "report_figures", "train.log", "s3-server.log",
+         "demo-summary.json")
 ROOT = Path(__file__).resolve().parent.parent
 ACCELERATE_CONFIG = ROOT / "infra" / "accelerate" / "cpu-2proc.yaml"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-dir", default="./demo-output",
-                        help="where the dataset, artifacts, trainer output and report go (default ./demo-output)")  # fmt: skip
+                        help="where the dataset, artifacts, trainer output and report go "
+                        "(default ./demo-output)")  # fmt: skip
     parser.add_argument("--s3", action="store_true",
                         help="run every stage against a local S3-compatible server (moto on 127.0.0.1) started "
                         "and stopped by the demo")  # fmt: skip
@@ -137,7 +139,8 @@ def run_stages(stages: Stages, target: Target, out: Path, seed: int) -> dict[str
         _bucketeer("embed", target.manifest, "--out", target.cache, *opts)
     with stages.stage("plan", f"{WORLD_SIZE} ranks x batch {BATCH_SIZE}, {EPOCHS} epochs -> {target.plan}"):
         _bucketeer("plan", target.manifest, "--out", target.plan, "--world-size", str(WORLD_SIZE), "--batch-size",
-                   str(BATCH_SIZE), "--seed", str(seed), "--epochs", str(EPOCHS), "--cache", target.cache, *opts)  # fmt: skip
+                   str(BATCH_SIZE), "--seed", str(seed), "--epochs", str(EPOCHS), "--cache", target.cache,
+                   *opts)  # fmt: skip
     with stages.stage("train", f"accelerate launch, {WORLD_SIZE} processes on the CPU -> {out / 'train'}"):
         _train(target, out)
     with stages.stage("verify", f"every record of {target.cache}"):
@@ -387,7 +390,8 @@ def summary_text(figures: dict[str, Any], target: Target, out: Path) -> str:
         f"{p['planned']} samples planned, {p['padded']} padded, {p['dropped']} dropped sample-epochs",
         f"  train     {t['steps']} steps; " + (
             f"loss {t['loss_first']:.4f} (first 10 steps) -> {t['loss_last']:.4f} (last 10); "
-            f"{t['samples_per_s']:.1f} samples/s" if t["loss_first"] is not None else "fewer than 10 steps: no loss logged"),
+            f"{t['samples_per_s']:.1f} samples/s" if t["loss_first"] is not None
+            else "fewer than 10 steps: no loss logged"),
         "",
         "the same on a cluster (credentials from AWS_* variables; see README.md and infra/README.md)",
         "  ray job submit --runtime-env infra/ray/runtime_env.yaml --working-dir . -- python -m pipeline.scan "

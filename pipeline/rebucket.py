@@ -34,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
         spec=spec,
         counts={k: v for k, v in old.meta["counts"].items() if k not in ("samples", "errors")},
         summary={**old.meta.get("summary", {}), "rebucketed_from": old.fingerprint},
+        max_pixels=old.max_pixels,  # the rows were judged by it; embed decodes up to it
         storage_options=options,
     )
     n_buckets = len(set(samples.column("bucket").to_pylist()))

@@ -70,7 +70,8 @@ def test_no_upscale_never_upscales(spec, w, h):
         # resize-to-cover scale factor is at most 1
         assert max(bw[0] / w, bh[0] / h) <= 1 + 1e-9
     assert bw[0] % spec.step == 0 and bh[0] % spec.step == 0
-    plain_w, plain_h, _ = assign_buckets(BucketSpec(area=spec.area, step=spec.step, max_aspect=spec.max_aspect), [w], [h])
+    plain = BucketSpec(area=spec.area, step=spec.step, max_aspect=spec.max_aspect)
+    plain_w, plain_h, _ = assign_buckets(plain, [w], [h])
     assert bw[0] <= plain_w[0] and bh[0] <= plain_h[0]
     if w * h >= plain_w[0] * plain_h[0] and w >= plain_w[0] and h >= plain_h[0]:
         assert (bw[0], bh[0]) == (plain_w[0], plain_h[0])  # a big image keeps its full-size bucket

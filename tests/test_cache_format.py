@@ -301,3 +301,19 @@ def test_reader_with_and_without_merged_reads_agree(tmp_path):
         got = CacheReader(url, max_gap=max_gap).read(ids)
         assert [r.sample_id for r in got] == ids
         assert all(np.array_equal(r.latent, written[r.sample_id].latent) for r in got)
+
+
+def test_the_writer_opens_on_the_index_the_caller_read(tmp_path):
+    """embed reads the committed index once (freshness) and opens its writer on that same read."""
+    import os
+
+    url = str(tmp_path / "cache")
+    written = build_cache(url, n=6)
+    index = read_index(url)
+    assert cache_freshness(url, manifest_rows(sorted(written)), index=index).counts()["stale"] == 6
+    for part in read_cache_meta(url)["index"]["samples"]:
+        os.remove(tmp_path / "cache" / part)  # a second read of the index would fail now
+    writer = CacheWriter(url, SETTINGS, info=INFO, index=index)
+    assert writer.done_samples == set(written) and len(writer.done_texts) == 3 and not writer.done_errors
+    with pytest.raises(CacheError, match="index part .* is missing"):
+        CacheWriter(url, SETTINGS, info=INFO)

@@ -26,7 +26,8 @@ def test_each_subcommand_has_help(name, capsys):
 
 
 def test_console_script_runs():
-    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "--version"], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "--version"], capture_output=True, text=True,
+                         check=True)  # fmt: skip
     assert out.stdout.startswith("bucketeer ")
 
 

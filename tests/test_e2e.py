@@ -88,7 +88,8 @@ def test_readme_cluster_flow_runs_as_written(s3, ray_head, tmp_path):
     prefix = s3.fresh_url("e2e")
     dataset = make_sample_dataset(tmp_path / "dataset", n=IMAGES, seed=5)
     files = sorted(p for p in (tmp_path / "dataset").rglob("*") if p.is_file())
-    s3.fs.put([str(p) for p in files], [f"{prefix}/dataset/{p.relative_to(tmp_path / 'dataset').as_posix()}" for p in files])
+    targets = [f"{prefix}/dataset/{p.relative_to(tmp_path / 'dataset').as_posix()}" for p in files]
+    s3.fs.put([str(p) for p in files], targets)
     run_dir = tmp_path / "run"
 
     script = localised("\n".join(b.code for b in readme_blocks("e2e")), substitutions(

@@ -19,7 +19,7 @@ from manifests.cache.records import caption_key, to_float32
 from manifests.cache.verify import verify_cache
 from manifests.faults import FAULTS_ENV, pause_marker
 from manifests.manifest import apply_buckets, read_manifest, write_manifest
-from manifests.plan import read_epoch_tables, read_plan_meta
+from manifests.plan import read_plan_meta, read_plan_rows
 from manifests.schema import ERRORS_SCHEMA, SAMPLES_SCHEMA, sample_id
 from manifests.storage import join, open_url
 from pipeline.cli import main
@@ -78,7 +78,7 @@ def test_embed_local_round_trip_errors_and_rerun(tmp_path, ray_local, monkeypatc
 
 
 def _planned_ids(plan: str) -> set[int]:
-    return {i for t in read_epoch_tables(plan, 0) for batch in t.column("sample_ids").to_pylist() for i in batch}
+    return {i for batch in read_plan_rows(plan, [0]).table().column("sample_ids").to_pylist() for i in batch}
 
 
 @pytest.mark.slow
@@ -184,7 +184,8 @@ def test_kill_and_resume_equals_clean_run(tmp_path, ray_local):
     assert len(ids) == len(np.unique(ids)) == 14  # nothing duplicated
     for sid in a:
         x, y = a[sid], b[sid]
-        assert (x.bucket, x.original_size, x.crop_box, x.caption_key) == (y.bucket, y.original_size, y.crop_box, y.caption_key)
+        same = ("bucket", "original_size", "crop_box", "caption_key")
+        assert [getattr(x, a) for a in same] == [getattr(y, a) for a in same]
         np.testing.assert_allclose(to_float32(x.latent, x.dtype), to_float32(y.latent, y.dtype), atol=2e-2)
         np.testing.assert_array_equal(x.text.tokens[0], y.text.tokens[0])
     assert read_cache_meta(resumed)["fingerprint"] == read_cache_meta(clean)["fingerprint"]

@@ -193,7 +193,8 @@ def test_cpu_2proc_config_launches_two_gloo_ranks(tmp_path):
         "open(f'{sys.argv[1]}/rank-{a.process_index}.txt', 'w')"
         ".write(f'{a.process_index} {a.num_processes} {a.distributed_type.value} {dist.get_backend()}')\n"
     )
-    argv = [str(Path(sys.executable).parent / "accelerate"), *argv[1:], "--main_process_port", str(free_port()), str(probe), str(tmp_path)]
+    accelerate = str(Path(sys.executable).parent / "accelerate")
+    argv = [accelerate, *argv[1:], "--main_process_port", str(free_port()), str(probe), str(tmp_path)]
     out = subprocess.run(argv, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     ranks = sorted(p.read_text().split() for p in tmp_path.glob("rank-*.txt"))
@@ -376,7 +377,8 @@ def test_local_ray_head_takes_authenticated_jobs_and_stops(tmp_path):
 
         # loopback only: every port the head's processes listen on is on 127.0.0.1
         pids = {p.pid for p in psutil.process_iter() if _pgid(p.pid) == pgid}
-        listening = {(c.laddr.ip, c.laddr.port) for c in psutil.net_connections("inet") if c.pid in pids and c.status == "LISTEN"}
+        listening = {(c.laddr.ip, c.laddr.port) for c in psutil.net_connections("inet")
+                     if c.pid in pids and c.status == "LISTEN"}  # fmt: skip
         assert listening and all(ip in ("127.0.0.1", "::ffff:127.0.0.1", "::1") for ip, _ in listening), listening
 
         # the documented submission: runtime_env.yaml + this checkout as working dir, a real bucketeer job

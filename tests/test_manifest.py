@@ -51,7 +51,8 @@ def test_same_content_same_fingerprint_and_bytes(tmp_path):
     samples, errors = manifest_tables(300)
     a = write_manifest(str(tmp_path / "a"), samples, errors, source="/data", spec=BucketSpec())
     # shuffled input rows give the same manifest
-    b = write_manifest(str(tmp_path / "b"), samples.take(list(range(299, -1, -1))), errors, source="/data", spec=BucketSpec())
+    reversed_samples = samples.take(list(range(299, -1, -1)))
+    b = write_manifest(str(tmp_path / "b"), reversed_samples, errors, source="/data", spec=BucketSpec())
     assert a["fingerprint"] == b["fingerprint"]
     assert a["parts"] == b["parts"]
     c = write_manifest(str(tmp_path / "c"), samples, errors, source="/data", spec=BucketSpec(area=512 * 512))
@@ -109,13 +110,15 @@ def test_recommit_removes_stale_parts_and_keeps_old_until_commit(tmp_path):
 
 def test_duplicate_ids_refused(tmp_path):
     samples, errors = manifest_tables(10)
+    twice = pa.concat_tables([samples, samples])
     with pytest.raises(ManifestError, match="duplicate sample_id"):
-        write_manifest(str(tmp_path / "m"), pa.concat_tables([samples, samples]), errors, source="/d", spec=BucketSpec())
+        write_manifest(str(tmp_path / "m"), twice, errors, source="/d", spec=BucketSpec())
 
 
 def test_no_credentials_in_manifest(tmp_path):
     url = str(tmp_path / "m")
-    write_manifest(url, *manifest_tables(10), source="s3://AKIAABCDEFGHIJKLMNOP:hunter2secret@bucket/ds", spec=BucketSpec())
+    source = "s3://AKIAABCDEFGHIJKLMNOP:hunter2secret@bucket/ds"
+    write_manifest(url, *manifest_tables(10), source=source, spec=BucketSpec())
     text = (tmp_path / "m" / MANIFEST_FILE).read_text()
     assert "hunter2secret" not in text and "AKIAABCDEFGHIJKLMNOP" not in text
     assert json.loads(text)["source"] == "s3://***@bucket/ds"
@@ -143,7 +146,8 @@ def test_sample_id_is_stable():
 
 def test_rebucket_changes_buckets_without_losing_rows(tmp_path):
     url = str(tmp_path / "m")
-    write_manifest(url, *manifest_tables(400, spec=BucketSpec(min_side=1000)), source="/d", spec=BucketSpec(min_side=1000))
+    spec = BucketSpec(min_side=1000)
+    write_manifest(url, *manifest_tables(400, spec=spec), source="/d", spec=spec)
     old = read_manifest(url)
     samples, errors = rebucket(old, BucketSpec(area=512 * 512, step=32))
     assert samples.num_rows + errors.num_rows == old.samples.num_rows + old.errors.num_rows

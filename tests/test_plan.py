@@ -21,8 +21,8 @@ from manifests.plan import (
     PlanConfig,
     PlanError,
     rank_part,
-    read_epoch_tables,
     read_plan_meta,
+    read_plan_rows,
     read_rank_plan,
     resume_plan,
     write_plan,
@@ -64,7 +64,7 @@ def all_files(root: Path) -> dict[str, bytes]:
 
 def epoch_ids(url: str, epoch: int, storage_options=None, steps: slice = slice(None)) -> Counter:
     out: Counter = Counter()
-    for t in read_epoch_tables(url, epoch, storage_options):
+    for t in read_plan_rows(url, [epoch], storage_options=storage_options).ranks(epoch):
         for batch in t.column("sample_ids").to_pylist()[steps]:
             out.update(batch)
     return out
@@ -136,6 +136,31 @@ def test_unreadable_plans_are_refused(tmp_path, manifest_url):
     (tmp_path / "p" / PLAN_FILE).write_text(json.dumps(dict(meta, format_version=99)))
     with pytest.raises(PlanError, match="format version 99"):
         read_plan_meta(url)
+
+
+def test_one_reader_gives_rows_of_epochs_ranks_and_columns(manifest_url, tmp_path):
+    root = tmp_path / "p"
+    url = str(root)
+    assert main(plan_args(manifest_url, url)) == 0
+    meta = read_plan_meta(url)
+    some = read_plan_rows(url, [1], [0, 2], columns=["step", "sample_ids"])
+    assert set(some.tables) == {(1, 0), (1, 2)} and some.tables[(1, 2)].column_names == ["step", "sample_ids"]
+    assert some.tables[(1, 2)].column("sample_ids").equals(read_rank_plan(url, 2, epoch=1).column("sample_ids"))
+    assert some.sha256 == {}  # an epoch's digest needs every rank's part
+    assert read_plan_rows(url, [1]).sha256 == {1: meta["epochs"][1]["sha256"]}
+    with pytest.raises(PlanError, match="not plan columns"):
+        read_plan_rows(url, columns=["bucket", "weight"])
+
+    # a missing part and one that is not parquet: problems of the result, raised on use, reported by --check
+    (root / rank_part(2, 1)).unlink()
+    (root / rank_part(0, 3)).write_bytes(b"not parquet")
+    rows = read_plan_rows(url)
+    assert set(rows.problems) == {(2, 1), (0, 3)} and set(rows.sha256) == {1}
+    with pytest.raises(PlanError, match="epoch 0 rank 3: part epoch-00000/rank-00003.parquet is not parquet"):
+        rows.table()
+    problems = check_plan(url)
+    assert any(p.startswith("epoch 2 rank 1: part epoch-00002/rank-00001.parquet") and "missing" in p for p in problems)
+    assert any(p.startswith("epoch 0 rank 3") and "not parquet" in p for p in problems)
 
 
 def _rewrite(path: Path, table: pa.Table) -> None:
@@ -390,7 +415,7 @@ def embedded(tmp_path_factory, ray_local, bucketeer_home) -> SimpleNamespace:
 def _all_planned(url: str) -> tuple[set[int], list[tuple[str, int]]]:
     ids, rows = set(), []
     for epoch in range(read_plan_meta(url)["inputs"]["epochs"]):
-        for t in read_epoch_tables(url, epoch):
+        for t in read_plan_rows(url, [epoch]).ranks(epoch):
             for bucket, batch in zip(t.column("bucket").to_pylist(), t.column("sample_ids").to_pylist()):
                 ids.update(batch)
                 rows += [(bucket, i) for i in batch]

@@ -39,8 +39,9 @@ def ray_head(tmp_path):
     port, dash = free_port(), free_port()
     temp_dir = Path("/tmp") / f"ray-bkt-{uuid.uuid4().hex[:6]}"  # short: Ray's socket paths have a length limit
     # every port chosen here: another Ray on this machine may hold a default one (e.g. the agent's 52365)
-    ports = {f"--{name}-port": str(free_port()) for name in
-             ("dashboard-agent-listen", "dashboard-agent-grpc", "metrics-export", "runtime-env-agent", "ray-client-server")}
+    names = ("dashboard-agent-listen", "dashboard-agent-grpc", "metrics-export", "runtime-env-agent",
+             "ray-client-server")  # fmt: skip
+    ports = {f"--{name}-port": str(free_port()) for name in names}
     cmd = [RAY, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--dashboard-host", "127.0.0.1",
            "--port", str(port), "--dashboard-port", str(dash), "--include-dashboard=true", "--num-cpus", "2",
            "--disable-usage-stats", "--temp-dir", str(temp_dir), *[x for kv in ports.items() for x in kv]]  # fmt: skip

@@ -64,7 +64,8 @@ def run_bash(code: str, cwd: Path, env: dict[str, str], timeout: float = 600) ->
     proc = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)  # fmt: skip
     output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"README commands failed (exit {proc.returncode}):\n{code}\n--- output ---\n{output[-6000:]}"
+    failed = f"README commands failed (exit {proc.returncode}):\n{code}\n--- output ---\n{output[-6000:]}"
+    assert proc.returncode == 0, failed
     return output
 
 

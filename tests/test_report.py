@@ -11,12 +11,10 @@ import shutil
 import subprocess
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
-from manifests.cache import CACHE_FORMAT_VERSION
-from manifests.plan import PLAN_FORMAT_VERSION
+from manifests.cache import CacheWriter, read_cache_meta
+from manifests.plan import PlanConfig, rank_part, write_plan
 from manifests.buckets import BucketSpec
 from manifests.manifest import read_manifest, write_manifest
 from pipeline.cli import main
@@ -83,100 +81,84 @@ def test_report_rejects_bad_arguments(manifest_url, tmp_path, capsys):
     assert "has no _plan.json" in capsys.readouterr().err
 
 
-# ---------------------------------------------------------------- plan and cache folders, written by hand
-# in the shape of manifests/plan.py and manifests/cache.py: only what the report reads.
+# ---------------------------------------------------------------- plan and cache folders, written by their writers
 
 
-def write_plan_folder(root, manifest, *, world: int = 2, batch: int = 4, full_meta: bool = True) -> dict:
-    """A one-epoch plan: per bucket, global batches of world*batch; a leftover >= batch is padded
-    with repeats of the bucket's first samples, a smaller one dropped. Returns the expected totals."""
-    df = manifest.samples_df().sort("sample_id")
-    rows, padded, dropped, step = [], {}, {}, 0
-    for bucket in sorted(set(df["bucket"])):
-        ids = df.filter(df["bucket"] == bucket)["sample_id"].to_list()
-        full, rest = divmod(len(ids), world * batch)
-        batches = [ids[i * world * batch : (i + 1) * world * batch] for i in range(full)]
-        if rest >= batch:
-            pad = world * batch - rest
-            batches.append(ids[full * world * batch :] + ids[:pad])
-            padded[bucket] = pad
-        elif rest:
-            dropped[bucket] = rest
-        for b in batches:
-            for rank in range(world):
-                rows.append((0, step, rank, bucket, b[rank * batch : (rank + 1) * batch]))
-            step += 1
-    os.makedirs(root / "epoch-00000")
-    for rank in range(world):
-        mine = [r for r in rows if r[2] == rank]
-        table = pa.table(
-            {
-                "epoch": pa.array([r[0] for r in mine], pa.int32()),
-                "step": pa.array([r[1] for r in mine], pa.int32()),
-                "rank": pa.array([r[2] for r in mine], pa.int32()),
-                "bucket": [r[3] for r in mine],
-                "sample_ids": pa.array([r[4] for r in mine], pa.list_(pa.uint64())),
-            }
-        )
-        pq.write_table(table, root / "epoch-00000" / f"rank-{rank:05d}.parquet")
-    meta = {"kind": "bucketeer.plan", "format_version": PLAN_FORMAT_VERSION, "inputs": {"world_size": world, "batch_size": batch, "seed": 0}}
-    if full_meta:
-        counts = df.group_by("bucket").len()
-        meta.update(
-            inputs={**meta["inputs"], "epochs": 1, "manifest_fingerprint": manifest.fingerprint},
-            buckets={r["bucket"]: {"samples": r["len"], "batch_size": batch, "latent_tokens": 4096} for r in counts.iter_rows(named=True)},
-            layout="epoch-{epoch:05d}/rank-{rank:05d}.parquet",  # read by name; the minimal variant is listed
-            steps_per_epoch=step,
-            epochs=[{"epoch": 0, "first_step": 0, "steps": step, "padded": padded, "dropped": dropped}],
-            counts={"padded": sum(padded.values()), "dropped": sum(dropped.values())},
-            tokens_per_step={"min": 4096 * batch, "mean": 4096 * batch, "max": 4096 * batch, "per": "rank"},
-            fingerprint="f" * 64,
-        )  # fmt: skip
-    (root / "_plan.json").write_text(json.dumps(meta))
-    return {"steps": step, "padded": sum(padded.values()), "dropped": sum(dropped.values()), "slots": step * world * batch}
+def write_plan_folder(root, manifest, *, world: int = 2, batch: int = 4) -> dict:
+    """A one-epoch plan of ``manifest`` (leftovers padded); returns the totals the report must show."""
+    samples = manifest.samples
+    config = PlanConfig(world_size=world, batch_size=batch, epochs=1, leftover="pad")
+    meta = write_plan(str(root), samples.column("sample_id"), samples.column("bucket"), config,
+                      manifest_fingerprint=manifest.fingerprint)  # fmt: skip
+    steps, first = meta["steps_per_epoch"], meta["epochs"][0]
+    return {"steps": steps, "padded": first["padded_total"], "dropped": first["dropped_total"],
+            "slots": steps * world * batch}  # fmt: skip
+
+
+CACHE_SETTINGS = {"vae": "stabilityai/sdxl-vae", "dtype": "bf16"}
 
 
 def write_cache_folder(root, n_records: int = 120) -> dict:
+    """A cache of ``n_records`` records (random bytes: the report reads the index, not records) and
+    three error rows, written by the real CacheWriter."""
     rng = np.random.default_rng(0)
     lengths = rng.integers(20_000, 60_000, n_records)
-    os.makedirs(root / "index")
-    pq.write_table(pa.table({"sample_id": pa.array(np.arange(n_records), pa.uint64()), "length": lengths}),
-                   root / "index" / "samples-aa.parquet")  # fmt: skip
-    pq.write_table(pa.table({"filename": ["a.jpg", "b.jpg", "c.jpg"], "error": ["decode_failed", "decode_failed", "truncated"]}),
-                   root / "index" / "errors-bb.parquet")  # fmt: skip
-    meta = {
-        "kind": "bucketeer.cache",
-        "format_version": CACHE_FORMAT_VERSION,
-        "fingerprint": "c" * 64,
-        "settings": {"vae": "stabilityai/sdxl-vae", "dtype": "bf16"},
-        "counts": {"samples": n_records, "texts": 80, "errors": 3},
-        "shards": [{"path": "shards/samples-x.bin", "kind": "samples", "records": n_records, "bytes": int(lengths.sum())}],
-        "index": {"samples": ["index/samples-aa.parquet"], "texts": [], "errors": ["index/errors-bb.parquet"]},
-    }
-    (root / "_cache.json").write_text(json.dumps(meta))
+    writer = CacheWriter(str(root), CACHE_SETTINGS)
+    for i, n in enumerate(lengths.tolist()):
+        writer.add_sample(i, rng.bytes(n), caption_key=0, bucket="1024x1024", source_key=1)
+    for i, (name, kind) in enumerate([("a.jpg", "decode_failed"), ("b.jpg", "decode_failed"), ("c.jpg", "truncated")]):
+        writer.add_error(n_records + i, name, kind, "broken", source_key=1)
+    writer.finish()
     return {"kib_per_sample": lengths.sum() / n_records / 1024}
 
 
-@pytest.mark.parametrize("full_meta", [True, False], ids=["full-plan-json", "minimal-plan-json"])
-def test_report_plan_and_cache_sections(manifest_url, tmp_path, full_meta):
+def test_report_plan_and_cache_sections(manifest_url, tmp_path):
     manifest = read_manifest(manifest_url)
-    expected = write_plan_folder(tmp_path / "plan", manifest, full_meta=full_meta)
+    expected = write_plan_folder(tmp_path / "plan", manifest)
     cache = write_cache_folder(tmp_path / "cache")
     out = tmp_path / "r.html"
-    argv = ["report", manifest_url, "--plan", str(tmp_path / "plan"), "--cache", str(tmp_path / "cache"), "--out", str(out)]
+    argv = ["report", manifest_url, "--plan", str(tmp_path / "plan"), "--cache", str(tmp_path / "cache"),
+            "--out", str(out)]  # fmt: skip
     assert main(argv) == 0
     page = out.read_text()
     assert_self_contained(page)
-    assert set(figure_sources(page)) == MANIFEST_FIGURES | {"plan_waste", "tokens_per_step", "cache_record_sizes", "cache_errors"}
-    # padding and drops: from _plan.json when it has them, recomputed from the rows when not: the same
+    figures = MANIFEST_FIGURES | {"plan_waste", "tokens_per_step", "cache_record_sizes", "cache_errors"}
+    assert set(figure_sources(page)) == figures
+    # padding and drops of the first epoch, as _plan.json counts them
     assert (
         f"{expected['steps']} steps x 2 ranks, {expected['slots']} sample slots, {expected['padded']} padding repeats"
         in page
     )
     assert f"{expected['dropped']} dropped" in page
-    assert ("made from this manifest</td><td>yes" in page) == full_meta
+    assert "made from this manifest</td><td>yes" in page
     assert f"{cache['kib_per_sample']:.1f} KiB" in page and "samples 120" in page
+    assert "errors</td><td>decode_failed 2, truncated 1" in page
     assert len(list((tmp_path / "r_figures").glob("*.png"))) == 9
+
+
+def test_report_reads_plans_and_caches_through_their_readers(manifest_url, tmp_path, capsys):
+    manifest = read_manifest(manifest_url)
+    write_plan_folder(tmp_path / "plan", manifest)
+    # a part named by _plan.json is gone: refused as by every other reader, never listed around
+    (tmp_path / "plan" / rank_part(0, 1)).unlink()
+    argv = ["report", manifest_url, "--plan", str(tmp_path / "plan"), "--out", str(tmp_path / "r.html")]
+    assert main(argv) == 2
+    missing = "epoch 0 rank 1: part epoch-00000/rank-00001.parquet named by _plan.json is missing"
+    assert missing in capsys.readouterr().err
+
+    # a superseded error row (the image was read on a later run) is not counted, even before the
+    # job merged its index (killed after a commit)
+    cache = tmp_path / "cache"
+    writer = CacheWriter(str(cache), CACHE_SETTINGS)
+    writer.add_error(1, "a.jpg", "decode_failed", "broken", source_key=1)
+    writer.add_error(2, "b.jpg", "read_failed", "timeout", source_key=1)
+    writer.finish()
+    again = CacheWriter(str(cache), CACHE_SETTINGS)
+    again.add_sample(2, b"x" * 100, caption_key=0, bucket="1024x1024", source_key=1)
+    again.commit()
+    assert len(read_cache_meta(str(cache))["index"]["errors"]) == 1 and not read_cache_meta(str(cache))["complete"]
+    assert main(["report", manifest_url, "--cache", str(cache), "--out", str(tmp_path / "c.html")]) == 0
+    assert "errors</td><td>decode_failed 1</td>" in (tmp_path / "c.html").read_text()
 
 
 def test_report_flags_a_plan_from_another_manifest(manifest_url, tmp_path):

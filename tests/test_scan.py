@@ -125,7 +125,8 @@ def test_previous_manifest_and_bucket_options(tmp_path, ray_local):
 def test_caption_table_wins_over_sidecars(tmp_path, ray_local):
     corpus = make_corpus(tmp_path / "ds")
     table = tmp_path / "captions.jsonl"
-    table.write_text('{"filename": "cap/bom.jpg", "caption": "from the table"}\n{"filename": "UPPER.JPEG", "caption": " x "}\n')
+    table.write_text('{"filename": "cap/bom.jpg", "caption": "from the table"}\n'
+                     '{"filename": "UPPER.JPEG", "caption": " x "}\n')
     scan(corpus.root, tmp_path / "m", captions=str(table))
     rows = {r["filename"]: r["caption"] for r in read_manifest(str(tmp_path / "m")).samples.to_pylist()}
     assert rows["cap/bom.jpg"] == "from the table" and rows["UPPER.JPEG"] == "x"
@@ -154,7 +155,8 @@ def test_rescan_rereads_exactly_the_sidecars_that_changed(tmp_path, ray_local):
     assert rows["cap/bom.jpg"]["caption"] is None and rows["cap/bom.jpg"]["caption_source"] is None
     assert rows["cap/missing.jpg"]["caption"] == "now captioned"
     assert rows["cap/other.jpg"]["caption"] == "the txt wins"
-    assert rows["cap/blank.jpg"]["caption"] is None and rows["cap/blank.jpg"]["caption_source"].endswith(":cap/blank.txt")
+    blank = rows["cap/blank.jpg"]
+    assert blank["caption"] is None and blank["caption_source"].endswith(":cap/blank.txt")
     scan(root, tmp_path / "clean")
     assert_same_manifest(out, tmp_path / "clean")
 
@@ -176,7 +178,8 @@ def test_caption_table_edit_applies_to_all_its_rows_without_reads(tmp_path, ray_
     scan(root, out, captions=str(table), fs=fs)
     assert fs.reads == ["cap/crlf.txt"]  # the table itself is read whole, outside the dataset
     rows = rows_of(out)
-    assert [rows[n]["caption"] for n in ("cap/bom.jpg", "UPPER.JPEG", "cap/crlf.jpg")] == ["bom v2", "upper", "first line second line"]
+    captions = [rows[n]["caption"] for n in ("cap/bom.jpg", "UPPER.JPEG", "cap/crlf.jpg")]
+    assert captions == ["bom v2", "upper", "first line second line"]
     # every table row records the new table version, the unchanged one included
     version = load_caption_table(str(table)).version
     assert rows["cap/bom.jpg"]["caption_source"] == rows["UPPER.JPEG"]["caption_source"] == f"table:{version}"
@@ -188,7 +191,8 @@ def test_caption_table_edit_applies_to_all_its_rows_without_reads(tmp_path, ray_
     scan(root, out, fs=fs)
     assert fs.reads == ["cap/bom.txt"]
     rows = rows_of(out)
-    assert (rows["cap/bom.jpg"]["caption"], rows["UPPER.JPEG"]["caption"], rows["UPPER.JPEG"]["caption_source"]) == ("a red fox", None, None)
+    upper = rows["UPPER.JPEG"]
+    assert (rows["cap/bom.jpg"]["caption"], upper["caption"], upper["caption_source"]) == ("a red fox", None, None)
 
 
 def test_manifest_without_caption_source_rereads_sidecars_once(tmp_path, ray_local):
@@ -200,7 +204,8 @@ def test_manifest_without_caption_source_rereads_sidecars_once(tmp_path, ray_loc
     assert read_manifest(str(out)).samples.column("caption_source").null_count == 35
     fs = CountingLocalFS(corpus.root)
     again = scan(corpus.root, out, fs=fs)
-    assert sorted(fs.reads) == sorted(f"cap/{n}" for n in os.listdir(corpus.root / "cap") if n.endswith((".txt", ".caption")))
+    sidecars = [f"cap/{n}" for n in os.listdir(corpus.root / "cap") if n.endswith((".txt", ".caption"))]
+    assert sorted(fs.reads) == sorted(sidecars)
     assert again["summary"]["files_read"] == 0 and again["fingerprint"] == meta["fingerprint"]
     fs = CountingLocalFS(corpus.root)
     scan(corpus.root, out, fs=fs)

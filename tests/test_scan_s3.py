@@ -44,7 +44,8 @@ class FlakyS3(AbstractFileSystem):
             self.reads.append(path)
             fail, self.remaining = self.remaining > 0, self.remaining - 1
         if fail and self.error == "slowdown":
-            raise OSError("An error occurred (SlowDown) when calling the GetObject operation: Please reduce your request rate.")
+            raise OSError("An error occurred (SlowDown) when calling the GetObject operation: "
+                          "Please reduce your request rate.")
         if fail:
             raise PermissionError(f"Access Denied for {path} (secret={SECRET})")
         return self.inner.cat_file(path, start=start, end=end)
@@ -62,7 +63,8 @@ def test_scan_s3_into_s3_matches_ground_truth(s3, dataset, ray_local, capsys):
     corpus, url = dataset
     out = s3.fresh_url("manifest")
     options = json.dumps({**s3.storage_options, "key": "testing-key-id", "secret": SECRET})
-    assert main(["scan", url, "--out", out, "--storage-options", options, "--no-progress", "--files-per-task", "8"]) == 0
+    argv = ["scan", url, "--out", out, "--storage-options", options, "--no-progress", "--files-per-task", "8"]
+    assert main(argv) == 0
     captured = capsys.readouterr()
     assert SECRET not in captured.out + captured.err
     m = read_manifest(out, s3.storage_options)
@@ -73,7 +75,8 @@ def test_scan_s3_into_s3_matches_ground_truth(s3, dataset, ray_local, capsys):
     assert m.meta["counts"]["ignored"] == len(corpus.ignored)
     assert SECRET not in s3.fs.cat_file(out + "/_manifest.json").decode()
 
-    again = scan_dataset(url, out, spec=BucketSpec(), storage_options=s3.storage_options, config=ScanConfig(progress=False))
+    quiet = ScanConfig(progress=False)
+    again = scan_dataset(url, out, spec=BucketSpec(), storage_options=s3.storage_options, config=quiet)
     assert again["summary"]["files_read"] == 0 and again["fingerprint"] == m.fingerprint
 
 
@@ -123,20 +126,24 @@ def test_transient_errors_are_retried(s3, dataset, ray_local, tmp_path):
     flaky = FlakyS3(s3.endpoint, failures=5)  # fewer than the 6 attempts: no file can run out
     meta = scan_dataset(url.removeprefix("s3://"), str(tmp_path / "m"), spec=BucketSpec(), fs=flaky,
                         config=ScanConfig(progress=False, files_per_task=8))  # fmt: skip
-    assert "read_failed" not in meta["summary"]["errors_by_kind"], [r["message"] for r in read_manifest(str(tmp_path / "m")).errors.to_pylist() if r["error"] == "read_failed"]
+    errors = read_manifest(str(tmp_path / "m")).errors.to_pylist()
+    failures = [r["message"] for r in errors if r["error"] == "read_failed"]
+    assert "read_failed" not in meta["summary"]["errors_by_kind"], failures
     m = read_manifest(str(tmp_path / "m"))
     assert {r["filename"]: (r["width"], r["height"]) for r in m.samples.to_pylist()} == corpus.sizes
 
 
 def test_retries_that_run_out_become_read_failed_rows_and_are_reread(s3, ray_local, tmp_path):
     url = s3.fresh_url("few")
-    s3.fs.pipe({f"{url}/{i}.png": make_corpus(tmp_path / "c").root.joinpath("png/palette.png").read_bytes() for i in range(3)})
+    png = make_corpus(tmp_path / "c").root.joinpath("png/palette.png").read_bytes()
+    s3.fs.pipe({f"{url}/{i}.png": png for i in range(3)})
     out = str(tmp_path / "m")
     cfg = ScanConfig(progress=False)
-    meta = scan_dataset(url.removeprefix("s3://"), out, spec=BucketSpec(), fs=FlakyS3(s3.endpoint, failures=10**6), config=cfg)
+    path = url.removeprefix("s3://")
+    meta = scan_dataset(path, out, spec=BucketSpec(), fs=FlakyS3(s3.endpoint, failures=10**6), config=cfg)
     assert meta["summary"]["errors_by_kind"] == {"read_failed": 3}
     assert "SlowDown" in read_manifest(out).errors.column("message")[0].as_py()
-    healed = scan_dataset(url.removeprefix("s3://"), out, spec=BucketSpec(), fs=FlakyS3(s3.endpoint, failures=0), config=cfg)
+    healed = scan_dataset(path, out, spec=BucketSpec(), fs=FlakyS3(s3.endpoint, failures=0), config=cfg)
     assert healed["summary"]["files_read"] == 3 and healed["counts"]["samples"] == 3
 
 
@@ -153,7 +160,8 @@ def test_access_denied_stops_the_job_and_commits_nothing(s3, dataset, ray_local,
 def test_missing_bucket_is_one_clear_line(s3, tmp_path):
     out = tmp_path / "m"
     options = json.dumps({**s3.storage_options, "key": "testing-key-id", "secret": SECRET})
-    cmd = [sys.executable, "-m", "pipeline.scan", "s3://no-such-bucket-here/ds", "--out", str(out), "--storage-options", options]
+    cmd = [sys.executable, "-m", "pipeline.scan", "s3://no-such-bucket-here/ds", "--out", str(out),
+           "--storage-options", options]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=120)
     assert done.returncode == 2
     assert "cannot list s3://no-such-bucket-here/ds" in done.stderr and "bucket does not exist" in done.stderr

@@ -42,7 +42,8 @@ def command(processes: int, *argv) -> list[str]:
     if processes == 1:
         return [sys.executable, *train]
     config = (["--config_file", str(ACCELERATE_CONFIG)] if ACCELERATE_CONFIG.exists()
-              else ["--multi_gpu", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"])  # fmt: skip
+              else ["--multi_gpu", "--num_machines", "1", "--mixed_precision", "no",
+                    "--dynamo_backend", "no"])  # fmt: skip
     return [sys.executable, "-m", "accelerate.commands.launch", *config, "--num_processes", str(processes),
             "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port()), *train]  # fmt: skip
 
@@ -115,7 +116,8 @@ def paused_run(out: Path, *argv) -> tuple[subprocess.Popen, list[str]]:
     """Start a 2-process run that pauses right after its first checkpoint; returns once it has paused."""
     env = environment(**{FAULTS_ENV: "train.checkpoint=pause:300"})
     proc = subprocess.Popen(command(2, *argv), cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
     seen = []
     try:
         deadline = time.time() + 240

@@ -1,1 +1,1 @@
-"""The lean Accelerate trainer: ``accelerate launch -m train --plan PLAN --cache CACHE`` (issue 6)."""
+"""The lean Accelerate trainer: ``accelerate launch -m train --plan PLAN --cache CACHE``."""

@@ -150,7 +150,8 @@ def train(args: argparse.Namespace) -> int:
     wanted = plan_meta["inputs"].get("cache_fingerprint")
     if wanted and wanted != reader.meta["fingerprint"]:
         raise ValueError(f"the plan was made for a cache with fingerprint {wanted[:12]}, but --cache "
-                         f"{redact(args.cache)} has {reader.meta['fingerprint'][:12]}: pass that cache or re-plan")  # fmt: skip
+                         f"{redact(args.cache)} has {reader.meta['fingerprint'][:12]}: "
+                         "pass that cache or re-plan")  # fmt: skip
     steps = rank_steps(plan_url, rank, plan_so, start=(cursor.epoch, cursor.step))
     if max_steps is not None:
         steps = steps[: max(max_steps - cursor.position, 0)]
@@ -320,7 +321,8 @@ def _flat(config: dict, **extra) -> dict:
     out = {}
     for k, v in {**config, **extra}.items():
         if isinstance(v, dict):
-            out.update({f"{k}.{kk}": vv if isinstance(vv, (int, float, str, bool)) else str(vv) for kk, vv in v.items()})
+            out.update({f"{k}.{kk}": vv if isinstance(vv, (int, float, str, bool)) else str(vv)
+                        for kk, vv in v.items()})  # fmt: skip
         else:
             out[k] = v if isinstance(v, (int, float, str, bool)) else str(v)
     return out

@@ -117,7 +117,8 @@ def collate(records: Sequence[SampleRecord], step: PlanStep, *, scaling_factor: 
     for r in records:
         if r.bucket != step.bucket:
             raise ValueError(f"sample {r.sample_id}: the cache says bucket {r.bucket}, the plan (epoch {step.epoch} "
-                             f"step {step.step}) says {step.bucket}; plan and cache come from different manifests")  # fmt: skip
+                             f"step {step.step}) says {step.bucket}; "
+                             "plan and cache come from different manifests")  # fmt: skip
         if r.text is None:
             raise ValueError(f"sample {r.sample_id} has no text embeddings in the cache; run `bucketeer verify`")
     latents = np.stack([to_float32(r.latent, r.dtype) for r in records])  # (B, C, h, w)
@@ -224,7 +225,8 @@ class BatchLoader:
                     self.log(f"skipping bad record (--skip-bad-records): {bad}")
             if not records:
                 raise BadRecordError(f"rank {self.rank} epoch {step.epoch} step {step.step}: all {len(skipped)} "
-                                     "records are bad; ranks cannot stay in step. Run `bucketeer verify`.") from None  # fmt: skip
+                                     "records are bad; ranks cannot stay in step. "
+                                     "Run `bucketeer verify`.") from None  # fmt: skip
         batch = collate(records, step, scaling_factor=self.scaling_factor, shift_factor=self.shift_factor)
         batch.skipped = skipped
         return batch.pin_memory() if self.pin_memory else batch

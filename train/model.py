@@ -64,7 +64,8 @@ def model_arguments(model_cfg: dict[str, Any], *, latent_channels: int, caption_
 
 
 def build_model(model_cfg: dict[str, Any], *, latent_channels: int, caption_channels: int) -> torch.nn.Module:
-    """A freshly initialised PixArt transformer for latents of ``latent_channels`` and text of width ``caption_channels``."""
+    """A freshly initialised PixArt transformer for latents of ``latent_channels`` channels and text
+    embeddings ``caption_channels`` wide."""
     from diffusers import PixArtTransformer2DModel
 
     return PixArtTransformer2DModel(**model_arguments(model_cfg, latent_channels=latent_channels,

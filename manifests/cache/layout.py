@@ -23,9 +23,10 @@ One writer at a time per cache folder.
 Never stale: every sample and error row stores the **source key** of the manifest row it was made
 from (:mod:`manifests.cache.freshness`) and the **generation** (the ``_cache.json`` commit that
 wrote it). A changed image or caption is re-embedded into a new shard; for a sample id the row of
-the highest generation wins, whether a record or an error row, and :func:`read_index` returns only
-the winners (``finish`` also drops the losers from the merged index; their bytes stay in old
-shards, unreferenced). Records of samples that left the manifest stay: harmless, since plans are
+the highest generation wins, whether a record or an error row, and :func:`read_index` (the one
+reader of the index: embed, the cache reader, verify and the report use it) returns only the
+winners (``finish`` also drops the losers from the merged index; their bytes stay in old shards,
+unreferenced). Records of samples that left the manifest stay: harmless, since plans are
 drawn from the manifest and :func:`available_sample_ids` with a manifest returns fresh ids only.
 """
 
@@ -58,9 +59,7 @@ __all__ = [
     "settings_diff",
     "read_cache_meta",
     "read_meta",
-    "read_index_parts",
     "newest_rows",
-    "index_tables",
     "table_bytes",
     "read_index",
     "available_sample_ids",
@@ -179,7 +178,7 @@ def _conform_part(table: pa.Table, kind: str) -> pa.Table:
     return table.select(schema.names).cast(schema)
 
 
-def read_index_parts(fs, root: str, url: str, meta: dict, kind: str) -> pa.Table:
+def _read_index_parts(fs, root: str, url: str, meta: dict, kind: str) -> pa.Table:
     """The index parts of ``kind`` as written, concatenated in commit order (no supersession applied)."""
     paths = [join(root, p) for p in meta["index"][kind]]
     if not paths:
@@ -213,29 +212,34 @@ def newest_rows(samples: pa.Table, errors: pa.Table) -> tuple[pa.Table, pa.Table
     return samples.take(winners[winners < ns]), errors.take(winners[winners >= ns] - ns)
 
 
-def index_tables(fs, root: str, url: str, meta: dict) -> dict[str, pa.Table]:
-    tables = {kind: read_index_parts(fs, root, url, meta, kind) for kind in INDEX_SCHEMAS}
-    tables["samples"], tables["errors"] = newest_rows(tables["samples"], tables["errors"])
-    return tables
-
-
-def read_index(url: str, storage_options: dict | None = None, meta: dict | None = None) -> dict[str, pa.Table]:
-    """The cache's ``samples``, ``texts`` and ``errors`` index tables (read via ``_cache.json``).
+def read_index(
+    url: str, storage_options: dict | None = None, meta: dict | None = None, *, superseded: bool = False
+) -> dict[str, pa.Table]:
+    """The cache's ``samples``, ``texts`` and ``errors`` index tables (read via ``_cache.json``, or
+    ``meta`` when the caller has it), one concurrent read per kind.
 
     Superseded rows are left out: each sample id appears at most once, in ``samples`` (a record)
-    or in ``errors`` (an image that failed), whichever its newest embedding produced.
+    or in ``errors`` (an image that failed), whichever its newest embedding produced. With
+    ``superseded`` every row of every part is kept, in commit order (what ``finish`` merges).
+    Raises CacheError when ``url`` is not a committed cache or an index part is missing.
     """
     fs, root = open_url(url, storage_options)
     meta = meta or read_meta(fs, root, url)
-    return index_tables(fs, root, url, meta)
+    tables = {kind: _read_index_parts(fs, root, url, meta, kind) for kind in INDEX_SCHEMAS}
+    if not superseded:
+        tables["samples"], tables["errors"] = newest_rows(tables["samples"], tables["errors"])
+    return tables
 
 
-def cache_freshness(url: str, manifest: Any, storage_options: dict | None = None) -> Freshness:
+def cache_freshness(
+    url: str, manifest: Any, storage_options: dict | None = None, index: dict[str, pa.Table] | None = None
+) -> Freshness:
     """For each row of ``manifest`` (a Manifest or its samples table): fresh, failed, stale or missing.
 
-    Raises CacheError when ``url`` is not a committed cache.
+    ``index`` is the cache's index as :func:`read_index` returned it, when the caller has read it
+    already. Raises CacheError when ``url`` is not a committed cache.
     """
-    tables = read_index(url, storage_options)
+    tables = index if index is not None else read_index(url, storage_options)
     return classify(tables["samples"], tables["errors"], manifest_samples(manifest))
 
 

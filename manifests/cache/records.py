@@ -47,7 +47,6 @@ __all__ = [
     "caption_key",
     "to_torch",
     "to_float32",
-    "numpy_tag",
     "DTYPES",
     "SampleRecord",
     "TextRecord",
@@ -68,8 +67,6 @@ DTYPES: dict[str, np.dtype] = {
     "U8": np.dtype("u1"),
     "U16": np.dtype("<u2"),
 }
-_NUMPY_TAGS = {np.dtype("<f2"): "F16", np.dtype("<f4"): "F32", np.dtype("<f8"): "F64",
-               np.dtype("<i4"): "I32", np.dtype("<i8"): "I64", np.dtype("u1"): "U8"}  # fmt: skip
 _MAX_HEADER = 1 << 20  # a record header is a few hundred bytes; refuse absurd lengths early
 
 
@@ -164,14 +161,6 @@ def encode_record(tensors: Mapping[str, tuple[np.ndarray, str]], metadata: Mappi
 def decode_record(data: bytes) -> tuple[dict[str, tuple[np.ndarray, str]], dict[str, str]]:
     """Inverse of :func:`encode_record`; raises RecordError for corrupt bytes."""
     return decode_tensors(gzip_decompress(data))
-
-
-def numpy_tag(array: np.ndarray) -> str:
-    """The safetensors tag of a numpy array (not for BF16, whose bits travel as uint16)."""
-    try:
-        return _NUMPY_TAGS[array.dtype.newbyteorder("<")]
-    except KeyError:
-        raise ValueError(f"numpy dtype {array.dtype} has no safetensors tag here") from None
 
 
 def to_float32(array: np.ndarray, tag: str) -> np.ndarray:

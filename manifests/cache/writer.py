@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 import pyarrow as pa
@@ -25,7 +25,6 @@ from manifests.cache.layout import (
     SHARD_RECORDS,
     CacheError,
     read_meta,
-    read_index_parts,
     table_bytes,
     fingerprint_of,
     newest_rows,
@@ -94,8 +93,10 @@ class CacheWriter:
 
     Opening refuses an existing cache whose fingerprint differs from ``settings``' (CacheError that
     lists what differs). ``done_samples`` / ``done_texts`` / ``done_errors`` say what is committed
-    (newest row per sample id). A sample already in the cache may be added again (its source
-    changed): the new row supersedes the old one. Adding one sample twice in one run is a bug.
+    (newest row per sample id), from ``index`` when the caller has read the committed index already
+    (:func:`manifests.cache.read_index`; embed reads it once, for freshness), else read here. A
+    sample already in the cache may be added again (its source changed): the new row supersedes
+    the old one. Adding one sample twice in one run is a bug.
     """
 
     url: str
@@ -104,8 +105,9 @@ class CacheWriter:
     storage_options: dict | None = None
     shard_records: int = SHARD_RECORDS
     shard_bytes: int = SHARD_BYTES
+    index: InitVar[dict[str, pa.Table] | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, index: dict[str, pa.Table] | None) -> None:
         self.fs, self.root = open_url(self.url, self.storage_options)
         self.fingerprint = fingerprint_of(self.settings)
         now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
@@ -128,14 +130,13 @@ class CacheWriter:
                 + "\nMixing them would silently train on inconsistent tensors: use a new --out for these settings."
             )
         self.meta.update(self.info, tool_version=__version__, complete=False)
-        tables = read_index(self.url, self.storage_options, self.meta)
+        tables = index if index is not None else read_index(self.url, self.storage_options, self.meta)
         self.done_samples = set(tables["samples"].column("sample_id").to_numpy().tolist())
         self.done_texts = set(tables["texts"].column("caption_key").to_numpy().tolist())
         self.done_errors = set(tables["errors"].column("sample_id").to_numpy().tolist())
         self._shards = {k: ShardWriter(k, self.shard_records, self.shard_bytes) for k in ("samples", "texts")}
         self._errors: list[dict[str, Any]] = []
         self._added: set[int] = set()  # sample ids given a record or error row by this writer
-        self.commits = 0
 
     def add_text(self, caption_key: int, data: bytes) -> bool:
         """Queue a text record; returns True when a shard was committed."""
@@ -197,7 +198,6 @@ class CacheWriter:
             self._errors = []
         self.meta["generation"] = generation
         self._write_meta()
-        self.commits += 1
         if wrote_samples:
             faults.hit("cache.samples_committed")  # tests: kill an embed job between two commits
 
@@ -212,7 +212,7 @@ class CacheWriter:
         """
         self.commit()
         old = {k: list(v) for k, v in self.meta["index"].items()}
-        raw = {kind: read_index_parts(self.fs, self.root, self.url, self.meta, kind) for kind in INDEX_SCHEMAS}
+        raw = read_index(self.url, self.storage_options, self.meta, superseded=True)
         tables = dict(raw)
         tables["samples"], tables["errors"] = newest_rows(raw["samples"], raw["errors"])
         for kind, key in (("samples", "sample_id"), ("texts", "caption_key"), ("errors", "sample_id")):

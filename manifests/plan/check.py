@@ -1,27 +1,27 @@
 """Re-check every invariant of a committed plan (``bucketeer plan --check PLAN MANIFEST``).
 
-Invariants (DESIGN.md): every part has the five columns; every rank has the same steps in every
-epoch, numbered in order; all ranks at a step hold the same bucket; every batch has the bucket's
-batch size (exactly B in fixed mode); steps per epoch are a multiple of grad_accum; within an
-epoch no sample appears twice except the counted padding, and every planned sample appears or is
-counted as dropped; each sample is in the manifest, in the bucket the row names; the parts hash
-to what ``_plan.json`` records; and (fresh plans) re-planning from the inputs gives the same bytes.
+The invariants (the plan contract of README.md "Artifacts" and :mod:`manifests.plan.store`): every
+part has the five columns; every rank has the same steps in every epoch, numbered in order; all
+ranks at a step hold the same bucket; every batch has the bucket's batch size (exactly B in fixed
+mode); steps per epoch are a multiple of grad_accum; within an epoch no sample appears twice except
+the counted padding, and every planned sample appears or is counted as dropped; each sample is in
+the manifest, in the bucket the row names; the parts hash to what ``_plan.json`` records; and
+(fresh plans) re-planning from the inputs gives the same bytes. Parts are read through
+:func:`manifests.plan.store.read_plan_rows`; a missing or malformed one is reported, not raised.
 """
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
-from manifests.plan.store import PLAN_FILE, PLAN_SCHEMA, epoch_files, rank_part, read_plan_meta
+from manifests.plan.store import PLAN_FILE, epoch_files, read_plan_meta, read_plan_rows
 from manifests.plan.schedule import PlanConfig, cached_mask, group_samples, plan_epoch
 from manifests.progress import Progress
-from manifests.storage import join, open_url, redact
+from manifests.storage import redact
 
 __all__ = ["check_plan"]
 
@@ -32,36 +32,6 @@ def _codes(array: pa.Array, names: list[str]) -> np.ndarray:
     index = {n: i for i, n in enumerate(names)}
     remap = np.asarray([index.get(x, -1) for x in enc.dictionary.to_pylist()] + [-1], np.int64)
     return remap[enc.indices.to_numpy(zero_copy_only=False)]
-
-
-def _read_epoch(fs, root: str, epoch: int, world: int) -> tuple[list[pa.Table | None], str, list[str]]:
-    """All ranks' tables of one epoch (None where unreadable), the parts' digest, and problems."""
-    problems: list[str] = []
-    paths = [join(root, rank_part(epoch, r)) for r in range(world)]
-    blobs = fs.cat(paths, on_error="return")
-    digest = hashlib.sha256()
-    tables: list[pa.Table | None] = []
-    for r, path in enumerate(paths):
-        data = blobs.get(path)
-        if not isinstance(data, bytes):
-            problems.append(f"epoch {epoch} rank {r}: part {rank_part(epoch, r)} is missing or unreadable")
-            tables.append(None)
-            continue
-        digest.update(f"{rank_part(epoch, r)}:{hashlib.sha256(data).hexdigest()}\n".encode())
-        try:
-            table = pq.read_table(pa.BufferReader(data))
-        except (pa.ArrowInvalid, OSError) as e:
-            problems.append(f"epoch {epoch} rank {r}: part is not parquet ({e})")
-            tables.append(None)
-            continue
-        if table.column_names != PLAN_SCHEMA.names or not table.schema.equals(PLAN_SCHEMA):
-            problems.append(
-                f"epoch {epoch} rank {r}: columns {table.schema} are not the plan columns {PLAN_SCHEMA.names}"
-            )
-            tables.append(None)
-            continue
-        tables.append(table)
-    return tables, digest.hexdigest(), problems
 
 
 def _check_ranks(epoch: int, entry: dict[str, Any], tables: list[pa.Table], batch_sizes: dict[str, int]) -> list[str]:
@@ -222,20 +192,20 @@ def check_plan(
         manifest_codes = np.repeat(bucket_code, samples.counts)[order]
     replan = fresh and samples is not None and exact
 
-    fs, root = open_url(url, storage_options)
     world = int(inputs["world_size"])
     config = PlanConfig.from_json(inputs)
     reporter = Progress("plan --check", "epochs", total=len(epochs), unit="epochs", enabled=progress)
     for entry in epochs:
         epoch = entry["epoch"]
-        tables, digest, read_problems = _read_epoch(fs, root, epoch, world)
-        problems += read_problems
-        if read_problems:
+        rows = read_plan_rows(url, [epoch], storage_options=storage_options, meta=meta)  # one epoch in memory
+        if rows.problems:  # missing or malformed parts: reported, the epoch's other checks need them all
+            problems += [rows.problems[k] for k in sorted(rows.problems)]
             reporter.update(1, violations=len(problems))
             continue
+        tables = rows.ranks(epoch)
         problems += _check_ranks(epoch, entry, tables, batch_sizes)
         problems += _check_samples(epoch, entry, tables, planned, manifest_ids, manifest_codes, names)
-        if digest != entry["sha256"]:
+        if rows.sha256[epoch] != entry["sha256"]:
             problems.append(
                 f"epoch {epoch}: the parts do not hash to the sha256 in {PLAN_FILE} (edited after planning)"
             )

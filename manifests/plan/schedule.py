@@ -118,9 +118,6 @@ class PlanConfig:
     def from_json(cls, d: dict[str, Any]) -> "PlanConfig":
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
-    def with_world(self, world_size: int, batch_size: int | None) -> "PlanConfig":
-        return replace(self, world_size=world_size, batch_size=batch_size)
-
 
 @dataclass(frozen=True)
 class BucketedSamples:

@@ -6,10 +6,15 @@ sorted by step, and ``_plan.json``, written last, which makes the folder valid. 
 its own files (their paths follow from ``(epoch, rank)``: no listing), so thousands of ranks each
 read a few hundred kilobytes. The schedule itself is :mod:`manifests.plan.schedule`.
 
-Public API (what the trainer calls)::
+:func:`read_plan_rows` is the one reader of plan rows: rows of ``(epochs, ranks, columns)``, never
+of file paths, so the layout can change under it. The trainer, ``--check``, the resume and the
+report all read through it.
+
+Public API::
 
     meta = read_plan_meta(url, storage_options)            # _plan.json as a dict; PlanError if invalid
     rows = read_rank_plan(url, rank, storage_options, epoch=None)   # this rank's rows, by (epoch, step)
+    rows = read_plan_rows(url, epochs=[0], ranks=None, columns=["step", "bucket"])  # a PlanRows
     meta = resume_plan(plan_url, out_url, epoch=E, step=S, world_size=N2)  # elastic resume
 
 **Elastic resume.** ``(epoch, step)`` is the position reached: ``step`` is the first step of
@@ -29,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -65,11 +71,12 @@ __all__ = [
     "PLAN_SCHEMA",
     "PlanError",
     "PlanConfig",
+    "PlanRows",
     "rank_part",
     "write_plan",
     "read_plan_meta",
+    "read_plan_rows",
     "read_rank_plan",
-    "read_epoch_tables",
     "resume_plan",
     "epoch_files",
 ]
@@ -101,15 +108,20 @@ def _parquet_bytes(table: pa.Table) -> bytes:
     return buf.getvalue()
 
 
+def _digest(files: dict[str, bytes]) -> str:
+    """The sha256 ``_plan.json`` records for an epoch: of its parts' paths and contents, in rank order."""
+    digest = hashlib.sha256()
+    for path, data in files.items():
+        digest.update(f"{path}:{hashlib.sha256(data).hexdigest()}\n".encode())
+    return digest.hexdigest()
+
+
 def epoch_files(schedule: EpochSchedule, world_size: int) -> tuple[dict[str, bytes], str]:
     """Every rank's parquet bytes of one epoch, by relative path, and their combined sha256."""
     files = {
         rank_part(schedule.epoch, r): _parquet_bytes(rank_table(schedule, world_size, r)) for r in range(world_size)
     }
-    digest = hashlib.sha256()
-    for path, data in files.items():
-        digest.update(f"{path}:{hashlib.sha256(data).hexdigest()}\n".encode())
-    return files, digest.hexdigest()
+    return files, _digest(files)
 
 
 def _put_files(fs, root: str, files: dict[str, bytes]) -> None:
@@ -295,35 +307,112 @@ def read_plan_meta(url: str, storage_options: dict[str, Any] | None = None) -> d
     return meta
 
 
-def _read_parts(fs, root: str, url: str, parts: list[str]) -> list[pa.Table]:
-    if not parts:
-        return []
-    paths = [join(root, p) for p in parts]
+@dataclass(frozen=True)
+class PlanRows:
+    """What :func:`read_plan_rows` found, per ``(epoch, rank)`` asked for: its rows, or its problem.
+
+    A part that is missing or malformed is in ``problems`` (one line naming the epoch, rank and
+    part), not in ``tables``, so ``--check`` can report it; :meth:`table` and :meth:`ranks` raise it.
+    """
+
+    url: str
+    schema: pa.Schema  # the columns asked for
+    tables: dict[tuple[int, int], pa.Table]  # rows sorted by step
+    problems: dict[tuple[int, int], str]
+    sha256: dict[int, str]  # per epoch read whole (every rank) and intact: comparable with _plan.json's
+
+    def _raise_first_problem(self) -> None:
+        if self.problems:
+            first = self.problems[min(self.problems)]
+            raise PlanError(f"{redact(self.url)}: {first}; re-run `bucketeer plan`")
+
+    def table(self) -> pa.Table:
+        """Every row read, by (epoch, rank, step). Raises PlanError for the first unusable part."""
+        self._raise_first_problem()
+        if not self.tables:
+            return self.schema.empty_table()
+        return pa.concat_tables([self.tables[k] for k in sorted(self.tables)])
+
+    def ranks(self, epoch: int) -> list[pa.Table]:
+        """The rows of ``epoch``, one table per rank read, in rank order. Raises PlanError like :meth:`table`."""
+        self._raise_first_problem()
+        return [self.tables[k] for k in sorted(self.tables) if k[0] == epoch]
+
+
+def _part_rows(data: bytes | None, epoch: int, rank: int, want: pa.Schema) -> tuple[pa.Table | None, str]:
+    """One part's rows in the columns of ``want``, or None and the problem (a line naming the epoch,
+    rank and part); ``data`` None: the part does not exist."""
+    where = f"epoch {epoch} rank {rank}"
+    part = rank_part(epoch, rank)
+    if data is None:
+        return None, f"{where}: part {part} named by {PLAN_FILE} is missing"
     try:
-        blobs = fs.cat(paths)  # one call: concurrent GETs on object stores
-    except FileNotFoundError as e:
-        raise PlanError(
-            f"{redact(url)}: a part named by {PLAN_FILE} is missing ({redact(str(e))}); re-run `bucketeer plan`"
-        ) from None
-    tables = []
-    for part, path in zip(parts, paths):
-        table = pq.read_table(pa.BufferReader(blobs[path]))
-        missing = [n for n in PLAN_SCHEMA.names if n not in table.column_names]
-        if missing:
-            raise PlanError(f"{redact(url)}: part {part} lacks columns {missing}")
-        try:
-            tables.append(table.select(PLAN_SCHEMA.names).cast(PLAN_SCHEMA))
-        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
-            raise PlanError(f"{redact(url)}: part {part} has wrong column types ({e})") from None
-    return tables
+        parquet = pq.ParquetFile(pa.BufferReader(data))
+    except (pa.ArrowInvalid, OSError) as e:
+        return None, f"{where}: part {part} is not parquet ({e})"
+    columns = want.names
+    schema = parquet.schema_arrow
+    if any(c not in schema.names or not schema.field(c).type.equals(want.field(c).type) for c in columns):
+        found, expected = ([f"{f.name}: {f.type}" for f in sch] for sch in (schema, want))
+        return None, f"{where}: columns {found} are not the plan columns {expected} (part {part})"
+    return parquet.read(columns=columns).cast(want), ""
 
 
-def _entries(meta: dict[str, Any], url: str, epoch: int | None) -> list[dict[str, Any]]:
-    entries = [e for e in meta["epochs"] if epoch is None or e["epoch"] == epoch]
-    if epoch is not None and not entries:
-        held = [e["epoch"] for e in meta["epochs"]]
-        raise PlanError(f"{redact(url)} has no epoch {epoch}; it holds epochs {held}")
-    return entries
+def read_plan_rows(
+    url: str,
+    epochs: Sequence[int] | None = None,
+    ranks: Sequence[int] | None = None,
+    *,
+    columns: Sequence[str] | None = None,
+    storage_options: dict[str, Any] | None = None,
+    meta: dict[str, Any] | None = None,
+) -> PlanRows:
+    """The rows of ``epochs`` x ``ranks`` (default: every epoch the plan holds, every rank) in ``columns``
+    (default: all of PLAN_SCHEMA), with one concurrent read of what they need.
+
+    ``meta`` is the plan's ``_plan.json`` when the caller has it. A missing or malformed part is a
+    problem in the result (see :class:`PlanRows`), never an exception here. Raises PlanError for an
+    invalid plan, an epoch it does not hold, a rank outside its world size, or an unknown column;
+    a storage failure other than a missing part is raised as storage raised it.
+    """
+    meta = meta or read_plan_meta(url, storage_options)
+    held = [e["epoch"] for e in meta["epochs"]]
+    epochs = held if epochs is None else list(epochs)
+    for epoch in epochs:
+        if epoch not in held:
+            raise PlanError(f"{redact(url)} has no epoch {epoch}; it holds epochs {held}")
+    world = int(meta["inputs"]["world_size"])
+    every_rank = ranks is None
+    ranks = list(range(world)) if ranks is None else list(ranks)
+    for rank in ranks:
+        if not 0 <= rank < world:
+            raise PlanError(f"rank {rank} is outside {redact(url)}'s world size {world} (ranks 0..{world - 1})")
+    columns = list(PLAN_SCHEMA.names if columns is None else columns)
+    unknown = [c for c in columns if c not in PLAN_SCHEMA.names]
+    if unknown:
+        raise PlanError(f"columns {unknown} are not plan columns {PLAN_SCHEMA.names}")
+    want = pa.schema([PLAN_SCHEMA.field(c) for c in columns])
+
+    fs, root = open_url(url, storage_options)
+    keys = [(e, r) for e in epochs for r in ranks]
+    paths = {key: join(root, rank_part(*key)) for key in keys}
+    blobs = fs.cat(list(paths.values()), on_error="return") if keys else {}  # concurrent GETs on object stores
+    tables, problems = {}, {}
+    for key in keys:
+        data = blobs.get(paths[key], FileNotFoundError(paths[key]))
+        if isinstance(data, BaseException) and not isinstance(data, FileNotFoundError):
+            raise data  # denied, throttled, unreachable: a storage failure, not a fault of the plan
+        table, problem = _part_rows(None if isinstance(data, BaseException) else data, *key, want)
+        if table is None:
+            problems[key] = problem
+        else:
+            tables[key] = table
+    sha256 = {}
+    if every_rank:
+        for epoch in epochs:
+            if not any(k[0] == epoch for k in problems):
+                sha256[epoch] = _digest({rank_part(epoch, r): blobs[paths[(epoch, r)]] for r in ranks})
+    return PlanRows(url, want, tables, problems, sha256)
 
 
 def read_rank_plan(
@@ -331,27 +420,10 @@ def read_rank_plan(
 ) -> pa.Table:
     """Rank ``rank``'s rows (all epochs, or one), sorted by (epoch, step), in PLAN_SCHEMA.
 
-    Reads ``_plan.json`` and this rank's files only. Raises PlanError for an invalid plan, a rank
-    outside the world size or an epoch the plan does not hold.
+    Reads ``_plan.json`` and this rank's rows only. Raises PlanError for an invalid plan, a rank
+    outside the world size, an epoch the plan does not hold, or a missing or malformed part.
     """
-    meta = read_plan_meta(url, storage_options)
-    world = int(meta["inputs"]["world_size"])
-    if not 0 <= rank < world:
-        raise PlanError(f"rank {rank} is outside {redact(url)}'s world size {world} (ranks 0..{world - 1})")
-    fs, root = open_url(url, storage_options)
-    parts = [rank_part(e["epoch"], rank) for e in _entries(meta, url, epoch)]
-    tables = _read_parts(fs, root, url, parts)
-    return pa.concat_tables(tables) if tables else PLAN_SCHEMA.empty_table()
-
-
-def read_epoch_tables(
-    url: str, epoch: int, storage_options: dict[str, Any] | None = None, meta: dict[str, Any] | None = None
-) -> list[pa.Table]:
-    """Every rank's rows of one epoch (``[rank 0, rank 1, …]``): for checks and resumes, not training."""
-    meta = meta or read_plan_meta(url, storage_options)
-    fs, root = open_url(url, storage_options)
-    _entries(meta, url, epoch)
-    return _read_parts(fs, root, url, [rank_part(epoch, r) for r in range(int(meta["inputs"]["world_size"]))])
+    return read_plan_rows(url, None if epoch is None else [epoch], [rank], storage_options=storage_options).table()
 
 
 def resume_plan(
@@ -424,7 +496,7 @@ def resume_plan(
     todo = sorted(x for x in entries if x >= epoch)
     reporter = _EpochProgress("plan --resume", len(todo), progress)
     for e in todo:
-        tables = read_epoch_tables(plan_url, e, storage_options, meta)
+        tables = read_plan_rows(plan_url, [e], storage_options=storage_options, meta=meta).ranks(e)
         schedule = schedule_from_rank_tables(tables, entries[e]["padded"], entries[e]["dropped"])
         schedule = schedule.tail(step) if e == epoch else schedule
         files, digest = epoch_files(schedule, world_size)

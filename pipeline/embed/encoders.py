@@ -20,7 +20,7 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, TypeVar
 
 import numpy as np
 
@@ -49,12 +49,17 @@ DEFAULT_NOTICE = (
 STORAGE_DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
 
 
-class Encoder(Protocol):
-    """What the embed workers need from an encoder: a description for the fingerprint and ``encode``."""
+Batch = TypeVar("Batch", contravariant=True)
+
+
+class Encoder(Protocol[Batch]):
+    """What the embed workers need from an encoder, and all they use: ``describe()`` (ids, weight
+    hashes and shapes, for the cache's fingerprint) and ``encode(batch)``. :class:`LatentEncoder` is
+    an ``Encoder[np.ndarray]`` (pixels), :class:`TextEncoders` an ``Encoder[list[str]]`` (captions)."""
 
     def describe(self) -> dict[str, Any]: ...
 
-    def encode(self, batch: Any) -> Any: ...
+    def encode(self, batch: Batch) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -73,7 +78,8 @@ class EncoderSource:
     def resolve(self, default_subfolder: str) -> tuple[str, str | None, str]:
         """``(path_or_id, subfolder, id for the fingerprint)``; the default is built on first use."""
         if self.is_default:
-            return str(ensure_default_encoders(self.home)), self.subfolder or default_subfolder, f"bucketeer:default-{_DEFAULT_VERSION}"
+            path = str(ensure_default_encoders(self.home))
+            return path, self.subfolder or default_subfolder, f"bucketeer:default-{_DEFAULT_VERSION}"
         return self.source, self.subfolder, self.source
 
 
@@ -242,6 +248,8 @@ class LatentEncoder:
             "channels": int(cfg.latent_channels),
             "scaling_factor": float(cfg.scaling_factor),
             "shift_factor": None if getattr(cfg, "shift_factor", None) is None else float(cfg.shift_factor),
+            "device": str(self.device),  # where it runs: recorded in _cache.json, not fingerprinted
+            "compute_dtype": str(self.compute_dtype).replace("torch.", ""),
         }
 
     def encode(self, batch: np.ndarray) -> Any:
@@ -301,7 +309,9 @@ class TextEncoders:
     ``layer`` is ``last`` (last hidden state) or ``penultimate`` (SDXL's choice).
     """
 
-    def __init__(self, sources: list[EncoderSource], *, use_gpu: bool = False, dtype: str = "BF16", layer: str = "last"):
+    def __init__(
+        self, sources: list[EncoderSource], *, use_gpu: bool = False, dtype: str = "BF16", layer: str = "last"
+    ):
         from transformers import AutoTokenizer
 
         if layer not in ("last", "penultimate"):

@@ -3,22 +3,29 @@
 Geometry follows SDXL's micro-conditioning: sizes are ``(height, width)``, the crop position is
 ``(top, left)`` in the pixels of the resized image (the image scaled so that it just covers the
 bucket). A seeded random crop depends only on ``(seed, sample_id)``, never on processing order.
+
+An image is decoded when its pixel count is within the manifest's ``max_pixels`` (the limit the
+scan accepted it under, :data:`manifests.schema.MAX_PIXELS` at most): it is opened the way the scan
+opens it (:func:`pipeline.scan.headers.open_image`, no Pillow bomb check), so Pillow's own
+threshold never refuses what the manifest accepted, and Pillow's settings are left as they are.
 """
 
 from __future__ import annotations
 
 import io
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageOps
 
 from manifests.retry import with_retries
+from manifests.schema import MAX_PIXELS
+from pipeline.scan.headers import open_image
 
-__all__ = ["ImageFailure", "Prepared", "cover_and_crop", "prepare_image", "fetch_all", "DEFAULT_MAX_PIXELS"]
+__all__ = ["ImageFailure", "Prepared", "cover_and_crop", "prepare_image", "fetch_all"]
 
-DEFAULT_MAX_PIXELS = 100_000_000  # 100 MP: beyond this a decode costs GBs of memory (decompression bombs)
 _EXIF_ORIENTATION = 0x0112
 
 
@@ -64,15 +71,17 @@ def _open(data: bytes, max_pixels: int) -> Image.Image:
     if not data:
         raise ImageFailure("empty", "the file has zero bytes")
     try:
-        img = Image.open(io.BytesIO(data))
-    except UnidentifiedImageError:
-        raise ImageFailure("not_an_image", "no image decoder recognises these bytes") from None
-    except Image.DecompressionBombError as e:
+        img, problems = open_image(io.BytesIO(data), data[:16])
+    except Image.DecompressionBombError as e:  # a plugin that checks while opening (WebP): above MAX_PIXELS
         raise ImageFailure("too_many_pixels", str(e)) from None
-    except OSError as e:
-        raise ImageFailure("truncated", f"header unreadable: {e}") from None
+    if img is None:
+        unreadable = [e for _, e in problems if isinstance(e, (OSError, EOFError))]
+        if unreadable:
+            raise ImageFailure("truncated", f"header unreadable: {unreadable[0]}")
+        raise ImageFailure("not_an_image", "no image decoder recognises these bytes")
     if img.width * img.height > max_pixels:
-        raise ImageFailure("too_many_pixels", f"{img.width}x{img.height} is over the {max_pixels}-pixel limit")
+        raise ImageFailure("too_many_pixels", f"{img.width}x{img.height} is over the manifest's "
+                           f"{max_pixels:,}-pixel limit (scan --max-pixels)")
     return img
 
 
@@ -92,11 +101,12 @@ def prepare_image(
     crop: str = "center",
     seed: int = 0,
     sample_id: int = 0,
-    max_pixels: int = DEFAULT_MAX_PIXELS,
+    max_pixels: int = MAX_PIXELS,
 ) -> Prepared:
     """Decode ``data`` and return the ``bucket`` ``(h, w)`` crop of it resized to cover the bucket.
 
-    Raises ImageFailure (kind + message) for bytes that cannot become an image.
+    ``max_pixels`` is the manifest's limit (``Manifest.max_pixels``). Raises ImageFailure (kind +
+    message) for bytes that cannot become an image, or an image of more pixels.
     """
     img = _open(data, max_pixels)
     try:
@@ -108,10 +118,13 @@ def prepare_image(
     original = (stored_w, stored_h) if swap else (stored_h, stored_w)  # (h, w) in display orientation
     resized, (top, left) = cover_and_crop(original, bucket, crop, seed, sample_id)
     try:
-        # JPEG: decode at 1/2, 1/4 or 1/8 scale when that still covers the resized size (much faster)
-        img.draft("RGB", (resized[0], resized[1]) if swap else (resized[1], resized[0]))
-        img = ImageOps.exif_transpose(img) if orientation != 1 else img
-        img = _to_rgb(img)
+        with warnings.catch_warnings():
+            # the size passed the manifest's limit: Pillow's warning above half its threshold says nothing new
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            # JPEG: decode at 1/2, 1/4 or 1/8 scale when that still covers the resized size (much faster)
+            img.draft("RGB", (resized[0], resized[1]) if swap else (resized[1], resized[0]))
+            img = ImageOps.exif_transpose(img) if orientation != 1 else img
+            img = _to_rgb(img)
     except Image.DecompressionBombError as e:
         raise ImageFailure("too_many_pixels", str(e)) from None
     except OSError as e:

@@ -5,7 +5,8 @@
 
 Phases: (1) every unique caption not yet cached is encoded once by a text-encoder actor; (2) the
 samples the cache lacks or holds stale are grouped by bucket into batches; CPU tasks fetch,
-decode and crop a batch while VAE actors (``num_gpus=1`` each when the cluster has GPUs, else one
+decode (up to the manifest's ``max_pixels``, the limit its scan accepted images under) and crop a
+batch while VAE actors (``num_gpus=1`` each when the cluster has GPUs, else one
 CPU actor) encode earlier ones. The driver packs records into shards and commits ``_cache.json``
 after each shard, so a killed job resumes where the last commit left off. Each phase reports its
 progress (captions/s; images/s and MB written) through :class:`manifests.progress.Progress`: a bar
@@ -42,6 +43,7 @@ from manifests.cache import (
     Freshness,
     cache_freshness,
     read_cache_meta,
+    read_index,
     settings_diff,
     source_key,
 )
@@ -52,13 +54,12 @@ from pipeline.ray_setup import init_ray
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from pipeline.embed.imaging import DEFAULT_MAX_PIXELS
-
     parser.add_argument("manifest", help="manifest folder (local path or URL) written by `bucketeer scan`")
     parser.add_argument("--out", required=True, help="cache folder (local path or URL); resumed if it exists")
     g = parser.add_argument_group("encoders")
     g.add_argument("--vae", default="default",
-                   help="AutoencoderKL hub id or local folder; 'default' = tiny random-weight VAE for trying the pipeline")
+                   help="AutoencoderKL hub id or local folder; "
+                        "'default' = tiny random-weight VAE for trying the pipeline")
     g.add_argument("--vae-subfolder", default=None, help="subfolder of --vae, e.g. 'vae' for a pipeline repo")
     g.add_argument("--text-encoder", action="append", default=None, metavar="ID|PATH",
                    help="text encoder hub id or folder; repeat for SDXL-style pairs (order kept); default: tiny CLIP")
@@ -71,7 +72,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("images")
     g.add_argument("--crop", choices=("center", "random"), default="center", help="crop after resize-to-cover")
     g.add_argument("--seed", type=int, default=0, help="seed of --crop random (per sample: seed + sample id)")
-    g.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS, help="refuse larger images (error row)")
     g.add_argument("--source", default=None, help="dataset root, if it moved since the scan (default: the manifest's)")
     g = parser.add_argument_group("job")
     g.add_argument("--storage-options", default=None, help="JSON fsspec options for all URLs, e.g. an endpoint_url")
@@ -132,26 +132,27 @@ def _request_settings(args: argparse.Namespace, bucket_spec: dict) -> dict[str, 
     }  # fmt: skip
 
 
-def _freshness(url: str, storage_options: dict, manifest, exists: bool) -> Freshness:
+def _freshness(url: str, manifest, index: dict | None) -> Freshness:
     """What the cache holds for each manifest row (everything missing when there is no cache yet)."""
-    if exists:
-        return cache_freshness(url, manifest, storage_options)
+    if index is not None:
+        return cache_freshness(url, manifest, index=index)
     return Freshness.empty_cache(manifest.samples.column("sample_id").to_numpy())
 
 
-def _check_early(url: str, storage_options: dict, request: dict) -> bool:
-    """Refuse a cache made with other requested settings; True when a cache exists at ``url``."""
+def _check_early(url: str, storage_options: dict, request: dict) -> dict | None:
+    """Refuse a cache made with other requested settings; its ``_cache.json``, None when there is no cache."""
     try:
-        old = read_cache_meta(url, storage_options)["settings"]
+        meta = read_cache_meta(url, storage_options)
     except CacheError as e:
         if "has no _cache.json" in str(e):
-            return False
+            return None
         raise
+    old = meta["settings"]
     diff = settings_diff(old, request, only_new_keys=True)
     if diff:
         raise CacheError(f"{redact(url)} was embedded with other settings:\n  " + "\n  ".join(diff)
                          + "\nUse a new --out for these settings (a cache holds exactly one setting).")  # fmt: skip
-    return True
+    return meta
 
 
 def _settings(request: dict, vae: dict, text: dict) -> dict[str, Any]:
@@ -198,8 +199,10 @@ def run(args: argparse.Namespace) -> int:
     request = _request_settings(args, manifest.meta["bucket_spec"])
     # one look at the committed index decides the work: stale rows (changed image bytes, caption or
     # bucket since they were embedded), read failures and missing ones are embedded; fresh records
-    # and error rows about the image itself stay
-    status = _freshness(args.out, so, manifest, _check_early(args.out, so, request))
+    # and error rows about the image itself stay. The writer opens on the same read of the index
+    committed = _check_early(args.out, so, request)
+    index = read_index(args.out, so, committed) if committed is not None else None
+    status = _freshness(args.out, manifest, index)
     if not status.todo.any():
         print(f"bucketeer embed: {redact(args.out)} already holds every sample of the manifest, all up to date; "
               "nothing to embed")  # fmt: skip
@@ -249,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
     settings = _settings(request, vae_info, text_info) if vae_info else None
     writer = None
     if settings:
-        writer = _open_writer(args, so, settings, vae_info, text_info, gpus)
+        writer = _open_writer(args, so, settings, vae_info, text_info, gpus, index)
     todo_keys = {}
     done_texts = writer.done_texts if writer else set()
     for row in samples:  # a fresh record's caption has its text record already (texts commit first)
@@ -268,7 +271,7 @@ def run(args: argparse.Namespace) -> int:
     if writer is None:  # single GPU: the VAE starts now
         vae_info = start_vae()
         settings = _settings(request, vae_info, text_info)
-        writer = _open_writer(args, so, settings, vae_info, text_info, gpus)
+        writer = _open_writer(args, so, settings, vae_info, text_info, gpus, index)
     for key, blob in encoded_texts:
         writer.add_text(key, blob)
     writer.commit("texts")  # text records are committed before any sample that refers to them
@@ -303,7 +306,7 @@ def run(args: argparse.Namespace) -> int:
 
     for i, (bucket, rows) in enumerate(batches):
         prepared = prepare.remote(source, so, bucket, [{k: r[k] for k in fields} for r in rows],
-                                  args.crop, args.seed, args.max_pixels)  # fmt: skip
+                                  args.crop, args.seed, manifest.max_pixels)  # fmt: skip
         window.append(vae_actors[i % len(vae_actors)].encode.remote(prepared))
         if len(window) >= 2 * len(vae_actors) + 2:  # bounded: a few batches in flight per actor
             collect(window.popleft())
@@ -317,7 +320,8 @@ def run(args: argparse.Namespace) -> int:
                "changed": changed, "retried": retried, "new_captions": len(items),
                "seconds": round(seconds, 2),
                "image_seconds": round(image_seconds, 2),  # the image phase alone, without model loading
-               "images_per_second": round(counts["embedded"] / image_seconds, 2) if image_seconds else None}  # fmt: skip
+               "images_per_second": round(counts["embedded"] / image_seconds, 2)
+               if image_seconds else None}  # fmt: skip
     meta = writer.finish(manifest.fingerprint, summary)
     print(f"bucketeer embed: {counts['embedded']} embedded, {counts['errors']} error rows, "
           f"{changed} changed, {retried} retried, {summary['skipped']} skipped in {seconds:.1f}s "
@@ -333,10 +337,13 @@ def _default_notice() -> str:
     return DEFAULT_NOTICE
 
 
-def _open_writer(args, so: dict, settings: dict, vae: dict, text: dict, gpus: int) -> CacheWriter:
+def _open_writer(
+    args, so: dict, settings: dict, vae: dict, text: dict, gpus: int, index: dict | None
+) -> CacheWriter:
     info = {
         "latent": {"kind": "posterior_mean", "dtype": settings["dtype"], "channels": vae["channels"],
-                   "factor": vae["factor"], "scaling_factor": vae["scaling_factor"], "shift_factor": vae["shift_factor"],
+                   "factor": vae["factor"], "scaling_factor": vae["scaling_factor"],
+                   "shift_factor": vae["shift_factor"],
                    "usage": "z = (latent - shift_factor) * scaling_factor (shift 0 when null)"},
         "text": {"dtype": settings["dtype"], "layer": args.text_layer, "pooled_dim": text["pooled_dim"],
                  "encoders": [{"id": e["id"], "hidden_size": e["hidden_size"], "max_length": e["max_length"]}
@@ -347,5 +354,6 @@ def _open_writer(args, so: dict, settings: dict, vae: dict, text: dict, gpus: in
         "gzip": GZIP_BACKEND,
         "storage_options": public_options(so),
     }  # fmt: skip
-    return CacheWriter(args.out, settings, info=info, storage_options=so, shard_records=args.shard_records)
+    return CacheWriter(args.out, settings, info=info, storage_options=so, shard_records=args.shard_records,
+                       index=index)
 

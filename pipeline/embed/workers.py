@@ -17,7 +17,7 @@ import numpy as np
 from manifests.buckets import parse_bucket
 from manifests.cache.records import SampleRecord, TextRecord, encode_sample, encode_text
 from manifests.storage import StorageError, join, open_url, redact
-from pipeline.embed.encoders import EncoderSource, LatentEncoder, TextEncoders, quiet_loading, to_storage
+from pipeline.embed.encoders import Encoder, EncoderSource, LatentEncoder, TextEncoders, quiet_loading, to_storage
 from pipeline.embed.imaging import ImageFailure, fetch_all, prepare_image
 from manifests.retry import is_transient
 
@@ -114,11 +114,10 @@ class LatentWorker:
         _set_threads(threads)
         quiet_loading()
         self.dtype = dtype
-        self.encoder = LatentEncoder(vae, use_gpu=use_gpu, dtype=dtype)
+        self.encoder: Encoder[np.ndarray] = LatentEncoder(vae, use_gpu=use_gpu, dtype=dtype)
 
     def describe(self) -> dict[str, Any]:
-        return {**self.encoder.describe(), "device": str(self.encoder.device),
-                "compute_dtype": str(self.encoder.compute_dtype).replace("torch.", "")}  # fmt: skip
+        return self.encoder.describe()
 
     def encode(self, prepared: dict[str, Any]) -> dict[str, Any]:
         records = []
@@ -142,7 +141,7 @@ class TextWorker:
         _set_threads(threads)
         quiet_loading()
         self.dtype = dtype
-        self.encoders = TextEncoders(sources, use_gpu=use_gpu, dtype=dtype, layer=layer)
+        self.encoders: Encoder[list[str]] = TextEncoders(sources, use_gpu=use_gpu, dtype=dtype, layer=layer)
 
     def describe(self) -> dict[str, Any]:
         return self.encoders.describe()

@@ -41,7 +41,8 @@ class Section:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("manifest", help="manifest folder (local path or URL)")
     parser.add_argument("--out", required=True, help="the HTML file to write (local path or URL)")
-    parser.add_argument("--plan", default=None, help="a plan folder made from this manifest: adds padding/drops and tokens per step")
+    parser.add_argument("--plan", default=None,
+                        help="a plan folder made from this manifest: adds padding/drops and tokens per step")
     parser.add_argument("--cache", default=None, help="a cache folder: adds record counts, bytes per sample and errors")
     parser.add_argument("--storage-options", default=None, help="fsspec options as JSON, e.g. an endpoint_url")
 
@@ -117,19 +118,25 @@ def manifest_section(manifest: Manifest, plots) -> Section:
         ("created", str(manifest.meta.get("created_at", "?"))),
         ("counts", ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))),
         ("captions", f"{stats['captioned']} of {counts['samples']} samples have one"),
-        ("buckets", f"{len(stats['buckets'])} used; spec " + ", ".join(f"{k}={v}" for k, v in sorted(spec.items()) if v is not None and k != "buckets")),
+        ("buckets", f"{len(stats['buckets'])} used; spec "
+                    + ", ".join(f"{k}={v}" for k, v in sorted(spec.items()) if v is not None and k != "buckets")),
         ("errors", ", ".join(f"{k} {v}" for k, v in stats["errors"].items()) or "none"),
     ]  # fmt: skip
     widths = samples["width"].to_numpy()
     heights = samples["height"].to_numpy()
     captions = samples["caption"].drop_nulls()
     words = captions.str.count_matches(r"\S+").to_numpy() if len(captions) else np.zeros(0, np.int64)
+    png = plots.png_bytes
     figures = [
-        Figure("buckets", plots.png_bytes(plots.bucket_histogram(stats["buckets"])), "Every sample lands in exactly one bucket; a batch holds one bucket."),
-        Figure("aspect_ratio", plots.png_bytes(plots.aspect_ratio_distribution(widths, heights)), "Display orientation (after EXIF rotation)."),
-        Figure("resolution", plots.png_bytes(plots.resolution_distribution(widths, heights)), "Points above the diagonal are portrait images.", wide=True),
-        Figure("caption_length", plots.png_bytes(plots.caption_length_histogram(words, samples.height - len(captions)))),
-        Figure("errors", plots.png_bytes(plots.error_kinds(stats["errors"])), "Files that were listed but cannot be used; none is dropped silently."),
+        Figure("buckets", png(plots.bucket_histogram(stats["buckets"])),
+               "Every sample lands in exactly one bucket; a batch holds one bucket."),
+        Figure("aspect_ratio", png(plots.aspect_ratio_distribution(widths, heights)),
+               "Display orientation (after EXIF rotation)."),
+        Figure("resolution", png(plots.resolution_distribution(widths, heights)),
+               "Points above the diagonal are portrait images.", wide=True),
+        Figure("caption_length", png(plots.caption_length_histogram(words, samples.height - len(captions)))),
+        Figure("errors", png(plots.error_kinds(stats["errors"])),
+               "Files that were listed but cannot be used; none is dropped silently."),
     ]  # fmt: skip
     return Section("Manifest", rows, figures)
 
@@ -146,53 +153,22 @@ def _bucket_tokens(name: str, meta_buckets: dict[str, Any]) -> int:
     return int(w) * int(h) // 256
 
 
-_PLAN_COLUMNS = ["epoch", "step", "rank", "bucket", "sample_ids"]
-
-
-def _read_plan_rows(fs, root: str, meta: dict[str, Any], epoch: int | None):
-    """``(epoch, step, rank, bucket, sample_ids)`` rows of one epoch (the first when None).
-
-    When ``_plan.json`` gives its ``layout`` and world size, exactly those files are read (no
-    listing); otherwise every parquet file under the folder (``_``-prefixed files are skipped).
-    """
-    import pyarrow as pa
-    import pyarrow.compute as pc
-    import pyarrow.dataset as ds
-    import pyarrow.parquet as pq
-
-    layout = meta.get("layout")
-    world = (meta.get("inputs") or {}).get("world_size")
-    if isinstance(layout, str) and isinstance(world, int) and epoch is not None:
-        pieces = []
-        for rank in range(world):
-            with fs.open(join(root, layout.format(epoch=epoch, rank=rank)), "rb") as f:
-                pieces.append(pq.read_table(f, columns=_PLAN_COLUMNS))
-        return pa.concat_tables(pieces), epoch
-    dataset = ds.dataset(root, filesystem=fs, format="parquet")
-    if epoch is None:
-        epochs = dataset.to_table(columns=["epoch"]).column("epoch")
-        if len(epochs) == 0:
-            return dataset.to_table(columns=_PLAN_COLUMNS), None
-        epoch = int(pc.min(epochs).as_py())
-    return dataset.to_table(columns=_PLAN_COLUMNS, filter=ds.field("epoch") == epoch), epoch
-
-
 def plan_section(url: str, manifest: Manifest, plots, storage_options: dict[str, Any] | None = None) -> Section:
     """Plan inputs, padding/drop waste per bucket and tokens per step of its first epoch.
 
-    Reads ``_plan.json`` (optional keys tolerated) and the plan's parquet rows; waste the JSON does
-    not give is computed from the rows and the manifest's bucket counts.
+    Reads ``_plan.json`` and the first epoch's rows through :func:`manifests.plan.read_plan_rows`
+    (PlanError for a folder that is not a committed plan, or a part that is missing or malformed).
     """
     import pyarrow.compute as pc
 
-    from manifests.plan import read_plan_meta
+    from manifests.plan import read_plan_meta, read_plan_rows
 
-    fs, root = open_url(url, storage_options)
     meta = read_plan_meta(url, storage_options)  # refuses a folder that is not a committed plan
-    inputs = meta.get("inputs") or {}
-    epochs_meta = meta.get("epochs") or []
-    first = epochs_meta[0] if epochs_meta else {}
-    table, epoch = _read_plan_rows(fs, root, meta, first.get("epoch"))
+    inputs = meta["inputs"]
+    first = meta["epochs"][0]
+    epoch = first["epoch"]
+    columns = ["step", "rank", "bucket", "sample_ids"]
+    table = read_plan_rows(url, [epoch], columns=columns, storage_options=storage_options, meta=meta).table()
 
     buckets_meta = meta.get("buckets") or {}
     manifest_counts = manifest_stats(manifest)["buckets"]
@@ -202,7 +178,8 @@ def plan_section(url: str, manifest: Manifest, plots, storage_options: dict[str,
     used, padded, dropped = [], [], []
     for name in names:
         in_bucket = bucket_col == name
-        ids = pc.list_flatten(table.column("sample_ids").filter(in_bucket)).to_numpy() if in_bucket.any() else np.zeros(0)
+        in_rows = table.column("sample_ids").filter(in_bucket)
+        ids = pc.list_flatten(in_rows).to_numpy() if in_bucket.any() else np.zeros(0)
         unique = len(np.unique(ids))
         available = int((buckets_meta.get(name) or {}).get("samples", manifest_counts.get(name, 0)))
         used.append(unique)
@@ -214,7 +191,9 @@ def plan_section(url: str, manifest: Manifest, plots, storage_options: dict[str,
     tokens = np.zeros((len(ranks), len(steps)), np.int64)  # (R, S)
     if table.num_rows:
         per_row = np.array([_bucket_tokens(b, buckets_meta) for b in bucket_col], np.int64) * sizes  # (rows,)
-        np.add.at(tokens, (np.searchsorted(ranks, table.column("rank").to_numpy()), np.searchsorted(steps, table.column("step").to_numpy())), per_row)
+        rank_at = np.searchsorted(ranks, table.column("rank").to_numpy())  # (rows,)
+        step_at = np.searchsorted(steps, table.column("step").to_numpy())  # (rows,)
+        np.add.at(tokens, (rank_at, step_at), per_row)
 
     fingerprint_in = inputs.get("manifest_fingerprint")
     if fingerprint_in is None:
@@ -228,17 +207,21 @@ def plan_section(url: str, manifest: Manifest, plots, storage_options: dict[str,
         ("plan", redact(url)),
         ("fingerprint", str(meta.get("fingerprint", "?"))),
         ("made from this manifest", match),
-        ("inputs", ", ".join(f"{k}={v}" for k, v in sorted(inputs.items()) if not isinstance(v, (dict, list)) and not k.endswith("fingerprint"))),
+        ("inputs", ", ".join(f"{k}={v}" for k, v in sorted(inputs.items())
+                             if not isinstance(v, (dict, list)) and not k.endswith("fingerprint"))),
         ("steps per epoch", str(meta.get("steps_per_epoch", len(steps)))),
         (f"epoch {epoch}", f"{len(steps)} steps x {len(ranks)} ranks, {total_slots} sample slots, "
-                           f"{sum(padded)} padding repeats ({100 * sum(padded) / max(total_slots, 1):.1f}%), {sum(dropped)} dropped"),
+                           f"{sum(padded)} padding repeats ({100 * sum(padded) / max(total_slots, 1):.1f}%), "
+                           f"{sum(dropped)} dropped"),
     ]  # fmt: skip
     tps = meta.get("tokens_per_step")
     if isinstance(tps, dict):
         rows.append(("tokens per step and rank", ", ".join(f"{k} {v}" for k, v in tps.items())))
     figures = [
-        Figure("plan_waste", plots.png_bytes(plots.plan_waste(names, used, padded, dropped)), "Padding repeats samples so every rank has equal steps; drops are leftovers of the leftover policy."),
-        Figure("tokens_per_step", plots.png_bytes(plots.tokens_per_step(steps, tokens)), "Per-rank work per step: big spreads mean ranks wait on each other."),
+        Figure("plan_waste", plots.png_bytes(plots.plan_waste(names, used, padded, dropped)),
+               "Padding repeats samples so every rank has equal steps; drops are leftovers of the leftover policy."),
+        Figure("tokens_per_step", plots.png_bytes(plots.tokens_per_step(steps, tokens)),
+               "Per-rank work per step: big spreads mean ranks wait on each other."),
     ]  # fmt: skip
     return Section("Plan", rows, figures)
 
@@ -246,42 +229,38 @@ def plan_section(url: str, manifest: Manifest, plots, storage_options: dict[str,
 # ---------------------------------------------------------------- cache
 
 
-def _read_index_column(fs, root: str, parts: list[str], column: str) -> np.ndarray:
-    import pyarrow.parquet as pq
-
-    values = []
-    for part in parts:
-        with fs.open(join(root, part), "rb") as f:
-            table = pq.read_table(f, columns=[column])
-        values.append(table.column(column).to_numpy(zero_copy_only=False))
-    return np.concatenate(values) if values else np.zeros(0)
-
-
 def cache_section(url: str, plots, storage_options: dict[str, Any] | None = None) -> Section:
-    """Record counts, bytes per sample, settings and errors of a cache (via ``_cache.json``)."""
-    from manifests.cache import read_cache_meta
+    """Record counts, bytes per sample, settings and errors of a cache (via ``_cache.json`` and its index).
 
-    fs, root = open_url(url, storage_options)
+    The index is read through :func:`manifests.cache.read_index`: superseded rows (a sample embedded
+    again after its image changed, or after a read failure) are not counted.
+    """
+    from manifests.cache import read_cache_meta, read_index
+
     meta = read_cache_meta(url, storage_options)  # refuses a folder that is not a bucketeer cache
     counts = meta.get("counts") or {}
     shards = meta.get("shards") or []
-    index = meta.get("index") or {}
     records = int(counts.get("samples", 0))
     sample_bytes = sum(int(s.get("bytes", 0)) for s in shards if s.get("kind", "samples") == "samples")
-    lengths = _read_index_column(fs, root, index.get("samples") or [], "length")
-    errors = _read_index_column(fs, root, index.get("errors") or [], "error")
-    kinds = {str(k): int(n) for k, n in zip(*np.unique(errors.astype(str), return_counts=True))} if len(errors) else {}
+    index = read_index(url, storage_options, meta)
+    lengths = index["samples"].column("length").to_numpy()
+    errors = index["errors"].column("error").to_pylist()
+    kinds = {str(k): int(n) for k, n in zip(*np.unique(errors, return_counts=True))} if errors else {}
     settings = meta.get("settings") or {}
     rows = [
         ("cache", redact(url)),
         ("fingerprint", str(meta.get("fingerprint", "?"))),
         ("records", ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "?"),
-        ("bytes per sample", f"{sample_bytes / records / 1024:.1f} KiB ({len(shards)} shard objects)" if records else "n/a"),
-        ("settings", ", ".join(f"{k}={redact(str(v))}" for k, v in sorted(settings.items()) if not isinstance(v, (dict, list)))),
+        ("bytes per sample", f"{sample_bytes / records / 1024:.1f} KiB ({len(shards)} shard objects)"
+                             if records else "n/a"),
+        ("settings", ", ".join(f"{k}={redact(str(v))}" for k, v in sorted(settings.items())
+                               if not isinstance(v, (dict, list)))),
+        ("errors", ", ".join(f"{k} {n}" for k, n in kinds.items()) or "none"),
     ]  # fmt: skip
     figures = [
         Figure("cache_record_sizes", plots.png_bytes(plots.cache_record_sizes(lengths))),
-        Figure("cache_errors", plots.png_bytes(plots.error_kinds(kinds, "Cache: errors by kind")), "Images whose full decode or encode failed during embed."),
+        Figure("cache_errors", plots.png_bytes(plots.error_kinds(kinds, "Cache: errors by kind")),
+               "Images whose full decode or encode failed during embed."),
     ]  # fmt: skip
     return Section("Cache", rows, figures)
 
@@ -289,7 +268,8 @@ def cache_section(url: str, plots, storage_options: dict[str, Any] | None = None
 # ---------------------------------------------------------------- HTML
 
 _CSS = """
-body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 0; color: #1d2330; background: #f5f6f8; }
+body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 0; color: #1d2330;
+       background: #f5f6f8; }
 header { background: #1d2330; color: #fff; padding: 18px 32px; }
 header h1 { margin: 0; font-size: 20px; } header p { margin: 4px 0 0; color: #b8bfcc; font-size: 12px; }
 main { padding: 8px 32px 32px; }

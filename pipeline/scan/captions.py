@@ -28,7 +28,14 @@ import pyarrow.parquet as pq
 
 from manifests.storage import open_url, redact
 
-__all__ = ["SIDECAR_EXTENSIONS", "CaptionTable", "decode_caption", "normalise_caption", "sidecar_stem", "load_caption_table"]
+__all__ = [
+    "SIDECAR_EXTENSIONS",
+    "CaptionTable",
+    "decode_caption",
+    "normalise_caption",
+    "sidecar_stem",
+    "load_caption_table",
+]
 
 SIDECAR_EXTENSIONS = (".txt", ".caption")  # when both exist, .txt wins
 _FILENAME_COLUMNS = ("filename", "file_name", "path", "image")
@@ -109,7 +116,8 @@ def load_caption_table(url: str, storage_options: dict[str, Any] | None = None) 
             parse = pcsv.ParseOptions(delimiter="\t" if suffix == "tsv" else ",", newlines_in_values=True)
             table = pcsv.read_csv(io.BytesIO(data), parse_options=parse)
         else:
-            raise ValueError(f"--captions {redact(url)}: unknown table format '.{suffix}'; use .parquet, .jsonl or .csv")
+            raise ValueError(f"--captions {redact(url)}: unknown table format '.{suffix}'; "
+                             "use .parquet, .jsonl or .csv")
     except pa.ArrowInvalid as e:
         raise ValueError(f"--captions {redact(url)}: cannot parse it as {suffix}: {e}") from None
     name_col = next((c for c in _FILENAME_COLUMNS if c in table.column_names), None)

@@ -12,8 +12,9 @@ seeking past the image data.
 
 Width and height are in **display orientation**: EXIF orientations 5-8 (transposed or rotated by
 90 degrees) swap them, as ``ImageOps.exif_transpose`` would. A declared pixel count above
-``max_pixels`` is reported as ``too_many_pixels``; Pillow's own bomb check is bypassed because
-nothing is decoded here.
+``max_pixels`` (at most :data:`manifests.schema.MAX_PIXELS`) is reported as ``too_many_pixels``.
+:func:`open_image` is Pillow's ``Image.open`` without its decompression-bomb check, so that the
+manifest's limit, not Pillow's, decides; the embed job decodes with it too.
 """
 
 from __future__ import annotations
@@ -22,27 +23,25 @@ import io
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import IO, Any, Callable
 
 from PIL import Image
 
+from manifests.schema import MAX_PIXELS
 from manifests.storage import StorageError, join, redact
 from pipeline.scan.captions import decode_caption
 from manifests.retry import is_permanent, with_retries
 
 __all__ = [
-    "DEFAULT_MAX_PIXELS",
     "FIRST_READ",
     "Header",
     "RangeReader",
     "StorageFailure",
+    "open_image",
     "probe_header",
     "probe_files",
 ]
 
-# Pillow refuses to open an image above 2 * Image.MAX_IMAGE_PIXELS (178,956,970 px, ~13.4k x 13.4k);
-# the scan uses the same threshold so that every sample it accepts opens in a default Pillow.
-DEFAULT_MAX_PIXELS = 2 * 89_478_485
 FIRST_READ = 64 * 1024
 # orientations that rotate by 90 degrees: the displayed image is the stored one transposed
 _SWAPS_SIDES = {5, 6, 7, 8}
@@ -175,7 +174,7 @@ def probe_header(
     read_range: Callable[[int, int], bytes],
     size: int,
     *,
-    max_pixels: int = DEFAULT_MAX_PIXELS,
+    max_pixels: int = MAX_PIXELS,
     first_read: int = FIRST_READ,
 ) -> Header:
     """Probe one image file of ``size`` bytes through ``read_range(start, end)`` (end exclusive).
@@ -209,7 +208,8 @@ def _probe(reader: RangeReader, max_pixels: int) -> Header:
     if header.error is None:
         assert header.width is not None and header.height is not None
         if header.width < 1 or header.height < 1:
-            return Header(format=header.format, error="not_an_image", message=f"declares a size of {header.width}x{header.height}")
+            message = f"declares a size of {header.width}x{header.height}"
+            return Header(format=header.format, error="not_an_image", message=message)
         if header.orientation in _SWAPS_SIDES:
             header.width, header.height = header.height, header.width
         if header.width * header.height > max_pixels:
@@ -221,37 +221,49 @@ def _probe(reader: RangeReader, max_pixels: int) -> Header:
     return header
 
 
-def _probe_with_pillow(reader: RangeReader, signature: bytes) -> Header:
-    # Image.open's loop without its decompression-bomb check: the size is all we want, and the
-    # scan applies its own pixel limit; nothing is decoded here.
-    # Formats without a signature check (TGA, IM, SPIDER, ...) are skipped: they would accept
-    # random bytes, and a dataset's .jpg/.png/.webp/.gif/.bmp/.tif files all carry a signature.
-    problems = []
+def open_image(fp: IO[bytes], signature: bytes) -> tuple[Image.Image | None, list[tuple[str, Exception]]]:
+    """``Image.open`` of the seekable ``fp`` (whose first bytes are ``signature``) without Pillow's
+    decompression-bomb check: the caller applies the manifest's pixel limit to ``im.size``.
+
+    Returns ``(image, problems)``: the image is lazy (only its header is read), or None when no
+    format opens it; ``problems`` are ``(format, exception)`` of formats whose signature matched
+    but whose header could not be read. Formats without a signature check (TGA, IM, SPIDER, ...)
+    are skipped: they would accept random bytes, and a dataset's .jpg/.png/.webp/.gif/.bmp/.tif
+    files all carry a signature.
+    """
+    problems: list[tuple[str, Exception]] = []
     for fmt in Image.ID:
         factory, accept = Image.OPEN[fmt]
         verdict = accept(signature) if accept else None
         if not verdict or isinstance(verdict, str):
             continue
-        reader.seek(0)
+        fp.seek(0)
         try:
-            im = factory(reader, "")
+            return factory(fp, ""), problems
         except (SyntaxError, IndexError, TypeError, struct.error, OSError, EOFError, ValueError) as e:
             problems.append((fmt, e))  # the signature matched: remember why it could not be read
-            continue
+    return None, problems
+
+
+def _probe_with_pillow(reader: RangeReader, signature: bytes) -> Header:
+    im, problems = open_image(reader, signature)  # reads the header only: nothing is decoded here
+    if im is not None:
         width, height = int(im.size[0]), int(im.size[1])
         orientation = _orientation(im)
         if im.format == "TIFF" and orientation in _SWAPS_SIDES:
             # Pillow's TIFF plugin already reports the displayed size (it transposes on load);
             # undo that here so every format leaves _probe with the stored size
             width, height = height, width
-        return Header(width=width, height=height, format=_format_name(im.format or fmt), orientation=orientation)
+        return Header(width=width, height=height, format=_format_name(im.format or "image"), orientation=orientation)
     if reader.hit_eof or (problems and reader.size <= len(signature)):
         fmt = problems[0][0] if problems else "image"
-        return Header(error="truncated", format=fmt, message=f"{fmt} header ends early: the file is cut off at {reader.size} bytes")
+        message = f"{fmt} header ends early: the file is cut off at {reader.size} bytes"
+        return Header(error="truncated", format=fmt, message=message)
     if problems:
         fmt, e = problems[0]
         text = str(e) or type(e).__name__
-        kind = "unsupported" if any(w in text.lower() for w in ("unsupported", "not supported", "unknown")) else "not_an_image"
+        unsupported = any(w in text.lower() for w in ("unsupported", "not supported", "unknown"))
+        kind = "unsupported" if unsupported else "not_an_image"
         return Header(error=kind, format=fmt, message=f"{fmt} signature but Pillow cannot read it: {text}")
     for magic, name in _OTHER_IMAGE_SIGNATURES.items():
         if magic in signature[:16]:
@@ -328,7 +340,9 @@ def _probe_webp(reader: RangeReader) -> Header:
             exif.load(reader.read(length))
             value = exif.get(_EXIF_ORIENTATION, 1)
             orientation = value if isinstance(value, int) and 1 <= value <= 8 else 1
-            return Header(width=width, height=height, format="WEBP", orientation=orientation) if width else _webp_truncated(reader)
+            if not width:
+                return _webp_truncated(reader)
+            return Header(width=width, height=height, format="WEBP", orientation=orientation)
         if width is not None and not has_exif:
             return Header(width=width, height=height, format="WEBP")
         reader.seek(start + length + (length & 1))  # skip the payload (image data) without reading it
@@ -346,7 +360,7 @@ def probe_files(
     root: str,
     items: list[tuple[str, int, bool, str | None]],
     *,
-    max_pixels: int = DEFAULT_MAX_PIXELS,
+    max_pixels: int = MAX_PIXELS,
     first_read: int = FIRST_READ,
     threads: int = 32,
 ) -> dict[str, Any]:
@@ -389,8 +403,9 @@ def probe_files(
 
     with ThreadPoolExecutor(max_workers=max(1, min(threads, len(items))), thread_name_prefix="probe") as pool:
         results = list(pool.map(one, items))
-    columns: dict[str, list] = {k: [] for k in ("name", "width", "height", "format", "orientation", "bytes_read",
-                                                 "requests", "error", "message", "caption", "caption_read")}  # fmt: skip
+    names = ("name", "width", "height", "format", "orientation", "bytes_read", "requests", "error", "message",
+             "caption", "caption_read")  # fmt: skip
+    columns: dict[str, list] = {k: [] for k in names}
     for (name, _, _, sidecar), (header, caption, ok) in zip(items, results):
         columns["name"].append(name)
         for key in ("width", "height", "format", "orientation", "bytes_read", "requests", "error", "message"):

@@ -35,11 +35,19 @@ from manifests import faults
 from manifests.buckets import BucketSpec, add_bucket_arguments, spec_from_args
 from manifests.manifest import apply_buckets, conform, write_manifest
 from manifests.progress import Progress
-from manifests.schema import ERRORS_SCHEMA, sample_ids
+from manifests.schema import ERRORS_SCHEMA, MAX_PIXELS, sample_ids
 from manifests.storage import StorageError, open_url, parse_storage_options, redact
 from pipeline.scan.captions import CaptionTable, load_caption_table
-from pipeline.scan.headers import DEFAULT_MAX_PIXELS, FIRST_READ, probe_files
-from pipeline.scan.listing import IMAGE_EXTENSIONS, IMAGE_SCHEMA, Listing, RescanPlan, caption_source, list_source, plan_rescan
+from pipeline.scan.headers import FIRST_READ, probe_files
+from pipeline.scan.listing import (
+    IMAGE_EXTENSIONS,
+    IMAGE_SCHEMA,
+    Listing,
+    RescanPlan,
+    caption_source,
+    list_source,
+    plan_rescan,
+)
 from pipeline.ray_setup import ray_session
 from manifests.retry import is_permanent
 
@@ -50,7 +58,7 @@ log = logging.getLogger("bucketeer.scan")
 class ScanConfig:
     """Tuning of the scan; the defaults suit a 2-64 core cluster reading from S3."""
 
-    max_pixels: int = DEFAULT_MAX_PIXELS  # declared pixel count above this -> too_many_pixels
+    max_pixels: int = MAX_PIXELS  # declared pixel count above this -> too_many_pixels (recorded in the manifest)
     header_bytes: int = FIRST_READ  # first ranged read per image
     threads_per_task: int = 32  # ranged reads in flight per Ray task
     files_per_task: int | None = None  # None: enough tasks to keep every CPU busy 4 times over
@@ -66,15 +74,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--previous", default=None, metavar="MANIFEST",
                         help="reuse unchanged rows from this manifest (default: the one at --out, if any)")  # fmt: skip
     parser.add_argument("--storage-options", default=None, help="fsspec options as JSON, e.g. an endpoint_url")
-    parser.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS,
-                        help=f"images declaring more pixels are errors (too_many_pixels), never decoded "
-                        f"(default {DEFAULT_MAX_PIXELS:,}: Pillow's refusal threshold)")  # fmt: skip
-    parser.add_argument("--header-bytes", type=int, default=FIRST_READ, help="first ranged read per image (default 64 KiB)")
+    parser.add_argument("--max-pixels", type=int, default=MAX_PIXELS,
+                        help="images declaring more pixels are errors (too_many_pixels), never decoded; recorded "
+                        f"in the manifest, embed decodes up to it (default and most {MAX_PIXELS:,}: "
+                        "what Pillow decodes)")  # fmt: skip
+    parser.add_argument("--header-bytes", type=int, default=FIRST_READ,
+                        help="first ranged read per image (default 64 KiB)")
     parser.add_argument("--threads-per-task", type=int, default=32, help="ranged reads in flight per Ray task")
-    parser.add_argument("--files-per-task", type=int, default=None, help="batch size of one Ray task (default: automatic)")
-    parser.add_argument("--ray-address", default=None, help="Ray cluster to use (default: $RAY_ADDRESS, else start one here)")
+    parser.add_argument("--files-per-task", type=int, default=None,
+                        help="batch size of one Ray task (default: automatic)")
+    parser.add_argument("--ray-address", default=None,
+                        help="Ray cluster to use (default: $RAY_ADDRESS, else start one here)")
     parser.add_argument("--no-progress", action="store_true",
-                        help="no progress bar or progress lines (the summary line is always printed)")  # fmt: skip
+                        help="no progress bar or progress lines (the summary line is always printed)")
     add_bucket_arguments(parser)
     parser.epilog = f"Images: {', '.join(sorted(IMAGE_EXTENSIONS))} (any case). Hidden and ._* files are ignored."
 
@@ -88,6 +100,9 @@ def run(args: argparse.Namespace) -> int:
     for name in ("max_pixels", "header_bytes", "threads_per_task"):
         if getattr(config, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if config.max_pixels > MAX_PIXELS:
+        raise ValueError(f"--max-pixels {config.max_pixels:,} is above {MAX_PIXELS:,}: Pillow refuses to decode "
+                         "larger images, so embed could not use them; the option can only lower the limit")
     meta = scan_dataset(
         args.source, args.out, spec=spec_from_args(args), storage_options=options, captions=args.captions,
         previous=args.previous, config=config, ray_address=args.ray_address,
@@ -164,7 +179,7 @@ def scan_dataset(
     summary = _summary(listing, plan, stats, samples, errors, seconds, started, config, captions, table)
     return write_manifest(
         out, samples, errors, source=source, spec=spec, storage_options=storage_options, summary=summary,
-        counts={"listed": len(listing.images), "ignored": listing.ignored},
+        counts={"listed": len(listing.images), "ignored": listing.ignored}, max_pixels=config.max_pixels,
     )  # fmt: skip
 
 
@@ -263,8 +278,12 @@ def _assemble(listing: Listing, plan: RescanPlan, results: list[dict], table: Ca
         # a sidecar that could not be read records no source, so the next scan reads it again
         return None if name in failed_reads else caption_source(listing, name, table)
 
-    new_images: dict[str, list] = {k: [] for k in ("filename", "width", "height", "format", "orientation", "bytes_read")}
-    new_errors: dict[str, list] = {k: [] for k in ("filename", "error", "message", "width", "height", "format", "bytes_read")}
+    new_images: dict[str, list] = {
+        k: [] for k in ("filename", "width", "height", "format", "orientation", "bytes_read")
+    }
+    new_errors: dict[str, list] = {
+        k: [] for k in ("filename", "error", "message", "width", "height", "format", "bytes_read")
+    }
     for i, name in enumerate(merged.get("name", [])):
         if merged["error"][i]:
             row = new_errors
@@ -313,7 +332,7 @@ def _summary(listing, plan, stats, samples, errors, seconds, started, config, ca
         "mb_read": round(sum(read) / 1e6, 3), "median_bytes_read": int(np.median(read)) if read else 0,
         "seconds": round(seconds, 3), "files_per_s": round(len(listing.images) / max(seconds, 1e-9), 1),
         "started_at": _dt.datetime.fromtimestamp(started, _dt.timezone.utc).isoformat(timespec="seconds"),
-        "started_at_epoch": started, "max_pixels": config.max_pixels, "header_bytes": config.header_bytes,
+        "started_at_epoch": started, "header_bytes": config.header_bytes,
         "captions": redact(captions) if captions else "sidecars",
         "caption_table_version": table.version if table is not None else None,
     }  # fmt: skip

@@ -109,7 +109,8 @@ def list_source(fs: AbstractFileSystem, root: str, *, page_size: int = PAGE_SIZE
             stem = sidecar_stem(entry.name)
             current = listing.sidecars.get(stem)
             # .txt wins over .caption whatever order the store lists them in
-            if current is None or SIDECAR_EXTENSIONS.index(_ext(entry.name)) < SIDECAR_EXTENSIONS.index(_ext(current.name)):
+            rank = SIDECAR_EXTENSIONS.index
+            if current is None or rank(_ext(entry.name)) < rank(_ext(current.name)):
                 listing.sidecars[stem] = entry
         elif kind == "hidden":
             listing.ignored_hidden += 1
@@ -281,10 +282,9 @@ def plan_rescan(
         empty.new = len(listing.images)
         return empty
 
-    prev_summary = old.meta.get("summary", {})
     small = pc.equal(old.errors.column("error"), "too_small")
     images = pa.concat_tables([conform(old.samples, IMAGE_SCHEMA), conform(old.errors.filter(small), IMAGE_SCHEMA)])
-    redo = {"read_failed"} | ({"too_many_pixels"} if prev_summary.get("max_pixels") != max_pixels else set())
+    redo = {"read_failed"} | ({"too_many_pixels"} if old.max_pixels != max_pixels else set())
     errors = old.errors.filter(pc.invert(small))
     errors = errors.filter(pc.invert(pc.is_in(errors.column("error"), pa.array(sorted(redo)))))
     redo_names = set(old.errors.column("filename").to_pylist()) - set(errors.column("filename").to_pylist())
@@ -313,7 +313,8 @@ def plan_rescan(
                 plan.work.append((name, entry.size, False, sidecar))
     plan.reused_images = images.filter(pa.array(keep_image, pa.bool_()))
     plan.reused_errors = errors.filter(pa.array(keep_error, pa.bool_()))
-    previous_names = set(images.column("filename").to_pylist()) | set(errors.column("filename").to_pylist()) | redo_names
+    previous_names = set(images.column("filename").to_pylist()) | set(errors.column("filename").to_pylist())
+    previous_names |= redo_names
     for e in listing.images:
         if e.name not in seen:
             plan.work.append((e.name, e.size, True, _sidecar(listing, e.name, table)))
