@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 
 from manifests.plan.store import PLAN_FILE, PLAN_SCHEMA, epoch_files, rank_part, read_plan_meta
 from manifests.plan.schedule import PlanConfig, cached_mask, group_samples, plan_epoch
-from manifests.storage import join, open_url, redact
+from manifests.storage import join, open_url, read_many, redact
 
 __all__ = ["check_plan"]
 
@@ -37,11 +37,10 @@ def _read_epoch(fs, root: str, epoch: int, world: int) -> tuple[list[pa.Table | 
     """All ranks' tables of one epoch (None where unreadable), the parts' digest, and problems."""
     problems: list[str] = []
     paths = [join(root, rank_part(epoch, r)) for r in range(world)]
-    blobs = fs.cat(paths, on_error="return")
+    blobs = read_many(fs, paths)
     digest = hashlib.sha256()
     tables: list[pa.Table | None] = []
-    for r, path in enumerate(paths):
-        data = blobs.get(path)
+    for r, data in enumerate(blobs):
         if not isinstance(data, bytes):
             problems.append(f"epoch {epoch} rank {r}: part {rank_part(epoch, r)} is missing or unreadable")
             tables.append(None)

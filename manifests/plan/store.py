@@ -47,10 +47,13 @@ from manifests.plan.schedule import (
     rank_table,
     schedule_from_rank_tables,
 )
+from manifests.errors import MissingError, UsageError
 from manifests.storage import (
+    call_storage,
     is_local,
     join,
     open_url,
+    read_all,
     read_artifact_meta,
     redact,
     write_bytes_atomic,
@@ -63,6 +66,7 @@ __all__ = [
     "PLAN_FORMAT_VERSION",
     "PLAN_SCHEMA",
     "PlanError",
+    "PlanMissingError",
     "PlanConfig",
     "rank_part",
     "write_plan",
@@ -79,8 +83,12 @@ PLAN_FORMAT_VERSION = 1
 LAYOUT = "epoch-{epoch:05d}/rank-{rank:05d}.parquet"
 
 
-class PlanError(ValueError):
+class PlanError(UsageError):
     """A plan folder is missing, uncommitted, of another format version, or malformed."""
+
+
+class PlanMissingError(PlanError, MissingError):
+    """A folder without ``_plan.json``: no plan there, or `bucketeer plan` never finished."""
 
 
 def rank_part(epoch: int, rank: int) -> str:
@@ -117,7 +125,8 @@ def _put_files(fs, root: str, files: dict[str, bytes]) -> None:
             write_bytes_atomic(fs, join(root, path), data)
     else:
         # one call: async stores (s3fs) upload these concurrently
-        fs.pipe({join(root, path): data for path, data in files.items()})
+        paths = {join(root, path): data for path, data in files.items()}
+        call_storage(fs, f"writing {len(paths)} plan parts under", root, lambda: fs.pipe(paths))
 
 
 def _epoch_entry(schedule: EpochSchedule, digest: str, steps_total: int) -> dict[str, Any]:
@@ -181,17 +190,18 @@ def _fingerprint(inputs: dict[str, Any], resumed_from: Any, epochs: list[dict[st
 
 def _begin(fs, root: str) -> None:
     # invalidate an older plan here first: a reader must never pair its _plan.json with new parts
-    fs.makedirs(root, exist_ok=True)
-    if fs.exists(join(root, PLAN_FILE)):
-        fs.rm(join(root, PLAN_FILE))
+    meta = join(root, PLAN_FILE)
+    call_storage(fs, "creating", root, lambda: fs.makedirs(root, exist_ok=True))
+    if call_storage(fs, "checking", meta, lambda: fs.exists(meta)):
+        call_storage(fs, "removing", meta, lambda: fs.rm(meta))
 
 
 def _commit(fs, root: str, meta: dict[str, Any], keep: set[str]) -> None:
     write_json_atomic(fs, join(root, PLAN_FILE), meta)
-    for path in fs.find(root):
+    for path in call_storage(fs, "listing", root, lambda: fs.find(root)):
         rel = path[len(root) :].lstrip("/")
         if rel.startswith("epoch-") and rel.endswith(".parquet") and rel not in keep:
-            fs.rm(path)
+            call_storage(fs, "removing", path, lambda: fs.rm(path))
 
 
 def write_plan(
@@ -215,7 +225,7 @@ def write_plan(
     """
     samples = group_samples(sample_ids, buckets, source=(sources or {}).get("manifest") or "samples")
     if not len(samples.ids):
-        raise ValueError("nothing to train: no sample to plan (empty manifest, or none of its samples is in the cache)")
+        raise UsageError("nothing to train: no sample to plan (empty manifest, or none of its samples is in the cache)")
     per_rank = bucket_batch_sizes(samples.names, config)  # (k,) raises before anything is written
     tokens = latent_tokens(samples.names, config.latent_factor, config.patch_size)
     first = plan_epoch(samples, config, 0)  # raises "nothing to train" before anything is written
@@ -267,6 +277,7 @@ def read_plan_meta(url: str, storage_options: dict[str, Any] | None = None) -> d
     fs, root = open_url(url, storage_options)
     meta = read_artifact_meta(
         fs, root, url, file=PLAN_FILE, kind=PLAN_KIND, version=PLAN_FORMAT_VERSION, error=PlanError,
+        missing=PlanMissingError,
         missing_hint="it is not a plan, or `bucketeer plan` never finished (still running or killed). "
         "Run `bucketeer plan` to (re)build it.",
         version_hint="Re-run `bucketeer plan` with this version.",
@@ -279,14 +290,18 @@ def _read_parts(fs, root: str, url: str, parts: list[str]) -> list[pa.Table]:
         return []
     paths = [join(root, p) for p in parts]
     try:
-        blobs = fs.cat(paths)  # one call: concurrent GETs on object stores
+        blobs = dict(zip(paths, read_all(fs, paths)))  # one call: concurrent GETs on object stores
     except FileNotFoundError as e:
         raise PlanError(
             f"{redact(url)}: a part named by {PLAN_FILE} is missing ({redact(str(e))}); re-run `bucketeer plan`"
         ) from None
     tables = []
     for part, path in zip(parts, paths):
-        table = pq.read_table(pa.BufferReader(blobs[path]))
+        try:
+            table = pq.read_table(pa.BufferReader(blobs[path]))
+        except pa.ArrowInvalid as e:
+            raise PlanError(f"{redact(url)}: part {part} is not a readable parquet file ({e}); "
+                            "re-run `bucketeer plan`") from None  # fmt: skip
         missing = [n for n in PLAN_SCHEMA.names if n not in table.column_names]
         if missing:
             raise PlanError(f"{redact(url)}: part {part} lacks columns {missing}")
@@ -355,10 +370,10 @@ def resume_plan(
     old_fs, old_root = open_url(plan_url, storage_options)
     new_fs, new_root = open_url(out_url, out_storage_options)
     if old_root == new_root and type(old_fs) is type(new_fs):
-        raise ValueError(f"--out {redact(out_url)} is the plan being resumed; write the resumed plan to a new folder")
+        raise UsageError(f"--out {redact(out_url)} is the plan being resumed; write the resumed plan to a new folder")
     old_world = int(meta["inputs"]["world_size"])
     if world_size < 1:
-        raise ValueError(f"world size must be >= 1 (number of training processes), got {world_size}")
+        raise UsageError(f"world size must be >= 1 (number of training processes), got {world_size}")
     entries = {e["epoch"]: e for e in meta["epochs"]}
     if epoch not in entries:
         raise PlanError(f"{redact(plan_url)} has no epoch {epoch}; it holds epochs {sorted(entries)}")
@@ -380,7 +395,7 @@ def resume_plan(
     for name, b in buckets.items():
         global_size = b["batch_size"] * old_world
         if global_size % world_size:
-            raise ValueError(
+            raise UsageError(
                 f"bucket {name}: the global batch of {global_size} samples ({old_world} ranks x {b['batch_size']}) "
                 f"does not split over {world_size} ranks; the world size must divide the global batch"
             )
@@ -389,7 +404,7 @@ def resume_plan(
     if meta["mode"] == "fixed":
         new_batch = meta["global_batch"] // world_size
         if batch_size is not None and batch_size != new_batch:
-            raise ValueError(
+            raise UsageError(
                 f"batch size {batch_size} x {world_size} ranks != the plan's global batch {meta['global_batch']} "
                 f"({old_world} x {meta['inputs']['batch_size']}); use batch size {new_batch}"
             )

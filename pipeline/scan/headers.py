@@ -26,9 +26,10 @@ from typing import Any, Callable
 
 from PIL import Image
 
-from manifests.storage import StorageError, join, redact
-from pipeline.scan.captions import decode_caption
+from manifests.errors import StorageError
 from manifests.retry import is_permanent, with_retries
+from manifests.storage import join, redact
+from pipeline.scan.captions import decode_caption
 
 __all__ = [
     "DEFAULT_MAX_PIXELS",

@@ -34,12 +34,13 @@ import pyarrow as pa
 from manifests.buckets import BucketSpec, add_bucket_arguments, spec_from_args
 from manifests.manifest import apply_buckets, conform, write_manifest
 from manifests.schema import ERRORS_SCHEMA, sample_ids
-from manifests.storage import StorageError, open_url, parse_storage_options, redact
+from manifests.errors import BucketeerError, StorageError, UsageError
+from manifests.storage import open_url, parse_storage_options, redact
 from pipeline.scan.captions import CaptionTable, load_caption_table
 from pipeline.scan.headers import DEFAULT_MAX_PIXELS, FIRST_READ, probe_files
 from pipeline.scan.listing import IMAGE_EXTENSIONS, IMAGE_SCHEMA, Listing, RescanPlan, caption_source, list_source, plan_rescan
 from pipeline.ray_setup import ray_session
-from manifests.retry import is_permanent
+from manifests.retry import is_storage_failure
 
 log = logging.getLogger("bucketeer.scan")
 
@@ -84,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     )  # fmt: skip
     for name in ("max_pixels", "header_bytes", "threads_per_task"):
         if getattr(config, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
     meta = scan_dataset(
         args.source, args.out, spec=spec_from_args(args), storage_options=options, captions=args.captions,
         previous=args.previous, config=config, ray_address=args.ray_address,
@@ -122,7 +123,7 @@ def scan_dataset(
 
     ``fs`` replaces the filesystem of ``source`` (``source`` is then a path in it; it must be
     picklable): benchmarks and tests wrap storage with it. Raises StorageError for permanent
-    storage failures (nothing is committed), ValueError for bad input (no images, a bad table).
+    storage failures (nothing is committed), UsageError for bad input (no images, a bad table).
     """
     started, clock = time.time(), time.perf_counter()
     task_fs = fs
@@ -130,11 +131,11 @@ def scan_dataset(
     try:
         listing = list_source(fs, root)
     except Exception as e:
-        if isinstance(e, FileNotFoundError) or is_permanent(e):
+        if isinstance(e, FileNotFoundError) or is_storage_failure(e):  # retried already; a missing root or bucket
             raise StorageError(redact(f"cannot list {source}: {e}", storage_options)) from None
         raise
     if not listing.images:
-        raise ValueError(
+        raise UsageError(
             f"no image files under {redact(source)} ({listing.ignored} other files ignored); images are "
             f"{', '.join(sorted(IMAGE_EXTENSIONS))}. Check the path."
         )
@@ -239,9 +240,8 @@ def _run_batches(ray, target: tuple, work: list, config: ScanConfig) -> list[dic
                 try:
                     result = ray.get(ref)
                 except ray.exceptions.RayTaskError as e:
-                    cause = e.cause if isinstance(e.cause, Exception) else e
-                    if isinstance(cause, StorageError):
-                        raise StorageError(str(cause)) from None
+                    if isinstance(e.cause, BucketeerError):  # the task's own error; Ray's wrapper reads as a traceback
+                        raise e.cause from None
                     raise
                 results.append(result)
                 mb += sum(b or 0 for b in result["bytes_read"]) / 1e6
