@@ -16,6 +16,8 @@ from typing import Any, Sequence
 import numpy as np
 import pyarrow as pa
 
+from manifests.errors import UsageError
+
 __all__ = [
     "BucketSpec",
     "PRESETS",
@@ -62,25 +64,25 @@ class BucketSpec:
 
     def __post_init__(self) -> None:
         if self.step < 1:
-            raise ValueError(f"bucket step must be >= 1, got {self.step}")
+            raise UsageError(f"bucket step must be >= 1, got {self.step}")
         if self.buckets is None and self.area < self.step * self.step:
-            raise ValueError(f"bucket area {self.area} is smaller than one step squared ({self.step}^2)")
+            raise UsageError(f"bucket area {self.area} is smaller than one step squared ({self.step}^2)")
         if self.max_aspect < 1:
-            raise ValueError(f"max aspect must be >= 1 (e.g. 4 for 1:4 .. 4:1), got {self.max_aspect}")
+            raise UsageError(f"max aspect must be >= 1 (e.g. 4 for 1:4 .. 4:1), got {self.max_aspect}")
         if self.min_side < 0:
-            raise ValueError(f"min_side must be >= 0, got {self.min_side}")
+            raise UsageError(f"min_side must be >= 0, got {self.min_side}")
         if self.buckets is not None:
             if not self.buckets:
-                raise ValueError("an explicit bucket list must not be empty")
+                raise UsageError("an explicit bucket list must not be empty")
             for w, h in self.buckets:
                 if w < 1 or h < 1:
-                    raise ValueError(f"bucket {w}x{h} has a side < 1")
+                    raise UsageError(f"bucket {w}x{h} has a side < 1")
 
     @classmethod
     def from_preset(cls, name: str, **kwargs: Any) -> "BucketSpec":
         """A spec with a shipped bucket list, e.g. ``"sdxl"``; unknown names raise ValueError."""
         if name not in PRESETS:
-            raise ValueError(f"unknown bucket preset {name!r}; choose one of {sorted(PRESETS)}")
+            raise UsageError(f"unknown bucket preset {name!r}; choose one of {sorted(PRESETS)}")
         return cls(buckets=PRESETS[name], preset=name, **kwargs)
 
     def to_json(self) -> dict[str, Any]:
@@ -93,7 +95,7 @@ class BucketSpec:
     def from_json(cls, d: dict[str, Any]) -> "BucketSpec":
         unknown = set(d) - set(cls.__dataclass_fields__)
         if unknown:
-            raise ValueError(f"unknown bucket spec keys {sorted(unknown)}")
+            raise UsageError(f"unknown bucket spec keys {sorted(unknown)}")
         d = dict(d)
         if d.get("buckets") is not None:
             d["buckets"] = tuple((int(w), int(h)) for w, h in d["buckets"])
@@ -119,7 +121,7 @@ def bucket_list(spec: BucketSpec) -> np.ndarray:
         h += s
     pairs = landscape | {(h, w) for w, h in landscape}
     if not pairs:
-        raise ValueError(f"bucket spec {spec} yields no bucket; widen max_aspect or lower step")
+        raise UsageError(f"bucket spec {spec} yields no bucket; widen max_aspect or lower step")
     return np.asarray(sorted(pairs, key=lambda b: (b[0] / b[1], b[0])), dtype=np.int64)
 
 
@@ -135,9 +137,9 @@ def assign_buckets(
     w = np.asarray(widths, dtype=np.float64)
     h = np.asarray(heights, dtype=np.float64)
     if w.shape != h.shape:
-        raise ValueError(f"widths and heights differ in length ({w.shape} vs {h.shape})")
+        raise UsageError(f"widths and heights differ in length ({w.shape} vs {h.shape})")
     if w.size and (w.min() <= 0 or h.min() <= 0):
-        raise ValueError("image sizes must be positive")
+        raise UsageError("image sizes must be positive")
     buckets = bucket_list(spec)  # (n, 2)
     b_log = np.log(buckets[:, 0] / buckets[:, 1])  # (n,), ascending
     x = np.log(w / h)  # (rows,)
@@ -180,9 +182,9 @@ def parse_bucket(name: str) -> tuple[int, int]:
         w, h = name.lower().split("x")
         out = int(w), int(h)
     except ValueError:
-        raise ValueError(f"bucket name {name!r} is not of the form 'WIDTHxHEIGHT'") from None
+        raise UsageError(f"bucket name {name!r} is not of the form 'WIDTHxHEIGHT'") from None
     if out[0] < 1 or out[1] < 1:
-        raise ValueError(f"bucket name {name!r} has a side < 1")
+        raise UsageError(f"bucket name {name!r} has a side < 1")
     return out
 
 

@@ -23,11 +23,22 @@ import pyarrow.parquet as pq
 from manifests import __version__
 from manifests.buckets import BucketSpec, assign_buckets, bucket_names
 from manifests.schema import ADDED_COLUMNS, ERRORS_SCHEMA, FORMAT_VERSION, MAX_PIXELS, SAMPLES_SCHEMA
-from manifests.storage import join, open_url, read_artifact_meta, redact, write_bytes_atomic, write_json_atomic
+from manifests.errors import MissingError, UsageError
+from manifests.storage import (
+    call_storage,
+    join,
+    open_url,
+    read_artifact_meta,
+    read_bytes,
+    redact,
+    write_bytes_atomic,
+    write_json_atomic,
+)
 
 __all__ = [
     "MANIFEST_FILE",
     "ManifestError",
+    "ManifestMissingError",
     "Manifest",
     "write_manifest",
     "read_manifest",
@@ -42,8 +53,12 @@ _KIND = "bucketeer.manifest"
 ROWS_PER_PART = 1_000_000
 
 
-class ManifestError(ValueError):
+class ManifestError(UsageError):
     """A manifest folder is missing, uncommitted, of another format version, or malformed."""
+
+
+class ManifestMissingError(ManifestError, MissingError):
+    """A folder without ``_manifest.json``: no manifest there, or its scan never committed."""
 
 
 @dataclass
@@ -153,7 +168,7 @@ def write_manifest(
         raise ManifestError("duplicate sample_id: a file is listed twice, or two paths hash alike")
 
     fs, root = open_url(url, storage_options)
-    fs.makedirs(root, exist_ok=True)
+    call_storage(fs, "creating", root, lambda: fs.makedirs(root, exist_ok=True))
     parts = {
         "samples": _write_parts(fs, root, "samples", samples, rows_per_part),
         "errors": _write_parts(fs, root, "errors", errors, rows_per_part),
@@ -185,13 +200,13 @@ def _remove_unreferenced(fs, root: str, keep: set[str]) -> None:
     for kind in ("samples", "errors"):
         folder = join(root, kind)
         try:
-            entries = fs.ls(folder, detail=False)
+            entries = call_storage(fs, "listing", folder, lambda: fs.ls(folder, detail=False))
         except FileNotFoundError:
             continue
         for path in entries:
             rel = f"{kind}/{path.rstrip('/').rsplit('/', 1)[-1]}"
             if rel not in keep:
-                fs.rm(path)
+                call_storage(fs, "removing", path, lambda: fs.rm(path))
 
 
 def read_manifest(url: str, storage_options: dict[str, Any] | None = None) -> Manifest:
@@ -199,6 +214,7 @@ def read_manifest(url: str, storage_options: dict[str, Any] | None = None) -> Ma
     fs, root = open_url(url, storage_options)
     meta = read_artifact_meta(
         fs, root, url, file=MANIFEST_FILE, kind=_KIND, version=FORMAT_VERSION, error=ManifestError,
+        missing=ManifestMissingError,
         missing_hint="it is not a manifest, or its scan never committed (still running or killed). "
         "Run `bucketeer scan` to (re)build it.",
         version_hint="Rescan with this version, or use the bucketeer that wrote it.",
@@ -209,10 +225,12 @@ def read_manifest(url: str, storage_options: dict[str, Any] | None = None) -> Ma
         for part in meta["parts"][kind]:
             path = join(root, part["path"])
             try:
-                with fs.open(path, "rb") as f:
-                    piece = pq.read_table(f)
+                piece = pq.read_table(pa.BufferReader(read_bytes(fs, path)))
             except FileNotFoundError:
                 raise ManifestError(f"{redact(url)}: part {part['path']} named in {MANIFEST_FILE} is missing") from None
+            except pa.ArrowInvalid as e:
+                raise ManifestError(f"{redact(url)}: part {part['path']} is not a readable parquet file ({e}); "
+                                    "run `bucketeer scan` to rebuild it") from None  # fmt: skip
             missing = [n for n in schema.names if n not in piece.column_names and n not in ADDED_COLUMNS]
             if missing:
                 raise ManifestError(f"{redact(url)}: part {part['path']} lacks columns {missing}")

@@ -31,6 +31,8 @@ import sys
 import time
 from typing import Any, Callable, TextIO
 
+from manifests.errors import UsageError
+
 __all__ = ["INTERVAL_ENV", "DEFAULT_INTERVAL", "Progress", "interval_seconds", "format_duration"]
 
 INTERVAL_ENV = "BUCKETEER_PROGRESS_SECONDS"
@@ -50,7 +52,7 @@ def interval_seconds() -> float:
     except ValueError:
         value = -1.0
     if not value >= 0 or math.isinf(value):
-        raise ValueError(f"{INTERVAL_ENV}={text!r}: use seconds between progress lines, e.g. 30 (0: every update)")
+        raise UsageError(f"{INTERVAL_ENV}={text!r}: use seconds between progress lines, e.g. 30 (0: every update)")
     return value
 
 

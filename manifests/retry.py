@@ -1,70 +1,221 @@
-"""Tell transient storage errors from permanent ones, and retry the transient ones with backoff.
+"""The one retry layer for storage: classify a failure by its type and errno, retry the transient ones.
 
-Transient: throttling (503 SlowDown, "reduce your request rate"), timeouts, connection resets,
-500/502/504 and request timeouts. Permanent: access denied (403), a missing bucket, bad
-credentials; those must stop the job with a clear message instead of being retried or recorded
-as a per-file error. s3fs and botocore already retry some of these internally; this is the outer
-layer that also covers other fsspec filesystems.
+Every storage call bucketeer makes runs through :func:`with_retries` (or :func:`with_retries_async`),
+mostly via the helpers of :mod:`manifests.storage`. The layers below it are switched off:
+:func:`manifests.storage.open_url` gives s3fs one attempt per call (its own loop would retry 5
+times, nested twice in ``cat_file``) and botocore ``total_max_attempts=1``, so a throttled read is
+tried exactly ``attempts`` times, not attempts x 5 x 5 x botocore's.
+
+A failure is one of three things, decided by type and errno (s3fs translates S3 error codes into
+builtin exceptions, see ``s3fs/errors.py``), never by message text:
+
+- **transient** (:func:`is_transient`): worth another try after a pause. ``TimeoutError``,
+  ``ConnectionError`` and other ``OSError`` with errno EBUSY (S3 ``SlowDown``/``503``), EAGAIN,
+  ETIMEDOUT, ECONNRESET, EREMOTEIO (``InternalError``/``500``), ...; botocore's and aiohttp's
+  connection, timeout and truncated-body errors. An S3 error code s3fs has no errno for (502,
+  504, ...) becomes EIO: when the botocore ``ClientError`` it came from is attached as the cause,
+  its HTTP status decides (429 and 5xx are transient, other 4xx are not); a bare EIO is retried.
+- **permanent** (:func:`is_permanent`): the store refuses this caller (``PermissionError``: access
+  denied, bad signature, expired token; botocore's missing-credentials errors). No retry and no
+  other object will fare better, so a job stops with a :class:`~manifests.errors.StorageError`.
+- anything else (``FileNotFoundError`` for a missing key, a bad range, a bug): not retried, and
+  not the store's fault as a whole; the caller decides (an error row for one image, a "missing
+  artifact" message, a traceback for a bug).
+
+Policy: ``attempts`` tries in all, waiting ``uniform(0, min(max_delay, base_delay * 2**i))``
+seconds after failure ``i`` (exponential backoff with full jitter, so threads throttled together
+do not retry in step). The defaults, 6 attempts from 0.1 s, give up after at most 3.1 s of
+waiting (1.6 s on average). ``BUCKETEER_STORAGE_ATTEMPTS`` and ``BUCKETEER_STORAGE_RETRY_DELAY``
+(base delay, seconds) override them per process; a local Ray's workers inherit the driver's
+environment, on a cluster set them in the job's runtime environment (``env_vars`` of
+``infra/ray/runtime_env.yaml`` or ``--runtime-env-json``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
+import logging
+import os
 import random
-import re
 import time
-from typing import Callable, TypeVar
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Awaitable, Callable, TypeVar
 
+from manifests.errors import BucketeerError, UsageError
 
-__all__ = ["is_transient", "is_permanent", "with_retries"]
+__all__ = [
+    "ATTEMPTS_ENV",
+    "DELAY_ENV",
+    "RetryPolicy",
+    "is_transient",
+    "is_permanent",
+    "is_storage_failure",
+    "with_retries",
+    "with_retries_async",
+]
 
 T = TypeVar("T")
+log = logging.getLogger("bucketeer.retry")
 
-# status codes only as botocore/HTTP print them, "(503)" or "503 Service...", so that a file
-# named img_5031.jpg in a message is not mistaken for one
-_TRANSIENT = re.compile(
-    r"slow ?down|reduce your request rate|service ?unavailable|internal ?error|bad gateway|gateway timeout"
-    r"|request ?timeout|timed out|read timeout|connect timeout|connection (reset|aborted|closed)|throttl"
-    r"|too many requests|\((429|500|502|503|504)\)|\b(429|500|502|503|504) [a-z]",
-    re.IGNORECASE,
-)
-_PERMANENT = re.compile(
-    r"access ?denied|forbidden|\(403\)|\b403 [a-z]|no ?such ?bucket|bucket does not exist|invalid ?access ?key"
-    r"|signature ?does ?not ?match|expired ?token|invalid ?token|all ?access ?disabled",
-    re.IGNORECASE,
-)
+ATTEMPTS_ENV = "BUCKETEER_STORAGE_ATTEMPTS"
+DELAY_ENV = "BUCKETEER_STORAGE_RETRY_DELAY"
+
+_TRANSIENT_ERRNOS = frozenset(
+    getattr(errno, name)
+    for name in ("EBUSY", "EAGAIN", "ETIMEDOUT", "ECONNRESET", "ECONNABORTED", "ECONNREFUSED", "EPIPE", "EINTR",
+                 "ENETDOWN", "ENETUNREACH", "ENETRESET", "EHOSTDOWN", "EHOSTUNREACH", "EREMOTEIO", "EIO")
+    if hasattr(errno, name)
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often and how patiently to retry: ``attempts`` tries in all (>= 1), delays in seconds."""
+
+    attempts: int = 6
+    base_delay: float = 0.1
+    max_delay: float = 5.0
+
+    @classmethod
+    def from_env(cls) -> "RetryPolicy":
+        """The default policy with ``$BUCKETEER_STORAGE_ATTEMPTS`` / ``$BUCKETEER_STORAGE_RETRY_DELAY`` applied.
+
+        Raises UsageError naming the variable when a value is not a number in range.
+        """
+        return _policy(os.environ.get(ATTEMPTS_ENV, ""), os.environ.get(DELAY_ENV, ""))
+
+    def delay(self, failures: int) -> float:
+        """Seconds to wait after the ``failures``-th failed attempt (1-based): full jitter."""
+        return random.uniform(0, min(self.max_delay, self.base_delay * 2 ** (failures - 1)))
+
+
+@lru_cache(maxsize=8)
+def _policy(attempts: str, delay: str) -> RetryPolicy:
+    policy = RetryPolicy()
+    try:
+        if attempts:
+            policy = RetryPolicy(attempts=int(attempts), base_delay=policy.base_delay)
+        if delay:
+            policy = RetryPolicy(attempts=policy.attempts, base_delay=float(delay))
+    except ValueError:
+        raise UsageError(f"{ATTEMPTS_ENV}={attempts!r} / {DELAY_ENV}={delay!r}: give an integer and seconds") from None
+    if policy.attempts < 1 or not policy.base_delay >= 0:
+        raise UsageError(f"{ATTEMPTS_ENV} must be >= 1 and {DELAY_ENV} >= 0, got {attempts!r} and {delay!r}")
+    return policy
+
+
+@lru_cache(maxsize=1)
+def _library_errors() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """(transient, permanent) exception classes of the HTTP stack, where installed (imported late:
+    ``manifests`` must import without them)."""
+    transient: list[type] = []
+    permanent: list[type] = []
+    try:
+        from botocore import exceptions as bc
+
+        transient += [bc.HTTPClientError, bc.ConnectionError, bc.IncompleteReadError]
+        permanent += [bc.NoCredentialsError, bc.PartialCredentialsError, bc.CredentialRetrievalError]
+    except ImportError:
+        pass
+    try:
+        import aiohttp
+
+        transient += [aiohttp.ClientConnectionError, aiohttp.ClientPayloadError]
+    except ImportError:
+        pass
+    return tuple(transient), tuple(permanent)
+
+
+def _http_status(exc: BaseException) -> int | None:
+    """The HTTP status of a botocore ClientError (or aiohttp response error) in ``exc``'s cause chain."""
+    seen = 0
+    while exc is not None and seen < 8:
+        response = getattr(exc, "response", None)
+        if isinstance(response, dict):
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if isinstance(status, int):
+                return status
+        status = getattr(exc, "status", None)
+        if isinstance(status, int) and 100 <= status < 600:
+            return status
+        exc, seen = exc.__cause__, seen + 1
+    return None
 
 
 def is_permanent(exc: BaseException) -> bool:
-    """True for errors a retry cannot fix and the user must: permissions, missing bucket, credentials."""
+    """True when the store refuses this caller (access denied, bad or missing credentials): the
+    user must fix access; no retry and no other object will fare better."""
+    if isinstance(exc, BucketeerError):  # judged by this layer already (a StorageError), or not storage at all
+        return False
     if isinstance(exc, PermissionError):
         return True
-    return bool(_PERMANENT.search(f"{type(exc).__name__} {exc}"))
+    status = _http_status(exc)
+    return status in (401, 403) or isinstance(exc, _library_errors()[1])
 
 
 def is_transient(exc: BaseException) -> bool:
-    """True for errors worth retrying: throttling, timeouts, resets, 5xx."""
-    if is_permanent(exc) or isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
+    """True for failures worth retrying: throttling, timeouts, dropped connections, 5xx."""
+    if isinstance(exc, (BucketeerError, FileNotFoundError, IsADirectoryError, NotADirectoryError)) or is_permanent(exc):
         return False
-    if isinstance(exc, (TimeoutError, ConnectionError, asyncio.TimeoutError)):
+    status = _http_status(exc)
+    if status is not None:
+        return status == 429 or status >= 500
+    if isinstance(exc, (TimeoutError, ConnectionError)):
         return True
-    return bool(_TRANSIENT.search(f"{type(exc).__name__} {exc}"))
+    if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
+        return True
+    return isinstance(exc, _library_errors()[0])
 
 
-def with_retries(
-    call: Callable[[], T], *, attempts: int = 6, base_delay: float = 0.1, max_delay: float = 5.0
-) -> T:
-    """Run ``call()``; on a transient error wait (exponential backoff, full jitter) and retry.
+def is_storage_failure(exc: BaseException) -> bool:
+    """True for the ways a storage call fails (any ``OSError``, the HTTP stack's errors), as opposed
+    to a bug or a bucketeer error: what :func:`manifests.storage.call_storage` reports as storage."""
+    if isinstance(exc, BucketeerError):
+        return False
+    return isinstance(exc, OSError) or is_transient(exc) or is_permanent(exc)
 
-    Re-raises the last error after ``attempts`` tries, and any non-transient error at once.
-    Delays are in seconds.
+
+def _give_up(exc: BaseException, failures: int, policy: RetryPolicy) -> bool:
+    if failures >= policy.attempts or not is_transient(exc):
+        return True
+    log.debug("transient storage error (attempt %d of %d), retrying: %s: %s",
+              failures, policy.attempts, type(exc).__name__, exc)  # fmt: skip
+    return False
+
+
+def with_retries(call: Callable[[], T], policy: RetryPolicy | None = None) -> T:
+    """Run ``call()``; after a transient failure wait (backoff, full jitter) and run it again.
+
+    Makes at most ``policy.attempts`` calls (default :meth:`RetryPolicy.from_env`). Re-raises the
+    last error when they are used up, and any non-transient error at once, unchanged.
     """
-    for attempt in range(attempts):
+    policy = policy or RetryPolicy.from_env()
+    failures = 0
+    while True:
         try:
             return call()
         except Exception as e:
-            if attempt == attempts - 1 or not is_transient(e):
+            failures += 1
+            if _give_up(e, failures, policy):
                 raise
-            # full jitter: many threads hitting the same throttled prefix must not retry in step
-            time.sleep(random.uniform(0, min(max_delay, base_delay * 2**attempt)))
-    raise AssertionError("unreachable")
+        time.sleep(policy.delay(failures))
+
+
+async def with_retries_async(call: Callable[[], Awaitable[T]], policy: RetryPolicy | None = None) -> T:
+    """:func:`with_retries` for coroutines: ``await with_retries_async(lambda: fs._cat_file(path))``.
+
+    ``call`` makes a new awaitable per attempt (a coroutine can be awaited once); waits with
+    ``asyncio.sleep``, so other reads on the loop go on meanwhile.
+    """
+    policy = policy or RetryPolicy.from_env()
+    failures = 0
+    while True:
+        try:
+            return await call()
+        except Exception as e:
+            failures += 1
+            if _give_up(e, failures, policy):
+                raise
+        await asyncio.sleep(policy.delay(failures))

@@ -4,6 +4,14 @@ Everything bucketeer reads or writes goes through :func:`open_url`. A path witho
 local folder. S3-compatible stores (R2, MinIO, moto) take ``{"endpoint_url": ...}`` in
 ``storage_options``; credentials come from those options or the standard AWS environment and
 config files, and never reach an artifact, a log line or an error message (:func:`redact`).
+
+Every storage operation goes through the retry layer of :mod:`manifests.retry`, the only one
+(:func:`open_url` turns off s3fs's and botocore's own). The helpers here do that for their
+callers: :func:`read_bytes`, :func:`read_json`, :func:`read_all` and :func:`write_bytes_atomic`
+for artifacts, :func:`read_many` for many objects or ranges at once (per-item results), and
+:func:`call_storage` for any other filesystem call (listing, removing). A failure that outlives
+the retries (or is not worth one) leaves them as a :class:`~manifests.errors.StorageError` naming
+the object, except ``FileNotFoundError``, which callers turn into what is missing and what to do.
 """
 
 from __future__ import annotations
@@ -12,10 +20,14 @@ import json
 import os
 import re
 import uuid
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Sequence, TypeVar
 
 import fsspec
 from fsspec import AbstractFileSystem
+
+from manifests.errors import MissingError, StorageError, UsageError
+from manifests.retry import ATTEMPTS_ENV, RetryPolicy, is_permanent, is_storage_failure, is_transient, with_retries
 
 __all__ = [
     "StorageError",
@@ -24,12 +36,19 @@ __all__ = [
     "parse_storage_options",
     "public_options",
     "redact",
+    "call_storage",
+    "storage_error",
+    "read_bytes",
+    "read_many",
+    "read_all",
     "write_bytes_atomic",
     "write_json_atomic",
     "read_json",
     "read_artifact_meta",
     "is_local",
 ]
+
+T = TypeVar("T")
 
 # keys of storage_options that carry secrets; never written anywhere
 _SECRET_KEYS = re.compile(r"(secret|token|password|key|credential|session)", re.IGNORECASE)
@@ -46,23 +65,19 @@ _KV_SECRET = re.compile(
 _SECRET_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 
 
-class StorageError(RuntimeError):
-    """A storage operation failed in a way the user must fix (permissions, missing bucket...)."""
-
-
 def parse_storage_options(text: str | None) -> dict[str, Any]:
     """Parse ``--storage-options`` JSON into a dict; ``None`` or empty gives ``{}``.
 
-    Raises ValueError naming the option when the text is not a JSON object.
+    Raises UsageError naming the option when the text is not a JSON object.
     """
     if not text:
         return {}
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"--storage-options is not valid JSON ({e.msg} at char {e.pos})") from None
+        raise UsageError(f"--storage-options is not valid JSON ({e.msg} at char {e.pos})") from None
     if not isinstance(value, dict):
-        raise ValueError("--storage-options must be a JSON object, e.g. '{\"endpoint_url\": \"https://…\"}'")
+        raise UsageError("--storage-options must be a JSON object, e.g. '{\"endpoint_url\": \"https://…\"}'")
     return value
 
 
@@ -70,13 +85,23 @@ def open_url(url: str, storage_options: dict[str, Any] | None = None) -> tuple[A
     """Return ``(filesystem, path)`` for a URL or local path; the path has no trailing slash.
 
     ``storage_options`` go to the filesystem constructor (``endpoint_url`` is moved into
-    ``client_kwargs`` for s3fs, which is where botocore expects it).
+    ``client_kwargs`` for s3fs, which is where botocore expects it). ``s3://`` URLs get an s3fs
+    that makes one attempt per call and botocore ``retries={"total_max_attempts": 1}``
+    (:mod:`manifests.s3`): :mod:`manifests.retry` is the only retry layer. A ``retries`` entry in
+    the user's ``config_kwargs`` wins over that botocore setting (and then adds its tries to ours).
     """
     options = dict(storage_options or {})
-    if url.startswith(("s3://", "s3a://")) and "endpoint_url" in options:
-        client_kwargs = dict(options.get("client_kwargs") or {})
-        client_kwargs.setdefault("endpoint_url", options.pop("endpoint_url"))
-        options["client_kwargs"] = client_kwargs
+    if url.startswith(("s3://", "s3a://")):
+        from manifests.s3 import BOTOCORE_RETRIES, SingleAttemptS3FileSystem
+
+        if "endpoint_url" in options:
+            client_kwargs = dict(options.get("client_kwargs") or {})
+            client_kwargs.setdefault("endpoint_url", options.pop("endpoint_url"))
+            options["client_kwargs"] = client_kwargs
+        options["config_kwargs"] = {"retries": BOTOCORE_RETRIES, **(options.get("config_kwargs") or {})}
+        fs = SingleAttemptS3FileSystem(**options)
+        path = fs._strip_protocol(url)
+        return fs, path.rstrip("/") or path
     if "://" not in url:
         url = os.path.abspath(os.path.expanduser(url))
     fs, path = fsspec.core.url_to_fs(url, **options)
@@ -134,23 +159,125 @@ def redact(text: str, storage_options: dict[str, Any] | None = None) -> str:
     return _KV_SECRET.sub(r"\1***", text)
 
 
+def _url(fs: AbstractFileSystem, path: str) -> str:
+    """How a message names an object: the path for a local file, else the full URL (redacted)."""
+    return redact(path if is_local(fs) else fs.unstrip_protocol(path), fs.storage_options)
+
+
+def storage_error(fs: AbstractFileSystem, action: str, path: str, exc: BaseException) -> StorageError:
+    """The one-line :class:`StorageError` for ``exc``, which ``action`` (e.g. ``"reading"``) on
+    ``path`` raised after the retry layer: names the object, the error and what to do; redacted."""
+    if is_permanent(exc):
+        hint = ("; check the file's permissions" if is_local(fs)
+                else "; check the credentials and --storage-options (endpoint_url, key/secret) for this bucket")
+    elif is_transient(exc):
+        hint = f"; still failing after {RetryPolicy.from_env().attempts} attempts (${ATTEMPTS_ENV}), try again later"
+    else:
+        hint = ""
+    message = f"{action} {_url(fs, path)}: {type(exc).__name__}: {exc}{hint}"
+    return StorageError(redact(message, fs.storage_options))
+
+
+def call_storage(fs: AbstractFileSystem, action: str, path: str, call: Callable[[], T]) -> T:
+    """Run one storage operation ``call()`` on ``path`` through the retry layer.
+
+    Raises FileNotFoundError as the filesystem raised it (callers say what is missing), and
+    :class:`StorageError` (see :func:`storage_error`) for any other storage failure. Other
+    exceptions (bugs) propagate unchanged, traceback and all.
+    """
+    try:
+        return with_retries(call)
+    except FileNotFoundError:
+        raise
+    except Exception as e:
+        if is_storage_failure(e):
+            raise storage_error(fs, action, path, e) from e
+        raise
+
+
+def read_bytes(fs: AbstractFileSystem, path: str, start: int | None = None, end: int | None = None) -> bytes:
+    """An object's bytes, or bytes ``[start, end)`` of it; see :func:`call_storage` for what it raises."""
+    return call_storage(fs, "reading", path, lambda: fs.cat_file(path, start=start, end=end))
+
+
+def read_many(
+    fs: AbstractFileSystem,
+    paths: Sequence[str],
+    starts: Sequence[int | None] | None = None,
+    ends: Sequence[int | None] | None = None,
+    *,
+    threads: int = 16,
+) -> list[bytes | Exception]:
+    """Read many objects or byte ranges ``[start, end)``, many in flight; per item its bytes or
+    the exception its read ended with (the filesystem's own, e.g. ``PermissionError``), in order.
+
+    ``starts`` default to 0 and ``ends`` to None (the whole object): a ranged GET each, never a
+    HEAD first. All reads go out as one concurrent ``cat_ranges``; the ones that failed are
+    retried each on its own through :func:`manifests.retry.with_retries`, the failed first read
+    counting as its first attempt, so a throttled moment never fails an item while a permanent
+    error (access denied, no such key) comes back after one try.
+    """
+    if not paths:
+        return []
+    starts = list(starts) if starts is not None else [0] * len(paths)
+    ends = list(ends) if ends is not None else [None] * len(paths)
+    results = list(with_retries(lambda: fs.cat_ranges(list(paths), starts, ends, on_error="return")))
+    failed = [i for i, r in enumerate(results) if isinstance(r, BaseException)]
+    if not failed:
+        return results
+
+    def again(i: int) -> bytes | Exception:
+        first = [results[i]]
+
+        def read() -> bytes:
+            if first:  # replays the batched read's failure: attempts and backoff are with_retries'
+                raise first.pop()
+            return fs.cat_file(paths[i], start=starts[i], end=ends[i])
+
+        try:
+            return with_retries(read)
+        except Exception as e:  # the caller decides per item
+            return e
+
+    with ThreadPoolExecutor(max_workers=min(threads, len(failed)), thread_name_prefix="read-retry") as pool:
+        for i, result in zip(failed, pool.map(again, failed)):
+            results[i] = result
+    return results
+
+
+def read_all(fs: AbstractFileSystem, paths: Sequence[str]) -> list[bytes]:
+    """Whole objects, concurrently (:func:`read_many`), or the first failure: FileNotFoundError
+    as raised, any other storage failure as a :class:`StorageError` naming the object."""
+    results = read_many(fs, paths)
+    for path, result in zip(paths, results):
+        if isinstance(result, FileNotFoundError):
+            raise result
+        if isinstance(result, Exception):
+            raise storage_error(fs, "reading", path, result) from result
+    return results  # type: ignore[return-value]  # every item is bytes here
+
+
 def write_bytes_atomic(fs: AbstractFileSystem, path: str, data: bytes) -> None:
     """Write ``data`` so that a reader sees the old object, or all of the new one, never a part.
 
     An object-store PUT is already atomic; on a local disk we write a temporary sibling and
-    rename it over the target.
+    rename it over the target. Retried; raises :class:`StorageError` when storage refuses.
     """
     parent = path.rsplit("/", 1)[0]
     if is_local(fs):
-        fs.makedirs(parent, exist_ok=True)
-        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+
+        def write() -> None:
+            fs.makedirs(parent, exist_ok=True)
+            tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+
+        call_storage(fs, "writing", path, write)
     else:
-        fs.pipe_file(path, data)
+        call_storage(fs, "writing", path, lambda: fs.pipe_file(path, data))
 
 
 def write_json_atomic(fs: AbstractFileSystem, path: str, obj: Any) -> None:
@@ -159,9 +286,12 @@ def write_json_atomic(fs: AbstractFileSystem, path: str, obj: Any) -> None:
 
 
 def read_json(fs: AbstractFileSystem, path: str) -> Any:
-    """Read a JSON file; FileNotFoundError propagates so callers can say what is missing."""
+    """Read a JSON file; FileNotFoundError propagates so callers can say what is missing.
+
+    Raises StorageError for other storage failures, json.JSONDecodeError for bad content.
+    """
     # one GET: fs.open() would first HEAD the object for its size (the trainer must not HEAD)
-    return json.loads(fs.cat_file(path))
+    return json.loads(read_bytes(fs, path))
 
 
 def read_artifact_meta(
@@ -172,19 +302,22 @@ def read_artifact_meta(
     file: str,
     kind: str,
     version: int,
-    error: type[Exception],
+    error: type[UsageError],
+    missing: type[MissingError],
     missing_hint: str,
     version_hint: str,
 ) -> dict[str, Any]:
     """Read and check an artifact's root JSON (``_manifest.json``, ``_plan.json``, ``_cache.json``).
 
-    The file is what makes the folder valid: without it, or of another ``kind`` or format
-    ``version``, ``error`` is raised with the URL (redacted) and the hint saying what to do.
+    The file is what makes the folder valid: without it ``missing`` is raised (the artifact's
+    subclass of both ``error`` and MissingError), of another ``kind`` or format ``version``
+    ``error``, each with the URL (redacted) and the hint saying what to do. StorageError when
+    storage refuses the read.
     """
     try:
         meta = read_json(fs, join(root, file))
     except FileNotFoundError:
-        raise error(f"{redact(url)} has no {file}: {missing_hint}") from None
+        raise missing(f"{redact(url)} has no {file}: {missing_hint}") from None
     except json.JSONDecodeError as e:
         raise error(f"{redact(url)}/{file} is not valid JSON ({e.msg})") from None
     found = meta.get("kind") if isinstance(meta, dict) else None

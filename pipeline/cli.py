@@ -3,6 +3,12 @@
 Only the module of the command being run is imported, so ``bucketeer --help`` does not pay for
 Ray or torch. Each Ray job is also runnable as ``python -m pipeline.<job>`` (for
 ``ray job submit -- python -m pipeline.scan …``) through :func:`module_main`.
+
+Exit codes: 0 done; 2 for an error the user must act on (a :class:`manifests.errors.BucketeerError`,
+also when a Ray task raised it, and argparse's usage errors), printed as one line
+``bucketeer COMMAND: error: MESSAGE`` with credentials redacted (``-v`` adds its traceback to the
+log); 1 from ``bucketeer plan --check`` when a plan breaks an invariant. Any other exception is a
+bug: it propagates with its traceback (Python's exit code 1).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import sys
 from typing import Callable, Sequence
 
 from manifests import __version__
+from manifests.errors import user_error
 
 # name -> (module, one-line help). A registry is a dict from name to where the code lives.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -63,13 +70,15 @@ def _setup_logging(verbose: bool) -> None:
 def _invoke(run: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     try:
         return int(run(args) or 0)
-    except (ValueError, FileNotFoundError, PermissionError, RuntimeError) as e:
-        # errors a user can act on: one clear line, no traceback (use -v for one)
+    except Exception as e:
+        error = user_error(e)
+        if error is None:  # a bug: its traceback is what a report needs
+            raise
         from manifests.storage import redact
 
         if getattr(args, "verbose", False):
             logging.getLogger("bucketeer").exception("failed")
-        print(f"bucketeer {args.command or ''}: error: {redact(str(e))}", file=sys.stderr)
+        print(f"bucketeer {args.command or ''}: error: {redact(str(error))}", file=sys.stderr)
         return 2
 
 

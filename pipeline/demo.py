@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from manifests.errors import BucketeerError, StorageError, UsageError
+
 # The demo trains at 256² (not the 1024² default): the CPU VAE's cost grows with pixels, and 256²
 # keeps embed well under a minute on 2 cores. Everything else is each command's default.
 RESOLUTION = 256
@@ -88,7 +90,7 @@ class Stages:
 
 def run(args: argparse.Namespace) -> int:
     if args.images < 8:
-        raise ValueError(f"--images must be >= 8 (one global batch of {WORLD_SIZE}x{BATCH_SIZE}), got {args.images}")
+        raise UsageError(f"--images must be >= 8 (one global batch of {WORLD_SIZE}x{BATCH_SIZE}), got {args.images}")
     out = _prepare_out_dir(Path(args.out_dir))
     s3_server, s3_upload = (["s3 server"], ["s3 upload"]) if args.s3 else ([], [])
     stages = Stages(["generate", *s3_server, "ray", *s3_upload, "scan", "embed", "plan", "train", "verify", "report"])
@@ -181,7 +183,7 @@ def _bucketeer(*argv: str) -> None:
     print(f"      $ bucketeer {shlex.join(argv)}", flush=True)
     code = main(list(argv))
     if code != 0:
-        raise RuntimeError(f"`bucketeer {argv[0]}` failed (exit {code}); its error is printed above")
+        raise BucketeerError(f"`bucketeer {argv[0]}` failed (exit {code}); its error is printed above")
 
 
 def _accelerate_launch() -> list[str]:
@@ -218,7 +220,7 @@ def _train(target: Target, out: Path) -> None:
             print(f"      {line}", flush=True)
     if code != 0:
         tail = "\n".join(lines[-30:])
-        raise RuntimeError(f"the trainer failed (exit {code}); last lines of {log}:\n{tail}")
+        raise BucketeerError(f"the trainer failed (exit {code}); last lines of {log}:\n{tail}")
 
 
 def _wait_for_trainer(proc: subprocess.Popen, log: Path, exit_grace_s: float = 60) -> int:
@@ -257,16 +259,17 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 
 def _upload(folder: Path, target: Target) -> None:
-    """Copy the generated dataset to ``target.dataset``; raises RuntimeError if a file is missing there."""
-    from manifests.storage import open_url
+    """Copy the generated dataset to ``target.dataset``; raises StorageError if a file is missing there."""
+    from manifests.storage import call_storage, open_url
 
     fs, root = open_url(target.dataset, target.storage_options)
     local = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
-    fs.put([str(folder / p) for p in local], [f"{root}/{p}" for p in local])
+    sources, targets = [str(folder / p) for p in local], [f"{root}/{p}" for p in local]
+    call_storage(fs, "uploading to", root, lambda: fs.put(sources, targets))
     fs.invalidate_cache()
-    uploaded = len(fs.find(root))
+    uploaded = len(call_storage(fs, "listing", root, lambda: fs.find(root)))
     if uploaded != len(local):
-        raise RuntimeError(f"uploaded {uploaded} of {len(local)} files to {target.dataset}")
+        raise StorageError(f"uploaded {uploaded} of {len(local)} files to {target.dataset}")
     print(f"      {uploaded} files uploaded", flush=True)
 
 
@@ -276,7 +279,7 @@ def _upload(folder: Path, target: Target) -> None:
 def _prepare_out_dir(out: Path) -> Path:
     """Create ``out``, or clear what a previous demo wrote there; refuse a folder the demo did not make."""
     if out.exists() and any(out.iterdir()) and not (out / MARKER).exists():
-        raise ValueError(f"--out-dir {out} exists and was not made by `bucketeer demo`; choose another folder")
+        raise UsageError(f"--out-dir {out} exists and was not made by `bucketeer demo`; choose another folder")
     out.mkdir(parents=True, exist_ok=True)
     (out / MARKER).write_text("made by `bucketeer demo`; the demo clears this folder's artifacts on each run\n")
     for name in (*OWNED, "dataset"):
@@ -329,8 +332,8 @@ def _local_s3_server(log: Path) -> Iterator[str]:
         deadline = time.monotonic() + 60
         while not _accepts(port):
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the local S3-compatible server (moto) did not start on {endpoint}; see {log} "
-                                   "(is moto[server] installed? pip install 'moto[server]')")  # fmt: skip
+                raise BucketeerError(f"the local S3-compatible server (moto) did not start on {endpoint}; see {log} "
+                                     "(is moto[server] installed? pip install 'moto[server]')")  # fmt: skip
             time.sleep(0.2)
         s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}).mkdir(DEMO_BUCKET)
         print(f"      local S3-compatible server on {endpoint} (pid {proc.pid}), bucket s3://{DEMO_BUCKET}", flush=True)

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from manifests.errors import UsageError
 from manifests.plan.schedule import LEFTOVER_POLICIES, PlanConfig, cached_mask
 from manifests.storage import parse_storage_options, redact
 
@@ -169,7 +170,7 @@ def _run_resume(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, 
     try:
         epoch, step = (int(x) for x in (args.at or "").split(":"))
     except ValueError:
-        raise ValueError(f"--at must be EPOCH:STEP, e.g. 3:1200, got {args.at!r}") from None
+        raise UsageError(f"--at must be EPOCH:STEP, e.g. 3:1200, got {args.at!r}") from None
     return resume_plan(
         args.resume,
         args.out,
@@ -188,14 +189,14 @@ def run(args: argparse.Namespace) -> int:
     if args.check:
         return _run_check(args, options)
     if not args.out:
-        raise ValueError("--out PLAN is required (the plan folder to write)")
+        raise UsageError("--out PLAN is required (the plan folder to write)")
     if args.world_size is None:
-        raise ValueError("--world-size is required (number of training processes)")
+        raise UsageError("--world-size is required (number of training processes)")
     if args.resume:
         meta = _run_resume(args, options)
     else:
         if not args.manifest:
-            raise ValueError("MANIFEST is required: bucketeer plan MANIFEST --out PLAN …")
+            raise UsageError("MANIFEST is required: bucketeer plan MANIFEST --out PLAN …")
         meta = _plan(args, options)
     if args.json:
         print(json.dumps(meta, indent=2, sort_keys=True))
@@ -228,7 +229,7 @@ def _plan(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
         keep = cached_mask(ids, available)
         left_out = int((~keep).sum()) - stale
         if stale and not keep.any():
-            raise ValueError(
+            raise UsageError(
                 f"none of the {len(ids)} samples of {redact(args.manifest)} has an up-to-date record in "
                 f"{redact(args.cache)} ({stale} changed since they were embedded): run "
                 f"`bucketeer embed {redact(args.manifest)} --out {redact(args.cache)}` first"

@@ -3,6 +3,7 @@ run while decode errors are not, and a job whose storage is unusable stops befor
 
 from __future__ import annotations
 
+import errno
 import json
 import threading
 import uuid
@@ -53,7 +54,7 @@ class FlakyFS(AbstractFileSystem):
 
 
 def slowdown(path):
-    return OSError(SLOWDOWN)
+    return OSError(errno.EBUSY, SLOWDOWN)  # what s3fs raises for S3's SlowDown (s3fs/errors.py)
 
 
 def reset(path):

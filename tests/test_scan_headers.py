@@ -1,4 +1,4 @@
-"""Header probing, captions, listing and retry classification: pure functions, no Ray, no S3."""
+"""Header probing, captions and listing: pure functions, no Ray, no S3 (retries: tests/test_retry.py)."""
 
 import io
 import json
@@ -14,7 +14,6 @@ from PIL import Image
 from pipeline.scan.captions import CaptionTable, decode_caption, load_caption_table, sidecar_stem
 from pipeline.scan.headers import FIRST_READ, RangeReader, StorageFailure, probe_header
 from pipeline.scan.listing import _between, classify, list_source
-from manifests.retry import is_permanent, is_transient, with_retries
 from tests.corpus import make_corpus, png_declaring
 
 
@@ -207,22 +206,3 @@ def test_key_range_cut_is_strictly_inside(lo, hi):
 def test_key_range_cut_exists_for_typical_keys():
     assert _between("ds/img_000999.jpg", None, "ds/") is not None
     assert _between("ds/a/img_000999.jpg", "ds/z", "ds/") is not None
-
-
-def test_retry_classification_and_backoff():
-    assert is_transient(OSError("An error occurred (SlowDown) when calling GetObject: reduce your request rate"))
-    assert is_transient(TimeoutError()) and is_transient(ConnectionResetError())
-    assert not is_transient(FileNotFoundError("timeout_5031.jpg"))
-    assert is_permanent(PermissionError("Access Denied")) and is_permanent(OSError("NoSuchBucket"))
-    assert not is_permanent(FileNotFoundError("img_4031.jpg"))
-    calls = []
-
-    def flaky():
-        calls.append(1)
-        if len(calls) < 3:
-            raise ConnectionResetError("reset")
-        return "ok"
-
-    assert with_retries(flaky, base_delay=0.001) == "ok" and len(calls) == 3
-    with pytest.raises(PermissionError):
-        with_retries(lambda: (_ for _ in ()).throw(PermissionError("denied")), base_delay=0.001)

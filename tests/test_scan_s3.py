@@ -1,5 +1,6 @@
 """The scan against a real S3-compatible server (moto, 127.0.0.1): listing, reads, faults, secrets."""
 
+import errno
 import json
 import subprocess
 import sys
@@ -44,7 +45,8 @@ class FlakyS3(AbstractFileSystem):
             self.reads.append(path)
             fail, self.remaining = self.remaining > 0, self.remaining - 1
         if fail and self.error == "slowdown":
-            raise OSError("An error occurred (SlowDown) when calling the GetObject operation: "
+            # what s3fs raises for S3's SlowDown (s3fs/errors.py)
+            raise OSError(errno.EBUSY, "An error occurred (SlowDown) when calling the GetObject operation: "
                           "Please reduce your request rate.")
         if fail:
             raise PermissionError(f"Access Denied for {path} (secret={SECRET})")

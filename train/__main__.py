@@ -26,10 +26,12 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from dataclasses import replace
 from pathlib import Path
 
-from manifests.storage import StorageError, parse_storage_options, redact
+from manifests.errors import UsageError, user_error
+from manifests.storage import parse_storage_options, redact
 
 # The prepared (DDP-wrapped) model lives until os._exit. When train() returns, its frame would free
 # the model, and the DDP Reducer's destructor joins the gloo process group's worker threads while
@@ -118,7 +120,7 @@ def train(args: argparse.Namespace) -> int:
     root_meta = read_plan_meta(root_url, so)
     planned_accum = int(root_meta["inputs"].get("grad_accum", 1))
     if planned_accum != cfg.grad_accum:  # the plan's epochs are whole optimizer steps of ITS grad_accum
-        raise ValueError(f"--plan {redact(args.plan)} was made with --grad-accum {planned_accum} but the config says "
+        raise UsageError(f"--plan {redact(args.plan)} was made with --grad-accum {planned_accum} but the config says "
                          f"grad_accum: {cfg.grad_accum}; set grad_accum: {planned_accum} in the config, or re-plan "
                          f"with --grad-accum {cfg.grad_accum}")  # fmt: skip
     if max_steps != args.max_steps:
@@ -129,7 +131,7 @@ def train(args: argparse.Namespace) -> int:
     if checkpoint is not None:
         cursor = checkpoint.cursor
         if cursor.root_fingerprint != root_meta["fingerprint"]:
-            raise ValueError(f"{checkpoint.path} was trained on another plan than --plan {redact(args.plan)}; "
+            raise UsageError(f"{checkpoint.path} was trained on another plan than --plan {redact(args.plan)}; "
                              "pass that plan, or use a new --output-dir")  # fmt: skip
         say(f"resuming from {checkpoint.path}: epoch {cursor.epoch} step {cursor.step} "
             f"(trained on {cursor.world_size} processes, now {world})")  # fmt: skip
@@ -137,7 +139,7 @@ def train(args: argparse.Namespace) -> int:
         if args.resume:
             say(f"--resume: no checkpoint in {out}; starting at the beginning of the plan")
         if int(root_meta["inputs"]["world_size"]) != world:
-            raise ValueError(f"--plan {redact(args.plan)} is for {root_meta['inputs']['world_size']} ranks but "
+            raise UsageError(f"--plan {redact(args.plan)} is for {root_meta['inputs']['world_size']} ranks but "
                              f"{world} processes are running: plan with --world-size {world}")  # fmt: skip
         cursor = Cursor.start(root_meta, root_url, world)
     with accelerator.main_process_first():  # rank 0 writes an elastic plan, the others then read it
@@ -149,7 +151,7 @@ def train(args: argparse.Namespace) -> int:
     reader = CacheReader(args.cache, so)
     wanted = plan_meta["inputs"].get("cache_fingerprint")
     if wanted and wanted != reader.meta["fingerprint"]:
-        raise ValueError(f"the plan was made for a cache with fingerprint {wanted[:12]}, but --cache "
+        raise UsageError(f"the plan was made for a cache with fingerprint {wanted[:12]}, but --cache "
                          f"{redact(args.cache)} has {reader.meta['fingerprint'][:12]}: "
                          "pass that cache or re-plan")  # fmt: skip
     steps = rank_steps(plan_url, rank, plan_so, start=(cursor.epoch, cursor.step))
@@ -157,7 +159,7 @@ def train(args: argparse.Namespace) -> int:
         steps = steps[: max(max_steps - cursor.position, 0)]
     counts = accelerator.gather(torch.tensor([len(steps)], device=accelerator.device)).tolist()
     if len(set(counts)) != 1:  # a plan invariant; checked because a violation would hang DDP
-        raise ValueError(f"ranks have different step counts {counts}: run `bucketeer plan --check`")
+        raise UsageError(f"ranks have different step counts {counts}: run `bucketeer plan --check`")
     loader = BatchLoader(reader, steps, reader.meta["latent"], rank=rank, prefetch=cfg.prefetch,
                          read_threads=cfg.read_threads,
                          skip_bad_records=args.skip_bad_records, pin_memory=accelerator.device.type == "cuda",
@@ -284,7 +286,7 @@ def _whole_updates(max_steps: int | None, grad_accum: int) -> int | None:
     if max_steps is None:
         return None
     if max_steps < grad_accum:
-        raise ValueError(f"--max-steps {max_steps} is less than one optimizer step (grad_accum: {grad_accum} plan "
+        raise UsageError(f"--max-steps {max_steps} is less than one optimizer step (grad_accum: {grad_accum} plan "
                          f"steps); pass --max-steps {grad_accum} or more")  # fmt: skip
     return max_steps - max_steps % grad_accum
 
@@ -329,20 +331,28 @@ def _flat(config: dict, **extra) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: errors a user can fix are printed as one line (credentials redacted), exit code 2."""
+    """Entry point: errors a user can fix (:class:`manifests.errors.BucketeerError`) are printed as one
+    line (credentials redacted), exit code 2; any other exception is a bug and keeps its traceback."""
     args = parse_args(argv)
     sigterm = signal.getsignal(signal.SIGTERM)
     try:
         return train(args)
-    except (ValueError, FileNotFoundError, StorageError) as e:
-        print(f"error: {redact(str(e))}", file=sys.stderr, flush=True)
+    except Exception as e:
+        error = user_error(e)
+        if error is None:
+            raise
+        print(f"error: {redact(str(error))}", file=sys.stderr, flush=True)
         return 2
     finally:
         signal.signal(signal.SIGTERM, sigterm)  # train() installs its own (checkpoint, then stop)
 
 
 if __name__ == "__main__":
-    code = main()
+    try:
+        code = main()
+    except Exception:  # a bug: its traceback, then the same exit without teardown as below
+        traceback.print_exc()
+        code = 1
     # Everything is written and closed, and every rank has passed the final barrier. Tearing the
     # process group down can still hang, in destroy_process_group (pytorch/pytorch#75097) or in
     # interpreter finalization (gloo/autograd threads racing the GIL's teardown, #190489): seen

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from manifests import faults
+from manifests.errors import UsageError
 from manifests.plan import read_plan_meta, resume_plan
 
 __all__ = ["Cursor", "Checkpoint", "find_checkpoint", "save_checkpoint", "resume_elastic", "truncate_records"]
@@ -84,7 +85,7 @@ def find_checkpoint(output_dir: str | Path) -> Checkpoint | None:
     try:
         cursor = Cursor(**json.loads((path / CURSOR_FILE).read_text()))
     except (FileNotFoundError, json.JSONDecodeError, TypeError) as e:
-        raise ValueError(f"checkpoint {path} has no valid {CURSOR_FILE} ({e}); delete {latest} to start over") from None
+        raise UsageError(f"checkpoint {path} has no valid {CURSOR_FILE} ({e}); delete {latest} to start over") from None
     return Checkpoint(path, cursor)
 
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from manifests.errors import MissingError, UsageError
+
 __all__ = ["TrainConfig", "load_config", "DEFAULT_CONFIG"]
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "tiny.yaml"
@@ -70,7 +72,7 @@ class TrainConfig:
         ]  # fmt: skip
         for ok, message in checks:
             if not ok:
-                raise ValueError(f"config: {message}")
+                raise UsageError(f"config: {message}")
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -79,25 +81,28 @@ class TrainConfig:
 def load_config(path: str | Path | None = None, **overrides: Any) -> TrainConfig:
     """Read a YAML/JSON config file (default: the tiny config) and apply ``overrides``.
 
-    Raises ValueError naming the file and the key for unknown keys, wrong types or bad values,
-    and FileNotFoundError when the file does not exist.
+    Raises UsageError (a ValueError) naming the file and the key for unknown keys, wrong types or
+    bad values, and MissingError (a FileNotFoundError) when the file does not exist.
     """
     import yaml
 
     path = Path(path) if path else DEFAULT_CONFIG
-    text = path.read_text()
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise MissingError(f"--config {path}: no such file") from None
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as e:
-        raise ValueError(f"config {path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {e}") from None
+        raise UsageError(f"config {path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {e}") from None
     if not isinstance(data, (dict, type(None))):
-        raise ValueError(f"config {path} must be a mapping of settings, got {type(data).__name__}")
+        raise UsageError(f"config {path} must be a mapping of settings, got {type(data).__name__}")
     data = dict(data or {})
     data.update({k: v for k, v in overrides.items() if v is not None})
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise ValueError(f"config {path}: unknown keys {unknown}; valid keys: {sorted(fields)}")
+        raise UsageError(f"config {path}: unknown keys {unknown}; valid keys: {sorted(fields)}")
     if "adam_betas" in data:
         data["adam_betas"] = tuple(data["adam_betas"])
     defaults = TrainConfig()
@@ -111,8 +116,8 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> TrainConfig
         if want is float and isinstance(value, int) and not isinstance(value, bool):
             value = data[name] = float(value)
         if not isinstance(value, want) or isinstance(value, bool) != (want is bool):
-            raise ValueError(f"config {path}: {name} must be a {want.__name__}, got {value!r}")
+            raise UsageError(f"config {path}: {name} must be a {want.__name__}, got {value!r}")
     try:
         return TrainConfig(**data)
     except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
+        raise UsageError(f"{path}: {e}") from None

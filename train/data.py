@@ -29,13 +29,14 @@ import torch
 
 from manifests.cache import CacheError, CacheReader
 from manifests.cache.records import SampleRecord, to_float32
+from manifests.errors import UsageError
 from manifests.plan import read_rank_plan
 from manifests.storage import redact
 
 __all__ = ["PlanStep", "Batch", "BadRecordError", "rank_steps", "collate", "BatchLoader"]
 
 
-class BadRecordError(ValueError):
+class BadRecordError(UsageError):
     """A cache record this rank needs is missing or corrupt (and skipping was not asked for)."""
 
 
@@ -116,11 +117,11 @@ def collate(records: Sequence[SampleRecord], step: PlanStep, *, scaling_factor: 
     """
     for r in records:
         if r.bucket != step.bucket:
-            raise ValueError(f"sample {r.sample_id}: the cache says bucket {r.bucket}, the plan (epoch {step.epoch} "
+            raise UsageError(f"sample {r.sample_id}: the cache says bucket {r.bucket}, the plan (epoch {step.epoch} "
                              f"step {step.step}) says {step.bucket}; "
                              "plan and cache come from different manifests")  # fmt: skip
         if r.text is None:
-            raise ValueError(f"sample {r.sample_id} has no text embeddings in the cache; run `bucketeer verify`")
+            raise UsageError(f"sample {r.sample_id} has no text embeddings in the cache; run `bucketeer verify`")
     latents = np.stack([to_float32(r.latent, r.dtype) for r in records])  # (B, C, h, w)
     latents = (latents - shift_factor) * scaling_factor
     dims = [t.shape[1] for t in records[0].text.tokens]
@@ -172,7 +173,7 @@ class BatchLoader:
         log: Callable[[str], None] = print,
     ):
         if prefetch < 1 or read_threads < 1:
-            raise ValueError(f"prefetch ({prefetch}) and read_threads ({read_threads}) must be >= 1")
+            raise UsageError(f"prefetch ({prefetch}) and read_threads ({read_threads}) must be >= 1")
         self.reader = reader
         self.steps = list(steps)
         self.scaling_factor = float(latent_info.get("scaling_factor") or 1.0)

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from manifests.errors import UsageError
+
 __all__ = ["build_model", "model_arguments", "step_generator", "flow_matching_loss"]
 
 # PixArt-alpha's layout, shrunk: what trains in seconds on a CPU
@@ -45,14 +47,14 @@ def model_arguments(model_cfg: dict[str, Any], *, latent_channels: int, caption_
     accepted = set(inspect.signature(PixArtTransformer2DModel.__init__).parameters) - {"self"}
     unknown = sorted(set(model_cfg) - accepted)
     if unknown:
-        raise ValueError(f"config model: unknown keys {unknown}; PixArtTransformer2DModel takes {sorted(accepted)}")
+        raise UsageError(f"config model: unknown keys {unknown}; PixArtTransformer2DModel takes {sorted(accepted)}")
     fixed = sorted(set(model_cfg) & set(DERIVED))
     if fixed:
-        raise ValueError(f"config model: {fixed} come from the cache (latent channels, text width); remove them")
+        raise UsageError(f"config model: {fixed} come from the cache (latent channels, text width); remove them")
     args = {**TINY, **model_cfg}
     inner = args["num_attention_heads"] * args["attention_head_dim"]
     if args.get("use_additional_conditions") and inner % 3:
-        raise ValueError(f"config model: num_attention_heads x attention_head_dim = {inner} must be divisible by 3 "
+        raise UsageError(f"config model: num_attention_heads x attention_head_dim = {inner} must be divisible by 3 "
                          "with use_additional_conditions (timestep, size and aspect embeddings share the width)")
     args.update(
         in_channels=latent_channels,

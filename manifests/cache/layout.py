@@ -42,12 +42,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from manifests.cache.freshness import Freshness, classify, manifest_samples, source_key
-from manifests.storage import join, open_url, read_artifact_meta, redact
+from manifests.errors import MissingError, UsageError
+from manifests.storage import join, open_url, read_artifact_meta, read_many, redact, storage_error
 
 __all__ = [
     "CACHE_FILE",
     "CACHE_FORMAT_VERSION",
     "CacheError",
+    "CacheMissingError",
     "SAMPLE_INDEX_SCHEMA",
     "TEXT_INDEX_SCHEMA",
     "CACHE_ERRORS_SCHEMA",
@@ -109,8 +111,12 @@ CACHE_ERRORS_SCHEMA = pa.schema(
 INDEX_SCHEMAS = {"samples": SAMPLE_INDEX_SCHEMA, "texts": TEXT_INDEX_SCHEMA, "errors": CACHE_ERRORS_SCHEMA}
 
 
-class CacheError(ValueError):
+class CacheError(UsageError):
     """A cache folder that is missing, of another version or settings, or has a bad record."""
+
+
+class CacheMissingError(CacheError, MissingError):
+    """A folder without ``_cache.json``: no cache there yet, or its embed job never committed."""
 
 
 def fingerprint_of(settings: dict[str, Any]) -> str:
@@ -163,6 +169,7 @@ def read_cache_meta(url: str, storage_options: dict | None = None) -> dict:
 def read_meta(fs, root: str, url: str) -> dict:
     meta = read_artifact_meta(
         fs, root, url, file=CACHE_FILE, kind=KIND, version=CACHE_FORMAT_VERSION, error=CacheError,
+        missing=CacheMissingError,
         missing_hint="it is not a bucketeer cache, or its embed job has not committed a shard yet. "
         "Run `bucketeer embed MANIFEST --out CACHE` to build it.",
         version_hint="Re-embed into a new --out, or use the bucketeer that wrote it.",
@@ -183,14 +190,19 @@ def _read_index_parts(fs, root: str, url: str, meta: dict, kind: str) -> pa.Tabl
     paths = [join(root, p) for p in meta["index"][kind]]
     if not paths:
         return INDEX_SCHEMAS[kind].empty_table()
-    blobs = fs.cat(paths, on_error="return")  # one concurrent batch on object stores
+    blobs = read_many(fs, paths)  # one concurrent batch on object stores
     tables = []
-    for rel, path in zip(meta["index"][kind], paths):
-        data = blobs.get(path) if isinstance(blobs, dict) else blobs
-        if isinstance(data, BaseException) or data is None:
-            raise CacheError(f"{redact(url)}: index part {rel} listed in {CACHE_FILE} is missing or unreadable; "
+    for rel, path, data in zip(meta["index"][kind], paths, blobs):
+        if isinstance(data, FileNotFoundError):
+            raise CacheError(f"{redact(url)}: index part {rel} listed in {CACHE_FILE} is missing; "
                              "run `bucketeer verify` and re-embed into a new --out")  # fmt: skip
-        tables.append(_conform_part(pq.read_table(io.BytesIO(data)), kind))
+        if isinstance(data, Exception):
+            raise storage_error(fs, "reading", path, data) from data
+        try:
+            tables.append(_conform_part(pq.read_table(io.BytesIO(data)), kind))
+        except pa.ArrowInvalid as e:
+            raise CacheError(f"{redact(url)}: index part {rel} is not a readable parquet file ({e}); "
+                             "run `bucketeer verify` and re-embed into a new --out") from None  # fmt: skip
     return pa.concat_tables(tables)
 
 

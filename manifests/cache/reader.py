@@ -18,7 +18,7 @@ import numpy as np
 
 from manifests.cache.layout import TEXT_INDEX_SCHEMA, CacheError, read_meta, read_index
 from manifests.cache.records import RecordError, SampleRecord, TextRecord, crc32, decode_sample, decode_text
-from manifests.storage import join, open_url, redact
+from manifests.storage import join, open_url, read_many, redact, storage_error
 
 __all__ = ["CacheReader", "merge_reads", "MAX_GAP", "MAX_BLOCK"]
 
@@ -116,18 +116,23 @@ class CacheReader:
         return pos
 
     def _fetch(self, items: list[tuple[str, int, int, int, str]]) -> list[bytes]:
-        """Ranged reads of ``(shard, offset, length, crc32, what)``; checks length and checksum."""
+        """Ranged reads of ``(shard, offset, length, crc32, what)``; checks length and checksum.
+
+        A missing shard is a CacheError (a bad cache); any other failed read (after the retries of
+        :func:`manifests.storage.read_many`) a StorageError: the records may be fine.
+        """
         if not items:
             return []
         reads, where = merge_reads([(join(self.root, s), o, o + n) for s, o, n, *_ in items], self.max_gap)
-        blocks = self.fs.cat_ranges(*(list(c) for c in zip(*reads)), on_error="return")
+        blocks = read_many(self.fs, *(list(c) for c in zip(*reads)))
         out = []
         for (shard, offset, length, crc, what), (k, at) in zip(items, where):
             block = blocks[k]
-            blob = block if isinstance(block, BaseException) else block[at : at + length]  # short if truncated
-            if isinstance(blob, BaseException):
-                problem = "is missing" if isinstance(blob, FileNotFoundError) else f"could not be read ({blob!r})"
-                raise CacheError(self._bad(what, shard, f"shard {problem}"))
+            if isinstance(block, FileNotFoundError):
+                raise CacheError(self._bad(what, shard, "shard is missing"))
+            if isinstance(block, Exception):
+                raise storage_error(self.fs, f"reading {what} from", reads[k][0], block) from block
+            blob = block[at : at + length]  # short if truncated
             if len(blob) != length:
                 raise CacheError(self._bad(what, shard, f"shard is truncated ({len(blob)} of {length} bytes "
                                                         f"at offset {offset})"))  # fmt: skip

@@ -104,6 +104,7 @@ def encode_tensors(tensors: Mapping[str, tuple[np.ndarray, str]], metadata: Mapp
     ``dtype_tag`` is a safetensors tag; for ``"BF16"`` the array holds the bf16 bits as uint16.
     Raises ValueError if an array's numpy dtype does not match its tag.
     """
+    assert "__metadata__" not in tensors, "__metadata__ is the safetensors header's own key, not a tensor name"
     header: dict[str, Any] = {"__metadata__": {str(k): str(v) for k, v in metadata.items()}}
     blobs, offset = [], 0
     for name in sorted(tensors):

@@ -15,7 +15,7 @@ from manifests.buckets import parse_bucket
 from manifests.cache.layout import read_meta, read_index
 from manifests.cache.records import RecordError, crc32, decode_sample, decode_text, to_float32
 from manifests.progress import Progress
-from manifests.storage import join, open_url
+from manifests.storage import join, open_url, read_bytes
 
 __all__ = ["BadRecord", "VerifyResult", "verify_cache"]
 
@@ -118,7 +118,7 @@ def verify_cache(url: str, storage_options: dict | None = None, *, progress: boo
     for shard, items in sorted(by_shard.items()):
         result.shards += 1
         try:
-            data = fs.cat_file(join(root, shard))
+            data = read_bytes(fs, join(root, shard))
         except FileNotFoundError:
             data = None
         # per-record checks name the damaged records; a whole-shard hash could only say "somewhere"

@@ -24,6 +24,7 @@ from manifests.cache.layout import (
     SHARD_BYTES,
     SHARD_RECORDS,
     CacheError,
+    CacheMissingError,
     read_meta,
     table_bytes,
     fingerprint_of,
@@ -32,7 +33,7 @@ from manifests.cache.layout import (
     settings_diff,
 )
 from manifests.cache.records import crc32
-from manifests.storage import join, open_url, redact, write_bytes_atomic, write_json_atomic
+from manifests.storage import call_storage, join, open_url, redact, write_bytes_atomic, write_json_atomic
 
 __all__ = ["ShardWriter", "CacheWriter"]
 
@@ -113,9 +114,7 @@ class CacheWriter:
         now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
         try:
             self.meta = read_meta(self.fs, self.root, self.url)
-        except CacheError as e:
-            if f"no {CACHE_FILE}" not in str(e):
-                raise
+        except CacheMissingError:  # a new cache
             self.meta = {
                 "kind": KIND, "format_version": CACHE_FORMAT_VERSION, "created_at": now,
                 "fingerprint": self.fingerprint, "settings": self.settings, "shards": [],
@@ -232,5 +231,6 @@ class CacheWriter:
         self._write_meta()
         keep = {p for parts in self.meta["index"].values() for p in parts}
         for path in {p for parts in old.values() for p in parts} - keep:
-            self.fs.rm(join(self.root, path))  # superseded index parts; the committed meta no longer names them
+            target = join(self.root, path)  # a superseded index part; the committed meta no longer names it
+            call_storage(self.fs, "removing", target, lambda: self.fs.rm(target))
         return self.meta

@@ -38,6 +38,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from manifests.buckets import parse_bucket
+from manifests.errors import UsageError
 
 __all__ = [
     "LEFTOVER_POLICIES",
@@ -89,23 +90,23 @@ class PlanConfig:
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
-            raise ValueError(f"--world-size must be >= 1 (number of training processes), got {self.world_size}")
+            raise UsageError(f"--world-size must be >= 1 (number of training processes), got {self.world_size}")
         if self.batch_size is None and self.max_tokens is None:
-            raise ValueError("give --batch-size (samples per rank per step) or --max-tokens (packing mode)")
+            raise UsageError("give --batch-size (samples per rank per step) or --max-tokens (packing mode)")
         if self.batch_size is not None and self.batch_size < 1:
-            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
+            raise UsageError(f"--batch-size must be >= 1, got {self.batch_size}")
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"--max-tokens must be >= 1, got {self.max_tokens}")
+            raise UsageError(f"--max-tokens must be >= 1, got {self.max_tokens}")
         if self.epochs < 1:
-            raise ValueError(f"--epochs must be >= 1, got {self.epochs}")
+            raise UsageError(f"--epochs must be >= 1, got {self.epochs}")
         if self.grad_accum < 1:
-            raise ValueError(f"--grad-accum must be >= 1, got {self.grad_accum}")
+            raise UsageError(f"--grad-accum must be >= 1, got {self.grad_accum}")
         if self.leftover not in LEFTOVER_POLICIES:
-            raise ValueError(f"--leftover must be one of {LEFTOVER_POLICIES}, got {self.leftover!r}")
+            raise UsageError(f"--leftover must be one of {LEFTOVER_POLICIES}, got {self.leftover!r}")
         if self.latent_factor < 1 or self.patch_size < 1:
-            raise ValueError("--latent-factor and --patch-size must be >= 1")
+            raise UsageError("--latent-factor and --patch-size must be >= 1")
         if self.seed < 0:
-            raise ValueError(f"--seed must be >= 0, got {self.seed}")
+            raise UsageError(f"--seed must be >= 0, got {self.seed}")
 
     @property
     def packing(self) -> bool:
@@ -165,7 +166,7 @@ class EpochSchedule:
     def tail(self, step: int) -> "EpochSchedule":
         """The global batches from ``step`` (an absolute step number) to the end of the epoch."""
         if not self.first_step <= step <= self.first_step + self.steps:
-            raise ValueError(
+            raise UsageError(
                 f"step {step} is outside epoch {self.epoch} (steps {self.first_step}..{self.first_step + self.steps})"
             )
         cut = step - self.first_step
@@ -194,16 +195,16 @@ def group_samples(
     if isinstance(arr, pa.ChunkedArray):
         arr = arr.combine_chunks()
     if len(arr) != len(ids):
-        raise ValueError(f"{source}: {len(ids)} sample ids but {len(arr)} bucket names")
+        raise UsageError(f"{source}: {len(ids)} sample ids but {len(arr)} bucket names")
     if arr.null_count:
-        raise ValueError(f"{source}: {arr.null_count} samples have no bucket; rebuild it with `bucketeer scan`")
+        raise UsageError(f"{source}: {arr.null_count} samples have no bucket; rebuild it with `bucketeer scan`")
     enc = pc.dictionary_encode(arr.cast(pa.string()))
     names = enc.dictionary.to_pylist()
     for name in names:
         try:
             parse_bucket(name)
         except ValueError as e:
-            raise ValueError(
+            raise UsageError(
                 f"{source}: unknown bucket {name!r} ({e}); rebucket it with `bucketeer rebucket`"
             ) from None
     rank = np.argsort(np.argsort(np.asarray(names, dtype=object)))  # dictionary index -> sorted position
@@ -214,7 +215,7 @@ def group_samples(
     order = order[np.argsort(small[order], kind="stable")]  # (n,) by bucket, then id
     ids, codes = ids[order], codes[order]
     if len(ids) > 1 and np.any((ids[1:] == ids[:-1]) & (codes[1:] == codes[:-1])):
-        raise ValueError(f"{source}: a sample id is listed twice; rebuild it with `bucketeer scan`")
+        raise UsageError(f"{source}: a sample id is listed twice; rebuild it with `bucketeer scan`")
     counts = np.bincount(codes, minlength=len(names)).astype(np.int64)
     return BucketedSamples(names=tuple(sorted(names)), ids=ids, counts=counts)
 
@@ -244,7 +245,7 @@ def bucket_batch_sizes(names: Sequence[str], config: PlanConfig) -> np.ndarray:
         sizes = np.minimum(sizes, config.batch_size)
     if np.any(sizes < 1):
         worst = int(np.argmax(tokens))
-        raise ValueError(
+        raise UsageError(
             f"bucket {names[worst]} has {tokens[worst]} latent tokens per image, above --max-tokens "
             f"{config.max_tokens}; raise --max-tokens to at least {tokens.max()}"
         )
@@ -279,7 +280,7 @@ def plan_epoch(samples: BucketedSamples, config: PlanConfig, epoch: int) -> Epoc
     dropped = np.maximum(n - taken, 0)
     if batches.sum() == 0:
         largest = int(np.argmax(n)) if k else 0
-        raise ValueError(
+        raise UsageError(
             f"nothing to train: no bucket fills one global batch ({config.world_size} ranks x per-rank batch "
             f"= {int(global_size[largest]) if k else 0}) and --leftover drop drops them all "
             f"(largest bucket {samples.names[largest] if k else '-'} has {int(n[largest]) if k else 0} samples); "
@@ -301,7 +302,7 @@ def plan_epoch(samples: BucketedSamples, config: PlanConfig, epoch: int) -> Epoc
         ).astype(np.int64)
         batch_bucket, batch_index = batch_bucket[:keep], batch_index[:keep]
         if keep == 0:
-            raise ValueError(
+            raise UsageError(
                 f"nothing to train: the epoch has {rest} global batches, fewer than --grad-accum "
                 f"{config.grad_accum}, and --leftover drop drops them; lower --grad-accum or use --leftover pad"
             )
@@ -338,7 +339,7 @@ def rank_slices(schedule: EpochSchedule, world_size: int, rank: int) -> tuple[np
     sizes = schedule.step_sizes
     if np.any(sizes % world_size):
         bad = int(np.flatnonzero(sizes % world_size)[0])
-        raise ValueError(
+        raise UsageError(
             f"epoch {schedule.epoch} step {schedule.first_step + bad}: a global batch of {int(sizes[bad])} samples "
             f"does not split evenly over {world_size} ranks; pick a world size that divides it"
         )
@@ -384,16 +385,16 @@ def schedule_from_rank_tables(
     values = []
     for r, t in enumerate(tables):
         if not np.array_equal(t.column("step").to_numpy(), steps):
-            raise ValueError(f"epoch {epoch}: rank {r} has other steps than rank 0")
+            raise UsageError(f"epoch {epoch}: rank {r} has other steps than rank 0")
         if not t.column("bucket").combine_chunks().equals(bucket):
-            raise ValueError(f"epoch {epoch}: rank {r} holds another bucket than rank 0 at some step")
+            raise UsageError(f"epoch {epoch}: rank {r} holds another bucket than rank 0 at some step")
         ids = t.column("sample_ids").combine_chunks()
         lengths.append(pc.list_value_length(ids).to_numpy().astype(np.int64))
         values.append(ids.flatten().to_numpy())
     per_rank = lengths[0]  # (S,)
     for r in range(world):
         if not np.array_equal(lengths[r], per_rank):
-            raise ValueError(f"epoch {epoch}: rank {r} has other batch sizes than rank 0")
+            raise UsageError(f"epoch {epoch}: rank {r} has other batch sizes than rank 0")
     sizes = per_rank * world  # (S,)
     gids = np.empty(int(sizes.sum()), dtype=np.uint64)
     goff = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)  # (S,)

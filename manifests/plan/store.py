@@ -53,13 +53,17 @@ from manifests.plan.schedule import (
     rank_table,
     schedule_from_rank_tables,
 )
+from manifests.errors import MissingError, UsageError
 from manifests.progress import Progress
 from manifests.storage import (
+    call_storage,
     is_local,
     join,
     open_url,
     read_artifact_meta,
+    read_many,
     redact,
+    storage_error,
     write_bytes_atomic,
     write_json_atomic,
 )
@@ -70,6 +74,7 @@ __all__ = [
     "PLAN_FORMAT_VERSION",
     "PLAN_SCHEMA",
     "PlanError",
+    "PlanMissingError",
     "PlanConfig",
     "PlanRows",
     "rank_part",
@@ -87,8 +92,12 @@ PLAN_FORMAT_VERSION = 1
 LAYOUT = "epoch-{epoch:05d}/rank-{rank:05d}.parquet"
 
 
-class PlanError(ValueError):
+class PlanError(UsageError):
     """A plan folder is missing, uncommitted, of another format version, or malformed."""
+
+
+class PlanMissingError(PlanError, MissingError):
+    """A folder without ``_plan.json``: no plan there, or `bucketeer plan` never finished."""
 
 
 def rank_part(epoch: int, rank: int) -> str:
@@ -130,7 +139,8 @@ def _put_files(fs, root: str, files: dict[str, bytes]) -> None:
             write_bytes_atomic(fs, join(root, path), data)
     else:
         # one call: async stores (s3fs) upload these concurrently
-        fs.pipe({join(root, path): data for path, data in files.items()})
+        paths = {join(root, path): data for path, data in files.items()}
+        call_storage(fs, f"writing {len(paths)} plan parts under", root, lambda: fs.pipe(paths))
 
 
 def _epoch_entry(schedule: EpochSchedule, digest: str, steps_total: int) -> dict[str, Any]:
@@ -209,17 +219,18 @@ def _fingerprint(inputs: dict[str, Any], resumed_from: Any, epochs: list[dict[st
 
 def _begin(fs, root: str) -> None:
     # invalidate an older plan here first: a reader must never pair its _plan.json with new parts
-    fs.makedirs(root, exist_ok=True)
-    if fs.exists(join(root, PLAN_FILE)):
-        fs.rm(join(root, PLAN_FILE))
+    meta = join(root, PLAN_FILE)
+    call_storage(fs, "creating", root, lambda: fs.makedirs(root, exist_ok=True))
+    if call_storage(fs, "checking", meta, lambda: fs.exists(meta)):
+        call_storage(fs, "removing", meta, lambda: fs.rm(meta))
 
 
 def _commit(fs, root: str, meta: dict[str, Any], keep: set[str]) -> None:
     write_json_atomic(fs, join(root, PLAN_FILE), meta)
-    for path in fs.find(root):
+    for path in call_storage(fs, "listing", root, lambda: fs.find(root)):
         rel = path[len(root) :].lstrip("/")
         if rel.startswith("epoch-") and rel.endswith(".parquet") and rel not in keep:
-            fs.rm(path)
+            call_storage(fs, "removing", path, lambda: fs.rm(path))
 
 
 def write_plan(
@@ -245,7 +256,7 @@ def write_plan(
     """
     samples = group_samples(sample_ids, buckets, source=(sources or {}).get("manifest") or "samples")
     if not len(samples.ids):
-        raise ValueError("nothing to train: no sample to plan (empty manifest, or none of its samples is in the cache)")
+        raise UsageError("nothing to train: no sample to plan (empty manifest, or none of its samples is in the cache)")
     per_rank = bucket_batch_sizes(samples.names, config)  # (k,) raises before anything is written
     tokens = latent_tokens(samples.names, config.latent_factor, config.patch_size)
     first = plan_epoch(samples, config, 0)  # raises "nothing to train" before anything is written
@@ -300,6 +311,7 @@ def read_plan_meta(url: str, storage_options: dict[str, Any] | None = None) -> d
     fs, root = open_url(url, storage_options)
     meta = read_artifact_meta(
         fs, root, url, file=PLAN_FILE, kind=PLAN_KIND, version=PLAN_FORMAT_VERSION, error=PlanError,
+        missing=PlanMissingError,
         missing_hint="it is not a plan, or `bucketeer plan` never finished (still running or killed). "
         "Run `bucketeer plan` to (re)build it.",
         version_hint="Re-run `bucketeer plan` with this version.",
@@ -373,7 +385,7 @@ def read_plan_rows(
     ``meta`` is the plan's ``_plan.json`` when the caller has it. A missing or malformed part is a
     problem in the result (see :class:`PlanRows`), never an exception here. Raises PlanError for an
     invalid plan, an epoch it does not hold, a rank outside its world size, or an unknown column;
-    a storage failure other than a missing part is raised as storage raised it.
+    a storage failure other than a missing part (after the retries) is a StorageError.
     """
     meta = meta or read_plan_meta(url, storage_options)
     held = [e["epoch"] for e in meta["epochs"]]
@@ -396,12 +408,13 @@ def read_plan_rows(
     fs, root = open_url(url, storage_options)
     keys = [(e, r) for e in epochs for r in ranks]
     paths = {key: join(root, rank_part(*key)) for key in keys}
-    blobs = fs.cat(list(paths.values()), on_error="return") if keys else {}  # concurrent GETs on object stores
+    blobs = dict(zip(paths.values(), read_many(fs, list(paths.values()))))  # concurrent GETs, retried
     tables, problems = {}, {}
     for key in keys:
-        data = blobs.get(paths[key], FileNotFoundError(paths[key]))
+        data = blobs[paths[key]]
         if isinstance(data, BaseException) and not isinstance(data, FileNotFoundError):
-            raise data  # denied, throttled, unreachable: a storage failure, not a fault of the plan
+            # denied, or still failing after the retries: a storage failure, not a fault of the plan
+            raise storage_error(fs, "reading", paths[key], data) from data
         table, problem = _part_rows(None if isinstance(data, BaseException) else data, *key, want)
         if table is None:
             problems[key] = problem
@@ -449,10 +462,10 @@ def resume_plan(
     old_fs, old_root = open_url(plan_url, storage_options)
     new_fs, new_root = open_url(out_url, out_storage_options)
     if old_root == new_root and type(old_fs) is type(new_fs):
-        raise ValueError(f"--out {redact(out_url)} is the plan being resumed; write the resumed plan to a new folder")
+        raise UsageError(f"--out {redact(out_url)} is the plan being resumed; write the resumed plan to a new folder")
     old_world = int(meta["inputs"]["world_size"])
     if world_size < 1:
-        raise ValueError(f"world size must be >= 1 (number of training processes), got {world_size}")
+        raise UsageError(f"world size must be >= 1 (number of training processes), got {world_size}")
     entries = {e["epoch"]: e for e in meta["epochs"]}
     if epoch not in entries:
         raise PlanError(f"{redact(plan_url)} has no epoch {epoch}; it holds epochs {sorted(entries)}")
@@ -474,7 +487,7 @@ def resume_plan(
     for name, b in buckets.items():
         global_size = b["batch_size"] * old_world
         if global_size % world_size:
-            raise ValueError(
+            raise UsageError(
                 f"bucket {name}: the global batch of {global_size} samples ({old_world} ranks x {b['batch_size']}) "
                 f"does not split over {world_size} ranks; the world size must divide the global batch"
             )
@@ -483,7 +496,7 @@ def resume_plan(
     if meta["mode"] == "fixed":
         new_batch = meta["global_batch"] // world_size
         if batch_size is not None and batch_size != new_batch:
-            raise ValueError(
+            raise UsageError(
                 f"batch size {batch_size} x {world_size} ranks != the plan's global batch {meta['global_batch']} "
                 f"({old_world} x {meta['inputs']['batch_size']}); use batch size {new_batch}"
             )

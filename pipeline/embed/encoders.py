@@ -24,6 +24,8 @@ from typing import Any, Callable, Protocol, TypeVar
 
 import numpy as np
 
+from manifests.errors import UsageError
+
 __all__ = [
     "DEFAULT_ID",
     "DEFAULT_NOTICE",
@@ -217,7 +219,7 @@ def _check_local(path: str, subfolder: str | None, option: str, expected: str, f
     hint = note
     if not subfolder and (Path(path) / expected / files[0]).is_file():
         hint = f" It looks like a diffusers pipeline folder: pass {option}-subfolder {expected}."
-    raise ValueError(f"{option} {path}{f' ({option}-subfolder {subfolder})' if subfolder else ''}: "
+    raise UsageError(f"{option} {path}{f' ({option}-subfolder {subfolder})' if subfolder else ''}: "
                      f"no {' or '.join(files)} in {folder}.{hint}")  # fmt: skip
 
 
@@ -296,7 +298,7 @@ def _load_text_model(path: str, subfolder: str):
     config = AutoConfig.from_pretrained(path, subfolder=subfolder)
     arch = (getattr(config, "architectures", None) or [""])[0]
     if arch not in TEXT_MODELS:
-        raise ValueError(f"--text-encoder {path} ({subfolder or '.'}) is a {arch or config.model_type!r}; "
+        raise UsageError(f"--text-encoder {path} ({subfolder or '.'}) is a {arch or config.model_type!r}; "
                          f"bucketeer knows {sorted(TEXT_MODELS)}")  # fmt: skip
     return TEXT_MODELS[arch](path, subfolder)
 
@@ -315,7 +317,7 @@ class TextEncoders:
         from transformers import AutoTokenizer
 
         if layer not in ("last", "penultimate"):
-            raise ValueError(f"--text-layer must be 'last' or 'penultimate', got {layer!r}")
+            raise UsageError(f"--text-layer must be 'last' or 'penultimate', got {layer!r}")
         self.device, self.compute_dtype = _device_and_dtype(use_gpu, dtype)
         self.layer = layer
         self.parts = []

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import io
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 from PIL import Image, ImageOps
 
-from manifests.retry import with_retries
+from manifests.errors import UsageError
 from manifests.schema import MAX_PIXELS
+from manifests.storage import read_many
 from pipeline.scan.headers import open_image
 
 __all__ = ["ImageFailure", "Prepared", "cover_and_crop", "prepare_image", "fetch_all"]
@@ -64,7 +64,7 @@ def cover_and_crop(
     if crop == "random":
         rng = np.random.default_rng([seed, sample_id & 0xFFFFFFFF, sample_id >> 32])
         return (rh, rw), (int(rng.integers(0, rh - bh + 1)), int(rng.integers(0, rw - bw + 1)))
-    raise ValueError(f"--crop must be 'center' or 'random', got {crop!r}")
+    raise UsageError(f"--crop must be 'center' or 'random', got {crop!r}")
 
 
 def _open(data: bytes, max_pixels: int) -> Image.Image:
@@ -144,34 +144,10 @@ def prepare_image(
 def fetch_all(fs, paths: list[str], *, threads: int = 16) -> list[bytes | BaseException]:
     """Read whole objects, many in flight; failures come back as exceptions, in path order.
 
-    The first read of every object is one concurrent ``cat_ranges`` (open ends: one GET per
-    object; ``cat`` would first expand the paths, a HEAD or LIST each on S3). A read that failed
-    goes through :func:`manifests.retry.with_retries`, the first failure counting as its first
-    attempt: a transient error (throttling, timeout, reset, 5xx) is retried with backoff, so one
-    flaky moment never becomes an error row; a permanent one (access denied, no such key or
-    bucket) comes back at once.
+    :func:`manifests.storage.read_many`: one concurrent ``cat_ranges`` (open ends: one GET per
+    object; ``cat`` would first expand the paths, a HEAD or LIST each on S3), then each failed
+    read retried on its own: a transient error (throttling, timeout, reset, 5xx) is retried with
+    backoff, so one flaky moment never becomes an error row; a permanent one (access denied, no
+    such key or bucket) comes back at once.
     """
-    if not paths:
-        return []
-    blobs = list(fs.cat_ranges(paths, [0] * len(paths), [None] * len(paths), on_error="return"))
-    failed = [i for i, b in enumerate(blobs) if isinstance(b, BaseException)]
-    if not failed:
-        return blobs
-
-    def retry(i: int) -> bytes | BaseException:
-        first = [blobs[i]]
-
-        def read() -> bytes:
-            if first:  # replays the first attempt's error, so backoff and attempt count are with_retries'
-                raise first.pop()
-            return fs.cat_file(paths[i])
-
-        try:
-            return with_retries(read)
-        except Exception as e:  # recorded per file by the caller
-            return e
-
-    with ThreadPoolExecutor(max_workers=min(threads, len(failed)), thread_name_prefix="fetch-retry") as pool:
-        for i, blob in zip(failed, pool.map(retry, failed)):
-            blobs[i] = blob
-    return blobs
+    return read_many(fs, paths, threads=threads)

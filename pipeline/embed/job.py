@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 from collections import deque
@@ -39,6 +38,7 @@ from manifests.cache import (
     CACHE_FORMAT_VERSION,
     SHARD_RECORDS,
     CacheError,
+    CacheMissingError,
     CacheWriter,
     Freshness,
     cache_freshness,
@@ -48,6 +48,7 @@ from manifests.cache import (
     source_key,
 )
 from manifests.cache.records import GZIP_BACKEND, caption_key
+from manifests.errors import BucketeerError, UsageError
 from manifests.progress import Progress
 from manifests.storage import parse_storage_options, public_options, redact
 from pipeline.ray_setup import init_ray
@@ -84,17 +85,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _actor_get(ray, refs):
-    """``ray.get`` on encoder actors: an encoder that fails to load in an actor (a bad path, a missing
-    subfolder) is reported as the one-line error it raised, not as an ActorDiedError traceback."""
+    """``ray.get`` of encoder actors' ``describe()``: an encoder that fails to load (a bad path, a
+    missing subfolder: a UsageError; a file ``from_pretrained`` cannot find or fetch: an OSError)
+    is reported in one line, not as a task traceback. Other errors (bugs) keep theirs."""
     try:
         return ray.get(refs)
-    except ray.exceptions.ActorDiedError as e:
-        # Ray keeps only the formatted traceback of the creation task: its last "XError: msg" line
-        text = re.sub(r"\x1b\[[0-9;]*m", "", str(getattr(e, "error_msg", "")))
-        last = [m.group(1) for m in re.finditer(r"^\s*[\w.]*(?:Error|Exception): (.+)$", text, re.MULTILINE)]
-        if not last:
-            raise
-        raise ValueError(f"an encoder failed to load: {last[-1]}") from None
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e.cause, (BucketeerError, OSError)):
+            raise UsageError(f"an encoder failed to load: {e.cause}") from None
+        raise
 
 
 def _sources(args: argparse.Namespace):
@@ -105,7 +104,7 @@ def _sources(args: argparse.Namespace):
     texts = args.text_encoder or ["default"]
     subs = args.text_encoder_subfolder or []
     if len(subs) > len(texts):
-        raise ValueError(f"{len(subs)} --text-encoder-subfolder options for {len(texts)} --text-encoder options")
+        raise UsageError(f"{len(subs)} --text-encoder-subfolder options for {len(texts)} --text-encoder options")
     subs = subs + [None] * (len(texts) - len(subs))
     return vae, [EncoderSource(t, s, home) for t, s in zip(texts, subs)]
 
@@ -143,10 +142,8 @@ def _check_early(url: str, storage_options: dict, request: dict) -> dict | None:
     """Refuse a cache made with other requested settings; its ``_cache.json``, None when there is no cache."""
     try:
         meta = read_cache_meta(url, storage_options)
-    except CacheError as e:
-        if "has no _cache.json" in str(e):
-            return None
-        raise
+    except CacheMissingError:
+        return None
     old = meta["settings"]
     diff = settings_diff(old, request, only_new_keys=True)
     if diff:
@@ -192,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
     from pipeline.embed import workers as w
 
     if args.batch_size < 1 or args.shard_records < 1 or args.text_batch_size < 1:
-        raise ValueError("--batch-size, --text-batch-size and --shard-records must be >= 1")
+        raise UsageError("--batch-size, --text-batch-size and --shard-records must be >= 1")
     so = parse_storage_options(args.storage_options)
     manifest = read_manifest(args.manifest, so)
     source = args.source or manifest.source
@@ -245,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
                 vae_source, bool(gpus), request["dtype"], None) for _ in range(n_vae))  # fmt: skip
         infos = _actor_get(ray, [a.describe.remote() for a in vae_actors])
         if len({i["weights_sha256"] for i in infos}) != 1:
-            raise RuntimeError("VAE workers loaded different weights (nodes disagree on the model files)")
+            raise BucketeerError("VAE workers loaded different weights (nodes disagree on the model files)")
         return infos[0]
 
     vae_info = start_vae() if vae_actors else None

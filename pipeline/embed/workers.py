@@ -6,6 +6,10 @@ per GPU, or one CPU actor) turns a prepared batch into compressed sample records
 calls at once so that the gzip of one batch overlaps the forward pass of the next.
 ``TextWorker`` encodes unique captions into compressed text records. ``check_source`` (on the
 driver, before any model loads) refuses a dataset whose storage cannot be read at all.
+
+An actor whose encoder fails to load keeps the exception and raises it from its first call,
+``describe()``: Ray keeps only the formatted text of an exception raised in ``__init__`` (an
+``ActorDiedError``), while one raised by a method reaches the driver as itself (``.cause``).
 """
 
 from __future__ import annotations
@@ -16,10 +20,11 @@ import numpy as np
 
 from manifests.buckets import parse_bucket
 from manifests.cache.records import SampleRecord, TextRecord, encode_sample, encode_text
-from manifests.storage import StorageError, join, open_url, redact
+from manifests.errors import StorageError
+from manifests.retry import is_transient
+from manifests.storage import join, open_url, redact
 from pipeline.embed.encoders import Encoder, EncoderSource, LatentEncoder, TextEncoders, quiet_loading, to_storage
 from pipeline.embed.imaging import ImageFailure, fetch_all, prepare_image
-from manifests.retry import is_transient
 
 __all__ = ["prepare_batch", "check_source", "LatentWorker", "TextWorker"]
 
@@ -114,9 +119,15 @@ class LatentWorker:
         _set_threads(threads)
         quiet_loading()
         self.dtype = dtype
-        self.encoder: Encoder[np.ndarray] = LatentEncoder(vae, use_gpu=use_gpu, dtype=dtype)
+        self.load_error: Exception | None = None
+        try:
+            self.encoder: Encoder[np.ndarray] = LatentEncoder(vae, use_gpu=use_gpu, dtype=dtype)
+        except Exception as e:  # raised by describe(), see the module docstring
+            self.load_error = e
 
     def describe(self) -> dict[str, Any]:
+        if self.load_error is not None:
+            raise self.load_error
         return self.encoder.describe()
 
     def encode(self, prepared: dict[str, Any]) -> dict[str, Any]:
@@ -141,9 +152,15 @@ class TextWorker:
         _set_threads(threads)
         quiet_loading()
         self.dtype = dtype
-        self.encoders: Encoder[list[str]] = TextEncoders(sources, use_gpu=use_gpu, dtype=dtype, layer=layer)
+        self.load_error: Exception | None = None
+        try:
+            self.encoders: Encoder[list[str]] = TextEncoders(sources, use_gpu=use_gpu, dtype=dtype, layer=layer)
+        except Exception as e:  # raised by describe(), see the module docstring
+            self.load_error = e
 
     def describe(self) -> dict[str, Any]:
+        if self.load_error is not None:
+            raise self.load_error
         return self.encoders.describe()
 
     def encode(self, items: list[tuple[int, str]]) -> list[tuple[int, bytes]]:

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from manifests.errors import BucketeerError, UsageError
 from manifests.manifest import Manifest, manifest_stats, read_manifest
 from manifests.progress import Progress
 from manifests.storage import join, open_url, parse_storage_options, redact, write_bytes_atomic
@@ -73,10 +74,10 @@ def write_report(
     try:
         from pipeline.report import plots  # matplotlib only when a report is made
     except ImportError as e:
-        raise RuntimeError(f"bucketeer report needs matplotlib ({e}): pip install 'bucketeer[report]'") from None
+        raise BucketeerError(f"bucketeer report needs matplotlib ({e}): pip install 'bucketeer[report]'") from None
 
     if not out.endswith((".html", ".htm")):
-        raise ValueError(f"--out {out!r} must name an .html file")
+        raise UsageError(f"--out {out!r} must name an .html file")
     reporter = Progress("report", "sections", total=1 + bool(plan) + bool(cache), unit="sections", enabled=progress)
     manifest = read_manifest(manifest_url, storage_options)
     sections = [manifest_section(manifest, plots)]

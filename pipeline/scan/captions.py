@@ -26,7 +26,8 @@ import pyarrow.csv as pcsv
 import pyarrow.json as pjson
 import pyarrow.parquet as pq
 
-from manifests.storage import open_url, redact
+from manifests.errors import MissingError, UsageError
+from manifests.storage import open_url, read_bytes, redact
 
 __all__ = [
     "SIDECAR_EXTENSIONS",
@@ -97,15 +98,14 @@ class CaptionTable:
 def load_caption_table(url: str, storage_options: dict[str, Any] | None = None) -> CaptionTable:
     """Read ``--captions URL`` into a :class:`CaptionTable` (captions normalised).
 
-    Raises FileNotFoundError when the table is missing, ValueError for an unknown format,
-    missing columns or a filename given twice with different captions.
+    Raises MissingError (a FileNotFoundError) when the table is missing, UsageError (a ValueError)
+    for an unknown format, missing columns or a filename given twice with different captions.
     """
     fs, path = open_url(url, storage_options)
     try:
-        with fs.open(path, "rb") as f:
-            data = f.read()
+        data = read_bytes(fs, path)
     except FileNotFoundError:
-        raise FileNotFoundError(f"--captions {redact(url)}: no such file") from None
+        raise MissingError(f"--captions {redact(url)}: no such file") from None
     suffix = path.lower().rsplit(".", 1)[-1]
     try:
         if suffix == "parquet":
@@ -116,14 +116,14 @@ def load_caption_table(url: str, storage_options: dict[str, Any] | None = None) 
             parse = pcsv.ParseOptions(delimiter="\t" if suffix == "tsv" else ",", newlines_in_values=True)
             table = pcsv.read_csv(io.BytesIO(data), parse_options=parse)
         else:
-            raise ValueError(f"--captions {redact(url)}: unknown table format '.{suffix}'; "
+            raise UsageError(f"--captions {redact(url)}: unknown table format '.{suffix}'; "
                              "use .parquet, .jsonl or .csv")
     except pa.ArrowInvalid as e:
-        raise ValueError(f"--captions {redact(url)}: cannot parse it as {suffix}: {e}") from None
+        raise UsageError(f"--captions {redact(url)}: cannot parse it as {suffix}: {e}") from None
     name_col = next((c for c in _FILENAME_COLUMNS if c in table.column_names), None)
     text_col = next((c for c in _CAPTION_COLUMNS if c in table.column_names), None)
     if name_col is None or text_col is None:
-        raise ValueError(
+        raise UsageError(
             f"--captions {redact(url)} has columns {table.column_names}; it needs a filename column "
             f"(one of {list(_FILENAME_COLUMNS)}) and a caption column (one of {list(_CAPTION_COLUMNS)})"
         )
@@ -132,9 +132,9 @@ def load_caption_table(url: str, storage_options: dict[str, Any] | None = None) 
     out: dict[str, str | None] = {}
     for row, (name, text) in enumerate(zip(names, texts)):
         if name is None:
-            raise ValueError(f"--captions {redact(url)}: row {row} has no {name_col}")
+            raise UsageError(f"--captions {redact(url)}: row {row} has no {name_col}")
         key, caption = _clean_name(name), normalise_caption(text)
         if key in out and out[key] != caption:
-            raise ValueError(f"--captions {redact(url)}: {key!r} appears twice with different captions (row {row})")
+            raise UsageError(f"--captions {redact(url)}: {key!r} appears twice with different captions (row {row})")
         out[key] = caption
     return CaptionTable.of(out)

@@ -27,10 +27,11 @@ from typing import IO, Any, Callable
 
 from PIL import Image
 
+from manifests.errors import StorageError
 from manifests.schema import MAX_PIXELS
-from manifests.storage import StorageError, join, redact
-from pipeline.scan.captions import decode_caption
 from manifests.retry import is_permanent, with_retries
+from manifests.storage import join, redact
+from pipeline.scan.captions import decode_caption
 
 __all__ = [
     "FIRST_READ",

@@ -34,9 +34,10 @@ import pyarrow as pa
 from manifests import faults
 from manifests.buckets import BucketSpec, add_bucket_arguments, spec_from_args
 from manifests.manifest import apply_buckets, conform, write_manifest
+from manifests.errors import BucketeerError, StorageError, UsageError
 from manifests.progress import Progress
 from manifests.schema import ERRORS_SCHEMA, MAX_PIXELS, sample_ids
-from manifests.storage import StorageError, open_url, parse_storage_options, redact
+from manifests.storage import open_url, parse_storage_options, redact
 from pipeline.scan.captions import CaptionTable, load_caption_table
 from pipeline.scan.headers import FIRST_READ, probe_files
 from pipeline.scan.listing import (
@@ -49,7 +50,7 @@ from pipeline.scan.listing import (
     plan_rescan,
 )
 from pipeline.ray_setup import ray_session
-from manifests.retry import is_permanent
+from manifests.retry import is_storage_failure
 
 log = logging.getLogger("bucketeer.scan")
 
@@ -99,9 +100,9 @@ def run(args: argparse.Namespace) -> int:
     )  # fmt: skip
     for name in ("max_pixels", "header_bytes", "threads_per_task"):
         if getattr(config, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
     if config.max_pixels > MAX_PIXELS:
-        raise ValueError(f"--max-pixels {config.max_pixels:,} is above {MAX_PIXELS:,}: Pillow refuses to decode "
+        raise UsageError(f"--max-pixels {config.max_pixels:,} is above {MAX_PIXELS:,}: Pillow refuses to decode "
                          "larger images, so embed could not use them; the option can only lower the limit")
     meta = scan_dataset(
         args.source, args.out, spec=spec_from_args(args), storage_options=options, captions=args.captions,
@@ -140,7 +141,7 @@ def scan_dataset(
 
     ``fs`` replaces the filesystem of ``source`` (``source`` is then a path in it; it must be
     picklable): benchmarks and tests wrap storage with it. Raises StorageError for permanent
-    storage failures (nothing is committed), ValueError for bad input (no images, a bad table).
+    storage failures (nothing is committed), UsageError for bad input (no images, a bad table).
     """
     started, clock = time.time(), time.perf_counter()
     task_fs = fs
@@ -148,11 +149,11 @@ def scan_dataset(
     try:
         listing = list_source(fs, root)
     except Exception as e:
-        if isinstance(e, FileNotFoundError) or is_permanent(e):
+        if isinstance(e, FileNotFoundError) or is_storage_failure(e):  # retried already; a missing root or bucket
             raise StorageError(redact(f"cannot list {source}: {e}", storage_options)) from None
         raise
     if not listing.images:
-        raise ValueError(
+        raise UsageError(
             f"no image files under {redact(source)} ({listing.ignored} other files ignored); images are "
             f"{', '.join(sorted(IMAGE_EXTENSIONS))}. Check the path."
         )
@@ -230,9 +231,8 @@ def _run_batches(ray, target: tuple, work: list, config: ScanConfig) -> list[dic
                 try:
                     result = ray.get(ref)
                 except ray.exceptions.RayTaskError as e:
-                    cause = e.cause if isinstance(e.cause, Exception) else e
-                    if isinstance(cause, StorageError):
-                        raise StorageError(str(cause)) from None
+                    if isinstance(e.cause, BucketeerError):  # the task's own error; Ray's wrapper reads as a traceback
+                        raise e.cause from None
                     raise
                 results.append(result)
                 mb += sum(b or 0 for b in result["bytes_read"]) / 1e6

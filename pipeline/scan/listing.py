@@ -29,6 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from fsspec import AbstractFileSystem
 
+from manifests.errors import MissingError, UsageError
 from manifests.manifest import ManifestError, conform, read_manifest
 from manifests.schema import ERRORS_SCHEMA, SAMPLES_SCHEMA
 from manifests.storage import is_local, redact
@@ -92,12 +93,12 @@ def list_source(fs: AbstractFileSystem, root: str, *, page_size: int = PAGE_SIZE
         entries, requests = _list_s3(fs, root, page_size, workers)
     else:
         if is_local(fs) and not fs.isdir(root):
-            raise FileNotFoundError(f"source folder {root} does not exist")
+            raise MissingError(f"source folder {root} does not exist")
         found = with_retries(lambda: fs.find(root, detail=True, withdirs=False))
         prefix = fs._strip_protocol(root).rstrip("/") + "/"
         outside = next((p for p in found if not p.startswith(prefix)), None)
         if outside is not None:  # e.g. a relative root on a filesystem that returns absolute paths
-            raise ValueError(f"listing {root} returned {outside}, which is not under it; give an absolute path")
+            raise UsageError(f"listing {root} returned {outside}, which is not under it; give an absolute path")
         entries = [_entry(path[len(prefix) :], info) for path, info in found.items()]
         requests = 1
     listing = Listing(requests=requests)
