@@ -35,17 +35,19 @@ test: install
 
 # "s3fs[boto3]" adds no package: it makes aiobotocore pin boto3 (which moto needs) to its botocore range
 # up front; without it pip backtracks through hundreds of boto3 releases to find that range at old s3fs.
+# --no-compile: byte-compiling all of torch, ray, transformers... is most of an install's time; the tests
+# import a fraction of it, compiled on first import and kept (hence PYTHONDONTWRITEBYTECODE unset there).
 $(FLOORS_VENV)/.installed: pyproject.toml .ci/floors.py
 	rm -rf $(FLOORS_VENV)
 	$(PYTHON) -m venv $(FLOORS_VENV)
 	$(FLOORS_PY) -m pip install -q --upgrade pip
-	$(FLOORS_PY) -m pip install -q "$(TORCH_SPEC)"
+	$(FLOORS_PY) -m pip install -q --no-compile "$(TORCH_SPEC)"
 	{ $(PYTHON) .ci/floors.py && echo "$(TORCH_SPEC)"; } > $(FLOORS_VENV)/constraints.txt
-	$(FLOORS_PY) -m pip install -q -c $(FLOORS_VENV)/constraints.txt -e ".[dev]" "s3fs[boto3]"
+	$(FLOORS_PY) -m pip install -q --no-compile -c $(FLOORS_VENV)/constraints.txt -e ".[dev]" "s3fs[boto3]"
 	touch $@
 
 test-floors: $(FLOORS_VENV)/.installed
-	$(FLOORS_PY) -m pytest $(FLOORS_PYTEST_ARGS)
+	PYTHONDONTWRITEBYTECODE= $(FLOORS_PY) -m pytest $(FLOORS_PYTEST_ARGS)
 
 bench: install
 	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done
