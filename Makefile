@@ -1,6 +1,7 @@
 # Set-up and the two front-door commands. Works on a machine with only Python 3.11, pip and gcc.
 #   make demo   # create .venv, install, run the end-to-end demo on this machine
 #   make test   # create .venv, install, run every test (unit, S3, Ray, multi-process)
+#   make test-floors   # create .venv-floors with every core dependency at its pyproject floor, run the fast tests
 PYTHON ?= python3
 VENV ?= .venv
 # the CPU wheel; installed before the project so nothing pulls the multi-GB CUDA build.
@@ -8,8 +9,14 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# `make test-floors`: each core dependency at the lowest version pyproject.toml allows (.ci/floors.py derives
+# the pins from it at run time), except torch, which stays TORCH_SPEC: no other torch is installable in CI.
+# Dev tools (pytest, moto, ...) stay current. The fast tests: the slow ones would not fit CI's time.
+FLOORS_VENV ?= .venv-floors
+FLOORS_PY := $(FLOORS_VENV)/bin/python
+FLOORS_PYTEST_ARGS ?= -m "not slow"
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test test-floors bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,8 +33,24 @@ demo: install
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# "s3fs[boto3]" adds no package: it makes aiobotocore pin boto3 (which moto needs) to its botocore range
+# up front; without it pip backtracks through hundreds of boto3 releases to find that range at old s3fs.
+# --no-compile: byte-compiling all of torch, ray, transformers... is most of an install's time; the tests
+# import a fraction of it, compiled on first import and kept (hence PYTHONDONTWRITEBYTECODE unset there).
+$(FLOORS_VENV)/.installed: pyproject.toml .ci/floors.py
+	rm -rf $(FLOORS_VENV)
+	$(PYTHON) -m venv $(FLOORS_VENV)
+	$(FLOORS_PY) -m pip install -q --upgrade pip
+	$(FLOORS_PY) -m pip install -q --no-compile "$(TORCH_SPEC)"
+	{ $(PYTHON) .ci/floors.py && echo "$(TORCH_SPEC)"; } > $(FLOORS_VENV)/constraints.txt
+	$(FLOORS_PY) -m pip install -q --no-compile -c $(FLOORS_VENV)/constraints.txt -e ".[dev]" "s3fs[boto3]"
+	touch $@
+
+test-floors: $(FLOORS_VENV)/.installed
+	PYTHONDONTWRITEBYTECODE= $(FLOORS_PY) -m pytest $(FLOORS_PYTEST_ARGS)
+
 bench: install
 	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(FLOORS_VENV) .pytest_cache build *.egg-info
