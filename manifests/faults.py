@@ -106,15 +106,17 @@ def hit(point: str) -> None:
         time.sleep(fault.seconds())
     elif fault.action == "pause" and point not in _paused:
         _paused.add(point)
-        print(pause_marker(point), flush=True)
-        _pause(fault.seconds())
+        _pause(point, fault.seconds())
     elif fault.action == "exit-once":
         _exit_once(fault.arg)
 
 
-def _pause(seconds: float) -> None:
-    """Sleep ``seconds``, or until a SIGTERM, which is then handed to the handler installed before."""
+def _pause(point: str, seconds: float) -> None:
+    """Print the pause marker, then sleep ``seconds`` or until a SIGTERM, which is then handed to the
+    handler installed before. The handler is in place before the marker is printed, so a test that
+    signals as soon as it reads the marker cannot land its signal outside the pause."""
     if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
+        print(pause_marker(point), flush=True)
         time.sleep(seconds)
         return
     woken = threading.Event()
@@ -130,6 +132,7 @@ def _pause(seconds: float) -> None:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     try:
+        print(pause_marker(point), flush=True)
         deadline = time.monotonic() + seconds
         while not woken.is_set() and time.monotonic() < deadline:
             time.sleep(0.05)  # short sleeps: a handler that only sets a flag does not cut a long one short

@@ -113,7 +113,8 @@ def straight(train_data, config, tmp_path_factory) -> Path:
 
 
 def paused_run(out: Path, *argv) -> tuple[subprocess.Popen, list[str]]:
-    """Start a 2-process run that pauses right after its first checkpoint; returns once it has paused."""
+    """Start a 2-process run that pauses right after its first checkpoint; returns once both ranks have
+    paused (a signal sent while one rank is still checkpointing would reach it before its pause)."""
     env = environment(**{FAULTS_ENV: "train.checkpoint=pause:300"})
     proc = subprocess.Popen(command(2, *argv), cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -123,9 +124,9 @@ def paused_run(out: Path, *argv) -> tuple[subprocess.Popen, list[str]]:
         deadline = time.time() + 240
         for line in proc.stdout:
             seen.append(line)
-            if PAUSED in line or time.time() > deadline:
+            if "".join(seen).count(PAUSED) >= 2 or time.time() > deadline:
                 break
-        assert proc.poll() is None and PAUSED in seen[-1], "".join(seen)[-4000:]
+        assert proc.poll() is None and "".join(seen).count(PAUSED) >= 2, "".join(seen)[-4000:]
     except BaseException:
         kill_tree(proc)
         raise
