@@ -12,9 +12,13 @@ A rescan compares the listing with the previous manifest (:func:`plan_rescan`): 
 their sidecar captions are read again exactly when the listed sidecar differs from the one each
 row's ``caption_source`` records (no timestamps are compared with any clock).
 
-Images: ``jpg jpeg png webp gif bmp tif tiff`` in any case. Hidden files and folders (any path
+Images: the extensions of every format this Pillow (and its installed plugins) can identify and
+decode (:data:`pipeline.formats.IMAGE_EXTENSIONS`), in any case. Hidden files and folders (any path
 part starting with ``.``, so also macOS ``._*`` AppleDouble files) and other files are skipped and
-counted as ``ignored``.
+counted as ``ignored``; the others also by extension (``Listing.ignored_extensions``), so that
+200,000 ``.heic`` files without the HEIF plugin are a visible line, not a silent count. A name that
+is not valid UTF-8 (possible on a local disk) cannot be a manifest row: it is ignored and counted
+under the extension ``(name not UTF-8)``.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import datetime as _dt
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -33,17 +37,18 @@ from manifests.errors import MissingError, UsageError
 from manifests.manifest import ManifestError, conform, read_manifest
 from manifests.schema import ERRORS_SCHEMA, SAMPLES_SCHEMA
 from manifests.storage import is_local, redact
+from pipeline.formats import IMAGE_EXTENSIONS
 from pipeline.scan.captions import SIDECAR_EXTENSIONS, CaptionTable, sidecar_stem
 from manifests.retry import with_retries
 
 __all__ = [
-    "IMAGE_EXTENSIONS", "IMAGE_SCHEMA", "FileEntry", "Listing", "RescanPlan",
-    "list_source", "classify", "plan_rescan", "caption_source", "sidecar_version",
+    "IMAGE_EXTENSIONS", "IMAGE_SCHEMA", "FileEntry", "Listing", "WorkItem", "RescanPlan",
+    "list_source", "classify", "extension", "plan_rescan", "caption_source", "sidecar_version",
 ]  # fmt: skip
 
 IMAGE_SCHEMA = pa.schema([f for f in SAMPLES_SCHEMA if f.name != "bucket"])  # a sample before bucketing
-IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff"})
 PAGE_SIZE = 1000  # the S3 maximum per ListObjectsV2 call
+NOT_UTF8 = "(name not UTF-8)"  # the ignored_extensions key of names that cannot be a manifest row
 
 
 @dataclass(frozen=True)
@@ -61,22 +66,52 @@ class Listing:
     images: list[FileEntry] = field(default_factory=list)
     sidecars: dict[str, FileEntry] = field(default_factory=dict)  # image stem -> its caption file
     ignored_hidden: int = 0
-    ignored_other: int = 0
+    ignored_extensions: dict[str, int] = field(default_factory=dict)  # other files by extension ("" for none)
     requests: int = 0
     seconds: float = 0.0
+
+    @property
+    def ignored_other(self) -> int:
+        return sum(self.ignored_extensions.values())
 
     @property
     def ignored(self) -> int:
         return self.ignored_hidden + self.ignored_other
 
 
+class WorkItem(NamedTuple):
+    """One file for a scan task: an image to probe and/or the sidecar caption to read with it."""
+
+    name: str  # the image, relative to the root
+    size: int  # its bytes
+    probe: bool  # read the image's header (False: only its sidecar, for a reused row)
+    sidecar: str | None = None  # the caption file to read, relative to the root
+    sidecar_size: int = 0
+
+
+def extension(name: str) -> str:
+    """The lower-case extension of a root-relative file name, without the dot ("" for none)."""
+    base = name.rsplit("/", 1)[-1]
+    return base.rsplit(".", 1)[-1].lower() if "." in base else ""
+
+
+def _utf8(name: str) -> bool:
+    if name.isascii():
+        return True
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # undecodable bytes of a local file name, kept as lone surrogates
+        return False
+    return True
+
+
 def classify(name: str) -> str:
     """``image``, ``sidecar``, ``hidden`` or ``other`` for a root-relative file name."""
     if any(part.startswith(".") for part in name.split("/")):
         return "hidden"
-    ext = name.rsplit(".", 1)[-1].lower() if "." in name.rsplit("/", 1)[-1] else ""
+    ext = extension(name)
     if ext in IMAGE_EXTENSIONS:
-        return "image"
+        return "image" if _utf8(name) else "other"
     if f".{ext}" in SIDECAR_EXTENSIONS:
         return "sidecar"
     return "other"
@@ -116,7 +151,8 @@ def list_source(fs: AbstractFileSystem, root: str, *, page_size: int = PAGE_SIZE
         elif kind == "hidden":
             listing.ignored_hidden += 1
         else:
-            listing.ignored_other += 1
+            ext = extension(entry.name) if _utf8(entry.name) else NOT_UTF8
+            listing.ignored_extensions[ext] = listing.ignored_extensions.get(ext, 0) + 1
     listing.images.sort(key=lambda e: e.name)
     listing.seconds = time.perf_counter() - start
     return listing
@@ -221,7 +257,7 @@ def _between(lo: str, hi: str | None, prefix: str, digits: int = 6) -> str | Non
 
 @dataclass
 class RescanPlan:
-    work: list[tuple[str, int, bool, str | None]]  # (name, size, probe image?, sidecar to read)
+    work: list[WorkItem]  # files to read, by name
     reused_images: pa.Table  # IMAGE_SCHEMA rows of unchanged files, caption as before
     reused_errors: pa.Table  # ERRORS_SCHEMA rows of unchanged broken files
     kept_captions: set[str]  # reused rows read from exactly the sidecar version still listed
@@ -279,7 +315,7 @@ def plan_rescan(
     entries = {e.name: e for e in listing.images}
     empty = RescanPlan([], IMAGE_SCHEMA.empty_table(), ERRORS_SCHEMA.empty_table(), set())
     if old is None:
-        empty.work = [(e.name, e.size, True, _sidecar(listing, e.name, table)) for e in listing.images]
+        empty.work = [_work(listing, e, True, table) for e in listing.images]
         empty.new = len(listing.images)
         return empty
 
@@ -311,14 +347,14 @@ def plan_rescan(
             if versioned and cols["caption_source"][i] == sidecar_version(listed):
                 plan.kept_captions.add(name)
             else:
-                plan.work.append((name, entry.size, False, sidecar))
+                plan.work.append(_work(listing, entry, False, table))
     plan.reused_images = images.filter(pa.array(keep_image, pa.bool_()))
     plan.reused_errors = errors.filter(pa.array(keep_error, pa.bool_()))
     previous_names = set(images.column("filename").to_pylist()) | set(errors.column("filename").to_pylist())
     previous_names |= redo_names
     for e in listing.images:
         if e.name not in seen:
-            plan.work.append((e.name, e.size, True, _sidecar(listing, e.name, table)))
+            plan.work.append(_work(listing, e, True, table))
             if e.name in previous_names:
                 plan.changed += 1
             else:
@@ -335,3 +371,9 @@ def _sidecar(listing: Listing, name: str, table: CaptionTable | None) -> str | N
         return None
     entry = listing.sidecars.get(sidecar_stem(name))
     return entry.name if entry else None
+
+
+def _work(listing: Listing, entry: FileEntry, probe: bool, table: CaptionTable | None) -> WorkItem:
+    sidecar = _sidecar(listing, entry.name, table)
+    sidecar_size = listing.sidecars[sidecar_stem(entry.name)].size if sidecar else 0
+    return WorkItem(entry.name, entry.size, probe, sidecar, sidecar_size)
