@@ -191,8 +191,10 @@ def probe_header(
         header = _parse(reader)
     except StorageFailure:
         raise
-    except Exception as e:  # untrusted bytes can make any parser fail; never the whole scan
-        header = _failed(reader, f"{type(e).__name__}: {e}")
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # untrusted bytes can make any parser fail (a Rust plugin's panic is a
+        header = _failed(reader, f"{type(e).__name__}: {e}")  # BaseException); never the whole scan
     if reader.failure is not None:  # a decoder swallowed the storage error; surface it
         raise StorageFailure(reader.failure)
     if reader.capped and header.error is not None:

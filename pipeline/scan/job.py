@@ -182,7 +182,7 @@ def scan_dataset(
         raise UsageError(
             f"no image files under {redact(source)} ({listing.ignored} other files ignored"
             f"{': ' + ignored_line(listing.ignored_extensions) if listing.ignored_extensions else ''}); images are "
-            f"{', '.join(sorted(IMAGE_EXTENSIONS))}. Check the path."
+            f"{_extensions()}. Check the path."
         )
     log.info("listed %d images (%d ignored) in %.1f s", len(listing.images), listing.ignored, listing.seconds)
     table = load_caption_table(captions, storage_options) if captions else None
@@ -208,6 +208,14 @@ def scan_dataset(
         out, samples, errors, source=source, spec=spec, storage_options=storage_options, summary=summary,
         counts={"listed": len(listing.images), "ignored": listing.ignored}, max_pixels=config.max_pixels,
     )  # fmt: skip
+
+
+def _extensions() -> str:
+    """The image extensions, the common ones first: ``jpg, png, ... and 40 more (bucketeer scan --help)``."""
+    common = [e for e in ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff", "avif", "heic", "jxl")
+              if e in IMAGE_EXTENSIONS]  # fmt: skip
+    rest = len(IMAGE_EXTENSIONS) - len(common)
+    return ", ".join(common) + (f" and {rest} more (bucketeer scan --help)" if rest else "")
 
 
 def _task_options(source: str, storage_options: dict[str, Any] | None, config: ScanConfig) -> dict[str, Any] | None:

@@ -14,8 +14,9 @@ are made depends on the filesystem, all through :mod:`manifests.retry`:
 - any other filesystem: ``in_flight`` threads calling ``cat_file``.
 
 Reads that finished but were not probed yet are bounded by ``in_flight`` too, so a task's memory
-stays near ``in_flight x first_read`` whatever its batch size. A sidecar is read up to its first
-:data:`SIDECAR_LIMIT` bytes (a caption longer than that is cut there).
+stays near ``in_flight x first_read`` whatever its batch size. A sidecar is read as listed (an empty
+one not at all: S3 refuses a byte range of an empty object), at most its first :data:`SIDECAR_LIMIT`
+bytes (a caption longer than that is cut there).
 
 The result is one Arrow table per task (:data:`PROBE_SCHEMA`): Ray ships it without per-row
 objects and the driver assembles the manifest column by column.
@@ -166,10 +167,11 @@ def _local_reads(root: str, items: list[WorkItem], first_read: int) -> Iterator[
         sidecar: bytes | BaseException | None = None
         if item.sidecar is not None:
             sidecar_path = os.path.join(root, item.sidecar)
+            limit = _sidecar_bytes(item)
             try:
-                sidecar = _read_file(sidecar_path, SIDECAR_LIMIT) if item.sidecar_size > 0 else b""
+                sidecar = _read_file(sidecar_path, limit) if limit else b""
             except OSError as e:
-                sidecar = _retried(e, lambda: _read_file(sidecar_path, SIDECAR_LIMIT))
+                sidecar = _retried(e, lambda: _read_file(sidecar_path, limit))
         descriptor = fd
         try:
             yield _Fetched(item, head, sidecar,
@@ -177,6 +179,11 @@ def _local_reads(root: str, items: list[WorkItem], first_read: int) -> Iterator[
         finally:
             if fd >= 0:
                 os.close(fd)
+
+
+def _sidecar_bytes(item: WorkItem) -> int:
+    """How much of the sidecar to read: its listed size (one request, no HEAD), at most SIDECAR_LIMIT."""
+    return min(max(0, item.sidecar_size), SIDECAR_LIMIT)
 
 
 def _read_file(path: str, limit: int) -> bytes:
@@ -196,7 +203,7 @@ def _threaded_reads(fs, root: str, items: list[WorkItem], first_read: int, in_fl
         head = read(path, min(first_read, item.size)) if item.probe and item.size > 0 else None
         sidecar = None
         if item.sidecar is not None:
-            sidecar = read(join(root, item.sidecar), SIDECAR_LIMIT) if item.sidecar_size > 0 else b""
+            sidecar = read(join(root, item.sidecar), _sidecar_bytes(item)) if item.sidecar_size > 0 else b""
         return _Fetched(item, head, sidecar,
                         lambda start, end: with_retries(lambda: fs.cat_file(path, start=start, end=end)))
 
@@ -227,7 +234,7 @@ def _async_reads(fs, root: str, items: list[WorkItem], first_read: int, in_fligh
             if item.probe and item.size > 0:
                 head = await read(path, min(first_read, item.size))
             if item.sidecar is not None:
-                sidecar = await read(join(root, item.sidecar), SIDECAR_LIMIT) if item.sidecar_size > 0 else b""
+                sidecar = await read(join(root, item.sidecar), _sidecar_bytes(item)) if item.sidecar_size > 0 else b""
         finally:
             done.put(_Fetched(item, head, sidecar,
                               lambda start, end: with_retries(lambda: fs.cat_file(path, start=start, end=end))))
