@@ -50,10 +50,11 @@ from pipeline.scan.listing import (
     IMAGE_SCHEMA,
     Listing,
     RescanPlan,
-    WorkItem,
     caption_source,
     list_source,
     plan_rescan,
+    work_items,
+    work_table,
 )
 from pipeline.scan.reading import PROBE_SCHEMA, probe_files
 from pipeline.ray_setup import ray_session
@@ -240,13 +241,14 @@ def _redacted(probed: pa.Table, storage_options: dict[str, Any] | None) -> pa.Ta
 # --- the Ray part -------------------------------------------------------------------------------
 
 
-def scan_batch(target: tuple, items: list[WorkItem], config: ScanConfig) -> pa.Table:
-    """One Ray task: probe ``items`` (see :func:`pipeline.scan.reading.probe_files`) on its own filesystem."""
+def scan_batch(target: tuple, batch: pa.Table, config: ScanConfig) -> pa.Table:
+    """One Ray task: probe the files of ``batch`` (a :func:`~pipeline.scan.listing.work_table`; see
+    :func:`pipeline.scan.reading.probe_files`) on its own filesystem."""
     source, storage_options, fs, root = target
     if fs is None:
         fs, root = open_url(source, storage_options)
     register_plugins()
-    result = probe_files(fs, root, items, max_pixels=config.max_pixels, first_read=config.header_bytes,
+    result = probe_files(fs, root, work_items(batch), max_pixels=config.max_pixels, first_read=config.header_bytes,
                          in_flight=config.reads_in_flight)  # fmt: skip
     faults.hit("scan.task")  # tests: stall or lose this worker mid-scan
     return result
@@ -265,7 +267,8 @@ def _run_tasks(target: tuple, work: list, config: ScanConfig, ray_address: str |
 def _run_batches(ray, target: tuple, work: list, config: ScanConfig) -> list[pa.Table]:
     cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
     per_task = config.files_per_task or int(np.clip(-(-len(work) // (4 * cpus)), 16, 2000))
-    batches = [work[i : i + per_task] for i in range(0, len(work), per_task)]
+    # each batch its own columns: a slice of one big table would ship the whole table's buffers
+    batches = [work_table(work[i : i + per_task]) for i in range(0, len(work), per_task)]
     # worker loss is retried by Ray; exceptions (a permanent storage error) fail the job at once
     remote = ray.remote(num_cpus=1, max_retries=3, retry_exceptions=False)(scan_batch)
     target_ref = ray.put(target)

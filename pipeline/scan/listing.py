@@ -46,8 +46,9 @@ from pipeline.scan.captions import SIDECAR_EXTENSIONS, CaptionTable, sidecar_ste
 from manifests.retry import with_retries
 
 __all__ = [
-    "IMAGE_EXTENSIONS", "IMAGE_SCHEMA", "FileEntry", "Listing", "WorkItem", "RescanPlan",
-    "list_source", "classify", "extension", "plan_rescan", "caption_source", "sidecar_version",
+    "IMAGE_EXTENSIONS", "IMAGE_SCHEMA", "WORK_SCHEMA", "FileEntry", "Listing", "WorkItem", "RescanPlan",
+    "list_source", "classify", "extension", "work_table", "work_items", "plan_rescan", "caption_source",
+    "sidecar_version",
 ]  # fmt: skip
 
 IMAGE_SCHEMA = pa.schema([f for f in SAMPLES_SCHEMA if f.name != "bucket"])  # a sample before bucketing
@@ -93,6 +94,21 @@ class WorkItem(NamedTuple):
     sidecar_size: int = 0
 
 
+WORK_SCHEMA = pa.schema([("name", pa.string()), ("size", pa.int64()), ("probe", pa.bool_()),
+                         ("sidecar", pa.string()), ("sidecar_size", pa.int64())])  # fmt: skip
+
+
+def work_table(items: list[WorkItem]) -> pa.Table:
+    """``items`` as columns (:data:`WORK_SCHEMA`): what a Ray task is sent, without an object per file."""
+    columns = list(zip(*items)) if items else [[] for _ in WORK_SCHEMA]
+    return pa.Table.from_arrays([pa.array(c, f.type) for c, f in zip(columns, WORK_SCHEMA)], schema=WORK_SCHEMA)
+
+
+def work_items(table: pa.Table) -> list[WorkItem]:
+    """The :class:`WorkItem` rows of a :func:`work_table`."""
+    return [WorkItem(*row) for row in zip(*(table.column(name).to_pylist() for name in WORK_SCHEMA.names))]
+
+
 def extension(name: str) -> str:
     """The lower-case extension of a root-relative file name, without the dot ("" for none)."""
     base = name.rsplit("/", 1)[-1]
@@ -111,7 +127,7 @@ def _utf8(name: str) -> bool:
 
 def classify(name: str) -> str:
     """``image``, ``sidecar``, ``hidden`` or ``other`` for a root-relative file name."""
-    if any(part.startswith(".") for part in name.split("/")):
+    if name.startswith(".") or "/." in name:  # a hidden file, or one in a hidden folder
         return "hidden"
     ext = extension(name)
     if ext in IMAGE_EXTENSIONS:
