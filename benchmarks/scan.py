@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import io
+import logging
 import os
 import shutil
 import sys
@@ -148,6 +149,9 @@ def run_read_images(root: Path, n: int) -> dict:
     import ray
 
     files = sorted(str(p) for p in (root / "images").rglob("*.jpg"))[:n]
+    context = ray.data.DataContext.get_current()
+    context.enable_progress_bars = context.print_on_execution_start = False
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
     start = time.perf_counter()
     ds = ray.data.read_images(files, include_paths=True)
     count = 0
