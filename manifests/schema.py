@@ -87,6 +87,7 @@ ERROR_KINDS = (
     "truncated",  # a known format whose header ends early
     "not_an_image",  # bytes that no decoder recognises (HTML named .jpg, random bytes)
     "unsupported",  # an image format Pillow knows but bucketeer cannot use
+    "invalid_header",  # a header declaring what no image has: a side below 1 or beyond 64 bits
     "too_many_pixels",  # above the manifest's max_pixels: declared (scan, never decoded) or decoded (embed)
     "too_small",  # shorter side below the bucket spec's min_side
     "read_failed",  # storage refused or lost the object

@@ -17,7 +17,8 @@ from manifests.errors import MissingError, StorageError, UsageError
 from manifests.retry import RetryPolicy, is_permanent, is_transient, with_retries, with_retries_async
 from manifests.storage import open_url, read_json, write_bytes_atomic
 from pipeline.embed.imaging import fetch_all
-from pipeline.scan.headers import probe_files
+from pipeline.scan.listing import WorkItem
+from pipeline.scan.reading import probe_files
 from pipeline.scan.listing import list_source
 from tests.test_cache_format import build_cache
 
@@ -278,7 +279,7 @@ def test_every_storage_path_is_asked_exactly_the_budget(s3_fails, path):
     fs, root = open_url("s3://b/ds", options(s3_fails))
     s3_fails.reset(fail_next=-1)
     if path == "header probe":  # the scan: a transient failure that outlives the budget is a read_failed row
-        rows = probe_files(fs, root, [("img.png", 100, True, None)])
+        rows = probe_files(fs, root, [WorkItem("img.png", 100, True)]).to_pydict()
         assert rows["error"] == ["read_failed"] and f"[Errno {errno.EBUSY}]" in rows["message"][0]
     elif path == "image fetch":  # the embed job: the error comes back per image
         (blob,) = fetch_all(fs, [f"{root}/img.png"])

@@ -6,8 +6,9 @@ bucket). A seeded random crop depends only on ``(seed, sample_id)``, never on pr
 
 An image is decoded when its pixel count is within the manifest's ``max_pixels`` (the limit the
 scan accepted it under, :data:`manifests.schema.MAX_PIXELS` at most): it is opened the way the scan
-opens it (:func:`pipeline.scan.headers.open_image`, no Pillow bomb check), so Pillow's own
-threshold never refuses what the manifest accepted, and Pillow's settings are left as they are.
+opens it (:func:`pipeline.formats.open_image`, with the same optional format plugins registered, and
+no Pillow bomb check), so every format the scan accepted decodes here and Pillow's own threshold never
+refuses what the manifest accepted; Pillow's settings are left as they are.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from PIL import Image, ImageOps
 from manifests.errors import UsageError
 from manifests.schema import MAX_PIXELS
 from manifests.storage import read_many
-from pipeline.scan.headers import open_image
+from pipeline.formats import open_image
 
 __all__ = ["ImageFailure", "Prepared", "cover_and_crop", "prepare_image", "fetch_all"]
 

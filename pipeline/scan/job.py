@@ -4,11 +4,15 @@
     ray job submit --working-dir . -- python -m pipeline.scan s3://bucket/ds --out s3://bucket/manifests/ds
 
 The source is listed once (on the driver, key ranges in parallel); the files to read are cut into
-batches, one Ray task per batch, and each task keeps many ranged reads in flight on threads
-(:func:`pipeline.scan.headers.probe_files`). Only the first bytes of each image are read. Results are
-bucketed through :func:`manifests.manifest.apply_buckets` and committed by
-:func:`manifests.manifest.write_manifest` (parts first, ``_manifest.json`` last), so a killed scan
-leaves the previous manifest readable and a re-run gives the same manifest as a clean run.
+batches, one Ray task per batch, and each task keeps many ranged reads in flight
+(:func:`pipeline.scan.reading.probe_files`: ``os.pread`` on a local disk, s3fs's async API on an
+object store) and probes each header as its first bytes arrive. Only the first bytes of each image
+are read, with its sidecar caption in the same pass. A task returns an Arrow table; the driver
+assembles the rows column by column, buckets them through :func:`manifests.manifest.apply_buckets`
+and commits them with :func:`manifests.manifest.write_manifest` (parts first, ``_manifest.json``
+last), so a killed scan leaves the previous manifest readable and a re-run gives the same manifest
+as a clean run. No file can fail the scan: every value read from a file is checked before it
+reaches a row (:mod:`pipeline.scan.results`), and a file's problem is its error row.
 Files probed are reported as they come back (:class:`manifests.progress.Progress`: a bar on a
 terminal, a plain line every 30 s in a Ray job's log; ``--no-progress`` for neither).
 
@@ -30,6 +34,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from manifests import faults
 from manifests.buckets import BucketSpec, add_bucket_arguments, spec_from_args
@@ -38,17 +43,20 @@ from manifests.errors import BucketeerError, StorageError, UsageError
 from manifests.progress import Progress
 from manifests.schema import ERRORS_SCHEMA, MAX_PIXELS, sample_ids
 from manifests.storage import open_url, parse_storage_options, redact
+from pipeline.formats import IMAGE_EXTENSIONS, missing_format_hint, register_plugins
 from pipeline.scan.captions import CaptionTable, load_caption_table
-from pipeline.scan.headers import FIRST_READ, probe_files
+from pipeline.scan.headers import FIRST_READ
 from pipeline.scan.listing import (
-    IMAGE_EXTENSIONS,
     IMAGE_SCHEMA,
     Listing,
     RescanPlan,
     caption_source,
     list_source,
     plan_rescan,
+    work_items,
+    work_table,
 )
+from pipeline.scan.reading import PROBE_SCHEMA, probe_files
 from pipeline.ray_setup import ray_session
 from manifests.retry import is_storage_failure
 
@@ -61,7 +69,7 @@ class ScanConfig:
 
     max_pixels: int = MAX_PIXELS  # declared pixel count above this -> too_many_pixels (recorded in the manifest)
     header_bytes: int = FIRST_READ  # first ranged read per image
-    threads_per_task: int = 32  # ranged reads in flight per Ray task
+    reads_in_flight: int = 128  # storage requests in flight per Ray task (object stores)
     files_per_task: int | None = None  # None: enough tasks to keep every CPU busy 4 times over
     progress: bool = True  # a bar on a terminal, else a line every $BUCKETEER_PROGRESS_SECONDS
 
@@ -81,7 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "what Pillow decodes)")  # fmt: skip
     parser.add_argument("--header-bytes", type=int, default=FIRST_READ,
                         help="first ranged read per image (default 64 KiB)")
-    parser.add_argument("--threads-per-task", type=int, default=32, help="ranged reads in flight per Ray task")
+    parser.add_argument("--reads-in-flight", type=int, default=ScanConfig.reads_in_flight,
+                        help="storage requests in flight per Ray task on an object store (default 128)")
     parser.add_argument("--files-per-task", type=int, default=None,
                         help="batch size of one Ray task (default: automatic)")
     parser.add_argument("--ray-address", default=None,
@@ -89,16 +98,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar or progress lines (the summary line is always printed)")
     add_bucket_arguments(parser)
-    parser.epilog = f"Images: {', '.join(sorted(IMAGE_EXTENSIONS))} (any case). Hidden and ._* files are ignored."
+    parser.epilog = (f"Images: {', '.join(sorted(IMAGE_EXTENSIONS))} (any case): what this Pillow and its "
+                     "installed plugins open. Hidden and ._* files are ignored; other files are counted by extension.")
 
 
 def run(args: argparse.Namespace) -> int:
     options = parse_storage_options(args.storage_options)
     config = ScanConfig(
-        max_pixels=args.max_pixels, header_bytes=args.header_bytes, threads_per_task=args.threads_per_task,
+        max_pixels=args.max_pixels, header_bytes=args.header_bytes, reads_in_flight=args.reads_in_flight,
         files_per_task=args.files_per_task, progress=not args.no_progress,
     )  # fmt: skip
-    for name in ("max_pixels", "header_bytes", "threads_per_task"):
+    for name in ("max_pixels", "header_bytes", "reads_in_flight"):
         if getattr(config, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
     if config.max_pixels > MAX_PIXELS:
@@ -112,16 +122,33 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def ignored_line(ignored_extensions: dict[str, int], top: int = 4) -> str:
+    """The most common ignored extensions, e.g. ``200,000 .heic (pip install 'bucketeer[heif]'), 3 .md``."""
+    ranked = sorted(ignored_extensions.items(), key=lambda kv: (-kv[1], kv[0]))
+    parts = []
+    for ext, n in ranked[:top]:
+        hint = missing_format_hint(ext)
+        name = f".{ext}" if ext and not ext.startswith("(") else (ext or "(no extension)")
+        parts.append(f"{n:,} {name}" + (f" ({hint})" if hint else ""))
+    if len(ranked) > top:
+        parts.append(f"{sum(n for _, n in ranked[top:]):,} more")
+    return ", ".join(parts)
+
+
 def summary_line(meta: dict[str, Any], out: str) -> str:
-    """The closing line: counts, reuse, bytes and speed."""
+    """The closing line: counts, ignored files by extension, reuse, reads and speed."""
     s = meta["summary"]
     kinds = ", ".join(f"{k} {v}" for k, v in sorted(s["errors_by_kind"].items())) or "none"
+    ignored = ignored_line(s.get("ignored_extensions") or {})
+    hidden = s.get("ignored_hidden", 0)
+    others = "; ".join(p for p in (ignored, f"{hidden} hidden" if hidden else "") if p)
     return (
-        f"scanned {s['listed']} images ({s['ignored']} other files ignored): {s['samples']} samples, "
-        f"{s['errors']} errors ({kinds}) | reused {s['reused']}, new {s['new']}, changed {s['changed']}, "
-        f"deleted {s['deleted']} | read {s['files_read']} files, {s['mb_read']:.1f} MB "
-        f"(median {s['median_bytes_read'] / 1024:.0f} KiB) in {s['seconds']:.1f} s, {s['files_per_s']:.0f} files/s "
-        f"-> {redact(out)} (fingerprint {meta['fingerprint'][:12]})"
+        f"scanned {s['listed']} images ({s['ignored']} other files ignored{': ' + others if others else ''}): "
+        f"{s['samples']} samples, {s['errors']} errors ({kinds}) | reused {s['reused']}, new {s['new']}, "
+        f"changed {s['changed']}, deleted {s['deleted']} | read {s['files_read']} files, {s['mb_read']:.1f} MB "
+        f"(median {s['median_bytes_read'] / 1024:.0f} KiB, {s['requests_per_file']:.2f} requests per file) in "
+        f"{s['seconds']:.1f} s, {s['files_per_s']:.0f} files/s -> {redact(out)} "
+        f"(fingerprint {meta['fingerprint'][:12]})"
     )
 
 
@@ -154,26 +181,26 @@ def scan_dataset(
         raise
     if not listing.images:
         raise UsageError(
-            f"no image files under {redact(source)} ({listing.ignored} other files ignored); images are "
-            f"{', '.join(sorted(IMAGE_EXTENSIONS))}. Check the path."
+            f"no image files under {redact(source)} ({listing.ignored} other files ignored"
+            f"{': ' + ignored_line(listing.ignored_extensions) if listing.ignored_extensions else ''}); images are "
+            f"{_extensions()}. Check the path."
         )
     log.info("listed %d images (%d ignored) in %.1f s", len(listing.images), listing.ignored, listing.seconds)
     table = load_caption_table(captions, storage_options) if captions else None
     plan = plan_rescan(listing, out, previous, storage_options, config.max_pixels, table)
 
-    target = (source, storage_options, task_fs, root)
+    target = (source, _task_options(source, storage_options, config), task_fs, root)
     # only image headers go to Ray; re-reading a few changed sidecars of reused rows is driver work
-    image_work = [w for w in plan.work if w[2]]
-    caption_work = [w for w in plan.work if not w[2]]
+    image_work = [w for w in plan.work if w.probe]
+    caption_work = [w for w in plan.work if not w.probe]
     try:
         results, ray_seconds = _run_tasks(target, image_work, config, ray_address)
         if caption_work:
-            results.append(probe_files(fs, root, caption_work, threads=config.threads_per_task))
+            results.append(probe_files(fs, root, caption_work, in_flight=config.reads_in_flight))
     except StorageError as e:
         raise StorageError(redact(str(e), storage_options)) from None
-    for result in results:  # messages of read_failed rows quote storage errors
-        result["message"] = [redact(m, storage_options) if m else m for m in result["message"]]
-    images, errors, stats = _assemble(listing, plan, results, table)
+    probed = _redacted(pa.concat_tables(results) if results else PROBE_SCHEMA.empty_table(), storage_options)
+    images, errors, stats = _assemble(listing, plan, probed, table)
     samples, too_small = apply_buckets(images, spec)
     errors = pa.concat_tables([errors, too_small])
     seconds = time.perf_counter() - clock - ray_seconds
@@ -184,22 +211,50 @@ def scan_dataset(
     )  # fmt: skip
 
 
+def _extensions() -> str:
+    """The image extensions, the common ones first: ``jpg, png, ... and 40 more (bucketeer scan --help)``."""
+    common = [e for e in ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff", "avif", "heic", "jxl")
+              if e in IMAGE_EXTENSIONS]  # fmt: skip
+    rest = len(IMAGE_EXTENSIONS) - len(common)
+    return ", ".join(common) + (f" and {rest} more (bucketeer scan --help)" if rest else "")
+
+
+def _task_options(source: str, storage_options: dict[str, Any] | None, config: ScanConfig) -> dict[str, Any] | None:
+    """The tasks' storage options: on S3, a connection pool as large as the reads in flight
+    (botocore's default of 10 connections would queue the rest)."""
+    if not source.startswith(("s3://", "s3a://")):
+        return storage_options
+    options = dict(storage_options or {})
+    config_kwargs = dict(options.get("config_kwargs") or {})
+    config_kwargs.setdefault("max_pool_connections", max(10, config.reads_in_flight))
+    return {**options, "config_kwargs": config_kwargs}
+
+
+def _redacted(probed: pa.Table, storage_options: dict[str, Any] | None) -> pa.Table:
+    """Messages of read_failed rows quote storage errors: no credential may stay in them."""
+    if not storage_options or probed.column("message").null_count == probed.num_rows:
+        return probed
+    messages = [redact(m, storage_options) if m else m for m in probed.column("message").to_pylist()]
+    return probed.set_column(PROBE_SCHEMA.get_field_index("message"), "message", pa.array(messages, pa.string()))
+
+
 # --- the Ray part -------------------------------------------------------------------------------
 
 
-def scan_batch(target: tuple, items: list[tuple[str, int, bool, str | None]], config: ScanConfig) -> dict[str, Any]:
-    """One Ray task: probe ``items`` (see :func:`pipeline.scan.headers.probe_files`) on its own filesystem."""
+def scan_batch(target: tuple, batch: pa.Table, config: ScanConfig) -> pa.Table:
+    """One Ray task: probe the files of ``batch`` (a :func:`~pipeline.scan.listing.work_table`; see
+    :func:`pipeline.scan.reading.probe_files`) on its own filesystem."""
     source, storage_options, fs, root = target
     if fs is None:
         fs, root = open_url(source, storage_options)
-    result = probe_files(
-        fs, root, items, max_pixels=config.max_pixels, first_read=config.header_bytes, threads=config.threads_per_task
-    )
+    register_plugins()
+    result = probe_files(fs, root, work_items(batch), max_pixels=config.max_pixels, first_read=config.header_bytes,
+                         in_flight=config.reads_in_flight)  # fmt: skip
     faults.hit("scan.task")  # tests: stall or lose this worker mid-scan
     return result
 
 
-def _run_tasks(target: tuple, work: list, config: ScanConfig, ray_address: str | None) -> tuple[list[dict], float]:
+def _run_tasks(target: tuple, work: list, config: ScanConfig, ray_address: str | None) -> tuple[list[pa.Table], float]:
     """Run :func:`scan_batch` over batches of ``work`` on Ray; returns results and Ray start-up seconds."""
     if not work:
         return [], 0.0
@@ -209,14 +264,15 @@ def _run_tasks(target: tuple, work: list, config: ScanConfig, ray_address: str |
         return _run_batches(ray, target, work, config), ray_seconds
 
 
-def _run_batches(ray, target: tuple, work: list, config: ScanConfig) -> list[dict]:
+def _run_batches(ray, target: tuple, work: list, config: ScanConfig) -> list[pa.Table]:
     cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
-    per_task = config.files_per_task or int(np.clip(-(-len(work) // (4 * cpus)), 16, 1000))
-    batches = [work[i : i + per_task] for i in range(0, len(work), per_task)]
+    per_task = config.files_per_task or int(np.clip(-(-len(work) // (4 * cpus)), 16, 2000))
+    # each batch its own columns: a slice of one big table would ship the whole table's buffers
+    batches = [work_table(work[i : i + per_task]) for i in range(0, len(work), per_task)]
     # worker loss is retried by Ray; exceptions (a permanent storage error) fail the job at once
     remote = ray.remote(num_cpus=1, max_retries=3, retry_exceptions=False)(scan_batch)
     target_ref = ray.put(target)
-    results: list[dict] = []
+    results: list[pa.Table] = []
     pending: dict = {}
     progress = Progress("scan", "files", total=len(work), unit="files", enabled=config.progress)
     mb, errors = 0.0, 0
@@ -235,9 +291,9 @@ def _run_batches(ray, target: tuple, work: list, config: ScanConfig) -> list[dic
                         raise e.cause from None
                     raise
                 results.append(result)
-                mb += sum(b or 0 for b in result["bytes_read"]) / 1e6
-                errors += sum(1 for k in result["error"] if k)
-                progress.update(len(result["name"]), read=f"{mb:.1f} MB", errors=errors)  # a row per file
+                mb += (pc.sum(result.column("bytes_read")).as_py() or 0) / 1e6
+                errors += result.num_rows - result.column("error").null_count
+                progress.update(result.num_rows, read=f"{mb:.1f} MB", errors=errors)  # a row per file
         progress.close()
     finally:
         progress.close(final=False)  # after a failure: no final "done" line
@@ -249,27 +305,28 @@ def _run_batches(ray, target: tuple, work: list, config: ScanConfig) -> list[dic
 # --- assembling the manifest --------------------------------------------------------------------
 
 
-def _assemble(listing: Listing, plan: RescanPlan, results: list[dict], table: CaptionTable | None):
-    """Image rows (IMAGE_SCHEMA) and error rows (ERRORS_SCHEMA) from reused rows and task results."""
-    entries = {e.name: e for e in listing.images}
-    merged: dict[str, list] = {k: [] for k in results[0]} if results else {}
-    for r in results:
-        for k, v in r.items():
-            merged[k].extend(v)
-    read_results = list(zip(merged.get("name", []), merged.get("caption", []), merged.get("caption_read", [])))
-    sidecar_captions = {n: c for n, c, ok in read_results if ok}
-    failed_reads = {n for n, _, ok in read_results if ok is False}
-    stats = {
-        "files_read": sum(1 for w, e in zip(merged.get("width", []), merged.get("error", [])) if w is not None or e),
-        "bytes_read": [b for b in merged.get("bytes_read", []) if b is not None],
-        "requests": sum(r or 0 for r in merged.get("requests", [])),
-        "captions_read": len(sidecar_captions),
-        "caption_read_failures": len(failed_reads),
-    }
+def _listing_columns(listing: Listing) -> pa.Table:
+    entries = listing.images
+    return pa.table({
+        "filename": pa.array([e.name for e in entries], pa.string()),
+        "size": pa.array([e.size for e in entries], pa.int64()),
+        "etag": pa.array([e.etag for e in entries], pa.string()),
+        "mtime": pa.array([e.mtime for e in entries], pa.float64()),
+    })  # fmt: skip
+
+
+def _assemble(listing: Listing, plan: RescanPlan, probed: pa.Table, table: CaptionTable | None):
+    """Image rows (IMAGE_SCHEMA) and error rows (ERRORS_SCHEMA) from reused rows and the tasks' tables."""
+    caption_read = probed.column("caption_read")
+    read_ok = pc.fill_null(pc.equal(caption_read, True), False)
+    sidecar_captions = dict(zip(probed.column("name").filter(read_ok).to_pylist(),
+                                probed.column("caption").filter(read_ok).to_pylist()))  # fmt: skip
+    failed_reads = set(probed.column("name").filter(pc.fill_null(pc.equal(caption_read, False), False)).to_pylist())
+    table_captions = table.captions if table is not None else {}
 
     def caption_of(name: str, previous: str | None) -> str | None:
-        if table is not None and name in table.captions:
-            return table.captions[name]
+        if name in table_captions:
+            return table_captions[name]
         if name in sidecar_captions:
             return sidecar_captions[name]
         return previous if name in plan.kept_captions else None
@@ -278,32 +335,20 @@ def _assemble(listing: Listing, plan: RescanPlan, results: list[dict], table: Ca
         # a sidecar that could not be read records no source, so the next scan reads it again
         return None if name in failed_reads else caption_source(listing, name, table)
 
-    new_images: dict[str, list] = {
-        k: [] for k in ("filename", "width", "height", "format", "orientation", "bytes_read")
-    }
-    new_errors: dict[str, list] = {
-        k: [] for k in ("filename", "error", "message", "width", "height", "format", "bytes_read")
-    }
-    for i, name in enumerate(merged.get("name", [])):
-        if merged["error"][i]:
-            row = new_errors
-            row["error"].append(merged["error"][i])
-            row["message"].append(merged["message"][i])
-        elif merged["width"][i] is not None:
-            row = new_images
-            row["orientation"].append(merged["orientation"][i])
-        else:
-            continue  # a caption-only item of a reused row
-        for k in ("filename", "width", "height", "format", "bytes_read"):
-            row[k].append(name if k == "filename" else merged[k][i])
+    listed = _listing_columns(listing)
 
-    def with_listing(cols: dict[str, list], schema: pa.Schema) -> pa.Table:
-        names = cols["filename"]
-        cols = {**cols, "sample_id": pa.array(sample_ids(names), pa.uint64()),
-                "size": [entries[n].size for n in names], "etag": [entries[n].etag for n in names],
-                "mtime": [entries[n].mtime for n in names], "caption": [caption_of(n, None) for n in names],
-                "caption_source": [source_of(n) for n in names]}  # fmt: skip
-        return conform(pa.table({k: pa.array(v, schema.field(k).type) for k, v in cols.items()}), schema)
+    def new_rows(rows: pa.Table, schema: pa.Schema) -> pa.Table:
+        names = rows.column("name").to_pylist()
+        at = pc.index_in(rows.column("name"), value_set=listed.column("filename"))
+        columns = {c: rows.column(c) for c in ("width", "height", "format", "orientation", "bytes_read",
+                                               "error", "message")}  # fmt: skip
+        columns.update({c: listed.column(c).take(at) for c in ("size", "etag", "mtime")})
+        columns.update({
+            "sample_id": pa.array(sample_ids(names), pa.uint64()), "filename": rows.column("name"),
+            "caption": pa.array([caption_of(n, None) for n in names], pa.string()),
+            "caption_source": pa.array([source_of(n) for n in names], pa.string()),
+        })  # fmt: skip
+        return conform(pa.table(columns), schema)
 
     def with_captions(reused: pa.Table) -> pa.Table:
         names = reused.column("filename").to_pylist()
@@ -312,8 +357,19 @@ def _assemble(listing: Listing, plan: RescanPlan, results: list[dict], table: Ca
         sources = pa.array([source_of(n) for n in names], pa.string())
         return reused.set_column(reused.schema.get_field_index("caption_source"), "caption_source", sources)
 
-    images = pa.concat_tables([with_captions(plan.reused_images), with_listing(new_images, IMAGE_SCHEMA)])
-    errors = pa.concat_tables([with_captions(plan.reused_errors), with_listing(new_errors, ERRORS_SCHEMA)])
+    new = probed.filter(probed.column("probed"))
+    usable = pc.is_null(new.column("error"))
+    images = new_rows(new.filter(usable), IMAGE_SCHEMA)
+    errors = new_rows(new.filter(pc.invert(usable)), ERRORS_SCHEMA)
+    images = pa.concat_tables([with_captions(plan.reused_images), images])
+    errors = pa.concat_tables([with_captions(plan.reused_errors), errors])
+    stats = {
+        "files_read": new.num_rows,
+        "bytes_read": new.column("bytes_read").drop_null().to_numpy(),
+        "requests": int(pc.sum(probed.column("requests")).as_py() or 0),
+        "captions_read": len(sidecar_captions),
+        "caption_read_failures": len(failed_reads),
+    }
     return images, errors, stats
 
 
@@ -324,16 +380,16 @@ def _summary(listing, plan, stats, samples, errors, seconds, started, config, ca
     read = stats.pop("bytes_read")
     return {
         **stats,
+        "requests_per_file": round(stats["requests"] / max(1, stats["files_read"]), 4),
         "listed": len(listing.images), "ignored": listing.ignored, "ignored_hidden": listing.ignored_hidden,
-        "ignored_other": listing.ignored_other, "list_requests": listing.requests,
-        "list_seconds": round(listing.seconds, 3), "samples": samples.num_rows, "errors": errors.num_rows,
-        "errors_by_kind": kinds, "reused": plan.reused, "new": plan.new, "changed": plan.changed,
-        "deleted": plan.deleted, "previous": plan.previous, "bytes_read": int(sum(read)),
-        "mb_read": round(sum(read) / 1e6, 3), "median_bytes_read": int(np.median(read)) if read else 0,
+        "ignored_other": listing.ignored_other, "ignored_extensions": dict(sorted(listing.ignored_extensions.items())),
+        "list_requests": listing.requests, "list_seconds": round(listing.seconds, 3), "samples": samples.num_rows,
+        "errors": errors.num_rows, "errors_by_kind": kinds, "reused": plan.reused, "new": plan.new,
+        "changed": plan.changed, "deleted": plan.deleted, "previous": plan.previous, "bytes_read": int(read.sum()),
+        "mb_read": round(int(read.sum()) / 1e6, 3), "median_bytes_read": int(np.median(read)) if len(read) else 0,
         "seconds": round(seconds, 3), "files_per_s": round(len(listing.images) / max(seconds, 1e-9), 1),
         "started_at": _dt.datetime.fromtimestamp(started, _dt.timezone.utc).isoformat(timespec="seconds"),
-        "started_at_epoch": started, "header_bytes": config.header_bytes,
+        "started_at_epoch": started, "header_bytes": config.header_bytes, "plugins": list(register_plugins()),
         "captions": redact(captions) if captions else "sidecars",
         "caption_table_version": table.version if table is not None else None,
     }  # fmt: skip
-

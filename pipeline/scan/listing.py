@@ -5,45 +5,55 @@ million-key prefix is a 1,000-request chain. :func:`list_source` splits the key 
 ListObjectsV2 call covers a key range ``(after, upto]``; when a page comes back truncated, the
 rest of the range is cut in two at a key between the last key seen and the range's end, and both
 halves are listed in parallel. The split is exact whatever the key distribution (a badly placed
-cut only costs one request that finds nothing). Other filesystems use ``fs.find``.
+cut only costs one request that finds nothing). A local folder is walked with ``os.scandir``, other
+filesystems use ``fs.find``.
 
 A rescan compares the listing with the previous manifest (:func:`plan_rescan`): unchanged files
 (same size and ETag, or mtime where the store has no ETag) keep their rows and are not read, and
 their sidecar captions are read again exactly when the listed sidecar differs from the one each
 row's ``caption_source`` records (no timestamps are compared with any clock).
 
-Images: ``jpg jpeg png webp gif bmp tif tiff`` in any case. Hidden files and folders (any path
+Images: the extensions of every format this Pillow (and its installed plugins) can identify and
+decode (:data:`pipeline.formats.IMAGE_EXTENSIONS`), in any case. Hidden files and folders (any path
 part starting with ``.``, so also macOS ``._*`` AppleDouble files) and other files are skipped and
-counted as ``ignored``.
+counted as ``ignored``; the others also by extension (``Listing.ignored_extensions``), so that
+200,000 ``.heic`` files without the HEIF plugin are a visible line, not a silent count. A name that
+is not valid UTF-8 (possible on a local disk) cannot be a manifest row: it is ignored and counted
+under the extension ``(name not UTF-8)``.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import os
+import stat
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import pyarrow as pa
 import pyarrow.compute as pc
 from fsspec import AbstractFileSystem
+from fsspec.implementations.local import LocalFileSystem
 
 from manifests.errors import MissingError, UsageError
 from manifests.manifest import ManifestError, conform, read_manifest
 from manifests.schema import ERRORS_SCHEMA, SAMPLES_SCHEMA
 from manifests.storage import is_local, redact
+from pipeline.formats import IMAGE_EXTENSIONS
 from pipeline.scan.captions import SIDECAR_EXTENSIONS, CaptionTable, sidecar_stem
 from manifests.retry import with_retries
 
 __all__ = [
-    "IMAGE_EXTENSIONS", "IMAGE_SCHEMA", "FileEntry", "Listing", "RescanPlan",
-    "list_source", "classify", "plan_rescan", "caption_source", "sidecar_version",
+    "IMAGE_EXTENSIONS", "IMAGE_SCHEMA", "WORK_SCHEMA", "FileEntry", "Listing", "WorkItem", "RescanPlan",
+    "list_source", "classify", "extension", "work_table", "work_items", "plan_rescan", "caption_source",
+    "sidecar_version",
 ]  # fmt: skip
 
 IMAGE_SCHEMA = pa.schema([f for f in SAMPLES_SCHEMA if f.name != "bucket"])  # a sample before bucketing
-IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff"})
 PAGE_SIZE = 1000  # the S3 maximum per ListObjectsV2 call
+NOT_UTF8 = "(name not UTF-8)"  # the ignored_extensions key of names that cannot be a manifest row
 
 
 @dataclass(frozen=True)
@@ -61,22 +71,67 @@ class Listing:
     images: list[FileEntry] = field(default_factory=list)
     sidecars: dict[str, FileEntry] = field(default_factory=dict)  # image stem -> its caption file
     ignored_hidden: int = 0
-    ignored_other: int = 0
+    ignored_extensions: dict[str, int] = field(default_factory=dict)  # other files by extension ("" for none)
     requests: int = 0
     seconds: float = 0.0
+
+    @property
+    def ignored_other(self) -> int:
+        return sum(self.ignored_extensions.values())
 
     @property
     def ignored(self) -> int:
         return self.ignored_hidden + self.ignored_other
 
 
+class WorkItem(NamedTuple):
+    """One file for a scan task: an image to probe and/or the sidecar caption to read with it."""
+
+    name: str  # the image, relative to the root
+    size: int  # its bytes
+    probe: bool  # read the image's header (False: only its sidecar, for a reused row)
+    sidecar: str | None = None  # the caption file to read, relative to the root
+    sidecar_size: int = 0
+
+
+WORK_SCHEMA = pa.schema([("name", pa.string()), ("size", pa.int64()), ("probe", pa.bool_()),
+                         ("sidecar", pa.string()), ("sidecar_size", pa.int64())])  # fmt: skip
+
+
+def work_table(items: list[WorkItem]) -> pa.Table:
+    """``items`` as columns (:data:`WORK_SCHEMA`): what a Ray task is sent, without an object per file."""
+    columns = list(zip(*items)) if items else [[] for _ in WORK_SCHEMA]
+    return pa.Table.from_arrays([pa.array(c, f.type) for c, f in zip(columns, WORK_SCHEMA)], schema=WORK_SCHEMA)
+
+
+def work_items(table: pa.Table) -> list[WorkItem]:
+    """The :class:`WorkItem` rows of a :func:`work_table`."""
+    return [WorkItem(*row) for row in zip(*(table.column(name).to_pylist() for name in WORK_SCHEMA.names))]
+
+
+def extension(name: str) -> str:
+    """The lower-case extension of a root-relative file name, without the dot ("" for none)."""
+    base = name.rsplit("/", 1)[-1]
+    return base.rsplit(".", 1)[-1].lower() if "." in base else ""
+
+
+def _utf8(name: str) -> bool:
+    if name.isascii():
+        return True
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # undecodable bytes of a local file name, kept as lone surrogates
+        return False
+    return True
+
+
 def classify(name: str) -> str:
     """``image``, ``sidecar``, ``hidden`` or ``other`` for a root-relative file name."""
-    if any(part.startswith(".") for part in name.split("/")):
+    if name.startswith(".") or "/." in name:  # a hidden file, or one in a hidden folder
         return "hidden"
-    ext = name.rsplit(".", 1)[-1].lower() if "." in name.rsplit("/", 1)[-1] else ""
+    ext = extension(name)
     if ext in IMAGE_EXTENSIONS:
-        return "image"
+        return "image" if _utf8(name) else "other"
     if f".{ext}" in SIDECAR_EXTENSIONS:
         return "sidecar"
     return "other"
@@ -91,6 +146,10 @@ def list_source(fs: AbstractFileSystem, root: str, *, page_size: int = PAGE_SIZE
     start = time.perf_counter()
     if hasattr(fs, "call_s3"):
         entries, requests = _list_s3(fs, root, page_size, workers)
+    elif type(fs) is LocalFileSystem:  # a subclass may override its listing: it gets fs.find
+        if not os.path.isdir(root):
+            raise MissingError(f"source folder {root} does not exist")
+        entries, requests = with_retries(lambda: _list_local(root)), 1
     else:
         if is_local(fs) and not fs.isdir(root):
             raise MissingError(f"source folder {root} does not exist")
@@ -116,10 +175,37 @@ def list_source(fs: AbstractFileSystem, root: str, *, page_size: int = PAGE_SIZE
         elif kind == "hidden":
             listing.ignored_hidden += 1
         else:
-            listing.ignored_other += 1
+            ext = extension(entry.name) if _utf8(entry.name) else NOT_UTF8
+            listing.ignored_extensions[ext] = listing.ignored_extensions.get(ext, 0) + 1
     listing.images.sort(key=lambda e: e.name)
     listing.seconds = time.perf_counter() - start
     return listing
+
+
+def _list_local(root: str) -> list[FileEntry]:
+    """Every regular file under the local folder ``root``: one ``stat`` each (fsspec's ``find`` builds
+    an info dict per file, several times the cost). Symbolic links are followed, each folder once."""
+    entries = []
+    seen: set[tuple[int, int]] = set()
+    folders = [("", root)]
+    while folders:
+        prefix, folder = folders.pop()
+        info = os.stat(folder)
+        if (info.st_dev, info.st_ino) in seen:  # a link back up the tree
+            continue
+        seen.add((info.st_dev, info.st_ino))
+        with os.scandir(folder) as found:
+            for item in found:
+                try:
+                    if item.is_dir():
+                        folders.append((f"{prefix}{item.name}/", item.path))
+                        continue
+                    info = item.stat()
+                except OSError:  # a dangling link, or a file gone since the folder was read
+                    continue
+                if stat.S_ISREG(info.st_mode):
+                    entries.append(FileEntry(prefix + item.name, info.st_size, None, info.st_mtime))
+    return entries
 
 
 def _ext(name: str) -> str:
@@ -221,7 +307,7 @@ def _between(lo: str, hi: str | None, prefix: str, digits: int = 6) -> str | Non
 
 @dataclass
 class RescanPlan:
-    work: list[tuple[str, int, bool, str | None]]  # (name, size, probe image?, sidecar to read)
+    work: list[WorkItem]  # files to read, by name
     reused_images: pa.Table  # IMAGE_SCHEMA rows of unchanged files, caption as before
     reused_errors: pa.Table  # ERRORS_SCHEMA rows of unchanged broken files
     kept_captions: set[str]  # reused rows read from exactly the sidecar version still listed
@@ -279,7 +365,7 @@ def plan_rescan(
     entries = {e.name: e for e in listing.images}
     empty = RescanPlan([], IMAGE_SCHEMA.empty_table(), ERRORS_SCHEMA.empty_table(), set())
     if old is None:
-        empty.work = [(e.name, e.size, True, _sidecar(listing, e.name, table)) for e in listing.images]
+        empty.work = [_work(listing, e, True, table) for e in listing.images]
         empty.new = len(listing.images)
         return empty
 
@@ -311,14 +397,14 @@ def plan_rescan(
             if versioned and cols["caption_source"][i] == sidecar_version(listed):
                 plan.kept_captions.add(name)
             else:
-                plan.work.append((name, entry.size, False, sidecar))
+                plan.work.append(_work(listing, entry, False, table))
     plan.reused_images = images.filter(pa.array(keep_image, pa.bool_()))
     plan.reused_errors = errors.filter(pa.array(keep_error, pa.bool_()))
     previous_names = set(images.column("filename").to_pylist()) | set(errors.column("filename").to_pylist())
     previous_names |= redo_names
     for e in listing.images:
         if e.name not in seen:
-            plan.work.append((e.name, e.size, True, _sidecar(listing, e.name, table)))
+            plan.work.append(_work(listing, e, True, table))
             if e.name in previous_names:
                 plan.changed += 1
             else:
@@ -335,3 +421,9 @@ def _sidecar(listing: Listing, name: str, table: CaptionTable | None) -> str | N
         return None
     entry = listing.sidecars.get(sidecar_stem(name))
     return entry.name if entry else None
+
+
+def _work(listing: Listing, entry: FileEntry, probe: bool, table: CaptionTable | None) -> WorkItem:
+    sidecar = _sidecar(listing, entry.name, table)
+    sidecar_size = listing.sidecars[sidecar_stem(entry.name)].size if sidecar else 0
+    return WorkItem(entry.name, entry.size, probe, sidecar, sidecar_size)
