@@ -61,11 +61,11 @@ def make_images(root: str, manifest: str, n: int, size: int) -> None:
 def encoder_only(size: int, batch: int, threads: int, n: int) -> float:
     import torch
 
-    from pipeline.embed.encoders import EncoderSource, LatentEncoder, quiet_loading
+    from pipeline.embed.encoders import EncoderSource, LatentSpec, quiet_loading
 
     quiet_loading()
     torch.set_num_threads(threads)
-    enc = LatentEncoder(EncoderSource("default"))
+    enc = LatentSpec(EncoderSource("default")).load()
     x = np.random.default_rng(0).integers(0, 255, (batch, size, size, 3), dtype=np.uint8)
     enc.encode(x)  # warm-up
     t = time.perf_counter()

@@ -10,6 +10,10 @@ No model hub is reachable in tests, so these are built offline with ``save_pretr
 - :func:`t5_repo`: a ``T5EncoderModel`` repo laid out like ``google/t5-v1_1-*`` (``config.json``,
   weights and tokenizer files at the top level), with a ``T5Tokenizer`` built from a tiny Unigram vocabulary.
 
+The model families' full pipeline folders (SDXL, SD3, Flux, PixArt) are built by
+:func:`pipeline.embed.families.tiny.build_tiny`; these two are bare repos for explicit
+``--vae`` / ``--text-encoder`` options.
+
 The two CLIP encoders have different widths (32, 48) and a projection of 40, so a test catches any
 mix-up of encoder order, hidden size or pooled source.
 """
@@ -22,7 +26,6 @@ from pathlib import Path
 CLIP1_WIDTH, CLIP2_WIDTH, PROJECTION_DIM, T5_WIDTH = 32, 48, 40, 24
 VAE_SCALING, VAE_SHIFT, VAE_CHANNELS = 1.5305, 0.0609, 16
 T5_MAX_LENGTH = 16
-_WORDS = "a photo of thing 0 1 2 3 the cat dog red blue picture shape broken".split()
 
 
 @dataclass(frozen=True)
@@ -55,12 +58,12 @@ def sdxl_repo(path: Path) -> SDXLRepo:
     import torch
     from diffusers import AutoencoderKL
 
-    from pipeline.embed.encoders import _clip_tokenizer
+    from pipeline.embed.families.tiny import clip_tokenizer
 
     if (path / "model_index.json").exists():
         return SDXLRepo(str(path))
     torch.manual_seed(1)
-    tok1, tok2 = _clip_tokenizer(), _clip_tokenizer(pad_token="!")
+    tok1, tok2 = clip_tokenizer(), clip_tokenizer(pad_token="!")
     tok1.save_pretrained(path / "tokenizer")
     tok2.save_pretrained(path / "tokenizer_2")
     _clip(CLIP1_WIDTH, 3, tok1, projection=False).save_pretrained(path / "text_encoder")
@@ -75,25 +78,17 @@ def sdxl_repo(path: Path) -> SDXLRepo:
     return SDXLRepo(str(path))
 
 
-def t5_tokenizer():
-    """A ``T5Tokenizer`` (Unigram, ``</s>`` appended, no BOS) over a few words plus single characters."""
-    from transformers import T5Tokenizer
-
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -3.0)]
-    pieces += [("\u2581" + w, -1.0 - i / 100) for i, w in enumerate(_WORDS)]
-    pieces += [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyz0123456789"]
-    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=T5_MAX_LENGTH)
-
-
 def t5_repo(path: Path) -> str:
     """Build (once) the T5 encoder repo at ``path``; returns its path."""
     import torch
     from transformers import T5Config, T5EncoderModel
 
+    from pipeline.embed.families.tiny import t5_tokenizer
+
     if (path / "config.json").exists():
         return str(path)
     torch.manual_seed(2)
-    tokenizer = t5_tokenizer()
+    tokenizer = t5_tokenizer(T5_MAX_LENGTH)
     tokenizer.save_pretrained(path)
     config = T5Config(vocab_size=len(tokenizer.get_vocab()), d_model=T5_WIDTH, d_kv=8, d_ff=48, num_layers=2,
                       num_heads=3, feed_forward_proj="gated-gelu", decoder_start_token_id=0)  # fmt: skip

@@ -40,7 +40,7 @@ def substitutions(prefix: str, endpoint: str, job_api: str, run_dir: Path) -> li
         ("https://<account>.r2.cloudflarestorage.com", endpoint),
         ("s3://my-bucket/", f"{prefix}/"),
         # the flow at a size 2 CPU cores train in seconds: no hub downloads, small buckets, 2 processes
-        (" --vae stabilityai/sd-vae-ft-ema --text-encoder google/t5-v1_1-xxl", ""),
+        ("--model PixArt-alpha/PixArt-XL-2-1024-MS", "--model default"),  # the tiny random-weight PixArt
         ("--resolution 1024", "--resolution 256"),
         ("--world-size 8 --batch-size 16", "--world-size 2 --batch-size 2"),
         ("infra/accelerate/ddp-1x8.yaml", "infra/accelerate/cpu-2proc.yaml --main_process_port 0"),

@@ -1,8 +1,9 @@
-"""Real encoder architectures (tiny, random weights, hub-style folders): SDXL's pair, T5, an SD3/Flux VAE.
+"""The generic family: explicit ``--vae`` / ``--text-encoder`` folders (tiny, random weights, hub-style).
 
-Unit tests load them through the functions the embed job uses and compare with a direct
-transformers forward done the way the diffusers pipelines do it. The Ray tests run the embed job on
-them, check what ``_cache.json`` and the records hold, and train on the two-encoder cache.
+SDXL's encoder pair, a bare T5 repo and an SD3/Flux-style VAE, named one by one as a user without a
+``--family`` does. Unit tests load them through the specs the embed job uses and compare with a
+direct transformers forward; a Ray test runs the embed job on the pair and checks what
+``_cache.json`` and the records hold. The model families are tests/test_families.py.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from manifests.cache import CacheError, read_cache_meta
 from manifests.cache.records import SampleRecord, TextRecord, caption_key, to_float32
 from manifests.cache.verify import verify_cache
-from pipeline.embed.encoders import EncoderSource, LatentEncoder, TextEncoders, quiet_loading, weights_sha256
+from pipeline.embed.encoders import EncoderSource, LatentSpec, TextSpec, quiet_loading, weights_sha256
 from tests.embed_data import make_dataset, records_by_id, run_embed
 from tests.encoder_repos import (
     CLIP1_WIDTH,
@@ -58,10 +59,16 @@ def _sdxl_reference(path: str, sub: str, caption: str):
     return unpadded, tokenizer, out
 
 
+def _text(sources: list[EncoderSource], layer: str = "last"):
+    """Generic text encoders as the embed job loads them (``--text-encoder ... --text-layer layer``)."""
+    return TextSpec("generic", tuple(sources), layer=layer).load()
+
+
 def test_sdxl_pair_from_a_pipeline_folder_encodes_as_sdxl_does(repos):
+    """Generic: the pair's real tokens, each computed as SDXL does (its family stores all 77 positions)."""
     sdxl, _ = repos
     sources = [EncoderSource(sdxl.path, "text_encoder"), EncoderSource(sdxl.path, "text_encoder_2")]
-    penultimate = TextEncoders(sources, layer="penultimate")
+    penultimate = _text(sources, layer="penultimate")
     info = penultimate.describe()
     assert [(e["class"], e["subfolder"], e["hidden_size"], e["max_length"]) for e in info["encoders"]] == [
         ("CLIPTextModel", "text_encoder", CLIP1_WIDTH, 77),
@@ -69,7 +76,7 @@ def test_sdxl_pair_from_a_pipeline_folder_encodes_as_sdxl_does(repos):
     ]
     assert info["pooled_dim"] == PROJECTION_DIM and info["layer"] == "penultimate"
     assert info["encoders"][0]["weights_sha256"] != info["encoders"][1]["weights_sha256"]
-    last = TextEncoders(sources, layer="last").encode(CAPTIONS)
+    last = _text(sources, layer="last").encode(CAPTIONS)
 
     for caption, (tokens, pooled), (last_tokens, _) in zip(CAPTIONS, penultimate.encode(CAPTIONS), last):
         assert [t.shape[1] for t in tokens] == [CLIP1_WIDTH, CLIP2_WIDTH]
@@ -91,7 +98,7 @@ def test_t5_encoder_repo_without_subfolder(repos):
     from transformers import AutoTokenizer, T5EncoderModel
 
     _, t5 = repos
-    encoders = TextEncoders([EncoderSource(t5)])  # no subfolder: config, weights and tokenizer at the top
+    encoders = _text([EncoderSource(t5)])  # no subfolder: config, weights and tokenizer at the top
     info = encoders.describe()
     assert info["pooled_dim"] is None
     assert [(e["class"], e["subfolder"], e["hidden_size"], e["max_length"]) for e in info["encoders"]] == [
@@ -112,11 +119,13 @@ def test_t5_encoder_repo_without_subfolder(repos):
 
 def test_vae_from_a_subfolder_reports_scaling_and_shift(repos):
     sdxl, _ = repos
-    vae = LatentEncoder(EncoderSource(sdxl.path, "vae"))
+    vae = LatentSpec(EncoderSource(sdxl.path, "vae")).load()
     info = vae.describe()
     assert (info["subfolder"], info["channels"], info["factor"]) == ("vae", VAE_CHANNELS, 8)
     assert (info["scaling_factor"], info["shift_factor"]) == (VAE_SCALING, VAE_SHIFT)
-    latents = vae.encode(np.full((2, 64, 32, 3), 127, np.uint8))
+    out = vae.encode(np.full((2, 64, 32, 3), 127, np.uint8))
+    latents = out["latent"]
+    assert set(out) == {"latent"}  # --latents mean: no std
     assert latents.shape == (2, VAE_CHANNELS, 8, 4) and torch.isfinite(latents).all()
 
 
@@ -129,11 +138,14 @@ def test_text_model_of_an_unknown_architecture_is_refused(repos, tmp_path):
     for f in ("tokenizer.json", "tokenizer_config.json"):  # a tokenizer beside it, so only the model is wrong
         (tmp_path / "vision" / f).write_bytes((Path(sdxl.path) / "tokenizer" / f).read_bytes())
     with pytest.raises(ValueError, match="CLIPVisionModel.*bucketeer knows"):
-        TextEncoders([EncoderSource(str(tmp_path / "vision"))])
+        _text([EncoderSource(str(tmp_path / "vision"))])
 
 
 def test_collate_pads_each_encoder_to_the_batch_and_masks_where_any_encoder_has_a_token():
+    from manifests.cache import TextLayout
     from train.data import PlanStep, collate
+
+    layout = TextLayout("generic", "features", True, (77, 77), (3, 5), pooled_dim=4)
 
     def record(sid: int, lengths: tuple[int, int]) -> SampleRecord:
         tokens = tuple(np.full((n, d), sid + i, np.float32) for i, (n, d) in enumerate(zip(lengths, (3, 5))))
@@ -141,7 +153,7 @@ def test_collate_pads_each_encoder_to_the_batch_and_masks_where_any_encoder_has_
         return SampleRecord(sid, "64x64", np.ones((2, 8, 8), np.float32), "F32", (64, 64), (64, 64), (0, 0),
                             (64, 64), sid, text)  # fmt: skip
 
-    batch = collate([record(10, (4, 2)), record(20, (2, 6))], PlanStep(0, 0, "64x64", (10, 20)),
+    batch = collate([record(10, (4, 2)), record(20, (2, 6))], PlanStep(0, 0, "64x64", (10, 20)), layout=layout,
                     scaling_factor=2.0, shift_factor=0.5)  # fmt: skip
     assert batch.text.shape == (2, 6, 8) and batch.text_mask.tolist() == [[1, 1, 1, 1, 0, 0], [1] * 6]
     assert (batch.text[0, :4, :3] == 10).all() and (batch.text[0, :2, 3:] == 11).all()
@@ -194,14 +206,14 @@ def test_embed_with_the_sdxl_pair_and_a_vae_subfolder(sdxl_cache):
     assert (settings["vae"]["scaling_factor"], settings["vae"]["shift_factor"]) == (VAE_SCALING, VAE_SHIFT)
     assert (meta["latent"]["scaling_factor"], meta["latent"]["shift_factor"]) == (VAE_SCALING, VAE_SHIFT)
     assert meta["latent"]["channels"] == VAE_CHANNELS
-    vae = LatentEncoder(EncoderSource(sdxl.path, "vae")).describe()
+    vae = LatentSpec(EncoderSource(sdxl.path, "vae")).load().describe()
     assert settings["vae"]["weights_sha256"] == vae["weights_sha256"]
     encoders = settings["text"]["encoders"]
     assert [(e["id"], e["subfolder"], e["class"], e["hidden_size"]) for e in encoders] == [
         (sdxl.path, "text_encoder", "CLIPTextModel", CLIP1_WIDTH),
         (sdxl.path, "text_encoder_2", "CLIPTextModelWithProjection", CLIP2_WIDTH),
     ]
-    direct = TextEncoders([EncoderSource(sdxl.path, s) for s in ("text_encoder", "text_encoder_2")]).describe()
+    direct = _text([EncoderSource(sdxl.path, s) for s in ("text_encoder", "text_encoder_2")]).describe()
     assert [e["weights_sha256"] for e in encoders] == [e["weights_sha256"] for e in direct["encoders"]]
     assert settings["text"]["layer"] == "penultimate" and settings["text"]["pooled_dim"] == PROJECTION_DIM
     assert [e["hidden_size"] for e in meta["text"]["encoders"]] == [CLIP1_WIDTH, CLIP2_WIDTH]
@@ -236,34 +248,6 @@ def test_reembedding_with_the_encoders_swapped_or_another_layer_is_refused(sdxl_
 
 
 @pytest.mark.ray
-@pytest.mark.usefixtures("bucketeer_home")
-def test_embed_with_a_t5_encoder(repos, tmp_path, ray_local):
-    from transformers import AutoTokenizer, T5EncoderModel
-
-    _, t5 = repos
-    manifest, out = str(tmp_path / "manifest"), str(tmp_path / "cache")
-    make_dataset(str(tmp_path / "data"), manifest, 6)
-    assert run_embed(manifest, out, "--text-encoder", t5) == 0  # default VAE, T5 text
-
-    meta = read_cache_meta(out)
-    (encoder,) = meta["settings"]["text"]["encoders"]
-    assert (encoder["id"], encoder["subfolder"], encoder["class"]) == (t5, None, "T5EncoderModel")
-    assert encoder["hidden_size"] == T5_WIDTH and encoder["max_length"] == T5_MAX_LENGTH
-    assert meta["settings"]["text"]["pooled_dim"] is None
-    tokenizer, model = AutoTokenizer.from_pretrained(t5), T5EncoderModel.from_pretrained(t5).eval()
-    assert encoder["weights_sha256"] == weights_sha256(model)
-    records = records_by_id(out)
-    assert len(records) == 6
-    for r in records.values():
-        ids = tokenizer(DATASET_CAPTIONS[r.caption_key])["input_ids"]
-        (tokens,) = r.text.tokens
-        assert r.text.pooled is None and tokens.shape == (len(ids), T5_WIDTH)
-        with torch.no_grad():
-            _bf16_close(tokens, r.text.dtype, model(torch.tensor([ids])).last_hidden_state[0].numpy())
-    assert verify_cache(out).ok
-
-
-@pytest.mark.ray
 def test_train_on_the_two_encoder_cache(sdxl_cache, tmp_path):
     from diffusers import PixArtTransformer2DModel
 
@@ -292,11 +276,11 @@ def test_train_on_the_two_encoder_cache(sdxl_cache, tmp_path):
 def test_a_pipeline_folder_without_subfolders_is_refused_with_the_option_to_pass(repos):
     sdxl, _ = repos
     with pytest.raises(ValueError, match="diffusers pipeline folder: pass --text-encoder-subfolder text_encoder"):
-        TextEncoders([EncoderSource(sdxl.path)])
+        _text([EncoderSource(sdxl.path)])
     with pytest.raises(ValueError, match="diffusers pipeline folder: pass --vae-subfolder vae"):
-        LatentEncoder(EncoderSource(sdxl.path))
+        LatentSpec(EncoderSource(sdxl.path)).load()
     with pytest.raises(ValueError, match=r"no tokenizer_config.json or tokenizer.json in .*encoder\. .*tokenizer_2"):
-        TextEncoders([EncoderSource(str(Path(sdxl.path) / "text_encoder"))])  # the model alone, its tokenizer elsewhere
+        _text([EncoderSource(str(Path(sdxl.path) / "text_encoder"))])  # the model alone, its tokenizer elsewhere
 
 
 @pytest.mark.ray

@@ -172,7 +172,7 @@ def train(args: argparse.Namespace) -> int:
     recorder = SampleRecorder(args.record_samples, rank)
 
     # ---- model, optimizer, schedule ----------------------------------------------------------
-    text_width = sum(int(e["hidden_size"]) for e in reader.meta["text"]["encoders"])
+    text_width = loader.layout.width  # what the joined prompt embeddings are wide (train.data.collate)
     model = build_model(cfg.model, latent_channels=int(reader.meta["latent"]["channels"]), caption_channels=text_width)
     patch = int(model.config.patch_size)
     # linear scaling by the ROOT plan's world size: an elastic resume keeps the global batch, so the lr too

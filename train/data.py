@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from manifests.cache import CacheError, CacheReader
+from manifests.cache import CacheError, CacheReader, TextLayout
 from manifests.cache.records import SampleRecord, to_float32
 from manifests.errors import UsageError
 from manifests.plan import read_rank_plan
@@ -73,13 +73,14 @@ def rank_steps(
 class Batch:
     """The tensors of one step. Latents are scaled for the model: ``(latent - shift) * scale``.
 
-    ``latents`` (B, C, h, w); ``text`` (B, L, D): every text encoder's tokens padded to the
-    batch's longest caption L and concatenated on features (SDXL-style: D = sum of the encoders'
-    hidden sizes, each encoder's slice zero past its own length); ``text_mask`` (B, L), 1 where
-    any encoder has a token (SDXL's two CLIP tokenizers agree, so their lengths do);
-    ``resolution`` (B, 2) original (height, width) in pixels; ``aspect_ratio`` (B, 1) bucket
-    height / width. ``skipped``: ids dropped as bad records (only with ``skip_bad_records``).
-    A record's ``pooled`` embedding is not used: the PixArt transformer conditions on tokens only.
+    ``latents`` (B, C, h, w); ``text`` (B, L, D): the prompt embeddings as the cache's model
+    family joins its text parts (:meth:`manifests.cache.TextLayout.prompt_embeds`: SDXL's two CLIPs
+    side by side, SD3's CLIPs then T5 on the sequence, ...); a masked layout (PixArt, generic) is
+    padded to the batch's longest caption, zero past each part's tokens; ``text_mask`` (B, L), 1
+    where any part has a token (all ones for the unmasked families); ``resolution`` (B, 2)
+    original (height, width) in pixels; ``aspect_ratio`` (B, 1) bucket height / width.
+    ``skipped``: ids dropped as bad records (only with ``skip_bad_records``). A record's ``pooled``
+    embedding is not used: the PixArt transformer conditions on tokens only.
     """
 
     epoch: int
@@ -109,11 +110,13 @@ class Batch:
                                 for k in ("latents", "text", "text_mask", "resolution", "aspect_ratio")})  # fmt: skip
 
 
-def collate(records: Sequence[SampleRecord], step: PlanStep, *, scaling_factor: float, shift_factor: float) -> Batch:
-    """Stack one step's records (one bucket) into a :class:`Batch`.
+def collate(
+    records: Sequence[SampleRecord], step: PlanStep, *, layout: TextLayout, scaling_factor: float, shift_factor: float
+) -> Batch:
+    """Stack one step's records (one bucket) into a :class:`Batch`; ``layout``: the cache's text layout.
 
     Raises ValueError when a record's bucket is not the plan's (plan and cache from different
-    manifests) or a record has no text embeddings.
+    manifests) or a record has no text embeddings, or text that does not fit ``layout``.
     """
     for r in records:
         if r.bucket != step.bucket:
@@ -124,16 +127,7 @@ def collate(records: Sequence[SampleRecord], step: PlanStep, *, scaling_factor: 
             raise UsageError(f"sample {r.sample_id} has no text embeddings in the cache; run `bucketeer verify`")
     latents = np.stack([to_float32(r.latent, r.dtype) for r in records])  # (B, C, h, w)
     latents = (latents - shift_factor) * scaling_factor
-    dims = [t.shape[1] for t in records[0].text.tokens]
-    length = max(t.shape[0] for r in records for t in r.text.tokens)
-    text = np.zeros((len(records), length, sum(dims)), np.float32)  # (B, L, D)
-    mask = np.zeros((len(records), length), np.float32)  # (B, L)
-    for b, r in enumerate(records):
-        col = 0
-        for tokens, d in zip(r.text.tokens, dims):
-            text[b, : len(tokens), col : col + d] = to_float32(tokens, r.text.dtype)
-            mask[b, : len(tokens)] = 1.0
-            col += d
+    text, mask, _ = layout.prompt_embeds([r.text for r in records])  # (B, L, D), (B, L)
     resolution = np.asarray([r.original_size for r in records], np.float32)  # (B, 2) (h, w)
     aspect = np.asarray([[r.target_size[0] / r.target_size[1]] for r in records], np.float32)  # (B, 1)
     return Batch(
@@ -178,6 +172,7 @@ class BatchLoader:
         self.steps = list(steps)
         self.scaling_factor = float(latent_info.get("scaling_factor") or 1.0)
         self.shift_factor = float(latent_info.get("shift_factor") or 0.0)
+        self.layout = TextLayout.from_meta(reader.meta)
         self.rank = rank
         self.prefetch = prefetch
         self.read_threads = min(read_threads, prefetch)  # more threads than batches ahead would idle
@@ -228,7 +223,8 @@ class BatchLoader:
                 raise BadRecordError(f"rank {self.rank} epoch {step.epoch} step {step.step}: all {len(skipped)} "
                                      "records are bad; ranks cannot stay in step. "
                                      "Run `bucketeer verify`.") from None  # fmt: skip
-        batch = collate(records, step, scaling_factor=self.scaling_factor, shift_factor=self.shift_factor)
+        batch = collate(records, step, layout=self.layout, scaling_factor=self.scaling_factor,
+                        shift_factor=self.shift_factor)
         batch.skipped = skipped
         return batch.pin_memory() if self.pin_memory else batch
 

@@ -2,9 +2,11 @@
 
 One module a job: :mod:`~manifests.cache.layout` (the folder, index schemas, ``_cache.json``, index
 reading: what every other module shares), :mod:`~manifests.cache.records` (the record codec),
+:mod:`~manifests.cache.text_layout` (how a text record's parts make a model family's prompt embeddings),
 :mod:`~manifests.cache.freshness` (is a record still what the manifest row would give),
 :mod:`~manifests.cache.writer`, :mod:`~manifests.cache.reader` and :mod:`~manifests.cache.verify`.
-The names below are the public API; each module imports only from ``layout`` and ``records``.
+The names below are the public API; each module imports only from ``layout``, ``records`` and
+``text_layout``.
 """
 
 from manifests.cache.freshness import Freshness, source_key
@@ -25,6 +27,7 @@ from manifests.cache.layout import (
     settings_diff,
 )
 from manifests.cache.reader import CacheReader
+from manifests.cache.text_layout import TextLayout
 from manifests.cache.writer import CacheWriter, ShardWriter
 
 __all__ = [
@@ -40,6 +43,7 @@ __all__ = [
     "CacheWriter",
     "Freshness",
     "ShardWriter",
+    "TextLayout",
     "available_sample_ids",
     "cache_freshness",
     "fingerprint_of",

@@ -71,7 +71,9 @@ __all__ = [
 ]
 
 CACHE_FILE = "_cache.json"
-CACHE_FORMAT_VERSION = 1
+# 2: text as the model family's pipeline encodes it (text.layout: padded parts, pooled, masks), optional
+# latent_std. A version-1 cache holds unpadded, masked text of any family: it is refused, not misread
+CACHE_FORMAT_VERSION = 2
 KIND = "bucketeer.cache"
 SHARD_RECORDS = 1024  # records per shard: ~100 MB of SDXL latents, few enough objects for any store
 SHARD_BYTES = 256 << 20
@@ -172,7 +174,8 @@ def read_meta(fs, root: str, url: str) -> dict:
         missing=CacheMissingError,
         missing_hint="it is not a bucketeer cache, or its embed job has not committed a shard yet. "
         "Run `bucketeer embed MANIFEST --out CACHE` to build it.",
-        version_hint="Re-embed into a new --out, or use the bucketeer that wrote it.",
+        version_hint="Re-embed into a new --out (format 2 stores text as the model family's pipeline encodes it, "
+        "see --family), or use the bucketeer that wrote it.",
     )
     return meta
 

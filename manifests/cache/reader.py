@@ -159,18 +159,9 @@ class CacheReader:
         ]  # fmt: skip
         texts = self._cached_texts(dict.fromkeys(int(k) for k in keys.tolist()))
         need = [k for k in dict.fromkeys(int(k) for k in keys.tolist()) if k not in texts]
-        for k in need:
-            if k not in self._texts:
-                raise CacheError(f"caption key {k} has no text record in {redact(self.url)}; "
-                                 f"run `bucketeer verify {redact(self.url)}`")  # fmt: skip
-        text_items = [(*self._texts[k], f"text record {k}") for k in need]
-        blobs = self._fetch(items + text_items)
-        for k, blob, item in zip(need, blobs[len(items) :], text_items):
-            try:
-                texts[k] = decode_text(blob)
-            except RecordError as e:
-                raise CacheError(self._bad(item[-1], item[0], str(e))) from None
-            self._remember(k, texts[k])
+        text_items = self._text_items(need)
+        blobs = self._fetch(items + text_items)  # samples and texts in one batch of ranged reads
+        self._decode_texts(need, text_items, blobs[len(items) :], texts)
         records = []
         for item, blob, key, sid in zip(items, blobs, keys, np.asarray(sample_ids, dtype=np.uint64)):
             try:
@@ -181,6 +172,34 @@ class CacheReader:
                 raise CacheError(self._bad(item[-1], item[0], f"record holds sample {record.sample_id}"))
             records.append(replace(record, text=texts[int(key)]))
         return records
+
+    def read_texts(self, caption_keys: Sequence[int]) -> list[TextRecord]:
+        """Text records by caption key, in the given order: e.g. the empty caption's
+        (``_cache.json["text"]["empty_caption_key"]``, for caption dropout) and the validation
+        prompts' (``["text"]["validation_prompts"]``). Raises CacheError like :meth:`read`."""
+        keys = [int(k) for k in caption_keys]
+        texts = self._cached_texts(dict.fromkeys(keys))
+        need = [k for k in dict.fromkeys(keys) if k not in texts]
+        items = self._text_items(need)
+        self._decode_texts(need, items, self._fetch(items), texts)
+        return [texts[k] for k in keys]
+
+    def _text_items(self, keys: list[int]) -> list[tuple[str, int, int, int, str]]:
+        """What :meth:`_fetch` reads for the text records of ``keys``; CacheError for a key without one."""
+        for k in keys:
+            if k not in self._texts:
+                raise CacheError(f"caption key {k} has no text record in {redact(self.url)}; "
+                                 f"run `bucketeer verify {redact(self.url)}`")  # fmt: skip
+        return [(*self._texts[k], f"text record {k}") for k in keys]
+
+    def _decode_texts(self, keys: list[int], items: list, blobs: list[bytes], texts: dict[int, TextRecord]) -> None:
+        """Decode the fetched text records of ``keys`` into ``texts`` and remember them."""
+        for k, blob, item in zip(keys, blobs, items):
+            try:
+                texts[k] = decode_text(blob)
+            except RecordError as e:
+                raise CacheError(self._bad(item[-1], item[0], str(e))) from None
+            self._remember(k, texts[k])
 
     def _cached_texts(self, keys) -> dict[int, TextRecord]:
         """The text records of ``keys`` that are in the LRU, looked up (and marked used) under the lock."""

@@ -187,10 +187,11 @@ def to_torch(array: np.ndarray, tag: str):
 class TextRecord:
     """Text embeddings of one unique caption (the null caption is stored as ``""``).
 
-    ``tokens[i]``: ``(L_i, D_i)`` token embeddings of text encoder ``i`` (``--text-encoder`` order),
-    **unpadded**: ``L_i`` is the tokenized length incl. BOS/EOS, truncated at the encoder's max
-    length. ``pooled``: ``(D,)`` pooled embedding of the last encoder that has one, else None.
-    Arrays are in ``dtype`` (a safetensors tag; BF16 as raw uint16 bits, see :func:`to_torch`).
+    ``tokens[i]``: ``(L_i, D_i)`` token embeddings of text part ``i``; ``pooled``: ``(P,)`` or None.
+    What the parts are (which encoder and layer, padded or only the real tokens) and how they join
+    into the model family's prompt embeddings is the cache's ``text.layout``
+    (:class:`manifests.cache.text_layout.TextLayout`). Arrays are in ``dtype`` (a safetensors tag;
+    BF16 as raw uint16 bits, see :func:`to_torch`).
     """
 
     caption_key: int
@@ -216,8 +217,10 @@ class SampleRecord:
     - ``target_size``: the bucket, ``(height, width)``; ``bucket`` is the same as ``"WxH"``.
 
     ``latent``: ``(C, target_h / f, target_w / f)``, the VAE posterior **mean** (not a sample), NOT
-    yet multiplied by ``scaling_factor`` (see ``_cache.json["latent"]``). ``text``: the caption's
-    :class:`TextRecord`. ``dtype`` is the safetensors tag of ``latent`` (BF16 as uint16 bits).
+    yet multiplied by ``scaling_factor`` (see ``_cache.json["latent"]``). ``latent_std``: the
+    posterior's standard deviation, same shape, only in caches embedded with ``--latents posterior``
+    (a sample is ``latent + latent_std * noise``). ``text``: the caption's :class:`TextRecord`.
+    ``dtype`` is the safetensors tag of ``latent`` and ``latent_std`` (BF16 as uint16 bits).
     """
 
     sample_id: int
@@ -230,6 +233,7 @@ class SampleRecord:
     target_size: tuple[int, int]
     caption_key: int
     text: TextRecord | None = None
+    latent_std: np.ndarray | None = None
 
     @property
     def crop_box(self) -> tuple[int, int, int, int]:
@@ -240,12 +244,15 @@ class SampleRecord:
     def torch(self) -> dict[str, Any]:
         """The tensors as torch tensors in their stored dtype (imports torch only here).
 
-        Keys: ``latent`` (C, h, w); ``tokens_<i>`` (L_i, D_i) per text encoder; ``pooled`` (D,)
-        when present; ``time_ids`` int64 (6,) = original_size + crop_top_left + target_size.
+        Keys: ``latent`` (C, h, w) and ``latent_std`` when present; ``tokens_<i>`` (L_i, D_i) per
+        text part; ``pooled`` (D,) when present; ``time_ids`` int64 (6,) = original_size +
+        crop_top_left + target_size.
         """
         import torch
 
         out = {"latent": to_torch(self.latent, self.dtype)}
+        if self.latent_std is not None:
+            out["latent_std"] = to_torch(self.latent_std, self.dtype)
         if self.text is not None:
             for i, t in enumerate(self.text.tokens):
                 out[f"tokens_{i}"] = to_torch(t, self.text.dtype)
@@ -272,7 +279,10 @@ def encode_sample(record: SampleRecord) -> bytes:
         "target_size": "%d,%d" % record.target_size,
         "caption_key": str(record.caption_key),
     }
-    return encode_record({"latent": (record.latent, record.dtype)}, meta)
+    tensors = {"latent": (record.latent, record.dtype)}
+    if record.latent_std is not None:
+        tensors["latent_std"] = (record.latent_std, record.dtype)
+    return encode_record(tensors, meta)
 
 
 def decode_sample(data: bytes) -> SampleRecord:
@@ -282,6 +292,9 @@ def decode_sample(data: bytes) -> SampleRecord:
         if meta.get("kind") != "sample" or "latent" not in tensors:
             raise KeyError("kind")
         latent, tag = tensors["latent"]
+        std = tensors.get("latent_std")
+        if std is not None and (std[1] != tag or std[0].shape != latent.shape):
+            raise ValueError("latent_std")
         return SampleRecord(
             sample_id=int(meta["sample_id"]),
             bucket=meta["bucket"],
@@ -292,9 +305,11 @@ def decode_sample(data: bytes) -> SampleRecord:
             crop_top_left=_pair(meta["crop_top_left"]),
             target_size=_pair(meta["target_size"]),
             caption_key=int(meta["caption_key"]),
+            latent_std=None if std is None else std[0],
         )
     except (KeyError, ValueError):
-        raise RecordError("payload is not a sample record (metadata or latent missing)") from None
+        raise RecordError("payload is not a sample record (metadata or latent missing, or a latent_std that "
+                          "does not match the latent)") from None
 
 
 def encode_text(record: TextRecord) -> bytes:

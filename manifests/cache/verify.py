@@ -1,9 +1,10 @@
 """Check every record of a cache: shard presence and size, checksum, decompression, shapes, finite values.
 
 Each shard is read once, whole (one GET), and every record in it is checked against the index
-and ``_cache.json``: latent ``(C, H / f, W / f)`` for bucket ``WxH`` and VAE factor ``f``, the
-cache's dtype, finite values; text records against the text encoders' widths. A bad text record
-makes every sample with that caption bad.
+and ``_cache.json``: latent ``(C, H / f, W / f)`` for bucket ``WxH`` and VAE factor ``f`` (and its
+``latent_std`` in a cache embedded with ``--latents posterior``), the cache's dtype, finite values;
+text records against the cache's ``text.layout`` (parts, widths, lengths, pooled). A bad text
+record makes every sample with that caption bad.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 from manifests.buckets import parse_bucket
 from manifests.cache.layout import read_meta, read_index
 from manifests.cache.records import RecordError, crc32, decode_sample, decode_text, to_float32
+from manifests.cache.text_layout import TextLayout
 from manifests.progress import Progress
 from manifests.storage import join, open_url, read_bytes
 
@@ -66,17 +68,18 @@ def _check_sample(blob: bytes, sample_id: int, bucket: str, meta: dict) -> str |
         return f"latent dtype {record.dtype} != cache dtype {latent['dtype']}"
     if record.target_size != (h, w):
         return f"target size {record.target_size} != bucket {bucket}"
-    return _check_finite(record.latent, record.dtype)
+    if (record.latent_std is not None) != (latent.get("kind") == "posterior_mean_std"):
+        return f"latent_std {'present' if record.latent_std is not None else 'missing'} in a {latent.get('kind')} cache"
+    return _check_finite(record.latent, record.dtype) or (
+        None if record.latent_std is None else _check_finite(record.latent_std, record.dtype))
 
 
-def _check_text(blob: bytes, meta: dict) -> str | None:
+def _check_text(blob: bytes, meta: dict, layout: TextLayout) -> str | None:
     record = decode_text(blob)
     text = meta.get("text", {})
-    widths = [int(e["hidden_size"]) for e in text.get("encoders", [])]
-    if widths and [t.shape[1] if t.ndim == 2 else -1 for t in record.tokens] != widths:
-        return f"token embedding widths {[t.shape for t in record.tokens]} != encoders' {widths}"
-    if text.get("pooled_dim") and (record.pooled is None or record.pooled.shape != (int(text["pooled_dim"]),)):
-        return f"pooled shape {None if record.pooled is None else record.pooled.shape} != ({text['pooled_dim']},)"
+    problem = layout.check(record)
+    if problem:
+        return problem
     if text.get("dtype") and record.dtype != text["dtype"]:
         return f"text dtype {record.dtype} != cache dtype {text['dtype']}"
     for t in (*record.tokens, *(() if record.pooled is None else (record.pooled,))):
@@ -86,7 +89,7 @@ def _check_text(blob: bytes, meta: dict) -> str | None:
     return None
 
 
-def _check(kind: str, blob: bytes, row: dict, meta: dict) -> str | None:
+def _check(kind: str, blob: bytes, row: dict, meta: dict, layout: TextLayout) -> str | None:
     if len(blob) != row["length"]:
         return f"truncated shard: {len(blob)} of {row['length']} bytes at offset {row['offset']}"
     if crc32(blob) != row["crc32"]:
@@ -94,7 +97,7 @@ def _check(kind: str, blob: bytes, row: dict, meta: dict) -> str | None:
     try:
         if kind == "samples":
             return _check_sample(blob, row["sample_id"], row["bucket"], meta)
-        return _check_text(blob, meta)
+        return _check_text(blob, meta, layout)
     except RecordError as e:
         return f"undecodable record at offset {row['offset']}: {e}"
 
@@ -106,6 +109,7 @@ def verify_cache(url: str, storage_options: dict | None = None, *, progress: boo
     """
     fs, root = open_url(url, storage_options)
     meta = read_meta(fs, root, url)
+    layout = TextLayout.from_meta(meta)
     tables = read_index(url, storage_options, meta)
     result = VerifyResult(complete=bool(meta.get("complete")))
     rows = {kind: tables[kind].to_pylist() for kind in ("samples", "texts")}
@@ -128,7 +132,8 @@ def verify_cache(url: str, storage_options: dict | None = None, *, progress: boo
                 result.checked_samples += 1
             else:
                 result.checked_texts += 1
-            problem = shard_note or _check(kind, data[row["offset"] : row["offset"] + row["length"]], row, meta)
+            problem = shard_note or _check(kind, data[row["offset"] : row["offset"] + row["length"]], row, meta,
+                                         layout)
             if problem is None:
                 continue
             if kind == "samples":

@@ -13,6 +13,7 @@ from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from manifests import __version__, faults
 from manifests.cache.layout import (
@@ -86,6 +87,16 @@ class ShardWriter:
         entry = {"path": shard, "kind": self.kind, "records": len(self._rows), "bytes": len(data), "sha256": digest}
         self._chunks, self._rows, self._size = [], [], 0
         return entry, index
+
+
+def _live_bytes(tables: dict[str, pa.Table]) -> dict[str, Any]:
+    """Compressed bytes of the live records: totals and means per sample and per caption (None when none)."""
+    out: dict[str, Any] = {}
+    for kind, per in (("samples", "per_sample"), ("texts", "per_caption")):
+        total = int(pc.sum(tables[kind].column("length")).as_py() or 0)
+        out[kind] = total
+        out[per] = round(total / tables[kind].num_rows) if tables[kind].num_rows else None
+    return out
 
 
 @dataclass
@@ -207,7 +218,8 @@ class CacheWriter:
     def finish(self, manifest_fingerprint: str | None = None, summary: dict | None = None) -> dict:
         """Commit what is pending, merge the index parts into one per kind, mark the cache complete.
 
-        The merged index keeps only the newest row per sample id; ``counts`` become the live rows.
+        The merged index keeps only the newest row per sample id; ``counts`` become the live rows,
+        ``bytes`` their compressed sizes (totals, and the means ``per_sample`` and ``per_caption``).
         """
         self.commit()
         old = {k: list(v) for k, v in self.meta["index"].items()}
@@ -224,6 +236,7 @@ class CacheWriter:
             self.meta["index"][kind] = [part]
         if manifest_fingerprint and manifest_fingerprint not in self.meta["manifests"]:
             self.meta["manifests"].append(manifest_fingerprint)
+        self.meta["bytes"] = _live_bytes(tables)
         written = sum(s["records"] for s in self.meta["shards"] if s["kind"] == "samples")
         self.meta["superseded_records"] = written - tables["samples"].num_rows  # bytes left in old shards
         self.meta["summary"] = summary or {}

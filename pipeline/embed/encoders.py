@@ -1,41 +1,54 @@
-"""Encoders behind one small protocol: the VAE (latents) and text encoders (token + pooled embeddings).
+"""Encoders behind one small protocol: the VAE (latents) and a model family's text encoders.
 
-Every encoder is loaded with ``from_pretrained`` from a hub id or a local folder. The embedded
-default (``--vae default`` / ``--text-encoder default``) is a set of tiny **random-weight** models
-of the real architectures (an 8x-downsampling ``AutoencoderKL``, a ``CLIPTextModelWithProjection``
-and a byte-level CLIP tokenizer) that bucketeer builds once, saves with ``save_pretrained`` under
-``$BUCKETEER_HOME/default-encoders/<version>`` (default ``~/.cache/bucketeer``) and then loads
-through the same ``from_pretrained`` path as a real model. They exist to try the pipeline without
-a model hub; their outputs are noise and useless for training a real model.
+The embed workers get a picklable spec (:class:`LatentSpec`, :class:`TextSpec`), ``load()`` it
+into an :class:`Encoder` and use only ``describe()`` (ids, weight hashes, shapes: the cache's
+fingerprint) and ``encode(batch)``. :func:`encoder_specs` makes the specs from the ``embed``
+options: ``--family F --model ID_OR_PATH`` takes the VAE and text encoders from the subfolders of
+one diffusers pipeline folder or hub id (``vae``, ``text_encoder``, ``text_encoder_2``, ...), and
+``--vae`` / ``--text-encoder`` replace any of them; without ``--family`` (the ``generic`` family)
+the encoders are whatever ``--vae`` and ``--text-encoder`` name. How each family encodes text is in
+:mod:`pipeline.embed.families`.
 
-Latents are the VAE posterior **mean** (``latent_dist.mean``), unscaled: the trainer multiplies by
-``scaling_factor`` (after subtracting ``shift_factor`` when set), both stored in ``_cache.json``.
+Every model is loaded with ``from_pretrained``. ``default`` (``--model default``, or no encoder
+options at all) is a tiny **random-weight** model of the family's real classes
+(:mod:`pipeline.embed.families.tiny`), built once under ``$BUCKETEER_HOME/default-encoders/``
+(default ``~/.cache/bucketeer``) and then loaded like a real one: for trying the pipeline, useless
+for training a real model.
+
+Latents are the VAE posterior **mean** (``latent_dist.mean``), unscaled, and with
+``--latents posterior`` also its standard deviation: the trainer draws ``mean + std * noise`` and
+multiplies by ``scaling_factor`` (after subtracting ``shift_factor`` when set), both stored in
+``_cache.json``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
-import shutil
-import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
 from manifests.errors import UsageError
+from manifests.storage import redact
+from pipeline.embed.families import Family, TextModel, family_of_pipeline, get_family
+from pipeline.embed.families.tiny import DEFAULT_NOTICE, TINY_VERSION, ensure_tiny
 
 __all__ = [
     "DEFAULT_ID",
     "DEFAULT_NOTICE",
+    "LATENTS",
     "Encoder",
     "EncoderSource",
     "LatentEncoder",
+    "LatentSpec",
     "TextEncoders",
+    "TextSpec",
     "TEXT_MODELS",
-    "default_encoders_dir",
-    "ensure_default_encoders",
+    "encoder_specs",
     "weights_sha256",
     "to_storage",
     "quiet_loading",
@@ -43,12 +56,8 @@ __all__ = [
 ]
 
 DEFAULT_ID = "default"
-_DEFAULT_VERSION = "v1"
-DEFAULT_NOTICE = (
-    "bucketeer: using the embedded DEFAULT encoders (tiny random-weight AutoencoderKL + CLIP text model). "
-    "They are for trying the pipeline, NOT for training a real model: pass --vae / --text-encoder."
-)
 STORAGE_DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
+LATENTS = ("mean", "posterior")  # --latents: the posterior mean, or mean and std (for per-step sampling)
 
 
 Batch = TypeVar("Batch", contravariant=True)
@@ -66,101 +75,118 @@ class Encoder(Protocol[Batch]):
 
 @dataclass(frozen=True)
 class EncoderSource:
-    """Where an encoder comes from: hub id or local folder, and the subfolder inside it."""
+    """Where a model comes from: hub id or local folder, and the subfolder inside it.
+
+    ``default`` is the tiny random-weight model of ``family`` (built on first use under ``home``, the
+    driver's ``$BUCKETEER_HOME``, so that every worker finds the same one).
+    """
 
     source: str
     subfolder: str | None = None
-    home: str | None = None  # $BUCKETEER_HOME of the driver, so every worker finds the same default
-
+    home: str | None = None
+    family: str = "generic"
 
     @property
     def is_default(self) -> bool:
         return self.source == DEFAULT_ID
 
-    def resolve(self, default_subfolder: str) -> tuple[str, str | None, str]:
-        """``(path_or_id, subfolder, id for the fingerprint)``; the default is built on first use."""
+    @property
+    def ident(self) -> str:
+        """The id recorded in ``_cache.json`` (credentials redacted; the default's names its version)."""
         if self.is_default:
-            path = str(ensure_default_encoders(self.home))
-            return path, self.subfolder or default_subfolder, f"bucketeer:default-{_DEFAULT_VERSION}"
-        return self.source, self.subfolder, self.source
+            return f"bucketeer:default-{TINY_VERSION}" if self.family == "generic" else \
+                f"bucketeer:default-{self.family}-{TINY_VERSION}"  # fmt: skip
+        return redact(self.source)
+
+    def resolve(self, default_subfolder: str | None = None) -> tuple[str, str | None]:
+        """``(path_or_id, subfolder)`` to pass to ``from_pretrained``; the default is built on first use."""
+        if self.is_default:
+            return str(ensure_tiny(self.family, self.home)), self.subfolder or default_subfolder
+        return self.source, self.subfolder
 
 
-def default_encoders_dir(home: str | None = None) -> Path:
-    """``<home>/default-encoders/<version>``; home defaults to ``$BUCKETEER_HOME`` or ``~/.cache/bucketeer``."""
-    home = home or os.environ.get("BUCKETEER_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "bucketeer")
-    return Path(home) / "default-encoders" / _DEFAULT_VERSION
+@dataclass(frozen=True)
+class LatentSpec:
+    """The VAE to load and what to keep of its posterior (``latents``: one of :data:`LATENTS`)."""
+
+    source: EncoderSource
+    latents: str = "mean"
+
+    def load(self, *, use_gpu: bool = False, dtype: str = "BF16") -> "LatentEncoder":
+        return LatentEncoder(self, use_gpu=use_gpu, dtype=dtype)
 
 
-def _byte_level_vocab() -> list[str]:
-    # CLIP's byte-to-unicode table: every byte maps to a printable character, so any text tokenizes
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    extra = [b for b in range(256) if b not in printable]
-    return [chr(c) for c in printable] + [chr(256 + i) for i in range(len(extra))]
+@dataclass(frozen=True)
+class TextSpec:
+    """A family's text encoders to load, in the family's order, and its options.
 
-
-def _clip_tokenizer(model_max_length: int = 77, pad_token: str | None = None):
-    """A byte-level CLIP BPE tokenizer with a tiny vocabulary (every text tokenizes; few merges).
-
-    ``pad_token``: None pads with ``<|endoftext|>`` (SD 1.x / SDXL ``tokenizer``); SDXL's
-    ``tokenizer_2`` pads with ``"!"``.
+    ``model``: the ``--model`` folder or id, whose ``model_index.json`` names the pipeline class
+    (checked against the family; PixArt's default length depends on it). ``max_tokens``: the
+    user's ``--max-text-tokens`` (None: the family's default). ``layer``: ``--text-layer`` (generic only).
     """
-    from transformers import CLIPTokenizer
 
-    chars = _byte_level_vocab()
-    # a handful of English merges: enough to exercise BPE, and each side is an existing symbol
-    merges = [("t", "h"), ("th", "e</w>"), ("o", "n"), ("i", "n"), ("e", "r"), ("p", "h")]
-    vocab = {c: i for i, c in enumerate(chars)}
-    vocab.update({c + "</w>": len(chars) + i for i, c in enumerate(chars)})
-    for a, b in merges:
-        vocab.setdefault(a + b, len(vocab))
-    bos, eos = "<|startoftext|>", "<|endoftext|>"
-    vocab[bos], vocab[eos] = len(vocab), len(vocab) + 1
-    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length, pad_token=pad_token or eos)
+    family: str
+    sources: tuple[EncoderSource, ...]
+    model: EncoderSource | None = None
+    max_tokens: int | None = None
+    layer: str | None = None
+
+    def load(self, *, use_gpu: bool = False, dtype: str = "BF16") -> "TextEncoders":
+        return TextEncoders(self, use_gpu=use_gpu, dtype=dtype)
 
 
-def _build_default(target: Path) -> None:
-    import torch
-    from diffusers import AutoencoderKL
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+def encoder_specs(
+    *,
+    family: str | None,
+    model: str | None,
+    vae: str | None,
+    vae_subfolder: str | None,
+    text_encoders: list[str] | None,
+    text_subfolders: list[str] | None,
+    max_tokens: int | None = None,
+    layer: str | None = None,
+    latents: str = "mean",
+    home: str | None = None,
+) -> tuple[LatentSpec, TextSpec]:
+    """The specs the ``embed`` options ask for (see the module docstring); UsageError for options
+    that do not go together, naming them."""
+    fam = get_family(family or "generic")
+    texts = list(text_encoders or ([DEFAULT_ID] if fam.name == "generic" else []))
+    subs = list(text_subfolders or [])
+    if len(subs) > len(texts):
+        raise UsageError(f"{len(subs)} --text-encoder-subfolder options for {len(texts)} --text-encoder options")
+    subs += [None] * (len(texts) - len(subs))
+    if max_tokens is not None and max_tokens < 1:
+        raise UsageError(f"--max-text-tokens must be >= 1, got {max_tokens}")
+    if latents not in LATENTS:
+        raise UsageError(f"--latents must be one of {LATENTS}, got {latents!r}")
 
-    torch.manual_seed(0)
-    tokenizer = _clip_tokenizer()
-    vocab = tokenizer.get_vocab()
-    bos, eos = tokenizer.bos_token, tokenizer.eos_token
-    tokenizer.save_pretrained(target / "tokenizer")
-    text = CLIPTextModelWithProjection(
-        CLIPTextConfig(
-            vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=2, max_position_embeddings=77, projection_dim=32,
-            bos_token_id=vocab[bos], eos_token_id=vocab[eos], pad_token_id=vocab[eos],
-        )
-    )  # fmt: skip
-    text.save_pretrained(target / "text_encoder")
-    vae = AutoencoderKL(
-        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(16, 32, 32, 32), layers_per_block=1, latent_channels=4, norm_num_groups=8,
-        sample_size=256, scaling_factor=0.18215,
-    )  # fmt: skip
-    vae.save_pretrained(target / "vae")
-    (target / "README.txt").write_text(DEFAULT_NOTICE + "\n")
+    def source(name: str, subfolder: str | None = None) -> EncoderSource:
+        return EncoderSource(name, subfolder, home, fam.name)
 
-
-def ensure_default_encoders(home: str | None = None) -> Path:
-    """Build the default encoders once (atomically: build aside, then rename) and return their folder."""
-    target = default_encoders_dir(home)
-    if (target / "README.txt").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".build-{uuid.uuid4().hex}"
-    try:
-        _build_default(tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process finished first; theirs is as good as ours
-            pass
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    if fam.name == "generic":
+        if model:
+            raise UsageError("--model needs --family (one of sdxl, sd3, flux, pixart): it says which subfolders "
+                             "hold which encoder. Without --family, name them with --vae and --text-encoder")
+        text_sources = tuple(source(t, s) for t, s in zip(texts, subs))
+        return (LatentSpec(source(vae or DEFAULT_ID, vae_subfolder), latents),
+                TextSpec(fam.name, text_sources, None, max_tokens, layer or "last"))  # fmt: skip
+    if layer is not None:
+        raise UsageError(f"--text-layer is for encoders without a --family; --family {fam.name} takes each "
+                         "encoder's layer as its pipeline does")  # fmt: skip
+    need = f"--family {fam.name} needs --model (a diffusers folder or hub id; 'default': a tiny random one)"
+    if texts and len(texts) != len(fam.text_encoders):
+        raise UsageError(f"--family {fam.name} has {len(fam.text_encoders)} text encoders "
+                         f"({', '.join(fam.text_encoders)}); got {len(texts)} --text-encoder options")  # fmt: skip
+    if not model and not (vae and texts):
+        raise UsageError(f"{need}, or --vae and {len(fam.text_encoders)} --text-encoder options")
+    if texts:
+        text_sources = tuple(source(t, s) for t, s in zip(texts, subs))
+    else:
+        text_sources = tuple(source(model, role) for role in fam.text_encoders)
+    vae_source = source(vae, vae_subfolder) if vae else source(model, vae_subfolder or fam.vae)
+    return (LatentSpec(vae_source, latents),
+            TextSpec(fam.name, text_sources, source(model) if model else None, max_tokens, None))  # fmt: skip
 
 
 def weights_sha256(model: Any) -> str:
@@ -224,12 +250,14 @@ def _check_local(path: str, subfolder: str | None, option: str, expected: str, f
 
 
 class LatentEncoder:
-    """``AutoencoderKL`` latents: uint8 pixels ``(B, H, W, 3)`` -> posterior mean ``(B, C, H/f, W/f)``."""
+    """``AutoencoderKL`` latents: uint8 pixels ``(B, H, W, 3)`` -> ``{"latent": posterior mean (B, C, H/f, W/f)}``,
+    plus ``"latent_std"`` (same shape) with ``--latents posterior``."""
 
-    def __init__(self, source: EncoderSource, *, use_gpu: bool = False, dtype: str = "BF16"):
+    def __init__(self, spec: LatentSpec, *, use_gpu: bool = False, dtype: str = "BF16"):
         from diffusers import AutoencoderKL
 
-        path, subfolder, self.id = source.resolve("vae")
+        path, subfolder = spec.source.resolve("vae")
+        self.id, self.latents = spec.source.ident, spec.latents
         _check_local(path, subfolder, "--vae", "vae", ("config.json",))
         self.device, self.compute_dtype = _device_and_dtype(use_gpu, dtype)
         self.vae = AutoencoderKL.from_pretrained(path, subfolder=subfolder).eval()
@@ -250,79 +278,101 @@ class LatentEncoder:
             "channels": int(cfg.latent_channels),
             "scaling_factor": float(cfg.scaling_factor),
             "shift_factor": None if getattr(cfg, "shift_factor", None) is None else float(cfg.shift_factor),
+            "latents": self.latents,
             "device": str(self.device),  # where it runs: recorded in _cache.json, not fingerprinted
             "compute_dtype": str(self.compute_dtype).replace("torch.", ""),
         }
 
-    def encode(self, batch: np.ndarray) -> Any:
+    def encode(self, batch: np.ndarray) -> dict[str, Any]:
         import torch
 
         with torch.inference_mode():
             batch = batch if batch.flags.writeable else batch.copy()  # Ray hands out read-only arrays
             x = torch.from_numpy(batch).to(self.device).permute(0, 3, 1, 2)  # (B, 3, H, W) uint8
             x = x.to(self.compute_dtype) / 127.5 - 1.0
-            return self.vae.encode(x).latent_dist.mean.float()
+            posterior = self.vae.encode(x).latent_dist
+            out = {"latent": posterior.mean.float()}  # (B, C, h, w)
+            if self.latents == "posterior":
+                out["latent_std"] = posterior.std.float()  # (B, C, h, w): exp(logvar / 2), logvar clamped
+            return out
 
 
-def _load_clip(path: str, subfolder: str):
-    from transformers import CLIPTextModel
-
-    return CLIPTextModel.from_pretrained(path, subfolder=subfolder)
-
-
-def _load_clip_projection(path: str, subfolder: str):
-    from transformers import CLIPTextModelWithProjection
-
-    return CLIPTextModelWithProjection.from_pretrained(path, subfolder=subfolder)
-
-
-def _load_t5(path: str, subfolder: str):
-    from transformers import T5EncoderModel
-
-    return T5EncoderModel.from_pretrained(path, subfolder=subfolder)
-
-
-# config.architectures[0] -> factory(path, subfolder); transformers spells "no subfolder" "" (None fails there)
-TEXT_MODELS: dict[str, Callable[[str, str], Any]] = {
-    "CLIPTextModel": _load_clip,
-    "CLIPTextModelWithProjection": _load_clip_projection,
-    "CLIPModel": _load_clip_projection,
-    "T5EncoderModel": _load_t5,
-    "T5ForConditionalGeneration": _load_t5,
+# config.architectures[0] -> the class it loads as (generic family: whatever the config names)
+TEXT_MODELS: dict[str, str] = {
+    "CLIPTextModel": "CLIPTextModel",
+    "CLIPTextModelWithProjection": "CLIPTextModelWithProjection",
+    "CLIPModel": "CLIPTextModelWithProjection",
+    "T5EncoderModel": "T5EncoderModel",
+    "T5ForConditionalGeneration": "T5EncoderModel",
 }
 
 
-def _load_text_model(path: str, subfolder: str):
+def _load_text_model(path: str, subfolder: str, class_name: str | None, what: str):
+    """``class_name`` (None: the class the config names) from ``path``/``subfolder``; refuses a
+    checkpoint that lacks weights of that class (e.g. a CLIP without the projection SD3 pools)."""
+    import transformers
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(path, subfolder=subfolder)
-    arch = (getattr(config, "architectures", None) or [""])[0]
-    if arch not in TEXT_MODELS:
-        raise UsageError(f"--text-encoder {path} ({subfolder or '.'}) is a {arch or config.model_type!r}; "
-                         f"bucketeer knows {sorted(TEXT_MODELS)}")  # fmt: skip
-    return TEXT_MODELS[arch](path, subfolder)
+    if class_name is None:
+        config = AutoConfig.from_pretrained(path, subfolder=subfolder)
+        arch = (getattr(config, "architectures", None) or [""])[0]
+        if arch not in TEXT_MODELS:
+            raise UsageError(f"--text-encoder {path} ({subfolder or '.'}) is a {arch or config.model_type!r}; "
+                             f"bucketeer knows {sorted(TEXT_MODELS)}")  # fmt: skip
+        class_name = TEXT_MODELS[arch]
+    model, loading = getattr(transformers, class_name).from_pretrained(path, subfolder=subfolder,
+                                                                       output_loading_info=True)  # fmt: skip
+    missing = sorted(loading.get("missing_keys") or [])
+    if missing:
+        raise UsageError(f"{what} {path} ({subfolder or '.'}) lacks weights of a {class_name} "
+                         f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): it is not the encoder "
+                         "that family's pipeline loads there")  # fmt: skip
+    return model
+
+
+def _pipeline_class(model: EncoderSource | None) -> str | None:
+    """``_class_name`` of the ``model_index.json`` of ``--model`` (None: no model, or it has none)."""
+    if model is None:
+        return None
+    path, _ = model.resolve()
+    if os.path.isdir(path):
+        index = Path(path, "model_index.json")
+        return json.loads(index.read_text()).get("_class_name") if index.is_file() else None
+    from diffusers import DiffusionPipeline
+
+    try:
+        return DiffusionPipeline.load_config(path).get("_class_name")
+    except OSError:  # no model_index.json in the repo: its subfolders are loaded (and checked) one by one
+        return None
+
+
+def _check_pipeline(fam: Family, pipeline: str | None, model: EncoderSource | None) -> None:
+    if pipeline is None or pipeline in fam.pipelines:
+        return
+    other = family_of_pipeline(pipeline)
+    hint = f"pass --family {other}" if other else f"--family {fam.name} reads {', '.join(fam.pipelines)} folders"
+    raise UsageError(f"--model {model.ident}: its model_index.json says {pipeline}, not a {fam.name} pipeline; {hint}")
 
 
 class TextEncoders:
-    """One or more text encoders (SDXL: two) applied to the same captions.
+    """A family's text encoders applied to the same captions (:mod:`pipeline.embed.families`).
 
-    ``encode(captions)`` returns per caption ``(tokens, pooled)``: ``tokens[i]`` float32
-    ``(L_i, D_i)`` unpadded, ``pooled`` float32 ``(D,)`` from the last encoder that has one, or None.
-    ``layer`` is ``last`` (last hidden state) or ``penultimate`` (SDXL's choice).
+    ``encode(captions)`` returns per caption ``(tokens, pooled)``: ``tokens[i]`` float32 ``(L_i, D_i)``
+    (part ``i`` of the cache's ``text.layout``: padded, or the real tokens of a masked family),
+    ``pooled`` float32 ``(P,)`` or None.
     """
 
-    def __init__(
-        self, sources: list[EncoderSource], *, use_gpu: bool = False, dtype: str = "BF16", layer: str = "last"
-    ):
+    def __init__(self, spec: TextSpec, *, use_gpu: bool = False, dtype: str = "BF16"):
         from transformers import AutoTokenizer
 
-        if layer not in ("last", "penultimate"):
-            raise UsageError(f"--text-layer must be 'last' or 'penultimate', got {layer!r}")
+        self.family = get_family(spec.family)
         self.device, self.compute_dtype = _device_and_dtype(use_gpu, dtype)
-        self.layer = layer
-        self.parts = []
-        for i, source in enumerate(sources):
-            path, subfolder, ident = source.resolve("text_encoder")
+        self.pipeline = _pipeline_class(spec.model)
+        _check_pipeline(self.family, self.pipeline, spec.model)
+        classes = self.family.text_classes or (None,) * len(spec.sources)
+        self.models: list[TextModel] = []
+        for source, class_name in zip(spec.sources, classes):
+            path, subfolder = source.resolve("text_encoder")
             # a pipeline repo keeps text_encoder_2's tokenizer in tokenizer_2; a bare model repo, beside it
             tok_sub = subfolder.replace("text_encoder", "tokenizer") if subfolder else ""
             _check_local(path, subfolder, "--text-encoder", "text_encoder", ("config.json",))
@@ -330,43 +380,39 @@ class TextEncoders:
                          " The tokenizer is read from the tokenizer* folder matching --text-encoder-subfolder "
                          "(text_encoder_2 -> tokenizer_2), or from beside config.json without one.")
             tokenizer = AutoTokenizer.from_pretrained(path, subfolder=tok_sub)
-            model = _load_text_model(path, subfolder or "").eval()
+            model = _load_text_model(path, subfolder or "", class_name, "--text-encoder").eval()
             weights = weights_sha256(model)
             model.to(device=self.device, dtype=self.compute_dtype)
             limit = getattr(model.config, "max_position_embeddings", None) or 512
-            max_length = min(int(tokenizer.model_max_length), int(limit))
-            self.parts.append((tokenizer, model, {"id": ident, "subfolder": subfolder, "class": type(model).__name__,
-                                                  "weights_sha256": weights, "max_length": max_length,
-                                                  "hidden_size": int(model.config.hidden_size)}))  # fmt: skip
+            info = {"id": source.ident, "subfolder": subfolder, "class": type(model).__name__,
+                    "weights_sha256": weights, "max_length": min(int(tokenizer.model_max_length), int(limit)),
+                    "hidden_size": int(getattr(model.config, "hidden_size", None) or model.config.d_model)}
+            self.models.append(TextModel(tokenizer, model, self.device, info))  # fmt: skip
+        self.options = replace(spec, max_tokens=self._max_tokens(spec.max_tokens))
+        self.layout = self.family.layout(self.models, self.options)
+
+    def _max_tokens(self, asked: int | None) -> int | None:
+        default = self.family.max_text_tokens(self.pipeline)
+        if default is not None and asked is not None and asked > default:
+            raise UsageError(f"--max-text-tokens {asked} is above {self.family.name}'s {default} "
+                             f"({self.pipeline or 'its pipeline'}'s max_sequence_length); it can only be lowered")
+        return asked or default
 
     def describe(self) -> dict[str, Any]:
-        pooled = None
-        for _, model, info in self.parts:
-            if info["class"] == "CLIPTextModelWithProjection":
-                pooled = int(model.config.projection_dim)
-            elif info["class"] == "CLIPTextModel":
-                pooled = int(model.config.hidden_size)
-        return {"encoders": [info for *_, info in self.parts], "layer": self.layer, "pooled_dim": pooled}
+        return {"family": self.family.name, "pipeline": self.pipeline, "encoders": [m.info for m in self.models],
+                "layout": self.layout.to_json(), "pooled_dim": self.layout.pooled_dim,
+                "max_tokens": self.options.max_tokens, "layer": self.options.layer}  # fmt: skip
 
     def encode(self, captions: list[str]) -> list[tuple[tuple[Any, ...], Any]]:
         import torch
 
-        tokens: list[list[Any]] = [[] for _ in captions]
-        pooled: list[Any] = [None] * len(captions)
         with torch.inference_mode():
-            for tokenizer, model, info in self.parts:
-                enc = tokenizer(captions, padding="longest", truncation=True, max_length=info["max_length"],
-                                return_tensors="pt")  # fmt: skip
-                mask = enc["attention_mask"].to(self.device)
-                out = model(input_ids=enc["input_ids"].to(self.device), attention_mask=mask, output_hidden_states=True)
-                hidden = out.hidden_states[-2] if self.layer == "penultimate" else out.last_hidden_state  # (B, L, D)
-                lengths = mask.sum(dim=1).tolist()
-                for j, n in enumerate(lengths):
-                    tokens[j].append(hidden[j, : int(n)].float().cpu())  # unpadded (L_j, D)
-                p = getattr(out, "text_embeds", None)
-                if p is None and info["class"] == "CLIPTextModel":
-                    p = out.pooler_output
-                if p is not None:
-                    for j in range(len(captions)):
-                        pooled[j] = p[j].float().cpu()
-        return [(tuple(t), p) for t, p in zip(tokens, pooled)]
+            prompt = self.family.encode(self.models, list(captions), self.options)
+            parts = [p.float().cpu() for p in prompt.parts]  # (B, L_i, D_i) each
+            rows = None if prompt.rows is None else [r.cpu().tolist() for r in prompt.rows]
+            pooled = None if prompt.pooled is None else prompt.pooled.float().cpu()  # (B, P)
+        out = []
+        for j in range(len(captions)):
+            tokens = tuple(p[j] if rows is None else p[j, : int(rows[i][j])] for i, p in enumerate(parts))
+            out.append((tokens, None if pooled is None else pooled[j]))
+        return out

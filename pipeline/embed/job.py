@@ -1,7 +1,14 @@
 """Embed a manifest into a cache: VAE latents and text embeddings, gzip'd safetensors records (Ray job).
 
-    bucketeer embed MANIFEST --out CACHE [--vae ID|PATH] [--text-encoder ID|PATH ...] [--dtype bf16]
+    bucketeer embed MANIFEST --out CACHE --family sdxl|sd3|flux|pixart --model ID|PATH [--dtype bf16]
+    bucketeer embed MANIFEST --out CACHE [--vae ID|PATH] [--text-encoder ID|PATH ...]   # generic encoders
     ray job submit --working-dir . -- python -m pipeline.embed MANIFEST --out s3://bucket/cache ...
+
+What the cache holds per model family (the text exactly as the family's diffusers pipeline encodes
+it, the latents as the VAE's posterior) is :mod:`pipeline.embed.encoders` and
+:mod:`pipeline.embed.families`. Besides the captions of the samples, the empty caption (for caption
+dropout) and the ``--validation-prompts`` are embedded, and listed in ``_cache.json``
+(:mod:`pipeline.embed.prompts`).
 
 Phases: (1) every unique caption not yet cached is encoded once by a text-encoder actor; (2) the
 samples the cache lacks or holds stale are grouped by bucket into batches; CPU tasks fetch,
@@ -20,7 +27,7 @@ over the job can be read at all (bucket gone, access denied, endpoint down) the 
 loading any model or writing anything. Records of samples no longer in the manifest stay (plans
 are drawn from the manifest). Without encoder options the embedded tiny random-weight defaults
 are used (see :mod:`pipeline.embed.encoders`): good for trying the pipeline, useless for training a
-real model.
+real model. The summary line and ``_cache.json`` give the bytes per caption and per sample.
 """
 
 from __future__ import annotations
@@ -51,6 +58,9 @@ from manifests.cache.records import GZIP_BACKEND, caption_key
 from manifests.errors import BucketeerError, UsageError
 from manifests.progress import Progress
 from manifests.storage import parse_storage_options, public_options, redact
+from pipeline.embed.encoders import LATENTS
+from pipeline.embed.families import FAMILIES
+from pipeline.embed.prompts import committed_prompts, missing_texts, prompt_texts, read_validation_prompts
 from pipeline.ray_setup import init_ray
 
 
@@ -58,17 +68,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("manifest", help="manifest folder (local path or URL) written by `bucketeer scan`")
     parser.add_argument("--out", required=True, help="cache folder (local path or URL); resumed if it exists")
     g = parser.add_argument_group("encoders")
-    g.add_argument("--vae", default="default",
-                   help="AutoencoderKL hub id or local folder; "
-                        "'default' = tiny random-weight VAE for trying the pipeline")
+    g.add_argument("--family", choices=tuple(FAMILIES), default="generic",
+                   help="model family: the cached text equals what its diffusers pipeline computes in encode_prompt "
+                        "(README: Model families); generic: the encoders of --vae/--text-encoder, real tokens "
+                        "masked, for bucketeer's own trainer")
+    g.add_argument("--model", default=None, metavar="ID|PATH",
+                   help="diffusers pipeline folder or hub id of --family: VAE and text encoders from its subfolders "
+                        "(vae, text_encoder, text_encoder_2, ...); 'default' = a tiny random-weight one")
+    g.add_argument("--vae", default=None,
+                   help="AutoencoderKL hub id or local folder (replaces --model's); without --family and --model: "
+                        "'default', a tiny random-weight VAE for trying the pipeline")
     g.add_argument("--vae-subfolder", default=None, help="subfolder of --vae, e.g. 'vae' for a pipeline repo")
     g.add_argument("--text-encoder", action="append", default=None, metavar="ID|PATH",
-                   help="text encoder hub id or folder; repeat for SDXL-style pairs (order kept); default: tiny CLIP")
+                   help="text encoder hub id or folder; repeat for several (order kept; with --family: all of the "
+                        "family's, in its order, replacing --model's); default without --family: tiny CLIP")
     g.add_argument("--text-encoder-subfolder", action="append", default=None,
                    help="subfolder per --text-encoder (same order), e.g. text_encoder / text_encoder_2; "
                         "the tokenizer is read from the matching tokenizer* subfolder")
-    g.add_argument("--text-layer", choices=("last", "penultimate"), default="last",
-                   help="hidden state stored: last, or penultimate (what SDXL conditions on)")
+    g.add_argument("--text-layer", choices=("last", "penultimate"), default=None,
+                   help="without --family: hidden state stored, last (default) or penultimate; "
+                        "a --family takes each encoder's layer as its pipeline does")
+    g.add_argument("--max-text-tokens", type=int, default=None, metavar="N",
+                   help="T5 sequence length, lower than the family's default (sd3 256, flux 512, pixart 120, "
+                        "pixart-sigma 300): T5 at 512 tokens is 4 MB per caption in bf16; without --family: "
+                        "the most tokens kept per encoder")
+    g.add_argument("--latents", choices=LATENTS, default="mean",
+                   help="mean: the VAE posterior mean; posterior: its std too, to sample latents per step in training")
+    g.add_argument("--validation-prompts", default=None, metavar="FILE",
+                   help="text file (local path or URL), one prompt per line: embedded into the cache and listed "
+                        "in _cache.json, so the trainer samples validation images without text encoders")
     g.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="stored tensor dtype")
     g = parser.add_argument_group("images")
     g.add_argument("--crop", choices=("center", "random"), default="center", help="crop after resize-to-cover")
@@ -96,38 +124,35 @@ def _actor_get(ray, refs):
         raise
 
 
-def _sources(args: argparse.Namespace):
-    from pipeline.embed.encoders import EncoderSource
+def _specs(args: argparse.Namespace):
+    """The encoder specs (:class:`~pipeline.embed.encoders.LatentSpec`, ``TextSpec``) the options ask for."""
+    from pipeline.embed.encoders import encoder_specs
 
-    home = os.environ.get("BUCKETEER_HOME")
-    vae = EncoderSource(args.vae, args.vae_subfolder, home)
-    texts = args.text_encoder or ["default"]
-    subs = args.text_encoder_subfolder or []
-    if len(subs) > len(texts):
-        raise UsageError(f"{len(subs)} --text-encoder-subfolder options for {len(texts)} --text-encoder options")
-    subs = subs + [None] * (len(texts) - len(subs))
-    return vae, [EncoderSource(t, s, home) for t, s in zip(texts, subs)]
+    return encoder_specs(family=args.family, model=args.model, vae=args.vae, vae_subfolder=args.vae_subfolder,
+                         text_encoders=args.text_encoder, text_subfolders=args.text_encoder_subfolder,
+                         max_tokens=args.max_text_tokens, layer=args.text_layer, latents=args.latents,
+                         home=os.environ.get("BUCKETEER_HOME"))  # fmt: skip
 
 
 def _request_settings(args: argparse.Namespace, bucket_spec: dict) -> dict[str, Any]:
     """The settings known before any model is loaded (checked first, so a mismatch fails fast)."""
     from pipeline.embed.encoders import STORAGE_DTYPES
 
-    vae, texts = _sources(args)
+    latent, text = _specs(args)
     return {
         "format_version": CACHE_FORMAT_VERSION,
+        "family": text.family,
         "dtype": STORAGE_DTYPES[args.dtype],
         "buckets": bucket_spec,
         "crop": args.crop,
         "seed": args.seed if args.crop == "random" else None,
         "resample": "lanczos",
         "pixels": "rgb, [-1, 1], exif-transposed, alpha on white",
-        "latent": "posterior_mean",
-        "vae": {"id": "bucketeer:default-v1" if vae.is_default else redact(vae.source),
-                "subfolder": None if vae.is_default else vae.subfolder},
-        "text": {"layer": args.text_layer,
-                 "encoders": [{"id": "bucketeer:default-v1" if t.is_default else redact(t.source),
-                               "subfolder": None if t.is_default else t.subfolder} for t in texts]},
+        "latent": "posterior_mean" if latent.latents == "mean" else "posterior_mean_std",
+        "model": None if text.model is None else text.model.ident,
+        "vae": {"id": latent.source.ident, "subfolder": latent.source.subfolder},
+        "text": {"layer": text.layer, "max_text_tokens": text.max_tokens,
+                 "encoders": [{"id": t.ident, "subfolder": t.subfolder} for t in text.sources]},
     }  # fmt: skip
 
 
@@ -156,7 +181,8 @@ def _settings(request: dict, vae: dict, text: dict) -> dict[str, Any]:
     settings = {**request}
     settings["vae"] = {**request["vae"], **{k: vae[k] for k in
                        ("class", "weights_sha256", "factor", "channels", "scaling_factor", "shift_factor")}}
-    settings["text"] = {"layer": request["text"]["layer"], "pooled_dim": text["pooled_dim"], "encoders": [
+    settings["text"] = {**request["text"], "pipeline": text["pipeline"], "pooled_dim": text["pooled_dim"],
+                        "layout": text["layout"], "encoders": [
         {**r, **{k: e[k] for k in ("class", "weights_sha256", "max_length", "hidden_size")}}
         for r, e in zip(request["text"]["encoders"], text["encoders"])]}  # fmt: skip
     return settings
@@ -200,7 +226,11 @@ def run(args: argparse.Namespace) -> int:
     committed = _check_early(args.out, so, request)
     index = read_index(args.out, so, committed) if committed is not None else None
     status = _freshness(args.out, manifest, index)
-    if not status.todo.any():
+    # besides the captions: the empty caption (caption dropout) and the validation prompts, once each
+    validation = committed_prompts(committed) if args.validation_prompts is None else \
+        read_validation_prompts(args.validation_prompts, so)  # fmt: skip
+    missing_prompts = missing_texts(prompt_texts(validation), index)
+    if not status.todo.any() and not missing_prompts and validation == committed_prompts(committed):
         print(f"bucketeer embed: {redact(args.out)} already holds every sample of the manifest, all up to date; "
               "nothing to embed")  # fmt: skip
         return 0
@@ -208,8 +238,8 @@ def run(args: argparse.Namespace) -> int:
     # Rows retried after a read failure are not probed: if they still cannot be read (deleted
     # objects), renewing their error rows is the right outcome, not a failed job
     w.check_source(source, so, _probe_files(manifest.samples, status.todo & ~status.retry))
-    vae_source, text_sources = _sources(args)
-    if vae_source.is_default or any(t.is_default for t in text_sources):
+    latent_spec, text_spec = _specs(args)
+    if latent_spec.source.is_default or any(t.is_default for t in text_spec.sources):
         print(_default_notice(), file=sys.stderr, flush=True)
 
     ray, _ = init_ray(args.ray_address)  # a CLI process: Ray stops when it exits
@@ -221,13 +251,13 @@ def run(args: argparse.Namespace) -> int:
 
     # phase 1: text. Its actor is started first so a settings mismatch is found before any work
     text_actor = ray.remote(w.TextWorker).options(**gpu_opts).remote(
-        text_sources, bool(gpus), request["dtype"], args.text_layer, None if gpus else threads)
+        text_spec, bool(gpus), request["dtype"], None if gpus else threads)
     n_vae = args.vae_workers or max(1, gpus)
     vae_actors = []
     text_info = _actor_get(ray, text_actor.describe.remote())
     if not gpus or gpus > 1:  # on one GPU the VAE waits for the text actor to free it
         vae_actors = [ray.remote(w.LatentWorker).options(max_concurrency=2, **gpu_opts).remote(
-            vae_source, bool(gpus), request["dtype"], None if gpus else threads) for _ in range(n_vae)]  # fmt: skip
+            latent_spec, bool(gpus), request["dtype"], None if gpus else threads) for _ in range(n_vae)]  # fmt: skip
     samples = manifest.samples.select(["sample_id", "filename", "caption", "bucket"]).to_pylist()
     source_keys = source_key(manifest.samples)  # (n,) what each record is made from, stored in its index row
     for row, key, todo in zip(samples, source_keys.tolist(), status.todo.tolist()):
@@ -239,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
     def start_vae() -> dict:
         if not vae_actors:
             vae_actors.extend(ray.remote(w.LatentWorker).options(max_concurrency=2, **gpu_opts).remote(
-                vae_source, bool(gpus), request["dtype"], None) for _ in range(n_vae))  # fmt: skip
+                latent_spec, bool(gpus), request["dtype"], None) for _ in range(n_vae))  # fmt: skip
         infos = _actor_get(ray, [a.describe.remote() for a in vae_actors])
         if len({i["weights_sha256"] for i in infos}) != 1:
             raise BucketeerError("VAE workers loaded different weights (nodes disagree on the model files)")
@@ -249,12 +279,13 @@ def run(args: argparse.Namespace) -> int:
     settings = _settings(request, vae_info, text_info) if vae_info else None
     writer = None
     if settings:
-        writer = _open_writer(args, so, settings, vae_info, text_info, gpus, index)
+        writer = _open_writer(args, so, settings, vae_info, text_info, gpus, index, validation)
     todo_keys = {}
     done_texts = writer.done_texts if writer else set()
     for row in samples:  # a fresh record's caption has its text record already (texts commit first)
         if row["todo"] and row["caption_key"] not in done_texts:
             todo_keys[row["caption_key"]] = row["caption"] or ""
+    todo_keys.update((k, text) for k, text in missing_prompts.items() if k not in done_texts)
     items = sorted(todo_keys.items(), key=lambda kv: kv[1])
     text_results = [text_actor.encode.remote(items[i : i + args.text_batch_size])
                     for i in range(0, len(items), args.text_batch_size)]  # fmt: skip
@@ -268,7 +299,9 @@ def run(args: argparse.Namespace) -> int:
     if writer is None:  # single GPU: the VAE starts now
         vae_info = start_vae()
         settings = _settings(request, vae_info, text_info)
-        writer = _open_writer(args, so, settings, vae_info, text_info, gpus, index)
+        writer = _open_writer(args, so, settings, vae_info, text_info, gpus, index, validation)
+    new_texts = [len(blob) for key, blob in encoded_texts if key not in writer.done_texts]
+    text_bytes = sum(new_texts)
     for key, blob in encoded_texts:
         writer.add_text(key, blob)
     writer.commit("texts")  # text records are committed before any sample that refers to them
@@ -280,7 +313,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"bucketeer embed: {len(samples)} samples in the manifest, {len(samples) - len(todo)} already cached, "
           f"{changed} changed since embedded (re-embedding), {retried} read failures (retrying), "
           f"{len(todo) - changed - retried} new: "
-          f"{len(todo)} to embed in {len(batches)} batches; {len(items)} new captions; "
+          f"{len(todo)} to embed in {len(batches)} batches; {len(items)} new captions "
+          f"({_size(text_bytes / len(new_texts)) if new_texts else '-'} each); "
           f"{'%d GPU' % gpus if gpus else 'CPU'} VAE x{len(vae_actors)}; gzip via {GZIP_BACKEND}", flush=True)
     prepare = ray.remote(w.prepare_batch).options(num_cpus=1)
     t_images = time.time()
@@ -315,6 +349,8 @@ def run(args: argparse.Namespace) -> int:
     seconds, image_seconds = time.time() - t0, time.time() - t_images
     summary = {"embedded": counts["embedded"], "errors": counts["errors"], "skipped": len(samples) - len(todo),
                "changed": changed, "retried": retried, "new_captions": len(items),
+               "bytes_per_caption": round(text_bytes / len(new_texts)) if new_texts else None,  # this run's
+               "bytes_per_sample": round(counts["bytes"] / counts["embedded"]) if counts["embedded"] else None,
                "seconds": round(seconds, 2),
                "image_seconds": round(image_seconds, 2),  # the image phase alone, without model loading
                "images_per_second": round(counts["embedded"] / image_seconds, 2)
@@ -324,8 +360,19 @@ def run(args: argparse.Namespace) -> int:
           f"{changed} changed, {retried} retried, {summary['skipped']} skipped in {seconds:.1f}s "
           f"-> {redact(args.out)} "
           f"({meta['counts']['samples']} samples, {meta['counts']['texts']} captions, "
-          f"{len(meta['shards'])} shards)", flush=True)
+          f"{len(meta['shards'])} shards; {_size(meta['bytes']['per_sample'])} per sample, "
+          f"{_size(meta['bytes']['per_caption'])} per caption)", flush=True)
     return 0
+
+
+def _size(n: float | None) -> str:
+    """``n`` bytes for people: ``'512 B'``, ``'6.3 kB'``, ``'2.42 MB'`` (decimal units)."""
+    if n is None:
+        return "-"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
 
 
 def _default_notice() -> str:
@@ -335,18 +382,23 @@ def _default_notice() -> str:
 
 
 def _open_writer(
-    args, so: dict, settings: dict, vae: dict, text: dict, gpus: int, index: dict | None
+    args, so: dict, settings: dict, vae: dict, text: dict, gpus: int, index: dict | None, validation: list[dict]
 ) -> CacheWriter:
+    posterior = vae["latents"] == "posterior"
     info = {
-        "latent": {"kind": "posterior_mean", "dtype": settings["dtype"], "channels": vae["channels"],
-                   "factor": vae["factor"], "scaling_factor": vae["scaling_factor"],
+        "family": text["family"],
+        "latent": {"kind": "posterior_mean_std" if posterior else "posterior_mean", "dtype": settings["dtype"],
+                   "channels": vae["channels"], "factor": vae["factor"], "scaling_factor": vae["scaling_factor"],
                    "shift_factor": vae["shift_factor"],
-                   "usage": "z = (latent - shift_factor) * scaling_factor (shift 0 when null)"},
-        "text": {"dtype": settings["dtype"], "layer": args.text_layer, "pooled_dim": text["pooled_dim"],
-                 "encoders": [{"id": e["id"], "hidden_size": e["hidden_size"], "max_length": e["max_length"]}
-                              for e in text["encoders"]],
-                 "layout": "per caption: tokens.<i> (L_i, D_i) unpadded per encoder in order; pooled (D,) "
-                           "from the last encoder with one; null caption = empty string"},
+                   "usage": ("latent = latent + latent_std * noise; " if posterior else "")
+                   + "z = (latent - shift_factor) * scaling_factor (shift 0 when null)"},
+        "text": {"family": text["family"], "pipeline": text["pipeline"], "dtype": settings["dtype"],
+                 "layer": text["layer"], "max_tokens": text["max_tokens"], "pooled_dim": text["pooled_dim"],
+                 "encoders": [{"id": e["id"], "class": e["class"], "hidden_size": e["hidden_size"],
+                               "max_length": e["max_length"]} for e in text["encoders"]],
+                 "layout": text["layout"],
+                 "empty_caption_key": caption_key(""),  # its text record: caption dropout; a null caption's text
+                 "validation_prompts": validation},
         "compute": {"device": vae.get("device"), "dtype": vae.get("compute_dtype"), "gpus": gpus},
         "gzip": GZIP_BACKEND,
         "storage_options": public_options(so),

@@ -23,7 +23,7 @@ from manifests.cache.records import SampleRecord, TextRecord, encode_sample, enc
 from manifests.errors import StorageError
 from manifests.retry import is_transient
 from manifests.storage import join, open_url, redact
-from pipeline.embed.encoders import Encoder, EncoderSource, LatentEncoder, TextEncoders, quiet_loading, to_storage
+from pipeline.embed.encoders import Encoder, LatentSpec, TextSpec, quiet_loading, to_storage
 from pipeline.embed.imaging import ImageFailure, fetch_all, prepare_image
 
 __all__ = ["prepare_batch", "check_source", "LatentWorker", "TextWorker"]
@@ -115,13 +115,13 @@ def _set_threads(threads: int | None) -> None:
 class LatentWorker:
     """Holds the VAE; ``encode(prepared)`` -> ``{"records": [(sample_id, bytes, caption_key, bucket)], "errors"}``."""
 
-    def __init__(self, vae: EncoderSource, use_gpu: bool, dtype: str, threads: int | None = None):
+    def __init__(self, spec: LatentSpec, use_gpu: bool, dtype: str, threads: int | None = None):
         _set_threads(threads)
         quiet_loading()
         self.dtype = dtype
         self.load_error: Exception | None = None
         try:
-            self.encoder: Encoder[np.ndarray] = LatentEncoder(vae, use_gpu=use_gpu, dtype=dtype)
+            self.encoder: Encoder[np.ndarray] = spec.load(use_gpu=use_gpu, dtype=dtype)
         except Exception as e:  # raised by describe(), see the module docstring
             self.load_error = e
 
@@ -133,13 +133,16 @@ class LatentWorker:
     def encode(self, prepared: dict[str, Any]) -> dict[str, Any]:
         records = []
         if prepared["rows"]:
-            latents = to_storage(self.encoder.encode(prepared["pixels"]), self.dtype)  # (B, C, h, w)
+            out = self.encoder.encode(prepared["pixels"])
+            latents = to_storage(out["latent"], self.dtype)  # (B, C, h, w)
+            stds = to_storage(out["latent_std"], self.dtype) if "latent_std" in out else [None] * len(latents)
             bw, bh = parse_bucket(prepared["bucket"])
-            for row, latent in zip(prepared["rows"], latents):
+            for row, latent, std in zip(prepared["rows"], latents, stds):
                 record = SampleRecord(
                     sample_id=row["sample_id"], bucket=prepared["bucket"], latent=latent, dtype=self.dtype,
                     original_size=row["original_size"], resized_size=row["resized_size"],
                     crop_top_left=row["crop_top_left"], target_size=(bh, bw), caption_key=row["caption_key"],
+                    latent_std=std,
                 )  # fmt: skip
                 records.append((row["sample_id"], encode_sample(record), row["caption_key"], prepared["bucket"]))
         return {"records": records, "errors": prepared["errors"]}
@@ -148,13 +151,13 @@ class LatentWorker:
 class TextWorker:
     """Holds the text encoders; ``encode([(caption_key, caption)])`` -> ``[(caption_key, bytes)]``."""
 
-    def __init__(self, sources: list[EncoderSource], use_gpu: bool, dtype: str, layer: str, threads: int | None = None):
+    def __init__(self, spec: TextSpec, use_gpu: bool, dtype: str, threads: int | None = None):
         _set_threads(threads)
         quiet_loading()
         self.dtype = dtype
         self.load_error: Exception | None = None
         try:
-            self.encoders: Encoder[list[str]] = TextEncoders(sources, use_gpu=use_gpu, dtype=dtype, layer=layer)
+            self.encoders: Encoder[list[str]] = spec.load(use_gpu=use_gpu, dtype=dtype)
         except Exception as e:  # raised by describe(), see the module docstring
             self.load_error = e
 

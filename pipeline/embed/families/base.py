@@ -1,0 +1,73 @@
+"""What a model family is: its pipeline classes, its text encoders, how it encodes a caption.
+
+A :class:`Family` is data plus two small functions, one module per family (``sdxl``, ``sd3``,
+``flux``, ``pixart``, ``generic``), each written next to the diffusers pipeline's ``encode_prompt``
+it reproduces: ``layout(models, options)`` says what the cache's text records hold
+(:class:`manifests.cache.text_layout.TextLayout`), ``encode(models, captions, options)`` computes
+them for a batch of captions as :class:`PromptParts`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+from manifests.cache.text_layout import TextLayout
+
+__all__ = ["Family", "PromptParts", "TextModel", "TextOptions"]
+
+
+@dataclass(frozen=True)
+class TextModel:
+    """One loaded text encoder: its tokenizer, the model (eval mode, on ``device``), and where it came from."""
+
+    tokenizer: Any
+    model: Any
+    device: Any
+    info: dict[str, Any]
+
+    def __call__(self, input_ids: Any, **kwargs: Any) -> Any:
+        """The model's forward on ``input_ids`` moved to its device (as the pipelines call it)."""
+        return self.model(input_ids.to(self.device), **kwargs)
+
+
+class TextOptions(Protocol):
+    """The options a family's functions read (a :class:`pipeline.embed.encoders.TextSpec` has them)."""
+
+    @property
+    def max_tokens(self) -> int | None: ...
+
+    @property
+    def layer(self) -> str | None: ...
+
+
+@dataclass
+class PromptParts:
+    """A batch's text, as a family computes it: ``parts[i]`` ``(B, L_i, D_i)``; ``rows[i]`` ``(B,)``
+    real-token counts of part ``i`` for a masked layout (None: every row is kept); ``pooled`` ``(B, P)``."""
+
+    parts: list[Any]
+    rows: list[Any] | None = None
+    pooled: Any = None
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family: which diffusers pipeline folders it reads, and how it encodes text.
+
+    ``pipelines``: ``model_index.json`` class names of this family (the first is written by the tiny
+    model). ``text_encoders``: the diffusers subfolders of its text encoders, in the pipeline's order,
+    ``text_classes`` the transformers class each loads as (None: the one its config names).
+    ``max_text_tokens(pipeline)``: the default T5 length for a pipeline class (None: no T5, CLIP's
+    77 positions are fixed). ``vae``: the subfolder of its VAE.
+    """
+
+    name: str
+    summary: str
+    pipelines: tuple[str, ...]
+    text_encoders: tuple[str, ...]
+    text_classes: tuple[str | None, ...]
+    layout: Callable[[list[TextModel], TextOptions], TextLayout]
+    encode: Callable[[list[TextModel], list[str], TextOptions], PromptParts]
+    max_text_tokens: Callable[[str | None], int | None] = lambda pipeline: None
+    vae: str = "vae"

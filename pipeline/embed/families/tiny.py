@@ -1,0 +1,265 @@
+"""Tiny random-weight models of each family's real classes, saved as the hub folders they stand for.
+
+``build_tiny(family, folder)`` writes a diffusers pipeline folder (``model_index.json``, ``vae/``,
+``text_encoder*/``, ``tokenizer*/``, the denoiser and its scheduler) of the family's real pipeline
+class, with every model shrunk to a few layers of a few dozen channels, so that everything that
+loads a real model (``from_pretrained``, ``DiffusionPipeline.from_pretrained``, ``encode_prompt``,
+a training step) runs on it in seconds on a CPU:
+
+- ``sdxl``: ``StableDiffusionXLPipeline``: ``CLIPTextModel`` (32 wide) + ``CLIPTextModelWithProjection``
+  (48 wide, projection 40), ``tokenizer_2`` padding with ``"!"`` as SDXL's does, a text-time
+  ``UNet2DConditionModel``, ``EulerDiscreteScheduler``, a 4-channel VAE (scaling 0.13025).
+- ``sd3``: ``StableDiffusion3Pipeline``: two ``CLIPTextModelWithProjection`` (32 / 48 wide, projections
+  36 / 40) and a ``T5EncoderModel`` (96 wide, wider than both CLIPs together, as in SD3),
+  ``SD3Transformer2DModel``, ``FlowMatchEulerDiscreteScheduler``, a 16-channel VAE with shift.
+- ``flux``: ``FluxPipeline``: ``CLIPTextModel`` (pooled) + ``T5EncoderModel``, ``FluxTransformer2DModel``
+  with guidance embedding, a 16-channel VAE with Flux's scaling and shift.
+- ``pixart``: ``PixArtAlphaPipeline`` (``variant="sigma"``: ``PixArtSigmaPipeline``): ``T5EncoderModel``,
+  ``PixArtTransformer2DModel``, ``DPMSolverMultistepScheduler``, a 4-channel VAE (scaling 0.18215).
+- ``generic``: bucketeer's embedded default encoders (a VAE and one CLIP text model; no denoiser).
+
+The T5 tokenizer is a Unigram model over a few words plus single characters (anything else is
+``<unk>``); the CLIP tokenizers are byte-level BPE with a few merges, so any text tokenizes. Their
+outputs are noise: these models exist to run the pipeline, not to make images.
+:func:`ensure_tiny` builds one once under ``$BUCKETEER_HOME/default-encoders/`` (what
+``--model default`` loads).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Callable
+
+__all__ = ["DEFAULT_NOTICE", "TINY_VERSION", "build_tiny", "ensure_tiny", "tiny_dir", "clip_tokenizer", "t5_tokenizer"]
+
+TINY_VERSION = "v1"
+DEFAULT_NOTICE = (
+    "bucketeer: using the embedded DEFAULT encoders (tiny random-weight models of the real architectures). "
+    "They are for trying the pipeline, NOT for training a real model: pass --model (with --family) or "
+    "--vae / --text-encoder."
+)
+# widths chosen pairwise different, so that a test catches any mix-up of encoder, layer or pooled source
+CLIP_L, CLIP_G, T5_WIDTH = 32, 48, 96
+CLIP_L_PROJECTION, CLIP_G_PROJECTION = 36, 40
+_T5_WORDS = "a photo of thing 0 1 2 3 the cat dog red blue picture shape broken".split()
+
+
+def _byte_level_vocab() -> list[str]:
+    # CLIP's byte-to-unicode table: every byte maps to a printable character, so any text tokenizes
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = [b for b in range(256) if b not in printable]
+    return [chr(c) for c in printable] + [chr(256 + i) for i in range(len(extra))]
+
+
+def clip_tokenizer(model_max_length: int = 77, pad_token: str | None = None):
+    """A byte-level CLIP BPE tokenizer with a tiny vocabulary (every text tokenizes; few merges).
+
+    ``pad_token``: None pads with ``<|endoftext|>`` (SD 1.x / SDXL ``tokenizer``); SDXL's
+    ``tokenizer_2`` pads with ``"!"``.
+    """
+    from transformers import CLIPTokenizer
+
+    chars = _byte_level_vocab()
+    # a handful of English merges: enough to exercise BPE, and each side is an existing symbol
+    merges = [("t", "h"), ("th", "e</w>"), ("o", "n"), ("i", "n"), ("e", "r"), ("p", "h")]
+    vocab = {c: i for i, c in enumerate(chars)}
+    vocab.update({c + "</w>": len(chars) + i for i, c in enumerate(chars)})
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    bos, eos = "<|startoftext|>", "<|endoftext|>"
+    vocab[bos], vocab[eos] = len(vocab), len(vocab) + 1
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length, pad_token=pad_token or eos)
+
+
+def t5_tokenizer(model_max_length: int = 512):
+    """A ``T5Tokenizer`` (Unigram, ``</s>`` appended, no BOS) over a few words plus single characters."""
+    from transformers import T5Tokenizer
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -3.0)]
+    pieces += [("\u2581" + w, -1.0 - i / 100) for i, w in enumerate(_T5_WORDS)]
+    pieces += [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyz0123456789"]
+    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=model_max_length)
+
+
+def _clip(tokenizer, width: int, *, projection: int | None):
+    """A 3-layer CLIP text model; ``projection``: a ``CLIPTextModelWithProjection`` with that projection."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    vocab = tokenizer.get_vocab()
+    config = CLIPTextConfig(
+        vocab_size=len(vocab), hidden_size=width, intermediate_size=2 * width, num_hidden_layers=3,
+        num_attention_heads=2, max_position_embeddings=77, projection_dim=projection or width, hidden_act="gelu",
+        bos_token_id=vocab[tokenizer.bos_token], eos_token_id=vocab[tokenizer.eos_token],
+        pad_token_id=vocab[tokenizer.pad_token],
+    )  # fmt: skip
+    return (CLIPTextModelWithProjection if projection else CLIPTextModel)(config)
+
+
+def _t5(tokenizer):
+    from transformers import T5Config, T5EncoderModel
+
+    config = T5Config(vocab_size=len(tokenizer.get_vocab()), d_model=T5_WIDTH, d_kv=16, d_ff=128, num_layers=2,
+                      num_heads=3, feed_forward_proj="gated-gelu", decoder_start_token_id=0)  # fmt: skip
+    return T5EncoderModel(config)
+
+
+def _vae(channels: int, scaling: float, shift: float | None = None, quant_convs: bool = True):
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 16, 16, 16), layers_per_block=1, latent_channels=channels, norm_num_groups=8,
+        sample_size=64, scaling_factor=scaling, shift_factor=shift, use_quant_conv=quant_convs,
+        use_post_quant_conv=quant_convs,
+    )  # fmt: skip
+
+
+def _sdxl():
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+
+    tok, tok2 = clip_tokenizer(), clip_tokenizer(pad_token="!")
+    time_dim = 8  # SDXL: 256; the UNet's added embedding takes pooled + 6 time ids of this width
+    unet = UNet2DConditionModel(
+        sample_size=32, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        attention_head_dim=(2, 4), use_linear_projection=True, addition_embed_type="text_time",
+        addition_time_embed_dim=time_dim, transformer_layers_per_block=(1, 2), cross_attention_dim=CLIP_L + CLIP_G,
+        projection_class_embeddings_input_dim=CLIP_G_PROJECTION + 6 * time_dim, norm_num_groups=32,
+    )  # fmt: skip
+    scheduler = EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                                       steps_offset=1, timestep_spacing="leading", prediction_type="epsilon")
+    return StableDiffusionXLPipeline(
+        vae=_vae(4, 0.13025), text_encoder=_clip(tok, CLIP_L, projection=None), tokenizer=tok,
+        text_encoder_2=_clip(tok2, CLIP_G, projection=CLIP_G_PROJECTION), tokenizer_2=tok2, unet=unet,
+        scheduler=scheduler, add_watermarker=False,
+    )  # fmt: skip
+
+
+def _sd3():
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    tok, tok2, tok3 = clip_tokenizer(), clip_tokenizer(pad_token="!"), t5_tokenizer(256)
+    transformer = SD3Transformer2DModel(
+        sample_size=32, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=8,
+        num_attention_heads=4, caption_projection_dim=32, joint_attention_dim=T5_WIDTH,
+        pooled_projection_dim=CLIP_L_PROJECTION + CLIP_G_PROJECTION, pos_embed_max_size=96,
+    )  # fmt: skip
+    return StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=_vae(16, 1.5305, 0.0609, quant_convs=False),
+        text_encoder=_clip(tok, CLIP_L, projection=CLIP_L_PROJECTION), tokenizer=tok,
+        text_encoder_2=_clip(tok2, CLIP_G, projection=CLIP_G_PROJECTION), tokenizer_2=tok2,
+        text_encoder_3=_t5(tok3), tokenizer_3=tok3,
+    )  # fmt: skip
+
+
+def _flux():
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+    tok, tok2 = clip_tokenizer(), t5_tokenizer(512)
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=T5_WIDTH, pooled_projection_dim=CLIP_L, guidance_embeds=True,
+        axes_dims_rope=(4, 6, 6),
+    )  # fmt: skip
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                                base_image_seq_len=256, max_image_seq_len=4096)  # fmt: skip
+    return FluxPipeline(
+        scheduler=scheduler, vae=_vae(16, 0.3611, 0.1159, quant_convs=False),
+        text_encoder=_clip(tok, CLIP_L, projection=None), tokenizer=tok, text_encoder_2=_t5(tok2), tokenizer_2=tok2,
+        transformer=transformer,
+    )  # fmt: skip
+
+
+def _pixart(variant: str = "alpha"):
+    from diffusers import DPMSolverMultistepScheduler, PixArtAlphaPipeline, PixArtSigmaPipeline
+    from diffusers import PixArtTransformer2DModel
+
+    tok = t5_tokenizer(512)
+    transformer = PixArtTransformer2DModel(
+        sample_size=8, num_layers=2, patch_size=2, attention_head_dim=8, num_attention_heads=3,
+        caption_channels=T5_WIDTH, in_channels=4, out_channels=8, cross_attention_dim=24,
+        norm_type="ada_norm_single", use_additional_conditions=False,
+    )  # fmt: skip
+    cls = PixArtSigmaPipeline if variant == "sigma" else PixArtAlphaPipeline
+    return cls(tokenizer=tok, text_encoder=_t5(tok), vae=_vae(4, 0.18215), transformer=transformer,
+               scheduler=DPMSolverMultistepScheduler())  # fmt: skip
+
+
+def _build_generic(target: Path) -> None:
+    """bucketeer's embedded default encoders: ``tokenizer/``, ``text_encoder/`` (CLIP with projection), ``vae/``."""
+    import torch
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    torch.manual_seed(0)  # the same weights as every earlier build of this version
+    tokenizer = clip_tokenizer()
+    vocab = tokenizer.get_vocab()
+    tokenizer.save_pretrained(target / "tokenizer")
+    CLIPTextModelWithProjection(
+        CLIPTextConfig(
+            vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=2, max_position_embeddings=77, projection_dim=32,
+            bos_token_id=vocab[tokenizer.bos_token], eos_token_id=vocab[tokenizer.eos_token],
+            pad_token_id=vocab[tokenizer.eos_token],
+        )
+    ).save_pretrained(target / "text_encoder")  # fmt: skip
+    AutoencoderKL(
+        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(16, 32, 32, 32), layers_per_block=1, latent_channels=4, norm_num_groups=8,
+        sample_size=256, scaling_factor=0.18215,
+    ).save_pretrained(target / "vae")  # fmt: skip
+
+
+_PIPELINES: dict[str, Callable[[], object]] = {"sdxl": _sdxl, "sd3": _sd3, "flux": _flux, "pixart": _pixart}
+_SEEDS = {"generic": 0, "sdxl": 1, "sd3": 3, "flux": 4, "pixart": 5}
+
+
+def build_tiny(family: str, folder: str | os.PathLike, variant: str | None = None) -> Path:
+    """Write the tiny random-weight model folder of ``family`` (see the module docstring) to ``folder``.
+
+    ``variant``: ``"sigma"`` for pixart writes a ``PixArtSigmaPipeline``. The weights are a function
+    of the family (seeded). Raises ValueError for a family without a tiny model.
+    """
+    import torch
+
+    target = Path(folder)
+    if family == "generic":
+        _build_generic(target)
+    elif family in _PIPELINES:
+        torch.manual_seed(_SEEDS[family])
+        pipe = _pixart(variant or "alpha") if family == "pixart" else _PIPELINES[family]()
+        pipe.save_pretrained(target)
+    else:
+        raise ValueError(f"no tiny model for family {family!r}; families: {sorted(_SEEDS)}")
+    (target / "README.txt").write_text(DEFAULT_NOTICE + "\n")
+    return target
+
+
+def tiny_dir(family: str, home: str | None = None) -> Path:
+    """``<home>/default-encoders/<version>`` (generic) or ``.../<family>-<version>``; home defaults
+    to ``$BUCKETEER_HOME`` or ``~/.cache/bucketeer``."""
+    home = home or os.environ.get("BUCKETEER_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "bucketeer")
+    name = TINY_VERSION if family == "generic" else f"{family}-{TINY_VERSION}"
+    return Path(home) / "default-encoders" / name
+
+
+def ensure_tiny(family: str, home: str | None = None) -> Path:
+    """Build the tiny model of ``family`` once (atomically: build aside, then rename); its folder."""
+    target = tiny_dir(family, home)
+    if (target / "README.txt").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".build-{uuid.uuid4().hex}"
+    try:
+        build_tiny(family, tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process finished first; theirs is as good as ours
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,53 @@
+"""Texts embedded besides the samples' captions: the empty caption and the validation prompts.
+
+The empty caption's text record (``caption_key("")``, in ``_cache.json["text"]["empty_caption_key"]``)
+is what caption dropout trains on, and a null caption's text. ``--validation-prompts FILE`` (one
+prompt a line, a local path or URL) are embedded too and listed in
+``_cache.json["text"]["validation_prompts"]`` as ``[{"prompt", "caption_key"}]``, so a trainer samples
+validation images without loading text encoders. Each is embedded once per cache; a rerun without
+the option keeps the listed prompts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from manifests.cache.records import caption_key
+from manifests.errors import UsageError
+from manifests.storage import open_url, read_bytes, redact
+
+__all__ = ["committed_prompts", "missing_texts", "prompt_texts", "read_validation_prompts"]
+
+
+def read_validation_prompts(url: str, storage_options: dict | None = None) -> list[dict[str, Any]]:
+    """``[{"prompt", "caption_key"}]`` of the prompts file at ``url``: one a line, stripped, blank
+    lines skipped, duplicates once, in file order. UsageError for a missing, non-UTF-8 or empty file."""
+    try:
+        fs, path = open_url(url, storage_options)
+        data = read_bytes(fs, path)
+    except FileNotFoundError:
+        raise UsageError(f"--validation-prompts {redact(url)}: no such file") from None
+    try:
+        lines = data.decode("utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--validation-prompts {redact(url)} is not UTF-8 text ({e})") from None
+    prompts = [line.strip() for line in lines if line.strip()]
+    if not prompts:
+        raise UsageError(f"--validation-prompts {redact(url)} has no prompt (one per line)")
+    return [{"prompt": p, "caption_key": caption_key(p)} for p in dict.fromkeys(prompts)]
+
+
+def committed_prompts(meta: dict | None) -> list[dict[str, Any]]:
+    """The validation prompts a cache's ``_cache.json`` lists ([] without a cache)."""
+    return list(((meta or {}).get("text") or {}).get("validation_prompts") or [])
+
+
+def prompt_texts(validation: list[dict[str, Any]]) -> dict[int, str]:
+    """Caption key -> text of everything embedded besides the captions: the empty caption and ``validation``."""
+    return {caption_key(""): "", **{int(p["caption_key"]): p["prompt"] for p in validation}}
+
+
+def missing_texts(texts: dict[int, str], index: dict | None) -> dict[int, str]:
+    """The ``texts`` that the committed cache index (:func:`manifests.cache.read_index`) has no record of."""
+    done = set() if index is None else set(index["texts"].column("caption_key").to_numpy().tolist())
+    return {k: t for k, t in texts.items() if k not in done}
