@@ -207,9 +207,16 @@ def test_max_steps_between_optimizer_steps_stops_at_the_last_whole_one(
     assert (cursor["position"], cursor["optimizer_steps"]) == (10, 5)
 
 
-def test_the_config_must_accumulate_as_the_plan_was_made(run, train_data, tmp_path, capsys):
-    assert run("--plan", train_data.plan1a, "--cache", train_data.cache, "--output-dir", tmp_path) == 2
+def test_the_config_must_accumulate_as_the_plan_was_made(run, train_data, tmp_path, capsys, monkeypatch):
+    cfg = write_config(tmp_path / "c.yaml", grad_accum=1)
+    assert run("--plan", train_data.plan1a, "--cache", train_data.cache, "--config", cfg,
+               "--output-dir", tmp_path / "a") == 2  # fmt: skip
     assert "was made with --grad-accum 2 but the config says grad_accum: 1" in capsys.readouterr().err
+    # an accelerate config's gradient_accumulation_steps (accelerate launch exports it) may not override the plan
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "1")
+    assert run("--plan", train_data.plan1a, "--cache", train_data.cache, "--output-dir", tmp_path / "b") == 2
+    err = capsys.readouterr().err
+    assert "the accelerate config sets gradient_accumulation_steps: 1" in err and "--grad-accum 2" in err
 
 
 def test_a_non_finite_loss_stops_the_run_without_saving_its_weights(run, train_data, tmp_path, capsys):
