@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--batch-size", type=int, default=None, help="samples per rank per step (in packing mode: an optional cap)"
     )
-    parser.add_argument("--seed", type=int, default=0, help="shuffle seed; each epoch is seeded by (seed, epoch)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="shuffle seed; each epoch is seeded by (seed, epoch) (default 0)")
     parser.add_argument("--epochs", type=int, default=None,
                         help="epochs of the run (default 1); with --extend: epochs the plan holds afterwards")
     parser.add_argument("--window", type=int, default=None,
@@ -41,15 +42,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--leftover",
         choices=LEFTOVER_POLICIES,
-        default="drop",
+        default=None,
         help="a bucket's last partial global batch: drop it (no repeats) or pad it with repeats "
         "from the same bucket (every sample seen); default drop",
     )
     parser.add_argument(
         "--grad-accum",
         type=int,
-        default=1,
-        help="steps per epoch become a multiple of this (whole global batches dropped or repeated)",
+        default=None,
+        help="plan steps per optimizer step (default 1); steps per epoch become a multiple of it (whole "
+        "global batches dropped or repeated), and the trainer accumulates gradients over it",
     )
     parser.add_argument("--cache", default=None, help="plan only samples with a good record in this cache folder")
     g = parser.add_argument_group("packing mode")
@@ -59,8 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="latent tokens per rank per step; per-bucket batch = max_tokens // tokens(bucket)",
     )
-    g.add_argument("--latent-factor", type=int, default=8, help="VAE downsampling factor (default 8)")
-    g.add_argument("--patch-size", type=int, default=2, help="transformer patch size on latents (default 2)")
+    g.add_argument("--latent-factor", type=int, default=None, help="VAE downsampling factor (default 8)")
+    g.add_argument("--patch-size", type=int, default=None, help="transformer patch size on latents (default 2)")
     c = parser.add_argument_group("check, extend and resume")
     c.add_argument(
         "--check",
@@ -248,14 +250,30 @@ def _samples(args: argparse.Namespace, options: dict[str, Any]):
     return manifest, ids, buckets, cache_fp, left_out, stale
 
 
-def _extend(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
-    from manifests.plan import extend_plan
+# the planning options: --extend takes them from the plan, and refuses one given with another value
+_INPUTS = {"world_size": "--world-size", "batch_size": "--batch-size", "seed": "--seed", "leftover": "--leftover",
+           "grad_accum": "--grad-accum", "max_tokens": "--max-tokens", "latent_factor": "--latent-factor",
+           "patch_size": "--patch-size"}  # fmt: skip
 
+
+def _extend(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
+    from manifests.plan import extend_plan, read_plan_meta
+
+    inputs = read_plan_meta(args.extend, options)["inputs"]
+    for key, option in _INPUTS.items():
+        given = getattr(args, key)
+        if given is not None and given != inputs.get(key):
+            raise UsageError(f"{option} {given} differs from the plan's {inputs.get(key)}: --extend writes more "
+                             f"epochs of {redact(args.extend)} as it was made; leave {option} out")  # fmt: skip
     manifest, ids, buckets, cache_fp, _, _ = _samples(args, options)
     return extend_plan(args.extend, ids, buckets, manifest_fingerprint=manifest.fingerprint,
                        cache_fingerprint=cache_fp, epochs=args.epochs, window=args.window,
                        sources={"manifest": args.manifest, "cache": args.cache}, storage_options=options,
                        progress=True)  # fmt: skip
+
+
+def _given(value: Any, default: Any) -> Any:
+    return default if value is None else value
 
 
 def _plan(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
@@ -264,13 +282,13 @@ def _plan(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
     config = PlanConfig(
         world_size=args.world_size,
         batch_size=args.batch_size,
-        seed=args.seed,
-        epochs=1 if args.epochs is None else args.epochs,
-        leftover=args.leftover,
-        grad_accum=args.grad_accum,
+        seed=_given(args.seed, 0),
+        epochs=_given(args.epochs, 1),
+        leftover=_given(args.leftover, "drop"),
+        grad_accum=_given(args.grad_accum, 1),
         max_tokens=args.max_tokens,
-        latent_factor=args.latent_factor,
-        patch_size=args.patch_size,
+        latent_factor=_given(args.latent_factor, 8),
+        patch_size=_given(args.patch_size, 2),
     )
     manifest, ids, buckets, cache_fp, left_out, stale = _samples(args, options)
     return write_plan(

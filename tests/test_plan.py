@@ -546,7 +546,9 @@ def test_a_plan_written_in_windows_has_the_bytes_of_one_planned_at_once(manifest
     assert check_plan(str(windowed), manifest=read_manifest(manifest_url)) == []
     assert read_rank_plan(str(windowed), 3, epoch=1).equals(read_rank_plan(str(whole), 3, epoch=1))
 
-    assert main(["plan", manifest_url, "--extend", str(windowed), "--epochs", "3"]) == 0
+    assert main(["plan", manifest_url, "--extend", str(windowed), "--epochs", "3", "--seed", "6"]) == 2
+    assert "--seed 6 differs from the plan's 5" in capsys.readouterr().err
+    assert main(["plan", manifest_url, "--extend", str(windowed), "--epochs", "3", "--seed", "5"]) == 0
     assert [e["epoch"] for e in read_plan_meta(str(windowed))["epochs"]] == [0, 1, 2]
     assert main(["plan", manifest_url, "--extend", str(windowed)]) == 0  # the rest
     assert all_files(windowed) == all_files(whole)  # _plan.json included: extending is a pure function

@@ -231,3 +231,27 @@ def test_a_non_finite_loss_stops_the_run_without_saving_its_weights(run, train_d
     latest = json.loads((out / "checkpoints" / "latest.json").read_text())["checkpoint"]
     assert latest == f"step-{position - 1:08d}"  # the last finite step's checkpoint, not the diverged one
     assert not (out / "model").exists()
+
+
+def test_a_plan_written_in_windows_trains_to_its_last_planned_epoch_and_resumes_once_extended(
+    run, train_data, tmp_path, capsys
+):
+    from pipeline.cli import main as bucketeer
+
+    plan = str(tmp_path / "plan")
+    argv = [train_data.manifest, "--world-size", "1", "--batch-size", "4", "--epochs", "6", "--seed", "3",
+            "--cache", train_data.cache]  # fmt: skip
+    assert bucketeer(["plan", *argv[:1], "--out", plan, *argv[1:], "--window", "2"]) == 0
+    cfg = write_config(tmp_path / "c.yaml", checkpoint_every=10)
+    common = ["--plan", plan, "--cache", train_data.cache, "--config", cfg, "--output-dir", tmp_path / "out",
+              "--record-samples", tmp_path / "rec"]  # fmt: skip
+    capsys.readouterr()
+    assert run(*common) == 0
+    out = capsys.readouterr().out
+    assert "the plan holds epochs up to 1 of 6: this run stops there" in out and "60 optimizer steps in the" in out
+    assert "done: planned epochs finished" in out and len(records(tmp_path / "rec")) == 20
+    assert bucketeer(["plan", *argv[:1], "--extend", plan, *argv[5:]]) == 0  # the rest, same --cache
+    assert run(*common, "--resume") == 0
+    assert "done: plan finished" in capsys.readouterr().out
+    # the same rows as the plan made at once: windows change nothing but when epochs are written
+    assert [(r["epoch"], r["step"], r["sample_ids"]) for r in records(tmp_path / "rec")] == plan_rows(train_data.plan1)
