@@ -201,7 +201,11 @@ def test_max_steps_between_optimizer_steps_stops_at_the_last_whole_one(
     assert (cursor["position"], cursor["optimizer_steps"]) == (4, 2)
     assert json.loads((tmp_path / "out" / "checkpoints" / "latest.json").read_text())["checkpoint"] == "step-00000004"
     assert len(records(tmp_path / "rec")) == 4  # step 5 was not taken: its gradients would have been thrown away
+    half = tmp_path / "out" / "checkpoints" / "step-00000006"  # a later save killed before its commit
+    half.mkdir()
+    (half / "model.safetensors").write_bytes(b"\0" * 10)
     assert run(*common, "--resume") == 0  # the rest of the plan, from the optimizer-step boundary
+    assert "checkpoints/step-00000004: epoch 0 step 4" in capsys.readouterr().out  # latest.json, not the newest folder
     assert [(r["epoch"], r["step"], r["sample_ids"]) for r in records(tmp_path / "rec")] == plan_rows(train_data.plan1a)
     cursor = json.loads((tmp_path / "out" / "checkpoints" / "step-00000010" / "cursor.json").read_text())
     assert (cursor["position"], cursor["optimizer_steps"]) == (10, 5)
