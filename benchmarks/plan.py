@@ -1,21 +1,28 @@
-"""Shard planning at scale: bucketeer's numpy planner vs a per-sample Python bucket sampler.
+"""Shard plans at cluster scale: 10M samples, 40 buckets, 1,024 ranks x batch 4, 100 epochs.
 
-    python benchmarks/plan.py                      # 10M samples, 40 skewed buckets, 64 ranks, batch 8
-    python benchmarks/plan.py --samples 1000000    # smaller
+    python benchmarks/plan.py                                   # the full run (~8 GB written to a temp folder)
+    python benchmarks/plan.py --epochs 10 --samples 1000000     # smaller
 
-Measures, for one epoch: seconds and peak memory to plan it and write every rank's parquet file
-(bucketeer ``write_plan``, in a fresh child process so that its peak RSS — ``ru_maxrss`` of the
-child, which includes the interpreter and the input arrays — is the planning command's own), and
-seconds for one rank to read its rows (``read_rank_plan``, another fresh process). The
-alternative is the loop popular trainers run at start-up on every rank (a dict of per-bucket
-lists, ``random.shuffle``, chunking, ``batches[rank::world]``); it runs on a subsample and is
-extrapolated linearly (it is O(n)). It is timed on ready-made Python lists, which favours it,
-and it does not write anything nor guarantee equal buckets per step.
+Measures, each in a fresh child process so that its peak RSS (``VmHWM``) is its own:
+
+- making the plan (``write_plan``: group, plan and write every epoch): seconds, seconds per epoch,
+  peak memory; then objects and bytes written, bytes per sample-epoch (per planned sample slot
+  and per manifest sample);
+- one rank starting (``_plan.json`` + the first epoch's footer and row group, what the trainer's
+  :class:`train.data.RankSteps` reads) and reading one more epoch: seconds and peak memory, with
+  the interpreter and pyarrow's own baseline memory shown apart.
+
+Side by side, in the same run, the alternatives a user would otherwise have: the previous layout
+(one parquet file per (epoch, rank), ids not delta-encoded: one epoch written that way, extrapolated
+to every epoch), and the loop popular trainers run at start-up on every rank (a dict of per-bucket
+lists, ``random.shuffle``, ``batches[rank::world]``; run on a subsample and extrapolated linearly, on
+ready-made Python lists, which favours it; it writes nothing and does not give equal steps).
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import random
@@ -35,9 +42,9 @@ from manifests.buckets import SDXL_BUCKETS  # noqa: E402
 
 
 def make_inputs(n: int, buckets: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """``n`` random uint64 ids and a skewed (Zipf-like, exponent 1.2) bucket index per sample."""
+    """``n`` random uint64 ids (full 64 bits, as sample ids are) and a skewed (Zipf 1.2) bucket per sample."""
     rng = np.random.default_rng(seed)
-    ids = rng.integers(1, 2**63, n, dtype=np.uint64)
+    ids = rng.integers(0, 2**64 - 1, n, dtype=np.uint64, endpoint=True)
     p = 1.0 / np.arange(1, buckets + 1) ** 1.2
     codes = rng.choice(buckets, size=n, p=p / p.sum()).astype(np.int32)
     return ids, codes
@@ -50,40 +57,77 @@ def bucket_array(codes: np.ndarray, buckets: int):
     return pa.DictionaryArray.from_arrays(pa.array(codes), names).cast(pa.string())  # as read from a manifest
 
 
-def child_plan(inputs: str, out: str, world: int, batch: int, buckets: int) -> dict:
+def maxrss_mib() -> float:
+    """This process's peak resident memory in MiB.
+
+    ``VmHWM``, not ``ru_maxrss``: Linux carries the parent's peak RSS into a child's ``ru_maxrss``
+    across ``execve``, so a child of this benchmark (which holds the 10M inputs) would report the
+    parent's memory as its own.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process: next to wall time on a machine shared with other jobs."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def child_plan(inputs: str, out: str, world: int, batch: int, buckets: int, epochs: int) -> dict:
     from manifests.plan import write_plan
-    from manifests.plan.schedule import PlanConfig, group_samples, plan_epoch
+    from manifests.plan.schedule import PlanConfig
 
     data = np.load(inputs)
     ids, names = data["ids"], bucket_array(data["codes"], buckets)
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    config = PlanConfig(world_size=world, batch_size=batch, seed=0, epochs=1)
+    rss0 = maxrss_mib()
+    config = PlanConfig(world_size=world, batch_size=batch, seed=0, epochs=epochs)
+    t0, cpu0 = time.perf_counter(), cpu_seconds()
+    meta = write_plan(out, ids, names, config, manifest_fingerprint="bench")
+    seconds, cpu = time.perf_counter() - t0, cpu_seconds() - cpu0
+    dropped = meta["epochs"][0]["dropped_total"]
+    return {"seconds": seconds, "cpu_s": cpu, "steps": meta["steps_per_epoch"], "dropped_per_epoch": dropped,
+            "maxrss_mib": maxrss_mib(), "inputs_rss_mib": rss0}  # fmt: skip
+
+
+def child_old_layout(inputs: str, world: int, batch: int, buckets: int) -> dict:
+    """One epoch in the previous layout: a parquet file per rank, ids stored plain (no compression)."""
+    import pyarrow.parquet as pq
+
+    from manifests.plan.schedule import PlanConfig, group_samples, plan_epoch, rank_table
+
+    data = np.load(inputs)
+    samples = group_samples(data["ids"], bucket_array(data["codes"], buckets))
+    schedule = plan_epoch(samples, PlanConfig(world_size=world, batch_size=batch), 0)
     t0 = time.perf_counter()
-    samples = group_samples(ids, names)
+    size = 0
+    for rank in range(world):
+        buf = io.BytesIO()
+        pq.write_table(rank_table(schedule, world, rank), buf, row_group_size=1 << 20,
+                       compression={"epoch": "zstd", "step": "zstd", "rank": "zstd", "bucket": "zstd",
+                                    "sample_ids": "none"})  # fmt: skip
+        size += len(buf.getvalue())
+    return {"encode_s": time.perf_counter() - t0, "bytes": size}
+
+
+def child_rank(out: str, rank: int) -> dict:
+    t0 = time.perf_counter()
+    from manifests.plan import read_plan_meta, read_plan_rows
+
     t1 = time.perf_counter()
-    plan_epoch(samples, config, 0)
+    base = maxrss_mib()
+    meta = read_plan_meta(out)
+    first = read_plan_rows(out, [0], [rank], meta=meta).table()  # what a rank needs to take its first step
     t2 = time.perf_counter()
-    meta = write_plan(out, ids, names, config, manifest_fingerprint="bench")  # group + plan + write, end to end
+    start_rss = maxrss_mib()
+    second = read_plan_rows(out, [1], [rank], meta=meta).table() if len(meta["epochs"]) > 1 else first
     t3 = time.perf_counter()
-    return {
-        "group_s": t1 - t0,
-        "plan_epoch_s": t2 - t1,
-        "write_plan_s": t3 - t2,
-        "steps": meta["steps_per_epoch"],
-        "dropped": meta["counts"]["dropped"],
-        "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "inputs_rss_mib": rss0 / 1024,
-    }
-
-
-def child_read(out: str, rank: int) -> dict:
-    t0 = time.perf_counter()
-    from manifests.plan import read_rank_plan
-
-    t1 = time.perf_counter()
-    rows = read_rank_plan(out, rank)
-    t2 = time.perf_counter()
-    return {"read_s": t2 - t1, "import_s": t1 - t0, "rows": rows.num_rows}
+    return {"import_s": t1 - t0, "start_s": t2 - t1, "epoch_s": t3 - t2, "rows": first.num_rows,
+            "ids": len(second.column("sample_ids").combine_chunks().values), "baseline_mib": base,
+            "start_mib": start_rss, "maxrss_mib": maxrss_mib()}  # fmt: skip
 
 
 def python_bucket_sampler(ids: list, buckets: list, world: int, batch: int, seed: int, epoch: int) -> list:
@@ -104,7 +148,9 @@ def python_bucket_sampler(ids: list, buckets: list, world: int, batch: int, seed
 
 
 def run_child(args: list[str]) -> dict:
-    out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(out.stderr[-4000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -112,28 +158,36 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=10_000_000)
     ap.add_argument("--buckets", type=int, default=40)
-    ap.add_argument("--world-size", type=int, default=64)
-    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--world-size", type=int, default=1024)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--epochs", type=int, default=100)
     ap.add_argument("--baseline-samples", type=int, default=1_000_000)
-    ap.add_argument("--child", choices=["plan", "read"])
+    ap.add_argument("--dir", default=None, help="where to write the plan (default: a temp folder, removed after)")
+    ap.add_argument("--child", choices=["plan", "old", "rank"])
     ap.add_argument("--inputs")
     ap.add_argument("--out")
     a = ap.parse_args()
+    shape = ["--world-size", str(a.world_size), "--batch-size", str(a.batch_size), "--buckets", str(a.buckets)]
     if a.child == "plan":
-        print(json.dumps(child_plan(a.inputs, a.out, a.world_size, a.batch_size, a.buckets)))
+        print(json.dumps(child_plan(a.inputs, a.out, a.world_size, a.batch_size, a.buckets, a.epochs)))
         return
-    if a.child == "read":
-        print(json.dumps(child_read(a.out, 17 % a.world_size)))
+    if a.child == "old":
+        print(json.dumps(child_old_layout(a.inputs, a.world_size, a.batch_size, a.buckets)))
+        return
+    if a.child == "rank":
+        print(json.dumps(child_rank(a.out, 517 % a.world_size)))
         return
 
     ids, codes = make_inputs(a.samples, a.buckets)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
         inputs, out = os.path.join(tmp, "inputs.npz"), os.path.join(tmp, "plan")
         np.savez(inputs, ids=ids, codes=codes)
-        shape = ["--world-size", str(a.world_size), "--batch-size", str(a.batch_size), "--buckets", str(a.buckets)]
-        plan = run_child(["--child", "plan", "--inputs", inputs, "--out", out, *shape])
-        read = run_child(["--child", "read", "--out", out, *shape])
-        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out) for f in fs)
+        plan = run_child(["--child", "plan", "--inputs", inputs, "--out", out, "--epochs", str(a.epochs), *shape])
+        files = [os.path.join(d, f) for d, _, fs in os.walk(out) for f in fs]
+        size = sum(os.path.getsize(f) for f in files)
+        plan_json = os.path.getsize(os.path.join(out, "_plan.json"))
+        rank = run_child(["--child", "rank", "--out", out, *shape])
+        old = run_child(["--child", "old", "--inputs", inputs, *shape])
 
     m = min(a.baseline_samples, a.samples)
     names = [f"{w}x{h}" for w, h in SDXL_BUCKETS[: a.buckets]]
@@ -142,28 +196,38 @@ def main() -> None:
     python_bucket_sampler(sub_ids, sub_buckets, a.world_size, a.batch_size, 0, 0)
     loop_s = (time.perf_counter() - t0) * a.samples / m
 
-    print(
-        f"{a.samples:,} samples, {a.buckets} buckets (Zipf 1.2), {a.world_size} ranks x batch {a.batch_size}, one epoch"
-    )
-    print(f"  bucketeer group_samples (canonical order)   {plan['group_s']:7.2f} s")
-    print(f"  bucketeer plan_epoch (global batches, memory){plan['plan_epoch_s']:7.2f} s")
-    print(
-        f"  bucketeer write_plan (group+plan+write {a.world_size} files, {size / 2**20:.0f} MiB) "
-        f"{plan['write_plan_s']:7.2f} s   -> {plan['steps']} steps, {plan['dropped']} dropped"
-    )
-    print(
-        f"  peak RSS of the planning process (ru_maxrss)  {plan['maxrss_mib']:7.0f} MiB "
-        f"(inputs loaded: {plan['inputs_rss_mib']:.0f} MiB)"
-    )
-    print(f"  one rank reads its rows (read_rank_plan)     {read['read_s']:7.3f} s ({read['rows']} rows)")
-    print(
-        f"  per-sample Python bucket sampler loop        {loop_s:7.2f} s "
-        f"(measured on {m:,}, x{a.samples / m:g}; no write, no equal-bucket steps)"
-    )
-    print(
-        f"  ratio loop / plan_epoch: {loop_s / plan['plan_epoch_s']:.1f}x;  "
-        f"loop / write_plan (incl. writing): {loop_s / plan['write_plan_s']:.1f}x"
-    )
+    slots = plan["steps"] * a.world_size * a.batch_size * a.epochs  # sample ids written
+    per_epoch = plan["seconds"] / a.epochs
+    print(f"{a.samples:,} samples, {a.buckets} buckets (Zipf 1.2), {a.world_size} ranks x batch {a.batch_size}, "
+          f"{a.epochs} epochs: {plan['steps']} steps per epoch, {plan['dropped_per_epoch']:,} dropped per epoch")
+    print("make the plan (write_plan, every epoch)")
+    print(f"  seconds                                 {plan['seconds']:9.1f} s  "
+          f"({per_epoch:.2f} s per epoch; target <= 5)")
+    print(f"  CPU seconds (user + system)             {plan['cpu_s']:9.1f} s  "
+          f"({plan['cpu_s'] / a.epochs:.2f} s per epoch; the wall time above includes waiting for a core "
+          "on a shared machine)")
+    print(f"  peak memory (VmHWM)                     {plan['maxrss_mib']:9.0f} MiB (inputs loaded: "
+          f"{plan['inputs_rss_mib']:.0f} MiB)")
+    print(f"  objects written                         {len(files):9d}    "
+          f"(target <= 200; _plan.json {plan_json / 1e3:.0f} kB)")
+    print(f"  bytes written                           {size / 1e9:9.2f} GB")
+    print(f"  bytes per sample-epoch                  {size / slots:9.2f}    per planned sample slot (target <= 8); "
+          f"{size / (a.samples * a.epochs):.2f} per manifest sample")
+    print(f"one rank (rank {517 % a.world_size}), fresh process")
+    print(f"  start: _plan.json + epoch 0's rows      {rank['start_s']:9.3f} s  ({rank['rows']} rows; imports "
+          f"{rank['import_s']:.2f} s; target <= 2)")
+    print(f"  read one more epoch                     {rank['epoch_s']:9.3f} s  ({rank['ids']:,} sample ids)")
+    print(f"  peak memory (VmHWM)                     {rank['maxrss_mib']:9.0f} MiB (after imports: "
+          f"{rank['baseline_mib']:.0f} MiB; target <= 200)")
+    old_size = old["bytes"] * a.epochs
+    print("the alternatives, same run")
+    print(f"  previous layout: a file per (epoch, rank) {a.world_size * a.epochs:7d} objects, "
+          f"{old_size / 1e9:.2f} GB ({old['bytes'] / (slots / a.epochs):.2f} bytes per slot), "
+          f"encoding {old['encode_s']:.2f} s per epoch (one epoch written, x{a.epochs})")
+    print(f"  per-sample Python bucket sampler loop   {loop_s:9.2f} s per epoch on every rank "
+          f"(measured on {m:,}, x{a.samples / m:g}; no write, no equal steps)")
+    print(f"  ratios: objects {a.world_size * a.epochs / len(files):.0f}x fewer, bytes {old_size / size:.2f}x fewer; "
+          f"loop / plan per epoch {loop_s / per_epoch:.1f}x")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
     bucketeer plan MANIFEST --out PLAN --world-size 8 --batch-size 4 --seed 0 --epochs 10
     bucketeer plan MANIFEST --out PLAN --world-size 8 --max-tokens 16384 --cache CACHE   # packing mode
+    bucketeer plan MANIFEST --out PLAN --world-size 1024 --batch-size 4 --epochs 100 --window 10  # 10 now
+    bucketeer plan MANIFEST --extend PLAN --epochs 20         # write epochs 10..19 of that plan
     bucketeer plan --check PLAN MANIFEST                      # re-check every invariant (exit 1 if violated)
     bucketeer plan --resume PLAN --at 3:1200 --world-size 4 --out PLAN2   # elastic resume
 
@@ -31,20 +33,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--batch-size", type=int, default=None, help="samples per rank per step (in packing mode: an optional cap)"
     )
-    parser.add_argument("--seed", type=int, default=0, help="shuffle seed; each epoch is seeded by (seed, epoch)")
-    parser.add_argument("--epochs", type=int, default=1, help="epochs to plan (default 1)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="shuffle seed; each epoch is seeded by (seed, epoch) (default 0)")
+    parser.add_argument("--epochs", type=int, default=None,
+                        help="epochs of the run (default 1); with --extend: epochs the plan holds afterwards")
+    parser.add_argument("--window", type=int, default=None,
+                        help="write only this many epochs now (default: all), the rest later with --extend")
     parser.add_argument(
         "--leftover",
         choices=LEFTOVER_POLICIES,
-        default="drop",
+        default=None,
         help="a bucket's last partial global batch: drop it (no repeats) or pad it with repeats "
         "from the same bucket (every sample seen); default drop",
     )
     parser.add_argument(
         "--grad-accum",
         type=int,
-        default=1,
-        help="steps per epoch become a multiple of this (whole global batches dropped or repeated)",
+        default=None,
+        help="plan steps per optimizer step (default 1); steps per epoch become a multiple of it (whole "
+        "global batches dropped or repeated), and the trainer accumulates gradients over it",
     )
     parser.add_argument("--cache", default=None, help="plan only samples with a good record in this cache folder")
     g = parser.add_argument_group("packing mode")
@@ -54,14 +61,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="latent tokens per rank per step; per-bucket batch = max_tokens // tokens(bucket)",
     )
-    g.add_argument("--latent-factor", type=int, default=8, help="VAE downsampling factor (default 8)")
-    g.add_argument("--patch-size", type=int, default=2, help="transformer patch size on latents (default 2)")
-    c = parser.add_argument_group("check and resume")
+    g.add_argument("--latent-factor", type=int, default=None, help="VAE downsampling factor (default 8)")
+    g.add_argument("--patch-size", type=int, default=None, help="transformer patch size on latents (default 2)")
+    c = parser.add_argument_group("check, extend and resume")
     c.add_argument(
         "--check",
         metavar="PLAN",
         default=None,
         help="re-check every invariant of PLAN against MANIFEST (and --cache); exit 1 on a violation",
+    )
+    c.add_argument(
+        "--extend",
+        metavar="PLAN",
+        default=None,
+        help="write more epochs of PLAN (made with --window) from MANIFEST (and --cache): up to --epochs, "
+        "--window more, or all",
     )
     c.add_argument(
         "--resume",
@@ -119,8 +133,10 @@ def _print_summary(meta: dict[str, Any]) -> None:
             f"embedded; run `bucketeer embed {source} --out {cache}` to re-embed them, then plan again"
         )
     epochs = meta["epochs"]
+    run = inputs["epochs"]
     print(
         f"steps:    {meta['steps_per_epoch']} per epoch, epochs {epochs[0]['epoch']}..{epochs[-1]['epoch']}"
+        + (f" of {run} planned (write the rest with --extend)" if epochs[-1]["epoch"] < run - 1 else "")
         + (
             f" (resumed at epoch {meta['resumed_from']['epoch']} step {meta['resumed_from']['step']})"
             if meta.get("resumed_from")
@@ -141,6 +157,10 @@ def _print_summary(meta: dict[str, Any]) -> None:
             f"tokens:   per rank per step min {t['min']} / mean {t['mean']} / max {t['max']}"
             f" (budget {inputs['max_tokens']})"
         )
+    size = sum(e["bytes"] for e in epochs)
+    slots = sum(e["steps"] for e in epochs) * (meta["global_batch"] or 0)
+    print(f"files:    {len(epochs)} epoch files, {size / 1e6:.1f} MB"
+          + (f" ({size / slots:.2f} bytes per sample slot)" if slots else ""))  # fmt: skip
     print(f"fingerprint: {meta['fingerprint']}")
 
 
@@ -188,15 +208,15 @@ def run(args: argparse.Namespace) -> int:
     options = parse_storage_options(args.storage_options)
     if args.check:
         return _run_check(args, options)
-    if not args.out:
+    if not args.out and not args.extend:
         raise UsageError("--out PLAN is required (the plan folder to write)")
-    if args.world_size is None:
+    if args.extend:
+        meta = _extend(args, options)
+    elif args.world_size is None:
         raise UsageError("--world-size is required (number of training processes)")
-    if args.resume:
+    elif args.resume:
         meta = _run_resume(args, options)
     else:
-        if not args.manifest:
-            raise UsageError("MANIFEST is required: bucketeer plan MANIFEST --out PLAN …")
         meta = _plan(args, options)
     if args.json:
         print(json.dumps(meta, indent=2, sort_keys=True))
@@ -205,21 +225,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
+def _samples(args: argparse.Namespace, options: dict[str, Any]):
+    """``(manifest, sample ids, buckets, cache fingerprint, samples not in the cache, stale)`` to plan."""
     from manifests.manifest import read_manifest
-    from manifests.plan import write_plan
 
-    config = PlanConfig(
-        world_size=args.world_size,
-        batch_size=args.batch_size,
-        seed=args.seed,
-        epochs=args.epochs,
-        leftover=args.leftover,
-        grad_accum=args.grad_accum,
-        max_tokens=args.max_tokens,
-        latent_factor=args.latent_factor,
-        patch_size=args.patch_size,
-    )
+    if not args.manifest:
+        raise UsageError("MANIFEST is required: bucketeer plan MANIFEST --out PLAN … (or --extend PLAN)")
     manifest = read_manifest(args.manifest, options)
     ids = manifest.samples.column("sample_id").to_numpy()
     buckets = manifest.samples.column("bucket")
@@ -236,6 +247,50 @@ def _plan(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
             )
         ids, buckets = ids[keep], buckets.filter(pa.array(keep))
         cache_fp = cache_meta["fingerprint"]
+    return manifest, ids, buckets, cache_fp, left_out, stale
+
+
+# the planning options: --extend takes them from the plan, and refuses one given with another value
+_INPUTS = {"world_size": "--world-size", "batch_size": "--batch-size", "seed": "--seed", "leftover": "--leftover",
+           "grad_accum": "--grad-accum", "max_tokens": "--max-tokens", "latent_factor": "--latent-factor",
+           "patch_size": "--patch-size"}  # fmt: skip
+
+
+def _extend(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
+    from manifests.plan import extend_plan, read_plan_meta
+
+    inputs = read_plan_meta(args.extend, options)["inputs"]
+    for key, option in _INPUTS.items():
+        given = getattr(args, key)
+        if given is not None and given != inputs.get(key):
+            raise UsageError(f"{option} {given} differs from the plan's {inputs.get(key)}: --extend writes more "
+                             f"epochs of {redact(args.extend)} as it was made; leave {option} out")  # fmt: skip
+    manifest, ids, buckets, cache_fp, _, _ = _samples(args, options)
+    return extend_plan(args.extend, ids, buckets, manifest_fingerprint=manifest.fingerprint,
+                       cache_fingerprint=cache_fp, epochs=args.epochs, window=args.window,
+                       sources={"manifest": args.manifest, "cache": args.cache}, storage_options=options,
+                       progress=True)  # fmt: skip
+
+
+def _given(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def _plan(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
+    from manifests.plan import write_plan
+
+    config = PlanConfig(
+        world_size=args.world_size,
+        batch_size=args.batch_size,
+        seed=_given(args.seed, 0),
+        epochs=_given(args.epochs, 1),
+        leftover=_given(args.leftover, "drop"),
+        grad_accum=_given(args.grad_accum, 1),
+        max_tokens=args.max_tokens,
+        latent_factor=_given(args.latent_factor, 8),
+        patch_size=_given(args.patch_size, 2),
+    )
+    manifest, ids, buckets, cache_fp, left_out, stale = _samples(args, options)
     return write_plan(
         args.out,
         ids,
@@ -247,6 +302,7 @@ def _plan(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
         stale=stale,
         sources={"manifest": args.manifest, "cache": args.cache},
         storage_options=options,
+        window=args.window,
         progress=True,
     )
 

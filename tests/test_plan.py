@@ -20,7 +20,7 @@ from manifests.plan import (
     PLAN_SCHEMA,
     PlanConfig,
     PlanError,
-    rank_part,
+    epoch_part,
     read_plan_meta,
     read_plan_rows,
     read_rank_plan,
@@ -78,7 +78,7 @@ def test_cli_plans_checks_and_is_byte_identical(manifest_url, tmp_path, capsys):
     assert main(plan_args(manifest_url, b, "--leftover", "pad", "--grad-accum", "2")) == 0
     files_a, files_b = all_files(Path(a)), all_files(Path(b))
     assert files_a == files_b  # same inputs, same bytes (the _plan.json too: no timestamps)
-    assert len(files_a) == 1 + 3 * 4  # _plan.json + (epoch, rank) parts
+    assert len(files_a) == 1 + 3  # _plan.json + a file per epoch (a row group per rank in it)
     meta = read_plan_meta(a)
     assert meta["inputs"]["manifest_fingerprint"] == read_manifest(manifest_url).fingerprint
     assert meta["steps_per_epoch"] % 2 == 0 and meta["counts"]["padded"] > 0
@@ -108,18 +108,26 @@ def test_epochs_differ_and_rows_are_sorted(manifest_url, tmp_path):
     assert sum(seen.values()) + meta["epochs"][0]["dropped_total"] == meta["samples"]["planned"]
 
 
-def test_a_rank_reads_only_its_own_files(manifest_url, tmp_path):
+def test_a_rank_reads_only_its_own_row_groups(manifest_url, tmp_path):
     url = tmp_path / "p"
     assert main(plan_args(manifest_url, str(url))) == 0
     expected = read_rank_plan(str(url), 1)
-    # remove every other rank's parts: rank 1 must read exactly the same rows
+    # overwrite every byte but rank 1's row groups and the footers: rank 1 must read exactly the same rows
     only = tmp_path / "only"
     shutil.copytree(url, only)
-    for path in only.rglob("*.parquet"):
-        if not path.name.endswith("rank-00001.parquet"):
-            path.unlink()
+    for path in only.glob("epoch-*.parquet"):
+        data = bytearray(path.read_bytes())
+        metadata = pq.read_metadata(path)
+        group = metadata.row_group(1)
+        columns = [group.column(c) for c in range(group.num_columns)]
+        start = min(c.dictionary_page_offset or c.data_page_offset for c in columns)
+        end = max((c.dictionary_page_offset or c.data_page_offset) + c.total_compressed_size for c in columns)
+        footer = len(data) - 8 - int.from_bytes(data[-8:-4], "little")
+        for i in [*range(4, start), *range(end, footer)]:
+            data[i] = 0xAB
+        path.write_bytes(bytes(data))
     assert read_rank_plan(str(only), 1).equals(expected)
-    with pytest.raises(PlanError, match="missing"):
+    with pytest.raises(PlanError, match="rank 0"):
         read_rank_plan(str(only), 0)
 
 
@@ -151,30 +159,41 @@ def test_one_reader_gives_rows_of_epochs_ranks_and_columns(manifest_url, tmp_pat
     with pytest.raises(PlanError, match="not plan columns"):
         read_plan_rows(url, columns=["bucket", "weight"])
 
-    # a missing part and one that is not parquet: problems of the result, raised on use, reported by --check
-    (root / rank_part(2, 1)).unlink()
-    (root / rank_part(0, 3)).write_bytes(b"not parquet")
+    # a missing file and one that is not parquet: problems of the result, raised on use, reported by --check
+    (root / epoch_part(2)).unlink()
+    (root / epoch_part(0)).write_bytes(b"not parquet")
     rows = read_plan_rows(url)
-    assert set(rows.problems) == {(2, 1), (0, 3)} and set(rows.sha256) == {1}
-    with pytest.raises(PlanError, match="epoch 0 rank 3: part epoch-00000/rank-00003.parquet is not parquet"):
+    assert set(rows.problems) == {2, 0} and set(rows.sha256) == {1}
+    with pytest.raises(PlanError, match="epoch 0: epoch-00000.parquet is not parquet"):
         rows.table()
+    with pytest.raises(PlanError, match="epoch 2: epoch-00002.parquet named by _plan.json is missing"):
+        read_rank_plan(url, 1, epoch=2)
     problems = check_plan(url)
-    assert any(p.startswith("epoch 2 rank 1: part epoch-00002/rank-00001.parquet") and "missing" in p for p in problems)
-    assert any(p.startswith("epoch 0 rank 3") and "not parquet" in p for p in problems)
+    assert any(p.startswith("epoch 2: epoch-00002.parquet") and "missing" in p for p in problems)
+    assert any(p.startswith("epoch 0: epoch-00000.parquet") and "not parquet" in p for p in problems)
 
 
-def _rewrite(path: Path, table: pa.Table) -> None:
-    pq.write_table(table, path)
+def _rewrite(path: Path, rank: int, edit) -> None:
+    """Rewrite an epoch file with ``edit(table)`` applied to rank ``rank``'s row group (still one per rank)."""
+    parquet = pq.ParquetFile(path)
+    groups = [parquet.read_row_group(r) for r in range(parquet.metadata.num_row_groups)]
+    groups[rank] = edit(groups[rank])
+    with pq.ParquetWriter(path, groups[rank].schema) as writer:
+        for group in groups:
+            writer.write_table(group.select(groups[rank].schema.names))
 
 
 def test_check_catches_a_duplicated_sample(manifest_url, tmp_path):
     url = tmp_path / "p"
     assert main(plan_args(manifest_url, str(url))) == 0
     assert check_plan(str(url), manifest=read_manifest(manifest_url)) == []
-    part = url / rank_part(0, 0)
-    rows = pq.read_table(part).to_pydict()
-    rows["sample_ids"][0] = [rows["sample_ids"][0][0]] * len(rows["sample_ids"][0])  # same bucket, a repeat
-    _rewrite(part, pa.Table.from_pydict(rows, schema=PLAN_SCHEMA))
+
+    def repeat(table: pa.Table) -> pa.Table:
+        rows = table.to_pydict()
+        rows["sample_ids"][0] = [rows["sample_ids"][0][0]] * len(rows["sample_ids"][0])  # same bucket, a repeat
+        return pa.Table.from_pydict(rows, schema=PLAN_SCHEMA)
+
+    _rewrite(url / epoch_part(0), 0, repeat)
     problems = check_plan(str(url), manifest=read_manifest(manifest_url))
     assert any("repeated samples" in p for p in problems)
     assert any("sha256" in p for p in problems)
@@ -184,12 +203,13 @@ def test_check_catches_a_duplicated_sample(manifest_url, tmp_path):
 def test_check_catches_unequal_steps_and_missing_columns(manifest_url, tmp_path):
     url = tmp_path / "p"
     assert main(plan_args(manifest_url, str(url))) == 0
-    part = url / rank_part(1, 3)
-    _rewrite(part, pq.read_table(part).slice(0, 5))
+    _rewrite(url / epoch_part(1), 3, lambda t: t.slice(0, 5))
     problems = check_plan(str(url))
     assert any("epoch 1 rank 3" in p and "steps" in p for p in problems)
-    _rewrite(url / rank_part(2, 0), pq.read_table(url / rank_part(2, 0)).drop_columns(["bucket"]))
-    assert any("epoch 2 rank 0: columns" in p for p in check_plan(str(url)))
+    with pytest.raises(PlanError, match="epoch 1: epoch-00001.parquet"):  # a rank reading its rows sees it too
+        read_rank_plan(str(url), 1, epoch=1)
+    _rewrite(url / epoch_part(2), 0, lambda t: t.drop_columns(["bucket"]))
+    assert any("epoch 2: epoch-00002.parquet: columns" in p for p in check_plan(str(url)))
 
 
 def test_check_catches_a_changed_manifest(tmp_path, capsys):
@@ -485,7 +505,7 @@ def test_memory_round_trip_and_rewrite_removes_stale_parts():
     import fsspec
 
     parts = [p for p in fsspec.filesystem("memory").find("/plans/roundtrip") if p.endswith(".parquet")]
-    assert len(parts) == 2  # the old world's parts are gone
+    assert parts == ["/plans/roundtrip/epoch-00000.parquet"]  # the old plan's epoch 1 is gone
     assert check_plan(url) == []
 
 
@@ -513,3 +533,44 @@ def test_s3_round_trip_resume_and_check(s3, manifest_url, tmp_path):
     )
     assert check_plan(new, s3.storage_options) == []
     assert main(["plan", "--check", url, manifest_url, "--storage-options", opts]) == 0
+
+
+def test_a_plan_written_in_windows_has_the_bytes_of_one_planned_at_once(manifest_url, tmp_path, capsys):
+    whole, windowed = tmp_path / "whole", tmp_path / "windowed"
+    assert main(plan_args(manifest_url, str(whole), "--epochs", "5")) == 0
+    assert main(plan_args(manifest_url, str(windowed), "--epochs", "5", "--window", "2")) == 0
+    assert "epochs 0..1 of 5 planned (write the rest with --extend)" in capsys.readouterr().out
+    meta = read_plan_meta(str(windowed))
+    assert [e["epoch"] for e in meta["epochs"]] == [0, 1] and meta["inputs"]["epochs"] == 5
+    assert meta["fingerprint"] == read_plan_meta(str(whole))["fingerprint"]  # a window is the same plan
+    assert check_plan(str(windowed), manifest=read_manifest(manifest_url)) == []
+    assert read_rank_plan(str(windowed), 3, epoch=1).equals(read_rank_plan(str(whole), 3, epoch=1))
+
+    assert main(["plan", manifest_url, "--extend", str(windowed), "--epochs", "3", "--seed", "6"]) == 2
+    assert "--seed 6 differs from the plan's 5" in capsys.readouterr().err
+    assert main(["plan", manifest_url, "--extend", str(windowed), "--epochs", "3", "--seed", "5"]) == 0
+    assert [e["epoch"] for e in read_plan_meta(str(windowed))["epochs"]] == [0, 1, 2]
+    assert main(["plan", manifest_url, "--extend", str(windowed)]) == 0  # the rest
+    assert all_files(windowed) == all_files(whole)  # _plan.json included: extending is a pure function
+    capsys.readouterr()
+    assert main(["plan", manifest_url, "--extend", str(windowed)]) == 2
+    assert "holds epochs 0..4 of a 5-epoch run" in capsys.readouterr().err
+
+    other = str(tmp_path / "m2")
+    write_manifest(other, *manifest_tables(100, seed=9), source="/d", spec=BucketSpec(area=512 * 512))
+    assert main(plan_args(manifest_url, str(windowed), "--epochs", "5", "--window", "1")) == 0
+    assert main(["plan", other, "--extend", str(windowed)]) == 2
+    assert "was made from manifest" in capsys.readouterr().err
+    resumed = str(tmp_path / "resumed")
+    resume_plan(str(windowed), resumed, epoch=0, step=3, world_size=2)
+    assert main(["plan", manifest_url, "--extend", resumed]) == 2
+    assert "is a resumed plan" in capsys.readouterr().err
+
+
+def test_an_older_plan_format_is_refused_with_what_to_do(manifest_url, tmp_path):
+    url = tmp_path / "p"
+    assert main(plan_args(manifest_url, str(url))) == 0
+    meta = json.loads((url / PLAN_FILE).read_text())
+    (url / PLAN_FILE).write_text(json.dumps(dict(meta, format_version=1)))
+    with pytest.raises(PlanError, match="format version 1; this bucketeer reads version 2. Re-run `bucketeer plan`"):
+        read_rank_plan(str(url), 0)

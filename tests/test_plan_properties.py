@@ -226,3 +226,40 @@ def test_bad_inputs_name_the_option():
     ids, buckets = make_samples([5, 9])
     with pytest.raises(ValueError, match="nothing to train.*--leftover pad"):
         plan_epoch(group_samples(ids, buckets), PlanConfig(world_size=2, batch_size=8), 0)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    world=st.one_of(st.integers(1, 16), st.integers(17, 1024), st.just(1024)),
+    batch=st.integers(1, 4),
+    leftover=st.sampled_from(["drop", "pad"]),
+    data=st.data(),
+)
+def test_plan_files_hold_every_invariant_at_up_to_1024_ranks(world, batch, leftover, data):
+    """Planned, encoded as one file (a row group per rank) and read back whole and rank by rank."""
+    import fsspec
+
+    from manifests.plan.parts import encode_epoch, read_epoch_ranks, read_epoch_whole
+    from manifests.plan.schedule import PLAN_SCHEMA
+
+    g = world * batch
+    counts = data.draw(st.lists(st.integers(1, 3 * g), min_size=1, max_size=4))
+    counts[0] = max(counts[0], g)  # at least one global batch
+    ids, buckets = make_samples(counts, seed=world)
+    config = PlanConfig(world_size=world, batch_size=batch, leftover=leftover, seed=world)
+    schedule = plan_epoch(group_samples(ids, buckets), config, 2)
+    check_epoch(ids, buckets, config, schedule)
+    file = encode_epoch(schedule, world)
+    fs = fsspec.filesystem("memory")
+    path = f"/plan-props/{world}-{batch}-{leftover}/{file.path}"
+    fs.pipe_file(path, file.data)
+    whole, sha = read_epoch_whole(fs, path, "e", world, PLAN_SCHEMA)
+    assert sha == file.sha256 and len(whole) == world
+    ranks = data.draw(st.lists(st.integers(0, world - 1), min_size=1, max_size=3, unique=True))
+    some = read_epoch_ranks(fs, path, "e", {**file.entry(), "steps": schedule.steps}, world, ranks, PLAN_SCHEMA)
+    for rank in ranks:
+        expected = rank_table(schedule, world, rank)
+        assert some[rank].equals(expected) and whole[rank].equals(expected)
+    for step in range(schedule.steps):  # rank r holds the r-th id range of each global batch
+        lows = [int(whole[r].column("sample_ids")[step].values[0].as_py()) for r in range(min(world, 3))]
+        assert lows == sorted(lows)

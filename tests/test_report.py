@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from manifests.cache import CacheWriter, read_cache_meta
-from manifests.plan import PlanConfig, rank_part, write_plan
+from manifests.plan import PlanConfig, epoch_part, write_plan
 from manifests.buckets import BucketSpec
 from manifests.manifest import read_manifest, write_manifest
 from pipeline.cli import main
@@ -139,11 +139,11 @@ def test_report_plan_and_cache_sections(manifest_url, tmp_path):
 def test_report_reads_plans_and_caches_through_their_readers(manifest_url, tmp_path, capsys):
     manifest = read_manifest(manifest_url)
     write_plan_folder(tmp_path / "plan", manifest)
-    # a part named by _plan.json is gone: refused as by every other reader, never listed around
-    (tmp_path / "plan" / rank_part(0, 1)).unlink()
+    # a file named by _plan.json is gone: refused as by every other reader, never listed around
+    (tmp_path / "plan" / epoch_part(0)).unlink()
     argv = ["report", manifest_url, "--plan", str(tmp_path / "plan"), "--out", str(tmp_path / "r.html")]
     assert main(argv) == 2
-    missing = "epoch 0 rank 1: part epoch-00000/rank-00001.parquet named by _plan.json is missing"
+    missing = "epoch 0: epoch-00000.parquet named by _plan.json is missing"
     assert missing in capsys.readouterr().err
 
     # a superseded error row (the image was read on a later run) is not counted, even before the

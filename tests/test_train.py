@@ -201,15 +201,26 @@ def test_max_steps_between_optimizer_steps_stops_at_the_last_whole_one(
     assert (cursor["position"], cursor["optimizer_steps"]) == (4, 2)
     assert json.loads((tmp_path / "out" / "checkpoints" / "latest.json").read_text())["checkpoint"] == "step-00000004"
     assert len(records(tmp_path / "rec")) == 4  # step 5 was not taken: its gradients would have been thrown away
+    half = tmp_path / "out" / "checkpoints" / "step-00000006"  # a later save killed before its commit
+    half.mkdir()
+    (half / "model.safetensors").write_bytes(b"\0" * 10)
     assert run(*common, "--resume") == 0  # the rest of the plan, from the optimizer-step boundary
+    assert "checkpoints/step-00000004: epoch 0 step 4" in capsys.readouterr().out  # latest.json, not the newest folder
     assert [(r["epoch"], r["step"], r["sample_ids"]) for r in records(tmp_path / "rec")] == plan_rows(train_data.plan1a)
     cursor = json.loads((tmp_path / "out" / "checkpoints" / "step-00000010" / "cursor.json").read_text())
     assert (cursor["position"], cursor["optimizer_steps"]) == (10, 5)
 
 
-def test_the_config_must_accumulate_as_the_plan_was_made(run, train_data, tmp_path, capsys):
-    assert run("--plan", train_data.plan1a, "--cache", train_data.cache, "--output-dir", tmp_path) == 2
+def test_the_config_must_accumulate_as_the_plan_was_made(run, train_data, tmp_path, capsys, monkeypatch):
+    cfg = write_config(tmp_path / "c.yaml", grad_accum=1)
+    assert run("--plan", train_data.plan1a, "--cache", train_data.cache, "--config", cfg,
+               "--output-dir", tmp_path / "a") == 2  # fmt: skip
     assert "was made with --grad-accum 2 but the config says grad_accum: 1" in capsys.readouterr().err
+    # an accelerate config's gradient_accumulation_steps (accelerate launch exports it) may not override the plan
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "1")
+    assert run("--plan", train_data.plan1a, "--cache", train_data.cache, "--output-dir", tmp_path / "b") == 2
+    err = capsys.readouterr().err
+    assert "the accelerate config sets gradient_accumulation_steps: 1" in err and "--grad-accum 2" in err
 
 
 def test_a_non_finite_loss_stops_the_run_without_saving_its_weights(run, train_data, tmp_path, capsys):
@@ -224,3 +235,27 @@ def test_a_non_finite_loss_stops_the_run_without_saving_its_weights(run, train_d
     latest = json.loads((out / "checkpoints" / "latest.json").read_text())["checkpoint"]
     assert latest == f"step-{position - 1:08d}"  # the last finite step's checkpoint, not the diverged one
     assert not (out / "model").exists()
+
+
+def test_a_plan_written_in_windows_trains_to_its_last_planned_epoch_and_resumes_once_extended(
+    run, train_data, tmp_path, capsys
+):
+    from pipeline.cli import main as bucketeer
+
+    plan = str(tmp_path / "plan")
+    argv = [train_data.manifest, "--world-size", "1", "--batch-size", "4", "--epochs", "6", "--seed", "3",
+            "--cache", train_data.cache]  # fmt: skip
+    assert bucketeer(["plan", *argv[:1], "--out", plan, *argv[1:], "--window", "2"]) == 0
+    cfg = write_config(tmp_path / "c.yaml", checkpoint_every=10)
+    common = ["--plan", plan, "--cache", train_data.cache, "--config", cfg, "--output-dir", tmp_path / "out",
+              "--record-samples", tmp_path / "rec"]  # fmt: skip
+    capsys.readouterr()
+    assert run(*common) == 0
+    out = capsys.readouterr().out
+    assert "the plan holds epochs up to 1 of 6: this run stops there" in out and "60 optimizer steps in the" in out
+    assert "done: planned epochs finished" in out and len(records(tmp_path / "rec")) == 20
+    assert bucketeer(["plan", *argv[:1], "--extend", plan, *argv[5:]]) == 0  # the rest, same --cache
+    assert run(*common, "--resume") == 0
+    assert "done: plan finished" in capsys.readouterr().out
+    # the same rows as the plan made at once: windows change nothing but when epochs are written
+    assert [(r["epoch"], r["step"], r["sample_ids"]) for r in records(tmp_path / "rec")] == plan_rows(train_data.plan1)

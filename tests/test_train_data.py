@@ -42,19 +42,22 @@ def corrupt_copy(cache: str, dest, sample: int) -> str:
 def test_rank_steps_are_exactly_the_plan_rows_from_the_cursor(train_data):
     for rank in (0, 1):
         rows = read_rank_plan(train_data.plan2, rank).to_pylist()
-        steps = rank_steps(train_data.plan2, rank)
+        steps = list(rank_steps(train_data.plan2, rank))
         assert [(s.epoch, s.step, s.bucket, list(s.sample_ids)) for s in steps] == [
             (r["epoch"], r["step"], r["bucket"], r["sample_ids"]) for r in rows
         ]
         later = rank_steps(train_data.plan2, rank, start=(0, 4))
-        assert later == steps[4:] and later[0].step == 4
+        assert len(later) == 16 and list(later) == steps[4:] and steps[4].step == 4
         assert all(s.epoch == 1 for s in rank_steps(train_data.plan2, rank, start=(0, 10)))
+        limited = rank_steps(train_data.plan2, rank, start=(0, 8), limit=5)
+        assert len(limited) == 5 and list(limited) == steps[8:13]
+        assert [len(epoch) for epoch in limited.epochs()] == [2, 3]  # read one epoch at a time
 
 
 def test_batches_follow_the_plan_with_padded_text_and_scaled_latents(train_data):
     reader = CacheReader(train_data.cache)
     latent = read_cache_meta(train_data.cache)["latent"]
-    steps = rank_steps(train_data.plan1, 0)[:10]  # epoch 0: every bucket
+    steps = list(rank_steps(train_data.plan1, 0, limit=10))  # epoch 0: every bucket
     batches = list(BatchLoader(reader, steps, latent, prefetch=2, read_threads=2))
     assert [b.sample_ids for b in batches] == [list(s.sample_ids) for s in steps]
     assert {b.bucket for b in batches} == {"64x64", "128x32", "32x128"}
@@ -81,6 +84,7 @@ def reading_threads() -> list[threading.Thread]:
 def test_loader_stops_its_reading_threads_when_closed(train_data):
     reader = CacheReader(train_data.cache)
     loader = BatchLoader(reader, rank_steps(train_data.plan1, 0), reader.meta["latent"], prefetch=4, read_threads=2)
+    assert len(loader) == 60
     it = iter(loader)
     next(it)
     assert reading_threads()
@@ -133,7 +137,7 @@ def test_reader_gives_concurrent_reads_the_single_threaded_results(train_data):
 
 def test_batches_come_in_plan_order_whatever_order_the_reads_finish(train_data):
     reader = CacheReader(train_data.cache)
-    steps = rank_steps(train_data.plan1, 0)[:12]
+    steps = list(rank_steps(train_data.plan1, 0, limit=12))
     read = reader.read
 
     def slow_on_even_steps(sample_ids):  # later reads overtake earlier ones
@@ -149,7 +153,7 @@ def test_batches_come_in_plan_order_whatever_order_the_reads_finish(train_data):
 
 
 def test_corrupt_record_stops_with_sample_shard_and_fix_or_is_skipped(train_data, tmp_path):
-    steps = rank_steps(train_data.plan1, 0)[:3]
+    steps = list(rank_steps(train_data.plan1, 0, limit=3))
     bad = steps[1].sample_ids[2]
     shard = corrupt_copy(train_data.cache, tmp_path / "cache", bad)
     reader = CacheReader(str(tmp_path / "cache"))

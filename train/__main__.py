@@ -27,8 +27,8 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import replace
-from pathlib import Path
+from dataclasses import dataclass, replace
+from typing import Any
 
 from manifests.errors import UsageError, user_error
 from manifests.storage import parse_storage_options, redact
@@ -45,6 +45,7 @@ class StopReason(enum.Enum):
     """Why the loop ended. It decides the last checkpoint, the saved model and the exit code."""
 
     PLAN_FINISHED = "plan finished"
+    WINDOW_FINISHED = "planned epochs finished (the plan has more to --extend)"
     MAX_STEPS = "--max-steps reached"
     PREEMPTED = "stop requested (SIGTERM)"
     NON_FINITE_LOSS = "non-finite loss"
@@ -72,137 +73,226 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plan", required=True, help="plan folder (local path or URL) from `bucketeer plan`")
     p.add_argument("--cache", required=True, help="cache folder (local path or URL) from `bucketeer embed`")
     p.add_argument("--config", default=None, help="YAML/JSON training config (default: train/configs/tiny.yaml)")
-    p.add_argument("--output-dir", default="train-output", help="checkpoints, logs, the final model (local folder)")
+    p.add_argument("--output-dir", default="train-output",
+                   help="checkpoints, logs, the final model: a local folder, or a URL (s3://bucket/run) that "
+                        "every node reaches; several nodes need a URL or a shared filesystem")  # fmt: skip
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output-dir")
     p.add_argument("--record-samples", metavar="DIR", default=None,
                    help="write DIR/rank-<r>.jsonl: the sample ids each rank trained on, one line per step")  # fmt: skip
     p.add_argument("--max-steps", type=int, default=None, help="stop once this many plan steps have run in total")
     p.add_argument("--skip-bad-records", action="store_true",
                    help="drop missing/corrupt cache records (counted, logged) instead of stopping")  # fmt: skip
-    p.add_argument("--storage-options", default=None, help="fsspec options as JSON for the plan/cache URLs")
+    p.add_argument("--storage-options", default=None,
+                   help="fsspec options as JSON for the plan, cache and --output-dir URLs")  # fmt: skip
     return p.parse_args(argv)
 
 
-def train(args: argparse.Namespace) -> int:
-    import torch
+@dataclass
+class Run:
+    """What the setup steps of :func:`train` produce and the loop uses."""
+
+    accelerator: Any
+    cfg: Any
+    output: Any  # train.output.OutputDir
+    storage_options: dict
+    root_url: str
+    root_meta: dict
+    grad_accum: int
+    max_steps: int | None
+    checkpoint: Any = None  # train.checkpoint.Checkpoint to resume from
+    cursor: Any = None  # train.checkpoint.Cursor
+    plan_url: str = ""
+    plan_meta: dict | None = None
+
+
+def _setup_accelerator(args: argparse.Namespace) -> Run:
+    """The plan's accumulation (checked against the configs), the output folder, the Accelerator."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
-    from diffusers.optimization import get_scheduler
 
-    from manifests.cache import CacheReader
     from manifests.plan import read_plan_meta
-    from manifests.progress import Progress
-    from train.checkpoint import Cursor, find_checkpoint, resume_elastic, save_checkpoint, truncate_records
+    from train.backends import check_backend, plan_grad_accum
     from train.config import load_config
-    from train.data import BatchLoader, rank_steps
-    from train.metrics import MetricsFile, SampleRecorder, Window
-    from train.model import build_model, flow_matching_loss, step_generator
+    from train.output import check_shared, open_output
 
     cfg = load_config(args.config)
     so = _no_head_options(parse_storage_options(args.storage_options), args.plan, args.cache)
-    out = Path(args.output_dir)
-    max_steps = _whole_updates(args.max_steps, cfg.grad_accum)
-
-    # ---- accelerator -------------------------------------------------------------------------
-    accelerator = Accelerator(
-        mixed_precision=cfg.mixed_precision,
-        gradient_accumulation_steps=cfg.grad_accum,
-        step_scheduler_with_optimizer=False,  # we step the schedule once per optimizer step, on any world size
-        log_with="tensorboard" if _has_tensorboard() else None,
-        project_dir=str(out / "logs"),
-    )
-    rank, world, main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
-    say = accelerator.print
-    set_seed(cfg.seed)  # identical initial weights on every rank
-
-    # ---- position: the start of the plan, or a checkpoint's cursor ---------------------------
     root_url = args.plan if "://" in args.plan else os.path.abspath(args.plan)
     root_meta = read_plan_meta(root_url, so)
-    planned_accum = int(root_meta["inputs"].get("grad_accum", 1))
-    if planned_accum != cfg.grad_accum:  # the plan's epochs are whole optimizer steps of ITS grad_accum
-        raise UsageError(f"--plan {redact(args.plan)} was made with --grad-accum {planned_accum} but the config says "
-                         f"grad_accum: {cfg.grad_accum}; set grad_accum: {planned_accum} in the config, or re-plan "
-                         f"with --grad-accum {cfg.grad_accum}")  # fmt: skip
+    grad_accum = plan_grad_accum(root_meta, cfg.grad_accum, redact(args.plan))
+    if cfg.checkpoint_every % grad_accum:
+        raise UsageError(f"config: checkpoint_every {cfg.checkpoint_every} must be a multiple of the plan's "
+                         f"--grad-accum {grad_accum} (a checkpoint is taken between optimizer steps)")  # fmt: skip
+    # the first rank of this node names its local folder (torchrun and accelerate launch set both)
+    node = int(os.environ.get("RANK", 0)) - int(os.environ.get("LOCAL_RANK", 0))
+    output = open_output(args.output_dir, parse_storage_options(args.storage_options), node)
+    accelerator = Accelerator(
+        mixed_precision=cfg.mixed_precision,
+        gradient_accumulation_steps=grad_accum,
+        step_scheduler_with_optimizer=False,  # we step the schedule once per optimizer step, on any world size
+        log_with="tensorboard" if _has_tensorboard() else None,
+        project_dir=str(output.local("logs")),
+    )
+    check_backend(accelerator)
+    check_shared(accelerator, output)
+    set_seed(cfg.seed)  # identical initial weights on every rank
+    max_steps = _whole_updates(args.max_steps, grad_accum)
     if max_steps != args.max_steps:
-        say(f"--max-steps {args.max_steps} is not a multiple of grad_accum {cfg.grad_accum}: stopping after "
-            f"{max_steps} plan steps, the last optimizer step before it (runs stop and checkpoint only between "
-            "optimizer steps)")  # fmt: skip
-    checkpoint = find_checkpoint(out) if args.resume else None
+        accelerator.print(f"--max-steps {args.max_steps} is not a multiple of grad_accum {grad_accum}: stopping "
+                          f"after {max_steps} plan steps, the last optimizer step before it (runs stop and "
+                          "checkpoint only between optimizer steps)")  # fmt: skip
+    return Run(accelerator, cfg, output, so, root_url, root_meta, grad_accum, max_steps)
+
+
+def _setup_position(run: Run, args: argparse.Namespace) -> None:
+    """Where to start: the plan's beginning or the latest checkpoint's cursor; the plan to follow."""
+    from train.checkpoint import Cursor, find_checkpoint, resume_elastic
+
+    accelerator, world = run.accelerator, run.accelerator.num_processes
+    checkpoint = find_checkpoint(run.output) if args.resume else None
     if checkpoint is not None:
         cursor = checkpoint.cursor
-        if cursor.root_fingerprint != root_meta["fingerprint"]:
-            raise UsageError(f"{checkpoint.path} was trained on another plan than --plan {redact(args.plan)}; "
-                             "pass that plan, or use a new --output-dir")  # fmt: skip
-        say(f"resuming from {checkpoint.path}: epoch {cursor.epoch} step {cursor.step} "
-            f"(trained on {cursor.world_size} processes, now {world})")  # fmt: skip
+        if cursor.root_fingerprint != run.root_meta["fingerprint"]:
+            raise UsageError(f"{run.output.name(checkpoint.rel)} was trained on another plan than --plan "
+                             f"{redact(args.plan)}; pass that plan, or use a new --output-dir")  # fmt: skip
+        accelerator.print(f"resuming from {run.output.name(checkpoint.rel)}: epoch {cursor.epoch} step "
+                          f"{cursor.step} (trained on {cursor.world_size} processes, now {world})")  # fmt: skip
     else:
         if args.resume:
-            say(f"--resume: no checkpoint in {out}; starting at the beginning of the plan")
-        if int(root_meta["inputs"]["world_size"]) != world:
-            raise UsageError(f"--plan {redact(args.plan)} is for {root_meta['inputs']['world_size']} ranks but "
+            accelerator.print(f"--resume: no checkpoint in {run.output.name()}; starting at the beginning of the plan")
+        if int(run.root_meta["inputs"]["world_size"]) != world:
+            raise UsageError(f"--plan {redact(args.plan)} is for {run.root_meta['inputs']['world_size']} ranks but "
                              f"{world} processes are running: plan with --world-size {world}")  # fmt: skip
-        cursor = Cursor.start(root_meta, root_url, world)
+        cursor = Cursor.start(run.root_meta, run.root_url, world)
     with accelerator.main_process_first():  # rank 0 writes an elastic plan, the others then read it
-        plan_url, plan_meta = resume_elastic(cursor, out, world, so, write=main)
-    cursor = replace(cursor, world_size=world, plan_url=plan_url, plan_fingerprint=plan_meta["fingerprint"])
-    plan_so = so if "://" in plan_url else None
+        plan_url, plan_meta = resume_elastic(cursor, run.root_url, run.root_meta, run.output, world,
+                                             run.storage_options, write=accelerator.is_main_process)  # fmt: skip
+    run.checkpoint, run.plan_url, run.plan_meta = checkpoint, plan_url, plan_meta
+    run.cursor = replace(cursor, world_size=world, plan_url=plan_url, plan_fingerprint=plan_meta["fingerprint"])
 
-    # ---- data: this rank's rows, records from the cache ----------------------------------------
-    reader = CacheReader(args.cache, so)
-    wanted = plan_meta["inputs"].get("cache_fingerprint")
+
+def _setup_data(run: Run, args: argparse.Namespace):
+    """This rank's steps (read epoch by epoch), the cache reader and the batch loader."""
+    import torch
+
+    from manifests.cache import CacheReader
+    from train.data import BatchLoader, rank_steps
+
+    accelerator, cursor, cfg = run.accelerator, run.cursor, run.cfg
+    reader = CacheReader(args.cache, run.storage_options)
+    wanted = run.plan_meta["inputs"].get("cache_fingerprint")
     if wanted and wanted != reader.meta["fingerprint"]:
         raise UsageError(f"the plan was made for a cache with fingerprint {wanted[:12]}, but --cache "
                          f"{redact(args.cache)} has {reader.meta['fingerprint'][:12]}: "
                          "pass that cache or re-plan")  # fmt: skip
-    steps = rank_steps(plan_url, rank, plan_so, start=(cursor.epoch, cursor.step))
-    if max_steps is not None:
-        steps = steps[: max(max_steps - cursor.position, 0)]
+    plan_so = run.storage_options if "://" in run.plan_url else None
+    if not run.output.is_local and run.plan_url.startswith(run.output.url_of("")):
+        plan_so = run.output.fs.storage_options  # an elastic plan written under a URL --output-dir
+    limit = None if run.max_steps is None else max(run.max_steps - cursor.position, 0)
+    steps = rank_steps(run.plan_url, accelerator.process_index, plan_so, start=(cursor.epoch, cursor.step),
+                       limit=limit)  # fmt: skip
     counts = accelerator.gather(torch.tensor([len(steps)], device=accelerator.device)).tolist()
     if len(set(counts)) != 1:  # a plan invariant; checked because a violation would hang DDP
         raise UsageError(f"ranks have different step counts {counts}: run `bucketeer plan --check`")
-    loader = BatchLoader(reader, steps, reader.meta["latent"], rank=rank, prefetch=cfg.prefetch,
-                         read_threads=cfg.read_threads,
+    loader = BatchLoader(reader, steps, reader.meta["latent"], rank=accelerator.process_index,
+                         prefetch=cfg.prefetch, read_threads=cfg.read_threads,
                          skip_bad_records=args.skip_bad_records, pin_memory=accelerator.device.type == "cuda",
                          log=lambda line: print(redact(line), file=sys.stderr, flush=True))  # fmt: skip
-    if args.record_samples and args.resume:
-        with accelerator.main_process_first():
-            if main:  # the steps a killed run took past its checkpoint are taken again below
-                truncate_records(args.record_samples, max(world, checkpoint.cursor.world_size if checkpoint else 1),
-                                 cursor)  # fmt: skip
-    recorder = SampleRecorder(args.record_samples, rank)
+    return reader, steps, loader
 
-    # ---- model, optimizer, schedule ----------------------------------------------------------
-    text_width = loader.layout.width  # what the joined prompt embeddings are wide (train.data.collate)
+
+def _setup_model(run: Run, reader):
+    """The model, optimizer and LR schedule, prepared (DeepSpeed filled from the plan first), and resumed."""
+    import torch
+    from diffusers.optimization import get_scheduler
+
+    from train.backends import configure_deepspeed, plan_micro_batch
+    from train.checkpoint import fetch_checkpoint
+    from train.model import build_model
+
+    accelerator, cfg, root_meta = run.accelerator, run.cfg, run.root_meta
+    from manifests.cache import TextLayout
+
+    text_width = TextLayout.from_meta(reader.meta).width  # how wide the joined prompt embeddings are (collate)
     model = build_model(cfg.model, latent_channels=int(reader.meta["latent"]["channels"]), caption_channels=text_width)
-    patch = int(model.config.patch_size)
     # linear scaling by the ROOT plan's world size: an elastic resume keeps the global batch, so the lr too
     lr = cfg.lr * int(root_meta["inputs"]["world_size"]) if cfg.scale_lr else cfg.lr
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=cfg.adam_betas, eps=cfg.adam_eps,
                                   weight_decay=cfg.weight_decay)  # fmt: skip
-    # the schedule's length comes from the plan the run started with (an elastic resume keeps every step)
+    # the schedule's length: the run's epochs (inputs.epochs, however many are planned yet) of the root plan
     plan_steps = int(root_meta["steps_per_epoch"]) * int(root_meta["inputs"]["epochs"])
-    total_updates = plan_steps // cfg.grad_accum  # exact: steps per epoch are a multiple of grad_accum (plan --check)
+    total_updates = plan_steps // run.grad_accum  # exact: steps per epoch are a multiple of grad_accum
     schedule = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[cfg.lr_schedule]
     lr_scheduler = get_scheduler(schedule, optimizer, num_warmup_steps=cfg.warmup_steps,
                                  num_training_steps=total_updates)  # fmt: skip
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is not None:  # no DataLoader is prepared: DeepSpeed's batch settings come from the plan
+        configure_deepspeed(plugin, micro_batch=plan_micro_batch(run.plan_meta), grad_accum=run.grad_accum,
+                            world_size=accelerator.num_processes, max_grad_norm=cfg.max_grad_norm)  # fmt: skip
     # only model/optimizer/schedule are prepared: the loader is already this rank's shard (see train.data)
     model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
     _KEEP_ALIVE.append(model)  # never deallocated before os._exit: see _KEEP_ALIVE
-    if checkpoint is not None:
-        accelerator.load_state(str(checkpoint.path))
+    if run.checkpoint is not None:
+        local = fetch_checkpoint(accelerator, run.output, run.checkpoint)
+        # accelerate 1.x reads optimizer, schedule and RNG files with torch.load(weights_only=True)
+        accelerator.load_state(str(local), load_kwargs={"weights_only": True})
+        accelerator.wait_for_everyone()
+        if accelerator.is_local_main_process:
+            run.output.drop_local_copy(run.checkpoint.rel)
     accelerator.wait_for_everyone()
+    return model, optimizer, lr_scheduler, plan_steps, total_updates
+
+
+def train(args: argparse.Namespace) -> int:
+    import torch
+
+    from manifests.progress import Progress
+    from train.backends import save_model
+    from train.checkpoint import save_checkpoint, truncate_records
+    from train.metrics import MetricsFile, SampleRecorder, Window
+    from train.model import flow_matching_loss, step_generator
+
+    # ---- setup: accelerator, position, data, model -----------------------------------------------
+    run = _setup_accelerator(args)
+    accelerator, cfg, output = run.accelerator, run.cfg, run.output
+    rank, world, main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
+    say = accelerator.print
+    _setup_position(run, args)
+    reader, steps, loader = _setup_data(run, args)
+    if args.record_samples and args.resume:
+        with accelerator.main_process_first():
+            if main:  # the steps a killed run took past its checkpoint are taken again below
+                ranks = max(world, run.checkpoint.cursor.world_size if run.checkpoint else 1)
+                truncate_records(args.record_samples, ranks, run.cursor)
+    recorder = SampleRecorder(args.record_samples, rank)
+    model, optimizer, lr_scheduler, plan_steps, total_updates = _setup_model(run, reader)
+    patch = int(accelerator.unwrap_model(model).config.patch_size)
+    cursor, max_steps = run.cursor, run.max_steps
 
     # ---- trackers ------------------------------------------------------------------------------
-    accelerator.init_trackers("bucketeer", config=_flat(cfg.to_json(), world=world, plan_steps=plan_steps))
-    metrics = MetricsFile(out / "metrics.jsonl" if main else None)
+    accelerator.init_trackers("bucketeer", config=_flat(cfg.to_json(), world=world, plan_steps=plan_steps,
+                                                        grad_accum=run.grad_accum))  # fmt: skip
+    if main:
+        output.download_file("metrics.jsonl")  # a resumed run appends to it
+    metrics = MetricsFile(output.local("metrics.jsonl") if main else None)
     # Preemption (SIGTERM to this rank; torchrun / accelerate launch forward theirs to every rank): finish the
     # optimizer step under way, checkpoint, stop. torchrun SIGKILLs ranks 30 s after forwarding, so at real
     # sizes keep a checkpoint's save_state well under that.
     stop_requested = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop_requested.set())
+    planned = run.plan_meta["epochs"][-1]["epoch"] + 1
+    if planned < int(run.root_meta["inputs"]["epochs"]) and max_steps is None:
+        say(f"the plan holds epochs up to {planned - 1} of {run.root_meta['inputs']['epochs']}: this run stops "
+            f"there; write more with `bucketeer plan MANIFEST --extend {redact(args.plan)}` and --resume")  # fmt: skip
     say(f"training {len(steps)} steps per rank on {world} process(es) from epoch {cursor.epoch} step {cursor.step}; "
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {total_updates} optimizer steps "
         "in the schedule")  # fmt: skip
+
+    def checkpoint() -> None:
+        save_checkpoint(accelerator, output, cursor, cfg.keep_checkpoints)
+        if main:
+            metrics.flush()
+            output.upload_logs()
 
     # ---- the loop ------------------------------------------------------------------------------
     window, stop, saved_at = Window(), None, None
@@ -256,28 +346,33 @@ def train(args: argparse.Namespace) -> int:
         elif max_steps is not None and cursor.position >= max_steps:
             stop = StopReason.MAX_STEPS
         elif cursor.position % cfg.checkpoint_every == 0:
-            save_checkpoint(accelerator, out, cursor, cfg.keep_checkpoints)
+            checkpoint()
             saved_at = cursor.position
     if stop is None:
-        stop = StopReason.PLAN_FINISHED
+        finished = cursor.epoch >= int(run.root_meta["inputs"]["epochs"]) - 1
+        stop = StopReason.PLAN_FINISHED if finished or not len(steps) else StopReason.WINDOW_FINISHED
     progress.close()
     loader.close()
     recorder.close()
 
     # ---- the end -------------------------------------------------------------------------------
     # the stop's checkpoint (SIGTERM, --max-steps, the plan's end) unless this step has one already
-    if stop.keeps_weights and saved_at != cursor.position and steps:
-        assert cursor.position % cfg.grad_accum == 0, "stops, the plan's end and --max-steps are optimizer steps"
-        save_checkpoint(accelerator, out, cursor, cfg.keep_checkpoints)
+    if stop.keeps_weights and saved_at != cursor.position and len(steps):
+        assert cursor.position % run.grad_accum == 0, "stops, the plan's end and --max-steps are optimizer steps"
+        checkpoint()
     skipped = int(accelerator.reduce(torch.tensor([loader.skipped], device=accelerator.device), "sum").item())
-    if main and stop.keeps_weights:
-        accelerator.unwrap_model(model).save_pretrained(str(out / "model"))
+    if stop.keeps_weights:
+        save_model(accelerator, model, output.local("model"))  # every rank: FSDP / ZeRO-3 gather shards here
+        if main:
+            output.upload("model")
     accelerator.wait_for_everyone()
     accelerator.end_training()
     metrics.close()
+    if main:
+        output.upload_logs()
     say(f"done: {stop.describe(max_steps=max_steps, position=cursor.position)}; position {cursor.position}, "
         f"epoch {cursor.epoch} step {cursor.step}, {updates} optimizer steps, {skipped} bad records skipped; "
-        f"output in {out}")  # fmt: skip
+        f"output in {output.name()}")  # fmt: skip
     return stop.exit_code
 
 

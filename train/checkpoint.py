@@ -1,22 +1,29 @@
-"""Checkpoints: ``accelerator.save_state`` plus the plan cursor, a handful of integers in a small JSON.
+"""Checkpoints at any ``--output-dir`` (local or a URL): ``accelerator.save_state``, the plan cursor, a commit.
 
-Layout under ``--output-dir``::
+Layout under ``--output-dir`` (:mod:`train.output`)::
 
-    checkpoints/step-00000120/   accelerate state (model.safetensors, optimizer, scheduler, RNG) + cursor.json
+    checkpoints/step-00000120/   accelerate state (model.safetensors, optimizer.bin, scheduler.bin,
+                                 random_states_<rank>.pkl) + cursor.json (the cursor and the files)
     checkpoints/latest.json      {"checkpoint": "step-00000120", "kept": [...]}, written last
     plans/resume-00000120-w4/    the plan an elastic resume wrote for 4 ranks (see resume_elastic)
 
+Saving: every rank saves into its node's folder, each node uploads what its ranks wrote, a
+collective proves every upload finished, then the main process writes ``cursor.json`` and
+``latest.json``: the commit point. A folder that ``latest.json`` does not name (a save killed
+half-way) is never chosen. Resuming: every node reads ``latest.json`` and downloads the files
+``cursor.json`` lists (no listing) into its own folder; nothing needs a shared filesystem.
+What is read back is safetensors, JSON, or tensors that accelerate loads with
+``torch.load(weights_only=True)``: no pickle.
+
 Resuming needs no replay: the batches are the plan rows from ``(epoch, step)`` on, and the
 noise of a step is a function of its position (:func:`train.model.step_generator`), so a resumed
-run sees exactly what an uninterrupted one would have seen. Nothing here lists storage; the
-latest checkpoint is named by ``latest.json``.
+run sees exactly what an uninterrupted one would have seen.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -24,8 +31,11 @@ from typing import Any
 from manifests import faults
 from manifests.errors import UsageError
 from manifests.plan import read_plan_meta, resume_plan
+from manifests.storage import join, read_json, write_json_atomic
+from train.output import OutputDir
 
-__all__ = ["Cursor", "Checkpoint", "find_checkpoint", "save_checkpoint", "resume_elastic", "truncate_records"]
+__all__ = ["Cursor", "Checkpoint", "find_checkpoint", "fetch_checkpoint", "save_checkpoint", "resume_elastic",
+           "truncate_records"]  # fmt: skip
 
 CURSOR_FILE = "cursor.json"
 LATEST_FILE = "latest.json"
@@ -37,7 +47,8 @@ class Cursor:
 
     ``position``: plan steps run since the start of the root plan (every rank runs the same
     number). ``plan_url``: the plan being followed (an elastic resume writes a new one);
-    ``root_fingerprint``: the fingerprint of the plan the run was started with.
+    ``root_fingerprint``: the fingerprint of the plan the run was started with (the same after
+    ``bucketeer plan --extend``).
     """
 
     epoch: int
@@ -62,76 +73,105 @@ class Cursor:
 
 @dataclass(frozen=True)
 class Checkpoint:
-    path: Path
+    """A committed checkpoint: its folder name under ``checkpoints/``, cursor and files (relative path: bytes)."""
+
+    name: str
     cursor: Cursor
+    files: dict[str, int]
+
+    @property
+    def rel(self) -> str:
+        return f"checkpoints/{self.name}"
 
 
-def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)  # a reader sees the old file or the new one, never half of one
+def find_checkpoint(output: OutputDir) -> Checkpoint | None:
+    """The checkpoint ``latest.json`` names, or None when there is none. Reads two small JSON files.
 
-
-def find_checkpoint(output_dir: str | Path) -> Checkpoint | None:
-    """The latest checkpoint under ``output_dir``, or None when there is none.
-
-    Raises ValueError when ``latest.json`` names a checkpoint without a readable cursor.
+    Raises UsageError when ``latest.json`` names a checkpoint without a readable ``cursor.json``.
     """
-    latest = Path(output_dir) / "checkpoints" / LATEST_FILE
-    if not latest.exists():
-        return None
-    name = json.loads(latest.read_text())["checkpoint"]
-    path = latest.parent / name
+    latest = join(output.root, "checkpoints", LATEST_FILE)
     try:
-        cursor = Cursor(**json.loads((path / CURSOR_FILE).read_text()))
-    except (FileNotFoundError, json.JSONDecodeError, TypeError) as e:
-        raise UsageError(f"checkpoint {path} has no valid {CURSOR_FILE} ({e}); delete {latest} to start over") from None
-    return Checkpoint(path, cursor)
+        name = read_json(output.fs, latest)["checkpoint"]
+    except FileNotFoundError:
+        return None
+    path = join(output.root, "checkpoints", name, CURSOR_FILE)
+    try:
+        saved = read_json(output.fs, path)
+        cursor = Cursor(**{f: saved[f] for f in Cursor.__dataclass_fields__})
+    except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise UsageError(f"checkpoint {output.name('checkpoints', name)} has no valid {CURSOR_FILE} ({e}); "
+                         f"delete {output.name('checkpoints', LATEST_FILE)} to start over") from None  # fmt: skip
+    return Checkpoint(name, cursor, {k: int(v) for k, v in saved["files"].items()})
 
 
-def save_checkpoint(accelerator, output_dir: str | Path, cursor: Cursor, keep: int) -> Path:
-    """``save_state`` on every rank, then (main process) the cursor and ``latest.json``; keeps ``keep``.
+def fetch_checkpoint(accelerator, output: OutputDir, checkpoint: Checkpoint) -> Path:
+    """The local folder to ``load_state`` from: each node's local main process downloads the checkpoint's
+    files there (a local ``--output-dir`` is used as it is). Call it on every process."""
+    with accelerator.local_main_process_first():
+        if accelerator.is_local_main_process:
+            output.download(checkpoint.rel, checkpoint.files)
+    return output.local(checkpoint.rel)
 
-    Call it on every process at the same step (it waits for all of them).
+
+def save_checkpoint(accelerator, output: OutputDir, cursor: Cursor, keep: int) -> str:
+    """Save, upload and commit a checkpoint; keep the last ``keep``. Returns its folder name.
+
+    Call it on every process at the same step: ``save_state`` on every rank into its node's
+    folder, one upload per node, a gather that proves all uploads finished, then the main process
+    writes ``cursor.json`` and ``latest.json`` (the commit point) and removes older checkpoints.
     """
-    root = Path(output_dir) / "checkpoints"
+    from accelerate.utils import gather_object
+
     name = f"step-{cursor.position:08d}"
-    accelerator.save_state(str(root / name))
-    accelerator.wait_for_everyone()
+    rel = f"checkpoints/{name}"
+    accelerator.save_state(str(output.local(rel)), safe_serialization=True)
+    accelerator.wait_for_everyone()  # every rank of every node has written its files
+    files = output.upload(rel) if accelerator.is_local_main_process else {}
+    uploaded = gather_object([files])  # a collective: returns once every node has uploaded
     if accelerator.is_main_process:
-        _write_json(root / name / CURSOR_FILE, asdict(cursor))
-        latest = root / LATEST_FILE
-        kept = json.loads(latest.read_text()).get("kept", []) if latest.exists() else []
+        merged = {f: size for node in uploaded for f, size in node.items()}
+        saved = {**asdict(cursor), "files": merged}
+        write_json_atomic(output.fs, join(output.root, rel, CURSOR_FILE), saved)
+        latest = join(output.root, "checkpoints", LATEST_FILE)
+        try:
+            kept = read_json(output.fs, latest).get("kept", [])
+        except FileNotFoundError:
+            kept = []
         kept = [k for k in kept if k != name] + [name]
-        _write_json(latest, {"checkpoint": name, "kept": kept[-keep:]})  # the commit point
+        write_json_atomic(output.fs, latest, {"checkpoint": name, "kept": kept[-keep:]})  # the commit point
         for old in kept[:-keep]:
-            shutil.rmtree(root / old, ignore_errors=True)
+            output.remove(f"checkpoints/{old}")
     accelerator.wait_for_everyone()
+    if accelerator.is_local_main_process:
+        output.drop_local_copy(rel)
     faults.hit("train.checkpoint")  # tests: kill or preempt a run right after a checkpoint
-    return root / name
+    return name
 
 
 def resume_elastic(
-    cursor: Cursor, output_dir: str | Path, world_size: int, storage_options: dict | None, *, write: bool
-) -> tuple[str, dict[str, Any]]:
+    cursor: Cursor, root_url: str, root_meta: dict[str, Any], output: OutputDir, world_size: int,
+    storage_options: dict | None, *, write: bool,
+) -> tuple[str, dict[str, Any]]:  # fmt: skip
     """The plan to follow from ``cursor`` on ``world_size`` ranks: ``(url, _plan.json)``.
 
-    Same world size: the cursor's plan. Otherwise the rest of that plan re-cut for
-    ``world_size`` ranks (``manifests.plan.resume_plan``), written under ``output_dir/plans``
-    when ``write`` (one process writes, the others read it after a barrier). Raises ValueError
-    when the global batch does not split over ``world_size`` ranks.
+    The root plan's world size: the root plan. Otherwise the rest of the root plan from the cursor,
+    re-cut for ``world_size`` ranks (``manifests.plan.resume_plan``), written under the output
+    folder's ``plans/`` when ``write`` (one process writes, the others read it after a barrier).
+    Always from the root plan, so epochs added to it by ``--extend`` since are re-cut too. Raises
+    ValueError when the global batch does not split over ``world_size`` ranks.
     """
-    if cursor.world_size == world_size:
-        return cursor.plan_url, read_plan_meta(cursor.plan_url, _options(cursor.plan_url, storage_options))
-    out = str(Path(output_dir) / "plans" / f"resume-{cursor.position:08d}-w{world_size}")
+    if int(root_meta["inputs"]["world_size"]) == world_size:
+        return root_url, root_meta
+    rel = f"plans/resume-{cursor.position:08d}-w{world_size}"
+    url, options = output.url_of(rel), (None if output.is_local else output.fs.storage_options)
     if write:
-        resume_plan(cursor.plan_url, out, epoch=cursor.epoch, step=cursor.step, world_size=world_size,
-                    storage_options=_options(cursor.plan_url, storage_options))  # fmt: skip
-    return out, read_plan_meta(out)
+        resume_plan(root_url, url, epoch=cursor.epoch, step=cursor.step, world_size=world_size,
+                    storage_options=_options(root_url, storage_options), out_storage_options=options)  # fmt: skip
+    return url, read_plan_meta(url, options)
 
 
 def _options(url: str, storage_options: dict | None) -> dict | None:
-    """``--storage-options`` apply to URLs; a plan written under --output-dir is a local folder."""
+    """``--storage-options`` apply to URLs; a plan in a local folder takes none."""
     return storage_options if "://" in url else None
 
 

@@ -21,6 +21,7 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "tiny.yaml"
 LR_SCHEDULES = ("cosine", "linear", "constant")
 WEIGHTING_SCHEMES = ("logit_normal", "uniform", "mode")
 MIXED_PRECISION = ("no", "bf16", "fp16")
+OPTIONAL = {"grad_accum": int}  # keys whose default is None: their type when given
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class TrainConfig:
     adam_betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1e-8
     max_grad_norm: float = 1.0
-    grad_accum: int = 1  # plan steps per optimizer step
+    grad_accum: int | None = None  # plan steps per optimizer step: the plan's --grad-accum (set: must agree)
     lr_schedule: str = "cosine"  # cosine | linear | constant, after warmup; length from the plan
     warmup_steps: int = 0  # optimizer steps
     # rectified flow: timestep density (diffusers.training_utils.compute_density_for_timestep_sampling)
@@ -58,11 +59,11 @@ class TrainConfig:
             (self.lr_schedule in LR_SCHEDULES, f"lr_schedule must be one of {LR_SCHEDULES}"),
             (self.weighting_scheme in WEIGHTING_SCHEMES, f"weighting_scheme must be one of {WEIGHTING_SCHEMES}"),
             (self.lr > 0, "lr must be > 0"),
-            (self.grad_accum >= 1, "grad_accum must be >= 1"),
+            (self.grad_accum is None or self.grad_accum >= 1, "grad_accum must be >= 1"),
             (self.warmup_steps >= 0, "warmup_steps must be >= 0"),
             (self.checkpoint_every >= 1, "checkpoint_every must be >= 1"),
-            (self.checkpoint_every % self.grad_accum == 0, "checkpoint_every must be a multiple of grad_accum "
-                                                           "(a checkpoint is taken between optimizer steps)"),
+            (self.checkpoint_every % (self.grad_accum or 1) == 0,
+             "checkpoint_every must be a multiple of grad_accum (a checkpoint is taken between optimizer steps)"),
             (self.keep_checkpoints >= 1, "keep_checkpoints must be >= 1"),
             (self.log_every >= 1, "log_every must be >= 1"),
             (self.prefetch >= 1, "prefetch must be >= 1"),
@@ -107,7 +108,7 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> TrainConfig
         data["adam_betas"] = tuple(data["adam_betas"])
     defaults = TrainConfig()
     for name, value in data.items():
-        want = type(getattr(defaults, name))
+        want = OPTIONAL.get(name) or type(getattr(defaults, name))
         if want is float and isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
             try:
                 value = data[name] = float(value)

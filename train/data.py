@@ -1,7 +1,8 @@
 """This rank's batches: its own plan rows, records from the cache by ranged reads, read ahead on threads.
 
-A rank reads only its plan files (``read_rank_plan``) and asks the :class:`CacheReader` for each
-step's sample ids: no listing, no per-sample objects. Each plan row becomes exactly one
+A rank reads only its own rows of the plan, one epoch at a time (:class:`RankSteps`: memory is one
+epoch of this rank's rows, the next epoch read while this one trains), and asks the
+:class:`CacheReader` for each step's sample ids: no listing, no per-sample objects. Each plan row becomes exactly one
 :class:`Batch`, in plan order, on this rank only. The loader is deliberately NOT a DataLoader
 handed to ``accelerator.prepare()``: prepare would re-shard it across ranks (BatchSamplerShard /
 IterableDatasetShard), i.e. shard a plan that is already sharded, and it fails on
@@ -30,10 +31,10 @@ import torch
 from manifests.cache import CacheError, CacheReader, TextLayout
 from manifests.cache.records import SampleRecord, to_float32
 from manifests.errors import UsageError
-from manifests.plan import read_rank_plan
+from manifests.plan import read_plan_meta, read_plan_rows
 from manifests.storage import redact
 
-__all__ = ["PlanStep", "Batch", "BadRecordError", "rank_steps", "collate", "BatchLoader"]
+__all__ = ["PlanStep", "Batch", "BadRecordError", "RankSteps", "rank_steps", "collate", "BatchLoader"]
 
 
 class BadRecordError(UsageError):
@@ -50,23 +51,73 @@ class PlanStep:
     sample_ids: tuple[int, ...]
 
 
-def rank_steps(
-    plan_url: str, rank: int, storage_options: dict | None = None, *, start: tuple[int, int] = (0, 0)
-) -> list[PlanStep]:
-    """This rank's plan rows from position ``start = (epoch, first step not yet run)`` on, in order.
+class RankSteps:
+    """This rank's plan rows from a position on, in order, read one epoch at a time.
 
-    Reads ``_plan.json`` and this rank's files only. Raises PlanError (a ValueError) for a bad plan.
+    ``len()`` is known from ``_plan.json`` alone (every rank gets the same). Iterating yields
+    :class:`PlanStep` s; :meth:`epochs` yields them epoch by epoch, reading the next epoch's rows
+    (two ranged reads) on a thread while the current one is used. Memory: two epochs of this
+    rank's rows at most. A plan error (a missing or malformed file) is raised at that epoch.
     """
-    table = read_rank_plan(plan_url, rank, storage_options)
-    epochs = table.column("epoch").to_pylist()
-    steps = table.column("step").to_pylist()
-    buckets = table.column("bucket").to_pylist()
-    ids = table.column("sample_ids").to_pylist()
-    return [
-        PlanStep(e, s, b, tuple(i))
-        for e, s, b, i in zip(epochs, steps, buckets, ids)
-        if (e, s) >= start
-    ]
+
+    def __init__(self, plan_url: str, rank: int, storage_options: dict | None = None, *,
+                 meta: dict[str, Any] | None = None, start: tuple[int, int] = (0, 0),
+                 limit: int | None = None):  # fmt: skip
+        self.url, self.rank, self.storage_options = plan_url, rank, storage_options
+        self.meta = meta or read_plan_meta(plan_url, storage_options)
+        self.start = start
+        left = limit
+        self.parts: list[tuple[int, int, int]] = []  # (epoch, first step to take, steps to take)
+        for e in self.meta["epochs"]:
+            first, end = e["first_step"], e["first_step"] + e["steps"]
+            if (e["epoch"], end) <= start or (left is not None and left <= 0):
+                continue
+            skip = max(start[1] - first, 0) if e["epoch"] == start[0] else 0
+            count = end - first - skip if left is None else min(end - first - skip, left)
+            self.parts.append((e["epoch"], first + skip, count))
+            left = None if left is None else left - count
+
+    def __len__(self) -> int:
+        return sum(count for _, _, count in self.parts)
+
+    @property
+    def last_epoch(self) -> int | None:
+        """The last epoch these steps reach (None when there is no step)."""
+        return self.parts[-1][0] if self.parts else None
+
+    def _read(self, epoch: int, first: int, count: int) -> list[PlanStep]:
+        table = read_plan_rows(self.url, [epoch], [self.rank], storage_options=self.storage_options,
+                               meta=self.meta).table()  # fmt: skip
+        steps = table.column("step").to_numpy()
+        keep = table.filter((steps >= first) & (steps < first + count))
+        return [PlanStep(epoch, s, b, tuple(i)) for s, b, i in zip(keep.column("step").to_pylist(),
+                keep.column("bucket").to_pylist(), keep.column("sample_ids").to_pylist())]  # fmt: skip
+
+    def epochs(self) -> Iterator[list[PlanStep]]:
+        with ThreadPoolExecutor(1, thread_name_prefix=f"bucketeer-plan-{self.rank}") as pool:
+            ahead = [pool.submit(self._read, *part) for part in self.parts[:1]]
+            for i in range(len(self.parts)):
+                current = ahead.pop(0).result()
+                if i + 1 < len(self.parts):
+                    ahead.append(pool.submit(self._read, *self.parts[i + 1]))
+                yield current
+
+    def __iter__(self) -> Iterator[PlanStep]:
+        for steps in self.epochs():
+            yield from steps
+
+
+def rank_steps(
+    plan_url: str, rank: int, storage_options: dict | None = None, *, start: tuple[int, int] = (0, 0),
+    limit: int | None = None,
+) -> RankSteps:  # fmt: skip
+    """This rank's plan rows from position ``start = (epoch, first step not yet run)`` on, in order,
+    at most ``limit`` of them (read lazily, epoch by epoch: see :class:`RankSteps`).
+
+    Reads ``_plan.json`` now, this rank's rows as they are iterated. Raises PlanError (a ValueError)
+    for a bad plan.
+    """
+    return RankSteps(plan_url, rank, storage_options, start=start, limit=limit)
 
 
 @dataclass
@@ -146,8 +197,10 @@ def collate(
 class BatchLoader:
     """Iterate :class:`Batch` es for ``steps`` in plan order, reading ``prefetch`` batches ahead.
 
-    Up to ``read_threads`` of those batches are read at once (each read is a batched ranged read
-    through the shared, thread-safe :class:`CacheReader`, then decode and collate); batches are
+    ``steps``: a list, or a :class:`RankSteps` read epoch by epoch (the check that the cache holds
+    every planned sample then runs per epoch, when its rows arrive). Up to ``read_threads`` of those
+    batches are read at once (each read is a batched ranged read through the shared, thread-safe
+    :class:`CacheReader`, then decode and collate); batches are
     handed out in plan order whatever order the reads finish in. ``latent_info`` is
     ``_cache.json["latent"]`` (scaling and shift factors). ``log`` receives one line per skipped
     record. ``skipped`` counts the records dropped from the batches handed out so far.
@@ -156,7 +209,7 @@ class BatchLoader:
     def __init__(
         self,
         reader: CacheReader,
-        steps: Sequence[PlanStep],
+        steps: Sequence[PlanStep] | RankSteps,
         latent_info: dict[str, Any],
         *,
         rank: int = 0,
@@ -169,7 +222,7 @@ class BatchLoader:
         if prefetch < 1 or read_threads < 1:
             raise UsageError(f"prefetch ({prefetch}) and read_threads ({read_threads}) must be >= 1")
         self.reader = reader
-        self.steps = list(steps)
+        self.steps = steps if isinstance(steps, RankSteps) else list(steps)
         self.scaling_factor = float(latent_info.get("scaling_factor") or 1.0)
         self.shift_factor = float(latent_info.get("shift_factor") or 0.0)
         self.layout = TextLayout.from_meta(reader.meta)
@@ -181,16 +234,17 @@ class BatchLoader:
         self.log = log
         self.skipped = 0
         self._pool: ThreadPoolExecutor | None = None
-        self._check_ids()
+        if not isinstance(self.steps, RankSteps):
+            self._check_ids(self.steps)
 
     def __len__(self) -> int:
         return len(self.steps)
 
-    def _check_ids(self) -> None:
-        """Fail before the first step when the plan names samples the cache index lacks."""
-        if not self.steps:
+    def _check_ids(self, steps: list[PlanStep]) -> None:
+        """Fail before the first of ``steps`` when the plan names samples the cache index lacks."""
+        if not steps:
             return
-        wanted = np.unique(np.concatenate([np.asarray(s.sample_ids, np.uint64) for s in self.steps]))
+        wanted = np.unique(np.concatenate([np.asarray(s.sample_ids, np.uint64) for s in steps]))
         missing = np.setdiff1d(wanted, self.reader.sample_ids)
         if len(missing) and not self.skip_bad_records:
             url = redact(self.reader.url)
@@ -231,7 +285,7 @@ class BatchLoader:
     def __iter__(self) -> Iterator[Batch]:
         assert self._pool is None, "a BatchLoader is iterated once"
         self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix=f"bucketeer-read-{self.rank}")
-        todo = iter(self.steps)
+        todo = iter(self._planned())
         ahead: deque[Future[Batch]] = deque()  # reads in plan order: running, queued or done
 
         def read_next() -> None:
@@ -249,6 +303,14 @@ class BatchLoader:
                 yield batch
         finally:
             self.close()
+
+    def _planned(self) -> Iterator[PlanStep]:
+        if not isinstance(self.steps, RankSteps):
+            yield from self.steps
+            return
+        for epoch in self.steps.epochs():
+            self._check_ids(epoch)
+            yield from epoch
 
     def close(self) -> None:
         """Drop the reads not started, wait for the running ones, stop the threads (safe to call twice)."""

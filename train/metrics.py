@@ -91,11 +91,17 @@ class MetricsFile:
     """``metrics.jsonl`` in the output folder, written by the main process only."""
 
     def __init__(self, path: Path | None):
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
         self.file = open(path, "a", buffering=1) if path is not None else None
 
     def write(self, row: dict[str, Any]) -> None:
         if self.file is not None:
             self.file.write(json.dumps(row) + "\n")
+
+    def flush(self) -> None:
+        if self.file is not None:
+            self.file.flush()
 
     def close(self) -> None:
         if self.file is not None:

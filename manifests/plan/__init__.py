@@ -1,11 +1,15 @@
 """The plan artifact: ``PLAN/_plan.json`` and per-rank rows ``(epoch, step, rank, bucket, sample_ids)``.
 
 :mod:`~manifests.plan.schedule` is the pure planning function (one epoch from samples, world shape,
-seed); :mod:`~manifests.plan.store` writes plans on storage, reads their rows (``read_plan_rows``,
-the one reader) and re-cuts them for an elastic resume; :mod:`~manifests.plan.check` re-verifies
-every invariant of a committed plan.
+seed); :mod:`~manifests.plan.parts` encodes an epoch as one parquet file with a row group per rank
+and reads it whole or one rank at a time; :mod:`~manifests.plan.store` writes plans (all epochs or
+a window, extended later) and reads their rows (``read_plan_rows``, the one reader);
+:mod:`~manifests.plan.resume` re-cuts a plan for an elastic resume; :mod:`~manifests.plan.check`
+re-verifies every invariant of a committed plan.
 """
 
+from manifests.plan.parts import epoch_part
+from manifests.plan.resume import resume_plan
 from manifests.plan.schedule import LEFTOVER_POLICIES, PLAN_SCHEMA, PlanConfig
 from manifests.plan.store import (
     PLAN_FILE,
@@ -14,12 +18,10 @@ from manifests.plan.store import (
     PlanError,
     PlanMissingError,
     PlanRows,
-    epoch_files,
-    rank_part,
+    extend_plan,
     read_plan_meta,
     read_plan_rows,
     read_rank_plan,
-    resume_plan,
     write_plan,
 )
 
@@ -33,8 +35,8 @@ __all__ = [
     "PlanError",
     "PlanMissingError",
     "PlanRows",
-    "epoch_files",
-    "rank_part",
+    "epoch_part",
+    "extend_plan",
     "read_plan_meta",
     "read_plan_rows",
     "read_rank_plan",

@@ -1,13 +1,15 @@
 """Re-check every invariant of a committed plan (``bucketeer plan --check PLAN MANIFEST``).
 
 The invariants (the plan contract of README.md "Artifacts" and :mod:`manifests.plan.store`): every
-part has the five columns; every rank has the same steps in every epoch, numbered in order; all
+epoch file has the five columns and one row group per rank, row group ``r`` holding rank ``r``'s
+rows; every rank has the same steps in every epoch, numbered in order; all
 ranks at a step hold the same bucket; every batch has the bucket's batch size (exactly B in fixed
 mode); steps per epoch are a multiple of grad_accum; within an epoch no sample appears twice except
 the counted padding, and every planned sample appears or is counted as dropped; each sample is in
-the manifest, in the bucket the row names; the parts hash to what ``_plan.json`` records; and
-(fresh plans) re-planning from the inputs gives the same bytes. Parts are read through
-:func:`manifests.plan.store.read_plan_rows`; a missing or malformed one is reported, not raised.
+the manifest, in the bucket the row names; the files hash to what ``_plan.json`` records; and
+(fresh plans) re-planning from the inputs gives the same bytes. Files are read through
+:func:`manifests.plan.store.read_plan_rows`, one epoch at a time; a missing or malformed one is
+reported, not raised.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from manifests.plan.store import PLAN_FILE, epoch_files, read_plan_meta, read_plan_rows
+from manifests.plan.parts import encode_epoch
+from manifests.plan.store import PLAN_FILE, read_plan_meta, read_plan_rows
 from manifests.plan.schedule import PlanConfig, cached_mask, group_samples, plan_epoch
 from manifests.progress import Progress
 from manifests.storage import redact
@@ -150,8 +153,9 @@ def check_plan(
         available_ids = None
     fresh = meta.get("resumed_from") is None
     epochs = meta["epochs"]
-    if fresh and [e["epoch"] for e in epochs] != list(range(inputs["epochs"])):
-        problems.append(f"{PLAN_FILE} lists epochs {[e['epoch'] for e in epochs]}, not 0..{inputs['epochs'] - 1}")
+    held = [e["epoch"] for e in epochs]
+    if fresh and (held != list(range(len(held))) or not 0 < len(held) <= inputs["epochs"]):
+        problems.append(f"{PLAN_FILE} lists epochs {held}, not 0..N-1 with N <= {inputs['epochs']} (the run's epochs)")
     if meta["steps_per_epoch"] % inputs["grad_accum"]:
         problems.append(
             f"steps per epoch {meta['steps_per_epoch']} is not a multiple of grad_accum {inputs['grad_accum']}"
@@ -198,7 +202,7 @@ def check_plan(
     for entry in epochs:
         epoch = entry["epoch"]
         rows = read_plan_rows(url, [epoch], storage_options=storage_options, meta=meta)  # one epoch in memory
-        if rows.problems:  # missing or malformed parts: reported, the epoch's other checks need them all
+        if rows.problems:  # a missing or malformed file: reported, the epoch's other checks need it
             problems += [rows.problems[k] for k in sorted(rows.problems)]
             reporter.update(1, violations=len(problems))
             continue
@@ -207,11 +211,11 @@ def check_plan(
         problems += _check_samples(epoch, entry, tables, planned, manifest_ids, manifest_codes, names)
         if rows.sha256[epoch] != entry["sha256"]:
             problems.append(
-                f"epoch {epoch}: the parts do not hash to the sha256 in {PLAN_FILE} (edited after planning)"
+                f"epoch {epoch}: the file does not hash to the sha256 in {PLAN_FILE} (edited after planning)"
             )
         if replan and samples is not None:
-            _, again = epoch_files(plan_epoch(samples, config, epoch), world)
-            if again != entry["sha256"]:
+            again = encode_epoch(plan_epoch(samples, config, epoch), world)
+            if again.sha256 != entry["sha256"]:
                 problems.append(
                     f"epoch {epoch}: re-planning from the recorded inputs gives other rows "
                     "(tampered, or not a pure function)"

@@ -20,7 +20,11 @@ One epoch, with ``rng = np.random.default_rng([seed, epoch])`` (no global random
 3. shuffle the order of all global batches across buckets;
 4. with gradient accumulation A, make the step count a multiple of A so that no optimizer step
    mixes epochs: ``drop`` drops the last ``S mod A`` global batches, ``pad`` repeats the first
-   ``A - S mod A`` global batches of the epoch. Both are counted per bucket.
+   ``A - S mod A`` global batches of the epoch. Both are counted per bucket;
+5. put each global batch in ascending id order. Which rank trains which sample of a global batch
+   changes nothing in the update (gradients are averaged over all ranks), and in id order rank
+   ``r`` holds the ``r``-th id range of every batch: a rank's ids lie close together, which the
+   plan file's delta encoding stores in fewer than 8 bytes each (:mod:`manifests.plan.parts`).
 
 Packing mode (``max_tokens``): the per-rank batch of a bucket is ``max_tokens // tokens(bucket)``
 (capped by ``batch_size`` when given), with ``tokens(WxH) = ceil(W/(f*p)) * ceil(H/(f*p))`` for VAE
@@ -53,6 +57,7 @@ __all__ = [
     "plan_epoch",
     "rank_slices",
     "rank_table",
+    "epoch_table",
     "schedule_from_rank_tables",
     "resplit",
 ]
@@ -260,6 +265,19 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.repeat(np.asarray(starts, dtype=np.int64) - (ends - lengths), lengths) + np.arange(total, dtype=np.int64)
 
 
+def _sort_batches(ids: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """``ids`` with each batch (consecutive runs of ``sizes``) sorted ascending: (sum(sizes),) uint64."""
+    if len(sizes) and np.all(sizes == sizes[0]):  # fixed batch: one reshape
+        return np.sort(ids.reshape(len(sizes), -1), axis=1).reshape(-1)  # (S, G) sorted along G
+    out = ids.copy()
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)  # (S,)
+    for size in np.unique(sizes):  # a loop over distinct batch sizes (at most one per bucket)
+        steps = np.flatnonzero(sizes == size)
+        slots = _ranges(starts[steps], np.full(len(steps), size))  # (len(steps) * size,)
+        out[slots] = np.sort(ids[slots].reshape(len(steps), -1), axis=1).reshape(-1)
+    return out
+
+
 def plan_epoch(samples: BucketedSamples, config: PlanConfig, epoch: int) -> EpochSchedule:
     """The global batches of ``epoch``. Raises ValueError when the epoch would have no step."""
     rng = np.random.default_rng([config.seed, epoch])
@@ -314,11 +332,14 @@ def plan_epoch(samples: BucketedSamples, config: PlanConfig, epoch: int) -> Epoc
         batch_bucket = np.concatenate([batch_bucket, batch_bucket[repeat]])
         batch_index = np.concatenate([batch_index, batch_index[repeat]])
 
-    # 5. sample ids: position q of bucket b's (cyclic, for padding) shuffle, for every slot
+    # sample ids: position q of bucket b's (cyclic, for padding) shuffle, for every slot
     sizes = global_size[batch_bucket]  # (S,)
     q = _ranges(batch_index * sizes, sizes)  # (sum(sizes),) position within the bucket's sequence
     slot_bucket = np.repeat(batch_bucket, sizes)  # (sum(sizes),)
     ids = samples.ids[shuffled[starts[slot_bucket] + q % n[slot_bucket]]]
+
+    # 5. each global batch in ascending id order
+    ids = _sort_batches(ids, sizes)
     return EpochSchedule(
         epoch=epoch,
         first_step=0,
@@ -331,11 +352,7 @@ def plan_epoch(samples: BucketedSamples, config: PlanConfig, epoch: int) -> Epoc
     )
 
 
-def rank_slices(schedule: EpochSchedule, world_size: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
-    """Rank ``rank``'s samples: ``(ids (L,) uint64, per-step batch sizes (S,) int64)``.
-
-    Raises ValueError when a global batch does not split into ``world_size`` equal batches.
-    """
+def _check_split(schedule: EpochSchedule, world_size: int) -> None:
     sizes = schedule.step_sizes
     if np.any(sizes % world_size):
         bad = int(np.flatnonzero(sizes % world_size)[0])
@@ -343,6 +360,15 @@ def rank_slices(schedule: EpochSchedule, world_size: int, rank: int) -> tuple[np
             f"epoch {schedule.epoch} step {schedule.first_step + bad}: a global batch of {int(sizes[bad])} samples "
             f"does not split evenly over {world_size} ranks; pick a world size that divides it"
         )
+
+
+def rank_slices(schedule: EpochSchedule, world_size: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rank ``rank``'s samples: ``(ids (L,) uint64, per-step batch sizes (S,) int64)``.
+
+    Raises ValueError when a global batch does not split into ``world_size`` equal batches.
+    """
+    _check_split(schedule, world_size)
+    sizes = schedule.step_sizes
     per_rank = sizes // world_size  # (S,)
     if len(sizes) and np.all(sizes == sizes[0]):  # fixed batch: a reshape, no index arrays
         ids = schedule.ids.reshape(len(sizes), world_size, -1)[:, rank, :].reshape(-1)  # (S, W, B) -> (S*B,)
@@ -362,6 +388,37 @@ def rank_table(schedule: EpochSchedule, world_size: int, rank: int) -> pa.Table:
             pa.array(np.arange(schedule.first_step, schedule.first_step + steps, dtype=np.int32)),
             pa.array(np.full(steps, rank, np.int32)),
             pa.array(schedule.names, pa.string()).take(pa.array(schedule.step_buckets)),
+            pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids, pa.uint64())),
+        ],
+        schema=PLAN_SCHEMA,
+    )
+
+
+def epoch_table(schedule: EpochSchedule, world_size: int) -> pa.Table:
+    """Every rank's rows of one epoch, rank-major: rank 0's steps, then rank 1's, ... (PLAN_SCHEMA).
+
+    Equal to concatenating :func:`rank_table` over the ranks, without a table per rank. Raises
+    ValueError when a global batch does not split into ``world_size`` equal batches.
+    """
+    _check_split(schedule, world_size)
+    sizes = schedule.step_sizes
+    steps = len(sizes)
+    per_rank = sizes // world_size  # (S,)
+    if steps and np.all(sizes == sizes[0]):
+        ids = schedule.ids.reshape(steps, world_size, -1).transpose(1, 0, 2).reshape(-1)  # (S, W, B) -> (W*S*B,)
+    else:
+        starts = schedule.offsets[:-1][None, :] + np.arange(world_size)[:, None] * per_rank[None, :]  # (W, S)
+        ids = schedule.ids[_ranges(starts.reshape(-1), np.tile(per_rank, world_size))]
+    lengths = np.tile(per_rank, world_size)  # (W*S,)
+    if int(lengths.sum()) >= 2**31:
+        raise UsageError(f"epoch {schedule.epoch}: {int(lengths.sum())} sample slots, more than one plan file holds")
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return pa.Table.from_arrays(
+        [
+            pa.array(np.full(steps * world_size, schedule.epoch, np.int32)),
+            pa.array(np.tile(np.arange(schedule.first_step, schedule.first_step + steps, dtype=np.int32), world_size)),
+            pa.array(np.repeat(np.arange(world_size, dtype=np.int32), steps)),
+            pa.array(schedule.names, pa.string()).take(pa.array(np.tile(schedule.step_buckets, world_size))),
             pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids, pa.uint64())),
         ],
         schema=PLAN_SCHEMA,

@@ -1,10 +1,19 @@
-"""Shard plans on storage: write a plan, read one rank's rows, resume elastically on another world size.
+"""Shard plans on storage: write a plan (all epochs, or a window of them), extend it, read rows by rank.
 
-A plan folder holds one parquet file per (epoch, rank), ``epoch-EEEEE/rank-RRRRR.parquet``, each
-with the columns ``(epoch int32, step int32, rank int32, bucket string, sample_ids list<uint64>)``
-sorted by step, and ``_plan.json``, written last, which makes the folder valid. A rank reads only
-its own files (their paths follow from ``(epoch, rank)``: no listing), so thousands of ranks each
-read a few hundred kilobytes. The schedule itself is :mod:`manifests.plan.schedule`.
+A plan folder holds one parquet file per epoch, ``epoch-EEEEE.parquet``, with one row group per
+rank (:mod:`manifests.plan.parts`), and ``_plan.json``, written last, which makes the folder valid.
+Objects grow with epochs, not epochs x ranks; a rank reads its rows of an epoch with two ranged
+reads (footer, row group), whose offsets follow from ``_plan.json`` and the footer: no listing, no
+HEAD. ``_plan.json`` has one small entry per epoch (steps, padding and drops per bucket, the file's
+sha256, size and footer length), never one per rank. The schedule itself is
+:mod:`manifests.plan.schedule`; elastic resume is :mod:`manifests.plan.resume`.
+
+``inputs.epochs`` is the length of the run (what a trainer sizes its learning-rate schedule by).
+``--window W`` writes only the first W epochs, and :func:`extend_plan` (``bucketeer plan MANIFEST
+--extend PLAN``) writes more later; epoch ``e`` is a pure function of the inputs and ``e``, so a plan
+extended to its last epoch has the same bytes, ``_plan.json`` included, as one planned at once. The
+fingerprint hashes the inputs and the first epoch's file, so it does not change when epochs are
+added: a run started on a window resumes on the extended plan.
 
 :func:`read_plan_rows` is the one reader of plan rows: rows of ``(epochs, ranks, columns)``, never
 of file paths, so the layout can change under it. The trainer, ``--check``, the resume and the
@@ -13,57 +22,43 @@ report all read through it.
 Public API::
 
     meta = read_plan_meta(url, storage_options)            # _plan.json as a dict; PlanError if invalid
+    rows = read_plan_rows(url, epochs=[0], ranks=[3], columns=["step", "bucket"])  # a PlanRows
     rows = read_rank_plan(url, rank, storage_options, epoch=None)   # this rank's rows, by (epoch, step)
-    rows = read_plan_rows(url, epochs=[0], ranks=None, columns=["step", "bucket"])  # a PlanRows
-    meta = resume_plan(plan_url, out_url, epoch=E, step=S, world_size=N2)  # elastic resume
-
-**Elastic resume.** ``(epoch, step)`` is the position reached: ``step`` is the first step of
-``epoch`` that was NOT run (steps ``< step`` are consumed, under world size N1). ``resume_plan``
-writes a new plan folder at ``out_url`` for world size N2 holding steps ``step..end`` of
-``epoch`` (original step numbers kept) and every later epoch; earlier epochs are absent. Its
-``_plan.json`` names the parent in ``resumed_from`` and lists the epochs it holds with their
-``first_step``. The global batch stays the same (``N1*B1 == N2*B2``, so N2 must divide it): each
-remaining global batch is cut into N2 slices instead of N1. No consumed sample is seen again in
-that epoch and none is skipped; later epochs equal those of a fresh plan with (N2, B2). In packing
-mode each bucket's global batch is kept and must split evenly over N2. Only the parent plan is
-read (no manifest, no cache), so a trainer's rank 0 can call it and the others wait on a barrier.
+    meta = write_plan(url, ids, buckets, config, manifest_fingerprint=..., window=10)
+    meta = extend_plan(url, ids, buckets, manifest_fingerprint=..., epochs=20)
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from manifests import __version__
+from manifests.errors import MissingError, UsageError
+from manifests.plan.parts import EpochFile, PartProblem, encode_epoch, epoch_part, read_epoch_ranks, read_epoch_whole
 from manifests.plan.schedule import (
     PLAN_SCHEMA,
+    BucketedSamples,
     EpochSchedule,
     PlanConfig,
     bucket_batch_sizes,
     group_samples,
     latent_tokens,
     plan_epoch,
-    rank_table,
-    schedule_from_rank_tables,
 )
-from manifests.errors import MissingError, UsageError
 from manifests.progress import Progress
 from manifests.storage import (
     call_storage,
-    is_local,
     join,
     open_url,
     read_artifact_meta,
-    read_many,
     redact,
-    storage_error,
     write_bytes_atomic,
     write_json_atomic,
 )
@@ -77,19 +72,18 @@ __all__ = [
     "PlanMissingError",
     "PlanConfig",
     "PlanRows",
-    "rank_part",
+    "epoch_part",
     "write_plan",
+    "extend_plan",
     "read_plan_meta",
     "read_plan_rows",
     "read_rank_plan",
-    "resume_plan",
-    "epoch_files",
 ]
 
 PLAN_FILE = "_plan.json"
 PLAN_KIND = "bucketeer.plan"
-PLAN_FORMAT_VERSION = 1
-LAYOUT = "epoch-{epoch:05d}/rank-{rank:05d}.parquet"
+# 2: one file per epoch with a row group per rank (1: a file per epoch and rank), batches in id order
+PLAN_FORMAT_VERSION = 2
 
 
 class PlanError(UsageError):
@@ -100,53 +94,18 @@ class PlanMissingError(PlanError, MissingError):
     """A folder without ``_plan.json``: no plan there, or `bucketeer plan` never finished."""
 
 
-def rank_part(epoch: int, rank: int) -> str:
-    """Path of one rank's rows of one epoch, relative to the plan folder."""
-    return LAYOUT.format(epoch=epoch, rank=rank)
+# ---------------------------------------------------------------- writing
 
 
-def _parquet_bytes(table: pa.Table) -> bytes:
-    buf = io.BytesIO()
-    # sample ids are random 64-bit values: compression would cost time and save nothing
-    pq.write_table(
-        table,
-        buf,
-        compression={"epoch": "zstd", "step": "zstd", "rank": "zstd", "bucket": "zstd", "sample_ids": "none"},
-        row_group_size=1 << 20,
-    )
-    return buf.getvalue()
-
-
-def _digest(files: dict[str, bytes]) -> str:
-    """The sha256 ``_plan.json`` records for an epoch: of its parts' paths and contents, in rank order."""
-    digest = hashlib.sha256()
-    for path, data in files.items():
-        digest.update(f"{path}:{hashlib.sha256(data).hexdigest()}\n".encode())
-    return digest.hexdigest()
-
-
-def epoch_files(schedule: EpochSchedule, world_size: int) -> tuple[dict[str, bytes], str]:
-    """Every rank's parquet bytes of one epoch, by relative path, and their combined sha256."""
-    files = {
-        rank_part(schedule.epoch, r): _parquet_bytes(rank_table(schedule, world_size, r)) for r in range(world_size)
-    }
-    return files, _digest(files)
-
-
-def _put_files(fs, root: str, files: dict[str, bytes]) -> None:
-    if is_local(fs):
-        for path, data in files.items():
-            write_bytes_atomic(fs, join(root, path), data)
-    else:
-        # one call: async stores (s3fs) upload these concurrently
-        paths = {join(root, path): data for path, data in files.items()}
-        call_storage(fs, f"writing {len(paths)} plan parts under", root, lambda: fs.pipe(paths))
-
-
-def _epoch_entry(schedule: EpochSchedule, digest: str, steps_total: int) -> dict[str, Any]:
+def epoch_entry(
+    schedule: EpochSchedule, file: EpochFile, steps_total: int, tokens: np.ndarray, world_size: int
+) -> dict[str, Any]:
+    """``_plan.json``'s entry for one epoch. ``tokens``: (k,) latent tokens per sample of each bucket
+    of ``schedule.names``."""
     names = schedule.names
     padded = {n: int(c) for n, c in zip(names, schedule.padded) if c}
     dropped = {n: int(c) for n, c in zip(names, schedule.dropped) if c}
+    per_step = tokens[schedule.step_buckets] * (schedule.step_sizes // world_size)  # (S,) per rank
     return {
         "epoch": schedule.epoch,
         "first_step": schedule.first_step,
@@ -156,32 +115,13 @@ def _epoch_entry(schedule: EpochSchedule, digest: str, steps_total: int) -> dict
         "dropped": dropped,
         "padded_total": sum(padded.values()),
         "dropped_total": sum(dropped.values()),
-        "sha256": digest,
+        # per rank and step: min, max and sum of latent tokens (the plan's tokens_per_step adds these up)
+        "tokens": [int(per_step.min()), int(per_step.max()), int(per_step.sum())] if len(per_step) else [0, 0, 0],
+        **file.entry(),
     }
 
 
-class _TokenStats:
-    """Per-rank latent tokens per step, min / mean / max over all steps written."""
-
-    def __init__(self, tokens: dict[str, int]):
-        self.tokens = tokens
-        self.lo, self.hi, self.sum, self.n = None, None, 0, 0
-
-    def add(self, schedule: EpochSchedule, world_size: int) -> None:
-        if not schedule.steps:
-            return
-        tok = np.asarray([self.tokens[n] for n in schedule.names], np.int64)[schedule.step_buckets]  # (S,)
-        per_step = tok * (schedule.step_sizes // world_size)  # (S,)
-        self.lo = int(per_step.min()) if self.lo is None else min(self.lo, int(per_step.min()))
-        self.hi = int(per_step.max()) if self.hi is None else max(self.hi, int(per_step.max()))
-        self.sum += int(per_step.sum())
-        self.n += len(per_step)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"min": self.lo, "mean": round(self.sum / max(self.n, 1), 3), "max": self.hi, "per": "rank"}
-
-
-def _totals(epochs: list[dict[str, Any]]) -> dict[str, Any]:
+def totals(epochs: list[dict[str, Any]]) -> dict[str, Any]:
     padded: dict[str, int] = {}
     dropped: dict[str, int] = {}
     for e in epochs:
@@ -192,45 +132,108 @@ def _totals(epochs: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "padded": sum(padded.values()),
         "dropped": sum(dropped.values()),
-        "padded_per_bucket": padded,
-        "dropped_per_bucket": dropped,
+        "padded_per_bucket": dict(sorted(padded.items())),
+        "dropped_per_bucket": dict(sorted(dropped.items())),
     }
 
 
-class _EpochProgress:
-    """Epochs written and their megabytes, through :class:`manifests.progress.Progress`."""
-
-    def __init__(self, job: str, epochs: int, enabled: bool):
-        self.progress = Progress(job, "epochs", total=epochs, unit="epochs", enabled=enabled)
-        self.bytes = 0
-
-    def written(self, files: dict[str, bytes]) -> None:
-        self.bytes += sum(len(data) for data in files.values())
-        self.progress.update(1, written=f"{self.bytes / 1e6:.1f} MB")
-
-    def close(self) -> None:
-        self.progress.close()
+def tokens_per_step(epochs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-rank latent tokens per step over every epoch planned: min / mean / max."""
+    steps = sum(e["steps"] for e in epochs)
+    lo = min((e["tokens"][0] for e in epochs if e["steps"]), default=None)
+    hi = max((e["tokens"][1] for e in epochs if e["steps"]), default=None)
+    total = sum(e["tokens"][2] for e in epochs)
+    return {"min": lo, "mean": round(total / max(steps, 1), 3), "max": hi, "per": "rank"}
 
 
-def _fingerprint(inputs: dict[str, Any], resumed_from: Any, epochs: list[dict[str, Any]]) -> str:
-    blob = json.dumps([PLAN_FORMAT_VERSION, inputs, resumed_from, [e["sha256"] for e in epochs]], sort_keys=True)
+def _fingerprint(inputs: dict[str, Any], resumed_from: Any, first_epoch_sha256: str) -> str:
+    """The plan's identity: its inputs and its first epoch's bytes (not the epochs planned so far)."""
+    blob = json.dumps([PLAN_FORMAT_VERSION, inputs, resumed_from, first_epoch_sha256], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _begin(fs, root: str) -> None:
-    # invalidate an older plan here first: a reader must never pair its _plan.json with new parts
+def with_epochs(meta: dict[str, Any], epochs: list[dict[str, Any]]) -> dict[str, Any]:
+    """``meta`` holding ``epochs``: the per-epoch entries and the totals derived from them."""
+    return dict(meta, epochs=epochs, counts=totals(epochs), tokens_per_step=tokens_per_step(epochs),
+                fingerprint=_fingerprint(meta["inputs"], meta["resumed_from"], epochs[0]["sha256"]))  # fmt: skip
+
+
+def begin_plan(fs, root: str) -> None:
+    """Invalidate a plan at ``root`` before writing a new one: a reader must never pair its _plan.json
+    with new files."""
     meta = join(root, PLAN_FILE)
     call_storage(fs, "creating", root, lambda: fs.makedirs(root, exist_ok=True))
     if call_storage(fs, "checking", meta, lambda: fs.exists(meta)):
         call_storage(fs, "removing", meta, lambda: fs.rm(meta))
 
 
-def _commit(fs, root: str, meta: dict[str, Any], keep: set[str]) -> None:
+def commit_plan(fs, root: str, meta: dict[str, Any]) -> None:
+    """Write ``_plan.json`` (the commit point), then remove plan files it does not name (older plans')."""
     write_json_atomic(fs, join(root, PLAN_FILE), meta)
+    keep = {epoch_part(e["epoch"]) for e in meta["epochs"]}
     for path in call_storage(fs, "listing", root, lambda: fs.find(root)):
         rel = path[len(root) :].lstrip("/")
         if rel.startswith("epoch-") and rel.endswith(".parquet") and rel not in keep:
             call_storage(fs, "removing", path, lambda: fs.rm(path))
+
+
+def write_epochs(
+    fs,
+    root: str,
+    schedules: Iterable[EpochSchedule],
+    world_size: int,
+    entry: Callable[[EpochSchedule, EpochFile], dict[str, Any]],
+    progress: Progress,
+) -> list[dict[str, Any]]:
+    """Encode and write each epoch (the upload of one overlaps the planning of the next); its entries.
+
+    Memory: two epochs at most. Raises StorageError when storage refuses a write.
+    """
+    entries: list[dict[str, Any]] = []
+    written = 0
+    with ThreadPoolExecutor(1, thread_name_prefix="plan-upload") as pool:
+        pending: Future | None = None
+        for schedule in schedules:
+            file = encode_epoch(schedule, world_size)
+            if pending is not None:
+                pending.result()
+            pending = pool.submit(write_bytes_atomic, fs, join(root, file.path), file.data)
+            entries.append(entry(schedule, file))
+            written += len(file.data)
+            progress.update(1, written=f"{written / 1e6:.1f} MB")
+        if pending is not None:
+            pending.result()
+    progress.close()
+    return entries
+
+
+def _bucket_inputs(samples: BucketedSamples, config: PlanConfig) -> tuple[np.ndarray, np.ndarray]:
+    """(per-rank batch size, latent tokens) per bucket: (k,) int64 each. Raises ValueError for --max-tokens."""
+    return bucket_batch_sizes(samples.names, config), latent_tokens(samples.names, config.latent_factor,
+                                                                    config.patch_size)  # fmt: skip
+
+
+def _plan_epochs(fs, root: str, samples: BucketedSamples, config: PlanConfig, epochs: range, job: str,
+                 progress: bool) -> list[dict[str, Any]]:  # fmt: skip
+    _, tokens = _bucket_inputs(samples, config)
+    steps = plan_epoch(samples, config, 0).steps if epochs.start else None
+    reporter = Progress(job, "epochs", total=len(epochs), unit="epochs", enabled=progress)
+
+    def entry(schedule: EpochSchedule, file: EpochFile) -> dict[str, Any]:
+        nonlocal steps
+        steps = schedule.steps if steps is None else steps
+        assert schedule.steps == steps, "steps per epoch depend only on bucket sizes"
+        return epoch_entry(schedule, file, steps, tokens, config.world_size)
+
+    schedules = (plan_epoch(samples, config, e) for e in epochs)
+    return write_epochs(fs, root, schedules, config.world_size, entry, reporter)
+
+
+def _samples(sample_ids, buckets, sources: dict[str, str | None] | None) -> BucketedSamples:
+    samples = group_samples(sample_ids, buckets, source=(sources or {}).get("manifest") or "samples")
+    if not len(samples.ids):
+        raise UsageError("nothing to train: no sample to plan (empty manifest, or none of its samples is in the cache)")
+    return samples
 
 
 def write_plan(
@@ -245,37 +248,26 @@ def write_plan(
     stale: int = 0,
     sources: dict[str, str | None] | None = None,
     storage_options: dict[str, Any] | None = None,
+    window: int | None = None,
     progress: bool = False,
 ) -> dict[str, Any]:
-    """Plan every epoch of ``(sample_ids, buckets)`` and commit it at ``url``; returns ``_plan.json``.
+    """Plan ``(sample_ids, buckets)`` and commit it at ``url``; returns ``_plan.json``.
 
-    Parts are written epoch by epoch (memory: one epoch), ``_plan.json`` last. ``sources`` (e.g.
-    the manifest URL) are recorded redacted, outside the fingerprint. ``progress``: report epochs
-    written (:class:`manifests.progress.Progress`, on stderr). Raises ValueError for bad inputs
-    (see :class:`PlanConfig`, :func:`group_samples`, :func:`plan_epoch`).
+    ``window``: write only epochs ``0..window-1`` of ``config.epochs`` (default: all); the rest
+    later with :func:`extend_plan`. Files are written epoch by epoch (memory: two epochs),
+    ``_plan.json`` last. ``sources`` (e.g. the manifest URL) are recorded redacted, outside the
+    fingerprint. ``progress``: report epochs written (on stderr). Raises ValueError for bad inputs
+    (see :class:`PlanConfig`, :func:`group_samples`, :func:`plan_epoch`) before anything is written.
     """
-    samples = group_samples(sample_ids, buckets, source=(sources or {}).get("manifest") or "samples")
-    if not len(samples.ids):
-        raise UsageError("nothing to train: no sample to plan (empty manifest, or none of its samples is in the cache)")
-    per_rank = bucket_batch_sizes(samples.names, config)  # (k,) raises before anything is written
-    tokens = latent_tokens(samples.names, config.latent_factor, config.patch_size)
+    if window is not None and window < 1:
+        raise UsageError(f"--window must be >= 1 (epochs to write now), got {window}")
+    samples = _samples(sample_ids, buckets, sources)
+    per_rank, tokens = _bucket_inputs(samples, config)  # raises before anything is written
     first = plan_epoch(samples, config, 0)  # raises "nothing to train" before anything is written
     fs, root = open_url(url, storage_options)
-    _begin(fs, root)
-    stats = _TokenStats(dict(zip(samples.names, tokens.tolist())))
-    epochs, keep = [], set()
-    reporter = _EpochProgress("plan", config.epochs, progress)
-    for epoch in range(config.epochs):
-        schedule = first if epoch == 0 else plan_epoch(samples, config, epoch)
-        assert schedule.steps == first.steps, "steps per epoch depend only on bucket sizes"
-        files, digest = epoch_files(schedule, config.world_size)
-        _put_files(fs, root, files)
-        keep |= set(files)
-        stats.add(schedule, config.world_size)
-        epochs.append(_epoch_entry(schedule, digest, first.steps))
-        reporter.written(files)
-        del files, schedule
-    reporter.close()
+    begin_plan(fs, root)
+    planned = range(min(window or config.epochs, config.epochs))
+    epochs = _plan_epochs(fs, root, samples, config, planned, "plan", progress)
     inputs = {
         **config.to_json(),
         "manifest_fingerprint": manifest_fingerprint,
@@ -288,7 +280,7 @@ def write_plan(
         "mode": "packing" if config.packing else "fixed",
         "inputs": inputs,
         "sources": {k: (redact(v) if v else None) for k, v in (sources or {}).items()},
-        "layout": LAYOUT,
+        "layout": epoch_part(0).replace("00000", "{epoch:05d}") + ", one row group per rank",
         "buckets": {
             n: {"samples": int(c), "batch_size": int(b), "latent_tokens": int(t)}
             for n, c, b, t in zip(samples.names, samples.counts, per_rank, tokens)
@@ -296,41 +288,90 @@ def write_plan(
         "samples": {"planned": int(len(samples.ids)), "not_in_cache": int(not_in_cache), "stale": int(stale)},
         "global_batch": None if config.packing else config.world_size * config.batch_size,
         "steps_per_epoch": first.steps,
-        "epochs": epochs,
-        "counts": _totals(epochs),
-        "tokens_per_step": stats.to_json(),
         "resumed_from": None,
-        "fingerprint": _fingerprint(inputs, None, epochs),
     }
-    _commit(fs, root, meta, keep)
+    meta = with_epochs(meta, epochs)
+    commit_plan(fs, root, meta)
     return meta
+
+
+def extend_plan(
+    url: str,
+    sample_ids: Sequence[int] | np.ndarray | pa.Array,
+    buckets: Sequence[str] | pa.Array,
+    *,
+    manifest_fingerprint: str,
+    cache_fingerprint: str | None = None,
+    epochs: int | None = None,
+    window: int | None = None,
+    sources: dict[str, str | None] | None = None,
+    storage_options: dict[str, Any] | None = None,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Write more epochs of the plan at ``url`` (made with ``window``) and commit; returns ``_plan.json``.
+
+    ``epochs``: hold epochs ``0..epochs-1`` afterwards; else ``window`` more; else all of the run's.
+    The samples must be the ones the plan was made from (same manifest and cache fingerprints, same
+    samples per bucket). The plan stays valid while this runs: new files are written first, the new
+    ``_plan.json`` last. Raises PlanError for a plan that cannot be extended or other inputs.
+    """
+    meta = read_plan_meta(url, storage_options)
+    inputs = meta["inputs"]
+    where = redact(url)
+    if meta.get("resumed_from"):
+        raise PlanError(f"{where} is a resumed plan; extend the plan it was resumed from, then resume again")
+    if inputs["manifest_fingerprint"] != manifest_fingerprint:
+        raise PlanError(f"{where} was made from manifest {inputs['manifest_fingerprint'][:16]}…, not this one "
+                        f"({manifest_fingerprint[:16]}…): extend it with the manifest it was made from")  # fmt: skip
+    if inputs.get("cache_fingerprint") != cache_fingerprint:
+        raise PlanError(f"{where} was made with --cache of fingerprint {inputs.get('cache_fingerprint')}, not "
+                        f"{cache_fingerprint}: pass the same --cache as when it was made")  # fmt: skip
+    samples = _samples(sample_ids, buckets, sources)
+    counts = dict(zip(samples.names, samples.counts.tolist()))
+    if counts != {n: b["samples"] for n, b in meta["buckets"].items()}:
+        raise PlanError(f"{where}: the samples per bucket differ from the ones planned (the cache changed since?); "
+                        "re-run `bucketeer plan` without --extend")  # fmt: skip
+    config = PlanConfig.from_json(inputs)
+    held = len(meta["epochs"])
+    target = epochs if epochs is not None else (held + window if window is not None else config.epochs)
+    if not held < target <= config.epochs:
+        raise PlanError(f"{where} holds epochs 0..{held - 1} of a {config.epochs}-epoch run: --epochs must be "
+                        f"between {held + 1} and {config.epochs} (got {target})")  # fmt: skip
+    fs, root = open_url(url, storage_options)
+    added = _plan_epochs(fs, root, samples, config, range(held, target), "plan --extend", progress)
+    new = with_epochs(meta, meta["epochs"] + added)
+    assert new["fingerprint"] == meta["fingerprint"], "extending keeps the plan's identity"
+    commit_plan(fs, root, new)
+    return new
+
+
+# ---------------------------------------------------------------- reading
 
 
 def read_plan_meta(url: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """``_plan.json`` of a committed plan. Raises PlanError saying what is wrong and what to do."""
     fs, root = open_url(url, storage_options)
-    meta = read_artifact_meta(
+    return read_artifact_meta(
         fs, root, url, file=PLAN_FILE, kind=PLAN_KIND, version=PLAN_FORMAT_VERSION, error=PlanError,
         missing=PlanMissingError,
         missing_hint="it is not a plan, or `bucketeer plan` never finished (still running or killed). "
         "Run `bucketeer plan` to (re)build it.",
         version_hint="Re-run `bucketeer plan` with this version.",
-    )
-    return meta
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
 class PlanRows:
-    """What :func:`read_plan_rows` found, per ``(epoch, rank)`` asked for: its rows, or its problem.
+    """What :func:`read_plan_rows` found: rows per ``(epoch, rank)`` asked for, or per epoch its problem.
 
-    A part that is missing or malformed is in ``problems`` (one line naming the epoch, rank and
-    part), not in ``tables``, so ``--check`` can report it; :meth:`table` and :meth:`ranks` raise it.
+    An epoch file that is missing or malformed is in ``problems`` (one line naming the epoch and
+    file), not in ``tables``, so ``--check`` can report it; :meth:`table` and :meth:`ranks` raise it.
     """
 
     url: str
     schema: pa.Schema  # the columns asked for
     tables: dict[tuple[int, int], pa.Table]  # rows sorted by step
-    problems: dict[tuple[int, int], str]
+    problems: dict[int, str]  # per epoch
     sha256: dict[int, str]  # per epoch read whole (every rank) and intact: comparable with _plan.json's
 
     def _raise_first_problem(self) -> None:
@@ -339,7 +380,7 @@ class PlanRows:
             raise PlanError(f"{redact(self.url)}: {first}; re-run `bucketeer plan`")
 
     def table(self) -> pa.Table:
-        """Every row read, by (epoch, rank, step). Raises PlanError for the first unusable part."""
+        """Every row read, by (epoch, rank, step). Raises PlanError for the first unusable file."""
         self._raise_first_problem()
         if not self.tables:
             return self.schema.empty_table()
@@ -349,25 +390,6 @@ class PlanRows:
         """The rows of ``epoch``, one table per rank read, in rank order. Raises PlanError like :meth:`table`."""
         self._raise_first_problem()
         return [self.tables[k] for k in sorted(self.tables) if k[0] == epoch]
-
-
-def _part_rows(data: bytes | None, epoch: int, rank: int, want: pa.Schema) -> tuple[pa.Table | None, str]:
-    """One part's rows in the columns of ``want``, or None and the problem (a line naming the epoch,
-    rank and part); ``data`` None: the part does not exist."""
-    where = f"epoch {epoch} rank {rank}"
-    part = rank_part(epoch, rank)
-    if data is None:
-        return None, f"{where}: part {part} named by {PLAN_FILE} is missing"
-    try:
-        parquet = pq.ParquetFile(pa.BufferReader(data))
-    except (pa.ArrowInvalid, OSError) as e:
-        return None, f"{where}: part {part} is not parquet ({e})"
-    columns = want.names
-    schema = parquet.schema_arrow
-    if any(c not in schema.names or not schema.field(c).type.equals(want.field(c).type) for c in columns):
-        found, expected = ([f"{f.name}: {f.type}" for f in sch] for sch in (schema, want))
-        return None, f"{where}: columns {found} are not the plan columns {expected} (part {part})"
-    return parquet.read(columns=columns).cast(want), ""
 
 
 def read_plan_rows(
@@ -380,19 +402,20 @@ def read_plan_rows(
     meta: dict[str, Any] | None = None,
 ) -> PlanRows:
     """The rows of ``epochs`` x ``ranks`` (default: every epoch the plan holds, every rank) in ``columns``
-    (default: all of PLAN_SCHEMA), with one concurrent read of what they need.
+    (default: all of PLAN_SCHEMA).
 
-    ``meta`` is the plan's ``_plan.json`` when the caller has it. A missing or malformed part is a
-    problem in the result (see :class:`PlanRows`), never an exception here. Raises PlanError for an
-    invalid plan, an epoch it does not hold, a rank outside its world size, or an unknown column;
-    a storage failure other than a missing part (after the retries) is a StorageError.
+    Every rank: each epoch file is read whole (one GET). Some ranks: the footer and their row groups
+    by ranged reads. ``meta`` is the plan's ``_plan.json`` when the caller has it. A missing or
+    malformed file is a problem in the result (see :class:`PlanRows`), never an exception here.
+    Raises PlanError for an invalid plan, an epoch it does not hold, a rank outside its world size,
+    or an unknown column; a storage failure other than a missing file is a StorageError.
     """
     meta = meta or read_plan_meta(url, storage_options)
-    held = [e["epoch"] for e in meta["epochs"]]
-    epochs = held if epochs is None else list(epochs)
+    entries = {e["epoch"]: e for e in meta["epochs"]}
+    epochs = list(entries) if epochs is None else list(epochs)
     for epoch in epochs:
-        if epoch not in held:
-            raise PlanError(f"{redact(url)} has no epoch {epoch}; it holds epochs {held}")
+        if epoch not in entries:
+            raise PlanError(f"{redact(url)} has no epoch {epoch}; it holds epochs {_span(list(entries))}")
     world = int(meta["inputs"]["world_size"])
     every_rank = ranks is None
     ranks = list(range(world)) if ranks is None else list(ranks)
@@ -406,26 +429,23 @@ def read_plan_rows(
     want = pa.schema([PLAN_SCHEMA.field(c) for c in columns])
 
     fs, root = open_url(url, storage_options)
-    keys = [(e, r) for e in epochs for r in ranks]
-    paths = {key: join(root, rank_part(*key)) for key in keys}
-    blobs = dict(zip(paths.values(), read_many(fs, list(paths.values()))))  # concurrent GETs, retried
-    tables, problems = {}, {}
-    for key in keys:
-        data = blobs[paths[key]]
-        if isinstance(data, BaseException) and not isinstance(data, FileNotFoundError):
-            # denied, or still failing after the retries: a storage failure, not a fault of the plan
-            raise storage_error(fs, "reading", paths[key], data) from data
-        table, problem = _part_rows(None if isinstance(data, BaseException) else data, *key, want)
-        if table is None:
-            problems[key] = problem
-        else:
-            tables[key] = table
-    sha256 = {}
-    if every_rank:
-        for epoch in epochs:
-            if not any(k[0] == epoch for k in problems):
-                sha256[epoch] = _digest({rank_part(epoch, r): blobs[paths[(epoch, r)]] for r in ranks})
+    tables, problems, sha256 = {}, {}, {}
+    for epoch in epochs:
+        path, where = join(root, epoch_part(epoch)), f"epoch {epoch}: {epoch_part(epoch)}"
+        try:
+            if every_rank:
+                found, sha256[epoch] = read_epoch_whole(fs, path, where, world, want)
+            else:
+                found = read_epoch_ranks(fs, path, where, entries[epoch], world, ranks, want)
+        except PartProblem as e:
+            problems[epoch] = str(e)
+            continue
+        tables.update({(epoch, rank): table for rank, table in found.items()})
     return PlanRows(url, want, tables, problems, sha256)
+
+
+def _span(epochs: list[int]) -> str:
+    return f"{epochs[0]}..{epochs[-1]}" if epochs == list(range(epochs[0], epochs[-1] + 1)) else str(epochs)
 
 
 def read_rank_plan(
@@ -433,108 +453,7 @@ def read_rank_plan(
 ) -> pa.Table:
     """Rank ``rank``'s rows (all epochs, or one), sorted by (epoch, step), in PLAN_SCHEMA.
 
-    Reads ``_plan.json`` and this rank's rows only. Raises PlanError for an invalid plan, a rank
-    outside the world size, an epoch the plan does not hold, or a missing or malformed part.
+    Reads ``_plan.json`` and this rank's row groups only. Raises PlanError for an invalid plan, a
+    rank outside the world size, an epoch the plan does not hold, or a missing or malformed file.
     """
     return read_plan_rows(url, None if epoch is None else [epoch], [rank], storage_options=storage_options).table()
-
-
-def resume_plan(
-    plan_url: str,
-    out_url: str,
-    *,
-    epoch: int,
-    step: int,
-    world_size: int,
-    batch_size: int | None = None,
-    storage_options: dict[str, Any] | None = None,
-    out_storage_options: dict[str, Any] | None = None,
-    progress: bool = False,
-) -> dict[str, Any]:
-    """Write the rest of a plan, from ``(epoch, step)``, for ``world_size`` ranks at ``out_url``.
-
-    ``step`` is the first step of ``epoch`` not yet run. ``batch_size`` (fixed mode, optional) must
-    equal the global batch / ``world_size``. Returns the new ``_plan.json``. ``progress``: report
-    epochs written. Raises PlanError for a position outside the plan and ValueError when the
-    global batch does not split over ``world_size`` ranks. See the module docstring for the guarantees.
-    """
-    meta = read_plan_meta(plan_url, storage_options)
-    old_fs, old_root = open_url(plan_url, storage_options)
-    new_fs, new_root = open_url(out_url, out_storage_options)
-    if old_root == new_root and type(old_fs) is type(new_fs):
-        raise UsageError(f"--out {redact(out_url)} is the plan being resumed; write the resumed plan to a new folder")
-    old_world = int(meta["inputs"]["world_size"])
-    if world_size < 1:
-        raise UsageError(f"world size must be >= 1 (number of training processes), got {world_size}")
-    entries = {e["epoch"]: e for e in meta["epochs"]}
-    if epoch not in entries:
-        raise PlanError(f"{redact(plan_url)} has no epoch {epoch}; it holds epochs {sorted(entries)}")
-    entry = entries[epoch]
-    end = entry["first_step"] + entry["steps"]
-    if not entry["first_step"] <= step <= end:
-        raise PlanError(
-            f"step {step} is outside epoch {epoch} of {redact(plan_url)} (steps {entry['first_step']}..{end})"
-        )
-    if step == end:  # the epoch is finished: resume at the start of the next one
-        later = [e for e in sorted(entries) if e > epoch]
-        if not later:
-            raise PlanError(
-                f"{redact(plan_url)}: epoch {epoch} step {step} is the end of the plan; nothing is left to train"
-            )
-        epoch, step = later[0], entries[later[0]]["first_step"]
-
-    buckets = {n: dict(b) for n, b in meta["buckets"].items()}
-    for name, b in buckets.items():
-        global_size = b["batch_size"] * old_world
-        if global_size % world_size:
-            raise UsageError(
-                f"bucket {name}: the global batch of {global_size} samples ({old_world} ranks x {b['batch_size']}) "
-                f"does not split over {world_size} ranks; the world size must divide the global batch"
-            )
-        b["batch_size"] = global_size // world_size
-    inputs = dict(meta["inputs"], world_size=world_size)
-    if meta["mode"] == "fixed":
-        new_batch = meta["global_batch"] // world_size
-        if batch_size is not None and batch_size != new_batch:
-            raise UsageError(
-                f"batch size {batch_size} x {world_size} ranks != the plan's global batch {meta['global_batch']} "
-                f"({old_world} x {meta['inputs']['batch_size']}); use batch size {new_batch}"
-            )
-        inputs["batch_size"] = new_batch
-
-    fs, root = new_fs, new_root
-    _begin(fs, root)
-    stats = _TokenStats({n: b["latent_tokens"] for n, b in buckets.items()})
-    epochs, keep = [], set()
-    todo = sorted(x for x in entries if x >= epoch)
-    reporter = _EpochProgress("plan --resume", len(todo), progress)
-    for e in todo:
-        tables = read_plan_rows(plan_url, [e], storage_options=storage_options, meta=meta).ranks(e)
-        schedule = schedule_from_rank_tables(tables, entries[e]["padded"], entries[e]["dropped"])
-        schedule = schedule.tail(step) if e == epoch else schedule
-        files, digest = epoch_files(schedule, world_size)
-        _put_files(fs, root, files)
-        keep |= set(files)
-        stats.add(schedule, world_size)
-        epochs.append(_epoch_entry(schedule, digest, entries[e]["steps_in_epoch"]))
-        reporter.written(files)
-    reporter.close()
-    resumed_from = {
-        "plan_fingerprint": meta["fingerprint"],
-        "epoch": epoch,
-        "step": step,
-        "world_size": old_world,
-        "batch_size": meta["inputs"]["batch_size"],
-    }
-    new = dict(
-        meta,
-        inputs=inputs,
-        buckets=buckets,
-        epochs=epochs,
-        counts=_totals(epochs),
-        tokens_per_step=stats.to_json(),
-        resumed_from=resumed_from,
-        fingerprint=_fingerprint(inputs, resumed_from, epochs),
-    )
-    _commit(fs, root, new, keep)
-    return new

@@ -1,0 +1,161 @@
+"""The trainer's ``--output-dir``: a local folder or any fsspec URL (``s3://bucket/run``), seen by every node.
+
+What is written there (checkpoints, the final model, metrics, TensorBoard logs, elastic-resume
+plans) is first written by each node into a local folder, then uploaded; for a local
+``--output-dir`` that local folder is the output folder itself and nothing is uploaded (one code
+path: fsspec's local filesystem). The node-local folder of a URL is
+``$BUCKETEER_SCRATCH`` (default: the system temp folder) ``/bucketeer-train/<hash of the URL>/node-<R>``,
+``R`` being the first rank of the node.
+
+Several nodes need an output folder they all see: every rank resumes from ``latest.json``, which
+the main process writes. A URL is shared by definition; a local path is checked at start
+(:func:`check_shared`): the main process writes a marker file, every rank looks for it, and if
+some rank does not see it the run stops with a message naming ``--output-dir s3://...``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from manifests.errors import UsageError
+from manifests.storage import call_storage, is_local, join, open_url, redact
+
+__all__ = ["OutputDir", "open_output", "check_shared", "SCRATCH_ENV"]
+
+SCRATCH_ENV = "BUCKETEER_SCRATCH"
+
+
+@dataclass
+class OutputDir:
+    """``--output-dir`` on storage (``fs``, ``root``) and this node's folder for it (``scratch``)."""
+
+    url: str
+    fs: Any
+    root: str
+    scratch: Path
+
+    @property
+    def is_local(self) -> bool:
+        return is_local(self.fs)
+
+    def name(self, *parts: str) -> str:
+        """How messages name a path under the output folder (credentials redacted)."""
+        return redact(join(self.url.rstrip("/"), *parts))
+
+    def url_of(self, *parts: str) -> str:
+        """The fsspec URL (or local path) of a path under the output folder."""
+        return join(self.root, *parts) if self.is_local else self.fs.unstrip_protocol(join(self.root, *parts))
+
+    def local(self, *parts: str) -> Path:
+        """Where this node writes (or has downloaded) a path under the output folder."""
+        return Path(self.root if self.is_local else self.scratch, *parts)
+
+    def upload(self, rel: str) -> dict[str, int]:
+        """Upload this node's ``local(rel)`` tree to ``rel`` (nothing to do when local); its files and sizes.
+
+        Raises StorageError when storage refuses (after the retries of :mod:`manifests.retry`).
+        """
+        base = self.local(rel)
+        files = {p.relative_to(base).as_posix(): p.stat().st_size for p in sorted(base.rglob("*")) if p.is_file()}
+        if files and not self.is_local:
+            sources = [str(base / f) for f in files]
+            targets = [join(self.root, rel, f) for f in files]
+            # one call: s3fs uploads the files concurrently (multipart for large ones); retried as a whole
+            call_storage(self.fs, "uploading", join(self.root, rel), lambda: self.fs.put(sources, targets))
+        return files
+
+    def download(self, rel: str, files: dict[str, int]) -> Path:
+        """Download ``files`` of ``rel`` into this node's folder (nothing to do when local); where they are."""
+        base = self.local(rel)
+        if not self.is_local:
+            todo = [f for f in files if not ((base / f).is_file() and (base / f).stat().st_size == files[f])]
+            for f in todo:
+                (base / f).parent.mkdir(parents=True, exist_ok=True)
+            sources = [join(self.root, rel, f) for f in todo]
+            targets = [str(base / f) for f in todo]
+            if todo:
+                call_storage(self.fs, "downloading", join(self.root, rel), lambda: self.fs.get(sources, targets))
+        return base
+
+    def download_file(self, rel: str) -> None:
+        """Fetch one file into this node's folder if storage has it (nothing to do when local)."""
+        if self.is_local:
+            return
+        target = self.local(rel)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            call_storage(self.fs, "downloading", join(self.root, rel),
+                         lambda: self.fs.get_file(join(self.root, rel), str(target)))  # fmt: skip
+        except FileNotFoundError:
+            pass
+
+    def upload_logs(self) -> None:
+        """Upload ``metrics.jsonl`` and the TensorBoard ``logs/`` (main process; nothing to do when local)."""
+        if self.is_local:
+            return
+        self.upload("logs")
+        metrics = self.local("metrics.jsonl")
+        if metrics.is_file():
+            target = join(self.root, "metrics.jsonl")
+            call_storage(self.fs, "uploading", target, lambda: self.fs.put_file(str(metrics), target))
+
+    def remove(self, rel: str) -> None:
+        """Remove ``rel`` (a folder) from storage and from this node's folder; a missing one is fine."""
+        target = join(self.root, rel)
+        if not self.is_local:
+            try:
+                call_storage(self.fs, "removing", target, lambda: self.fs.rm(target, recursive=True))
+            except FileNotFoundError:
+                pass
+        shutil.rmtree(self.local(rel), ignore_errors=True)
+
+    def drop_local_copy(self, rel: str) -> None:
+        """Free this node's disk of an uploaded (or loaded) copy; the output folder keeps it."""
+        if not self.is_local:
+            shutil.rmtree(self.local(rel), ignore_errors=True)
+
+
+def open_output(url: str, storage_options: dict[str, Any] | None, node: int) -> OutputDir:
+    """``--output-dir`` as an :class:`OutputDir`; ``node``: the first rank of this node (names its scratch)."""
+    fs, root = open_url(url, storage_options if "://" in url else None)
+    base = Path(os.environ.get(SCRATCH_ENV) or tempfile.gettempdir())
+    digest = hashlib.sha256(f"{fs.protocol}:{root}".encode()).hexdigest()[:12]
+    scratch = base / "bucketeer-train" / digest / f"node-{node}"
+    return OutputDir(url, fs, root, scratch)
+
+
+def check_shared(accelerator, output: OutputDir) -> None:
+    """Stop (on every rank) when some rank does not see a local ``--output-dir`` the main process sees.
+
+    A collective: call it on every rank. Nothing to check for a URL or a single process.
+    """
+    from accelerate.utils import broadcast_object_list, gather_object
+
+    if not output.is_local or accelerator.num_processes == 1:
+        return
+    token = [uuid.uuid4().hex if accelerator.is_main_process else None]
+    broadcast_object_list(token)
+    marker = output.local(f".shared-{token[0]}")
+    if accelerator.is_main_process:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text("written by the main process to check that every rank sees this folder\n")
+    accelerator.wait_for_everyone()
+    seen = gather_object([marker.exists()])  # every rank's answer, on every rank
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        marker.unlink(missing_ok=True)
+    blind = [rank for rank, ok in enumerate(seen) if not ok]
+    if blind:
+        raise UsageError(
+            f"--output-dir {output.url} is a local folder that ranks {blind} do not see (other nodes, or another "
+            "working folder): checkpoints and latest.json written by rank 0 would be invisible to them. Give every "
+            "node the same --output-dir they can all reach, e.g. --output-dir s3://bucket/run (with "
+            "--storage-options), or a shared filesystem path"
+        )
