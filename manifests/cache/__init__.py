@@ -7,7 +7,7 @@ reading: what every other module shares), :mod:`~manifests.cache.records` (the r
 The names below are the public API; each module imports only from ``layout`` and ``records``.
 """
 
-from manifests.cache.freshness import Freshness, source_key
+from manifests.cache.freshness import Freshness, IndexLookup, source_key
 from manifests.cache.layout import (
     CACHE_ERRORS_SCHEMA,
     CACHE_FILE,
@@ -20,12 +20,13 @@ from manifests.cache.layout import (
     available_sample_ids,
     cache_freshness,
     fingerprint_of,
+    index_lookup,
     read_cache_meta,
     read_index,
     settings_diff,
 )
 from manifests.cache.reader import CacheReader
-from manifests.cache.writer import CacheWriter, ShardWriter
+from manifests.cache.writer import CacheCommitter, CacheWriter, KeySet, ShardWriter
 
 __all__ = [
     "CACHE_ERRORS_SCHEMA",
@@ -34,15 +35,19 @@ __all__ = [
     "SAMPLE_INDEX_SCHEMA",
     "SHARD_RECORDS",
     "TEXT_INDEX_SCHEMA",
+    "CacheCommitter",
     "CacheError",
     "CacheMissingError",
     "CacheReader",
     "CacheWriter",
     "Freshness",
+    "IndexLookup",
+    "KeySet",
     "ShardWriter",
     "available_sample_ids",
     "cache_freshness",
     "fingerprint_of",
+    "index_lookup",
     "read_cache_meta",
     "read_index",
     "settings_diff",
