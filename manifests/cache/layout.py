@@ -3,9 +3,10 @@
 The writer (:mod:`manifests.cache.writer`) and the reader (:mod:`manifests.cache.reader`) live in
 their own modules; ``CacheWriter``, ``ShardWriter`` and ``CacheReader`` are importable from here too.
 
-Layout of ``CACHE/`` (every name below is listed in ``_cache.json``; nothing is ever listed)::
+Layout of ``CACHE/`` (``_cache.json`` names the index parts, the index rows name the shards;
+nothing is ever listed)::
 
-    _cache.json                          settings + fingerprint, shard and index parts, counts
+    _cache.json                          settings + fingerprint, index parts, counts (never shards)
     shards/samples-<sha256[:24]>.bin     concatenated sample records (latent + geometry)
     shards/texts-<sha256[:24]>.bin       concatenated text records, one per unique caption
     index/samples-<sha>.parquet          sample_id, shard, offset, length, crc32, caption_key, bucket,
@@ -14,11 +15,12 @@ Layout of ``CACHE/`` (every name below is listed in ``_cache.json``; nothing is 
     index/errors-<sha>.parquet           sample_id, filename, error, message, source_key, generation
 
 A record is ``gzip(safetensors)`` (:mod:`manifests.cache.records`), readable alone with one ranged
-read. Writing is a sequence of commits: shard objects and index parts first (content-addressed,
-so a rerun never overwrites a different object under a committed name), then ``_cache.json``
-atomically. A job killed between commits leaves at most unreferenced objects; the committed state
-is always consistent and a resumed job embeds exactly the samples the index lacks (or holds stale).
-One writer at a time per cache folder.
+read. Writing is a sequence of commits: shard objects (written by the embed workers) and index
+parts first (content-addressed, so a rerun never overwrites a different object under a committed
+name), then ``_cache.json`` atomically (by one committer, :mod:`manifests.cache.writer`). A job
+killed between commits, or a worker whose unit was redone elsewhere, leaves at most unreferenced
+objects; the committed state is always consistent and a resumed job embeds exactly the samples the
+index lacks (or holds stale). One committer at a time per cache folder.
 
 Never stale: every sample and error row stores the **source key** of the manifest row it was made
 from (:mod:`manifests.cache.freshness`) and the **generation** (the ``_cache.json`` commit that
