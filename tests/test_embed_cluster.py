@@ -144,7 +144,6 @@ def test_a_gpu_node_that_joins_after_the_start_does_the_work(cluster, tmp_path):
     meta = assert_every_sample_once(manifest, out)
     assert meta["summary"]["device"] == "cuda" and meta["summary"]["encoder_nodes"] == 1
     assert meta["compute"]["device"] == "cpu"  # where the VAE really ran: torch sees no CUDA here
-    print(output)
     assert output.count("sees no CUDA device") == 1  # said once, by the driver, for all workers alike
     assert re.search(r"embed captions: 4/4 captions \(100%\).*done in", output)
     assert re.search(r"embed images: 8/8 images \(100%\).*done in", output)
