@@ -256,7 +256,8 @@ def run(args: argparse.Namespace) -> int:
     summary = {"embedded": embed.embedded, "errors": embed.errors, "skipped": work.samples - work.todo,
                "changed": counts["stale"], "retried": counts["retry"], "new_captions": work.new_captions,
                "seconds": round(seconds, 2),
-               # steady state: from the first image result to the last (start-up and model loading excluded)
+               # steady state: from the first image result to the last (start-up and model loading
+               # excluded); with fewer than 3 results (units), the whole image phase
                "image_seconds": round(image_seconds, 2),
                "images_per_second": round(embed.steady_images / image_seconds, 2) if image_seconds else None,
                "device": placement.device, "encoder_nodes": len(embed.nodes), "shards": embed.shards,
@@ -362,7 +363,7 @@ class _Embed:
                    "max_pixels": int(manifest.get("max_pixels") or MAX_PIXELS)}  # fmt: skip
         pipeline = image_pipeline(work, self.args.manifest, source, self.so, make_vae, self.request["dtype"],
                                   self.args.out, options, self.placement)  # fmt: skip
-        written, first = 0, None
+        written, first, start, results_seen, images_seen = 0, None, time.time(), 0, 0
         with Progress("embed", "images", total=work.todo, unit="images") as progress:
             for row in results(pipeline):
                 worker = self._worker("images", row["worker"])
@@ -378,6 +379,7 @@ class _Embed:
                 self.shards += bool(row["shard_bytes"])
                 progress.update(samples.num_rows + errors.num_rows, written=f"{written / 1e6:.1f} MB",
                                 errors=self.errors)  # fmt: skip
+                results_seen, images_seen = results_seen + 1, images_seen + samples.num_rows
                 if first is None:
                     first = time.time()
                 else:
@@ -385,6 +387,8 @@ class _Embed:
                     self.steady_seconds = time.time() - first
                 if self.committer.due():
                     self.committer.commit()
+        if results_seen < 3:  # one or two units finish together: their gap says nothing about the rate
+            self.steady_images, self.steady_seconds = images_seen, time.time() - start
         self.committer.commit()
 
 
