@@ -8,7 +8,11 @@ In one run, with the embedded default (tiny random-weight) encoders on this mach
 2. bytes per sample: cache record vs raw bf16 latent vs one gzip'd ``torch.save`` fp32 file per image;
 3. text bytes per caption: unpadded vs padded to 77 tokens;
 4. time to read 256 random records: shards (CacheReader, ranged reads) vs one file per record,
-   locally and from a moto S3 server started here on 127.0.0.1.
+   locally and from a moto S3 server started here on 127.0.0.1;
+5. committing ``--commit-rows`` (1M) synthetic index rows through the real ShardWriter + CacheCommitter
+   (no encoders, a commit after every shard, in a child process): the driver's peak RSS and the
+   metadata bytes written, vs the old layout whose ``_cache.json`` listed every shard and was
+   rewritten after each one (O(shards^2) bytes).
 SDXL's VAE at 1024^2 in bf16 and the GPU's busy fraction need a GPU: not measured here.
 """
 
@@ -113,12 +117,66 @@ def time_reads(cache: str, per_file: str, ids: list[int], so: dict | None) -> tu
     return t_open, t_shards, time.perf_counter() - t
 
 
+def commit_scale(rows: int, shard_records: int) -> None:
+    """Commit ``rows`` synthetic sample index rows, one shard of ``shard_records`` at a time (what the
+    embed driver does with its workers' results); print peak RSS and metadata bytes of both layouts."""
+    import json
+    import resource
+
+
+    from manifests.cache import CacheCommitter, ShardWriter
+
+    work = tempfile.mkdtemp(prefix="bucketeer-bench-commit-")
+    cache = os.path.join(work, "cache")
+    settings = {"bench": "commit-scale"}
+    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB, after the imports
+    committer = CacheCommitter(cache, settings, commit_seconds=0)
+    fs, root = committer.fs, committer.root
+    shards = -(-rows // shard_records)
+    ids = np.random.default_rng(0).permutation(np.arange(1, rows + 1, dtype=np.uint64))
+    record = b"x" * 64
+    old_meta: dict = {"shards": []}
+    old_bytes = 0
+    t = time.perf_counter()
+    for s in range(shards):
+        shard = ShardWriter("samples", max_records=shard_records + 1)
+        for sid in ids[s * shard_records : (s + 1) * shard_records].tolist():
+            shard.append(record, sample_id=sid, caption_key=sid % 997, bucket="256x256", source_key=sid)
+        index, size = shard.write(fs, root)  # what a worker does; only ``index`` reaches the driver
+        committer.add("samples", index)
+        committer.commit()
+        # the old layout: every shard listed in _cache.json, rewritten after each shard
+        old_meta["shards"].append({"path": index.column("shard")[0].as_py(), "kind": "samples",
+                                   "records": index.num_rows, "bytes": size, "generation": s + 1})  # fmt: skip
+        old_bytes += len((json.dumps(old_meta, indent=2, sort_keys=True) + "\n").encode())
+    committer.finish()
+    seconds = time.perf_counter() - t
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    parts = len(committer.meta["index"]["samples"])
+    print(f"\n## committing {rows:,} index rows in {shards:,} shards of {shard_records} ({seconds:.1f} s)")
+    print(f"driver peak RSS                     : {peak:8.0f} MiB ({base_rss:.0f} MiB after imports)")
+    print(f"_cache.json bytes written           : {committer.metadata_bytes:12,d}  ({shards + 1} commits, "
+          f"{committer.metadata_bytes / (shards + 1):,.0f} B each)")
+    print(f"index part bytes written (w/ merges): {committer.index_bytes:12,d}  ({parts} part at the end)")
+    print(f"old layout, _cache.json bytes       : {old_bytes:12,d}  ratio {old_bytes / committer.metadata_bytes:.0f}x")
+    shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--images", type=int, default=256)
     ap.add_argument("--size", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--commit-rows", type=int, default=1_000_000, help="index rows of the commit benchmark")
+    ap.add_argument("--commit-only", action="store_true", help="run only the commit benchmark (in this process)")
     args = ap.parse_args()
+    if args.commit_only:
+        commit_scale(args.commit_rows, 1024)
+        return
+    # in a child process: its peak RSS is the committer's alone
+    import subprocess
+
+    subprocess.run([sys.executable, __file__, "--commit-only", "--commit-rows", str(args.commit_rows)], check=True)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     work = tempfile.mkdtemp(prefix="bucketeer-bench-")
     os.environ.setdefault("BUCKETEER_HOME", os.path.join(work, "home"))
@@ -136,7 +194,9 @@ def main() -> None:
     ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
     p = argparse.ArgumentParser()
     embed.add_arguments(p)
-    embed.run(p.parse_args([manifest, "--out", cache, "--batch-size", str(args.batch_size), "--shard-records", "128"]))
+    # a unit (one encoder call, one shard) per batch: enough results for a steady-state rate
+    batch = str(args.batch_size)
+    embed.run(p.parse_args([manifest, "--out", cache, "--batch-size", batch, "--shard-records", batch]))
     ray.shutdown()
     meta = read_cache_meta(cache)
     e2e = meta["summary"]["images_per_second"]

@@ -1,7 +1,8 @@
 """Fault injection for tests: named points where a test can stall, pause or kill a real job.
 
     BUCKETEER_FAULTS="scan.task=exit-once:/tmp/died"      # the first scan task to finish its reads kills its worker
-    BUCKETEER_FAULTS="cache.samples_committed=pause:120"  # embed pauses after its first sample shard commit
+    BUCKETEER_FAULTS="cache.samples_committed=pause:120"  # embed pauses after its first commit of samples
+    BUCKETEER_FAULTS="embed.unit=sleep:0.5"               # every embed unit takes half a second longer
     BUCKETEER_FAULTS="train.checkpoint=pause:300;scan.task=sleep:30"
 
 One variable, ``POINT=ACTION:ARG`` entries separated by ``;``. The points (where the code calls
@@ -31,7 +32,8 @@ __all__ = ["FAULTS_ENV", "POINTS", "ACTIONS", "Fault", "parse_faults", "hit", "p
 FAULTS_ENV = "BUCKETEER_FAULTS"
 POINTS = {
     "scan.task": "a scan Ray task, after its reads, before it returns its result",
-    "cache.samples_committed": "the cache writer, after a commit that wrote a sample shard (_cache.json written)",
+    "cache.samples_committed": "the cache committer, after a commit that wrote sample index rows (_cache.json written)",
+    "embed.unit": "an embed encoder worker, after it wrote a unit's shard, before it returns the unit's index rows",
     "train.checkpoint": "the trainer, after every rank has saved a checkpoint and latest.json names it",
 }
 ACTIONS = {"sleep": "SECONDS", "pause": "SECONDS", "exit-once": "PATH"}

@@ -29,6 +29,7 @@ from manifests.storage import (
     join,
     open_url,
     read_artifact_meta,
+    RangedFile,
     read_bytes,
     redact,
     write_bytes_atomic,
@@ -42,6 +43,10 @@ __all__ = [
     "Manifest",
     "write_manifest",
     "read_manifest",
+    "read_manifest_meta",
+    "RowGroup",
+    "sample_row_groups",
+    "read_row_group",
     "conform",
     "apply_buckets",
     "rebucket",
@@ -209,16 +214,29 @@ def _remove_unreferenced(fs, root: str, keep: set[str]) -> None:
                 call_storage(fs, "removing", path, lambda: fs.rm(path))
 
 
-def read_manifest(url: str, storage_options: dict[str, Any] | None = None) -> Manifest:
-    """Read a committed manifest; raises ManifestError saying what is wrong and what to do."""
+def read_manifest_meta(url: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Read and check a committed manifest's ``_manifest.json`` only (no parts are read).
+
+    Raises ManifestError (ManifestMissingError without one) saying what is wrong and what to do.
+    """
     fs, root = open_url(url, storage_options)
-    meta = read_artifact_meta(
+    return _read_meta(fs, root, url)
+
+
+def _read_meta(fs, root: str, url: str) -> dict[str, Any]:
+    return read_artifact_meta(
         fs, root, url, file=MANIFEST_FILE, kind=_KIND, version=FORMAT_VERSION, error=ManifestError,
         missing=ManifestMissingError,
         missing_hint="it is not a manifest, or its scan never committed (still running or killed). "
         "Run `bucketeer scan` to (re)build it.",
         version_hint="Rescan with this version, or use the bucketeer that wrote it.",
     )
+
+
+def read_manifest(url: str, storage_options: dict[str, Any] | None = None) -> Manifest:
+    """Read a committed manifest; raises ManifestError saying what is wrong and what to do."""
+    fs, root = open_url(url, storage_options)
+    meta = _read_meta(fs, root, url)
     tables = {}
     for kind, schema in (("samples", SAMPLES_SCHEMA), ("errors", ERRORS_SCHEMA)):
         pieces = []
@@ -296,3 +314,79 @@ def manifest_stats(manifest: Manifest) -> dict[str, Any]:
         "errors": {r["error"]: r["len"] for r in kinds.iter_rows(named=True)},
         "fingerprint": manifest.fingerprint,
     }
+
+
+# ---------------------------------------------------------------- row groups: the manifest in bounded chunks
+
+
+@dataclass(frozen=True)
+class RowGroup:
+    """One row group of a samples part (the unit a streaming reader holds in memory at once)."""
+
+    part: str  # path relative to the manifest root
+    part_bytes: int  # size of the part object (ranged reads need it)
+    index: int  # the row group's number in the part
+    rows: int
+
+
+def _part_size(fs, root: str, url: str, part: dict[str, Any]) -> int:
+    """A part's size in bytes: recorded in ``_manifest.json``, else asked of the store."""
+    if part.get("bytes") is not None:
+        return int(part["bytes"])
+    target = join(root, part["path"])
+    try:
+        return int(call_storage(fs, "sizing", target, lambda: fs.size(target)))
+    except FileNotFoundError:
+        raise ManifestError(f"{redact(url)}: part {part['path']} named in {MANIFEST_FILE} is missing") from None
+
+
+def _part_file(fs, root: str, url: str, path: str, size: int) -> pq.ParquetFile:
+    try:
+        return pq.ParquetFile(RangedFile(fs, join(root, path), size))
+    except FileNotFoundError:
+        raise ManifestError(f"{redact(url)}: part {path} named in {MANIFEST_FILE} is missing") from None
+    except pa.ArrowInvalid as e:
+        raise ManifestError(f"{redact(url)}: part {path} is not a readable parquet file ({e}); "
+                            "run `bucketeer scan` to rebuild it") from None  # fmt: skip
+
+
+def sample_row_groups(
+    url: str, meta: dict[str, Any], storage_options: dict[str, Any] | None = None
+) -> list[RowGroup]:
+    """Every row group of the manifest's samples parts, in order: one footer read per part.
+
+    ``meta`` is the manifest's ``_manifest.json`` (:func:`read_manifest_meta`). Raises ManifestError
+    for a part that is missing or not parquet.
+    """
+    fs, root = open_url(url, storage_options)
+    groups = []
+    for part in meta["parts"]["samples"]:
+        size = _part_size(fs, root, url, part)
+        file = _part_file(fs, root, url, part["path"], size)
+        for i in range(file.metadata.num_row_groups):
+            groups.append(RowGroup(part["path"], size, i, file.metadata.row_group(i).num_rows))
+    return groups
+
+
+def read_row_group(
+    url: str, group: RowGroup, columns: list[str], storage_options: dict[str, Any] | None = None
+) -> pa.Table:
+    """The ``columns`` of one samples row group, typed as ``SAMPLES_SCHEMA`` says; a nullable column
+    the part lacks (written before it existed, or never filled) reads as nulls. Ranged reads only.
+
+    Raises ManifestError for a missing or unreadable part, or a required column it lacks.
+    """
+    fs, root = open_url(url, storage_options)
+    file = _part_file(fs, root, url, group.part, group.part_bytes)
+    present = [c for c in columns if c in file.schema_arrow.names]
+    table = file.read_row_group(group.index, columns=present)
+    out = []
+    for name in columns:
+        field = SAMPLES_SCHEMA.field(name)
+        if name in present:
+            out.append(table.column(name).cast(field.type))
+        elif field.nullable:
+            out.append(pa.nulls(table.num_rows, field.type))
+        else:
+            raise ManifestError(f"{redact(url)}: part {group.part} lacks column {name!r}")
+    return pa.Table.from_arrays(out, names=columns)

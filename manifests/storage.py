@@ -8,14 +8,17 @@ config files, and never reach an artifact, a log line or an error message (:func
 Every storage operation goes through the retry layer of :mod:`manifests.retry`, the only one
 (:func:`open_url` turns off s3fs's and botocore's own). The helpers here do that for their
 callers: :func:`read_bytes`, :func:`read_json`, :func:`read_all` and :func:`write_bytes_atomic`
-for artifacts, :func:`read_many` for many objects or ranges at once (per-item results), and
-:func:`call_storage` for any other filesystem call (listing, removing). A failure that outlives
+for artifacts, :func:`read_many` for many objects or ranges at once (per-item results),
+:class:`RangedFile` for a file-like view that fetches only the ranges a reader asks for (one row
+group of a parquet part), and :func:`call_storage` for any other filesystem call (listing,
+removing). A failure that outlives
 the retries (or is not worth one) leaves them as a :class:`~manifests.errors.StorageError` naming
 the object, except ``FileNotFoundError``, which callers turn into what is missing and what to do.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -46,6 +49,7 @@ __all__ = [
     "read_json",
     "read_artifact_meta",
     "is_local",
+    "RangedFile",
 ]
 
 T = TypeVar("T")
@@ -280,9 +284,11 @@ def write_bytes_atomic(fs: AbstractFileSystem, path: str, data: bytes) -> None:
         call_storage(fs, "writing", path, lambda: fs.pipe_file(path, data))
 
 
-def write_json_atomic(fs: AbstractFileSystem, path: str, obj: Any) -> None:
-    """Write ``obj`` as pretty, key-sorted JSON atomically (see :func:`write_bytes_atomic`)."""
-    write_bytes_atomic(fs, path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+def write_json_atomic(fs: AbstractFileSystem, path: str, obj: Any) -> int:
+    """Write ``obj`` as pretty, key-sorted JSON atomically (see :func:`write_bytes_atomic`); returns its bytes."""
+    data = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+    write_bytes_atomic(fs, path, data)
+    return len(data)
 
 
 def read_json(fs: AbstractFileSystem, path: str) -> Any:
@@ -329,3 +335,45 @@ def read_artifact_meta(
             f"version {version}. {version_hint}"
         )
     return meta
+
+
+class RangedFile(io.RawIOBase):
+    """A read-only, seekable file over one object of known ``size`` bytes: each ``read`` is one
+    ranged GET through :func:`read_bytes` (retried), never a HEAD or a whole-object download.
+
+    For pyarrow's ``ParquetFile``: it reads the footer, then only the column chunks of the row
+    groups and columns asked for. ``size`` comes from the artifact's metadata (a manifest part's
+    ``bytes``). Failures raise as :func:`read_bytes` raises them.
+    """
+
+    def __init__(self, fs: AbstractFileSystem, path: str, size: int):
+        super().__init__()
+        self.fs, self.path, self.size = fs, path, int(size)
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence]
+        self._pos = min(max(base + offset, 0), self.size)
+        return self._pos
+
+    def read(self, n: int = -1) -> bytes:
+        end = self.size if n is None or n < 0 else min(self.size, self._pos + n)
+        if end <= self._pos:
+            return b""
+        data = read_bytes(self.fs, self.path, self._pos, end)
+        self._pos += len(data)
+        return data
+
+    def readinto(self, buffer) -> int:
+        data = self.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)

@@ -125,7 +125,8 @@ def test_writer_reader_round_trip(tmp_path, where):
     meta = read_cache_meta(url)
     assert meta["complete"] and len(meta["index"]["samples"]) == 1  # compacted at finish
     assert meta["counts"] == {"samples": 10, "texts": 3, "errors": 0}
-    assert len([s for s in meta["shards"] if s["kind"] == "samples"]) == 3  # 4 + 4 + 2 records
+    assert "shards" not in meta  # _cache.json names index parts only; the shards are in the index
+    assert len(set(read_index(url)["samples"].column("shard").to_pylist())) == 3  # 4 + 4 + 2 records
     assert available_sample_ids(url).tolist() == sorted(written)
     reader = CacheReader(url)
     ids = [1007, 1000, 1003]
@@ -317,3 +318,43 @@ def test_the_writer_opens_on_the_index_the_caller_read(tmp_path):
     assert writer.done_samples == set(written) and len(writer.done_texts) == 3 and not writer.done_errors
     with pytest.raises(CacheError, match="index part .* is missing"):
         CacheWriter(url, SETTINGS, info=INFO)
+
+
+def test_committer_keeps_metadata_small_merges_parts_and_drops_redone_rows(tmp_path):
+    """Workers' shards, the driver's commits: _cache.json never names shards and stays small
+    (O(log shards) names), this run's index parts are merged (8 into 1), a unit redone after a worker
+    died (same sample ids, another shard object) is dropped, not committed twice."""
+    from manifests.cache import CacheCommitter, ShardWriter
+    from manifests.cache.writer import MERGE_FANIN
+    from manifests.storage import open_url
+
+    url = str(tmp_path / "cache")
+    committer = CacheCommitter(url, SETTINGS, INFO, commit_seconds=0)
+    fs, root = open_url(url)
+    sizes = []
+    for unit in range(2 * MERGE_FANIN + 1):
+        shard = ShardWriter("samples")
+        for sid in range(unit * 3, unit * 3 + 3):
+            shard.append(bytes([unit]) * 10, sample_id=sid, caption_key=7, bucket="64x32", source_key=sid)
+        rows, _ = shard.write(fs, root)
+        assert committer.add("samples", rows) == 3
+        if unit == 2:  # the same unit, redone elsewhere: other bytes, so another shard object
+            again = ShardWriter("samples")
+            for sid in range(6, 9):
+                again.append(b"redone", sample_id=sid, caption_key=7, bucket="64x32", source_key=sid)
+            assert committer.add("samples", again.write(fs, root)[0]) == 0
+        committer.commit()
+        sizes.append(len((tmp_path / "cache" / "_cache.json").read_bytes()))
+    meta = read_cache_meta(url)
+    assert "shards" not in meta and len(meta["index"]["samples"]) == 3  # 8 -> 1, 8 -> 1, and 1
+    # a merge shrinks _cache.json back; 16 shards later it names one part more (a level), not 16
+    assert sizes[MERGE_FANIN - 1] < sizes[MERGE_FANIN - 2]
+    assert sizes[2 * MERGE_FANIN - 1] - sizes[MERGE_FANIN - 1] < 100
+    assert committer.redone == 3
+    ids = read_index(url)["samples"].column("sample_id").to_pylist()
+    assert sorted(ids) == list(range(3 * (2 * MERGE_FANIN + 1)))
+    assert len({p.name for p in (tmp_path / "cache" / "index").iterdir()}) == 3  # merged parts removed
+    index = read_index(url)["samples"]
+    lengths = dict(zip(index.column("sample_id").to_pylist(), index.column("length").to_pylist()))
+    assert lengths[7] == 10  # the first unit's record; the redone shard is unreferenced
+    assert committer.finish()["complete"] and len(read_cache_meta(url)["index"]["samples"]) == 1

@@ -67,12 +67,12 @@ def test_embed_local_round_trip_errors_and_rerun(tmp_path, ray_local, monkeypatc
     assert verify_cache(out).ok
 
     # new manifest rows: only they are embedded; committed shards stay as they were
-    shards_before = {s["path"] for s in meta["shards"]}
+    shards_before = set(read_index(out)["samples"].column("shard").to_pylist())
     make_dataset(root, manifest, 15, broken=["zz_broken.jpg"])
     assert run_embed(manifest, out) == 0
     meta2 = read_cache_meta(out)
     assert meta2["summary"]["embedded"] == 3 and meta2["summary"]["errors"] == 0  # the error row is not retried
-    assert shards_before <= {s["path"] for s in meta2["shards"]}
+    assert shards_before <= set(read_index(out)["samples"].column("shard").to_pylist())
     ids = read_index(out)["samples"].column("sample_id").to_numpy()
     assert len(ids) == len(np.unique(ids)) == 15
 
@@ -161,7 +161,7 @@ def test_kill_and_resume_equals_clean_run(tmp_path, ray_local):
     address = ray_local.get_runtime_context().gcs_address
     env = {**os.environ, FAULTS_ENV: "cache.samples_committed=pause:120"}
     cmd = [sys.executable, "-m", "pipeline.embed", manifest, "--out", resumed, "--batch-size", "4",
-           "--shard-records", "4", "--ray-address", address]  # fmt: skip
+           "--shard-records", "4", "--commit-seconds", "0", "--ray-address", address]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             start_new_session=True)  # fmt: skip
     try:
@@ -171,7 +171,7 @@ def test_kill_and_resume_equals_clean_run(tmp_path, ray_local):
                 break
         assert proc.poll() is None, "embed exited before its first commit"
         partial = read_cache_meta(resumed)
-        assert not partial["complete"] and partial["counts"]["samples"] == 4
+        assert not partial["complete"] and 0 < partial["counts"]["samples"] < 14  # one unit or a few
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()

@@ -9,7 +9,7 @@ The names below are the public API; each module imports only from ``layout``, ``
 ``text_layout``.
 """
 
-from manifests.cache.freshness import Freshness, source_key
+from manifests.cache.freshness import Freshness, IndexLookup, source_key
 from manifests.cache.layout import (
     CACHE_ERRORS_SCHEMA,
     CACHE_FILE,
@@ -22,13 +22,14 @@ from manifests.cache.layout import (
     available_sample_ids,
     cache_freshness,
     fingerprint_of,
+    index_lookup,
     read_cache_meta,
     read_index,
     settings_diff,
 )
 from manifests.cache.reader import CacheReader
 from manifests.cache.text_layout import TextLayout
-from manifests.cache.writer import CacheWriter, ShardWriter
+from manifests.cache.writer import CacheCommitter, CacheWriter, KeySet, ShardWriter
 
 __all__ = [
     "CACHE_ERRORS_SCHEMA",
@@ -37,16 +38,20 @@ __all__ = [
     "SAMPLE_INDEX_SCHEMA",
     "SHARD_RECORDS",
     "TEXT_INDEX_SCHEMA",
+    "CacheCommitter",
     "CacheError",
     "CacheMissingError",
     "CacheReader",
     "CacheWriter",
     "Freshness",
+    "IndexLookup",
+    "KeySet",
     "ShardWriter",
     "TextLayout",
     "available_sample_ids",
     "cache_freshness",
     "fingerprint_of",
+    "index_lookup",
     "read_cache_meta",
     "read_index",
     "settings_diff",

@@ -3,9 +3,11 @@
 The writer (:mod:`manifests.cache.writer`) and the reader (:mod:`manifests.cache.reader`) live in
 their own modules; ``CacheWriter``, ``ShardWriter`` and ``CacheReader`` are importable from here too.
 
-Layout of ``CACHE/`` (every name below is listed in ``_cache.json``; nothing is ever listed)::
+Layout of ``CACHE/`` (``_cache.json`` names the index parts, the index rows name the shards;
+nothing is ever listed)::
 
-    _cache.json                          settings + fingerprint, shard and index parts, counts
+    _cache.json                          settings + fingerprint, index parts, counts, bytes, family and
+                                         text layout, empty caption + validation prompt keys (never shards)
     shards/samples-<sha256[:24]>.bin     concatenated sample records (latent + geometry)
     shards/texts-<sha256[:24]>.bin       concatenated text records, one per unique caption
     index/samples-<sha>.parquet          sample_id, shard, offset, length, crc32, caption_key, bucket,
@@ -14,11 +16,12 @@ Layout of ``CACHE/`` (every name below is listed in ``_cache.json``; nothing is 
     index/errors-<sha>.parquet           sample_id, filename, error, message, source_key, generation
 
 A record is ``gzip(safetensors)`` (:mod:`manifests.cache.records`), readable alone with one ranged
-read. Writing is a sequence of commits: shard objects and index parts first (content-addressed,
-so a rerun never overwrites a different object under a committed name), then ``_cache.json``
-atomically. A job killed between commits leaves at most unreferenced objects; the committed state
-is always consistent and a resumed job embeds exactly the samples the index lacks (or holds stale).
-One writer at a time per cache folder.
+read. Writing is a sequence of commits: shard objects (written by the embed workers) and index
+parts first (content-addressed, so a rerun never overwrites a different object under a committed
+name), then ``_cache.json`` atomically (by one committer, :mod:`manifests.cache.writer`). A job
+killed between commits, or a worker whose unit was redone elsewhere, leaves at most unreferenced
+objects; the committed state is always consistent and a resumed job embeds exactly the samples the
+index lacks (or holds stale). One committer at a time per cache folder.
 
 Never stale: every sample and error row stores the **source key** of the manifest row it was made
 from (:mod:`manifests.cache.freshness`) and the **generation** (the ``_cache.json`` commit that
@@ -35,13 +38,13 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from manifests.cache.freshness import Freshness, classify, manifest_samples, source_key
+from manifests.cache.freshness import Freshness, IndexLookup, classify, manifest_samples, source_key
 from manifests.errors import MissingError, UsageError
 from manifests.storage import join, open_url, read_artifact_meta, read_many, redact, storage_error
 
@@ -64,6 +67,8 @@ __all__ = [
     "newest_rows",
     "table_bytes",
     "read_index",
+    "index_lookup",
+    "IndexLookup",
     "available_sample_ids",
     "cache_freshness",
     "source_key",
@@ -180,19 +185,25 @@ def read_meta(fs, root: str, url: str) -> dict:
     return meta
 
 
-def _conform_part(table: pa.Table, kind: str) -> pa.Table:
+def _conform_part(table: pa.Table, kind: str, names: Sequence[str] | None = None) -> pa.Table:
     schema = INDEX_SCHEMAS[kind]
+    if names is not None:
+        schema = pa.schema([schema.field(n) for n in names])
     for name in ("source_key", "generation"):  # parts written before source keys existed lack them
         if name in schema.names and name not in table.column_names:
             table = table.append_column(name, pa.nulls(table.num_rows, schema.field(name).type))
     return table.select(schema.names).cast(schema)
 
 
-def _read_index_parts(fs, root: str, url: str, meta: dict, kind: str) -> pa.Table:
-    """The index parts of ``kind`` as written, concatenated in commit order (no supersession applied)."""
+def _read_index_parts(
+    fs, root: str, url: str, meta: dict, kind: str, names: Sequence[str] | None = None
+) -> pa.Table:
+    """The index parts of ``kind`` as written, concatenated in commit order (no supersession applied);
+    only the columns ``names`` (in that order) when given."""
+    schema = INDEX_SCHEMAS[kind] if names is None else pa.schema([INDEX_SCHEMAS[kind].field(n) for n in names])
     paths = [join(root, p) for p in meta["index"][kind]]
     if not paths:
-        return INDEX_SCHEMAS[kind].empty_table()
+        return schema.empty_table()
     blobs = read_many(fs, paths)  # one concurrent batch on object stores
     tables = []
     for rel, path, data in zip(meta["index"][kind], paths, blobs):
@@ -202,7 +213,9 @@ def _read_index_parts(fs, root: str, url: str, meta: dict, kind: str) -> pa.Tabl
         if isinstance(data, Exception):
             raise storage_error(fs, "reading", path, data) from data
         try:
-            tables.append(_conform_part(pq.read_table(io.BytesIO(data)), kind))
+            file = pq.ParquetFile(io.BytesIO(data))
+            present = None if names is None else [n for n in names if n in file.schema_arrow.names]
+            tables.append(_conform_part(file.read(columns=present), kind, names))
         except pa.ArrowInvalid as e:
             raise CacheError(f"{redact(url)}: index part {rel} is not a readable parquet file ({e}); "
                              "run `bucketeer verify` and re-embed into a new --out") from None  # fmt: skip
@@ -228,7 +241,12 @@ def newest_rows(samples: pa.Table, errors: pa.Table) -> tuple[pa.Table, pa.Table
 
 
 def read_index(
-    url: str, storage_options: dict | None = None, meta: dict | None = None, *, superseded: bool = False
+    url: str,
+    storage_options: dict | None = None,
+    meta: dict | None = None,
+    *,
+    superseded: bool = False,
+    columns: Mapping[str, Sequence[str]] | None = None,
 ) -> dict[str, pa.Table]:
     """The cache's ``samples``, ``texts`` and ``errors`` index tables (read via ``_cache.json``, or
     ``meta`` when the caller has it), one concurrent read per kind.
@@ -236,14 +254,32 @@ def read_index(
     Superseded rows are left out: each sample id appears at most once, in ``samples`` (a record)
     or in ``errors`` (an image that failed), whichever its newest embedding produced. With
     ``superseded`` every row of every part is kept, in commit order (what ``finish`` merges).
+    ``columns`` (kind -> names) reads only those columns of a kind; ``sample_id`` and
+    ``generation`` are added for samples and errors, which supersession needs.
     Raises CacheError when ``url`` is not a committed cache or an index part is missing.
     """
     fs, root = open_url(url, storage_options)
     meta = meta or read_meta(fs, root, url)
-    tables = {kind: _read_index_parts(fs, root, url, meta, kind) for kind in INDEX_SCHEMAS}
+    names: dict[str, list[str] | None] = {kind: None for kind in INDEX_SCHEMAS}
+    for kind, wanted in (columns or {}).items():
+        extra = ["sample_id", "generation"] if kind != "texts" else []
+        names[kind] = list(dict.fromkeys([*extra, *wanted]))
+    tables = {kind: _read_index_parts(fs, root, url, meta, kind, names[kind]) for kind in INDEX_SCHEMAS}
     if not superseded:
         tables["samples"], tables["errors"] = newest_rows(tables["samples"], tables["errors"])
     return tables
+
+
+def index_lookup(
+    url: str, storage_options: dict | None = None, meta: dict | None = None
+) -> tuple[IndexLookup, np.ndarray]:
+    """What a resumed embed needs of a committed index, reading only those columns: the freshness
+    lookup of its (newest) sample and error rows, and the sorted uint64 caption keys that have a
+    text record. Raises CacheError as :func:`read_index` does."""
+    tables = read_index(url, storage_options, meta, columns={"samples": ["source_key"], "texts": ["caption_key"],
+                                                             "errors": ["source_key", "error"]})  # fmt: skip
+    texts = np.unique(tables["texts"].column("caption_key").to_numpy().astype(np.uint64))
+    return IndexLookup(tables["samples"], tables["errors"]), texts
 
 
 def cache_freshness(

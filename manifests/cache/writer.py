@@ -1,49 +1,69 @@
-"""Writing a cache folder: :class:`ShardWriter` packs records into one shard object,
-:class:`CacheWriter` (on the embed job's driver) commits shards, index parts and ``_cache.json``.
+"""Writing a cache folder: workers write shards, one driver commits their index rows.
+
+- :class:`ShardWriter` (a worker, e.g. an embed encoder actor) packs records into one shard
+  object, writes it under a content-addressed name and returns the shard's index rows: a small
+  Arrow table, the only thing that travels back to the driver.
+- :class:`CacheCommitter` (the driver) collects those rows and commits them: an index part per
+  kind, then ``_cache.json``, every ``commit_seconds`` (and at the end of each phase). Its
+  metadata stays small: ``_cache.json`` names index parts, never shards, and the parts written by
+  one run are merged as they accumulate (:data:`MERGE_FANIN` parts of one size into one part of
+  the next), so ``_cache.json`` names O(log rows) parts and every commit rewrites a few KB.
+- :class:`CacheWriter` is both in one process (tests, benchmarks, small tools).
+
+Exactly once: a batch of work redone after a worker or node died writes its shard again (maybe
+under another name, if the redone bytes differ); only the index rows the committer commits
+count, and it commits each sample id and caption key at most once per run (a repeat is dropped
+and counted in :attr:`CacheCommitter.redone`). A shard whose rows were never committed is
+unreferenced: harmless, no reader ever looks at it (the cache is never listed).
 
 The folder layout, the commit protocol and the supersession rule are described in
-:mod:`manifests.cache`; this module only writes what that module reads.
+:mod:`manifests.cache.layout`; this module only writes what that module reads.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import hashlib
+import time
 from dataclasses import InitVar, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from manifests import __version__, faults
 from manifests.cache.layout import (
-    KIND,
-    INDEX_SCHEMAS,
-    CACHE_ERRORS_SCHEMA,
     CACHE_FILE,
     CACHE_FORMAT_VERSION,
+    INDEX_SCHEMAS,
+    KIND,
     SHARD_BYTES,
     SHARD_RECORDS,
     CacheError,
     CacheMissingError,
-    read_meta,
-    table_bytes,
     fingerprint_of,
     newest_rows,
     read_index,
+    read_meta,
     settings_diff,
+    table_bytes,
 )
 from manifests.cache.records import crc32
 from manifests.storage import call_storage, join, open_url, redact, write_bytes_atomic, write_json_atomic
 
-__all__ = ["ShardWriter", "CacheWriter"]
+__all__ = ["ShardWriter", "CacheCommitter", "CacheWriter", "KeySet", "COMMIT_SECONDS", "MERGE_FANIN"]
+
+COMMIT_SECONDS = 30.0  # default time between commits: what a killed job loses at most
+MERGE_FANIN = 8  # this many index parts of one size are merged into one part of the next size
+_KEY = {"samples": "sample_id", "errors": "sample_id", "texts": "caption_key"}
 
 
 class ShardWriter:
-    """Packs records into one shard object; :meth:`commit` writes it and its index part.
+    """Packs records into one shard object; :meth:`write` writes it and returns its index rows.
 
     ``kind`` is ``"samples"`` or ``"texts"``; ``append`` takes the compressed record and the
-    index columns other than shard/offset/length/crc32.
+    index columns other than shard/offset/length/crc32/generation.
     """
 
     def __init__(self, kind: str, max_records: int = SHARD_RECORDS, max_bytes: int = SHARD_BYTES):
@@ -67,26 +87,60 @@ class ShardWriter:
         self._chunks.append(data)
         self._size += len(data)
 
-    def commit(self, fs, root: str, generation: int = 0) -> tuple[dict[str, Any], str]:
-        """Write the shard, then its index part; returns ``(shard entry, index part path)``.
-
-        ``generation`` is stamped on sample rows (the ``_cache.json`` commit that writes them).
-        """
+    def write(self, fs, root: str) -> tuple[pa.Table, int]:
+        """Write the shard as ``shards/<kind>-<sha256[:24]>.bin`` (atomic, retried); returns its index
+        rows (``INDEX_SCHEMAS[kind]``, generation null: the committer stamps it) and its bytes.
+        The writer is empty afterwards. Raises StorageError when storage refuses the write."""
         assert self._rows, "empty shard"
         data = b"".join(self._chunks)
-        digest = hashlib.sha256(data).hexdigest()
-        shard = f"shards/{self.kind}-{digest[:24]}.bin"
+        shard = f"shards/{self.kind}-{hashlib.sha256(data).hexdigest()[:24]}.bin"
         write_bytes_atomic(fs, join(root, shard), data)
         schema = INDEX_SCHEMAS[self.kind]
-        fixed = {"shard": shard, "generation": generation}
-        columns = {name: [fixed[name] if name in fixed else r.get(name) for r in self._rows] for name in schema.names}
-        table = pa.table(columns, schema=schema)
-        blob = table_bytes(table)
-        index = f"index/{self.kind}-{hashlib.sha256(blob).hexdigest()[:24]}.parquet"
-        write_bytes_atomic(fs, join(root, index), blob)
-        entry = {"path": shard, "kind": self.kind, "records": len(self._rows), "bytes": len(data), "sha256": digest}
+        columns = {name: [shard if name == "shard" else r.get(name) for r in self._rows] for name in schema.names}
+        rows = pa.table(columns, schema=schema)
         self._chunks, self._rows, self._size = [], [], 0
-        return entry, index
+        return rows, len(data)
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+class KeySet:
+    """A growing set of uint64 keys (sample ids, caption keys) in sorted numpy blocks: 8 bytes a
+    key, never a Python object per key. A membership test is a binary search per block; recent
+    keys are merged into the main block in bulk, so each key is re-sorted O(log n) times."""
+
+    def __init__(self, keys: np.ndarray | None = None) -> None:
+        self._sorted = np.unique(np.asarray(keys if keys is not None else [], np.uint64))
+        self._recent: list[np.ndarray] = []
+        self._recent_rows = 0
+
+    def __len__(self) -> int:
+        return len(self._sorted) + self._recent_rows
+
+    def contains(self, keys: np.ndarray) -> np.ndarray:
+        """(n,) bool: which of ``keys`` are in the set."""
+        keys = np.asarray(keys, np.uint64)
+        found = np.zeros(len(keys), bool)
+        for block in [self._sorted, *self._recent]:
+            if len(block):
+                pos = np.minimum(np.searchsorted(block, keys), len(block) - 1)
+                found |= block[pos] == keys
+        return found
+
+    def add_new(self, keys: np.ndarray) -> np.ndarray:
+        """(n,) bool: the first occurrence of each key of ``keys`` not in the set; adds those."""
+        keys = np.asarray(keys, np.uint64)
+        first = np.zeros(len(keys), bool)
+        first[np.unique(keys, return_index=True)[1]] = True
+        new = first & ~self.contains(keys)
+        self._recent.append(np.sort(keys[new]))
+        self._recent_rows += int(new.sum())
+        if self._recent_rows > max(1 << 16, len(self._sorted) // 4):
+            self._sorted = np.sort(np.concatenate([self._sorted, *self._recent]))
+            self._recent, self._recent_rows = [], 0
+        return new
 
 
 def _live_bytes(tables: dict[str, pa.Table]) -> dict[str, Any]:
@@ -100,37 +154,36 @@ def _live_bytes(tables: dict[str, pa.Table]) -> dict[str, Any]:
 
 
 @dataclass
-class CacheWriter:
-    """Driver-side writer: appends records into shards and commits ``_cache.json`` after each shard.
+class CacheCommitter:
+    """Driver-side commits: index rows in, index parts and ``_cache.json`` out.
 
     Opening refuses an existing cache whose fingerprint differs from ``settings``' (CacheError that
-    lists what differs). ``done_samples`` / ``done_texts`` / ``done_errors`` say what is committed
-    (newest row per sample id), from ``index`` when the caller has read the committed index already
-    (:func:`manifests.cache.read_index`; embed reads it once, for freshness), else read here. A
-    sample already in the cache may be added again (its source changed): the new row supersedes
-    the old one. Adding one sample twice in one run is a bug.
+    lists what differs); ``meta`` is the committed ``_cache.json`` when the caller read it already.
+    :meth:`add` queues rows (repeats of a key already queued in this run are dropped),
+    :meth:`commit` writes them with a new generation; :meth:`due` says when ``commit_seconds``
+    have passed since the last commit. ``clock`` (monotonic seconds) is there for tests.
     """
 
     url: str
     settings: dict[str, Any]
     info: dict[str, Any] = field(default_factory=dict)  # non-fingerprinted facts (latent/text layout)
     storage_options: dict | None = None
-    shard_records: int = SHARD_RECORDS
-    shard_bytes: int = SHARD_BYTES
-    index: InitVar[dict[str, pa.Table] | None] = None
+    meta: dict[str, Any] | None = None
+    commit_seconds: float = COMMIT_SECONDS
+    clock: Callable[[], float] = time.monotonic
 
-    def __post_init__(self, index: dict[str, pa.Table] | None) -> None:
+    def __post_init__(self) -> None:
         self.fs, self.root = open_url(self.url, self.storage_options)
         self.fingerprint = fingerprint_of(self.settings)
-        now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-        try:
-            self.meta = read_meta(self.fs, self.root, self.url)
-        except CacheMissingError:  # a new cache
-            self.meta = {
-                "kind": KIND, "format_version": CACHE_FORMAT_VERSION, "created_at": now,
-                "fingerprint": self.fingerprint, "settings": self.settings, "shards": [],
-                "index": {k: [] for k in INDEX_SCHEMAS}, "counts": {k: 0 for k in INDEX_SCHEMAS}, "manifests": [],
-            }  # fmt: skip
+        if self.meta is None:
+            try:
+                self.meta = read_meta(self.fs, self.root, self.url)
+            except CacheMissingError:  # a new cache
+                self.meta = {
+                    "kind": KIND, "format_version": CACHE_FORMAT_VERSION, "created_at": _now(),
+                    "fingerprint": self.fingerprint, "settings": self.settings,
+                    "index": {k: [] for k in INDEX_SCHEMAS}, "counts": {k: 0 for k in INDEX_SCHEMAS}, "manifests": [],
+                }  # fmt: skip
         if self.meta["fingerprint"] != self.fingerprint:
             diff = settings_diff(self.meta.get("settings", {}), self.settings)
             raise CacheError(
@@ -139,7 +192,152 @@ class CacheWriter:
                 + "\n  ".join(diff or ["(settings equal but fingerprints differ: other bucketeer format)"])
                 + "\nMixing them would silently train on inconsistent tensors: use a new --out for these settings."
             )
+        self.meta.pop("shards", None)  # written by bucketeer before 0.2: a list of every shard, no longer kept
         self.meta.update(self.info, tool_version=__version__, complete=False)
+        self._pending: dict[str, list[pa.Table]] = {k: [] for k in INDEX_SCHEMAS}
+        self._seen = {"samples": KeySet(), "texts": KeySet()}  # errors share the samples' keys
+        self._parts: dict[str, list[tuple[str, int]]] = {k: [] for k in INDEX_SCHEMAS}  # (path, level) of this run
+        self._last = self.clock()
+        self.redone = 0  # rows dropped because their key was committed already in this run
+        self.metadata_bytes = 0  # bytes of _cache.json written by this committer
+        self.index_bytes = 0  # bytes of index parts written (merges included)
+
+    def add(self, kind: str, rows: pa.Table) -> int:
+        """Queue index rows of ``kind`` (``INDEX_SCHEMAS[kind]``, generation ignored); returns how
+        many were new (a key queued before in this run is dropped: redone work)."""
+        keep = self._seen["texts" if kind == "texts" else "samples"].add_new(rows.column(_KEY[kind]).to_numpy())
+        if not keep.all():
+            self.redone += int((~keep).sum())
+            rows = rows.filter(pa.array(keep))
+        if rows.num_rows:
+            self._pending[kind].append(rows)
+        return rows.num_rows
+
+    @property
+    def pending(self) -> int:
+        return sum(t.num_rows for tables in self._pending.values() for t in tables)
+
+    def due(self) -> bool:
+        """True when rows are queued and ``commit_seconds`` have passed since the last commit."""
+        return self.pending > 0 and self.clock() - self._last >= self.commit_seconds
+
+    def set_info(self, **info: Any) -> None:
+        """Update non-fingerprinted facts (e.g. where the encoders ran); written with the next commit."""
+        self.meta.update(info)
+
+    def commit(self) -> None:
+        """Write the queued rows as one index part per kind (generation: this commit's number), merge
+        parts of this run that reached :data:`MERGE_FANIN` of a size, then write ``_cache.json``."""
+        generation = int(self.meta.get("generation", 0)) + 1
+        wrote_samples = bool(self._pending["samples"])
+        removed: list[str] = []
+        for kind, tables in self._pending.items():
+            if not tables:
+                continue
+            rows = pa.concat_tables(tables)
+            if "generation" in rows.column_names:
+                rows = rows.set_column(rows.column_names.index("generation"), "generation",
+                                       pa.array(np.full(rows.num_rows, generation, np.int64)))  # fmt: skip
+            self.meta["index"][kind].append(self._write_part(kind, rows))
+            self.meta["counts"][kind] += rows.num_rows
+            self._parts[kind].append((self.meta["index"][kind][-1], 0))
+            removed += self._merge(kind)
+            self._pending[kind] = []
+        self.meta["generation"] = generation
+        self._write_meta()
+        self._remove(removed)
+        self._last = self.clock()
+        if wrote_samples:
+            faults.hit("cache.samples_committed")  # tests: stop or kill an embed job between two commits
+
+    def _write_part(self, kind: str, rows: pa.Table) -> str:
+        blob = table_bytes(rows)
+        part = f"index/{kind}-{hashlib.sha256(blob).hexdigest()[:24]}.parquet"
+        write_bytes_atomic(self.fs, join(self.root, part), blob)
+        self.index_bytes += len(blob)
+        return part
+
+    def _merge(self, kind: str) -> list[str]:
+        """Merge the newest MERGE_FANIN parts of this run while they share a level; returns the
+        replaced parts (removed once the new ``_cache.json`` no longer names them)."""
+        removed: list[str] = []
+        parts = self._parts[kind]
+        while len(parts) >= MERGE_FANIN and len({level for _, level in parts[-MERGE_FANIN:]}) == 1:
+            group, level = [p for p, _ in parts[-MERGE_FANIN:]], parts[-1][1]
+            rows = read_index(self.url, self.storage_options, {"index": {**{k: [] for k in INDEX_SCHEMAS},
+                              kind: group}}, superseded=True)[kind]  # fmt: skip
+            merged = self._write_part(kind, rows)  # commit order kept: supersession reads generations
+            names = self.meta["index"][kind]
+            assert names[-MERGE_FANIN:] == group
+            names[-MERGE_FANIN:] = [merged]
+            parts[-MERGE_FANIN:] = [(merged, level + 1)]
+            removed += group
+        return removed
+
+    def _remove(self, paths: list[str]) -> None:
+        keep = {p for parts in self.meta["index"].values() for p in parts}
+        for path in set(paths) - keep:  # no committed _cache.json names it any more
+            target = join(self.root, path)
+            call_storage(self.fs, "removing", target, lambda: self.fs.rm(target))
+
+    def _write_meta(self) -> None:
+        self.meta["updated_at"] = _now()
+        self.metadata_bytes += write_json_atomic(self.fs, join(self.root, CACHE_FILE), self.meta)
+
+    def finish(self, manifest_fingerprint: str | None = None, summary: dict | None = None) -> dict:
+        """Commit what is queued, merge the index parts into one per kind, mark the cache complete.
+
+        The merged index keeps only the newest row per sample id; ``counts`` become the live rows,
+        ``bytes`` their compressed sizes (totals, and the means ``per_sample`` and ``per_caption``),
+        ``superseded_records`` the sample records that newer ones replaced (their bytes stay in
+        old shards, unreferenced).
+        """
+        if self.pending:
+            self.commit()
+        old = {k: list(v) for k, v in self.meta["index"].items()}
+        raw = read_index(self.url, self.storage_options, self.meta, superseded=True)
+        tables = dict(raw)
+        tables["samples"], tables["errors"] = newest_rows(raw["samples"], raw["errors"])
+        for kind, key in _KEY.items():
+            self.meta["counts"][kind] = tables[kind].num_rows
+            if len(old[kind]) <= 1 and tables[kind].num_rows == raw[kind].num_rows:
+                continue
+            self.meta["index"][kind] = [self._write_part(kind, tables[kind].sort_by(key))]
+        if manifest_fingerprint and manifest_fingerprint not in self.meta["manifests"]:
+            self.meta["manifests"].append(manifest_fingerprint)
+        self.meta["bytes"] = _live_bytes(tables)
+        self.meta["superseded_records"] = raw["samples"].num_rows - tables["samples"].num_rows
+        self.meta["summary"] = summary or {}
+        self.meta["complete"] = True
+        self._write_meta()
+        self._remove([p for parts in old.values() for p in parts])
+        return self.meta
+
+
+@dataclass
+class CacheWriter:
+    """Shards and commits in one process: appends records into shards and commits after each shard.
+
+    Opening refuses an existing cache whose fingerprint differs from ``settings``' (CacheError that
+    lists what differs). ``done_samples`` / ``done_texts`` / ``done_errors`` say what is committed
+    (newest row per sample id), from ``index`` when the caller has read the committed index already
+    (:func:`manifests.cache.read_index`), else read here. A sample already in the cache may be
+    added again (its source changed): the new row supersedes the old one. Adding one sample twice
+    in one run is a bug. The embed job does not use it: its workers write shards
+    (:class:`ShardWriter`) and its driver commits (:class:`CacheCommitter`).
+    """
+
+    url: str
+    settings: dict[str, Any]
+    info: dict[str, Any] = field(default_factory=dict)
+    storage_options: dict | None = None
+    shard_records: int = SHARD_RECORDS
+    shard_bytes: int = SHARD_BYTES
+    index: InitVar[dict[str, pa.Table] | None] = None
+
+    def __post_init__(self, index: dict[str, pa.Table] | None) -> None:
+        self.committer = CacheCommitter(self.url, self.settings, self.info, self.storage_options, commit_seconds=0)
+        self.meta = self.committer.meta
         tables = index if index is not None else read_index(self.url, self.storage_options, self.meta)
         self.done_samples = set(tables["samples"].column("sample_id").to_numpy().tolist())
         self.done_texts = set(tables["texts"].column("caption_key").to_numpy().tolist())
@@ -186,64 +384,17 @@ class CacheWriter:
         return False
 
     def commit(self, *kinds: str) -> None:
-        """Write the pending shards of ``kinds`` (all when empty) and pending errors, then ``_cache.json``."""
-        generation = int(self.meta.get("generation", 0)) + 1
-        wrote_samples = "samples" in (kinds or ("samples",)) and len(self._shards["samples"]) > 0
+        """Write the pending shards of ``kinds`` (all when empty) and pending errors, then commit."""
         for kind in kinds or ("texts", "samples"):
-            shard = self._shards[kind]
-            if len(shard):
-                n = len(shard)
-                entry, index = shard.commit(self.fs, self.root, generation)
-                self.meta["shards"].append(entry)
-                self.meta["index"][kind].append(index)
-                self.meta["counts"][kind] += n
+            if len(self._shards[kind]):
+                rows, _ = self._shards[kind].write(self.committer.fs, self.committer.root)
+                self.committer.add(kind, rows)
         if self._errors:
-            rows = [{**e, "generation": generation} for e in self._errors]
-            table = pa.Table.from_pylist(rows, schema=CACHE_ERRORS_SCHEMA)
-            blob = table_bytes(table)
-            part = f"index/errors-{hashlib.sha256(blob).hexdigest()[:24]}.parquet"
-            write_bytes_atomic(self.fs, join(self.root, part), blob)
-            self.meta["index"]["errors"].append(part)
-            self.meta["counts"]["errors"] += len(self._errors)
+            self.committer.add("errors", pa.Table.from_pylist(self._errors, schema=INDEX_SCHEMAS["errors"]))
             self._errors = []
-        self.meta["generation"] = generation
-        self._write_meta()
-        if wrote_samples:
-            faults.hit("cache.samples_committed")  # tests: kill an embed job between two commits
-
-    def _write_meta(self) -> None:
-        self.meta["updated_at"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-        write_json_atomic(self.fs, join(self.root, CACHE_FILE), self.meta)
+        self.committer.commit()
 
     def finish(self, manifest_fingerprint: str | None = None, summary: dict | None = None) -> dict:
-        """Commit what is pending, merge the index parts into one per kind, mark the cache complete.
-
-        The merged index keeps only the newest row per sample id; ``counts`` become the live rows,
-        ``bytes`` their compressed sizes (totals, and the means ``per_sample`` and ``per_caption``).
-        """
+        """Commit what is pending, merge the index parts into one per kind, mark the cache complete."""
         self.commit()
-        old = {k: list(v) for k, v in self.meta["index"].items()}
-        raw = read_index(self.url, self.storage_options, self.meta, superseded=True)
-        tables = dict(raw)
-        tables["samples"], tables["errors"] = newest_rows(raw["samples"], raw["errors"])
-        for kind, key in (("samples", "sample_id"), ("texts", "caption_key"), ("errors", "sample_id")):
-            self.meta["counts"][kind] = tables[kind].num_rows
-            if len(old[kind]) <= 1 and tables[kind].num_rows == raw[kind].num_rows:
-                continue
-            blob = table_bytes(tables[kind].sort_by(key))
-            part = f"index/{kind}-{hashlib.sha256(blob).hexdigest()[:24]}.parquet"
-            write_bytes_atomic(self.fs, join(self.root, part), blob)
-            self.meta["index"][kind] = [part]
-        if manifest_fingerprint and manifest_fingerprint not in self.meta["manifests"]:
-            self.meta["manifests"].append(manifest_fingerprint)
-        self.meta["bytes"] = _live_bytes(tables)
-        written = sum(s["records"] for s in self.meta["shards"] if s["kind"] == "samples")
-        self.meta["superseded_records"] = written - tables["samples"].num_rows  # bytes left in old shards
-        self.meta["summary"] = summary or {}
-        self.meta["complete"] = True
-        self._write_meta()
-        keep = {p for parts in self.meta["index"].values() for p in parts}
-        for path in {p for parts in old.values() for p in parts} - keep:
-            target = join(self.root, path)  # a superseded index part; the committed meta no longer names it
-            call_storage(self.fs, "removing", target, lambda: self.fs.rm(target))
-        return self.meta
+        return self.committer.finish(manifest_fingerprint, summary)

@@ -10,7 +10,9 @@ the option keeps the listed prompts.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
+
+import numpy as np
 
 from manifests.cache.records import caption_key
 from manifests.errors import UsageError
@@ -47,7 +49,8 @@ def prompt_texts(validation: list[dict[str, Any]]) -> dict[int, str]:
     return {caption_key(""): "", **{int(p["caption_key"]): p["prompt"] for p in validation}}
 
 
-def missing_texts(texts: dict[int, str], index: dict | None) -> dict[int, str]:
-    """The ``texts`` that the committed cache index (:func:`manifests.cache.read_index`) has no record of."""
-    done = set() if index is None else set(index["texts"].column("caption_key").to_numpy().tolist())
-    return {k: t for k, t in texts.items() if k not in done}
+def missing_texts(texts: dict[int, str], done: Iterable[int]) -> dict[int, str]:
+    """The ``texts`` without a committed text record; ``done``: the caption keys that have one
+    (:func:`manifests.cache.index_lookup`'s sorted array)."""
+    have = {int(k) for k in np.intersect1d(np.asarray(done, np.uint64), np.fromiter(texts, np.uint64, len(texts)))}
+    return {k: t for k, t in texts.items() if k not in have}

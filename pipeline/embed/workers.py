@@ -1,32 +1,77 @@
-"""The embed job's Ray work: image preparation tasks, the VAE actor and the text-encoder actor.
+"""The embed job's Ray work: the stages of its Ray Data pipelines, each a function or actor class.
 
-``prepare_batch`` (a CPU task) fetches one batch's images concurrently, decodes and crops them to
-the batch's bucket, so the pixels stack into one ``(B, H, W, 3)`` array. ``LatentWorker`` (one
-per GPU, or one CPU actor) turns a prepared batch into compressed sample records; it runs two
-calls at once so that the gzip of one batch overlaps the forward pass of the next.
-``TextWorker`` encodes unique captions into compressed text records. ``check_source`` (on the
-driver, before any model loads) refuses a dataset whose storage cannot be read at all.
+Images (one unit = rows of one bucket that become one shard):
 
-An actor whose encoder fails to load keeps the exception and raises it from its first call,
-``describe()``: Ray keeps only the formatted text of an exception raised in ``__init__`` (an
-``ActorDiedError``), while one raised by a method reaches the driver as itself (``.cause``).
+- :func:`plan_units` (CPU task, one per manifest row group) reads the row group's rows that the
+  driver marked for embedding and cuts them into units (:func:`pipeline.embed.work.cut_units`);
+- :func:`prepare_unit` (CPU task, one per unit) fetches the unit's images concurrently, decodes
+  and crops them to the unit's bucket (:func:`prepare_batch`), so the pixels stack into one
+  ``(B, H, W, 3)`` array;
+- :class:`LatentWriter` (an encoder actor, on a GPU or a CPU) runs the VAE over the unit in
+  batches, compresses the records, **writes the unit's shard itself** and returns only its index
+  rows. Two calls run at once: one compresses and writes while the other has the encoder.
+
+Captions: :func:`read_captions` (CPU task per row group) reads the first row of each caption the
+driver found new; :class:`TextWriter` (encoder actor) encodes a batch of them into one text shard.
+
+Every result is one small row: index rows as Arrow IPC bytes, the shard's size, and a JSON
+description of the worker (its encoder's ``describe()``, node, device) that the driver checks and
+records. An encoder that fails to load raises from the actor's first call, as a one-line
+``UsageError``: Ray keeps only the formatted text of an exception raised in ``__init__``.
+Where an actor got a GPU from Ray but torch sees no CUDA (a CPU build of torch; logical GPUs of a
+test cluster) it runs on the CPU and says so in its description, which the driver prints loudly,
+once per distinct message. :func:`check_source` (on the driver,
+before any model loads) refuses a dataset whose storage cannot be read at all.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import json
+import os
+import socket
+import threading
+from typing import Any, Callable, Iterator
 
 import numpy as np
+import pyarrow as pa
 
+from manifests import faults
 from manifests.buckets import parse_bucket
+from manifests.cache import CACHE_ERRORS_SCHEMA, ShardWriter
+from manifests.cache.layout import INDEX_SCHEMAS
+from manifests.cache.freshness import source_key
 from manifests.cache.records import SampleRecord, TextRecord, encode_sample, encode_text
-from manifests.errors import StorageError
+from manifests.errors import BucketeerError, StorageError, UsageError
+from manifests.manifest import read_row_group
 from manifests.retry import is_transient
-from manifests.storage import join, open_url, redact
-from pipeline.embed.encoders import Encoder, LatentSpec, TextSpec, quiet_loading, to_storage
+from manifests.storage import is_local, join, open_url, redact
+from pipeline.embed.encoders import Encoder, quiet_loading, to_storage
 from pipeline.embed.imaging import ImageFailure, fetch_all, prepare_image
+from pipeline.embed.work import GroupWork, caption_keys, cut_units
 
-__all__ = ["prepare_batch", "check_source", "LatentWorker", "TextWorker"]
+__all__ = ["prepare_batch", "check_source", "describe_encoder", "plan_units", "prepare_unit", "read_captions",
+           "LatentWriter", "TextWriter", "to_ipc", "from_ipc", "UNIT_ROWS", "VISIBLE_MARKER"]  # fmt: skip
+
+# the rows of a unit, as plan_units hands them to prepare_unit
+UNIT_ROWS = pa.schema([("sample_id", pa.uint64()), ("filename", pa.string()), ("caption_key", pa.uint64()),
+                       ("source_key", pa.uint64())])  # fmt: skip
+# the good rows of a prepared unit, in the order of its pixels
+_PREPARED_ROWS = pa.schema([("sample_id", pa.uint64()), ("caption_key", pa.uint64()), ("source_key", pa.uint64()),
+                            *((name, pa.int32()) for name in ("original_h", "original_w", "resized_h", "resized_w",
+                                                              "crop_top", "crop_left"))])  # fmt: skip
+VISIBLE_MARKER = "_embed-running"  # written by the driver into a local --out; every worker must see it
+
+
+def to_ipc(table: pa.Table) -> bytes:
+    """A table as Arrow IPC stream bytes (how small tables travel inside a Ray Data row; no pickle)."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def from_ipc(data: bytes) -> pa.Table:
+    return pa.ipc.open_stream(pa.py_buffer(data)).read_all()
 
 
 def _open_source(source: str, storage_options: dict | None, fs=None):
@@ -105,75 +150,191 @@ def check_source(source: str, storage_options: dict | None, filenames: list[str]
         "(--source if it moved) and the credentials/--storage-options allow reading it.", storage_options))
 
 
-def _set_threads(threads: int | None) -> None:
-    if threads:
+
+
+# ---------------------------------------------------------------- CPU stages (Ray Data tasks)
+
+
+def plan_units(batch: pa.Table, manifest: str, storage_options: dict | None, batch_size: int,
+               shard_records: int) -> Iterator[pa.Table]:
+    """Ray Data ``map_batches`` (batch size 1): a row group's rows to embed -> one row per unit
+    (``unit``, ``bucket``, ``rows``: :data:`UNIT_ROWS` as IPC bytes)."""
+    for item in batch.to_pylist():
+        work = GroupWork.from_item(item)
+        rows = read_row_group(manifest, work.group, ["sample_id", "filename", "caption", "bucket", "size", "etag",
+                                                     "mtime"], storage_options).take(pa.array(work.rows))  # fmt: skip
+        rows = pa.table({"sample_id": rows.column("sample_id"), "filename": rows.column("filename"),
+                         "caption_key": caption_keys(rows.column("caption")), "source_key": source_key(rows),
+                         "bucket": rows.column("bucket")})  # fmt: skip
+        for i, unit in enumerate(cut_units(rows, batch_size, shard_records)):
+            name = f"{work.group.part}#{work.group.index}.{i}"
+            yield pa.table({"unit": [name], "bucket": [unit.column("bucket")[0].as_py()],
+                            "rows": pa.array([to_ipc(unit.select(UNIT_ROWS.names).cast(UNIT_ROWS))], pa.binary())})
+
+
+def prepare_unit(batch: pa.Table, source: str, storage_options: dict | None, crop: str, seed: int,
+                 max_pixels: int) -> pa.Table:
+    """Ray Data ``map_batches`` (batch size 1): a unit -> its pixels (``uint8 (B, H, W, 3)`` bytes),
+    the geometry of its good rows and its error rows (IPC bytes), via :func:`prepare_batch`."""
+    out = []
+    for item in batch.to_pylist():
+        rows = from_ipc(item["rows"]).to_pylist()
+        keys = {r["sample_id"]: r["source_key"] for r in rows}
+        prepared = prepare_batch(source, storage_options, item["bucket"], rows, crop, seed, max_pixels)
+        good = pa.table({
+            "sample_id": [r["sample_id"] for r in prepared["rows"]],
+            "caption_key": [r["caption_key"] for r in prepared["rows"]],
+            "source_key": [r["source_key"] for r in prepared["rows"]],
+            **{name: [r[key][i] for r in prepared["rows"]] for name, key, i in (
+                ("original_h", "original_size", 0), ("original_w", "original_size", 1),
+                ("resized_h", "resized_size", 0), ("resized_w", "resized_size", 1),
+                ("crop_top", "crop_top_left", 0), ("crop_left", "crop_top_left", 1))},
+        }, schema=_PREPARED_ROWS)  # fmt: skip
+        errors = pa.Table.from_pylist([{"sample_id": sid, "filename": name, "error": kind, "message": message,
+                                        "source_key": keys[sid]} for sid, name, kind, message in prepared["errors"]],
+                                      schema=CACHE_ERRORS_SCHEMA)  # fmt: skip
+        out.append({"unit": item["unit"], "bucket": item["bucket"], "pixels": prepared["pixels"].tobytes(),
+                    "rows": to_ipc(good), "errors": to_ipc(errors)})  # fmt: skip
+    return pa.Table.from_pylist(out, schema=pa.schema([("unit", pa.string()), ("bucket", pa.string()),
+                                                      ("pixels", pa.large_binary()), ("rows", pa.binary()),
+                                                      ("errors", pa.binary())]))  # fmt: skip
+
+
+def read_captions(batch: pa.Table, manifest: str, storage_options: dict | None) -> pa.Table:
+    """Ray Data ``map_batches`` (batch size 1): a row group's first rows of new captions ->
+    ``(caption_key, caption)`` rows, shortest first (so that a text batch pads little)."""
+    tables = []
+    for item in batch.to_pylist():
+        work = GroupWork.from_item(item)
+        captions = read_row_group(manifest, work.group, ["caption"], storage_options).column("caption")
+        captions = captions.take(pa.array(work.rows)).fill_null("").cast(pa.string())  # the prompts' type
+        order = np.argsort([len(c) for c in captions.to_pylist()], kind="stable")
+        captions = captions.take(pa.array(order))
+        tables.append(pa.table({"caption_key": caption_keys(captions), "caption": captions}))
+    return pa.concat_tables(tables)
+
+
+# ---------------------------------------------------------------- encoder actors (Ray Data actor pools)
+
+
+def describe_encoder(make_encoder: Callable[..., Encoder]) -> dict[str, Any]:
+    """Ray task: build an encoder on the CPU and return its ``describe()`` (what the settings record)."""
+    quiet_loading()
+    return make_encoder(use_gpu=False).describe()
+
+
+class _EncoderActor:
+    """What both encoder actors share: the encoder (built on the first call from ``make_encoder``,
+    a picklable ``(use_gpu=bool) -> Encoder``), the cache folder they write shards to, the lock
+    that lets one call at a time use the device, and the worker description sent with results."""
+
+    def __init__(self, make_encoder: Callable[..., Encoder], dtype: str, cache: str, storage_options: dict | None,
+                 threads: int | None = None):
+        self.make_encoder, self.dtype, self.threads = make_encoder, dtype, threads
+        self.cache, self.storage_options = cache, storage_options
+        self.encoder: Encoder | None = None
+        self.lock = threading.Lock()  # one forward pass at a time: compression and writes overlap it
+        self.worker = ""
+
+    def _load(self) -> Encoder:
+        with self.lock:
+            if self.encoder is None:
+                self.encoder = self._build()
+            return self.encoder
+
+    def _build(self) -> Encoder:
+        import ray
         import torch
 
-        torch.set_num_threads(threads)
-
-
-class LatentWorker:
-    """Holds the VAE; ``encode(prepared)`` -> ``{"records": [(sample_id, bytes, caption_key, bucket)], "errors"}``."""
-
-    def __init__(self, spec: LatentSpec, use_gpu: bool, dtype: str, threads: int | None = None):
-        _set_threads(threads)
+        gpus = [str(g) for g in ray.get_gpu_ids()]
+        notice = None
+        if gpus and not torch.cuda.is_available():  # logical GPUs of a test cluster, or a CPU-only torch
+            notice = (f"Ray gave this encoder worker GPU {','.join(gpus)} on {socket.gethostname()}, but torch "
+                      f"{torch.__version__} sees no CUDA device: it runs on the CPU (install a CUDA build of torch "
+                      "on the GPU nodes, or pass --device cpu)")  # fmt: skip
+        if not gpus or notice:
+            torch.set_num_threads(self.threads or max(1, (os.cpu_count() or 2) // 2))
         quiet_loading()
-        self.dtype = dtype
-        self.load_error: Exception | None = None
         try:
-            self.encoder: Encoder[np.ndarray] = spec.load(use_gpu=use_gpu, dtype=dtype)
-        except Exception as e:  # raised by describe(), see the module docstring
-            self.load_error = e
+            encoder = self.make_encoder(use_gpu=bool(gpus))
+        except (BucketeerError, OSError) as e:  # a bad path or subfolder, a file from_pretrained cannot get
+            raise UsageError(f"an encoder failed to load: {e}") from None
+        self.fs, self.root = open_url(self.cache, self.storage_options)
+        if is_local(self.fs) and not os.path.exists(join(self.root, VISIBLE_MARKER)):
+            raise UsageError(f"--out {self.root} is not visible on {socket.gethostname()}: embed workers write "
+                             "their shards themselves, so --out must be a folder every node shares (or an "
+                             "s3:// URL)")  # fmt: skip
+        device = "cuda" if gpus and not notice else "cpu"
+        self.worker = json.dumps({"encoder": encoder.describe(), "host": socket.gethostname(), "gpus": gpus,
+                                  "node": ray.get_runtime_context().get_node_id(), "device": device,
+                                  "notice": notice}, sort_keys=True)  # fmt: skip
+        return encoder
 
-    def describe(self) -> dict[str, Any]:
-        if self.load_error is not None:
-            raise self.load_error
-        return self.encoder.describe()
-
-    def encode(self, prepared: dict[str, Any]) -> dict[str, Any]:
-        records = []
-        if prepared["rows"]:
-            out = self.encoder.encode(prepared["pixels"])
-            latents = to_storage(out["latent"], self.dtype)  # (B, C, h, w)
-            stds = to_storage(out["latent_std"], self.dtype) if "latent_std" in out else [None] * len(latents)
-            bw, bh = parse_bucket(prepared["bucket"])
-            for row, latent, std in zip(prepared["rows"], latents, stds):
-                record = SampleRecord(
-                    sample_id=row["sample_id"], bucket=prepared["bucket"], latent=latent, dtype=self.dtype,
-                    original_size=row["original_size"], resized_size=row["resized_size"],
-                    crop_top_left=row["crop_top_left"], target_size=(bh, bw), caption_key=row["caption_key"],
-                    latent_std=std,
-                )  # fmt: skip
-                records.append((row["sample_id"], encode_sample(record), row["caption_key"], prepared["bucket"]))
-        return {"records": records, "errors": prepared["errors"]}
+    def _result(self, kind: str, shard: ShardWriter) -> tuple[bytes, int]:
+        if not len(shard):
+            return to_ipc(INDEX_SCHEMAS[kind].empty_table()), 0
+        rows, size = shard.write(self.fs, self.root)
+        faults.hit("embed.unit")  # tests: slow every unit down, or kill the worker after its shard is written
+        return to_ipc(rows), size
 
 
-class TextWorker:
-    """Holds the text encoders; ``encode([(caption_key, caption)])`` -> ``[(caption_key, bytes)]``."""
+class LatentWriter(_EncoderActor):
+    """Ray Data actor (batch size 1): a prepared unit -> its shard of sample records, written here;
+    returns ``unit``, ``samples`` and ``errors`` (index rows, IPC), ``shard_bytes``, ``worker``."""
 
-    def __init__(self, spec: TextSpec, use_gpu: bool, dtype: str, threads: int | None = None):
-        _set_threads(threads)
-        quiet_loading()
-        self.dtype = dtype
-        self.load_error: Exception | None = None
-        try:
-            self.encoders: Encoder[list[str]] = spec.load(use_gpu=use_gpu, dtype=dtype)
-        except Exception as e:  # raised by describe(), see the module docstring
-            self.load_error = e
+    def __init__(self, make_encoder: Callable[..., Encoder], dtype: str, cache: str, storage_options: dict | None,
+                 batch_size: int, threads: int | None = None):
+        super().__init__(make_encoder, dtype, cache, storage_options, threads)
+        self.batch_size = batch_size
 
-    def describe(self) -> dict[str, Any]:
-        if self.load_error is not None:
-            raise self.load_error
-        return self.encoders.describe()
-
-    def encode(self, items: list[tuple[int, str]]) -> list[tuple[int, bytes]]:
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        encoder = self._load()
         out = []
-        for (key, _), (tokens, pooled) in zip(items, self.encoders.encode([c for _, c in items])):
-            record = TextRecord(
-                caption_key=key,
-                tokens=tuple(to_storage(t, self.dtype) for t in tokens),
-                pooled=None if pooled is None else to_storage(pooled, self.dtype),
-                dtype=self.dtype,
-            )
-            out.append((key, encode_text(record)))
-        return out
+        for item in batch.to_pylist():
+            rows = from_ipc(item["rows"])
+            bw, bh = parse_bucket(item["bucket"])
+            pixels = np.frombuffer(item["pixels"], np.uint8).reshape(rows.num_rows, bh, bw, 3)  # (B, H, W, 3)
+            shard = ShardWriter("samples", max_records=rows.num_rows + 1, max_bytes=1 << 62)
+            meta = rows.to_pylist()
+            for start in range(0, rows.num_rows, self.batch_size):
+                with self.lock:
+                    encoded = encoder.encode(pixels[start : start + self.batch_size])
+                    latents = to_storage(encoded["latent"], self.dtype)  # (b, C, h, w)
+                    # --latents posterior: the std too (b, C, h, w), to sample a latent per training step
+                    stds = to_storage(encoded["latent_std"], self.dtype) if "latent_std" in encoded else None
+                for j, (r, latent) in enumerate(zip(meta[start : start + self.batch_size], latents)):
+                    record = SampleRecord(
+                        sample_id=r["sample_id"], bucket=item["bucket"], latent=latent, dtype=self.dtype,
+                        original_size=(r["original_h"], r["original_w"]),
+                        resized_size=(r["resized_h"], r["resized_w"]), crop_top_left=(r["crop_top"], r["crop_left"]),
+                        target_size=(bh, bw), caption_key=r["caption_key"],
+                        latent_std=None if stds is None else stds[j],
+                    )  # fmt: skip
+                    shard.append(encode_sample(record), sample_id=r["sample_id"], caption_key=r["caption_key"],
+                                 bucket=item["bucket"], source_key=r["source_key"])  # fmt: skip
+            samples, size = self._result("samples", shard)
+            out.append({"unit": item["unit"], "samples": samples, "errors": item["errors"], "shard_bytes": size,
+                        "worker": self.worker})  # fmt: skip
+        return pa.Table.from_pylist(out, schema=pa.schema([("unit", pa.string()), ("samples", pa.binary()),
+                                                          ("errors", pa.binary()), ("shard_bytes", pa.int64()),
+                                                          ("worker", pa.string())]))  # fmt: skip
+
+
+
+class TextWriter(_EncoderActor):
+    """Ray Data actor (batch size ``--text-batch-size``): captions -> one shard of text records,
+    written here; returns ``texts`` (index rows, IPC), ``shard_bytes``, ``worker``."""
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        encoder = self._load()
+        keys = batch.column("caption_key").to_pylist()
+        with self.lock:
+            encoded = encoder.encode(batch.column("caption").to_pylist())
+            tensors = [(tuple(to_storage(t, self.dtype) for t in tokens),
+                        None if pooled is None else to_storage(pooled, self.dtype)) for tokens, pooled in encoded]
+        shard = ShardWriter("texts", max_records=len(keys) + 1, max_bytes=1 << 62)
+        for key, (tokens, pooled) in zip(keys, tensors):
+            shard.append(encode_text(TextRecord(caption_key=key, tokens=tokens, pooled=pooled, dtype=self.dtype)),
+                         caption_key=key)  # fmt: skip
+        texts, size = self._result("texts", shard)
+        return pa.table({"texts": pa.array([texts], pa.binary()), "shard_bytes": [size], "worker": [self.worker]})

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import pyarrow.compute as pc
 
 from manifests.errors import BucketeerError, UsageError
 from manifests.manifest import Manifest, manifest_stats, read_manifest
@@ -240,11 +241,11 @@ def cache_section(url: str, plots, storage_options: dict[str, Any] | None = None
 
     meta = read_cache_meta(url, storage_options)  # refuses a folder that is not a bucketeer cache
     counts = meta.get("counts") or {}
-    shards = meta.get("shards") or []
     records = int(counts.get("samples", 0))
-    sample_bytes = sum(int(s.get("bytes", 0)) for s in shards if s.get("kind", "samples") == "samples")
     index = read_index(url, storage_options, meta)
     lengths = index["samples"].column("length").to_numpy()
+    sample_bytes = int(lengths.sum())  # of the live records (the index names their shards)
+    shards = pc.count_distinct(index["samples"].column("shard")).as_py()
     errors = index["errors"].column("error").to_pylist()
     kinds = {str(k): int(n) for k, n in zip(*np.unique(errors, return_counts=True))} if errors else {}
     settings = meta.get("settings") or {}
@@ -252,7 +253,7 @@ def cache_section(url: str, plots, storage_options: dict[str, Any] | None = None
         ("cache", redact(url)),
         ("fingerprint", str(meta.get("fingerprint", "?"))),
         ("records", ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "?"),
-        ("bytes per sample", f"{sample_bytes / records / 1024:.1f} KiB ({len(shards)} shard objects)"
+        ("bytes per sample", f"{sample_bytes / records / 1024:.1f} KiB ({shards} shard objects)"
                              if records else "n/a"),
         ("settings", ", ".join(f"{k}={redact(str(v))}" for k, v in sorted(settings.items())
                                if not isinstance(v, (dict, list)))),

@@ -1,0 +1,186 @@
+"""The embed job's two Ray Data pipelines, and where their encoders run.
+
+Why Ray Data: embedding is batch inference, the shape Ray Data's streaming executor is built for,
+and it gives what a cluster run needs without a scheduler of our own: CPU stages as task pools and
+encoders as actor pools that request ``num_gpus`` as *resources* (pending actors are the demand
+an autoscaler adds GPU nodes for) and grow with the cluster (``ActorPoolStrategy(min, max)``);
+bounded queues between stages (backpressure: a slow encoder never lets decoded pixels pile up);
+work handed to whichever actor is free, not dealt round-robin; and fault tolerance, all Ray Data's
+defaults: actors are restarted and their tasks retried (``max_restarts=-1``,
+``max_task_retries=-1``), tasks of a dead node are retried elsewhere, and a result block lost with
+its node is recomputed from its lineage. Tested on a simulated multi-node cluster
+(``tests/test_embed_cluster.py``): a raylet killed mid-job costs its in-flight units, which are
+redone on the other nodes.
+
+The pipelines (every row is small, except a prepared unit's pixels)::
+
+    captions: row groups -read_captions (task)-> (key, caption) -TextWriter (actor pool)-> text index rows
+              (+ the empty caption and validation prompts, from the driver)
+    images:   row groups -plan_units (task)-> units -prepare_unit (task)-> pixels -LatentWriter (actors)-> index rows
+
+The phases run one after the other, so text and VAE actors never wait on each other for a device:
+on one GPU the text encoders use it, finish, and leave it to the VAE. Ray Data fuses a task stage
+into the actor stage after it when their Ray options are equal, which would move decoding into the
+encoder actors and stop it overlapping the encoder: the prepare tasks' memory request keeps them
+apart. Ray Data's own progress bars and start/finish logging are off: the job reports its phases
+itself (:class:`manifests.progress.Progress`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import pyarrow as pa
+
+from manifests.errors import UsageError
+from pipeline.embed.work import UNIT_PIXEL_BYTES, EmbedWork
+from pipeline.embed.workers import LatentWriter, TextWriter, plan_units, prepare_unit, read_captions
+
+__all__ = ["Placement", "place_encoders", "configure_ray_data", "caption_pipeline", "image_pipeline", "results"]
+
+DEVICES = ("auto", "cuda", "cpu")
+_LIGHT_TASK_CPUS = 0.25  # reading a row group of the manifest: a few ranged reads, next to no compute
+# a prepare task holds a unit's pixels and the images being decoded: asking Ray for that much memory
+# keeps a node from starting more of them than it can hold (and, its options differing from the
+# encoder actor's, keeps Ray Data from fusing decoding into the encoder actors)
+_PREPARE_MEMORY = 2 * UNIT_PIXEL_BYTES
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the encoders run: ``device`` (``cuda``: one GPU per actor, requested from Ray; ``cpu``),
+    at most ``workers`` actors per phase, ``threads`` torch threads per CPU actor."""
+
+    device: str
+    workers: int
+    threads: int
+    gpus_now: int  # GPUs in the cluster when the job started
+    gpus_max: int | None  # GPUs the cluster's autoscaler can reach, when Ray reports it
+
+    def actor_options(self) -> dict[str, Any]:
+        """Ray resources of one encoder actor (Ray Data restarts its actors and retries their tasks)."""
+        return {"num_gpus": 1, "num_cpus": 1} if self.device == "cuda" else {"num_cpus": self.threads}
+
+    def pool(self, calls: int):
+        """The actor pool for ``calls`` encoder calls: starts with the workers the cluster can place now
+        and grows to ``workers``, never to more actors than calls (each loads the model)."""
+        import ray.data
+
+        most = max(1, min(self.workers, calls))
+        initial = min(most, max(self.gpus_now, 1)) if self.device == "cuda" else most
+        # two calls per actor (one compresses and writes while the other encodes) need a newer Ray than
+        # the floor in pyproject; an older one runs one call at a time: slower, the same result
+        wanted = {"initial_size": initial, "max_concurrent_calls_per_actor": 2, "enable_true_multi_threading": True}
+        known = inspect.signature(ray.data.ActorPoolStrategy).parameters
+        return ray.data.ActorPoolStrategy(min_size=1, max_size=most, **{k: v for k, v in wanted.items() if k in known})
+
+    def summary(self) -> str:
+        if self.device == "cpu":
+            return f"encoders on CPU, {self.workers} actor(s) x {self.threads} thread(s)"
+        reach = f", up to {self.gpus_max} as its autoscaler adds nodes" if self.gpus_max else ""
+        return f"encoders on GPU, up to {self.workers} actor(s) (the cluster has {self.gpus_now} GPU(s) now{reach})"
+
+
+def autoscaler_gpus() -> int | None:
+    """GPUs the cluster's autoscaler can reach, as Ray reports its cluster config; None when it
+    does not (no autoscaler, or one that does not report: then only ``--device cuda`` asks for GPUs)."""
+    try:
+        from ray._private.state import state  # what Ray Train and Ray Data read for the same question
+
+        limits = state.get_max_resources_from_cluster_config()
+    except Exception:  # a private API: an older or newer Ray may not have it
+        return None
+    gpus = int((limits or {}).get("GPU", 0))
+    return gpus or None
+
+
+def place_encoders(ray, device: str, workers: int | None, threads: int | None) -> Placement:
+    """Decide ``--device auto|cuda|cpu``: ``auto`` is ``cuda`` when the cluster has GPUs or its
+    autoscaler can add some, else ``cpu``. ``cuda`` requests GPUs even when none are there yet
+    (the job waits for GPU nodes). Raises UsageError for an unknown device."""
+    if device not in DEVICES:
+        raise UsageError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
+    gpus_now = int(ray.cluster_resources().get("GPU", 0))
+    gpus_max = autoscaler_gpus()
+    use = device if device != "auto" else ("cuda" if gpus_now or gpus_max else "cpu")
+    node_cpus = max([int(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n.get("Alive")] or [2])
+    threads = threads or max(1, node_cpus // 2)
+    if use == "cuda":
+        count = workers or max(gpus_now, gpus_max or 0, 1)
+    else:
+        count = workers or 1
+    return Placement(use, count, threads, gpus_now, gpus_max)
+
+
+def configure_ray_data() -> None:
+    """This process's Ray Data settings: the job reports progress itself, a worker's user error
+    reaches the driver as itself (one line), and Ray Data's logs stay at warnings."""
+    import ray.data
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
+    ctx.enable_auto_log_stats = False
+    ctx.raise_original_map_exception = True
+    logging.getLogger("ray.data").setLevel(logging.ERROR)
+
+
+def _items(work: list) -> Any:
+    import ray.data
+
+    return ray.data.from_items([w.item() for w in work], override_num_blocks=len(work))
+
+
+def caption_pipeline(work: EmbedWork, prompts: dict[int, str], manifest: str, storage_options: dict | None,
+                     make_text: Callable, dtype: str, out: str, text_batch_size: int, placement: Placement):
+    """The captions pipeline: one text shard per ``text_batch_size`` new captions; ``prompts``
+    (caption key -> text: the empty caption, validation prompts) are encoded with them."""
+    import ray.data
+
+    captions = []
+    if work.captions:
+        captions.append(_items(work.captions).map_batches(
+            read_captions, batch_size=1, batch_format="pyarrow", num_cpus=_LIGHT_TASK_CPUS,
+            fn_kwargs={"manifest": manifest, "storage_options": storage_options}))  # fmt: skip
+    if prompts:
+        captions.append(ray.data.from_arrow(pa.table({"caption_key": pa.array(list(prompts), pa.uint64()),
+                                                      "caption": pa.array(list(prompts.values()), pa.string())})))
+    texts = -(-(work.new_captions + len(prompts)) // text_batch_size)
+    return (
+        (captions[0] if len(captions) == 1 else captions[0].union(*captions[1:]))
+        .map_batches(TextWriter, batch_size=text_batch_size, batch_format="pyarrow",
+                     compute=placement.pool(texts),
+                     fn_constructor_kwargs={"make_encoder": make_text, "dtype": dtype, "cache": out,
+                                            "storage_options": storage_options, "threads": placement.threads},
+                     **placement.actor_options())
+    )  # fmt: skip
+
+
+def image_pipeline(work: EmbedWork, manifest: str, source: str, storage_options: dict | None, make_vae: Callable,
+                   dtype: str, out: str, options: dict[str, Any], placement: Placement):  # fmt: skip
+    """The images pipeline: one shard per unit. ``options``: batch_size, shard_records, crop, seed, max_pixels."""
+    return (
+        _items(work.images)
+        .map_batches(plan_units, batch_size=1, batch_format="pyarrow", num_cpus=_LIGHT_TASK_CPUS,
+                     fn_kwargs={"manifest": manifest, "storage_options": storage_options,
+                                "batch_size": options["batch_size"], "shard_records": options["shard_records"]})
+        .repartition(target_num_rows_per_block=1)  # a unit per block: each becomes its own prepare task
+        .map_batches(prepare_unit, batch_size=1, batch_format="pyarrow", num_cpus=1, memory=_PREPARE_MEMORY,
+                     fn_kwargs={"source": source, "storage_options": storage_options, "crop": options["crop"],
+                                "seed": options["seed"], "max_pixels": options["max_pixels"]})
+        .map_batches(LatentWriter, batch_size=1, batch_format="pyarrow",
+                     compute=placement.pool(-(-work.todo // options["batch_size"])),
+                     fn_constructor_kwargs={"make_encoder": make_vae, "dtype": dtype, "cache": out,
+                                            "storage_options": storage_options, "batch_size": options["batch_size"],
+                                            "threads": placement.threads},
+                     **placement.actor_options())
+    )  # fmt: skip
+
+
+def results(dataset) -> Iterator[dict[str, Any]]:
+    """The pipeline's result rows as they arrive (streaming: the pipeline runs while they are read)."""
+    for batch in dataset.iter_batches(batch_size=None, batch_format="pyarrow"):
+        yield from batch.to_pylist()

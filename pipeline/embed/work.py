@@ -1,0 +1,143 @@
+"""What an embed run has to do, found in one streaming pass over the manifest, and how it is cut.
+
+:func:`find_work` (on the driver) reads the manifest one row group at a time (ranged reads, about
+128K rows each) and judges every row against the committed index (:class:`IndexLookup`, built
+once): fresh, failed, stale, retry or missing. It keeps, per row group, only the **positions** of
+the rows to embed and of the first row of each caption that has no text record yet (captions are
+deduplicated over the whole manifest by a :class:`KeySet` of caption keys, 8 bytes each), and a
+few filenames to probe the storage with. It holds no Python object per row, and no row group
+longer than it reads it: the Ray workers read the rows they are given themselves
+(:mod:`pipeline.embed.workers`).
+
+:func:`cut_units` (on a worker) cuts the rows of one row group into **units**: rows of one
+bucket, sorted by sample id, at most ``--shard-records`` of them and few enough that their
+pixels stay near :data:`UNIT_PIXEL_BYTES`. A unit is what one encoder call turns into one shard
+object, so it is also what is redone when a worker or node dies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from manifests.buckets import parse_bucket
+from manifests.cache import IndexLookup, KeySet, source_key
+from manifests.cache.records import caption_key
+from manifests.manifest import RowGroup, read_row_group, sample_row_groups
+
+__all__ = ["MANIFEST_COLUMNS", "PROBE_FILES", "UNIT_PIXEL_BYTES", "GroupWork", "EmbedWork", "find_work",
+           "caption_keys", "unit_size", "cut_units"]  # fmt: skip
+
+# what a row's freshness, caption and probe need: the source-key columns, the caption and the filename
+MANIFEST_COLUMNS = ["sample_id", "filename", "caption", "bucket", "size", "etag", "mtime"]
+PROBE_FILES = 8  # images read up front to tell an unusable storage from a few bad files
+UNIT_PIXEL_BYTES = 128 << 20  # pixels of one unit in flight: 42 images at 1024x1024, 682 at 256x256
+
+
+@dataclass(frozen=True)
+class GroupWork:
+    """Rows of one manifest row group to process, as int32 positions within the row group."""
+
+    group: RowGroup
+    rows: np.ndarray  # (k,) int32, ascending
+
+    def item(self) -> dict[str, Any]:
+        """The row of a Ray Data input dataset that stands for this work (a few bytes per position)."""
+        g = self.group
+        return {"part": g.part, "part_bytes": g.part_bytes, "row_group": g.index, "group_rows": g.rows,
+                "rows": self.rows.astype("<i4").tobytes()}  # fmt: skip
+
+    @staticmethod
+    def from_item(item: dict[str, Any]) -> "GroupWork":
+        group = RowGroup(str(item["part"]), int(item["part_bytes"]), int(item["row_group"]), int(item["group_rows"]))
+        return GroupWork(group, np.frombuffer(item["rows"], "<i4"))
+
+
+@dataclass
+class EmbedWork:
+    """The outcome of :func:`find_work`: counts, per-row-group positions, probe filenames."""
+
+    samples: int = 0  # rows in the manifest
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("fresh", "failed", "stale", "retry",
+                                                                           "missing"), 0))  # fmt: skip
+    images: list[GroupWork] = field(default_factory=list)  # rows to (re-)embed
+    captions: list[GroupWork] = field(default_factory=list)  # first row of each caption without a text record
+    probe: list[str] = field(default_factory=list)
+
+    @property
+    def todo(self) -> int:
+        return sum(len(w.rows) for w in self.images)
+
+    @property
+    def new_captions(self) -> int:
+        return sum(len(w.rows) for w in self.captions)
+
+
+def caption_keys(captions: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """(n,) uint64 :func:`~manifests.cache.records.caption_key` of each caption (null = empty)."""
+    return np.fromiter((caption_key(c) for c in captions.to_pylist()), np.uint64, count=len(captions))
+
+
+def _spread(n: int, k: int) -> np.ndarray:
+    """Up to ``k`` indices spread evenly over ``range(n)`` (deterministic)."""
+    return np.unique(np.linspace(0, n - 1, min(k, n)).round().astype(int)) if n else np.zeros(0, int)
+
+
+def find_work(
+    url: str, meta: dict[str, Any], storage_options: dict | None, lookup: IndexLookup, done_texts: np.ndarray
+) -> EmbedWork:
+    """One pass over the manifest at ``url`` (``meta``: its ``_manifest.json``) against a cache's
+    committed index (``lookup``; ``done_texts``: caption keys with a text record).
+
+    Rows to embed are the stale, retry and missing ones (:class:`~manifests.cache.Freshness`
+    ``todo``); captions to encode are those of these rows without a text record, once each. Probe
+    files are spread over the rows to embed, leaving out read-failure retries (if they still
+    cannot be read, renewing their error rows is the right outcome, not a failed job).
+    """
+    work = EmbedWork()
+    texts = KeySet(done_texts)
+    candidates: list[str] = []
+    for group in sample_row_groups(url, meta, storage_options):
+        rows = read_row_group(url, group, MANIFEST_COLUMNS, storage_options)
+        status = lookup.classify(rows, source_key(rows))
+        work.samples += rows.num_rows
+        for name, value in status.counts().items():
+            work.counts[name] += value
+        todo = np.flatnonzero(status.todo).astype(np.int32)  # (t,)
+        if not len(todo):
+            continue
+        work.images.append(GroupWork(group, todo))
+        keys = caption_keys(rows.column("caption").take(pa.array(todo)))  # (t,)
+        first = texts.add_new(keys)
+        if first.any():
+            work.captions.append(GroupWork(group, todo[first]))
+        probe = np.flatnonzero(status.todo & ~status.retry)
+        names = rows.column("filename")
+        candidates += [names[int(probe[i])].as_py() for i in _spread(len(probe), PROBE_FILES)]
+    work.probe = [candidates[i] for i in _spread(len(candidates), PROBE_FILES)]
+    return work
+
+
+def unit_size(bucket: str, batch_size: int, shard_records: int) -> int:
+    """Images per unit of ``bucket``: up to ``shard_records``, whole batches whose pixels fit
+    :data:`UNIT_PIXEL_BYTES` (at least one batch: a batch is never split)."""
+    w, h = parse_bucket(bucket)
+    fit = UNIT_PIXEL_BYTES // (w * h * 3)
+    return max(1, min(shard_records, max(batch_size, fit - fit % batch_size)))
+
+
+def cut_units(rows: pa.Table, batch_size: int, shard_records: int) -> Iterator[pa.Table]:
+    """Tables of one bucket each, sorted by ``(bucket, sample_id)`` and at most :func:`unit_size`
+    rows; ``rows`` needs a ``bucket`` and a ``sample_id`` column (the others ride along)."""
+    rows = rows.sort_by([("bucket", "ascending"), ("sample_id", "ascending")])
+    buckets = rows.column("bucket").combine_chunks()
+    starts = np.flatnonzero(np.r_[True, pc.not_equal(buckets[1:], buckets[:-1]).to_numpy(zero_copy_only=False)])
+    ends = np.r_[starts[1:], rows.num_rows]  # (buckets,) half-open ranges of one bucket each
+    for start, end in zip(starts.tolist(), ends.tolist()):
+        size = unit_size(buckets[start].as_py(), batch_size, shard_records)
+        for at in range(start, end, size):
+            yield rows.slice(at, min(size, end - at))
