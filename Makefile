@@ -9,6 +9,11 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# test files spread over 2 worker processes (pytest-xdist; a file stays on one worker, so its session and
+# module fixtures are built once): most tests wait on subprocesses, Ray and sockets, not on a core.
+# TEST_WORKERS=0 runs them in this process, one after another.
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile
 # `make test-floors`: each core dependency at the lowest version pyproject.toml allows (.ci/floors.py derives
 # the pins from it at run time), except torch, which stays TORCH_SPEC: no other torch is installable in CI.
 # Dev tools (pytest, moto, ...) stay current. The fast tests: the slow ones would not fit CI's time.
@@ -31,7 +36,7 @@ demo: install
 	$(VENV)/bin/bucketeer demo
 
 test: install
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 # "s3fs[boto3]" adds no package: it makes aiobotocore pin boto3 (which moto needs) to its botocore range
 # up front; without it pip backtracks through hundreds of boto3 releases to find that range at old s3fs.
@@ -47,7 +52,7 @@ $(FLOORS_VENV)/.installed: pyproject.toml .ci/floors.py
 	touch $@
 
 test-floors: $(FLOORS_VENV)/.installed
-	PYTHONDONTWRITEBYTECODE= $(FLOORS_PY) -m pytest $(FLOORS_PYTEST_ARGS)
+	PYTHONDONTWRITEBYTECODE= $(FLOORS_PY) -m pytest $(XDIST) $(FLOORS_PYTEST_ARGS)
 
 bench: install
 	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done
