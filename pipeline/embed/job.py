@@ -33,6 +33,7 @@ from collections import deque
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from manifests.cache import (
     CACHE_FORMAT_VERSION,
@@ -50,6 +51,7 @@ from manifests.cache import (
 from manifests.cache.records import GZIP_BACKEND, caption_key
 from manifests.errors import BucketeerError, UsageError
 from manifests.progress import Progress
+from manifests.schema import LOCATION_COLUMNS
 from manifests.storage import parse_storage_options, public_options, redact
 from pipeline.ray_setup import init_ray
 
@@ -173,14 +175,13 @@ def _batches(rows: list[dict[str, Any]], batch_size: int) -> list[tuple[str, lis
 PROBE_FILES = 8  # images read up front to tell an unusable storage from a few bad files
 
 
-def _probe_files(samples, todo: np.ndarray) -> list[str]:
-    """Up to PROBE_FILES filenames of the ``todo`` rows, spread evenly over them (deterministic)."""
+def _probe_files(samples, todo: np.ndarray) -> list[dict]:
+    """Up to PROBE_FILES of the ``todo`` rows (where their images are), spread evenly over them (deterministic)."""
     rows = np.flatnonzero(todo)  # (t,)
     if not len(rows):
         return []
     picks = np.unique(np.linspace(0, len(rows) - 1, min(PROBE_FILES, len(rows))).round().astype(int))
-    names = samples.column("filename")
-    return [names[int(rows[i])].as_py() for i in picks]
+    return samples.select(LOCATION_COLUMNS).take(pa.array(rows[picks])).to_pylist()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -228,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
     if not gpus or gpus > 1:  # on one GPU the VAE waits for the text actor to free it
         vae_actors = [ray.remote(w.LatentWorker).options(max_concurrency=2, **gpu_opts).remote(
             vae_source, bool(gpus), request["dtype"], None if gpus else threads) for _ in range(n_vae)]  # fmt: skip
-    samples = manifest.samples.select(["sample_id", "filename", "caption", "bucket"]).to_pylist()
+    samples = manifest.samples.select(["sample_id", "caption", "bucket", *LOCATION_COLUMNS]).to_pylist()
     source_keys = source_key(manifest.samples)  # (n,) what each record is made from, stored in its index row
     for row, key, todo in zip(samples, source_keys.tolist(), status.todo.tolist()):
         row["caption_key"] = caption_key(row["caption"])
@@ -286,7 +287,7 @@ def run(args: argparse.Namespace) -> int:
     t_images = time.time()
     window: deque = deque()
     counts = {"embedded": 0, "errors": 0, "bytes": 0}
-    fields = ("sample_id", "filename", "caption_key")
+    fields = ("sample_id", "caption_key", *LOCATION_COLUMNS)
     progress = Progress("embed", "images", total=len(todo), unit="images")
 
     def collect(ref) -> None:

@@ -22,9 +22,9 @@ from manifests.buckets import parse_bucket
 from manifests.cache.records import SampleRecord, TextRecord, encode_sample, encode_text
 from manifests.errors import StorageError
 from manifests.retry import is_transient
-from manifests.storage import join, open_url, redact
+from manifests.storage import open_url, redact
 from pipeline.embed.encoders import Encoder, EncoderSource, LatentEncoder, TextEncoders, quiet_loading, to_storage
-from pipeline.embed.imaging import ImageFailure, fetch_all, prepare_image
+from pipeline.embed.imaging import ImageFailure, fetch_images, prepare_image
 
 __all__ = ["prepare_batch", "check_source", "LatentWorker", "TextWorker"]
 
@@ -52,17 +52,18 @@ def prepare_batch(
     max_pixels: int,
     fs=None,
 ) -> dict[str, Any]:
-    """Fetch, decode and crop ``rows`` (``sample_id``, ``filename``, ``caption_key``) to ``bucket``.
+    """Fetch, decode and crop ``rows`` (``sample_id``, ``filename``, ``caption_key``, and where the
+    image lies: :data:`manifests.schema.LOCATION_COLUMNS`) to ``bucket``.
 
     Returns ``{"bucket", "pixels": uint8 (B, H, W, 3), "rows": [geometry per good row],
     "errors": [(sample_id, filename, kind, message)]}``; one bad image never fails the batch.
-    Transient storage errors are retried per file (:func:`pipeline.embed.imaging.fetch_all`); a read
+    Transient storage errors are retried per file (:func:`pipeline.embed.imaging.fetch_images`); a read
     that still fails is a ``read_failed`` error row (credentials redacted), which the next run
     retries. ``fs`` replaces the filesystem of ``source`` (it must be picklable for Ray).
     """
     fs, root = _open_source(source, storage_options, fs)
     bw, bh = parse_bucket(bucket)
-    blobs = fetch_all(fs, [join(root, r["filename"]) for r in rows])
+    blobs = fetch_images(fs, root, rows)
     good, pixels, errors = [], [], []
     for row, blob in zip(rows, blobs):
         try:
@@ -83,24 +84,24 @@ def prepare_batch(
     return {"bucket": bucket, "pixels": stacked, "rows": good, "errors": errors}
 
 
-def check_source(source: str, storage_options: dict | None, filenames: list[str], fs=None) -> None:
-    """Refuse a dataset whose storage is unusable: raise StorageError when every one of
-    ``filenames`` (a few spread over the job, read with the usual retries) fails to read.
+def check_source(source: str, storage_options: dict | None, rows: list[dict], fs=None) -> None:
+    """Refuse a dataset whose storage is unusable: raise StorageError when every one of the images
+    of ``rows`` (a few manifest rows spread over the job, read with the usual retries) fails to read.
 
     One unreadable file is that file's error row; all of them failing means the bucket is gone,
     access is denied or the endpoint is down, and a job would only write an error row per
     sample. The message quotes the first failure (credentials redacted) and names the file.
     """
-    if not filenames:
+    if not rows:
         return
     fs, root = _open_source(source, storage_options, fs)
-    blobs = fetch_all(fs, [join(root, f) for f in filenames])
-    failures = [(f, b) for f, b in zip(filenames, blobs) if isinstance(b, BaseException)]
-    if len(failures) < len(filenames):
+    blobs = fetch_images(fs, root, rows)
+    failures = [(r["filename"], b) for r, b in zip(rows, blobs) if isinstance(b, BaseException)]
+    if len(failures) < len(rows):
         return
     name, first = failures[0]
     raise StorageError(redact(
-        f"cannot read the images of {source}: all {len(filenames)} probed files failed, e.g. {name}: "
+        f"cannot read the images of {source}: all {len(rows)} probed files failed, e.g. {name}: "
         f"{type(first).__name__}: {first}. Nothing was embedded; check that the dataset is still there "
         "(--source if it moved) and the credentials/--storage-options allow reading it.", storage_options))
 
