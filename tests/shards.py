@@ -1,7 +1,7 @@
 """WebDataset tar shards written with ``tarfile``, with the ground truth a scan must find.
 
 Every usable image's expected ``(width, height)`` is Pillow's full decode after
-``ImageOps.exif_transpose`` (:func:`tests.corpus.truth`). Images are small noise JPEGs of ~20-40 KB,
+``ImageOps.exif_transpose`` (:func:`tests.corpus.truth`). Images are small noise JPEGs of ~50-80 KB,
 larger than the scan's 8 KiB window, so that reading a shard whole shows in the bytes read.
 """
 
@@ -18,11 +18,11 @@ from PIL import Image
 
 from tests.corpus import truth
 
-W_H = ((160, 120), (120, 160), (200, 100), (128, 128))
+W_H = ((320, 240), (240, 320), (400, 200), (256, 256))
 
 
 def photo(seed: int, fmt: str = "JPEG", orientation: int = 1, size: tuple[int, int] | None = None) -> bytes:
-    """A noise image of ~20-40 KB (JPEG) in one of four shapes."""
+    """A noise image of ~50-80 KB (JPEG) in one of four shapes."""
     rng = np.random.default_rng(seed)
     w, h = size or W_H[seed % len(W_H)]
     img = Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8))

@@ -57,9 +57,7 @@ from pipeline.scan.listing import (
 )
 from pipeline.scan.reading import PROBE_SCHEMA, probe_files
 from pipeline.scan.tasks import run_tasks
-from pipeline.sources.containers import SOURCE_FORMAT, scan_containers
-from pipeline.sources.containers import summary_line as shards_summary_line
-from pipeline.sources.shards import SHARD_WINDOW
+from pipeline.sources.tar import SHARD_WINDOW
 from manifests.retry import is_storage_failure
 
 log = logging.getLogger("bucketeer.scan")
@@ -149,7 +147,9 @@ def ignored_line(ignored_extensions: dict[str, int], top: int = 4) -> str:
 def summary_line(meta: dict[str, Any], out: str) -> str:
     """The closing line: counts, ignored files by extension, reuse, reads and speed."""
     s = meta["summary"]
-    if s.get("source_format") == SOURCE_FORMAT:
+    if "shards" in s:
+        from pipeline.sources.containers import summary_line as shards_summary_line  # it imports this module's parts
+
         return shards_summary_line(meta, out)
     kinds = ", ".join(f"{k} {v}" for k, v in sorted(s["errors_by_kind"].items())) or "none"
     ignored = ignored_line(s.get("ignored_extensions") or {})
@@ -195,6 +195,8 @@ def scan_dataset(
     table = load_caption_table(captions, storage_options) if captions else None
     target = (source, _task_options(source, storage_options, config), task_fs, root)
     if listing.shards or listing.compressed_shards:
+        from pipeline.sources.containers import scan_containers  # it imports this package's parts
+
         return scan_containers(listing, out, target, source=source, spec=spec, storage_options=storage_options,
                                table=table, previous=previous, config=config, ray_address=ray_address,
                                started=started)  # fmt: skip

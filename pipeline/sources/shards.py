@@ -42,11 +42,10 @@ from pipeline.scan.headers import StorageFailure, probe_header
 from pipeline.scan.listing import FileEntry, extension
 from pipeline.scan.reading import SIDECAR_LIMIT
 from pipeline.scan.results import Header, checked
-from pipeline.sources.tar import TarMember, walk_tar
+from pipeline.sources.tar import SHARD_WINDOW, TarMember, walk_tar
 
 __all__ = ["SHARD_ROWS", "SHARD_WINDOW", "ShardScan", "scan_shard", "scan_shards", "scan_shard_batch", "shard_key"]
 
-SHARD_WINDOW = 8 * 1024  # bytes read at each header: a header, small members after it, an image's header
 _HEAD_MIN = 4 * 1024  # fewer bytes of an image in hand than this: read its first `window` bytes afresh
 _CAPTION_EXTENSIONS = ("txt", "caption")  # .txt wins over .caption, both over the .json field
 
@@ -266,7 +265,7 @@ SHARD_WORK = pa.schema([("name", pa.string()), ("size", pa.int64()), ("etag", pa
 
 def shard_work(shards: list[FileEntry]) -> pa.Table:
     """``shards`` as the columns a Ray task is sent (:data:`SHARD_WORK`)."""
-    columns = list(zip(*shards)) if shards else [[] for _ in SHARD_WORK]
+    columns = [[getattr(s, f.name) for s in shards] for f in SHARD_WORK]
     return pa.Table.from_arrays([pa.array(c, f.type) for c, f in zip(columns, SHARD_WORK)], schema=SHARD_WORK)
 
 

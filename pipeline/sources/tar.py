@@ -20,9 +20,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["BLOCK", "TarMember", "TarWalk", "walk_tar"]
+__all__ = ["BLOCK", "SHARD_WINDOW", "TarMember", "TarWalk", "walk_tar"]
 
 BLOCK = 512
+SHARD_WINDOW = 8 * 1024  # bytes the scan reads at a header: it, the small members after it, an image's header
 _REGULAR = (b"0", b"\0", b"7")  # a file, an old-style file, a contiguous file
 _LONG_NAME, _PAX, _GLOBAL_PAX = b"L", b"x", b"g"
 _MAX_META = 1 << 20  # most bytes a long name or pax record may take: larger means a corrupt header
@@ -154,8 +155,8 @@ class TarWalk:
                     self._stop(f"the shard ends inside the metadata of the header at byte {o:,}: truncated")
                     o = None
                     break
-                if data_at + size > end:  # its data is needed whole: read header and data together
-                    self.wanted = BLOCK + size
+                if data_at + size > end:  # its data is needed whole: read it with the header it applies to
+                    self.wanted = 2 * BLOCK + -(-size // BLOCK) * BLOCK
                     break
                 meta = data[data_at - start : data_at - start + size]
                 if kind == _LONG_NAME:
@@ -207,7 +208,7 @@ class TarWalk:
         self.problem = problem
 
 
-def walk_tar(read_range, shard_size: int, *, window: int = 8192, keep: int = 8192) -> TarWalk:
+def walk_tar(read_range, shard_size: int, *, window: int = SHARD_WINDOW, keep: int = SHARD_WINDOW) -> TarWalk:
     """Walk the headers of a shard of ``shard_size`` bytes through ``read_range(start, end)`` (end exclusive).
 
     Each read is ``max(window, wanted)`` bytes at the next header. Returns the finished
