@@ -36,6 +36,18 @@ def photo(seed: int, fmt: str = "JPEG", orientation: int = 1, size: tuple[int, i
     return buf.getvalue()
 
 
+def camera_jpeg(seed: int) -> bytes:
+    """A JPEG held sideways (orientation 6) behind 40 KB of EXIF maker notes and a 60 KB ICC profile."""
+    rng = np.random.default_rng(seed)
+    img = Image.fromarray(rng.integers(0, 255, (90, 150, 3), dtype=np.uint8))
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    exif.get_ifd(0x8769)[0x927C] = rng.bytes(40_000)
+    buf = io.BytesIO()
+    img.save(buf, "JPEG", quality=90, exif=exif.tobytes(), icc_profile=rng.bytes(60_000))
+    return buf.getvalue()
+
+
 def tar_bytes(members: list[tuple[str, bytes]], fmt: int = tarfile.PAX_FORMAT) -> bytes:
     """A tar archive of ``(name, data)`` members in order."""
     buf = io.BytesIO()
@@ -90,6 +102,7 @@ def awkward_shards(root: Path) -> ShardSet:
         (f"{long_dir}/deep.png", photo(100, "PNG"), "deep", b"from a .caption member", ".caption"),
         ("orient.webp", photo(101, "WEBP", orientation=8), "orient", b"sideways", ".txt"),
         ("plain.jpg", photo(102), None, None, None),  # no caption: a sample with a null caption
+        ("camera.jpg", camera_jpeg(104), "camera", b"40 KB of EXIF, 60 KB of ICC", ".txt"),  # skipped bodies
     ]
     members: list[tuple[str, bytes]] = []
     for member, data, key, caption, ext in cases:

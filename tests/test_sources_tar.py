@@ -8,19 +8,24 @@ import json
 import tarfile
 import threading
 
+import numpy as np
 import pytest
 from fsspec.implementations.local import LocalFileSystem
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from PIL import Image
 
 from manifests.buckets import BucketSpec
 from manifests.errors import UsageError
 from manifests.manifest import read_manifest
-from manifests.schema import image_range
+from manifests.schema import MAX_PIXELS, image_range
 from pipeline.cli import main
 from pipeline.embed.imaging import fetch_images
 from pipeline.scan import ScanConfig, scan_dataset
+from pipeline.scan.results import checked
+from pipeline.sources.jpeg import KEEP, sparse_jpeg_header
 from pipeline.sources.tar import walk_tar
+from tests.corpus import truth
 from tests.shards import ShardSet, awkward_shards, good_shard, put, tar_bytes
 
 QUIET = ScanConfig(progress=False)
@@ -224,3 +229,30 @@ def test_shards_on_s3_scan_then_embed_and_verify(s3, ray_local, tmp_path, capsys
     assert run_embed(out, cache, "--storage-options", so) == 0
     assert "10 embedded, 0 error rows" in capsys.readouterr().out
     assert main(["verify", cache]) == 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(exif_bytes=st.integers(0, 60_000), icc_bytes=st.integers(0, 80_000), orientation=st.integers(1, 8),
+       window=st.sampled_from([512, 4096, 8192]))  # fmt: skip
+def test_sparse_jpeg_header_is_pillows_answer_without_reading_exif_or_icc_bodies(
+    exif_bytes, icc_bytes, orientation, window
+):
+    img = Image.fromarray(np.random.default_rng(exif_bytes).integers(0, 255, (30, 50, 3), dtype=np.uint8))
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    if exif_bytes:
+        exif.get_ifd(0x8769)[0x927C] = bytes(exif_bytes)
+    buf = io.BytesIO()
+    img.save(buf, "JPEG", exif=exif.tobytes(), **({"icc_profile": b"\1" * icc_bytes} if icc_bytes else {}))
+    data = buf.getvalue()
+    reads = []
+
+    def read_range(start: int, end: int) -> bytes:
+        reads.append(end - start)
+        return data[start:end]
+
+    header = sparse_jpeg_header(read_range, len(data), data[:window], window)
+    assert header is not None
+    probe = checked(header, MAX_PIXELS)
+    assert (probe.width, probe.height) == truth(data)
+    assert window + sum(reads) <= 3 * KEEP + 4 * window  # never the EXIF or ICC body

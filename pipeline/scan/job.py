@@ -20,6 +20,9 @@ Incremental: rows of the manifest already at ``--out`` (or ``--previous``) whose
 ETag (mtime when the store has no ETag) are unchanged are reused without reading the file; their
 sidecar caption is read again only when the listed sidecar is not the version recorded in the
 row's ``caption_source`` (see manifests/schema.py).
+A source of WebDataset ``.tar`` shards is scanned by :mod:`pipeline.sources.containers` (member
+headers walked by ranged reads, reuse per shard); shards mixed with loose images, and compressed
+shards, are refused there with what to do.
 Without ``--ray-address`` (or ``RAY_ADDRESS``) Ray starts in-process on this machine.
 """
 
@@ -97,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="batch size of one Ray task (default: automatic)")
     parser.add_argument("--shard-window", type=int, default=SHARD_WINDOW,
                         help="tar shards: bytes read at each member header, which also covers the small members "
-                        "after it and the next image's header (default 8 KiB)")  # fmt: skip
+                        "after it and the next image's header (default 4 KiB)")  # fmt: skip
     parser.add_argument("--caption-field", default="caption",
                         help="tar shards: the field of a sample's .json member to take the caption from when it "
                         "has no .txt/.caption member (default: caption)")  # fmt: skip
@@ -204,7 +207,7 @@ def scan_dataset(
         raise UsageError(
             f"no image files under {redact(source)} ({listing.ignored} other files ignored"
             f"{': ' + ignored_line(listing.ignored_extensions) if listing.ignored_extensions else ''}); images are "
-            f"{_extensions()}. Check the path."
+            f"{_extensions()}, or WebDataset .tar shards. Check the path."
         )
     log.info("listed %d images (%d ignored) in %.1f s", len(listing.images), listing.ignored, listing.seconds)
     plan = plan_rescan(listing, out, previous, storage_options, config.max_pixels, table)

@@ -5,7 +5,8 @@ with ranged reads of ``window`` bytes at each header (a read also holds the smal
 it, such as ``key.txt`` and ``key.json``, and the first bytes of the next image); members are
 grouped by WebDataset key (the member path up to the first dot of its base name); each image's
 header is probed by :func:`pipeline.scan.headers.probe_header` over a range reader at the image's
-offset in the shard, from the bytes the walk already holds when they suffice. The caption is the
+offset in the shard, from the bytes the walk already holds when they suffice (a JPEG's EXIF and
+ICC bodies are skipped: :mod:`pipeline.sources.jpeg`). The caption is the
 ``.txt`` member, else ``.caption``, else the ``caption_field`` of the ``.json`` member. No shard is
 read whole: the bytes read are the headers, the captions and each image's first bytes.
 
@@ -42,11 +43,12 @@ from pipeline.scan.headers import StorageFailure, probe_header
 from pipeline.scan.listing import FileEntry, extension
 from pipeline.scan.reading import SIDECAR_LIMIT
 from pipeline.scan.results import Header, checked
+from pipeline.sources.jpeg import sparse_jpeg_header
 from pipeline.sources.tar import SHARD_WINDOW, TarMember, walk_tar
 
 __all__ = ["SHARD_ROWS", "SHARD_WINDOW", "ShardScan", "scan_shard", "scan_shards", "scan_shard_batch", "shard_key"]
 
-_HEAD_MIN = 4 * 1024  # fewer bytes of an image in hand than this: read its first `window` bytes afresh
+_HEAD_MIN = 512  # fewer bytes of a non-JPEG image in hand than this: read its first `window` bytes afresh
 _CAPTION_EXTENSIONS = ("txt", "caption")  # .txt wins over .caption, both over the .json field
 
 SHARD_ROWS = pa.schema(
@@ -167,12 +169,25 @@ def scan_shard(
 
 
 def _probe(reads: _CountingReads, image: TarMember, max_pixels: int, window: int):
-    head = image.head if len(image.head) >= min(image.size, _HEAD_MIN) else None
+    """Probe one image member: a JPEG by its segments (EXIF and ICC bodies skipped), anything else, and
+    a JPEG that parse declines, by :func:`~pipeline.scan.headers.probe_header` at the member's offset."""
+    fetched = [0, 0]  # bytes, requests of this member beyond the walk's
 
     def read_member(start: int, end: int) -> bytes:
-        return reads(image.offset + start, image.offset + min(end, image.size))
+        data = reads(image.offset + start, image.offset + min(end, image.size))
+        fetched[0] += len(data)
+        fetched[1] += 1
+        return data
 
-    return probe_header(read_member, image.size, max_pixels=max_pixels, first_read=window, head=head)
+    head = image.head
+    if len(head) < min(image.size, 16):  # its header came at the end of a walk read
+        head = read_member(0, min(image.size, window))
+    if head.startswith(b"\xff\xd8\xff"):
+        header = sparse_jpeg_header(read_member, image.size, head, window)
+        if header is not None:
+            return checked(header, max_pixels, bytes_read=len(head) + fetched[0], requests=fetched[1])
+    return probe_header(read_member, image.size, max_pixels=max_pixels, first_read=window,
+                        head=head if len(head) >= min(image.size, _HEAD_MIN) else None)  # fmt: skip
 
 
 def _member_bytes(reads: _CountingReads, member: TarMember) -> bytes:

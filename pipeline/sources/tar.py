@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 __all__ = ["BLOCK", "SHARD_WINDOW", "TarMember", "TarWalk", "walk_tar"]
 
 BLOCK = 512
-SHARD_WINDOW = 8 * 1024  # bytes the scan reads at a header: it, the small members after it, an image's header
+SHARD_WINDOW = 4 * 1024  # bytes the scan reads at a header: it, the small members after it, an image's header
 _REGULAR = (b"0", b"\0", b"7")  # a file, an old-style file, a contiguous file
 _LONG_NAME, _PAX, _GLOBAL_PAX = b"L", b"x", b"g"
 _MAX_META = 1 << 20  # most bytes a long name or pax record may take: larger means a corrupt header
@@ -99,7 +99,7 @@ class TarWalk:
     """
 
     shard_size: int
-    keep: int = 8192
+    keep: int = SHARD_WINDOW
     members: list[TarMember] = field(default_factory=list)
     skipped: int = 0  # directories, links and other entries that are not regular files
     not_utf8: int = 0  # members whose name is not UTF-8 (no manifest row can name them)
