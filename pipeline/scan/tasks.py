@@ -46,6 +46,7 @@ def run_tasks(
         ray_seconds = time.perf_counter() - clock
         cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
         batches = batches_for(cpus)
+        # worker loss is retried by Ray; exceptions (a permanent storage error) fail the job at once
         remote = ray.remote(num_cpus=1, max_retries=3, retry_exceptions=False)(task)
         target_ref = ray.put(target)
         results: list[pa.Table] = []

@@ -101,7 +101,19 @@ class _CountingReads:
         self.bytes = 0
 
     def __call__(self, start: int, end: int) -> bytes:
-        data = with_retries(lambda: self._read(start, end))
+        try:
+            data = self._read(start, end)
+        except Exception as e:
+            if not is_storage_failure(e):
+                raise
+            failed = [e]  # the retry layer's first attempt (reads that succeed skip its bookkeeping)
+
+            def attempt() -> bytes:
+                if failed:
+                    raise failed.pop()
+                return self._read(start, end)
+
+            data = with_retries(attempt)
         self.requests += 1
         self.bytes += len(data)
         return data

@@ -55,9 +55,11 @@ def _checksum_ok(block: bytes) -> bool:
         stored = _octal(block[148:156])
     except ValueError:
         return False
-    unsigned = sum(block[:148]) + 8 * 32 + sum(block[156:])
-    signed = unsigned - 2 * sum(b for b in block[:148] + block[156:] if b > 127)  # some old tars sum signed bytes
-    return stored in (unsigned, signed)
+    unsigned = sum(block) - sum(block[148:156]) + 8 * 32  # the checksum field counts as spaces
+    if stored == unsigned:
+        return True
+    rest = block[:148] + block[156:]  # some old tars sum signed bytes
+    return stored == unsigned - 2 * sum(b for b in rest if b > 127)
 
 
 def _text(raw: bytes) -> str | None:
