@@ -256,3 +256,40 @@ def test_sparse_jpeg_header_is_pillows_answer_without_reading_exif_or_icc_bodies
     probe = checked(header, MAX_PIXELS)
     assert (probe.width, probe.height) == truth(data)
     assert window + sum(reads) <= 3 * KEEP + 4 * window  # never the EXIF or ICC body
+
+
+class FailingLocal(LocalFileSystem):
+    """The local disk, where every read of ``shard`` fails with ``error``."""
+
+    cachable = False
+
+    def __init__(self, shard: str, error: Exception, **kwargs):
+        super().__init__(shard=shard, **kwargs)
+        self.shard, self.error = shard, error
+
+    def cat_file(self, path, start=None, end=None, **kwargs):
+        if path.endswith(self.shard):
+            raise self.error
+        return super().cat_file(path, start=start, end=end, **kwargs)
+
+
+def test_a_shard_unreadable_after_retries_is_one_read_failed_row_access_denied_stops(tmp_path, monkeypatch):
+    import errno
+
+    from manifests.errors import StorageError
+    from pipeline.scan.listing import list_source
+    from pipeline.sources.shards import scan_shards
+
+    monkeypatch.setenv("BUCKETEER_STORAGE_ATTEMPTS", "2")
+    monkeypatch.setenv("BUCKETEER_STORAGE_RETRY_DELAY", "0.01")
+    s = ShardSet(tmp_path)
+    good_shard(s, "00000.tar", 0, 2)
+    good_shard(s, "00001.tar", 2, 2)
+    shards = list_source(LocalFileSystem(), str(tmp_path)).shards
+    busy = FailingLocal("00001.tar", OSError(errno.EBUSY, "SlowDown: please reduce your request rate"))
+    rows = scan_shards(busy, str(tmp_path), shards, QUIET).to_pylist()
+    assert {r["filename"]: r["error"] for r in rows} == {
+        "00000.tar/sample_00000.jpg": None, "00000.tar/sample_00001.jpg": None, "00001.tar": "read_failed"}
+    denied = FailingLocal("00001.tar", PermissionError("Access Denied"))
+    with pytest.raises(StorageError, match="00001.tar"):
+        scan_shards(denied, str(tmp_path), shards, QUIET)
