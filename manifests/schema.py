@@ -7,7 +7,7 @@ file that cannot be used. Every listed image is in exactly one of the two.
 from __future__ import annotations
 
 import hashlib
-from typing import Iterable
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 import pyarrow as pa
@@ -18,9 +18,12 @@ __all__ = [
     "ERRORS_SCHEMA",
     "ERROR_KINDS",
     "ADDED_COLUMNS",
+    "CONTAINER_COLUMNS",
+    "LOCATION_COLUMNS",
     "MAX_PIXELS",
     "sample_id",
     "sample_ids",
+    "image_range",
 ]
 
 FORMAT_VERSION = 1
@@ -30,6 +33,22 @@ FORMAT_VERSION = 1
 # the scan accept images that no embed can decode. ``scan --max-pixels`` can only lower it; the limit
 # a manifest was scanned with is its ``_manifest.json`` ``max_pixels``, and embed decodes up to that.
 MAX_PIXELS = 2 * 89_478_485
+
+# Where the bytes of an image inside a container are (null for a loose file): a WebDataset tar shard
+# holds them at bytes [member_offset, member_offset + size) of ``container``, so one ranged read
+# fetches them (:func:`image_range`); a parquet file (not scanned yet; the columns are reserved) in
+# row ``row_index`` of row group ``row_group``. ``filename`` of a tar member's row is
+# ``<container>/<member name>``: unique and readable. ``etag`` and ``mtime`` are the container's; ``container_size`` is
+# its size in bytes, so that a rescan reuses every row of an unchanged container without reading it.
+CONTAINER_FIELDS = (
+    pa.field("container", pa.string()),  # the shard or parquet file, relative to the source root
+    pa.field("container_size", pa.int64()),  # bytes of the container when scanned
+    pa.field("member_offset", pa.int64()),  # tar: byte offset of the image's bytes in the shard
+    pa.field("row_group", pa.int32()),  # parquet: row group of the image
+    pa.field("row_index", pa.int64()),  # parquet: row within that row group
+)
+CONTAINER_COLUMNS = tuple(f.name for f in CONTAINER_FIELDS)
+LOCATION_COLUMNS = ("filename", "container", "member_offset", "size")  # what image_range reads of a row
 
 # what incremental rescans and audits need comes after the five contract columns
 SAMPLES_SCHEMA = pa.schema(
@@ -47,6 +66,7 @@ SAMPLES_SCHEMA = pa.schema(
         pa.field("orientation", pa.int8()),  # EXIF orientation tag 1..8 (1 when absent)
         pa.field("bytes_read", pa.int64()),  # how much of the file the scan read
         pa.field("caption_source", pa.string()),  # version of what gave the caption (below)
+        *CONTAINER_FIELDS,
     ]
 )
 
@@ -66,6 +86,7 @@ ERRORS_SCHEMA = pa.schema(
         pa.field("orientation", pa.int8()),
         pa.field("bytes_read", pa.int64()),
         pa.field("caption_source", pa.string()),
+        *CONTAINER_FIELDS,
     ]
 )
 
@@ -75,12 +96,14 @@ ERRORS_SCHEMA = pa.schema(
 #                                                       root, last, so a ':' in it is unambiguous)
 #   "table:<version>"                                   the --captions table; version = hash of its
 #                                                       {filename: caption} content
+#   "member:<container>:<member name>"                  a .txt/.caption/.json member of a tar shard
+#   "column:<container>:<column>"                       the caption column of a parquet file
 #   null                                                no caption source, or a sidecar that could not
 #                                                       be read, or a manifest written before the column
 #                                                       existed: unknown, read again on the next scan
 
 # nullable columns added after FORMAT_VERSION 1 shipped: parts written before lack them and read as nulls
-ADDED_COLUMNS = frozenset({"caption_source"})
+ADDED_COLUMNS = frozenset({"caption_source", *CONTAINER_COLUMNS})
 
 ERROR_KINDS = (
     "empty",  # zero bytes
@@ -92,6 +115,8 @@ ERROR_KINDS = (
     "too_small",  # shorter side below the bucket spec's min_side
     "read_failed",  # storage refused or lost the object
     "decode_failed",  # (embed) the full decode failed although the header was fine
+    "duplicate_key",  # a tar shard key (WebDataset sample) with more than one image member
+    "corrupt_container",  # a tar shard whose headers stop making sense; members after that point are unread
 )
 
 
@@ -109,3 +134,20 @@ def sample_id(filename: str) -> int:
 def sample_ids(filenames: Iterable[str]) -> np.ndarray:
     """:func:`sample_id` for many names, as a uint64 array."""
     return np.fromiter((sample_id(f) for f in filenames), dtype=np.uint64)
+
+
+def image_range(row: Mapping[str, Any]) -> tuple[str, int | None, int | None]:
+    """Where a manifest row's image bytes are: ``(path relative to the root, start, end)`` in bytes.
+
+    A loose file is read whole (``start`` and ``end`` None); a tar member is bytes
+    ``[member_offset, member_offset + size)`` of its ``container``: one ranged read. ``row`` needs
+    ``filename`` and, for rows of containers, ``container``, ``member_offset`` and ``size``.
+    """
+    container = row.get("container")
+    if container is None:
+        return row["filename"], None, None
+    offset = row.get("member_offset")
+    if offset is None:
+        raise ValueError(f"{row['filename']}: a container row without member_offset (a parquet source?) cannot be "
+                         "read by this bucketeer; re-scan the source")
+    return container, int(offset), int(offset) + int(row["size"])

@@ -111,16 +111,17 @@ def test_permanent_read_errors_are_error_rows_and_not_retried(tmp_path):
 def test_check_source_refuses_storage_that_reads_nothing(tmp_path):
     rows = _images(tmp_path / "data", 3)
     names = [r["filename"] for r in rows]
+    probed = [{"filename": n} for n in names]  # manifest rows of loose files
     options = {"secret": SECRET}
     everything_denied = FlakyFS({n: (10**6, denied) for n in names})
     with pytest.raises(StorageError) as e:
-        check_source(str(tmp_path / "data"), options, names, fs=everything_denied)
+        check_source(str(tmp_path / "data"), options, probed, fs=everything_denied)
     message = str(e.value)
     assert "all 3 probed files failed" in message and "img_0.jpg" in message and "Access Denied" in message
     assert SECRET not in message
     assert sum(everything_denied.calls.values()) == 3  # permanent: no retries
     # one readable file is enough: the others are that file's problem (error rows), not the job's
-    check_source(str(tmp_path / "data"), options, names, fs=FlakyFS({n: (10**6, denied) for n in names[1:]}))
+    check_source(str(tmp_path / "data"), options, probed, fs=FlakyFS({n: (10**6, denied) for n in names[1:]}))
     check_source(str(tmp_path / "data"), options, [], fs=everything_denied)
 
 

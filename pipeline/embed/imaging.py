@@ -1,5 +1,7 @@
 """Fetch image bytes, decode them (EXIF transpose, RGB), resize to cover a bucket and crop it.
 
+An image is fetched with one read: a loose file whole, an image inside a tar shard by its byte range.
+
 Geometry follows SDXL's micro-conditioning: sizes are ``(height, width)``, the crop position is
 ``(top, left)`` in the pixels of the resized image (the image scaled so that it just covers the
 bucket). A seeded random crop depends only on ``(seed, sample_id)``, never on processing order.
@@ -21,11 +23,11 @@ import numpy as np
 from PIL import Image, ImageOps
 
 from manifests.errors import UsageError
-from manifests.schema import MAX_PIXELS
-from manifests.storage import read_many
+from manifests.schema import MAX_PIXELS, image_range
+from manifests.storage import join, read_many
 from pipeline.formats import open_image
 
-__all__ = ["ImageFailure", "Prepared", "cover_and_crop", "prepare_image", "fetch_all"]
+__all__ = ["ImageFailure", "Prepared", "cover_and_crop", "prepare_image", "fetch_all", "fetch_images"]
 
 _EXIF_ORIENTATION = 0x0112
 
@@ -152,3 +154,15 @@ def fetch_all(fs, paths: list[str], *, threads: int = 16) -> list[bytes | BaseEx
     such key or bucket) comes back at once.
     """
     return read_many(fs, paths, threads=threads)
+
+
+def fetch_images(fs, root: str, rows: list[dict], *, threads: int = 16) -> list[bytes | BaseException]:
+    """The image bytes of manifest ``rows`` under ``root``, as :func:`fetch_all` (failures as exceptions, in order).
+
+    A loose file is read whole; an image inside a tar shard with one ranged read of its bytes
+    (:func:`manifests.schema.image_range`), never the shard. Rows need ``filename`` and, from a
+    shard-sourced manifest, ``container``, ``member_offset`` and ``size``.
+    """
+    ranges = [image_range(r) for r in rows]
+    return read_many(fs, [join(root, path) for path, _, _ in ranges], [start or 0 for _, start, _ in ranges],
+                     [end for _, _, end in ranges], threads=threads)  # fmt: skip

@@ -5,7 +5,7 @@
 once): fresh, failed, stale, retry or missing. It keeps, per row group, only the **positions** of
 the rows to embed and of the first row of each caption that has no text record yet (captions are
 deduplicated over the whole manifest by a :class:`KeySet` of caption keys, 8 bytes each), and a
-few filenames to probe the storage with. It holds no Python object per row, and no row group
+few rows to probe the storage with. It holds no Python object per row, and no row group
 longer than it reads it: the Ray workers read the rows they are given themselves
 (:mod:`pipeline.embed.workers`).
 
@@ -28,12 +28,14 @@ from manifests.buckets import parse_bucket
 from manifests.cache import IndexLookup, KeySet, source_key
 from manifests.cache.records import caption_key
 from manifests.manifest import RowGroup, read_row_group, sample_row_groups
+from manifests.schema import LOCATION_COLUMNS
 
 __all__ = ["MANIFEST_COLUMNS", "PROBE_FILES", "UNIT_PIXEL_BYTES", "GroupWork", "EmbedWork", "find_work",
            "caption_keys", "unit_size", "cut_units"]  # fmt: skip
 
-# what a row's freshness, caption and probe need: the source-key columns, the caption and the filename
-MANIFEST_COLUMNS = ["sample_id", "filename", "caption", "bucket", "size", "etag", "mtime"]
+# what a row's freshness, caption and probe need: the source-key columns, the caption and where the image is
+MANIFEST_COLUMNS = ["sample_id", "filename", "caption", "bucket", "size", "etag", "mtime", "container",
+                    "member_offset"]
 PROBE_FILES = 8  # images read up front to tell an unusable storage from a few bad files
 UNIT_PIXEL_BYTES = 128 << 20  # pixels of one unit in flight: 42 images at 1024x1024, 682 at 256x256
 
@@ -59,14 +61,14 @@ class GroupWork:
 
 @dataclass
 class EmbedWork:
-    """The outcome of :func:`find_work`: counts, per-row-group positions, probe filenames."""
+    """The outcome of :func:`find_work`: counts, per-row-group positions, rows to probe the storage with."""
 
     samples: int = 0  # rows in the manifest
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("fresh", "failed", "stale", "retry",
                                                                            "missing"), 0))  # fmt: skip
     images: list[GroupWork] = field(default_factory=list)  # rows to (re-)embed
     captions: list[GroupWork] = field(default_factory=list)  # first row of each caption without a text record
-    probe: list[str] = field(default_factory=list)
+    probe: list[dict] = field(default_factory=list)  # manifest rows (LOCATION_COLUMNS) to probe
 
     @property
     def todo(self) -> int:
@@ -100,7 +102,7 @@ def find_work(
     """
     work = EmbedWork()
     texts = KeySet(done_texts)
-    candidates: list[str] = []
+    candidates: list[dict] = []
     for group in sample_row_groups(url, meta, storage_options):
         rows = read_row_group(url, group, MANIFEST_COLUMNS, storage_options)
         status = lookup.classify(rows, source_key(rows))
@@ -116,8 +118,8 @@ def find_work(
         if first.any():
             work.captions.append(GroupWork(group, todo[first]))
         probe = np.flatnonzero(status.todo & ~status.retry)
-        names = rows.column("filename")
-        candidates += [names[int(probe[i])].as_py() for i in _spread(len(probe), PROBE_FILES)]
+        picks = pa.array([int(probe[i]) for i in _spread(len(probe), PROBE_FILES)], pa.int64())
+        candidates += rows.select(list(LOCATION_COLUMNS)).take(picks).to_pylist()
     work.probe = [candidates[i] for i in _spread(len(candidates), PROBE_FILES)]
     return work
 

@@ -46,15 +46,17 @@ from manifests.manifest import read_row_group
 from manifests.retry import is_transient
 from manifests.storage import is_local, join, open_url, redact
 from pipeline.embed.encoders import Encoder, quiet_loading, to_storage
-from pipeline.embed.imaging import ImageFailure, fetch_all, prepare_image
-from pipeline.embed.work import GroupWork, caption_keys, cut_units
+from pipeline.embed.imaging import ImageFailure, fetch_images, prepare_image
+from pipeline.embed.work import MANIFEST_COLUMNS, GroupWork, caption_keys, cut_units
 
 __all__ = ["prepare_batch", "check_source", "describe_encoder", "plan_units", "prepare_unit", "read_captions",
            "LatentWriter", "TextWriter", "to_ipc", "from_ipc", "UNIT_ROWS", "VISIBLE_MARKER"]  # fmt: skip
 
 # the rows of a unit, as plan_units hands them to prepare_unit
 UNIT_ROWS = pa.schema([("sample_id", pa.uint64()), ("filename", pa.string()), ("caption_key", pa.uint64()),
-                       ("source_key", pa.uint64())])  # fmt: skip
+                       ("source_key", pa.uint64()),
+                       # where the image bytes are (manifests.schema.image_range): null container = a loose file
+                       ("container", pa.string()), ("member_offset", pa.int64()), ("size", pa.int64())])  # fmt: skip
 # the good rows of a prepared unit, in the order of its pixels
 _PREPARED_ROWS = pa.schema([("sample_id", pa.uint64()), ("caption_key", pa.uint64()), ("source_key", pa.uint64()),
                             *((name, pa.int32()) for name in ("original_h", "original_w", "resized_h", "resized_w",
@@ -107,7 +109,7 @@ def prepare_batch(
     """
     fs, root = _open_source(source, storage_options, fs)
     bw, bh = parse_bucket(bucket)
-    blobs = fetch_all(fs, [join(root, r["filename"]) for r in rows])
+    blobs = fetch_images(fs, root, rows)
     good, pixels, errors = [], [], []
     for row, blob in zip(rows, blobs):
         try:
@@ -128,24 +130,25 @@ def prepare_batch(
     return {"bucket": bucket, "pixels": stacked, "rows": good, "errors": errors}
 
 
-def check_source(source: str, storage_options: dict | None, filenames: list[str], fs=None) -> None:
-    """Refuse a dataset whose storage is unusable: raise StorageError when every one of
-    ``filenames`` (a few spread over the job, read with the usual retries) fails to read.
+def check_source(source: str, storage_options: dict | None, rows: list[dict], fs=None) -> None:
+    """Refuse a dataset whose storage is unusable: raise StorageError when every one of the images
+    of ``rows`` (a few manifest rows spread over the job, with :data:`manifests.schema.LOCATION_COLUMNS`,
+    read with the usual retries) fails to read.
 
     One unreadable file is that file's error row; all of them failing means the bucket is gone,
     access is denied or the endpoint is down, and a job would only write an error row per
     sample. The message quotes the first failure (credentials redacted) and names the file.
     """
-    if not filenames:
+    if not rows:
         return
     fs, root = _open_source(source, storage_options, fs)
-    blobs = fetch_all(fs, [join(root, f) for f in filenames])
-    failures = [(f, b) for f, b in zip(filenames, blobs) if isinstance(b, BaseException)]
-    if len(failures) < len(filenames):
+    blobs = fetch_images(fs, root, rows)
+    failures = [(r["filename"], b) for r, b in zip(rows, blobs) if isinstance(b, BaseException)]
+    if len(failures) < len(rows):
         return
     name, first = failures[0]
     raise StorageError(redact(
-        f"cannot read the images of {source}: all {len(filenames)} probed files failed, e.g. {name}: "
+        f"cannot read the images of {source}: all {len(rows)} probed files failed, e.g. {name}: "
         f"{type(first).__name__}: {first}. Nothing was embedded; check that the dataset is still there "
         "(--source if it moved) and the credentials/--storage-options allow reading it.", storage_options))
 
@@ -161,11 +164,11 @@ def plan_units(batch: pa.Table, manifest: str, storage_options: dict | None, bat
     (``unit``, ``bucket``, ``rows``: :data:`UNIT_ROWS` as IPC bytes)."""
     for item in batch.to_pylist():
         work = GroupWork.from_item(item)
-        rows = read_row_group(manifest, work.group, ["sample_id", "filename", "caption", "bucket", "size", "etag",
-                                                     "mtime"], storage_options).take(pa.array(work.rows))  # fmt: skip
+        rows = read_row_group(manifest, work.group, MANIFEST_COLUMNS, storage_options).take(pa.array(work.rows))
         rows = pa.table({"sample_id": rows.column("sample_id"), "filename": rows.column("filename"),
                          "caption_key": caption_keys(rows.column("caption")), "source_key": source_key(rows),
-                         "bucket": rows.column("bucket")})  # fmt: skip
+                         "container": rows.column("container"), "member_offset": rows.column("member_offset"),
+                         "size": rows.column("size"), "bucket": rows.column("bucket")})  # fmt: skip
         for i, unit in enumerate(cut_units(rows, batch_size, shard_records)):
             name = f"{work.group.part}#{work.group.index}.{i}"
             yield pa.table({"unit": [name], "bucket": [unit.column("bucket")[0].as_py()],

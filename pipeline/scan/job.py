@@ -20,6 +20,9 @@ Incremental: rows of the manifest already at ``--out`` (or ``--previous``) whose
 ETag (mtime when the store has no ETag) are unchanged are reused without reading the file; their
 sidecar caption is read again only when the listed sidecar is not the version recorded in the
 row's ``caption_source`` (see manifests/schema.py).
+A source of WebDataset ``.tar`` shards is scanned by :mod:`pipeline.sources.containers` (member
+headers walked by ranged reads, reuse per shard); shards mixed with loose images, and compressed
+shards, are refused there with what to do.
 Without ``--ray-address`` (or ``RAY_ADDRESS``) Ray starts in-process on this machine.
 """
 
@@ -39,8 +42,7 @@ import pyarrow.compute as pc
 from manifests import faults
 from manifests.buckets import BucketSpec, add_bucket_arguments, spec_from_args
 from manifests.manifest import apply_buckets, conform, write_manifest
-from manifests.errors import BucketeerError, StorageError, UsageError
-from manifests.progress import Progress
+from manifests.errors import StorageError, UsageError
 from manifests.schema import ERRORS_SCHEMA, MAX_PIXELS, sample_ids
 from manifests.storage import open_url, parse_storage_options, redact
 from pipeline.formats import IMAGE_EXTENSIONS, missing_format_hint, register_plugins
@@ -57,7 +59,8 @@ from pipeline.scan.listing import (
     work_table,
 )
 from pipeline.scan.reading import PROBE_SCHEMA, probe_files
-from pipeline.ray_setup import ray_session
+from pipeline.scan.tasks import run_tasks
+from pipeline.sources.tar import SHARD_WINDOW
 from manifests.retry import is_storage_failure
 
 log = logging.getLogger("bucketeer.scan")
@@ -72,6 +75,8 @@ class ScanConfig:
     reads_in_flight: int = 128  # storage requests in flight per Ray task (object stores)
     files_per_task: int | None = None  # None: enough tasks to keep every CPU busy 4 times over
     progress: bool = True  # a bar on a terminal, else a line every $BUCKETEER_PROGRESS_SECONDS
+    shard_window: int = SHARD_WINDOW  # tar shards: bytes read at each member header
+    caption_field: str = "caption"  # tar shards: the field of a key's .json member that holds its caption
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,6 +98,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="storage requests in flight per Ray task on an object store (default 128)")
     parser.add_argument("--files-per-task", type=int, default=None,
                         help="batch size of one Ray task (default: automatic)")
+    parser.add_argument("--shard-window", type=int, default=SHARD_WINDOW,
+                        help="tar shards: bytes read at each member header, which also covers the small members "
+                        "after it and the next image's header (default 4 KiB)")  # fmt: skip
+    parser.add_argument("--caption-field", default="caption",
+                        help="tar shards: the field of a sample's .json member to take the caption from when it "
+                        "has no .txt/.caption member (default: caption)")  # fmt: skip
     parser.add_argument("--ray-address", default=None,
                         help="Ray cluster to use (default: $RAY_ADDRESS, else start one here)")
     parser.add_argument("--no-progress", action="store_true",
@@ -106,9 +117,10 @@ def run(args: argparse.Namespace) -> int:
     options = parse_storage_options(args.storage_options)
     config = ScanConfig(
         max_pixels=args.max_pixels, header_bytes=args.header_bytes, reads_in_flight=args.reads_in_flight,
-        files_per_task=args.files_per_task, progress=not args.no_progress,
+        files_per_task=args.files_per_task, progress=not args.no_progress, shard_window=args.shard_window,
+        caption_field=args.caption_field,
     )  # fmt: skip
-    for name in ("max_pixels", "header_bytes", "reads_in_flight"):
+    for name in ("max_pixels", "header_bytes", "reads_in_flight", "shard_window"):
         if getattr(config, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
     if config.max_pixels > MAX_PIXELS:
@@ -138,6 +150,10 @@ def ignored_line(ignored_extensions: dict[str, int], top: int = 4) -> str:
 def summary_line(meta: dict[str, Any], out: str) -> str:
     """The closing line: counts, ignored files by extension, reuse, reads and speed."""
     s = meta["summary"]
+    if "shards" in s:
+        from pipeline.sources.containers import summary_line as shards_summary_line  # it imports this module's parts
+
+        return shards_summary_line(meta, out)
     kinds = ", ".join(f"{k} {v}" for k, v in sorted(s["errors_by_kind"].items())) or "none"
     ignored = ignored_line(s.get("ignored_extensions") or {})
     hidden = s.get("ignored_hidden", 0)
@@ -179,22 +195,29 @@ def scan_dataset(
         if isinstance(e, FileNotFoundError) or is_storage_failure(e):  # retried already; a missing root or bucket
             raise StorageError(redact(f"cannot list {source}: {e}", storage_options)) from None
         raise
+    table = load_caption_table(captions, storage_options) if captions else None
+    target = (source, _task_options(source, storage_options, config), task_fs, root)
+    if listing.shards or listing.compressed_shards:
+        from pipeline.sources.containers import scan_containers  # it imports this package's parts
+
+        return scan_containers(listing, out, target, source=source, spec=spec, storage_options=storage_options,
+                               table=table, previous=previous, config=config, ray_address=ray_address,
+                               started=started)  # fmt: skip
     if not listing.images:
         raise UsageError(
             f"no image files under {redact(source)} ({listing.ignored} other files ignored"
             f"{': ' + ignored_line(listing.ignored_extensions) if listing.ignored_extensions else ''}); images are "
-            f"{_extensions()}. Check the path."
+            f"{_extensions()}, or WebDataset .tar shards. Check the path."
         )
     log.info("listed %d images (%d ignored) in %.1f s", len(listing.images), listing.ignored, listing.seconds)
-    table = load_caption_table(captions, storage_options) if captions else None
     plan = plan_rescan(listing, out, previous, storage_options, config.max_pixels, table)
 
-    target = (source, _task_options(source, storage_options, config), task_fs, root)
     # only image headers go to Ray; re-reading a few changed sidecars of reused rows is driver work
     image_work = [w for w in plan.work if w.probe]
     caption_work = [w for w in plan.work if not w.probe]
     try:
-        results, ray_seconds = _run_tasks(target, image_work, config, ray_address)
+        results, ray_seconds = run_tasks(scan_batch, target, config, lambda cpus: _batches(image_work, config, cpus),
+                                         len(image_work), progress=config.progress, ray_address=ray_address)
         if caption_work:
             results.append(probe_files(fs, root, caption_work, in_flight=config.reads_in_flight))
     except StorageError as e:
@@ -254,52 +277,11 @@ def scan_batch(target: tuple, batch: pa.Table, config: ScanConfig) -> pa.Table:
     return result
 
 
-def _run_tasks(target: tuple, work: list, config: ScanConfig, ray_address: str | None) -> tuple[list[pa.Table], float]:
-    """Run :func:`scan_batch` over batches of ``work`` on Ray; returns results and Ray start-up seconds."""
-    if not work:
-        return [], 0.0
-    clock = time.perf_counter()
-    with ray_session(ray_address) as ray:
-        ray_seconds = time.perf_counter() - clock
-        return _run_batches(ray, target, work, config), ray_seconds
-
-
-def _run_batches(ray, target: tuple, work: list, config: ScanConfig) -> list[pa.Table]:
-    cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
+def _batches(work: list, config: ScanConfig, cpus: int) -> list[pa.Table]:
+    """``work`` cut into one table per Ray task: enough tasks to keep every CPU busy 4 times over."""
     per_task = config.files_per_task or int(np.clip(-(-len(work) // (4 * cpus)), 16, 2000))
     # each batch its own columns: a slice of one big table would ship the whole table's buffers
-    batches = [work_table(work[i : i + per_task]) for i in range(0, len(work), per_task)]
-    # worker loss is retried by Ray; exceptions (a permanent storage error) fail the job at once
-    remote = ray.remote(num_cpus=1, max_retries=3, retry_exceptions=False)(scan_batch)
-    target_ref = ray.put(target)
-    results: list[pa.Table] = []
-    pending: dict = {}
-    progress = Progress("scan", "files", total=len(work), unit="files", enabled=config.progress)
-    mb, errors = 0.0, 0
-    try:
-        while batches or pending:
-            while batches and len(pending) < 4 * cpus:  # a bounded window keeps driver memory flat
-                batch = batches.pop(0)
-                pending[remote.remote(target_ref, batch, config)] = batch
-            done, _ = ray.wait(list(pending), num_returns=1)
-            for ref in done:
-                pending.pop(ref)
-                try:
-                    result = ray.get(ref)
-                except ray.exceptions.RayTaskError as e:
-                    if isinstance(e.cause, BucketeerError):  # the task's own error; Ray's wrapper reads as a traceback
-                        raise e.cause from None
-                    raise
-                results.append(result)
-                mb += (pc.sum(result.column("bytes_read")).as_py() or 0) / 1e6
-                errors += result.num_rows - result.column("error").null_count
-                progress.update(result.num_rows, read=f"{mb:.1f} MB", errors=errors)  # a row per file
-        progress.close()
-    finally:
-        progress.close(final=False)  # after a failure: no final "done" line
-        for ref in pending:
-            ray.cancel(ref, force=True)
-    return results
+    return [work_table(work[i : i + per_task]) for i in range(0, len(work), per_task)]
 
 
 # --- assembling the manifest --------------------------------------------------------------------

@@ -13,6 +13,9 @@ A rescan compares the listing with the previous manifest (:func:`plan_rescan`): 
 their sidecar captions are read again exactly when the listed sidecar differs from the one each
 row's ``caption_source`` records (no timestamps are compared with any clock).
 
+Tar files (``.tar``) are WebDataset shards, scanned by :mod:`pipeline.sources`; ``.tar.gz`` and
+``.tgz`` are listed apart so that the scan can refuse them with a reason.
+
 Images: the extensions of every format this Pillow (and its installed plugins) can identify and
 decode (:data:`pipeline.formats.IMAGE_EXTENSIONS`), in any case. Hidden files and folders (any path
 part starting with ``.``, so also macOS ``._*`` AppleDouble files) and other files are skipped and
@@ -69,6 +72,8 @@ class FileEntry:
 @dataclass
 class Listing:
     images: list[FileEntry] = field(default_factory=list)
+    shards: list[FileEntry] = field(default_factory=list)  # .tar files: WebDataset shards (pipeline/sources)
+    compressed_shards: list[str] = field(default_factory=list)  # .tar.gz/.tgz names: refused by the scan
     sidecars: dict[str, FileEntry] = field(default_factory=dict)  # image stem -> its caption file
     ignored_hidden: int = 0
     ignored_extensions: dict[str, int] = field(default_factory=dict)  # other files by extension ("" for none)
@@ -126,10 +131,14 @@ def _utf8(name: str) -> bool:
 
 
 def classify(name: str) -> str:
-    """``image``, ``sidecar``, ``hidden`` or ``other`` for a root-relative file name."""
+    """``image``, ``sidecar``, ``shard``, ``compressed_shard``, ``hidden`` or ``other`` for a root-relative name."""
     if name.startswith(".") or "/." in name:  # a hidden file, or one in a hidden folder
         return "hidden"
     ext = extension(name)
+    if ext == "tar" and _utf8(name):
+        return "shard"
+    if ext == "tgz" or name.lower().endswith(".tar.gz"):
+        return "compressed_shard"
     if ext in IMAGE_EXTENSIONS:
         return "image" if _utf8(name) else "other"
     if f".{ext}" in SIDECAR_EXTENSIONS:
@@ -172,12 +181,18 @@ def list_source(fs: AbstractFileSystem, root: str, *, page_size: int = PAGE_SIZE
             rank = SIDECAR_EXTENSIONS.index
             if current is None or rank(_ext(entry.name)) < rank(_ext(current.name)):
                 listing.sidecars[stem] = entry
+        elif kind == "shard":
+            listing.shards.append(entry)
+        elif kind == "compressed_shard":
+            listing.compressed_shards.append(entry.name)
         elif kind == "hidden":
             listing.ignored_hidden += 1
         else:
             ext = extension(entry.name) if _utf8(entry.name) else NOT_UTF8
             listing.ignored_extensions[ext] = listing.ignored_extensions.get(ext, 0) + 1
     listing.images.sort(key=lambda e: e.name)
+    listing.shards.sort(key=lambda e: e.name)
+    listing.compressed_shards.sort()
     listing.seconds = time.perf_counter() - start
     return listing
 

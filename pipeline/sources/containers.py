@@ -1,0 +1,264 @@
+"""The scan of a source made of WebDataset tar shards: which shards to read, the Ray tasks, the manifest.
+
+Called by :func:`pipeline.scan.job.scan_dataset` when the listing holds ``.tar`` files. A source is
+either loose images or shards: both side by side is refused (pack the loose images into shards
+too, or move them to a folder of their own and scan it into its own manifest), and so is a
+``.tar.gz``/``.tgz`` shard, which no byte range can be read from (neither by the scan nor by
+embed, which reads each image with one ranged read): decompress it once into a ``.tar``.
+
+Incremental per shard: every row of a shard whose size and ETag (mtime where the store has none)
+are those recorded in the previous manifest is reused without reading the shard, unless it had a
+``read_failed`` row, or ``--max-pixels`` or ``--caption-field`` changed. Rows are checked and
+bucketed as for loose files (:func:`manifests.manifest.apply_buckets`), and committed by
+:func:`manifests.manifest.write_manifest`.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from manifests.buckets import BucketSpec
+from manifests.errors import StorageError, UsageError
+from manifests.manifest import ManifestError, apply_buckets, conform, read_manifest, write_manifest
+from manifests.schema import ERRORS_SCHEMA, sample_ids
+from manifests.storage import redact
+from pipeline.scan.captions import CaptionTable
+from pipeline.scan.listing import IMAGE_SCHEMA, FileEntry, Listing
+from pipeline.scan.tasks import run_tasks
+from pipeline.sources.shards import SHARD_ROWS, scan_shard_batch, shard_work
+
+__all__ = ["ShardPlan", "check_container_source", "plan_shards", "scan_containers"]
+
+SOURCE_FORMAT = "webdataset"
+
+
+def check_container_source(listing: Listing, source: str) -> None:
+    """Raise UsageError for a source this scan cannot take whole: shards mixed with loose images, or
+    compressed shards (see the module docstring for why and what to do)."""
+    if listing.compressed_shards:
+        first = listing.compressed_shards[0]
+        raise UsageError(
+            f"{redact(source)} holds {len(listing.compressed_shards)} compressed tar shards (e.g. {first}): a "
+            ".tar.gz/.tgz cannot be read by byte range, so scanning it means reading it whole, and embed "
+            "would decompress a whole shard for every image. Decompress them once "
+            "(for f in *.tar.gz; do gzip -dc \"$f\" > \"${f%.gz}\"; done), remove the compressed copies, "
+            "and scan the .tar shards"
+        )
+    if listing.shards and listing.images:
+        raise UsageError(
+            f"{redact(source)} holds both {len(listing.shards)} tar shards (e.g. {listing.shards[0].name}) and "
+            f"{len(listing.images)} loose images (e.g. {listing.images[0].name}): pack the loose images "
+            "into .tar shards too, or move them to a folder of their own and scan it into its own manifest"
+        )
+
+
+@dataclass
+class ShardPlan:
+    work: list[FileEntry]  # shards to read
+    reused_images: pa.Table  # IMAGE_SCHEMA rows of unchanged shards (too_small rejects included)
+    reused_errors: pa.Table  # ERRORS_SCHEMA rows of unchanged shards
+    reused: int = 0
+    new: int = 0
+    changed: int = 0
+    deleted: int = 0
+    previous: str | None = None
+    deleted_names: list[str] = field(default_factory=list)
+
+
+def _settings(config: Any) -> dict[str, Any]:
+    """What a shard's rows depend on besides its bytes: a change means every shard is read again."""
+    return {"source_format": SOURCE_FORMAT, "caption_field": config.caption_field}
+
+
+def plan_shards(
+    shards: list[FileEntry], out: str, previous: str | None, storage_options: dict[str, Any] | None, config: Any
+) -> ShardPlan:
+    """Split ``shards`` into shards to read and rows to reuse from the previous manifest
+    (``previous``, else a committed one at ``out``). Raises ManifestError when ``previous`` is unreadable."""
+    old = None
+    try:
+        old = read_manifest(previous or out, storage_options)
+    except ManifestError:
+        if previous:
+            raise
+    empty = ShardPlan(list(shards), IMAGE_SCHEMA.empty_table(), ERRORS_SCHEMA.empty_table(), new=len(shards))
+    summary = old.meta.get("summary", {}) if old is not None else {}
+    if old is None or old.max_pixels != config.max_pixels or any(
+        summary.get(k) != v for k, v in _settings(config).items()
+    ):
+        return empty
+    small = pc.equal(old.errors.column("error"), "too_small")
+    images = pa.concat_tables([conform(old.samples, IMAGE_SCHEMA), conform(old.errors.filter(small), IMAGE_SCHEMA)])
+    errors = old.errors.filter(pc.invert(small))
+    recorded: dict[str, tuple] = {}
+    for tab in (images, errors):
+        cols = tab.select(["container", "container_size", "etag", "mtime"]).to_pydict()
+        for name, size, etag, mtime in zip(cols["container"], cols["container_size"], cols["etag"], cols["mtime"]):
+            if name is not None:
+                recorded[name] = (size, etag, mtime)
+    failed = set(errors.filter(pc.equal(errors.column("error"), "read_failed")).column("container").to_pylist())
+    plan = ShardPlan([], images, errors, previous=redact(previous or out))
+    keep = []
+    for shard in shards:
+        before = recorded.get(shard.name)
+        if before is None:
+            plan.work.append(shard)
+            plan.new += 1
+        elif shard.name in failed or not _unchanged(shard, *before):
+            plan.work.append(shard)
+            plan.changed += 1
+        else:
+            keep.append(shard.name)
+    kept = pa.array(keep, pa.string())
+    plan.reused_images = images.filter(pc.fill_null(pc.is_in(images.column("container"), kept), False))
+    plan.reused_errors = errors.filter(pc.fill_null(pc.is_in(errors.column("container"), kept), False))
+    plan.reused = len(keep)
+    plan.deleted_names = sorted(set(recorded) - {s.name for s in shards})
+    plan.deleted = len(plan.deleted_names)
+    return plan
+
+
+def _unchanged(entry: FileEntry, size: int | None, etag: str | None, mtime: float | None) -> bool:
+    if size != entry.size:
+        return False
+    if entry.etag and etag:
+        return entry.etag == etag
+    return entry.mtime is not None and mtime is not None and entry.mtime == mtime
+
+
+def scan_containers(
+    listing: Listing,
+    out: str,
+    target: tuple,
+    *,
+    source: str,
+    spec: BucketSpec,
+    storage_options: dict[str, Any] | None,
+    table: CaptionTable | None,
+    previous: str | None,
+    config: Any,
+    ray_address: str | None,
+    started: float,
+) -> dict[str, Any]:
+    """Scan the tar shards of ``listing`` into a manifest at ``out``; returns its ``_manifest.json`` content.
+
+    ``target`` is what each Ray task opens storage with (see :func:`pipeline.scan.job.scan_batch`).
+    Raises UsageError for a mixed or compressed source, StorageError for a permanent storage failure.
+    """
+    clock = time.perf_counter()
+    check_container_source(listing, source)
+    plan = plan_shards(listing.shards, out, previous, storage_options, config)
+
+    def batches_for(cpus: int) -> list[pa.Table]:
+        # a shard's reads follow one another: many shards per task keep reads_in_flight requests going
+        per_task = max(1, min(config.reads_in_flight, -(-len(plan.work) // cpus)))
+        return [shard_work(plan.work[i : i + per_task]) for i in range(0, len(plan.work), per_task)]
+
+    try:
+        results, ray_seconds = run_tasks(
+            scan_shard_batch, target, config, batches_for, len(plan.work), progress=config.progress,
+            ray_address=ray_address, unit="shards", count=lambda t: json.loads(t.schema.metadata[b"stats"])["shards"],
+        )  # fmt: skip
+    except StorageError as e:
+        raise StorageError(redact(str(e), storage_options)) from None
+    stats = _stats(results)
+    rows = pa.concat_tables([r.replace_schema_metadata(None) for r in results]) if results else SHARD_ROWS.empty_table()
+    rows = rows.append_column("sample_id", pa.array(sample_ids(rows.column("filename").to_pylist()), pa.uint64()))
+    usable = pc.is_null(rows.column("error"))
+    images = pa.concat_tables([plan.reused_images, conform(rows.filter(usable), IMAGE_SCHEMA)])
+    errors = pa.concat_tables([plan.reused_errors, conform(rows.filter(pc.invert(usable)), ERRORS_SCHEMA)])
+    if table is not None:
+        images, errors = _with_table_captions(images, table), _with_table_captions(errors, table)
+    samples, too_small = apply_buckets(images, spec)
+    errors = pa.concat_tables([errors, too_small])
+    seconds = time.perf_counter() - clock - ray_seconds
+    listed = images.num_rows + errors.num_rows - _container_rows(errors)
+    summary = _summary(listing, plan, stats, samples, errors, listed, seconds, started, config, table)
+    return write_manifest(
+        out, samples, errors, source=source, spec=spec, storage_options=storage_options, summary=summary,
+        counts={"listed": listed, "ignored": listing.ignored, "shards": len(listing.shards)},
+        max_pixels=config.max_pixels,
+    )  # fmt: skip
+
+
+def _container_rows(errors: pa.Table) -> int:
+    """Error rows about a whole shard (corrupt_container, read_failed), not about one of its images."""
+    return int(pc.sum(pc.equal(errors.column("filename"), errors.column("container"))).as_py() or 0)
+
+
+def _with_table_captions(rows: pa.Table, table: CaptionTable) -> pa.Table:
+    """``--captions`` rows (keyed by ``<shard>/<member>``) replace what the shard's members said."""
+    names = rows.column("filename").to_pylist()
+    old = rows.column("caption").to_pylist()
+    captions = [table.captions[n] if n in table.captions else c for n, c in zip(names, old)]
+    sources = [f"table:{table.version}" if n in table.captions else s
+               for n, s in zip(names, rows.column("caption_source").to_pylist())]  # fmt: skip
+    rows = rows.set_column(rows.schema.get_field_index("caption"), "caption", pa.array(captions, pa.string()))
+    at = rows.schema.get_field_index("caption_source")
+    return rows.set_column(at, "caption_source", pa.array(sources, pa.string()))
+
+
+def _stats(results: list[pa.Table]) -> dict[str, Any]:
+    total: dict[str, Any] = {"shards": 0, "requests": 0, "bytes_read": 0, "images": 0, "no_caption": 0,
+                             "ignored_members": {}}  # fmt: skip
+    for result in results:
+        stats = json.loads(result.schema.metadata[b"stats"])
+        for name in ("shards", "requests", "bytes_read", "images", "no_caption"):
+            total[name] += stats[name]
+        for ext, n in stats["ignored_members"].items():
+            total["ignored_members"][ext] = total["ignored_members"].get(ext, 0) + n
+    return total
+
+
+def _summary(listing, plan, stats, samples, errors, listed, seconds, started, config, table) -> dict[str, Any]:
+    kinds: dict[str, int] = {}
+    for kind in errors.column("error").to_pylist():
+        kinds[kind] = kinds.get(kind, 0) + 1
+    read_names = {s.name for s in plan.work}
+    shard_bytes = sum(s.size for s in listing.shards if s.name in read_names)
+    images_read = max(1, stats["images"])
+    return {
+        **_settings(config),
+        "listed": listed, "samples": samples.num_rows, "errors": errors.num_rows, "errors_by_kind": kinds,
+        "shards": len(listing.shards), "shards_read": len(plan.work), "images_read": stats["images"],
+        "reused": plan.reused, "new": plan.new, "changed": plan.changed, "deleted": plan.deleted,
+        "previous": plan.previous, "no_caption": stats["no_caption"],
+        "ignored": listing.ignored, "ignored_members": dict(sorted(stats["ignored_members"].items())),
+        "ignored_extensions": dict(sorted(listing.ignored_extensions.items())),
+        "ignored_hidden": listing.ignored_hidden, "requests": stats["requests"],
+        "bytes_read": stats["bytes_read"], "mb_read": round(stats["bytes_read"] / 1e6, 3),
+        "shard_bytes": shard_bytes, "read_fraction": round(stats["bytes_read"] / max(1, shard_bytes), 5),
+        "requests_per_image": round(stats["requests"] / images_read, 4),
+        "bytes_per_image": round(stats["bytes_read"] / images_read, 1),
+        "list_requests": listing.requests, "list_seconds": round(listing.seconds, 3),
+        "seconds": round(seconds, 3), "files_per_s": round(stats["images"] / max(seconds, 1e-9), 1),
+        "started_at": _dt.datetime.fromtimestamp(started, _dt.timezone.utc).isoformat(timespec="seconds"),
+        "started_at_epoch": started, "shard_window": config.shard_window,
+        "captions": "table" if table is not None else "members",
+        "caption_table_version": table.version if table is not None else None,
+        "median_bytes_read": int(np.median(samples.column("bytes_read").to_numpy())) if samples.num_rows else 0,
+    }  # fmt: skip
+
+
+def summary_line(meta: dict[str, Any], out: str) -> str:
+    """The closing line of a shard scan: counts, reuse per shard, bytes read against the shards' bytes, speed."""
+    s = meta["summary"]
+    kinds = ", ".join(f"{k} {v}" for k, v in sorted(s["errors_by_kind"].items())) or "none"
+    members = ", ".join(f"{n:,} .{e}" for e, n in sorted(s["ignored_members"].items(), key=lambda kv: -kv[1])[:4])
+    return (
+        f"scanned {s['shards']} tar shards, {s['listed']} images: {s['samples']} samples, {s['errors']} errors "
+        f"({kinds}), {s['no_caption']} images without a caption, other members ignored: {members or 'none'} | "
+        f"shards reused {s['reused']}, new {s['new']}, changed {s['changed']}, deleted {s['deleted']} | read "
+        f"{s['mb_read']:.1f} MB = {100 * s['read_fraction']:.2f}% of the {s['shards_read']} shards read "
+        f"({s['requests_per_image']:.2f} requests, {s['bytes_per_image'] / 1024:.1f} KiB per image) in "
+        f"{s['seconds']:.1f} s, {s['files_per_s']:.0f} images/s -> {redact(out)} "
+        f"(fingerprint {meta['fingerprint'][:12]})"
+    )

@@ -1,0 +1,306 @@
+"""Scan WebDataset tar shards: walk the member headers, probe each image where it lies, read its caption.
+
+One shard (:func:`scan_shard`): :func:`pipeline.sources.tar.walk_tar` reads the member headers
+with ranged reads of ``window`` bytes at each header (a read also holds the small members after
+it, such as ``key.txt`` and ``key.json``, and the first bytes of the next image); members are
+grouped by WebDataset key (the member path up to the first dot of its base name); each image's
+header is probed by :func:`pipeline.scan.headers.probe_header` over a range reader at the image's
+offset in the shard, from the bytes the walk already holds when they suffice (a JPEG's EXIF and
+ICC bodies are skipped: :mod:`pipeline.sources.jpeg`). The caption is the
+``.txt`` member, else ``.caption``, else the ``caption_field`` of the ``.json`` member. No shard is
+read whole: the bytes read are the headers, the captions and each image's first bytes.
+
+A key's outcome, as for a loose file: one image -> a sample (null caption when it has none,
+counted in ``no_caption``) or an error row; two images -> a ``duplicate_key`` error row each;
+other members are counted by extension (``ignored_members``). A shard whose walk stops early
+(truncated, a header with a bad checksum) gives a ``corrupt_container`` row named after the shard
+(a cut image member is also a ``truncated`` row); a shard whose reads fail after the retries one
+``read_failed`` row, and it is read again by the next scan.
+
+A Ray task (:func:`scan_shard_batch`) scans a batch of shards, up to ``reads_in_flight`` shards at
+once on an object store (one thread each: a shard's reads follow one another), and returns one
+table of rows (:data:`SHARD_ROWS`) with its counts in the schema metadata (``stats``, JSON).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import pyarrow as pa
+from fsspec.implementations.local import LocalFileSystem
+
+from manifests.errors import StorageError
+from manifests.retry import is_permanent, is_storage_failure, with_retries
+from manifests.schema import MAX_PIXELS
+from manifests.storage import join, open_url, redact
+from pipeline.formats import IMAGE_EXTENSIONS, register_plugins
+from pipeline.scan.captions import decode_caption, normalise_caption
+from pipeline.scan.headers import StorageFailure, probe_header
+from pipeline.scan.listing import FileEntry, extension
+from pipeline.scan.reading import SIDECAR_LIMIT
+from pipeline.scan.results import Header, checked
+from pipeline.sources.jpeg import sparse_jpeg_header
+from pipeline.sources.tar import SHARD_WINDOW, TarMember, walk_tar
+
+__all__ = ["SHARD_ROWS", "SHARD_WINDOW", "ShardScan", "scan_shard", "scan_shards", "scan_shard_batch", "shard_key"]
+
+_HEAD_MIN = 512  # fewer bytes of a non-JPEG image in hand than this: read its first `window` bytes afresh
+_CAPTION_EXTENSIONS = ("txt", "caption")  # .txt wins over .caption, both over the .json field
+
+SHARD_ROWS = pa.schema(
+    [
+        pa.field("filename", pa.string(), nullable=False),  # <shard>/<member name>, or <shard> for its own row
+        pa.field("container", pa.string(), nullable=False),
+        pa.field("container_size", pa.int64()),
+        pa.field("etag", pa.string()),  # the shard's
+        pa.field("mtime", pa.float64()),
+        pa.field("member_offset", pa.int64()),
+        pa.field("size", pa.int64()),  # bytes of the image member
+        pa.field("width", pa.int32()),
+        pa.field("height", pa.int32()),
+        pa.field("format", pa.string()),
+        pa.field("orientation", pa.int8()),
+        pa.field("error", pa.string()),
+        pa.field("message", pa.string()),
+        pa.field("bytes_read", pa.int64()),  # of this image: its header bytes the probe looked at
+        pa.field("caption", pa.string()),
+        pa.field("caption_source", pa.string()),
+    ]
+)
+
+
+def shard_key(name: str) -> str:
+    """The WebDataset key of a member: ``a/b/x.y.jpg`` -> ``a/b/x`` (up to the first dot of the base name)."""
+    head, _, base = name.rpartition("/")
+    stem = base.split(".", 1)[0]
+    return f"{head}/{stem}" if head else stem
+
+
+@dataclass
+class ShardScan:
+    """What scanning one shard found: rows (columns of :data:`SHARD_ROWS`) and counts."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    requests: int = 0
+    bytes_read: int = 0  # every byte fetched from the shard: headers, captions, image headers
+    images: int = 0
+    no_caption: int = 0  # images whose key has no caption member
+    ignored_members: dict[str, int] = field(default_factory=dict)  # by extension
+
+
+class _CountingReads:
+    """``read_range`` that counts requests and bytes, retried by :func:`manifests.retry.with_retries`."""
+
+    def __init__(self, read: Callable[[int, int], bytes]):
+        self._read = read
+        self.requests = 0
+        self.bytes = 0
+
+    def __call__(self, start: int, end: int) -> bytes:
+        try:
+            data = self._read(start, end)
+        except Exception as e:
+            if not is_storage_failure(e):
+                raise
+            failed = [e]  # the retry layer's first attempt (reads that succeed skip its bookkeeping)
+
+            def attempt() -> bytes:
+                if failed:
+                    raise failed.pop()
+                return self._read(start, end)
+
+            data = with_retries(attempt)
+        self.requests += 1
+        self.bytes += len(data)
+        return data
+
+
+def scan_shard(
+    read_range: Callable[[int, int], bytes],
+    shard: FileEntry,
+    *,
+    max_pixels: int = MAX_PIXELS,
+    window: int = SHARD_WINDOW,
+    caption_field: str = "caption",
+) -> ShardScan:
+    """Scan the shard ``shard`` (name relative to the root, size in bytes) through ``read_range(start, end)``.
+
+    Returns its rows (see the module docstring). Exceptions of ``read_range`` (after its retries)
+    propagate: the caller decides between ``read_failed`` and stopping the job.
+    """
+    reads = _CountingReads(read_range)
+    walk = walk_tar(reads, shard.size, window=window, keep=window)
+    out = ShardScan()
+    base = {"container": shard.name, "container_size": shard.size, "etag": shard.etag, "mtime": shard.mtime}
+    by_key: dict[str, list[TarMember]] = {}
+    for member in walk.members:
+        by_key.setdefault(shard_key(member.name), []).append(member)
+    for key, members in by_key.items():
+        images = [m for m in members if extension(m.name) in IMAGE_EXTENSIONS]
+        if not images:
+            for m in members:
+                ext = extension(m.name)
+                out.ignored_members[ext] = out.ignored_members.get(ext, 0) + 1
+            continue
+        caption, source = _caption(reads, shard.name, members, caption_field)
+        for m in members:
+            ext = extension(m.name)
+            if m not in images and ext not in (*_CAPTION_EXTENSIONS, "json"):
+                out.ignored_members[ext] = out.ignored_members.get(ext, 0) + 1
+        out.images += len(images)
+        out.no_caption += len(images) if source is None else 0
+        for image in images:
+            row = {**base, "filename": f"{shard.name}/{image.name}", "member_offset": image.offset,
+                   "size": image.size, "caption": caption, "caption_source": source}  # fmt: skip
+            if image is walk.cut_member:
+                probe = checked(Header(error="truncated", message=walk.problem), max_pixels)
+            elif image is walk.suspect_member:
+                probe = checked(Header(error="corrupt_container", message=(
+                    f"the next header is not where this member's declared size ({image.size:,} bytes) puts it: "
+                    f"the size is wrong or the shard is corrupt ({walk.problem})")), max_pixels)  # fmt: skip
+            elif len(images) > 1:
+                others = ", ".join(m.name for m in images if m is not image)
+                probe = checked(Header(error="duplicate_key", message=(
+                    f"key {key} of shard {shard.name} has {len(images)} images ({image.name}, {others}); a "
+                    "WebDataset sample holds one: rename or remove the others")), max_pixels)  # fmt: skip
+            else:
+                probe = _probe(reads, image, max_pixels, window)
+            row.update(width=probe.width, height=probe.height, format=probe.format, orientation=probe.orientation,
+                       error=probe.error, message=probe.message, bytes_read=probe.bytes_read)  # fmt: skip
+            out.rows.append(row)
+    if walk.problem:
+        out.rows.append({**base, "filename": shard.name, "error": "corrupt_container", "size": shard.size,
+                         "message": f"{walk.problem}; {len(walk.members)} members before it were scanned, "
+                         "nothing after it (re-create or re-download the shard)"})  # fmt: skip
+    out.requests, out.bytes_read = reads.requests, reads.bytes
+    return out
+
+
+def _probe(reads: _CountingReads, image: TarMember, max_pixels: int, window: int):
+    """Probe one image member: a JPEG by its segments (EXIF and ICC bodies skipped), anything else, and
+    a JPEG that parse declines, by :func:`~pipeline.scan.headers.probe_header` at the member's offset."""
+    fetched = [0, 0]  # bytes, requests of this member beyond the walk's
+
+    def read_member(start: int, end: int) -> bytes:
+        data = reads(image.offset + start, image.offset + min(end, image.size))
+        fetched[0] += len(data)
+        fetched[1] += 1
+        return data
+
+    head = image.head
+    if len(head) < min(image.size, 16):  # its header came at the end of a walk read
+        head = read_member(0, min(image.size, window))
+    if head.startswith(b"\xff\xd8\xff"):
+        header = sparse_jpeg_header(read_member, image.size, head, window)
+        if header is not None:
+            return checked(header, max_pixels, bytes_read=len(head) + fetched[0], requests=fetched[1])
+    return probe_header(read_member, image.size, max_pixels=max_pixels, first_read=window,
+                        head=head if len(head) >= min(image.size, _HEAD_MIN) else None)  # fmt: skip
+
+
+def _member_bytes(reads: _CountingReads, member: TarMember) -> bytes:
+    limit = min(member.size, SIDECAR_LIMIT)
+    if len(member.head) >= limit:
+        return member.head[:limit]
+    return reads(member.offset, member.offset + limit)
+
+
+def _caption(reads: _CountingReads, container: str, members: list[TarMember], caption_field: str):
+    """``(caption, caption_source)`` of a key: its .txt, else .caption, else the .json field; else (None, None)."""
+    by_ext = {extension(m.name): m for m in members}
+    for ext in _CAPTION_EXTENSIONS:
+        if ext in by_ext:
+            member = by_ext[ext]
+            return decode_caption(_member_bytes(reads, member)), f"member:{container}:{member.name}"
+    if "json" in by_ext:
+        member = by_ext["json"]
+        try:
+            value = json.loads(_member_bytes(reads, member))
+        except ValueError:  # not JSON (or cut at SIDECAR_LIMIT): the image stays usable, without a caption
+            return None, None
+        text = value.get(caption_field) if isinstance(value, dict) else None
+        if isinstance(text, str):
+            return normalise_caption(text), f"member:{container}:{member.name}#{caption_field}"
+    return None, None
+
+
+# --- a Ray task: a batch of shards ---------------------------------------------------------------
+
+
+def _read_range(fs, path: str) -> tuple[Callable[[int, int], bytes], Callable[[], None]]:
+    """A ``read_range`` over ``path`` and a function closing it: ``os.pread`` on a local disk."""
+    if type(fs) is LocalFileSystem:
+        fd = os.open(path, os.O_RDONLY)
+        return (lambda start, end: os.pread(fd, end - start, start)), (lambda: os.close(fd))
+    return (lambda start, end: fs.cat_file(path, start=start, end=end)), (lambda: None)
+
+
+def _scan_one(fs, root: str, shard: FileEntry, config: Any) -> ShardScan:
+    local = type(fs) is LocalFileSystem
+    try:
+        read_range, close = _read_range(fs, join(root, shard.name))
+        try:
+            return scan_shard(read_range, shard, max_pixels=config.max_pixels, window=config.shard_window,
+                              caption_field=config.caption_field)  # fmt: skip
+        finally:
+            close()
+    except StorageFailure as e:  # a read inside an image probe
+        cause = e.cause
+    except Exception as e:
+        if not is_storage_failure(e):
+            raise  # a bug, not storage: keep its traceback
+        cause = e
+    if is_permanent(cause) and not local:
+        raise StorageError(f"reading {shard.name}: {redact(str(cause))}") from None
+    # retries ran out: the shard is one read_failed row, read again by the next scan
+    row = {"filename": shard.name, "container": shard.name, "container_size": shard.size, "etag": shard.etag,
+           "mtime": shard.mtime, "size": shard.size, "error": "read_failed",
+           "message": redact(f"{type(cause).__name__}: {cause}")}  # fmt: skip
+    return ShardScan(rows=[row])
+
+
+def scan_shards(fs, root: str, shards: list[FileEntry], config: Any) -> pa.Table:
+    """Scan ``shards`` (names relative to ``root`` on ``fs``), up to ``config.reads_in_flight`` at once.
+
+    Returns a :data:`SHARD_ROWS` table; its schema metadata ``stats`` holds the summed counts
+    (requests, bytes_read, images, no_caption, ignored_members). Raises StorageError for a permanent
+    failure of an object store (access denied).
+    """
+    threads = 1 if type(fs) is LocalFileSystem else max(1, min(config.reads_in_flight, len(shards)))
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="shard") as pool:
+        scans = list(pool.map(lambda s: _scan_one(fs, root, s, config), shards))
+    stats: dict[str, Any] = {"shards": len(shards), "requests": 0, "bytes_read": 0, "images": 0, "no_caption": 0,
+                             "ignored_members": {}}  # fmt: skip
+    rows: list[dict[str, Any]] = []
+    for scan in scans:
+        rows.extend(scan.rows)
+        for name in ("requests", "bytes_read", "images", "no_caption"):
+            stats[name] += getattr(scan, name)
+        for ext, n in scan.ignored_members.items():
+            stats["ignored_members"][ext] = stats["ignored_members"].get(ext, 0) + n
+    columns = {name: [row.get(name) for row in rows] for name in SHARD_ROWS.names}
+    table = pa.table(columns, schema=SHARD_ROWS)
+    return table.replace_schema_metadata({"stats": json.dumps(stats)})
+
+
+SHARD_WORK = pa.schema([("name", pa.string()), ("size", pa.int64()), ("etag", pa.string()), ("mtime", pa.float64())])
+
+
+def shard_work(shards: list[FileEntry]) -> pa.Table:
+    """``shards`` as the columns a Ray task is sent (:data:`SHARD_WORK`)."""
+    columns = [[getattr(s, f.name) for s in shards] for f in SHARD_WORK]
+    return pa.Table.from_arrays([pa.array(c, f.type) for c, f in zip(columns, SHARD_WORK)], schema=SHARD_WORK)
+
+
+def scan_shard_batch(target: tuple, batch: pa.Table, config: Any) -> pa.Table:
+    """One Ray task: :func:`scan_shards` over the shards of ``batch`` (a :func:`shard_work` table)."""
+    source, storage_options, fs, root = target
+    if fs is None:
+        fs, root = open_url(source, storage_options)
+    register_plugins()
+    shards = [FileEntry(*row) for row in zip(*(batch.column(n).to_pylist() for n in SHARD_WORK.names))]
+    return scan_shards(fs, root, shards, config)
