@@ -196,7 +196,7 @@ def test_compressed_or_mixed_sources_are_refused_with_what_to_do(tmp_path):
     mixed = ShardSet(tmp_path / "mixed")
     good_shard(mixed, "00000.tar", 0, 1)
     put(mixed, "loose.jpg", b"\xff\xd8\xff")
-    with pytest.raises(UsageError, match=r"separate folders"):
+    with pytest.raises(UsageError, match=r"a folder of their own"):
         scan_dataset(str(mixed.root), str(tmp_path / "m2"), spec=BucketSpec(), config=QUIET)
     assert not (tmp_path / "m1").exists() and not (tmp_path / "m2").exists()
 
