@@ -15,7 +15,9 @@ import torch
 
 from manifests.errors import UsageError
 
-__all__ = ["add_lora", "save_lora", "load_lora"]
+__all__ = ["add_lora", "save_lora", "load_lora", "LORA_FILE"]
+
+LORA_FILE = "pytorch_lora_weights.safetensors"  # the name diffusers' LoRA loaders look for
 
 
 def add_lora(model: torch.nn.Module, cfg: Any, *, targets: tuple[str, ...], supported: bool = True) -> None:
@@ -41,10 +43,12 @@ def add_lora(model: torch.nn.Module, cfg: Any, *, targets: tuple[str, ...], supp
 
 def save_lora(model: torch.nn.Module, directory: Path) -> None:
     """Write ``model``'s (unwrapped) adapters to ``directory`` (``pytorch_lora_weights.safetensors``)."""
-    model.save_lora_adapter(str(directory))
+    model.save_lora_adapter(str(directory), weight_name=LORA_FILE)
 
 
 def load_lora(model: torch.nn.Module, directory: str | Path) -> torch.nn.Module:
     """Load adapters written by :func:`save_lora` into ``model`` (the same pretrained model); returns it."""
-    model.load_lora_adapter(str(directory), prefix=None)
+    # safetensors only: without use_safetensors diffusers may fall back to a pickled .bin
+    model.load_lora_adapter(str(directory), prefix=None, use_safetensors=True, weight_name=LORA_FILE,
+                            adapter_name="default")  # peft's name for the adapter trained here
     return model
