@@ -228,6 +228,9 @@ def _setup_model(run: Run, reader):
     if cfg.lora_rank:
         add_lora(model, cfg, targets=denoiser.lora_targets, supported=denoiser.lora)
     trained = [p for p in model.parameters() if p.requires_grad]
+    if cfg.ema_decay and _sharded(accelerator):
+        raise UsageError("config ema_decay: the EMA averages whole weights, which FSDP and DeepSpeed ZeRO-3 shard; "
+                         "train with DDP or ZeRO-1/2, or without ema_decay")  # fmt: skip
     ema = EMA(model, cfg.ema_decay) if cfg.ema_decay else None
     if ema is not None:
         ema.register(accelerator)  # ema.safetensors in every checkpoint, read back by load_state
@@ -399,6 +402,13 @@ def train(args: argparse.Namespace) -> int:
         f"epoch {cursor.epoch} step {cursor.step}, {updates} optimizer steps, {skipped} bad records skipped; "
         f"output in {output.name()}")  # fmt: skip
     return stop.exit_code
+
+
+def _sharded(accelerator) -> bool:
+    """Whether the backend shards parameters (FSDP, DeepSpeed ZeRO-3)."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    stage = plugin.deepspeed_config.get("zero_optimization", {}).get("stage") if plugin is not None else None
+    return accelerator.distributed_type.name == "FSDP" or stage == 3
 
 
 def _save_weights(accelerator, model, output, name: str) -> None:
