@@ -28,6 +28,8 @@ from train.config import TrainConfig
 from train.data import BatchLoader, PlanStep, caption_dropout_mask, collate, rank_steps
 
 pytestmark = [pytest.mark.ray]
+# The module fixture embeds three caches on Ray (~60 s on an idle 2-core machine): every test that uses it
+# is marked slow, so that `make test-floors` leaves them out.
 
 FAMILIES = ("sdxl", "sd3", "flux")
 # the parameters each family's conditioning flows through: a gradient there proves the batch field is used
@@ -73,6 +75,7 @@ def first_batch(cache: str, plan: str, **loader):
     return reader, next(batches)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_one_training_step_per_family(families, family):
     from train.model import step_generator
@@ -94,6 +97,7 @@ def test_one_training_step_per_family(families, family):
     assert torch.equal(again, loss.detach()) or abs(again.item() - loss.item()) < 1e-6
 
 
+@pytest.mark.slow
 def test_sdxl_time_ids_equal_the_pipelines(families):
     from diffusers import StableDiffusionXLPipeline
 
@@ -118,6 +122,7 @@ def reader_layout(reader: CacheReader):
     return TextLayout.from_meta(reader.meta)
 
 
+@pytest.mark.slow
 def test_the_config_family_must_be_the_caches(families):
     from train.recipes import recipe_for
 
@@ -138,6 +143,7 @@ def test_caption_dropout_is_a_pure_function_of_seed_epoch_and_sample():
     assert not caption_dropout_mask(0, 1, ids, 0.0).any()
 
 
+@pytest.mark.slow
 def test_caption_dropout_trains_on_the_empty_captions_record(families):
     reader = CacheReader(families["sd3"]["cache"])
     (empty,) = reader.read_texts([reader.meta["text"]["empty_caption_key"]])
@@ -153,6 +159,7 @@ def write(path: Path, **settings) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_ema_and_caption_dropout_resume_exactly_and_validation_images_are_written(run, families, tmp_path):
     from PIL import Image
     from safetensors.torch import load_file
@@ -186,6 +193,7 @@ def test_ema_and_caption_dropout_resume_exactly_and_validation_images_are_writte
     assert len(events.Tags()["images"]) == 2 and all(len(events.Images(t)) == 2 for t in events.Tags()["images"])
 
 
+@pytest.mark.slow
 def test_lora_adapters_are_trained_saved_and_loaded(run, families, tmp_path):
     from diffusers import FluxTransformer2DModel
     from safetensors.torch import load_file
