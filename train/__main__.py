@@ -286,7 +286,8 @@ def train(args: argparse.Namespace) -> int:
     recorder = SampleRecorder(args.record_samples, rank)
     denoiser, ema, model, optimizer, lr_scheduler, plan_steps, total_updates = _setup_model(run, reader)
     unwrapped = accelerator.unwrap_model(model)
-    validator = Validator(denoiser, reader, cfg) if cfg.validation_every and main else None
+    # on every rank: a cache without validation prompts stops them all here, not one rank at the first validation
+    validator = Validator(denoiser, reader, cfg) if cfg.validation_every else None
     cursor, max_steps = run.cursor, run.max_steps
 
     # ---- trackers ------------------------------------------------------------------------------
@@ -305,8 +306,9 @@ def train(args: argparse.Namespace) -> int:
         say(f"the plan holds epochs up to {planned - 1} of {run.root_meta['inputs']['epochs']}: this run stops "
             f"there; write more with `bucketeer plan MANIFEST --extend {redact(args.plan)}` and --resume")  # fmt: skip
     say(f"training {len(steps)} steps per rank on {world} process(es) from epoch {cursor.epoch} step {cursor.step}; "
-        f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {total_updates} optimizer steps "
-        "in the schedule")  # fmt: skip
+        f"{reader.meta.get('family') or 'generic'} recipe, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
+        f"parameters ({sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6:.2f}M trained), "
+        f"{total_updates} optimizer steps in the schedule")  # fmt: skip
 
     def checkpoint() -> None:
         save_checkpoint(accelerator, output, cursor, cfg.keep_checkpoints)
@@ -315,7 +317,7 @@ def train(args: argparse.Namespace) -> int:
             output.upload_logs()
 
     def validate() -> None:  # the main process samples (with the EMA weights if any); the others wait
-        if validator is not None:
+        if main:
             with ema.swapped_into(unwrapped) if ema is not None else contextlib.nullcontext():
                 images = validator.sample(unwrapped, output.local("validation", f"step-{cursor.position:08d}"),
                                           accelerator.device)  # fmt: skip
@@ -363,7 +365,7 @@ def train(args: argparse.Namespace) -> int:
         progress.update(1, **shown)
         if not accelerator.sync_gradients:
             continue  # checkpoints, validation and stops only between optimizer steps
-        if cfg.validation_every and cursor.position % cfg.validation_every == 0:
+        if validator is not None and cursor.position % cfg.validation_every == 0:
             validate()
         if not math.isfinite(loss_value) or stop_requested.is_set():
             accelerator.set_trigger()
