@@ -235,3 +235,29 @@ def test_two_processes_train_flux(families, tmp_path):
     assert (out / "checkpoints" / "step-00000002" / "ema.safetensors").is_file()
     assert (out / "model_ema" / "diffusion_pytorch_model.safetensors").is_file()
     assert "done: --max-steps 2 reached" in proc.stdout + proc.stderr
+
+
+def test_a_pretrained_pixart_is_fine_tuned_with_ddpm_noise(tmp_path):
+    """``pretrained:`` on a PixArt cache: its transformer (learned sigma: 2C outputs), the epsilon target."""
+    from manifests.cache import TextLayout
+    from pipeline.embed.families.tiny import T5_WIDTH, build_tiny
+    from train.data import Batch
+    from train.model import step_generator
+    from train.recipes import recipe_for
+
+    folder = str(build_tiny("pixart", tmp_path / "pixart"))
+    layout = TextLayout(family="pixart", join="features", masked=True, lengths=(8,), widths=(T5_WIDTH,))
+    meta = {"family": "pixart", "latent": {"channels": 4}, "text": {"layout": layout.to_json()}}
+    cfg = TrainConfig(pretrained=folder)
+    denoiser = recipe_for(cfg, meta).setup(cfg, meta)
+    assert denoiser.model.config.out_channels == 8 and not denoiser.lora
+    b = 2
+    batch = Batch(0, 0, "64x64", [1, 2], latents=torch.randn(b, 4, 8, 8), text=torch.randn(b, 8, T5_WIDTH),
+                  text_mask=torch.ones(b, 8), resolution=torch.full((b, 2), 64.0), aspect_ratio=torch.ones(b, 1),
+                  crop_top_left=torch.zeros(b, 2), target_size=torch.full((b, 2), 64.0))  # fmt: skip
+    loss = denoiser.loss(denoiser.model, batch, step_generator(0, 0, 0, 0))
+    loss.backward()
+    assert torch.isfinite(loss) and denoiser.model.proj_out.weight.grad[:16].abs().sum() > 0
+    wide = TextLayout(family="pixart", join="features", masked=True, lengths=(8,), widths=(T5_WIDTH + 1,))
+    with pytest.raises(UsageError, match="caption_channels"):  # a cache of another text width is refused
+        recipe_for(cfg, meta).setup(cfg, {**meta, "text": {"layout": wide.to_json()}})

@@ -70,7 +70,7 @@ RECIPE = Recipe("pixart", setup)
 def _pipeline_scheduler(source: str) -> Any:
     """The pretrained pipeline's own scheduler (PixArt: DPMSolverMultistepScheduler), for sampling."""
     import diffusers
-    from diffusers import SchedulerMixin
+    from diffusers import DDPMScheduler
 
-    config = SchedulerMixin.load_config(source, subfolder="scheduler")
+    config = DDPMScheduler.load_config(source, subfolder="scheduler")  # any scheduler's config: a dict
     return getattr(diffusers, config["_class_name"]).from_config(config)
