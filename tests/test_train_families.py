@@ -261,3 +261,22 @@ def test_a_pretrained_pixart_is_fine_tuned_with_ddpm_noise(tmp_path):
     wide = TextLayout(family="pixart", join="features", masked=True, lengths=(8,), widths=(T5_WIDTH + 1,))
     with pytest.raises(UsageError, match="caption_channels"):  # a cache of another text width is refused
         recipe_for(cfg, meta).setup(cfg, {**meta, "text": {"layout": wide.to_json()}})
+
+
+def test_ddpm_targets_follow_the_schedulers_prediction_type():
+    from diffusers import DDPMScheduler
+
+    from train.model import ddpm_sample
+
+    latents = torch.randn(3, 4, 8, 8)
+    for kind in ("epsilon", "v_prediction"):
+        scheduler = DDPMScheduler(prediction_type=kind)
+        noisy, timesteps, target = ddpm_sample(scheduler, latents, torch.Generator().manual_seed(5))
+        generator = torch.Generator().manual_seed(5)  # the same draws, in the same order
+        want_t = torch.randint(0, 1000, (3,), generator=generator)
+        noise = torch.randn(latents.shape, generator=generator)
+        assert torch.equal(timesteps, want_t) and torch.equal(noisy, scheduler.add_noise(latents, noise, want_t))
+        want = noise if kind == "epsilon" else scheduler.get_velocity(latents, noise, want_t)
+        assert torch.equal(target, want)
+    with pytest.raises(UsageError, match="'sample'"):
+        ddpm_sample(DDPMScheduler(prediction_type="sample"), latents, torch.Generator())
