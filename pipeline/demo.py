@@ -3,6 +3,7 @@
     bucketeer demo                        # ./demo-output: ~300 images, 2 training processes, about a minute on 2 cores
     bucketeer demo --s3                   # the same flow against a local S3-compatible server (moto, 127.0.0.1)
     bucketeer demo --images 60 --out-dir demo-small
+    bucketeer demo --family sdxl          # the same flow with a tiny random-weight SDXL (sd3, flux alike)
 
 Each stage is the real job, called the way a user calls it: scan, embed, plan, verify and report
 through their ``bucketeer`` entry points in this process (they are Ray drivers and share one
@@ -11,6 +12,13 @@ infra/accelerate/cpu-2proc.yaml -m train`` in subprocesses (2 ranks, gloo on the
 ``--s3`` the dataset is uploaded to a moto server started on a free 127.0.0.1 port, every
 artifact is an ``s3://`` URL passed with ``--storage-options '{"endpoint_url": ...}'``, and the
 server is stopped afterwards, also when a stage fails. The same stage functions serve both modes.
+
+``--family sdxl|sd3|flux`` builds that family's tiny random-weight diffusers folder once (under
+``$BUCKETEER_HOME``, :func:`pipeline.embed.families.tiny.ensure_tiny`), embeds with ``--family F --model
+<that folder>`` and two validation prompts, and trains the family's recipe from it (fine-tuning the
+tiny pretrained weights, with caption dropout, an EMA and validation images at the end: the
+settings are in ``train-config.yaml``). ``--family pixart`` (or none) is the default flow: the
+embedded default encoders and the from-scratch transformer.
 """
 
 from __future__ import annotations
@@ -42,7 +50,9 @@ EPOCHS = 2  # ~30 steps per epoch on 300 images: a few dozen steps in all
 DEMO_BUCKET = "bucketeer-demo"
 MARKER = ".bucketeer-demo"  # marks an --out-dir this demo made (and may clear)
 OWNED = ("manifest", "cache", "plan", "train", "report.html", "report_figures", "train.log", "s3-server.log",
-         "demo-summary.json")
+         "demo-summary.json", "train-config.yaml", "validation-prompts.txt")
+FAMILIES = ("pixart", "sdxl", "sd3", "flux")
+VALIDATION_PROMPTS = "a red circle on a blue background\na photo of a cat\n"
 ROOT = Path(__file__).resolve().parent.parent
 ACCELERATE_CONFIG = ROOT / "infra" / "accelerate" / "cpu-2proc.yaml"
 
@@ -56,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "and stopped by the demo")  # fmt: skip
     parser.add_argument("--images", type=int, default=300, help="images to generate (default 300; plus 3 broken files)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated dataset and of the plan")
+    parser.add_argument("--family", choices=FAMILIES, default="pixart",
+                        help="model family: sdxl, sd3 or flux embed and fine-tune a tiny random-weight model of "
+                        "the family's real classes; pixart (default) trains the from-scratch transformer")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -118,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
                 _upload(out / "dataset", target)
         else:
             target = Target(*(str(out / n) for n in ("dataset", "manifest", "cache", "plan")), storage_options={})
-        figures = run_stages(stages, target, out, args.seed)
+        figures = run_stages(stages, target, out, args.seed, args.family)
     figures["total_seconds"] = round(time.perf_counter() - started, 2)
     figures["stage_seconds"] = stages.seconds
     figures["mode"] = "s3" if args.s3 else "local"
@@ -127,8 +140,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_stages(stages: Stages, target: Target, out: Path, seed: int) -> dict[str, Any]:
-    """scan -> embed -> plan -> train -> verify -> report against ``target``; returns the figures."""
+def run_stages(stages: Stages, target: Target, out: Path, seed: int, family: str = "pixart") -> dict[str, Any]:
+    """scan -> embed -> plan -> train -> verify -> report against ``target``; returns the figures.
+
+    ``family``: see the module docstring."""
     from manifests.cache import read_cache_meta
     from manifests.manifest import read_manifest
     from manifests.plan import read_plan_meta
@@ -137,14 +152,16 @@ def run_stages(stages: Stages, target: Target, out: Path, seed: int) -> dict[str
     with stages.stage("scan", f"{target.dataset} -> {target.manifest} (header-only Ray job)"):
         _bucketeer("scan", target.dataset, "--out", target.manifest, "--resolution", str(RESOLUTION),
                    "--bucket-step", str(BUCKET_STEP), *opts)
-    with stages.stage("embed", f"{target.manifest} -> {target.cache} (Ray job, embedded default encoders)"):
-        _bucketeer("embed", target.manifest, "--out", target.cache, *opts)
+    models = "embedded default encoders" if family == "pixart" else f"a tiny random-weight {family} model"
+    with stages.stage("embed", f"{target.manifest} -> {target.cache} (Ray job, {models})"):
+        _bucketeer("embed", target.manifest, "--out", target.cache, *_family_options(family, out), *opts)
     with stages.stage("plan", f"{WORLD_SIZE} ranks x batch {BATCH_SIZE}, {EPOCHS} epochs -> {target.plan}"):
         _bucketeer("plan", target.manifest, "--out", target.plan, "--world-size", str(WORLD_SIZE), "--batch-size",
                    str(BATCH_SIZE), "--seed", str(seed), "--epochs", str(EPOCHS), "--cache", target.cache,
                    *opts)  # fmt: skip
     with stages.stage("train", f"accelerate launch, {WORLD_SIZE} processes on the CPU -> {out / 'train'}"):
-        _train(target, out)
+        _train(target, out, _family_config(family, out, plan_steps=read_plan_meta(target.plan, so)["steps_per_epoch"]
+                                           * EPOCHS))  # fmt: skip
     with stages.stage("verify", f"every record of {target.cache}"):
         _bucketeer("verify", target.cache, *opts)
     with stages.stage("report", f"{out / 'report.html'} and PNG figures"):
@@ -198,10 +215,36 @@ def _accelerate_launch() -> list[str]:
     return [*launch, *config, "--main_process_ip", "127.0.0.1", "--main_process_port", str(_free_port())]
 
 
-def _train(target: Target, out: Path) -> None:
+def _family_options(family: str, out: Path) -> list[str]:
+    """``bucketeer embed`` options of a family: its tiny model folder (built once) and validation prompts."""
+    if family == "pixart":
+        return []
+    from pipeline.embed.families.tiny import ensure_tiny
+
+    prompts = out / "validation-prompts.txt"
+    prompts.write_text(VALIDATION_PROMPTS)  # read by the embed driver, this process: a local path in --s3 mode too
+    return ["--family", family, "--model", str(ensure_tiny(family)), "--validation-prompts", str(prompts)]
+
+
+def _family_config(family: str, out: Path, *, plan_steps: int) -> list[str]:
+    """``--config`` for the trainer: none for pixart (the tiny default), else a small fine-tuning config."""
+    if family == "pixart":
+        return []
+    config = out / "train-config.yaml"
+    config.write_text(
+        f"# written by bucketeer demo --family {family}: the tiny {family} model fine-tuned on the CPU; validation\n"
+        "# images after the last step\n"
+        f"family: {family}\nlr: 1.0e-4\nwarmup_steps: 5\ncaption_dropout: 0.1\nema_decay: 0.99\n"
+        f"checkpoint_every: 100\nlog_every: 10\nvalidation_every: {plan_steps}\nvalidation_steps: 4\n"
+        "validation_guidance: 3.0\nvalidation_size: 64\n"
+    )  # fmt: skip
+    return ["--config", str(config)]
+
+
+def _train(target: Target, out: Path, config: list[str] | None = None) -> None:
     """The trainer on 2 processes; its output goes to ``out/train.log`` (its key lines are echoed)."""
     argv = [*_accelerate_launch(), "-m", "train", "--plan", target.plan, "--cache", target.cache,
-            "--output-dir", str(out / "train"), *target.options_argv()]  # fmt: skip
+            "--output-dir", str(out / "train"), *(config or []), *target.options_argv()]  # fmt: skip
     print(f"      $ ACCELERATE_USE_CPU=true {shlex.join(argv)}", flush=True)
     # ACCELERATE_USE_CPU: the multi-process launcher picks the CPU and gloo (see cpu-2proc.yaml);
     # one torch thread per process, since the 2 processes share the cores

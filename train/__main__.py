@@ -1,4 +1,4 @@
-"""Train a diffusion transformer from a plan and a cache: the lean Accelerate loop.
+"""Train a diffusion model from a plan and a cache: the lean Accelerate loop, one for every model family.
 
     accelerate launch -m train --plan PLAN --cache CACHE [--config FILE] [--output-dir DIR] [--resume]
     ACCELERATE_USE_CPU=true accelerate launch --config_file infra/accelerate/cpu-2proc.yaml -m train --plan P --cache C
@@ -10,14 +10,20 @@ trains on exactly its plan rows. ``--resume`` continues from the latest checkpoi
 processes that divides the global batch (the plan is re-cut for it). Nothing is listed: the plan,
 the cache's ``_cache.json`` and index are read by name, records by ranged reads.
 
+What is trained is the cache's model family's recipe (:mod:`train.recipes`: SDXL's UNet, the SD3
+and Flux transformers fine-tuned from their pretrained weights, PixArt's from-scratch transformer),
+fully or as LoRA adapters (:mod:`train.lora`), with caption dropout (:mod:`train.data`), an EMA
+(:mod:`train.ema`) and validation images (:mod:`train.validation`) as the config says.
+
 Reads top to bottom: arguments; setup (accelerator, position, data, model, optimizer); the loop;
-the end. The parts are in :mod:`train.data`, :mod:`train.model`, :mod:`train.checkpoint`,
+the end. The parts are in :mod:`train.data`, :mod:`train.recipes`, :mod:`train.checkpoint`,
 :mod:`train.metrics` and :mod:`train.config`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import enum
 import logging
 import math
@@ -72,7 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m train", description=__doc__.split("\n\n")[0])
     p.add_argument("--plan", required=True, help="plan folder (local path or URL) from `bucketeer plan`")
     p.add_argument("--cache", required=True, help="cache folder (local path or URL) from `bucketeer embed`")
-    p.add_argument("--config", default=None, help="YAML/JSON training config (default: train/configs/tiny.yaml)")
+    p.add_argument("--config", default=None, help="YAML/JSON training config (default: train/configs/<family>.yaml "
+                   "for an sdxl, sd3 or flux cache, else train/configs/tiny.yaml)")
     p.add_argument("--output-dir", default="train-output",
                    help="checkpoints, logs, the final model: a local folder, or a URL (s3://bucket/run) that "
                         "every node reaches; several nodes need a URL or a shared filesystem")  # fmt: skip
@@ -110,13 +117,14 @@ def _setup_accelerator(args: argparse.Namespace) -> Run:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
+    from manifests.cache import read_cache_meta
     from manifests.plan import read_plan_meta
     from train.backends import check_backend, plan_grad_accum
-    from train.config import load_config
+    from train.config import default_config, load_config
     from train.output import check_shared, open_output
 
-    cfg = load_config(args.config)
     so = _no_head_options(parse_storage_options(args.storage_options), args.plan, args.cache)
+    cfg = load_config(args.config or default_config(read_cache_meta(args.cache, so).get("family")))
     root_url = args.plan if "://" in args.plan else os.path.abspath(args.plan)
     root_meta = read_plan_meta(root_url, so)
     grad_accum = plan_grad_accum(root_meta, cfg.grad_accum, redact(args.plan))
@@ -197,27 +205,38 @@ def _setup_data(run: Run, args: argparse.Namespace):
     loader = BatchLoader(reader, steps, reader.meta["latent"], rank=accelerator.process_index,
                          prefetch=cfg.prefetch, read_threads=cfg.read_threads,
                          skip_bad_records=args.skip_bad_records, pin_memory=accelerator.device.type == "cuda",
-                         log=lambda line: print(redact(line), file=sys.stderr, flush=True))  # fmt: skip
+                         log=lambda line: print(redact(line), file=sys.stderr, flush=True),
+                         caption_dropout=cfg.caption_dropout, seed=cfg.seed)  # fmt: skip
     return reader, steps, loader
 
 
 def _setup_model(run: Run, reader):
-    """The model, optimizer and LR schedule, prepared (DeepSpeed filled from the plan first), and resumed."""
+    """The family's model (LoRA, EMA), optimizer and LR schedule, prepared (DeepSpeed filled from the plan
+    first), and resumed."""
     import torch
     from diffusers.optimization import get_scheduler
 
     from train.backends import configure_deepspeed, plan_micro_batch
     from train.checkpoint import fetch_checkpoint
-    from train.model import build_model
+    from train.ema import EMA
+    from train.lora import add_lora
+    from train.recipes import recipe_for
 
     accelerator, cfg, root_meta = run.accelerator, run.cfg, run.root_meta
-    from manifests.cache import TextLayout
-
-    text_width = TextLayout.from_meta(reader.meta).width  # how wide the joined prompt embeddings are (collate)
-    model = build_model(cfg.model, latent_channels=int(reader.meta["latent"]["channels"]), caption_channels=text_width)
+    denoiser = recipe_for(cfg, reader.meta).setup(cfg, reader.meta)
+    model = denoiser.model
+    if cfg.lora_rank:
+        add_lora(model, cfg, targets=denoiser.lora_targets, supported=denoiser.lora)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    if cfg.ema_decay and _sharded(accelerator):
+        raise UsageError("config ema_decay: the EMA averages whole weights, which FSDP and DeepSpeed ZeRO-3 shard; "
+                         "train with DDP or ZeRO-1/2, or without ema_decay")  # fmt: skip
+    ema = EMA(model, cfg.ema_decay) if cfg.ema_decay else None
+    if ema is not None:
+        ema.register(accelerator)  # ema.safetensors in every checkpoint, read back by load_state
     # linear scaling by the ROOT plan's world size: an elastic resume keeps the global batch, so the lr too
     lr = cfg.lr * int(root_meta["inputs"]["world_size"]) if cfg.scale_lr else cfg.lr
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=cfg.adam_betas, eps=cfg.adam_eps,
+    optimizer = torch.optim.AdamW(trained, lr=lr, betas=cfg.adam_betas, eps=cfg.adam_eps,
                                   weight_decay=cfg.weight_decay)  # fmt: skip
     # the schedule's length: the run's epochs (inputs.epochs, however many are planned yet) of the root plan
     plan_steps = int(root_meta["steps_per_epoch"]) * int(root_meta["inputs"]["epochs"])
@@ -240,17 +259,17 @@ def _setup_model(run: Run, reader):
         if accelerator.is_local_main_process:
             run.output.drop_local_copy(run.checkpoint.rel)
     accelerator.wait_for_everyone()
-    return model, optimizer, lr_scheduler, plan_steps, total_updates
+    return denoiser, ema, model, optimizer, lr_scheduler, plan_steps, total_updates
 
 
 def train(args: argparse.Namespace) -> int:
     import torch
 
     from manifests.progress import Progress
-    from train.backends import save_model
     from train.checkpoint import save_checkpoint, truncate_records
     from train.metrics import MetricsFile, SampleRecorder, Window
-    from train.model import flow_matching_loss, step_generator
+    from train.model import step_generator
+    from train.validation import Validator
 
     # ---- setup: accelerator, position, data, model -----------------------------------------------
     run = _setup_accelerator(args)
@@ -265,8 +284,10 @@ def train(args: argparse.Namespace) -> int:
                 ranks = max(world, run.checkpoint.cursor.world_size if run.checkpoint else 1)
                 truncate_records(args.record_samples, ranks, run.cursor)
     recorder = SampleRecorder(args.record_samples, rank)
-    model, optimizer, lr_scheduler, plan_steps, total_updates = _setup_model(run, reader)
-    patch = int(accelerator.unwrap_model(model).config.patch_size)
+    denoiser, ema, model, optimizer, lr_scheduler, plan_steps, total_updates = _setup_model(run, reader)
+    unwrapped = accelerator.unwrap_model(model)
+    # on every rank: a cache without validation prompts stops them all here, not one rank at the first validation
+    validator = Validator(denoiser, reader, cfg) if cfg.validation_every else None
     cursor, max_steps = run.cursor, run.max_steps
 
     # ---- trackers ------------------------------------------------------------------------------
@@ -285,14 +306,24 @@ def train(args: argparse.Namespace) -> int:
         say(f"the plan holds epochs up to {planned - 1} of {run.root_meta['inputs']['epochs']}: this run stops "
             f"there; write more with `bucketeer plan MANIFEST --extend {redact(args.plan)}` and --resume")  # fmt: skip
     say(f"training {len(steps)} steps per rank on {world} process(es) from epoch {cursor.epoch} step {cursor.step}; "
-        f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {total_updates} optimizer steps "
-        "in the schedule")  # fmt: skip
+        f"{reader.meta.get('family') or 'generic'} recipe, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
+        f"parameters ({sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6:.2f}M trained), "
+        f"{total_updates} optimizer steps in the schedule")  # fmt: skip
 
     def checkpoint() -> None:
         save_checkpoint(accelerator, output, cursor, cfg.keep_checkpoints)
         if main:
             metrics.flush()
             output.upload_logs()
+
+    def validate() -> None:  # the main process samples (with the EMA weights if any); the others wait
+        if main:
+            with ema.swapped_into(unwrapped) if ema is not None else contextlib.nullcontext():
+                images = validator.sample(unwrapped, output.local("validation", f"step-{cursor.position:08d}"),
+                                          accelerator.device)  # fmt: skip
+            validator.log(accelerator, images, cursor.position)
+            output.upload(f"validation/step-{cursor.position:08d}")
+        accelerator.wait_for_everyone()
 
     # ---- the loop ------------------------------------------------------------------------------
     window, stop, saved_at = Window(), None, None
@@ -308,13 +339,7 @@ def train(args: argparse.Namespace) -> int:
         t_data = time.perf_counter()
         batch = batch.to(accelerator.device, non_blocking=True)
         with accelerator.accumulate(model):
-            loss = flow_matching_loss(
-                model, batch.latents, batch.text, batch.text_mask,
-                {"resolution": batch.resolution, "aspect_ratio": batch.aspect_ratio},
-                step_generator(cfg.seed, batch.epoch, batch.step, rank),
-                weighting_scheme=cfg.weighting_scheme, logit_mean=cfg.logit_mean, logit_std=cfg.logit_std,
-                mode_scale=cfg.mode_scale,
-            )  # fmt: skip
+            loss = denoiser.loss(model, batch, step_generator(cfg.seed, batch.epoch, batch.step, rank))
             accelerator.backward(loss)
             if accelerator.sync_gradients:
                 accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
@@ -325,10 +350,12 @@ def train(args: argparse.Namespace) -> int:
             updates += 1
             if not accelerator.optimizer_step_was_skipped:
                 lr_scheduler.step()
+            if ema is not None:
+                ema.step(unwrapped)
         recorder.write(batch.epoch, batch.step, batch.sample_ids, batch.skipped)
         cursor = cursor.after(batch.epoch, batch.step, optimizer_steps=updates)
-        window.add(loss_value, len(batch.sample_ids), batch.latent_positions // (patch * patch), t_data - t0,
-                   time.perf_counter() - t0)  # fmt: skip
+        window.add(loss_value, len(batch.sample_ids), int(batch.latent_positions * denoiser.tokens_per_position),
+                   t_data - t0, time.perf_counter() - t0)  # fmt: skip
         shown = {}
         if cursor.position % cfg.log_every == 0:
             values = window.reduce(accelerator) | {"lr": lr_scheduler.get_last_lr()[0], "epoch": cursor.epoch}
@@ -337,7 +364,9 @@ def train(args: argparse.Namespace) -> int:
             shown = {"loss": f"{values['loss']:.4f}", "data_wait": f"{values['data_wait']:.1%}"}
         progress.update(1, **shown)
         if not accelerator.sync_gradients:
-            continue  # checkpoints and stops only between optimizer steps
+            continue  # checkpoints, validation and stops only between optimizer steps
+        if validator is not None and cursor.position % cfg.validation_every == 0:
+            validate()
         if not math.isfinite(loss_value) or stop_requested.is_set():
             accelerator.set_trigger()
         if accelerator.check_trigger():  # some rank asked to stop: every rank stops at this step
@@ -362,9 +391,10 @@ def train(args: argparse.Namespace) -> int:
         checkpoint()
     skipped = int(accelerator.reduce(torch.tensor([loader.skipped], device=accelerator.device), "sum").item())
     if stop.keeps_weights:
-        save_model(accelerator, model, output.local("model"))  # every rank: FSDP / ZeRO-3 gather shards here
-        if main:
-            output.upload("model")
+        _save_weights(accelerator, model, output, "lora" if cfg.lora_rank else "model")
+        if ema is not None:
+            with ema.swapped_into(unwrapped):
+                _save_weights(accelerator, model, output, "lora_ema" if cfg.lora_rank else "model_ema")
     accelerator.wait_for_everyone()
     accelerator.end_training()
     metrics.close()
@@ -374,6 +404,28 @@ def train(args: argparse.Namespace) -> int:
         f"epoch {cursor.epoch} step {cursor.step}, {updates} optimizer steps, {skipped} bad records skipped; "
         f"output in {output.name()}")  # fmt: skip
     return stop.exit_code
+
+
+def _sharded(accelerator) -> bool:
+    """Whether the backend shards parameters (FSDP, DeepSpeed ZeRO-3)."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    stage = plugin.deepspeed_config.get("zero_optimization", {}).get("stage") if plugin is not None else None
+    return accelerator.distributed_type.name == "FSDP" or stage == 3
+
+
+def _save_weights(accelerator, model, output, name: str) -> None:
+    """The final weights as ``OUTPUT/<name>``: the whole model (``model``, ``model_ema``: ``from_pretrained``
+    loads it) or the LoRA adapters (``lora``, ``lora_ema``: ``load_lora_adapter`` loads them)."""
+    from train.backends import save_model
+    from train.lora import save_lora
+
+    if name.startswith("lora"):
+        if accelerator.is_main_process:
+            save_lora(accelerator.unwrap_model(model), output.local(name))
+    else:
+        save_model(accelerator, model, output.local(name))  # every rank: FSDP / ZeRO-3 gather shards here
+    if accelerator.is_main_process:
+        output.upload(name)
 
 
 def _whole_updates(max_steps: int | None, grad_accum: int) -> int | None:

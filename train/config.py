@@ -1,8 +1,9 @@
 """Training settings: one flat dataclass, read from a YAML or JSON file; unknown keys are an error.
 
 A config file starts with the command that uses it (see ``train/configs/``). Every key is a field
-of :class:`TrainConfig`; ``model`` holds ``PixArtTransformer2DModel`` arguments (checked in
-:mod:`train.model`). Values left out keep the defaults below, which train the tiny default model.
+of :class:`TrainConfig`; ``model`` holds ``PixArtTransformer2DModel`` arguments of the from-scratch
+transformer (checked in :mod:`train.model`). Values left out keep the defaults below, which train the
+tiny default model. Without ``--config`` the trainer reads :func:`default_config` of the cache's family.
 """
 
 from __future__ import annotations
@@ -15,13 +16,16 @@ from typing import Any
 
 from manifests.errors import MissingError, UsageError
 
-__all__ = ["TrainConfig", "load_config", "DEFAULT_CONFIG"]
+__all__ = ["TrainConfig", "load_config", "default_config", "DEFAULT_CONFIG"]
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "tiny.yaml"
+FINE_TUNED = ("sdxl", "sd3", "flux")  # families whose default config fine-tunes the cache's --model
 LR_SCHEDULES = ("cosine", "linear", "constant")
 WEIGHTING_SCHEMES = ("logit_normal", "uniform", "mode")
 MIXED_PRECISION = ("no", "bf16", "fp16")
-OPTIONAL = {"grad_accum": int}  # keys whose default is None: their type when given
+# keys whose default is None: their type when given
+OPTIONAL = {"grad_accum": int, "family": str, "pretrained": str, "ema_decay": float, "lora_alpha": float,
+            "lora_targets": list}
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,20 @@ class TrainConfig:
     prefetch: int = 4  # batches read ahead of the model
     read_threads: int = 2  # of those, batches being read at once (concurrent ranged reads + decode)
     model: dict[str, Any] = field(default_factory=dict)
+    # what is trained (train/recipes/): the family's recipe and where its weights start
+    family: str | None = None  # the cache's family; set, it must agree (a check that the right cache is passed)
+    pretrained: str | None = None  # diffusers pipeline folder or hub id; default: the cache's --model (not pixart)
+    guidance: float = 3.5  # Flux: the guidance embedding's value in training (guidance-distilled transformers)
+    lora_rank: int = 0  # 0: full fine-tuning; > 0: train LoRA adapters of this rank (peft), the model frozen
+    lora_alpha: float | None = None  # LoRA scale numerator (default: lora_rank)
+    lora_targets: list | None = None  # module names LoRA adapts (default: the recipe's attention projections)
+    caption_dropout: float = 0.0  # probability of training a sample on the empty caption (classifier-free guidance)
+    ema_decay: float | None = None  # keep an EMA of the trained weights (diffusers EMAModel) with this decay
+    # validation images: the family's pipeline on the cache's validation prompts, every N plan steps
+    validation_every: int = 0  # plan steps; 0: never
+    validation_steps: int = 20  # sampler steps per image
+    validation_guidance: float = 5.0  # classifier-free guidance scale (Flux: its guidance embedding)
+    validation_size: int = 0  # square image side in pixels; 0: the side of the cache's bucket area
 
     def __post_init__(self) -> None:
         checks = [
@@ -70,6 +88,12 @@ class TrainConfig:
             (1 <= self.read_threads <= self.prefetch, "read_threads must be between 1 and prefetch"),
             (self.max_grad_norm > 0, "max_grad_norm must be > 0"),
             (len(self.adam_betas) == 2, "adam_betas must be two numbers, e.g. [0.9, 0.999]"),
+            (0.0 <= self.caption_dropout < 1.0, "caption_dropout must be in [0, 1)"),
+            (self.ema_decay is None or 0.0 < self.ema_decay < 1.0, "ema_decay must be in (0, 1), e.g. 0.9999"),
+            (self.lora_rank >= 0, "lora_rank must be >= 0 (0: full fine-tuning)"),
+            (self.validation_every >= 0, "validation_every must be >= 0 (0: no validation images)"),
+            (self.validation_steps >= 1, "validation_steps must be >= 1"),
+            (self.validation_size % 16 == 0, "validation_size must be a multiple of 16 (0: from the cache)"),
         ]  # fmt: skip
         for ok, message in checks:
             if not ok:
@@ -77,6 +101,12 @@ class TrainConfig:
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def default_config(family: str | None) -> Path:
+    """The config a run without ``--config`` reads: ``train/configs/<family>.yaml`` for a family that
+    fine-tunes a pretrained model, else the tiny from-scratch config."""
+    return Path(__file__).parent / "configs" / f"{family}.yaml" if family in FINE_TUNED else DEFAULT_CONFIG
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> TrainConfig:
@@ -109,6 +139,8 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> TrainConfig
     defaults = TrainConfig()
     for name, value in data.items():
         want = OPTIONAL.get(name) or type(getattr(defaults, name))
+        if value is None and name in OPTIONAL:  # written out as null: the default
+            continue
         if want is float and isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
             try:
                 value = data[name] = float(value)

@@ -16,6 +16,11 @@ A record that is missing, truncated or fails its checksum stops the run with an 
 sample, the shard and the fix (``bucketeer verify``), unless ``skip_bad_records`` is set: then the
 bad records are dropped from their batch, counted and reported (a batch with no good record left
 still stops the run: every rank must take every step).
+
+Caption dropout (classifier-free guidance) replaces a sample's text with the empty caption's record
+(``_cache.json["text"]["empty_caption_key"]``, read once) when :func:`caption_dropout_mask` draws it:
+a pure function of ``(seed, epoch, sample id)``, so a resumed run (on any number of processes) drops
+exactly the captions an uninterrupted run would have dropped.
 """
 
 from __future__ import annotations
@@ -34,7 +39,10 @@ from manifests.errors import UsageError
 from manifests.plan import read_plan_meta, read_plan_rows
 from manifests.storage import redact
 
-__all__ = ["PlanStep", "Batch", "BadRecordError", "RankSteps", "rank_steps", "collate", "BatchLoader"]
+__all__ = ["PlanStep", "Batch", "BadRecordError", "RankSteps", "rank_steps", "collate", "BatchLoader",
+           "caption_dropout_mask"]
+
+TENSORS = ("latents", "text", "text_mask", "resolution", "aspect_ratio", "crop_top_left", "target_size", "pooled")
 
 
 class BadRecordError(UsageError):
@@ -129,9 +137,12 @@ class Batch:
     side by side, SD3's CLIPs then T5 on the sequence, ...); a masked layout (PixArt, generic) is
     padded to the batch's longest caption, zero past each part's tokens; ``text_mask`` (B, L), 1
     where any part has a token (all ones for the unmasked families); ``resolution`` (B, 2)
-    original (height, width) in pixels; ``aspect_ratio`` (B, 1) bucket height / width.
-    ``skipped``: ids dropped as bad records (only with ``skip_bad_records``). A record's ``pooled``
-    embedding is not used: the PixArt transformer conditions on tokens only.
+    original (height, width) in pixels; ``aspect_ratio`` (B, 1) bucket height / width;
+    ``crop_top_left`` (B, 2) (top, left) of the crop in resized pixels and ``target_size`` (B, 2) the
+    bucket's (height, width): with ``resolution``, SDXL's micro-conditioning; ``pooled`` (B, P) the
+    family's pooled text embedding (None when the layout has none). ``dropped``: ids whose caption was
+    replaced by the empty one (caption dropout). ``skipped``: ids dropped as bad records (only with
+    ``skip_bad_records``).
     """
 
     epoch: int
@@ -143,6 +154,10 @@ class Batch:
     text_mask: torch.Tensor
     resolution: torch.Tensor
     aspect_ratio: torch.Tensor
+    crop_top_left: torch.Tensor
+    target_size: torch.Tensor
+    pooled: torch.Tensor | None = None
+    dropped: list[int] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)
 
     @property
@@ -153,12 +168,11 @@ class Batch:
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
         move = {k: getattr(self, k).to(device, non_blocking=non_blocking)
-                for k in ("latents", "text", "text_mask", "resolution", "aspect_ratio")}  # fmt: skip
+                for k in TENSORS if getattr(self, k) is not None}  # fmt: skip
         return replace(self, **move)
 
     def pin_memory(self) -> "Batch":
-        return replace(self, **{k: getattr(self, k).pin_memory()
-                                for k in ("latents", "text", "text_mask", "resolution", "aspect_ratio")})  # fmt: skip
+        return replace(self, **{k: getattr(self, k).pin_memory() for k in TENSORS if getattr(self, k) is not None})
 
 
 def collate(
@@ -178,9 +192,9 @@ def collate(
             raise UsageError(f"sample {r.sample_id} has no text embeddings in the cache; run `bucketeer verify`")
     latents = np.stack([to_float32(r.latent, r.dtype) for r in records])  # (B, C, h, w)
     latents = (latents - shift_factor) * scaling_factor
-    text, mask, _ = layout.prompt_embeds([r.text for r in records])  # (B, L, D), (B, L)
-    resolution = np.asarray([r.original_size for r in records], np.float32)  # (B, 2) (h, w)
-    aspect = np.asarray([[r.target_size[0] / r.target_size[1]] for r in records], np.float32)  # (B, 1)
+    text, mask, pooled = layout.prompt_embeds([r.text for r in records])  # (B, L, D), (B, L), (B, P) | None
+    geometry = np.asarray([(*r.original_size, *r.crop_top_left, *r.target_size) for r in records], np.float32)
+    aspect = geometry[:, 4:5] / geometry[:, 5:6]  # (B, 1) bucket height / width
     return Batch(
         epoch=step.epoch,
         step=step.step,
@@ -189,9 +203,27 @@ def collate(
         latents=torch.from_numpy(np.ascontiguousarray(latents, np.float32)),
         text=torch.from_numpy(text),
         text_mask=torch.from_numpy(mask),
-        resolution=torch.from_numpy(resolution),
-        aspect_ratio=torch.from_numpy(aspect),
+        resolution=torch.from_numpy(np.ascontiguousarray(geometry[:, 0:2])),  # (B, 2) original (h, w)
+        aspect_ratio=torch.from_numpy(np.ascontiguousarray(aspect)),
+        crop_top_left=torch.from_numpy(np.ascontiguousarray(geometry[:, 2:4])),
+        target_size=torch.from_numpy(np.ascontiguousarray(geometry[:, 4:6])),
+        pooled=None if pooled is None else torch.from_numpy(pooled),
     )
+
+
+def caption_dropout_mask(seed: int, epoch: int, sample_ids: Sequence[int], p: float) -> np.ndarray:
+    """Which of ``sample_ids`` train on the empty caption this epoch: (B,) bool, each True with probability
+    ``p``, a pure function of ``(seed, epoch, sample id)`` (so of the plan, not of the rank or the RNG state)."""
+    if p <= 0:
+        return np.zeros(len(sample_ids), bool)
+    ids = np.asarray(sample_ids, np.uint64)
+    # a splitmix64-style mix of (id, seed, epoch): vectorised (arrays wrap mod 2**64), no per-sample hashing
+    key = np.uint64(((seed * 1_000_003 + epoch) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1))
+    mixed = (ids * np.uint64(0x9E3779B97F4A7C15)) ^ key
+    mixed ^= mixed >> np.uint64(31)
+    mixed *= np.uint64(0x94D049BB133111EB)
+    mixed ^= mixed >> np.uint64(29)
+    return (mixed >> np.uint64(11)).astype(np.float64) / float(1 << 53) < p
 
 
 class BatchLoader:
@@ -204,6 +236,8 @@ class BatchLoader:
     handed out in plan order whatever order the reads finish in. ``latent_info`` is
     ``_cache.json["latent"]`` (scaling and shift factors). ``log`` receives one line per skipped
     record. ``skipped`` counts the records dropped from the batches handed out so far.
+    ``caption_dropout``: the probability that a sample trains on the empty caption (drawn by
+    :func:`caption_dropout_mask` with ``seed``); the empty caption's record is read once, here.
     """
 
     def __init__(
@@ -218,6 +252,8 @@ class BatchLoader:
         skip_bad_records: bool = False,
         pin_memory: bool = False,
         log: Callable[[str], None] = print,
+        caption_dropout: float = 0.0,
+        seed: int = 0,
     ):
         if prefetch < 1 or read_threads < 1:
             raise UsageError(f"prefetch ({prefetch}) and read_threads ({read_threads}) must be >= 1")
@@ -233,6 +269,15 @@ class BatchLoader:
         self.pin_memory = pin_memory
         self.log = log
         self.skipped = 0
+        self.caption_dropout, self.seed = caption_dropout, seed
+        self.empty_text = None
+        if caption_dropout > 0:
+            key = (reader.meta.get("text") or {}).get("empty_caption_key")
+            if key is None:
+                raise UsageError(f"config caption_dropout {caption_dropout}: cache {redact(reader.url)} has no empty "
+                                 "caption record (_cache.json text.empty_caption_key); re-embed it with this "
+                                 "bucketeer, or set caption_dropout: 0")  # fmt: skip
+            (self.empty_text,) = reader.read_texts([int(key)])
         self._pool: ThreadPoolExecutor | None = None
         if not isinstance(self.steps, RankSteps):
             self._check_ids(self.steps)
@@ -277,9 +322,14 @@ class BatchLoader:
                 raise BadRecordError(f"rank {self.rank} epoch {step.epoch} step {step.step}: all {len(skipped)} "
                                      "records are bad; ranks cannot stay in step. "
                                      "Run `bucketeer verify`.") from None  # fmt: skip
+        dropped: list[int] = []
+        if self.empty_text is not None:
+            drop = caption_dropout_mask(self.seed, step.epoch, [r.sample_id for r in records], self.caption_dropout)
+            records = [replace(r, text=self.empty_text) if d else r for r, d in zip(records, drop)]
+            dropped = [r.sample_id for r, d in zip(records, drop) if d]
         batch = collate(records, step, layout=self.layout, scaling_factor=self.scaling_factor,
                         shift_factor=self.shift_factor)
-        batch.skipped = skipped
+        batch.skipped, batch.dropped = skipped, dropped
         return batch.pin_memory() if self.pin_memory else batch
 
     def __iter__(self) -> Iterator[Batch]:

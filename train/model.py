@@ -1,4 +1,4 @@
-"""The model (a diffusers PixArt-style transformer) and the rectified-flow training objective.
+"""The from-scratch PixArt-style transformer, and the training objectives every recipe shares.
 
 The transformer is conditioned on the cached text embeddings (padded per batch, with a mask) and,
 when ``use_additional_conditions`` is on, on PixArt's micro-conditioning: the original image
@@ -10,19 +10,24 @@ velocity ``eps - x0`` from ``(x_t, 1000 t, text)``; ``t`` is drawn from
 ``compute_density_for_timestep_sampling``. Noise and ``t`` come from a generator seeded by the
 plan position ``(seed, epoch, step, rank)``, so a resumed run draws exactly what an uninterrupted
 run would have drawn, whatever RNG state the checkpoint restored.
+
+The recipes (:mod:`train.recipes`) share the two objectives' sampling: :func:`flow_sample` (rectified
+flow, SD3 / Flux / PixArt) and :func:`ddpm_sample` (DDPM noise, epsilon or v-prediction targets, SDXL).
 """
 
 from __future__ import annotations
 
 import hashlib
 import inspect
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from manifests.errors import UsageError
 
-__all__ = ["build_model", "model_arguments", "step_generator", "flow_matching_loss"]
+__all__ = ["build_model", "model_arguments", "step_generator", "flow_matching_loss", "flow_sample", "ddpm_sample",
+           "FlowSample"]
 
 # PixArt-alpha's layout, shrunk: what trains in seconds on a CPU
 TINY = {
@@ -80,6 +85,62 @@ def step_generator(seed: int, epoch: int, step: int, rank: int) -> torch.Generat
     return torch.Generator().manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
 
 
+@dataclass(frozen=True)
+class FlowSample:
+    """One rectified-flow draw for a batch: ``noisy = (1 - sigma) x0 + sigma eps``; ``target = eps - x0``.
+
+    ``sigma`` (B, 1, 1, 1) in [0, 1]; ``weight`` (B, 1, 1, 1), the loss weighting of the scheme.
+    """
+
+    noisy: torch.Tensor
+    sigma: torch.Tensor
+    target: torch.Tensor
+    weight: torch.Tensor
+
+
+def flow_sample(
+    latents: torch.Tensor, generator: torch.Generator, *, weighting_scheme: str = "logit_normal",
+    logit_mean: float = 0.0, logit_std: float = 1.0, mode_scale: float = 1.29, shift: float = 1.0,
+) -> FlowSample:  # fmt: skip
+    """Draw timesteps and noise for ``latents`` (B, C, h, w) on the CPU from ``generator``.
+
+    ``u`` comes from ``compute_density_for_timestep_sampling``; ``shift`` > 1 moves it towards noise as
+    ``FlowMatchEulerDiscreteScheduler(shift=...)`` does (SD3: 3.0; 1.0 leaves ``sigma = u``).
+    """
+    from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
+
+    b = latents.shape[0]
+    u = compute_density_for_timestep_sampling(
+        weighting_scheme, b, logit_mean=logit_mean, logit_std=logit_std, mode_scale=mode_scale, generator=generator
+    )  # (B,) in [0, 1]
+    noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32).to(latents.device)
+    u = u.to(latents.device, torch.float32)
+    sigma = (shift * u / (1 + (shift - 1) * u)).view(b, 1, 1, 1)
+    weight = compute_loss_weighting_for_sd3(weighting_scheme, sigmas=sigma)  # ones for logit_normal
+    return FlowSample((1.0 - sigma) * latents + sigma * noise, sigma, noise - latents, weight.float())
+
+
+def ddpm_sample(
+    scheduler: Any, latents: torch.Tensor, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(noisy, timesteps (B,), target)`` of a DDPM step: uniform integer timesteps, Gaussian noise
+    (both drawn on the CPU from ``generator``), and the target the scheduler's ``prediction_type``
+    asks for: the noise (``epsilon``) or ``scheduler.get_velocity`` (``v_prediction``).
+
+    ``scheduler``: a ``DDPMScheduler``. Raises UsageError for another prediction type.
+    """
+    b = latents.shape[0]
+    kind = scheduler.config.prediction_type
+    if kind not in ("epsilon", "v_prediction"):
+        raise UsageError(f"the model's scheduler predicts {kind!r}; the trainer trains epsilon or v_prediction")
+    timesteps = torch.randint(0, scheduler.config.num_train_timesteps, (b,), generator=generator)
+    noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32).to(latents.device)
+    timesteps = timesteps.to(latents.device)
+    noisy = scheduler.add_noise(latents, noise, timesteps)
+    target = noise if kind == "epsilon" else scheduler.get_velocity(latents, noise, timesteps)
+    return noisy, timesteps, target
+
+
 def flow_matching_loss(
     model: torch.nn.Module,
     latents: torch.Tensor,
@@ -93,30 +154,20 @@ def flow_matching_loss(
     logit_std: float = 1.0,
     mode_scale: float = 1.29,
 ) -> torch.Tensor:
-    """Mean squared error between predicted and true velocity, a scalar.
+    """Mean squared error between predicted and true velocity, a scalar (the from-scratch PixArt model).
 
     ``latents``: (B, C, h, w), already scaled by the VAE's scaling factor. ``added_cond``: PixArt's
     ``resolution`` (B, 2) and ``aspect_ratio`` (B, 1), ignored by a model without micro-conditioning.
     Noise and timesteps are drawn on the CPU from ``generator`` (reproducible on any device).
     """
-    from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
-
-    b = latents.shape[0]
-    u = compute_density_for_timestep_sampling(
-        weighting_scheme, b, logit_mean=logit_mean, logit_std=logit_std, mode_scale=mode_scale, generator=generator
-    )  # (B,) in [0, 1]
-    noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32)
-    t = u.to(latents.device, torch.float32).view(b, 1, 1, 1)  # (B, 1, 1, 1)
-    noise = noise.to(latents.device)
-    noisy = (1.0 - t) * latents + t * noise
+    draw = flow_sample(latents, generator, weighting_scheme=weighting_scheme, logit_mean=logit_mean,
+                       logit_std=logit_std, mode_scale=mode_scale)  # fmt: skip
     pred = model(
-        noisy,
+        draw.noisy,
         encoder_hidden_states=text,
         encoder_attention_mask=text_mask,
-        timestep=u.to(latents.device) * 1000.0,  # PixArt embeds timesteps on DDPM's 0..1000 scale
+        timestep=draw.sigma.flatten() * 1000.0,  # PixArt embeds timesteps on DDPM's 0..1000 scale
         added_cond_kwargs=added_cond,
         return_dict=False,
     )[0]
-    target = noise - latents
-    weight = compute_loss_weighting_for_sd3(weighting_scheme, sigmas=t)  # (B, 1, 1, 1); ones for logit_normal
-    return (weight.float() * (pred.float() - target.float()) ** 2).mean()
+    return (draw.weight * (pred.float() - draw.target.float()) ** 2).mean()

@@ -1,0 +1,47 @@
+"""Training recipes: one small module per model family, each a function over diffusers models; one loop for all.
+
+A recipe's ``setup(cfg, meta)`` (``meta``: the cache's ``_cache.json``) returns a :class:`Denoiser`:
+the model to train (``from_pretrained`` of the family's ``unet`` / ``transformer`` subfolder, or
+PixArt's from-scratch transformer), the loss of one :class:`train.data.Batch` (noise drawn from a
+generator seeded by the plan position), and how to build the family's diffusers pipeline around it
+for validation images. ``RECIPES`` is the registry (family -> recipe), :func:`recipe_for` picks the
+cache's family; the loop (:mod:`train.__main__`) never looks at the family again.
+
+=========  ==================================  ===========================================================
+family     model                               objective
+=========  ==================================  ===========================================================
+sdxl       ``UNet2DConditionModel`` (``unet``)  DDPM, epsilon or v (the base scheduler's prediction_type);
+                                               ``time_ids`` = original size + crop top-left + target size
+sd3        ``SD3Transformer2DModel``            rectified flow, the scheduler's ``shift``
+flux       ``FluxTransformer2DModel``           rectified flow on 2x2-packed latents, image/text ids,
+                                               guidance embedding (``guidance``)
+pixart     ``PixArtTransformer2DModel``         from scratch: rectified flow (today's); ``pretrained``: DDPM
+generic    (as pixart, from scratch)
+=========  ==================================  ===========================================================
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from manifests.cache import TextLayout
+from manifests.errors import UsageError
+from train.recipes import flux, pixart, sd3, sdxl
+from train.recipes.base import Denoiser, PromptEmbeds, Recipe
+
+__all__ = ["RECIPES", "Denoiser", "PromptEmbeds", "Recipe", "recipe_for"]
+
+RECIPES: dict[str, Recipe] = {"sdxl": sdxl.RECIPE, "sd3": sd3.RECIPE, "flux": flux.RECIPE, "pixart": pixart.RECIPE,
+                              "generic": pixart.RECIPE}  # fmt: skip
+
+
+def recipe_for(cfg: Any, meta: dict[str, Any]) -> Recipe:
+    """The recipe of the cache's family (``meta``: ``_cache.json``). Raises UsageError when the config's
+    ``family`` contradicts the cache's, naming both."""
+    family = meta.get("family") or TextLayout.from_meta(meta).family
+    if cfg.family is not None and cfg.family != family:
+        raise UsageError(f"config family {cfg.family!r} but the cache was embedded for family {family!r}: "
+                         f"train {family} on this cache, or embed with --family {cfg.family}")
+    if family not in RECIPES:
+        raise UsageError(f"no training recipe for family {family!r}; recipes: {sorted(RECIPES)}")
+    return RECIPES[family]

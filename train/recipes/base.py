@@ -1,0 +1,96 @@
+"""What a recipe is (:class:`Recipe`, :class:`Denoiser`) and the helpers recipes share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import torch
+
+from manifests.errors import UsageError
+
+__all__ = ["Denoiser", "LossFn", "PromptEmbeds", "Recipe", "pretrained_source", "load_pretrained", "check_matches",
+           "flow_options", "flow_loss"]
+
+
+class LossFn(Protocol):
+    def __call__(self, model: torch.nn.Module, batch: Any, generator: torch.Generator) -> torch.Tensor:
+        """The scalar loss of one batch; ``model`` may be wrapped (DDP); noise comes from ``generator``."""
+        ...
+
+
+@dataclass(frozen=True)
+class PromptEmbeds:
+    """Cached prompts joined for a pipeline: ``embeds`` (B, L, D), ``mask`` (B, L), ``pooled`` (B, P) or None."""
+
+    embeds: torch.Tensor
+    mask: torch.Tensor
+    pooled: torch.Tensor | None
+
+
+@dataclass
+class Denoiser:
+    """What a recipe's setup gives the loop.
+
+    ``pipeline(model, vae)``: the family's diffusers pipeline around the (unwrapped) model, no text
+    encoder; ``prompt_kwargs(prompts, negative)``: its ``__call__`` arguments for cached prompts.
+    ``tokens_per_position``: transformer tokens per latent pixel (for throughput), ``lora_targets``:
+    the modules LoRA adapts by default.
+    """
+
+    model: torch.nn.Module
+    loss: LossFn
+    pipeline: Callable[[torch.nn.Module, Any], Any]
+    prompt_kwargs: Callable[[PromptEmbeds, PromptEmbeds], dict[str, Any]]
+    tokens_per_position: float = 1.0
+    lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+    lora: bool = True  # the model class can save and load LoRA adapters
+
+
+@dataclass(frozen=True)
+class Recipe:
+    family: str
+    setup: Callable[[Any, dict[str, Any]], Denoiser]
+
+
+def pretrained_source(cfg: Any, meta: dict[str, Any], *, required: bool = True) -> str | None:
+    """The model to start from: the config's ``pretrained``, else the ``--model`` the cache was embedded with.
+
+    Raises UsageError when neither names one and ``required``, or when the config also sizes a fresh
+    model (``model:``, for the from-scratch PixArt transformer only).
+    """
+    if cfg.model:
+        raise UsageError(f"config model: {sorted(cfg.model)} sizes the from-scratch PixArt transformer; a run that "
+                         "fine-tunes a pretrained model takes its architecture from it: remove model:")
+    source = cfg.pretrained or (meta.get("settings") or {}).get("model")
+    if source is None and required:
+        raise UsageError(f"config: family {meta.get('family')!r} fine-tunes a pretrained model, and the cache was "
+                         "embedded without --model: set pretrained: ID_OR_PATH (a diffusers pipeline folder)")
+    return source
+
+
+def load_pretrained(cls: type, source: str, subfolder: str) -> torch.nn.Module:
+    """``cls.from_pretrained(source, subfolder=subfolder)`` in fp32; UsageError naming the folder when absent."""
+    try:
+        return cls.from_pretrained(source, subfolder=subfolder, torch_dtype=torch.float32)
+    except (OSError, EnvironmentError) as e:
+        raise UsageError(f"pretrained {source!r}: cannot load {cls.__name__} from its {subfolder}/ ({e}); "
+                         "pass the family's diffusers pipeline folder or hub id") from None
+
+
+def check_matches(what: str, model_value: Any, cache_value: Any, source: str) -> None:
+    """UsageError when the model's ``what`` differs from what the cache holds (a cache of another model)."""
+    if model_value != cache_value:
+        raise UsageError(f"pretrained {source!r}: the model's {what} is {model_value}, the cache's is {cache_value}; "
+                         "train with the model the cache was embedded with (bucketeer embed --model)")
+
+
+def flow_options(cfg: Any) -> dict[str, Any]:
+    """The config's timestep-density settings, as :func:`train.model.flow_sample` takes them."""
+    return {"weighting_scheme": cfg.weighting_scheme, "logit_mean": cfg.logit_mean, "logit_std": cfg.logit_std,
+            "mode_scale": cfg.mode_scale}  # fmt: skip
+
+
+def flow_loss(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Weighted mean squared error, in fp32 (autocast may have made ``pred`` half precision)."""
+    return (weight.float() * (pred.float() - target.float()) ** 2).mean()

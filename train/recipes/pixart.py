@@ -1,0 +1,76 @@
+"""PixArt (and the generic cache): the from-scratch transformer of :mod:`train.model`, or a pretrained one.
+
+Without ``pretrained`` (the default): a fresh ``PixArtTransformer2DModel`` sized by the config's
+``model`` and the cache (latent channels, text width), trained with rectified flow
+(:func:`train.model.flow_matching_loss`), sampled with ``FlowMatchEulerDiscreteScheduler``. With
+``pretrained``: its ``transformer`` subfolder, fine-tuned with DDPM noise as PixArt was trained
+(epsilon; a learned-sigma model's variance half is not trained), sampled with its own scheduler.
+Both take the masked T5 states and, with ``use_additional_conditions``, the original resolution
+and the bucket's aspect ratio.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from manifests.cache import TextLayout
+from train.model import build_model, ddpm_sample, flow_matching_loss
+from train.recipes.base import (Denoiser, PromptEmbeds, Recipe, check_matches, flow_options, load_pretrained,
+                                pretrained_source)  # fmt: skip
+
+
+def setup(cfg: Any, meta: dict[str, Any]) -> Denoiser:
+    from diffusers import DDPMScheduler, FlowMatchEulerDiscreteScheduler, PixArtTransformer2DModel
+
+    layout, channels = TextLayout.from_meta(meta), int(meta["latent"]["channels"])
+    if cfg.pretrained is None:
+        model = build_model(cfg.model, latent_channels=channels, caption_channels=layout.width)
+        sampler = FlowMatchEulerDiscreteScheduler()
+
+        def loss(model: torch.nn.Module, batch: Any, generator: torch.Generator) -> torch.Tensor:
+            cond = {"resolution": batch.resolution, "aspect_ratio": batch.aspect_ratio}
+            return flow_matching_loss(model, batch.latents, batch.text, batch.text_mask, cond, generator,
+                                      **flow_options(cfg))  # fmt: skip
+    else:
+        source = pretrained_source(cfg, meta)
+        model = load_pretrained(PixArtTransformer2DModel, source, "transformer")
+        check_matches("text width (caption_channels)", model.config.caption_channels, layout.width, source)
+        check_matches("latent channels", model.config.in_channels, channels, source)
+        scheduler = DDPMScheduler.from_pretrained(source, subfolder="scheduler")
+        sampler = _pipeline_scheduler(source)
+
+        def loss(model: torch.nn.Module, batch: Any, generator: torch.Generator) -> torch.Tensor:
+            noisy, timesteps, target = ddpm_sample(scheduler, batch.latents, generator)
+            cond = {"resolution": batch.resolution, "aspect_ratio": batch.aspect_ratio}
+            pred = model(noisy, encoder_hidden_states=batch.text, encoder_attention_mask=batch.text_mask,
+                         timestep=timesteps, added_cond_kwargs=cond, return_dict=False)[0]  # fmt: skip
+            return F.mse_loss(pred[:, :channels].float(), target.float())  # learned sigma: the mean half
+
+    def pipeline(model: torch.nn.Module, vae: Any) -> Any:
+        from diffusers import PixArtAlphaPipeline
+
+        return PixArtAlphaPipeline(tokenizer=None, text_encoder=None, vae=vae, transformer=model, scheduler=sampler)
+
+    def prompt_kwargs(prompts: PromptEmbeds, negative: PromptEmbeds) -> dict[str, Any]:
+        return {"prompt_embeds": prompts.embeds, "prompt_attention_mask": prompts.mask,
+                "negative_prompt_embeds": negative.embeds, "negative_prompt_attention_mask": negative.mask,
+                "use_resolution_binning": False}  # binning knows PixArt's 256..2048 sample sizes only
+
+    patch = int(model.config.patch_size)
+    # PixArt's transformer has no LoRA save/load of its own (diffusers' PeftAdapterMixin loaders)
+    return Denoiser(model, loss, pipeline, prompt_kwargs, tokens_per_position=1 / patch**2, lora=False)
+
+
+RECIPE = Recipe("pixart", setup)
+
+
+def _pipeline_scheduler(source: str) -> Any:
+    """The pretrained pipeline's own scheduler (PixArt: DPMSolverMultistepScheduler), for sampling."""
+    import diffusers
+    from diffusers import DDPMScheduler
+
+    config = DDPMScheduler.load_config(source, subfolder="scheduler")  # any scheduler's config: a dict
+    return getattr(diffusers, config["_class_name"]).from_config(config)

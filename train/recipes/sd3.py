@@ -1,0 +1,56 @@
+"""SD3 / SD3.5: fine-tune the pretrained ``SD3Transformer2DModel`` with rectified flow.
+
+``SD3Transformer2DModel(hidden_states, encoder_hidden_states, pooled_projections, timestep)``: the
+prompt embeddings are CLIP-L | CLIP-G zero-padded to T5's width, then T5 on the sequence
+(``(77 + 256, 4096)``), the pooled one both CLIPs' projections. ``x_t = (1 - s) x0 + s eps``, the
+model predicts ``eps - x0`` at timestep ``1000 s``; ``s`` is drawn by the config's density and
+shifted by the base scheduler's ``shift`` (3.0 for SD3), as its sampler shifts them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from manifests.cache import TextLayout
+from train.model import flow_sample
+from train.recipes.base import (Denoiser, PromptEmbeds, Recipe, check_matches, flow_loss, flow_options,
+                                load_pretrained, pretrained_source)  # fmt: skip
+
+
+def setup(cfg: Any, meta: dict[str, Any]) -> Denoiser:
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+
+    source = pretrained_source(cfg, meta)
+    transformer = load_pretrained(SD3Transformer2DModel, source, "transformer")
+    layout = TextLayout.from_meta(meta)
+    check_matches("text width (joint_attention_dim)", transformer.config.joint_attention_dim, layout.width, source)
+    check_matches("pooled width (pooled_projection_dim)", transformer.config.pooled_projection_dim,
+                  layout.pooled_dim, source)
+    check_matches("latent channels", transformer.config.in_channels, int(meta["latent"]["channels"]), source)
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(source, subfolder="scheduler")
+    shift = 1.0 if scheduler.config.get("use_dynamic_shifting") else float(scheduler.config.get("shift", 1.0))
+
+    def loss(model: torch.nn.Module, batch: Any, generator: torch.Generator) -> torch.Tensor:
+        draw = flow_sample(batch.latents, generator, shift=shift, **flow_options(cfg))
+        pred = model(hidden_states=draw.noisy, encoder_hidden_states=batch.text, pooled_projections=batch.pooled,
+                     timestep=draw.sigma.flatten() * 1000.0, return_dict=False)[0]  # fmt: skip
+        return flow_loss(pred, draw.target, draw.weight)
+
+    def pipeline(model: torch.nn.Module, vae: Any) -> Any:
+        from diffusers import StableDiffusion3Pipeline
+
+        return StableDiffusion3Pipeline(transformer=model, scheduler=scheduler, vae=vae, text_encoder=None,
+                                        tokenizer=None, text_encoder_2=None, tokenizer_2=None, text_encoder_3=None,
+                                        tokenizer_3=None)  # fmt: skip
+
+    def prompt_kwargs(prompts: PromptEmbeds, negative: PromptEmbeds) -> dict[str, Any]:
+        return {"prompt_embeds": prompts.embeds, "pooled_prompt_embeds": prompts.pooled,
+                "negative_prompt_embeds": negative.embeds, "negative_pooled_prompt_embeds": negative.pooled}
+
+    patch = int(transformer.config.patch_size)
+    return Denoiser(transformer, loss, pipeline, prompt_kwargs, tokens_per_position=1 / patch**2)
+
+
+RECIPE = Recipe("sd3", setup)
