@@ -1,6 +1,6 @@
 """Fault injection for tests: named points where a test can stall, pause or kill a real job.
 
-    BUCKETEER_FAULTS="scan.task=exit-once:/tmp/died"      # the first scan task to finish its reads kills its worker
+    BUCKETEER_FAULTS="scan.task=exit-once:./died"        # the first scan task to finish its reads kills its worker
     BUCKETEER_FAULTS="cache.samples_committed=pause:120"  # embed pauses after its first commit of samples
     BUCKETEER_FAULTS="embed.unit=sleep:0.5"               # every embed unit takes half a second longer
     BUCKETEER_FAULTS="train.checkpoint=pause:300;scan.task=sleep:30"

@@ -51,7 +51,7 @@ from manifests.retry import with_retries
 __all__ = [
     "IMAGE_EXTENSIONS", "IMAGE_SCHEMA", "WORK_SCHEMA", "FileEntry", "Listing", "WorkItem", "RescanPlan",
     "list_source", "classify", "extension", "work_table", "work_items", "plan_rescan", "caption_source",
-    "sidecar_version",
+    "sidecar_version", "unchanged",
 ]  # fmt: skip
 
 IMAGE_SCHEMA = pa.schema([f for f in SAMPLES_SCHEMA if f.name != "bucket"])  # a sample before bucketing
@@ -347,7 +347,8 @@ def caption_source(listing: Listing, name: str, table: CaptionTable | None) -> s
     return sidecar_version(entry) if entry else None
 
 
-def _unchanged(entry: FileEntry, size: int | None, etag: str | None, mtime: float | None) -> bool:
+def unchanged(entry: FileEntry, size: int | None, etag: str | None, mtime: float | None) -> bool:
+    """Whether a listed object is the one recorded with ``size`` and ``etag`` (``mtime`` where the store has none)."""
     if size != entry.size:
         return False
     if entry.etag and etag:
@@ -399,7 +400,7 @@ def plan_rescan(
         cols = tab.select(["filename", "size", "etag", "mtime", "caption_source"]).to_pydict()
         for i, name in enumerate(cols["filename"]):
             entry = entries.get(name)
-            if entry is None or not _unchanged(entry, cols["size"][i], cols["etag"][i], cols["mtime"][i]):
+            if entry is None or not unchanged(entry, cols["size"][i], cols["etag"][i], cols["mtime"][i]):
                 keep.append(False)
                 continue
             keep.append(True)

@@ -31,7 +31,7 @@ from manifests.manifest import ManifestError, apply_buckets, conform, read_manif
 from manifests.schema import ERRORS_SCHEMA, sample_ids
 from manifests.storage import redact
 from pipeline.scan.captions import CaptionTable
-from pipeline.scan.listing import IMAGE_SCHEMA, FileEntry, Listing
+from pipeline.scan.listing import IMAGE_SCHEMA, FileEntry, Listing, unchanged
 from pipeline.scan.tasks import run_tasks
 from pipeline.sources.shards import SHARD_ROWS, scan_shard_batch, shard_work
 
@@ -112,7 +112,7 @@ def plan_shards(
         if before is None:
             plan.work.append(shard)
             plan.new += 1
-        elif shard.name in failed or not _unchanged(shard, *before):
+        elif shard.name in failed or not unchanged(shard, *before):
             plan.work.append(shard)
             plan.changed += 1
         else:
@@ -124,14 +124,6 @@ def plan_shards(
     plan.deleted_names = sorted(set(recorded) - {s.name for s in shards})
     plan.deleted = len(plan.deleted_names)
     return plan
-
-
-def _unchanged(entry: FileEntry, size: int | None, etag: str | None, mtime: float | None) -> bool:
-    if size != entry.size:
-        return False
-    if entry.etag and etag:
-        return entry.etag == etag
-    return entry.mtime is not None and mtime is not None and entry.mtime == mtime
 
 
 def scan_containers(
