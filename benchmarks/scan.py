@@ -162,15 +162,16 @@ def run_read_images(root: Path, n: int) -> dict:
     return {"files": count, "seconds": seconds, "requests": None, "bytes": whole}
 
 
-def marginal(run, small, large, repeat: int = 2) -> tuple[float, dict]:
-    """Best of ``repeat`` runs at both sizes: the marginal rate in files/s, and the large run's figures."""
+def marginal(run, small, large, repeat: int = 2, count: str = "files") -> tuple[float, dict]:
+    """Best of ``repeat`` runs at both sizes: the marginal rate (``count`` per second: the result key that
+    counts the work, files or images), and the large run's figures."""
     best: dict[str, dict] = {}
     for _ in range(repeat):
         for key, arg in (("small", small), ("large", large)):
             result = run(arg)
             if key not in best or result["seconds"] < best[key]["seconds"]:
                 best[key] = result
-    extra = best["large"]["files"] - best["small"]["files"]
+    extra = best["large"][count] - best["small"][count]
     return extra / max(1e-9, best["large"]["seconds"] - best["small"]["seconds"]), best["large"]
 
 

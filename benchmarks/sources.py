@@ -42,7 +42,7 @@ from PIL import Image, ImageChops, ImageOps
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.scan import WORDS, LatencyStorage  # noqa: E402
+from benchmarks.scan import WORDS, LatencyStorage, marginal  # noqa: E402
 from manifests.buckets import BucketSpec  # noqa: E402
 from pipeline.ray_setup import loopback_only  # noqa: E402
 from pipeline.scan import ScanConfig, scan_dataset  # noqa: E402
@@ -146,18 +146,6 @@ def run_alternative(root: Path, cpus: int) -> dict:
             "shard_bytes": total}  # fmt: skip
 
 
-def marginal(run, small, large, repeat: int = 2) -> tuple[float, dict]:
-    """Best of ``repeat`` runs at both sizes: the marginal rate in images/s, and the large run's figures."""
-    best: dict[str, dict] = {}
-    for _ in range(repeat):
-        for key, arg in (("small", small), ("large", large)):
-            result = run(arg)
-            if key not in best or result["seconds"] < best[key]["seconds"]:
-                best[key] = result
-    extra = best["large"]["images"] - best["small"]["images"]
-    return extra / max(1e-9, best["large"]["seconds"] - best["small"]["seconds"]), best["large"]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--per-shard", type=int, default=500)
@@ -191,13 +179,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "manifest"
         run_scan(small, out)  # warm-up: Ray workers start, shards enter the page cache
-        rows.append(("bucketeer scan, local shards", *marginal(lambda r: run_scan(r, out), small, large)))
+        rows.append(("bucketeer scan, local shards", *marginal(lambda r: run_scan(r, out), small, large,
+                                                                      count="images")))
         slow = LatencyStorage(args.latency_ms / 1000)
         rows.append((f"bucketeer scan, +{args.latency_ms:g} ms per request", *marginal(
-            lambda r: run_scan(r, out, fs=slow), small, large)))  # fmt: skip
+            lambda r: run_scan(r, out, fs=slow), small, large, count="images")))  # fmt: skip
     ray.shutdown()
     alt = ("tarfile stream + Pillow decode of every image (local)",
-           *marginal(lambda r: run_alternative(r, args.cpus), subset(cache, alt_small), subset(cache, alt_large)))
+           *marginal(lambda r: run_alternative(r, args.cpus), subset(cache, alt_small), subset(cache, alt_large),
+                    count="images"))
     rows.append(alt)
 
     base = alt[1]

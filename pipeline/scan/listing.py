@@ -51,7 +51,7 @@ from manifests.retry import with_retries
 __all__ = [
     "IMAGE_EXTENSIONS", "IMAGE_SCHEMA", "WORK_SCHEMA", "FileEntry", "Listing", "WorkItem", "RescanPlan",
     "list_source", "classify", "extension", "work_table", "work_items", "plan_rescan", "caption_source",
-    "sidecar_version", "unchanged",
+    "sidecar_version", "unchanged", "previous_manifest",
 ]  # fmt: skip
 
 IMAGE_SCHEMA = pa.schema([f for f in SAMPLES_SCHEMA if f.name != "bucket"])  # a sample before bucketing
@@ -356,6 +356,19 @@ def unchanged(entry: FileEntry, size: int | None, etag: str | None, mtime: float
     return entry.mtime is not None and mtime is not None and entry.mtime == mtime
 
 
+def previous_manifest(out: str, previous: str | None, storage_options: dict[str, Any] | None):
+    """The manifest a rescan reuses rows from: ``previous``, else the one committed at ``out``, else None.
+
+    Raises ManifestError when ``previous`` was named and cannot be read.
+    """
+    try:
+        return read_manifest(previous or out, storage_options)
+    except ManifestError:
+        if previous:
+            raise
+        return None
+
+
 def plan_rescan(
     listing: Listing,
     out: str,
@@ -372,12 +385,7 @@ def plan_rescan(
     sidecar listed now (new, rewritten, or another sidecar wins), or was unknown (null: an older
     manifest, or a failed read). Table captions need no read: the table is in memory.
     """
-    old = None
-    try:
-        old = read_manifest(previous or out, storage_options)
-    except ManifestError:
-        if previous:
-            raise
+    old = previous_manifest(out, previous, storage_options)
     entries = {e.name: e for e in listing.images}
     empty = RescanPlan([], IMAGE_SCHEMA.empty_table(), ERRORS_SCHEMA.empty_table(), set())
     if old is None:

@@ -27,11 +27,11 @@ import pyarrow.compute as pc
 
 from manifests.buckets import BucketSpec
 from manifests.errors import StorageError, UsageError
-from manifests.manifest import ManifestError, apply_buckets, conform, read_manifest, write_manifest
+from manifests.manifest import apply_buckets, conform, write_manifest
 from manifests.schema import ERRORS_SCHEMA, sample_ids
 from manifests.storage import redact
 from pipeline.scan.captions import CaptionTable
-from pipeline.scan.listing import IMAGE_SCHEMA, FileEntry, Listing, unchanged
+from pipeline.scan.listing import IMAGE_SCHEMA, FileEntry, Listing, previous_manifest, unchanged
 from pipeline.scan.tasks import run_tasks
 from pipeline.sources.shards import SHARD_ROWS, scan_shard_batch, shard_work
 
@@ -83,12 +83,7 @@ def plan_shards(
 ) -> ShardPlan:
     """Split ``shards`` into shards to read and rows to reuse from the previous manifest
     (``previous``, else a committed one at ``out``). Raises ManifestError when ``previous`` is unreadable."""
-    old = None
-    try:
-        old = read_manifest(previous or out, storage_options)
-    except ManifestError:
-        if previous:
-            raise
+    old = previous_manifest(out, previous, storage_options)
     empty = ShardPlan(list(shards), IMAGE_SCHEMA.empty_table(), ERRORS_SCHEMA.empty_table(), new=len(shards))
     summary = old.meta.get("summary", {}) if old is not None else {}
     if old is None or old.max_pixels != config.max_pixels or any(
