@@ -66,6 +66,8 @@ SAMPLES_SCHEMA = pa.schema(
         pa.field("orientation", pa.int8()),  # EXIF orientation tag 1..8 (1 when absent)
         pa.field("bytes_read", pa.int64()),  # how much of the file the scan read
         pa.field("caption_source", pa.string()),  # version of what gave the caption (below)
+        # every caption of the sample when it has more than one (caption == captions[0]); null otherwise
+        pa.field("captions", pa.list_(pa.string())),
         *CONTAINER_FIELDS,
     ]
 )
@@ -86,6 +88,8 @@ ERRORS_SCHEMA = pa.schema(
         pa.field("orientation", pa.int8()),
         pa.field("bytes_read", pa.int64()),
         pa.field("caption_source", pa.string()),
+        # every caption of the sample when it has more than one (caption == captions[0]); null otherwise
+        pa.field("captions", pa.list_(pa.string())),
         *CONTAINER_FIELDS,
     ]
 )
@@ -103,7 +107,7 @@ ERRORS_SCHEMA = pa.schema(
 #                                                       existed: unknown, read again on the next scan
 
 # nullable columns added after FORMAT_VERSION 1 shipped: parts written before lack them and read as nulls
-ADDED_COLUMNS = frozenset({"caption_source", *CONTAINER_COLUMNS})
+ADDED_COLUMNS = frozenset({"caption_source", "captions", *CONTAINER_COLUMNS})
 
 ERROR_KINDS = (
     "empty",  # zero bytes

@@ -6,6 +6,16 @@
     bucketeer plan MANIFEST --extend PLAN --epochs 20         # write epochs 10..19 of that plan
     bucketeer plan --check PLAN MANIFEST                      # re-check every invariant (exit 1 if violated)
     bucketeer plan --resume PLAN --at 3:1200 --world-size 4 --out PLAN2   # elastic resume
+    bucketeer plan M1 M2 M3 --out PLAN --weights 0.6,0.3,0.1 --cache C1,C2,C3 --world-size 8 --batch-size 4
+    bucketeer plan M1 M2 --out PLAN --repeats 1,2.5 ...       # a mixture: see manifests/plan/mix.py
+
+A mixture (several manifests, or ``--weights``/``--repeats``, or a manifest with caption lists)
+counts samples per epoch by this rule: ``--repeats r``: ``round(r * n)`` samples of a dataset of
+``n`` (halves up); ``--weights w`` (normalised): an epoch holds as many samples as all datasets
+together, split by largest remainder. Each dataset's count is spread over its buckets by largest
+remainder; within an epoch a sample repeats only once every sample of its dataset and bucket has
+been drawn as often (fresh draw per epoch). Bucket leftovers are then dropped or padded as usual.
+``--cache C1,C2,...`` gives one cache per manifest, in the same order.
 
 ``python -m pipeline.plan`` takes the same options. The planning is pure numpy
 (:mod:`manifests.plan.schedule`); this module reads the inputs and prints the summary.
@@ -16,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -27,7 +38,7 @@ from manifests.storage import parse_storage_options, redact
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("manifest", nargs="?", help="manifest folder (local path or URL)")
+    parser.add_argument("manifest", nargs="*", help="manifest folder(s) (local path or URL); several make a mixture")
     parser.add_argument("--out", help="plan folder to write (local path or URL)")
     parser.add_argument("--world-size", type=int, help="number of training processes (ranks)")
     parser.add_argument(
@@ -53,7 +64,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="plan steps per optimizer step (default 1); steps per epoch become a multiple of it (whole "
         "global batches dropped or repeated), and the trainer accumulates gradients over it",
     )
-    parser.add_argument("--cache", default=None, help="plan only samples with a good record in this cache folder")
+    parser.add_argument("--cache", default=None, help="plan only samples with a good record in this cache folder; "
+                        "for several manifests one cache each, comma-separated, in the manifests' order")
+    m = parser.add_argument_group("mixtures (several manifests)")
+    m.add_argument("--repeats", default=None, metavar="R1,R2,...",
+                   help="samples per epoch of each manifest = round(r * its samples), halves up; r may be "
+                   "fractional (0.5: half of it each epoch, 3: each sample 3 times)")
+    m.add_argument("--weights", default=None, metavar="W1,W2,...",
+                   help="share of each manifest in an epoch of as many samples as all manifests hold "
+                   "together (normalised; counts by largest remainder)")  # fmt: skip
     g = parser.add_argument_group("packing mode")
     g.add_argument(
         "--max-tokens",
@@ -134,6 +153,7 @@ def _print_summary(meta: dict[str, Any]) -> None:
         )
     epochs = meta["epochs"]
     run = inputs["epochs"]
+    _print_mix(meta)
     print(
         f"steps:    {meta['steps_per_epoch']} per epoch, epochs {epochs[0]['epoch']}..{epochs[-1]['epoch']}"
         + (f" of {run} planned (write the rest with --extend)" if epochs[-1]["epoch"] < run - 1 else "")
@@ -164,17 +184,44 @@ def _print_summary(meta: dict[str, Any]) -> None:
     print(f"fingerprint: {meta['fingerprint']}")
 
 
+def _print_mix(meta: dict[str, Any]) -> None:
+    """Per dataset: "n samples, weight w -> k per epoch (x times each on average)", and its buckets."""
+    if "mix" not in meta:
+        return
+    mix, trained = meta["mix"], meta["counts"].get("per_dataset")
+    kind = meta["inputs"]["mix"]["kind"][:-1]  # weight | repeat
+    print(f"mix:      {len(mix['datasets'])} datasets ({mix['rule']})")
+    held = len(meta["epochs"])
+    for d, info in enumerate(mix["datasets"]):
+        value = info[kind] + (f" (share {info['share']:g})" if "share" in info and info["share"] != float(info[kind])
+                              else "")  # fmt: skip
+        print(f"  [{d}] {info['manifest'] or '-'}: {info['samples']} samples, {kind} {value} -> "
+              f"{info['per_epoch']} per epoch ({info['times']:g} times each on average)"
+              + (f"; trained {trained[d] / held:g} per epoch after bucket leftovers" if trained else ""))  # fmt: skip
+        per_bucket = ", ".join(f"{b} {c['samples']}->{c['per_epoch']}" for b, c in info["buckets"].items())
+        print(f"      per bucket (samples->per epoch): {per_bucket}")
+
+
 def _run_check(args: argparse.Namespace, options: dict[str, Any]) -> int:
     from manifests.manifest import read_manifest
+    from manifests.plan import read_plan_meta
     from manifests.plan.check import check_plan
 
-    manifest = read_manifest(args.manifest, options) if args.manifest else None
-    available = cache_fp = None
-    if args.cache:
-        available, cache_meta, _ = _cache_inputs(args.cache, options, manifest)
-        cache_fp = cache_meta["fingerprint"]
-    problems = check_plan(args.check, options, manifest=manifest, available_ids=available, cache_fingerprint=cache_fp,
-                          progress=True)  # fmt: skip
+    manifests = [read_manifest(m, options) for m in args.manifest]
+    caches = _cache_list(args.cache, len(manifests) or 1)
+    available, cache_fps = [], []
+    for d, cache in enumerate(caches):
+        ids, cache_meta, _ = (_cache_inputs(cache, options, manifests[d] if manifests else None) if cache
+                              else (None, {"fingerprint": None}, 0))  # fmt: skip
+        available.append(ids)
+        cache_fps.append(cache_meta["fingerprint"])
+    if len(manifests) > 1 or "mix" in read_plan_meta(args.check, options)["inputs"]:
+        problems = check_plan(args.check, options, manifests=manifests, available_ids=available,
+                              cache_fingerprints=cache_fps, progress=True)  # fmt: skip
+    else:
+        problems = check_plan(args.check, options, manifest=manifests[0] if manifests else None,
+                              available_ids=available[0], cache_fingerprint=cache_fps[0], progress=True)  # fmt: skip
+    manifest = manifests[0] if manifests else None
     for p in problems:
         print(f"violation: {redact(p)}")
     if problems:
@@ -225,29 +272,84 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _samples(args: argparse.Namespace, options: dict[str, Any]):
-    """``(manifest, sample ids, buckets, cache fingerprint, samples not in the cache, stale)`` to plan."""
-    from manifests.manifest import read_manifest
+def _cache_list(cache: str | None, manifests: int) -> list[str | None]:
+    """``--cache``: None, or one cache per manifest (comma-separated). Raises UsageError for another count."""
+    if not cache:
+        return [None] * manifests
+    caches = [c.strip() for c in cache.split(",")]
+    if len(caches) != manifests:
+        raise UsageError(f"--cache names {len(caches)} caches for {manifests} manifests: give one per manifest, "
+                         "comma-separated, in the same order")  # fmt: skip
+    return caches
 
-    if not args.manifest:
-        raise UsageError("MANIFEST is required: bucketeer plan MANIFEST --out PLAN … (or --extend PLAN)")
-    manifest = read_manifest(args.manifest, options)
+
+def _dataset(url: str, cache: str | None, options: dict[str, Any]):
+    """``(manifest, sample ids, buckets, caption counts | None, cache fingerprint, not in the cache, stale)``."""
+    from manifests.manifest import read_manifest
+    from manifests.plan.mix import caption_counts
+
+    manifest = read_manifest(url, options)
     ids = manifest.samples.column("sample_id").to_numpy()
     buckets = manifest.samples.column("bucket")
+    counts = caption_counts(manifest.samples)
     cache_fp, left_out, stale = None, 0, 0
-    if args.cache:
-        available, cache_meta, stale = _cache_inputs(args.cache, options, manifest)
+    if cache:
+        available, cache_meta, stale = _cache_inputs(cache, options, manifest)
         keep = cached_mask(ids, available)
         left_out = int((~keep).sum()) - stale
         if stale and not keep.any():
             raise UsageError(
-                f"none of the {len(ids)} samples of {redact(args.manifest)} has an up-to-date record in "
-                f"{redact(args.cache)} ({stale} changed since they were embedded): run "
-                f"`bucketeer embed {redact(args.manifest)} --out {redact(args.cache)}` first"
+                f"none of the {len(ids)} samples of {redact(url)} has an up-to-date record in "
+                f"{redact(cache)} ({stale} changed since they were embedded): run "
+                f"`bucketeer embed {redact(url)} --out {redact(cache)}` first"
             )
         ids, buckets = ids[keep], buckets.filter(pa.array(keep))
+        counts = None if counts is None else counts[keep]
         cache_fp = cache_meta["fingerprint"]
-    return manifest, ids, buckets, cache_fp, left_out, stale
+    return manifest, ids, buckets, counts, cache_fp, left_out, stale
+
+
+def _samples(args: argparse.Namespace, options: dict[str, Any], rule_json: dict[str, Any] | None = None):
+    """What to plan: ``("one", manifest, ids, buckets, cache fp, not in cache, stale)`` for a one-manifest plan,
+    ``("mix", MixedSamples, manifest fps, cache fps, per-dataset info)`` for a mixture.
+
+    ``rule_json``: the mixture rule recorded in a plan (``--extend``). Raises UsageError for no manifest, the
+    same manifest twice, both --weights and --repeats, or a rule for another number of manifests.
+    """
+    from manifests.plan.mix import DatasetSamples, MixRule, mix_samples
+
+    if not args.manifest:
+        raise UsageError("MANIFEST is required: bucketeer plan MANIFEST [MANIFEST ...] --out PLAN … (or --extend PLAN)")
+    if args.weights and args.repeats:
+        raise UsageError("give --weights or --repeats, not both")
+    caches = _cache_list(args.cache, len(args.manifest))
+    loaded = [_dataset(url, cache, options) for url, cache in zip(args.manifest, caches)]
+    seen: dict[str, int] = {}
+    for d, (manifest, *_rest) in enumerate(loaded):
+        if manifest.fingerprint in seen:
+            first = seen[manifest.fingerprint]
+            raise UsageError(f"manifest {redact(args.manifest[d])} is the same as manifest {first} "
+                             f"({redact(args.manifest[first])}): give each once and raise its "
+                             "--repeats or --weights instead")  # fmt: skip
+        seen[manifest.fingerprint] = d
+    if rule_json is not None:
+        rule = MixRule.from_json(rule_json)
+    elif args.weights or args.repeats:
+        kind = "weights" if args.weights else "repeats"
+        rule = MixRule.parse(kind, args.weights or args.repeats, len(loaded))
+    elif len(loaded) > 1 or loaded[0][3] is not None:
+        rule = MixRule("repeats", (Fraction(1),) * len(loaded))  # every sample once per epoch
+    else:
+        manifest, ids, buckets, _, cache_fp, left_out, stale = loaded[0]
+        return "one", manifest, ids, buckets, cache_fp, left_out, stale
+    if len(rule.values) != len(loaded):
+        raise UsageError(f"the plan mixes {len(rule.values)} manifests, {len(loaded)} given: give the manifests it "
+                         "was made from, in the same order")  # fmt: skip
+    mix = mix_samples([DatasetSamples(ids, buckets, counts, redact(url))
+                       for url, (_, ids, buckets, counts, *_r) in zip(args.manifest, loaded)], rule)  # fmt: skip
+    info = [{"manifest": url, "cache": cache, "not_in_cache": left_out, "stale": stale}
+            for url, cache, (*_r, left_out, stale) in zip(args.manifest, caches, loaded)]  # fmt: skip
+    return "mix", mix, [x[0].fingerprint for x in loaded], [x[4] for x in loaded], info
 
 
 # the planning options: --extend takes them from the plan, and refuses one given with another value
@@ -257,7 +359,7 @@ _INPUTS = {"world_size": "--world-size", "batch_size": "--batch-size", "seed": "
 
 
 def _extend(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
-    from manifests.plan import extend_plan, read_plan_meta
+    from manifests.plan import extend_mix_plan, extend_plan, read_plan_meta
 
     inputs = read_plan_meta(args.extend, options)["inputs"]
     for key, option in _INPUTS.items():
@@ -265,10 +367,21 @@ def _extend(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]
         if given is not None and given != inputs.get(key):
             raise UsageError(f"{option} {given} differs from the plan's {inputs.get(key)}: --extend writes more "
                              f"epochs of {redact(args.extend)} as it was made; leave {option} out")  # fmt: skip
-    manifest, ids, buckets, cache_fp, _, _ = _samples(args, options)
+    if "mix" in inputs:
+        if args.weights or args.repeats:
+            raise UsageError("--extend takes the mixture's --weights/--repeats from the plan; leave them out")
+        _, mix, manifest_fps, cache_fps, _ = _samples(args, options, inputs["mix"])
+        return extend_mix_plan(args.extend, mix, manifest_fingerprints=manifest_fps, cache_fingerprints=cache_fps,
+                               epochs=args.epochs, window=args.window, storage_options=options,
+                               progress=True)  # fmt: skip
+    picked = _samples(args, options)
+    if picked[0] != "one":
+        raise UsageError(f"{redact(args.extend)} is a one-manifest plan: extend it with its one manifest, "
+                         "without --weights/--repeats")  # fmt: skip
+    _, manifest, ids, buckets, cache_fp, _, _ = picked
     return extend_plan(args.extend, ids, buckets, manifest_fingerprint=manifest.fingerprint,
                        cache_fingerprint=cache_fp, epochs=args.epochs, window=args.window,
-                       sources={"manifest": args.manifest, "cache": args.cache}, storage_options=options,
+                       sources={"manifest": args.manifest[0], "cache": args.cache}, storage_options=options,
                        progress=True)  # fmt: skip
 
 
@@ -277,7 +390,7 @@ def _given(value: Any, default: Any) -> Any:
 
 
 def _plan(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
-    from manifests.plan import write_plan
+    from manifests.plan import write_mix_plan, write_plan
 
     config = PlanConfig(
         world_size=args.world_size,
@@ -290,7 +403,12 @@ def _plan(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
         latent_factor=_given(args.latent_factor, 8),
         patch_size=_given(args.patch_size, 2),
     )
-    manifest, ids, buckets, cache_fp, left_out, stale = _samples(args, options)
+    picked = _samples(args, options)
+    if picked[0] == "mix":
+        _, mix, manifest_fps, cache_fps, info = picked
+        return write_mix_plan(args.out, mix, config, manifest_fingerprints=manifest_fps, cache_fingerprints=cache_fps,
+                              datasets=info, storage_options=options, window=args.window, progress=True)  # fmt: skip
+    _, manifest, ids, buckets, cache_fp, left_out, stale = picked
     return write_plan(
         args.out,
         ids,
@@ -300,7 +418,7 @@ def _plan(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
         cache_fingerprint=cache_fp,
         not_in_cache=left_out,
         stale=stale,
-        sources={"manifest": args.manifest, "cache": args.cache},
+        sources={"manifest": args.manifest[0], "cache": args.cache},
         storage_options=options,
         window=args.window,
         progress=True,

@@ -35,6 +35,7 @@ import torch
 
 from manifests.cache import CacheError, CacheReader, TextLayout
 from manifests.cache.records import SampleRecord, to_float32
+from manifests.draws import uniforms
 from manifests.errors import UsageError
 from manifests.plan import read_plan_meta, read_plan_rows
 from manifests.storage import redact
@@ -216,14 +217,7 @@ def caption_dropout_mask(seed: int, epoch: int, sample_ids: Sequence[int], p: fl
     ``p``, a pure function of ``(seed, epoch, sample id)`` (so of the plan, not of the rank or the RNG state)."""
     if p <= 0:
         return np.zeros(len(sample_ids), bool)
-    ids = np.asarray(sample_ids, np.uint64)
-    # a splitmix64-style mix of (id, seed, epoch): vectorised (arrays wrap mod 2**64), no per-sample hashing
-    key = np.uint64(((seed * 1_000_003 + epoch) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1))
-    mixed = (ids * np.uint64(0x9E3779B97F4A7C15)) ^ key
-    mixed ^= mixed >> np.uint64(31)
-    mixed *= np.uint64(0x94D049BB133111EB)
-    mixed ^= mixed >> np.uint64(29)
-    return (mixed >> np.uint64(11)).astype(np.float64) / float(1 << 53) < p
+    return uniforms(seed, epoch, sample_ids) < p
 
 
 class BatchLoader:

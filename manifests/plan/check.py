@@ -14,7 +14,7 @@ reported, not raised.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -126,14 +126,18 @@ def check_plan(
     manifest: Any = None,
     available_ids: np.ndarray | None = None,
     cache_fingerprint: str | None = None,
+    manifests: Sequence[Any] = (),
+    cache_fingerprints: Sequence[str | None] = (),
     progress: bool = False,
 ) -> list[str]:
     """Every violated invariant of the plan at ``url``, one line each (empty when the plan is sound).
 
     ``manifest`` (a :class:`manifests.manifest.Manifest`) adds the fingerprint, membership and
     re-planning checks; ``available_ids`` / ``cache_fingerprint`` those of the cache the plan used.
-    ``progress``: report epochs checked (on stderr). Raises PlanError when ``url`` is not a
-    readable plan at all.
+    ``progress``: report epochs checked (on stderr). A mixture plan is checked against ``manifests``
+    (one per dataset, in order), ``available_ids`` (a list, one per dataset, None for no cache) and
+    ``cache_fingerprints`` instead (:mod:`manifests.plan.check_mix`). Raises PlanError when ``url``
+    is not a readable plan at all.
     """
     meta = read_plan_meta(url, storage_options)
     inputs = meta["inputs"]
@@ -168,6 +172,12 @@ def check_plan(
         if meta["mode"] == "fixed" and meta["global_batch"] != inputs["world_size"] * inputs["batch_size"]:
             problems.append(f"global batch {meta['global_batch']} != world size x batch size")
 
+    if "mix" in inputs:
+        from manifests.plan.check_mix import check_mix_plan
+
+        return check_mix_plan(url, meta, problems, manifests=manifests, available_ids=available_ids or (),
+                              cache_fingerprints=cache_fingerprints, storage_options=storage_options,
+                              progress=progress)  # fmt: skip
     names = sorted(meta["buckets"])
     planned = {n: b["samples"] for n, b in meta["buckets"].items()}
     batch_sizes = {n: b["batch_size"] for n, b in meta["buckets"].items()}

@@ -110,7 +110,8 @@ def resume_plan(
     def schedules():  # one epoch of the parent in memory at a time
         for e in todo:
             tables = read_plan_rows(plan_url, [e], storage_options=storage_options, meta=meta).ranks(e)
-            schedule = schedule_from_rank_tables(tables, entries[e]["padded"], entries[e]["dropped"])
+            schedule = schedule_from_rank_tables(tables, entries[e]["padded"], entries[e]["dropped"],
+                                                 entries[e].get("datasets"))  # fmt: skip
             yield schedule.tail(step) if e == epoch else schedule
 
     def entry(schedule: EpochSchedule, file: EpochFile) -> dict[str, Any]:

@@ -34,6 +34,7 @@ import hashlib
 import json
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
@@ -42,6 +43,7 @@ import pyarrow as pa
 from manifests import __version__
 from manifests.errors import MissingError, UsageError
 from manifests.plan.parts import EpochFile, PartProblem, encode_epoch, epoch_part, read_epoch_ranks, read_epoch_whole
+from manifests.plan.mix import MixedSamples, combined_fingerprint, mix_epoch
 from manifests.plan.schedule import (
     PLAN_SCHEMA,
     BucketedSamples,
@@ -51,6 +53,7 @@ from manifests.plan.schedule import (
     group_samples,
     latent_tokens,
     plan_epoch,
+    plan_schema,
 )
 from manifests.progress import Progress
 from manifests.storage import (
@@ -74,7 +77,10 @@ __all__ = [
     "PlanRows",
     "epoch_part",
     "write_plan",
+    "write_mix_plan",
     "extend_plan",
+    "extend_mix_plan",
+    "plan_columns",
     "read_plan_meta",
     "read_plan_rows",
     "read_rank_plan",
@@ -118,6 +124,8 @@ def epoch_entry(
         # per rank and step: min, max and sum of latent tokens (the plan's tokens_per_step adds these up)
         "tokens": [int(per_step.min()), int(per_step.max()), int(per_step.sum())] if len(per_step) else [0, 0, 0],
         **file.entry(),
+        # mixture plans: sample slots each dataset trains on in the whole epoch (after bucket leftovers)
+        **({} if schedule.dataset_counts is None else {"datasets": [int(c) for c in schedule.dataset_counts]}),
     }
 
 
@@ -129,12 +137,15 @@ def totals(epochs: list[dict[str, Any]]) -> dict[str, Any]:
             padded[n] = padded.get(n, 0) + c
         for n, c in e["dropped"].items():
             dropped[n] = dropped.get(n, 0) + c
-    return {
+    out = {
         "padded": sum(padded.values()),
         "dropped": sum(dropped.values()),
         "padded_per_bucket": dict(sorted(padded.items())),
         "dropped_per_bucket": dict(sorted(dropped.items())),
     }
+    if epochs and "datasets" in epochs[0]:  # mixture plans: slots per dataset over every epoch planned
+        out["per_dataset"] = [sum(e["datasets"][d] for e in epochs) for d in range(len(epochs[0]["datasets"]))]
+    return out
 
 
 def tokens_per_step(epochs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -207,16 +218,24 @@ def write_epochs(
     return entries
 
 
-def _bucket_inputs(samples: BucketedSamples, config: PlanConfig) -> tuple[np.ndarray, np.ndarray]:
+Samples = BucketedSamples | MixedSamples
+
+
+def _epoch(samples: Samples, config: PlanConfig, epoch: int) -> EpochSchedule:
+    """One epoch of a one-manifest plan (:func:`plan_epoch`) or of a mixture (:func:`mix_epoch`)."""
+    return mix_epoch(samples, config, epoch) if isinstance(samples, MixedSamples) else plan_epoch(samples, config, epoch)
+
+
+def _bucket_inputs(samples: Samples, config: PlanConfig) -> tuple[np.ndarray, np.ndarray]:
     """(per-rank batch size, latent tokens) per bucket: (k,) int64 each. Raises ValueError for --max-tokens."""
     return bucket_batch_sizes(samples.names, config), latent_tokens(samples.names, config.latent_factor,
                                                                     config.patch_size)  # fmt: skip
 
 
-def _plan_epochs(fs, root: str, samples: BucketedSamples, config: PlanConfig, epochs: range, job: str,
+def _plan_epochs(fs, root: str, samples: Samples, config: PlanConfig, epochs: range, job: str,
                  progress: bool) -> list[dict[str, Any]]:  # fmt: skip
     _, tokens = _bucket_inputs(samples, config)
-    steps = plan_epoch(samples, config, 0).steps if epochs.start else None
+    steps = _epoch(samples, config, 0).steps if epochs.start else None
     reporter = Progress(job, "epochs", total=len(epochs), unit="epochs", enabled=progress)
 
     def entry(schedule: EpochSchedule, file: EpochFile) -> dict[str, Any]:
@@ -225,7 +244,7 @@ def _plan_epochs(fs, root: str, samples: BucketedSamples, config: PlanConfig, ep
         assert schedule.steps == steps, "steps per epoch depend only on bucket sizes"
         return epoch_entry(schedule, file, steps, tokens, config.world_size)
 
-    schedules = (plan_epoch(samples, config, e) for e in epochs)
+    schedules = (_epoch(samples, config, e) for e in epochs)
     return write_epochs(fs, root, schedules, config.world_size, entry, reporter)
 
 
@@ -259,36 +278,98 @@ def write_plan(
     fingerprint. ``progress``: report epochs written (on stderr). Raises ValueError for bad inputs
     (see :class:`PlanConfig`, :func:`group_samples`, :func:`plan_epoch`) before anything is written.
     """
+    samples = _samples(sample_ids, buckets, sources)
+    return _write_new(url, samples, config, {"manifest_fingerprint": manifest_fingerprint,
+                      "cache_fingerprint": cache_fingerprint},
+                      {"planned": int(len(samples.ids)), "not_in_cache": int(not_in_cache), "stale": int(stale)},
+                      {}, sources, storage_options, window, progress)  # fmt: skip
+
+
+def write_mix_plan(
+    url: str,
+    mix: MixedSamples,
+    config: PlanConfig,
+    *,
+    manifest_fingerprints: Sequence[str],
+    cache_fingerprints: Sequence[str | None],
+    datasets: Sequence[dict[str, Any]],
+    storage_options: dict[str, Any] | None = None,
+    window: int | None = None,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Plan a mixture (:mod:`manifests.plan.mix`) and commit it at ``url``; returns ``_plan.json``.
+
+    ``datasets``: per manifest, ``{"manifest": url, "cache": url | None, "not_in_cache": n, "stale": n}``
+    (recorded, URLs redacted). Otherwise like :func:`write_plan`.
+    """
+    planned = {"planned": int(len(mix.ids)), "per_epoch": int(mix.per_epoch.sum()),
+               "not_in_cache": sum(int(d.get("not_in_cache", 0)) for d in datasets),
+               "stale": sum(int(d.get("stale", 0)) for d in datasets)}  # fmt: skip
+    inputs = {"manifest_fingerprint": combined_fingerprint(manifest_fingerprints),
+              "cache_fingerprint": combined_fingerprint(cache_fingerprints),
+              "mix": {**mix.rule.to_json(), "manifest_fingerprints": list(manifest_fingerprints),
+                      "cache_fingerprints": list(cache_fingerprints)}}  # fmt: skip
+    columns = (["dataset"] if mix.strata.shape[1] > 1 else []) + (["caption_index"] if mix.caption_counts is not None
+                                                                   else [])  # fmt: skip
+    extra = {"columns": columns, "mix": mix_summary(mix, datasets)}
+    return _write_new(url, mix, config, inputs, planned, extra, None, storage_options, window, progress)
+
+
+def mix_summary(mix: MixedSamples, datasets: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """``_plan.json["mix"]``: the rule, and per dataset its samples, value, slots per epoch, per bucket."""
+    out = []
+    for d, info in enumerate(datasets):
+        n, k = int(mix.sizes[d]), int(mix.per_epoch[d])
+        out.append({
+            "manifest": redact(info["manifest"]) if info.get("manifest") else None,
+            "cache": redact(info["cache"]) if info.get("cache") else None,
+            "samples": n, mix.rule.kind[:-1]: _decimal(mix.rule.values[d]), "per_epoch": k,
+            "times": round(k / n, 4),
+            **({"share": round(float(mix.rule.values[d] / sum(mix.rule.values)), 6)} if mix.rule.kind == "weights"
+               else {}),
+            "not_in_cache": int(info.get("not_in_cache", 0)), "stale": int(info.get("stale", 0)),
+            "buckets": {name: {"samples": int(mix.strata[b, d]), "per_epoch": int(mix.slots[b, d])}
+                        for b, name in enumerate(mix.names) if mix.strata[b, d]},
+        })  # fmt: skip
+    rule = ("repeats: k = round(r * n), halves up" if mix.rule.kind == "repeats" else
+            "weights: epoch = sum of samples, k by largest remainder")  # fmt: skip
+    return {"rule": rule + "; per bucket by largest remainder; see manifests/plan/mix.py", "datasets": out}
+
+
+def _decimal(value: Fraction) -> str:
+    """``value`` as the user wrote it when it is a short decimal (0.1), else as a fraction (1/3)."""
+    text = f"{float(value):.10g}"
+    return text if Fraction(text) == value else str(value)
+
+
+def _write_new(url: str, samples: Samples, config: PlanConfig, inputs: dict[str, Any], planned: dict[str, Any],
+               extra: dict[str, Any], sources: dict[str, str | None] | None, storage_options: dict[str, Any] | None,
+               window: int | None, progress: bool) -> dict[str, Any]:  # fmt: skip
     if window is not None and window < 1:
         raise UsageError(f"--window must be >= 1 (epochs to write now), got {window}")
-    samples = _samples(sample_ids, buckets, sources)
     per_rank, tokens = _bucket_inputs(samples, config)  # raises before anything is written
-    first = plan_epoch(samples, config, 0)  # raises "nothing to train" before anything is written
+    first = _epoch(samples, config, 0)  # raises "nothing to train" before anything is written
     fs, root = open_url(url, storage_options)
     begin_plan(fs, root)
-    planned = range(min(window or config.epochs, config.epochs))
-    epochs = _plan_epochs(fs, root, samples, config, planned, "plan", progress)
-    inputs = {
-        **config.to_json(),
-        "manifest_fingerprint": manifest_fingerprint,
-        "cache_fingerprint": cache_fingerprint,
-    }
+    epochs_planned = range(min(window or config.epochs, config.epochs))
+    epochs = _plan_epochs(fs, root, samples, config, epochs_planned, "plan", progress)
     meta = {
         "kind": PLAN_KIND,
         "format_version": PLAN_FORMAT_VERSION,
         "tool_version": __version__,
         "mode": "packing" if config.packing else "fixed",
-        "inputs": inputs,
+        "inputs": {**config.to_json(), **inputs},
         "sources": {k: (redact(v) if v else None) for k, v in (sources or {}).items()},
         "layout": epoch_part(0).replace("00000", "{epoch:05d}") + ", one row group per rank",
         "buckets": {
             n: {"samples": int(c), "batch_size": int(b), "latent_tokens": int(t)}
             for n, c, b, t in zip(samples.names, samples.counts, per_rank, tokens)
         },
-        "samples": {"planned": int(len(samples.ids)), "not_in_cache": int(not_in_cache), "stale": int(stale)},
+        "samples": planned,
         "global_batch": None if config.packing else config.world_size * config.batch_size,
         "steps_per_epoch": first.steps,
         "resumed_from": None,
+        **extra,
     }
     meta = with_epochs(meta, epochs)
     commit_plan(fs, root, meta)
@@ -315,18 +396,49 @@ def extend_plan(
     samples per bucket). The plan stays valid while this runs: new files are written first, the new
     ``_plan.json`` last. Raises PlanError for a plan that cannot be extended or other inputs.
     """
+    samples = _samples(sample_ids, buckets, sources)
+    return _extend(url, samples, manifest_fingerprint, cache_fingerprint, epochs, window, storage_options, progress)
+
+
+def extend_mix_plan(
+    url: str,
+    mix: MixedSamples,
+    *,
+    manifest_fingerprints: Sequence[str],
+    cache_fingerprints: Sequence[str | None],
+    epochs: int | None = None,
+    window: int | None = None,
+    storage_options: dict[str, Any] | None = None,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Write more epochs of the mixture plan at ``url``; like :func:`extend_plan`. Raises PlanError for a
+    plan made with another rule or other manifests or caches."""
     meta = read_plan_meta(url, storage_options)
+    if meta["inputs"].get("mix", {}).get("values") != mix.rule.to_json()["values"]:
+        raise PlanError(f"{redact(url)} was not made with --{mix.rule.kind} {','.join(mix.rule.to_json()['values'])}: "
+                        "extend it with the manifests, caches and rule it was made from")  # fmt: skip
+    return _extend(url, mix, combined_fingerprint(manifest_fingerprints), combined_fingerprint(cache_fingerprints),
+                   epochs, window, storage_options, progress, meta)  # fmt: skip
+
+
+def _extend(url: str, samples: Samples, manifest_fingerprint: str | None, cache_fingerprint: str | None,
+            epochs: int | None, window: int | None, storage_options: dict[str, Any] | None, progress: bool,
+            meta: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    meta = meta or read_plan_meta(url, storage_options)
     inputs = meta["inputs"]
     where = redact(url)
     if meta.get("resumed_from"):
         raise PlanError(f"{where} is a resumed plan; extend the plan it was resumed from, then resume again")
+    if isinstance(samples, MixedSamples) != ("mix" in inputs):
+        raise PlanError(f"{where} is {'a mixture' if 'mix' in inputs else 'a one-manifest'} plan: extend it with "
+                        "the manifest(s), --cache and rule it was made from")  # fmt: skip
     if inputs["manifest_fingerprint"] != manifest_fingerprint:
         raise PlanError(f"{where} was made from manifest {inputs['manifest_fingerprint'][:16]}…, not this one "
-                        f"({manifest_fingerprint[:16]}…): extend it with the manifest it was made from")  # fmt: skip
+                        f"({(manifest_fingerprint or '')[:16]}…): extend it with the manifest it was made "
+                        "from")  # fmt: skip
     if inputs.get("cache_fingerprint") != cache_fingerprint:
         raise PlanError(f"{where} was made with --cache of fingerprint {inputs.get('cache_fingerprint')}, not "
                         f"{cache_fingerprint}: pass the same --cache as when it was made")  # fmt: skip
-    samples = _samples(sample_ids, buckets, sources)
     counts = dict(zip(samples.names, samples.counts.tolist()))
     if counts != {n: b["samples"] for n, b in meta["buckets"].items()}:
         raise PlanError(f"{where}: the samples per bucket differ from the ones planned (the cache changed since?); "
@@ -358,6 +470,11 @@ def read_plan_meta(url: str, storage_options: dict[str, Any] | None = None) -> d
         "Run `bucketeer plan` to (re)build it.",
         version_hint="Re-run `bucketeer plan` with this version.",
     )  # fmt: skip
+
+
+def plan_columns(meta: dict[str, Any]) -> pa.Schema:
+    """The columns of a plan's files: PLAN_SCHEMA, then the mixture columns ``_plan.json["columns"]`` names."""
+    return plan_schema(meta.get("columns"))
 
 
 @dataclass(frozen=True)
@@ -402,7 +519,7 @@ def read_plan_rows(
     meta: dict[str, Any] | None = None,
 ) -> PlanRows:
     """The rows of ``epochs`` x ``ranks`` (default: every epoch the plan holds, every rank) in ``columns``
-    (default: all of PLAN_SCHEMA).
+    (default: all the plan's columns, :func:`plan_columns`).
 
     Every rank: each epoch file is read whole (one GET). Some ranks: the footer and their row groups
     by ranged reads. ``meta`` is the plan's ``_plan.json`` when the caller has it. A missing or
@@ -422,11 +539,12 @@ def read_plan_rows(
     for rank in ranks:
         if not 0 <= rank < world:
             raise PlanError(f"rank {rank} is outside {redact(url)}'s world size {world} (ranks 0..{world - 1})")
-    columns = list(PLAN_SCHEMA.names if columns is None else columns)
-    unknown = [c for c in columns if c not in PLAN_SCHEMA.names]
+    schema = plan_columns(meta)
+    columns = list(schema.names if columns is None else columns)
+    unknown = [c for c in columns if c not in schema.names]
     if unknown:
-        raise PlanError(f"columns {unknown} are not plan columns {PLAN_SCHEMA.names}")
-    want = pa.schema([PLAN_SCHEMA.field(c) for c in columns])
+        raise PlanError(f"columns {unknown} are not plan columns {schema.names}")
+    want = pa.schema([schema.field(c) for c in columns])
 
     fs, root = open_url(url, storage_options)
     tables, problems, sha256 = {}, {}, {}

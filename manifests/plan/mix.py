@@ -1,0 +1,268 @@
+"""Mixture plans: several manifests in one plan, each with a weight or a repeat count; caption choice.
+
+    bucketeer plan M1 M2 M3 --out PLAN --weights 0.6,0.3,0.1 ...   # or --repeats 1,3,10
+
+A sample is the pair ``(dataset, sample id)``: the same image in two manifests is two samples. Every
+bucket is shared by all datasets (a global batch may hold samples of several), and the plan's
+``dataset`` column says which dataset each sample of a row comes from.
+
+**The counting rule** (exact integer arithmetic; values are read as decimal fractions, ``0.1`` is 1/10):
+
+1. samples per epoch of dataset ``d`` with ``n_d`` samples:
+
+   - ``--repeats r_1,...``: ``k_d = round(r_d * n_d)``, halves rounded up (``r_d`` may be fractional:
+     0.5 takes half the dataset each epoch, 2.5 every sample 2 or 3 times);
+   - ``--weights w_1,...`` (normalised to sum 1): the epoch has ``T = n_1 + ... + n_D`` samples (as
+     many as the datasets hold together) and ``k_d`` is ``T * w_d / sum(w)`` rounded by largest
+     remainder (the floors, then +1 for the largest fractional parts, ties to the earlier dataset),
+     so ``sum(k_d) == T`` exactly;
+
+2. ``k_d`` is spread over the dataset's buckets in proportion to their sizes, by largest remainder
+   again (ties to the earlier bucket name): ``k_{d,b}`` is fixed for the whole run, so every epoch
+   has the same steps;
+3. each epoch, each of the ``n_{d,b}`` samples appears ``floor(k_{d,b} / n_{d,b})`` times, and
+   ``k_{d,b} mod n_{d,b}`` of them once more, drawn without replacement anew each epoch (seeded by
+   ``(seed, epoch)``): a sample is never repeated while another of its dataset and bucket waits;
+4. the buckets' sample slots are then batched exactly like a one-manifest plan's samples
+   (:mod:`manifests.plan.schedule`: shuffle, global batches, ``--leftover``, ``--grad-accum``), so
+   a bucket's leftover is dropped (or padded) as there; ``_plan.json`` records per epoch the slots
+   each dataset trains on after that.
+
+**Caption choice**: when a manifest has a ``captions`` list column, each slot's ``caption_index`` is
+``floor(u * len(captions))`` (0 for a sample with one caption) with ``u`` uniform, a pure function of
+``(seed, epoch, dataset, sample id)`` (:func:`manifests.draws.uniforms`): the same in every rank and
+resume, and changing from epoch to epoch. A one-manifest plan takes this path only when its manifest
+has caption lists or ``--repeats``/``--weights`` is given; otherwise it is the plan of
+:mod:`manifests.plan.schedule`, byte for byte. With one dataset and ``--repeats 1`` the schedule is
+the one-manifest schedule (same rows, plus the columns).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, replace
+from fractions import Fraction
+from typing import Any, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from manifests.draws import SALT_CAPTION_CHOICE, uniforms
+from manifests.errors import UsageError
+from manifests.plan.schedule import BucketedSamples, EpochSchedule, PlanConfig, group_samples, plan_epoch
+
+__all__ = ["MIX_RULES", "MixRule", "DatasetSamples", "MixedSamples", "mix_samples", "mix_epoch", "caption_choice",
+           "largest_remainder", "combined_fingerprint", "caption_counts"]
+
+MIX_RULES = ("weights", "repeats")
+MAX_DATASETS = 255  # the dataset column is uint8
+MAX_CAPTIONS = 256  # the caption_index column is uint8
+_DRAW_STREAM = 0x6D6978  # the per-epoch draw's random stream, apart from the schedule's
+
+
+def largest_remainder(total: int, shares: Sequence[Fraction] | np.ndarray,
+                      denominator: int | None = None) -> np.ndarray:  # fmt: skip
+    """(n,) int64 summing to ``total``, proportional to ``shares``: floors, then +1 for the largest remainders
+    (ties to the earlier entry).
+
+    ``shares``: Fractions (any sum), or integer numerators over ``denominator`` (vectorised, exact).
+    """
+    if denominator is None:
+        fracs = [Fraction(s) for s in shares]
+        whole = sum(fracs)
+        exact = [total * f / whole for f in fracs]
+        base = np.asarray([e.numerator // e.denominator for e in exact], np.int64)
+        rest = [e - int(b) for e, b in zip(exact, base)]
+        order = sorted(range(len(rest)), key=lambda i: (-rest[i], i))
+    else:
+        num = np.asarray(shares, np.int64) * total  # exact: total * n_b < 2**63 for any real dataset
+        base, rem = num // denominator, num % denominator
+        order = np.lexsort((np.arange(len(rem)), -rem))  # by remainder descending, then index
+    out = base.copy()
+    out[np.asarray(order[: total - int(base.sum())], np.int64)] += 1
+    return out
+
+
+@dataclass(frozen=True)
+class MixRule:
+    """``--weights`` or ``--repeats``: one value per dataset, as exact fractions of the decimal given."""
+
+    kind: str
+    values: tuple[Fraction, ...]
+
+    @classmethod
+    def parse(cls, kind: str, text: str, datasets: int) -> "MixRule":
+        """Raises UsageError naming the option for a value that is not a positive number or a wrong count."""
+        option = f"--{kind}"
+        try:
+            values = tuple(Fraction(v.strip()) for v in text.split(","))
+        except (ValueError, ZeroDivisionError):
+            raise UsageError(f"{option} must be comma-separated numbers, one per manifest, got {text!r}") from None
+        if len(values) != datasets:
+            raise UsageError(f"{option} has {len(values)} values for {datasets} manifests: give one per manifest, "
+                             "in the same order")  # fmt: skip
+        if any(v <= 0 for v in values):
+            raise UsageError(f"{option} values must be > 0, got {text!r} (leave a manifest out to skip it)")
+        return cls(kind, values)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "MixRule":
+        return cls(d["kind"], tuple(Fraction(v) for v in d["values"]))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "values": [str(v) for v in self.values]}
+
+    def per_epoch(self, sizes: Sequence[int]) -> np.ndarray:
+        """(D,) int64 samples per epoch of each dataset of ``sizes`` samples (the module's rule, step 1)."""
+        if self.kind == "repeats":
+            return np.asarray([int(Fraction(2 * r * n + 1) // 2) for r, n in zip(self.values, sizes)], np.int64)
+        return largest_remainder(int(sum(sizes)), self.values)
+
+
+@dataclass(frozen=True)
+class DatasetSamples:
+    """One manifest's samples to plan: ids, buckets, and (optional) caption counts per sample (1 if none)."""
+
+    ids: np.ndarray
+    buckets: pa.Array
+    caption_counts: np.ndarray | None = None
+    source: str = "manifest"
+
+
+@dataclass(frozen=True)
+class MixedSamples:
+    """Every dataset's samples, by bucket, then dataset, then id (the global index order).
+
+    ``ids`` / ``datasets`` / ``caption_counts``: (n,) per sample; ``strata``: (k, D) int64 samples
+    per (bucket, dataset); ``slots``: (k, D) int64 slots per epoch ``k_{d,b}``; ``per_epoch``: (D,).
+    """
+
+    names: tuple[str, ...]
+    ids: np.ndarray
+    datasets: np.ndarray
+    caption_counts: np.ndarray | None
+    strata: np.ndarray
+    slots: np.ndarray
+    per_epoch: np.ndarray
+    rule: MixRule
+
+    @property
+    def counts(self) -> np.ndarray:
+        """(k,) int64 sample slots per bucket per epoch: what the schedule batches."""
+        return self.slots.sum(axis=1)
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """(D,) int64 samples per dataset."""
+        return self.strata.sum(axis=0)
+
+
+def mix_samples(datasets: Sequence[DatasetSamples], rule: MixRule) -> MixedSamples:
+    """Group every dataset's samples by bucket and apply the counting rule. Raises UsageError for a dataset
+    with no sample, one with a sample listed twice, too many datasets or captions, or a dataset count of 0."""
+    if not 1 <= len(datasets) <= MAX_DATASETS:
+        raise UsageError(f"a plan mixes 1 to {MAX_DATASETS} manifests, got {len(datasets)}")
+    grouped: list[BucketedSamples] = []
+    counts: list[np.ndarray | None] = []
+    for d in datasets:
+        g = group_samples(d.ids, d.buckets, source=d.source)
+        if not len(g.ids):
+            raise UsageError(f"{d.source}: no sample to plan (empty manifest, or none of its samples is in the cache)")
+        grouped.append(g)
+        if d.caption_counts is None:
+            counts.append(None)
+            continue
+        order = np.argsort(np.asarray(d.ids, np.uint64))
+        sorted_ids = np.asarray(d.ids, np.uint64)[order]
+        c = np.asarray(d.caption_counts, np.int64)[order][np.searchsorted(sorted_ids, g.ids)]
+        if c.max(initial=1) > MAX_CAPTIONS:
+            raise UsageError(f"{d.source}: a sample has {int(c.max())} captions; a plan chooses among at most "
+                             f"{MAX_CAPTIONS}")  # fmt: skip
+        counts.append(np.maximum(c, 1))
+    names = tuple(sorted(set().union(*(g.names for g in grouped))))
+    strata = np.zeros((len(names), len(grouped)), np.int64)
+    for d, g in enumerate(grouped):
+        strata[[names.index(n) for n in g.names], d] = g.counts
+    sizes = strata.sum(axis=0)
+    per_epoch = rule.per_epoch(sizes.tolist())
+    zero = np.flatnonzero(per_epoch == 0)
+    if len(zero):
+        d = int(zero[0])
+        raise UsageError(f"{datasets[d].source}: --{rule.kind} {rule.values[d]} of {int(sizes[d])} samples gives "
+                         f"0 samples per epoch; raise its --{rule.kind}")  # fmt: skip
+    slots = np.stack([largest_remainder(int(per_epoch[d]), strata[:, d], int(sizes[d]))
+                      for d in range(len(grouped))], axis=1)  # fmt: skip
+    ids, dsets, caps = [], [], []
+    with_captions = any(c is not None for c in counts)
+    for b, name in enumerate(names):  # a loop over buckets x datasets (hundreds), never over samples
+        for d, g in enumerate(grouped):
+            if not strata[b, d]:
+                continue
+            i = g.names.index(name)
+            part = slice(int(g.starts[i]), int(g.starts[i] + g.counts[i]))
+            ids.append(g.ids[part])
+            dsets.append(np.full(int(g.counts[i]), d, np.uint8))
+            if with_captions:
+                caps.append(counts[d][part] if counts[d] is not None else np.ones(int(g.counts[i]), np.int64))
+    return MixedSamples(names=names, ids=np.concatenate(ids), datasets=np.concatenate(dsets),
+                        caption_counts=np.concatenate(caps).astype(np.int64) if with_captions else None,
+                        strata=strata, slots=slots, per_epoch=per_epoch, rule=rule)  # fmt: skip
+
+
+def caption_choice(seed: int, epoch: int, sample_ids: np.ndarray, datasets: np.ndarray | None,
+                   caption_counts: np.ndarray) -> np.ndarray:  # fmt: skip
+    """(n,) uint8: the caption index of each sample this epoch, uniform over its ``caption_counts`` captions.
+
+    A pure function of ``(seed, epoch, dataset, sample id)``; ``datasets`` None means dataset 0.
+    """
+    salt = np.uint64(SALT_CAPTION_CHOICE) + (np.zeros(1, np.uint64) if datasets is None
+                                             else np.asarray(datasets, np.uint64))  # fmt: skip
+    u = uniforms(seed, epoch, sample_ids, salt)
+    return np.minimum((u * caption_counts).astype(np.int64), caption_counts - 1).astype(np.uint8)
+
+
+def mix_epoch(mix: MixedSamples, config: PlanConfig, epoch: int) -> EpochSchedule:
+    """The global batches of ``epoch`` of a mixture plan (see the module docstring for the rule).
+
+    Raises ValueError like :func:`manifests.plan.schedule.plan_epoch` when the epoch would have no step.
+    """
+    rng = np.random.default_rng([config.seed, epoch, _DRAW_STREAM])
+    starts = np.concatenate([[0], np.cumsum(mix.strata.reshape(-1))]).astype(np.int64)  # stratum (b, d) starts
+    pieces = []
+    for s, (n, k) in enumerate(zip(mix.strata.reshape(-1).tolist(), mix.slots.reshape(-1).tolist())):
+        if not k:
+            continue
+        full, rest = divmod(k, n)
+        local = [np.tile(np.arange(n, dtype=np.int64), full)] if full else []
+        if rest:
+            local.append(np.sort(rng.permutation(n)[:rest]))
+        pieces.append(starts[s] + np.concatenate(local))
+    slots = np.concatenate(pieces)  # (K,) global sample index, bucket-major: what the schedule batches
+    schedule = plan_epoch(BucketedSamples(mix.names, slots.astype(np.uint64), mix.counts), config, epoch)
+    index = schedule.ids.astype(np.int64)  # batches sorted by global index = by (dataset, id)
+    ids, datasets = mix.ids[index], mix.datasets[index]
+    several = int(mix.strata.shape[1]) > 1
+    captions = None
+    if mix.caption_counts is not None:
+        captions = caption_choice(config.seed, epoch, ids, datasets if several else None, mix.caption_counts[index])
+    return replace(schedule, ids=ids, datasets=datasets if several else None, captions=captions,
+                   dataset_counts=np.bincount(datasets, minlength=mix.strata.shape[1]).astype(np.int64))  # fmt: skip
+
+
+def combined_fingerprint(fingerprints: Sequence[str | None]) -> str | None:
+    """One fingerprint for the list of the datasets' (manifest or cache) fingerprints; None when all are None."""
+    if all(f is None for f in fingerprints):
+        return None
+    return hashlib.sha256(json.dumps(list(fingerprints)).encode()).hexdigest()
+
+
+def caption_counts(samples: pa.Table) -> np.ndarray | None:
+    """(n,) int64 captions per manifest row (``len(captions)``, 1 where null); None when no row has a list."""
+    if "captions" not in samples.column_names:
+        return None
+    captions = samples.column("captions").combine_chunks()
+    if captions.null_count == len(captions):
+        return None
+    return np.maximum(pc.fill_null(pc.list_value_length(captions), 1).to_numpy().astype(np.int64), 1)
