@@ -184,22 +184,30 @@ def _print_summary(meta: dict[str, Any]) -> None:
     print(f"fingerprint: {meta['fingerprint']}")
 
 
-def _print_mix(meta: dict[str, Any]) -> None:
-    """Per dataset: "n samples, weight w -> k per epoch (x times each on average)", and its buckets."""
+def mix_lines(meta: dict[str, Any]) -> list[str]:
+    """Per dataset of a mixture plan: "n samples, weight w -> k per epoch (x times each on average)", the slots
+    trained after bucket leftovers, and per bucket samples -> slots per epoch. Empty for a one-manifest plan."""
     if "mix" not in meta:
-        return
+        return []
     mix, trained = meta["mix"], meta["counts"].get("per_dataset")
     kind = meta["inputs"]["mix"]["kind"][:-1]  # weight | repeat
-    print(f"mix:      {len(mix['datasets'])} datasets ({mix['rule']})")
     held = len(meta["epochs"])
+    lines = [f"{len(mix['datasets'])} datasets ({mix['rule']})"]
     for d, info in enumerate(mix["datasets"]):
         value = info[kind] + (f" (share {info['share']:g})" if "share" in info and info["share"] != float(info[kind])
                               else "")  # fmt: skip
-        print(f"  [{d}] {info['manifest'] or '-'}: {info['samples']} samples, {kind} {value} -> "
-              f"{info['per_epoch']} per epoch ({info['times']:g} times each on average)"
-              + (f"; trained {trained[d] / held:g} per epoch after bucket leftovers" if trained else ""))  # fmt: skip
+        lines.append(f"  [{d}] {info['manifest'] or '-'}: {info['samples']} samples, {kind} {value} -> "
+                     f"{info['per_epoch']} per epoch ({info['times']:g} times each on average)"
+                     + (f"; trained {trained[d] / held:g} per epoch after bucket leftovers" if trained
+                        else ""))  # fmt: skip
         per_bucket = ", ".join(f"{b} {c['samples']}->{c['per_epoch']}" for b, c in info["buckets"].items())
-        print(f"      per bucket (samples->per epoch): {per_bucket}")
+        lines.append(f"      per bucket (samples -> per epoch): {per_bucket}")
+    return lines
+
+
+def _print_mix(meta: dict[str, Any]) -> None:
+    for i, line in enumerate(mix_lines(meta)):
+        print(("mix:      " if i == 0 else "") + line)
 
 
 def _run_check(args: argparse.Namespace, options: dict[str, Any]) -> int:

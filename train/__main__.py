@@ -8,7 +8,10 @@ PLAN is made for as many ranks as there are processes (``bucketeer plan --world-
 trains on exactly its plan rows. ``--resume`` continues from the latest checkpoint in
 ``--output-dir`` with exactly the batches an uninterrupted run would have seen, on any number of
 processes that divides the global batch (the plan is re-cut for it). Nothing is listed: the plan,
-the cache's ``_cache.json`` and index are read by name, records by ranged reads.
+the cache's ``_cache.json`` and index are read by name, records by ranged reads. A plan over several
+manifests (``bucketeer plan M1 M2 ...``) takes one cache per manifest, ``--cache C1,C2,...`` in the
+plan's order; each is checked against the cache fingerprint the plan recorded for its dataset, and
+each sample is read from its dataset's cache.
 
 What is trained is the cache's model family's recipe (:mod:`train.recipes`: SDXL's UNet, the SD3
 and Flux transformers fine-tuned from their pretrained weights, PixArt's from-scratch transformer),
@@ -77,7 +80,8 @@ class StopReason(enum.Enum):
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m train", description=__doc__.split("\n\n")[0])
     p.add_argument("--plan", required=True, help="plan folder (local path or URL) from `bucketeer plan`")
-    p.add_argument("--cache", required=True, help="cache folder (local path or URL) from `bucketeer embed`")
+    p.add_argument("--cache", required=True, help="cache folder (local path or URL) from `bucketeer embed`; for "
+                   "a plan over several manifests one cache per manifest, comma-separated, in the plan's order")
     p.add_argument("--config", default=None, help="YAML/JSON training config (default: train/configs/<family>.yaml "
                    "for an sdxl, sd3 or flux cache, else train/configs/tiny.yaml)")
     p.add_argument("--output-dir", default="train-output",
@@ -123,8 +127,8 @@ def _setup_accelerator(args: argparse.Namespace) -> Run:
     from train.config import default_config, load_config
     from train.output import check_shared, open_output
 
-    so = _no_head_options(parse_storage_options(args.storage_options), args.plan, args.cache)
-    cfg = load_config(args.config or default_config(read_cache_meta(args.cache, so).get("family")))
+    so = _no_head_options(parse_storage_options(args.storage_options), args.plan, *args.cache.split(","))
+    cfg = load_config(args.config or default_config(read_cache_meta(args.cache.split(",")[0], so).get("family")))
     root_url = args.plan if "://" in args.plan else os.path.abspath(args.plan)
     root_meta = read_plan_meta(root_url, so)
     grad_accum = plan_grad_accum(root_meta, cfg.grad_accum, redact(args.plan))
@@ -187,12 +191,20 @@ def _setup_data(run: Run, args: argparse.Namespace):
     from train.data import BatchLoader, rank_steps
 
     accelerator, cursor, cfg = run.accelerator, run.cursor, run.cfg
-    reader = CacheReader(args.cache, run.storage_options)
-    wanted = run.plan_meta["inputs"].get("cache_fingerprint")
-    if wanted and wanted != reader.meta["fingerprint"]:
-        raise UsageError(f"the plan was made for a cache with fingerprint {wanted[:12]}, but --cache "
-                         f"{redact(args.cache)} has {reader.meta['fingerprint'][:12]}: "
-                         "pass that cache or re-plan")  # fmt: skip
+    caches = [c.strip() for c in args.cache.split(",")]
+    mix = run.plan_meta["inputs"].get("mix")
+    wanted = mix["cache_fingerprints"] if mix else [run.plan_meta["inputs"].get("cache_fingerprint")]
+    if len(caches) != len(wanted):
+        raise UsageError(f"--cache names {len(caches)} caches, the plan mixes {len(wanted)} manifests: pass one "
+                         "cache per manifest, comma-separated, in the order `bucketeer plan` was given "
+                         "them")  # fmt: skip
+    readers = [CacheReader(c, run.storage_options) for c in caches]
+    for d, (cache, reader, fp) in enumerate(zip(caches, readers, wanted)):
+        if fp and fp != reader.meta["fingerprint"]:
+            raise UsageError(f"the plan was made for a cache with fingerprint {fp[:12]}"
+                             + (f" for dataset {d}" if mix else "") + f", but --cache {redact(cache)} has "
+                             f"{reader.meta['fingerprint'][:12]}: pass that cache or re-plan")  # fmt: skip
+    reader = readers[0]
     plan_so = run.storage_options if "://" in run.plan_url else None
     if not run.output.is_local and run.plan_url.startswith(run.output.url_of("")):
         plan_so = run.output.fs.storage_options  # an elastic plan written under a URL --output-dir
@@ -202,7 +214,7 @@ def _setup_data(run: Run, args: argparse.Namespace):
     counts = accelerator.gather(torch.tensor([len(steps)], device=accelerator.device)).tolist()
     if len(set(counts)) != 1:  # a plan invariant; checked because a violation would hang DDP
         raise UsageError(f"ranks have different step counts {counts}: run `bucketeer plan --check`")
-    loader = BatchLoader(reader, steps, reader.meta["latent"], rank=accelerator.process_index,
+    loader = BatchLoader(readers, steps, reader.meta["latent"], rank=accelerator.process_index,
                          prefetch=cfg.prefetch, read_threads=cfg.read_threads,
                          skip_bad_records=args.skip_bad_records, pin_memory=accelerator.device.type == "cuda",
                          log=lambda line: print(redact(line), file=sys.stderr, flush=True),
@@ -352,7 +364,7 @@ def train(args: argparse.Namespace) -> int:
                 lr_scheduler.step()
             if ema is not None:
                 ema.step(unwrapped)
-        recorder.write(batch.epoch, batch.step, batch.sample_ids, batch.skipped)
+        recorder.write(batch.epoch, batch.step, batch.sample_ids, batch.skipped, batch.datasets)
         cursor = cursor.after(batch.epoch, batch.step, optimizer_steps=updates)
         window.add(loss_value, len(batch.sample_ids), int(batch.latent_positions * denoiser.tokens_per_position),
                    t_data - t0, time.perf_counter() - t0)  # fmt: skip

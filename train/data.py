@@ -52,12 +52,19 @@ class BadRecordError(UsageError):
 
 @dataclass(frozen=True)
 class PlanStep:
-    """One plan row of this rank: the samples of one step, all of one bucket."""
+    """One plan row of this rank: the samples of one step, all of one bucket.
+
+    Mixture plans: ``dataset`` (B,) uint8, the dataset (and cache) of each sample, None for a
+    one-manifest plan; ``caption_index`` (B,) uint8, the caption the plan chose from each sample's
+    caption list, None for plans without caption lists (caption 0).
+    """
 
     epoch: int
     step: int
     bucket: str
     sample_ids: tuple[int, ...]
+    dataset: np.ndarray | None = None
+    caption_index: np.ndarray | None = None
 
 
 class RankSteps:
@@ -99,8 +106,10 @@ class RankSteps:
                                meta=self.meta).table()  # fmt: skip
         steps = table.column("step").to_numpy()
         keep = table.filter((steps >= first) & (steps < first + count))
-        return [PlanStep(epoch, s, b, tuple(i)) for s, b, i in zip(keep.column("step").to_pylist(),
-                keep.column("bucket").to_pylist(), keep.column("sample_ids").to_pylist())]  # fmt: skip
+        rows = [keep.column(c).to_pylist() for c in ("step", "bucket", "sample_ids")]
+        extra = [[np.asarray(v, np.uint8) for v in keep.column(c).to_pylist()] if c in keep.column_names
+                 else [None] * keep.num_rows for c in ("dataset", "caption_index")]  # fmt: skip
+        return [PlanStep(epoch, s, b, tuple(i), d, c) for s, b, i, d, c in zip(*rows, *extra)]
 
     def epochs(self) -> Iterator[list[PlanStep]]:
         with ThreadPoolExecutor(1, thread_name_prefix=f"bucketeer-plan-{self.rank}") as pool:
@@ -160,6 +169,7 @@ class Batch:
     pooled: torch.Tensor | None = None
     dropped: list[int] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)
+    datasets: list[int] | None = None  # mixture plans: the dataset of each of sample_ids
 
     @property
     def latent_positions(self) -> int:
@@ -212,12 +222,14 @@ def collate(
     )
 
 
-def caption_dropout_mask(seed: int, epoch: int, sample_ids: Sequence[int], p: float) -> np.ndarray:
+def caption_dropout_mask(seed: int, epoch: int, sample_ids: Sequence[int], p: float,
+                         datasets: Sequence[int] | None = None) -> np.ndarray:  # fmt: skip
     """Which of ``sample_ids`` train on the empty caption this epoch: (B,) bool, each True with probability
-    ``p``, a pure function of ``(seed, epoch, sample id)`` (so of the plan, not of the rank or the RNG state)."""
+    ``p``, a pure function of ``(seed, epoch, sample id)`` (so of the plan, not of the rank or the RNG state).
+    ``datasets`` (mixture plans): the sample is ``(dataset, id)``; dataset 0 draws what a one-manifest plan does."""
     if p <= 0:
         return np.zeros(len(sample_ids), bool)
-    return uniforms(seed, epoch, sample_ids) < p
+    return uniforms(seed, epoch, sample_ids, 0 if datasets is None else np.asarray(datasets, np.uint64)) < p
 
 
 class BatchLoader:
@@ -232,11 +244,14 @@ class BatchLoader:
     record. ``skipped`` counts the records dropped from the batches handed out so far.
     ``caption_dropout``: the probability that a sample trains on the empty caption (drawn by
     :func:`caption_dropout_mask` with ``seed``); the empty caption's record is read once, here.
+    ``reader``: one cache, or (mixture plans) one per dataset in the plan's order: a sample of
+    dataset ``d`` is read from ``reader[d]``. Their encoders must be the same (text layout, latent
+    scaling); raises UsageError otherwise.
     """
 
     def __init__(
         self,
-        reader: CacheReader,
+        reader: CacheReader | Sequence[CacheReader],
         steps: Sequence[PlanStep] | RankSteps,
         latent_info: dict[str, Any],
         *,
@@ -251,11 +266,17 @@ class BatchLoader:
     ):
         if prefetch < 1 or read_threads < 1:
             raise UsageError(f"prefetch ({prefetch}) and read_threads ({read_threads}) must be >= 1")
-        self.reader = reader
+        self.readers = [reader] if isinstance(reader, CacheReader) else list(reader)
+        self.reader = reader = self.readers[0]
         self.steps = steps if isinstance(steps, RankSteps) else list(steps)
         self.scaling_factor = float(latent_info.get("scaling_factor") or 1.0)
         self.shift_factor = float(latent_info.get("shift_factor") or 0.0)
         self.layout = TextLayout.from_meta(reader.meta)
+        for other in self.readers[1:]:  # one batch holds samples of several caches: one encoder for all
+            if TextLayout.from_meta(other.meta) != self.layout or other.meta["latent"] != reader.meta["latent"]:
+                raise UsageError(f"cache {redact(other.url)} was made with other encoders (text layout or latent "
+                                 f"settings) than {redact(reader.url)}: a mixture's caches must come from one "
+                                 "`bucketeer embed` setup")  # fmt: skip
         self.rank = rank
         self.prefetch = prefetch
         self.read_threads = min(read_threads, prefetch)  # more threads than batches ahead would idle
@@ -283,10 +304,19 @@ class BatchLoader:
         """Fail before the first of ``steps`` when the plan names samples the cache index lacks."""
         if not steps:
             return
-        wanted = np.unique(np.concatenate([np.asarray(s.sample_ids, np.uint64) for s in steps]))
-        missing = np.setdiff1d(wanted, self.reader.sample_ids)
+        ids = np.concatenate([np.asarray(s.sample_ids, np.uint64) for s in steps])
+        sets = np.concatenate([np.zeros(len(s.sample_ids), np.int64) if s.dataset is None
+                               else s.dataset.astype(np.int64) for s in steps])  # fmt: skip
+        for d in np.unique(sets):
+            if d >= len(self.readers):
+                raise UsageError(f"the plan names dataset {d} but {len(self.readers)} caches were given: pass one "
+                                 "--cache per manifest of the plan, in its order")  # fmt: skip
+            self._check_dataset_ids(np.unique(ids[sets == d]), self.readers[d])
+
+    def _check_dataset_ids(self, wanted: np.ndarray, reader: CacheReader) -> None:
+        missing = np.setdiff1d(wanted, reader.sample_ids)
         if len(missing) and not self.skip_bad_records:
-            url = redact(self.reader.url)
+            url = redact(reader.url)
             raise BadRecordError(
                 f"rank {self.rank}: {len(missing)} samples of the plan are not in cache {url} "
                 f"(e.g. {missing[:5].tolist()}): the plan was made for another cache, or records were lost. "
@@ -298,33 +328,50 @@ class BatchLoader:
 
     def _read(self, step: PlanStep) -> Batch:
         """One step's batch (runs on a reading thread; touches no loader state)."""
+        sets = [0] * len(step.sample_ids) if step.dataset is None else step.dataset.tolist()
         try:
-            records = self.reader.read(step.sample_ids)
+            records = self._fetch(step.sample_ids, sets)
             skipped: list[int] = []
         except CacheError as e:
             if not self.skip_bad_records:
                 raise BadRecordError(f"rank {self.rank} epoch {step.epoch} step {step.step}: {e}. "
                                      "To train on without bad records, pass --skip-bad-records.") from None  # fmt: skip
-            records, skipped = [], []
-            for sid in step.sample_ids:  # find the bad ones: one read each
+            records, skipped, kept = [], [], []
+            for sid, d in zip(step.sample_ids, sets):  # find the bad ones: one read each
                 try:
-                    records.extend(self.reader.read([sid]))
+                    records.extend(self.readers[d].read([sid]))
+                    kept.append(d)
                 except CacheError as bad:
                     skipped.append(sid)
                     self.log(f"skipping bad record (--skip-bad-records): {bad}")
+            sets = kept
             if not records:
                 raise BadRecordError(f"rank {self.rank} epoch {step.epoch} step {step.step}: all {len(skipped)} "
                                      "records are bad; ranks cannot stay in step. "
                                      "Run `bucketeer verify`.") from None  # fmt: skip
         dropped: list[int] = []
         if self.empty_text is not None:
-            drop = caption_dropout_mask(self.seed, step.epoch, [r.sample_id for r in records], self.caption_dropout)
+            drop = caption_dropout_mask(self.seed, step.epoch, [r.sample_id for r in records], self.caption_dropout,
+                                        None if step.dataset is None else sets)  # fmt: skip
             records = [replace(r, text=self.empty_text) if d else r for r, d in zip(records, drop)]
             dropped = [r.sample_id for r, d in zip(records, drop) if d]
         batch = collate(records, step, layout=self.layout, scaling_factor=self.scaling_factor,
                         shift_factor=self.shift_factor)
         batch.skipped, batch.dropped = skipped, dropped
+        batch.datasets = None if step.dataset is None else [int(d) for d in sets]
         return batch.pin_memory() if self.pin_memory else batch
+
+    def _fetch(self, sample_ids: Sequence[int], sets: list[int]) -> list[SampleRecord]:
+        """Records of ``sample_ids`` in order, each read from its dataset's cache (one batched read per cache)."""
+        if not any(sets):
+            return self.readers[0].read(sample_ids)
+        out: list[SampleRecord | None] = [None] * len(sample_ids)
+        where = np.asarray(sets)
+        for d in np.unique(where):
+            pos = np.flatnonzero(where == d)
+            for p, record in zip(pos, self.readers[int(d)].read([sample_ids[i] for i in pos])):
+                out[p] = record
+        return out  # type: ignore[return-value]
 
     def __iter__(self) -> Iterator[Batch]:
         assert self._pool is None, "a BatchLoader is iterated once"

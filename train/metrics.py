@@ -65,7 +65,8 @@ class Window:
 
 
 class SampleRecorder:
-    """``DIR/rank-<r>.jsonl``: ``{"epoch", "step", "rank", "sample_ids"}`` per step (+ ``skipped`` if any)."""
+    """``DIR/rank-<r>.jsonl``: ``{"epoch", "step", "rank", "sample_ids"}`` per step (+ ``skipped`` if any,
+    + ``datasets``, the dataset of each sample, for a plan over several manifests)."""
 
     def __init__(self, directory: str | Path | None, rank: int):
         self.file = None
@@ -74,12 +75,15 @@ class SampleRecorder:
             self.file = open(Path(directory) / f"rank-{rank}.jsonl", "a", buffering=1)  # a line per write
         self.rank = rank
 
-    def write(self, epoch: int, step: int, sample_ids: list[int], skipped: list[int]) -> None:
+    def write(self, epoch: int, step: int, sample_ids: list[int], skipped: list[int],
+              datasets: list[int] | None = None) -> None:  # fmt: skip
         if self.file is None:
             return
         row: dict[str, Any] = {"epoch": epoch, "step": step, "rank": self.rank, "sample_ids": sample_ids}
         if skipped:
             row["skipped"] = skipped
+        if datasets is not None:
+            row["datasets"] = datasets
         self.file.write(json.dumps(row) + "\n")
 
     def close(self) -> None:

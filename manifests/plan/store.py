@@ -223,7 +223,9 @@ Samples = BucketedSamples | MixedSamples
 
 def _epoch(samples: Samples, config: PlanConfig, epoch: int) -> EpochSchedule:
     """One epoch of a one-manifest plan (:func:`plan_epoch`) or of a mixture (:func:`mix_epoch`)."""
-    return mix_epoch(samples, config, epoch) if isinstance(samples, MixedSamples) else plan_epoch(samples, config, epoch)
+    if isinstance(samples, MixedSamples):
+        return mix_epoch(samples, config, epoch)
+    return plan_epoch(samples, config, epoch)
 
 
 def _bucket_inputs(samples: Samples, config: PlanConfig) -> tuple[np.ndarray, np.ndarray]:

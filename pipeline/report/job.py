@@ -198,6 +198,9 @@ def plan_section(url: str, manifest: Manifest, plots, storage_options: dict[str,
         np.add.at(tokens, (rank_at, step_at), per_row)
 
     fingerprint_in = inputs.get("manifest_fingerprint")
+    mixed = (inputs.get("mix") or {}).get("manifest_fingerprints")
+    if mixed:  # a mixture: this manifest is one of its datasets, or not
+        fingerprint_in = manifest.fingerprint if manifest.fingerprint in mixed else fingerprint_in
     if fingerprint_in is None:
         match = "not recorded"
     elif fingerprint_in == manifest.fingerprint:
@@ -216,6 +219,14 @@ def plan_section(url: str, manifest: Manifest, plots, storage_options: dict[str,
                            f"{sum(padded)} padding repeats ({100 * sum(padded) / max(total_slots, 1):.1f}%), "
                            f"{sum(dropped)} dropped"),
     ]  # fmt: skip
+    if mixed:
+        from pipeline.plan import mix_lines
+
+        index = mixed.index(manifest.fingerprint) if manifest.fingerprint in mixed else None
+        rows.append(("mixture", f"this manifest is dataset {index} of {len(mixed)}" if index is not None
+                     else f"{len(mixed)} datasets; this manifest is none of them"))  # fmt: skip
+        rows += [(f"dataset {line.split(']')[0].strip(' [')}" if line.lstrip().startswith("[") else "", line.strip())
+                 for line in mix_lines(meta)[1:]]  # fmt: skip
     tps = meta.get("tokens_per_step")
     if isinstance(tps, dict):
         rows.append(("tokens per step and rank", ", ".join(f"{k} {v}" for k, v in tps.items())))
