@@ -5,7 +5,9 @@ seed); :mod:`~manifests.plan.parts` encodes an epoch as one parquet file with a 
 and reads it whole or one rank at a time; :mod:`~manifests.plan.store` writes plans (all epochs or
 a window, extended later) and reads their rows (``read_plan_rows``, the one reader);
 :mod:`~manifests.plan.resume` re-cuts a plan for an elastic resume; :mod:`~manifests.plan.check`
-re-verifies every invariant of a committed plan.
+re-verifies every invariant of a committed plan. :mod:`~manifests.plan.mix` plans several manifests
+together (weights, repeats, the per-sample dataset and caption choice), checked by
+:mod:`~manifests.plan.check_mix`.
 """
 
 from manifests.plan.parts import epoch_part
@@ -18,10 +20,13 @@ from manifests.plan.store import (
     PlanError,
     PlanMissingError,
     PlanRows,
+    extend_mix_plan,
     extend_plan,
+    plan_columns,
     read_plan_meta,
     read_plan_rows,
     read_rank_plan,
+    write_mix_plan,
     write_plan,
 )
 
@@ -36,10 +41,13 @@ __all__ = [
     "PlanMissingError",
     "PlanRows",
     "epoch_part",
+    "extend_mix_plan",
     "extend_plan",
+    "plan_columns",
     "read_plan_meta",
     "read_plan_rows",
     "read_rank_plan",
     "resume_plan",
+    "write_mix_plan",
     "write_plan",
 ]

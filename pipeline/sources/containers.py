@@ -56,7 +56,8 @@ def check_container_source(listing: Listing, source: str) -> None:
         raise UsageError(
             f"{redact(source)} holds both {len(listing.shards)} tar shards (e.g. {listing.shards[0].name}) and "
             f"{len(listing.images)} loose images (e.g. {listing.images[0].name}): pack the loose images "
-            "into .tar shards too, or move them to a folder of their own and scan it into its own manifest"
+            "into .tar shards too, or move them to a folder of their own, scan it into its own manifest and "
+            "plan both together: `bucketeer plan MANIFEST_SHARDS MANIFEST_LOOSE --out PLAN ...`"
         )
 
 
