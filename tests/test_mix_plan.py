@@ -167,7 +167,7 @@ def manifests(tmp_path_factory) -> list[str]:
     for d, n in enumerate((600, 150, 12)):
         samples, errors = manifest_tables(n, seed=d)
         if d == 1:
-            lists = [[f"caption {i} a", f"caption {i} b", f"caption {i} c"][: 1 + i % 3] for i in range(samples.num_rows)]
+            lists = [[f"caption {i} {v}" for v in "abc"][: 1 + i % 3] for i in range(samples.num_rows)]
             samples = samples.set_column(samples.schema.get_field_index("captions"), "captions",
                                          pa.array(lists, pa.list_(pa.string())))  # fmt: skip
         url = str(base / f"m{d}")
