@@ -2,6 +2,7 @@
 
     python benchmarks/plan.py                                   # the full run (~8 GB written to a temp folder)
     python benchmarks/plan.py --epochs 10 --samples 1000000     # smaller
+    python benchmarks/plan.py --mix --world-size 64 --epochs 3  # mixture: 3 manifests vs one of the same size
 
 Measures, each in a fresh child process so that its peak RSS (``VmHWM``) is its own:
 
@@ -17,6 +18,11 @@ Side by side, in the same run, the alternatives a user would otherwise have: the
 to every epoch), and the loop popular trainers run at start-up on every rank (a dict of per-bucket
 lists, ``random.shuffle``, ``batches[rank::world]``; run on a subsample and extrapolated linearly, on
 ready-made Python lists, which favours it; it writes nothing and does not give equal steps).
+
+``--mix``: a plan of 3 manifests (10M, 1M, 10k samples by default, ``--mix-sizes``) with ``--weights
+0.6,0.3,0.1`` (an epoch of as many slots as the three hold together: the 10k dataset repeated 110x)
+against today's one-manifest plan of the same total size, same world shape, each in a fresh
+process: seconds per epoch and peak memory, and their ratio (target <= 1.5x).
 """
 
 from __future__ import annotations
@@ -93,6 +99,55 @@ def child_plan(inputs: str, out: str, world: int, batch: int, buckets: int, epoc
             "maxrss_mib": maxrss_mib(), "inputs_rss_mib": rss0}  # fmt: skip
 
 
+def child_mix(inputs: str, out: str, world: int, batch: int, buckets: int, epochs: int) -> dict:
+    """The mixture plan: group the datasets, apply the rule, plan and write every epoch."""
+    from manifests.plan.mix import DatasetSamples, MixRule, mix_samples
+    from manifests.plan.schedule import PlanConfig
+    from manifests.plan.store import write_mix_plan
+
+    data = np.load(inputs)
+    sets = sorted(int(k[3:]) for k in data.files if k.startswith("ids"))
+    inputs_ = [(data[f"ids{d}"], bucket_array(data[f"codes{d}"], buckets)) for d in sets]
+    rss0 = maxrss_mib()
+    config = PlanConfig(world_size=world, batch_size=batch, seed=0, epochs=epochs)
+    t0, cpu0 = time.perf_counter(), cpu_seconds()
+    mix = mix_samples([DatasetSamples(ids, names, None, f"m{d}") for d, (ids, names) in enumerate(inputs_)],
+                      MixRule.parse("weights", "0.6,0.3,0.1", len(inputs_)))  # fmt: skip
+    meta = write_mix_plan(out, mix, config, manifest_fingerprints=[f"bench{d}" for d in sets],
+                          cache_fingerprints=[None] * len(sets), datasets=[{"manifest": f"m{d}"} for d in sets])
+    seconds, cpu = time.perf_counter() - t0, cpu_seconds() - cpu0
+    return {"seconds": seconds, "cpu_s": cpu, "steps": meta["steps_per_epoch"], "maxrss_mib": maxrss_mib(),
+            "inputs_rss_mib": rss0, "per_epoch": [d["per_epoch"] for d in meta["mix"]["datasets"]],
+            "bytes": sum(e["bytes"] for e in meta["epochs"])}  # fmt: skip
+
+
+def mix_main(a: argparse.Namespace, shape: list[str]) -> None:
+    """Mixture vs one manifest of the same total size, same world shape, each in a fresh process."""
+    sizes = [int(x) for x in a.mix_sizes.split(",")]
+    parts = [make_inputs(n, a.buckets, seed=d + 1) for d, n in enumerate(sizes)]
+    with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
+        mixed, single = os.path.join(tmp, "mixed.npz"), os.path.join(tmp, "single.npz")
+        np.savez(mixed, **{f"ids{d}": ids for d, (ids, _) in enumerate(parts)},
+                 **{f"codes{d}": codes for d, (_, codes) in enumerate(parts)})  # fmt: skip
+        np.savez(single, ids=np.concatenate([ids for ids, _ in parts]),
+                 codes=np.concatenate([codes for _, codes in parts]))  # fmt: skip
+        del parts
+        epochs = ["--epochs", str(a.epochs)]
+        one = run_child(["--child", "plan", "--inputs", single, "--out", os.path.join(tmp, "one"), *epochs, *shape])
+        mix = run_child(["--child", "mix", "--inputs", mixed, "--out", os.path.join(tmp, "mix"), *epochs, *shape])
+    total = sum(sizes)
+    print(f"mixture of {len(sizes)} manifests ({', '.join(f'{n:,}' for n in sizes)} samples; --weights 0.6,0.3,0.1 "
+          f"-> {', '.join(f'{k:,}' for k in mix['per_epoch'])} per epoch) vs one manifest of {total:,}; "
+          f"{a.buckets} buckets, {a.world_size} ranks x batch {a.batch_size}, {a.epochs} epochs")
+    for name, r in (("one manifest", one), ("mixture", mix)):
+        print(f"  {name:<14} {r['seconds'] / a.epochs:7.2f} s per epoch (CPU {r['cpu_s'] / a.epochs:.2f} s), "
+              f"peak memory {r['maxrss_mib']:6.0f} MiB (inputs loaded {r['inputs_rss_mib']:.0f} MiB), "
+              f"{r['steps']} steps per epoch")
+    print(f"  ratio mixture / one manifest: time {mix['seconds'] / one['seconds']:.2f}x (CPU "
+          f"{mix['cpu_s'] / one['cpu_s']:.2f}x), peak memory {mix['maxrss_mib'] / one['maxrss_mib']:.2f}x "
+          "(target <= 1.5x)")
+
+
 def child_old_layout(inputs: str, world: int, batch: int, buckets: int) -> dict:
     """One epoch in the previous layout: a parquet file per rank, ids stored plain (no compression)."""
     import pyarrow.parquet as pq
@@ -163,13 +218,21 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=100)
     ap.add_argument("--baseline-samples", type=int, default=1_000_000)
     ap.add_argument("--dir", default=None, help="where to write the plan (default: a temp folder, removed after)")
-    ap.add_argument("--child", choices=["plan", "old", "rank"])
+    ap.add_argument("--mix", action="store_true", help="benchmark a mixture plan against one manifest")
+    ap.add_argument("--mix-sizes", default="10000000,1000000,10000", help="--mix: samples of each manifest")
+    ap.add_argument("--child", choices=["plan", "old", "rank", "mix"])
     ap.add_argument("--inputs")
     ap.add_argument("--out")
     a = ap.parse_args()
     shape = ["--world-size", str(a.world_size), "--batch-size", str(a.batch_size), "--buckets", str(a.buckets)]
     if a.child == "plan":
         print(json.dumps(child_plan(a.inputs, a.out, a.world_size, a.batch_size, a.buckets, a.epochs)))
+        return
+    if a.child == "mix":
+        print(json.dumps(child_mix(a.inputs, a.out, a.world_size, a.batch_size, a.buckets, a.epochs)))
+        return
+    if a.mix:
+        mix_main(a, shape)
         return
     if a.child == "old":
         print(json.dumps(child_old_layout(a.inputs, a.world_size, a.batch_size, a.buckets)))

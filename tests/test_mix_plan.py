@@ -289,3 +289,18 @@ def test_plan_json_records_the_mixture(manifests, tmp_path):
         per_bucket.update({n: b["per_epoch"] for n, b in d["buckets"].items()})
     assert dict(per_bucket) == {n: b["samples"] for n, b in meta["buckets"].items()}
     assert meta["counts"]["per_dataset"] == [sum(e["datasets"][d] for e in meta["epochs"]) for d in range(3)]
+
+
+def test_report_shows_the_mixture_per_dataset(manifests, tmp_path):
+    pytest.importorskip("matplotlib")
+    from pipeline.report.job import write_report
+
+    url = str(tmp_path / "p")
+    assert main(mix_args(manifests, url, "--weights", "0.6,0.3,0.1")) == 0
+    html = write_report(manifests[2], str(tmp_path / "r.html"), plan=url)[0]
+    page = Path(html).read_text()
+    info = read_plan_meta(url)["mix"]["datasets"][2]
+    assert "this manifest is dataset 2 of 3" in page
+    assert f"{info['samples']} samples, weight 0.1 -&gt; {info['per_epoch']} per epoch" in page or \
+        f"{info['samples']} samples, weight 0.1 -> {info['per_epoch']} per epoch" in page
+    assert "per bucket (samples -&gt; per epoch)" in page or "per bucket (samples -> per epoch)" in page

@@ -237,18 +237,29 @@ def mix_epoch(mix: MixedSamples, config: PlanConfig, epoch: int) -> EpochSchedul
         full, rest = divmod(k, n)
         local = [np.tile(np.arange(n, dtype=np.int64), full)] if full else []
         if rest:
-            local.append(np.sort(rng.permutation(n)[:rest]))
+            local.append(_subset(rng, n, rest))
         pieces.append(starts[s] + np.concatenate(local))
     slots = np.concatenate(pieces)  # (K,) global sample index, bucket-major: what the schedule batches
-    schedule = plan_epoch(BucketedSamples(mix.names, slots.astype(np.uint64), mix.counts), config, epoch)
-    index = schedule.ids.astype(np.int64)  # batches sorted by global index = by (dataset, id)
+    schedule = plan_epoch(BucketedSamples(mix.names, slots.view(np.uint64), mix.counts), config, epoch)
+    index = schedule.ids.view(np.int64)  # batches sorted by global index = by (dataset, id)
     ids, datasets = mix.ids[index], mix.datasets[index]
     several = int(mix.strata.shape[1]) > 1
     captions = None
     if mix.caption_counts is not None:
         captions = caption_choice(config.seed, epoch, ids, datasets if several else None, mix.caption_counts[index])
+    counts = [np.count_nonzero(datasets == d) for d in range(mix.strata.shape[1])] if several else [len(ids)]
     return replace(schedule, ids=ids, datasets=datasets if several else None, captions=captions,
-                   dataset_counts=np.bincount(datasets, minlength=mix.strata.shape[1]).astype(np.int64))  # fmt: skip
+                   dataset_counts=np.asarray(counts, np.int64))  # fmt: skip
+
+
+def _subset(rng: np.random.Generator, n: int, size: int) -> np.ndarray:
+    """(size,) int64: a uniform random subset of ``range(n)`` without replacement, in no particular order (the
+    schedule shuffles). More than half: the complement of a drawn subset (fewer draws, ascending indices)."""
+    if 2 * size <= n:
+        return rng.choice(n, size, replace=False, shuffle=False)
+    keep = np.ones(n, bool)
+    keep[rng.choice(n, n - size, replace=False, shuffle=False)] = False
+    return np.flatnonzero(keep)
 
 
 def combined_fingerprint(fingerprints: Sequence[str | None]) -> str | None:

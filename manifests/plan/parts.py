@@ -9,7 +9,8 @@ Encoding (measured in ``benchmarks/plan.py``): ``sample_ids`` is a non-nullable 
 whose values are DELTA_BINARY_PACKED. The ids are 64-bit hashes, incompressible one by one, but a
 global batch is in ascending id order (:func:`manifests.plan.schedule.plan_epoch`), so a rank's
 ids lie in one narrow id range and their deltas need fewer than 64 bits (about 7.5 bytes per id at
-1,024 ranks). ``step`` is delta-encoded, ``epoch``, ``rank`` and ``bucket`` dictionary/RLE-encoded,
+1,024 ranks). ``step`` is delta-encoded, ``epoch``, ``rank``, ``bucket`` (and a mixture plan's
+``dataset`` and ``caption_index``, :mod:`manifests.plan.mix`) dictionary/RLE-encoded,
 and zstd covers the pages, list levels included. No statistics: nothing filters on them.
 """
 
@@ -31,7 +32,7 @@ __all__ = ["EpochFile", "epoch_part", "encode_epoch", "read_epoch_whole", "read_
 LAYOUT = "epoch-{epoch:05d}.parquet"
 _WRITE_OPTIONS: dict[str, Any] = {
     "compression": "zstd",
-    "use_dictionary": ["epoch", "rank", "bucket"],
+    "use_dictionary": ["epoch", "rank", "bucket", "dataset", "caption_index"],  # the last two: mixture plans
     "write_statistics": False,
     "column_encoding": {"step": "DELTA_BINARY_PACKED", "sample_ids.list.element": "DELTA_BINARY_PACKED"},
 }
