@@ -223,7 +223,10 @@ def _run_check(args: argparse.Namespace, options: dict[str, Any]) -> int:
                               else (None, {"fingerprint": None}, 0))  # fmt: skip
         available.append(ids)
         cache_fps.append(cache_meta["fingerprint"])
-    if len(manifests) > 1 or "mix" in read_plan_meta(args.check, options)["inputs"]:
+    mixture = "mix" in read_plan_meta(args.check, options)["inputs"]
+    if len(manifests) > 1 and not mixture:
+        raise UsageError(f"{redact(args.check)} is a one-manifest plan: check it against its one MANIFEST")
+    if mixture:
         problems = check_plan(args.check, options, manifests=manifests, available_ids=available,
                               cache_fingerprints=cache_fps, progress=True)  # fmt: skip
     else:

@@ -28,7 +28,7 @@ from tests.factories import manifest_tables
 from tests.test_plan import _rewrite
 
 NAMES = ["64x64", "128x32", "32x128", "96x48"]
-SETTINGS = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def make_dataset(n: int, buckets: int, seed: int, shared: int = 0, captions: bool = False) -> DatasetSamples:
@@ -209,11 +209,29 @@ def test_cli_mixture_summary_check_extend(manifests, tmp_path, capsys):
     assert read_plan_meta(windowed)["epochs"] == meta["epochs"]
     assert main(["plan", manifests[0], manifests[1], "--extend", windowed]) == 2  # other manifests: refused
 
+    # one manifest with caption lists: the caption choice, no dataset column; the trainer's PlanStep carries it
+    from train.data import rank_steps
+
+    captioned = str(tmp_path / "captioned")
+    assert main(["plan", manifests[1], "--out", captioned, "--world-size", "2", "--batch-size", "2"]) == 0
+    assert read_plan_meta(captioned)["columns"] == ["caption_index"]
+    assert main(["plan", "--check", captioned, manifests[1]]) == 0
+    table = read_manifest(manifests[1]).samples
+    counts = {i: len(c) for i, c in zip(table.column("sample_id").to_pylist(), table.column("captions").to_pylist())}
+    steps = list(rank_steps(captioned, 1))
+    assert all(s.dataset is None and len(s.caption_index) == len(s.sample_ids) for s in steps)
+    chosen = np.concatenate([s.caption_index for s in steps])
+    ids = np.concatenate([np.asarray(s.sample_ids, np.uint64) for s in steps])
+    assert np.array_equal(chosen, caption_choice(0, 0, ids, None, np.asarray([counts[int(i)] for i in ids])))
+    assert set(chosen.tolist()) == {0, 1, 2}
+    assert main(["plan", "--check", whole, manifests[0]]) == 1  # a mixture checked against one of its manifests
+
     # a one-manifest plan without caption lists stays the plan it always was (no new column or field)
     one = str(tmp_path / "one")
     assert main(["plan", manifests[0], "--out", one, "--world-size", "4", "--batch-size", "2"]) == 0
     assert "mix" not in read_plan_meta(one) and "columns" not in read_plan_meta(one)
     assert read_plan_rows(one, [0]).table().column_names == ["epoch", "step", "rank", "bucket", "sample_ids"]
+    assert main(["plan", "--check", one, manifests[0], manifests[1]]) == 2  # refused: a one-manifest plan
 
 
 def test_check_catches_a_tampered_mixture(manifests, tmp_path):
