@@ -33,6 +33,7 @@ import numpy as np
 import pyarrow as pa
 
 from manifests.errors import UsageError
+from manifests.plan.mix import RULE_HELP
 from manifests.plan.schedule import LEFTOVER_POLICIES, PlanConfig, cached_mask
 from manifests.storage import parse_storage_options, redact
 
@@ -66,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--cache", default=None, help="plan only samples with a good record in this cache folder; "
                         "for several manifests one cache each, comma-separated, in the manifests' order")
-    m = parser.add_argument_group("mixtures (several manifests)")
+    m = parser.add_argument_group("mixtures (several manifests)", description=RULE_HELP)
     m.add_argument("--repeats", default=None, metavar="R1,R2,...",
                    help="samples per epoch of each manifest = round(r * its samples), halves up; r may be "
                    "fractional (0.5: half of it each epoch, 3: each sample 3 times)")

@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from manifests.plan.check import _check_ranks
 from manifests.plan.mix import (DatasetSamples, MixedSamples, MixRule, caption_choice, caption_counts, mix_epoch,
                                 mix_samples)
 from manifests.plan.parts import encode_epoch
@@ -157,8 +158,6 @@ def check_mix_plan(url: str, meta: dict[str, Any], problems: list[str], *, manif
                    available_ids: Sequence[np.ndarray | None] = (), cache_fingerprints: Sequence[str | None] = (),
                    storage_options: dict[str, Any] | None = None, progress: bool = False) -> list[str]:  # fmt: skip
     """``problems`` (the plan-level ones found so far) plus every violation of the mixture plan at ``url``."""
-    from manifests.plan.check import _check_ranks
-
     sets = len(meta["mix"]["datasets"])
     available_ids = list(available_ids) or [None] * sets
     cache_fingerprints = list(cache_fingerprints) or [None] * sets

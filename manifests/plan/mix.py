@@ -53,10 +53,19 @@ from manifests.draws import SALT_CAPTION_CHOICE, uniforms
 from manifests.errors import UsageError
 from manifests.plan.schedule import BucketedSamples, EpochSchedule, PlanConfig, group_samples, plan_epoch
 
-__all__ = ["MIX_RULES", "MixRule", "DatasetSamples", "MixedSamples", "mix_samples", "mix_epoch", "caption_choice",
-           "largest_remainder", "combined_fingerprint", "caption_counts"]
+__all__ = ["MIX_RULES", "RULE_HELP", "MixRule", "DatasetSamples", "MixedSamples", "mix_samples", "mix_epoch",
+           "caption_choice", "largest_remainder", "combined_fingerprint", "caption_counts"]
 
 MIX_RULES = ("weights", "repeats")
+# the counting rule in a few lines: `bucketeer plan --help` shows it (the module docstring has the details)
+RULE_HELP = (
+    "Samples per epoch of a manifest of n samples: --repeats r gives round(r * n) (halves up; r may be "
+    "fractional); --weights w (normalised) splits an epoch of as many samples as all manifests hold together by "
+    "largest remainder. Each count k is spread over the manifest's buckets by largest remainder (fixed for the "
+    "run); each epoch every sample of a bucket appears floor(k/n) times and a fresh random k mod n of them once "
+    "more. Bucket leftovers are then dropped or padded (--leftover). "
+    "Decimals are exact fractions; a sample is (manifest, sample id); the summary shows the counts per manifest."
+)
 MAX_DATASETS = 255  # the dataset column is uint8
 MAX_CAPTIONS = 256  # the caption_index column is uint8
 _DRAW_STREAM = 0x6D6978  # the per-epoch draw's random stream, apart from the schedule's

@@ -416,7 +416,8 @@ def extend_mix_plan(
     """Write more epochs of the mixture plan at ``url``; like :func:`extend_plan`. Raises PlanError for a
     plan made with another rule or other manifests or caches."""
     meta = read_plan_meta(url, storage_options)
-    if meta["inputs"].get("mix", {}).get("values") != mix.rule.to_json()["values"]:
+    recorded = meta["inputs"].get("mix") or {}
+    if (recorded.get("kind"), recorded.get("values")) != (mix.rule.kind, mix.rule.to_json()["values"]):
         raise PlanError(f"{redact(url)} was not made with --{mix.rule.kind} {','.join(mix.rule.to_json()['values'])}: "
                         "extend it with the manifests, caches and rule it was made from")  # fmt: skip
     return _extend(url, mix, combined_fingerprint(manifest_fingerprints), combined_fingerprint(cache_fingerprints),
