@@ -110,8 +110,8 @@ def prepare_batch(
     other), "cond_pixels": the same for the conditioning images or None, "rows": [geometry per good
     row], "errors": [(sample_id, filename, kind, message)]}``; one bad image never fails the batch.
     ``crops``: K crops per image (:func:`~pipeline.embed.imaging.prepare_views`). ``conditioning``:
-    the root of the rows' ``conditioning`` paths: each is cropped exactly like its target (same resized size, same boxes),
-    and a pair that cannot be is the sample's error row. Transient storage errors are retried per
+    the root of the rows' ``conditioning`` paths: each is cropped exactly like its target (same
+    resized size, same boxes), and a pair that cannot be is the sample's error row. Transient storage errors are retried per
     file (:func:`pipeline.embed.imaging.fetch_all`); a read that still fails is a ``read_failed``
     error row (credentials redacted), which the next run retries. ``fs`` replaces the filesystem of
     ``source`` (it must be picklable for Ray).
