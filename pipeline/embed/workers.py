@@ -106,15 +106,15 @@ def prepare_batch(
 ) -> dict[str, Any]:
     """Fetch, decode and crop ``rows`` (``sample_id``, ``filename``, ``caption_key``) to ``bucket``.
 
-    Returns ``{"bucket", "pixels": uint8 (B * K, H, W, 3) (the K crops of a good row one after the
-    other), "cond_pixels": the same for the conditioning images or None, "rows": [geometry per good
-    row], "errors": [(sample_id, filename, kind, message)]}``; one bad image never fails the batch.
-    ``crops``: K crops per image (:func:`~pipeline.embed.imaging.prepare_views`). ``conditioning``:
-    the root of the rows' ``conditioning`` paths: each is cropped exactly like its target (same
-    resized size, same boxes), and a pair that cannot be is the sample's error row. Transient storage errors are retried per
-    file (:func:`pipeline.embed.imaging.fetch_all`); a read that still fails is a ``read_failed``
-    error row (credentials redacted), which the next run retries. ``fs`` replaces the filesystem of
-    ``source`` (it must be picklable for Ray).
+    Returns ``{"bucket", "pixels": uint8 (B * K, H, W, 3) (the K crops of a good row one after the other),
+    "cond_pixels": the same for the conditioning images or None, "rows": [geometry per good row], "errors":
+    [(sample_id, filename, kind, message)]}``; one bad image never fails the batch. ``crops``: K crops per image
+    (:func:`~pipeline.embed.imaging.prepare_views`). ``conditioning``: the root of the rows' ``conditioning``
+    paths: each is cropped exactly like its target (same resized size, same boxes), and a pair that cannot be is
+    the sample's error row. Transient storage errors are retried per file
+    (:func:`pipeline.embed.imaging.fetch_all`); a read that still fails is a ``read_failed`` error row
+    (credentials redacted), which the next run retries. ``fs`` replaces the filesystem of ``source`` (it must be
+    picklable for Ray).
     """
     fs, root = _open_source(source, storage_options, fs)
     bw, bh = parse_bucket(bucket)
