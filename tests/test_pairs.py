@@ -25,6 +25,7 @@ from pipeline.scan import scan_dataset
 from pipeline.scan.job import ScanConfig
 from tests.embed_data import embed_args, jpeg, records_by_id, run_embed
 
+pytestmark = pytest.mark.ray
 SPEC = BucketSpec(area=64 * 64, step=32)
 QUIET = ScanConfig(progress=False)
 
@@ -141,6 +142,7 @@ def _vae(manifest: str, cache: str):
     return make_vae(use_gpu=False)
 
 
+@pytest.mark.slow
 def test_conditioning_and_variant_latents(pairs, paired_cache):
     base, ds, cond, _, _ = pairs
     manifest, cache = paired_cache
@@ -163,18 +165,19 @@ def test_conditioning_and_variant_latents(pairs, paired_cache):
                               at=[v.crop_top_left for v in views], size=views[0].original_size)  # fmt: skip
         assert rec.variants == 4 and rec.variant_flips.tolist() == [0, 1, 0, 1]
         resized_w = views[0].resized_size[1]
+        inputs, stored = [], []
         for v in range(4):
             k, flipped = divmod(v, 2)
             one = rec.variant(v)
             top, left = views[k].crop_top_left
             # SDXL's mirrored crop box: left -> resized_w - left - target_w
             assert one.crop_top_left == ((top, resized_w - left - bw) if flipped else (top, left))
-            image = views[k].pixels[:, ::-1] if flipped else views[k].pixels
-            pair = conds[k].pixels[:, ::-1] if flipped else conds[k].pixels
-            expected = vae.encode(np.stack([image, pair]))["latent"].numpy()  # (2, C, h, w)
-            # the worker encodes other batch compositions: equal to fp32 tolerance, not bitwise
-            np.testing.assert_allclose(one.latent, expected[0], rtol=1e-4, atol=1e-5)
-            np.testing.assert_allclose(one.cond_latent, expected[1], rtol=1e-4, atol=1e-5)
+            inputs += [views[k].pixels, conds[k].pixels]
+            inputs[-2:] = [x[:, ::-1] for x in inputs[-2:]] if flipped else inputs[-2:]
+            stored += [one.latent, one.cond_latent]
+        expected = vae.encode(np.stack(inputs))["latent"].numpy()  # (8, C, h, w): image, pair per variant
+        # the worker encodes other batch compositions: equal to fp32 tolerance, not bitwise
+        np.testing.assert_allclose(np.stack(stored), expected, rtol=1e-4, atol=1e-5)
         # the flipped variant is the mirrored image's crop at the mirrored box (Lanczos: within one level)
         mirrored = Image.open(io.BytesIO(Path(ds, row["filename"]).read_bytes())).transpose(Image.FLIP_LEFT_RIGHT)
         buf = io.BytesIO()
@@ -183,6 +186,7 @@ def test_conditioning_and_variant_latents(pairs, paired_cache):
         assert np.abs(flip_view.pixels.astype(int) - views[0].pixels[:, ::-1].astype(int)).max() <= 1
 
 
+@pytest.mark.slow
 def test_changed_conditioning_image_re_embeds(pairs, paired_cache, tmp_path):
     from manifests.cache.freshness import source_key
 
@@ -195,6 +199,7 @@ def test_changed_conditioning_image_re_embeds(pairs, paired_cache, tmp_path):
     assert not np.any(source_key(unpaired) == keys)  # rows without a pair keep the key they always had
 
 
+@pytest.mark.slow
 def test_trainer_batches_carry_the_chosen_variant(paired_cache):
     from train.data import BatchLoader, PlanStep, variant_choice
 

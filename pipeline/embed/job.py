@@ -39,6 +39,11 @@ manifest stay (plans are drawn from the manifest). Without encoder options the e
 random-weight defaults are used (see :mod:`pipeline.embed.encoders`): good for trying the
 pipeline, useless for training a real model. The summary line and ``_cache.json`` give the bytes
 per caption and per sample.
+
+A manifest of pairs (``scan --conditioning``) gets each conditioning image encoded with its image's
+exact resize and crop, into the same record (``cond_latent``). ``--flip`` and ``--crops K`` store
+variants (K crops, each also mirrored) in the record, recorded in ``_cache.json`` settings; the
+trainer picks one per (seed, epoch, sample) (:func:`train.data.variant_choice`).
 """
 
 from __future__ import annotations

@@ -23,6 +23,8 @@ row's ``caption_source`` (see manifests/schema.py).
 A source of WebDataset ``.tar`` shards is scanned by :mod:`pipeline.sources.containers` (member
 headers walked by ranged reads, reuse per shard); shards mixed with loose images, and compressed
 shards, are refused there with what to do.
+``--conditioning`` pairs each sample with a conditioning image (:mod:`pipeline.scan.conditioning`):
+its header is probed by the same tasks after the images', and a bad pair is an error row.
 Without ``--ray-address`` (or ``RAY_ADDRESS``) Ray starts in-process on this machine.
 """
 
