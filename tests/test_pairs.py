@@ -18,6 +18,7 @@ from PIL import Image
 
 from manifests.buckets import BucketSpec, parse_bucket
 from manifests.cache import CacheReader, read_cache_meta
+from manifests.cache.verify import verify_cache
 from manifests.manifest import read_manifest
 from manifests.schema import CONDITIONING_COLUMNS
 from pipeline.embed.imaging import prepare_views
@@ -148,6 +149,8 @@ def test_conditioning_and_variant_latents(pairs, paired_cache):
     manifest, cache = paired_cache
     meta = read_cache_meta(cache)
     assert meta["settings"]["variants"] == {"crops": 2, "flip": True} and "conditioning" in meta["settings"]
+    checked = verify_cache(cache)  # 4 variants and a conditioning latent in every record, as the settings say
+    assert checked.ok and checked.checked_samples == 3
     vae = _vae(manifest, cache)
     records = records_by_id(cache)
     rows = read_manifest(manifest).samples.to_pylist()
