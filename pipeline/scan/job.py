@@ -166,10 +166,12 @@ def summary_line(meta: dict[str, Any], out: str) -> str:
     ignored = ignored_line(s.get("ignored_extensions") or {})
     hidden = s.get("ignored_hidden", 0)
     others = "; ".join(p for p in (ignored, f"{hidden} hidden" if hidden else "") if p)
+    pairs = (f" | conditioning: {s['conditioning_probed']} probed, {s['conditioning_errors']} bad pairs, "
+             f"{s['conditioning_files']} under the source not counted as samples") if "conditioning_probed" in s else ""
     return (
         f"scanned {s['listed']} images ({s['ignored']} other files ignored{': ' + others if others else ''}): "
         f"{s['samples']} samples, {s['errors']} errors ({kinds}) | reused {s['reused']}, new {s['new']}, "
-        f"changed {s['changed']}, deleted {s['deleted']} | read {s['files_read']} files, {s['mb_read']:.1f} MB "
+        f"changed {s['changed']}, deleted {s['deleted']}{pairs} | read {s['files_read']} files, {s['mb_read']:.1f} MB "
         f"(median {s['median_bytes_read'] / 1024:.0f} KiB, {s['requests_per_file']:.2f} requests per file) in "
         f"{s['seconds']:.1f} s, {s['files_per_s']:.0f} files/s -> {redact(out)} "
         f"(fingerprint {meta['fingerprint'][:12]})"
