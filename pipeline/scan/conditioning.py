@@ -26,7 +26,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from manifests.errors import UsageError
+from manifests.errors import StorageError, UsageError
+from manifests.retry import is_storage_failure
 from manifests.manifest import conform
 from manifests.schema import CONDITIONING_COLUMNS, ERRORS_SCHEMA
 from manifests.storage import open_url, redact
@@ -99,6 +100,10 @@ def resolve(option: str, source: str, captions: str | None, storage_options: dic
     except FileNotFoundError:
         raise UsageError(f"--conditioning {redact(option)}: no such folder, and no column of that name in "
                          f"--captions{' ' + redact(captions) if captions else ' (none given)'}") from None
+    except Exception as e:
+        if is_storage_failure(e):  # retried already: denied, or the endpoint is gone
+            raise StorageError(redact(f"cannot list --conditioning {option}: {e}", storage_options)) from None
+        raise
     if not listing.images:
         raise UsageError(f"--conditioning {redact(option)}: no images there")
     inside = ""  # column mode: the paths are under the source root
