@@ -228,3 +228,15 @@ def test_trainer_batches_carry_the_chosen_variant(paired_cache):
     assert [b.variants for b in resumed] == chosen[3:]
     assert all(torch.equal(a.latents, b.latents) and torch.equal(a.cond_latents, b.cond_latents)
                for a, b in zip(resumed, batches[3:]))  # fmt: skip
+
+
+def test_bad_conditioning_option_is_a_usage_error(tmp_path):
+    from manifests.errors import UsageError
+
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    (ds / "img_0.jpg").write_bytes(jpeg(64, 64, 0))
+    for option, says in ((str(tmp_path / "nowhere"), "no such folder"), (str(ds), "the source root itself")):
+        with pytest.raises(UsageError, match=says):
+            scan_dataset(str(ds), str(tmp_path / "m"), spec=SPEC, conditioning=option, config=QUIET)
+    assert not (tmp_path / "m").exists()  # nothing written
