@@ -12,9 +12,10 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["uniforms", "SALT_CAPTION_CHOICE"]
+__all__ = ["uniforms", "SALT_CAPTION_CHOICE", "SALT_VARIANT"]
 
 SALT_CAPTION_CHOICE = 0x63617074  # the plan's caption choice (salt 0 is caption dropout's)
+SALT_VARIANT = 0x7661726961  # the trainer's choice of an embed --flip/--crops variant
 
 
 def uniforms(

@@ -155,13 +155,16 @@ def write_manifest(
     max_pixels: int = MAX_PIXELS,
     storage_options: dict[str, Any] | None = None,
     rows_per_part: int = ROWS_PER_PART,
+    conditioning: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Commit a manifest at ``url``: parts first, ``_manifest.json`` last; returns its metadata.
 
     Rows are sorted by filename so the same content gives the same bytes and fingerprint.
     ``counts`` may add e.g. ``listed`` and ``ignored`` to the sample/error counts; ``summary``
     holds the producing job's figures; ``max_pixels`` is the pixel limit the rows were judged by
-    (recorded for embed, which decodes up to it). Parts no longer referenced are deleted after the
+    (recorded for embed, which decodes up to it). ``conditioning`` (``scan --conditioning``):
+    ``{"root": URL, "column": name or None}``, where the ``conditioning`` column's paths are relative
+    to; recorded only when given. Parts no longer referenced are deleted after the
     commit. Raises ManifestError for duplicate sample ids or a ``max_pixels`` outside 1..MAX_PIXELS.
     """
     if not 1 <= max_pixels <= MAX_PIXELS:
@@ -196,6 +199,8 @@ def write_manifest(
         "parts": parts,
         "summary": summary or {},
     }
+    if conditioning is not None:
+        meta["conditioning"] = {**conditioning, "root": redact(conditioning["root"])}
     write_json_atomic(fs, join(root, MANIFEST_FILE), meta)
     _remove_unreferenced(fs, root, {p["path"] for k in parts for p in parts[k]})
     return meta

@@ -19,6 +19,7 @@ __all__ = [
     "ERROR_KINDS",
     "ADDED_COLUMNS",
     "CONTAINER_COLUMNS",
+    "CONDITIONING_COLUMNS",
     "LOCATION_COLUMNS",
     "MAX_PIXELS",
     "sample_id",
@@ -50,6 +51,19 @@ CONTAINER_FIELDS = (
 CONTAINER_COLUMNS = tuple(f.name for f in CONTAINER_FIELDS)
 LOCATION_COLUMNS = ("filename", "container", "member_offset", "size")  # what image_range reads of a row
 
+# A paired conditioning image (``scan --conditioning``; ControlNet maps, edit/reference pairs), null without
+# one. ``conditioning`` is its path relative to the manifest's conditioning root (``_manifest.json``
+# ``conditioning.root``: the same relative path as ``filename`` under another root, or the value of a
+# ``--captions`` table column, relative to the source root); its size and ETag/mtime let a rescan and
+# embed's source key notice a changed conditioning image. The pair shares the target's bucket.
+CONDITIONING_FIELDS = (
+    pa.field("conditioning", pa.string()),
+    pa.field("conditioning_size", pa.int64()),  # bytes of the conditioning image when scanned
+    pa.field("conditioning_etag", pa.string()),
+    pa.field("conditioning_mtime", pa.float64()),
+)
+CONDITIONING_COLUMNS = tuple(f.name for f in CONDITIONING_FIELDS)
+
 # what incremental rescans and audits need comes after the five contract columns
 SAMPLES_SCHEMA = pa.schema(
     [
@@ -69,6 +83,7 @@ SAMPLES_SCHEMA = pa.schema(
         # every caption of the sample when it has more than one (caption == captions[0]); null otherwise
         pa.field("captions", pa.list_(pa.string())),
         *CONTAINER_FIELDS,
+        *CONDITIONING_FIELDS,
     ]
 )
 
@@ -91,6 +106,7 @@ ERRORS_SCHEMA = pa.schema(
         # every caption of the sample when it has more than one (caption == captions[0]); null otherwise
         pa.field("captions", pa.list_(pa.string())),
         *CONTAINER_FIELDS,
+        *CONDITIONING_FIELDS,
     ]
 )
 
@@ -107,7 +123,7 @@ ERRORS_SCHEMA = pa.schema(
 #                                                       existed: unknown, read again on the next scan
 
 # nullable columns added after FORMAT_VERSION 1 shipped: parts written before lack them and read as nulls
-ADDED_COLUMNS = frozenset({"caption_source", "captions", *CONTAINER_COLUMNS})
+ADDED_COLUMNS = frozenset({"caption_source", "captions", *CONTAINER_COLUMNS, *CONDITIONING_COLUMNS})
 
 ERROR_KINDS = (
     "empty",  # zero bytes
@@ -121,6 +137,9 @@ ERROR_KINDS = (
     "decode_failed",  # (embed) the full decode failed although the header was fine
     "duplicate_key",  # a tar shard key (WebDataset sample) with more than one image member
     "corrupt_container",  # a tar shard whose headers stop making sense; members after that point are unread
+    "conditioning_missing",  # (scan --conditioning) the sample's conditioning image is not there
+    "conditioning_mismatch",  # its size (display orientation) differs from the image's
+    "conditioning_unusable",  # its header cannot be read (the message gives the kind: truncated, not_an_image, ...)
 )
 
 

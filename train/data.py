@@ -21,6 +21,12 @@ Caption dropout (classifier-free guidance) replaces a sample's text with the emp
 (``_cache.json["text"]["empty_caption_key"]``, read once) when :func:`caption_dropout_mask` draws it:
 a pure function of ``(seed, epoch, sample id)``, so a resumed run (on any number of processes) drops
 exactly the captions an uninterrupted run would have dropped.
+
+Variants (a cache embedded with ``--flip`` / ``--crops K``): each sample trains on one of its
+variants per epoch, :func:`variant_choice` (the same kind of pure function, another salt), and its
+``crop_top_left`` (SDXL's crop conditioning) is that variant's crop box. A cache of pairs
+(``scan --conditioning``) gives every batch ``cond_latents`` too, the same variant of the
+conditioning image.
 """
 
 from __future__ import annotations
@@ -35,15 +41,16 @@ import torch
 
 from manifests.cache import CacheError, CacheReader, TextLayout
 from manifests.cache.records import SampleRecord, to_float32
-from manifests.draws import uniforms
+from manifests.draws import SALT_VARIANT, uniforms
 from manifests.errors import UsageError
 from manifests.plan import read_plan_meta, read_plan_rows
 from manifests.storage import redact
 
 __all__ = ["PlanStep", "Batch", "BadRecordError", "RankSteps", "rank_steps", "collate", "BatchLoader",
-           "caption_dropout_mask"]
+           "caption_dropout_mask", "variant_choice"]
 
-TENSORS = ("latents", "text", "text_mask", "resolution", "aspect_ratio", "crop_top_left", "target_size", "pooled")
+TENSORS = ("latents", "text", "text_mask", "resolution", "aspect_ratio", "crop_top_left", "target_size", "pooled",
+           "cond_latents")
 
 
 class BadRecordError(UsageError):
@@ -150,9 +157,11 @@ class Batch:
     original (height, width) in pixels; ``aspect_ratio`` (B, 1) bucket height / width;
     ``crop_top_left`` (B, 2) (top, left) of the crop in resized pixels and ``target_size`` (B, 2) the
     bucket's (height, width): with ``resolution``, SDXL's micro-conditioning; ``pooled`` (B, P) the
-    family's pooled text embedding (None when the layout has none). ``dropped``: ids whose caption was
-    replaced by the empty one (caption dropout). ``skipped``: ids dropped as bad records (only with
-    ``skip_bad_records``).
+    family's pooled text embedding (None when the layout has none). ``cond_latents`` (B, C, h, w): the
+    paired conditioning images' latents, scaled like ``latents`` (None for a cache without pairs).
+    ``variants`` (B,): the variant each sample trains on (:func:`variant_choice`; 0 without variants).
+    ``dropped``: ids whose caption was replaced by the empty one (caption dropout). ``skipped``: ids
+    dropped as bad records (only with ``skip_bad_records``).
     """
 
     epoch: int
@@ -167,6 +176,8 @@ class Batch:
     crop_top_left: torch.Tensor
     target_size: torch.Tensor
     pooled: torch.Tensor | None = None
+    cond_latents: torch.Tensor | None = None
+    variants: list[int] = field(default_factory=list)
     dropped: list[int] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)
     datasets: list[int] | None = None  # mixture plans: the dataset of each of sample_ids
@@ -203,6 +214,12 @@ def collate(
             raise UsageError(f"sample {r.sample_id} has no text embeddings in the cache; run `bucketeer verify`")
     latents = np.stack([to_float32(r.latent, r.dtype) for r in records])  # (B, C, h, w)
     latents = (latents - shift_factor) * scaling_factor
+    conds = None
+    if any(r.cond_latent is not None for r in records):
+        if not all(r.cond_latent is not None for r in records):
+            raise UsageError(f"epoch {step.epoch} step {step.step}: some samples have a conditioning latent and "
+                             "some not; the cache mixes records of two embeds. Run `bucketeer verify`")  # fmt: skip
+        conds = (np.stack([to_float32(r.cond_latent, r.dtype) for r in records]) - shift_factor) * scaling_factor
     text, mask, pooled = layout.prompt_embeds([r.text for r in records])  # (B, L, D), (B, L), (B, P) | None
     geometry = np.asarray([(*r.original_size, *r.crop_top_left, *r.target_size) for r in records], np.float32)
     aspect = geometry[:, 4:5] / geometry[:, 5:6]  # (B, 1) bucket height / width
@@ -219,6 +236,7 @@ def collate(
         crop_top_left=torch.from_numpy(np.ascontiguousarray(geometry[:, 2:4])),
         target_size=torch.from_numpy(np.ascontiguousarray(geometry[:, 4:6])),
         pooled=None if pooled is None else torch.from_numpy(pooled),
+        cond_latents=None if conds is None else torch.from_numpy(np.ascontiguousarray(conds, np.float32)),
     )
 
 
@@ -230,6 +248,17 @@ def caption_dropout_mask(seed: int, epoch: int, sample_ids: Sequence[int], p: fl
     if p <= 0:
         return np.zeros(len(sample_ids), bool)
     return uniforms(seed, epoch, sample_ids, 0 if datasets is None else np.asarray(datasets, np.uint64)) < p
+
+
+def variant_choice(seed: int, epoch: int, sample_ids: Sequence[int], variants: Sequence[int] | int,
+                   datasets: Sequence[int] | None = None) -> np.ndarray:  # fmt: skip
+    """Which variant (``embed --flip`` / ``--crops``) each of ``sample_ids`` trains on this epoch: (B,) int64,
+    uniform over ``0 .. variants - 1`` (per sample, or one count for all), a pure function of ``(seed,
+    epoch, sample id)`` (and the dataset in mixture plans): a resumed run, on any number of processes, picks
+    what an uninterrupted run picks; independent of caption dropout and the caption choice (own salt)."""
+    counts = np.broadcast_to(np.asarray(variants, np.int64), (len(sample_ids),))
+    salt = np.uint64(SALT_VARIANT) + (np.zeros(1, np.uint64) if datasets is None else np.asarray(datasets, np.uint64))
+    return np.minimum((uniforms(seed, epoch, sample_ids, salt) * counts).astype(np.int64), counts - 1)
 
 
 class BatchLoader:
@@ -349,6 +378,9 @@ class BatchLoader:
                 raise BadRecordError(f"rank {self.rank} epoch {step.epoch} step {step.step}: all {len(skipped)} "
                                      "records are bad; ranks cannot stay in step. "
                                      "Run `bucketeer verify`.") from None  # fmt: skip
+        chosen = variant_choice(self.seed, step.epoch, [r.sample_id for r in records], [r.variants for r in records],
+                                None if step.dataset is None else sets)  # fmt: skip
+        records = [r.variant(int(v)) for r, v in zip(records, chosen)]
         dropped: list[int] = []
         if self.empty_text is not None:
             drop = caption_dropout_mask(self.seed, step.epoch, [r.sample_id for r in records], self.caption_dropout,
@@ -357,7 +389,7 @@ class BatchLoader:
             dropped = [r.sample_id for r, d in zip(records, drop) if d]
         batch = collate(records, step, layout=self.layout, scaling_factor=self.scaling_factor,
                         shift_factor=self.shift_factor)
-        batch.skipped, batch.dropped = skipped, dropped
+        batch.skipped, batch.dropped, batch.variants = skipped, dropped, chosen.tolist()
         batch.datasets = None if step.dataset is None else [int(d) for d in sets]
         return batch.pin_memory() if self.pin_memory else batch
 

@@ -21,6 +21,7 @@ image again, and a record made then supersedes the error row. See :data:`RETRIED
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,11 +64,28 @@ def _chunk_keys(rows: pa.Table) -> np.ndarray:
     fixed_bytes = fixed.astype("<i8").tobytes()  # (n * 40,)
     text = pc.binary_join_element_wise(etag, caption, bucket, "").cast(pa.large_binary()).to_pylist()
     blake2b = hashlib.blake2b
-    return np.fromiter(
+    keys = np.fromiter(
         (int.from_bytes(blake2b(fixed_bytes[40 * i : 40 * i + 40] + t, digest_size=8).digest(), "big")
          for i, t in enumerate(text)),
         dtype=np.uint64, count=n,
     )  # fmt: skip
+    return _with_conditioning(keys, rows)
+
+
+def _with_conditioning(keys: np.ndarray, rows: pa.Table) -> np.ndarray:
+    """Rows paired with a conditioning image (``scan --conditioning``) hash its path and version in too,
+    so a changed conditioning image re-embeds its sample; rows without one keep their key."""
+    paths = _column(rows, "conditioning", pa.string())
+    if paths.null_count == rows.num_rows:
+        return keys
+    versions = zip(paths.to_pylist(), *(_column(rows, c, t).to_pylist() for c, t in (
+        ("conditioning_size", pa.int64()), ("conditioning_etag", pa.string()), ("conditioning_mtime", pa.float64()))))
+    keys = keys.copy()
+    for i, (path, size, etag, mtime) in enumerate(versions):
+        if path is not None:
+            text = json.dumps([int(keys[i]), path, size, etag, None if etag is not None else mtime]).encode()
+            keys[i] = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big")
+    return keys
 
 
 def source_key(samples: pa.Table) -> np.ndarray:

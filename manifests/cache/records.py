@@ -16,7 +16,7 @@ import hashlib
 import json
 import struct
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 import numpy as np
@@ -221,6 +221,15 @@ class SampleRecord:
     posterior's standard deviation, same shape, only in caches embedded with ``--latents posterior``
     (a sample is ``latent + latent_std * noise``). ``text``: the caption's :class:`TextRecord`.
     ``dtype`` is the safetensors tag of ``latent`` and ``latent_std`` (BF16 as uint16 bits).
+
+    Additive, absent from caches made without them (old readers ignore the extra tensors):
+    ``cond_latent`` (C, h, w): the paired conditioning image (``scan --conditioning``) encoded with the
+    same resize and crop. Variants (``embed --flip`` / ``--crops K``; V = K crops x 1 or 2 flips,
+    variant ``v`` = crop ``v // flips``, flipped when ``v % flips``): ``latent``, ``cond_latent`` and
+    ``crop_top_left`` are variant 0; ``variant_latents`` and ``variant_cond_latents`` (V-1, C, h, w)
+    the others; ``variant_crops`` (V, 2) int32 every variant's ``(top, left)`` (a flipped variant's
+    mirrored, as SDXL expects: ``left -> resized_w - left - target_w``); ``variant_flips`` (V,) uint8.
+    :meth:`variant` gives one variant as a plain record.
     """
 
     sample_id: int
@@ -234,6 +243,27 @@ class SampleRecord:
     caption_key: int
     text: TextRecord | None = None
     latent_std: np.ndarray | None = None
+    cond_latent: np.ndarray | None = None
+    variant_latents: np.ndarray | None = None
+    variant_cond_latents: np.ndarray | None = None
+    variant_crops: np.ndarray | None = None
+    variant_flips: np.ndarray | None = None
+
+    @property
+    def variants(self) -> int:
+        """How many variants the record holds (1 without ``--flip`` / ``--crops``)."""
+        return 1 if self.variant_latents is None else 1 + len(self.variant_latents)
+
+    def variant(self, v: int) -> SampleRecord:
+        """Variant ``v`` (0 <= v < :attr:`variants`) as a one-variant record: its latent(s) and crop box."""
+        if not 0 <= v < self.variants:
+            raise IndexError(f"sample {self.sample_id} has {self.variants} variants, not {v + 1}")
+        one = {"variant_latents": None, "variant_cond_latents": None, "variant_crops": None, "variant_flips": None}
+        if v == 0:
+            return replace(self, **one)
+        cond = None if self.variant_cond_latents is None else self.variant_cond_latents[v - 1]
+        top, left = (int(x) for x in self.variant_crops[v])
+        return replace(self, latent=self.variant_latents[v - 1], cond_latent=cond, crop_top_left=(top, left), **one)
 
     @property
     def crop_box(self) -> tuple[int, int, int, int]:
@@ -244,7 +274,7 @@ class SampleRecord:
     def torch(self) -> dict[str, Any]:
         """The tensors as torch tensors in their stored dtype (imports torch only here).
 
-        Keys: ``latent`` (C, h, w) and ``latent_std`` when present; ``tokens_<i>`` (L_i, D_i) per
+        Keys: ``latent`` (C, h, w) and ``latent_std``, ``cond_latent`` when present; ``tokens_<i>`` (L_i, D_i) per
         text part; ``pooled`` (D,) when present; ``time_ids`` int64 (6,) = original_size +
         crop_top_left + target_size.
         """
@@ -253,6 +283,8 @@ class SampleRecord:
         out = {"latent": to_torch(self.latent, self.dtype)}
         if self.latent_std is not None:
             out["latent_std"] = to_torch(self.latent_std, self.dtype)
+        if self.cond_latent is not None:
+            out["cond_latent"] = to_torch(self.cond_latent, self.dtype)
         if self.text is not None:
             for i, t in enumerate(self.text.tokens):
                 out[f"tokens_{i}"] = to_torch(t, self.text.dtype)
@@ -282,6 +314,12 @@ def encode_sample(record: SampleRecord) -> bytes:
     tensors = {"latent": (record.latent, record.dtype)}
     if record.latent_std is not None:
         tensors["latent_std"] = (record.latent_std, record.dtype)
+    for name in ("cond_latent", "variant_latents", "variant_cond_latents"):
+        if getattr(record, name) is not None:
+            tensors[name] = (getattr(record, name), record.dtype)
+    if record.variant_crops is not None:
+        tensors["variant_crops"] = (np.asarray(record.variant_crops, "<i4"), "I32")
+        tensors["variant_flips"] = (np.asarray(record.variant_flips, "u1"), "U8")
     return encode_record(tensors, meta)
 
 
@@ -295,6 +333,7 @@ def decode_sample(data: bytes) -> SampleRecord:
         std = tensors.get("latent_std")
         if std is not None and (std[1] != tag or std[0].shape != latent.shape):
             raise ValueError("latent_std")
+        extra = _variants(tensors, latent, tag)
         return SampleRecord(
             sample_id=int(meta["sample_id"]),
             bucket=meta["bucket"],
@@ -306,10 +345,32 @@ def decode_sample(data: bytes) -> SampleRecord:
             target_size=_pair(meta["target_size"]),
             caption_key=int(meta["caption_key"]),
             latent_std=None if std is None else std[0],
+            **extra,
         )
     except (KeyError, ValueError):
-        raise RecordError("payload is not a sample record (metadata or latent missing, or a latent_std that "
-                          "does not match the latent)") from None
+        raise RecordError("payload is not a sample record (metadata or latent missing, or a latent_std or variant "
+                          "tensors that do not match the latent)") from None
+
+
+def _variants(tensors: dict[str, tuple[np.ndarray, str]], latent: np.ndarray, tag: str) -> dict[str, Any]:
+    """The optional conditioning and variant tensors of a sample record, checked against its latent."""
+    out: dict[str, Any] = {}
+    for name, shape in (("cond_latent", latent.shape), ("variant_latents", None), ("variant_cond_latents", None)):
+        if name in tensors:
+            array, t = tensors[name]
+            if t != tag or (shape is not None and array.shape != shape) or array.shape[-3:] != latent.shape:
+                raise ValueError(name)
+            out[name] = array
+    if "variant_latents" in out:
+        v = len(out["variant_latents"]) + 1
+        crops, flips = tensors["variant_crops"][0], tensors["variant_flips"][0]
+        if crops.shape != (v, 2) or flips.shape != (v,):
+            raise ValueError("variant_crops")
+        conds = out.get("variant_cond_latents")
+        if (conds is not None) != ("cond_latent" in out) or (conds is not None and len(conds) != v - 1):
+            raise ValueError("variant_cond_latents")
+        out["variant_crops"], out["variant_flips"] = crops, flips
+    return out
 
 
 def encode_text(record: TextRecord) -> bytes:

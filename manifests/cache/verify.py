@@ -2,7 +2,8 @@
 
 Each shard is read once, whole (one GET), and every record in it is checked against the index
 and ``_cache.json``: latent ``(C, H / f, W / f)`` for bucket ``WxH`` and VAE factor ``f`` (and its
-``latent_std`` in a cache embedded with ``--latents posterior``), the cache's dtype, finite values;
+``latent_std`` in a cache embedded with ``--latents posterior``; the conditioning latent and the
+``--flip``/``--crops`` variants its settings say), the cache's dtype, finite values;
 text records against the cache's ``text.layout`` (parts, widths, lengths, pooled). A bad text
 record makes every sample with that caption bad.
 """
@@ -70,8 +71,16 @@ def _check_sample(blob: bytes, sample_id: int, bucket: str, meta: dict) -> str |
         return f"target size {record.target_size} != bucket {bucket}"
     if (record.latent_std is not None) != (latent.get("kind") == "posterior_mean_std"):
         return f"latent_std {'present' if record.latent_std is not None else 'missing'} in a {latent.get('kind')} cache"
-    return _check_finite(record.latent, record.dtype) or (
-        None if record.latent_std is None else _check_finite(record.latent_std, record.dtype))
+    settings = meta.get("settings") or {}
+    variants = settings.get("variants")
+    want = variants["crops"] * (2 if variants["flip"] else 1) if variants else 1
+    if record.variants != want:
+        return f"{record.variants} variants, the cache's settings (--crops/--flip) say {want}"
+    if (record.cond_latent is not None) != ("conditioning" in settings):
+        return f"conditioning latent {'present' if record.cond_latent is not None else 'missing'} in this cache"
+    tensors = (record.latent, record.latent_std, record.cond_latent, record.variant_latents,
+               record.variant_cond_latents)
+    return next((p for p in (_check_finite(t, record.dtype) for t in tensors if t is not None) if p), None)
 
 
 def _check_text(blob: bytes, meta: dict, layout: TextLayout) -> str | None:

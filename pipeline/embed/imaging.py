@@ -27,7 +27,8 @@ from manifests.schema import MAX_PIXELS, image_range
 from manifests.storage import join, read_many
 from pipeline.formats import open_image
 
-__all__ = ["ImageFailure", "Prepared", "cover_and_crop", "prepare_image", "fetch_all", "fetch_images"]
+__all__ = ["ImageFailure", "Prepared", "cover_and_crop", "prepare_image", "prepare_views", "fetch_all",
+           "fetch_images"]
 
 _EXIF_ORIENTATION = 0x0112
 
@@ -52,16 +53,22 @@ class Prepared:
 
 
 def cover_and_crop(
-    size: tuple[int, int], bucket: tuple[int, int], crop: str = "center", seed: int = 0, sample_id: int = 0
+    size: tuple[int, int], bucket: tuple[int, int], crop: str = "center", seed: int = 0, sample_id: int = 0,
+    index: int | None = None,
 ) -> tuple[tuple[int, int], tuple[int, int]]:
     """Resized ``(h, w)`` covering ``bucket`` ``(h, w)`` at the image's aspect, and the crop ``(top, left)``.
 
-    Raises ValueError for an unknown ``crop`` policy (``center`` or ``random``).
+    ``index``: the ``index``-th of several random crops (``embed --crops K``), drawn from
+    ``(seed, sample_id, index)`` whatever ``crop`` says. Raises ValueError for an unknown ``crop``
+    policy (``center`` or ``random``).
     """
     h, w = size
     bh, bw = bucket
     scale = max(bh / h, bw / w)
     rh, rw = max(bh, round(h * scale)), max(bw, round(w * scale))
+    if index is not None:
+        rng = np.random.default_rng([seed, sample_id & 0xFFFFFFFF, sample_id >> 32, index])
+        return (rh, rw), (int(rng.integers(0, rh - bh + 1)), int(rng.integers(0, rw - bw + 1)))
     if crop == "center":
         return (rh, rw), ((rh - bh) // 2, (rw - bw) // 2)
     if crop == "random":
@@ -111,6 +118,28 @@ def prepare_image(
     ``max_pixels`` is the manifest's limit (``Manifest.max_pixels``). Raises ImageFailure (kind +
     message) for bytes that cannot become an image, or an image of more pixels.
     """
+    return prepare_views(data, bucket, crop=crop, seed=seed, sample_id=sample_id, max_pixels=max_pixels)[0]
+
+
+def prepare_views(
+    data: bytes,
+    bucket: tuple[int, int],
+    *,
+    crop: str = "center",
+    seed: int = 0,
+    sample_id: int = 0,
+    max_pixels: int = MAX_PIXELS,
+    crops: int = 1,
+    at: list[tuple[int, int]] | None = None,
+    size: tuple[int, int] | None = None,
+) -> list[Prepared]:
+    """Like :func:`prepare_image`, one decode for several crops of the same resized image.
+
+    ``crops``: 1 is the ``crop`` policy's crop; K > 1 gives K random crops (``cover_and_crop``
+    ``index`` 0..K-1: reproducible from ``(seed, sample_id)``). ``at``: the crops' ``(top, left)``
+    given instead (a conditioning image gets its target's), with ``size`` the ``(h, w)`` the image
+    must show (display orientation; ImageFailure ``conditioning_mismatch`` otherwise).
+    """
     img = _open(data, max_pixels)
     try:
         orientation = img.getexif().get(_EXIF_ORIENTATION, 1)
@@ -119,7 +148,16 @@ def prepare_image(
     swap = orientation in (5, 6, 7, 8)
     stored_w, stored_h = img.size
     original = (stored_w, stored_h) if swap else (stored_h, stored_w)  # (h, w) in display orientation
-    resized, (top, left) = cover_and_crop(original, bucket, crop, seed, sample_id)
+    if size is not None and original != tuple(size):
+        raise ImageFailure("conditioning_mismatch", f"is {original[1]}x{original[0]}, its image "
+                           f"{size[1]}x{size[0]}: re-scan the pair")  # fmt: skip
+    if at is not None:
+        resized = cover_and_crop(original, bucket)[0]
+        tops_lefts = list(at)
+    else:
+        views = [cover_and_crop(original, bucket, crop, seed, sample_id, None if crops == 1 else k)
+                 for k in range(crops)]  # fmt: skip
+        resized, tops_lefts = views[0][0], [v[1] for v in views]
     try:
         with warnings.catch_warnings():
             # the size passed the manifest's limit: Pillow's warning above half its threshold says nothing new
@@ -135,13 +173,15 @@ def prepare_image(
         raise ImageFailure(kind, f"decode failed: {e}") from None
     except (ValueError, SyntaxError) as e:
         raise ImageFailure("decode_failed", f"decode failed: {e}") from None
-    # resample the crop region straight from the (possibly draft-reduced) image: one resampling pass
+    # resample each crop region straight from the (possibly draft-reduced) image: one resampling pass
     sx, sy = img.width / resized[1], img.height / resized[0]
     bh, bw = bucket
-    box = (left * sx, top * sy, (left + bw) * sx, (top + bh) * sy)
-    out = img.resize((bw, bh), Image.Resampling.LANCZOS, box=box)
-    pixels = np.asarray(out, dtype=np.uint8)  # (bh, bw, 3)
-    return Prepared(pixels=pixels, original_size=original, resized_size=resized, crop_top_left=(top, left))
+    out = []
+    for top, left in tops_lefts:
+        box = (left * sx, top * sy, (left + bw) * sx, (top + bh) * sy)
+        pixels = np.asarray(img.resize((bw, bh), Image.Resampling.LANCZOS, box=box), dtype=np.uint8)  # (bh, bw, 3)
+        out.append(Prepared(pixels=pixels, original_size=original, resized_size=resized, crop_top_left=(top, left)))
+    return out
 
 
 def fetch_all(fs, paths: list[str], *, threads: int = 16) -> list[bytes | BaseException]:

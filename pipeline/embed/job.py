@@ -39,6 +39,11 @@ manifest stay (plans are drawn from the manifest). Without encoder options the e
 random-weight defaults are used (see :mod:`pipeline.embed.encoders`): good for trying the
 pipeline, useless for training a real model. The summary line and ``_cache.json`` give the bytes
 per caption and per sample.
+
+A manifest of pairs (``scan --conditioning``) gets each conditioning image encoded with its image's
+exact resize and crop, into the same record (``cond_latent``). ``--flip`` and ``--crops K`` store
+variants (K crops, each also mirrored) in the record, recorded in ``_cache.json`` settings; the
+trainer picks one per (seed, epoch, sample) (:func:`train.data.variant_choice`).
 """
 
 from __future__ import annotations
@@ -117,7 +122,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="stored tensor dtype")
     g = parser.add_argument_group("images")
     g.add_argument("--crop", choices=("center", "random"), default="center", help="crop after resize-to-cover")
-    g.add_argument("--seed", type=int, default=0, help="seed of --crop random (per sample: seed + sample id)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="seed of --crop random and --crops (per sample: seed + sample id)")
+    g.add_argument("--flip", action="store_true",
+                   help="also store each crop mirrored left-right as a variant (its crop box mirrored as SDXL "
+                        "expects); the trainer picks one variant per (seed, epoch, sample)")
+    g.add_argument("--crops", type=int, default=1, metavar="K",
+                   help="store K random crops per image as variants, reproducible from --seed and the sample id "
+                        "(default 1: the --crop policy's one crop); variants = crops x (2 with --flip)")
     g.add_argument("--source", default=None, help="dataset root, if it moved since the scan (default: the manifest's)")
     g = parser.add_argument_group("job")
     g.add_argument("--storage-options", default=None, help="JSON fsspec options for all URLs, e.g. an endpoint_url")
@@ -150,8 +162,9 @@ def _specs(args: argparse.Namespace):
                          home=os.environ.get("BUCKETEER_HOME"))  # fmt: skip
 
 
-def _request_settings(args: argparse.Namespace, bucket_spec: dict) -> dict[str, Any]:
-    """The settings known before any model is loaded (checked first, so a mismatch fails fast)."""
+def _request_settings(args: argparse.Namespace, bucket_spec: dict, conditioning: bool = False) -> dict[str, Any]:
+    """The settings known before any model is loaded (checked first, so a mismatch fails fast);
+    ``conditioning``: the manifest pairs its samples with conditioning images."""
     from pipeline.embed.encoders import STORAGE_DTYPES
 
     latent, text = _specs(args)
@@ -161,7 +174,7 @@ def _request_settings(args: argparse.Namespace, bucket_spec: dict) -> dict[str, 
         "dtype": STORAGE_DTYPES[args.dtype],
         "buckets": bucket_spec,
         "crop": args.crop,
-        "seed": args.seed if args.crop == "random" else None,
+        "seed": args.seed if args.crop == "random" or args.crops > 1 else None,
         "resample": "lanczos",
         "pixels": "rgb, [-1, 1], exif-transposed, alpha on white",
         "latent": "posterior_mean" if latent.latents == "mean" else "posterior_mean_std",
@@ -169,6 +182,9 @@ def _request_settings(args: argparse.Namespace, bucket_spec: dict) -> dict[str, 
         "vae": {"id": latent.source.ident, "subfolder": latent.source.subfolder},
         "text": {"layer": text.layer, "max_text_tokens": text.max_tokens,
                  "encoders": [{"id": t.ident, "subfolder": t.subfolder} for t in text.sources]},
+        # only when used, so that caches made before these options keep their settings (and fingerprint)
+        **({"variants": {"crops": args.crops, "flip": args.flip}} if args.crops > 1 or args.flip else {}),
+        **({"conditioning": "same crop and variants as the image"} if conditioning else {}),
     }  # fmt: skip
 
 
@@ -249,6 +265,11 @@ def _validate(args: argparse.Namespace) -> None:
         raise UsageError("--batch-size, --text-batch-size and --shard-records must be >= 1")
     if args.commit_seconds < 0 or (args.vae_workers is not None and args.vae_workers < 1):
         raise UsageError("--commit-seconds must be >= 0 and --vae-workers >= 1")
+    if args.crops < 1:
+        raise UsageError("--crops must be >= 1")
+    if (args.crops > 1 or args.flip) and args.latents == "posterior":
+        raise UsageError("--latents posterior stores one posterior std per sample, not per --flip/--crops variant; "
+                         "use one or the other")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -260,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
     so = parse_storage_options(args.storage_options)
     manifest = read_manifest_meta(args.manifest, so)
     source = args.source or manifest["source"]
-    request = _request_settings(args, manifest["bucket_spec"])
+    request = _request_settings(args, manifest["bucket_spec"], "conditioning" in manifest)
     # one look at the committed index decides the work: stale rows (changed image bytes, caption or
     # bucket since they were embedded), read failures and missing ones are embedded; fresh records
     # and error rows about the image itself stay
@@ -322,6 +343,15 @@ def run(args: argparse.Namespace) -> int:
           f"written; {_size(meta['bytes']['per_sample'])} per sample, {_size(meta['bytes']['per_caption'])} per "
           "caption)", flush=True)  # fmt: skip
     return 0
+
+
+def _conditioning_root(manifest: dict, source: str) -> str | None:
+    """Where the manifest's ``conditioning`` paths are: its conditioning root, or (a --captions column)
+    the source root, ``--source`` when the dataset moved. None for a manifest without pairs."""
+    pairing = manifest.get("conditioning")
+    if pairing is None:
+        return None
+    return source if pairing.get("column") else pairing["root"]
 
 
 def _size(n: float | None) -> str:
@@ -437,7 +467,8 @@ class _Embed:
         from pipeline.embed.workers import from_ipc
 
         options = {"batch_size": self.args.batch_size, "shard_records": self.args.shard_records,
-                   "crop": self.args.crop, "seed": self.args.seed,
+                   "crop": self.args.crop, "seed": self.args.seed, "crops": self.args.crops, "flip": self.args.flip,
+                   "conditioning": _conditioning_root(manifest, source),
                    "max_pixels": int(manifest.get("max_pixels") or MAX_PIXELS)}  # fmt: skip
         pipeline = image_pipeline(work, self.args.manifest, source, self.so, make_vae, self.request["dtype"],
                                   self.args.out, options, self.placement)  # fmt: skip

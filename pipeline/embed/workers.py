@@ -44,23 +44,25 @@ from manifests.cache.records import SampleRecord, TextRecord, encode_sample, enc
 from manifests.errors import BucketeerError, StorageError, UsageError
 from manifests.manifest import read_row_group
 from manifests.retry import is_transient
-from manifests.storage import is_local, join, open_url, redact
+from manifests.storage import is_local, join, open_url, read_many, redact
 from pipeline.embed.encoders import Encoder, quiet_loading, to_storage
-from pipeline.embed.imaging import ImageFailure, fetch_images, prepare_image
+from pipeline.embed.imaging import ImageFailure, fetch_images, prepare_views
 from pipeline.embed.work import MANIFEST_COLUMNS, GroupWork, caption_keys, cut_units
 
 __all__ = ["prepare_batch", "check_source", "describe_encoder", "plan_units", "prepare_unit", "read_captions",
            "LatentWriter", "TextWriter", "to_ipc", "from_ipc", "UNIT_ROWS", "VISIBLE_MARKER"]  # fmt: skip
 
-# the rows of a unit, as plan_units hands them to prepare_unit
+# the rows of a unit, as plan_units hands them to prepare_unit (conditioning: relative to its root)
 UNIT_ROWS = pa.schema([("sample_id", pa.uint64()), ("filename", pa.string()), ("caption_key", pa.uint64()),
                        ("source_key", pa.uint64()),
                        # where the image bytes are (manifests.schema.image_range): null container = a loose file
-                       ("container", pa.string()), ("member_offset", pa.int64()), ("size", pa.int64())])  # fmt: skip
+                       ("container", pa.string()), ("member_offset", pa.int64()), ("size", pa.int64()),
+                       ("conditioning", pa.string())])  # fmt: skip
 # the good rows of a prepared unit, in the order of its pixels
 _PREPARED_ROWS = pa.schema([("sample_id", pa.uint64()), ("caption_key", pa.uint64()), ("source_key", pa.uint64()),
                             *((name, pa.int32()) for name in ("original_h", "original_w", "resized_h", "resized_w",
-                                                              "crop_top", "crop_left"))])  # fmt: skip
+                                                              "crop_top", "crop_left")),
+                            ("crops", pa.list_(pa.int32()))])  # every crop's (top, left), flat  # fmt: skip
 VISIBLE_MARKER = "_embed-running"  # written by the driver into a local --out; every worker must see it
 
 
@@ -98,24 +100,38 @@ def prepare_batch(
     seed: int,
     max_pixels: int,
     fs=None,
+    *,
+    crops: int = 1,
+    conditioning: str | None = None,
 ) -> dict[str, Any]:
     """Fetch, decode and crop ``rows`` (``sample_id``, ``filename``, ``caption_key``) to ``bucket``.
 
-    Returns ``{"bucket", "pixels": uint8 (B, H, W, 3), "rows": [geometry per good row],
-    "errors": [(sample_id, filename, kind, message)]}``; one bad image never fails the batch.
-    Transient storage errors are retried per file (:func:`pipeline.embed.imaging.fetch_all`); a read
-    that still fails is a ``read_failed`` error row (credentials redacted), which the next run
-    retries. ``fs`` replaces the filesystem of ``source`` (it must be picklable for Ray).
+    Returns ``{"bucket", "pixels": uint8 (B * K, H, W, 3) (the K crops of a good row one after the other),
+    "cond_pixels": the same for the conditioning images or None, "rows": [geometry per good row], "errors":
+    [(sample_id, filename, kind, message)]}``; one bad image never fails the batch. ``crops``: K crops per image
+    (:func:`~pipeline.embed.imaging.prepare_views`). ``conditioning``: the root of the rows' ``conditioning``
+    paths: each is cropped exactly like its target (same resized size, same boxes), and a pair that cannot be is
+    the sample's error row. Transient storage errors are retried per file
+    (:func:`pipeline.embed.imaging.fetch_all`); a read that still fails is a ``read_failed`` error row
+    (credentials redacted), which the next run retries. ``fs`` replaces the filesystem of ``source`` (it must be
+    picklable for Ray).
     """
     fs, root = _open_source(source, storage_options, fs)
     bw, bh = parse_bucket(bucket)
     blobs = fetch_images(fs, root, rows)
-    good, pixels, errors = [], [], []
-    for row, blob in zip(rows, blobs):
+    paired = conditioning is not None and any(r.get("conditioning") for r in rows)
+    if paired:
+        cfs, croot = (fs, root) if conditioning == source else open_url(conditioning, storage_options)
+        cond_blobs = read_many(cfs, [join(croot, r["conditioning"]) for r in rows])
+    good, pixels, cond_pixels, errors = [], [], [], []
+    for i, (row, blob) in enumerate(zip(rows, blobs)):
         try:
             if isinstance(blob, BaseException):
                 raise _read_failure(blob, storage_options)
-            p = prepare_image(blob, (bh, bw), crop=crop, seed=seed, sample_id=row["sample_id"], max_pixels=max_pixels)
+            views = prepare_views(blob, (bh, bw), crop=crop, seed=seed, sample_id=row["sample_id"],
+                                  max_pixels=max_pixels, crops=crops)  # fmt: skip
+            if paired:
+                cond = _conditioning_views(row, cond_blobs[i], views, (bh, bw), max_pixels, storage_options)
         except ImageFailure as e:
             errors.append((row["sample_id"], row["filename"], e.kind, e.message))
             continue
@@ -123,11 +139,35 @@ def prepare_batch(
             message = redact(f"{type(e).__name__}: {e}", storage_options)
             errors.append((row["sample_id"], row["filename"], "decode_failed", message))
             continue
-        pixels.append(p.pixels)
+        pixels.extend(v.pixels for v in views)
+        if paired:
+            cond_pixels.extend(cond)
+        p = views[0]
         good.append({**row, "original_size": p.original_size, "resized_size": p.resized_size,
-                     "crop_top_left": p.crop_top_left})  # fmt: skip
-    stacked = np.stack(pixels) if pixels else np.zeros((0, bh, bw, 3), np.uint8)  # (B, H, W, 3)
-    return {"bucket": bucket, "pixels": stacked, "rows": good, "errors": errors}
+                     "crop_top_left": p.crop_top_left, "crops": [x for v in views for x in v.crop_top_left]})
+    stacked = np.stack(pixels) if pixels else np.zeros((0, bh, bw, 3), np.uint8)  # (B * K, H, W, 3)
+    conds = (np.stack(cond_pixels) if cond_pixels else np.zeros((0, bh, bw, 3), np.uint8)) if paired else None
+    return {"bucket": bucket, "pixels": stacked, "cond_pixels": conds, "rows": good, "errors": errors}
+
+
+def _conditioning_views(row: dict, blob, views: list, bucket: tuple[int, int], max_pixels: int,
+                        storage_options: dict | None) -> np.ndarray:
+    """The conditioning image of ``row`` cropped exactly like its target's ``views``: (K, H, W, 3) uint8.
+
+    Raises ImageFailure naming the conditioning image (a missing one is ``conditioning_missing``)."""
+    path = row["conditioning"]
+    if not path:  # a manifest row of a paired manifest without its pair cannot be: the scan made it an error
+        raise ImageFailure("conditioning_missing", "no conditioning image in its manifest row")
+    try:
+        if isinstance(blob, BaseException):
+            if isinstance(blob, FileNotFoundError):
+                raise ImageFailure("conditioning_missing", f"not found: {redact(str(blob), storage_options)}")
+            raise _read_failure(blob, storage_options)
+        cond = prepare_views(blob, bucket, max_pixels=max_pixels, at=[v.crop_top_left for v in views],
+                             size=views[0].original_size)  # fmt: skip
+    except ImageFailure as e:
+        raise ImageFailure(e.kind, f"conditioning image {path}: {e.message}") from None
+    return np.stack([c.pixels for c in cond])  # (K, H, W, 3)
 
 
 def check_source(source: str, storage_options: dict | None, rows: list[dict], fs=None) -> None:
@@ -168,7 +208,8 @@ def plan_units(batch: pa.Table, manifest: str, storage_options: dict | None, bat
         rows = pa.table({"sample_id": rows.column("sample_id"), "filename": rows.column("filename"),
                          "caption_key": caption_keys(rows.column("caption")), "source_key": source_key(rows),
                          "container": rows.column("container"), "member_offset": rows.column("member_offset"),
-                         "size": rows.column("size"), "bucket": rows.column("bucket")})  # fmt: skip
+                         "size": rows.column("size"), "bucket": rows.column("bucket"),
+                         "conditioning": rows.column("conditioning")})  # fmt: skip
         for i, unit in enumerate(cut_units(rows, batch_size, shard_records)):
             name = f"{work.group.part}#{work.group.index}.{i}"
             yield pa.table({"unit": [name], "bucket": [unit.column("bucket")[0].as_py()],
@@ -176,14 +217,16 @@ def plan_units(batch: pa.Table, manifest: str, storage_options: dict | None, bat
 
 
 def prepare_unit(batch: pa.Table, source: str, storage_options: dict | None, crop: str, seed: int,
-                 max_pixels: int) -> pa.Table:
-    """Ray Data ``map_batches`` (batch size 1): a unit -> its pixels (``uint8 (B, H, W, 3)`` bytes),
-    the geometry of its good rows and its error rows (IPC bytes), via :func:`prepare_batch`."""
+                 max_pixels: int, crops: int = 1, conditioning: str | None = None) -> pa.Table:
+    """Ray Data ``map_batches`` (batch size 1): a unit -> its pixels (``uint8 (B * K, H, W, 3)`` bytes;
+    ``cond_pixels`` the same for the conditioning images, empty without), the geometry of its good
+    rows and its error rows (IPC bytes), via :func:`prepare_batch`."""
     out = []
     for item in batch.to_pylist():
         rows = from_ipc(item["rows"]).to_pylist()
         keys = {r["sample_id"]: r["source_key"] for r in rows}
-        prepared = prepare_batch(source, storage_options, item["bucket"], rows, crop, seed, max_pixels)
+        prepared = prepare_batch(source, storage_options, item["bucket"], rows, crop, seed, max_pixels, crops=crops,
+                                 conditioning=conditioning)  # fmt: skip
         good = pa.table({
             "sample_id": [r["sample_id"] for r in prepared["rows"]],
             "caption_key": [r["caption_key"] for r in prepared["rows"]],
@@ -192,15 +235,18 @@ def prepare_unit(batch: pa.Table, source: str, storage_options: dict | None, cro
                 ("original_h", "original_size", 0), ("original_w", "original_size", 1),
                 ("resized_h", "resized_size", 0), ("resized_w", "resized_size", 1),
                 ("crop_top", "crop_top_left", 0), ("crop_left", "crop_top_left", 1))},
+            "crops": [r["crops"] for r in prepared["rows"]],
         }, schema=_PREPARED_ROWS)  # fmt: skip
         errors = pa.Table.from_pylist([{"sample_id": sid, "filename": name, "error": kind, "message": message,
                                         "source_key": keys[sid]} for sid, name, kind, message in prepared["errors"]],
                                       schema=CACHE_ERRORS_SCHEMA)  # fmt: skip
+        cond = prepared["cond_pixels"]
         out.append({"unit": item["unit"], "bucket": item["bucket"], "pixels": prepared["pixels"].tobytes(),
-                    "rows": to_ipc(good), "errors": to_ipc(errors)})  # fmt: skip
+                    "cond_pixels": b"" if cond is None else cond.tobytes(), "rows": to_ipc(good),
+                    "errors": to_ipc(errors)})  # fmt: skip
     return pa.Table.from_pylist(out, schema=pa.schema([("unit", pa.string()), ("bucket", pa.string()),
-                                                      ("pixels", pa.large_binary()), ("rows", pa.binary()),
-                                                      ("errors", pa.binary())]))  # fmt: skip
+                                                      ("pixels", pa.large_binary()), ("cond_pixels", pa.large_binary()),
+                                                      ("rows", pa.binary()), ("errors", pa.binary())]))  # fmt: skip
 
 
 def read_captions(batch: pa.Table, manifest: str, storage_options: dict | None) -> pa.Table:
@@ -283,36 +329,44 @@ class _EncoderActor:
 
 class LatentWriter(_EncoderActor):
     """Ray Data actor (batch size 1): a prepared unit -> its shard of sample records, written here;
-    returns ``unit``, ``samples`` and ``errors`` (index rows, IPC), ``shard_bytes``, ``worker``."""
+    returns ``unit``, ``samples`` and ``errors`` (index rows, IPC), ``shard_bytes``, ``worker``.
+
+    Each image's variants (``crops`` crops, each also mirrored with ``flip``) and its conditioning
+    image's same variants are encoded in the same forward passes (:func:`sample_record`)."""
 
     def __init__(self, make_encoder: Callable[..., Encoder], dtype: str, cache: str, storage_options: dict | None,
-                 batch_size: int, threads: int | None = None):
+                 batch_size: int, threads: int | None = None, crops: int = 1, flip: bool = False):
         super().__init__(make_encoder, dtype, cache, storage_options, threads)
-        self.batch_size = batch_size
+        self.batch_size, self.crops, self.flips = batch_size, crops, 2 if flip else 1
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         encoder = self._load()
         out = []
+        k, f = self.crops, self.flips
         for item in batch.to_pylist():
             rows = from_ipc(item["rows"])
             bw, bh = parse_bucket(item["bucket"])
-            pixels = np.frombuffer(item["pixels"], np.uint8).reshape(rows.num_rows, bh, bw, 3)  # (B, H, W, 3)
+            pixels = np.frombuffer(item["pixels"], np.uint8).reshape(rows.num_rows, k, bh, bw, 3)  # (B, K, H, W, 3)
+            conds = (np.frombuffer(item["cond_pixels"], np.uint8).reshape(rows.num_rows, k, bh, bw, 3)
+                     if item.get("cond_pixels") else None)  # fmt: skip
             shard = ShardWriter("samples", max_records=rows.num_rows + 1, max_bytes=1 << 62)
             meta = rows.to_pylist()
             for start in range(0, rows.num_rows, self.batch_size):
+                views = variant_pixels(pixels[start : start + self.batch_size], f)  # (b * V, H, W, 3)
+                n = len(views)
+                if conds is not None:
+                    views = np.concatenate([views, variant_pixels(conds[start : start + self.batch_size], f)])
                 with self.lock:
-                    encoded = encoder.encode(pixels[start : start + self.batch_size])
-                    latents = to_storage(encoded["latent"], self.dtype)  # (b, C, h, w)
+                    encoded = encoder.encode(views)
+                    latents = to_storage(encoded["latent"], self.dtype)  # (b * V [* 2 with conditioning], C, h, w)
                     # --latents posterior: the std too (b, C, h, w), to sample a latent per training step
                     stds = to_storage(encoded["latent_std"], self.dtype) if "latent_std" in encoded else None
-                for j, (r, latent) in enumerate(zip(meta[start : start + self.batch_size], latents)):
-                    record = SampleRecord(
-                        sample_id=r["sample_id"], bucket=item["bucket"], latent=latent, dtype=self.dtype,
-                        original_size=(r["original_h"], r["original_w"]),
-                        resized_size=(r["resized_h"], r["resized_w"]), crop_top_left=(r["crop_top"], r["crop_left"]),
-                        target_size=(bh, bw), caption_key=r["caption_key"],
-                        latent_std=None if stds is None else stds[j],
-                    )  # fmt: skip
+                v = k * f
+                for j, r in enumerate(meta[start : start + self.batch_size]):
+                    record = sample_record(
+                        r, item["bucket"], self.dtype, latents[j * v : (j + 1) * v],
+                        None if conds is None else latents[n + j * v : n + (j + 1) * v],
+                        None if stds is None else stds[j * v], f)  # fmt: skip
                     shard.append(encode_sample(record), sample_id=r["sample_id"], caption_key=r["caption_key"],
                                  bucket=item["bucket"], source_key=r["source_key"])  # fmt: skip
             samples, size = self._result("samples", shard)
@@ -322,6 +376,36 @@ class LatentWriter(_EncoderActor):
                                                           ("errors", pa.binary()), ("shard_bytes", pa.int64()),
                                                           ("worker", pa.string())]))  # fmt: skip
 
+
+def variant_pixels(pixels: np.ndarray, flips: int) -> np.ndarray:
+    """``(b, K, H, W, 3)`` crops -> ``(b * K * flips, H, W, 3)`` variants, variant ``v`` = crop ``v // flips``,
+    mirrored left-right when ``v % flips``."""
+    if flips == 1:
+        return pixels.reshape(-1, *pixels.shape[2:])
+    both = np.stack([pixels, pixels[:, :, :, ::-1]], axis=2)  # (b, K, 2, H, W, 3)
+    return both.reshape(-1, *pixels.shape[2:])
+
+
+def sample_record(row: dict, bucket: str, dtype: str, latents: np.ndarray, conds: np.ndarray | None,
+                  std: np.ndarray | None, flips: int) -> SampleRecord:
+    """One sample's record from its ``(V, C, h, w)`` variant latents (and its conditioning image's):
+    variant 0 in ``latent``, the others in ``variant_latents``; a mirrored variant's crop box is
+    mirrored as SDXL expects (``left -> resized_w - left - target_w``)."""
+    bw, bh = parse_bucket(bucket)
+    crops = np.asarray(row["crops"], np.int32).reshape(-1, 2)  # (K, 2) (top, left)
+    boxes = np.repeat(crops, flips, axis=0)  # (V, 2)
+    flipped = np.tile(np.arange(flips, dtype=np.uint8), len(crops))  # (V,)
+    boxes[flipped == 1, 1] = row["resized_w"] - boxes[flipped == 1, 1] - bw
+    several = len(latents) > 1
+    return SampleRecord(
+        sample_id=row["sample_id"], bucket=bucket, latent=latents[0], dtype=dtype,
+        original_size=(row["original_h"], row["original_w"]), resized_size=(row["resized_h"], row["resized_w"]),
+        crop_top_left=(row["crop_top"], row["crop_left"]), target_size=(bh, bw), caption_key=row["caption_key"],
+        latent_std=std, cond_latent=None if conds is None else conds[0],
+        variant_latents=latents[1:] if several else None,
+        variant_cond_latents=conds[1:] if several and conds is not None else None,
+        variant_crops=boxes if several else None, variant_flips=flipped if several else None,
+    )  # fmt: skip
 
 
 class TextWriter(_EncoderActor):

@@ -36,6 +36,8 @@ __all__ = [
     "normalise_caption",
     "sidecar_stem",
     "load_caption_table",
+    "read_table",
+    "table_filenames",
 ]
 
 SIDECAR_EXTENSIONS = (".txt", ".caption")  # when both exist, .txt wins
@@ -95,11 +97,11 @@ class CaptionTable:
         return cls(captions, hashlib.sha256(pairs).hexdigest()[:16])
 
 
-def load_caption_table(url: str, storage_options: dict[str, Any] | None = None) -> CaptionTable:
-    """Read ``--captions URL`` into a :class:`CaptionTable` (captions normalised).
+def read_table(url: str, storage_options: dict[str, Any] | None = None) -> pa.Table:
+    """The ``--captions`` table at ``url`` as read (parquet, jsonl or csv; columns as they are).
 
-    Raises MissingError (a FileNotFoundError) when the table is missing, UsageError (a ValueError)
-    for an unknown format, missing columns or a filename given twice with different captions.
+    Raises MissingError (a FileNotFoundError) when it is missing, UsageError for an unknown format
+    or bytes that do not parse.
     """
     fs, path = open_url(url, storage_options)
     try:
@@ -109,17 +111,38 @@ def load_caption_table(url: str, storage_options: dict[str, Any] | None = None) 
     suffix = path.lower().rsplit(".", 1)[-1]
     try:
         if suffix == "parquet":
-            table = pq.read_table(io.BytesIO(data))
-        elif suffix in ("jsonl", "ndjson", "json"):
-            table = pjson.read_json(io.BytesIO(data))
-        elif suffix in ("csv", "tsv"):
+            return pq.read_table(io.BytesIO(data))
+        if suffix in ("jsonl", "ndjson", "json"):
+            return pjson.read_json(io.BytesIO(data))
+        if suffix in ("csv", "tsv"):
             parse = pcsv.ParseOptions(delimiter="\t" if suffix == "tsv" else ",", newlines_in_values=True)
-            table = pcsv.read_csv(io.BytesIO(data), parse_options=parse)
-        else:
-            raise UsageError(f"--captions {redact(url)}: unknown table format '.{suffix}'; "
-                             "use .parquet, .jsonl or .csv")
+            return pcsv.read_csv(io.BytesIO(data), parse_options=parse)
     except pa.ArrowInvalid as e:
         raise UsageError(f"--captions {redact(url)}: cannot parse it as {suffix}: {e}") from None
+    raise UsageError(f"--captions {redact(url)}: unknown table format '.{suffix}'; use .parquet, .jsonl or .csv")
+
+
+def table_filenames(table: pa.Table, url: str) -> list[str]:
+    """The table's filename column (the first of ``filename``, ``file_name``, ``path``, ``image``), cleaned
+    (``./`` and leading ``/`` dropped, ``\\`` -> ``/``). Raises UsageError when it has none, or a null."""
+    name_col = next((c for c in _FILENAME_COLUMNS if c in table.column_names), None)
+    if name_col is None:
+        raise UsageError(f"--captions {redact(url)} has columns {table.column_names}; it needs a filename column "
+                         f"(one of {list(_FILENAME_COLUMNS)})")
+    names = table.column(name_col).cast(pa.string()).to_pylist()
+    for row, name in enumerate(names):
+        if name is None:
+            raise UsageError(f"--captions {redact(url)}: row {row} has no {name_col}")
+    return [_clean_name(n) for n in names]
+
+
+def load_caption_table(url: str, storage_options: dict[str, Any] | None = None) -> CaptionTable:
+    """Read ``--captions URL`` into a :class:`CaptionTable` (captions normalised).
+
+    Raises MissingError (a FileNotFoundError) when the table is missing, UsageError (a ValueError)
+    for an unknown format, missing columns or a filename given twice with different captions.
+    """
+    table = read_table(url, storage_options)
     name_col = next((c for c in _FILENAME_COLUMNS if c in table.column_names), None)
     text_col = next((c for c in _CAPTION_COLUMNS if c in table.column_names), None)
     if name_col is None or text_col is None:

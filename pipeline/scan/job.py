@@ -23,6 +23,8 @@ row's ``caption_source`` (see manifests/schema.py).
 A source of WebDataset ``.tar`` shards is scanned by :mod:`pipeline.sources.containers` (member
 headers walked by ranged reads, reuse per shard); shards mixed with loose images, and compressed
 shards, are refused there with what to do.
+``--conditioning`` pairs each sample with a conditioning image (:mod:`pipeline.scan.conditioning`):
+its header is probed by the same tasks after the images', and a bad pair is an error row.
 Without ``--ray-address`` (or ``RAY_ADDRESS``) Ray starts in-process on this machine.
 """
 
@@ -47,6 +49,7 @@ from manifests.schema import ERRORS_SCHEMA, MAX_PIXELS, sample_ids
 from manifests.storage import open_url, parse_storage_options, redact
 from pipeline.formats import IMAGE_EXTENSIONS, missing_format_hint, register_plugins
 from pipeline.scan.captions import CaptionTable, load_caption_table
+from pipeline.scan.conditioning import pair, probe_target, resolve
 from pipeline.scan.headers import FIRST_READ
 from pipeline.scan.listing import (
     IMAGE_SCHEMA,
@@ -85,6 +88,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--captions", default=None, metavar="URL",
                         help="caption table (parquet, jsonl or csv with filename + caption columns); "
                         "images not in it fall back to .txt/.caption sidecars")  # fmt: skip
+    parser.add_argument("--conditioning", default=None, metavar="ROOT_OR_COLUMN",
+                        help="a conditioning image per sample (ControlNet map, edit pair): a column of the --captions "
+                        "table holding its path relative to the source root, else a root (folder or URL) holding "
+                        "it at the sample's own relative path. Missing or differently sized pairs are error "
+                        "rows")  # fmt: skip
     parser.add_argument("--previous", default=None, metavar="MANIFEST",
                         help="reuse unchanged rows from this manifest (default: the one at --out, if any)")  # fmt: skip
     parser.add_argument("--storage-options", default=None, help="fsspec options as JSON, e.g. an endpoint_url")
@@ -128,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
                          "larger images, so embed could not use them; the option can only lower the limit")
     meta = scan_dataset(
         args.source, args.out, spec=spec_from_args(args), storage_options=options, captions=args.captions,
-        previous=args.previous, config=config, ray_address=args.ray_address,
+        previous=args.previous, config=config, ray_address=args.ray_address, conditioning=args.conditioning,
     )  # fmt: skip
     print(summary_line(meta, args.out))
     return 0
@@ -158,10 +166,12 @@ def summary_line(meta: dict[str, Any], out: str) -> str:
     ignored = ignored_line(s.get("ignored_extensions") or {})
     hidden = s.get("ignored_hidden", 0)
     others = "; ".join(p for p in (ignored, f"{hidden} hidden" if hidden else "") if p)
+    pairs = (f" | conditioning: {s['conditioning_probed']} probed, {s['conditioning_errors']} bad pairs, "
+             f"{s['conditioning_files']} under the source not counted as samples") if "conditioning_probed" in s else ""
     return (
         f"scanned {s['listed']} images ({s['ignored']} other files ignored{': ' + others if others else ''}): "
         f"{s['samples']} samples, {s['errors']} errors ({kinds}) | reused {s['reused']}, new {s['new']}, "
-        f"changed {s['changed']}, deleted {s['deleted']} | read {s['files_read']} files, {s['mb_read']:.1f} MB "
+        f"changed {s['changed']}, deleted {s['deleted']}{pairs} | read {s['files_read']} files, {s['mb_read']:.1f} MB "
         f"(median {s['median_bytes_read'] / 1024:.0f} KiB, {s['requests_per_file']:.2f} requests per file) in "
         f"{s['seconds']:.1f} s, {s['files_per_s']:.0f} files/s -> {redact(out)} "
         f"(fingerprint {meta['fingerprint'][:12]})"
@@ -179,9 +189,11 @@ def scan_dataset(
     config: ScanConfig = ScanConfig(),
     ray_address: str | None = None,
     fs=None,
+    conditioning: str | None = None,
 ) -> dict[str, Any]:
     """Scan ``source`` into a manifest at ``out``; returns the committed ``_manifest.json`` content.
 
+    ``conditioning``: ``--conditioning`` (see :mod:`pipeline.scan.conditioning`).
     ``fs`` replaces the filesystem of ``source`` (``source`` is then a path in it; it must be
     picklable): benchmarks and tests wrap storage with it. Raises StorageError for permanent
     storage failures (nothing is committed), UsageError for bad input (no images, a bad table).
@@ -197,6 +209,12 @@ def scan_dataset(
         raise
     table = load_caption_table(captions, storage_options) if captions else None
     target = (source, _task_options(source, storage_options, config), task_fs, root)
+    if (listing.shards or listing.compressed_shards) and conditioning:
+        raise UsageError("--conditioning works on loose image files; this source holds .tar shards")
+    pairing = resolve(conditioning, source, captions, storage_options, task_fs) if conditioning else None
+    excluded = 0
+    if pairing is not None:
+        listing, excluded = pairing.exclude(listing)
     if listing.shards or listing.compressed_shards:
         from pipeline.sources.containers import scan_containers  # it imports this package's parts
 
@@ -224,6 +242,11 @@ def scan_dataset(
         raise StorageError(redact(str(e), storage_options)) from None
     probed = _redacted(pa.concat_tables(results) if results else PROBE_SCHEMA.empty_table(), storage_options)
     images, errors, stats = _assemble(listing, plan, probed, table)
+    if pairing is not None:
+        images, errors, paired = pair(images, errors, set(probed.filter(probed.column("probed")).column("name")
+                                                          .to_pylist()), pairing,
+                                      _conditioning_probe(pairing, storage_options, task_fs, config, ray_address))
+        stats.update(paired, conditioning_files=excluded)
     samples, too_small = apply_buckets(images, spec)
     errors = pa.concat_tables([errors, too_small])
     seconds = time.perf_counter() - clock - ray_seconds
@@ -231,7 +254,25 @@ def scan_dataset(
     return write_manifest(
         out, samples, errors, source=source, spec=spec, storage_options=storage_options, summary=summary,
         counts={"listed": len(listing.images), "ignored": listing.ignored}, max_pixels=config.max_pixels,
+        conditioning=pairing.meta() if pairing is not None else None,
     )  # fmt: skip
+
+
+def _conditioning_probe(pairing, storage_options, fs, config: ScanConfig, ray_address: str | None):
+    """``probe(items)`` for :func:`pipeline.scan.conditioning.pair`: the conditioning images' headers,
+    read by the same Ray tasks as the targets' (:func:`scan_batch`), batched the same way."""
+    target = probe_target(pairing, storage_options, fs)
+    target = (target[0], _task_options(target[0], storage_options, config), *target[2:])
+
+    def probe(items: list) -> pa.Table:
+        try:
+            results, _ = run_tasks(scan_batch, target, config, lambda cpus: _batches(items, config, cpus), len(items),
+                                   progress=config.progress, ray_address=ray_address)  # fmt: skip
+        except StorageError as e:
+            raise StorageError(redact(str(e), storage_options)) from None
+        return _redacted(pa.concat_tables(results), storage_options)
+
+    return probe
 
 
 def _extensions() -> str:
