@@ -161,7 +161,8 @@ def caption_pipeline(work: EmbedWork, prompts: dict[int, str], manifest: str, st
 
 def image_pipeline(work: EmbedWork, manifest: str, source: str, storage_options: dict | None, make_vae: Callable,
                    dtype: str, out: str, options: dict[str, Any], placement: Placement):  # fmt: skip
-    """The images pipeline: one shard per unit. ``options``: batch_size, shard_records, crop, seed, max_pixels."""
+    """The images pipeline: one shard per unit. ``options``: batch_size, shard_records, crop, seed, max_pixels,
+    image_column (a parquet-sourced manifest's, else None)."""
     return (
         _items(work.images)
         .map_batches(plan_units, batch_size=1, batch_format="pyarrow", num_cpus=_LIGHT_TASK_CPUS,
@@ -170,7 +171,8 @@ def image_pipeline(work: EmbedWork, manifest: str, source: str, storage_options:
         .repartition(target_num_rows_per_block=1)  # a unit per block: each becomes its own prepare task
         .map_batches(prepare_unit, batch_size=1, batch_format="pyarrow", num_cpus=1, memory=_PREPARE_MEMORY,
                      fn_kwargs={"source": source, "storage_options": storage_options, "crop": options["crop"],
-                                "seed": options["seed"], "max_pixels": options["max_pixels"]})
+                                "seed": options["seed"], "max_pixels": options["max_pixels"],
+                                "image_column": options.get("image_column")})
         .map_batches(LatentWriter, batch_size=1, batch_format="pyarrow",
                      compute=placement.pool(-(-work.todo // options["batch_size"])),
                      fn_constructor_kwargs={"make_encoder": make_vae, "dtype": dtype, "cache": out,

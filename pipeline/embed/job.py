@@ -251,6 +251,12 @@ def _validate(args: argparse.Namespace) -> None:
         raise UsageError("--commit-seconds must be >= 0 and --vae-workers >= 1")
 
 
+def image_column(manifest: dict) -> str | None:
+    """The column of image bytes of a parquet-sourced manifest (``scan --format parquet``), else None."""
+    summary = manifest.get("summary") or {}
+    return summary.get("image_column") if summary.get("source_format") == "parquet" else None
+
+
 def run(args: argparse.Namespace) -> int:
     from pipeline.embed.encoders import DEFAULT_NOTICE, STORAGE_DTYPES
     from pipeline.embed.work import find_work
@@ -279,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
               "nothing to embed")  # fmt: skip
         return 0
     # a bucket that is gone or denied would otherwise cost a model load and an error row per sample
-    check_source(source, so, work.probe)
+    check_source(source, so, work.probe, image_column=image_column(manifest))
     latent_spec, text_spec = _specs(args)
     if latent_spec.source.is_default or any(t.is_default for t in text_spec.sources):
         print(DEFAULT_NOTICE, file=sys.stderr, flush=True)
@@ -438,7 +444,8 @@ class _Embed:
 
         options = {"batch_size": self.args.batch_size, "shard_records": self.args.shard_records,
                    "crop": self.args.crop, "seed": self.args.seed,
-                   "max_pixels": int(manifest.get("max_pixels") or MAX_PIXELS)}  # fmt: skip
+                   "max_pixels": int(manifest.get("max_pixels") or MAX_PIXELS),
+                   "image_column": image_column(manifest)}  # fmt: skip
         pipeline = image_pipeline(work, self.args.manifest, source, self.so, make_vae, self.request["dtype"],
                                   self.args.out, options, self.placement)  # fmt: skip
         written, first, start, results_seen, images_seen = 0, None, time.time(), 0, 0

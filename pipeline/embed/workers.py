@@ -56,7 +56,9 @@ __all__ = ["prepare_batch", "check_source", "describe_encoder", "plan_units", "p
 UNIT_ROWS = pa.schema([("sample_id", pa.uint64()), ("filename", pa.string()), ("caption_key", pa.uint64()),
                        ("source_key", pa.uint64()),
                        # where the image bytes are (manifests.schema.image_range): null container = a loose file
-                       ("container", pa.string()), ("member_offset", pa.int64()), ("size", pa.int64())])  # fmt: skip
+                       ("container", pa.string()), ("container_size", pa.int64()), ("member_offset", pa.int64()),
+                       ("row_group", pa.int32()), ("row_index", pa.int64()), ("size", pa.int64())])  # fmt: skip
+_LOCATION = ("container", "container_size", "member_offset", "row_group", "row_index", "size")
 # the good rows of a prepared unit, in the order of its pixels
 _PREPARED_ROWS = pa.schema([("sample_id", pa.uint64()), ("caption_key", pa.uint64()), ("source_key", pa.uint64()),
                             *((name, pa.int32()) for name in ("original_h", "original_w", "resized_h", "resized_w",
@@ -98,6 +100,7 @@ def prepare_batch(
     seed: int,
     max_pixels: int,
     fs=None,
+    image_column: str | None = None,
 ) -> dict[str, Any]:
     """Fetch, decode and crop ``rows`` (``sample_id``, ``filename``, ``caption_key``) to ``bucket``.
 
@@ -105,11 +108,12 @@ def prepare_batch(
     "errors": [(sample_id, filename, kind, message)]}``; one bad image never fails the batch.
     Transient storage errors are retried per file (:func:`pipeline.embed.imaging.fetch_all`); a read
     that still fails is a ``read_failed`` error row (credentials redacted), which the next run
-    retries. ``fs`` replaces the filesystem of ``source`` (it must be picklable for Ray).
+    retries. ``fs`` replaces the filesystem of ``source`` (it must be picklable for Ray);
+    ``image_column``: a parquet-sourced manifest's (:func:`pipeline.embed.imaging.fetch_images`).
     """
     fs, root = _open_source(source, storage_options, fs)
     bw, bh = parse_bucket(bucket)
-    blobs = fetch_images(fs, root, rows)
+    blobs = fetch_images(fs, root, rows, image_column=image_column)
     good, pixels, errors = [], [], []
     for row, blob in zip(rows, blobs):
         try:
@@ -130,7 +134,8 @@ def prepare_batch(
     return {"bucket": bucket, "pixels": stacked, "rows": good, "errors": errors}
 
 
-def check_source(source: str, storage_options: dict | None, rows: list[dict], fs=None) -> None:
+def check_source(source: str, storage_options: dict | None, rows: list[dict], fs=None,
+                 image_column: str | None = None) -> None:  # fmt: skip
     """Refuse a dataset whose storage is unusable: raise StorageError when every one of the images
     of ``rows`` (a few manifest rows spread over the job, with :data:`manifests.schema.LOCATION_COLUMNS`,
     read with the usual retries) fails to read.
@@ -142,7 +147,7 @@ def check_source(source: str, storage_options: dict | None, rows: list[dict], fs
     if not rows:
         return
     fs, root = _open_source(source, storage_options, fs)
-    blobs = fetch_images(fs, root, rows)
+    blobs = fetch_images(fs, root, rows, image_column=image_column)
     failures = [(r["filename"], b) for r, b in zip(rows, blobs) if isinstance(b, BaseException)]
     if len(failures) < len(rows):
         return
@@ -167,8 +172,7 @@ def plan_units(batch: pa.Table, manifest: str, storage_options: dict | None, bat
         rows = read_row_group(manifest, work.group, MANIFEST_COLUMNS, storage_options).take(pa.array(work.rows))
         rows = pa.table({"sample_id": rows.column("sample_id"), "filename": rows.column("filename"),
                          "caption_key": caption_keys(rows.column("caption")), "source_key": source_key(rows),
-                         "container": rows.column("container"), "member_offset": rows.column("member_offset"),
-                         "size": rows.column("size"), "bucket": rows.column("bucket")})  # fmt: skip
+                         **{name: rows.column(name) for name in (*_LOCATION, "bucket")}})  # fmt: skip
         for i, unit in enumerate(cut_units(rows, batch_size, shard_records)):
             name = f"{work.group.part}#{work.group.index}.{i}"
             yield pa.table({"unit": [name], "bucket": [unit.column("bucket")[0].as_py()],
@@ -176,14 +180,15 @@ def plan_units(batch: pa.Table, manifest: str, storage_options: dict | None, bat
 
 
 def prepare_unit(batch: pa.Table, source: str, storage_options: dict | None, crop: str, seed: int,
-                 max_pixels: int) -> pa.Table:
+                 max_pixels: int, image_column: str | None = None) -> pa.Table:
     """Ray Data ``map_batches`` (batch size 1): a unit -> its pixels (``uint8 (B, H, W, 3)`` bytes),
     the geometry of its good rows and its error rows (IPC bytes), via :func:`prepare_batch`."""
     out = []
     for item in batch.to_pylist():
         rows = from_ipc(item["rows"]).to_pylist()
         keys = {r["sample_id"]: r["source_key"] for r in rows}
-        prepared = prepare_batch(source, storage_options, item["bucket"], rows, crop, seed, max_pixels)
+        prepared = prepare_batch(source, storage_options, item["bucket"], rows, crop, seed, max_pixels,
+                                 image_column=image_column)  # fmt: skip
         good = pa.table({
             "sample_id": [r["sample_id"] for r in prepared["rows"]],
             "caption_key": [r["caption_key"] for r in prepared["rows"]],
