@@ -206,3 +206,16 @@ def test_parquet_on_s3_scan_then_embed_and_verify(s3, ray_local, tmp_path, capsy
     assert run_embed(out, cache, "--storage-options", so) == 0
     assert "9 embedded, 0 error rows" in capsys.readouterr().out
     assert main(["verify", cache]) == 0
+
+
+def test_embed_units_keep_a_row_groups_rows_together():
+    from pipeline.embed.work import cut_units
+
+    # 12 rows of one bucket from 3 row groups of one file, interleaved by sample id
+    rows = pa.table({"sample_id": pa.array(range(12), pa.uint64()), "bucket": ["64x64"] * 12,
+                     "container": ["a.parquet"] * 12, "row_group": pa.array([i % 3 for i in range(12)], pa.int32())})
+    units = list(cut_units(rows, batch_size=4, shard_records=4))
+    assert [sorted(set(u.column("row_group").to_pylist())) for u in units] == [[0], [1], [2]]
+    # loose files (no container columns) keep the order by sample id
+    loose = list(cut_units(rows.select(["sample_id", "bucket"]), batch_size=4, shard_records=4))
+    assert [u.column("sample_id").to_pylist() for u in loose] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
