@@ -94,7 +94,7 @@ def image_bytes(column: pa.ChunkedArray | pa.Array) -> list[bytes | None]:
     if isinstance(column, pa.ChunkedArray):
         column = column.combine_chunks()
     if pa.types.is_struct(column.type):
-        # a null struct has null fields only when flattened with its validity: pc would do the same
+        # a null struct's child may hold a value: the struct's validity decides
         values = column.field("bytes").to_pylist()
         valid = column.is_valid().to_pylist()
         return [v if ok else None for v, ok in zip(values, valid)]
@@ -122,8 +122,10 @@ class ParquetScan:
 class _CountingFile(RangedFile):
     """:class:`~manifests.storage.RangedFile` counting requests and bytes."""
 
-    requests = 0
-    bytes = 0
+    def __init__(self, fs, path: str, size: int):
+        super().__init__(fs, path, size)
+        self.requests = 0
+        self.bytes = 0
 
     def read(self, n: int = -1) -> bytes:
         data = super().read(n)
