@@ -1,6 +1,7 @@
-"""Scan of WebDataset tar shards as marginal rates: bucketeer's header walk vs decoding every image.
+"""Scan of WebDataset tar shards and parquet files as marginal rates: bucketeer's scan vs decoding every image.
 
     .venv/bin/python benchmarks/sources.py [--per-shard 500] [--small 2000] [--large 12000] [--latency-ms 20]
+        [--cases tar,parquet]
 
 Generates once (in ``--cache-dir``, default ``~/.cache/bucketeer/bench-sources``, ~2.4 GB for 12,000
 images) tar shards of ``--per-shard`` samples, each ``key.jpg`` (photo-like JPEGs of ~200 KB in
@@ -17,9 +18,19 @@ repetition changes no figure and keeps generation short. In one run and one warm
    process per CPU, on ``--alternative`` shard counts (a smaller pair: it is far slower). It reads
    every byte of every shard.
 
+The parquet case (``--cases parquet``) writes the same samples as parquet files of ``--per-shard``
+rows (HuggingFace ``datasets``' layout: an ``image`` struct ``{bytes, path}``, a ``text`` caption and
+a ``url`` column; row groups of 100 rows) and measures, the same way:
+
+4. ``bucketeer scan --format parquet --image-column image --caption-column text`` of the local files;
+5. the alternative: iterate each file's image column with pyarrow (what ``datasets`` does
+   underneath) and decode every image with Pillow (+ ``exif_transpose``), one process per CPU;
+6. a cheaper alternative for reference: the same iteration, but Pillow only opens each image
+   (its header and EXIF) without decoding it (measured at the scan's sizes: it is fast).
+
 Each rate is **marginal**: ``(large - small) / (t_large - t_small)``, best of two runs at each size,
 so Ray start-up, listing and the manifest commit drop out. Prints requests and bytes read per image,
-the bytes read as a share of the shards' bytes, and the ratio to the alternative.
+the bytes read as a share of the containers' bytes, and the ratio to the (decoding) alternative.
 """
 
 from __future__ import annotations
@@ -99,20 +110,47 @@ def write_shards(folder: Path, count: int, per_shard: int, images: list[bytes]) 
         tmp.rename(path)
 
 
-def subset(cache: Path, shards: int) -> Path:
-    """A folder holding the first ``shards`` shards of the corpus (hard links: same page cache)."""
-    root = cache / "sets" / f"s{shards}"
+PARQUET_GROUP_ROWS = 100  # rows per row group, as `datasets` writes image datasets
+PARQUET_CONFIG = ScanConfig(progress=False, format="parquet", image_column="image", caption_column="text")
+
+
+def write_parquet_files(folder: Path, count: int, per_file: int, images: list[bytes]) -> None:
+    """``count`` parquet files of ``per_file`` rows each under ``folder``, the shards' samples; written once."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder.mkdir(parents=True, exist_ok=True)
+    image_type = pa.struct([("bytes", pa.binary()), ("path", pa.string())])  # datasets.Image()'s storage
+    for k in range(count):
+        path = folder / f"{k:05d}.parquet"
+        if path.exists():
+            continue
+        keys = [f"{k * per_file + j:09d}" for j in range(per_file)]
+        table = pa.table({
+            "image": pa.array([{"bytes": images[int(key) % len(images)], "path": f"{key}.jpg"} for key in keys],
+                              image_type),
+            "text": [" ".join(np.random.default_rng(int(key)).choice(WORDS, 12)) for key in keys],
+            "url": [f"https://example.invalid/{key}.jpg" for key in keys],
+        })  # fmt: skip
+        tmp = path.with_suffix(".partial")
+        pq.write_table(table, tmp, row_group_size=PARQUET_GROUP_ROWS)
+        tmp.rename(path)
+
+
+def subset(cache: Path, shards: int, kind: str = "shards", ext: str = "tar") -> Path:
+    """A folder holding the first ``shards`` shards (or parquet files) of the corpus (hard links: same page cache)."""
+    root = cache / "sets" / (f"s{shards}" if kind == "shards" else f"{kind}-{shards}")
     root.mkdir(parents=True, exist_ok=True)
     for k in range(shards):
-        link = root / f"{k:05d}.tar"
+        link = root / f"{k:05d}.{ext}"
         if not link.exists():
-            os.link(cache / "shards" / link.name, link)
+            os.link(cache / kind / link.name, link)
     return root
 
 
-def run_scan(root: Path, out: Path, fs=None) -> dict:
+def run_scan(root: Path, out: Path, fs=None, config: ScanConfig = ScanConfig(progress=False)) -> dict:
     start = time.perf_counter()
-    meta = scan_dataset(str(root), str(out), spec=BucketSpec(), config=ScanConfig(progress=False), fs=fs)
+    meta = scan_dataset(str(root), str(out), spec=BucketSpec(), config=config, fs=fs)
     seconds = time.perf_counter() - start
     s = meta["summary"]
     assert s["errors"] == 0 and s["images_read"] == s["listed"] == s["samples"], s  # a real, complete scan
@@ -146,6 +184,49 @@ def run_alternative(root: Path, cpus: int) -> dict:
             "shard_bytes": total}  # fmt: skip
 
 
+def decode_parquet(path: str, decode: bool = True) -> tuple[int, int]:
+    """The alternative for one parquet file: iterate its image column, decode every image (or, with
+    ``decode=False``, only open it: header and EXIF) to learn its display size."""
+    import pyarrow.parquet as pq
+
+    images = read = 0
+    parquet = pq.ParquetFile(path)
+    for batch in parquet.iter_batches(columns=["image"], batch_size=PARQUET_GROUP_ROWS):
+        for blob in batch.column(0).field("bytes").to_pylist():
+            read += len(blob)
+            with Image.open(io.BytesIO(blob)) as im:
+                if decode:
+                    ImageOps.exif_transpose(im).size  # noqa: B018 (the size is the point)
+                else:
+                    im.getexif().get(0x0112, 1)
+                images += 1
+    return images, os.path.getsize(path)
+
+
+def decode_parquet_header_only(path: str) -> tuple[int, int]:
+    return decode_parquet(path, decode=False)
+
+
+def run_parquet_alternative(root: Path, cpus: int, decode: bool = True) -> dict:
+    paths = sorted(str(p) for p in root.glob("*.parquet"))
+    start = time.perf_counter()
+    with Pool(cpus) as pool:
+        done = pool.map(decode_parquet if decode else decode_parquet_header_only, paths)
+    seconds = time.perf_counter() - start
+    total = sum(b for _, b in done)
+    return {"images": sum(n for n, _ in done), "seconds": seconds, "requests": len(paths), "bytes": total,
+            "shard_bytes": total}  # fmt: skip
+
+
+def print_rows(rows: list[tuple], base: float, what: str) -> None:
+    print(f"| method | images/s (marginal) | vs alternative | requests per image | bytes read per image | "
+          f"share of {what} bytes read |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    for name, rate, r in rows:
+        print(f"| {name} | {rate:,.0f} | {rate / base:,.1f}x | {r['requests'] / r['images']:.3f} | "
+              f"{r['bytes'] / r['images'] / 1024:,.1f} KiB | {100 * r['bytes'] / r['shard_bytes']:.2f}% |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--per-shard", type=int, default=500)
@@ -157,7 +238,9 @@ def main() -> int:
     parser.add_argument("--cpus", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--exif-every", type=int, default=5,
                         help="every n-th distinct JPEG carries an 8-40 KB EXIF block (0: none); a new --cache-dir")
+    parser.add_argument("--cases", default="tar,parquet", help="which sources to measure: tar, parquet or both")
     args = parser.parse_args()
+    cases = set(args.cases.split(","))
     small_shards, large_shards = args.small // args.per_shard, args.large // args.per_shard
     alt_small, alt_large = (int(x) for x in args.alternative.split(","))
 
@@ -167,43 +250,61 @@ def main() -> int:
     print(f"corpus: {cache} ({large_shards} shards x {args.per_shard} samples)", flush=True)
     images = photos(exif_every=args.exif_every)
     sizes = np.array([len(b) for b in images])
-    write_shards(cache / "shards", large_shards, args.per_shard, images)
-    small, large = subset(cache, small_shards), subset(cache, large_shards)
-    shard_gb = sum(p.stat().st_size for p in large.glob("*.tar")) / 1e9
-    print(f"  {large_shards * args.per_shard:,} images, {shard_gb:.2f} GB of shards; JPEGs median "
-          f"{np.median(sizes) / 1e3:.0f} KB ({sizes.min() / 1e3:.0f}-{sizes.max() / 1e3:.0f} KB)", flush=True)
+    print(f"  {large_shards * args.per_shard:,} images; JPEGs median {np.median(sizes) / 1e3:.0f} KB "
+          f"({sizes.min() / 1e3:.0f}-{sizes.max() / 1e3:.0f} KB); load average {os.getloadavg()[0]:.1f}", flush=True)
+    if "tar" in cases:
+        write_shards(cache / "shards", large_shards, args.per_shard, images)
+    if "parquet" in cases:
+        write_parquet_files(cache / "parquet", large_shards, args.per_shard, images)
     # workers import LatencyStorage from benchmarks.scan (an fsspec class cannot be pickled by value)
     ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})  # fmt: skip
-    rows = []
+    rows, parquet_rows = [], []
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "manifest"
-        run_scan(small, out)  # warm-up: Ray workers start, shards enter the page cache
-        rows.append(("bucketeer scan, local shards", *marginal(lambda r: run_scan(r, out), small, large,
-                                                                      count="images")))
-        slow = LatencyStorage(args.latency_ms / 1000)
-        rows.append((f"bucketeer scan, +{args.latency_ms:g} ms per request", *marginal(
-            lambda r: run_scan(r, out, fs=slow), small, large, count="images")))  # fmt: skip
+        if "tar" in cases:
+            small, large = subset(cache, small_shards), subset(cache, large_shards)
+            run_scan(small, out)  # warm-up: Ray workers start, shards enter the page cache
+            rows.append(("bucketeer scan, local shards", *marginal(lambda r: run_scan(r, out), small, large,
+                                                                          count="images")))
+            slow = LatencyStorage(args.latency_ms / 1000)
+            rows.append((f"bucketeer scan, +{args.latency_ms:g} ms per request", *marginal(
+                lambda r: run_scan(r, out, fs=slow), small, large, count="images")))  # fmt: skip
+        if "parquet" in cases:
+            small = subset(cache, small_shards, "parquet", "parquet")
+            large = subset(cache, large_shards, "parquet", "parquet")
+            run_scan(small, out, config=PARQUET_CONFIG)  # warm-up
+            parquet_rows.append(("bucketeer scan --format parquet, local files", *marginal(
+                lambda r: run_scan(r, out, config=PARQUET_CONFIG), small, large, count="images")))  # fmt: skip
     ray.shutdown()
-    alt = ("tarfile stream + Pillow decode of every image (local)",
-           *marginal(lambda r: run_alternative(r, args.cpus), subset(cache, alt_small), subset(cache, alt_large),
-                    count="images"))
-    rows.append(alt)
-
-    base = alt[1]
-    print(f"\nmarginal rates (best of two at {args.small:,} and {args.large:,} images; the alternative at "
-          f"{alt_small * args.per_shard:,} and {alt_large * args.per_shard:,}), {args.cpus} CPUs\n")  # fmt: skip
-    print("| method | images/s (marginal) | vs alternative | requests per image | bytes read per image | "
-          "share of shard bytes read |")  # fmt: skip
-    print("|---|---|---|---|---|---|")
-    for name, rate, r in rows:
-        print(f"| {name} | {rate:,.0f} | {rate / base:,.0f}x | {r['requests'] / r['images']:.3f} | "
-              f"{r['bytes'] / r['images'] / 1024:,.1f} KiB | {100 * r['bytes'] / r['shard_bytes']:.2f}% |")
-    local, slow_run = rows[0], rows[1]
-    share = 100 * local[2]["bytes"] / local[2]["shard_bytes"]
-    print(f"\ntargets (issue 15): bytes read <= 5% of the shard bytes: {share:.2f}%"
-          f"; >= 20x the alternative: {local[1] / base:,.0f}x local, {slow_run[1] / base:,.0f}x at "
-          f"+{args.latency_ms:g} ms")  # fmt: skip
+    print(f"\nmarginal rates (best of two at {args.small:,} and {args.large:,} images; the alternatives at "
+          f"{alt_small * args.per_shard:,} and {alt_large * args.per_shard:,}), {args.cpus} CPUs, load average "
+          f"{os.getloadavg()[0]:.1f} now\n")  # fmt: skip
+    if "tar" in cases:
+        alt = ("tarfile stream + Pillow decode of every image (local)",
+               *marginal(lambda r: run_alternative(r, args.cpus), subset(cache, alt_small),
+                         subset(cache, alt_large), count="images"))  # fmt: skip
+        rows.append(alt)
+        base = alt[1]
+        print_rows(rows, base, "shard")
+        local, slow_run = rows[0], rows[1]
+        share = 100 * local[2]["bytes"] / local[2]["shard_bytes"]
+        print(f"\ntargets (issue 15): bytes read <= 5% of the shard bytes: {share:.2f}%"
+              f"; >= 20x the alternative: {local[1] / base:,.0f}x local, {slow_run[1] / base:,.0f}x at "
+              f"+{args.latency_ms:g} ms\n")  # fmt: skip
+    if "parquet" in cases:
+        alt_sets = (subset(cache, alt_small, "parquet", "parquet"), subset(cache, alt_large, "parquet", "parquet"))
+        alt = ("pyarrow iterate + Pillow decode of every image (local)",
+               *marginal(lambda r: run_parquet_alternative(r, args.cpus), *alt_sets, count="images"))
+        # fast enough for the scan's own sizes, where start-up vanishes
+        opened = ("pyarrow iterate + Pillow open (header and EXIF only, no decode)",
+                  *marginal(lambda r: run_parquet_alternative(r, args.cpus, decode=False),
+                            subset(cache, small_shards, "parquet", "parquet"),
+                            subset(cache, large_shards, "parquet", "parquet"), count="images"))  # fmt: skip
+        parquet_rows += [alt, opened]
+        print_rows(parquet_rows, alt[1], "parquet file")
+        print(f"\nparquet: {parquet_rows[0][1] / alt[1]:,.1f}x the decoding alternative, "
+              f"{parquet_rows[0][1] / opened[1]:,.1f}x the header-only one")
     return 0
 
 

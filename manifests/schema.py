@@ -37,10 +37,15 @@ MAX_PIXELS = 2 * 89_478_485
 
 # Where the bytes of an image inside a container are (null for a loose file): a WebDataset tar shard
 # holds them at bytes [member_offset, member_offset + size) of ``container``, so one ranged read
-# fetches them (:func:`image_range`); a parquet file (not scanned yet; the columns are reserved) in
-# row ``row_index`` of row group ``row_group``. ``filename`` of a tar member's row is
-# ``<container>/<member name>``: unique and readable. ``etag`` and ``mtime`` are the container's; ``container_size`` is
-# its size in bytes, so that a rescan reuses every row of an unchanged container without reading it.
+# fetches them (:func:`image_range`); a parquet file (``scan --format parquet``) in row ``row_index``
+# of row group ``row_group`` of its image column (the manifest's ``summary.image_column``), ``size``
+# being the image's byte length. Parquet gives no byte range of one value: embed reads the image
+# column of a row group once for all the rows of a unit in it (the cost is a row group's column
+# chunk per unit, not a ranged read per image; pipeline/embed/parquet_images.py).
+# ``filename`` of a tar member's row is ``<container>/<member name>``, of a parquet row
+# ``<container>/<row>`` with ``row`` its 0-based number in the whole file (over all row groups):
+# unique and readable. ``etag`` and ``mtime`` are the container's; ``container_size`` is its size
+# in bytes, so that a rescan reuses every row of an unchanged container without reading it.
 CONTAINER_FIELDS = (
     pa.field("container", pa.string()),  # the shard or parquet file, relative to the source root
     pa.field("container_size", pa.int64()),  # bytes of the container when scanned
@@ -49,7 +54,8 @@ CONTAINER_FIELDS = (
     pa.field("row_index", pa.int64()),  # parquet: row within that row group
 )
 CONTAINER_COLUMNS = tuple(f.name for f in CONTAINER_FIELDS)
-LOCATION_COLUMNS = ("filename", "container", "member_offset", "size")  # what image_range reads of a row
+# where a row's image is: what image_range and embed's fetch read of a row
+LOCATION_COLUMNS = ("filename", "container", "container_size", "member_offset", "row_group", "row_index", "size")
 
 # A paired conditioning image (``scan --conditioning``; ControlNet maps, edit/reference pairs), null without
 # one. ``conditioning`` is its path relative to the manifest's conditioning root (``_manifest.json``
@@ -165,12 +171,14 @@ def image_range(row: Mapping[str, Any]) -> tuple[str, int | None, int | None]:
     A loose file is read whole (``start`` and ``end`` None); a tar member is bytes
     ``[member_offset, member_offset + size)`` of its ``container``: one ranged read. ``row`` needs
     ``filename`` and, for rows of containers, ``container``, ``member_offset`` and ``size``.
+    Raises ValueError for a row of a parquet file (``row_group`` set): no byte range holds one
+    value of a parquet column; it is read by row group (see the comment on CONTAINER_FIELDS).
     """
     container = row.get("container")
     if container is None:
         return row["filename"], None, None
     offset = row.get("member_offset")
     if offset is None:
-        raise ValueError(f"{row['filename']}: a container row without member_offset (a parquet source?) cannot be "
-                         "read by this bucketeer; re-scan the source")
+        what = "a parquet row, read by row group," if row.get("row_group") is not None else "a container row"
+        raise ValueError(f"{row['filename']}: {what} has no byte range (member_offset is null)")
     return container, int(offset), int(offset) + int(row["size"])

@@ -1,5 +1,6 @@
 """WebDataset tar shards: the header walker against tarfile, the scan of shards locally and on S3
-(exact sizes, error rows, bytes and requests counted by the filesystem), per-shard rescans, embed + verify."""
+(exact sizes, error rows, bytes and requests counted by the filesystem), per-shard rescans, embed + verify,
+plan + train."""
 
 from __future__ import annotations
 
@@ -27,6 +28,23 @@ from pipeline.sources.jpeg import KEEP, sparse_jpeg_header
 from pipeline.sources.tar import walk_tar
 from tests.corpus import truth
 from tests.shards import ShardSet, awkward_shards, good_shard, put, tar_bytes
+from train.config import DEFAULT_CONFIG
+
+
+def train_here(*argv) -> int:
+    """``python -m train ARGV`` in this process, accelerate's process-wide state reset afterwards
+    (as tests/test_train.py runs it)."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    from train.__main__ import main as train_main
+
+    try:
+        return train_main([str(a) for a in argv])
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        PartialState._reset_state()
+
 
 QUIET = ScanConfig(progress=False)
 
@@ -203,9 +221,9 @@ def test_compressed_or_mixed_sources_are_refused_with_what_to_do(tmp_path):
 
 @pytest.mark.s3
 @pytest.mark.ray
-@pytest.mark.slow  # ~15-30 s: embed's text and VAE actors start
+@pytest.mark.slow  # ~20-35 s: embed's text and VAE actors start, two training steps
 @pytest.mark.usefixtures("bucketeer_home")
-def test_shards_on_s3_scan_then_embed_and_verify(s3, ray_local, tmp_path, capsys):
+def test_shards_on_s3_scan_then_embed_verify_plan_and_train(s3, ray_local, tmp_path, capsys):
     from tests.embed_data import run_embed
 
     s = ShardSet(tmp_path / "src")
@@ -229,6 +247,15 @@ def test_shards_on_s3_scan_then_embed_and_verify(s3, ray_local, tmp_path, capsys
     assert run_embed(out, cache, "--storage-options", so) == 0
     assert "10 embedded, 0 error rows" in capsys.readouterr().out
     assert main(["verify", cache]) == 0
+
+    # plan and train from the sharded manifest, as from any other
+    plan = str(tmp_path / "plan")
+    assert main(["plan", out, "--out", plan, "--world-size", "1", "--batch-size", "2", "--epochs", "1",
+                 "--cache", cache, "--storage-options", so]) == 0  # fmt: skip
+    run = tmp_path / "run"
+    assert train_here("--plan", plan, "--cache", cache, "--config", DEFAULT_CONFIG, "--output-dir", run,
+                      "--max-steps", 2) == 0  # fmt: skip
+    assert (run / "model").is_dir()
 
 
 @settings(max_examples=25, deadline=None)

@@ -162,7 +162,8 @@ def caption_pipeline(work: EmbedWork, prompts: dict[int, str], manifest: str, st
 def image_pipeline(work: EmbedWork, manifest: str, source: str, storage_options: dict | None, make_vae: Callable,
                    dtype: str, out: str, options: dict[str, Any], placement: Placement):  # fmt: skip
     """The images pipeline: one shard per unit. ``options``: batch_size, shard_records, crop, seed, max_pixels,
-    crops, flip, conditioning (the root of the manifest's conditioning images, or None)."""
+    crops, flip, conditioning (the root of the manifest's conditioning images, or None), image_column (a
+    parquet-sourced manifest's, else None)."""
     return (
         _items(work.images)
         .map_batches(plan_units, batch_size=1, batch_format="pyarrow", num_cpus=_LIGHT_TASK_CPUS,
@@ -172,7 +173,8 @@ def image_pipeline(work: EmbedWork, manifest: str, source: str, storage_options:
         .map_batches(prepare_unit, batch_size=1, batch_format="pyarrow", num_cpus=1, memory=_PREPARE_MEMORY,
                      fn_kwargs={"source": source, "storage_options": storage_options, "crop": options["crop"],
                                 "seed": options["seed"], "max_pixels": options["max_pixels"],
-                                "crops": options["crops"], "conditioning": options["conditioning"]})
+                                "crops": options["crops"], "conditioning": options["conditioning"],
+                                "image_column": options.get("image_column")})
         .map_batches(LatentWriter, batch_size=1, batch_format="pyarrow",
                      compute=placement.pool(-(-work.todo // options["batch_size"])),
                      fn_constructor_kwargs={"make_encoder": make_vae, "dtype": dtype, "cache": out,

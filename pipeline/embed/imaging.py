@@ -1,6 +1,8 @@
 """Fetch image bytes, decode them (EXIF transpose, RGB), resize to cover a bucket and crop it.
 
-An image is fetched with one read: a loose file whole, an image inside a tar shard by its byte range.
+An image is fetched with one read: a loose file whole, an image inside a tar shard by its byte range;
+images inside parquet files by row group (:mod:`pipeline.embed.parquet_images`: one read of the image
+column of a row group for all the rows asked for in it).
 
 Geometry follows SDXL's micro-conditioning: sizes are ``(height, width)``, the crop position is
 ``(top, left)`` in the pixels of the resized image (the image scaled so that it just covers the
@@ -25,6 +27,7 @@ from PIL import Image, ImageOps
 from manifests.errors import UsageError
 from manifests.schema import MAX_PIXELS, image_range
 from manifests.storage import join, read_many
+from pipeline.embed.parquet_images import fetch_parquet_images, is_parquet_row
 from pipeline.formats import open_image
 
 __all__ = ["ImageFailure", "Prepared", "cover_and_crop", "prepare_image", "prepare_views", "fetch_all",
@@ -196,13 +199,31 @@ def fetch_all(fs, paths: list[str], *, threads: int = 16) -> list[bytes | BaseEx
     return read_many(fs, paths, threads=threads)
 
 
-def fetch_images(fs, root: str, rows: list[dict], *, threads: int = 16) -> list[bytes | BaseException]:
+def fetch_images(
+    fs, root: str, rows: list[dict], *, image_column: str | None = None, threads: int = 16
+) -> list[bytes | BaseException]:
     """The image bytes of manifest ``rows`` under ``root``, as :func:`fetch_all` (failures as exceptions, in order).
 
     A loose file is read whole; an image inside a tar shard with one ranged read of its bytes
-    (:func:`manifests.schema.image_range`), never the shard. Rows need ``filename`` and, from a
-    shard-sourced manifest, ``container``, ``member_offset`` and ``size``.
+    (:func:`manifests.schema.image_range`), never the shard; images of a parquet file by row group
+    (:func:`pipeline.embed.parquet_images.fetch_parquet_images`, ``image_column`` being the
+    manifest's ``summary.image_column``). Rows need ``filename`` and, from a container-sourced
+    manifest, the other :data:`manifests.schema.LOCATION_COLUMNS`. Raises UsageError for parquet
+    rows without ``image_column``.
     """
-    ranges = [image_range(r) for r in rows]
-    return read_many(fs, [join(root, path) for path, _, _ in ranges], [start or 0 for _, start, _ in ranges],
-                     [end for _, _, end in ranges], threads=threads)  # fmt: skip
+    in_parquet = [i for i, r in enumerate(rows) if is_parquet_row(r)]
+    if in_parquet and not image_column:
+        raise UsageError(f"{rows[in_parquet[0]]['filename']} is a parquet row, but the manifest names no image "
+                         "column (summary.image_column); rescan the source with --format parquet")
+    ranged = [i for i in range(len(rows)) if not is_parquet_row(rows[i])]
+    ranges = [image_range(rows[i]) for i in ranged]
+    results: list[bytes | BaseException] = [b""] * len(rows)
+    found = read_many(fs, [join(root, path) for path, _, _ in ranges], [start or 0 for _, start, _ in ranges],
+                      [end for _, _, end in ranges], threads=threads)  # fmt: skip
+    for i, blob in zip(ranged, found):
+        results[i] = blob
+    if in_parquet:
+        blobs = fetch_parquet_images(fs, root, [rows[i] for i in in_parquet], str(image_column), threads=threads)
+        for i, blob in zip(in_parquet, blobs):
+            results[i] = blob
+    return results

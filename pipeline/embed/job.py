@@ -272,6 +272,12 @@ def _validate(args: argparse.Namespace) -> None:
                          "use one or the other")
 
 
+def image_column(manifest: dict) -> str | None:
+    """The column of image bytes of a parquet-sourced manifest (``scan --format parquet``), else None."""
+    summary = manifest.get("summary") or {}
+    return summary.get("image_column") if summary.get("source_format") == "parquet" else None
+
+
 def run(args: argparse.Namespace) -> int:
     from pipeline.embed.encoders import DEFAULT_NOTICE, STORAGE_DTYPES
     from pipeline.embed.work import find_work
@@ -300,7 +306,7 @@ def run(args: argparse.Namespace) -> int:
               "nothing to embed")  # fmt: skip
         return 0
     # a bucket that is gone or denied would otherwise cost a model load and an error row per sample
-    check_source(source, so, work.probe)
+    check_source(source, so, work.probe, image_column=image_column(manifest))
     latent_spec, text_spec = _specs(args)
     if latent_spec.source.is_default or any(t.is_default for t in text_spec.sources):
         print(DEFAULT_NOTICE, file=sys.stderr, flush=True)
@@ -469,7 +475,8 @@ class _Embed:
         options = {"batch_size": self.args.batch_size, "shard_records": self.args.shard_records,
                    "crop": self.args.crop, "seed": self.args.seed, "crops": self.args.crops, "flip": self.args.flip,
                    "conditioning": _conditioning_root(manifest, source),
-                   "max_pixels": int(manifest.get("max_pixels") or MAX_PIXELS)}  # fmt: skip
+                   "max_pixels": int(manifest.get("max_pixels") or MAX_PIXELS),
+                   "image_column": image_column(manifest)}  # fmt: skip
         pipeline = image_pipeline(work, self.args.manifest, source, self.so, make_vae, self.request["dtype"],
                                   self.args.out, options, self.placement)  # fmt: skip
         written, first, start, results_seen, images_seen = 0, None, time.time(), 0, 0

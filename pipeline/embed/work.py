@@ -10,7 +10,8 @@ longer than it reads it: the Ray workers read the rows they are given themselves
 (:mod:`pipeline.embed.workers`).
 
 :func:`cut_units` (on a worker) cuts the rows of one row group into **units**: rows of one
-bucket, sorted by sample id, at most ``--shard-records`` of them and few enough that their
+bucket, sorted by container, row group and sample id (so that a unit of a parquet-sourced manifest
+reads few of the source's row groups, each once), at most ``--shard-records`` of them and few enough that their
 pixels stay near :data:`UNIT_PIXEL_BYTES`. A unit is what one encoder call turns into one shard
 object, so it is also what is redone when a worker or node dies.
 """
@@ -35,7 +36,7 @@ __all__ = ["MANIFEST_COLUMNS", "PROBE_FILES", "UNIT_PIXEL_BYTES", "GroupWork", "
 
 # what a row's freshness, caption and probe need: the source-key columns, the caption and where the image is
 MANIFEST_COLUMNS = ["sample_id", "filename", "caption", "bucket", "size", "etag", "mtime", "container",
-                    "member_offset", *CONDITIONING_COLUMNS]
+                    "container_size", "member_offset", "row_group", "row_index", *CONDITIONING_COLUMNS]
 PROBE_FILES = 8  # images read up front to tell an unusable storage from a few bad files
 UNIT_PIXEL_BYTES = 128 << 20  # pixels of one unit in flight: 42 images at 1024x1024, 682 at 256x256
 
@@ -133,9 +134,15 @@ def unit_size(bucket: str, batch_size: int, shard_records: int) -> int:
 
 
 def cut_units(rows: pa.Table, batch_size: int, shard_records: int) -> Iterator[pa.Table]:
-    """Tables of one bucket each, sorted by ``(bucket, sample_id)`` and at most :func:`unit_size`
-    rows; ``rows`` needs a ``bucket`` and a ``sample_id`` column (the others ride along)."""
-    rows = rows.sort_by([("bucket", "ascending"), ("sample_id", "ascending")])
+    """Tables of one bucket each, sorted by ``(bucket, container, row_group, sample_id)`` and at most
+    :func:`unit_size` rows; ``rows`` needs a ``bucket`` and a ``sample_id`` column (the others ride
+    along; ``container`` and ``row_group`` are nulls where absent)."""
+    for name, kind in (("container", pa.string()), ("row_group", pa.int32())):
+        if name not in rows.column_names:
+            rows = rows.append_column(name, pa.nulls(rows.num_rows, kind))
+    # a parquet row group is read once per unit that needs it: keep each one's rows together
+    rows = rows.sort_by([("bucket", "ascending"), ("container", "ascending"), ("row_group", "ascending"),
+                         ("sample_id", "ascending")])  # fmt: skip
     buckets = rows.column("bucket").combine_chunks()
     starts = np.flatnonzero(np.r_[True, pc.not_equal(buckets[1:], buckets[:-1]).to_numpy(zero_copy_only=False)])
     ends = np.r_[starts[1:], rows.num_rows]  # (buckets,) half-open ranges of one bucket each

@@ -56,8 +56,10 @@ __all__ = ["prepare_batch", "check_source", "describe_encoder", "plan_units", "p
 UNIT_ROWS = pa.schema([("sample_id", pa.uint64()), ("filename", pa.string()), ("caption_key", pa.uint64()),
                        ("source_key", pa.uint64()),
                        # where the image bytes are (manifests.schema.image_range): null container = a loose file
-                       ("container", pa.string()), ("member_offset", pa.int64()), ("size", pa.int64()),
+                       ("container", pa.string()), ("container_size", pa.int64()), ("member_offset", pa.int64()),
+                       ("row_group", pa.int32()), ("row_index", pa.int64()), ("size", pa.int64()),
                        ("conditioning", pa.string())])  # fmt: skip
+_LOCATION = ("container", "container_size", "member_offset", "row_group", "row_index", "size")
 # the good rows of a prepared unit, in the order of its pixels
 _PREPARED_ROWS = pa.schema([("sample_id", pa.uint64()), ("caption_key", pa.uint64()), ("source_key", pa.uint64()),
                             *((name, pa.int32()) for name in ("original_h", "original_w", "resized_h", "resized_w",
@@ -103,6 +105,7 @@ def prepare_batch(
     *,
     crops: int = 1,
     conditioning: str | None = None,
+    image_column: str | None = None,
 ) -> dict[str, Any]:
     """Fetch, decode and crop ``rows`` (``sample_id``, ``filename``, ``caption_key``) to ``bucket``.
 
@@ -114,11 +117,11 @@ def prepare_batch(
     the sample's error row. Transient storage errors are retried per file
     (:func:`pipeline.embed.imaging.fetch_all`); a read that still fails is a ``read_failed`` error row
     (credentials redacted), which the next run retries. ``fs`` replaces the filesystem of ``source`` (it must be
-    picklable for Ray).
+    picklable for Ray); ``image_column``: a parquet-sourced manifest's (:func:`pipeline.embed.imaging.fetch_images`).
     """
     fs, root = _open_source(source, storage_options, fs)
     bw, bh = parse_bucket(bucket)
-    blobs = fetch_images(fs, root, rows)
+    blobs = fetch_images(fs, root, rows, image_column=image_column)
     paired = conditioning is not None and any(r.get("conditioning") for r in rows)
     if paired:
         cfs, croot = (fs, root) if conditioning == source else open_url(conditioning, storage_options)
@@ -170,7 +173,8 @@ def _conditioning_views(row: dict, blob, views: list, bucket: tuple[int, int], m
     return np.stack([c.pixels for c in cond])  # (K, H, W, 3)
 
 
-def check_source(source: str, storage_options: dict | None, rows: list[dict], fs=None) -> None:
+def check_source(source: str, storage_options: dict | None, rows: list[dict], fs=None,
+                 image_column: str | None = None) -> None:  # fmt: skip
     """Refuse a dataset whose storage is unusable: raise StorageError when every one of the images
     of ``rows`` (a few manifest rows spread over the job, with :data:`manifests.schema.LOCATION_COLUMNS`,
     read with the usual retries) fails to read.
@@ -182,7 +186,7 @@ def check_source(source: str, storage_options: dict | None, rows: list[dict], fs
     if not rows:
         return
     fs, root = _open_source(source, storage_options, fs)
-    blobs = fetch_images(fs, root, rows)
+    blobs = fetch_images(fs, root, rows, image_column=image_column)
     failures = [(r["filename"], b) for r, b in zip(rows, blobs) if isinstance(b, BaseException)]
     if len(failures) < len(rows):
         return
@@ -207,9 +211,8 @@ def plan_units(batch: pa.Table, manifest: str, storage_options: dict | None, bat
         rows = read_row_group(manifest, work.group, MANIFEST_COLUMNS, storage_options).take(pa.array(work.rows))
         rows = pa.table({"sample_id": rows.column("sample_id"), "filename": rows.column("filename"),
                          "caption_key": caption_keys(rows.column("caption")), "source_key": source_key(rows),
-                         "container": rows.column("container"), "member_offset": rows.column("member_offset"),
-                         "size": rows.column("size"), "bucket": rows.column("bucket"),
-                         "conditioning": rows.column("conditioning")})  # fmt: skip
+                         "conditioning": rows.column("conditioning"),
+                         **{name: rows.column(name) for name in (*_LOCATION, "bucket")}})  # fmt: skip
         for i, unit in enumerate(cut_units(rows, batch_size, shard_records)):
             name = f"{work.group.part}#{work.group.index}.{i}"
             yield pa.table({"unit": [name], "bucket": [unit.column("bucket")[0].as_py()],
@@ -217,7 +220,8 @@ def plan_units(batch: pa.Table, manifest: str, storage_options: dict | None, bat
 
 
 def prepare_unit(batch: pa.Table, source: str, storage_options: dict | None, crop: str, seed: int,
-                 max_pixels: int, crops: int = 1, conditioning: str | None = None) -> pa.Table:
+                 max_pixels: int, crops: int = 1, conditioning: str | None = None,
+                 image_column: str | None = None) -> pa.Table:
     """Ray Data ``map_batches`` (batch size 1): a unit -> its pixels (``uint8 (B * K, H, W, 3)`` bytes;
     ``cond_pixels`` the same for the conditioning images, empty without), the geometry of its good
     rows and its error rows (IPC bytes), via :func:`prepare_batch`."""
@@ -226,7 +230,7 @@ def prepare_unit(batch: pa.Table, source: str, storage_options: dict | None, cro
         rows = from_ipc(item["rows"]).to_pylist()
         keys = {r["sample_id"]: r["source_key"] for r in rows}
         prepared = prepare_batch(source, storage_options, item["bucket"], rows, crop, seed, max_pixels, crops=crops,
-                                 conditioning=conditioning)  # fmt: skip
+                                 conditioning=conditioning, image_column=image_column)  # fmt: skip
         good = pa.table({
             "sample_id": [r["sample_id"] for r in prepared["rows"]],
             "caption_key": [r["caption_key"] for r in prepared["rows"]],

@@ -22,7 +22,10 @@ sidecar caption is read again only when the listed sidecar is not the version re
 row's ``caption_source`` (see manifests/schema.py).
 A source of WebDataset ``.tar`` shards is scanned by :mod:`pipeline.sources.containers` (member
 headers walked by ranged reads, reuse per shard); shards mixed with loose images, and compressed
-shards, are refused there with what to do.
+shards, are refused there with what to do. ``--format parquet`` scans the ``.parquet`` files of the
+source instead (:mod:`pipeline.sources.parquet`: the ``--image-column`` and ``--caption-column``
+of each row group, reuse per file); without it, a source of nothing but parquet files is refused
+with the options to pass, and parquet files beside images are counted as ignored.
 ``--conditioning`` pairs each sample with a conditioning image (:mod:`pipeline.scan.conditioning`):
 its header is probed by the same tasks after the images', and a bad pair is an error row.
 Without ``--ray-address`` (or ``RAY_ADDRESS``) Ray starts in-process on this machine.
@@ -67,6 +70,7 @@ from pipeline.sources.tar import SHARD_WINDOW
 from manifests.retry import is_storage_failure
 
 log = logging.getLogger("bucketeer.scan")
+FORMATS = ("auto", "parquet")  # --format
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,9 @@ class ScanConfig:
     progress: bool = True  # a bar on a terminal, else a line every $BUCKETEER_PROGRESS_SECONDS
     shard_window: int = SHARD_WINDOW  # tar shards: bytes read at each member header
     caption_field: str = "caption"  # tar shards: the field of a key's .json member that holds its caption
+    format: str = "auto"  # auto: loose images or tar shards, found by extension; parquet: .parquet files
+    image_column: str = "image"  # parquet: the column of image bytes (binary, or HF's {"bytes", "path"} struct)
+    caption_column: str | None = None  # parquet: the column of captions (None: no captions)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -112,6 +119,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--caption-field", default="caption",
                         help="tar shards: the field of a sample's .json member to take the caption from when it "
                         "has no .txt/.caption member (default: caption)")  # fmt: skip
+    parser.add_argument("--format", choices=FORMATS, default="auto",
+                        help="auto (default): loose image files, or WebDataset .tar shards, told apart by extension; "
+                        "parquet: the .parquet files of the source, one image per row (--image-column)")  # fmt: skip
+    parser.add_argument("--image-column", default="image",
+                        help="--format parquet: the column of image bytes: binary, or the HuggingFace datasets "
+                        "Image struct {bytes, path} (default: image)")  # fmt: skip
+    parser.add_argument("--caption-column", default=None,
+                        help="--format parquet: the column of captions (text); default: no captions")
     parser.add_argument("--ray-address", default=None,
                         help="Ray cluster to use (default: $RAY_ADDRESS, else start one here)")
     parser.add_argument("--no-progress", action="store_true",
@@ -126,11 +141,14 @@ def run(args: argparse.Namespace) -> int:
     config = ScanConfig(
         max_pixels=args.max_pixels, header_bytes=args.header_bytes, reads_in_flight=args.reads_in_flight,
         files_per_task=args.files_per_task, progress=not args.no_progress, shard_window=args.shard_window,
-        caption_field=args.caption_field,
+        caption_field=args.caption_field, format=args.format, image_column=args.image_column,
+        caption_column=args.caption_column,
     )  # fmt: skip
     for name in ("max_pixels", "header_bytes", "reads_in_flight", "shard_window"):
         if getattr(config, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
+    if config.format != "parquet" and (args.caption_column or args.image_column != "image"):
+        raise UsageError("--image-column and --caption-column are for parquet sources: add --format parquet")
     if config.max_pixels > MAX_PIXELS:
         raise UsageError(f"--max-pixels {config.max_pixels:,} is above {MAX_PIXELS:,}: Pillow refuses to decode "
                          "larger images, so embed could not use them; the option can only lower the limit")
@@ -209,13 +227,17 @@ def scan_dataset(
         raise
     table = load_caption_table(captions, storage_options) if captions else None
     target = (source, _task_options(source, storage_options, config), task_fs, root)
-    if (listing.shards or listing.compressed_shards) and conditioning:
-        raise UsageError("--conditioning works on loose image files; this source holds .tar shards")
+    if config.format not in FORMATS:
+        raise UsageError(f"--format must be one of {', '.join(FORMATS)}, got {config.format!r}")
+    if config.format != "parquet":
+        _parquet_files_ignored(listing, source)
+    if (config.format == "parquet" or listing.shards or listing.compressed_shards) and conditioning:
+        raise UsageError("--conditioning works on loose image files; this source holds .tar shards or parquet files")
     pairing = resolve(conditioning, source, captions, storage_options, task_fs) if conditioning else None
     excluded = 0
     if pairing is not None:
         listing, excluded = pairing.exclude(listing)
-    if listing.shards or listing.compressed_shards:
+    if config.format == "parquet" or listing.shards or listing.compressed_shards:
         from pipeline.sources.containers import scan_containers  # it imports this package's parts
 
         return scan_containers(listing, out, target, source=source, spec=spec, storage_options=storage_options,
@@ -273,6 +295,22 @@ def _conditioning_probe(pairing, storage_options, fs, config: ScanConfig, ray_ad
         return _redacted(pa.concat_tables(results), storage_options)
 
     return probe
+
+
+def _parquet_files_ignored(listing: Listing, source: str) -> None:
+    """Without --format parquet, parquet files are other files (a caption table beside images, say),
+    unless they are all the source holds: then the user most likely meant to scan them."""
+    if not listing.parquet:
+        return
+    if not (listing.images or listing.shards or listing.compressed_shards):
+        raise UsageError(
+            f"{redact(source)} holds {len(listing.parquet)} .parquet files (e.g. {listing.parquet[0].name}) and "
+            "no image files or tar shards: to scan the images inside them, add --format parquet --image-column "
+            "COLUMN (binary image bytes, or a HuggingFace Image struct) and, if they have captions, "
+            "--caption-column COLUMN"
+        )
+    listing.ignored_extensions["parquet"] = listing.ignored_extensions.get("parquet", 0) + len(listing.parquet)
+    listing.parquet = []
 
 
 def _extensions() -> str:

@@ -14,7 +14,9 @@ their sidecar captions are read again exactly when the listed sidecar differs fr
 row's ``caption_source`` records (no timestamps are compared with any clock).
 
 Tar files (``.tar``) are WebDataset shards, scanned by :mod:`pipeline.sources`; ``.tar.gz`` and
-``.tgz`` are listed apart so that the scan can refuse them with a reason.
+``.tgz`` are listed apart so that the scan can refuse them with a reason. ``.parquet`` files are
+listed apart too (``Listing.parquet``): ``scan --format parquet`` reads their image column; any
+other scan counts them as ignored files, or names the option when they are all the source holds.
 
 Images: the extensions of every format this Pillow (and its installed plugins) can identify and
 decode (:data:`pipeline.formats.IMAGE_EXTENSIONS`), in any case. Hidden files and folders (any path
@@ -74,6 +76,7 @@ class Listing:
     images: list[FileEntry] = field(default_factory=list)
     shards: list[FileEntry] = field(default_factory=list)  # .tar files: WebDataset shards (pipeline/sources)
     compressed_shards: list[str] = field(default_factory=list)  # .tar.gz/.tgz names: refused by the scan
+    parquet: list[FileEntry] = field(default_factory=list)  # .parquet files: scanned with --format parquet
     sidecars: dict[str, FileEntry] = field(default_factory=dict)  # image stem -> its caption file
     ignored_hidden: int = 0
     ignored_extensions: dict[str, int] = field(default_factory=dict)  # other files by extension ("" for none)
@@ -131,7 +134,8 @@ def _utf8(name: str) -> bool:
 
 
 def classify(name: str) -> str:
-    """``image``, ``sidecar``, ``shard``, ``compressed_shard``, ``hidden`` or ``other`` for a root-relative name."""
+    """``image``, ``sidecar``, ``shard``, ``compressed_shard``, ``parquet``, ``hidden`` or ``other`` for a
+    root-relative name."""
     if name.startswith(".") or "/." in name:  # a hidden file, or one in a hidden folder
         return "hidden"
     ext = extension(name)
@@ -139,6 +143,8 @@ def classify(name: str) -> str:
         return "shard"
     if ext == "tgz" or name.lower().endswith(".tar.gz"):
         return "compressed_shard"
+    if ext == "parquet" and _utf8(name):
+        return "parquet"
     if ext in IMAGE_EXTENSIONS:
         return "image" if _utf8(name) else "other"
     if f".{ext}" in SIDECAR_EXTENSIONS:
@@ -185,6 +191,8 @@ def list_source(fs: AbstractFileSystem, root: str, *, page_size: int = PAGE_SIZE
             listing.shards.append(entry)
         elif kind == "compressed_shard":
             listing.compressed_shards.append(entry.name)
+        elif kind == "parquet":
+            listing.parquet.append(entry)
         elif kind == "hidden":
             listing.ignored_hidden += 1
         else:
@@ -192,6 +200,7 @@ def list_source(fs: AbstractFileSystem, root: str, *, page_size: int = PAGE_SIZE
             listing.ignored_extensions[ext] = listing.ignored_extensions.get(ext, 0) + 1
     listing.images.sort(key=lambda e: e.name)
     listing.shards.sort(key=lambda e: e.name)
+    listing.parquet.sort(key=lambda e: e.name)
     listing.compressed_shards.sort()
     listing.seconds = time.perf_counter() - start
     return listing

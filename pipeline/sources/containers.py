@@ -1,16 +1,20 @@
-"""The scan of a source made of WebDataset tar shards: which shards to read, the Ray tasks, the manifest.
+"""The scan of a source made of containers: WebDataset tar shards, or parquet files with an image column.
 
-Called by :func:`pipeline.scan.job.scan_dataset` when the listing holds ``.tar`` files. A source is
-either loose images or shards: both side by side is refused (pack the loose images into shards
-too, or move them to a folder of their own and scan it into its own manifest), and so is a
+Called by :func:`pipeline.scan.job.scan_dataset` when the listing holds ``.tar`` files, or with
+``--format parquet`` (:mod:`pipeline.sources.parquet`). A source is either loose images or
+containers of one kind: tar shards beside loose images are refused (pack the loose images into
+shards too, or move them to a folder of their own and scan it into its own manifest), and so is a
 ``.tar.gz``/``.tgz`` shard, which no byte range can be read from (neither by the scan nor by
-embed, which reads each image with one ranged read): decompress it once into a ``.tar``.
+embed, which reads each image with one ranged read): decompress it once into a ``.tar``. With
+``--format parquet``, images or tar shards beside the parquet files are refused the same way.
 
-Incremental per shard: every row of a shard whose size and ETag (mtime where the store has none)
-are those recorded in the previous manifest is reused without reading the shard, unless it had a
-``read_failed`` row, or ``--max-pixels`` or ``--caption-field`` changed. Rows are checked and
-bucketed as for loose files (:func:`manifests.manifest.apply_buckets`), and committed by
-:func:`manifests.manifest.write_manifest`.
+Incremental per container: every row of a shard or parquet file whose size and ETag (mtime where
+the store has none) are those recorded in the previous manifest is reused without reading it,
+unless it had a ``read_failed`` row, or ``--max-pixels``, ``--caption-field`` (tar) or
+``--image-column``/``--caption-column`` (parquet) changed. Rows are checked and bucketed as for
+loose files (:func:`manifests.manifest.apply_buckets`), and committed by
+:func:`manifests.manifest.write_manifest`. The summary counts containers under the keys
+``shards``/``shards_read``/``shard_bytes`` whatever their kind (``source_format`` says which).
 """
 
 from __future__ import annotations
@@ -33,16 +37,35 @@ from manifests.storage import redact
 from pipeline.scan.captions import CaptionTable
 from pipeline.scan.listing import IMAGE_SCHEMA, FileEntry, Listing, previous_manifest, unchanged
 from pipeline.scan.tasks import run_tasks
+from pipeline.sources.parquet import PARQUET_ROWS, scan_parquet_batch
 from pipeline.sources.shards import SHARD_ROWS, scan_shard_batch, shard_work
 
 __all__ = ["ShardPlan", "check_container_source", "plan_shards", "scan_containers"]
 
-SOURCE_FORMAT = "webdataset"
 
 
-def check_container_source(listing: Listing, source: str) -> None:
-    """Raise UsageError for a source this scan cannot take whole: shards mixed with loose images, or
-    compressed shards (see the module docstring for why and what to do)."""
+def _is_parquet(config: Any) -> bool:
+    return getattr(config, "format", "auto") == "parquet"
+
+
+def check_container_source(listing: Listing, source: str, config: Any = None) -> None:
+    """Raise UsageError for a source this scan cannot take whole: shards mixed with loose images,
+    compressed shards, or (``--format parquet``) anything but parquet files (see the module docstring)."""
+    if _is_parquet(config):
+        if not listing.parquet:
+            raise UsageError(f"--format parquet: no .parquet files under {redact(source)}; check the path")
+        others = [(len(listing.images), "loose images", listing.images[0].name if listing.images else ""),
+                  (len(listing.shards), "tar shards", listing.shards[0].name if listing.shards else ""),
+                  (len(listing.compressed_shards), "compressed tar shards",
+                   listing.compressed_shards[0] if listing.compressed_shards else "")]  # fmt: skip
+        for n, what, first in others:
+            if n:
+                raise UsageError(
+                    f"{redact(source)} holds both {len(listing.parquet)} parquet files (e.g. "
+                    f"{listing.parquet[0].name}) and {n} {what} (e.g. {first}): move them to a folder of their "
+                    "own and scan it into its own manifest (without --format parquet)"
+                )
+        return
     if listing.compressed_shards:
         first = listing.compressed_shards[0]
         raise UsageError(
@@ -75,8 +98,12 @@ class ShardPlan:
 
 
 def _settings(config: Any) -> dict[str, Any]:
-    """What a shard's rows depend on besides its bytes: a change means every shard is read again."""
-    return {"source_format": SOURCE_FORMAT, "caption_field": config.caption_field}
+    """What a container's rows depend on besides its bytes: a change means every container is read again.
+    Recorded in the manifest's summary; embed reads ``image_column`` from it."""
+    if _is_parquet(config):
+        return {"source_format": "parquet", "image_column": config.image_column,
+                "caption_column": config.caption_column}  # fmt: skip
+    return {"source_format": "webdataset", "caption_field": config.caption_field}
 
 
 def plan_shards(
@@ -136,29 +163,35 @@ def scan_containers(
     ray_address: str | None,
     started: float,
 ) -> dict[str, Any]:
-    """Scan the tar shards of ``listing`` into a manifest at ``out``; returns its ``_manifest.json`` content.
+    """Scan the tar shards (or, with ``config.format == "parquet"``, the parquet files) of ``listing``
+    into a manifest at ``out``; returns its ``_manifest.json`` content.
 
     ``target`` is what each Ray task opens storage with (see :func:`pipeline.scan.job.scan_batch`).
-    Raises UsageError for a mixed or compressed source, StorageError for a permanent storage failure.
+    Raises UsageError for a mixed or compressed source (or a missing --image-column/--caption-column),
+    StorageError for a permanent storage failure.
     """
     clock = time.perf_counter()
-    check_container_source(listing, source)
-    plan = plan_shards(listing.shards, out, previous, storage_options, config)
+    check_container_source(listing, source, config)
+    parquet = _is_parquet(config)
+    files = listing.parquet if parquet else listing.shards
+    task, rows_schema = (scan_parquet_batch, PARQUET_ROWS) if parquet else (scan_shard_batch, SHARD_ROWS)
+    plan = plan_shards(files, out, previous, storage_options, config)
 
     def batches_for(cpus: int) -> list[pa.Table]:
-        # a shard's reads follow one another: many shards per task keep reads_in_flight requests going
+        # a container's reads follow one another: many per task keep reads_in_flight requests going
         per_task = max(1, min(config.reads_in_flight, -(-len(plan.work) // cpus)))
         return [shard_work(plan.work[i : i + per_task]) for i in range(0, len(plan.work), per_task)]
 
     try:
         results, ray_seconds = run_tasks(
-            scan_shard_batch, target, config, batches_for, len(plan.work), progress=config.progress,
+            task, target, config, batches_for, len(plan.work), progress=config.progress,
             ray_address=ray_address, unit="shards", count=lambda t: json.loads(t.schema.metadata[b"stats"])["shards"],
         )  # fmt: skip
     except StorageError as e:
         raise StorageError(redact(str(e), storage_options)) from None
     stats = _stats(results)
-    rows = pa.concat_tables([r.replace_schema_metadata(None) for r in results]) if results else SHARD_ROWS.empty_table()
+    rows = (pa.concat_tables([r.replace_schema_metadata(None) for r in results]) if results
+            else rows_schema.empty_table())  # fmt: skip
     rows = rows.append_column("sample_id", pa.array(sample_ids(rows.column("filename").to_pylist()), pa.uint64()))
     usable = pc.is_null(rows.column("error"))
     images = pa.concat_tables([plan.reused_images, conform(rows.filter(usable), IMAGE_SCHEMA)])
@@ -169,21 +202,22 @@ def scan_containers(
     errors = pa.concat_tables([errors, too_small])
     seconds = time.perf_counter() - clock - ray_seconds
     listed = images.num_rows + errors.num_rows - _container_rows(errors)
-    summary = _summary(listing, plan, stats, samples, errors, listed, seconds, started, config, table)
+    summary = _summary(listing, files, plan, stats, samples, errors, listed, seconds, started, config, table)
     return write_manifest(
         out, samples, errors, source=source, spec=spec, storage_options=storage_options, summary=summary,
-        counts={"listed": listed, "ignored": listing.ignored, "shards": len(listing.shards)},
+        counts={"listed": listed, "ignored": listing.ignored, "shards": len(files)},
         max_pixels=config.max_pixels,
     )  # fmt: skip
 
 
 def _container_rows(errors: pa.Table) -> int:
-    """Error rows about a whole shard (corrupt_container, read_failed), not about one of its images."""
+    """Error rows about a whole container (corrupt_container, read_failed), not about one of its images."""
     return int(pc.sum(pc.equal(errors.column("filename"), errors.column("container"))).as_py() or 0)
 
 
 def _with_table_captions(rows: pa.Table, table: CaptionTable) -> pa.Table:
-    """``--captions`` rows (keyed by ``<shard>/<member>``) replace what the shard's members said."""
+    """``--captions`` rows (keyed by ``filename``: ``<shard>/<member>``, ``<file>/<row>``) replace what the
+    container said."""
     names = rows.column("filename").to_pylist()
     old = rows.column("caption").to_pylist()
     captions = [table.captions[n] if n in table.captions else c for n, c in zip(names, old)]
@@ -206,17 +240,17 @@ def _stats(results: list[pa.Table]) -> dict[str, Any]:
     return total
 
 
-def _summary(listing, plan, stats, samples, errors, listed, seconds, started, config, table) -> dict[str, Any]:
+def _summary(listing, files, plan, stats, samples, errors, listed, seconds, started, config, table) -> dict[str, Any]:
     kinds: dict[str, int] = {}
     for kind in errors.column("error").to_pylist():
         kinds[kind] = kinds.get(kind, 0) + 1
     read_names = {s.name for s in plan.work}
-    shard_bytes = sum(s.size for s in listing.shards if s.name in read_names)
+    shard_bytes = sum(s.size for s in files if s.name in read_names)
     images_read = max(1, stats["images"])
     return {
         **_settings(config),
         "listed": listed, "samples": samples.num_rows, "errors": errors.num_rows, "errors_by_kind": kinds,
-        "shards": len(listing.shards), "shards_read": len(plan.work), "images_read": stats["images"],
+        "shards": len(files), "shards_read": len(plan.work), "images_read": stats["images"],
         "reused": plan.reused, "new": plan.new, "changed": plan.changed, "deleted": plan.deleted,
         "previous": plan.previous, "no_caption": stats["no_caption"],
         "ignored": listing.ignored, "ignored_members": dict(sorted(stats["ignored_members"].items())),
@@ -230,22 +264,27 @@ def _summary(listing, plan, stats, samples, errors, listed, seconds, started, co
         "seconds": round(seconds, 3), "files_per_s": round(stats["images"] / max(seconds, 1e-9), 1),
         "started_at": _dt.datetime.fromtimestamp(started, _dt.timezone.utc).isoformat(timespec="seconds"),
         "started_at_epoch": started, "shard_window": config.shard_window,
-        "captions": "table" if table is not None else "members",
+        "captions": "table" if table is not None else ("column" if _is_parquet(config) else "members"),
         "caption_table_version": table.version if table is not None else None,
         "median_bytes_read": int(np.median(samples.column("bytes_read").to_numpy())) if samples.num_rows else 0,
     }  # fmt: skip
 
 
 def summary_line(meta: dict[str, Any], out: str) -> str:
-    """The closing line of a shard scan: counts, reuse per shard, bytes read against the shards' bytes, speed."""
+    """The closing line of a container scan: counts, reuse per container, bytes read against their bytes, speed."""
     s = meta["summary"]
     kinds = ", ".join(f"{k} {v}" for k, v in sorted(s["errors_by_kind"].items())) or "none"
-    members = ", ".join(f"{n:,} .{e}" for e, n in sorted(s["ignored_members"].items(), key=lambda kv: -kv[1])[:4])
+    if s.get("source_format") == "parquet":
+        noun, others = "parquet files", ""
+    else:
+        members = ", ".join(f"{n:,} .{e}" for e, n in sorted(s["ignored_members"].items(), key=lambda kv: -kv[1])[:4])
+        noun, others = "tar shards", f", other members ignored: {members or 'none'}"
+    short = noun.split()[-1]
     return (
-        f"scanned {s['shards']} tar shards, {s['listed']} images: {s['samples']} samples, {s['errors']} errors "
-        f"({kinds}), {s['no_caption']} images without a caption, other members ignored: {members or 'none'} | "
-        f"shards reused {s['reused']}, new {s['new']}, changed {s['changed']}, deleted {s['deleted']} | read "
-        f"{s['mb_read']:.1f} MB = {100 * s['read_fraction']:.2f}% of the {s['shards_read']} shards read "
+        f"scanned {s['shards']} {noun}, {s['listed']} images: {s['samples']} samples, {s['errors']} errors "
+        f"({kinds}), {s['no_caption']} images without a caption{others} | "
+        f"{short} reused {s['reused']}, new {s['new']}, changed {s['changed']}, deleted {s['deleted']} | read "
+        f"{s['mb_read']:.1f} MB = {100 * s['read_fraction']:.2f}% of the {s['shards_read']} {short} read "
         f"({s['requests_per_image']:.2f} requests, {s['bytes_per_image'] / 1024:.1f} KiB per image) in "
         f"{s['seconds']:.1f} s, {s['files_per_s']:.0f} images/s -> {redact(out)} "
         f"(fingerprint {meta['fingerprint'][:12]})"
