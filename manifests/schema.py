@@ -66,6 +66,8 @@ SAMPLES_SCHEMA = pa.schema(
         pa.field("orientation", pa.int8()),  # EXIF orientation tag 1..8 (1 when absent)
         pa.field("bytes_read", pa.int64()),  # how much of the file the scan read
         pa.field("caption_source", pa.string()),  # version of what gave the caption (below)
+        # every caption of the sample when it has more than one (caption == captions[0]); null otherwise
+        pa.field("captions", pa.list_(pa.string())),
         *CONTAINER_FIELDS,
     ]
 )
@@ -86,6 +88,8 @@ ERRORS_SCHEMA = pa.schema(
         pa.field("orientation", pa.int8()),
         pa.field("bytes_read", pa.int64()),
         pa.field("caption_source", pa.string()),
+        # every caption of the sample when it has more than one (caption == captions[0]); null otherwise
+        pa.field("captions", pa.list_(pa.string())),
         *CONTAINER_FIELDS,
     ]
 )
@@ -98,12 +102,14 @@ ERRORS_SCHEMA = pa.schema(
 #                                                       {filename: caption} content
 #   "member:<container>:<member name>"                  a .txt/.caption/.json member of a tar shard
 #   "column:<container>:<column>"                       the caption column of a parquet file
+#   "sidecars:<v1>|<v2>|..."                            numbered sidecars (img.txt, img.1.txt, ...): the
+#                                                       sidecar versions above, joined in caption order
 #   null                                                no caption source, or a sidecar that could not
 #                                                       be read, or a manifest written before the column
 #                                                       existed: unknown, read again on the next scan
 
 # nullable columns added after FORMAT_VERSION 1 shipped: parts written before lack them and read as nulls
-ADDED_COLUMNS = frozenset({"caption_source", *CONTAINER_COLUMNS})
+ADDED_COLUMNS = frozenset({"caption_source", "captions", *CONTAINER_COLUMNS})
 
 ERROR_KINDS = (
     "empty",  # zero bytes

@@ -21,6 +21,17 @@ Caption dropout (classifier-free guidance) replaces a sample's text with the emp
 (``_cache.json["text"]["empty_caption_key"]``, read once) when :func:`caption_dropout_mask` draws it:
 a pure function of ``(seed, epoch, sample id)``, so a resumed run (on any number of processes) drops
 exactly the captions an uninterrupted run would have dropped.
+
+Caption lists: a sample embedded with several captions trains on the one the plan chose for it this
+epoch (``PlanStep.caption_index``; a plan without that column means caption 0); caption dropout still
+replaces the chosen one.
+
+Posterior sampling: a cache embedded with ``--latents posterior`` stores each latent's posterior
+``latent_std``; the loader trains on a fresh draw ``mean + std * eps`` every epoch (config
+``posterior_sampling``, default on), ``eps`` a pure function of ``(seed, epoch, sample id)``
+(:func:`posterior_noise`, a counter-based Philox stream), so it does not depend on the rank, the
+batch it lands in or any RNG state: a resumed run draws exactly what an uninterrupted one would.
+Caches of means only train on the mean, as before.
 """
 
 from __future__ import annotations
@@ -40,7 +51,9 @@ from manifests.plan import read_plan_meta, read_plan_rows
 from manifests.storage import redact
 
 __all__ = ["PlanStep", "Batch", "BadRecordError", "RankSteps", "rank_steps", "collate", "BatchLoader",
-           "caption_dropout_mask"]
+           "sample_uniforms", "caption_dropout_mask", "posterior_noise", "draw_posterior"]
+
+_POSTERIOR_SALT = 0x706F7374  # "post": keeps the posterior's stream apart from every other per-sample draw
 
 TENSORS = ("latents", "text", "text_mask", "resolution", "aspect_ratio", "crop_top_left", "target_size", "pooled")
 
@@ -57,6 +70,7 @@ class PlanStep:
     step: int
     bucket: str
     sample_ids: tuple[int, ...]
+    caption_index: np.ndarray | None = None  # (B,) which caption of each sample the plan chose; None: caption 0
 
 
 class RankSteps:
@@ -211,19 +225,49 @@ def collate(
     )
 
 
+def sample_uniforms(seed: int, epoch: int, sample_ids: Sequence[int], salt: int = 0) -> np.ndarray:
+    """(B,) float64 uniforms in [0, 1), one per sample: a pure function of ``(seed, epoch, sample id, salt)``.
+
+    The one hash behind every per-sample choice of the trainer (caption dropout with ``salt`` 0, ...):
+    it depends on the plan, never on the rank or an RNG's state. Different salts give independent draws.
+    """
+    ids = np.asarray(sample_ids, np.uint64)
+    # a splitmix64-style mix of (id, seed, epoch, salt): vectorised (arrays wrap mod 2**64), no per-sample hashing
+    key = (((seed * 1_000_003 + epoch) * 0xBF58476D1CE4E5B9) ^ (salt * 0xD6E8FEB86659FD93)) & ((1 << 64) - 1)
+    mixed = (ids * np.uint64(0x9E3779B97F4A7C15)) ^ np.uint64(key)
+    mixed ^= mixed >> np.uint64(31)
+    mixed *= np.uint64(0x94D049BB133111EB)
+    mixed ^= mixed >> np.uint64(29)
+    return (mixed >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+
+
 def caption_dropout_mask(seed: int, epoch: int, sample_ids: Sequence[int], p: float) -> np.ndarray:
     """Which of ``sample_ids`` train on the empty caption this epoch: (B,) bool, each True with probability
     ``p``, a pure function of ``(seed, epoch, sample id)`` (so of the plan, not of the rank or the RNG state)."""
     if p <= 0:
         return np.zeros(len(sample_ids), bool)
-    ids = np.asarray(sample_ids, np.uint64)
-    # a splitmix64-style mix of (id, seed, epoch): vectorised (arrays wrap mod 2**64), no per-sample hashing
-    key = np.uint64(((seed * 1_000_003 + epoch) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1))
-    mixed = (ids * np.uint64(0x9E3779B97F4A7C15)) ^ key
-    mixed ^= mixed >> np.uint64(31)
-    mixed *= np.uint64(0x94D049BB133111EB)
-    mixed ^= mixed >> np.uint64(29)
-    return (mixed >> np.uint64(11)).astype(np.float64) / float(1 << 53) < p
+    return sample_uniforms(seed, epoch, sample_ids) < p
+
+
+def posterior_noise(seed: int, epoch: int, sample_id: int, shape: tuple[int, ...]) -> np.ndarray:
+    """Standard normal float32 noise of ``shape`` for one sample's posterior draw this epoch: a pure
+    function of ``(seed, epoch, sample id)`` (a Philox stream keyed by them; the same on every rank)."""
+    key = np.random.SeedSequence([seed & ((1 << 64) - 1), epoch, int(sample_id), _POSTERIOR_SALT])
+    return np.random.Generator(np.random.Philox(key)).standard_normal(shape, dtype=np.float32)
+
+
+def draw_posterior(records: Sequence[SampleRecord], seed: int, epoch: int) -> list[SampleRecord]:
+    """Records whose latent is a draw ``mean + std * eps`` from their VAE posterior (float32, not yet
+    scaled), ``eps`` from :func:`posterior_noise`; records without ``latent_std`` are returned as they are."""
+    out = []
+    for r in records:
+        if r.latent_std is None:
+            out.append(r)
+            continue
+        mean, std = to_float32(r.latent, r.dtype), to_float32(r.latent_std, r.dtype)  # (C, h, w)
+        latent = mean + std * posterior_noise(seed, epoch, r.sample_id, mean.shape)
+        out.append(replace(r, latent=latent.astype(np.float32), dtype="F32", latent_std=None))
+    return out
 
 
 class BatchLoader:
@@ -238,6 +282,8 @@ class BatchLoader:
     record. ``skipped`` counts the records dropped from the batches handed out so far.
     ``caption_dropout``: the probability that a sample trains on the empty caption (drawn by
     :func:`caption_dropout_mask` with ``seed``); the empty caption's record is read once, here.
+    ``posterior_sampling``: train on a fresh draw from each latent's VAE posterior (:func:`draw_posterior`)
+    when the cache stores ``latent_std``; False, or a cache of means, trains on the mean.
     """
 
     def __init__(
@@ -254,6 +300,7 @@ class BatchLoader:
         log: Callable[[str], None] = print,
         caption_dropout: float = 0.0,
         seed: int = 0,
+        posterior_sampling: bool = True,
     ):
         if prefetch < 1 or read_threads < 1:
             raise UsageError(f"prefetch ({prefetch}) and read_threads ({read_threads}) must be >= 1")
@@ -270,6 +317,7 @@ class BatchLoader:
         self.log = log
         self.skipped = 0
         self.caption_dropout, self.seed = caption_dropout, seed
+        self.posterior_sampling = posterior_sampling
         self.empty_text = None
         if caption_dropout > 0:
             key = (reader.meta.get("text") or {}).get("empty_caption_key")
@@ -305,16 +353,17 @@ class BatchLoader:
     def _read(self, step: PlanStep) -> Batch:
         """One step's batch (runs on a reading thread; touches no loader state)."""
         try:
-            records = self.reader.read(step.sample_ids)
+            records = self.reader.read(step.sample_ids, step.caption_index)
             skipped: list[int] = []
         except CacheError as e:
             if not self.skip_bad_records:
                 raise BadRecordError(f"rank {self.rank} epoch {step.epoch} step {step.step}: {e}. "
                                      "To train on without bad records, pass --skip-bad-records.") from None  # fmt: skip
             records, skipped = [], []
-            for sid in step.sample_ids:  # find the bad ones: one read each
+            chosen = step.caption_index if step.caption_index is not None else np.zeros(len(step.sample_ids), int)
+            for sid, index in zip(step.sample_ids, chosen):  # find the bad ones: one read each
                 try:
-                    records.extend(self.reader.read([sid]))
+                    records.extend(self.reader.read([sid], [index]))
                 except CacheError as bad:
                     skipped.append(sid)
                     self.log(f"skipping bad record (--skip-bad-records): {bad}")
@@ -322,6 +371,8 @@ class BatchLoader:
                 raise BadRecordError(f"rank {self.rank} epoch {step.epoch} step {step.step}: all {len(skipped)} "
                                      "records are bad; ranks cannot stay in step. "
                                      "Run `bucketeer verify`.") from None  # fmt: skip
+        if self.posterior_sampling:
+            records = draw_posterior(records, self.seed, step.epoch)
         dropped: list[int] = []
         if self.empty_text is not None:
             drop = caption_dropout_mask(self.seed, step.epoch, [r.sample_id for r in records], self.caption_dropout)
