@@ -350,20 +350,26 @@ class BatchLoader:
         if len(missing):
             self.log(f"rank {self.rank}: {len(missing)} planned samples are not in the cache; they will be skipped")
 
+    def _records(self, sample_ids: Sequence[int], caption_index: Sequence[int] | None) -> list[SampleRecord]:
+        """The records of ``sample_ids`` with the chosen captions' texts (caption 0 when ``caption_index`` is None)."""
+        if caption_index is None:
+            return self.reader.read(sample_ids)
+        return self.reader.read(sample_ids, caption_index)
+
     def _read(self, step: PlanStep) -> Batch:
         """One step's batch (runs on a reading thread; touches no loader state)."""
         try:
-            records = self.reader.read(step.sample_ids, step.caption_index)
+            records = self._records(step.sample_ids, step.caption_index)
             skipped: list[int] = []
         except CacheError as e:
             if not self.skip_bad_records:
                 raise BadRecordError(f"rank {self.rank} epoch {step.epoch} step {step.step}: {e}. "
                                      "To train on without bad records, pass --skip-bad-records.") from None  # fmt: skip
             records, skipped = [], []
-            chosen = step.caption_index if step.caption_index is not None else np.zeros(len(step.sample_ids), int)
+            chosen = step.caption_index if step.caption_index is not None else [None] * len(step.sample_ids)
             for sid, index in zip(step.sample_ids, chosen):  # find the bad ones: one read each
                 try:
-                    records.extend(self.reader.read([sid], [index]))
+                    records.extend(self._records([sid], None if index is None else [index]))
                 except CacheError as bad:
                     skipped.append(sid)
                     self.log(f"skipping bad record (--skip-bad-records): {bad}")
