@@ -38,9 +38,12 @@ SIDECARS = {
     "d.jpg": {},
     "e.jpg": {},
     "photo.2023.jpg": {"photo.2023.txt": "year photo"},
+    "f.jpg": {"f.txt": "f itself"},
+    "f.1.jpg": {"f.1.txt": "f.1 itself"},  # an image's own sidecar, not f's second caption
 }
 TABLE = {"d.jpg": ["from table one", "first a"], "e.jpg": ["single"]}
-DISTINCT = {"first a", "second a", "third a", "shared caption", "only c", "from table one", "single", "year photo"}
+DISTINCT = {"first a", "second a", "third a", "shared caption", "only c", "from table one", "single", "year photo",
+            "f itself", "f.1 itself"}
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,8 @@ def test_sidecars_and_table_lists_reach_the_manifest(captioned):
         "d.jpg": ("from table one", ["from table one", "first a"]),
         "e.jpg": ("single", None),
         "photo.2023.jpg": ("year photo", None),
+        "f.jpg": ("f itself", None),
+        "f.1.jpg": ("f.1 itself", None),
     }
     assert rows["a.jpg"]["caption_source"].startswith("sidecars:sidecar:")
     assert rows["a.jpg"]["caption_source"].endswith(":a.2.txt") and "a.1.txt|" in rows["a.jpg"]["caption_source"]
@@ -133,6 +138,7 @@ def test_the_trainer_takes_the_caption_the_plan_chose(captioned):
         list(BatchLoader(reader, [beyond], meta["latent"]))
 
 
+@pytest.mark.slow  # a second scan and embed
 def test_changing_the_second_caption_rescans_and_reembeds_that_sample_only(captioned, tmp_path, capsys):
     # copies of the source, manifest and cache, so that the module's stay as built
     root, manifest, cache = tmp_path / "images", str(tmp_path / "manifest"), str(tmp_path / "cache")
@@ -144,7 +150,7 @@ def test_changing_the_second_caption_rescans_and_reembeds_that_sample_only(capti
     before = _rows(manifest)
     _write(root / "a.1.txt", b"second a, rewritten")
     meta = scan_dataset(str(root), manifest, spec=SPEC, captions=captioned.table, config=QUIET)
-    assert (meta["summary"]["reused"], meta["summary"]["captions_read"], meta["summary"]["files_read"]) == (6, 1, 0)
+    assert (meta["summary"]["reused"], meta["summary"]["captions_read"], meta["summary"]["files_read"]) == (8, 1, 0)
     after = _rows(manifest)
     assert after["a.jpg"]["captions"] == ["first a", "second a, rewritten", "third a"]
     assert after["a.jpg"]["caption_source"] != before["a.jpg"]["caption_source"]

@@ -10,8 +10,9 @@ nothing is ever listed)::
                                          text layout, empty caption + validation prompt keys (never shards)
     shards/samples-<sha256[:24]>.bin     concatenated sample records (latent + geometry)
     shards/texts-<sha256[:24]>.bin       concatenated text records, one per unique caption
-    index/samples-<sha>.parquet          sample_id, shard, offset, length, crc32, caption_key, bucket,
-                                         source_key, generation
+    index/samples-<sha>.parquet          sample_id, shard, offset, length, crc32, caption_key (the first
+                                         caption's), caption_keys (all, for a sample with several captions;
+                                         null otherwise and in older caches), bucket, source_key, generation
     index/texts-<sha>.parquet            caption_key, shard, offset, length, crc32
     index/errors-<sha>.parquet           sample_id, filename, error, message, source_key, generation
 

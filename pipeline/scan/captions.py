@@ -88,7 +88,8 @@ def sidecar_number(stem: str) -> tuple[str, int]:
 
     Numbered sidecars give an image several captions: ``img.txt`` (or ``img.0.txt``) is caption 0,
     ``img.1.txt`` caption 1, and so on, in number order (gaps are fine). Only a number of at most 3
-    digits counts, so that ``photo.2023.txt`` stays the sidecar of ``photo.2023.jpg``.
+    digits counts, so that ``photo.2023.txt`` stays the sidecar of ``photo.2023.jpg``; and where an
+    image ``img.1.jpg`` exists, ``img.1.txt`` is its caption, not ``img``'s (the listing sees to that).
     """
     head, dot, number = stem.rpartition(".")
     if dot and head and not head.endswith("/") and number.isdigit() and len(number) <= 3:

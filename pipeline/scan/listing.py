@@ -181,7 +181,7 @@ def list_source(fs: AbstractFileSystem, root: str, *, page_size: int = PAGE_SIZE
             stem = sidecar_stem(entry.name)
             _keep_first(listing.sidecars, stem, entry)
             base, number = sidecar_number(stem)
-            if base != stem:  # img.N.txt: caption N of img (and the plain sidecar of an image img.N.jpg)
+            if base != stem:  # img.N.txt: caption N of img (unless an image img.N.jpg exists: see below)
                 _keep_first(listing.numbered.setdefault(base, {}), number, entry)
         elif kind == "shard":
             listing.shards.append(entry)
@@ -192,6 +192,11 @@ def list_source(fs: AbstractFileSystem, root: str, *, page_size: int = PAGE_SIZE
         else:
             ext = extension(entry.name) if _utf8(entry.name) else NOT_UTF8
             listing.ignored_extensions[ext] = listing.ignored_extensions.get(ext, 0) + 1
+    if listing.numbered:  # img.1.txt next to an image img.1.jpg is that image's caption, not img's second
+        stems = {sidecar_stem(e.name) for e in listing.images}
+        for base, numbered in list(listing.numbered.items()):
+            numbered = {n: e for n, e in numbered.items() if sidecar_stem(e.name) not in stems}
+            listing.numbered[base] = numbered
     listing.images.sort(key=lambda e: e.name)
     listing.shards.sort(key=lambda e: e.name)
     listing.compressed_shards.sort()
