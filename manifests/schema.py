@@ -124,6 +124,8 @@ ERRORS_SCHEMA = pa.schema(
 #                                                       {filename: caption} content
 #   "member:<container>:<member name>"                  a .txt/.caption/.json member of a tar shard
 #   "column:<container>:<column>"                       the caption column of a parquet file
+#   "sidecars:<v1>|<v2>|..."                            numbered sidecars (img.txt, img.1.txt, ...): the
+#                                                       sidecar versions above, joined in caption order
 #   null                                                no caption source, or a sidecar that could not
 #                                                       be read, or a manifest written before the column
 #                                                       existed: unknown, read again on the next scan

@@ -218,7 +218,8 @@ def _setup_data(run: Run, args: argparse.Namespace):
                          prefetch=cfg.prefetch, read_threads=cfg.read_threads,
                          skip_bad_records=args.skip_bad_records, pin_memory=accelerator.device.type == "cuda",
                          log=lambda line: print(redact(line), file=sys.stderr, flush=True),
-                         caption_dropout=cfg.caption_dropout, seed=cfg.seed)  # fmt: skip
+                         caption_dropout=cfg.caption_dropout, seed=cfg.seed,
+                         posterior_sampling=cfg.posterior_sampling)  # fmt: skip
     return reader, steps, loader
 
 

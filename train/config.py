@@ -64,6 +64,9 @@ class TrainConfig:
     lora_alpha: float | None = None  # LoRA scale numerator (default: lora_rank)
     lora_targets: list | None = None  # module names LoRA adapts (default: the recipe's attention projections)
     caption_dropout: float = 0.0  # probability of training a sample on the empty caption (classifier-free guidance)
+    # a cache embedded with --latents posterior: train on a fresh draw mean + std * eps from each latent's VAE
+    # posterior every epoch (eps a pure function of seed, epoch, sample id); false: on the mean, as a means cache
+    posterior_sampling: bool = True
     ema_decay: float | None = None  # keep an EMA of the trained weights (diffusers EMAModel) with this decay
     # validation images: the family's pipeline on the cache's validation prompts, every N plan steps
     validation_every: int = 0  # plan steps; 0: never

@@ -27,6 +27,17 @@ variants per epoch, :func:`variant_choice` (the same kind of pure function, anot
 ``crop_top_left`` (SDXL's crop conditioning) is that variant's crop box. A cache of pairs
 (``scan --conditioning``) gives every batch ``cond_latents`` too, the same variant of the
 conditioning image.
+
+Caption lists: a sample embedded with several captions trains on the one the plan chose for it this
+epoch (``PlanStep.caption_index``; a plan without that column means caption 0); caption dropout still
+replaces the chosen one.
+
+Posterior sampling: a cache embedded with ``--latents posterior`` stores each latent's posterior
+``latent_std``; the loader trains on a fresh draw ``mean + std * eps`` every epoch (config
+``posterior_sampling``, default on), ``eps`` a pure function of ``(seed, epoch, sample id)``
+(:func:`posterior_noise`, a counter-based Philox stream), so it does not depend on the rank, the
+batch it lands in or any RNG state: a resumed run draws exactly what an uninterrupted one would.
+Caches of means only train on the mean, as before.
 """
 
 from __future__ import annotations
@@ -47,7 +58,9 @@ from manifests.plan import read_plan_meta, read_plan_rows
 from manifests.storage import redact
 
 __all__ = ["PlanStep", "Batch", "BadRecordError", "RankSteps", "rank_steps", "collate", "BatchLoader",
-           "caption_dropout_mask", "variant_choice"]
+           "caption_dropout_mask", "variant_choice", "posterior_noise", "draw_posterior"]
+
+_POSTERIOR_SALT = 0x706F7374  # "post": keeps the posterior's stream apart from every other per-sample draw
 
 TENSORS = ("latents", "text", "text_mask", "resolution", "aspect_ratio", "crop_top_left", "target_size", "pooled",
            "cond_latents")
@@ -70,8 +83,8 @@ class PlanStep:
     step: int
     bucket: str
     sample_ids: tuple[int, ...]
-    dataset: np.ndarray | None = None
-    caption_index: np.ndarray | None = None
+    dataset: np.ndarray | None = None  # (B,) mixture plans: the dataset of each sample; None: one manifest
+    caption_index: np.ndarray | None = None  # (B,) which caption of each sample the plan chose; None: caption 0
 
 
 class RankSteps:
@@ -261,6 +274,31 @@ def variant_choice(seed: int, epoch: int, sample_ids: Sequence[int], variants: S
     return np.minimum((uniforms(seed, epoch, sample_ids, salt) * counts).astype(np.int64), counts - 1)
 
 
+def posterior_noise(seed: int, epoch: int, sample_id: int, shape: tuple[int, ...], dataset: int = 0) -> np.ndarray:
+    """Standard normal float32 noise of ``shape`` for one sample's posterior draw this epoch: a pure
+    function of ``(seed, epoch, sample id)`` and, in mixture plans, the dataset (a Philox stream keyed
+    by them; the same on every rank)."""
+    entropy = [seed & ((1 << 64) - 1), epoch, int(sample_id), _POSTERIOR_SALT] + ([int(dataset)] if dataset else [])
+    key = np.random.SeedSequence(entropy)
+    return np.random.Generator(np.random.Philox(key)).standard_normal(shape, dtype=np.float32)
+
+
+def draw_posterior(records: Sequence[SampleRecord], seed: int, epoch: int,
+                   datasets: Sequence[int] | None = None) -> list[SampleRecord]:  # fmt: skip
+    """Records whose latent is a draw ``mean + std * eps`` from their VAE posterior (float32, not yet
+    scaled), ``eps`` from :func:`posterior_noise` (``datasets``: each record's, in mixture plans);
+    records without ``latent_std`` are returned as they are."""
+    out = []
+    for r, d in zip(records, [0] * len(records) if datasets is None else datasets):
+        if r.latent_std is None:
+            out.append(r)
+            continue
+        mean, std = to_float32(r.latent, r.dtype), to_float32(r.latent_std, r.dtype)  # (C, h, w)
+        latent = mean + std * posterior_noise(seed, epoch, r.sample_id, mean.shape, d)
+        out.append(replace(r, latent=latent.astype(np.float32), dtype="F32", latent_std=None))
+    return out
+
+
 class BatchLoader:
     """Iterate :class:`Batch` es for ``steps`` in plan order, reading ``prefetch`` batches ahead.
 
@@ -276,6 +314,8 @@ class BatchLoader:
     ``reader``: one cache, or (mixture plans) one per dataset in the plan's order: a sample of
     dataset ``d`` is read from ``reader[d]``. Their encoders must be the same (text layout, latent
     scaling); raises UsageError otherwise.
+    ``posterior_sampling``: train on a fresh draw from each latent's VAE posterior (:func:`draw_posterior`)
+    when the cache stores ``latent_std``; False, or a cache of means, trains on the mean.
     """
 
     def __init__(
@@ -292,6 +332,7 @@ class BatchLoader:
         log: Callable[[str], None] = print,
         caption_dropout: float = 0.0,
         seed: int = 0,
+        posterior_sampling: bool = True,
     ):
         if prefetch < 1 or read_threads < 1:
             raise UsageError(f"prefetch ({prefetch}) and read_threads ({read_threads}) must be >= 1")
@@ -314,6 +355,7 @@ class BatchLoader:
         self.log = log
         self.skipped = 0
         self.caption_dropout, self.seed = caption_dropout, seed
+        self.posterior_sampling = posterior_sampling
         self.empty_text = None
         if caption_dropout > 0:
             key = (reader.meta.get("text") or {}).get("empty_caption_key")
@@ -359,16 +401,17 @@ class BatchLoader:
         """One step's batch (runs on a reading thread; touches no loader state)."""
         sets = [0] * len(step.sample_ids) if step.dataset is None else step.dataset.tolist()
         try:
-            records = self._fetch(step.sample_ids, sets)
+            records = self._fetch(step.sample_ids, sets, step.caption_index)
             skipped: list[int] = []
         except CacheError as e:
             if not self.skip_bad_records:
                 raise BadRecordError(f"rank {self.rank} epoch {step.epoch} step {step.step}: {e}. "
                                      "To train on without bad records, pass --skip-bad-records.") from None  # fmt: skip
             records, skipped, kept = [], [], []
-            for sid, d in zip(step.sample_ids, sets):  # find the bad ones: one read each
+            chosen = step.caption_index if step.caption_index is not None else [None] * len(step.sample_ids)
+            for sid, d, index in zip(step.sample_ids, sets, chosen):  # find the bad ones: one read each
                 try:
-                    records.extend(self.readers[d].read([sid]))
+                    records.extend(self.readers[d].read([sid], *([] if index is None else [[index]])))
                     kept.append(d)
                 except CacheError as bad:
                     skipped.append(sid)
@@ -381,6 +424,8 @@ class BatchLoader:
         chosen = variant_choice(self.seed, step.epoch, [r.sample_id for r in records], [r.variants for r in records],
                                 None if step.dataset is None else sets)  # fmt: skip
         records = [r.variant(int(v)) for r, v in zip(records, chosen)]
+        if self.posterior_sampling:
+            records = draw_posterior(records, self.seed, step.epoch, None if step.dataset is None else sets)
         dropped: list[int] = []
         if self.empty_text is not None:
             drop = caption_dropout_mask(self.seed, step.epoch, [r.sample_id for r in records], self.caption_dropout,
@@ -393,15 +438,18 @@ class BatchLoader:
         batch.datasets = None if step.dataset is None else [int(d) for d in sets]
         return batch.pin_memory() if self.pin_memory else batch
 
-    def _fetch(self, sample_ids: Sequence[int], sets: list[int]) -> list[SampleRecord]:
-        """Records of ``sample_ids`` in order, each read from its dataset's cache (one batched read per cache)."""
+    def _fetch(self, sample_ids: Sequence[int], sets: list[int],
+               caption_index: np.ndarray | None) -> list[SampleRecord]:  # fmt: skip
+        """Records of ``sample_ids`` in order, each read from its dataset's cache (one batched read per cache),
+        with the caption the plan chose (``caption_index``; None: caption 0, read by ids alone)."""
         if not any(sets):
-            return self.readers[0].read(sample_ids)
+            return self.readers[0].read(sample_ids, *([] if caption_index is None else [caption_index]))
         out: list[SampleRecord | None] = [None] * len(sample_ids)
         where = np.asarray(sets)
         for d in np.unique(where):
             pos = np.flatnonzero(where == d)
-            for p, record in zip(pos, self.readers[int(d)].read([sample_ids[i] for i in pos])):
+            chosen = [] if caption_index is None else [[caption_index[i] for i in pos]]
+            for p, record in zip(pos, self.readers[int(d)].read([sample_ids[i] for i in pos], *chosen)):
                 out[p] = record
         return out  # type: ignore[return-value]
 

@@ -7,6 +7,9 @@ describes the bytes by ``size`` and ``etag`` (``mtime`` when the store gives no 
 row of the cache (records and error rows) stores the key of the row it was made from; a manifest
 row whose key differs from the cached one is **stale** and gets re-embedded by the next
 ``bucketeer embed``. A null caption and an empty one give the same key (they embed the same).
+A row with several captions (the manifest's ``captions`` list) hashes the whole list in place of
+``caption``, so a change to any of them makes the row stale; a row without a list keeps the key
+it always had.
 The bucket is part of the key because the latent's shape is the bucket's: a plan drawn from a
 manifest whose buckets moved must not pair it with latents of the old ones.
 
@@ -43,12 +46,23 @@ def _column(table: pa.Table, name: str, type_: pa.DataType) -> pa.Array:
     return table.column(name).combine_chunks().cast(type_)
 
 
+def _caption_text(rows: pa.Table) -> pa.Array:
+    """What a row's key hashes of its captions: ``caption``, or the JSON of its ``captions`` list when it has one."""
+    caption = _column(rows, "caption", pa.string()).fill_null("")
+    lists = _column(rows, "captions", pa.list_(pa.string()))
+    if lists.null_count == len(lists):
+        return caption
+    texts = [json.dumps(many, ensure_ascii=False) if many else one
+             for one, many in zip(caption.to_pylist(), lists.to_pylist())]  # fmt: skip
+    return pa.array(texts, pa.string())
+
+
 def _chunk_keys(rows: pa.Table) -> np.ndarray:
     n = rows.num_rows
     size = _column(rows, "size", pa.int64()).fill_null(-1).to_numpy(zero_copy_only=False)
     etag = _column(rows, "etag", pa.string())
     mtime = _column(rows, "mtime", pa.float64())
-    caption = _column(rows, "caption", pa.string()).fill_null("")
+    caption = _caption_text(rows)
     bucket = _column(rows, "bucket", pa.string()).fill_null("")
     has_etag = etag.is_valid().to_numpy(zero_copy_only=False)
     has_mtime = mtime.is_valid().to_numpy(zero_copy_only=False) & ~has_etag
@@ -89,7 +103,7 @@ def _with_conditioning(keys: np.ndarray, rows: pa.Table) -> np.ndarray:
 
 
 def source_key(samples: pa.Table) -> np.ndarray:
-    """(n,) uint64 source key of each manifest row: hash of (size, etag or mtime, caption, bucket).
+    """(n,) uint64 source key of each manifest row: hash of (size, etag or mtime, caption(s), bucket).
 
     ``samples`` is a manifest samples table (``manifests.schema.SAMPLES_SCHEMA``; ``etag`` and
     ``mtime`` may be absent or null). About 1 µs per row, in bounded memory.

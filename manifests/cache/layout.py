@@ -10,8 +10,9 @@ nothing is ever listed)::
                                          text layout, empty caption + validation prompt keys (never shards)
     shards/samples-<sha256[:24]>.bin     concatenated sample records (latent + geometry)
     shards/texts-<sha256[:24]>.bin       concatenated text records, one per unique caption
-    index/samples-<sha>.parquet          sample_id, shard, offset, length, crc32, caption_key, bucket,
-                                         source_key, generation
+    index/samples-<sha>.parquet          sample_id, shard, offset, length, crc32, caption_key (the first
+                                         caption's), caption_keys (all, for a sample with several captions;
+                                         null otherwise and in older caches), bucket, source_key, generation
     index/texts-<sha>.parquet            caption_key, shard, offset, length, crc32
     index/errors-<sha>.parquet           sample_id, filename, error, message, source_key, generation
 
@@ -90,7 +91,9 @@ SAMPLE_INDEX_SCHEMA = pa.schema(
         pa.field("offset", pa.int64(), nullable=False),  # bytes into the shard
         pa.field("length", pa.int64(), nullable=False),  # bytes of the compressed record
         pa.field("crc32", pa.uint32(), nullable=False),  # of the compressed record
-        pa.field("caption_key", pa.uint64(), nullable=False),  # -> texts index
+        pa.field("caption_key", pa.uint64(), nullable=False),  # -> texts index; the first caption's
+        # every caption's key, in the manifest's order, when the sample has several captions; null: [caption_key]
+        pa.field("caption_keys", pa.list_(pa.uint64())),
         pa.field("bucket", pa.string(), nullable=False),  # "WxH"
         pa.field("source_key", pa.uint64()),  # of the manifest row it was made from; null: unknown (stale)
         pa.field("generation", pa.int64()),  # the _cache.json commit that wrote it; the newest wins
@@ -189,7 +192,7 @@ def _conform_part(table: pa.Table, kind: str, names: Sequence[str] | None = None
     schema = INDEX_SCHEMAS[kind]
     if names is not None:
         schema = pa.schema([schema.field(n) for n in names])
-    for name in ("source_key", "generation"):  # parts written before source keys existed lack them
+    for name in ("source_key", "generation", "caption_keys"):  # parts written before these columns existed
         if name in schema.names and name not in table.column_names:
             table = table.append_column(name, pa.nulls(table.num_rows, schema.field(name).type))
     return table.select(schema.names).cast(schema)

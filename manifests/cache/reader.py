@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Sequence
 
 import numpy as np
+import pyarrow.compute as pc
 
 from manifests.cache.layout import TEXT_INDEX_SCHEMA, CacheError, read_meta, read_index
 from manifests.cache.records import RecordError, SampleRecord, TextRecord, crc32, decode_sample, decode_text
@@ -76,6 +77,11 @@ class CacheReader:
         samples = tables["samples"].sort_by("sample_id")
         self._ids = samples.column("sample_id").to_numpy().astype(np.uint64)  # (n,) sorted
         self._samples = {name: samples.column(name).to_numpy() for name in ("offset", "length", "crc32", "caption_key")}
+        # every caption key of a sample with several captions: flat keys + where each sample's start (0 long: none)
+        lists = samples.column("caption_keys").combine_chunks()
+        self._caption_counts = pc.list_value_length(lists).fill_null(0).to_numpy(zero_copy_only=False)  # (n,)
+        self._caption_starts = np.cumsum(self._caption_counts) - self._caption_counts  # (n,)
+        self._caption_flat = pc.list_flatten(lists).to_numpy(zero_copy_only=False).astype(np.uint64)
         shard = samples.column("shard").combine_chunks().dictionary_encode()
         self._sample_shard = shard.indices.to_numpy(zero_copy_only=False)
         self._sample_shard_names = shard.dictionary.to_pylist()
@@ -144,14 +150,36 @@ class CacheReader:
     def _bad(self, what: str, shard: str, problem: str) -> str:
         return redact(f"{what} in shard {shard} of {self.url}: {problem}; run `bucketeer verify {self.url}`")
 
-    def read(self, sample_ids: Sequence[int]) -> list[SampleRecord]:
-        """Records for ``sample_ids`` in the given order, each with its caption's text joined in.
+    def caption_counts(self, sample_ids: Sequence[int]) -> np.ndarray:
+        """(k,) how many captions each of ``sample_ids`` was embedded with (1 for a single caption)."""
+        return np.maximum(self._caption_counts[self._locate(sample_ids)], 1)
+
+    def _caption_keys(self, pos: np.ndarray, caption_index: Sequence[int] | None) -> np.ndarray:
+        """(k,) the caption key of caption ``caption_index[i]`` of the sample at index row ``pos[i]``."""
+        keys = self._samples["caption_key"][pos].astype(np.uint64)
+        if caption_index is None:
+            return keys
+        index = np.asarray(caption_index, np.int64)  # (k,)
+        counts = np.maximum(self._caption_counts[pos], 1)
+        bad = (index < 0) | (index >= counts)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise CacheError(f"sample {int(self._ids[pos[i]])}: the plan chose caption {int(index[i])} but cache "
+                             f"{redact(self.url)} holds {int(counts[i])}; plan and cache come from different "
+                             "manifests (re-embed, or re-plan from the manifest the cache was embedded from)")
+        listed = (index > 0) & (self._caption_counts[pos] > 0)
+        keys[listed] = self._caption_flat[self._caption_starts[pos[listed]] + index[listed]]
+        return keys
+
+    def read(self, sample_ids: Sequence[int], caption_index: Sequence[int] | None = None) -> list[SampleRecord]:
+        """Records for ``sample_ids`` in the given order, each with its caption's text joined in:
+        caption ``caption_index[i]`` of sample ``i`` (the first when None) when it has several.
 
         Raises CacheError naming the sample id and shard when a record is missing, truncated,
-        fails its checksum or does not decode.
+        fails its checksum or does not decode, or a caption index is beyond the sample's captions.
         """
         pos = self._locate(sample_ids)
-        keys = self._samples["caption_key"][pos]
+        keys = self._caption_keys(pos, caption_index)
         items = [
             (self._sample_shard_names[self._sample_shard[p]], int(self._samples["offset"][p]),
              int(self._samples["length"][p]), int(self._samples["crc32"][p]), f"sample {int(self._ids[p])}")
@@ -170,7 +198,7 @@ class CacheReader:
                 raise CacheError(self._bad(item[-1], item[0], str(e))) from None
             if record.sample_id != int(sid):
                 raise CacheError(self._bad(item[-1], item[0], f"record holds sample {record.sample_id}"))
-            records.append(replace(record, text=texts[int(key)]))
+            records.append(replace(record, text=texts[int(key)], caption_key=int(key)))
         return records
 
     def read_texts(self, caption_keys: Sequence[int]) -> list[TextRecord]:

@@ -5,7 +5,7 @@ and ``_cache.json``: latent ``(C, H / f, W / f)`` for bucket ``WxH`` and VAE fac
 ``latent_std`` in a cache embedded with ``--latents posterior``; the conditioning latent and the
 ``--flip``/``--crops`` variants its settings say), the cache's dtype, finite values;
 text records against the cache's ``text.layout`` (parts, widths, lengths, pooled). A bad text
-record makes every sample with that caption bad.
+record makes every sample with that caption (any of its captions) bad.
 """
 
 from __future__ import annotations
@@ -153,10 +153,13 @@ def verify_cache(url: str, storage_options: dict | None = None, *, progress: boo
     reporter.close()
     known_texts = {int(r["caption_key"]) for r in rows["texts"]}
     for row in rows["samples"]:
-        key = int(row["caption_key"])
-        if key in bad_texts:
-            shard, problem = bad_texts[key]
-            result.bad.append(BadRecord(int(row["sample_id"]), shard, f"its caption's text record: {problem}"))
-        elif key not in known_texts:
-            result.bad.append(BadRecord(int(row["sample_id"]), row["shard"], f"no text record for caption key {key}"))
+        for key in dict.fromkeys([int(row["caption_key"]), *(row.get("caption_keys") or ())]):  # every caption
+            if key in bad_texts:
+                shard, problem = bad_texts[key]
+                result.bad.append(BadRecord(int(row["sample_id"]), shard, f"its caption's text record: {problem}"))
+                break
+            if key not in known_texts:
+                result.bad.append(BadRecord(int(row["sample_id"]), row["shard"],
+                                            f"no text record for caption key {key}"))
+                break
     return result

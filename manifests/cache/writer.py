@@ -359,12 +359,16 @@ class CacheWriter:
         self._added.add(sample_id)
 
     def add_sample(
-        self, sample_id: int, data: bytes, caption_key: int, bucket: str, source_key: int | None = None
+        self, sample_id: int, data: bytes, caption_key: int, bucket: str, source_key: int | None = None,
+        caption_keys: list[int] | None = None,
     ) -> bool:
-        """Queue a sample record made from the manifest row with ``source_key``; True when a shard was committed."""
+        """Queue a sample record made from the manifest row with ``source_key``; True when a shard was committed.
+
+        ``caption_keys``: the keys of all the sample's captions when it has several (the first is ``caption_key``).
+        """
         self._claim(sample_id)
         self._shards["samples"].append(data, sample_id=sample_id, caption_key=caption_key, bucket=bucket,
-                                       source_key=source_key)  # fmt: skip
+                                       source_key=source_key, caption_keys=caption_keys)  # fmt: skip
         self.done_samples.add(sample_id)
         self.done_errors.discard(sample_id)
         return self._commit_if_full("samples")

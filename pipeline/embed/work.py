@@ -3,8 +3,9 @@
 :func:`find_work` (on the driver) reads the manifest one row group at a time (ranged reads, about
 128K rows each) and judges every row against the committed index (:class:`IndexLookup`, built
 once): fresh, failed, stale, retry or missing. It keeps, per row group, only the **positions** of
-the rows to embed and of the first row of each caption that has no text record yet (captions are
-deduplicated over the whole manifest by a :class:`KeySet` of caption keys, 8 bytes each), and a
+the rows to embed and of the first occurrence of each caption that has no text record yet (captions
+are deduplicated over the whole manifest, a sample's several captions included, by a :class:`KeySet`
+of caption keys, 8 bytes each; a caption's position is in the row group's :func:`flat_captions`), and a
 few rows to probe the storage with. It holds no Python object per row, and no row group
 longer than it reads it: the Ray workers read the rows they are given themselves
 (:mod:`pipeline.embed.workers`).
@@ -32,10 +33,10 @@ from manifests.manifest import RowGroup, read_row_group, sample_row_groups
 from manifests.schema import CONDITIONING_COLUMNS, LOCATION_COLUMNS
 
 __all__ = ["MANIFEST_COLUMNS", "PROBE_FILES", "UNIT_PIXEL_BYTES", "GroupWork", "EmbedWork", "find_work",
-           "caption_keys", "unit_size", "cut_units"]  # fmt: skip
+           "caption_keys", "flat_captions", "sample_caption_keys", "unit_size", "cut_units"]  # fmt: skip
 
 # what a row's freshness, caption and probe need: the source-key columns, the caption and where the image is
-MANIFEST_COLUMNS = ["sample_id", "filename", "caption", "bucket", "size", "etag", "mtime", "container",
+MANIFEST_COLUMNS = ["sample_id", "filename", "caption", "captions", "bucket", "size", "etag", "mtime", "container",
                     "container_size", "member_offset", "row_group", "row_index", *CONDITIONING_COLUMNS]
 PROBE_FILES = 8  # images read up front to tell an unusable storage from a few bad files
 UNIT_PIXEL_BYTES = 128 << 20  # pixels of one unit in flight: 42 images at 1024x1024, 682 at 256x256
@@ -68,7 +69,8 @@ class EmbedWork:
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("fresh", "failed", "stale", "retry",
                                                                            "missing"), 0))  # fmt: skip
     images: list[GroupWork] = field(default_factory=list)  # rows to (re-)embed
-    captions: list[GroupWork] = field(default_factory=list)  # first row of each caption without a text record
+    # first occurrence of each caption without a text record: positions in the row group's flat_captions
+    captions: list[GroupWork] = field(default_factory=list)
     probe: list[dict] = field(default_factory=list)  # manifest rows (LOCATION_COLUMNS) to probe
 
     @property
@@ -85,6 +87,28 @@ def caption_keys(captions: pa.Array | pa.ChunkedArray) -> np.ndarray:
     return np.fromiter((caption_key(c) for c in captions.to_pylist()), np.uint64, count=len(captions))
 
 
+def flat_captions(rows: pa.Table) -> tuple[pa.Array, np.ndarray]:
+    """Every caption of ``rows`` (``caption`` and ``captions`` columns), flattened in row order: a row's
+    ``captions`` list when it has one, else its ``caption`` (null stays null: the empty caption).
+    Returns ``(captions, row)``: (m,) strings and (m,) int32 the row each came from."""
+    one = rows.column("caption").combine_chunks().cast(pa.string())
+    many = (rows.column("captions").combine_chunks() if "captions" in rows.column_names
+            else pa.nulls(rows.num_rows, pa.list_(pa.string())))  # fmt: skip
+    if many.null_count == len(many):
+        return one, np.arange(rows.num_rows, dtype=np.int32)
+    counts = pc.list_value_length(many).fill_null(1).to_numpy(zero_copy_only=False)  # (n,)
+    texts = [c for a, b in zip(one.to_pylist(), many.to_pylist()) for c in (b if b is not None else [a])]
+    return pa.array(texts, pa.string()), np.repeat(np.arange(rows.num_rows, dtype=np.int32), counts)
+
+
+def sample_caption_keys(rows: pa.Table) -> pa.Array:
+    """Per row, the caption keys of its ``captions`` list (what the cache index records), null without one."""
+    many = (rows.column("captions").combine_chunks() if "captions" in rows.column_names
+            else pa.nulls(rows.num_rows, pa.list_(pa.string())))  # fmt: skip
+    return pa.array([None if m is None else [caption_key(c) for c in m] for m in many.to_pylist()],
+                    pa.list_(pa.uint64()))  # fmt: skip
+
+
 def _spread(n: int, k: int) -> np.ndarray:
     """Up to ``k`` indices spread evenly over ``range(n)`` (deterministic)."""
     return np.unique(np.linspace(0, n - 1, min(k, n)).round().astype(int)) if n else np.zeros(0, int)
@@ -97,7 +121,8 @@ def find_work(
     committed index (``lookup``; ``done_texts``: caption keys with a text record).
 
     Rows to embed are the stale, retry and missing ones (:class:`~manifests.cache.Freshness`
-    ``todo``); captions to encode are those of these rows without a text record, once each. Probe
+    ``todo``); captions to encode are those of these rows (every caption of a sample) without a text
+    record, once each. Probe
     files are spread over the rows to embed, leaving out read-failure retries (if they still
     cannot be read, renewing their error rows is the right outcome, not a failed job).
     """
@@ -114,10 +139,11 @@ def find_work(
         if not len(todo):
             continue
         work.images.append(GroupWork(group, todo))
-        keys = caption_keys(rows.column("caption").take(pa.array(todo)))  # (t,)
-        first = texts.add_new(keys)
+        captions, owner = flat_captions(rows)  # (m,), (m,)
+        wanted = np.flatnonzero(status.todo[owner]).astype(np.int32)  # (c,) the captions of the rows to embed
+        first = texts.add_new(caption_keys(captions.take(pa.array(wanted))))  # (c,)
         if first.any():
-            work.captions.append(GroupWork(group, todo[first]))
+            work.captions.append(GroupWork(group, wanted[first]))
         probe = np.flatnonzero(status.todo & ~status.retry)
         picks = pa.array([int(probe[i]) for i in _spread(len(probe), PROBE_FILES)], pa.int64())
         candidates += rows.select(list(LOCATION_COLUMNS)).take(picks).to_pylist()

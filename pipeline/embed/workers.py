@@ -47,13 +47,15 @@ from manifests.retry import is_transient
 from manifests.storage import is_local, join, open_url, read_many, redact
 from pipeline.embed.encoders import Encoder, quiet_loading, to_storage
 from pipeline.embed.imaging import ImageFailure, fetch_images, prepare_views
-from pipeline.embed.work import MANIFEST_COLUMNS, GroupWork, caption_keys, cut_units
+from pipeline.embed.work import MANIFEST_COLUMNS, GroupWork, caption_keys, cut_units, flat_captions, \
+    sample_caption_keys
 
 __all__ = ["prepare_batch", "check_source", "describe_encoder", "plan_units", "prepare_unit", "read_captions",
            "LatentWriter", "TextWriter", "to_ipc", "from_ipc", "UNIT_ROWS", "VISIBLE_MARKER"]  # fmt: skip
 
 # the rows of a unit, as plan_units hands them to prepare_unit (conditioning: relative to its root)
 UNIT_ROWS = pa.schema([("sample_id", pa.uint64()), ("filename", pa.string()), ("caption_key", pa.uint64()),
+                       ("caption_keys", pa.list_(pa.uint64())),  # every caption's key when it has several
                        ("source_key", pa.uint64()),
                        # where the image bytes are (manifests.schema.image_range): null container = a loose file
                        ("container", pa.string()), ("container_size", pa.int64()), ("member_offset", pa.int64()),
@@ -61,7 +63,8 @@ UNIT_ROWS = pa.schema([("sample_id", pa.uint64()), ("filename", pa.string()), ("
                        ("conditioning", pa.string())])  # fmt: skip
 _LOCATION = ("container", "container_size", "member_offset", "row_group", "row_index", "size")
 # the good rows of a prepared unit, in the order of its pixels
-_PREPARED_ROWS = pa.schema([("sample_id", pa.uint64()), ("caption_key", pa.uint64()), ("source_key", pa.uint64()),
+_PREPARED_ROWS = pa.schema([("sample_id", pa.uint64()), ("caption_key", pa.uint64()),
+                            ("caption_keys", pa.list_(pa.uint64())), ("source_key", pa.uint64()),
                             *((name, pa.int32()) for name in ("original_h", "original_w", "resized_h", "resized_w",
                                                               "crop_top", "crop_left")),
                             ("crops", pa.list_(pa.int32()))])  # every crop's (top, left), flat  # fmt: skip
@@ -210,7 +213,8 @@ def plan_units(batch: pa.Table, manifest: str, storage_options: dict | None, bat
         work = GroupWork.from_item(item)
         rows = read_row_group(manifest, work.group, MANIFEST_COLUMNS, storage_options).take(pa.array(work.rows))
         rows = pa.table({"sample_id": rows.column("sample_id"), "filename": rows.column("filename"),
-                         "caption_key": caption_keys(rows.column("caption")), "source_key": source_key(rows),
+                         "caption_key": caption_keys(rows.column("caption")),
+                         "caption_keys": sample_caption_keys(rows), "source_key": source_key(rows),
                          "conditioning": rows.column("conditioning"),
                          **{name: rows.column(name) for name in (*_LOCATION, "bucket")}})  # fmt: skip
         for i, unit in enumerate(cut_units(rows, batch_size, shard_records)):
@@ -234,6 +238,7 @@ def prepare_unit(batch: pa.Table, source: str, storage_options: dict | None, cro
         good = pa.table({
             "sample_id": [r["sample_id"] for r in prepared["rows"]],
             "caption_key": [r["caption_key"] for r in prepared["rows"]],
+            "caption_keys": [r["caption_keys"] for r in prepared["rows"]],
             "source_key": [r["source_key"] for r in prepared["rows"]],
             **{name: [r[key][i] for r in prepared["rows"]] for name, key, i in (
                 ("original_h", "original_size", 0), ("original_w", "original_size", 1),
@@ -254,12 +259,13 @@ def prepare_unit(batch: pa.Table, source: str, storage_options: dict | None, cro
 
 
 def read_captions(batch: pa.Table, manifest: str, storage_options: dict | None) -> pa.Table:
-    """Ray Data ``map_batches`` (batch size 1): a row group's first rows of new captions ->
-    ``(caption_key, caption)`` rows, shortest first (so that a text batch pads little)."""
+    """Ray Data ``map_batches`` (batch size 1): a row group's new captions (positions in its
+    :func:`~pipeline.embed.work.flat_captions`) -> ``(caption_key, caption)`` rows, shortest first (so
+    that a text batch pads little)."""
     tables = []
     for item in batch.to_pylist():
         work = GroupWork.from_item(item)
-        captions = read_row_group(manifest, work.group, ["caption"], storage_options).column("caption")
+        captions, _ = flat_captions(read_row_group(manifest, work.group, ["caption", "captions"], storage_options))
         captions = captions.take(pa.array(work.rows)).fill_null("").cast(pa.string())  # the prompts' type
         order = np.argsort([len(c) for c in captions.to_pylist()], kind="stable")
         captions = captions.take(pa.array(order))
@@ -372,7 +378,8 @@ class LatentWriter(_EncoderActor):
                         None if conds is None else latents[n + j * v : n + (j + 1) * v],
                         None if stds is None else stds[j * v], f)  # fmt: skip
                     shard.append(encode_sample(record), sample_id=r["sample_id"], caption_key=r["caption_key"],
-                                 bucket=item["bucket"], source_key=r["source_key"])  # fmt: skip
+                                 caption_keys=r["caption_keys"], bucket=item["bucket"],
+                                 source_key=r["source_key"])  # fmt: skip
             samples, size = self._result("samples", shard)
             out.append({"unit": item["unit"], "samples": samples, "errors": item["errors"], "shard_bytes": size,
                         "worker": self.worker})  # fmt: skip

@@ -10,6 +10,12 @@ The table (``--captions URL``) is parquet, jsonl or csv with a filename column (
 ``file_name``, ``path`` or ``image``) and a caption column (``caption``, ``text`` or ``prompt``);
 filenames are relative to the dataset root. Its ``version`` is a hash of its content as read
 (``{filename: caption}`` after normalising), so a reformatted but equal table has the same version.
+
+Caption lists: the table's caption column may be a list of strings (a parquet ``list<string>``, a JSON
+array in jsonl), a ``.json`` member of a tar shard may hold a list in its caption field, and a loose
+image may have numbered sidecars (:func:`sidecar_number`). Each caption of a list is normalised as
+above; empty ones are dropped (and counted). A sample's manifest ``caption`` is the first, its
+``captions`` the whole list when it has more than one (:func:`caption_list`).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import codecs
 import hashlib
 import io
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
@@ -35,6 +41,8 @@ __all__ = [
     "decode_caption",
     "normalise_caption",
     "sidecar_stem",
+    "sidecar_number",
+    "caption_list",
     "load_caption_table",
     "read_table",
     "table_filenames",
@@ -77,6 +85,28 @@ def sidecar_stem(filename: str) -> str:
     return f"{head}/{stem}" if head else stem
 
 
+def sidecar_number(stem: str) -> tuple[str, int]:
+    """The image stem and caption number of a sidecar's stem: ``a/img.2`` -> ``("a/img", 2)``; ``a/img`` -> 0.
+
+    Numbered sidecars give an image several captions: ``img.txt`` (or ``img.0.txt``) is caption 0,
+    ``img.1.txt`` caption 1, and so on, in number order (gaps are fine). Only a number of at most 3
+    digits counts, so that ``photo.2023.txt`` stays the sidecar of ``photo.2023.jpg``; and where an
+    image ``img.1.jpg`` exists, ``img.1.txt`` is its caption, not ``img``'s (the listing sees to that).
+    """
+    head, dot, number = stem.rpartition(".")
+    if dot and head and not head.endswith("/") and number.isdigit() and len(number) <= 3:
+        return head, int(number)
+    return stem, 0
+
+
+def caption_list(values: list | None) -> tuple[str | None, list[str] | None, int]:
+    """``(caption, captions, dropped)`` of a sample's captions in order: each normalised, empty ones
+    dropped (``dropped`` counts them); ``captions`` only when more than one is left."""
+    kept = [c for c in (normalise_caption(v) for v in values or ()) if c is not None]
+    dropped = len(values or ()) - len(kept)
+    return (kept[0] if kept else None), (kept if len(kept) > 1 else None), dropped
+
+
 def _clean_name(name: str) -> str:
     name = name.replace("\\", "/")
     while name.startswith("./"):
@@ -86,15 +116,20 @@ def _clean_name(name: str) -> str:
 
 @dataclass(frozen=True)
 class CaptionTable:
-    """A loaded ``--captions`` table: ``{filename: caption}`` and a hash of that content."""
+    """A loaded ``--captions`` table: ``{filename: caption}`` (the first caption of a list),
+    ``{filename: captions}`` for the files with several, and a hash of that content."""
 
     captions: dict[str, str | None]
-    version: str  # 16 hex digits of sha256 over the sorted (filename, caption) pairs
+    version: str  # 16 hex digits of sha256 over the sorted (filename, caption) pairs (and the lists)
+    lists: dict[str, list[str]] = field(default_factory=dict)
+    dropped: int = 0  # empty captions left out of lists
 
     @classmethod
-    def of(cls, captions: dict[str, str | None]) -> CaptionTable:
-        pairs = json.dumps(sorted(captions.items()), ensure_ascii=False).encode()
-        return cls(captions, hashlib.sha256(pairs).hexdigest()[:16])
+    def of(cls, captions: dict[str, str | None], lists: dict[str, list[str]] | None = None,
+           dropped: int = 0) -> CaptionTable:  # fmt: skip
+        content = sorted(captions.items()) + ([["lists", sorted(lists.items())]] if lists else [])
+        pairs = json.dumps(content, ensure_ascii=False).encode()  # a table without lists keeps its old version
+        return cls(captions, hashlib.sha256(pairs).hexdigest()[:16], lists or {}, dropped)
 
 
 def read_table(url: str, storage_options: dict[str, Any] | None = None) -> pa.Table:
@@ -151,13 +186,25 @@ def load_caption_table(url: str, storage_options: dict[str, Any] | None = None) 
             f"(one of {list(_FILENAME_COLUMNS)}) and a caption column (one of {list(_CAPTION_COLUMNS)})"
         )
     names = table.column(name_col).cast(pa.string()).to_pylist()
-    texts = table.column(text_col).cast(pa.string()).to_pylist()
+    column = table.column(text_col)
+    is_list = pa.types.is_list(column.type) or pa.types.is_large_list(column.type)
+    try:
+        texts = column.cast(pa.list_(pa.string()) if is_list else pa.string()).to_pylist()
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        raise UsageError(f"--captions {redact(url)}: column {text_col!r} ({column.type}) is neither text nor a "
+                         "list of texts") from None  # fmt: skip
     out: dict[str, str | None] = {}
+    lists: dict[str, list[str]] = {}
+    dropped = 0
     for row, (name, text) in enumerate(zip(names, texts)):
         if name is None:
             raise UsageError(f"--captions {redact(url)}: row {row} has no {name_col}")
-        key, caption = _clean_name(name), normalise_caption(text)
-        if key in out and out[key] != caption:
+        key = _clean_name(name)
+        caption, several, empty = caption_list(text) if is_list else (normalise_caption(text), None, 0)
+        if key in out and (out[key], lists.get(key)) != (caption, several):
             raise UsageError(f"--captions {redact(url)}: {key!r} appears twice with different captions (row {row})")
         out[key] = caption
-    return CaptionTable.of(out)
+        if several:
+            lists[key] = several
+        dropped += empty
+    return CaptionTable.of(out, lists, dropped)

@@ -19,7 +19,9 @@ terminal, a plain line every 30 s in a Ray job's log; ``--no-progress`` for neit
 Incremental: rows of the manifest already at ``--out`` (or ``--previous``) whose file size and
 ETag (mtime when the store has no ETag) are unchanged are reused without reading the file; their
 sidecar caption is read again only when the listed sidecar is not the version recorded in the
-row's ``caption_source`` (see manifests/schema.py).
+row's ``caption_source`` (see manifests/schema.py). An image with numbered sidecars (``img.1.txt``,
+...: :func:`pipeline.scan.listing.image_sidecars`) gets one work item per further sidecar, read in
+its task; all of them are read again when any one changed.
 A source of WebDataset ``.tar`` shards is scanned by :mod:`pipeline.sources.containers` (member
 headers walked by ranged reads, reuse per shard); shards mixed with loose images, and compressed
 shards, are refused there with what to do. ``--format parquet`` scans the ``.parquet`` files of the
@@ -51,7 +53,7 @@ from manifests.errors import StorageError, UsageError
 from manifests.schema import ERRORS_SCHEMA, MAX_PIXELS, sample_ids
 from manifests.storage import open_url, parse_storage_options, redact
 from pipeline.formats import IMAGE_EXTENSIONS, missing_format_hint, register_plugins
-from pipeline.scan.captions import CaptionTable, load_caption_table
+from pipeline.scan.captions import CaptionTable, caption_list, load_caption_table
 from pipeline.scan.conditioning import pair, probe_target, resolve
 from pipeline.scan.headers import FIRST_READ
 from pipeline.scan.listing import (
@@ -59,6 +61,7 @@ from pipeline.scan.listing import (
     Listing,
     RescanPlan,
     caption_source,
+    image_sidecars,
     list_source,
     plan_rescan,
     work_items,
@@ -93,8 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", help="dataset root: a local folder or s3://bucket/prefix")
     parser.add_argument("--out", required=True, help="manifest folder to write (an existing manifest there is reused)")
     parser.add_argument("--captions", default=None, metavar="URL",
-                        help="caption table (parquet, jsonl or csv with filename + caption columns); "
-                        "images not in it fall back to .txt/.caption sidecars")  # fmt: skip
+                        help="caption table (parquet, jsonl or csv with filename + caption columns; the caption "
+                        "column may be a list of strings: several captions); images not in it fall back to "
+                        ".txt/.caption sidecars (numbered img.1.txt, img.2.txt, ...: more captions)")  # fmt: skip
     parser.add_argument("--conditioning", default=None, metavar="ROOT_OR_COLUMN",
                         help="a conditioning image per sample (ControlNet map, edit pair): a column of the --captions "
                         "table holding its path relative to the source root, else a root (folder or URL) holding "
@@ -118,7 +122,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "after it and the next image's header (default 4 KiB)")  # fmt: skip
     parser.add_argument("--caption-field", default="caption",
                         help="tar shards: the field of a sample's .json member to take the caption from when it "
-                        "has no .txt/.caption member (default: caption)")  # fmt: skip
+                        "has no .txt/.caption member, a string or a list of strings (default: caption)")  # fmt: skip
     parser.add_argument("--format", choices=FORMATS, default="auto",
                         help="auto (default): loose image files, or WebDataset .tar shards, told apart by extension; "
                         "parquet: the .parquet files of the source, one image per row (--image-column)")  # fmt: skip
@@ -253,8 +257,9 @@ def scan_dataset(
     plan = plan_rescan(listing, out, previous, storage_options, config.max_pixels, table)
 
     # only image headers go to Ray; re-reading a few changed sidecars of reused rows is driver work
-    image_work = [w for w in plan.work if w.probe]
-    caption_work = [w for w in plan.work if not w.probe]
+    probed = {w.name for w in plan.work if w.probe}  # an image's further sidecars are read in its task
+    image_work = [w for w in plan.work if w.name in probed]
+    caption_work = [w for w in plan.work if w.name not in probed]
     try:
         results, ray_seconds = run_tasks(scan_batch, target, config, lambda cpus: _batches(image_work, config, cpus),
                                          len(image_work), progress=config.progress, ray_address=ray_address)
@@ -376,25 +381,53 @@ def _listing_columns(listing: Listing) -> pa.Table:
     })  # fmt: skip
 
 
+def _sidecar_captions(listing: Listing, probed: pa.Table):
+    """Captions read from sidecars: ``{image: (caption, captions)}`` for images whose every sidecar was
+    read, the images with a sidecar that could not be read, and how many empty captions left a list."""
+    read: dict[str, dict[str, str | None]] = {}
+    failed: set[str] = set()
+    for name, sidecar, caption, ok in zip(*(probed.column(c).to_pylist()
+                                            for c in ("name", "sidecar", "caption", "caption_read"))):  # fmt: skip
+        if ok:
+            read.setdefault(name, {})[sidecar] = caption
+        elif ok is False:
+            failed.add(name)
+    out: dict[str, tuple[str | None, list[str] | None]] = {}
+    dropped = 0
+    for name, texts in read.items():
+        sidecars = image_sidecars(listing, name) if name not in failed else []
+        if not sidecars or any(s.name not in texts for s in sidecars):
+            continue
+        if len(sidecars) == 1:  # one sidecar: an empty one is a null caption, as always
+            out[name] = (texts[sidecars[0].name], None)
+            continue
+        caption, captions, empty = caption_list([texts[s.name] for s in sidecars])
+        out[name], dropped = (caption, captions), dropped + empty
+    return out, failed, dropped
+
+
 def _assemble(listing: Listing, plan: RescanPlan, probed: pa.Table, table: CaptionTable | None):
     """Image rows (IMAGE_SCHEMA) and error rows (ERRORS_SCHEMA) from reused rows and the tasks' tables."""
-    caption_read = probed.column("caption_read")
-    read_ok = pc.fill_null(pc.equal(caption_read, True), False)
-    sidecar_captions = dict(zip(probed.column("name").filter(read_ok).to_pylist(),
-                                probed.column("caption").filter(read_ok).to_pylist()))  # fmt: skip
-    failed_reads = set(probed.column("name").filter(pc.fill_null(pc.equal(caption_read, False), False)).to_pylist())
+    sidecar_captions, failed_reads, dropped = _sidecar_captions(listing, probed)
     table_captions = table.captions if table is not None else {}
+    table_lists = table.lists if table is not None else {}
 
-    def caption_of(name: str, previous: str | None) -> str | None:
+    def caption_of(name: str, previous: tuple[str | None, list[str] | None]) -> tuple[str | None, list[str] | None]:
         if name in table_captions:
-            return table_captions[name]
+            return table_captions[name], table_lists.get(name)
         if name in sidecar_captions:
             return sidecar_captions[name]
-        return previous if name in plan.kept_captions else None
+        return previous if name in plan.kept_captions else (None, None)
 
     def source_of(name: str) -> str | None:
         # a sidecar that could not be read records no source, so the next scan reads it again
         return None if name in failed_reads else caption_source(listing, name, table)
+
+    def caption_columns(names: list[str], previous: list[tuple]) -> dict[str, pa.Array]:
+        pairs = [caption_of(n, p) for n, p in zip(names, previous)]
+        return {"caption": pa.array([p[0] for p in pairs], pa.string()),
+                "captions": pa.array([p[1] for p in pairs], pa.list_(pa.string())),
+                "caption_source": pa.array([source_of(n) for n in names], pa.string())}  # fmt: skip
 
     listed = _listing_columns(listing)
 
@@ -404,19 +437,16 @@ def _assemble(listing: Listing, plan: RescanPlan, probed: pa.Table, table: Capti
         columns = {c: rows.column(c) for c in ("width", "height", "format", "orientation", "bytes_read",
                                                "error", "message")}  # fmt: skip
         columns.update({c: listed.column(c).take(at) for c in ("size", "etag", "mtime")})
-        columns.update({
-            "sample_id": pa.array(sample_ids(names), pa.uint64()), "filename": rows.column("name"),
-            "caption": pa.array([caption_of(n, None) for n in names], pa.string()),
-            "caption_source": pa.array([source_of(n) for n in names], pa.string()),
-        })  # fmt: skip
+        columns.update({"sample_id": pa.array(sample_ids(names), pa.uint64()), "filename": rows.column("name"),
+                        **caption_columns(names, [(None, None)] * len(names))})  # fmt: skip
         return conform(pa.table(columns), schema)
 
     def with_captions(reused: pa.Table) -> pa.Table:
         names = reused.column("filename").to_pylist()
-        captions = [caption_of(n, c) for n, c in zip(names, reused.column("caption").to_pylist())]
-        reused = reused.set_column(reused.schema.get_field_index("caption"), "caption", pa.array(captions, pa.string()))
-        sources = pa.array([source_of(n) for n in names], pa.string())
-        return reused.set_column(reused.schema.get_field_index("caption_source"), "caption_source", sources)
+        previous = list(zip(reused.column("caption").to_pylist(), reused.column("captions").to_pylist()))
+        for name, column in caption_columns(names, previous).items():
+            reused = reused.set_column(reused.schema.get_field_index(name), name, column)
+        return reused
 
     new = probed.filter(probed.column("probed"))
     usable = pc.is_null(new.column("error"))
@@ -430,6 +460,8 @@ def _assemble(listing: Listing, plan: RescanPlan, probed: pa.Table, table: Capti
         "requests": int(pc.sum(probed.column("requests")).as_py() or 0),
         "captions_read": len(sidecar_captions),
         "caption_read_failures": len(failed_reads),
+        "empty_captions_dropped": dropped + (table.dropped if table is not None else 0),
+        "caption_lists": sum(len(c[1] or ()) > 1 for c in sidecar_captions.values()) + len(table_lists),
     }
     return images, errors, stats
 

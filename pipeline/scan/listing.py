@@ -11,7 +11,9 @@ filesystems use ``fs.find``.
 A rescan compares the listing with the previous manifest (:func:`plan_rescan`): unchanged files
 (same size and ETag, or mtime where the store has no ETag) keep their rows and are not read, and
 their sidecar captions are read again exactly when the listed sidecar differs from the one each
-row's ``caption_source`` records (no timestamps are compared with any clock).
+row's ``caption_source`` records (no timestamps are compared with any clock). An image with
+numbered sidecars (``img.txt``/``img.0.txt``, ``img.1.txt``, ...: :func:`image_sidecars`) has several
+captions; all of them are read again when any one of them changed.
 
 Tar files (``.tar``) are WebDataset shards, scanned by :mod:`pipeline.sources`; ``.tar.gz`` and
 ``.tgz`` are listed apart so that the scan can refuse them with a reason. ``.parquet`` files are
@@ -47,13 +49,13 @@ from manifests.manifest import ManifestError, conform, read_manifest
 from manifests.schema import ERRORS_SCHEMA, SAMPLES_SCHEMA
 from manifests.storage import is_local, redact
 from pipeline.formats import IMAGE_EXTENSIONS
-from pipeline.scan.captions import SIDECAR_EXTENSIONS, CaptionTable, sidecar_stem
+from pipeline.scan.captions import SIDECAR_EXTENSIONS, CaptionTable, sidecar_number, sidecar_stem
 from manifests.retry import with_retries
 
 __all__ = [
     "IMAGE_EXTENSIONS", "IMAGE_SCHEMA", "WORK_SCHEMA", "FileEntry", "Listing", "WorkItem", "RescanPlan",
     "list_source", "classify", "extension", "work_table", "work_items", "plan_rescan", "caption_source",
-    "sidecar_version", "unchanged", "previous_manifest",
+    "sidecar_version", "image_sidecars", "unchanged", "previous_manifest",
 ]  # fmt: skip
 
 IMAGE_SCHEMA = pa.schema([f for f in SAMPLES_SCHEMA if f.name != "bucket"])  # a sample before bucketing
@@ -78,6 +80,7 @@ class Listing:
     compressed_shards: list[str] = field(default_factory=list)  # .tar.gz/.tgz names: refused by the scan
     parquet: list[FileEntry] = field(default_factory=list)  # .parquet files: scanned with --format parquet
     sidecars: dict[str, FileEntry] = field(default_factory=dict)  # image stem -> its caption file
+    numbered: dict[str, dict[int, FileEntry]] = field(default_factory=dict)  # image stem -> number -> img.N.txt
     ignored_hidden: int = 0
     ignored_extensions: dict[str, int] = field(default_factory=dict)  # other files by extension ("" for none)
     requests: int = 0
@@ -182,11 +185,10 @@ def list_source(fs: AbstractFileSystem, root: str, *, page_size: int = PAGE_SIZE
             listing.images.append(entry)
         elif kind == "sidecar":
             stem = sidecar_stem(entry.name)
-            current = listing.sidecars.get(stem)
-            # .txt wins over .caption whatever order the store lists them in
-            rank = SIDECAR_EXTENSIONS.index
-            if current is None or rank(_ext(entry.name)) < rank(_ext(current.name)):
-                listing.sidecars[stem] = entry
+            _keep_first(listing.sidecars, stem, entry)
+            base, number = sidecar_number(stem)
+            if base != stem:  # img.N.txt: caption N of img (unless an image img.N.jpg exists: see below)
+                _keep_first(listing.numbered.setdefault(base, {}), number, entry)
         elif kind == "shard":
             listing.shards.append(entry)
         elif kind == "compressed_shard":
@@ -198,12 +200,40 @@ def list_source(fs: AbstractFileSystem, root: str, *, page_size: int = PAGE_SIZE
         else:
             ext = extension(entry.name) if _utf8(entry.name) else NOT_UTF8
             listing.ignored_extensions[ext] = listing.ignored_extensions.get(ext, 0) + 1
+    if listing.numbered:  # img.1.txt next to an image img.1.jpg is that image's caption, not img's second
+        stems = {sidecar_stem(e.name) for e in listing.images}
+        for base, numbered in list(listing.numbered.items()):
+            numbered = {n: e for n, e in numbered.items() if sidecar_stem(e.name) not in stems}
+            listing.numbered[base] = numbered
     listing.images.sort(key=lambda e: e.name)
     listing.shards.sort(key=lambda e: e.name)
     listing.parquet.sort(key=lambda e: e.name)
     listing.compressed_shards.sort()
     listing.seconds = time.perf_counter() - start
     return listing
+
+
+def _keep_first(sidecars: dict, key: Any, entry: FileEntry) -> None:
+    """Put ``entry`` at ``key`` unless a sidecar that wins is there: .txt wins over .caption whatever
+    order the store lists them in."""
+    current = sidecars.get(key)
+    rank = SIDECAR_EXTENSIONS.index
+    if current is None or rank(_ext(entry.name)) < rank(_ext(current.name)):
+        sidecars[key] = entry
+
+
+def image_sidecars(listing: Listing, name: str) -> list[FileEntry]:
+    """The caption files of image ``name`` in caption order: ``img.txt`` (else ``img.0.txt``), then
+    ``img.1.txt``, ``img.2.txt``, ... by number (see :func:`pipeline.scan.captions.sidecar_number`)."""
+    stem = sidecar_stem(name)
+    first = listing.sidecars.get(stem)
+    numbered = listing.numbered.get(stem)
+    if not numbered:
+        return [first] if first else []
+    by_number = dict(numbered)
+    if first is not None:
+        by_number[0] = first  # img.txt wins over img.0.txt
+    return [by_number[n] for n in sorted(by_number)]
 
 
 def _list_local(root: str) -> list[FileEntry]:
@@ -348,12 +378,18 @@ def sidecar_version(entry: FileEntry) -> str:
     return f"sidecar:{entry.size}:{version}:{entry.name}"
 
 
+def sidecars_version(entries: list[FileEntry]) -> str | None:
+    """``caption_source`` of captions read from ``entries`` (one sidecar, or numbered ones), None for none."""
+    if len(entries) <= 1:
+        return sidecar_version(entries[0]) if entries else None
+    return "sidecars:" + "|".join(sidecar_version(e) for e in entries)
+
+
 def caption_source(listing: Listing, name: str, table: CaptionTable | None) -> str | None:
-    """``caption_source`` of image ``name`` now: the caption table's row, else its sidecar, else None."""
+    """``caption_source`` of image ``name`` now: the caption table's row, else its sidecar(s), else None."""
     if table is not None and name in table.captions:
         return f"table:{table.version}"
-    entry = listing.sidecars.get(sidecar_stem(name))
-    return sidecar_version(entry) if entry else None
+    return sidecars_version(image_sidecars(listing, name))
 
 
 def unchanged(entry: FileEntry, size: int | None, etag: str | None, mtime: float | None) -> bool:
@@ -398,7 +434,7 @@ def plan_rescan(
     entries = {e.name: e for e in listing.images}
     empty = RescanPlan([], IMAGE_SCHEMA.empty_table(), ERRORS_SCHEMA.empty_table(), set())
     if old is None:
-        empty.work = [_work(listing, e, True, table) for e in listing.images]
+        empty.work = [item for e in listing.images for item in _work(listing, e, True, table)]
         empty.new = len(listing.images)
         return empty
 
@@ -422,22 +458,21 @@ def plan_rescan(
                 continue
             keep.append(True)
             seen.add(name)
-            sidecar = _sidecar(listing, name, table)
-            if sidecar is None:
+            sidecars = _sidecars(listing, name, table)
+            if not sidecars:
                 continue  # the table's caption, or none: known without reading anything
-            listed = listing.sidecars[sidecar_stem(name)]
-            versioned = listed.etag is not None or listed.mtime is not None
-            if versioned and cols["caption_source"][i] == sidecar_version(listed):
+            versioned = all(e.etag is not None or e.mtime is not None for e in sidecars)
+            if versioned and cols["caption_source"][i] == sidecars_version(sidecars):
                 plan.kept_captions.add(name)
             else:
-                plan.work.append(_work(listing, entry, False, table))
+                plan.work += _work(listing, entry, False, table)
     plan.reused_images = images.filter(pa.array(keep_image, pa.bool_()))
     plan.reused_errors = errors.filter(pa.array(keep_error, pa.bool_()))
     previous_names = set(images.column("filename").to_pylist()) | set(errors.column("filename").to_pylist())
     previous_names |= redo_names
     for e in listing.images:
         if e.name not in seen:
-            plan.work.append(_work(listing, e, True, table))
+            plan.work += _work(listing, e, True, table)
             if e.name in previous_names:
                 plan.changed += 1
             else:
@@ -448,15 +483,16 @@ def plan_rescan(
     return plan
 
 
-def _sidecar(listing: Listing, name: str, table: CaptionTable | None) -> str | None:
-    """The sidecar to read for ``name``: none when the caption table already has it."""
+def _sidecars(listing: Listing, name: str, table: CaptionTable | None) -> list[FileEntry]:
+    """The sidecars to read for ``name``: none when the caption table already has it."""
     if table is not None and name in table.captions:
-        return None
-    entry = listing.sidecars.get(sidecar_stem(name))
-    return entry.name if entry else None
+        return []
+    return image_sidecars(listing, name)
 
 
-def _work(listing: Listing, entry: FileEntry, probe: bool, table: CaptionTable | None) -> WorkItem:
-    sidecar = _sidecar(listing, entry.name, table)
-    sidecar_size = listing.sidecars[sidecar_stem(entry.name)].size if sidecar else 0
-    return WorkItem(entry.name, entry.size, probe, sidecar, sidecar_size)
+def _work(listing: Listing, entry: FileEntry, probe: bool, table: CaptionTable | None) -> list[WorkItem]:
+    """The items of image ``entry``: its probe with its (first) sidecar, then one item per further sidecar."""
+    sidecars = _sidecars(listing, entry.name, table)
+    first = sidecars[0] if sidecars else None
+    items = [WorkItem(entry.name, entry.size, probe, first and first.name, first.size if first else 0)]
+    return items + [WorkItem(entry.name, entry.size, False, s.name, s.size) for s in sidecars[1:]]

@@ -7,7 +7,8 @@ grouped by WebDataset key (the member path up to the first dot of its base name)
 header is probed by :func:`pipeline.scan.headers.probe_header` over a range reader at the image's
 offset in the shard, from the bytes the walk already holds when they suffice (a JPEG's EXIF and
 ICC bodies are skipped: :mod:`pipeline.sources.jpeg`). The caption is the
-``.txt`` member, else ``.caption``, else the ``caption_field`` of the ``.json`` member. No shard is
+``.txt`` member, else ``.caption``, else the ``caption_field`` of the ``.json`` member (a string, or a
+list of strings: several captions). No shard is
 read whole: the bytes read are the headers, the captions and each image's first bytes.
 
 A key's outcome, as for a loose file: one image -> a sample (null caption when it has none,
@@ -38,7 +39,7 @@ from manifests.retry import is_permanent, is_storage_failure, with_retries
 from manifests.schema import MAX_PIXELS
 from manifests.storage import join, open_url, redact
 from pipeline.formats import IMAGE_EXTENSIONS, register_plugins
-from pipeline.scan.captions import decode_caption, normalise_caption
+from pipeline.scan.captions import caption_list, decode_caption, normalise_caption
 from pipeline.scan.headers import StorageFailure, probe_header
 from pipeline.scan.listing import FileEntry, extension
 from pipeline.scan.reading import SIDECAR_LIMIT
@@ -69,6 +70,7 @@ SHARD_ROWS = pa.schema(
         pa.field("bytes_read", pa.int64()),  # of this image: its header bytes the probe looked at
         pa.field("caption", pa.string()),
         pa.field("caption_source", pa.string()),
+        pa.field("captions", pa.list_(pa.string())),  # the .json field's list, when it holds several captions
     ]
 )
 
@@ -146,7 +148,7 @@ def scan_shard(
                 ext = extension(m.name)
                 out.ignored_members[ext] = out.ignored_members.get(ext, 0) + 1
             continue
-        caption, source = _caption(reads, shard.name, members, caption_field)
+        caption, captions, source = _caption(reads, shard.name, members, caption_field)
         for m in members:
             ext = extension(m.name)
             if m not in images and ext not in (*_CAPTION_EXTENSIONS, "json"):
@@ -155,7 +157,8 @@ def scan_shard(
         out.no_caption += len(images) if source is None else 0
         for image in images:
             row = {**base, "filename": f"{shard.name}/{image.name}", "member_offset": image.offset,
-                   "size": image.size, "caption": caption, "caption_source": source}  # fmt: skip
+                   "size": image.size, "caption": caption, "captions": captions,
+                   "caption_source": source}  # fmt: skip
             if image is walk.cut_member:
                 probe = checked(Header(error="truncated", message=walk.problem), max_pixels)
             elif image is walk.suspect_member:
@@ -210,22 +213,32 @@ def _member_bytes(reads: _CountingReads, member: TarMember) -> bytes:
 
 
 def _caption(reads: _CountingReads, container: str, members: list[TarMember], caption_field: str):
-    """``(caption, caption_source)`` of a key: its .txt, else .caption, else the .json field; else (None, None)."""
+    """``(caption, captions, caption_source)`` of a key: its .txt, else .caption, else the .json field (a
+    string, or a list of strings: :func:`~pipeline.scan.captions.caption_list`); else ``(None, None, None)``.
+
+    A .json that is not JSON, or whose field is neither a string nor a non-empty list of strings, gives
+    no caption (the image stays usable; counted in ``no_caption``), as a .json without the field does.
+    """
     by_ext = {extension(m.name): m for m in members}
     for ext in _CAPTION_EXTENSIONS:
         if ext in by_ext:
             member = by_ext[ext]
-            return decode_caption(_member_bytes(reads, member)), f"member:{container}:{member.name}"
+            return decode_caption(_member_bytes(reads, member)), None, f"member:{container}:{member.name}"
     if "json" in by_ext:
         member = by_ext["json"]
         try:
             value = json.loads(_member_bytes(reads, member))
         except ValueError:  # not JSON (or cut at SIDECAR_LIMIT): the image stays usable, without a caption
-            return None, None
+            return None, None, None
         text = value.get(caption_field) if isinstance(value, dict) else None
+        source = f"member:{container}:{member.name}#{caption_field}"
         if isinstance(text, str):
-            return normalise_caption(text), f"member:{container}:{member.name}#{caption_field}"
-    return None, None
+            return normalise_caption(text), None, source
+        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            caption, captions, _ = caption_list(text)
+            if caption is not None:
+                return caption, captions, source
+    return None, None, None
 
 
 # --- a Ray task: a batch of shards ---------------------------------------------------------------
