@@ -11,9 +11,11 @@ PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 # test files spread over 2 worker processes (pytest-xdist; a file stays on one worker, so its session and
 # module fixtures are built once): most tests wait on subprocesses, Ray and sockets, not on a core.
-# TEST_WORKERS=0 runs them in this process, one after another.
+# TEST_WORKERS=0 runs them in this process, one after another. --no-loadscope-reorder: files go out in collection
+# order, which tests/conftest.py makes longest first (xdist's default, most tests first, left the one-test
+# end-to-end files for last, running alone).
 TEST_WORKERS ?= 2
-XDIST := -n $(TEST_WORKERS) --dist loadfile
+XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 # `make test-floors`: each core dependency at the lowest version pyproject.toml allows (.ci/floors.py derives
 # the pins from it at run time), except torch, which stays TORCH_SPEC: no other torch is installable in CI.
 # Dev tools (pytest, moto, ...) stay current. The fast tests: the slow ones would not fit CI's time.
