@@ -22,7 +22,6 @@ A missing or mistyped ``--image-column``/``--caption-column`` stops the scan (Us
 
 from __future__ import annotations
 
-import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +39,7 @@ from pipeline.scan.captions import normalise_caption
 from pipeline.scan.headers import probe_header
 from pipeline.scan.listing import FileEntry
 from pipeline.scan.results import Header, checked
-from pipeline.sources.shards import SHARD_WORK
+from pipeline.sources.shards import SHARD_WORK, combine_scans, read_failed_row
 
 __all__ = ["PARQUET_ROWS", "ParquetScan", "image_bytes", "image_column_error", "row_name", "scan_parquet_file",
            "scan_parquet_files", "scan_parquet_batch"]  # fmt: skip
@@ -228,11 +227,7 @@ def _scan_one(fs, root: str, entry: FileEntry, config: Any) -> ParquetScan:
         cause = e.__cause__ or e
         if is_permanent(cause) and type(fs) is not LocalFileSystem:
             raise StorageError(f"reading {entry.name}: {redact(str(cause))}") from None
-    # retries ran out: the file is one read_failed row, read again by the next scan
-    row = {"filename": entry.name, "container": entry.name, "container_size": entry.size, "etag": entry.etag,
-           "mtime": entry.mtime, "size": entry.size, "error": "read_failed",
-           "message": redact(f"{type(cause).__name__}: {cause}")}  # fmt: skip
-    return ParquetScan(rows=[row])
+    return ParquetScan(rows=[read_failed_row(entry, cause)])
 
 
 def scan_parquet_files(fs, root: str, files: list[FileEntry], config: Any) -> pa.Table:
@@ -242,16 +237,7 @@ def scan_parquet_files(fs, root: str, files: list[FileEntry], config: Any) -> pa
     threads = 1 if type(fs) is LocalFileSystem else max(1, min(PARQUET_THREADS, len(files)))
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="parquet") as pool:
         scans = list(pool.map(lambda f: _scan_one(fs, root, f, config), files))
-    stats: dict[str, Any] = {"shards": len(files), "requests": 0, "bytes_read": 0, "images": 0, "no_caption": 0,
-                             "ignored_members": {}}  # fmt: skip
-    rows: list[dict[str, Any]] = []
-    for scan in scans:
-        rows.extend(scan.rows)
-        for name in ("requests", "bytes_read", "images", "no_caption"):
-            stats[name] += getattr(scan, name)
-    columns = {name: [row.get(name) for row in rows] for name in PARQUET_ROWS.names}
-    table = pa.table(columns, schema=PARQUET_ROWS)
-    return table.replace_schema_metadata({"stats": json.dumps(stats)})
+    return combine_scans(scans, PARQUET_ROWS)
 
 
 def scan_parquet_batch(target: tuple, batch: pa.Table, config: Any) -> pa.Table:

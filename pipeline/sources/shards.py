@@ -269,11 +269,15 @@ def _scan_one(fs, root: str, shard: FileEntry, config: Any) -> ShardScan:
         cause = e
     if is_permanent(cause) and not local:
         raise StorageError(f"reading {shard.name}: {redact(str(cause))}") from None
-    # retries ran out: the shard is one read_failed row, read again by the next scan
-    row = {"filename": shard.name, "container": shard.name, "container_size": shard.size, "etag": shard.etag,
-           "mtime": shard.mtime, "size": shard.size, "error": "read_failed",
-           "message": redact(f"{type(cause).__name__}: {cause}")}  # fmt: skip
-    return ShardScan(rows=[row])
+    return ShardScan(rows=[read_failed_row(shard, cause)])
+
+
+def read_failed_row(container: FileEntry, cause: BaseException) -> dict[str, Any]:
+    """The one error row of a container (tar shard, parquet file) whose reads failed after retries; the
+    next scan reads it again. The message is redacted."""
+    return {"filename": container.name, "container": container.name, "container_size": container.size,
+            "etag": container.etag, "mtime": container.mtime, "size": container.size, "error": "read_failed",
+            "message": redact(f"{type(cause).__name__}: {cause}")}  # fmt: skip
 
 
 def scan_shards(fs, root: str, shards: list[FileEntry], config: Any) -> pa.Table:
@@ -286,18 +290,24 @@ def scan_shards(fs, root: str, shards: list[FileEntry], config: Any) -> pa.Table
     threads = 1 if type(fs) is LocalFileSystem else max(1, min(config.reads_in_flight, len(shards)))
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="shard") as pool:
         scans = list(pool.map(lambda s: _scan_one(fs, root, s, config), shards))
-    stats: dict[str, Any] = {"shards": len(shards), "requests": 0, "bytes_read": 0, "images": 0, "no_caption": 0,
+    return combine_scans(scans, SHARD_ROWS)
+
+
+def combine_scans(scans: list, schema: pa.Schema) -> pa.Table:
+    """The rows of per-container scans (:class:`ShardScan`, or a parquet file's scan) as one ``schema``
+    table whose metadata ``stats`` holds their summed counts: shards (containers), requests, bytes_read,
+    images, no_caption and ignored_members by extension."""
+    stats: dict[str, Any] = {"shards": len(scans), "requests": 0, "bytes_read": 0, "images": 0, "no_caption": 0,
                              "ignored_members": {}}  # fmt: skip
     rows: list[dict[str, Any]] = []
     for scan in scans:
         rows.extend(scan.rows)
         for name in ("requests", "bytes_read", "images", "no_caption"):
             stats[name] += getattr(scan, name)
-        for ext, n in scan.ignored_members.items():
+        for ext, n in getattr(scan, "ignored_members", {}).items():
             stats["ignored_members"][ext] = stats["ignored_members"].get(ext, 0) + n
-    columns = {name: [row.get(name) for row in rows] for name in SHARD_ROWS.names}
-    table = pa.table(columns, schema=SHARD_ROWS)
-    return table.replace_schema_metadata({"stats": json.dumps(stats)})
+    columns = {name: [row.get(name) for row in rows] for name in schema.names}
+    return pa.table(columns, schema=schema).replace_schema_metadata({"stats": json.dumps(stats)})
 
 
 SHARD_WORK = pa.schema([("name", pa.string()), ("size", pa.int64()), ("etag", pa.string()), ("mtime", pa.float64())])
