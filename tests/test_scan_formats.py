@@ -17,7 +17,7 @@ from manifests.manifest import read_manifest
 from manifests.schema import sample_id
 from pipeline import formats
 from pipeline.cli import main
-from pipeline.embed.imaging import prepare_image
+from pipeline.embed.imaging import prepare_views
 from pipeline.scan import listing
 from tests.corpus import truth
 from tests.embed_data import records_by_id, run_embed
@@ -83,7 +83,7 @@ def test_modern_formats_scan_and_decode_as_embed_does(modern, ext):
     for name, row in rows.items():
         assert (row["width"], row["height"]) == truth(files[name]) and row["format"] == fmt  # after exif_transpose
         bw, bh = map(int, row["bucket"].split("x"))
-        prepared = prepare_image(files[name], (bh, bw))  # embed's decoder, on the bytes embed fetches
+        (prepared,) = prepare_views(files[name], (bh, bw))  # embed's decoder, on the bytes embed fetches
         assert prepared.original_size == (row["height"], row["width"]) and prepared.pixels.shape == (bh, bw, 3)
 
 

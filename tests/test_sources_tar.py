@@ -28,22 +28,8 @@ from pipeline.sources.jpeg import KEEP, sparse_jpeg_header
 from pipeline.sources.tar import walk_tar
 from tests.corpus import truth
 from tests.shards import ShardSet, awkward_shards, good_shard, put, tar_bytes
+from tests.train_dataset import train_here
 from train.config import DEFAULT_CONFIG
-
-
-def train_here(*argv) -> int:
-    """``python -m train ARGV`` in this process, accelerate's process-wide state reset afterwards
-    (as tests/test_train.py runs it)."""
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
-    from train.__main__ import main as train_main
-
-    try:
-        return train_main([str(a) for a in argv])
-    finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
-        PartialState._reset_state()
 
 
 QUIET = ScanConfig(progress=False)

@@ -14,7 +14,7 @@ from manifests.plan import read_rank_plan
 from manifests.progress import INTERVAL_ENV
 from tests.test_progress import assert_progress
 from tests.test_train_data import corrupt_copy
-from tests.train_dataset import train_data  # noqa: F401  (session fixture)
+from tests.train_dataset import train_data, train_here  # noqa: F401  (train_data: session fixture)
 from train.config import DEFAULT_CONFIG
 
 pytestmark = [pytest.mark.ray]
@@ -24,23 +24,10 @@ LISTING = ("ls", "find", "glob", "info", "exists", "lexists", "isdir", "isfile",
 
 @pytest.fixture
 def run():
-    """``python -m train ARGS`` in this process, with accelerate's process-wide state reset afterwards."""
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
-    from train.__main__ import main
-
+    """``python -m train ARGS`` in this process (:func:`tests.train_dataset.train_here`), on one thread."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # 2 shared cores: more threads only contend
-
-    def _run(*argv: str) -> int:
-        try:
-            return main([str(a) for a in argv])
-        finally:
-            AcceleratorState._reset_state(True)
-            GradientState._reset_state()
-            PartialState._reset_state()
-
-    yield _run
+    yield train_here
     torch.set_num_threads(threads)
 
 

@@ -99,3 +99,17 @@ def train_data(tmp_path_factory, ray_local) -> TrainData:
             os.environ.pop("BUCKETEER_HOME", None)
         else:
             os.environ["BUCKETEER_HOME"] = old
+
+
+def train_here(*argv) -> int:
+    """``python -m train ARGV`` in this process, with accelerate's process-wide state reset afterwards."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    from train.__main__ import main
+
+    try:
+        return main([str(a) for a in argv])
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        PartialState._reset_state()

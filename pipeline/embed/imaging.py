@@ -30,7 +30,7 @@ from manifests.storage import join, read_many
 from pipeline.embed.parquet_images import fetch_parquet_images, is_parquet_row
 from pipeline.formats import open_image
 
-__all__ = ["ImageFailure", "Prepared", "cover_and_crop", "prepare_image", "prepare_views", "fetch_all",
+__all__ = ["ImageFailure", "Prepared", "cover_and_crop", "prepare_views", "fetch_all",
            "fetch_images"]
 
 _EXIF_ORIENTATION = 0x0112
@@ -107,23 +107,6 @@ def _to_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")
 
 
-def prepare_image(
-    data: bytes,
-    bucket: tuple[int, int],
-    *,
-    crop: str = "center",
-    seed: int = 0,
-    sample_id: int = 0,
-    max_pixels: int = MAX_PIXELS,
-) -> Prepared:
-    """Decode ``data`` and return the ``bucket`` ``(h, w)`` crop of it resized to cover the bucket.
-
-    ``max_pixels`` is the manifest's limit (``Manifest.max_pixels``). Raises ImageFailure (kind +
-    message) for bytes that cannot become an image, or an image of more pixels.
-    """
-    return prepare_views(data, bucket, crop=crop, seed=seed, sample_id=sample_id, max_pixels=max_pixels)[0]
-
-
 def prepare_views(
     data: bytes,
     bucket: tuple[int, int],
@@ -136,8 +119,10 @@ def prepare_views(
     at: list[tuple[int, int]] | None = None,
     size: tuple[int, int] | None = None,
 ) -> list[Prepared]:
-    """Like :func:`prepare_image`, one decode for several crops of the same resized image.
+    """Decode ``data`` once and return crops of ``bucket`` ``(h, w)`` from it resized to cover the bucket.
 
+    ``max_pixels`` is the manifest's limit (``Manifest.max_pixels``). Raises ImageFailure (kind +
+    message) for bytes that cannot become an image, or an image of more pixels.
     ``crops``: 1 is the ``crop`` policy's crop; K > 1 gives K random crops (``cover_and_crop``
     ``index`` 0..K-1: reproducible from ``(seed, sample_id)``). ``at``: the crops' ``(top, left)``
     given instead (a conditioning image gets its target's), with ``size`` the ``(h, w)`` the image

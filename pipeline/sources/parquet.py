@@ -33,13 +33,12 @@ from fsspec.implementations.local import LocalFileSystem
 from manifests.errors import StorageError, UsageError
 from manifests.retry import is_permanent, is_storage_failure
 from manifests.schema import MAX_PIXELS
-from manifests.storage import RangedFile, join, open_url, redact
-from pipeline.formats import register_plugins
+from manifests.storage import RangedFile, join, redact
 from pipeline.scan.captions import normalise_caption
 from pipeline.scan.headers import probe_header
 from pipeline.scan.listing import FileEntry
 from pipeline.scan.results import Header, checked
-from pipeline.sources.shards import SHARD_WORK, combine_scans, read_failed_row
+from pipeline.sources.shards import combine_scans, open_work, read_failed_row
 
 __all__ = ["PARQUET_ROWS", "ParquetScan", "image_bytes", "image_column_error", "row_name", "scan_parquet_file",
            "scan_parquet_files", "scan_parquet_batch"]  # fmt: skip
@@ -242,9 +241,5 @@ def scan_parquet_files(fs, root: str, files: list[FileEntry], config: Any) -> pa
 
 def scan_parquet_batch(target: tuple, batch: pa.Table, config: Any) -> pa.Table:
     """One Ray task: :func:`scan_parquet_files` over the files of ``batch`` (a ``shard_work`` table)."""
-    source, storage_options, fs, root = target
-    if fs is None:
-        fs, root = open_url(source, storage_options)
-    register_plugins()
-    files = [FileEntry(*row) for row in zip(*(batch.column(n).to_pylist() for n in SHARD_WORK.names))]
+    fs, root, files = open_work(target, batch)
     return scan_parquet_files(fs, root, files, config)

@@ -319,11 +319,17 @@ def shard_work(shards: list[FileEntry]) -> pa.Table:
     return pa.Table.from_arrays([pa.array(c, f.type) for c, f in zip(columns, SHARD_WORK)], schema=SHARD_WORK)
 
 
-def scan_shard_batch(target: tuple, batch: pa.Table, config: Any) -> pa.Table:
-    """One Ray task: :func:`scan_shards` over the shards of ``batch`` (a :func:`shard_work` table)."""
+def open_work(target: tuple, batch: pa.Table) -> tuple[Any, str, list[FileEntry]]:
+    """In a Ray task: ``(fs, root, containers)`` for a :func:`shard_work` ``batch`` of ``target``
+    (``(source, storage_options, fs or None, root)``), with the image plugins registered."""
     source, storage_options, fs, root = target
     if fs is None:
         fs, root = open_url(source, storage_options)
     register_plugins()
-    shards = [FileEntry(*row) for row in zip(*(batch.column(n).to_pylist() for n in SHARD_WORK.names))]
+    return fs, root, [FileEntry(*row) for row in zip(*(batch.column(n).to_pylist() for n in SHARD_WORK.names))]
+
+
+def scan_shard_batch(target: tuple, batch: pa.Table, config: Any) -> pa.Table:
+    """One Ray task: :func:`scan_shards` over the shards of ``batch`` (a :func:`shard_work` table)."""
+    fs, root, shards = open_work(target, batch)
     return scan_shards(fs, root, shards, config)
