@@ -1,1 +1,54 @@
-"""bucketeer's Ray jobs (scan, embed, plan) and the ``bucketeer`` command line."""
+"""bucketeer's Ray jobs (scan, embed, plan, ...), the ``bucketeer`` command line, and the Python API.
+
+    from pipeline import ScanJob, EmbedJob, PlanJob, run
+
+    scan = run(ScanJob(source="data/", out="manifest/"))       # a ScanResult: counts, fingerprint, seconds
+    cache = run(EmbedJob(manifest=scan.url, out="cache/"))
+    plan = run(PlanJob(manifests=(scan.url,), out="plan/", world_size=2, batch_size=4, cache=(cache.url,)))
+
+Each job is a frozen dataclass, validated where it is built (a bad combination raises
+:class:`manifests.errors.UsageError`); ``run(job)`` runs it exactly as the command of the same name does
+and returns its typed result. The names are imported on first use, so ``import pipeline`` costs nothing.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# public name -> the module that defines it (and that module's ``run(job)``)
+API: dict[str, str] = {
+    "ScanJob": "pipeline.scan.job",
+    "ScanResult": "pipeline.scan.job",
+    "RebucketJob": "pipeline.rebucket",
+    "RebucketResult": "pipeline.rebucket",
+    "StatsJob": "pipeline.stats",
+    "StatsResult": "pipeline.stats",
+    "EmbedJob": "pipeline.embed.job",
+    "EmbedResult": "pipeline.embed.job",
+    "VerifyJob": "pipeline.verify",
+    "VerifyResult": "pipeline.verify",
+    "PlanJob": "pipeline.plan",
+    "PlanResult": "pipeline.plan",
+    "ReportJob": "pipeline.report.job",
+    "ReportResult": "pipeline.report.job",
+    "DemoJob": "pipeline.demo",
+    "DemoResult": "pipeline.demo",
+}
+
+__all__ = [*API, "run"]
+
+
+def run(job: Any) -> Any:
+    """Run ``job`` (any of the ``*Job`` types above) and return its result; raises what the command
+    would report: :class:`manifests.errors.BucketeerError` for what the user must fix."""
+    name = type(job).__name__
+    if not name.endswith("Job") or API.get(name) != type(job).__module__:
+        raise TypeError(f"run() takes a bucketeer job ({', '.join(n for n in API if n.endswith('Job'))}), not {name}")
+    return importlib.import_module(API[name]).run(job)
+
+
+def __getattr__(name: str) -> Any:
+    if name in API:
+        return getattr(importlib.import_module(API[name]), name)
+    raise AttributeError(f"module 'pipeline' has no attribute {name!r}")

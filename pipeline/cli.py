@@ -1,4 +1,7 @@
-"""``bucketeer`` — the command line. Each subcommand is a module with ``add_arguments`` and ``run``.
+"""``bucketeer`` — the command line. Each subcommand is a module with ``add_arguments(parser)``,
+``job_from_args(args)`` (the one place where argparse's Namespace becomes the command's frozen, validated
+job object) and ``run(job)`` (the same function the Python API calls, :func:`pipeline.run`), which returns
+a typed result; a result's ``exit_code`` (0 when it has none) is the command's exit code.
 
 Only the module of the command being run is imported, so ``bucketeer --help`` does not pay for
 Ray or torch. Each Ray job is also runnable as ``python -m pipeline.<job>`` (for
@@ -17,7 +20,8 @@ import argparse
 import importlib
 import logging
 import sys
-from typing import Callable, Sequence
+from types import ModuleType
+from typing import Sequence
 
 from manifests import __version__
 from manifests.errors import user_error
@@ -55,7 +59,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             if getattr(module, "__doc__", None):
                 p.description = module.__doc__.strip().splitlines()[0]
             module.add_arguments(p)
-            p.set_defaults(_run=module.run)
+            p.set_defaults(_module=module)
     return parser
 
 
@@ -67,9 +71,12 @@ def _setup_logging(verbose: bool) -> None:
     )
 
 
-def _invoke(run: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+def _invoke(module: ModuleType, args: argparse.Namespace) -> int:
     try:
-        return int(run(args) or 0)
+        if not hasattr(module, "job_from_args"):  # TRANSITIONAL: removed once every command takes a job
+            return int(module.run(args) or 0)
+        result = module.run(module.job_from_args(args))
+        return int(getattr(result, "exit_code", 0))
     except Exception as e:
         error = user_error(e)
         if error is None:  # a bug: its traceback is what a report needs
@@ -87,11 +94,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command if command in COMMANDS else None)
     args = parser.parse_args(argv)
-    if not getattr(args, "_run", None):
+    if not getattr(args, "_module", None):
         parser.print_help()
         return 0 if not argv else 2
     _setup_logging(args.verbose)
-    return _invoke(args._run, args)
+    return _invoke(args._module, args)
 
 
 def module_main(name: str, argv: Sequence[str] | None = None) -> int:
@@ -103,7 +110,7 @@ def module_main(name: str, argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     args.command = name
     _setup_logging(args.verbose)
-    return _invoke(module.run, args)
+    return _invoke(module, args)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from manifests.cache.records import caption_key, to_float32
 from manifests.manifest import read_manifest
 from manifests.schema import sample_id
 from pipeline.scan import ScanConfig, scan_dataset
-from pipeline.scan.captions import caption_list, sidecar_number
+from pipeline.sources.captions import caption_list, sidecar_number
 from tests.embed_data import SPEC, jpeg, run_embed
 from tests.shards import tar_bytes
 from train.data import BadRecordError, BatchLoader, PlanStep

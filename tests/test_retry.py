@@ -17,9 +17,9 @@ from manifests.errors import MissingError, StorageError, UsageError
 from manifests.retry import RetryPolicy, is_permanent, is_transient, with_retries, with_retries_async
 from manifests.storage import open_url, read_json, write_bytes_atomic
 from pipeline.embed.imaging import fetch_all
-from pipeline.scan.listing import WorkItem
-from pipeline.scan.reading import probe_files
-from pipeline.scan.listing import list_source
+from pipeline.sources.listing import WorkItem
+from pipeline.sources.reading import probe_files
+from pipeline.sources.listing import list_source
 from tests.test_cache_format import build_cache
 
 SECRET = "retry-test-secret-value"  # must never appear in an error

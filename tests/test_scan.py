@@ -14,7 +14,7 @@ from fsspec.implementations.local import LocalFileSystem
 from manifests.buckets import BucketSpec
 from manifests.manifest import ManifestError, read_manifest
 from manifests.schema import sample_id
-from pipeline.scan.captions import load_caption_table
+from pipeline.sources.captions import load_caption_table
 from pipeline.cli import main
 from pipeline.scan import ScanConfig, scan_dataset
 from manifests.faults import FAULTS_ENV

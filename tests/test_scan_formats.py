@@ -18,7 +18,7 @@ from manifests.schema import sample_id
 from pipeline import formats
 from pipeline.cli import main
 from pipeline.embed.imaging import prepare_views
-from pipeline.scan import listing
+from pipeline.sources import listing
 from tests.corpus import truth
 from tests.embed_data import records_by_id, run_embed
 

@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from pipeline.scan.captions import CaptionTable, decode_caption, load_caption_table, sidecar_stem
-from pipeline.scan.headers import FIRST_READ, RangeReader, StorageFailure, probe_header
-from pipeline.scan.listing import _between, classify, list_source
+from pipeline.sources.captions import CaptionTable, decode_caption, load_caption_table, sidecar_stem
+from pipeline.sources.headers import FIRST_READ, RangeReader, StorageFailure, probe_header
+from pipeline.sources.listing import _between, classify, list_source
 from tests.corpus import make_corpus, png_declaring
 
 

@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from pipeline.scan.headers import RangeReader, _parse_with_pillow, probe_header
-from pipeline.scan.parsers import UNSURE, exif_orientation, parse_jpeg, parse_webp
-from pipeline.scan.results import checked
+from pipeline.sources.headers import RangeReader, _parse_with_pillow, probe_header
+from pipeline.sources.parsers import UNSURE, exif_orientation, parse_jpeg, parse_webp
+from pipeline.sources.results import checked
 from tests.corpus import truth
 
 PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -29,8 +29,8 @@ from manifests.buckets import BucketSpec
 from manifests.manifest import read_manifest
 from manifests.schema import ERROR_KINDS, MAX_PIXELS
 from pipeline.scan import ScanConfig, scan_dataset
-from pipeline.scan.headers import MAX_HEADER_BYTES, probe_header
-from pipeline.scan.results import INT32_LIMIT, Header, Probe, checked
+from pipeline.sources.headers import MAX_HEADER_BYTES, probe_header
+from pipeline.sources.results import INT32_LIMIT, Header, Probe, checked
 from tests.corpus import png_declaring, truth
 
 PROPERTY = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -13,8 +13,8 @@ import pytest
 from PIL import Image
 
 from manifests.storage import open_url
-from pipeline.scan.listing import WorkItem
-from pipeline.scan.reading import probe_files
+from pipeline.sources.listing import WorkItem
+from pipeline.sources.reading import probe_files
 from tests.corpus import truth
 from tests.test_retry import FakeS3, options
 

@@ -15,7 +15,7 @@ from manifests.buckets import BucketSpec
 from manifests.manifest import read_manifest
 from manifests.storage import StorageError
 from pipeline.cli import main
-from pipeline.scan.listing import list_source
+from pipeline.sources.listing import list_source
 from pipeline.scan import ScanConfig, scan_dataset
 from tests.corpus import make_corpus
 

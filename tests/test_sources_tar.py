@@ -23,7 +23,7 @@ from manifests.schema import MAX_PIXELS, image_range
 from pipeline.cli import main
 from pipeline.embed.imaging import fetch_images
 from pipeline.scan import ScanConfig, scan_dataset
-from pipeline.scan.results import checked
+from pipeline.sources.results import checked
 from pipeline.sources.jpeg import KEEP, sparse_jpeg_header
 from pipeline.sources.tar import walk_tar
 from tests.corpus import truth
@@ -290,7 +290,7 @@ def test_a_shard_unreadable_after_retries_is_one_read_failed_row_access_denied_s
     import errno
 
     from manifests.errors import StorageError
-    from pipeline.scan.listing import list_source
+    from pipeline.sources.listing import list_source
     from pipeline.sources.shards import scan_shards
 
     monkeypatch.setenv("BUCKETEER_STORAGE_ATTEMPTS", "2")

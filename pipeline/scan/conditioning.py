@@ -31,8 +31,8 @@ from manifests.retry import is_storage_failure
 from manifests.manifest import conform
 from manifests.schema import CONDITIONING_COLUMNS, ERRORS_SCHEMA
 from manifests.storage import open_url, redact
-from pipeline.scan.captions import read_table, table_filenames
-from pipeline.scan.listing import IMAGE_SCHEMA, FileEntry, Listing, WorkItem, list_source, unchanged
+from pipeline.sources.captions import read_table, table_filenames
+from pipeline.sources.listing import IMAGE_SCHEMA, FileEntry, Listing, WorkItem, list_source, unchanged
 
 __all__ = ["CONDITIONING_ERRORS", "Pairing", "resolve", "pair"]
 

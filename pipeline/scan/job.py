@@ -5,14 +5,14 @@
 
 The source is listed once (on the driver, key ranges in parallel); the files to read are cut into
 batches, one Ray task per batch, and each task keeps many ranged reads in flight
-(:func:`pipeline.scan.reading.probe_files`: ``os.pread`` on a local disk, s3fs's async API on an
+(:func:`pipeline.sources.reading.probe_files`: ``os.pread`` on a local disk, s3fs's async API on an
 object store) and probes each header as its first bytes arrive. Only the first bytes of each image
 are read, with its sidecar caption in the same pass. A task returns an Arrow table; the driver
 assembles the rows column by column, buckets them through :func:`manifests.manifest.apply_buckets`
 and commits them with :func:`manifests.manifest.write_manifest` (parts first, ``_manifest.json``
 last), so a killed scan leaves the previous manifest readable and a re-run gives the same manifest
 as a clean run. No file can fail the scan: every value read from a file is checked before it
-reaches a row (:mod:`pipeline.scan.results`), and a file's problem is its error row.
+reaches a row (:mod:`pipeline.sources.results`), and a file's problem is its error row.
 Files probed are reported as they come back (:class:`manifests.progress.Progress`: a bar on a
 terminal, a plain line every 30 s in a Ray job's log; ``--no-progress`` for neither).
 
@@ -20,7 +20,7 @@ Incremental: rows of the manifest already at ``--out`` (or ``--previous``) whose
 ETag (mtime when the store has no ETag) are unchanged are reused without reading the file; their
 sidecar caption is read again only when the listed sidecar is not the version recorded in the
 row's ``caption_source`` (see manifests/schema.py). An image with numbered sidecars (``img.1.txt``,
-...: :func:`pipeline.scan.listing.image_sidecars`) gets one work item per further sidecar, read in
+...: :func:`pipeline.sources.listing.image_sidecars`) gets one work item per further sidecar, read in
 its task; all of them are read again when any one changed.
 A source of WebDataset ``.tar`` shards is scanned by :mod:`pipeline.sources.containers` (member
 headers walked by ranged reads, reuse per shard); shards mixed with loose images, and compressed
@@ -53,10 +53,10 @@ from manifests.errors import StorageError, UsageError
 from manifests.schema import ERRORS_SCHEMA, MAX_PIXELS, sample_ids
 from manifests.storage import open_url, parse_storage_options, redact
 from pipeline.formats import IMAGE_EXTENSIONS, missing_format_hint, register_plugins
-from pipeline.scan.captions import CaptionTable, caption_list, load_caption_table
+from pipeline.sources.captions import CaptionTable, caption_list, load_caption_table
 from pipeline.scan.conditioning import pair, probe_target, resolve
-from pipeline.scan.headers import FIRST_READ
-from pipeline.scan.listing import (
+from pipeline.sources.headers import FIRST_READ
+from pipeline.sources.listing import (
     IMAGE_SCHEMA,
     Listing,
     RescanPlan,
@@ -67,8 +67,8 @@ from pipeline.scan.listing import (
     work_items,
     work_table,
 )
-from pipeline.scan.reading import PROBE_SCHEMA, probe_files
-from pipeline.scan.tasks import run_tasks
+from pipeline.sources.reading import PROBE_SCHEMA, probe_files
+from pipeline.sources.tasks import run_tasks
 from pipeline.sources.tar import SHARD_WINDOW
 from manifests.retry import is_storage_failure
 
@@ -349,8 +349,8 @@ def _redacted(probed: pa.Table, storage_options: dict[str, Any] | None) -> pa.Ta
 
 
 def scan_batch(target: tuple, batch: pa.Table, config: ScanConfig) -> pa.Table:
-    """One Ray task: probe the files of ``batch`` (a :func:`~pipeline.scan.listing.work_table`; see
-    :func:`pipeline.scan.reading.probe_files`) on its own filesystem."""
+    """One Ray task: probe the files of ``batch`` (a :func:`~pipeline.sources.listing.work_table`; see
+    :func:`pipeline.sources.reading.probe_files`) on its own filesystem."""
     source, storage_options, fs, root = target
     if fs is None:
         fs, root = open_url(source, storage_options)

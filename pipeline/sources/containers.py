@@ -34,9 +34,9 @@ from manifests.errors import StorageError, UsageError
 from manifests.manifest import apply_buckets, conform, write_manifest
 from manifests.schema import ERRORS_SCHEMA, sample_ids
 from manifests.storage import redact
-from pipeline.scan.captions import CaptionTable
-from pipeline.scan.listing import IMAGE_SCHEMA, FileEntry, Listing, previous_manifest, unchanged
-from pipeline.scan.tasks import run_tasks
+from pipeline.sources.captions import CaptionTable
+from pipeline.sources.listing import IMAGE_SCHEMA, FileEntry, Listing, previous_manifest, unchanged
+from pipeline.sources.tasks import run_tasks
 from pipeline.sources.parquet import PARQUET_ROWS, scan_parquet_batch
 from pipeline.sources.shards import SHARD_ROWS, scan_shard_batch, shard_work
 

@@ -5,9 +5,9 @@ its frame header; read sequentially, they are most of the bytes a header probe r
 the frame header and the orientation in the EXIF block's first directory, near the block's start.
 :func:`sparse_jpeg_header` walks the segments by their lengths, reads of an EXIF or ICC segment only
 its first :data:`KEEP` bytes and stands zeros in for the rest (never read), and hands the result to
-:func:`pipeline.scan.parsers.parse_jpeg`, which reads nothing in those bodies but the EXIF block's
+:func:`pipeline.sources.parsers.parse_jpeg`, which reads nothing in those bodies but the EXIF block's
 first directory. The answer is Pillow's exactly when that directory lies within the kept bytes, which
-is checked (:func:`~pipeline.scan.parsers.exif_orientation` on the kept bytes alone must be sure);
+is checked (:func:`~pipeline.sources.parsers.exif_orientation` on the kept bytes alone must be sure);
 otherwise, and for anything unusual, the caller probes the usual way.
 """
 
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from pipeline.scan.parsers import UNSURE, exif_orientation, parse_jpeg
-from pipeline.scan.results import Header
+from pipeline.sources.parsers import UNSURE, exif_orientation, parse_jpeg
+from pipeline.sources.results import Header
 
 __all__ = ["KEEP", "sparse_jpeg_header"]
 

@@ -4,8 +4,8 @@ One file (:func:`scan_parquet_file`): the footer is read, then for each row grou
 column (and the caption column, when given) through :class:`manifests.storage.RangedFile` (every
 read a retried ranged GET, never a whole-object download of the other columns). The image column
 is raw ``binary``/``large_binary`` or HuggingFace ``datasets``' ``Image`` struct ``{"bytes", "path"}``.
-Each image's header is probed from the bytes already in hand (:func:`pipeline.scan.headers.probe_header`
-and the checks of :mod:`pipeline.scan.results`), so the scan reads the image column whole: a parquet
+Each image's header is probed from the bytes already in hand (:func:`pipeline.sources.headers.probe_header`
+and the checks of :mod:`pipeline.sources.results`), so the scan reads the image column whole: a parquet
 file cannot give an image's first bytes without its column chunk. ``bytes_read`` of a row is the
 image's size for that reason.
 
@@ -34,10 +34,10 @@ from manifests.errors import StorageError, UsageError
 from manifests.retry import is_permanent, is_storage_failure
 from manifests.schema import MAX_PIXELS
 from manifests.storage import RangedFile, join, redact
-from pipeline.scan.captions import normalise_caption
-from pipeline.scan.headers import probe_header
-from pipeline.scan.listing import FileEntry
-from pipeline.scan.results import Header, checked
+from pipeline.sources.captions import normalise_caption
+from pipeline.sources.headers import probe_header
+from pipeline.sources.listing import FileEntry
+from pipeline.sources.results import Header, checked
 from pipeline.sources.shards import combine_scans, open_work, read_failed_row
 
 __all__ = ["PARQUET_ROWS", "ParquetScan", "image_bytes", "image_column_error", "row_name", "scan_parquet_file",

@@ -4,7 +4,7 @@ One shard (:func:`scan_shard`): :func:`pipeline.sources.tar.walk_tar` reads the 
 with ranged reads of ``window`` bytes at each header (a read also holds the small members after
 it, such as ``key.txt`` and ``key.json``, and the first bytes of the next image); members are
 grouped by WebDataset key (the member path up to the first dot of its base name); each image's
-header is probed by :func:`pipeline.scan.headers.probe_header` over a range reader at the image's
+header is probed by :func:`pipeline.sources.headers.probe_header` over a range reader at the image's
 offset in the shard, from the bytes the walk already holds when they suffice (a JPEG's EXIF and
 ICC bodies are skipped: :mod:`pipeline.sources.jpeg`). The caption is the
 ``.txt`` member, else ``.caption``, else the ``caption_field`` of the ``.json`` member (a string, or a
@@ -39,11 +39,11 @@ from manifests.retry import is_permanent, is_storage_failure, with_retries
 from manifests.schema import MAX_PIXELS
 from manifests.storage import join, open_url, redact
 from pipeline.formats import IMAGE_EXTENSIONS, register_plugins
-from pipeline.scan.captions import caption_list, decode_caption, normalise_caption
-from pipeline.scan.headers import StorageFailure, probe_header
-from pipeline.scan.listing import FileEntry, extension
-from pipeline.scan.reading import SIDECAR_LIMIT
-from pipeline.scan.results import Header, checked
+from pipeline.sources.captions import caption_list, decode_caption, normalise_caption
+from pipeline.sources.headers import StorageFailure, probe_header
+from pipeline.sources.listing import FileEntry, extension
+from pipeline.sources.reading import SIDECAR_LIMIT
+from pipeline.sources.results import Header, checked
 from pipeline.sources.jpeg import sparse_jpeg_header
 from pipeline.sources.tar import SHARD_WINDOW, TarMember, walk_tar
 
@@ -185,7 +185,7 @@ def scan_shard(
 
 def _probe(reads: _CountingReads, image: TarMember, max_pixels: int, window: int):
     """Probe one image member: a JPEG by its segments (EXIF and ICC bodies skipped), anything else, and
-    a JPEG that parse declines, by :func:`~pipeline.scan.headers.probe_header` at the member's offset."""
+    a JPEG that parse declines, by :func:`~pipeline.sources.headers.probe_header` at the member's offset."""
     fetched = [0, 0]  # bytes, requests of this member beyond the walk's
 
     def read_member(start: int, end: int) -> bytes:
@@ -214,7 +214,7 @@ def _member_bytes(reads: _CountingReads, member: TarMember) -> bytes:
 
 def _caption(reads: _CountingReads, container: str, members: list[TarMember], caption_field: str):
     """``(caption, captions, caption_source)`` of a key: its .txt, else .caption, else the .json field (a
-    string, or a list of strings: :func:`~pipeline.scan.captions.caption_list`); else ``(None, None, None)``.
+    string, or a list of strings: :func:`~pipeline.sources.captions.caption_list`); else ``(None, None, None)``.
 
     A .json that is not JSON, or whose field is neither a string nor a non-empty list of strings, gives
     no caption (the image stays usable; counted in ``no_caption``), as a .json without the field does.

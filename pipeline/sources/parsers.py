@@ -11,7 +11,7 @@ so a parsed size is always Pillow's (``tests/test_scan_parsers.py`` checks this 
 the whole file: the canvas size from ``VP8X`` (or the first frame's header) and the orientation
 from the ``EXIF`` chunk, else the ``XMP`` one, reached by seeking past the image data.
 
-Sizes are as stored; :func:`pipeline.scan.headers.checked` applies the orientation and checks
+Sizes are as stored; :func:`pipeline.sources.headers.checked` applies the orientation and checks
 every value before it reaches a table.
 """
 
@@ -23,7 +23,7 @@ from typing import IO
 
 from PIL import Image
 
-from pipeline.scan.results import Header
+from pipeline.sources.results import Header
 
 __all__ = ["UNSURE", "parse_jpeg", "exif_orientation", "xmp_orientation", "parse_webp"]
 

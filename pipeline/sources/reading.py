@@ -1,9 +1,9 @@
 """One scan task's I/O: the first bytes of many images and their sidecar captions, then the probes.
 
-:func:`probe_files` reads, for every :class:`~pipeline.scan.listing.WorkItem`, the image's first
+:func:`probe_files` reads, for every :class:`~pipeline.sources.listing.WorkItem`, the image's first
 ``first_read`` bytes (one ranged read; sized to hold a typical JPEG/PNG/WebP header, so most
 images cost exactly one request) and its sidecar caption (one more), and probes the header
-(:func:`pipeline.scan.headers.probe_header`) in this thread as the reads come back. How the reads
+(:func:`pipeline.sources.headers.probe_header`) in this thread as the reads come back. How the reads
 are made depends on the filesystem, all through :mod:`manifests.retry`:
 
 - a local disk: ``os.pread`` on one open descriptor per file, in order (page-cache reads take
@@ -39,10 +39,10 @@ from manifests.errors import StorageError
 from manifests.retry import is_permanent, with_retries, with_retries_async
 from manifests.schema import MAX_PIXELS
 from manifests.storage import join, redact
-from pipeline.scan.captions import decode_caption
-from pipeline.scan.headers import FIRST_READ, StorageFailure, probe_header
-from pipeline.scan.listing import WorkItem
-from pipeline.scan.results import Header, Probe, checked
+from pipeline.sources.captions import decode_caption
+from pipeline.sources.headers import FIRST_READ, StorageFailure, probe_header
+from pipeline.sources.listing import WorkItem
+from pipeline.sources.results import Header, Probe, checked
 
 __all__ = ["PROBE_SCHEMA", "SIDECAR_LIMIT", "probe_files"]
 
@@ -51,7 +51,7 @@ PROBE_SCHEMA = pa.schema(
     [
         pa.field("name", pa.string(), nullable=False),
         pa.field("probed", pa.bool_(), nullable=False),  # False: a sidecar-only item (a reused row's caption)
-        pa.field("width", pa.int32()),  # checked: pipeline/scan/results.py
+        pa.field("width", pa.int32()),  # checked: pipeline/sources/results.py
         pa.field("height", pa.int32()),
         pa.field("format", pa.string()),
         pa.field("orientation", pa.int8()),

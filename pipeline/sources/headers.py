@@ -2,8 +2,8 @@
 
 :func:`probe_header` gets a ``read_range(start, end) -> bytes`` callable (one ranged GET on an
 object store), the file size and usually the first read already done (``head``: the caller
-fetches many of those at once, see :mod:`pipeline.scan.reading`). JPEG and WebP are parsed here
-(:mod:`pipeline.scan.parsers`, the same answer as Pillow at a fraction of the cost); every other
+fetches many of those at once, see :mod:`pipeline.sources.reading`). JPEG and WebP are parsed here
+(:mod:`pipeline.sources.parsers`, the same answer as Pillow at a fraction of the cost); every other
 format, and any JPEG the fast parser is unsure of, is identified by Pillow from those bytes
 (:func:`pipeline.formats.open_image`). When Pillow asks for bytes further on (a frame header behind
 a large ICC/XMP segment, a TIFF whose IFD is at the end) the :class:`RangeReader` fetches just
@@ -11,7 +11,7 @@ that range, doubling the fetch size on sequential misses, so a 400 KiB header co
 requests and the pixel data is never read. Plugins that need the whole file (AVIF, HEIF, JPEG XL)
 get it, up to :data:`MAX_HEADER_BYTES`: a larger file of theirs is ``unsupported``.
 
-Whatever a parser reports goes through :func:`pipeline.scan.results.checked` (display orientation,
+Whatever a parser reports goes through :func:`pipeline.sources.results.checked` (display orientation,
 the pixel limit, every value validated), so a file's problem stays that file's error row.
 """
 
@@ -24,8 +24,8 @@ from PIL import Image
 
 from manifests.schema import MAX_PIXELS
 from pipeline.formats import format_name, open_image
-from pipeline.scan.parsers import parse_jpeg, parse_webp, xmp_orientation
-from pipeline.scan.results import Header, Probe, checked
+from pipeline.sources.parsers import parse_jpeg, parse_webp, xmp_orientation
+from pipeline.sources.results import Header, Probe, checked
 
 __all__ = ["FIRST_READ", "MAX_HEADER_BYTES", "RangeReader", "StorageFailure", "probe_header"]
 
@@ -179,7 +179,7 @@ def probe_header(
     """Probe one image file of ``size`` bytes through ``read_range(start, end)`` (end exclusive).
 
     ``head``: the file's first ``first_read`` bytes, when the caller has read them already.
-    Returns a checked :class:`~pipeline.scan.results.Probe`; unusable files give an ``error``
+    Returns a checked :class:`~pipeline.sources.results.Probe`; unusable files give an ``error``
     kind (``empty``, ``truncated``, ``not_an_image``, ``unsupported``, ``invalid_header``,
     ``too_many_pixels``) and a message. Never raises for the file's content; raises
     :class:`StorageFailure` when storage fails, so the caller can retry or record ``read_failed``.

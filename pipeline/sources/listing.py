@@ -49,7 +49,7 @@ from manifests.manifest import ManifestError, conform, read_manifest
 from manifests.schema import ERRORS_SCHEMA, SAMPLES_SCHEMA
 from manifests.storage import is_local, redact
 from pipeline.formats import IMAGE_EXTENSIONS
-from pipeline.scan.captions import SIDECAR_EXTENSIONS, CaptionTable, sidecar_number, sidecar_stem
+from pipeline.sources.captions import SIDECAR_EXTENSIONS, CaptionTable, sidecar_number, sidecar_stem
 from manifests.retry import with_retries
 
 __all__ = [
@@ -224,7 +224,7 @@ def _keep_first(sidecars: dict, key: Any, entry: FileEntry) -> None:
 
 def image_sidecars(listing: Listing, name: str) -> list[FileEntry]:
     """The caption files of image ``name`` in caption order: ``img.txt`` (else ``img.0.txt``), then
-    ``img.1.txt``, ``img.2.txt``, ... by number (see :func:`pipeline.scan.captions.sidecar_number`)."""
+    ``img.1.txt``, ``img.2.txt``, ... by number (see :func:`pipeline.sources.captions.sidecar_number`)."""
     stem = sidecar_stem(name)
     first = listing.sidecars.get(stem)
     numbered = listing.numbered.get(stem)
