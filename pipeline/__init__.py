@@ -32,8 +32,8 @@ API: dict[str, str] = {
     "PlanResult": "pipeline.plan",
     "ReportJob": "pipeline.report.job",
     "ReportResult": "pipeline.report.job",
-    "DemoJob": "pipeline.demo",
-    "DemoResult": "pipeline.demo",
+    "DemoJob": "pipeline.demo.job",
+    "DemoResult": "pipeline.demo.job",
 }
 
 __all__ = [*API, "run"]

@@ -63,6 +63,14 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def job_from_argv(argv: Sequence[str]):
+    """The job that ``bucketeer ARGV`` would run, built by the same parser (so the demo and tests can print a
+    command a user could type, then run it in this process with :func:`pipeline.run`). Usage errors exit
+    as argparse's do (SystemExit 2)."""
+    args = build_parser(argv[0]).parse_args(list(argv))
+    return args._module.job_from_args(args)
+
+
 def _setup_logging(verbose: bool) -> None:
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,

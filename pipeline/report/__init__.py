@@ -4,6 +4,6 @@ The job is :mod:`pipeline.report.job` (``bucketeer report``, ``python -m pipelin
 holds its parts.
 """
 
-from pipeline.report.job import add_arguments, run, write_report
+from pipeline.report.job import ReportJob, ReportResult, add_arguments, job_from_args, run, write_report
 
-__all__ = ["add_arguments", "run", "write_report"]
+__all__ = ["ReportJob", "ReportResult", "add_arguments", "job_from_args", "run", "write_report"]

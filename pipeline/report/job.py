@@ -13,8 +13,9 @@ import base64
 import datetime as _dt
 import html
 import io
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import pyarrow.compute as pc
@@ -49,12 +50,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--storage-options", default=None, help="fsspec options as JSON, e.g. an endpoint_url")
 
 
-def run(args: argparse.Namespace) -> int:
-    options = parse_storage_options(args.storage_options)
-    paths = write_report(args.manifest, args.out, plan=args.plan, cache=args.cache, storage_options=options,
-                         progress=True)  # fmt: skip
+@dataclass(frozen=True, kw_only=True)
+class ReportJob:
+    """The report of ``manifest`` (and of a plan and a cache made from it) as one HTML page at ``out``."""
+
+    manifest: str
+    out: str
+    plan: str | None = None
+    cache: str | None = None
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    progress: bool = True  # report sections built, on stderr
+
+    def __post_init__(self) -> None:
+        if not self.out.endswith((".html", ".htm")):
+            raise UsageError(f"--out {self.out!r} must name an .html file")
+
+
+@dataclass(frozen=True)
+class ReportResult:
+    url: str  # the HTML page
+    figures: tuple[str, ...]  # the PNG files beside it
+    seconds: float
+
+
+def job_from_args(args: argparse.Namespace) -> ReportJob:
+    return ReportJob(manifest=args.manifest, out=args.out, plan=args.plan, cache=args.cache,
+                     storage_options=parse_storage_options(args.storage_options))  # fmt: skip
+
+
+def run(job: ReportJob) -> ReportResult:
+    started = time.perf_counter()
+    paths = write_report(job.manifest, job.out, plan=job.plan, cache=job.cache,
+                         storage_options=dict(job.storage_options), progress=job.progress)  # fmt: skip
     print(f"report: {redact(paths[0])}  ({len(paths) - 1} figures in {redact(paths[0].rsplit('.', 1)[0])}_figures/)")
-    return 0
+    return ReportResult(paths[0], tuple(paths[1:]), round(time.perf_counter() - started, 3))
 
 
 def write_report(

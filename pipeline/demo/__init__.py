@@ -1,0 +1,26 @@
+"""Run scan -> embed -> plan -> train -> verify -> report on a generated dataset, on this machine.
+
+    bucketeer demo                        # ./demo-output: ~300 images, 2 training processes, about a minute on 2 cores
+    bucketeer demo --s3                   # the same flow against a local S3-compatible server (moto, 127.0.0.1)
+    bucketeer demo --images 60 --out-dir demo-small
+    bucketeer demo --family sdxl          # the same flow with a tiny random-weight SDXL (sd3, flux alike)
+
+Each stage is the real job, called the way a user calls it: scan, embed, plan, verify and report
+through their ``bucketeer`` entry points in this process (they are Ray drivers and share one
+local Ray started here), the trainer as ``accelerate launch --config_file
+infra/accelerate/cpu-2proc.yaml -m train`` in subprocesses (2 ranks, gloo on the CPU). With
+``--s3`` the dataset is uploaded to a moto server started on a free 127.0.0.1 port, every
+artifact is an ``s3://`` URL passed with ``--storage-options '{"endpoint_url": ...}'``, and the
+server is stopped afterwards, also when a stage fails. The same stage functions serve both modes.
+
+``--family sdxl|sd3|flux`` builds that family's tiny random-weight diffusers folder once (under
+``$BUCKETEER_HOME``, :func:`pipeline.embed.families.tiny.ensure_tiny`), embeds with ``--family F --model
+<that folder>`` and two validation prompts, and trains the family's recipe from it (fine-tuning the
+tiny pretrained weights, with caption dropout, an EMA and validation images at the end: the
+settings are in ``train-config.yaml``). ``--family pixart`` (or none) is the default flow: the
+embedded default encoders and the from-scratch transformer.
+"""
+
+from pipeline.demo.job import DemoJob, DemoResult, add_arguments, job_from_args, run
+
+__all__ = ["DemoJob", "DemoResult", "add_arguments", "job_from_args", "run"]

@@ -1,0 +1,231 @@
+"""``bucketeer demo``: the job. What it runs, and how, is in :mod:`pipeline.demo`."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shlex
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from manifests.errors import UsageError
+from pipeline.demo.local_s3 import DEMO_BUCKET, local_credentials, local_s3_server, upload_folder
+from pipeline.demo.summary import summary_text
+from pipeline.demo.trainer import WORLD_SIZE, family_config, train
+
+# The demo trains at 256² (not the 1024² default): the CPU VAE's cost grows with pixels, and 256²
+# keeps embed well under a minute on 2 cores. Everything else is each command's default.
+RESOLUTION = 256
+BUCKET_STEP = 32  # at 256² a step of 64 leaves 3 buckets for 9 aspect ratios; 32 keeps them apart
+BATCH_SIZE = 4  # per rank: a global batch of 8
+EPOCHS = 2  # ~30 steps per epoch on 300 images: a few dozen steps in all
+MARKER = ".bucketeer-demo"  # marks an --out-dir this demo made (and may clear)
+OWNED = ("manifest", "cache", "plan", "train", "report.html", "report_figures", "train.log", "s3-server.log",
+         "demo-summary.json", "train-config.yaml", "validation-prompts.txt")
+FAMILIES = ("pixart", "sdxl", "sd3", "flux")
+VALIDATION_PROMPTS = "a red circle on a blue background\na photo of a cat\n"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out-dir", default="./demo-output",
+                        help="where the dataset, artifacts, trainer output and report go "
+                        "(default ./demo-output)")  # fmt: skip
+    parser.add_argument("--s3", action="store_true",
+                        help="run every stage against a local S3-compatible server (moto on 127.0.0.1) started "
+                        "and stopped by the demo")  # fmt: skip
+    parser.add_argument("--images", type=int, default=300, help="images to generate (default 300; plus 3 broken files)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generated dataset and of the plan")
+    parser.add_argument("--family", choices=FAMILIES, default="pixart",
+                        help="model family: sdxl, sd3 or flux embed and fine-tune a tiny random-weight model of "
+                        "the family's real classes; pixart (default) trains the from-scratch transformer")  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoJob:
+    """One demo run: ``images`` generated images (plus 3 broken files) under ``out_dir``, through every stage."""
+
+    out_dir: Path = Path("./demo-output")
+    s3: bool = False  # every stage against a local S3-compatible server (moto on 127.0.0.1)
+    images: int = 300
+    seed: int = 0  # of the generated dataset and of the plan
+    family: str = "pixart"
+
+    def __post_init__(self) -> None:
+        if self.images < 8:
+            raise UsageError(f"--images must be >= 8 (one global batch of {WORLD_SIZE}x{BATCH_SIZE}), "
+                             f"got {self.images}")
+        if self.family not in FAMILIES:
+            raise UsageError(f"--family must be one of {', '.join(FAMILIES)}, got {self.family!r}")
+
+
+def job_from_args(args: argparse.Namespace) -> DemoJob:
+    return DemoJob(out_dir=Path(args.out_dir), s3=args.s3, images=args.images, seed=args.seed, family=args.family)
+
+
+@dataclass(frozen=True)
+class DemoResult:
+    """What the demo made: each stage's own result, and the figures written to ``demo-summary.json``."""
+
+    out_dir: Path
+    scan: Any  # pipeline.scan.job.ScanResult
+    embed: Any  # pipeline.embed.job.EmbedResult
+    plan: Any  # pipeline.plan.PlanResult
+    figures: dict[str, Any]  # demo-summary.json
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where the artifacts of one demo run live: local paths, or s3:// URLs plus the endpoint."""
+
+    dataset: str
+    manifest: str
+    cache: str
+    plan: str
+    storage_options: dict[str, Any]
+
+    def options_argv(self) -> list[str]:
+        return ["--storage-options", json.dumps(self.storage_options)] if self.storage_options else []
+
+
+class Stages:
+    """Runs named stages in order: a progress line before each, its wall time after."""
+
+    def __init__(self, names: list[str]):
+        self.names = names
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def stage(self, name: str, what: str) -> Iterator[None]:
+        print(f"[{self.names.index(name) + 1}/{len(self.names)}] {name}: {what}", flush=True)
+        start = time.perf_counter()
+        yield
+        self.seconds[name] = round(time.perf_counter() - start, 2)
+        print(f"      {name} done in {self.seconds[name]:.1f} s", flush=True)
+
+
+def run(job: DemoJob) -> DemoResult:
+    out = _prepare_out_dir(job.out_dir)
+    s3_server, s3_upload = (["s3 server"], ["s3 upload"]) if job.s3 else ([], [])
+    stages = Stages(["generate", *s3_server, "ray", *s3_upload, "scan", "embed", "plan", "train", "verify", "report"])
+    started = time.perf_counter()
+    with stages.stage("generate", f"{job.images} images in several aspect ratios, captions, 3 broken files"):
+        from pipeline.sample_data import make_sample_dataset
+
+        made = make_sample_dataset(out / "dataset", n=job.images, seed=job.seed)
+        print(f"      {made['images']} images {made['formats']}, {made['captioned']} captions, "
+              f"{made['rotated']} EXIF-rotated, {made['broken']} broken -> {out / 'dataset'}")  # fmt: skip
+    with contextlib.ExitStack() as cleanup:  # unwound in reverse: Ray, then the server, then the credentials
+        endpoint = None
+        if job.s3:
+            cleanup.enter_context(local_credentials())
+            with stages.stage("s3 server", "a local S3-compatible server (moto) on 127.0.0.1"):
+                endpoint = cleanup.enter_context(local_s3_server(out / "s3-server.log"))
+        with stages.stage("ray", "one local Ray for the jobs (scan, embed)"):
+            from pipeline.ray_setup import ray_session
+
+            cleanup.enter_context(ray_session(local=True))  # one Ray for every stage
+        if endpoint:
+            target = Target(*(f"s3://{DEMO_BUCKET}/{n}" for n in ("dataset", "manifest", "cache", "plan")),
+                            storage_options={"endpoint_url": endpoint})  # fmt: skip
+            with stages.stage("s3 upload", f"the dataset to {target.dataset} on {endpoint}"):
+                upload_folder(out / "dataset", target.dataset, target.storage_options)
+        else:
+            target = Target(*(str(out / n) for n in ("dataset", "manifest", "cache", "plan")), storage_options={})
+        results = run_stages(stages, target, out, job.seed, job.family)
+    figures = demo_figures(*results, target=target, out=out)
+    figures["total_seconds"] = round(time.perf_counter() - started, 2)
+    figures["stage_seconds"] = stages.seconds
+    figures["mode"] = "s3" if job.s3 else "local"
+    (out / "demo-summary.json").write_text(json.dumps(figures, indent=2) + "\n")
+    print(summary_text(figures, out, WORLD_SIZE))
+    return DemoResult(out, *results, figures=figures, seconds=figures["total_seconds"])
+
+
+def run_stages(stages: Stages, target: Target, out: Path, seed: int, family: str = "pixart") -> tuple[Any, Any, Any]:
+    """scan -> embed -> plan -> train -> verify -> report against ``target``; returns the scan, embed and plan
+    results. ``family``: see :mod:`pipeline.demo`."""
+    opts = target.options_argv()
+    with stages.stage("scan", f"{target.dataset} -> {target.manifest} (header-only Ray job)"):
+        scan = _bucketeer("scan", target.dataset, "--out", target.manifest, "--resolution", str(RESOLUTION),
+                          "--bucket-step", str(BUCKET_STEP), *opts)  # fmt: skip
+    models = "embedded default encoders" if family == "pixart" else f"a tiny random-weight {family} model"
+    with stages.stage("embed", f"{target.manifest} -> {target.cache} (Ray job, {models})"):
+        embed = _bucketeer("embed", target.manifest, "--out", target.cache, *_family_options(family, out), *opts)
+    with stages.stage("plan", f"{WORLD_SIZE} ranks x batch {BATCH_SIZE}, {EPOCHS} epochs -> {target.plan}"):
+        plan = _bucketeer("plan", target.manifest, "--out", target.plan, "--world-size", str(WORLD_SIZE),
+                          "--batch-size", str(BATCH_SIZE), "--seed", str(seed), "--epochs", str(EPOCHS), "--cache",
+                          target.cache, *opts)  # fmt: skip
+    with stages.stage("train", f"accelerate launch, {WORLD_SIZE} processes on the CPU -> {out / 'train'}"):
+        config = family_config(family, out, plan_steps=plan.meta.steps_per_epoch * EPOCHS)
+        train(["--plan", target.plan, "--cache", target.cache, "--output-dir", str(out / "train"), *config, *opts],
+              out)  # fmt: skip
+    with stages.stage("verify", f"every record of {target.cache}"):
+        _bucketeer("verify", target.cache, *opts)
+    with stages.stage("report", f"{out / 'report.html'} and PNG figures"):
+        _bucketeer("report", target.manifest, "--plan", target.plan, "--cache", target.cache,
+                   "--out", str(out / "report.html"), *opts)  # fmt: skip
+    return scan, embed, plan
+
+
+def demo_figures(scan: Any, embed: Any, plan: Any, *, target: Target, out: Path) -> dict[str, Any]:
+    """The figures of ``demo-summary.json``, from the stages' results and the trainer's metrics."""
+    s, cache, p = scan.meta.summary, embed.meta, plan.meta
+    metrics = out / "train" / "metrics.jsonl"
+    # one row per log_every (10) steps: none when the plan is shorter (a tiny --images)
+    losses = [json.loads(line) for line in metrics.read_text().splitlines() if line] if metrics.exists() else []
+    return {
+        "scan": {"listed": s.listed, "samples": s.samples, "errors": s.errors, "errors_by_kind": dict(s.errors_by_kind),
+                 "files_per_s": s.files_per_s, "seconds": s.seconds},
+        "embed": {"samples": cache.counts.samples, "texts": cache.counts.texts,
+                  "images_per_s": cache.summary.images_per_second if cache.summary else None},
+        "plan": {"steps_per_epoch": p.steps_per_epoch, "epochs": EPOCHS, "planned": p.samples.planned,
+                 "padded": p.counts.padded, "dropped": p.counts.dropped},
+        "train": {"steps": p.steps_per_epoch * EPOCHS,
+                  "loss_first": round(losses[0]["loss"], 4) if losses else None,
+                  "loss_last": round(losses[-1]["loss"], 4) if losses else None,
+                  "samples_per_s": round(sum(r["samples_per_s"] for r in losses) / len(losses), 1) if losses else None},
+        "artifacts": {"dataset": target.dataset, "manifest": target.manifest, "cache": target.cache,
+                      "plan": target.plan, "train": str(out / "train"), "report": str(out / "report.html"),
+                      "figures": str(out / "report_figures")},
+    }  # fmt: skip
+
+
+def _bucketeer(*argv: str) -> Any:
+    """``bucketeer ARGV`` in this process: the command a user would type, printed, then its job run; returns the
+    job's result. A job that fails raises, and the demo stops with its error."""
+    from pipeline import run
+    from pipeline.cli import job_from_argv
+
+    print(f"      $ bucketeer {shlex.join(argv)}", flush=True)
+    return run(job_from_argv(argv))
+
+
+def _family_options(family: str, out: Path) -> list[str]:
+    """``bucketeer embed`` options of a family: its tiny model folder (built once) and validation prompts."""
+    if family == "pixart":
+        return []
+    from pipeline.embed.families.tiny import ensure_tiny
+
+    prompts = out / "validation-prompts.txt"
+    prompts.write_text(VALIDATION_PROMPTS)  # read by the embed driver, this process: a local path in --s3 mode too
+    return ["--family", family, "--model", str(ensure_tiny(family)), "--validation-prompts", str(prompts)]
+
+
+def _prepare_out_dir(out: Path) -> Path:
+    """Create ``out``, or clear what a previous demo wrote there; refuse a folder the demo did not make."""
+    if out.exists() and any(out.iterdir()) and not (out / MARKER).exists():
+        raise UsageError(f"--out-dir {out} exists and was not made by `bucketeer demo`; choose another folder")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text("made by `bucketeer demo`; the demo clears this folder's artifacts on each run\n")
+    for name in (*OWNED, "dataset"):
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+    return out.resolve()
