@@ -1,0 +1,276 @@
+"""One writer per artifact: ``ROOT/_writer.json``, created exclusively before a job writes, removed after.
+
+Two scans (or rebuckets, embeds, plans) started on one ``--out`` would each delete the other's parts
+and commit a root JSON naming parts that no longer exist. So every job that writes an artifact holds
+its writer lock for the whole run (:func:`writer_lock`):
+
+- **Taken** by an exclusive create: ``O_CREAT | O_EXCL`` on a local disk, a PUT with
+  ``If-None-Match: *`` on S3 (which AWS S3, R2 and moto honour: a second PUT fails with 412). Exactly one
+  of two writers started at once gets it.
+- **Refused**: the second writer gets one line naming the first (host, pid, start time, command), exit 2.
+- **Alive**: the holder rewrites it every :data:`HEARTBEAT_SECONDS` (``heartbeat_at``).
+- **Taken over** with a one-line notice when its owner is gone: a process of this host that no longer
+  exists (``kill -9`` leaves the file behind), or, from any host, a heartbeat older than
+  ``BUCKETEER_LOCK_STALE_SECONDS`` (default :data:`STALE_SECONDS`). The take-over is itself exclusive:
+  a rename of the stale file on a local disk, a PUT with ``If-Match: <its ETag>`` on S3, so two
+  writers that find one dead lock cannot both take it.
+- **Released** at the end of the run (also on an exception); a release deletes only the writer's own lock.
+
+A writer that took the lock also removes what a killed writer left on a local disk: the zero-byte or
+partial ``*.tmp-*`` siblings of :func:`manifests.storage.write_bytes_atomic`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import errno
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Any, Iterator, Mapping
+
+from fsspec import AbstractFileSystem
+
+from manifests.errors import UsageError
+from manifests.storage import call_storage, is_local, join, open_url, redact
+
+log = logging.getLogger("bucketeer.lock")
+
+LOCK_FILE = "_writer.json"
+HEARTBEAT_SECONDS = 30.0
+STALE_SECONDS = 300.0  # a heartbeat older than this: the writer is gone (any host)
+STALE_ENV = "BUCKETEER_LOCK_STALE_SECONDS"
+HEARTBEAT_ENV = "BUCKETEER_LOCK_HEARTBEAT_SECONDS"
+
+
+class WriterBusyError(UsageError):
+    """Another writer holds the artifact: wait for it, or stop it."""
+
+
+@dataclass(frozen=True)
+class Writer:
+    """Who holds an artifact's lock (the content of ``_writer.json``)."""
+
+    token: str  # this holding's identity: a release or heartbeat touches only its own lock
+    command: str  # "scan", "embed", ...
+    host: str
+    pid: int
+    process_started: float | None  # the pid's start time (seconds since the epoch): a reused pid is not the owner
+    started_at: str  # ISO time the lock was taken
+    heartbeat_at: float  # seconds since the epoch
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Writer:
+        return cls(token=str(d["token"]), command=str(d["command"]), host=str(d["host"]), pid=int(d["pid"]),
+                   process_started=d.get("process_started"), started_at=str(d["started_at"]),
+                   heartbeat_at=float(d["heartbeat_at"]))  # fmt: skip
+
+    def to_bytes(self) -> bytes:
+        return (json.dumps(asdict(self), indent=2, sort_keys=True) + "\n").encode()
+
+    def describe(self) -> str:
+        return f"`bucketeer {self.command}` on host {self.host}, pid {self.pid}, started {self.started_at}"
+
+    def gone(self, now: float, stale_seconds: float) -> str | None:
+        """Why this writer is gone (a line for the take-over notice), or None while it may still run."""
+        if self.host == socket.gethostname():
+            started = _process_started(self.pid)
+            if started is None:
+                return f"its process {self.pid} no longer exists"
+            if self.process_started is not None and abs(started - self.process_started) > 1.0:  # NaN: False
+                return f"its process {self.pid} no longer exists (the pid now belongs to another process)"
+        if now - self.heartbeat_at > stale_seconds:
+            return f"its last heartbeat was {now - self.heartbeat_at:.0f} s ago (stale after {stale_seconds:.0f} s)"
+        return None
+
+
+def _process_started(pid: int) -> float | None:
+    """The start time of process ``pid`` on this host (seconds since the epoch); None when there is none,
+    NaN when it exists but may not be inspected (another user's)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.NoSuchProcess:
+        return None
+    except psutil.AccessDenied:
+        return float("nan")
+
+
+def _env_seconds(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        raise UsageError(f"${name} must be a number of seconds, got {os.environ[name]!r}") from None
+
+
+class _Lock:
+    """The mechanics of one artifact's ``_writer.json`` on one filesystem."""
+
+    def __init__(self, fs: AbstractFileSystem, root: str, url: str):
+        self.fs, self.root, self.url = fs, root, url
+        self.path = join(root, LOCK_FILE)
+        self.local = is_local(fs)
+
+    def create(self, data: bytes) -> bool:
+        """Create the lock file if there is none; False when there is one."""
+        if self.local:
+            def create_local() -> bool:
+                self.fs.makedirs(self.root, exist_ok=True)
+                try:
+                    fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                except FileExistsError:
+                    return False
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                return True
+
+            return call_storage(self.fs, "locking", self.path, create_local)
+
+        def create_remote() -> bool:
+            try:
+                self.fs.pipe_file(self.path, data, mode="create")
+            except FileExistsError:
+                return False
+            return True
+
+        return call_storage(self.fs, "locking", self.path, create_remote)
+
+    def read(self) -> tuple[Writer | None, str | None]:
+        """The current holder and a version tag for a conditional take-over (None, None: no lock)."""
+        def read_it() -> tuple[bytes, str | None]:
+            if self.local:
+                with open(self.path, "rb") as f:
+                    return f.read(), None
+            etag = self.fs.info(self.path).get("ETag")  # before the read: a newer object fails the If-Match
+            return self.fs.cat_file(self.path), etag
+
+        try:
+            self.fs.invalidate_cache(self.path)
+            data, etag = call_storage(self.fs, "reading", self.path, read_it)
+        except FileNotFoundError:
+            return None, None
+        try:
+            return Writer.from_json(json.loads(data)), etag
+        except (ValueError, KeyError, TypeError):  # a torn or foreign file: nobody can be shown as its owner
+            return Writer(token="", command="?", host="?", pid=0, process_started=None, started_at="?",
+                          heartbeat_at=0.0), etag  # fmt: skip
+
+    def replace(self, stale: Writer, etag: str | None, data: bytes) -> bool:
+        """Take over ``stale``'s lock; False when another writer took it first."""
+        if self.local:
+            aside = f"{self.path}.stale-{uuid.uuid4().hex}"
+            try:
+                os.rename(self.path, aside)  # atomic: of two writers, one renames it, the other finds none
+            except FileNotFoundError:
+                return False
+            with contextlib.suppress(OSError):
+                os.remove(aside)
+            return self.create(data)
+
+        def put_if_match() -> bool:
+            try:
+                self.fs.pipe_file(self.path, data, **({"IfMatch": etag} if etag else {}))
+            except (FileNotFoundError, OSError) as e:
+                if isinstance(e, FileNotFoundError) or getattr(e, "errno", None) == errno.EINVAL:  # 404, 412
+                    return False
+                raise
+            return True
+
+        return call_storage(self.fs, "locking", self.path, put_if_match)
+
+    def renew(self, etag: str | None, data: bytes) -> None:
+        """Rewrite our own lock (its heartbeat); on S3 only if it is still the version we read."""
+        if self.local:
+            tmp = f"{self.path}.tmp-{uuid.uuid4().hex}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, self.path)
+        else:
+            self.fs.pipe_file(self.path, data, **({"IfMatch": etag} if etag else {}))
+
+    def remove(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            call_storage(self.fs, "unlocking", self.path, lambda: self.fs.rm_file(self.path))
+
+    def remove_temporaries(self) -> int:
+        """Delete the ``*.tmp-*`` files a killed writer left under the root (local disks only)."""
+        if not self.local or not os.path.isdir(self.root):
+            return 0
+        removed = 0
+        for folder, _, files in os.walk(self.root):
+            for name in files:
+                if ".tmp-" in name:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(os.path.join(folder, name))
+                        removed += 1
+        return removed
+
+
+@contextlib.contextmanager
+def writer_lock(url: str, storage_options: Mapping[str, Any] | None, command: str) -> Iterator[Writer]:
+    """Hold ``url``'s writer lock for the ``with`` block (see the module docstring).
+
+    Raises :class:`WriterBusyError` (a UsageError: one line, exit 2) naming the writer that holds it.
+    """
+    fs, root = open_url(url, dict(storage_options or {}))
+    lock = _Lock(fs, root, url)
+    stale_seconds = _env_seconds(STALE_ENV, STALE_SECONDS)
+    me = Writer(token=uuid.uuid4().hex, command=command, host=socket.gethostname(), pid=os.getpid(),
+                process_started=_process_started(os.getpid()),
+                started_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                heartbeat_at=time.time())  # fmt: skip
+    for _ in range(5):  # each round: create, or judge the holder and maybe take it over
+        if lock.create(me.to_bytes()):
+            break
+        holder, etag = lock.read()
+        if holder is None:  # released between our create and our read: try again
+            continue
+        why = holder.gone(time.time(), stale_seconds)
+        if why is None:
+            raise WriterBusyError(f"{redact(url)} is being written by {holder.describe()}; wait for it to finish, "
+                                  f"or stop it (a lock whose writer is gone is taken over: {LOCK_FILE})")  # fmt: skip
+        if lock.replace(holder, etag, me.to_bytes()):
+            print(f"bucketeer {command}: note: took over the lock of {redact(url)} from {holder.describe()}: {why}",
+                  flush=True)  # fmt: skip
+            break
+    else:
+        holder, _ = lock.read()
+        raise WriterBusyError(f"{redact(url)} is being written by {holder.describe() if holder else 'another writer'}"
+                              "; wait for it to finish")  # fmt: skip
+    removed = lock.remove_temporaries()
+    if removed:
+        log.info("removed %d temporary file(s) a killed run left under %s", removed, redact(url))
+    stop = threading.Event()
+    beat = threading.Thread(target=_heartbeat, args=(lock, me, stop), daemon=True, name="bucketeer-lock")
+    beat.start()
+    try:
+        yield me
+    finally:
+        stop.set()
+        beat.join(timeout=5)
+        holder, _ = lock.read()
+        if holder is not None and holder.token == me.token:
+            lock.remove()
+
+
+def _heartbeat(lock: _Lock, me: Writer, stop: threading.Event) -> None:
+    every = _env_seconds(HEARTBEAT_ENV, HEARTBEAT_SECONDS)
+    while not stop.wait(every):
+        holder, etag = lock.read()
+        if holder is None or holder.token != me.token:  # taken over (we looked dead): say so, never fight for it
+            log.warning("the writer lock of %s was taken over by %s", redact(lock.url),
+                        holder.describe() if holder else "nobody (removed)")  # fmt: skip
+            return
+        try:
+            lock.renew(etag, Writer(**{**asdict(me), "heartbeat_at": time.time()}).to_bytes())
+        except Exception as e:  # a missed beat is not fatal: the lock only turns stale after STALE_SECONDS
+            log.warning("could not renew the writer lock of %s: %s", redact(lock.url), e)

@@ -1,0 +1,133 @@
+"""One writer per artifact (manifests/lock.py): two processes started at once, a writer killed with -9,
+a stale lock from another host, and the same on a real S3-compatible server (moto) through If-None-Match
+and If-Match conditional PUTs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from manifests.lock import LOCK_FILE, WriterBusyError, writer_lock
+
+HOLDER = textwrap.dedent("""
+    import sys, time
+    from manifests.lock import writer_lock
+    from manifests.errors import BucketeerError
+    url, seconds = sys.argv[1], float(sys.argv[2])
+    so = {"endpoint_url": sys.argv[3]} if len(sys.argv) > 3 else {}
+    try:
+        with writer_lock(url, so, "scan"):
+            print("held", flush=True)
+            time.sleep(seconds)
+    except BucketeerError as e:
+        print(f"refused: {e}", flush=True)
+        sys.exit(2)
+""")
+
+
+def _start(url: str, seconds: float, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    return subprocess.Popen([sys.executable, "-c", HOLDER, url, str(seconds), *extra], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+
+
+def _two_at_once(url: str, *extra: str) -> list[tuple[int, str]]:
+    procs = [_start(url, 3, *extra) for _ in range(2)]
+    return sorted((p.wait(timeout=60), p.stdout.read()) for p in procs)
+
+
+def test_two_writers_started_at_once_one_is_refused_naming_the_other(tmp_path: Path) -> None:
+    (ok, out_ok), (refused, out_refused) = _two_at_once(str(tmp_path / "out"))
+    assert (ok, refused) == (0, 2), (out_ok, out_refused)
+    assert "held" in out_ok
+    line = out_refused.strip().splitlines()[-1]
+    assert line.startswith("refused: ") and "is being written by `bucketeer scan`" in line
+    assert f"host {socket.gethostname()}" in line and "pid " in line and "started " in line
+    assert not (tmp_path / "out" / LOCK_FILE).exists(), "the holder releases its lock"
+
+
+def test_a_lock_left_by_kill_9_is_taken_over_with_a_notice(tmp_path: Path, capsys) -> None:
+    url = str(tmp_path / "out")
+    proc = _start(url, 60)
+    assert proc.stdout.readline().strip() == "held"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    left = json.loads((tmp_path / "out" / LOCK_FILE).read_text())
+    assert left["pid"] == proc.pid
+    (tmp_path / "out" / "samples").mkdir()
+    (tmp_path / "out" / "samples" / "part-0.parquet.tmp-0123abcd").write_bytes(b"")  # what a kill leaves
+    with writer_lock(url, None, "rebucket") as me:
+        assert json.loads((tmp_path / "out" / LOCK_FILE).read_text())["token"] == me.token
+        assert not list((tmp_path / "out").rglob("*.tmp-*")), "the next writer removes a killed run's temporaries"
+    notice = capsys.readouterr().out
+    assert f"took over the lock of {url}" in notice and f"pid {proc.pid}" in notice and "no longer exists" in notice
+    assert not (tmp_path / "out" / LOCK_FILE).exists()
+
+
+def _foreign_lock(heartbeat_age: float) -> bytes:
+    return json.dumps({"token": "x", "command": "embed", "host": "gpu-node-7", "pid": 4242,
+                       "process_started": 1.0, "started_at": "2026-01-01T00:00:00+00:00",
+                       "heartbeat_at": time.time() - heartbeat_age}).encode()  # fmt: skip
+
+
+def test_another_hosts_lock_is_refused_while_it_beats_and_taken_over_when_stale(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / LOCK_FILE).write_bytes(_foreign_lock(heartbeat_age=5))
+    with pytest.raises(WriterBusyError, match="being written by `bucketeer embed` on host gpu-node-7, pid 4242"):
+        with writer_lock(str(out), None, "embed"):
+            pass
+    monkeypatch.setenv("BUCKETEER_LOCK_STALE_SECONDS", "60")
+    (out / LOCK_FILE).write_bytes(_foreign_lock(heartbeat_age=61))
+    with writer_lock(str(out), None, "embed"):
+        pass
+    assert "last heartbeat was 61 s ago" in capsys.readouterr().out
+
+
+def test_the_holder_renews_its_heartbeat(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("BUCKETEER_LOCK_HEARTBEAT_SECONDS", "0.2")
+    with writer_lock(str(tmp_path / "out"), None, "plan"):
+        first = json.loads((tmp_path / "out" / LOCK_FILE).read_text())["heartbeat_at"]
+        time.sleep(1.0)
+        later = json.loads((tmp_path / "out" / LOCK_FILE).read_text())["heartbeat_at"]
+    assert later > first
+
+
+@pytest.mark.s3
+def test_on_s3_two_writers_at_once_and_a_stale_lock(s3, monkeypatch, capsys) -> None:
+    url = s3.fresh_url("lock")
+    (ok, out_ok), (refused, out_refused) = _two_at_once(url, s3.endpoint)
+    assert (ok, refused) == (0, 2), (out_ok, out_refused)
+    assert "is being written by `bucketeer scan`" in out_refused
+    assert not s3.fs.exists(f"{url}/{LOCK_FILE}")
+
+    monkeypatch.setenv("BUCKETEER_LOCK_STALE_SECONDS", "60")
+    s3.fs.pipe_file(f"{url}/{LOCK_FILE}", _foreign_lock(heartbeat_age=600))
+    winners = []
+
+    def take() -> None:
+        try:
+            with writer_lock(url, s3.storage_options, "embed"):
+                winners.append(1)
+                time.sleep(1.5)
+        except WriterBusyError:
+            pass
+
+    threads = [threading.Thread(target=take) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert winners == [1], "one of two writers that find one stale lock takes it over (If-Match)"
+    assert "took over the lock" in capsys.readouterr().out
+    assert not s3.fs.exists(f"{url}/{LOCK_FILE}")
