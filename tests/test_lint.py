@@ -40,3 +40,14 @@ def test_ruff_would_find_a_long_line_and_an_unused_import(tmp_path):
     done = ruff_check(bad)
     assert done.returncode == 1
     assert "E501" in done.stdout and "F401" in done.stdout
+
+
+HOUSE_CHECK = ROOT.parent / "shared" / "tools" / "house_check.py"
+
+
+@pytest.mark.skipif(not HOUSE_CHECK.exists(), reason="../shared/tools/house_check.py is beside CI's clone, not a user's")
+def test_the_house_check_finds_no_structure_problem():
+    """No import cycle (lazy imports count), no file over 450 lines or function over 100 in manifests/,
+    pipeline/, train/, no `cfg: Any`, and the plan's inputs read in one parser only."""
+    done = subprocess.run([sys.executable, str(HOUSE_CHECK), str(ROOT)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip().splitlines()[-1].startswith("ok:"), done.stdout
