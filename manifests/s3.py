@@ -16,7 +16,9 @@ body is sent: an upload (every PUT botocore makes carries ``Expect: 100-continue
 server's ``100 Continue``, and then for its socket to drain, with no timer at all. A frozen endpoint
 that accepts connections hung ``embed`` that way for good. :class:`UploadWatchdogSession` closes
 that gap: a request with a body fails with botocore's ``ReadTimeoutError`` when it makes no progress
-(the body is not read on, no response arrives) for ``connect + read`` seconds.
+(the body is not read on, no response arrives) for ``connect + read`` seconds. (aiohttp's own
+``sock_read`` still starts once the last of the body is handed to the kernel, whose send buffer
+must drain within the read timeout: on a link slower than ~100 kB/s, raise the read timeout.)
 
 A class rather than an attribute set on an instance: a filesystem that is pickled (to a Ray task,
 a DataLoader worker) is rebuilt from its constructor arguments, and an instance attribute would
