@@ -21,6 +21,12 @@ tqdm bar (imported only then). stdout stays free for what a command prints as it
 Why here, in manifests/: one implementation for every job. The trainer may not import pipeline/,
 and manifests' own long functions (``verify_cache``, ``write_plan``, ``check_plan``) report through
 the same object; tqdm is a small pure-Python core dependency, and only a terminal loads it.
+
+Storage that does not answer is no silence either: a reporter listens to the retry layer of its
+process (:func:`manifests.retry.add_wait_listener`), and when a storage call fails transiently and
+waits to try again it writes its line at once (then at most every 10 s, or every interval if
+shorter), ending ``..., waiting for storage (ReadTimeoutError, attempt 2 of 6 failed, 70s)``,
+until the next update. On a terminal the bar's postfix says the same.
 """
 
 from __future__ import annotations
@@ -28,15 +34,18 @@ from __future__ import annotations
 import math
 import os
 import sys
+import threading
 import time
 from typing import Any, Callable, TextIO
 
 from manifests.errors import UsageError
+from manifests.retry import StorageWait, add_wait_listener, remove_wait_listener
 
 __all__ = ["INTERVAL_ENV", "DEFAULT_INTERVAL", "Progress", "interval_seconds", "format_duration"]
 
 INTERVAL_ENV = "BUCKETEER_PROGRESS_SECONDS"
 DEFAULT_INTERVAL = 30.0
+WAIT_LINE_SECONDS = 10.0  # "waiting for storage" lines at most this often (or every interval, if shorter)
 
 
 def interval_seconds() -> float:
@@ -106,11 +115,16 @@ class Progress:
         self._start = self._last = clock()
         self._closed = False
         self._bar = None
+        self._waiting: StorageWait | None = None  # the last storage retry notice since the last update
+        self._last_wait_line = -math.inf
+        self._lock = threading.Lock()  # notices come from the retrying threads
         if enabled and _isatty(self._stream):
             from tqdm import tqdm
 
             self._bar = tqdm(total=total, desc=f"{job} {phase}", unit=f" {unit}", file=self._stream,
                              dynamic_ncols=True)  # fmt: skip
+        if enabled:
+            add_wait_listener(self)
 
     def __enter__(self) -> "Progress":
         return self
@@ -124,8 +138,9 @@ class Progress:
             return
         self.done += n
         self.extra.update(extra)
+        waited, self._waiting = self._waiting, None  # progress again: storage answers
         if self._bar is not None:
-            if extra:
+            if extra or waited:
                 self._bar.set_postfix_str(self._extras(), refresh=False)
             self._bar.update(n)
             return
@@ -142,10 +157,28 @@ class Progress:
         if not self.enabled or self._closed:
             return
         self._closed = True
+        self._waiting = None
+        remove_wait_listener(self)
         if self._bar is not None:
             self._bar.close()
         elif final:
             self._write(self.line(self._clock(), final=True))
+
+    def on_storage_wait(self, wait: StorageWait) -> None:
+        """A storage call of this process failed transiently and waits to try again (called by
+        :mod:`manifests.retry`, from the retrying thread): say so now, then at most every 10 s."""
+        if not self.enabled or self._closed:
+            return
+        with self._lock:
+            self._waiting = wait
+            now = self._clock()
+            if now - self._last_wait_line < min(self._interval, WAIT_LINE_SECONDS):
+                return
+            self._last_wait_line = now
+        if self._bar is not None:
+            self._bar.set_postfix_str(self._extras(), refresh=True)
+        else:
+            self._write(self.line(now))
 
     def rate(self, now: float | None = None) -> float:
         """Units per second since the reporter was made."""
@@ -175,12 +208,16 @@ class Progress:
         else:
             eta = self.eta(now)
             parts.append(f"ETA {format_duration(eta) if eta is not None else '?'}")
-        if self.extra:
+        if self.extra or self._waiting:
             parts.append(self._extras())
         return f"{self.job} {self.phase}: " + ", ".join(parts)
 
     def _extras(self) -> str:
-        return ", ".join(f"{k.replace('_', ' ')} {_extra(v)}" for k, v in self.extra.items())
+        parts = [f"{k.replace('_', ' ')} {_extra(v)}" for k, v in self.extra.items()]
+        waiting = self._waiting
+        if waiting is not None:
+            parts.append(waiting.describe())
+        return ", ".join(parts)
 
     def _write(self, line: str) -> None:
         print(line, file=self._stream, flush=True)

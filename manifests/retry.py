@@ -29,6 +29,17 @@ waiting (1.6 s on average). ``BUCKETEER_STORAGE_ATTEMPTS`` and ``BUCKETEER_STORA
 (base delay, seconds) override them per process; a local Ray's workers inherit the driver's
 environment, on a cluster set them in the job's runtime environment (``env_vars`` of
 ``infra/ray/runtime_env.yaml`` or ``--runtime-env-json``).
+
+A hung endpoint is a transient failure like any other: every S3 request has a connect and a read
+timeout, uploads included (:mod:`manifests.s3`), and the timeout it raises is retried here. So a
+storage call that never gets an answer gives up after at most ``attempts x (connect + read)``
+seconds plus the backoff (6 x (10 + 60) + 3.1 s, about 7 minutes, by default).
+
+While a call waits to try again, the retry layer says so: each transient failure goes, as a
+:class:`StorageWait`, to the listeners of this process (:func:`add_wait_listener`; a
+:class:`~manifests.progress.Progress` reporter is one, its line then says "waiting for storage"),
+or, where none listens (a Ray worker, a command between progress phases), to a warning of the
+``bucketeer.retry`` logger, at most one every 10 s.
 """
 
 from __future__ import annotations
@@ -38,7 +49,9 @@ import errno
 import logging
 import os
 import random
+import threading
 import time
+import weakref
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Awaitable, Callable, TypeVar
@@ -49,8 +62,12 @@ __all__ = [
     "ATTEMPTS_ENV",
     "DELAY_ENV",
     "RetryPolicy",
+    "StorageWait",
+    "add_wait_listener",
+    "remove_wait_listener",
     "is_transient",
     "is_permanent",
+    "is_timeout",
     "is_storage_failure",
     "with_retries",
     "with_retries_async",
@@ -107,25 +124,28 @@ def _policy(attempts: str, delay: str) -> RetryPolicy:
 
 
 @lru_cache(maxsize=1)
-def _library_errors() -> tuple[tuple[type, ...], tuple[type, ...]]:
-    """(transient, permanent) exception classes of the HTTP stack, where installed (imported late:
-    ``manifests`` must import without them)."""
+def _library_errors() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]]:
+    """(transient, permanent, timeout) exception classes of the HTTP stack, where installed
+    (imported late: ``manifests`` must import without them)."""
     transient: list[type] = []
     permanent: list[type] = []
+    timeout: list[type] = [TimeoutError]
     try:
         from botocore import exceptions as bc
 
         transient += [bc.HTTPClientError, bc.ConnectionError, bc.IncompleteReadError]
         permanent += [bc.NoCredentialsError, bc.PartialCredentialsError, bc.CredentialRetrievalError]
+        timeout += [bc.ReadTimeoutError, bc.ConnectTimeoutError]
     except ImportError:
         pass
     try:
         import aiohttp
 
         transient += [aiohttp.ClientConnectionError, aiohttp.ClientPayloadError]
+        timeout += [aiohttp.ServerTimeoutError]
     except ImportError:
         pass
-    return tuple(transient), tuple(permanent)
+    return tuple(transient), tuple(permanent), tuple(timeout)
 
 
 def _http_status(exc: BaseException) -> int | None:
@@ -169,6 +189,11 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, _library_errors()[0])
 
 
+def is_timeout(exc: BaseException) -> bool:
+    """True when storage did not answer in time: a connect or read timeout (a transient failure)."""
+    return isinstance(exc, _library_errors()[2]) or (isinstance(exc, OSError) and exc.errno == errno.ETIMEDOUT)
+
+
 def is_storage_failure(exc: BaseException) -> bool:
     """True for the ways a storage call fails (any ``OSError``, the HTTP stack's errors), as opposed
     to a bug or a bucketeer error: what :func:`manifests.storage.call_storage` reports as storage."""
@@ -177,11 +202,60 @@ def is_storage_failure(exc: BaseException) -> bool:
     return isinstance(exc, OSError) or is_transient(exc) or is_permanent(exc)
 
 
-def _give_up(exc: BaseException, failures: int, policy: RetryPolicy) -> bool:
+@dataclass(frozen=True)
+class StorageWait:
+    """A storage call failed transiently and will be tried again: ``failures`` of ``attempts``
+    tries have failed, the last with ``error`` (an exception type's name), ``waited`` seconds
+    after its first try started."""
+
+    error: str
+    failures: int
+    attempts: int
+    waited: float
+
+    def describe(self) -> str:
+        """``waiting for storage (ReadTimeoutError, attempt 2 of 6 failed, 62s)``."""
+        return f"waiting for storage ({self.error}, attempt {self.failures} of {self.attempts} failed, " \
+               f"{self.waited:.0f}s)"  # fmt: skip
+
+
+_listeners: "weakref.WeakSet[object]" = weakref.WeakSet()  # objects with on_storage_wait(StorageWait)
+_lock = threading.Lock()
+_last_warning = [-float("inf")]
+WARNING_SECONDS = 10.0  # at most one "waiting for storage" warning this often, where nothing listens
+
+
+def add_wait_listener(listener: object) -> None:
+    """Send this process's :class:`StorageWait` notices to ``listener.on_storage_wait(wait)``
+    instead of the log; held weakly, called from whichever thread retries."""
+    with _lock:
+        _listeners.add(listener)
+
+
+def remove_wait_listener(listener: object) -> None:
+    """Stop sending notices to ``listener`` (no error if it was not listening)."""
+    with _lock:
+        _listeners.discard(listener)
+
+
+def _notify(wait: StorageWait, exc: BaseException) -> None:
+    with _lock:
+        listeners = list(_listeners)
+        warn = not listeners and time.monotonic() - _last_warning[0] >= WARNING_SECONDS
+        if warn:
+            _last_warning[0] = time.monotonic()
+    for listener in listeners:
+        listener.on_storage_wait(wait)  # type: ignore[attr-defined]
+    if warn:
+        log.warning("%s: %s", wait.describe(), exc)
+
+
+def _give_up(exc: BaseException, failures: int, policy: RetryPolicy, started: float) -> bool:
     if failures >= policy.attempts or not is_transient(exc):
         return True
     log.debug("transient storage error (attempt %d of %d), retrying: %s: %s",
               failures, policy.attempts, type(exc).__name__, exc)  # fmt: skip
+    _notify(StorageWait(type(exc).__name__, failures, policy.attempts, time.monotonic() - started), exc)
     return False
 
 
@@ -192,13 +266,13 @@ def with_retries(call: Callable[[], T], policy: RetryPolicy | None = None) -> T:
     last error when they are used up, and any non-transient error at once, unchanged.
     """
     policy = policy or RetryPolicy.from_env()
-    failures = 0
+    failures, started = 0, time.monotonic()
     while True:
         try:
             return call()
         except Exception as e:
             failures += 1
-            if _give_up(e, failures, policy):
+            if _give_up(e, failures, policy, started):
                 raise
         time.sleep(policy.delay(failures))
 
@@ -210,12 +284,12 @@ async def with_retries_async(call: Callable[[], Awaitable[T]], policy: RetryPoli
     ``asyncio.sleep``, so other reads on the loop go on meanwhile.
     """
     policy = policy or RetryPolicy.from_env()
-    failures = 0
+    failures, started = 0, time.monotonic()
     while True:
         try:
             return await call()
         except Exception as e:
             failures += 1
-            if _give_up(e, failures, policy):
+            if _give_up(e, failures, policy, started):
                 raise
         await asyncio.sleep(policy.delay(failures))

@@ -22,6 +22,7 @@ import io
 import json
 import os
 import re
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence, TypeVar
@@ -30,7 +31,8 @@ import fsspec
 from fsspec import AbstractFileSystem
 
 from manifests.errors import MissingError, StorageError, UsageError
-from manifests.retry import ATTEMPTS_ENV, RetryPolicy, is_permanent, is_storage_failure, is_transient, with_retries
+from manifests.retry import (ATTEMPTS_ENV, RetryPolicy, is_permanent, is_storage_failure, is_timeout, is_transient,
+                             with_retries)  # fmt: skip
 
 __all__ = [
     "StorageError",
@@ -41,6 +43,7 @@ __all__ = [
     "redact",
     "call_storage",
     "storage_error",
+    "endpoint",
     "read_bytes",
     "read_many",
     "read_all",
@@ -91,18 +94,22 @@ def open_url(url: str, storage_options: dict[str, Any] | None = None) -> tuple[A
     ``storage_options`` go to the filesystem constructor (``endpoint_url`` is moved into
     ``client_kwargs`` for s3fs, which is where botocore expects it). ``s3://`` URLs get an s3fs
     that makes one attempt per call and botocore ``retries={"total_max_attempts": 1}``
-    (:mod:`manifests.s3`): :mod:`manifests.retry` is the only retry layer. A ``retries`` entry in
-    the user's ``config_kwargs`` wins over that botocore setting (and then adds its tries to ours).
+    (:mod:`manifests.s3`): :mod:`manifests.retry` is the only retry layer. Every request has
+    ``connect_timeout`` and ``read_timeout`` (:func:`manifests.s3.storage_timeouts`), uploads
+    included. Entries the user's ``config_kwargs`` give win over these settings (a ``retries``
+    entry then adds its tries to ours). Raises UsageError for a bad timeout variable.
     """
     options = dict(storage_options or {})
     if url.startswith(("s3://", "s3a://")):
-        from manifests.s3 import BOTOCORE_RETRIES, SingleAttemptS3FileSystem
+        from manifests.s3 import BOTOCORE_RETRIES, SingleAttemptS3FileSystem, storage_timeouts
 
         if "endpoint_url" in options:
             client_kwargs = dict(options.get("client_kwargs") or {})
             client_kwargs.setdefault("endpoint_url", options.pop("endpoint_url"))
             options["client_kwargs"] = client_kwargs
-        options["config_kwargs"] = {"retries": BOTOCORE_RETRIES, **(options.get("config_kwargs") or {})}
+        connect, read = storage_timeouts()
+        options["config_kwargs"] = {"retries": BOTOCORE_RETRIES, "connect_timeout": connect, "read_timeout": read,
+                                    **(options.get("config_kwargs") or {})}  # fmt: skip
         fs = SingleAttemptS3FileSystem(**options)
         path = fs._strip_protocol(url)
         return fs, path.rstrip("/") or path
@@ -168,18 +175,37 @@ def _url(fs: AbstractFileSystem, path: str) -> str:
     return redact(path if is_local(fs) else fs.unstrip_protocol(path), fs.storage_options)
 
 
-def storage_error(fs: AbstractFileSystem, action: str, path: str, exc: BaseException) -> StorageError:
+def endpoint(fs: AbstractFileSystem) -> str | None:
+    """The endpoint a filesystem talks to, for messages (redacted): an S3 ``endpoint_url``, "AWS S3"
+    for s3fs without one, None for a local or in-memory filesystem."""
+    if is_local(fs) or "s3" not in fs.protocol:
+        return None
+    url = getattr(fs, "endpoint_url", None) or (getattr(fs, "client_kwargs", None) or {}).get("endpoint_url")
+    return redact(url, fs.storage_options) if url else "AWS S3"
+
+
+def storage_error(
+    fs: AbstractFileSystem, action: str, path: str, exc: BaseException, waited: float | None = None
+) -> StorageError:
     """The one-line :class:`StorageError` for ``exc``, which ``action`` (e.g. ``"reading"``) on
-    ``path`` raised after the retry layer: names the object, the error and what to do; redacted."""
+    ``path`` raised after the retry layer, ``waited`` seconds after its first try: names the
+    object, the error, the endpoint and the time a transient failure was retried, and what to do;
+    redacted."""
+    where = endpoint(fs)
     if is_permanent(exc):
         hint = ("; check the file's permissions" if is_local(fs)
                 else "; check the credentials and --storage-options (endpoint_url, key/secret) for this bucket")
     elif is_transient(exc):
-        hint = f"; still failing after {RetryPolicy.from_env().attempts} attempts (${ATTEMPTS_ENV}), try again later"
+        waiting = f" over {waited:.1f} s" if waited is not None else ""
+        knobs = f"${ATTEMPTS_ENV}, $BUCKETEER_STORAGE_CONNECT_TIMEOUT/_READ_TIMEOUT" if is_timeout(exc) else \
+            f"${ATTEMPTS_ENV}"  # fmt: skip
+        answer = "did not answer in time" if is_timeout(exc) else "still failing"
+        hint = (f"; storage{' at ' + where if where else ''} {answer} after {RetryPolicy.from_env().attempts} "
+                f"attempts{waiting} ({knobs}), try again later")  # fmt: skip
     else:
         hint = ""
     message = f"{action} {_url(fs, path)}: {type(exc).__name__}: {exc}{hint}"
-    return StorageError(redact(message, fs.storage_options))
+    return StorageError(redact(" ".join(message.split()), fs.storage_options))
 
 
 def call_storage(fs: AbstractFileSystem, action: str, path: str, call: Callable[[], T]) -> T:
@@ -189,13 +215,14 @@ def call_storage(fs: AbstractFileSystem, action: str, path: str, call: Callable[
     :class:`StorageError` (see :func:`storage_error`) for any other storage failure. Other
     exceptions (bugs) propagate unchanged, traceback and all.
     """
+    started = time.monotonic()
     try:
         return with_retries(call)
     except FileNotFoundError:
         raise
     except Exception as e:
         if is_storage_failure(e):
-            raise storage_error(fs, action, path, e) from e
+            raise storage_error(fs, action, path, e, time.monotonic() - started) from e
         raise
 
 
@@ -252,12 +279,13 @@ def read_many(
 def read_all(fs: AbstractFileSystem, paths: Sequence[str]) -> list[bytes]:
     """Whole objects, concurrently (:func:`read_many`), or the first failure: FileNotFoundError
     as raised, any other storage failure as a :class:`StorageError` naming the object."""
+    started = time.monotonic()
     results = read_many(fs, paths)
     for path, result in zip(paths, results):
         if isinstance(result, FileNotFoundError):
             raise result
         if isinstance(result, Exception):
-            raise storage_error(fs, "reading", path, result) from result
+            raise storage_error(fs, "reading", path, result, time.monotonic() - started) from result
     return results  # type: ignore[return-value]  # every item is bytes here
 
 
