@@ -160,7 +160,7 @@ def run_stages(stages: Stages, target: Target, out: Path, seed: int, family: str
                    str(BATCH_SIZE), "--seed", str(seed), "--epochs", str(EPOCHS), "--cache", target.cache,
                    *opts)  # fmt: skip
     with stages.stage("train", f"accelerate launch, {WORLD_SIZE} processes on the CPU -> {out / 'train'}"):
-        _train(target, out, _family_config(family, out, plan_steps=read_plan_meta(target.plan, so)["steps_per_epoch"]
+        _train(target, out, _family_config(family, out, plan_steps=read_plan_meta(target.plan, so).steps_per_epoch
                                            * EPOCHS))  # fmt: skip
     with stages.stage("verify", f"every record of {target.cache}"):
         _bucketeer("verify", target.cache, *opts)
@@ -178,9 +178,9 @@ def run_stages(stages: Stages, target: Target, out: Path, seed: int, family: str
         "scan": {k: scan[k] for k in ("listed", "samples", "errors", "errors_by_kind", "files_per_s", "seconds")},
         "embed": {"samples": cache["counts"]["samples"], "texts": cache["counts"]["texts"],
                   "images_per_s": (cache.get("summary") or {}).get("images_per_second")},
-        "plan": {"steps_per_epoch": plan["steps_per_epoch"], "epochs": EPOCHS, "planned": plan["samples"]["planned"],
-                 "padded": plan["counts"]["padded"], "dropped": plan["counts"]["dropped"]},
-        "train": {"steps": plan["steps_per_epoch"] * EPOCHS,
+        "plan": {"steps_per_epoch": plan.steps_per_epoch, "epochs": EPOCHS, "planned": plan.samples.planned,
+                 "padded": plan.counts.padded, "dropped": plan.counts.dropped},
+        "train": {"steps": plan.steps_per_epoch * EPOCHS,
                   "loss_first": round(losses[0]["loss"], 4) if losses else None,
                   "loss_last": round(losses[-1]["loss"], 4) if losses else None,
                   "samples_per_s": round(sum(r["samples_per_s"] for r in losses) / len(losses), 1) if losses else None},

@@ -17,6 +17,7 @@ from manifests.buckets import BucketSpec
 from manifests.manifest import read_manifest, write_manifest
 from manifests.plan import (
     PLAN_FILE,
+    DatasetSamples,
     PLAN_SCHEMA,
     PlanConfig,
     PlanError,
@@ -80,9 +81,9 @@ def test_cli_plans_checks_and_is_byte_identical(manifest_url, tmp_path, capsys):
     assert files_a == files_b  # same inputs, same bytes (the _plan.json too: no timestamps)
     assert len(files_a) == 1 + 3  # _plan.json + a file per epoch (a row group per rank in it)
     meta = read_plan_meta(a)
-    assert meta["inputs"]["manifest_fingerprint"] == read_manifest(manifest_url).fingerprint
-    assert meta["steps_per_epoch"] % 2 == 0 and meta["counts"]["padded"] > 0
-    assert sum(meta["counts"]["padded_per_bucket"].values()) == meta["counts"]["padded"]
+    assert meta.inputs.manifest_fingerprint == read_manifest(manifest_url).fingerprint
+    assert meta.steps_per_epoch % 2 == 0 and meta.counts.padded > 0
+    assert sum(meta.counts.padded_per_bucket.values()) == meta.counts.padded
     for path in files_a:
         if path.endswith(".parquet"):
             assert pq.read_schema(Path(a) / path).names == PLAN_SCHEMA.names
@@ -97,7 +98,7 @@ def test_epochs_differ_and_rows_are_sorted(manifest_url, tmp_path):
     assert rows.schema.equals(PLAN_SCHEMA)
     d = rows.to_pydict()
     meta = read_plan_meta(url)
-    steps = meta["steps_per_epoch"]
+    steps = meta.steps_per_epoch
     assert d["epoch"] == [e for e in range(3) for _ in range(steps)]
     assert d["step"] == list(range(steps)) * 3 and set(d["rank"]) == {2}
     assert d["sample_ids"][:steps] != d["sample_ids"][steps : 2 * steps]
@@ -105,7 +106,7 @@ def test_epochs_differ_and_rows_are_sorted(manifest_url, tmp_path):
     # drop: the ranks' samples are disjoint within an epoch
     seen = epoch_ids(url, 0)
     assert max(seen.values()) == 1
-    assert sum(seen.values()) + meta["epochs"][0]["dropped_total"] == meta["samples"]["planned"]
+    assert sum(seen.values()) + meta.epochs[0].dropped_total == meta.samples.planned
 
 
 def test_a_rank_reads_only_its_own_row_groups(manifest_url, tmp_path):
@@ -155,7 +156,7 @@ def test_one_reader_gives_rows_of_epochs_ranks_and_columns(manifest_url, tmp_pat
     assert set(some.tables) == {(1, 0), (1, 2)} and some.tables[(1, 2)].column_names == ["step", "sample_ids"]
     assert some.tables[(1, 2)].column("sample_ids").equals(read_rank_plan(url, 2, epoch=1).column("sample_ids"))
     assert some.sha256 == {}  # an epoch's digest needs every rank's part
-    assert read_plan_rows(url, [1]).sha256 == {1: meta["epochs"][1]["sha256"]}
+    assert read_plan_rows(url, [1]).sha256 == {1: meta.epochs[1].sha256}
     with pytest.raises(PlanError, match="not plan columns"):
         read_plan_rows(url, columns=["bucket", "weight"])
 
@@ -186,7 +187,7 @@ def _rewrite(path: Path, rank: int, edit) -> None:
 def test_check_catches_a_duplicated_sample(manifest_url, tmp_path):
     url = tmp_path / "p"
     assert main(plan_args(manifest_url, str(url))) == 0
-    assert check_plan(str(url), manifest=read_manifest(manifest_url)) == []
+    assert check_plan(str(url), manifests=[read_manifest(manifest_url)]) == []
 
     def repeat(table: pa.Table) -> pa.Table:
         rows = table.to_pydict()
@@ -194,7 +195,7 @@ def test_check_catches_a_duplicated_sample(manifest_url, tmp_path):
         return pa.Table.from_pydict(rows, schema=PLAN_SCHEMA)
 
     _rewrite(url / epoch_part(0), 0, repeat)
-    problems = check_plan(str(url), manifest=read_manifest(manifest_url))
+    problems = check_plan(str(url), manifests=[read_manifest(manifest_url)])
     assert any("repeated samples" in p for p in problems)
     assert any("sha256" in p for p in problems)
     assert main(["plan", "--check", str(url), manifest_url]) == 1
@@ -274,14 +275,14 @@ def test_packing_mode_summary_and_check(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "tokens:   per rank per step min" in out
     meta = read_plan_meta(url)
-    assert meta["mode"] == "packing" and meta["inputs"]["latent_factor"] == 8 and meta["inputs"]["patch_size"] == 2
-    assert meta["tokens_per_step"]["max"] <= 4096
-    sizes = {n: b["batch_size"] for n, b in meta["buckets"].items()}
+    assert meta.mode == "packing" and meta.inputs.latent_factor == 8 and meta.inputs.patch_size == 2
+    assert meta.tokens_per_step.max <= 4096
+    sizes = {n: b.batch_size for n, b in meta.buckets.items()}
     assert sizes == {"512x512": 4, "768x1024": 1, "1024x768": 1, "1024x1024": 1}  # small images, bigger batches
     r0, r1 = read_rank_plan(url, 0).to_pydict(), read_rank_plan(url, 1).to_pydict()
     assert r0["bucket"] == r1["bucket"]
     assert [len(b) for b in r0["sample_ids"]] == [len(b) for b in r1["sample_ids"]] == [sizes[b] for b in r0["bucket"]]
-    assert check_plan(url, manifest=read_manifest(manifest_url)) == []
+    assert check_plan(url, manifests=[read_manifest(manifest_url)]) == []
 
 
 @pytest.mark.parametrize(
@@ -318,12 +319,12 @@ def test_elastic_resume_union_is_exact(manifest_url, tmp_path, old_world, old_ba
         )
         == 0
     )
-    steps = read_plan_meta(old)["steps_per_epoch"]
+    steps = read_plan_meta(old).steps_per_epoch
     at = steps // 3
     meta = resume_plan(old, new, epoch=1, step=at, world_size=new_world)
-    assert meta["inputs"]["world_size"] == new_world
-    assert meta["inputs"]["batch_size"] * new_world == old_world * old_batch
-    assert [e["epoch"] for e in meta["epochs"]] == [1, 2] and meta["epochs"][0]["first_step"] == at
+    assert meta.inputs.world_size == new_world
+    assert meta.inputs.batch_size * new_world == old_world * old_batch
+    assert [e.epoch for e in meta.epochs] == [1, 2] and meta.epochs[0].first_step == at
     consumed = epoch_ids(old, 1, steps=slice(0, at))
     rest = epoch_ids(new, 1)
     assert consumed + rest == epoch_ids(old, 1)  # exactly the epoch: no replay, no skip
@@ -343,7 +344,7 @@ def test_elastic_resume_union_is_exact(manifest_url, tmp_path, old_world, old_ba
                 "--world-size",
                 str(new_world),
                 "--batch-size",
-                str(meta["inputs"]["batch_size"]),
+                str(meta.inputs.batch_size),
                 "--epochs",
                 "3",
                 "--leftover",
@@ -356,7 +357,7 @@ def test_elastic_resume_union_is_exact(manifest_url, tmp_path, old_world, old_ba
     )
     for r in range(new_world):
         assert read_rank_plan(new, r, epoch=2).equals(read_rank_plan(fresh, r, epoch=2))
-    assert check_plan(new, manifest=read_manifest(manifest_url)) == []
+    assert check_plan(new, manifests=[read_manifest(manifest_url)]) == []
 
 
 def test_resume_refuses_what_it_cannot_do(manifest_url, tmp_path):
@@ -369,14 +370,14 @@ def test_resume_refuses_what_it_cannot_do(manifest_url, tmp_path):
         resume_plan(old, str(tmp_path / "n"), epoch=0, step=1, world_size=3)
     with pytest.raises(ValueError, match="use batch size 4"):
         resume_plan(old, str(tmp_path / "n"), epoch=0, step=1, world_size=2, batch_size=3)
-    steps = read_plan_meta(old)["steps_per_epoch"]
+    steps = read_plan_meta(old).steps_per_epoch
     with pytest.raises(PlanError, match="outside epoch"):
         resume_plan(old, str(tmp_path / "n"), epoch=0, step=steps + 1, world_size=2)
     with pytest.raises(PlanError, match="nothing is left"):
         resume_plan(old, str(tmp_path / "n"), epoch=2, step=steps, world_size=2)
     # the end of an epoch resumes at the start of the next
     meta = resume_plan(old, str(tmp_path / "n"), epoch=0, step=steps, world_size=2)
-    assert [e["epoch"] for e in meta["epochs"]] == [1, 2] and meta["epochs"][0]["first_step"] == 0
+    assert [e.epoch for e in meta.epochs] == [1, 2] and meta.epochs[0].first_step == 0
 
 
 def test_cli_resume(manifest_url, tmp_path, capsys):
@@ -384,7 +385,7 @@ def test_cli_resume(manifest_url, tmp_path, capsys):
     assert main(plan_args(manifest_url, old)) == 0
     assert main(["plan", "--resume", old, "--at", "1:3", "--world-size", "8", "--out", new]) == 0
     assert "resumed at epoch 1 step 3" in capsys.readouterr().out
-    assert read_plan_meta(new)["resumed_from"]["world_size"] == 4
+    assert read_plan_meta(new).resumed_from.world_size == 4
     assert main(["plan", "--resume", old, "--at", "one", "--world-size", "8", "--out", new]) == 2
     assert "--at must be EPOCH:STEP" in capsys.readouterr().err
 
@@ -398,22 +399,17 @@ def test_cache_filter_keeps_only_cached_samples(manifest_url, tmp_path):
     assert cached_mask(ids, np.asarray(sorted(available), np.uint64)).tolist() == keep.tolist()
     url = str(tmp_path / "p")
     buckets = manifest.samples.column("bucket").filter(pa.array(keep))
-    meta = write_plan(
-        url,
-        ids[keep],
-        buckets,
-        PlanConfig(world_size=2, batch_size=1, leftover="pad"),
-        manifest_fingerprint=manifest.fingerprint,
-        cache_fingerprint="cache-fp",
-        not_in_cache=int((~keep).sum()),
-    )
-    assert meta["inputs"]["cache_fingerprint"] == "cache-fp" and meta["samples"]["planned"] == keep.sum()
+    dataset = DatasetSamples(ids[keep], buckets, manifest_fingerprint=manifest.fingerprint,
+                             cache_fingerprint="cache-fp", not_in_cache=int((~keep).sum()))
+    meta = write_plan(url, [dataset], PlanConfig(world_size=2, batch_size=1, leftover="pad"))
+    assert meta.inputs.cache_fingerprint == "cache-fp" and meta.samples.planned == keep.sum()
     planned = epoch_ids(url, 0)
     assert set(planned) == set(ids[keep].tolist())
     available_ids = np.asarray(sorted(available), np.uint64)
-    assert check_plan(url, manifest=manifest, available_ids=available_ids, cache_fingerprint="cache-fp") == []
-    assert any("cache fingerprint mismatch" in p for p in check_plan(url, manifest=manifest, cache_fingerprint="other"))
-    assert check_plan(url, manifest=manifest) == []  # without the cache: membership in the manifest only
+    assert check_plan(url, manifests=[manifest], available_ids=[available_ids], cache_fingerprints=["cache-fp"]) == []
+    mismatch = check_plan(url, manifests=[manifest], cache_fingerprints=["other"])
+    assert any("cache fingerprint mismatch" in p for p in mismatch)
+    assert check_plan(url, manifests=[manifest]) == []  # without the cache: membership in the manifest only
 
 
 @pytest.fixture(scope="module")
@@ -434,7 +430,7 @@ def embedded(tmp_path_factory, ray_local, bucketeer_home) -> SimpleNamespace:
 
 def _all_planned(url: str) -> tuple[set[int], list[tuple[str, int]]]:
     ids, rows = set(), []
-    for epoch in range(read_plan_meta(url)["inputs"]["epochs"]):
+    for epoch in range(read_plan_meta(url).inputs.epochs):
         for t in read_plan_rows(url, [epoch]).ranks(epoch):
             for bucket, batch in zip(t.column("bucket").to_pylist(), t.column("sample_ids").to_pylist()):
                 ids.update(batch)
@@ -454,8 +450,8 @@ def test_plan_with_a_real_cache_end_to_end(embedded, tmp_path, capsys):
     assert main(["plan", embedded.manifest, "--out", url, *args]) == 0
     assert "1 not in the cache (left out)" in capsys.readouterr().out
     meta = read_plan_meta(url)
-    assert meta["inputs"]["cache_fingerprint"] == read_cache_meta(embedded.cache)["fingerprint"]
-    assert meta["samples"] == {"planned": 10, "not_in_cache": 1, "stale": 0}
+    assert meta.inputs.cache_fingerprint == read_cache_meta(embedded.cache)["fingerprint"]
+    assert meta.samples.to_json() == {"planned": 10, "not_in_cache": 1, "stale": 0}
     planned, rows = _all_planned(url)
     good = available_sample_ids(embedded.cache, manifest=read_manifest(embedded.manifest))
     assert embedded.broken not in planned and planned == set(good.tolist()) and len(planned) == 10
@@ -469,7 +465,7 @@ def test_plan_with_a_real_cache_end_to_end(embedded, tmp_path, capsys):
 
     other = str(tmp_path / "cache-fp32")
     assert run_embed(embedded.manifest, other, "--dtype", "fp32") == 0
-    assert read_cache_meta(other)["fingerprint"] != meta["inputs"]["cache_fingerprint"]
+    assert read_cache_meta(other)["fingerprint"] != meta.inputs.cache_fingerprint
     capsys.readouterr()
     assert main(["plan", "--check", url, embedded.manifest, "--cache", other]) == 1
     assert "cache fingerprint mismatch" in capsys.readouterr().out
@@ -489,8 +485,8 @@ def test_plan_check_catches_a_cache_that_lost_records(embedded, tmp_path, capsys
     manifest = read_manifest(embedded.manifest)
     fresh = available_sample_ids(embedded.cache, manifest=manifest)
     fp = read_cache_meta(embedded.cache)["fingerprint"]
-    assert check_plan(url, manifest=manifest, available_ids=fresh, cache_fingerprint=fp) == []
-    problems = check_plan(url, manifest=manifest, available_ids=fresh[1:], cache_fingerprint=fp)
+    assert check_plan(url, manifests=[manifest], available_ids=[fresh], cache_fingerprints=[fp]) == []
+    problems = check_plan(url, manifests=[manifest], available_ids=[fresh[1:]], cache_fingerprints=[fp])
     assert any("differ from the manifest's (and cache's)" in p for p in problems)
 
 
@@ -498,10 +494,11 @@ def test_memory_round_trip_and_rewrite_removes_stale_parts():
     ids = np.arange(1, 401, dtype=np.uint64)
     buckets = ["512x512"] * 300 + ["640x384"] * 100
     url = "memory://plans/roundtrip"
-    write_plan(url, ids, buckets, PlanConfig(world_size=4, batch_size=4, epochs=2), manifest_fingerprint="m")
+    one = [DatasetSamples(ids, buckets, manifest_fingerprint="m")]
+    write_plan(url, one, PlanConfig(world_size=4, batch_size=4, epochs=2))
     rows = read_rank_plan(url, 3)
-    assert rows.num_rows == 2 * read_plan_meta(url)["steps_per_epoch"]
-    write_plan(url, ids, buckets, PlanConfig(world_size=2, batch_size=4, epochs=1), manifest_fingerprint="m")
+    assert rows.num_rows == 2 * read_plan_meta(url).steps_per_epoch
+    write_plan(url, one, PlanConfig(world_size=2, batch_size=4, epochs=1))
     import fsspec
 
     parts = [p for p in fsspec.filesystem("memory").find("/plans/roundtrip") if p.endswith(".parquet")]
@@ -517,7 +514,7 @@ def test_s3_round_trip_resume_and_check(s3, manifest_url, tmp_path):
     assert main(plan_args(manifest_url, local)) == 0
     for r in range(4):
         assert read_rank_plan(url, r, s3.storage_options).equals(read_rank_plan(local, r))
-    assert read_plan_meta(url, s3.storage_options)["fingerprint"] == read_plan_meta(local)["fingerprint"]
+    assert read_plan_meta(url, s3.storage_options).fingerprint == read_plan_meta(local).fingerprint
     new = s3.fresh_url("resumed")
     resume_plan(
         url,
@@ -541,15 +538,15 @@ def test_a_plan_written_in_windows_has_the_bytes_of_one_planned_at_once(manifest
     assert main(plan_args(manifest_url, str(windowed), "--epochs", "5", "--window", "2")) == 0
     assert "epochs 0..1 of 5 planned (write the rest with --extend)" in capsys.readouterr().out
     meta = read_plan_meta(str(windowed))
-    assert [e["epoch"] for e in meta["epochs"]] == [0, 1] and meta["inputs"]["epochs"] == 5
-    assert meta["fingerprint"] == read_plan_meta(str(whole))["fingerprint"]  # a window is the same plan
-    assert check_plan(str(windowed), manifest=read_manifest(manifest_url)) == []
+    assert [e.epoch for e in meta.epochs] == [0, 1] and meta.inputs.epochs == 5
+    assert meta.fingerprint == read_plan_meta(str(whole)).fingerprint  # a window is the same plan
+    assert check_plan(str(windowed), manifests=[read_manifest(manifest_url)]) == []
     assert read_rank_plan(str(windowed), 3, epoch=1).equals(read_rank_plan(str(whole), 3, epoch=1))
 
     assert main(["plan", manifest_url, "--extend", str(windowed), "--epochs", "3", "--seed", "6"]) == 2
     assert "--seed 6 differs from the plan's 5" in capsys.readouterr().err
     assert main(["plan", manifest_url, "--extend", str(windowed), "--epochs", "3", "--seed", "5"]) == 0
-    assert [e["epoch"] for e in read_plan_meta(str(windowed))["epochs"]] == [0, 1, 2]
+    assert [e.epoch for e in read_plan_meta(str(windowed)).epochs] == [0, 1, 2]
     assert main(["plan", manifest_url, "--extend", str(windowed)]) == 0  # the rest
     assert all_files(windowed) == all_files(whole)  # _plan.json included: extending is a pure function
     capsys.readouterr()
