@@ -23,6 +23,7 @@ from manifests.plan.check import check_plan
 from manifests.plan.mix import DatasetSamples, MixRule, caption_choice, mix_epoch, mix_samples
 from manifests.plan.rows import rank_table
 from manifests.plan.schedule import PlanConfig, group_samples, plan_epoch
+from pipeline import PlanJob, run
 from pipeline.cli import main
 from tests.factories import manifest_tables
 from tests.test_plan import _rewrite
@@ -188,7 +189,8 @@ def epoch_pairs(url: str, epoch: int) -> Counter:
 
 def test_cli_mixture_summary_check_extend(manifests, tmp_path, capsys):
     whole, windowed = str(tmp_path / "whole"), str(tmp_path / "windowed")
-    assert main(mix_args(manifests, whole, "--weights", "0.6,0.3,0.1")) == 0
+    run(PlanJob(manifests=(*manifests,), out=whole, world_size=4, batch_size=2, seed=5, epochs=3,
+                weights="0.6,0.3,0.1", progress=False))  # fmt: skip
     out = capsys.readouterr().out
     meta = read_plan_meta(whole)
     info = meta.mix.datasets
@@ -201,11 +203,12 @@ def test_cli_mixture_summary_check_extend(manifests, tmp_path, capsys):
     for e in meta.epochs:  # per dataset, per epoch: what the files hold
         pairs = epoch_pairs(whole, e.epoch)
         assert [sum(c for (d, _), c in pairs.items() if d == x) for x in range(3)] == list(e.datasets)
-    assert main(["plan", "--check", whole, *manifests]) == 0
+    assert run(PlanJob(manifests=(*manifests,), check=whole, progress=False)).exit_code == 0
 
     # --window then --extend: the same bytes as planned at once
-    assert main(mix_args(manifests, windowed, "--weights", "0.6,0.3,0.1", "--window", "1")) == 0
-    assert main(["plan", *manifests, "--extend", windowed]) == 0
+    run(PlanJob(manifests=(*manifests,), out=windowed, world_size=4, batch_size=2, seed=5, epochs=3,
+                weights="0.6,0.3,0.1", window=1, progress=False))  # fmt: skip
+    run(PlanJob(manifests=(*manifests,), extend=windowed, progress=False))
     assert read_plan_meta(windowed).epochs == meta.epochs
     assert main(["plan", manifests[0], manifests[1], "--extend", windowed]) == 2  # other manifests: refused
 
@@ -213,9 +216,9 @@ def test_cli_mixture_summary_check_extend(manifests, tmp_path, capsys):
     from train.data import rank_steps
 
     captioned = str(tmp_path / "captioned")
-    assert main(["plan", manifests[1], "--out", captioned, "--world-size", "2", "--batch-size", "2"]) == 0
+    run(PlanJob(manifests=(manifests[1],), out=captioned, world_size=2, batch_size=2, progress=False))
     assert list(read_plan_meta(captioned).columns) == ["caption_index"]
-    assert main(["plan", "--check", captioned, manifests[1]]) == 0
+    assert run(PlanJob(manifests=(manifests[1],), check=captioned, progress=False)).exit_code == 0
     table = read_manifest(manifests[1]).samples
     counts = {i: len(c) for i, c in zip(table.column("sample_id").to_pylist(), table.column("captions").to_pylist())}
     steps = list(rank_steps(captioned, 1))
@@ -228,7 +231,7 @@ def test_cli_mixture_summary_check_extend(manifests, tmp_path, capsys):
 
     # a one-manifest plan without caption lists stays the plan it always was (no new column or field)
     one = str(tmp_path / "one")
-    assert main(["plan", manifests[0], "--out", one, "--world-size", "4", "--batch-size", "2"]) == 0
+    run(PlanJob(manifests=(manifests[0],), out=one, world_size=4, batch_size=2, progress=False))
     assert read_plan_meta(one).mix is None and read_plan_meta(one).columns is None
     assert read_plan_rows(one, [0]).table().column_names == ["epoch", "step", "rank", "bucket", "sample_ids"]
     assert main(["plan", "--check", one, manifests[0], manifests[1]]) == 2  # refused: a one-manifest plan
@@ -236,7 +239,8 @@ def test_cli_mixture_summary_check_extend(manifests, tmp_path, capsys):
 
 def test_check_catches_a_tampered_mixture(manifests, tmp_path):
     url = tmp_path / "p"
-    assert main(mix_args(manifests, str(url), "--repeats", "1,2,10")) == 0
+    run(PlanJob(manifests=(*manifests,), out=str(url), world_size=4, batch_size=2, seed=5, epochs=3,
+                repeats="1,2,10", progress=False))  # fmt: skip
     loaded = [read_manifest(m) for m in manifests]
     assert check_plan(str(url), manifests=loaded) == []
 
@@ -257,7 +261,8 @@ def test_check_catches_a_tampered_mixture(manifests, tmp_path):
 
 def test_resume_of_a_mixture_is_exact(manifests, tmp_path):
     url, out = str(tmp_path / "p"), str(tmp_path / "r")
-    assert main(mix_args(manifests, url, "--repeats", "0.5,1,3", "--leftover", "pad")) == 0
+    run(PlanJob(manifests=(*manifests,), out=url, world_size=4, batch_size=2, seed=5, epochs=3, repeats="0.5,1,3",
+                leftover="pad", progress=False))  # fmt: skip
     meta = read_plan_meta(url)
     step = meta.steps_per_epoch // 3
     resumed = resume_plan(url, out, epoch=1, step=step, world_size=2)
@@ -297,7 +302,8 @@ def test_bad_mixture_inputs_are_one_clear_line(manifests, tmp_path, capsys):
 
 def test_plan_json_records_the_mixture(manifests, tmp_path):
     url = str(tmp_path / "p")
-    assert main(mix_args(manifests, url, "--weights", "6,3,1", "--json")) == 0
+    run(PlanJob(manifests=(*manifests,), out=url, world_size=4, batch_size=2, seed=5, epochs=3, weights="6,3,1",
+                json=True, progress=False))  # fmt: skip
     meta = read_plan_meta(url)
     assert list(meta.inputs.mix.values) == ["6", "3", "1"]
     assert [d.share for d in meta.mix.datasets] == [0.6, 0.3, 0.1]
@@ -314,7 +320,8 @@ def test_report_shows_the_mixture_per_dataset(manifests, tmp_path):
     from pipeline.report.job import write_report
 
     url = str(tmp_path / "p")
-    assert main(mix_args(manifests, url, "--weights", "0.6,0.3,0.1")) == 0
+    run(PlanJob(manifests=(*manifests,), out=url, world_size=4, batch_size=2, seed=5, epochs=3,
+                weights="0.6,0.3,0.1", progress=False))  # fmt: skip
     html = write_report(manifests[2], str(tmp_path / "r.html"), plan=url)[0]
     page = Path(html).read_text()
     info = read_plan_meta(url).mix.datasets[2]

@@ -30,6 +30,7 @@ from manifests.plan import (
 )
 from manifests.plan.check import check_plan
 from manifests.plan.schedule import cached_mask
+from pipeline import PlanJob, run
 from pipeline.cli import main
 from tests.factories import manifest_tables
 
@@ -71,12 +72,14 @@ def epoch_ids(url: str, epoch: int, storage_options=None, steps: slice = slice(N
     return out
 
 
-def test_cli_plans_checks_and_is_byte_identical(manifest_url, tmp_path, capsys):
+def test_plans_checks_and_is_byte_identical(manifest_url, tmp_path, capsys):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    assert main(plan_args(manifest_url, a, "--leftover", "pad", "--grad-accum", "2")) == 0
+    run(PlanJob(manifests=(manifest_url,), out=a, world_size=4, batch_size=2, seed=5, epochs=3, leftover="pad",
+                grad_accum=2, progress=False))  # fmt: skip
     out = capsys.readouterr().out
     assert "per epoch" in out and "padded" in out and "fingerprint" in out
-    assert main(plan_args(manifest_url, b, "--leftover", "pad", "--grad-accum", "2")) == 0
+    run(PlanJob(manifests=(manifest_url,), out=b, world_size=4, batch_size=2, seed=5, epochs=3, leftover="pad",
+                grad_accum=2, progress=False))  # fmt: skip
     files_a, files_b = all_files(Path(a)), all_files(Path(b))
     assert files_a == files_b  # same inputs, same bytes (the _plan.json too: no timestamps)
     assert len(files_a) == 1 + 3  # _plan.json + a file per epoch (a row group per rank in it)
@@ -87,13 +90,37 @@ def test_cli_plans_checks_and_is_byte_identical(manifest_url, tmp_path, capsys):
     for path in files_a:
         if path.endswith(".parquet"):
             assert pq.read_schema(Path(a) / path).names == PLAN_SCHEMA.names
-    assert main(["plan", "--check", a, manifest_url]) == 0
+    assert run(PlanJob(manifests=(manifest_url,), check=a, progress=False)).exit_code == 0
     assert "ok" in capsys.readouterr().out
+
+
+def test_cli_argv_becomes_the_job_and_its_exit_code(manifest_url, tmp_path, capsys):
+    from pipeline.cli import build_parser
+    from pipeline.plan import job_from_args
+
+    def job(*argv: str) -> PlanJob:
+        return job_from_args(build_parser("plan").parse_args(["plan", *argv]))
+
+    assert job("m1", "m2", "--out", "p", "--world-size", "2", "--batch-size", "4", "--cache", "c1,c2", "--weights",
+               "1,2", "--storage-options", '{"anon": true}') == PlanJob(
+        manifests=("m1", "m2"), out="p", world_size=2, batch_size=4, cache=("c1", "c2"), weights="1,2",
+        storage_options={"anon": True})  # fmt: skip
+    resume = job("--resume", "p", "--at", "3:12", "--world-size", "2", "--out", "q")
+    assert resume.mode == "resume" and resume.at == (3, 12)
+    assert job("m", "--extend", "p", "--epochs", "4").mode == "extend"
+    assert main(["plan", "m", "--world-size", "2", "--batch-size", "2"]) == 2
+    assert "--out PLAN is required" in capsys.readouterr().err
+    assert main(["plan", "m", "--out", "p", "--world-size", "2", "--batch-size", "2", "--cache", "a,b"]) == 2
+    assert "--cache names 2 caches for 1 manifests" in capsys.readouterr().err
+    url = str(tmp_path / "p")
+    assert main(plan_args(manifest_url, url)) == 0
+    assert "fingerprint:" in capsys.readouterr().out
+    assert main(["plan", "--check", url, manifest_url]) == 0
 
 
 def test_epochs_differ_and_rows_are_sorted(manifest_url, tmp_path):
     url = str(tmp_path / "p")
-    assert main(plan_args(manifest_url, url)) == 0
+    run(PlanJob(manifests=(manifest_url,), out=url, world_size=4, batch_size=2, seed=5, epochs=3, progress=False))
     rows = read_rank_plan(url, 2)
     assert rows.schema.equals(PLAN_SCHEMA)
     d = rows.to_pydict()
@@ -111,7 +138,7 @@ def test_epochs_differ_and_rows_are_sorted(manifest_url, tmp_path):
 
 def test_a_rank_reads_only_its_own_row_groups(manifest_url, tmp_path):
     url = tmp_path / "p"
-    assert main(plan_args(manifest_url, str(url))) == 0
+    run(PlanJob(manifests=(manifest_url,), out=str(url), world_size=4, batch_size=2, seed=5, epochs=3, progress=False))
     expected = read_rank_plan(str(url), 1)
     # overwrite every byte but rank 1's row groups and the footers: rank 1 must read exactly the same rows
     only = tmp_path / "only"
@@ -136,7 +163,7 @@ def test_unreadable_plans_are_refused(tmp_path, manifest_url):
     with pytest.raises(PlanError, match="no _plan.json"):
         read_rank_plan(str(tmp_path), 0)
     url = str(tmp_path / "p")
-    assert main(plan_args(manifest_url, url)) == 0
+    run(PlanJob(manifests=(manifest_url,), out=url, world_size=4, batch_size=2, seed=5, epochs=3, progress=False))
     with pytest.raises(PlanError, match="outside"):
         read_rank_plan(url, 4)
     with pytest.raises(PlanError, match="no epoch 7"):
@@ -150,7 +177,7 @@ def test_unreadable_plans_are_refused(tmp_path, manifest_url):
 def test_one_reader_gives_rows_of_epochs_ranks_and_columns(manifest_url, tmp_path):
     root = tmp_path / "p"
     url = str(root)
-    assert main(plan_args(manifest_url, url)) == 0
+    run(PlanJob(manifests=(manifest_url,), out=url, world_size=4, batch_size=2, seed=5, epochs=3, progress=False))
     meta = read_plan_meta(url)
     some = read_plan_rows(url, [1], [0, 2], columns=["step", "sample_ids"])
     assert set(some.tables) == {(1, 0), (1, 2)} and some.tables[(1, 2)].column_names == ["step", "sample_ids"]
@@ -186,7 +213,7 @@ def _rewrite(path: Path, rank: int, edit) -> None:
 
 def test_check_catches_a_duplicated_sample(manifest_url, tmp_path):
     url = tmp_path / "p"
-    assert main(plan_args(manifest_url, str(url))) == 0
+    run(PlanJob(manifests=(manifest_url,), out=str(url), world_size=4, batch_size=2, seed=5, epochs=3, progress=False))
     assert check_plan(str(url), manifests=[read_manifest(manifest_url)]) == []
 
     def repeat(table: pa.Table) -> pa.Table:
@@ -203,7 +230,7 @@ def test_check_catches_a_duplicated_sample(manifest_url, tmp_path):
 
 def test_check_catches_unequal_steps_and_missing_columns(manifest_url, tmp_path):
     url = tmp_path / "p"
-    assert main(plan_args(manifest_url, str(url))) == 0
+    run(PlanJob(manifests=(manifest_url,), out=str(url), world_size=4, batch_size=2, seed=5, epochs=3, progress=False))
     _rewrite(url / epoch_part(1), 3, lambda t: t.slice(0, 5))
     problems = check_plan(str(url))
     assert any("epoch 1 rank 3" in p and "steps" in p for p in problems)
@@ -217,7 +244,7 @@ def test_check_catches_a_changed_manifest(tmp_path, capsys):
     murl = str(tmp_path / "m")
     write_manifest(murl, *manifest_tables(200, seed=2), source="/d", spec=BucketSpec(area=256 * 256))
     purl = str(tmp_path / "p")
-    assert main(["plan", murl, "--out", purl, "--world-size", "2", "--batch-size", "2"]) == 0
+    run(PlanJob(manifests=(murl,), out=purl, world_size=2, batch_size=2, progress=False))
     write_manifest(murl, *manifest_tables(210, seed=2), source="/d", spec=BucketSpec(area=256 * 256))
     capsys.readouterr()
     assert main(["plan", "--check", purl, murl]) == 1
@@ -253,25 +280,8 @@ def test_packing_mode_summary_and_check(tmp_path, capsys):
     manifest_url = str(tmp_path / "m")
     write_manifest(manifest_url, *manifest_tables(300, seed=4, spec=spec), source="/d", spec=spec)
     url = str(tmp_path / "p")
-    assert (
-        main(
-            [
-                "plan",
-                manifest_url,
-                "--out",
-                url,
-                "--world-size",
-                "2",
-                "--max-tokens",
-                "4096",
-                "--leftover",
-                "pad",
-                "--epochs",
-                "2",
-            ]
-        )
-        == 0
-    )
+    run(PlanJob(manifests=(manifest_url,), out=url, world_size=2, max_tokens=4096, leftover="pad", epochs=2,
+                progress=False))  # fmt: skip
     out = capsys.readouterr().out
     assert "tokens:   per rank per step min" in out
     meta = read_plan_meta(url)
@@ -298,27 +308,8 @@ def test_packing_mode_summary_and_check(tmp_path, capsys):
 )
 def test_elastic_resume_union_is_exact(manifest_url, tmp_path, old_world, old_batch, new_world, leftover):
     old, new = str(tmp_path / "old"), str(tmp_path / "new")
-    assert (
-        main(
-            [
-                "plan",
-                manifest_url,
-                "--out",
-                old,
-                "--world-size",
-                str(old_world),
-                "--batch-size",
-                str(old_batch),
-                "--epochs",
-                "3",
-                "--leftover",
-                leftover,
-                "--seed",
-                "11",
-            ]
-        )
-        == 0
-    )
+    run(PlanJob(manifests=(manifest_url,), out=old, world_size=old_world, batch_size=old_batch, epochs=3,
+                leftover=leftover, seed=11, progress=False))  # fmt: skip
     steps = read_plan_meta(old).steps_per_epoch
     at = steps // 3
     meta = resume_plan(old, new, epoch=1, step=at, world_size=new_world)
@@ -334,27 +325,8 @@ def test_elastic_resume_union_is_exact(manifest_url, tmp_path, old_world, old_ba
     assert rows["step"] == list(range(at, steps))
     # a later epoch is what a fresh plan for (N2, B2) gives
     fresh = str(tmp_path / "fresh")
-    assert (
-        main(
-            [
-                "plan",
-                manifest_url,
-                "--out",
-                fresh,
-                "--world-size",
-                str(new_world),
-                "--batch-size",
-                str(meta.inputs.batch_size),
-                "--epochs",
-                "3",
-                "--leftover",
-                leftover,
-                "--seed",
-                "11",
-            ]
-        )
-        == 0
-    )
+    run(PlanJob(manifests=(manifest_url,), out=fresh, world_size=new_world, batch_size=meta.inputs.batch_size,
+                epochs=3, leftover=leftover, seed=11, progress=False))  # fmt: skip
     for r in range(new_world):
         assert read_rank_plan(new, r, epoch=2).equals(read_rank_plan(fresh, r, epoch=2))
     assert check_plan(new, manifests=[read_manifest(manifest_url)]) == []
@@ -362,7 +334,8 @@ def test_elastic_resume_union_is_exact(manifest_url, tmp_path, old_world, old_ba
 
 def test_resume_refuses_what_it_cannot_do(manifest_url, tmp_path):
     old = str(tmp_path / "old")
-    assert main(plan_args(manifest_url, old)) == 0  # global batch 8
+    run(PlanJob(manifests=(manifest_url,), out=old, world_size=4, batch_size=2, seed=5, epochs=3,
+                progress=False))  # global batch 8
     with pytest.raises(ValueError, match="is the plan being resumed"):
         resume_plan(old, old, epoch=0, step=1, world_size=2)
     assert read_plan_meta(old)  # and it is untouched
@@ -382,8 +355,8 @@ def test_resume_refuses_what_it_cannot_do(manifest_url, tmp_path):
 
 def test_cli_resume(manifest_url, tmp_path, capsys):
     old, new = str(tmp_path / "old"), str(tmp_path / "new")
-    assert main(plan_args(manifest_url, old)) == 0
-    assert main(["plan", "--resume", old, "--at", "1:3", "--world-size", "8", "--out", new]) == 0
+    run(PlanJob(manifests=(manifest_url,), out=old, world_size=4, batch_size=2, seed=5, epochs=3, progress=False))
+    run(PlanJob(resume=old, at=(1, 3), world_size=8, out=new, progress=False))
     assert "resumed at epoch 1 step 3" in capsys.readouterr().out
     assert read_plan_meta(new).resumed_from.world_size == 4
     assert main(["plan", "--resume", old, "--at", "one", "--world-size", "8", "--out", new]) == 2
@@ -446,8 +419,8 @@ def test_plan_with_a_real_cache_end_to_end(embedded, tmp_path, capsys):
     errors = read_index(embedded.cache)["errors"].column("sample_id").to_pylist()
     assert errors == [embedded.broken]  # the undecodable image is an error row of the cache
     url = str(tmp_path / "p")
-    args = ["--world-size", "2", "--batch-size", "1", "--epochs", "2", "--leftover", "pad", "--cache", embedded.cache]
-    assert main(["plan", embedded.manifest, "--out", url, *args]) == 0
+    run(PlanJob(manifests=(embedded.manifest,), out=url, world_size=2, batch_size=1, epochs=2, leftover="pad",
+                cache=(embedded.cache,), progress=False))  # fmt: skip
     assert "1 not in the cache (left out)" in capsys.readouterr().out
     meta = read_plan_meta(url)
     assert meta.inputs.cache_fingerprint == read_cache_meta(embedded.cache)["fingerprint"]
@@ -457,7 +430,8 @@ def test_plan_with_a_real_cache_end_to_end(embedded, tmp_path, capsys):
     assert embedded.broken not in planned and planned == set(good.tolist()) and len(planned) == 10
     records = {r.sample_id: r for r in CacheReader(embedded.cache).read(sorted(planned))}
     assert all(records[i].bucket == bucket for bucket, i in rows)  # every planned id has a record of its bucket
-    assert main(["plan", "--check", url, embedded.manifest, "--cache", embedded.cache]) == 0
+    assert run(PlanJob(manifests=(embedded.manifest,), check=url, cache=(embedded.cache,),
+                       progress=False)).exit_code == 0
     assert "ok" in capsys.readouterr().out
 
     # the same folder re-embedded with other settings is another cache: the plan no longer matches it
@@ -470,7 +444,7 @@ def test_plan_with_a_real_cache_end_to_end(embedded, tmp_path, capsys):
     assert main(["plan", "--check", url, embedded.manifest, "--cache", other]) == 1
     assert "cache fingerprint mismatch" in capsys.readouterr().out
     # without --cache the plan is still a sound plan of the manifest (membership only)
-    assert main(["plan", "--check", url, embedded.manifest]) == 0
+    assert run(PlanJob(manifests=(embedded.manifest,), check=url, progress=False)).exit_code == 0
 
 
 @pytest.mark.ray
@@ -480,8 +454,8 @@ def test_plan_check_catches_a_cache_that_lost_records(embedded, tmp_path, capsys
     from manifests.cache import available_sample_ids, read_cache_meta
 
     url = str(tmp_path / "p")
-    assert main(["plan", embedded.manifest, "--out", url, "--world-size", "1", "--batch-size", "1",
-                 "--cache", embedded.cache]) == 0  # fmt: skip
+    run(PlanJob(manifests=(embedded.manifest,), out=url, world_size=1, batch_size=1, cache=(embedded.cache,),
+                progress=False))  # fmt: skip
     manifest = read_manifest(embedded.manifest)
     fresh = available_sample_ids(embedded.cache, manifest=manifest)
     fp = read_cache_meta(embedded.cache)["fingerprint"]
@@ -511,7 +485,7 @@ def test_s3_round_trip_resume_and_check(s3, manifest_url, tmp_path):
     url, local = s3.fresh_url("plan"), str(tmp_path / "local")
     opts = json.dumps(s3.storage_options)
     assert main(plan_args(manifest_url, url, "--storage-options", opts)) == 0
-    assert main(plan_args(manifest_url, local)) == 0
+    run(PlanJob(manifests=(manifest_url,), out=local, world_size=4, batch_size=2, seed=5, epochs=3, progress=False))
     for r in range(4):
         assert read_rank_plan(url, r, s3.storage_options).equals(read_rank_plan(local, r))
     assert read_plan_meta(url, s3.storage_options).fingerprint == read_plan_meta(local).fingerprint
@@ -534,8 +508,10 @@ def test_s3_round_trip_resume_and_check(s3, manifest_url, tmp_path):
 
 def test_a_plan_written_in_windows_has_the_bytes_of_one_planned_at_once(manifest_url, tmp_path, capsys):
     whole, windowed = tmp_path / "whole", tmp_path / "windowed"
-    assert main(plan_args(manifest_url, str(whole), "--epochs", "5")) == 0
-    assert main(plan_args(manifest_url, str(windowed), "--epochs", "5", "--window", "2")) == 0
+    run(PlanJob(manifests=(manifest_url,), out=str(whole), world_size=4, batch_size=2, seed=5, epochs=5,
+                progress=False))  # fmt: skip
+    run(PlanJob(manifests=(manifest_url,), out=str(windowed), world_size=4, batch_size=2, seed=5, epochs=5, window=2,
+                progress=False))  # fmt: skip
     assert "epochs 0..1 of 5 planned (write the rest with --extend)" in capsys.readouterr().out
     meta = read_plan_meta(str(windowed))
     assert [e.epoch for e in meta.epochs] == [0, 1] and meta.inputs.epochs == 5
@@ -545,9 +521,9 @@ def test_a_plan_written_in_windows_has_the_bytes_of_one_planned_at_once(manifest
 
     assert main(["plan", manifest_url, "--extend", str(windowed), "--epochs", "3", "--seed", "6"]) == 2
     assert "--seed 6 differs from the plan's 5" in capsys.readouterr().err
-    assert main(["plan", manifest_url, "--extend", str(windowed), "--epochs", "3", "--seed", "5"]) == 0
+    run(PlanJob(manifests=(manifest_url,), extend=str(windowed), epochs=3, seed=5, progress=False))
     assert [e.epoch for e in read_plan_meta(str(windowed)).epochs] == [0, 1, 2]
-    assert main(["plan", manifest_url, "--extend", str(windowed)]) == 0  # the rest
+    run(PlanJob(manifests=(manifest_url,), extend=str(windowed), progress=False))  # the rest
     assert all_files(windowed) == all_files(whole)  # _plan.json included: extending is a pure function
     capsys.readouterr()
     assert main(["plan", manifest_url, "--extend", str(windowed)]) == 2
@@ -555,7 +531,8 @@ def test_a_plan_written_in_windows_has_the_bytes_of_one_planned_at_once(manifest
 
     other = str(tmp_path / "m2")
     write_manifest(other, *manifest_tables(100, seed=9), source="/d", spec=BucketSpec(area=512 * 512))
-    assert main(plan_args(manifest_url, str(windowed), "--epochs", "5", "--window", "1")) == 0
+    run(PlanJob(manifests=(manifest_url,), out=str(windowed), world_size=4, batch_size=2, seed=5, epochs=5, window=1,
+                progress=False))  # fmt: skip
     assert main(["plan", other, "--extend", str(windowed)]) == 2
     assert "was made from manifest" in capsys.readouterr().err
     resumed = str(tmp_path / "resumed")
@@ -566,7 +543,7 @@ def test_a_plan_written_in_windows_has_the_bytes_of_one_planned_at_once(manifest
 
 def test_an_older_plan_format_is_refused_with_what_to_do(manifest_url, tmp_path):
     url = tmp_path / "p"
-    assert main(plan_args(manifest_url, str(url))) == 0
+    run(PlanJob(manifests=(manifest_url,), out=str(url), world_size=4, batch_size=2, seed=5, epochs=3, progress=False))
     meta = json.loads((url / PLAN_FILE).read_text())
     (url / PLAN_FILE).write_text(json.dumps(dict(meta, format_version=1)))
     with pytest.raises(PlanError, match="format version 1; this bucketeer reads version 2. Re-run `bucketeer plan`"):
