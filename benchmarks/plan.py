@@ -84,7 +84,7 @@ def cpu_seconds() -> float:
 
 
 def child_plan(inputs: str, out: str, world: int, batch: int, buckets: int, epochs: int) -> dict:
-    from manifests.plan import write_plan
+    from manifests.plan import DatasetSamples, write_plan
     from manifests.plan.schedule import PlanConfig
 
     data = np.load(inputs)
@@ -92,18 +92,17 @@ def child_plan(inputs: str, out: str, world: int, batch: int, buckets: int, epoc
     rss0 = maxrss_mib()
     config = PlanConfig(world_size=world, batch_size=batch, seed=0, epochs=epochs)
     t0, cpu0 = time.perf_counter(), cpu_seconds()
-    meta = write_plan(out, ids, names, config, manifest_fingerprint="bench")
+    meta = write_plan(out, [DatasetSamples(ids, names, manifest_fingerprint="bench")], config)
     seconds, cpu = time.perf_counter() - t0, cpu_seconds() - cpu0
-    dropped = meta["epochs"][0]["dropped_total"]
-    return {"seconds": seconds, "cpu_s": cpu, "steps": meta["steps_per_epoch"], "dropped_per_epoch": dropped,
+    dropped = meta.epochs[0].dropped_total
+    return {"seconds": seconds, "cpu_s": cpu, "steps": meta.steps_per_epoch, "dropped_per_epoch": dropped,
             "maxrss_mib": maxrss_mib(), "inputs_rss_mib": rss0}  # fmt: skip
 
 
 def child_mix(inputs: str, out: str, world: int, batch: int, buckets: int, epochs: int) -> dict:
     """The mixture plan: group the datasets, apply the rule, plan and write every epoch."""
-    from manifests.plan.mix import DatasetSamples, MixRule, mix_samples
+    from manifests.plan import DatasetSamples, MixRule, write_plan
     from manifests.plan.schedule import PlanConfig
-    from manifests.plan.store import write_mix_plan
 
     data = np.load(inputs)
     sets = sorted(int(k[3:]) for k in data.files if k.startswith("ids"))
@@ -111,14 +110,13 @@ def child_mix(inputs: str, out: str, world: int, batch: int, buckets: int, epoch
     rss0 = maxrss_mib()
     config = PlanConfig(world_size=world, batch_size=batch, seed=0, epochs=epochs)
     t0, cpu0 = time.perf_counter(), cpu_seconds()
-    mix = mix_samples([DatasetSamples(ids, names, None, f"m{d}") for d, (ids, names) in enumerate(inputs_)],
-                      MixRule.parse("weights", "0.6,0.3,0.1", len(inputs_)))  # fmt: skip
-    meta = write_mix_plan(out, mix, config, manifest_fingerprints=[f"bench{d}" for d in sets],
-                          cache_fingerprints=[None] * len(sets), datasets=[{"manifest": f"m{d}"} for d in sets])
+    datasets = [DatasetSamples(ids, names, None, f"m{d}", manifest_fingerprint=f"bench{d}", manifest=f"m{d}")
+                for d, (ids, names) in enumerate(inputs_)]  # fmt: skip
+    meta = write_plan(out, datasets, config, rule=MixRule.parse("weights", "0.6,0.3,0.1", len(inputs_)))
     seconds, cpu = time.perf_counter() - t0, cpu_seconds() - cpu0
-    return {"seconds": seconds, "cpu_s": cpu, "steps": meta["steps_per_epoch"], "maxrss_mib": maxrss_mib(),
-            "inputs_rss_mib": rss0, "per_epoch": [d["per_epoch"] for d in meta["mix"]["datasets"]],
-            "bytes": sum(e["bytes"] for e in meta["epochs"])}  # fmt: skip
+    return {"seconds": seconds, "cpu_s": cpu, "steps": meta.steps_per_epoch, "maxrss_mib": maxrss_mib(),
+            "inputs_rss_mib": rss0, "per_epoch": [d.per_epoch for d in meta.mix.datasets],
+            "bytes": sum(e.bytes for e in meta.epochs)}  # fmt: skip
 
 
 def mix_main(a: argparse.Namespace, shape: list[str]) -> None:
@@ -152,7 +150,8 @@ def child_old_layout(inputs: str, world: int, batch: int, buckets: int) -> dict:
     """One epoch in the previous layout: a parquet file per rank, ids stored plain (no compression)."""
     import pyarrow.parquet as pq
 
-    from manifests.plan.schedule import PlanConfig, group_samples, plan_epoch, rank_table
+    from manifests.plan.rows import rank_table
+    from manifests.plan.schedule import PlanConfig, group_samples, plan_epoch
 
     data = np.load(inputs)
     samples = group_samples(data["ids"], bucket_array(data["codes"], buckets))
@@ -178,7 +177,7 @@ def child_rank(out: str, rank: int) -> dict:
     first = read_plan_rows(out, [0], [rank], meta=meta).table()  # what a rank needs to take its first step
     t2 = time.perf_counter()
     start_rss = maxrss_mib()
-    second = read_plan_rows(out, [1], [rank], meta=meta).table() if len(meta["epochs"]) > 1 else first
+    second = read_plan_rows(out, [1], [rank], meta=meta).table() if len(meta.epochs) > 1 else first
     t3 = time.perf_counter()
     return {"import_s": t1 - t0, "start_s": t2 - t1, "epoch_s": t3 - t2, "rows": first.num_rows,
             "ids": len(second.column("sample_ids").combine_chunks().values), "baseline_mib": base,

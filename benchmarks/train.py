@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from manifests.cache import CacheWriter  # noqa: E402
 from manifests.cache.records import SampleRecord, TextRecord, encode_sample, encode_text  # noqa: E402
-from manifests.plan import write_plan  # noqa: E402
+from manifests.plan import DatasetSamples, write_plan  # noqa: E402
 from manifests.plan.schedule import PlanConfig  # noqa: E402
 
 
@@ -76,8 +76,8 @@ def make_cache(
 
 
 def make_plan(url: str, ids: np.ndarray, bucket: str, batch: int, epochs: int = 1, storage_options=None) -> None:
-    write_plan(url, ids, [bucket] * len(ids), PlanConfig(world_size=1, batch_size=batch, epochs=epochs),
-               manifest_fingerprint="benchmark", storage_options=storage_options)  # fmt: skip
+    write_plan(url, [DatasetSamples(ids, [bucket] * len(ids), manifest_fingerprint="benchmark")],
+               PlanConfig(world_size=1, batch_size=batch, epochs=epochs), storage_options=storage_options)
 
 
 class SlowStorage:

@@ -59,7 +59,7 @@ def test_demo_runs_every_stage_and_prints_the_summary(demo):
     assert manifest.samples.num_rows == 300 and figures["scan"]["samples"] == 300
     assert figures["scan"]["errors_by_kind"] == {"empty": 1, "not_an_image": 1, "truncated": 1}
     assert len(set(manifest.samples.column("bucket").to_pylist())) >= 4, "several aspect-ratio buckets"
-    assert read_plan_meta(str(out / "plan"))["inputs"]["world_size"] == 2
+    assert read_plan_meta(str(out / "plan")).inputs.world_size == 2
     assert figures["embed"]["samples"] == 300
     assert (out / "train" / "model").is_dir() and (out / "train.log").exists()
     assert "on 2 process(es)" in output and "plan finished" in output
@@ -92,9 +92,9 @@ def test_readme_commands_on_the_demo_output_run(demo):
     assert read_manifest(str(out / "manifest-512")).spec.area == 512 * 512
     # stopped after 20 steps on 2 processes, finished on 1: the whole plan, each step once
     assert "--max-steps 20 reached" in output and "on 1 process(es)" in output
-    total = read_plan_meta(str(out / "plan"))["steps_per_epoch"] * 2
+    total = read_plan_meta(str(out / "plan")).steps_per_epoch * 2
     assert f"position {total}" in output and (out / "run" / "model").is_dir()
-    assert read_plan_meta(str(out / "plan-from-1-10"))["inputs"]["world_size"] == 1
+    assert read_plan_meta(str(out / "plan-from-1-10")).inputs.world_size == 1
 
 
 @pytest.mark.slow

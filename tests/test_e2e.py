@@ -109,11 +109,11 @@ def test_readme_cluster_flow_runs_as_written(s3, ray_head, tmp_path):
     assert set(manifest.samples.column("bucket").to_pylist()) <= {"256x256", "320x192", "192x320"}
     # plan for 2 ranks, checked; the cache verified
     plan = read_plan_meta(f"{prefix}/plan", so)
-    assert plan["inputs"]["world_size"] == 2 and plan["inputs"]["epochs"] == 10
+    assert plan.inputs.world_size == 2 and plan.inputs.epochs == 10
     assert f"{prefix}/plan: ok" in output and f"{prefix}/cache: OK" in output
     # the trainer went through the whole plan on 2 processes and wrote its model
     assert "training " in output and "on 2 process(es)" in output
-    assert f"position {plan['steps_per_epoch'] * plan['inputs']['epochs']}" in output
+    assert f"position {plan.steps_per_epoch * plan.inputs.epochs}" in output
     assert "plan finished" in output and (run_dir / "model").is_dir()
     losses = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert losses and all(loss == loss for loss in losses)  # logged, finite

@@ -116,7 +116,7 @@ def test_changed_image_and_caption_are_reembedded(tmp_path, ray_local, capsys):
     assert main(["plan", new_manifest, "--out", plan, "--world-size", "1", "--batch-size", "1", "--cache", out]) == 0
     printed = capsys.readouterr().out
     assert "2 stale in the cache (left out)" in printed and f"bucketeer embed {new_manifest} --out {out}" in printed
-    assert read_plan_meta(plan)["samples"] == {"planned": 6, "not_in_cache": 0, "stale": 2}
+    assert read_plan_meta(plan).samples.to_json() == {"planned": 6, "not_in_cache": 0, "stale": 2}
     assert _planned_ids(plan) == set(fresh)
 
     assert run_embed(new_manifest, out) == 0

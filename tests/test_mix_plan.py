@@ -5,7 +5,6 @@ The invariants are computed here from the rows, independently of ``manifests.pla
 
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter
 from fractions import Fraction
@@ -22,7 +21,9 @@ from manifests.manifest import read_manifest, write_manifest
 from manifests.plan import epoch_part, read_plan_meta, read_plan_rows, resume_plan
 from manifests.plan.check import check_plan
 from manifests.plan.mix import DatasetSamples, MixRule, caption_choice, mix_epoch, mix_samples
-from manifests.plan.schedule import PlanConfig, group_samples, plan_epoch, rank_table
+from manifests.plan.rows import rank_table
+from manifests.plan.schedule import PlanConfig, group_samples, plan_epoch
+from pipeline import PlanJob, run
 from pipeline.cli import main
 from tests.factories import manifest_tables
 from tests.test_plan import _rewrite
@@ -188,34 +189,36 @@ def epoch_pairs(url: str, epoch: int) -> Counter:
 
 def test_cli_mixture_summary_check_extend(manifests, tmp_path, capsys):
     whole, windowed = str(tmp_path / "whole"), str(tmp_path / "windowed")
-    assert main(mix_args(manifests, whole, "--weights", "0.6,0.3,0.1")) == 0
+    run(PlanJob(manifests=(*manifests,), out=whole, world_size=4, batch_size=2, seed=5, epochs=3,
+                weights="0.6,0.3,0.1", progress=False))  # fmt: skip
     out = capsys.readouterr().out
     meta = read_plan_meta(whole)
-    info = meta["mix"]["datasets"]
+    info = meta.mix.datasets
     n = [read_manifest(m).samples.num_rows for m in manifests]
-    assert [d["samples"] for d in info] == n
-    assert [d["per_epoch"] for d in info] == expected_per_epoch(MixRule.parse("weights", "0.6,0.3,0.1", 3), n)
-    assert f"{n[2]} samples, weight 0.1 -> {info[2]['per_epoch']} per epoch " in out
-    assert f"({round(info[2]['per_epoch'] / n[2], 4):g} times each on average)" in out
-    assert meta["columns"] == ["dataset", "caption_index"]
-    for e in meta["epochs"]:  # per dataset, per epoch: what the files hold
-        pairs = epoch_pairs(whole, e["epoch"])
-        assert [sum(c for (d, _), c in pairs.items() if d == x) for x in range(3)] == e["datasets"]
-    assert main(["plan", "--check", whole, *manifests]) == 0
+    assert [d.samples for d in info] == n
+    assert [d.per_epoch for d in info] == expected_per_epoch(MixRule.parse("weights", "0.6,0.3,0.1", 3), n)
+    assert f"{n[2]} samples, weight 0.1 -> {info[2].per_epoch} per epoch " in out
+    assert f"({round(info[2].per_epoch / n[2], 4):g} times each on average)" in out
+    assert list(meta.columns) == ["dataset", "caption_index"]
+    for e in meta.epochs:  # per dataset, per epoch: what the files hold
+        pairs = epoch_pairs(whole, e.epoch)
+        assert [sum(c for (d, _), c in pairs.items() if d == x) for x in range(3)] == list(e.datasets)
+    assert run(PlanJob(manifests=(*manifests,), check=whole, progress=False)).exit_code == 0
 
     # --window then --extend: the same bytes as planned at once
-    assert main(mix_args(manifests, windowed, "--weights", "0.6,0.3,0.1", "--window", "1")) == 0
-    assert main(["plan", *manifests, "--extend", windowed]) == 0
-    assert read_plan_meta(windowed)["epochs"] == meta["epochs"]
+    run(PlanJob(manifests=(*manifests,), out=windowed, world_size=4, batch_size=2, seed=5, epochs=3,
+                weights="0.6,0.3,0.1", window=1, progress=False))  # fmt: skip
+    run(PlanJob(manifests=(*manifests,), extend=windowed, progress=False))
+    assert read_plan_meta(windowed).epochs == meta.epochs
     assert main(["plan", manifests[0], manifests[1], "--extend", windowed]) == 2  # other manifests: refused
 
     # one manifest with caption lists: the caption choice, no dataset column; the trainer's PlanStep carries it
     from train.data import rank_steps
 
     captioned = str(tmp_path / "captioned")
-    assert main(["plan", manifests[1], "--out", captioned, "--world-size", "2", "--batch-size", "2"]) == 0
-    assert read_plan_meta(captioned)["columns"] == ["caption_index"]
-    assert main(["plan", "--check", captioned, manifests[1]]) == 0
+    run(PlanJob(manifests=(manifests[1],), out=captioned, world_size=2, batch_size=2, progress=False))
+    assert list(read_plan_meta(captioned).columns) == ["caption_index"]
+    assert run(PlanJob(manifests=(manifests[1],), check=captioned, progress=False)).exit_code == 0
     table = read_manifest(manifests[1]).samples
     counts = {i: len(c) for i, c in zip(table.column("sample_id").to_pylist(), table.column("captions").to_pylist())}
     steps = list(rank_steps(captioned, 1))
@@ -228,15 +231,16 @@ def test_cli_mixture_summary_check_extend(manifests, tmp_path, capsys):
 
     # a one-manifest plan without caption lists stays the plan it always was (no new column or field)
     one = str(tmp_path / "one")
-    assert main(["plan", manifests[0], "--out", one, "--world-size", "4", "--batch-size", "2"]) == 0
-    assert "mix" not in read_plan_meta(one) and "columns" not in read_plan_meta(one)
+    run(PlanJob(manifests=(manifests[0],), out=one, world_size=4, batch_size=2, progress=False))
+    assert read_plan_meta(one).mix is None and read_plan_meta(one).columns is None
     assert read_plan_rows(one, [0]).table().column_names == ["epoch", "step", "rank", "bucket", "sample_ids"]
     assert main(["plan", "--check", one, manifests[0], manifests[1]]) == 2  # refused: a one-manifest plan
 
 
 def test_check_catches_a_tampered_mixture(manifests, tmp_path):
     url = tmp_path / "p"
-    assert main(mix_args(manifests, str(url), "--repeats", "1,2,10")) == 0
+    run(PlanJob(manifests=(*manifests,), out=str(url), world_size=4, batch_size=2, seed=5, epochs=3,
+                repeats="1,2,10", progress=False))  # fmt: skip
     loaded = [read_manifest(m) for m in manifests]
     assert check_plan(str(url), manifests=loaded) == []
 
@@ -257,11 +261,12 @@ def test_check_catches_a_tampered_mixture(manifests, tmp_path):
 
 def test_resume_of_a_mixture_is_exact(manifests, tmp_path):
     url, out = str(tmp_path / "p"), str(tmp_path / "r")
-    assert main(mix_args(manifests, url, "--repeats", "0.5,1,3", "--leftover", "pad")) == 0
+    run(PlanJob(manifests=(*manifests,), out=url, world_size=4, batch_size=2, seed=5, epochs=3, repeats="0.5,1,3",
+                leftover="pad", progress=False))  # fmt: skip
     meta = read_plan_meta(url)
-    step = meta["steps_per_epoch"] // 3
+    step = meta.steps_per_epoch // 3
     resumed = resume_plan(url, out, epoch=1, step=step, world_size=2)
-    assert resumed["columns"] == meta["columns"]
+    assert resumed.columns == meta.columns
     before = read_plan_rows(url, [1]).table().to_pydict()
     consumed = Counter(p for s, ids, sets in zip(before["step"], before["sample_ids"], before["dataset"])
                        if s < step for p in zip(sets, ids))  # fmt: skip
@@ -297,16 +302,17 @@ def test_bad_mixture_inputs_are_one_clear_line(manifests, tmp_path, capsys):
 
 def test_plan_json_records_the_mixture(manifests, tmp_path):
     url = str(tmp_path / "p")
-    assert main(mix_args(manifests, url, "--weights", "6,3,1", "--json")) == 0
-    meta = json.loads(Path(url, "_plan.json").read_text())
-    assert meta["inputs"]["mix"]["values"] == ["6", "3", "1"]
-    assert [d["share"] for d in meta["mix"]["datasets"]] == [0.6, 0.3, 0.1]
+    run(PlanJob(manifests=(*manifests,), out=url, world_size=4, batch_size=2, seed=5, epochs=3, weights="6,3,1",
+                json=True, progress=False))  # fmt: skip
+    meta = read_plan_meta(url)
+    assert list(meta.inputs.mix.values) == ["6", "3", "1"]
+    assert [d.share for d in meta.mix.datasets] == [0.6, 0.3, 0.1]
     per_bucket = Counter()
-    for d in meta["mix"]["datasets"]:
-        assert sum(b["per_epoch"] for b in d["buckets"].values()) == d["per_epoch"]
-        per_bucket.update({n: b["per_epoch"] for n, b in d["buckets"].items()})
-    assert dict(per_bucket) == {n: b["samples"] for n, b in meta["buckets"].items()}
-    assert meta["counts"]["per_dataset"] == [sum(e["datasets"][d] for e in meta["epochs"]) for d in range(3)]
+    for d in meta.mix.datasets:
+        assert sum(b.per_epoch for b in d.buckets.values()) == d.per_epoch
+        per_bucket.update({n: b.per_epoch for n, b in d.buckets.items()})
+    assert dict(per_bucket) == {n: b.samples for n, b in meta.buckets.items()}
+    assert list(meta.counts.per_dataset) == [sum(e.datasets[d] for e in meta.epochs) for d in range(3)]
 
 
 def test_report_shows_the_mixture_per_dataset(manifests, tmp_path):
@@ -314,11 +320,12 @@ def test_report_shows_the_mixture_per_dataset(manifests, tmp_path):
     from pipeline.report.job import write_report
 
     url = str(tmp_path / "p")
-    assert main(mix_args(manifests, url, "--weights", "0.6,0.3,0.1")) == 0
+    run(PlanJob(manifests=(*manifests,), out=url, world_size=4, batch_size=2, seed=5, epochs=3,
+                weights="0.6,0.3,0.1", progress=False))  # fmt: skip
     html = write_report(manifests[2], str(tmp_path / "r.html"), plan=url)[0]
     page = Path(html).read_text()
-    info = read_plan_meta(url)["mix"]["datasets"][2]
+    info = read_plan_meta(url).mix.datasets[2]
     assert "this manifest is dataset 2 of 3" in page
-    assert f"{info['samples']} samples, weight 0.1 -&gt; {info['per_epoch']} per epoch" in page or \
-        f"{info['samples']} samples, weight 0.1 -> {info['per_epoch']} per epoch" in page
+    assert f"{info.samples} samples, weight 0.1 -&gt; {info.per_epoch} per epoch" in page or \
+        f"{info.samples} samples, weight 0.1 -> {info.per_epoch} per epoch" in page
     assert "per bucket (samples -&gt; per epoch)" in page or "per bucket (samples -> per epoch)" in page

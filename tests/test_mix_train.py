@@ -57,10 +57,10 @@ def test_two_processes_train_on_exactly_the_mixture_planned(mixture, tmp_path):
                    for r in read_rank_plan(plan, rank).to_pylist()]  # fmt: skip
         got = [(r["epoch"], r["step"], r["sample_ids"], r["datasets"]) for r in records(out / "rec", rank)]
         assert got == planned
-    for e in meta["epochs"]:
-        pairs = Counter(p for rank in (0, 1) for r in records(out / "rec", rank) if r["epoch"] == e["epoch"]
+    for e in meta.epochs:
+        pairs = Counter(p for rank in (0, 1) for r in records(out / "rec", rank) if r["epoch"] == e.epoch
                         for p in zip(r["datasets"], r["sample_ids"]))  # fmt: skip
-        assert [sum(c for (d, _), c in pairs.items() if d == x) for x in range(3)] == e["datasets"]
+        assert [sum(c for (d, _), c in pairs.items() if d == x) for x in range(3)] == list(e.datasets)
         ids = {d: set(read_manifest(m).samples.column("sample_id").to_pylist()) for d, m in enumerate(manifests)}
         assert all(i in ids[d] for d, i in pairs)  # every (dataset, id) is a sample of that dataset
         as_0, as_1 = ({i for d, i in pairs if d == x} for x in (0, 1))

@@ -17,6 +17,7 @@ from manifests.buckets import BucketSpec
 from manifests.manifest import read_manifest, write_manifest
 from manifests.plan import (
     PLAN_FILE,
+    DatasetSamples,
     PLAN_SCHEMA,
     PlanConfig,
     PlanError,
@@ -29,6 +30,7 @@ from manifests.plan import (
 )
 from manifests.plan.check import check_plan
 from manifests.plan.schedule import cached_mask
+from pipeline import PlanJob, run
 from pipeline.cli import main
 from tests.factories import manifest_tables
 
@@ -70,34 +72,60 @@ def epoch_ids(url: str, epoch: int, storage_options=None, steps: slice = slice(N
     return out
 
 
-def test_cli_plans_checks_and_is_byte_identical(manifest_url, tmp_path, capsys):
+def test_plans_checks_and_is_byte_identical(manifest_url, tmp_path, capsys):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    assert main(plan_args(manifest_url, a, "--leftover", "pad", "--grad-accum", "2")) == 0
+    run(PlanJob(manifests=(manifest_url,), out=a, world_size=4, batch_size=2, seed=5, epochs=3, leftover="pad",
+                grad_accum=2, progress=False))  # fmt: skip
     out = capsys.readouterr().out
     assert "per epoch" in out and "padded" in out and "fingerprint" in out
-    assert main(plan_args(manifest_url, b, "--leftover", "pad", "--grad-accum", "2")) == 0
+    run(PlanJob(manifests=(manifest_url,), out=b, world_size=4, batch_size=2, seed=5, epochs=3, leftover="pad",
+                grad_accum=2, progress=False))  # fmt: skip
     files_a, files_b = all_files(Path(a)), all_files(Path(b))
     assert files_a == files_b  # same inputs, same bytes (the _plan.json too: no timestamps)
     assert len(files_a) == 1 + 3  # _plan.json + a file per epoch (a row group per rank in it)
     meta = read_plan_meta(a)
-    assert meta["inputs"]["manifest_fingerprint"] == read_manifest(manifest_url).fingerprint
-    assert meta["steps_per_epoch"] % 2 == 0 and meta["counts"]["padded"] > 0
-    assert sum(meta["counts"]["padded_per_bucket"].values()) == meta["counts"]["padded"]
+    assert meta.inputs.manifest_fingerprint == read_manifest(manifest_url).fingerprint
+    assert meta.steps_per_epoch % 2 == 0 and meta.counts.padded > 0
+    assert sum(meta.counts.padded_per_bucket.values()) == meta.counts.padded
     for path in files_a:
         if path.endswith(".parquet"):
             assert pq.read_schema(Path(a) / path).names == PLAN_SCHEMA.names
-    assert main(["plan", "--check", a, manifest_url]) == 0
+    assert run(PlanJob(manifests=(manifest_url,), check=a, progress=False)).exit_code == 0
     assert "ok" in capsys.readouterr().out
+
+
+def test_cli_argv_becomes_the_job_and_its_exit_code(manifest_url, tmp_path, capsys):
+    from pipeline.cli import build_parser
+    from pipeline.plan import job_from_args
+
+    def job(*argv: str) -> PlanJob:
+        return job_from_args(build_parser("plan").parse_args(["plan", *argv]))
+
+    assert job("m1", "m2", "--out", "p", "--world-size", "2", "--batch-size", "4", "--cache", "c1,c2", "--weights",
+               "1,2", "--storage-options", '{"anon": true}') == PlanJob(
+        manifests=("m1", "m2"), out="p", world_size=2, batch_size=4, cache=("c1", "c2"), weights="1,2",
+        storage_options={"anon": True})  # fmt: skip
+    resume = job("--resume", "p", "--at", "3:12", "--world-size", "2", "--out", "q")
+    assert resume.mode == "resume" and resume.at == (3, 12)
+    assert job("m", "--extend", "p", "--epochs", "4").mode == "extend"
+    assert main(["plan", "m", "--world-size", "2", "--batch-size", "2"]) == 2
+    assert "--out PLAN is required" in capsys.readouterr().err
+    assert main(["plan", "m", "--out", "p", "--world-size", "2", "--batch-size", "2", "--cache", "a,b"]) == 2
+    assert "--cache names 2 caches for 1 manifests" in capsys.readouterr().err
+    url = str(tmp_path / "p")
+    assert main(plan_args(manifest_url, url)) == 0
+    assert "fingerprint:" in capsys.readouterr().out
+    assert main(["plan", "--check", url, manifest_url]) == 0
 
 
 def test_epochs_differ_and_rows_are_sorted(manifest_url, tmp_path):
     url = str(tmp_path / "p")
-    assert main(plan_args(manifest_url, url)) == 0
+    run(PlanJob(manifests=(manifest_url,), out=url, world_size=4, batch_size=2, seed=5, epochs=3, progress=False))
     rows = read_rank_plan(url, 2)
     assert rows.schema.equals(PLAN_SCHEMA)
     d = rows.to_pydict()
     meta = read_plan_meta(url)
-    steps = meta["steps_per_epoch"]
+    steps = meta.steps_per_epoch
     assert d["epoch"] == [e for e in range(3) for _ in range(steps)]
     assert d["step"] == list(range(steps)) * 3 and set(d["rank"]) == {2}
     assert d["sample_ids"][:steps] != d["sample_ids"][steps : 2 * steps]
@@ -105,12 +133,12 @@ def test_epochs_differ_and_rows_are_sorted(manifest_url, tmp_path):
     # drop: the ranks' samples are disjoint within an epoch
     seen = epoch_ids(url, 0)
     assert max(seen.values()) == 1
-    assert sum(seen.values()) + meta["epochs"][0]["dropped_total"] == meta["samples"]["planned"]
+    assert sum(seen.values()) + meta.epochs[0].dropped_total == meta.samples.planned
 
 
 def test_a_rank_reads_only_its_own_row_groups(manifest_url, tmp_path):
     url = tmp_path / "p"
-    assert main(plan_args(manifest_url, str(url))) == 0
+    run(PlanJob(manifests=(manifest_url,), out=str(url), world_size=4, batch_size=2, seed=5, epochs=3, progress=False))
     expected = read_rank_plan(str(url), 1)
     # overwrite every byte but rank 1's row groups and the footers: rank 1 must read exactly the same rows
     only = tmp_path / "only"
@@ -135,7 +163,7 @@ def test_unreadable_plans_are_refused(tmp_path, manifest_url):
     with pytest.raises(PlanError, match="no _plan.json"):
         read_rank_plan(str(tmp_path), 0)
     url = str(tmp_path / "p")
-    assert main(plan_args(manifest_url, url)) == 0
+    run(PlanJob(manifests=(manifest_url,), out=url, world_size=4, batch_size=2, seed=5, epochs=3, progress=False))
     with pytest.raises(PlanError, match="outside"):
         read_rank_plan(url, 4)
     with pytest.raises(PlanError, match="no epoch 7"):
@@ -149,13 +177,13 @@ def test_unreadable_plans_are_refused(tmp_path, manifest_url):
 def test_one_reader_gives_rows_of_epochs_ranks_and_columns(manifest_url, tmp_path):
     root = tmp_path / "p"
     url = str(root)
-    assert main(plan_args(manifest_url, url)) == 0
+    run(PlanJob(manifests=(manifest_url,), out=url, world_size=4, batch_size=2, seed=5, epochs=3, progress=False))
     meta = read_plan_meta(url)
     some = read_plan_rows(url, [1], [0, 2], columns=["step", "sample_ids"])
     assert set(some.tables) == {(1, 0), (1, 2)} and some.tables[(1, 2)].column_names == ["step", "sample_ids"]
     assert some.tables[(1, 2)].column("sample_ids").equals(read_rank_plan(url, 2, epoch=1).column("sample_ids"))
     assert some.sha256 == {}  # an epoch's digest needs every rank's part
-    assert read_plan_rows(url, [1]).sha256 == {1: meta["epochs"][1]["sha256"]}
+    assert read_plan_rows(url, [1]).sha256 == {1: meta.epochs[1].sha256}
     with pytest.raises(PlanError, match="not plan columns"):
         read_plan_rows(url, columns=["bucket", "weight"])
 
@@ -185,8 +213,8 @@ def _rewrite(path: Path, rank: int, edit) -> None:
 
 def test_check_catches_a_duplicated_sample(manifest_url, tmp_path):
     url = tmp_path / "p"
-    assert main(plan_args(manifest_url, str(url))) == 0
-    assert check_plan(str(url), manifest=read_manifest(manifest_url)) == []
+    run(PlanJob(manifests=(manifest_url,), out=str(url), world_size=4, batch_size=2, seed=5, epochs=3, progress=False))
+    assert check_plan(str(url), manifests=[read_manifest(manifest_url)]) == []
 
     def repeat(table: pa.Table) -> pa.Table:
         rows = table.to_pydict()
@@ -194,7 +222,7 @@ def test_check_catches_a_duplicated_sample(manifest_url, tmp_path):
         return pa.Table.from_pydict(rows, schema=PLAN_SCHEMA)
 
     _rewrite(url / epoch_part(0), 0, repeat)
-    problems = check_plan(str(url), manifest=read_manifest(manifest_url))
+    problems = check_plan(str(url), manifests=[read_manifest(manifest_url)])
     assert any("repeated samples" in p for p in problems)
     assert any("sha256" in p for p in problems)
     assert main(["plan", "--check", str(url), manifest_url]) == 1
@@ -202,7 +230,7 @@ def test_check_catches_a_duplicated_sample(manifest_url, tmp_path):
 
 def test_check_catches_unequal_steps_and_missing_columns(manifest_url, tmp_path):
     url = tmp_path / "p"
-    assert main(plan_args(manifest_url, str(url))) == 0
+    run(PlanJob(manifests=(manifest_url,), out=str(url), world_size=4, batch_size=2, seed=5, epochs=3, progress=False))
     _rewrite(url / epoch_part(1), 3, lambda t: t.slice(0, 5))
     problems = check_plan(str(url))
     assert any("epoch 1 rank 3" in p and "steps" in p for p in problems)
@@ -216,7 +244,7 @@ def test_check_catches_a_changed_manifest(tmp_path, capsys):
     murl = str(tmp_path / "m")
     write_manifest(murl, *manifest_tables(200, seed=2), source="/d", spec=BucketSpec(area=256 * 256))
     purl = str(tmp_path / "p")
-    assert main(["plan", murl, "--out", purl, "--world-size", "2", "--batch-size", "2"]) == 0
+    run(PlanJob(manifests=(murl,), out=purl, world_size=2, batch_size=2, progress=False))
     write_manifest(murl, *manifest_tables(210, seed=2), source="/d", spec=BucketSpec(area=256 * 256))
     capsys.readouterr()
     assert main(["plan", "--check", purl, murl]) == 1
@@ -252,36 +280,19 @@ def test_packing_mode_summary_and_check(tmp_path, capsys):
     manifest_url = str(tmp_path / "m")
     write_manifest(manifest_url, *manifest_tables(300, seed=4, spec=spec), source="/d", spec=spec)
     url = str(tmp_path / "p")
-    assert (
-        main(
-            [
-                "plan",
-                manifest_url,
-                "--out",
-                url,
-                "--world-size",
-                "2",
-                "--max-tokens",
-                "4096",
-                "--leftover",
-                "pad",
-                "--epochs",
-                "2",
-            ]
-        )
-        == 0
-    )
+    run(PlanJob(manifests=(manifest_url,), out=url, world_size=2, max_tokens=4096, leftover="pad", epochs=2,
+                progress=False))  # fmt: skip
     out = capsys.readouterr().out
     assert "tokens:   per rank per step min" in out
     meta = read_plan_meta(url)
-    assert meta["mode"] == "packing" and meta["inputs"]["latent_factor"] == 8 and meta["inputs"]["patch_size"] == 2
-    assert meta["tokens_per_step"]["max"] <= 4096
-    sizes = {n: b["batch_size"] for n, b in meta["buckets"].items()}
+    assert meta.mode == "packing" and meta.inputs.latent_factor == 8 and meta.inputs.patch_size == 2
+    assert meta.tokens_per_step.max <= 4096
+    sizes = {n: b.batch_size for n, b in meta.buckets.items()}
     assert sizes == {"512x512": 4, "768x1024": 1, "1024x768": 1, "1024x1024": 1}  # small images, bigger batches
     r0, r1 = read_rank_plan(url, 0).to_pydict(), read_rank_plan(url, 1).to_pydict()
     assert r0["bucket"] == r1["bucket"]
     assert [len(b) for b in r0["sample_ids"]] == [len(b) for b in r1["sample_ids"]] == [sizes[b] for b in r0["bucket"]]
-    assert check_plan(url, manifest=read_manifest(manifest_url)) == []
+    assert check_plan(url, manifests=[read_manifest(manifest_url)]) == []
 
 
 @pytest.mark.parametrize(
@@ -297,33 +308,14 @@ def test_packing_mode_summary_and_check(tmp_path, capsys):
 )
 def test_elastic_resume_union_is_exact(manifest_url, tmp_path, old_world, old_batch, new_world, leftover):
     old, new = str(tmp_path / "old"), str(tmp_path / "new")
-    assert (
-        main(
-            [
-                "plan",
-                manifest_url,
-                "--out",
-                old,
-                "--world-size",
-                str(old_world),
-                "--batch-size",
-                str(old_batch),
-                "--epochs",
-                "3",
-                "--leftover",
-                leftover,
-                "--seed",
-                "11",
-            ]
-        )
-        == 0
-    )
-    steps = read_plan_meta(old)["steps_per_epoch"]
+    run(PlanJob(manifests=(manifest_url,), out=old, world_size=old_world, batch_size=old_batch, epochs=3,
+                leftover=leftover, seed=11, progress=False))  # fmt: skip
+    steps = read_plan_meta(old).steps_per_epoch
     at = steps // 3
     meta = resume_plan(old, new, epoch=1, step=at, world_size=new_world)
-    assert meta["inputs"]["world_size"] == new_world
-    assert meta["inputs"]["batch_size"] * new_world == old_world * old_batch
-    assert [e["epoch"] for e in meta["epochs"]] == [1, 2] and meta["epochs"][0]["first_step"] == at
+    assert meta.inputs.world_size == new_world
+    assert meta.inputs.batch_size * new_world == old_world * old_batch
+    assert [e.epoch for e in meta.epochs] == [1, 2] and meta.epochs[0].first_step == at
     consumed = epoch_ids(old, 1, steps=slice(0, at))
     rest = epoch_ids(new, 1)
     assert consumed + rest == epoch_ids(old, 1)  # exactly the epoch: no replay, no skip
@@ -333,35 +325,17 @@ def test_elastic_resume_union_is_exact(manifest_url, tmp_path, old_world, old_ba
     assert rows["step"] == list(range(at, steps))
     # a later epoch is what a fresh plan for (N2, B2) gives
     fresh = str(tmp_path / "fresh")
-    assert (
-        main(
-            [
-                "plan",
-                manifest_url,
-                "--out",
-                fresh,
-                "--world-size",
-                str(new_world),
-                "--batch-size",
-                str(meta["inputs"]["batch_size"]),
-                "--epochs",
-                "3",
-                "--leftover",
-                leftover,
-                "--seed",
-                "11",
-            ]
-        )
-        == 0
-    )
+    run(PlanJob(manifests=(manifest_url,), out=fresh, world_size=new_world, batch_size=meta.inputs.batch_size,
+                epochs=3, leftover=leftover, seed=11, progress=False))  # fmt: skip
     for r in range(new_world):
         assert read_rank_plan(new, r, epoch=2).equals(read_rank_plan(fresh, r, epoch=2))
-    assert check_plan(new, manifest=read_manifest(manifest_url)) == []
+    assert check_plan(new, manifests=[read_manifest(manifest_url)]) == []
 
 
 def test_resume_refuses_what_it_cannot_do(manifest_url, tmp_path):
     old = str(tmp_path / "old")
-    assert main(plan_args(manifest_url, old)) == 0  # global batch 8
+    run(PlanJob(manifests=(manifest_url,), out=old, world_size=4, batch_size=2, seed=5, epochs=3,
+                progress=False))  # global batch 8
     with pytest.raises(ValueError, match="is the plan being resumed"):
         resume_plan(old, old, epoch=0, step=1, world_size=2)
     assert read_plan_meta(old)  # and it is untouched
@@ -369,22 +343,22 @@ def test_resume_refuses_what_it_cannot_do(manifest_url, tmp_path):
         resume_plan(old, str(tmp_path / "n"), epoch=0, step=1, world_size=3)
     with pytest.raises(ValueError, match="use batch size 4"):
         resume_plan(old, str(tmp_path / "n"), epoch=0, step=1, world_size=2, batch_size=3)
-    steps = read_plan_meta(old)["steps_per_epoch"]
+    steps = read_plan_meta(old).steps_per_epoch
     with pytest.raises(PlanError, match="outside epoch"):
         resume_plan(old, str(tmp_path / "n"), epoch=0, step=steps + 1, world_size=2)
     with pytest.raises(PlanError, match="nothing is left"):
         resume_plan(old, str(tmp_path / "n"), epoch=2, step=steps, world_size=2)
     # the end of an epoch resumes at the start of the next
     meta = resume_plan(old, str(tmp_path / "n"), epoch=0, step=steps, world_size=2)
-    assert [e["epoch"] for e in meta["epochs"]] == [1, 2] and meta["epochs"][0]["first_step"] == 0
+    assert [e.epoch for e in meta.epochs] == [1, 2] and meta.epochs[0].first_step == 0
 
 
 def test_cli_resume(manifest_url, tmp_path, capsys):
     old, new = str(tmp_path / "old"), str(tmp_path / "new")
-    assert main(plan_args(manifest_url, old)) == 0
-    assert main(["plan", "--resume", old, "--at", "1:3", "--world-size", "8", "--out", new]) == 0
+    run(PlanJob(manifests=(manifest_url,), out=old, world_size=4, batch_size=2, seed=5, epochs=3, progress=False))
+    run(PlanJob(resume=old, at=(1, 3), world_size=8, out=new, progress=False))
     assert "resumed at epoch 1 step 3" in capsys.readouterr().out
-    assert read_plan_meta(new)["resumed_from"]["world_size"] == 4
+    assert read_plan_meta(new).resumed_from.world_size == 4
     assert main(["plan", "--resume", old, "--at", "one", "--world-size", "8", "--out", new]) == 2
     assert "--at must be EPOCH:STEP" in capsys.readouterr().err
 
@@ -398,22 +372,17 @@ def test_cache_filter_keeps_only_cached_samples(manifest_url, tmp_path):
     assert cached_mask(ids, np.asarray(sorted(available), np.uint64)).tolist() == keep.tolist()
     url = str(tmp_path / "p")
     buckets = manifest.samples.column("bucket").filter(pa.array(keep))
-    meta = write_plan(
-        url,
-        ids[keep],
-        buckets,
-        PlanConfig(world_size=2, batch_size=1, leftover="pad"),
-        manifest_fingerprint=manifest.fingerprint,
-        cache_fingerprint="cache-fp",
-        not_in_cache=int((~keep).sum()),
-    )
-    assert meta["inputs"]["cache_fingerprint"] == "cache-fp" and meta["samples"]["planned"] == keep.sum()
+    dataset = DatasetSamples(ids[keep], buckets, manifest_fingerprint=manifest.fingerprint,
+                             cache_fingerprint="cache-fp", not_in_cache=int((~keep).sum()))
+    meta = write_plan(url, [dataset], PlanConfig(world_size=2, batch_size=1, leftover="pad"))
+    assert meta.inputs.cache_fingerprint == "cache-fp" and meta.samples.planned == keep.sum()
     planned = epoch_ids(url, 0)
     assert set(planned) == set(ids[keep].tolist())
     available_ids = np.asarray(sorted(available), np.uint64)
-    assert check_plan(url, manifest=manifest, available_ids=available_ids, cache_fingerprint="cache-fp") == []
-    assert any("cache fingerprint mismatch" in p for p in check_plan(url, manifest=manifest, cache_fingerprint="other"))
-    assert check_plan(url, manifest=manifest) == []  # without the cache: membership in the manifest only
+    assert check_plan(url, manifests=[manifest], available_ids=[available_ids], cache_fingerprints=["cache-fp"]) == []
+    mismatch = check_plan(url, manifests=[manifest], cache_fingerprints=["other"])
+    assert any("cache fingerprint mismatch" in p for p in mismatch)
+    assert check_plan(url, manifests=[manifest]) == []  # without the cache: membership in the manifest only
 
 
 @pytest.fixture(scope="module")
@@ -434,7 +403,7 @@ def embedded(tmp_path_factory, ray_local, bucketeer_home) -> SimpleNamespace:
 
 def _all_planned(url: str) -> tuple[set[int], list[tuple[str, int]]]:
     ids, rows = set(), []
-    for epoch in range(read_plan_meta(url)["inputs"]["epochs"]):
+    for epoch in range(read_plan_meta(url).inputs.epochs):
         for t in read_plan_rows(url, [epoch]).ranks(epoch):
             for bucket, batch in zip(t.column("bucket").to_pylist(), t.column("sample_ids").to_pylist()):
                 ids.update(batch)
@@ -450,18 +419,19 @@ def test_plan_with_a_real_cache_end_to_end(embedded, tmp_path, capsys):
     errors = read_index(embedded.cache)["errors"].column("sample_id").to_pylist()
     assert errors == [embedded.broken]  # the undecodable image is an error row of the cache
     url = str(tmp_path / "p")
-    args = ["--world-size", "2", "--batch-size", "1", "--epochs", "2", "--leftover", "pad", "--cache", embedded.cache]
-    assert main(["plan", embedded.manifest, "--out", url, *args]) == 0
+    run(PlanJob(manifests=(embedded.manifest,), out=url, world_size=2, batch_size=1, epochs=2, leftover="pad",
+                cache=(embedded.cache,), progress=False))  # fmt: skip
     assert "1 not in the cache (left out)" in capsys.readouterr().out
     meta = read_plan_meta(url)
-    assert meta["inputs"]["cache_fingerprint"] == read_cache_meta(embedded.cache)["fingerprint"]
-    assert meta["samples"] == {"planned": 10, "not_in_cache": 1, "stale": 0}
+    assert meta.inputs.cache_fingerprint == read_cache_meta(embedded.cache)["fingerprint"]
+    assert meta.samples.to_json() == {"planned": 10, "not_in_cache": 1, "stale": 0}
     planned, rows = _all_planned(url)
     good = available_sample_ids(embedded.cache, manifest=read_manifest(embedded.manifest))
     assert embedded.broken not in planned and planned == set(good.tolist()) and len(planned) == 10
     records = {r.sample_id: r for r in CacheReader(embedded.cache).read(sorted(planned))}
     assert all(records[i].bucket == bucket for bucket, i in rows)  # every planned id has a record of its bucket
-    assert main(["plan", "--check", url, embedded.manifest, "--cache", embedded.cache]) == 0
+    assert run(PlanJob(manifests=(embedded.manifest,), check=url, cache=(embedded.cache,),
+                       progress=False)).exit_code == 0
     assert "ok" in capsys.readouterr().out
 
     # the same folder re-embedded with other settings is another cache: the plan no longer matches it
@@ -469,12 +439,12 @@ def test_plan_with_a_real_cache_end_to_end(embedded, tmp_path, capsys):
 
     other = str(tmp_path / "cache-fp32")
     assert run_embed(embedded.manifest, other, "--dtype", "fp32") == 0
-    assert read_cache_meta(other)["fingerprint"] != meta["inputs"]["cache_fingerprint"]
+    assert read_cache_meta(other)["fingerprint"] != meta.inputs.cache_fingerprint
     capsys.readouterr()
     assert main(["plan", "--check", url, embedded.manifest, "--cache", other]) == 1
     assert "cache fingerprint mismatch" in capsys.readouterr().out
     # without --cache the plan is still a sound plan of the manifest (membership only)
-    assert main(["plan", "--check", url, embedded.manifest]) == 0
+    assert run(PlanJob(manifests=(embedded.manifest,), check=url, progress=False)).exit_code == 0
 
 
 @pytest.mark.ray
@@ -484,13 +454,13 @@ def test_plan_check_catches_a_cache_that_lost_records(embedded, tmp_path, capsys
     from manifests.cache import available_sample_ids, read_cache_meta
 
     url = str(tmp_path / "p")
-    assert main(["plan", embedded.manifest, "--out", url, "--world-size", "1", "--batch-size", "1",
-                 "--cache", embedded.cache]) == 0  # fmt: skip
+    run(PlanJob(manifests=(embedded.manifest,), out=url, world_size=1, batch_size=1, cache=(embedded.cache,),
+                progress=False))  # fmt: skip
     manifest = read_manifest(embedded.manifest)
     fresh = available_sample_ids(embedded.cache, manifest=manifest)
     fp = read_cache_meta(embedded.cache)["fingerprint"]
-    assert check_plan(url, manifest=manifest, available_ids=fresh, cache_fingerprint=fp) == []
-    problems = check_plan(url, manifest=manifest, available_ids=fresh[1:], cache_fingerprint=fp)
+    assert check_plan(url, manifests=[manifest], available_ids=[fresh], cache_fingerprints=[fp]) == []
+    problems = check_plan(url, manifests=[manifest], available_ids=[fresh[1:]], cache_fingerprints=[fp])
     assert any("differ from the manifest's (and cache's)" in p for p in problems)
 
 
@@ -498,10 +468,11 @@ def test_memory_round_trip_and_rewrite_removes_stale_parts():
     ids = np.arange(1, 401, dtype=np.uint64)
     buckets = ["512x512"] * 300 + ["640x384"] * 100
     url = "memory://plans/roundtrip"
-    write_plan(url, ids, buckets, PlanConfig(world_size=4, batch_size=4, epochs=2), manifest_fingerprint="m")
+    one = [DatasetSamples(ids, buckets, manifest_fingerprint="m")]
+    write_plan(url, one, PlanConfig(world_size=4, batch_size=4, epochs=2))
     rows = read_rank_plan(url, 3)
-    assert rows.num_rows == 2 * read_plan_meta(url)["steps_per_epoch"]
-    write_plan(url, ids, buckets, PlanConfig(world_size=2, batch_size=4, epochs=1), manifest_fingerprint="m")
+    assert rows.num_rows == 2 * read_plan_meta(url).steps_per_epoch
+    write_plan(url, one, PlanConfig(world_size=2, batch_size=4, epochs=1))
     import fsspec
 
     parts = [p for p in fsspec.filesystem("memory").find("/plans/roundtrip") if p.endswith(".parquet")]
@@ -514,10 +485,10 @@ def test_s3_round_trip_resume_and_check(s3, manifest_url, tmp_path):
     url, local = s3.fresh_url("plan"), str(tmp_path / "local")
     opts = json.dumps(s3.storage_options)
     assert main(plan_args(manifest_url, url, "--storage-options", opts)) == 0
-    assert main(plan_args(manifest_url, local)) == 0
+    run(PlanJob(manifests=(manifest_url,), out=local, world_size=4, batch_size=2, seed=5, epochs=3, progress=False))
     for r in range(4):
         assert read_rank_plan(url, r, s3.storage_options).equals(read_rank_plan(local, r))
-    assert read_plan_meta(url, s3.storage_options)["fingerprint"] == read_plan_meta(local)["fingerprint"]
+    assert read_plan_meta(url, s3.storage_options).fingerprint == read_plan_meta(local).fingerprint
     new = s3.fresh_url("resumed")
     resume_plan(
         url,
@@ -537,20 +508,22 @@ def test_s3_round_trip_resume_and_check(s3, manifest_url, tmp_path):
 
 def test_a_plan_written_in_windows_has_the_bytes_of_one_planned_at_once(manifest_url, tmp_path, capsys):
     whole, windowed = tmp_path / "whole", tmp_path / "windowed"
-    assert main(plan_args(manifest_url, str(whole), "--epochs", "5")) == 0
-    assert main(plan_args(manifest_url, str(windowed), "--epochs", "5", "--window", "2")) == 0
+    run(PlanJob(manifests=(manifest_url,), out=str(whole), world_size=4, batch_size=2, seed=5, epochs=5,
+                progress=False))  # fmt: skip
+    run(PlanJob(manifests=(manifest_url,), out=str(windowed), world_size=4, batch_size=2, seed=5, epochs=5, window=2,
+                progress=False))  # fmt: skip
     assert "epochs 0..1 of 5 planned (write the rest with --extend)" in capsys.readouterr().out
     meta = read_plan_meta(str(windowed))
-    assert [e["epoch"] for e in meta["epochs"]] == [0, 1] and meta["inputs"]["epochs"] == 5
-    assert meta["fingerprint"] == read_plan_meta(str(whole))["fingerprint"]  # a window is the same plan
-    assert check_plan(str(windowed), manifest=read_manifest(manifest_url)) == []
+    assert [e.epoch for e in meta.epochs] == [0, 1] and meta.inputs.epochs == 5
+    assert meta.fingerprint == read_plan_meta(str(whole)).fingerprint  # a window is the same plan
+    assert check_plan(str(windowed), manifests=[read_manifest(manifest_url)]) == []
     assert read_rank_plan(str(windowed), 3, epoch=1).equals(read_rank_plan(str(whole), 3, epoch=1))
 
     assert main(["plan", manifest_url, "--extend", str(windowed), "--epochs", "3", "--seed", "6"]) == 2
     assert "--seed 6 differs from the plan's 5" in capsys.readouterr().err
-    assert main(["plan", manifest_url, "--extend", str(windowed), "--epochs", "3", "--seed", "5"]) == 0
-    assert [e["epoch"] for e in read_plan_meta(str(windowed))["epochs"]] == [0, 1, 2]
-    assert main(["plan", manifest_url, "--extend", str(windowed)]) == 0  # the rest
+    run(PlanJob(manifests=(manifest_url,), extend=str(windowed), epochs=3, seed=5, progress=False))
+    assert [e.epoch for e in read_plan_meta(str(windowed)).epochs] == [0, 1, 2]
+    run(PlanJob(manifests=(manifest_url,), extend=str(windowed), progress=False))  # the rest
     assert all_files(windowed) == all_files(whole)  # _plan.json included: extending is a pure function
     capsys.readouterr()
     assert main(["plan", manifest_url, "--extend", str(windowed)]) == 2
@@ -558,7 +531,8 @@ def test_a_plan_written_in_windows_has_the_bytes_of_one_planned_at_once(manifest
 
     other = str(tmp_path / "m2")
     write_manifest(other, *manifest_tables(100, seed=9), source="/d", spec=BucketSpec(area=512 * 512))
-    assert main(plan_args(manifest_url, str(windowed), "--epochs", "5", "--window", "1")) == 0
+    run(PlanJob(manifests=(manifest_url,), out=str(windowed), world_size=4, batch_size=2, seed=5, epochs=5, window=1,
+                progress=False))  # fmt: skip
     assert main(["plan", other, "--extend", str(windowed)]) == 2
     assert "was made from manifest" in capsys.readouterr().err
     resumed = str(tmp_path / "resumed")
@@ -569,7 +543,7 @@ def test_a_plan_written_in_windows_has_the_bytes_of_one_planned_at_once(manifest
 
 def test_an_older_plan_format_is_refused_with_what_to_do(manifest_url, tmp_path):
     url = tmp_path / "p"
-    assert main(plan_args(manifest_url, str(url))) == 0
+    run(PlanJob(manifests=(manifest_url,), out=str(url), world_size=4, batch_size=2, seed=5, epochs=3, progress=False))
     meta = json.loads((url / PLAN_FILE).read_text())
     (url / PLAN_FILE).write_text(json.dumps(dict(meta, format_version=1)))
     with pytest.raises(PlanError, match="format version 1; this bucketeer reads version 2. Re-run `bucketeer plan`"):

@@ -12,16 +12,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from manifests.plan.schedule import (
-    PlanConfig,
-    bucket_batch_sizes,
-    group_samples,
-    latent_tokens,
-    plan_epoch,
-    rank_table,
-    resplit,
-    schedule_from_rank_tables,
-)
+from manifests.plan.rows import rank_table, resplit, schedule_from_rank_tables
+from manifests.plan.schedule import PlanConfig, bucket_batch_sizes, group_samples, latent_tokens, plan_epoch
 
 NAMES = ["1024x1024", "1152x896", "896x1152", "1344x768", "768x1344", "512x2048", "2048x512"]
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -240,7 +232,8 @@ def test_plan_files_hold_every_invariant_at_up_to_1024_ranks(world, batch, lefto
     import fsspec
 
     from manifests.plan.parts import encode_epoch, read_epoch_ranks, read_epoch_whole
-    from manifests.plan.schedule import PLAN_SCHEMA
+    from manifests.plan.meta import EpochEntry
+    from manifests.plan.rows import PLAN_SCHEMA
 
     g = world * batch
     counts = data.draw(st.lists(st.integers(1, 3 * g), min_size=1, max_size=4))
@@ -256,7 +249,10 @@ def test_plan_files_hold_every_invariant_at_up_to_1024_ranks(world, batch, lefto
     whole, sha = read_epoch_whole(fs, path, "e", world, PLAN_SCHEMA)
     assert sha == file.sha256 and len(whole) == world
     ranks = data.draw(st.lists(st.integers(0, world - 1), min_size=1, max_size=3, unique=True))
-    some = read_epoch_ranks(fs, path, "e", {**file.entry(), "steps": schedule.steps}, world, ranks, PLAN_SCHEMA)
+    entry = EpochEntry(epoch=schedule.epoch, first_step=0, steps=schedule.steps, steps_in_epoch=schedule.steps,
+                       padded={}, dropped={}, padded_total=0, dropped_total=0, sha256=file.sha256,
+                       bytes=len(file.data), footer_bytes=file.footer_bytes)  # fmt: skip
+    some = read_epoch_ranks(fs, path, "e", entry, world, ranks, PLAN_SCHEMA)
     for rank in ranks:
         expected = rank_table(schedule, world, rank)
         assert some[rank].equals(expected) and whole[rank].equals(expected)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from manifests.cache import CacheWriter, read_cache_meta
-from manifests.plan import PlanConfig, epoch_part, write_plan
+from manifests.plan import DatasetSamples, PlanConfig, epoch_part, write_plan
 from manifests.buckets import BucketSpec
 from manifests.manifest import read_manifest, write_manifest
 from pipeline.cli import main
@@ -88,10 +88,10 @@ def write_plan_folder(root, manifest, *, world: int = 2, batch: int = 4) -> dict
     """A one-epoch plan of ``manifest`` (leftovers padded); returns the totals the report must show."""
     samples = manifest.samples
     config = PlanConfig(world_size=world, batch_size=batch, epochs=1, leftover="pad")
-    meta = write_plan(str(root), samples.column("sample_id"), samples.column("bucket"), config,
-                      manifest_fingerprint=manifest.fingerprint)  # fmt: skip
-    steps, first = meta["steps_per_epoch"], meta["epochs"][0]
-    return {"steps": steps, "padded": first["padded_total"], "dropped": first["dropped_total"],
+    meta = write_plan(str(root), [DatasetSamples(samples.column("sample_id"), samples.column("bucket"),
+                                                 manifest_fingerprint=manifest.fingerprint)], config)  # fmt: skip
+    steps, first = meta.steps_per_epoch, meta.epochs[0]
+    return {"steps": steps, "padded": first.padded_total, "dropped": first.dropped_total,
             "slots": steps * world * batch}  # fmt: skip
 
 

@@ -164,7 +164,7 @@ def test_each_rank_trains_on_exactly_its_plan_rows(straight, train_data):
 
 
 def test_accumulation_makes_one_optimizer_step_per_grad_accum_plan_steps(straight, train_data):
-    assert read_plan_meta(train_data.plan2a)["inputs"]["grad_accum"] == 2
+    assert read_plan_meta(train_data.plan2a).inputs.grad_accum == 2
     cursor = json.loads((straight / "checkpoints" / "step-00000020" / "cursor.json").read_text())
     assert cursor["optimizer_steps"] == 20 // 2
     scheduler = torch.load(straight / "checkpoints" / "step-00000020" / "scheduler.bin", weights_only=True)
@@ -243,7 +243,7 @@ def test_resume_on_one_process_after_two_covers_the_epoch_exactly(killed, train_
         assert len(batch) == 4 and set(batch) == planned[(e, s)]  # the same global batches, now on one rank
 
     plans = out / "plans" / "resume-00000004-w1"
-    assert read_plan_meta(str(plans))["resumed_from"]["world_size"] == 2
+    assert read_plan_meta(str(plans)).resumed_from.world_size == 2
     cursor = json.loads((out / "checkpoints" / "latest.json").read_text())["checkpoint"]
     final = json.loads((out / "checkpoints" / cursor / "cursor.json").read_text())
     assert (final["epoch"], final["step"], final["world_size"], final["position"]) == (1, 10, 1, 20)

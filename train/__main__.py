@@ -37,10 +37,13 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from manifests.errors import UsageError, user_error
 from manifests.storage import parse_storage_options, redact
+
+if TYPE_CHECKING:
+    from manifests.plan import PlanMeta
 
 # The prepared (DDP-wrapped) model lives until os._exit. When train() returns, its frame would free
 # the model, and the DDP Reducer's destructor joins the gloo process group's worker threads while
@@ -107,13 +110,13 @@ class Run:
     output: Any  # train.output.OutputDir
     storage_options: dict
     root_url: str
-    root_meta: dict
+    root_meta: PlanMeta
     grad_accum: int
     max_steps: int | None
     checkpoint: Any = None  # train.checkpoint.Checkpoint to resume from
     cursor: Any = None  # train.checkpoint.Cursor
     plan_url: str = ""
-    plan_meta: dict | None = None
+    plan_meta: PlanMeta | None = None
 
 
 def _setup_accelerator(args: argparse.Namespace) -> Run:
@@ -164,7 +167,7 @@ def _setup_position(run: Run, args: argparse.Namespace) -> None:
     checkpoint = find_checkpoint(run.output) if args.resume else None
     if checkpoint is not None:
         cursor = checkpoint.cursor
-        if cursor.root_fingerprint != run.root_meta["fingerprint"]:
+        if cursor.root_fingerprint != run.root_meta.fingerprint:
             raise UsageError(f"{run.output.name(checkpoint.rel)} was trained on another plan than --plan "
                              f"{redact(args.plan)}; pass that plan, or use a new --output-dir")  # fmt: skip
         accelerator.print(f"resuming from {run.output.name(checkpoint.rel)}: epoch {cursor.epoch} step "
@@ -172,15 +175,15 @@ def _setup_position(run: Run, args: argparse.Namespace) -> None:
     else:
         if args.resume:
             accelerator.print(f"--resume: no checkpoint in {run.output.name()}; starting at the beginning of the plan")
-        if int(run.root_meta["inputs"]["world_size"]) != world:
-            raise UsageError(f"--plan {redact(args.plan)} is for {run.root_meta['inputs']['world_size']} ranks but "
+        if run.root_meta.inputs.world_size != world:
+            raise UsageError(f"--plan {redact(args.plan)} is for {run.root_meta.inputs.world_size} ranks but "
                              f"{world} processes are running: plan with --world-size {world}")  # fmt: skip
         cursor = Cursor.start(run.root_meta, run.root_url, world)
     with accelerator.main_process_first():  # rank 0 writes an elastic plan, the others then read it
         plan_url, plan_meta = resume_elastic(cursor, run.root_url, run.root_meta, run.output, world,
                                              run.storage_options, write=accelerator.is_main_process)  # fmt: skip
     run.checkpoint, run.plan_url, run.plan_meta = checkpoint, plan_url, plan_meta
-    run.cursor = replace(cursor, world_size=world, plan_url=plan_url, plan_fingerprint=plan_meta["fingerprint"])
+    run.cursor = replace(cursor, world_size=world, plan_url=plan_url, plan_fingerprint=plan_meta.fingerprint)
 
 
 def _setup_data(run: Run, args: argparse.Namespace):
@@ -192,8 +195,8 @@ def _setup_data(run: Run, args: argparse.Namespace):
 
     accelerator, cursor, cfg = run.accelerator, run.cursor, run.cfg
     caches = [c.strip() for c in args.cache.split(",")]
-    mix = run.plan_meta["inputs"].get("mix")
-    wanted = mix["cache_fingerprints"] if mix else [run.plan_meta["inputs"].get("cache_fingerprint")]
+    mix = run.plan_meta.inputs.mix
+    wanted = list(mix.cache_fingerprints) if mix else [run.plan_meta.inputs.cache_fingerprint]
     if len(caches) != len(wanted):
         raise UsageError(f"--cache names {len(caches)} caches, the plan mixes {len(wanted)} manifests: pass one "
                          "cache per manifest, comma-separated, in the order `bucketeer plan` was given "
@@ -248,11 +251,11 @@ def _setup_model(run: Run, reader):
     if ema is not None:
         ema.register(accelerator)  # ema.safetensors in every checkpoint, read back by load_state
     # linear scaling by the ROOT plan's world size: an elastic resume keeps the global batch, so the lr too
-    lr = cfg.lr * int(root_meta["inputs"]["world_size"]) if cfg.scale_lr else cfg.lr
+    lr = cfg.lr * root_meta.inputs.world_size if cfg.scale_lr else cfg.lr
     optimizer = torch.optim.AdamW(trained, lr=lr, betas=cfg.adam_betas, eps=cfg.adam_eps,
                                   weight_decay=cfg.weight_decay)  # fmt: skip
     # the schedule's length: the run's epochs (inputs.epochs, however many are planned yet) of the root plan
-    plan_steps = int(root_meta["steps_per_epoch"]) * int(root_meta["inputs"]["epochs"])
+    plan_steps = root_meta.steps_per_epoch * root_meta.inputs.epochs
     total_updates = plan_steps // run.grad_accum  # exact: steps per epoch are a multiple of grad_accum
     schedule = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[cfg.lr_schedule]
     lr_scheduler = get_scheduler(schedule, optimizer, num_warmup_steps=cfg.warmup_steps,
@@ -314,9 +317,9 @@ def train(args: argparse.Namespace) -> int:
     # sizes keep a checkpoint's save_state well under that.
     stop_requested = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop_requested.set())
-    planned = run.plan_meta["epochs"][-1]["epoch"] + 1
-    if planned < int(run.root_meta["inputs"]["epochs"]) and max_steps is None:
-        say(f"the plan holds epochs up to {planned - 1} of {run.root_meta['inputs']['epochs']}: this run stops "
+    planned = run.plan_meta.epochs[-1].epoch + 1
+    if planned < run.root_meta.inputs.epochs and max_steps is None:
+        say(f"the plan holds epochs up to {planned - 1} of {run.root_meta.inputs.epochs}: this run stops "
             f"there; write more with `bucketeer plan MANIFEST --extend {redact(args.plan)}` and --resume")  # fmt: skip
     say(f"training {len(steps)} steps per rank on {world} process(es) from epoch {cursor.epoch} step {cursor.step}; "
         f"{reader.meta.get('family') or 'generic'} recipe, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
@@ -391,7 +394,7 @@ def train(args: argparse.Namespace) -> int:
             checkpoint()
             saved_at = cursor.position
     if stop is None:
-        finished = cursor.epoch >= int(run.root_meta["inputs"]["epochs"]) - 1
+        finished = cursor.epoch >= run.root_meta.inputs.epochs - 1
         stop = StopReason.PLAN_FINISHED if finished or not len(steps) else StopReason.WINDOW_FINISHED
     progress.close()
     loader.close()

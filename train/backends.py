@@ -18,20 +18,23 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from manifests.errors import UsageError
+
+if TYPE_CHECKING:
+    from manifests.plan import PlanMeta
 
 __all__ = ["plan_grad_accum", "plan_micro_batch", "check_backend", "configure_deepspeed", "save_model"]
 
 ACCUM_ENV = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"  # set by `accelerate launch` from a deepspeed_config
 
 
-def plan_grad_accum(plan_meta: dict[str, Any], config_value: int | None, plan_name: str) -> int:
+def plan_grad_accum(plan_meta: PlanMeta, config_value: int | None, plan_name: str) -> int:
     """The plan's gradient accumulation. Raises UsageError when the training config or the accelerate
     config (``gradient_accumulation_steps``, which ``accelerate launch`` passes as $ACCELERATE_GRADIENT_
     ACCUMULATION_STEPS and accelerate would prefer to ours) says otherwise, naming both."""
-    planned = int(plan_meta["inputs"].get("grad_accum", 1))
+    planned = plan_meta.inputs.grad_accum
     if config_value is not None and config_value != planned:
         raise UsageError(f"--plan {plan_name} was made with --grad-accum {planned} but the config says grad_accum: "
                          f"{config_value}; remove grad_accum from the config (the plan decides) or set it to "
@@ -44,9 +47,9 @@ def plan_grad_accum(plan_meta: dict[str, Any], config_value: int | None, plan_na
     return planned
 
 
-def plan_micro_batch(plan_meta: dict[str, Any]) -> int:
+def plan_micro_batch(plan_meta: PlanMeta) -> int:
     """Samples per rank per step: the plan's batch size (packing mode: the largest bucket batch)."""
-    return max(int(b["batch_size"]) for b in plan_meta["buckets"].values())
+    return max(b.batch_size for b in plan_meta.buckets.values())
 
 
 def check_backend(accelerator) -> None:

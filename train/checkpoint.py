@@ -30,7 +30,7 @@ from typing import Any
 
 from manifests import faults
 from manifests.errors import UsageError
-from manifests.plan import read_plan_meta, resume_plan
+from manifests.plan import PlanMeta, read_plan_meta, resume_plan
 from manifests.storage import join, read_json, write_json_atomic
 from train.output import OutputDir
 
@@ -61,10 +61,10 @@ class Cursor:
     root_fingerprint: str
 
     @classmethod
-    def start(cls, plan_meta: dict[str, Any], plan_url: str, world_size: int) -> "Cursor":
-        first = plan_meta["epochs"][0]
-        fp = plan_meta["fingerprint"]
-        return cls(first["epoch"], first["first_step"], world_size, 0, 0, plan_url, fp, fp)
+    def start(cls, plan_meta: PlanMeta, plan_url: str, world_size: int) -> "Cursor":
+        first = plan_meta.epochs[0]
+        fp = plan_meta.fingerprint
+        return cls(first.epoch, first.first_step, world_size, 0, 0, plan_url, fp, fp)
 
     def after(self, epoch: int, step: int, *, optimizer_steps: int) -> "Cursor":
         """The cursor once step ``(epoch, step)`` has run on every rank."""
@@ -149,7 +149,7 @@ def save_checkpoint(accelerator, output: OutputDir, cursor: Cursor, keep: int) -
 
 
 def resume_elastic(
-    cursor: Cursor, root_url: str, root_meta: dict[str, Any], output: OutputDir, world_size: int,
+    cursor: Cursor, root_url: str, root_meta: PlanMeta, output: OutputDir, world_size: int,
     storage_options: dict | None, *, write: bool,
 ) -> tuple[str, dict[str, Any]]:  # fmt: skip
     """The plan to follow from ``cursor`` on ``world_size`` ranks: ``(url, _plan.json)``.
@@ -160,7 +160,7 @@ def resume_elastic(
     Always from the root plan, so epochs added to it by ``--extend`` since are re-cut too. Raises
     ValueError when the global batch does not split over ``world_size`` ranks.
     """
-    if int(root_meta["inputs"]["world_size"]) == world_size:
+    if root_meta.inputs.world_size == world_size:
         return root_url, root_meta
     rel = f"plans/resume-{cursor.position:08d}-w{world_size}"
     url, options = output.url_of(rel), (None if output.is_local else output.fs.storage_options)

@@ -54,7 +54,7 @@ from manifests.cache import CacheError, CacheReader, TextLayout
 from manifests.cache.records import SampleRecord, to_float32
 from manifests.draws import SALT_VARIANT, uniforms
 from manifests.errors import UsageError
-from manifests.plan import read_plan_meta, read_plan_rows
+from manifests.plan import PlanMeta, read_plan_meta, read_plan_rows
 from manifests.storage import redact
 
 __all__ = ["PlanStep", "Batch", "BadRecordError", "RankSteps", "rank_steps", "collate", "BatchLoader",
@@ -97,20 +97,20 @@ class RankSteps:
     """
 
     def __init__(self, plan_url: str, rank: int, storage_options: dict | None = None, *,
-                 meta: dict[str, Any] | None = None, start: tuple[int, int] = (0, 0),
+                 meta: PlanMeta | None = None, start: tuple[int, int] = (0, 0),
                  limit: int | None = None):  # fmt: skip
         self.url, self.rank, self.storage_options = plan_url, rank, storage_options
         self.meta = meta or read_plan_meta(plan_url, storage_options)
         self.start = start
         left = limit
         self.parts: list[tuple[int, int, int]] = []  # (epoch, first step to take, steps to take)
-        for e in self.meta["epochs"]:
-            first, end = e["first_step"], e["first_step"] + e["steps"]
-            if (e["epoch"], end) <= start or (left is not None and left <= 0):
+        for e in self.meta.epochs:
+            first, end = e.first_step, e.first_step + e.steps
+            if (e.epoch, end) <= start or (left is not None and left <= 0):
                 continue
-            skip = max(start[1] - first, 0) if e["epoch"] == start[0] else 0
+            skip = max(start[1] - first, 0) if e.epoch == start[0] else 0
             count = end - first - skip if left is None else min(end - first - skip, left)
-            self.parts.append((e["epoch"], first + skip, count))
+            self.parts.append((e.epoch, first + skip, count))
             left = None if left is None else left - count
 
     def __len__(self) -> int:

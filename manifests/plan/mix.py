@@ -53,8 +53,9 @@ from manifests.draws import SALT_CAPTION_CHOICE, uniforms
 from manifests.errors import UsageError
 from manifests.plan.schedule import BucketedSamples, EpochSchedule, PlanConfig, group_samples, plan_epoch
 
-__all__ = ["MIX_RULES", "RULE_HELP", "MixRule", "DatasetSamples", "MixedSamples", "mix_samples", "mix_epoch",
-           "caption_choice", "largest_remainder", "combined_fingerprint", "caption_counts"]
+__all__ = ["MIX_RULES", "RULE_HELP", "MixRule", "DatasetSamples", "MixedSamples", "PlanSamples", "plan_samples",
+           "schedule_epoch", "mix_samples", "mix_epoch", "caption_choice", "largest_remainder", "combined_fingerprint",
+           "caption_counts"]
 
 MIX_RULES = ("weights", "repeats")
 # the counting rule in a few lines: `bucketeer plan --help` shows it (the module docstring has the details)
@@ -132,12 +133,24 @@ class MixRule:
 
 @dataclass(frozen=True)
 class DatasetSamples:
-    """One manifest's samples to plan: ids, buckets, and (optional) caption counts per sample (1 if none)."""
+    """One manifest's samples to plan, what every plan is made from (a one-manifest plan: a list of one).
+
+    ``ids``, ``buckets``: the samples (already filtered by the cache); ``caption_counts``: (n,) captions per
+    sample, None when the manifest has no caption lists; ``source``: the name errors give. Recorded in
+    ``_plan.json``: the manifest's and cache's fingerprints, their URLs (redacted), and the samples left out
+    for the cache (``not_in_cache``: no record; ``stale``: a record of an older version of the row).
+    """
 
     ids: np.ndarray
     buckets: pa.Array
     caption_counts: np.ndarray | None = None
     source: str = "manifest"
+    manifest_fingerprint: str | None = None
+    cache_fingerprint: str | None = None
+    manifest: str | None = None
+    cache: str | None = None
+    not_in_cache: int = 0
+    stale: int = 0
 
 
 @dataclass(frozen=True)
@@ -218,6 +231,34 @@ def mix_samples(datasets: Sequence[DatasetSamples], rule: MixRule) -> MixedSampl
     return MixedSamples(names=names, ids=np.concatenate(ids), datasets=np.concatenate(dsets),
                         caption_counts=np.concatenate(caps).astype(np.int64) if with_captions else None,
                         strata=strata, slots=slots, per_epoch=per_epoch, rule=rule)  # fmt: skip
+
+
+PlanSamples = BucketedSamples | MixedSamples
+
+
+def plan_samples(datasets: Sequence[DatasetSamples], rule: MixRule | None = None) -> PlanSamples:
+    """What a plan draws from. One dataset without a rule and without caption lists is planned as it is
+    (:func:`manifests.plan.schedule.plan_epoch`, the plans of before mixtures, byte for byte); anything else is
+    a mixture, by ``rule`` (default: every sample once per epoch). Raises UsageError for no sample to plan, or
+    a rule for another number of datasets (see also :func:`mix_samples`)."""
+    if rule is None and len(datasets) == 1 and datasets[0].caption_counts is None:
+        samples = group_samples(datasets[0].ids, datasets[0].buckets, source=datasets[0].source)
+        if not len(samples.ids):
+            raise UsageError("nothing to train: no sample to plan (empty manifest, or none of its samples is in "
+                             "the cache)")  # fmt: skip
+        return samples
+    rule = rule or MixRule("repeats", (Fraction(1),) * len(datasets))
+    if len(rule.values) != len(datasets):
+        raise UsageError(f"the plan mixes {len(rule.values)} manifests, {len(datasets)} given: give the manifests it "
+                         "was made from, in the same order")  # fmt: skip
+    return mix_samples(datasets, rule)
+
+
+def schedule_epoch(samples: PlanSamples, config: PlanConfig, epoch: int) -> EpochSchedule:
+    """One epoch of a one-manifest plan (:func:`plan_epoch`) or of a mixture (:func:`mix_epoch`)."""
+    if isinstance(samples, MixedSamples):
+        return mix_epoch(samples, config, epoch)
+    return plan_epoch(samples, config, epoch)
 
 
 def caption_choice(seed: int, epoch: int, sample_ids: np.ndarray, datasets: np.ndarray | None,

@@ -24,7 +24,9 @@ from typing import Any, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from manifests.plan.schedule import EpochSchedule, epoch_table
+from manifests.plan.meta import EpochEntry
+from manifests.plan.rows import epoch_table
+from manifests.plan.schedule import EpochSchedule
 from manifests.storage import read_bytes, read_many, storage_error
 
 __all__ = ["EpochFile", "epoch_part", "encode_epoch", "read_epoch_whole", "read_epoch_ranks", "PartProblem"]
@@ -65,10 +67,6 @@ class EpochFile:
     @property
     def footer_bytes(self) -> int:
         return int.from_bytes(self.data[-8:-4], "little")
-
-    def entry(self) -> dict[str, int | str]:
-        """What ``_plan.json`` records of the file: what a rank needs to read its row group without a HEAD."""
-        return {"sha256": self.sha256, "bytes": len(self.data), "footer_bytes": self.footer_bytes}
 
 
 def encode_epoch(schedule: EpochSchedule, world_size: int) -> EpochFile:
@@ -178,14 +176,14 @@ def _group_range(metadata: pq.FileMetaData, rank: int) -> tuple[int, int]:
 
 
 def read_epoch_ranks(
-    fs, path: str, where: str, entry: dict[str, Any], world_size: int, ranks: Sequence[int], want: pa.Schema
+    fs, path: str, where: str, entry: EpochEntry, world_size: int, ranks: Sequence[int], want: pa.Schema
 ) -> dict[int, pa.Table]:
     """Rows of ``ranks`` in one epoch file by ranged reads: the footer, then each rank's row group.
 
-    ``entry`` is the epoch's ``_plan.json`` entry (``bytes``, ``footer_bytes``, ``steps``). Raises
+    ``entry`` is the epoch's ``_plan.json`` entry (its ``bytes``, ``footer_bytes`` and ``steps``). Raises
     PartProblem naming ``where`` for a missing or malformed file, StorageError when storage refuses.
     """
-    size, footer = int(entry["bytes"]), int(entry["footer_bytes"])
+    size, footer = entry.bytes, entry.footer_bytes
     try:
         tail = read_bytes(fs, path, size - footer - 8, size)
     except FileNotFoundError:
@@ -197,7 +195,7 @@ def read_epoch_ranks(
     except (pa.ArrowInvalid, OSError) as e:
         raise PartProblem(f"{where} has no readable parquet footer ({e})") from None
     _columns(want, metadata.schema.to_arrow_schema(), where)
-    _check_layout(metadata, world_size, int(entry["steps"]), where)
+    _check_layout(metadata, world_size, entry.steps, where)
     spans = [_group_range(metadata, r) for r in ranks]
     blobs = read_many(fs, [path] * len(spans), [s for s, _ in spans], [e for _, e in spans])  # concurrent, retried
     tables = {}

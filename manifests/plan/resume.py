@@ -14,44 +14,39 @@ epoch at a time, so a trainer's rank 0 can call it and the others wait on a barr
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import replace
+from typing import Any, Mapping
 
 import numpy as np
 
 from manifests.errors import UsageError
+from manifests.plan.meta import EpochEntry, PlanError, PlanMeta, ResumedFrom, read_plan_meta
 from manifests.plan.parts import EpochFile
-from manifests.plan.schedule import EpochSchedule, schedule_from_rank_tables
-from manifests.plan.store import (
-    PlanError,
-    begin_plan,
-    commit_plan,
-    epoch_entry,
-    read_plan_meta,
-    read_plan_rows,
-    with_epochs,
-    write_epochs,
-)
+from manifests.plan.read import read_plan_rows
+from manifests.plan.rows import schedule_from_rank_tables
+from manifests.plan.schedule import EpochSchedule
+from manifests.plan.write import begin_plan, commit_plan, epoch_entry, with_epochs, write_epochs
 from manifests.progress import Progress
 from manifests.storage import open_url, redact
 
 __all__ = ["resume_plan"]
 
 
-def _position(meta: dict[str, Any], url: str, epoch: int, step: int) -> tuple[int, int]:
+def _position(meta: PlanMeta, url: str, epoch: int, step: int) -> tuple[int, int]:
     """``(epoch, step)`` checked against the plan; the end of an epoch becomes the start of the next."""
-    entries = {e["epoch"]: e for e in meta["epochs"]}
+    entries = {e.epoch: e for e in meta.epochs}
     if epoch not in entries:
         raise PlanError(f"{redact(url)} has no epoch {epoch}; it holds epochs {sorted(entries)}")
     entry = entries[epoch]
-    end = entry["first_step"] + entry["steps"]
-    if not entry["first_step"] <= step <= end:
-        raise PlanError(f"step {step} is outside epoch {epoch} of {redact(url)} (steps {entry['first_step']}..{end})")
+    end = entry.first_step + entry.steps
+    if not entry.first_step <= step <= end:
+        raise PlanError(f"step {step} is outside epoch {epoch} of {redact(url)} (steps {entry.first_step}..{end})")
     if step < end:
         return epoch, step
     later = [e for e in sorted(entries) if e > epoch]
     if not later:
         raise PlanError(f"{redact(url)}: epoch {epoch} step {step} is the end of the plan; nothing is left to train")
-    return later[0], entries[later[0]]["first_step"]
+    return later[0], entries[later[0]].first_step
 
 
 def resume_plan(
@@ -62,10 +57,10 @@ def resume_plan(
     step: int,
     world_size: int,
     batch_size: int | None = None,
-    storage_options: dict[str, Any] | None = None,
-    out_storage_options: dict[str, Any] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    out_storage_options: Mapping[str, Any] | None = None,
     progress: bool = False,
-) -> dict[str, Any]:
+) -> PlanMeta:
     """Write the rest of a plan, from ``(epoch, step)``, for ``world_size`` ranks at ``out_url``.
 
     ``step`` is the first step of ``epoch`` not yet run. ``batch_size`` (fixed mode, optional) must
@@ -74,60 +69,53 @@ def resume_plan(
     global batch does not split over ``world_size`` ranks. See the module docstring for the guarantees.
     """
     meta = read_plan_meta(plan_url, storage_options)
-    old_fs, old_root = open_url(plan_url, storage_options)
-    fs, root = open_url(out_url, out_storage_options)
+    old_fs, old_root = open_url(plan_url, dict(storage_options or {}))
+    fs, root = open_url(out_url, dict(out_storage_options or {}))
     if old_root == root and type(old_fs) is type(fs):
         raise UsageError(f"--out {redact(out_url)} is the plan being resumed; write the resumed plan to a new folder")
-    old_world = int(meta["inputs"]["world_size"])
+    old_world = meta.inputs.world_size
     if world_size < 1:
         raise UsageError(f"world size must be >= 1 (number of training processes), got {world_size}")
     epoch, step = _position(meta, plan_url, epoch, step)
 
-    buckets = {n: dict(b) for n, b in meta["buckets"].items()}
-    for name, b in buckets.items():
-        global_size = b["batch_size"] * old_world
+    for name, b in meta.buckets.items():
+        global_size = b.batch_size * old_world
         if global_size % world_size:
             raise UsageError(
-                f"bucket {name}: the global batch of {global_size} samples ({old_world} ranks x {b['batch_size']}) "
+                f"bucket {name}: the global batch of {global_size} samples ({old_world} ranks x {b.batch_size}) "
                 f"does not split over {world_size} ranks; the world size must divide the global batch"
             )
-        b["batch_size"] = global_size // world_size
-    inputs = dict(meta["inputs"], world_size=world_size)
-    if meta["mode"] == "fixed":
-        new_batch = meta["global_batch"] // world_size
+    buckets = {n: replace(b, batch_size=b.batch_size * old_world // world_size) for n, b in meta.buckets.items()}
+    inputs = replace(meta.inputs, world_size=world_size)
+    if meta.mode == "fixed":
+        new_batch = meta.global_batch // world_size
         if batch_size is not None and batch_size != new_batch:
             raise UsageError(
-                f"batch size {batch_size} x {world_size} ranks != the plan's global batch {meta['global_batch']} "
-                f"({old_world} x {meta['inputs']['batch_size']}); use batch size {new_batch}"
+                f"batch size {batch_size} x {world_size} ranks != the plan's global batch {meta.global_batch} "
+                f"({old_world} x {meta.inputs.batch_size}); use batch size {new_batch}"
             )
-        inputs["batch_size"] = new_batch
+        inputs = replace(inputs, batch_size=new_batch)
 
-    entries = {e["epoch"]: e for e in meta["epochs"]}
+    entries = {e.epoch: e for e in meta.epochs}
     todo = sorted(e for e in entries if e >= epoch)
     names = sorted(buckets)
-    tokens = np.asarray([buckets[n]["latent_tokens"] for n in names], np.int64)  # (k,)
+    tokens = np.asarray([buckets[n].latent_tokens for n in names], np.int64)  # (k,)
 
     def schedules():  # one epoch of the parent in memory at a time
         for e in todo:
             tables = read_plan_rows(plan_url, [e], storage_options=storage_options, meta=meta).ranks(e)
-            schedule = schedule_from_rank_tables(tables, entries[e]["padded"], entries[e]["dropped"],
-                                                 entries[e].get("datasets"))  # fmt: skip
+            schedule = schedule_from_rank_tables(tables, entries[e].padded, entries[e].dropped, entries[e].datasets)
             yield schedule.tail(step) if e == epoch else schedule
 
-    def entry(schedule: EpochSchedule, file: EpochFile) -> dict[str, Any]:
+    def entry(schedule: EpochSchedule, file: EpochFile) -> EpochEntry:
         index = [names.index(n) for n in schedule.names]  # schedule.names is a subset of the plan's buckets
-        return epoch_entry(schedule, file, entries[schedule.epoch]["steps_in_epoch"], tokens[index], world_size)
+        return epoch_entry(schedule, file, entries[schedule.epoch].steps_in_epoch, tokens[index], world_size)
 
     begin_plan(fs, root)
     reporter = Progress("plan --resume", "epochs", total=len(todo), unit="epochs", enabled=progress)
     epochs = write_epochs(fs, root, schedules(), world_size, entry, reporter)
-    resumed_from = {
-        "plan_fingerprint": meta["fingerprint"],
-        "epoch": epoch,
-        "step": step,
-        "world_size": old_world,
-        "batch_size": meta["inputs"]["batch_size"],
-    }
-    new = with_epochs(dict(meta, inputs=inputs, buckets=buckets, resumed_from=resumed_from), epochs)
+    resumed_from = ResumedFrom(plan_fingerprint=meta.fingerprint, epoch=epoch, step=step, world_size=old_world,
+                               batch_size=meta.inputs.batch_size)  # fmt: skip
+    new = with_epochs(replace(meta, inputs=inputs, buckets=buckets, resumed_from=resumed_from), epochs)
     commit_plan(fs, root, new)
     return new

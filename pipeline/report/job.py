@@ -177,7 +177,7 @@ def manifest_section(manifest: Manifest, plots) -> Section:
 
 def _bucket_tokens(name: str, meta_buckets: dict[str, Any]) -> int:
     """Latent tokens of one sample of ``name``: the plan's own figure, else W*H/256 (8x VAE, 2x2 patches)."""
-    known = (meta_buckets.get(name) or {}).get("latent_tokens")
+    known = meta_buckets[name].latent_tokens if name in meta_buckets else None
     if known:
         return int(known)
     w, _, h = name.partition("x")
@@ -195,13 +195,13 @@ def plan_section(url: str, manifest: Manifest, plots, storage_options: dict[str,
     from manifests.plan import read_plan_meta, read_plan_rows
 
     meta = read_plan_meta(url, storage_options)  # refuses a folder that is not a committed plan
-    inputs = meta["inputs"]
-    first = meta["epochs"][0]
-    epoch = first["epoch"]
+    inputs = meta.inputs
+    first = meta.epochs[0]
+    epoch = first.epoch
     columns = ["step", "rank", "bucket", "sample_ids"]
     table = read_plan_rows(url, [epoch], columns=columns, storage_options=storage_options, meta=meta).table()
 
-    buckets_meta = meta.get("buckets") or {}
+    buckets_meta = meta.buckets
     manifest_counts = manifest_stats(manifest)["buckets"]
     sizes = pc.list_value_length(table.column("sample_ids")).to_numpy(zero_copy_only=False).astype(np.int64)  # (rows,)
     bucket_col = np.asarray(table.column("bucket").to_pylist(), dtype=object)  # (rows,)
@@ -212,10 +212,10 @@ def plan_section(url: str, manifest: Manifest, plots, storage_options: dict[str,
         in_rows = table.column("sample_ids").filter(in_bucket)
         ids = pc.list_flatten(in_rows).to_numpy() if in_bucket.any() else np.zeros(0)
         unique = len(np.unique(ids))
-        available = int((buckets_meta.get(name) or {}).get("samples", manifest_counts.get(name, 0)))
+        available = buckets_meta[name].samples if name in buckets_meta else int(manifest_counts.get(name, 0))
         used.append(unique)
-        padded.append(int((first.get("padded") or {}).get(name, len(ids) - unique)))
-        dropped.append(int((first.get("dropped") or {}).get(name, max(available - unique, 0))))
+        padded.append(int(first.padded.get(name, len(ids) - unique)))
+        dropped.append(int(first.dropped.get(name, max(available - unique, 0))))
 
     steps = np.unique(table.column("step").to_numpy()) if table.num_rows else np.zeros(0, np.int64)  # (S,)
     ranks = np.unique(table.column("rank").to_numpy()) if table.num_rows else np.zeros(0, np.int64)  # (R,)
@@ -226,8 +226,8 @@ def plan_section(url: str, manifest: Manifest, plots, storage_options: dict[str,
         step_at = np.searchsorted(steps, table.column("step").to_numpy())  # (rows,)
         np.add.at(tokens, (rank_at, step_at), per_row)
 
-    fingerprint_in = inputs.get("manifest_fingerprint")
-    mixed = (inputs.get("mix") or {}).get("manifest_fingerprints")
+    fingerprint_in = inputs.manifest_fingerprint
+    mixed = inputs.mix.manifest_fingerprints if inputs.mix else None
     if mixed:  # a mixture: this manifest is one of its datasets, or not
         fingerprint_in = manifest.fingerprint if manifest.fingerprint in mixed else fingerprint_in
     if fingerprint_in is None:
@@ -239,26 +239,26 @@ def plan_section(url: str, manifest: Manifest, plots, storage_options: dict[str,
     total_slots = int(sizes.sum())
     rows = [
         ("plan", redact(url)),
-        ("fingerprint", str(meta.get("fingerprint", "?"))),
+        ("fingerprint", meta.fingerprint),
         ("made from this manifest", match),
-        ("inputs", ", ".join(f"{k}={v}" for k, v in sorted(inputs.items())
+        ("inputs", ", ".join(f"{k}={v}" for k, v in sorted(inputs.to_json().items())
                              if not isinstance(v, (dict, list)) and not k.endswith("fingerprint"))),
-        ("steps per epoch", str(meta.get("steps_per_epoch", len(steps)))),
+        ("steps per epoch", str(meta.steps_per_epoch)),
         (f"epoch {epoch}", f"{len(steps)} steps x {len(ranks)} ranks, {total_slots} sample slots, "
                            f"{sum(padded)} padding repeats ({100 * sum(padded) / max(total_slots, 1):.1f}%), "
                            f"{sum(dropped)} dropped"),
     ]  # fmt: skip
     if mixed:
-        from pipeline.plan import mix_lines
+        from pipeline.plan.summary import mix_lines
 
         index = mixed.index(manifest.fingerprint) if manifest.fingerprint in mixed else None
         rows.append(("mixture", f"this manifest is dataset {index} of {len(mixed)}" if index is not None
                      else f"{len(mixed)} datasets; this manifest is none of them"))  # fmt: skip
         rows += [(f"dataset {line.split(']')[0].strip(' [')}" if line.lstrip().startswith("[") else "", line.strip())
                  for line in mix_lines(meta)[1:]]  # fmt: skip
-    tps = meta.get("tokens_per_step")
-    if isinstance(tps, dict):
-        rows.append(("tokens per step and rank", ", ".join(f"{k} {v}" for k, v in tps.items())))
+    tps = meta.tokens_per_step
+    if tps is not None:
+        rows.append(("tokens per step and rank", ", ".join(f"{k} {v}" for k, v in tps.to_json().items())))
     figures = [
         Figure("plan_waste", plots.png_bytes(plots.plan_waste(names, used, padded, dropped)),
                "Padding repeats samples so every rank has equal steps; drops are leftovers of the leftover policy."),
