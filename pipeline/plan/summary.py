@@ -60,22 +60,32 @@ def print_summary(meta: PlanMeta) -> None:
     print(f"fingerprint: {meta.fingerprint}")
 
 
-def mix_lines(meta: PlanMeta) -> list[str]:
-    """Per dataset of a mixture plan: "n samples, weight w -> k per epoch (x times each on average)", the slots
-    trained after bucket leftovers, and per bucket samples -> slots per epoch. Empty for a one-manifest plan."""
+def mix_datasets(meta: PlanMeta) -> list[tuple[int, str, str]]:
+    """Per dataset of a mixture plan: its index, "n samples, weight w -> k per epoch (x times each on average)"
+    with the slots trained after bucket leftovers, and per bucket samples -> slots per epoch. Empty for a
+    one-manifest plan. What the summary prints (:func:`mix_lines`) and the report shows."""
     if meta.mix is None or meta.inputs.mix is None:
         return []
     trained = meta.counts.per_dataset if meta.counts is not None else None
     kind = meta.inputs.mix.kind[:-1]  # weight | repeat
     held = len(meta.epochs)
-    lines = [f"{len(meta.mix.datasets)} datasets ({meta.mix.rule})"]
+    rows = []
     for d, info in enumerate(meta.mix.datasets):
         given = (info.weight if kind == "weight" else info.repeat) or ""
         value = given + (f" (share {info.share:g})" if info.share is not None and info.share != float(given) else "")
-        lines.append(f"  [{d}] {info.manifest or '-'}: {info.samples} samples, {kind} {value} -> "
-                     f"{info.per_epoch} per epoch ({info.times:g} times each on average)"
-                     + (f"; trained {trained[d] / held:g} per epoch after bucket leftovers" if trained
-                        else ""))  # fmt: skip
+        line = (f"{info.manifest or '-'}: {info.samples} samples, {kind} {value} -> {info.per_epoch} per epoch "
+                f"({info.times:g} times each on average)"
+                + (f"; trained {trained[d] / held:g} per epoch after bucket leftovers" if trained else ""))
         per_bucket = ", ".join(f"{b} {c.samples}->{c.per_epoch}" for b, c in info.buckets.items())
-        lines.append(f"      per bucket (samples -> per epoch): {per_bucket}")
+        rows.append((d, line, f"per bucket (samples -> per epoch): {per_bucket}"))
+    return rows
+
+
+def mix_lines(meta: PlanMeta) -> list[str]:
+    """The summary's lines of a mixture plan (see :func:`mix_datasets`); empty for a one-manifest plan."""
+    if meta.mix is None:
+        return []
+    lines = [f"{len(meta.mix.datasets)} datasets ({meta.mix.rule})"]
+    for d, line, per_bucket in mix_datasets(meta):
+        lines += [f"  [{d}] {line}", f"      {per_bucket}"]
     return lines

@@ -249,13 +249,13 @@ def plan_section(url: str, manifest: Manifest, plots, storage_options: dict[str,
                            f"{sum(dropped)} dropped"),
     ]  # fmt: skip
     if mixed:
-        from pipeline.plan.summary import mix_lines
+        from pipeline.plan.summary import mix_datasets
 
         index = mixed.index(manifest.fingerprint) if manifest.fingerprint in mixed else None
         rows.append(("mixture", f"this manifest is dataset {index} of {len(mixed)}" if index is not None
                      else f"{len(mixed)} datasets; this manifest is none of them"))  # fmt: skip
-        rows += [(f"dataset {line.split(']')[0].strip(' [')}" if line.lstrip().startswith("[") else "", line.strip())
-                 for line in mix_lines(meta)[1:]]  # fmt: skip
+        for d, line, per_bucket in mix_datasets(meta):
+            rows += [(f"dataset {d}", line), ("", per_bucket)]
     tps = meta.tokens_per_step
     if tps is not None:
         rows.append(("tokens per step and rank", ", ".join(f"{k} {v}" for k, v in tps.to_json().items())))
