@@ -152,7 +152,7 @@ def commit_scale(rows: int, shard_records: int) -> None:
     committer.finish()
     seconds = time.perf_counter() - t
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    parts = len(committer.meta["index"]["samples"])
+    parts = len(committer.meta.index.samples)
     print(f"\n## committing {rows:,} index rows in {shards:,} shards of {shard_records} ({seconds:.1f} s)")
     print(f"driver peak RSS                     : {peak:8.0f} MiB ({base_rss:.0f} MiB after imports)")
     print(f"_cache.json bytes written           : {committer.metadata_bytes:12,d}  ({shards + 1} commits, "
@@ -189,17 +189,14 @@ def main() -> None:
     import ray
 
     from manifests.cache import CacheReader, read_cache_meta, read_index
-    from pipeline import embed
+    from pipeline import EmbedJob, run
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    p = argparse.ArgumentParser()
-    embed.add_arguments(p)
     # a unit (one encoder call, one shard) per batch: enough results for a steady-state rate
-    batch = str(args.batch_size)
-    embed.run(p.parse_args([manifest, "--out", cache, "--batch-size", batch, "--shard-records", batch]))
+    result = run(EmbedJob(manifest=manifest, out=cache, batch_size=args.batch_size, shard_records=args.batch_size))
     ray.shutdown()
     meta = read_cache_meta(cache)
-    e2e = meta["summary"]["images_per_second"]
+    e2e = result.images_per_second
     threads = max(1, 2 // 2)
     enc1 = encoder_only(args.size, args.batch_size, threads, 64)
     enc2 = encoder_only(args.size, args.batch_size, 2, 64)
@@ -210,8 +207,8 @@ def main() -> None:
 
     index = read_index(cache)
     samples = index["samples"].to_pylist()
-    lat = meta["latent"]
-    raw = lat["channels"] * (args.size // lat["factor"]) ** 2 * 2
+    lat = meta.latent
+    raw = lat.channels * (args.size // lat.factor) ** 2 * 2
     ids = [r["sample_id"] for r in samples]
     rng = np.random.default_rng(1)
     pick = [int(i) for i in rng.choice(np.asarray(ids, dtype=np.uint64), size=min(256, len(ids)), replace=False)]
@@ -225,12 +222,12 @@ def main() -> None:
 
     texts = CacheReader(cache).read(pick[:64])
     uniq = {t.text.caption_key: t.text for t in texts}
-    d = meta["text"]["encoders"][0]["hidden_size"]
+    d = meta.text.encoders[0].hidden_size
     unpadded = np.mean([t.tokens[0].shape[0] * d * 2 for t in uniq.values()])
     print(f"\n## text bytes per caption (bf16, D={d}; {len(uniq)} captions sampled)")
     print(f"unpadded tokens                     : {unpadded:8.0f}   (mean length {unpadded / d / 2:.1f})")
     print(f"padded to 77 tokens                 : {77 * d * 2:8.0f}   ratio {77 * d * 2 / unpadded:.1f}x")
-    print(f"text records stored / samples       : {meta['counts']['texts']} / {meta['counts']['samples']}")
+    print(f"text records stored / samples       : {meta.counts.texts} / {meta.counts.samples}")
 
     local = time_reads(cache, per_file, pick, None)
     from moto.server import ThreadedMotoServer

@@ -2,6 +2,9 @@
 
     bucketeer verify CACHE [--storage-options JSON]
 
+    from pipeline import VerifyJob, run
+    result = run(VerifyJob(cache="cache/"))   # result.bad: the bad records; result.exit_code
+
 Exit status 0 when every record is good, 1 when any is bad (their sample ids are listed).
 """
 
@@ -9,8 +12,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
+from manifests.cache.verify import BadRecord
 from manifests.storage import parse_storage_options, redact
+
+__all__ = ["VerifyJob", "VerifyResult", "add_arguments", "job_from_args", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,25 +27,69 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-listed", type=int, default=50, help="list at most this many bad samples")
 
 
-def run(args: argparse.Namespace) -> int:
+@dataclass(frozen=True, kw_only=True)
+class VerifyJob:
+    """One ``bucketeer verify``: the cache, its storage options (parsed), how many bad samples to list."""
+
+    cache: str
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    max_listed: int = 50
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifyResult:
+    """What verify found: records checked, the bad ones (``bad``, one per bad sample record) and
+    whether the cache is ``complete`` (its embed job finished). ``exit_code``: 0 all good, 1 any bad."""
+
+    url: str
+    checked_samples: int
+    checked_texts: int
+    shards: int
+    complete: bool
+    bad: tuple[BadRecord, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.bad
+
+    @property
+    def bad_sample_ids(self) -> list[int]:
+        return sorted({b.sample_id for b in self.bad})
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.ok else 1
+
+
+def job_from_args(args: argparse.Namespace) -> VerifyJob:
+    """The :class:`VerifyJob` of parsed ``bucketeer verify`` options."""
+    return VerifyJob(cache=args.cache, storage_options=parse_storage_options(args.storage_options),
+                     max_listed=args.max_listed)  # fmt: skip
+
+
+def run(job: VerifyJob) -> VerifyResult:
+    """Check every record of ``job.cache``; prints what ``bucketeer verify`` prints. CacheError when
+    there is no cache there."""
     from manifests.cache.verify import verify_cache
 
-    result = verify_cache(args.cache, parse_storage_options(args.storage_options), progress=True)
-    where = redact(args.cache)
+    found = verify_cache(job.cache, dict(job.storage_options), progress=True)
+    result = VerifyResult(url=job.cache, checked_samples=found.checked_samples, checked_texts=found.checked_texts,
+                          shards=found.shards, complete=found.complete, bad=tuple(found.bad))  # fmt: skip
+    where = redact(job.cache)
     if not result.complete:
         print(f"note: {where} is not complete (its embed job is running or was killed; rerun it to resume)")
     if result.ok:
         print(f"{where}: OK - {result.checked_samples} sample records and {result.checked_texts} text records "
               f"in {result.shards} shards are good")
-        return 0
+        return result
     bad = result.bad_sample_ids
     print(f"{where}: {len(bad)} bad samples (of {result.checked_samples}) - re-embed them into a new --out, "
           "or exclude them from plans:", file=sys.stderr)
-    for item in result.bad[: args.max_listed]:
+    for item in result.bad[: job.max_listed]:
         print(f"  sample {item.sample_id}  shard {item.shard}: {item.reason}", file=sys.stderr)
-    if len(result.bad) > args.max_listed:
-        print(f"  ... and {len(result.bad) - args.max_listed} more", file=sys.stderr)
-    return 1
+    if len(result.bad) > job.max_listed:
+        print(f"  ... and {len(result.bad) - job.max_listed} more", file=sys.stderr)
+    return result
 
 
 if __name__ == "__main__":

@@ -33,11 +33,9 @@ class SDXLRepo:
     path: str
 
     def embed_options(self, layer: str = "penultimate", order: tuple[str, str] = ("text_encoder", "text_encoder_2")):
-        """The ``bucketeer embed`` options that use this folder's VAE and both text encoders in ``order``."""
-        opts = ["--vae", self.path, "--vae-subfolder", "vae", "--text-layer", layer]
-        for sub in order:
-            opts += ["--text-encoder", self.path, "--text-encoder-subfolder", sub]
-        return opts
+        """The :class:`~pipeline.EmbedJob` fields that use this folder's VAE and both text encoders in ``order``."""
+        return {"vae": self.path, "vae_subfolder": "vae", "text_layer": layer,
+                "text_encoders": (self.path,) * len(order), "text_encoder_subfolders": tuple(order)}  # fmt: skip
 
 
 def _clip(width: int, layers: int, tokenizer, projection: bool):

@@ -123,9 +123,9 @@ def test_writer_reader_round_trip(tmp_path, where):
     url = str(tmp_path / "cache") if where == "local" else f"memory://cache-{tmp_path.name}"
     written = build_cache(url, n=10)
     meta = read_cache_meta(url)
-    assert meta["complete"] and len(meta["index"]["samples"]) == 1  # compacted at finish
-    assert meta["counts"] == {"samples": 10, "texts": 3, "errors": 0}
-    assert "shards" not in meta  # _cache.json names index parts only; the shards are in the index
+    assert meta.complete and len(meta.index.samples) == 1  # compacted at finish
+    assert (meta.counts.samples, meta.counts.texts, meta.counts.errors) == (10, 3, 0)
+    assert "shards" not in meta.to_json()  # _cache.json names index parts only; the shards are in the index
     assert len(set(read_index(url)["samples"].column("shard").to_pylist())) == 3  # 4 + 4 + 2 records
     assert available_sample_ids(url).tolist() == sorted(written)
     reader = CacheReader(url)
@@ -261,8 +261,8 @@ def test_newest_row_wins_and_freshness_follows_the_manifest(tmp_path):
     assert counts == {"fresh": 2, "failed": 1, "retry": 0, "stale": 3, "missing": 1}
 
     meta = writer.finish("manifest-fp")
-    assert meta["counts"] == {"samples": 5, "texts": 3, "errors": 1} and meta["superseded_records"] == 4
-    assert all(len(parts) == 1 for parts in meta["index"].values())
+    assert (meta.counts.samples, meta.counts.texts, meta.counts.errors) == (5, 3, 1) and meta.superseded_records == 4
+    assert all(len(meta.index.parts(kind)) == 1 for kind in ("samples", "texts", "errors"))
     assert read_index(url)["samples"].num_rows == 5 and verify_cache_ok(url)
     # the image is fixed: its record supersedes the error row
     writer = CacheWriter(url, SETTINGS, info=INFO)
@@ -312,7 +312,7 @@ def test_the_writer_opens_on_the_index_the_caller_read(tmp_path):
     written = build_cache(url, n=6)
     index = read_index(url)
     assert cache_freshness(url, manifest_rows(sorted(written)), index=index).counts()["stale"] == 6
-    for part in read_cache_meta(url)["index"]["samples"]:
+    for part in read_cache_meta(url).index.samples:
         os.remove(tmp_path / "cache" / part)  # a second read of the index would fail now
     writer = CacheWriter(url, SETTINGS, info=INFO, index=index)
     assert writer.done_samples == set(written) and len(writer.done_texts) == 3 and not writer.done_errors
@@ -346,7 +346,7 @@ def test_committer_keeps_metadata_small_merges_parts_and_drops_redone_rows(tmp_p
         committer.commit()
         sizes.append(len((tmp_path / "cache" / "_cache.json").read_bytes()))
     meta = read_cache_meta(url)
-    assert "shards" not in meta and len(meta["index"]["samples"]) == 3  # 8 -> 1, 8 -> 1, and 1
+    assert "shards" not in meta.to_json() and len(meta.index.samples) == 3  # 8 -> 1, 8 -> 1, and 1
     # a merge shrinks _cache.json back; 16 shards later it names one part more (a level), not 16
     assert sizes[MERGE_FANIN - 1] < sizes[MERGE_FANIN - 2]
     assert sizes[2 * MERGE_FANIN - 1] - sizes[MERGE_FANIN - 1] < 100
@@ -357,4 +357,4 @@ def test_committer_keeps_metadata_small_merges_parts_and_drops_redone_rows(tmp_p
     index = read_index(url)["samples"]
     lengths = dict(zip(index.column("sample_id").to_pylist(), index.column("length").to_pylist()))
     assert lengths[7] == 10  # the first unit's record; the redone shard is unreferenced
-    assert committer.finish()["complete"] and len(read_cache_meta(url)["index"]["samples"]) == 1
+    assert committer.finish().complete and len(read_cache_meta(url).index.samples) == 1

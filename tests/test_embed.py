@@ -24,7 +24,7 @@ from manifests.schema import ERRORS_SCHEMA, SAMPLES_SCHEMA, sample_id
 from manifests.storage import join, open_url
 from pipeline.cli import main
 from manifests.progress import INTERVAL_ENV
-from tests.embed_data import SPEC, jpeg, make_dataset, record_bytes, records_by_id, run_embed
+from tests.embed_data import SPEC, embed_cache, jpeg, make_dataset, record_bytes, records_by_id
 from tests.test_progress import assert_progress
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("bucketeer_home")]
@@ -34,20 +34,21 @@ def test_embed_local_round_trip_errors_and_rerun(tmp_path, ray_local, monkeypatc
     root, manifest, out = str(tmp_path / "data"), str(tmp_path / "manifest"), str(tmp_path / "cache")
     names = make_dataset(root, manifest, 12, broken=["zz_broken.jpg"])
     monkeypatch.setenv(INTERVAL_ENV, "0")  # a progress line per result (stderr is not a terminal here)
-    assert run_embed(manifest, out) == 0  # the undecodable image does not fail the job
+    result = embed_cache(manifest, out)  # the undecodable image does not fail the job
     err = capsys.readouterr().err
     assert_progress(err, "embed captions", "captions", 5)
     images = assert_progress(err, "embed images", "images", 13)  # the broken one is an error row, counted
     assert re.fullmatch(r"written [\d.]+ MB, errors 1", images[-1]["extra"])
 
     meta = read_cache_meta(out)
-    assert meta["complete"] and meta["latent"]["kind"] == "posterior_mean" and meta["latent"]["factor"] == 8
-    assert meta["latent"]["scaling_factor"] == pytest.approx(0.18215)
+    assert result.meta == meta and result.fingerprint == meta.fingerprint and result.embedded == 12
+    assert meta.complete and meta.latent.kind == "posterior_mean" and meta.latent.factor == 8
+    assert meta.latent.scaling_factor == pytest.approx(0.18215)
     errors = read_index(out)["errors"].to_pylist()
     assert [(e["filename"], e["error"]) for e in errors] == [("zz_broken.jpg", "not_an_image")]
     good = sorted(sample_id(n) for n in names if n != "zz_broken.jpg")
     assert available_sample_ids(out).tolist() == good
-    assert meta["counts"]["texts"] == 5  # 3 captions + "broken" + the null caption (empty string), each once
+    assert meta.counts.texts == 5  # 3 captions + "broken" + the null caption (empty string), each once
 
     records = records_by_id(out)
     for sid, r in records.items():
@@ -69,9 +70,9 @@ def test_embed_local_round_trip_errors_and_rerun(tmp_path, ray_local, monkeypatc
     # new manifest rows: only they are embedded; committed shards stay as they were
     shards_before = set(read_index(out)["samples"].column("shard").to_pylist())
     make_dataset(root, manifest, 15, broken=["zz_broken.jpg"])
-    assert run_embed(manifest, out) == 0
+    embed_cache(manifest, out)
     meta2 = read_cache_meta(out)
-    assert meta2["summary"]["embedded"] == 3 and meta2["summary"]["errors"] == 0  # the error row is not retried
+    assert meta2.summary.embedded == 3 and meta2.summary.errors == 0  # the error row is not retried
     assert shards_before <= set(read_index(out)["samples"].column("shard").to_pylist())
     ids = read_index(out)["samples"].column("sample_id").to_numpy()
     assert len(ids) == len(np.unique(ids)) == 15
@@ -85,7 +86,7 @@ def _planned_ids(plan: str) -> set[int]:
 def test_changed_image_and_caption_are_reembedded(tmp_path, ray_local, capsys):
     root, old_manifest, out = str(tmp_path / "data"), str(tmp_path / "m1"), str(tmp_path / "cache")
     make_dataset(root, old_manifest, 8)
-    assert run_embed(old_manifest, out) == 0
+    embed_cache(old_manifest, out)
     before, bytes_before = records_by_id(out), record_bytes(out)
 
     # same paths, new content: img_002 gets other bytes (a 112x112 image), img_003 another caption.
@@ -119,11 +120,12 @@ def test_changed_image_and_caption_are_reembedded(tmp_path, ray_local, capsys):
     assert read_plan_meta(plan).samples.to_json() == {"planned": 6, "not_in_cache": 0, "stale": 2}
     assert _planned_ids(plan) == set(fresh)
 
-    assert run_embed(new_manifest, out) == 0
+    result = embed_cache(new_manifest, out)
     assert "2 changed" in capsys.readouterr().out
     meta = read_cache_meta(out)
-    summary = meta["summary"]
-    assert (summary["embedded"], summary["changed"], summary["skipped"], summary["new_captions"]) == (2, 2, 6, 1)
+    summary = meta.summary
+    assert (summary.embedded, summary.changed, summary.skipped, summary.new_captions) == (2, 2, 6, 1)
+    assert (result.embedded, result.changed, result.skipped, result.new_captions) == (2, 2, 6, 1)
     after, bytes_after = records_by_id(out), record_bytes(out)
     assert sorted(after) == all_ids
     assert after[image].original_size == (112, 112) and before[image].original_size == (80, 80)
@@ -132,10 +134,10 @@ def test_changed_image_and_caption_are_reembedded(tmp_path, ray_local, capsys):
     assert {i: bytes_after[i] for i in fresh} == {i: bytes_before[i] for i in fresh}  # untouched, byte for byte
     ids = read_index(out)["samples"].column("sample_id").to_numpy()
     assert len(ids) == len(np.unique(ids)) == 8  # the merged index holds only the newest record of each
-    assert meta["counts"]["samples"] == 8 and meta["superseded_records"] == 2
+    assert meta.counts.samples == 8 and meta.superseded_records == 2
     assert available_sample_ids(out, manifest=manifest).tolist() == all_ids
     assert verify_cache(out).ok
-    assert run_embed(new_manifest, out) == 0 and "nothing to embed" in capsys.readouterr().out
+    assert embed_cache(new_manifest, out).up_to_date and "nothing to embed" in capsys.readouterr().out
     # the old manifest is now the changed one: its two rows are stale against the new records
     assert available_sample_ids(out, manifest=read_manifest(old_manifest)).tolist() == fresh
 
@@ -143,14 +145,17 @@ def test_changed_image_and_caption_are_reembedded(tmp_path, ray_local, capsys):
 def test_changed_settings_are_refused(tmp_path, ray_local, capsys):
     root, manifest, out = str(tmp_path / "data"), str(tmp_path / "manifest"), str(tmp_path / "cache")
     make_dataset(root, manifest, 4)
-    assert run_embed(manifest, out) == 0
+    embed_cache(manifest, out)
     with pytest.raises(CacheError, match=r"(?s)crop: 'center' -> 'random'.*new --out"):
-        run_embed(manifest, out, "--crop", "random", "--seed", "3")
+        embed_cache(manifest, out, crop="random", seed=3)
     with pytest.raises(CacheError, match=r"dtype: 'BF16' -> 'F32'"):
-        run_embed(manifest, out, "--dtype", "fp32")
+        embed_cache(manifest, out, dtype="fp32")
     # the same settings are accepted; with nothing missing no encoder is even loaded
-    assert run_embed(manifest, out) == 0
+    assert embed_cache(manifest, out).up_to_date
     assert "nothing to embed" in capsys.readouterr().out
+    # the command line: a bad combination is one line and exit code 2, before any work
+    assert main(["embed", manifest, "--out", out, "--crops", "2", "--latents", "posterior"]) == 2
+    assert "bucketeer embed: error: --latents posterior stores one posterior std" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -171,12 +176,12 @@ def test_kill_and_resume_equals_clean_run(tmp_path, ray_local):
                 break
         assert proc.poll() is None, "embed exited before its first commit"
         partial = read_cache_meta(resumed)
-        assert not partial["complete"] and 0 < partial["counts"]["samples"] < 14  # one unit or a few
+        assert not partial.complete and 0 < partial.counts.samples < 14  # one unit or a few
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    assert run_embed(manifest, resumed) == 0
-    assert run_embed(manifest, clean) == 0
+    embed_cache(manifest, resumed)
+    embed_cache(manifest, clean)
 
     a, b = records_by_id(clean), records_by_id(resumed)
     assert sorted(a) == sorted(b) and len(a) == 14
@@ -188,7 +193,7 @@ def test_kill_and_resume_equals_clean_run(tmp_path, ray_local):
         assert [getattr(x, a) for a in same] == [getattr(y, a) for a in same]
         np.testing.assert_allclose(to_float32(x.latent, x.dtype), to_float32(y.latent, y.dtype), atol=2e-2)
         np.testing.assert_array_equal(x.text.tokens[0], y.text.tokens[0])
-    assert read_cache_meta(resumed)["fingerprint"] == read_cache_meta(clean)["fingerprint"]
+    assert read_cache_meta(resumed).fingerprint == read_cache_meta(clean).fingerprint
     assert verify_cache(resumed).ok
 
 
@@ -197,10 +202,10 @@ def test_embed_on_s3(s3, ray_local):
     root, manifest, out = s3.fresh_url("data"), s3.fresh_url("manifest"), s3.fresh_url("cache")
     so = s3.storage_options
     names = make_dataset(root, manifest, 6, storage_options=so, broken=["zz_broken.jpg"])
-    assert run_embed(manifest, out, "--storage-options", json.dumps(so)) == 0
+    embed_cache(manifest, out, storage_options=so)
     s3.fs.invalidate_cache()
     assert available_sample_ids(out, so).tolist() == sorted(sample_id(n) for n in names[:-1])
     records = records_by_id(out, so)
     assert all(r.text is not None for r in records.values())
-    assert "testing-secret-key" not in json.dumps(read_cache_meta(out, so))
+    assert "testing-secret-key" not in json.dumps(read_cache_meta(out, so).to_json())
     assert verify_cache(out, so).ok

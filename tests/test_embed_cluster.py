@@ -55,7 +55,7 @@ def cluster():
         head.shutdown()
 
 
-class EmbedJob:
+class EmbedProcess:
     """``python -m pipeline.embed`` against the cluster; its output (stdout and stderr) read as it comes."""
 
     def __init__(self, cluster, manifest: str, out: str, *extra: str):
@@ -115,7 +115,7 @@ def report_gpu_node_type(cluster, gpus: int) -> None:
 
 def assert_every_sample_once(manifest: str, out: str, storage_options=None) -> dict:
     meta = read_cache_meta(out, storage_options)
-    assert meta["complete"] and verify_cache(out, storage_options).ok
+    assert meta.complete and verify_cache(out, storage_options).ok
     ids = read_index(out, storage_options)["samples"].column("sample_id").to_numpy()
     expected = read_manifest(manifest).samples.column("sample_id").to_numpy()
     assert len(ids) == len(np.unique(ids)) and sorted(ids.tolist()) == sorted(expected.tolist())
@@ -128,7 +128,7 @@ def test_a_gpu_node_that_joins_after_the_start_does_the_work(cluster, tmp_path):
     manifest, out = str(tmp_path / "manifest"), str(tmp_path / "cache")
     make_dataset(str(tmp_path / "data"), manifest, 8)
     report_gpu_node_type(cluster, gpus=1)
-    job = EmbedJob(cluster, manifest, out)  # --device auto
+    job = EmbedProcess(cluster, manifest, out)  # --device auto
     node = None
     try:
         job.wait_for(r"encoders on GPU, up to 1 actor\(s\) \(the cluster has 0 GPU\(s\) now, up to 1 as its")
@@ -142,8 +142,8 @@ def test_a_gpu_node_that_joins_after_the_start_does_the_work(cluster, tmp_path):
         if node is not None:
             cluster.remove_node(node)
     meta = assert_every_sample_once(manifest, out)
-    assert meta["summary"]["device"] == "cuda" and meta["summary"]["encoder_nodes"] == 1
-    assert meta["compute"]["device"] == "cpu"  # where the VAE really ran: torch sees no CUDA here
+    assert meta.summary.device == "cuda" and meta.summary.encoder_nodes == 1
+    assert meta.compute.device == "cpu"  # where the VAE really ran: torch sees no CUDA here
     assert output.count("sees no CUDA device") == 1  # said once, by the driver, for all workers alike
     assert re.search(r"embed captions: 4/4 captions \(100%\).*done in", output)
     assert re.search(r"embed images: 8/8 images \(100%\).*done in", output)
@@ -158,7 +158,7 @@ def test_two_gpu_nodes_one_killed_mid_job(cluster, s3, tmp_path, monkeypatch):
     monkeypatch.delenv(FAULTS_ENV)
     manifest, out, so = str(tmp_path / "manifest"), s3.fresh_url("cache"), s3.storage_options
     make_dataset(str(tmp_path / "data"), manifest, 24)
-    job = EmbedJob(cluster, manifest, out, "--storage-options", json.dumps(so), "--text-batch-size", "2")
+    job = EmbedProcess(cluster, manifest, out, "--storage-options", json.dumps(so), "--text-batch-size", "2")
     try:
         job.wait_for(r"encoders on GPU, up to 4 actor\(s\) \(the cluster has 4 GPU\(s\) now\)")
         job.wait_for(r"embed images: [1-9]\d*/24")  # a first unit is committed, others are in flight
@@ -171,5 +171,5 @@ def test_two_gpu_nodes_one_killed_mid_job(cluster, s3, tmp_path, monkeypatch):
                 cluster.remove_node(node)
     s3.fs.invalidate_cache()
     meta = assert_every_sample_once(manifest, out, so)
-    assert meta["summary"]["embedded"] + meta["summary"]["redone"] >= 24
+    assert meta.summary.embedded + meta.summary.redone >= 24
     assert re.search(r"embed images: 24/24 images \(100%\).*done in", output)

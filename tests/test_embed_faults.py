@@ -20,7 +20,7 @@ from manifests.schema import sample_id
 from manifests.storage import StorageError
 from pipeline.cli import main
 from pipeline.embed.workers import check_source, prepare_batch
-from tests.embed_data import jpeg, make_dataset, run_embed
+from tests.embed_data import embed_cache, jpeg, make_dataset
 
 SECRET = "testing-secret-key"  # must never show up in an error row or message
 SLOWDOWN = "An error occurred (SlowDown) when calling the GetObject operation: Please reduce your request rate."
@@ -135,7 +135,7 @@ def test_read_failures_are_retried_on_the_next_run_decode_errors_are_not(tmp_pat
     lost_bytes = lost.read_bytes()
     lost.unlink()  # storage does not deliver it this time
     cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])  # the image itself is broken
-    assert run_embed(manifest, out) == 0
+    embed_cache(manifest, out)
     errors = {e["filename"]: e["error"] for e in read_index(out)["errors"].to_pylist()}
     assert errors == {"img_002.jpg": "read_failed", "img_003.jpg": "truncated"}
 
@@ -148,15 +148,15 @@ def test_read_failures_are_retried_on_the_next_run_decode_errors_are_not(tmp_pat
 
     # still gone: the row is retried and its error row renewed; the job does not stop over it
     capsys.readouterr()
-    assert run_embed(manifest, out) == 0
+    embed_cache(manifest, out)
     assert "1 read failures (retrying)" in capsys.readouterr().out
-    summary = read_cache_meta(out)["summary"]
-    assert (summary["retried"], summary["embedded"], summary["errors"], summary["skipped"]) == (1, 0, 1, 5)
+    summary = read_cache_meta(out).summary
+    assert (summary.retried, summary.embedded, summary.errors, summary.skipped) == (1, 0, 1, 5)
 
     lost.write_bytes(lost_bytes)  # storage is back: only the read failure is embedded
-    assert run_embed(manifest, out) == 0
-    summary = read_cache_meta(out)["summary"]
-    assert (summary["retried"], summary["embedded"], summary["errors"], summary["skipped"]) == (1, 1, 0, 5)
+    embed_cache(manifest, out)
+    summary = read_cache_meta(out).summary
+    assert (summary.retried, summary.embedded, summary.errors, summary.skipped) == (1, 1, 0, 5)
     errors = {e["filename"]: e["error"] for e in read_index(out)["errors"].to_pylist()}
     assert errors == {"img_003.jpg": "truncated"}
     assert sample_id("img_002.jpg") in available_sample_ids(out, manifest=m).tolist()

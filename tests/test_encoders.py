@@ -21,7 +21,7 @@ from manifests.cache import CacheError, read_cache_meta
 from manifests.cache.records import SampleRecord, TextRecord, caption_key, to_float32
 from manifests.cache.verify import verify_cache
 from pipeline.embed.encoders import EncoderSource, LatentSpec, TextSpec, quiet_loading, weights_sha256
-from tests.embed_data import make_dataset, records_by_id, run_embed
+from tests.embed_data import embed_cache, make_dataset, records_by_id
 from tests.encoder_repos import (
     CLIP1_WIDTH,
     CLIP2_WIDTH,
@@ -191,7 +191,7 @@ def sdxl_cache(repos, tmp_path_factory, ray_local):
     base = tmp_path_factory.mktemp("sdxl-embed")
     manifest, out = str(base / "manifest"), str(base / "cache")
     make_dataset(str(base / "data"), manifest, 8)
-    assert run_embed(manifest, out, *sdxl.embed_options()) == 0
+    embed_cache(manifest, out, **sdxl.embed_options())
     return sdxl, manifest, out
 
 
@@ -201,22 +201,22 @@ def test_embed_with_the_sdxl_pair_and_a_vae_subfolder(sdxl_cache):
 
     sdxl, manifest, out = sdxl_cache
     meta = read_cache_meta(out)
-    settings = meta["settings"]
-    assert (settings["vae"]["id"], settings["vae"]["subfolder"]) == (sdxl.path, "vae")
-    assert (settings["vae"]["scaling_factor"], settings["vae"]["shift_factor"]) == (VAE_SCALING, VAE_SHIFT)
-    assert (meta["latent"]["scaling_factor"], meta["latent"]["shift_factor"]) == (VAE_SCALING, VAE_SHIFT)
-    assert meta["latent"]["channels"] == VAE_CHANNELS
+    settings = meta.settings
+    assert (settings.vae.id, settings.vae.subfolder) == (sdxl.path, "vae")
+    assert (settings.vae.scaling_factor, settings.vae.shift_factor) == (VAE_SCALING, VAE_SHIFT)
+    assert (meta.latent.scaling_factor, meta.latent.shift_factor) == (VAE_SCALING, VAE_SHIFT)
+    assert meta.latent.channels == VAE_CHANNELS
     vae = LatentSpec(EncoderSource(sdxl.path, "vae")).load().describe()
-    assert settings["vae"]["weights_sha256"] == vae["weights_sha256"]
-    encoders = settings["text"]["encoders"]
-    assert [(e["id"], e["subfolder"], e["class"], e["hidden_size"]) for e in encoders] == [
+    assert settings.vae.weights_sha256 == vae["weights_sha256"]
+    encoders = settings.text.encoders
+    assert [(e.id, e.subfolder, e.class_, e.hidden_size) for e in encoders] == [
         (sdxl.path, "text_encoder", "CLIPTextModel", CLIP1_WIDTH),
         (sdxl.path, "text_encoder_2", "CLIPTextModelWithProjection", CLIP2_WIDTH),
     ]
     direct = _text([EncoderSource(sdxl.path, s) for s in ("text_encoder", "text_encoder_2")]).describe()
-    assert [e["weights_sha256"] for e in encoders] == [e["weights_sha256"] for e in direct["encoders"]]
-    assert settings["text"]["layer"] == "penultimate" and settings["text"]["pooled_dim"] == PROJECTION_DIM
-    assert [e["hidden_size"] for e in meta["text"]["encoders"]] == [CLIP1_WIDTH, CLIP2_WIDTH]
+    assert [e.weights_sha256 for e in encoders] == [e["weights_sha256"] for e in direct["encoders"]]
+    assert settings.text.layer == "penultimate" and settings.text.pooled_dim == PROJECTION_DIM
+    assert [e.hidden_size for e in meta.text.encoders] == [CLIP1_WIDTH, CLIP2_WIDTH]
 
     records = records_by_id(out)
     tokenizers = [AutoTokenizer.from_pretrained(sdxl.path, subfolder=s) for s in ("tokenizer", "tokenizer_2")]
@@ -239,12 +239,12 @@ def test_reembedding_with_the_encoders_swapped_or_another_layer_is_refused(sdxl_
     sdxl, manifest, out = sdxl_cache
     before = (Path(out) / "_cache.json").read_bytes()
     with pytest.raises(CacheError, match="other settings") as swapped:
-        run_embed(manifest, out, *sdxl.embed_options(order=("text_encoder_2", "text_encoder")))
+        embed_cache(manifest, out, **sdxl.embed_options(order=("text_encoder_2", "text_encoder")))
     assert "text.encoders[0].subfolder: 'text_encoder' -> 'text_encoder_2'" in str(swapped.value)
     with pytest.raises(CacheError, match="text.layer: 'penultimate' -> 'last'"):
-        run_embed(manifest, out, *sdxl.embed_options(layer="last"))
+        embed_cache(manifest, out, **sdxl.embed_options(layer="last"))
     assert (Path(out) / "_cache.json").read_bytes() == before
-    assert run_embed(manifest, out, *sdxl.embed_options()) == 0  # the same settings: nothing to do
+    assert embed_cache(manifest, out, **sdxl.embed_options()).up_to_date  # the same settings: nothing to do
 
 
 @pytest.mark.ray

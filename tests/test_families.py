@@ -25,7 +25,7 @@ from manifests.cache.verify import verify_cache
 from manifests.errors import UsageError
 from pipeline.embed.encoders import LatentSpec, encoder_specs, quiet_loading, to_storage
 from pipeline.embed.families.tiny import CLIP_G, CLIP_G_PROJECTION, CLIP_L, CLIP_L_PROJECTION, T5_WIDTH, build_tiny
-from tests.embed_data import make_dataset, records_by_id, run_embed
+from tests.embed_data import embed_cache, make_dataset, records_by_id
 
 FAMILIES = ("sdxl", "sd3", "flux", "pixart")
 # empty, long (past CLIP's 77 and T5's 512 tokens: truncated), unicode, upper case and spaces (PixArt lowers)
@@ -253,9 +253,9 @@ def pixart_cache(tiny, tmp_path_factory, ray_local):
     manifest, out, prompts = str(base / "manifest"), str(base / "cache"), base / "prompts.txt"
     make_dataset(str(base / "data"), manifest, 6)
     prompts.write_text("a red cat\n\n  a blue dog  \na red cat\n")
-    options = ["--family", "pixart", "--model", tiny["pixart"], "--vae", str(Path(tiny["pixart"]) / "vae"),
-               "--max-text-tokens", "16", "--latents", "posterior"]  # fmt: skip
-    assert run_embed(manifest, out, *options, "--validation-prompts", str(prompts)) == 0
+    options = {"family": "pixart", "model": tiny["pixart"], "vae": str(Path(tiny["pixart"]) / "vae"),
+               "max_text_tokens": 16, "latents": "posterior"}  # fmt: skip
+    embed_cache(manifest, out, **options, validation_prompts=str(prompts))
     return manifest, out, options
 
 
@@ -263,19 +263,19 @@ def pixart_cache(tiny, tmp_path_factory, ray_local):
 def test_embed_a_family_from_one_model_folder(tiny, pixart_cache, capsys):
     manifest, out, options = pixart_cache
     meta = read_cache_meta(out)
-    assert meta["family"] == meta["settings"]["family"] == meta["text"]["family"] == "pixart"
-    assert meta["settings"]["vae"]["id"] == str(Path(tiny["pixart"]) / "vae")
-    assert meta["settings"]["text"]["encoders"][0]["subfolder"] == "text_encoder"
-    layout = TextLayout.from_meta(meta)
-    assert layout.lengths == (16,) and layout.masked and meta["latent"]["kind"] == "posterior_mean_std"
-    prompts = meta["text"]["validation_prompts"]
-    assert prompts == [{"prompt": p, "caption_key": caption_key(p)} for p in ("a red cat", "a blue dog")]
+    assert meta.family == meta.settings.family == meta.text.family == "pixart"
+    assert meta.settings.vae.id == str(Path(tiny["pixart"]) / "vae")
+    assert meta.settings.text.encoders[0].subfolder == "text_encoder"
+    layout = meta.text_layout
+    assert layout.lengths == (16,) and layout.masked and meta.latent.kind == "posterior_mean_std"
+    prompts = meta.text.validation_prompts
+    assert [(p.prompt, p.caption_key) for p in prompts] == [(p, caption_key(p)) for p in ("a red cat", "a blue dog")]
     # every caption, the empty one (caption dropout) and the validation prompts have a text record
     texts = read_index(out)["texts"].column("caption_key").to_numpy().tolist()
     captions = {caption_key(c): c for c in ("", "a red cat", "a blue dog", *(f"a photo of thing {i}" for i in "012"))}
-    assert set(texts) == set(captions) and meta["text"]["empty_caption_key"] == caption_key("")
-    assert meta["bytes"]["per_caption"] == round(meta["bytes"]["texts"] / len(texts)) > 0
-    assert meta["summary"]["bytes_per_sample"] == meta["bytes"]["per_sample"] > 0
+    assert set(texts) == set(captions) and meta.text.empty_caption_key == caption_key("")
+    assert meta.bytes.per_caption == round(meta.bytes.texts / len(texts)) > 0
+    assert meta.summary.bytes_per_sample == meta.bytes.per_sample > 0
 
     stored = dict(zip(captions, CacheReader(out).read_texts(list(captions))))
     encoded = dict(zip(captions, _text("pixart", tiny["pixart"], max_tokens=16).encode(list(captions.values()))))
@@ -291,14 +291,14 @@ def test_embed_a_family_from_one_model_folder(tiny, pixart_cache, capsys):
     capsys.readouterr()
     more = Path(out).parent / "more.txt"
     more.write_text("a red cat\nthe picture\n")
-    assert run_embed(manifest, out, *options, "--validation-prompts", str(more)) == 0
+    embed_cache(manifest, out, **options, validation_prompts=str(more))
     again = read_cache_meta(out)
-    assert [p["prompt"] for p in again["text"]["validation_prompts"]] == ["a red cat", "the picture"]
-    assert again["counts"]["texts"] == len(texts) + 1 and again["counts"]["samples"] == 6
+    assert [p.prompt for p in again.text.validation_prompts] == ["a red cat", "the picture"]
+    assert again.counts.texts == len(texts) + 1 and again.counts.samples == 6
     assert "1 new captions" in capsys.readouterr().out
     before = (Path(out) / "_cache.json").read_bytes()
     with pytest.raises(CacheError, match="family: 'pixart' -> 'flux'"):
-        run_embed(manifest, out, "--family", "flux", "--model", tiny["flux"])
+        embed_cache(manifest, out, family="flux", model=tiny["flux"])
     assert (Path(out) / "_cache.json").read_bytes() == before
 
 

@@ -9,6 +9,7 @@ from manifests.cache import CacheError, CacheReader, read_cache_meta, read_index
 from manifests.cache.records import encode_sample
 from manifests.cache.verify import verify_cache
 from manifests.storage import join, open_url
+from pipeline import VerifyJob, run
 from pipeline.cli import main
 from tests.test_cache_format import build_cache, sample
 
@@ -51,9 +52,10 @@ def test_damage_is_caught_by_verify_and_reader(tmp_path, how, capsys):
     result = verify_cache(url)
     assert set(result.bad_sample_ids) == bad
     assert all(b.shard == shard for b in result.bad)
-    assert main(["verify", url]) == 1
+    checked = run(VerifyJob(cache=url, max_listed=len(bad)))
+    assert checked.exit_code == 1 and set(checked.bad_sample_ids) == bad and not checked.ok
     err = capsys.readouterr().err
-    assert all(f"sample {s}" in err for s in bad) and shard in err
+    assert all(f"sample {s}" in err for s in bad) and shard in err and "more" not in err
 
     reader = CacheReader(url)
     victim = sorted(bad)[0]
@@ -84,17 +86,19 @@ def test_verify_checks_shapes_and_finite_values(tmp_path, capsys):
     reasons = {b.sample_id: b.reason for b in result.bad}
     assert set(reasons) == {2001, 2002}
     assert "latent shape (4, 4, 8) != (4, 8, 8)" in reasons[2001] and "non-finite" in reasons[2002]
+    # the command line: exit code 1 when a record is bad, 2 and one line when there is no cache
     assert main(["verify", url]) == 1
-    assert main(["verify", str(tmp_path / "nothing")]) == 2  # not a cache: one clear error line
+    assert main(["verify", str(tmp_path / "nothing")]) == 2
     assert "has no _cache.json" in capsys.readouterr().err
 
 
 def test_verify_ok_exit_zero(tmp_path, capsys):
     url = str(tmp_path / "cache")
     build_cache(url, n=3)
-    assert main(["verify", url]) == 0
+    result = run(VerifyJob(cache=url))
+    assert result.exit_code == 0 and (result.checked_samples, result.checked_texts, result.complete) == (3, 3, True)
     assert "OK - 3 sample records and 3 text records" in capsys.readouterr().out
-    assert read_cache_meta(url)["complete"]
+    assert read_cache_meta(url).complete
 
 
 @pytest.mark.s3

@@ -36,9 +36,7 @@ drawn from the manifest and :func:`available_sample_ids` with a manifest returns
 
 from __future__ import annotations
 
-import hashlib
 import io
-import json
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -46,7 +44,18 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from manifests.cache.freshness import Freshness, IndexLookup, classify, manifest_samples, source_key
-from manifests.errors import MissingError, UsageError
+from manifests.cache.meta import (
+    CACHE_FILE,
+    CACHE_FORMAT_VERSION,
+    KIND,
+    MISSING_HINT,
+    VERSION_HINT,
+    CacheError,
+    CacheIndex,
+    CacheMeta,
+    CacheMissingError,
+    fingerprint_of,
+)
 from manifests.storage import join, open_url, read_artifact_meta, read_many, redact, storage_error
 
 __all__ = [
@@ -54,6 +63,7 @@ __all__ = [
     "CACHE_FORMAT_VERSION",
     "CacheError",
     "CacheMissingError",
+    "CacheMeta",
     "SAMPLE_INDEX_SCHEMA",
     "TEXT_INDEX_SCHEMA",
     "CACHE_ERRORS_SCHEMA",
@@ -76,11 +86,6 @@ __all__ = [
     "Freshness",
 ]
 
-CACHE_FILE = "_cache.json"
-# 2: text as the model family's pipeline encodes it (text.layout: padded parts, pooled, masks), optional
-# latent_std. A version-1 cache holds unpadded, masked text of any family: it is refused, not misread
-CACHE_FORMAT_VERSION = 2
-KIND = "bucketeer.cache"
 SHARD_RECORDS = 1024  # records per shard: ~100 MB of SDXL latents, few enough objects for any store
 SHARD_BYTES = 256 << 20
 
@@ -121,19 +126,6 @@ CACHE_ERRORS_SCHEMA = pa.schema(
 INDEX_SCHEMAS = {"samples": SAMPLE_INDEX_SCHEMA, "texts": TEXT_INDEX_SCHEMA, "errors": CACHE_ERRORS_SCHEMA}
 
 
-class CacheError(UsageError):
-    """A cache folder that is missing, of another version or settings, or has a bad record."""
-
-
-class CacheMissingError(CacheError, MissingError):
-    """A folder without ``_cache.json``: no cache there yet, or its embed job never committed."""
-
-
-def fingerprint_of(settings: dict[str, Any]) -> str:
-    """sha256 of the canonical JSON of the preprocessing settings (encoders, weights, dtype, crop...)."""
-    return hashlib.sha256(json.dumps(settings, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(d, dict):
         out: dict[str, Any] = {}
@@ -166,7 +158,7 @@ def table_bytes(table: pa.Table) -> bytes:
     return buf.getvalue()
 
 
-def read_cache_meta(url: str, storage_options: dict | None = None) -> dict:
+def read_cache_meta(url: str, storage_options: dict | None = None) -> CacheMeta:
     """Read and check ``CACHE/_cache.json``.
 
     Raises CacheError when the folder has none (not a cache, or no shard committed yet), when it is
@@ -176,16 +168,12 @@ def read_cache_meta(url: str, storage_options: dict | None = None) -> dict:
     return read_meta(fs, root, url)
 
 
-def read_meta(fs, root: str, url: str) -> dict:
-    meta = read_artifact_meta(
-        fs, root, url, file=CACHE_FILE, kind=KIND, version=CACHE_FORMAT_VERSION, error=CacheError,
-        missing=CacheMissingError,
-        missing_hint="it is not a bucketeer cache, or its embed job has not committed a shard yet. "
-        "Run `bucketeer embed MANIFEST --out CACHE` to build it.",
-        version_hint="Re-embed into a new --out (format 2 stores text as the model family's pipeline encodes it, "
-        "see --family), or use the bucketeer that wrote it.",
-    )
-    return meta
+def read_meta(fs, root: str, url: str) -> CacheMeta:
+    """:func:`read_cache_meta` on an open filesystem (``url``: for messages)."""
+    meta = read_artifact_meta(fs, root, url, file=CACHE_FILE, kind=KIND, version=CACHE_FORMAT_VERSION,
+                              error=CacheError, missing=CacheMissingError, missing_hint=MISSING_HINT,
+                              version_hint=VERSION_HINT)  # fmt: skip
+    return CacheMeta.from_json(meta, url)
 
 
 def _conform_part(table: pa.Table, kind: str, names: Sequence[str] | None = None) -> pa.Table:
@@ -199,17 +187,17 @@ def _conform_part(table: pa.Table, kind: str, names: Sequence[str] | None = None
 
 
 def _read_index_parts(
-    fs, root: str, url: str, meta: dict, kind: str, names: Sequence[str] | None = None
+    fs, root: str, url: str, index: CacheIndex, kind: str, names: Sequence[str] | None = None
 ) -> pa.Table:
     """The index parts of ``kind`` as written, concatenated in commit order (no supersession applied);
     only the columns ``names`` (in that order) when given."""
     schema = INDEX_SCHEMAS[kind] if names is None else pa.schema([INDEX_SCHEMAS[kind].field(n) for n in names])
-    paths = [join(root, p) for p in meta["index"][kind]]
+    paths = [join(root, p) for p in index.parts(kind)]
     if not paths:
         return schema.empty_table()
     blobs = read_many(fs, paths)  # one concurrent batch on object stores
     tables = []
-    for rel, path, data in zip(meta["index"][kind], paths, blobs):
+    for rel, path, data in zip(index.parts(kind), paths, blobs):
         if isinstance(data, FileNotFoundError):
             raise CacheError(f"{redact(url)}: index part {rel} listed in {CACHE_FILE} is missing; "
                              "run `bucketeer verify` and re-embed into a new --out")  # fmt: skip
@@ -246,13 +234,14 @@ def newest_rows(samples: pa.Table, errors: pa.Table) -> tuple[pa.Table, pa.Table
 def read_index(
     url: str,
     storage_options: dict | None = None,
-    meta: dict | None = None,
+    meta: CacheMeta | CacheIndex | None = None,
     *,
     superseded: bool = False,
     columns: Mapping[str, Sequence[str]] | None = None,
 ) -> dict[str, pa.Table]:
     """The cache's ``samples``, ``texts`` and ``errors`` index tables (read via ``_cache.json``, or
-    ``meta`` when the caller has it), one concurrent read per kind.
+    ``meta`` when the caller has it, or only the parts of a :class:`CacheIndex`), one concurrent
+    read per kind.
 
     Superseded rows are left out: each sample id appears at most once, in ``samples`` (a record)
     or in ``errors`` (an image that failed), whichever its newest embedding produced. With
@@ -263,18 +252,19 @@ def read_index(
     """
     fs, root = open_url(url, storage_options)
     meta = meta or read_meta(fs, root, url)
+    index = meta if isinstance(meta, CacheIndex) else meta.index
     names: dict[str, list[str] | None] = {kind: None for kind in INDEX_SCHEMAS}
     for kind, wanted in (columns or {}).items():
         extra = ["sample_id", "generation"] if kind != "texts" else []
         names[kind] = list(dict.fromkeys([*extra, *wanted]))
-    tables = {kind: _read_index_parts(fs, root, url, meta, kind, names[kind]) for kind in INDEX_SCHEMAS}
+    tables = {kind: _read_index_parts(fs, root, url, index, kind, names[kind]) for kind in INDEX_SCHEMAS}
     if not superseded:
         tables["samples"], tables["errors"] = newest_rows(tables["samples"], tables["errors"])
     return tables
 
 
 def index_lookup(
-    url: str, storage_options: dict | None = None, meta: dict | None = None
+    url: str, storage_options: dict | None = None, meta: CacheMeta | None = None
 ) -> tuple[IndexLookup, np.ndarray]:
     """What a resumed embed needs of a committed index, reading only those columns: the freshness
     lookup of its (newest) sample and error rows, and the sorted uint64 caption keys that have a

@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow.compute as pc
 
 from manifests.cache.layout import TEXT_INDEX_SCHEMA, CacheError, read_meta, read_index
+from manifests.cache.meta import CacheMeta
 from manifests.cache.records import RecordError, SampleRecord, TextRecord, crc32, decode_sample, decode_text
 from manifests.storage import join, open_url, read_many, redact, storage_error
 
@@ -72,7 +73,7 @@ class CacheReader:
         self.url = url
         self.max_gap = max_gap  # merge reads of records this close in a shard; None: one read per record
         self.fs, self.root = open_url(url, storage_options)
-        self.meta: dict = read_meta(self.fs, self.root, url)
+        self.meta: CacheMeta = read_meta(self.fs, self.root, url)
         tables = read_index(url, storage_options, self.meta)
         samples = tables["samples"].sort_by("sample_id")
         self._ids = samples.column("sample_id").to_numpy().astype(np.uint64)  # (n,) sorted

@@ -1,7 +1,8 @@
 """How a cached text record becomes a model family's prompt embeddings: the ``text.layout`` contract.
 
 A text record (:class:`~manifests.cache.records.TextRecord`) holds ``tokens``, one array per
-**part**, and ``pooled``. ``_cache.json["text"]["layout"]`` (a :class:`TextLayout`) says what the
+**part**, and ``pooled``. ``_cache.json``'s ``text.layout`` (a :class:`TextLayout`; a cache's is
+:attr:`manifests.cache.CacheMeta.text_layout`) says what the
 parts are and how they join into what the family's diffusers pipeline returns from
 ``encode_prompt``, so a trainer rebuilds that output from the cache alone, without text encoders:
 
@@ -88,24 +89,6 @@ class TextLayout:
         except (KeyError, TypeError, ValueError, AssertionError) as e:
             raise UsageError(f"_cache.json text.layout is malformed ({type(e).__name__}: {e}); "
                              "re-embed with this bucketeer") from None  # fmt: skip
-
-    @classmethod
-    def from_meta(cls, meta: dict[str, Any]) -> "TextLayout":
-        """The layout of a cache from its ``_cache.json``.
-
-        A ``text`` section without a ``layout`` (caches assembled by hand, as tests and benchmarks
-        do) is the generic layout: one masked part per entry of ``text.encoders``, joined on features.
-        """
-        text = meta.get("text") or {}
-        if isinstance(text.get("layout"), dict):
-            return cls.from_json(text["layout"])
-        encoders = text.get("encoders") or []
-        if not encoders:
-            raise UsageError("_cache.json has no text.layout nor text.encoders: not a cache `bucketeer embed` wrote")
-        return cls(family="generic", join="features", masked=True,
-                   lengths=tuple(int(e.get("max_length") or 0) or 1 << 16 for e in encoders),
-                   widths=tuple(int(e["hidden_size"]) for e in encoders),
-                   pooled_dim=None if text.get("pooled_dim") is None else int(text["pooled_dim"]))  # fmt: skip
 
     def recipe(self) -> str:
         """One line saying how the parts join, for people reading ``_cache.json``."""

@@ -15,6 +15,7 @@ import numpy as np
 
 from manifests.buckets import parse_bucket
 from manifests.cache.layout import read_meta, read_index
+from manifests.cache.meta import CacheMeta, LatentInfo
 from manifests.cache.records import RecordError, crc32, decode_sample, decode_text, to_float32
 from manifests.cache.text_layout import TextLayout
 from manifests.progress import Progress
@@ -55,42 +56,41 @@ def _check_finite(array: np.ndarray, tag: str) -> str | None:
     return None
 
 
-def _check_sample(blob: bytes, sample_id: int, bucket: str, meta: dict) -> str | None:
+def _check_sample(blob: bytes, sample_id: int, bucket: str, meta: CacheMeta) -> str | None:
     record = decode_sample(blob)
-    latent = meta.get("latent", {})
+    latent = meta.latent or LatentInfo()
     w, h = parse_bucket(bucket)
-    f, channels = int(latent.get("factor", 8)), int(latent.get("channels", record.latent.shape[0]))
+    f = int(8 if latent.factor is None else latent.factor)
+    channels = int(record.latent.shape[0] if latent.channels is None else latent.channels)
     expected = (channels, h // f, w // f)
     if record.sample_id != sample_id:
         return f"record holds sample {record.sample_id}, index says {sample_id}"
     if tuple(record.latent.shape) != expected:
         return f"latent shape {tuple(record.latent.shape)} != {expected} (bucket {bucket} / factor {f})"
-    if latent.get("dtype") and record.dtype != latent["dtype"]:
-        return f"latent dtype {record.dtype} != cache dtype {latent['dtype']}"
+    if latent.dtype and record.dtype != latent.dtype:
+        return f"latent dtype {record.dtype} != cache dtype {latent.dtype}"
     if record.target_size != (h, w):
         return f"target size {record.target_size} != bucket {bucket}"
-    if (record.latent_std is not None) != (latent.get("kind") == "posterior_mean_std"):
-        return f"latent_std {'present' if record.latent_std is not None else 'missing'} in a {latent.get('kind')} cache"
-    settings = meta.get("settings") or {}
-    variants = settings.get("variants")
-    want = variants["crops"] * (2 if variants["flip"] else 1) if variants else 1
+    if (record.latent_std is not None) != (latent.kind == "posterior_mean_std"):
+        return f"latent_std {'present' if record.latent_std is not None else 'missing'} in a {latent.kind} cache"
+    want = meta.settings.variant_count
     if record.variants != want:
         return f"{record.variants} variants, the cache's settings (--crops/--flip) say {want}"
-    if (record.cond_latent is not None) != ("conditioning" in settings):
+    if (record.cond_latent is not None) != (meta.settings.conditioning is not None):
         return f"conditioning latent {'present' if record.cond_latent is not None else 'missing'} in this cache"
     tensors = (record.latent, record.latent_std, record.cond_latent, record.variant_latents,
                record.variant_cond_latents)
     return next((p for p in (_check_finite(t, record.dtype) for t in tensors if t is not None) if p), None)
 
 
-def _check_text(blob: bytes, meta: dict, layout: TextLayout) -> str | None:
+def _check_text(blob: bytes, meta: CacheMeta, layout: TextLayout) -> str | None:
     record = decode_text(blob)
-    text = meta.get("text", {})
+    dtype = meta.text.dtype if meta.text else None
     problem = layout.check(record)
     if problem:
         return problem
-    if text.get("dtype") and record.dtype != text["dtype"]:
-        return f"text dtype {record.dtype} != cache dtype {text['dtype']}"
+    if dtype and record.dtype != dtype:
+        return f"text dtype {record.dtype} != cache dtype {dtype}"
     for t in (*record.tokens, *(() if record.pooled is None else (record.pooled,))):
         problem = _check_finite(t, record.dtype)
         if problem:
@@ -98,7 +98,7 @@ def _check_text(blob: bytes, meta: dict, layout: TextLayout) -> str | None:
     return None
 
 
-def _check(kind: str, blob: bytes, row: dict, meta: dict, layout: TextLayout) -> str | None:
+def _check(kind: str, blob: bytes, row: dict, meta: CacheMeta, layout: TextLayout) -> str | None:
     if len(blob) != row["length"]:
         return f"truncated shard: {len(blob)} of {row['length']} bytes at offset {row['offset']}"
     if crc32(blob) != row["crc32"]:
@@ -118,9 +118,9 @@ def verify_cache(url: str, storage_options: dict | None = None, *, progress: boo
     """
     fs, root = open_url(url, storage_options)
     meta = read_meta(fs, root, url)
-    layout = TextLayout.from_meta(meta)
+    layout = meta.text_layout
     tables = read_index(url, storage_options, meta)
-    result = VerifyResult(complete=bool(meta.get("complete")))
+    result = VerifyResult(complete=bool(meta.complete))
     rows = {kind: tables[kind].to_pylist() for kind in ("samples", "texts")}
     by_shard: dict[str, list[tuple[str, dict]]] = {}
     for kind, kind_rows in rows.items():

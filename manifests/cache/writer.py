@@ -25,8 +25,8 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import time
-from dataclasses import InitVar, dataclass, field
-from typing import Any, Callable
+from dataclasses import InitVar, dataclass, field, replace
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import pyarrow as pa
@@ -48,6 +48,15 @@ from manifests.cache.layout import (
     read_meta,
     settings_diff,
     table_bytes,
+)
+from manifests.cache.meta import (
+    CacheBytes,
+    CacheCounts,
+    CacheIndex,
+    CacheMeta,
+    CacheSettings,
+    ComputeInfo,
+    EmbedSummary,
 )
 from manifests.cache.records import crc32
 from manifests.storage import call_storage, join, open_url, redact, write_bytes_atomic, write_json_atomic
@@ -159,16 +168,18 @@ class CacheCommitter:
 
     Opening refuses an existing cache whose fingerprint differs from ``settings``' (CacheError that
     lists what differs); ``meta`` is the committed ``_cache.json`` when the caller read it already.
+    ``info``: what ``_cache.json`` says besides the settings (``family``, ``latent``, ``text``, ``gzip``,
+    ``storage_options``), as JSON, parsed here once into :attr:`meta`.
     :meth:`add` queues rows (repeats of a key already queued in this run are dropped),
     :meth:`commit` writes them with a new generation; :meth:`due` says when ``commit_seconds``
     have passed since the last commit. ``clock`` (monotonic seconds) is there for tests.
     """
 
     url: str
-    settings: dict[str, Any]
-    info: dict[str, Any] = field(default_factory=dict)  # non-fingerprinted facts (latent/text layout)
+    settings: dict[str, Any]  # exactly as hashed into the fingerprint
+    info: Mapping[str, Any] = field(default_factory=dict)  # non-fingerprinted facts (latent/text layout)
     storage_options: dict | None = None
-    meta: dict[str, Any] | None = None
+    meta: CacheMeta | None = None
     commit_seconds: float = COMMIT_SECONDS
     clock: Callable[[], float] = time.monotonic
 
@@ -179,21 +190,20 @@ class CacheCommitter:
             try:
                 self.meta = read_meta(self.fs, self.root, self.url)
             except CacheMissingError:  # a new cache
-                self.meta = {
-                    "kind": KIND, "format_version": CACHE_FORMAT_VERSION, "created_at": _now(),
-                    "fingerprint": self.fingerprint, "settings": self.settings,
-                    "index": {k: [] for k in INDEX_SCHEMAS}, "counts": {k: 0 for k in INDEX_SCHEMAS}, "manifests": [],
-                }  # fmt: skip
-        if self.meta["fingerprint"] != self.fingerprint:
-            diff = settings_diff(self.meta.get("settings", {}), self.settings)
+                self.meta = CacheMeta(kind=KIND, format_version=CACHE_FORMAT_VERSION, created_at=_now(),
+                                      fingerprint=self.fingerprint, settings=CacheSettings.from_json(self.settings),
+                                      index=CacheIndex(), counts=CacheCounts(), manifests=())  # fmt: skip
+        if self.meta.fingerprint != self.fingerprint:
+            diff = settings_diff(self.meta.settings.to_json(), self.settings)
             raise CacheError(
                 f"{redact(self.url)} was embedded with other settings (fingerprint "
-                f"{self.meta['fingerprint'][:12]} vs {self.fingerprint[:12]}); differences:\n  "
+                f"{self.meta.fingerprint[:12]} vs {self.fingerprint[:12]}); differences:\n  "
                 + "\n  ".join(diff or ["(settings equal but fingerprints differ: other bucketeer format)"])
                 + "\nMixing them would silently train on inconsistent tensors: use a new --out for these settings."
             )
-        self.meta.pop("shards", None)  # written by bucketeer before 0.2: a list of every shard, no longer kept
-        self.meta.update(self.info, tool_version=__version__, complete=False)
+        meta = self.meta.to_json()
+        meta.pop("shards", None)  # written by bucketeer before 0.2: a list of every shard, no longer kept
+        self.meta = CacheMeta.from_json({**meta, **self.info, "tool_version": __version__, "complete": False}, self.url)
         self._pending: dict[str, list[pa.Table]] = {k: [] for k in INDEX_SCHEMAS}
         self._seen = {"samples": KeySet(), "texts": KeySet()}  # errors share the samples' keys
         self._parts: dict[str, list[tuple[str, int]]] = {k: [] for k in INDEX_SCHEMAS}  # (path, level) of this run
@@ -221,15 +231,21 @@ class CacheCommitter:
         """True when rows are queued and ``commit_seconds`` have passed since the last commit."""
         return self.pending > 0 and self.clock() - self._last >= self.commit_seconds
 
-    def set_info(self, **info: Any) -> None:
-        """Update non-fingerprinted facts (e.g. where the encoders ran); written with the next commit."""
-        self.meta.update(info)
+    def set_compute(self, compute: ComputeInfo) -> None:
+        """Where the encoders ran (not fingerprinted); written with the next commit."""
+        self.meta = replace(self.meta, compute=compute)
+
+    def _set_index(self, index: dict[str, list[str]], counts: dict[str, int], **changes: Any) -> None:
+        self.meta = replace(self.meta, index=replace(self.meta.index, **{k: tuple(v) for k, v in index.items()}),
+                            counts=replace(self.meta.counts, **counts), **changes)  # fmt: skip
 
     def commit(self) -> None:
         """Write the queued rows as one index part per kind (generation: this commit's number), merge
         parts of this run that reached :data:`MERGE_FANIN` of a size, then write ``_cache.json``."""
-        generation = int(self.meta.get("generation", 0)) + 1
+        generation = int(self.meta.generation or 0) + 1
         wrote_samples = bool(self._pending["samples"])
+        index = {k: list(self.meta.index.parts(k)) for k in INDEX_SCHEMAS}
+        counts = {k: self.meta.counts.to_json()[k] for k in INDEX_SCHEMAS}
         removed: list[str] = []
         for kind, tables in self._pending.items():
             if not tables:
@@ -238,12 +254,12 @@ class CacheCommitter:
             if "generation" in rows.column_names:
                 rows = rows.set_column(rows.column_names.index("generation"), "generation",
                                        pa.array(np.full(rows.num_rows, generation, np.int64)))  # fmt: skip
-            self.meta["index"][kind].append(self._write_part(kind, rows))
-            self.meta["counts"][kind] += rows.num_rows
-            self._parts[kind].append((self.meta["index"][kind][-1], 0))
-            removed += self._merge(kind)
+            index[kind].append(self._write_part(kind, rows))
+            counts[kind] += rows.num_rows
+            self._parts[kind].append((index[kind][-1], 0))
+            removed += self._merge(kind, index[kind])
             self._pending[kind] = []
-        self.meta["generation"] = generation
+        self._set_index(index, counts, generation=generation)
         self._write_meta()
         self._remove(removed)
         self._last = self.clock()
@@ -257,17 +273,17 @@ class CacheCommitter:
         self.index_bytes += len(blob)
         return part
 
-    def _merge(self, kind: str) -> list[str]:
-        """Merge the newest MERGE_FANIN parts of this run while they share a level; returns the
-        replaced parts (removed once the new ``_cache.json`` no longer names them)."""
+    def _merge(self, kind: str, names: list[str]) -> list[str]:
+        """Merge the newest MERGE_FANIN parts of this run while they share a level (``names``: the
+        parts of ``kind`` to commit, changed in place); returns the replaced parts (removed once the
+        new ``_cache.json`` no longer names them)."""
         removed: list[str] = []
         parts = self._parts[kind]
         while len(parts) >= MERGE_FANIN and len({level for _, level in parts[-MERGE_FANIN:]}) == 1:
             group, level = [p for p, _ in parts[-MERGE_FANIN:]], parts[-1][1]
-            rows = read_index(self.url, self.storage_options, {"index": {**{k: [] for k in INDEX_SCHEMAS},
-                              kind: group}}, superseded=True)[kind]  # fmt: skip
+            rows = read_index(self.url, self.storage_options, CacheIndex(**{kind: tuple(group)}),
+                              superseded=True)[kind]  # fmt: skip
             merged = self._write_part(kind, rows)  # commit order kept: supersession reads generations
-            names = self.meta["index"][kind]
             assert names[-MERGE_FANIN:] == group
             names[-MERGE_FANIN:] = [merged]
             parts[-MERGE_FANIN:] = [(merged, level + 1)]
@@ -275,40 +291,41 @@ class CacheCommitter:
         return removed
 
     def _remove(self, paths: list[str]) -> None:
-        keep = {p for parts in self.meta["index"].values() for p in parts}
+        keep = {p for kind in INDEX_SCHEMAS for p in self.meta.index.parts(kind)}
         for path in set(paths) - keep:  # no committed _cache.json names it any more
             target = join(self.root, path)
             call_storage(self.fs, "removing", target, lambda: self.fs.rm(target))
 
     def _write_meta(self) -> None:
-        self.meta["updated_at"] = _now()
-        self.metadata_bytes += write_json_atomic(self.fs, join(self.root, CACHE_FILE), self.meta)
+        self.meta = replace(self.meta, updated_at=_now())
+        self.metadata_bytes += write_json_atomic(self.fs, join(self.root, CACHE_FILE), self.meta.to_json())
 
-    def finish(self, manifest_fingerprint: str | None = None, summary: dict | None = None) -> dict:
+    def finish(self, manifest_fingerprint: str | None = None, summary: EmbedSummary | None = None) -> CacheMeta:
         """Commit what is queued, merge the index parts into one per kind, mark the cache complete.
 
         The merged index keeps only the newest row per sample id; ``counts`` become the live rows,
         ``bytes`` their compressed sizes (totals, and the means ``per_sample`` and ``per_caption``),
         ``superseded_records`` the sample records that newer ones replaced (their bytes stay in
-        old shards, unreferenced).
+        old shards, unreferenced). ``summary``: what this run did (None: written as ``{}``).
         """
         if self.pending:
             self.commit()
-        old = {k: list(v) for k, v in self.meta["index"].items()}
+        old = {k: list(self.meta.index.parts(k)) for k in INDEX_SCHEMAS}
         raw = read_index(self.url, self.storage_options, self.meta, superseded=True)
         tables = dict(raw)
         tables["samples"], tables["errors"] = newest_rows(raw["samples"], raw["errors"])
+        index, counts = dict(old), {}
         for kind, key in _KEY.items():
-            self.meta["counts"][kind] = tables[kind].num_rows
+            counts[kind] = tables[kind].num_rows
             if len(old[kind]) <= 1 and tables[kind].num_rows == raw[kind].num_rows:
                 continue
-            self.meta["index"][kind] = [self._write_part(kind, tables[kind].sort_by(key))]
-        if manifest_fingerprint and manifest_fingerprint not in self.meta["manifests"]:
-            self.meta["manifests"].append(manifest_fingerprint)
-        self.meta["bytes"] = _live_bytes(tables)
-        self.meta["superseded_records"] = raw["samples"].num_rows - tables["samples"].num_rows
-        self.meta["summary"] = summary or {}
-        self.meta["complete"] = True
+            index[kind] = [self._write_part(kind, tables[kind].sort_by(key))]
+        manifests = self.meta.manifests
+        if manifest_fingerprint and manifest_fingerprint not in manifests:
+            manifests = (*manifests, manifest_fingerprint)
+        self._set_index(index, counts, manifests=manifests, bytes=CacheBytes(**_live_bytes(tables)),
+                        superseded_records=raw["samples"].num_rows - tables["samples"].num_rows,
+                        summary=summary or EmbedSummary.from_json({}), complete=True)  # fmt: skip
         self._write_meta()
         self._remove([p for parts in old.values() for p in parts])
         return self.meta
@@ -329,7 +346,7 @@ class CacheWriter:
 
     url: str
     settings: dict[str, Any]
-    info: dict[str, Any] = field(default_factory=dict)
+    info: Mapping[str, Any] = field(default_factory=dict)
     storage_options: dict | None = None
     shard_records: int = SHARD_RECORDS
     shard_bytes: int = SHARD_BYTES
@@ -337,7 +354,6 @@ class CacheWriter:
 
     def __post_init__(self, index: dict[str, pa.Table] | None) -> None:
         self.committer = CacheCommitter(self.url, self.settings, self.info, self.storage_options, commit_seconds=0)
-        self.meta = self.committer.meta
         tables = index if index is not None else read_index(self.url, self.storage_options, self.meta)
         self.done_samples = set(tables["samples"].column("sample_id").to_numpy().tolist())
         self.done_texts = set(tables["texts"].column("caption_key").to_numpy().tolist())
@@ -345,6 +361,11 @@ class CacheWriter:
         self._shards = {k: ShardWriter(k, self.shard_records, self.shard_bytes) for k in ("samples", "texts")}
         self._errors: list[dict[str, Any]] = []
         self._added: set[int] = set()  # sample ids given a record or error row by this writer
+
+    @property
+    def meta(self) -> CacheMeta:
+        """``_cache.json`` as committed last (or to be committed first)."""
+        return self.committer.meta
 
     def add_text(self, caption_key: int, data: bytes) -> bool:
         """Queue a text record; returns True when a shard was committed."""
@@ -398,7 +419,7 @@ class CacheWriter:
             self._errors = []
         self.committer.commit()
 
-    def finish(self, manifest_fingerprint: str | None = None, summary: dict | None = None) -> dict:
+    def finish(self, manifest_fingerprint: str | None = None, summary: EmbedSummary | None = None) -> CacheMeta:
         """Commit what is pending, merge the index parts into one per kind, mark the cache complete."""
         self.commit()
         return self.committer.finish(manifest_fingerprint, summary)

@@ -4,6 +4,6 @@ The job is :mod:`pipeline.embed.job` (``bucketeer embed``, ``python -m pipeline.
 holds its parts.
 """
 
-from pipeline.embed.job import add_arguments, run
+from pipeline.embed.job import EmbedJob, EmbedResult, add_arguments, job_from_args, run
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["EmbedJob", "EmbedResult", "add_arguments", "job_from_args", "run"]

@@ -4,6 +4,12 @@
     bucketeer embed MANIFEST --out CACHE [--vae ID|PATH] [--text-encoder ID|PATH ...]   # generic encoders
     ray job submit --working-dir . -- python -m pipeline.embed MANIFEST --out s3://bucket/cache --device cuda ...
 
+    from pipeline import EmbedJob, run
+    cache = run(EmbedJob(manifest="manifest/", out="cache/", family="sdxl", model="path/to/sdxl-pipeline"))
+
+:class:`EmbedJob` is the options, validated where it is built (:func:`job_from_args` is the one place the
+command line becomes one); :func:`run` runs it and returns an :class:`EmbedResult`.
+
 What the cache holds per model family (the text exactly as the family's diffusers pipeline encodes
 it, the latents as the VAE's posterior) is :mod:`pipeline.embed.encoders` and
 :mod:`pipeline.embed.families`. Besides the captions of the samples, the empty caption (for caption
@@ -18,7 +24,7 @@ before any work); (3) the captions pipeline encodes the new captions on text-enc
 the images pipeline fetches, decodes (up to the
 manifest's ``max_pixels``) and crops units of one bucket on CPU tasks and encodes them on VAE
 actors (:mod:`pipeline.embed.dataflow`, Ray Data). Workers write the shards; the driver receives
-only index rows and commits them (:class:`manifests.cache.CacheCommitter`) every
+only index rows and commits them (:mod:`pipeline.embed.driver`, :class:`manifests.cache.CacheCommitter`) every
 ``--commit-seconds`` and at the end of each phase, text records before any sample refers to them,
 so a killed job resumes from what was committed. Each phase reports captions/s or images/s, ETA
 and MB written (:class:`manifests.progress.Progress`: a bar on a terminal, a line in a Ray job's log).
@@ -42,7 +48,8 @@ per caption and per sample.
 
 A manifest of pairs (``scan --conditioning``) gets each conditioning image encoded with its image's
 exact resize and crop, into the same record (``cond_latent``). ``--flip`` and ``--crops K`` store
-variants (K crops, each also mirrored) in the record, recorded in ``_cache.json`` settings; the
+variants (K crops, each also mirrored) in the record, recorded in ``_cache.json`` settings
+(:mod:`pipeline.embed.settings`); the
 trainer picks one per (seed, epoch, sample) (:func:`train.data.variant_choice`).
 """
 
@@ -50,40 +57,30 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
 import time
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 
-from manifests.cache import (
-    CACHE_FORMAT_VERSION,
-    SHARD_RECORDS,
-    CacheCommitter,
-    CacheError,
-    CacheMissingError,
-    IndexLookup,
-    index_lookup,
-    read_cache_meta,
-    settings_diff,
-)
-from manifests.cache.records import GZIP_BACKEND, caption_key
+from manifests.cache import SHARD_RECORDS, CacheMeta, EmbedSummary, IndexLookup, index_lookup
+from manifests.cache.records import GZIP_BACKEND
 from manifests.cache.writer import COMMIT_SECONDS
 from manifests.errors import BucketeerError, UsageError
 from manifests.manifest import read_manifest_meta
-from manifests.progress import Progress
 from manifests.schema import MAX_PIXELS
-from manifests.storage import call_storage, is_local, join, open_url, parse_storage_options, public_options, redact
-from pipeline.embed.dataflow import DEVICES, Placement
-from pipeline.embed.encoders import LATENTS
+from manifests.storage import parse_storage_options, redact
+from pipeline.embed.dataflow import DEVICES
+from pipeline.embed.driver import EmbedDriver
+from pipeline.embed.encoders import LATENTS, STORAGE_DTYPES
 from pipeline.embed.families import FAMILIES
 from pipeline.embed.prompts import committed_prompts, missing_texts, prompt_texts, read_validation_prompts
-from pipeline.embed.work import EmbedWork
+from pipeline.embed.settings import check_early, request_settings
 from pipeline.ray_setup import init_ray
+
+__all__ = ["EmbedJob", "EmbedResult", "add_arguments", "job_from_args", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -152,99 +149,121 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ray-address", default=None, help="Ray cluster address (default: start Ray on this machine)")
 
 
-def _specs(args: argparse.Namespace):
+@dataclass(frozen=True, kw_only=True)
+class EmbedJob:
+    """One ``bucketeer embed``: the options of :func:`add_arguments` (same names, same defaults; the
+    repeatable ``--text-encoder``/``--text-encoder-subfolder`` are the tuples ``text_encoders``/
+    ``text_encoder_subfolders``), ``storage_options`` already parsed. Raises UsageError when built
+    with a bad combination, naming the option to change."""
+
+    manifest: str
+    out: str
+    family: str = "generic"
+    model: str | None = None
+    vae: str | None = None
+    vae_subfolder: str | None = None
+    text_encoders: tuple[str, ...] | None = None
+    text_encoder_subfolders: tuple[str | None, ...] | None = None
+    text_layer: str | None = None  # last | penultimate
+    max_text_tokens: int | None = None
+    latents: str = "mean"  # mean | posterior
+    validation_prompts: str | None = None  # a file, one prompt a line
+    dtype: str = "bf16"  # bf16 | fp16 | fp32
+    crop: str = "center"  # center | random
+    seed: int = 0
+    flip: bool = False
+    crops: int = 1
+    source: str | None = None  # dataset root, if it moved since the scan
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    batch_size: int = 16
+    text_batch_size: int = 128
+    shard_records: int = SHARD_RECORDS
+    device: str = "auto"  # auto | cuda | cpu
+    vae_workers: int | None = None
+    torch_threads: int | None = None
+    commit_seconds: float = COMMIT_SECONDS
+    ray_address: str | None = None
+
+    def __post_init__(self) -> None:
+        choices = (("--family", self.family, tuple(FAMILIES)), ("--latents", self.latents, LATENTS),
+                   ("--dtype", self.dtype, tuple(STORAGE_DTYPES)), ("--device", self.device, DEVICES),
+                   ("--crop", self.crop, ("center", "random")),
+                   ("--text-layer", self.text_layer, (None, "last", "penultimate")))  # fmt: skip
+        for option, value, allowed in choices:
+            if value not in allowed:
+                raise UsageError(f"{option} {value!r}: choose one of {', '.join(c for c in allowed if c)}")
+        if self.batch_size < 1 or self.shard_records < 1 or self.text_batch_size < 1:
+            raise UsageError("--batch-size, --text-batch-size and --shard-records must be >= 1")
+        if self.commit_seconds < 0 or (self.vae_workers is not None and self.vae_workers < 1):
+            raise UsageError("--commit-seconds must be >= 0 and --vae-workers >= 1")
+        if self.crops < 1:
+            raise UsageError("--crops must be >= 1")
+        if (self.crops > 1 or self.flip) and self.latents == "posterior":
+            raise UsageError("--latents posterior stores one posterior std per sample, not per --flip/--crops "
+                             "variant; use one or the other")  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class EmbedResult:
+    """What a run did. ``meta``: the cache's ``_cache.json`` as committed at the end (the existing one
+    when there was nothing to embed, ``up_to_date``); ``fingerprint``: its settings' fingerprint.
+    Rates are None when the phase did not run."""
+
+    url: str
+    fingerprint: str
+    meta: CacheMeta
+    seconds: float
+    up_to_date: bool = False
+    embedded: int = 0
+    errors: int = 0
+    skipped: int = 0
+    changed: int = 0
+    retried: int = 0
+    new_captions: int = 0
+    shards: int = 0
+    texts_per_second: float | None = None
+    images_per_second: float | None = None  # steady state (start-up and model loading excluded)
+
+
+def job_from_args(args: argparse.Namespace) -> EmbedJob:
+    """The :class:`EmbedJob` of parsed ``bucketeer embed`` options (UsageError for a bad combination)."""
+    tuple_or_none = lambda values: None if values is None else tuple(values)  # noqa: E731
+    return EmbedJob(
+        manifest=args.manifest, out=args.out, family=args.family, model=args.model, vae=args.vae,
+        vae_subfolder=args.vae_subfolder, text_encoders=tuple_or_none(args.text_encoder),
+        text_encoder_subfolders=tuple_or_none(args.text_encoder_subfolder), text_layer=args.text_layer,
+        max_text_tokens=args.max_text_tokens, latents=args.latents, validation_prompts=args.validation_prompts,
+        dtype=args.dtype, crop=args.crop, seed=args.seed, flip=args.flip, crops=args.crops, source=args.source,
+        storage_options=parse_storage_options(args.storage_options), batch_size=args.batch_size,
+        text_batch_size=args.text_batch_size, shard_records=args.shard_records, device=args.device,
+        vae_workers=args.vae_workers, torch_threads=args.torch_threads, commit_seconds=args.commit_seconds,
+        ray_address=args.ray_address,
+    )  # fmt: skip
+
+
+def _specs(job: EmbedJob):
     """The encoder specs (:class:`~pipeline.embed.encoders.LatentSpec`, ``TextSpec``) the options ask for."""
     from pipeline.embed.encoders import encoder_specs
 
-    return encoder_specs(family=args.family, model=args.model, vae=args.vae, vae_subfolder=args.vae_subfolder,
-                         text_encoders=args.text_encoder, text_subfolders=args.text_encoder_subfolder,
-                         max_tokens=args.max_text_tokens, layer=args.text_layer, latents=args.latents,
+    return encoder_specs(family=job.family, model=job.model, vae=job.vae, vae_subfolder=job.vae_subfolder,
+                         text_encoders=None if job.text_encoders is None else list(job.text_encoders),
+                         text_subfolders=None if job.text_encoder_subfolders is None
+                         else list(job.text_encoder_subfolders),
+                         max_tokens=job.max_text_tokens, layer=job.text_layer, latents=job.latents,
                          home=os.environ.get("BUCKETEER_HOME"))  # fmt: skip
 
 
-def _request_settings(args: argparse.Namespace, bucket_spec: dict, conditioning: bool = False) -> dict[str, Any]:
-    """The settings known before any model is loaded (checked first, so a mismatch fails fast);
-    ``conditioning``: the manifest pairs its samples with conditioning images."""
-    from pipeline.embed.encoders import STORAGE_DTYPES
-
-    latent, text = _specs(args)
-    return {
-        "format_version": CACHE_FORMAT_VERSION,
-        "family": text.family,
-        "dtype": STORAGE_DTYPES[args.dtype],
-        "buckets": bucket_spec,
-        "crop": args.crop,
-        "seed": args.seed if args.crop == "random" or args.crops > 1 else None,
-        "resample": "lanczos",
-        "pixels": "rgb, [-1, 1], exif-transposed, alpha on white",
-        "latent": "posterior_mean" if latent.latents == "mean" else "posterior_mean_std",
-        "model": None if text.model is None else text.model.ident,
-        "vae": {"id": latent.source.ident, "subfolder": latent.source.subfolder},
-        "text": {"layer": text.layer, "max_text_tokens": text.max_tokens,
-                 "encoders": [{"id": t.ident, "subfolder": t.subfolder} for t in text.sources]},
-        # only when used, so that caches made before these options keep their settings (and fingerprint)
-        **({"variants": {"crops": args.crops, "flip": args.flip}} if args.crops > 1 or args.flip else {}),
-        **({"conditioning": "same crop and variants as the image"} if conditioning else {}),
-    }  # fmt: skip
+def _request(job: EmbedJob, manifest: dict) -> dict[str, Any]:
+    latent, text = _specs(job)
+    return request_settings(latent, text, dtype=STORAGE_DTYPES[job.dtype], bucket_spec=manifest["bucket_spec"],
+                            crop=job.crop, seed=job.seed, crops=job.crops, flip=job.flip,
+                            conditioning="conditioning" in manifest)  # fmt: skip
 
 
-def _check_early(url: str, storage_options: dict, request: dict) -> dict | None:
-    """Refuse a cache made with other requested settings; its ``_cache.json``, None when there is no cache."""
-    try:
-        meta = read_cache_meta(url, storage_options)
-    except CacheMissingError:
-        return None
-    _refuse(url, settings_diff(meta["settings"], request, only_new_keys=True))
-    return meta
-
-
-_VAE_KEYS = ("class", "weights_sha256", "factor", "channels", "scaling_factor", "shift_factor")
-
-
-def _settings(request: dict, vae: dict, text: dict) -> dict[str, Any]:
-    settings = {**request}
-    settings["vae"] = {**request["vae"], **{k: vae[k] for k in _VAE_KEYS}}
-    settings["text"] = {**request["text"], "pipeline": text["pipeline"], "pooled_dim": text["pooled_dim"],
-                        "layout": text["layout"], "encoders": [
-        {**r, **{k: e[k] for k in ("class", "weights_sha256", "max_length", "hidden_size")}}
-        for r, e in zip(request["text"]["encoders"], text["encoders"])]}  # fmt: skip
-    return settings
-
-
-def _committed_text(meta: dict) -> dict[str, Any]:
-    """The text encoders' ``describe()`` as a committed ``_cache.json`` records it (a run with no new
-    caption loads no text encoder)."""
-    return {**meta["text"], **{k: meta["settings"]["text"][k] for k in ("pipeline", "pooled_dim", "layout",
-                                                                         "encoders")}}  # fmt: skip
-
-
-def _info(so: dict, settings: dict, vae: dict, text: dict, validation: list[dict]) -> dict[str, Any]:
-    """What ``_cache.json`` says besides the fingerprinted settings: how to read the tensors, the
-    text records besides the captions (the empty caption, ``validation`` prompts)."""
-    posterior = vae["latents"] == "posterior"
-    return {
-        "family": text["family"],
-        "latent": {"kind": "posterior_mean_std" if posterior else "posterior_mean", "dtype": settings["dtype"],
-                   "channels": vae["channels"], "factor": vae["factor"], "scaling_factor": vae["scaling_factor"],
-                   "shift_factor": vae["shift_factor"],
-                   "usage": ("latent = latent + latent_std * noise; " if posterior else "")
-                   + "z = (latent - shift_factor) * scaling_factor (shift 0 when null)"},
-        "text": {"family": text["family"], "pipeline": text["pipeline"], "dtype": settings["dtype"],
-                 "layer": text["layer"], "max_tokens": text["max_tokens"], "pooled_dim": text["pooled_dim"],
-                 "encoders": [{"id": e["id"], "class": e["class"], "hidden_size": e["hidden_size"],
-                               "max_length": e["max_length"]} for e in text["encoders"]],
-                 "layout": text["layout"],
-                 "empty_caption_key": caption_key(""),  # its text record: caption dropout; a null caption's text
-                 "validation_prompts": validation},
-        "gzip": GZIP_BACKEND,
-        "storage_options": public_options(so),
-    }  # fmt: skip
-
-
-def _factories(args: argparse.Namespace, dtype: str):
+def _factories(job: EmbedJob, dtype: str):
     """The encoders as picklable ``(use_gpu=bool) -> Encoder`` factories (the specs' ``load``): what
     the workers build."""
-    latent, text = _specs(args)
+    latent, text = _specs(job)
     return functools.partial(latent.load, dtype=dtype), functools.partial(text.load, dtype=dtype)
 
 
@@ -259,96 +278,101 @@ def _describe(ray, make_encoder) -> dict[str, Any]:
             raise UsageError(f"an encoder failed to load: {e.cause}") from None
         raise
 
-
-def _validate(args: argparse.Namespace) -> None:
-    if args.batch_size < 1 or args.shard_records < 1 or args.text_batch_size < 1:
-        raise UsageError("--batch-size, --text-batch-size and --shard-records must be >= 1")
-    if args.commit_seconds < 0 or (args.vae_workers is not None and args.vae_workers < 1):
-        raise UsageError("--commit-seconds must be >= 0 and --vae-workers >= 1")
-    if args.crops < 1:
-        raise UsageError("--crops must be >= 1")
-    if (args.crops > 1 or args.flip) and args.latents == "posterior":
-        raise UsageError("--latents posterior stores one posterior std per sample, not per --flip/--crops variant; "
-                         "use one or the other")
-
-
 def image_column(manifest: dict) -> str | None:
     """The column of image bytes of a parquet-sourced manifest (``scan --format parquet``), else None."""
     summary = manifest.get("summary") or {}
     return summary.get("image_column") if summary.get("source_format") == "parquet" else None
 
 
-def run(args: argparse.Namespace) -> int:
-    from pipeline.embed.encoders import DEFAULT_NOTICE, STORAGE_DTYPES
+def _image_options(job: EmbedJob, manifest: dict, source: str) -> dict[str, Any]:
+    """What the image workers take (:func:`pipeline.embed.dataflow.image_pipeline`)."""
+    return {"batch_size": job.batch_size, "shard_records": job.shard_records, "crop": job.crop, "seed": job.seed,
+            "crops": job.crops, "flip": job.flip, "conditioning": _conditioning_root(manifest, source),
+            "max_pixels": int(manifest.get("max_pixels") or MAX_PIXELS),
+            "image_column": image_column(manifest)}  # fmt: skip
+
+
+def run(job: EmbedJob) -> EmbedResult:
+    """Embed what ``job.manifest`` has and ``job.out`` lacks (or holds stale); prints what ``bucketeer
+    embed`` prints. Raises UsageError (CacheError: a cache of other settings) for what the user must fix."""
+    from pipeline.embed.encoders import DEFAULT_NOTICE
     from pipeline.embed.work import find_work
     from pipeline.embed.workers import check_source
 
-    _validate(args)
-    so = parse_storage_options(args.storage_options)
-    manifest = read_manifest_meta(args.manifest, so)
-    source = args.source or manifest["source"]
-    request = _request_settings(args, manifest["bucket_spec"], "conditioning" in manifest)
+    so = dict(job.storage_options)
+    manifest = read_manifest_meta(job.manifest, so)
+    source = job.source or manifest["source"]
+    request = _request(job, manifest)
     # one look at the committed index decides the work: stale rows (changed image bytes, caption or
     # bucket since they were embedded), read failures and missing ones are embedded; fresh records
     # and error rows about the image itself stay
-    committed = _check_early(args.out, so, request)
-    lookup, done_texts = index_lookup(args.out, so, committed) if committed else (IndexLookup.empty(), [])
+    start = time.time()
+    committed = check_early(job.out, so, request)
+    lookup, done_texts = index_lookup(job.out, so, committed) if committed else (IndexLookup.empty(), [])
     # besides the captions: the empty caption (caption dropout) and the validation prompts, once each;
     # a caption equal to one of them is encoded as that one, not twice
-    validation = committed_prompts(committed) if args.validation_prompts is None else \
-        read_validation_prompts(args.validation_prompts, so)  # fmt: skip
+    validation = committed_prompts(committed) if job.validation_prompts is None else \
+        read_validation_prompts(job.validation_prompts, so)  # fmt: skip
     prompts = missing_texts(prompt_texts(validation), done_texts)
     done_texts = np.concatenate([np.asarray(done_texts, np.uint64), np.fromiter(prompts, np.uint64, len(prompts))])
-    work = find_work(args.manifest, manifest, so, lookup, done_texts)
+    work = find_work(job.manifest, manifest, so, lookup, done_texts)
     del lookup, done_texts
     if not work.todo and not prompts and validation == committed_prompts(committed):
-        print(f"bucketeer embed: {redact(args.out)} already holds every sample of the manifest, all up to date; "
+        print(f"bucketeer embed: {redact(job.out)} already holds every sample of the manifest, all up to date; "
               "nothing to embed")  # fmt: skip
-        return 0
+        return EmbedResult(url=job.out, fingerprint=committed.fingerprint, meta=committed, up_to_date=True,
+                           seconds=round(time.time() - start, 2), skipped=work.samples)  # fmt: skip
     # a bucket that is gone or denied would otherwise cost a model load and an error row per sample
     check_source(source, so, work.probe, image_column=image_column(manifest))
-    latent_spec, text_spec = _specs(args)
+    latent_spec, text_spec = _specs(job)
     if latent_spec.source.is_default or any(t.is_default for t in text_spec.sources):
         print(DEFAULT_NOTICE, file=sys.stderr, flush=True)
 
-    ray, _ = init_ray(args.ray_address)  # a CLI process: Ray stops when it exits
+    ray, _ = init_ray(job.ray_address)  # a CLI process: Ray stops when it exits
     from pipeline.embed.dataflow import configure_ray_data, place_encoders
 
     configure_ray_data()
-    placement = place_encoders(ray, args.device, args.vae_workers, args.torch_threads)
-    make_vae, make_text = _factories(args, STORAGE_DTYPES[args.dtype])
+    placement = place_encoders(ray, job.device, job.vae_workers, job.torch_threads)
+    make_vae, make_text = _factories(job, STORAGE_DTYPES[job.dtype])
     t0 = time.time()
     vae = _describe(ray, make_vae)
-    embed = _Embed(args, so, request, committed, vae, placement, validation)
+    embed = EmbedDriver(job.manifest, job.out, so, request, committed, vae, placement, validation, job.commit_seconds)
     counts, new_captions = work.counts, work.new_captions + len(prompts)
     print(f"bucketeer embed: {work.samples} samples in the manifest, {counts['fresh'] + counts['failed']} already "
           f"cached, {counts['stale']} changed since embedded (re-embedding), {counts['retry']} read failures "
           f"(retrying), {counts['missing']} new: {work.todo} to embed; {new_captions} new captions; "
           f"{placement.summary()}; gzip via {GZIP_BACKEND}", flush=True)  # fmt: skip
     embed.mark_visible()
-    embed.captions(work, prompts, make_text)
+    text_start = time.time()
+    embed.captions(work, prompts, make_text, job.text_batch_size)
+    text_seconds = time.time() - text_start
     if work.todo:
-        embed.images(work, source, make_vae, manifest)
+        embed.images(work, source, make_vae, _image_options(job, manifest, source))
     seconds, image_seconds = time.time() - t0, embed.steady_seconds
-    summary = {"embedded": embed.embedded, "errors": embed.errors, "skipped": work.samples - work.todo,
-               "changed": counts["stale"], "retried": counts["retry"], "new_captions": new_captions,
-               # this run's records, compressed: what a caption and a sample cost in this cache
-               "bytes_per_caption": embed.bytes_per("texts"), "bytes_per_sample": embed.bytes_per("samples"),
-               "seconds": round(seconds, 2),
-               # steady state: from the first image result to the last (start-up and model loading
-               # excluded); with fewer than 3 results (units), the whole image phase
-               "image_seconds": round(image_seconds, 2),
-               "images_per_second": round(embed.steady_images / image_seconds, 2) if image_seconds else None,
-               "device": placement.device, "encoder_nodes": len(embed.nodes), "shards": embed.shards,
-               "redone": embed.committer.redone}  # fmt: skip
+    summary = EmbedSummary(
+        embedded=embed.embedded, errors=embed.errors, skipped=work.samples - work.todo, changed=counts["stale"],
+        retried=counts["retry"], new_captions=new_captions,
+        # this run's records, compressed: what a caption and a sample cost in this cache
+        bytes_per_caption=embed.bytes_per("texts"), bytes_per_sample=embed.bytes_per("samples"),
+        seconds=round(seconds, 2),
+        # steady state: from the first image result to the last (start-up and model loading
+        # excluded); with fewer than 3 results (units), the whole image phase
+        image_seconds=round(image_seconds, 2),
+        images_per_second=round(embed.steady_images / image_seconds, 2) if image_seconds else None,
+        device=placement.device, encoder_nodes=len(embed.nodes), shards=embed.shards, redone=embed.committer.redone,
+    )  # fmt: skip
     meta = embed.committer.finish(manifest["fingerprint"], summary)
     embed.unmark_visible()
     print(f"bucketeer embed: {embed.embedded} embedded, {embed.errors} error rows, {counts['stale']} changed, "
-          f"{counts['retry']} retried, {summary['skipped']} skipped in {seconds:.1f}s -> {redact(args.out)} "
-          f"({meta['counts']['samples']} samples, {meta['counts']['texts']} captions; {embed.shards} shards "
-          f"written; {_size(meta['bytes']['per_sample'])} per sample, {_size(meta['bytes']['per_caption'])} per "
+          f"{counts['retry']} retried, {summary.skipped} skipped in {seconds:.1f}s -> {redact(job.out)} "
+          f"({meta.counts.samples} samples, {meta.counts.texts} captions; {embed.shards} shards "
+          f"written; {_size(meta.bytes.per_sample)} per sample, {_size(meta.bytes.per_caption)} per "
           "caption)", flush=True)  # fmt: skip
-    return 0
+    return EmbedResult(url=job.out, fingerprint=meta.fingerprint, meta=meta, seconds=summary.seconds,
+                       embedded=embed.embedded, errors=embed.errors, skipped=summary.skipped, changed=counts["stale"],
+                       retried=counts["retry"], new_captions=new_captions, shards=embed.shards,
+                       texts_per_second=round(new_captions / text_seconds, 2) if new_captions and text_seconds
+                       else None, images_per_second=summary.images_per_second)  # fmt: skip
 
 
 def _conditioning_root(manifest: dict, source: str) -> str | None:
@@ -368,148 +392,3 @@ def _size(n: float | None) -> str:
         if n >= scale:
             return f"{n / scale:.3g} {unit}"
     return f"{n:.0f} B"
-
-
-class _Embed:
-    """The driver's side of a run: the committer (opened once the settings are known: the VAE's
-    description, and the text encoders' from their first result or the committed cache), the
-    workers' descriptions it checks, and the counts it reports."""
-
-    def __init__(self, args, so: dict, request: dict, committed: dict | None, vae: dict, placement: Placement,
-                 validation: list[dict]):
-        self.args, self.so, self.request, self.committed, self.vae, self.placement = (
-            args, so, request, committed, vae, placement)  # fmt: skip
-        self.validation = validation  # listed in _cache.json: the prompts of this run, else the committed ones
-        self.committer: CacheCommitter | None = None
-        self.seen: dict[str, dict] = {}  # phase -> the first worker's encoder description
-        self.nodes: set[str] = set()  # Ray nodes whose VAE workers returned results
-        self.notices: set[str] = set()
-        self.embedded = self.errors = self.shards = 0
-        self.steady_images, self.steady_seconds = 0, 0.0  # images after the first result, and their seconds
-        self.written = {"texts": [0, 0], "samples": [0, 0]}  # kind -> [records, compressed bytes] of this run
-        if committed is not None:  # refuse other VAE weights now, before any caption is encoded
-            old = committed["settings"]
-            new = {**old, "vae": _settings(self.request, vae, old["text"])["vae"]}
-            _refuse(args.out, settings_diff(old, new))
-
-    def _open(self, text: dict) -> None:
-        settings = _settings(self.request, self.vae, text)
-        info = _info(self.so, settings, self.vae, text, self.validation)
-        self.committer = CacheCommitter(self.args.out, settings, info, self.so, meta=self.committed,
-                                        commit_seconds=self.args.commit_seconds)  # fmt: skip
-
-    def _count(self, kind: str, rows: pa.Table) -> None:
-        """Count the records of ``rows`` (index rows of this run's shards) and their compressed bytes."""
-        self.written[kind][0] += rows.num_rows
-        self.written[kind][1] += int(pc.sum(rows.column("length")).as_py() or 0)
-
-    def bytes_per(self, kind: str) -> int | None:
-        """Mean compressed bytes of a record of ``kind`` written by this run (None when none was)."""
-        records, size = self.written[kind]
-        return round(size / records) if records else None
-
-    def _worker(self, phase: str, text: str) -> dict:
-        """Check a result's worker description against the first of its phase (and the VAE probe)."""
-        worker = json.loads(text)
-        first = self.seen.setdefault(phase, worker)
-        expected = self.vae if phase == "images" else first["encoder"]
-        digests = (lambda d: [e["weights_sha256"] for e in d.get("encoders", [d])])  # noqa: E731
-        if digests(worker["encoder"]) != digests(expected):
-            raise BucketeerError(f"encoder workers on {first['host']} and {worker['host']} loaded different "
-                                 "weights (nodes disagree on the model files): fix the nodes' model cache and rerun")
-        if worker["notice"] and worker["notice"] not in self.notices:
-            self.notices.add(worker["notice"])
-            print(f"bucketeer embed: WARNING: {worker['notice']}", file=sys.stderr, flush=True)
-        return worker
-
-    def mark_visible(self) -> None:
-        """A local --out gets a marker every worker must see: workers write shards there themselves."""
-        from pipeline.embed.workers import VISIBLE_MARKER
-
-        fs, root = open_url(self.args.out, self.so)
-        if is_local(fs):
-            call_storage(fs, "creating", root, lambda: fs.makedirs(root, exist_ok=True))
-            with open(join(root, VISIBLE_MARKER), "w") as f:
-                f.write(f"{os.getpid()}\n")
-
-    def unmark_visible(self) -> None:
-        from pipeline.embed.workers import VISIBLE_MARKER
-
-        fs, root = open_url(self.args.out, self.so)
-        if is_local(fs):
-            call_storage(fs, "removing", root, lambda: os.remove(join(root, VISIBLE_MARKER)))
-
-    def captions(self, work: EmbedWork, prompts: dict[int, str], make_text) -> None:
-        """Phase 1: new captions and ``prompts`` (caption key -> text: the empty caption, validation
-        prompts) -> text shards, committed as they finish and all before the images."""
-        from pipeline.embed.dataflow import caption_pipeline, results
-        from pipeline.embed.workers import from_ipc
-
-        if not work.captions and not prompts:  # every text has its record: the text settings are the committed ones
-            self._open(_committed_text(self.committed))
-            return
-        pipeline = caption_pipeline(work, prompts, self.args.manifest, self.so, make_text, self.request["dtype"],
-                                    self.args.out, self.args.text_batch_size, self.placement)  # fmt: skip
-        written = 0
-        total = work.new_captions + len(prompts)
-        with Progress("embed", "captions", total=total, unit="captions") as progress:
-            for row in results(pipeline):
-                worker = self._worker("captions", row["worker"])
-                if self.committer is None:
-                    self._open(worker["encoder"])
-                rows = from_ipc(row["texts"])
-                self.committer.add("texts", rows)
-                self._count("texts", rows)
-                written += row["shard_bytes"]
-                self.shards += 1
-                progress.update(rows.num_rows, written=f"{written / 1e6:.1f} MB")
-                if self.committer.due():
-                    self.committer.commit()
-        self.committer.commit()  # text records are committed before any sample that refers to them
-
-    def images(self, work: EmbedWork, source: str, make_vae, manifest: dict) -> None:
-        """Phase 2: units of rows -> sample shards and error rows, committed every --commit-seconds."""
-        from pipeline.embed.dataflow import image_pipeline, results
-        from pipeline.embed.workers import from_ipc
-
-        options = {"batch_size": self.args.batch_size, "shard_records": self.args.shard_records,
-                   "crop": self.args.crop, "seed": self.args.seed, "crops": self.args.crops, "flip": self.args.flip,
-                   "conditioning": _conditioning_root(manifest, source),
-                   "max_pixels": int(manifest.get("max_pixels") or MAX_PIXELS),
-                   "image_column": image_column(manifest)}  # fmt: skip
-        pipeline = image_pipeline(work, self.args.manifest, source, self.so, make_vae, self.request["dtype"],
-                                  self.args.out, options, self.placement)  # fmt: skip
-        written, first, start, results_seen, images_seen = 0, None, time.time(), 0, 0
-        with Progress("embed", "images", total=work.todo, unit="images") as progress:
-            for row in results(pipeline):
-                worker = self._worker("images", row["worker"])
-                if "compute" not in self.committer.meta:
-                    encoder = worker["encoder"]
-                    self.committer.set_info(compute={"device": worker["device"], "gpus": self.placement.gpus_now,
-                                                     "dtype": encoder.get("compute_dtype")})  # fmt: skip
-                self.nodes.add(worker["node"])
-                samples, errors = from_ipc(row["samples"]), from_ipc(row["errors"])
-                self.embedded += self.committer.add("samples", samples)
-                self._count("samples", samples)
-                self.errors += self.committer.add("errors", errors)
-                written += row["shard_bytes"]
-                self.shards += bool(row["shard_bytes"])
-                progress.update(samples.num_rows + errors.num_rows, written=f"{written / 1e6:.1f} MB",
-                                errors=self.errors)  # fmt: skip
-                results_seen, images_seen = results_seen + 1, images_seen + samples.num_rows
-                if first is None:
-                    first = time.time()
-                else:
-                    self.steady_images += samples.num_rows
-                    self.steady_seconds = time.time() - first
-                if self.committer.due():
-                    self.committer.commit()
-        if results_seen < 3:  # one or two units finish together: their gap says nothing about the rate
-            self.steady_images, self.steady_seconds = images_seen, time.time() - start
-        self.committer.commit()
-
-
-def _refuse(url: str, diff: list[str]) -> None:
-    if diff:
-        raise CacheError(f"{redact(url)} was embedded with other settings:\n  " + "\n  ".join(diff)
-                         + "\nUse a new --out for these settings (a cache holds exactly one setting).")  # fmt: skip

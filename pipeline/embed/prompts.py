@@ -1,9 +1,9 @@
 """Texts embedded besides the samples' captions: the empty caption and the validation prompts.
 
-The empty caption's text record (``caption_key("")``, in ``_cache.json["text"]["empty_caption_key"]``)
+The empty caption's text record (``caption_key("")``, in ``_cache.json``'s ``text.empty_caption_key``)
 is what caption dropout trains on, and a null caption's text. ``--validation-prompts FILE`` (one
 prompt a line, a local path or URL) are embedded too and listed in
-``_cache.json["text"]["validation_prompts"]`` as ``[{"prompt", "caption_key"}]``, so a trainer samples
+``_cache.json``'s ``text.validation_prompts`` as ``[{"prompt", "caption_key"}]``, so a trainer samples
 validation images without loading text encoders. Each is embedded once per cache; a rerun without
 the option keeps the listed prompts.
 """
@@ -14,6 +14,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from manifests.cache import CacheMeta
 from manifests.cache.records import caption_key
 from manifests.errors import UsageError
 from manifests.storage import open_url, read_bytes, redact
@@ -39,9 +40,10 @@ def read_validation_prompts(url: str, storage_options: dict | None = None) -> li
     return [{"prompt": p, "caption_key": caption_key(p)} for p in dict.fromkeys(prompts)]
 
 
-def committed_prompts(meta: dict | None) -> list[dict[str, Any]]:
-    """The validation prompts a cache's ``_cache.json`` lists ([] without a cache)."""
-    return list(((meta or {}).get("text") or {}).get("validation_prompts") or [])
+def committed_prompts(meta: CacheMeta | None) -> list[dict[str, Any]]:
+    """The validation prompts a cache's ``_cache.json`` lists, as written there ([] without a cache)."""
+    prompts = meta.text.validation_prompts if meta is not None and meta.text is not None else None
+    return [p.to_json() for p in prompts or ()]
 
 
 def prompt_texts(validation: list[dict[str, Any]]) -> dict[int, str]:

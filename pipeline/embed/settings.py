@@ -1,0 +1,110 @@
+"""What an embed run writes into ``_cache.json`` besides the index: the fingerprinted settings and the
+facts that say how to read the records.
+
+The settings are built in two steps, so that a mismatch with an existing cache fails before any
+work: :func:`request_settings` (what the options ask for, known before any model is loaded; checked
+first by :func:`check_early`), then :func:`full_settings` (with the loaded encoders' classes, weight
+hashes and text layout). :func:`cache_info` is the rest of ``_cache.json``: latent scaling, text
+layout, the empty caption and validation prompts. The settings dict is exactly what the fingerprint
+hashes (:func:`manifests.cache.fingerprint_of`): its keys and values are a format contract.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from manifests.cache import CACHE_FORMAT_VERSION, CacheError, CacheMeta, CacheMissingError, read_cache_meta
+from manifests.cache import settings_diff
+from manifests.cache.records import GZIP_BACKEND, caption_key
+from manifests.storage import public_options, redact
+from pipeline.embed.encoders import LatentSpec, TextSpec
+
+__all__ = ["request_settings", "check_early", "full_settings", "committed_text", "cache_info", "refuse"]
+
+_VAE_KEYS = ("class", "weights_sha256", "factor", "channels", "scaling_factor", "shift_factor")
+
+
+def request_settings(
+    latent: LatentSpec, text: TextSpec, *, dtype: str, bucket_spec: dict, crop: str, seed: int, crops: int,
+    flip: bool, conditioning: bool = False,
+) -> dict[str, Any]:  # fmt: skip
+    """The settings known before any model is loaded (checked first, so a mismatch fails fast).
+    ``dtype``: the stored dtype (``BF16``, ...); ``conditioning``: the manifest pairs its samples with
+    conditioning images."""
+    return {
+        "format_version": CACHE_FORMAT_VERSION,
+        "family": text.family,
+        "dtype": dtype,
+        "buckets": bucket_spec,
+        "crop": crop,
+        "seed": seed if crop == "random" or crops > 1 else None,
+        "resample": "lanczos",
+        "pixels": "rgb, [-1, 1], exif-transposed, alpha on white",
+        "latent": "posterior_mean" if latent.latents == "mean" else "posterior_mean_std",
+        "model": None if text.model is None else text.model.ident,
+        "vae": {"id": latent.source.ident, "subfolder": latent.source.subfolder},
+        "text": {"layer": text.layer, "max_text_tokens": text.max_tokens,
+                 "encoders": [{"id": t.ident, "subfolder": t.subfolder} for t in text.sources]},
+        # only when used, so that caches made before these options keep their settings (and fingerprint)
+        **({"variants": {"crops": crops, "flip": flip}} if crops > 1 or flip else {}),
+        **({"conditioning": "same crop and variants as the image"} if conditioning else {}),
+    }  # fmt: skip
+
+
+def check_early(url: str, storage_options: dict, request: dict) -> CacheMeta | None:
+    """Refuse a cache made with other requested settings; its ``_cache.json``, None when there is no cache."""
+    try:
+        meta = read_cache_meta(url, storage_options)
+    except CacheMissingError:
+        return None
+    refuse(url, settings_diff(meta.settings.hashed, request, only_new_keys=True))
+    return meta
+
+
+def full_settings(request: dict, vae: dict, text: dict) -> dict[str, Any]:
+    """The fingerprinted settings: ``request`` with the VAE's and text encoders' ``describe()``."""
+    settings = {**request}
+    settings["vae"] = {**request["vae"], **{k: vae[k] for k in _VAE_KEYS}}
+    settings["text"] = {**request["text"], "pipeline": text["pipeline"], "pooled_dim": text["pooled_dim"],
+                        "layout": text["layout"], "encoders": [
+        {**r, **{k: e[k] for k in ("class", "weights_sha256", "max_length", "hidden_size")}}
+        for r, e in zip(request["text"]["encoders"], text["encoders"])]}  # fmt: skip
+    return settings
+
+
+def committed_text(meta: CacheMeta) -> dict[str, Any]:
+    """The text encoders' ``describe()`` as a committed ``_cache.json`` records it (a run with no new
+    caption loads no text encoder). The hashed parts come from the settings exactly as hashed."""
+    hashed = meta.settings.hashed["text"]
+    return {**meta.text.to_json(), **{k: hashed[k] for k in ("pipeline", "pooled_dim", "layout", "encoders")}}
+
+
+def cache_info(so: dict, settings: dict, vae: dict, text: dict, validation: list[dict]) -> dict[str, Any]:
+    """What ``_cache.json`` says besides the fingerprinted settings, as JSON (the committer parses it
+    into :class:`~manifests.cache.CacheMeta`): how to read the tensors, the text records besides the
+    captions (the empty caption, ``validation`` prompts)."""
+    posterior = vae["latents"] == "posterior"
+    return {
+        "family": text["family"],
+        "latent": {"kind": "posterior_mean_std" if posterior else "posterior_mean", "dtype": settings["dtype"],
+                   "channels": vae["channels"], "factor": vae["factor"], "scaling_factor": vae["scaling_factor"],
+                   "shift_factor": vae["shift_factor"],
+                   "usage": ("latent = latent + latent_std * noise; " if posterior else "")
+                   + "z = (latent - shift_factor) * scaling_factor (shift 0 when null)"},
+        "text": {"family": text["family"], "pipeline": text["pipeline"], "dtype": settings["dtype"],
+                 "layer": text["layer"], "max_tokens": text["max_tokens"], "pooled_dim": text["pooled_dim"],
+                 "encoders": [{"id": e["id"], "class": e["class"], "hidden_size": e["hidden_size"],
+                               "max_length": e["max_length"]} for e in text["encoders"]],
+                 "layout": text["layout"],
+                 "empty_caption_key": caption_key(""),  # its text record: caption dropout; a null caption's text
+                 "validation_prompts": validation},
+        "gzip": GZIP_BACKEND,
+        "storage_options": public_options(so),
+    }  # fmt: skip
+
+
+def refuse(url: str, diff: list[str]) -> None:
+    """CacheError listing ``diff`` (``settings_diff`` lines) when there is any."""
+    if diff:
+        raise CacheError(f"{redact(url)} was embedded with other settings:\n  " + "\n  ".join(diff)
+                         + "\nUse a new --out for these settings (a cache holds exactly one setting).")  # fmt: skip
