@@ -17,12 +17,13 @@ from manifests.errors import UsageError
 from manifests.plan import DatasetSamples
 from manifests.plan.mix import caption_counts
 from manifests.plan.schedule import cached_mask
+from manifests.cache.meta import CacheMeta
 from manifests.storage import redact
 
 __all__ = ["cache_inputs", "load_datasets"]
 
 
-def cache_inputs(url: str, options: Mapping[str, Any], manifest: Any = None) -> tuple[np.ndarray, dict[str, Any], int]:
+def cache_inputs(url: str, options: Mapping[str, Any], manifest: Any = None) -> tuple[np.ndarray, CacheMeta, int]:
     """``(ids with a good record, cache meta, stale count)``; with a manifest only fresh records count."""
     from manifests.cache import available_sample_ids, cache_freshness, read_cache_meta
 
@@ -55,7 +56,7 @@ def _dataset(url: str, cache: str | None, options: Mapping[str, Any]) -> tuple[A
             )
         ids, buckets = ids[keep], buckets.filter(pa.array(keep))
         counts = None if counts is None else counts[keep]
-        cache_fp = cache_meta["fingerprint"]
+        cache_fp = cache_meta.fingerprint
     return manifest, DatasetSamples(ids, buckets, counts, redact(url), manifest_fingerprint=manifest.fingerprint,
                                     cache_fingerprint=cache_fp, manifest=url, cache=cache, not_in_cache=left_out,
                                     stale=stale)  # fmt: skip

@@ -177,10 +177,10 @@ def _check(job: PlanJob, start: float) -> PlanResult:
     manifests = [read_manifest(m, dict(options)) for m in job.manifests]
     available, cache_fps = [], []
     for d, cache in enumerate(job.caches()):
-        ids, cache_meta, _ = (cache_inputs(cache, options, manifests[d] if manifests else None) if cache
-                              else (None, {"fingerprint": None}, 0))  # fmt: skip
+        ids, cache_meta, _ = cache_inputs(cache, options, manifests[d] if manifests else None) if cache else (
+            None, None, 0)
         available.append(ids)
-        cache_fps.append(cache_meta["fingerprint"])
+        cache_fps.append(cache_meta.fingerprint if cache_meta else None)
     problems = check_plan(job.check, options, manifests=manifests, available_ids=available,  # type: ignore[arg-type]
                           cache_fingerprints=cache_fps, progress=job.progress)  # fmt: skip
     where = redact(job.check or "")

@@ -280,18 +280,18 @@ def cache_section(url: str, plots, storage_options: dict[str, Any] | None = None
     from manifests.cache import read_cache_meta, read_index
 
     meta = read_cache_meta(url, storage_options)  # refuses a folder that is not a bucketeer cache
-    counts = meta.get("counts") or {}
-    records = int(counts.get("samples", 0))
+    counts = meta.counts.to_json()
+    records = meta.counts.samples
     index = read_index(url, storage_options, meta)
     lengths = index["samples"].column("length").to_numpy()
     sample_bytes = int(lengths.sum())  # of the live records (the index names their shards)
     shards = pc.count_distinct(index["samples"].column("shard")).as_py()
     errors = index["errors"].column("error").to_pylist()
     kinds = {str(k): int(n) for k, n in zip(*np.unique(errors, return_counts=True))} if errors else {}
-    settings = meta.get("settings") or {}
+    settings = meta.settings.hashed
     rows = [
         ("cache", redact(url)),
-        ("fingerprint", str(meta.get("fingerprint", "?"))),
+        ("fingerprint", meta.fingerprint),
         ("records", ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "?"),
         ("bytes per sample", f"{sample_bytes / records / 1024:.1f} KiB ({shards} shard objects)"
                              if records else "n/a"),
