@@ -17,6 +17,7 @@ from manifests.cache import CacheWriter, read_cache_meta
 from manifests.plan import DatasetSamples, PlanConfig, epoch_part, write_plan
 from manifests.buckets import BucketSpec
 from manifests.manifest import read_manifest, write_manifest
+from pipeline import ReportJob, run
 from pipeline.cli import main
 from tests.factories import manifest_tables
 
@@ -44,7 +45,7 @@ def assert_self_contained(page: str) -> None:
 
 def test_report_is_self_contained_with_pngs_next_to_it(manifest_url, tmp_path):
     out = tmp_path / "site" / "report.html"
-    assert main(["report", manifest_url, "--out", str(out)]) == 0
+    assert run(ReportJob(manifest=manifest_url, out=str(out))).url == str(out)
     page = out.read_text()
     assert_self_contained(page)
     sources = figure_sources(page)
@@ -64,7 +65,7 @@ def test_report_figures_are_real_images(manifest_url, tmp_path):
     from PIL import Image
 
     out = tmp_path / "r.html"
-    assert main(["report", manifest_url, "--out", str(out)]) == 0
+    assert run(ReportJob(manifest=manifest_url, out=str(out))).url == str(out)
     for png in (tmp_path / "r_figures").glob("*.png"):
         image = Image.open(png).convert("RGB")
         assert image.width >= 500 and image.height >= 200
@@ -156,8 +157,8 @@ def test_report_reads_plans_and_caches_through_their_readers(manifest_url, tmp_p
     again = CacheWriter(str(cache), CACHE_SETTINGS)
     again.add_sample(2, b"x" * 100, caption_key=0, bucket="1024x1024", source_key=1)
     again.commit()
-    assert len(read_cache_meta(str(cache))["index"]["errors"]) == 1 and not read_cache_meta(str(cache))["complete"]
-    assert main(["report", manifest_url, "--cache", str(cache), "--out", str(tmp_path / "c.html")]) == 0
+    assert len(read_cache_meta(str(cache)).index.errors) == 1 and not read_cache_meta(str(cache)).complete
+    assert run(ReportJob(manifest=manifest_url, cache=str(cache), out=str(tmp_path / "c.html"))).figures
     assert "errors</td><td>decode_failed 1</td>" in (tmp_path / "c.html").read_text()
 
 
@@ -167,7 +168,7 @@ def test_report_flags_a_plan_from_another_manifest(manifest_url, tmp_path):
     meta = json.loads((tmp_path / "plan" / "_plan.json").read_text())
     meta["inputs"]["manifest_fingerprint"] = "0" * 64
     (tmp_path / "plan" / "_plan.json").write_text(json.dumps(meta))
-    assert main(["report", manifest_url, "--plan", str(tmp_path / "plan"), "--out", str(tmp_path / "r.html")]) == 0
+    run(ReportJob(manifest=manifest_url, plan=str(tmp_path / "plan"), out=str(tmp_path / "r.html")))
     assert "made from this manifest</td><td>NO: plan made from 0000" in (tmp_path / "r.html").read_text()
 
 
@@ -225,7 +226,7 @@ def test_report_renders_in_headless_chromium(manifest_url, tmp_path):
     manifest = read_manifest(manifest_url)
     write_plan_folder(tmp_path / "plan", manifest)
     out = tmp_path / "report.html"
-    assert main(["report", manifest_url, "--plan", str(tmp_path / "plan"), "--out", str(out)]) == 0
+    run(ReportJob(manifest=manifest_url, plan=str(tmp_path / "plan"), out=str(out)))
 
     # every <img> decoded: naturalWidth > 0 for each, read back from the DOM after the load event
     probed = tmp_path / "probed.html"
