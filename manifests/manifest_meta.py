@@ -144,6 +144,8 @@ class ScanSummary:
     deleted: int | None = None
     previous: str | None = None  # the manifest rows were reused from (redacted)
     files_read: int | None = None
+    requests: int | None = None  # storage requests of the reads
+    bytes_read: int | None = None
     mb_read: float | None = None
     median_bytes_read: int | None = None
     requests_per_file: float | None = None
