@@ -149,7 +149,10 @@ class ScanSummary:
     mb_read: float | None = None
     median_bytes_read: int | None = None
     requests_per_file: float | None = None
-    captions_read: int | None = None
+    captions_read: int | None = None  # sidecars read
+    caption_read_failures: int | None = None
+    caption_lists: int | None = None  # samples with several captions
+    empty_captions_dropped: int | None = None  # empty entries left out of caption lists
     seconds: float | None = None  # driver seconds, Ray start-up left out
     files_per_s: float | None = None
     # scan --conditioning
@@ -163,6 +166,8 @@ class ScanSummary:
     caption_field: str | None = None  # tar: the .json field captions came from
     shards: int | None = None
     shards_read: int | None = None
+    images_read: int | None = None
+    shard_bytes: int | None = None  # bytes of the containers read
     no_caption: int | None = None
     ignored_members: dict[str, int] | None = None
     read_fraction: float | None = None
