@@ -45,10 +45,9 @@ from PIL import Image, ImageChops
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from manifests.buckets import BucketSpec  # noqa: E402
 from manifests.manifest import read_manifest  # noqa: E402
 from pipeline.ray_setup import loopback_only  # noqa: E402
-from pipeline.scan import ScanConfig, scan_dataset  # noqa: E402
+from pipeline.scan import ScanConfig, ScanJob, scan_dataset  # noqa: E402
 
 loopback_only()  # before ray is imported: local Ray listens on 127.0.0.1 only
 
@@ -136,13 +135,14 @@ def run_scan(root: Path, out: Path, **kwargs) -> dict:
     fs = kwargs.pop("fs", None)
     source = str(root / "images")
     start = time.perf_counter()
-    meta = scan_dataset(source, str(out), spec=BucketSpec(), config=ScanConfig(progress=False), fs=fs, **kwargs)
+    # scan_dataset: run(job) without its summary line
+    meta = scan_dataset(ScanJob(source=source, out=str(out), config=ScanConfig(progress=False), fs=fs, **kwargs))
     seconds = time.perf_counter() - start
-    s = meta["summary"]
-    assert s["errors"] == 0 and s["files_read"] == s["listed"], s  # a real, complete scan
+    s = meta.summary
+    assert s.errors == 0 and s.files_read == s.listed, s  # a real, complete scan
     bytes_read = read_manifest(str(out)).samples.column("bytes_read").to_numpy()
     shutil.rmtree(out)  # a fresh manifest each run: nothing is reused from the previous one
-    return {"files": s["listed"], "seconds": seconds, "requests": s["requests"], "bytes": bytes_read}
+    return {"files": s.listed, "seconds": seconds, "requests": s.requests, "bytes": bytes_read}
 
 
 def run_read_images(root: Path, n: int) -> dict:

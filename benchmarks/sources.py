@@ -54,9 +54,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.scan import WORDS, LatencyStorage, marginal  # noqa: E402
-from manifests.buckets import BucketSpec  # noqa: E402
 from pipeline.ray_setup import loopback_only  # noqa: E402
-from pipeline.scan import ScanConfig, scan_dataset  # noqa: E402
+from pipeline.scan import ScanConfig, ScanJob, scan_dataset  # noqa: E402
 
 loopback_only()  # before ray is imported: local Ray listens on 127.0.0.1 only
 
@@ -150,13 +149,13 @@ def subset(cache: Path, shards: int, kind: str = "shards", ext: str = "tar") -> 
 
 def run_scan(root: Path, out: Path, fs=None, config: ScanConfig = ScanConfig(progress=False)) -> dict:
     start = time.perf_counter()
-    meta = scan_dataset(str(root), str(out), spec=BucketSpec(), config=config, fs=fs)
+    meta = scan_dataset(ScanJob(source=str(root), out=str(out), config=config, fs=fs))  # run(job), no summary line
     seconds = time.perf_counter() - start
-    s = meta["summary"]
-    assert s["errors"] == 0 and s["images_read"] == s["listed"] == s["samples"], s  # a real, complete scan
+    s = meta.summary
+    assert s.errors == 0 and s.images_read == s.listed == s.samples, s  # a real, complete scan
     shutil.rmtree(out)  # a fresh manifest each run: nothing is reused
-    return {"images": s["listed"], "seconds": seconds, "requests": s["requests"], "bytes": s["bytes_read"],
-            "shard_bytes": s["shard_bytes"]}  # fmt: skip
+    return {"images": s.listed, "seconds": seconds, "requests": s.requests, "bytes": s.bytes_read,
+            "shard_bytes": s.shard_bytes}  # fmt: skip
 
 
 def decode_shard(path: str) -> tuple[int, int]:

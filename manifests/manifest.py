@@ -12,7 +12,7 @@ import hashlib
 import io
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import polars as pl
@@ -23,7 +23,18 @@ import pyarrow.parquet as pq
 from manifests import __version__
 from manifests.buckets import BucketSpec, assign_buckets, bucket_names
 from manifests.schema import ADDED_COLUMNS, ERRORS_SCHEMA, FORMAT_VERSION, MAX_PIXELS, SAMPLES_SCHEMA
-from manifests.errors import MissingError, UsageError
+from manifests.manifest_meta import (
+    MANIFEST_KIND,
+    VERSION_HINT,
+    ManifestConditioning,
+    ManifestCounts,
+    ManifestError,
+    ManifestMeta,
+    ManifestMissingError,
+    ManifestPart,
+    ManifestParts,
+    ScanSummary,
+)
 from manifests.storage import (
     call_storage,
     join,
@@ -54,16 +65,7 @@ __all__ = [
 ]
 
 MANIFEST_FILE = "_manifest.json"
-_KIND = "bucketeer.manifest"
 ROWS_PER_PART = 1_000_000
-
-
-class ManifestError(UsageError):
-    """A manifest folder is missing, uncommitted, of another format version, or malformed."""
-
-
-class ManifestMissingError(ManifestError, MissingError):
-    """A folder without ``_manifest.json``: no manifest there, or its scan never committed."""
 
 
 @dataclass
@@ -71,21 +73,21 @@ class Manifest:
     """A committed manifest: its metadata and its two tables (``SAMPLES_SCHEMA``, ``ERRORS_SCHEMA``)."""
 
     url: str
-    meta: dict[str, Any]
+    meta: ManifestMeta
     samples: pa.Table
     errors: pa.Table
 
     @property
     def fingerprint(self) -> str:
-        return self.meta["fingerprint"]
+        return self.meta.fingerprint
 
     @property
     def spec(self) -> BucketSpec:
-        return BucketSpec.from_json(self.meta["bucket_spec"])
+        return self.meta.bucket_spec
 
     @property
     def source(self) -> str:
-        return self.meta["source"]
+        return self.meta.source
 
     @property
     def max_pixels(self) -> int:
@@ -93,7 +95,7 @@ class Manifest:
 
         Manifests written before the field existed give their scan summary's figure, else MAX_PIXELS.
         """
-        return int(self.meta.get("max_pixels") or self.meta.get("summary", {}).get("max_pixels") or MAX_PIXELS)
+        return int(self.meta.max_pixels or self.meta.summary.max_pixels or MAX_PIXELS)
 
     def samples_df(self) -> pl.DataFrame:
         return pl.from_arrow(self.samples)  # type: ignore[return-value]
@@ -129,8 +131,8 @@ def _part_bytes(table: pa.Table) -> bytes:
     return buf.getvalue()
 
 
-def _write_parts(fs, root: str, kind: str, table: pa.Table, rows_per_part: int) -> list[dict[str, Any]]:
-    parts = []
+def _write_parts(fs, root: str, kind: str, table: pa.Table, rows_per_part: int) -> tuple[ManifestPart, ...]:
+    parts: list[ManifestPart] = []
     for start in range(0, max(table.num_rows, 1), rows_per_part):
         chunk = table.slice(start, rows_per_part)
         data = _part_bytes(chunk)
@@ -139,8 +141,8 @@ def _write_parts(fs, root: str, kind: str, table: pa.Table, rows_per_part: int) 
         # that a committed _manifest.json still points to with different content
         name = f"{kind}/part-{len(parts):05d}-{digest[:16]}.parquet"
         write_bytes_atomic(fs, join(root, name), data)
-        parts.append({"path": name, "rows": chunk.num_rows, "sha256": digest, "bytes": len(data)})
-    return parts
+        parts.append(ManifestPart(path=name, rows=chunk.num_rows, sha256=digest, bytes=len(data)))
+    return tuple(parts)
 
 
 def write_manifest(
@@ -150,21 +152,21 @@ def write_manifest(
     *,
     source: str,
     spec: BucketSpec,
-    counts: dict[str, int] | None = None,
-    summary: dict[str, Any] | None = None,
+    counts: Mapping[str, int] | None = None,
+    summary: ScanSummary | None = None,
     max_pixels: int = MAX_PIXELS,
     storage_options: dict[str, Any] | None = None,
     rows_per_part: int = ROWS_PER_PART,
-    conditioning: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+    conditioning: ManifestConditioning | None = None,
+) -> ManifestMeta:
     """Commit a manifest at ``url``: parts first, ``_manifest.json`` last; returns its metadata.
 
     Rows are sorted by filename so the same content gives the same bytes and fingerprint.
-    ``counts`` may add e.g. ``listed`` and ``ignored`` to the sample/error counts; ``summary``
-    holds the producing job's figures; ``max_pixels`` is the pixel limit the rows were judged by
-    (recorded for embed, which decodes up to it). ``conditioning`` (``scan --conditioning``):
-    ``{"root": URL, "column": name or None}``, where the ``conditioning`` column's paths are relative
-    to; recorded only when given. Parts no longer referenced are deleted after the
+    ``counts`` may add ``listed``, ``ignored`` and ``shards`` (:class:`ManifestCounts`) to the
+    sample/error counts; ``summary`` holds the producing job's figures; ``max_pixels`` is the pixel
+    limit the rows were judged by (recorded for embed, which decodes up to it). ``conditioning``
+    (``scan --conditioning``): where the ``conditioning`` column's paths are relative to; recorded
+    only when given. Parts no longer referenced are deleted after the
     commit. Raises ManifestError for duplicate sample ids or a ``max_pixels`` outside 1..MAX_PIXELS.
     """
     if not 1 <= max_pixels <= MAX_PIXELS:
@@ -177,32 +179,30 @@ def write_manifest(
 
     fs, root = open_url(url, storage_options)
     call_storage(fs, "creating", root, lambda: fs.makedirs(root, exist_ok=True))
-    parts = {
-        "samples": _write_parts(fs, root, "samples", samples, rows_per_part),
-        "errors": _write_parts(fs, root, "errors", errors, rows_per_part),
-    }
-    digests = [p["sha256"] for k in ("samples", "errors") for p in parts[k]]
+    parts = ManifestParts(
+        samples=_write_parts(fs, root, "samples", samples, rows_per_part),
+        errors=_write_parts(fs, root, "errors", errors, rows_per_part),
+    )
+    digests = [p.sha256 for p in parts.samples + parts.errors]
     fingerprint = hashlib.sha256(
         json.dumps([FORMAT_VERSION, redact(source), spec.to_json(), digests], sort_keys=True).encode()
     ).hexdigest()
-    meta = {
-        "kind": _KIND,
-        "format_version": FORMAT_VERSION,
-        "tool_version": __version__,
-        "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "source": redact(source),
-        "bucket_spec": spec.to_json(),
-        "counts": {**(counts or {}), "samples": samples.num_rows, "errors": errors.num_rows},
+    meta = ManifestMeta(
+        tool_version=__version__,
+        created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        source=redact(source),
+        bucket_spec=spec,
+        counts=ManifestCounts(**{**(counts or {}), "samples": samples.num_rows, "errors": errors.num_rows}),
         # outside the fingerprint, like the summary: the rows already show its effect (too_many_pixels rows)
-        "max_pixels": int(max_pixels),
-        "fingerprint": fingerprint,
-        "parts": parts,
-        "summary": summary or {},
-    }
-    if conditioning is not None:
-        meta["conditioning"] = {**conditioning, "root": redact(conditioning["root"])}
-    write_json_atomic(fs, join(root, MANIFEST_FILE), meta)
-    _remove_unreferenced(fs, root, {p["path"] for k in parts for p in parts[k]})
+        max_pixels=int(max_pixels),
+        fingerprint=fingerprint,
+        parts=parts,
+        summary=summary or ScanSummary(),
+        conditioning=None if conditioning is None else ManifestConditioning(
+            root=redact(conditioning.root), column=conditioning.column),
+    )  # fmt: skip
+    write_json_atomic(fs, join(root, MANIFEST_FILE), meta.to_json())
+    _remove_unreferenced(fs, root, {p.path for p in parts.samples + parts.errors})
     return meta
 
 
@@ -219,7 +219,7 @@ def _remove_unreferenced(fs, root: str, keep: set[str]) -> None:
                 call_storage(fs, "removing", path, lambda: fs.rm(path))
 
 
-def read_manifest_meta(url: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+def read_manifest_meta(url: str, storage_options: dict[str, Any] | None = None) -> ManifestMeta:
     """Read and check a committed manifest's ``_manifest.json`` only (no parts are read).
 
     Raises ManifestError (ManifestMissingError without one) saying what is wrong and what to do.
@@ -228,14 +228,16 @@ def read_manifest_meta(url: str, storage_options: dict[str, Any] | None = None) 
     return _read_meta(fs, root, url)
 
 
-def _read_meta(fs, root: str, url: str) -> dict[str, Any]:
-    return read_artifact_meta(
-        fs, root, url, file=MANIFEST_FILE, kind=_KIND, version=FORMAT_VERSION, error=ManifestError,
+def _read_meta(fs, root: str, url: str) -> ManifestMeta:
+    """The one place ``_manifest.json`` is parsed: :meth:`ManifestMeta.from_json` of what the store holds."""
+    raw = read_artifact_meta(
+        fs, root, url, file=MANIFEST_FILE, kind=MANIFEST_KIND, version=FORMAT_VERSION, error=ManifestError,
         missing=ManifestMissingError,
         missing_hint="it is not a manifest, or its scan never committed (still running or killed). "
         "Run `bucketeer scan` to (re)build it.",
-        version_hint="Rescan with this version, or use the bucketeer that wrote it.",
+        version_hint=VERSION_HINT,
     )
+    return ManifestMeta.from_json(raw, url)
 
 
 def read_manifest(url: str, storage_options: dict[str, Any] | None = None) -> Manifest:
@@ -245,22 +247,22 @@ def read_manifest(url: str, storage_options: dict[str, Any] | None = None) -> Ma
     tables = {}
     for kind, schema in (("samples", SAMPLES_SCHEMA), ("errors", ERRORS_SCHEMA)):
         pieces = []
-        for part in meta["parts"][kind]:
-            path = join(root, part["path"])
+        for part in getattr(meta.parts, kind):
+            path = join(root, part.path)
             try:
                 piece = pq.read_table(pa.BufferReader(read_bytes(fs, path)))
             except FileNotFoundError:
-                raise ManifestError(f"{redact(url)}: part {part['path']} named in {MANIFEST_FILE} is missing") from None
+                raise ManifestError(f"{redact(url)}: part {part.path} named in {MANIFEST_FILE} is missing") from None
             except pa.ArrowInvalid as e:
-                raise ManifestError(f"{redact(url)}: part {part['path']} is not a readable parquet file ({e}); "
+                raise ManifestError(f"{redact(url)}: part {part.path} is not a readable parquet file ({e}); "
                                     "run `bucketeer scan` to rebuild it") from None  # fmt: skip
             missing = [n for n in schema.names if n not in piece.column_names and n not in ADDED_COLUMNS]
             if missing:
-                raise ManifestError(f"{redact(url)}: part {part['path']} lacks columns {missing}")
+                raise ManifestError(f"{redact(url)}: part {part.path} lacks columns {missing}")
             try:
                 pieces.append(conform(piece, schema))
             except ManifestError as e:
-                raise ManifestError(f"{redact(url)}: part {part['path']}: {e}") from None
+                raise ManifestError(f"{redact(url)}: part {part.path}: {e}") from None
         tables[kind] = pa.concat_tables(pieces) if pieces else schema.empty_table()
     return Manifest(url=url, meta=meta, samples=tables["samples"], errors=tables["errors"])
 
@@ -313,7 +315,7 @@ def manifest_stats(manifest: Manifest) -> dict[str, Any]:
     kinds = errors.group_by("error").len().sort(["len", "error"], descending=[True, False])
     captioned = samples.select(pl.col("caption").is_not_null().sum()).item() if samples.height else 0
     return {
-        "counts": manifest.meta["counts"],
+        "counts": manifest.meta.counts.to_json(),
         "captioned": int(captioned),
         "buckets": {r["bucket"]: r["len"] for r in buckets.iter_rows(named=True)},
         "errors": {r["error"]: r["len"] for r in kinds.iter_rows(named=True)},
@@ -334,15 +336,15 @@ class RowGroup:
     rows: int
 
 
-def _part_size(fs, root: str, url: str, part: dict[str, Any]) -> int:
+def _part_size(fs, root: str, url: str, part: ManifestPart) -> int:
     """A part's size in bytes: recorded in ``_manifest.json``, else asked of the store."""
-    if part.get("bytes") is not None:
-        return int(part["bytes"])
-    target = join(root, part["path"])
+    if part.bytes is not None:
+        return int(part.bytes)
+    target = join(root, part.path)
     try:
         return int(call_storage(fs, "sizing", target, lambda: fs.size(target)))
     except FileNotFoundError:
-        raise ManifestError(f"{redact(url)}: part {part['path']} named in {MANIFEST_FILE} is missing") from None
+        raise ManifestError(f"{redact(url)}: part {part.path} named in {MANIFEST_FILE} is missing") from None
 
 
 def _part_file(fs, root: str, url: str, path: str, size: int) -> pq.ParquetFile:
@@ -356,7 +358,7 @@ def _part_file(fs, root: str, url: str, path: str, size: int) -> pq.ParquetFile:
 
 
 def sample_row_groups(
-    url: str, meta: dict[str, Any], storage_options: dict[str, Any] | None = None
+    url: str, meta: ManifestMeta, storage_options: dict[str, Any] | None = None
 ) -> list[RowGroup]:
     """Every row group of the manifest's samples parts, in order: one footer read per part.
 
@@ -365,11 +367,11 @@ def sample_row_groups(
     """
     fs, root = open_url(url, storage_options)
     groups = []
-    for part in meta["parts"]["samples"]:
+    for part in meta.parts.samples:
         size = _part_size(fs, root, url, part)
-        file = _part_file(fs, root, url, part["path"], size)
+        file = _part_file(fs, root, url, part.path, size)
         for i in range(file.metadata.num_row_groups):
-            groups.append(RowGroup(part["path"], size, i, file.metadata.row_group(i).num_rows))
+            groups.append(RowGroup(part.path, size, i, file.metadata.row_group(i).num_rows))
     return groups
 
 

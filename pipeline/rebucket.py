@@ -1,17 +1,44 @@
 """Re-assign buckets from a manifest's stored sizes into a new manifest, without reading any image.
 
 Change the training resolution (or bucket list, or min side) without rescanning:
-``bucketeer rebucket MANIFEST --out NEW --resolution 512``.
+``bucketeer rebucket MANIFEST --out NEW --resolution 512``, or from Python
+``run(RebucketJob(manifest="m/", out="m512/", spec=BucketSpec(area=512 * 512)))``.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass, field, replace
+from typing import Any
 
-from manifests.buckets import add_bucket_arguments, spec_from_args
+from manifests.buckets import BucketSpec, add_bucket_arguments, spec_from_args
 from manifests.manifest import read_manifest, rebucket, write_manifest
+from manifests.manifest_meta import ManifestMeta
 from manifests.storage import parse_storage_options
+
+__all__ = ["RebucketJob", "RebucketResult", "add_arguments", "job_from_args", "run"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RebucketJob:
+    """``bucketeer rebucket``: the manifest at ``manifest`` bucketed again by ``spec`` into ``out``
+    (which may be ``manifest`` itself)."""
+
+    manifest: str
+    out: str
+    spec: BucketSpec = field(default_factory=BucketSpec)
+    storage_options: dict[str, Any] = field(default_factory=dict)  # fsspec options, e.g. an endpoint_url
+
+
+@dataclass(frozen=True, kw_only=True)
+class RebucketResult:
+    url: str  # the new manifest
+    fingerprint: str
+    meta: ManifestMeta
+    samples: int
+    errors: int
+    buckets: int  # distinct buckets the samples fill
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,28 +48,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_bucket_arguments(parser)
 
 
-def run(args: argparse.Namespace) -> int:
-    options = parse_storage_options(args.storage_options)
-    spec = spec_from_args(args)
-    old = read_manifest(args.manifest, options)
-    samples, errors = rebucket(old, spec)
+def job_from_args(args: argparse.Namespace) -> RebucketJob:
+    """The job of ``bucketeer rebucket``'s options; raises UsageError for bad bucket or storage options."""
+    return RebucketJob(manifest=args.manifest, out=args.out, spec=spec_from_args(args),
+                       storage_options=parse_storage_options(args.storage_options))  # fmt: skip
+
+
+def run(job: RebucketJob) -> RebucketResult:
+    """Write the re-bucketed manifest and print one line; raises ManifestError for an unreadable manifest."""
+    old = read_manifest(job.manifest, job.storage_options)
+    samples, errors = rebucket(old, job.spec)
+    counts = {k: v for k, v in old.meta.counts.to_json().items() if k not in ("samples", "errors")}
     meta = write_manifest(
-        args.out,
+        job.out,
         samples,
         errors,
         source=old.source,
-        spec=spec,
-        counts={k: v for k, v in old.meta["counts"].items() if k not in ("samples", "errors")},
-        summary={**old.meta.get("summary", {}), "rebucketed_from": old.fingerprint},
+        spec=job.spec,
+        counts=counts,
+        summary=replace(old.meta.summary, rebucketed_from=old.fingerprint),
         max_pixels=old.max_pixels,  # the rows were judged by it; embed decodes up to it
-        storage_options=options,
+        storage_options=job.storage_options,
     )
     n_buckets = len(set(samples.column("bucket").to_pylist()))
     print(
         f"rebucketed {samples.num_rows} samples into {n_buckets} buckets "
-        f"({errors.num_rows} error rows) -> {args.out} (fingerprint {meta['fingerprint'][:12]})"
+        f"({errors.num_rows} error rows) -> {job.out} (fingerprint {meta.fingerprint[:12]})"
     )
-    return 0
+    return RebucketResult(url=job.out, fingerprint=meta.fingerprint, meta=meta, samples=samples.num_rows,
+                          errors=errors.num_rows, buckets=n_buckets)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ from manifests.cache.verify import verify_cache
 from manifests.cache.records import caption_key, to_float32
 from manifests.manifest import read_manifest
 from manifests.schema import sample_id
-from pipeline.scan import ScanConfig, scan_dataset
+from pipeline import ScanJob, run
+from pipeline.scan import ScanConfig
 from pipeline.sources.captions import caption_list, sidecar_number
 from tests.embed_data import SPEC, jpeg, run_embed
 from tests.shards import tar_bytes
@@ -73,9 +74,9 @@ def captioned(tmp_path_factory, ray_local) -> Captioned:
     pq.write_table(pa.table({"filename": list(TABLE), "caption": pa.array(list(TABLE.values()),
                                                                            pa.list_(pa.string()))}), table)
     manifest, cache = str(base / "manifest"), str(base / "cache")
-    meta = scan_dataset(str(root), manifest, spec=SPEC, captions=table, config=QUIET)
+    meta = run(ScanJob(source=str(root), out=manifest, spec=SPEC, captions=table, config=QUIET)).meta
     assert run_embed(manifest, cache, "--latents", "posterior") == 0
-    return Captioned(root, table, manifest, cache, meta["summary"])
+    return Captioned(root, table, manifest, cache, meta.summary)
 
 
 def _rows(manifest: str) -> dict[str, dict]:
@@ -107,7 +108,7 @@ def test_sidecars_and_table_lists_reach_the_manifest(captioned):
     assert rows["a.jpg"]["caption_source"].endswith(":a.2.txt") and "a.1.txt|" in rows["a.jpg"]["caption_source"]
     assert rows["b.jpg"]["caption_source"].startswith("sidecar:") and rows["d.jpg"]["caption_source"].startswith(
         "table:")
-    assert captioned.summary["empty_captions_dropped"] == 1 and captioned.summary["caption_lists"] == 3
+    assert captioned.summary.empty_captions_dropped == 1 and captioned.summary.caption_lists == 3
 
 
 def test_distinct_captions_are_embedded_once_and_every_key_is_indexed(captioned):
@@ -149,8 +150,8 @@ def test_changing_the_second_caption_rescans_and_reembeds_that_sample_only(capti
     shutil.copytree(captioned.cache, cache)
     before = _rows(manifest)
     _write(root / "a.1.txt", b"second a, rewritten")
-    meta = scan_dataset(str(root), manifest, spec=SPEC, captions=captioned.table, config=QUIET)
-    assert (meta["summary"]["reused"], meta["summary"]["captions_read"], meta["summary"]["files_read"]) == (8, 1, 0)
+    meta = run(ScanJob(source=str(root), out=manifest, spec=SPEC, captions=captioned.table, config=QUIET)).meta
+    assert (meta.summary.reused, meta.summary.captions_read, meta.summary.files_read) == (8, 1, 0)
     after = _rows(manifest)
     assert after["a.jpg"]["captions"] == ["first a", "second a, rewritten", "third a"]
     assert after["a.jpg"]["caption_source"] != before["a.jpg"]["caption_source"]
@@ -199,7 +200,8 @@ def test_tar_json_caption_lists(tmp_path, ray_local):
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "shard-0.tar").write_bytes(tar_bytes(members))
     out = str(tmp_path / "manifest")
-    meta = scan_dataset(str(tmp_path / "src"), out, spec=SPEC, config=ScanConfig(progress=False, caption_field="text"))
+    config = ScanConfig(progress=False, caption_field="text")
+    meta = run(ScanJob(source=str(tmp_path / "src"), out=out, spec=SPEC, config=config)).meta
     rows = {r["filename"].split("/")[-1]: r for r in read_manifest(out).samples.to_pylist()}
     assert {k: (r["caption"], r["captions"]) for k, r in rows.items()} == {
         "k0.jpg": ("tar one", ["tar one", "tar two"]),  # the empty one is dropped
@@ -209,4 +211,4 @@ def test_tar_json_caption_lists(tmp_path, ray_local):
         "k4.jpg": ("alone", None),
     }
     assert rows["k0.jpg"]["caption_source"] == "member:shard-0.tar:k0.json#text"
-    assert meta["summary"]["no_caption"] == 2
+    assert meta.summary.no_caption == 2

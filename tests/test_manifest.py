@@ -22,10 +22,11 @@ def _roundtrip(url, storage_options=None):
     assert m.samples.num_rows == samples.num_rows and m.errors.num_rows == errors.num_rows
     assert sorted(m.samples.column("filename").to_pylist()) == sorted(samples.column("filename").to_pylist())
     assert m.samples.column("filename").to_pylist() == sorted(m.samples.column("filename").to_pylist())
-    assert m.fingerprint == meta["fingerprint"]
-    assert m.meta["counts"] == {"listed": 503, "ignored": 2, "samples": samples.num_rows, "errors": errors.num_rows}
+    assert m.fingerprint == meta.fingerprint
+    counts = {"listed": 503, "ignored": 2, "samples": samples.num_rows, "errors": errors.num_rows}
+    assert m.meta.counts.to_json() == counts
     assert m.spec == BucketSpec(min_side=100)
-    assert len(m.meta["parts"]["samples"]) == -(-samples.num_rows // 128)
+    assert len(m.meta.parts.samples) == -(-samples.num_rows // 128)
     # every listed image is in exactly one of the two tables
     assert samples.num_rows + errors.num_rows == 503
     return m
@@ -53,10 +54,10 @@ def test_same_content_same_fingerprint_and_bytes(tmp_path):
     # shuffled input rows give the same manifest
     reversed_samples = samples.take(list(range(299, -1, -1)))
     b = write_manifest(str(tmp_path / "b"), reversed_samples, errors, source="/data", spec=BucketSpec())
-    assert a["fingerprint"] == b["fingerprint"]
-    assert a["parts"] == b["parts"]
+    assert a.fingerprint == b.fingerprint
+    assert a.parts == b.parts
     c = write_manifest(str(tmp_path / "c"), samples, errors, source="/data", spec=BucketSpec(area=512 * 512))
-    assert c["fingerprint"] != a["fingerprint"]
+    assert c.fingerprint != a.fingerprint
 
 
 def test_refuses_uncommitted_folder(tmp_path):
@@ -82,7 +83,7 @@ def test_refuses_wrong_version(tmp_path):
 def test_refuses_missing_columns(tmp_path):
     url = str(tmp_path / "m")
     meta = write_manifest(url, *manifest_tables(50), source="/d", spec=BucketSpec())
-    part = tmp_path / "m" / meta["parts"]["samples"][0]["path"]
+    part = tmp_path / "m" / meta.parts.samples[0].path
     pq.write_table(pq.read_table(part).drop_columns(["bucket", "height"]), part)
     with pytest.raises(ManifestError, match=r"lacks columns \['height', 'bucket'\]"):
         read_manifest(url)
@@ -91,7 +92,7 @@ def test_refuses_missing_columns(tmp_path):
 def test_refuses_missing_part(tmp_path):
     url = str(tmp_path / "m")
     meta = write_manifest(url, *manifest_tables(50), source="/d", spec=BucketSpec())
-    (tmp_path / "m" / meta["parts"]["errors"][0]["path"]).unlink()
+    (tmp_path / "m" / meta.parts.errors[0].path).unlink()
     with pytest.raises(ManifestError, match="is missing"):
         read_manifest(url)
 
@@ -101,10 +102,10 @@ def test_recommit_removes_stale_parts_and_keeps_old_until_commit(tmp_path):
     first = write_manifest(url, *manifest_tables(50, seed=1), source="/d", spec=BucketSpec())
     second = write_manifest(url, *manifest_tables(60, seed=2), source="/d", spec=BucketSpec())
     files = {p.relative_to(tmp_path / "m").as_posix() for p in (tmp_path / "m").rglob("*.parquet")}
-    assert files == {p["path"] for k in ("samples", "errors") for p in second["parts"][k]}
-    assert first["fingerprint"] != second["fingerprint"]
+    assert files == {p.path for p in second.parts.samples + second.parts.errors}
+    assert first.fingerprint != second.fingerprint
     again = read_manifest(url)
-    assert again.fingerprint == second["fingerprint"]
+    assert again.fingerprint == second.fingerprint
     assert again.samples.num_rows + again.errors.num_rows == 60 + 3
 
 

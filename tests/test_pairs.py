@@ -22,8 +22,8 @@ from manifests.cache.verify import verify_cache
 from manifests.manifest import read_manifest
 from manifests.schema import CONDITIONING_COLUMNS
 from pipeline.embed.imaging import prepare_views
-from pipeline.scan import scan_dataset
-from pipeline.scan.job import ScanConfig
+from pipeline import ScanJob, run
+from pipeline.scan import ScanConfig
 from tests.embed_data import embed_args, jpeg, records_by_id, run_embed
 
 pytestmark = pytest.mark.ray
@@ -61,7 +61,7 @@ def pairs(tmp_path_factory, ray_local):
     base = tmp_path_factory.mktemp("pairs")
     ds, cond = _pairs(base)
     out = str(base / "manifest")
-    meta = scan_dataset(ds, out, spec=SPEC, conditioning=cond, config=QUIET)
+    meta = run(ScanJob(source=ds, out=out, spec=SPEC, conditioning=cond, config=QUIET)).meta
     return base, ds, cond, out, meta
 
 
@@ -78,8 +78,8 @@ def test_pairs_and_error_rows(pairs):
         assert row["conditioning"] == name
         assert row["conditioning_size"] == os.path.getsize(os.path.join(cond, name))
         assert row["conditioning_mtime"] is not None
-    assert meta["conditioning"] == {"root": cond, "column": None}
-    assert meta["summary"]["conditioning_probed"] == 5
+    assert meta.conditioning.to_json() == {"root": cond, "column": None}
+    assert meta.summary.conditioning_probed == 5
 
 
 def test_rescan_reprobes_only_changed_pairs(pairs, tmp_path):
@@ -88,17 +88,17 @@ def test_rescan_reprobes_only_changed_pairs(pairs, tmp_path):
     shutil.copytree(base / "ds", ds, copy_function=shutil.copy2)  # same sizes and mtimes: the rows are reused
     shutil.copytree(base / "cond", cond, copy_function=shutil.copy2)
     again = str(tmp_path / "again")
-    first = scan_dataset(ds, again, spec=SPEC, conditioning=cond, config=QUIET, previous=out)
-    assert first["summary"]["conditioning_probed"] == 2  # the mismatched and unusable pairs again; no sample
+    first = run(ScanJob(source=ds, out=again, spec=SPEC, conditioning=cond, config=QUIET, previous=out)).meta
+    assert first.summary.conditioning_probed == 2  # the mismatched and unusable pairs again; no sample
     assert read_manifest(again).samples.equals(read_manifest(out).samples)
     # fix img_1's pair and break img_4's: both re-probed, the pairs' rows follow
     Path(cond, "img_1.jpg").write_bytes(jpeg(96, 64, 7))
     Path(cond, "img_4.jpg").write_bytes(jpeg(80, 96, 7))
-    second = scan_dataset(ds, again, spec=SPEC, conditioning=cond, config=QUIET)
+    second = run(ScanJob(source=ds, out=again, spec=SPEC, conditioning=cond, config=QUIET)).meta
     m = read_manifest(again)
     assert {r["filename"] for r in m.samples.to_pylist()} == {"img_1.jpg", "img_2.jpg", "sub/img_5.jpg"}
     assert {r["filename"]: r["error"] for r in m.errors.to_pylist()}["img_4.jpg"] == "conditioning_mismatch"
-    assert second["summary"]["reused"] == 6 and second["summary"]["conditioning_probed"] == 3
+    assert second.summary.reused == 6 and second.summary.conditioning_probed == 3
 
 
 def test_column_of_the_caption_table(tmp_path, ray_local):
@@ -114,14 +114,15 @@ def test_column_of_the_caption_table(tmp_path, ray_local):
         {"filename": "img_1.jpg", "caption": "one", "control": "./maps/m1.png"},
         {"filename": "img_2.jpg", "caption": "two", "control": None}]))
     out = str(tmp_path / "m")
-    meta = scan_dataset(str(ds), out, spec=SPEC, captions=str(table), conditioning="control", config=QUIET)
+    meta = run(ScanJob(source=str(ds), out=out, spec=SPEC, captions=str(table), conditioning="control",
+                       config=QUIET)).meta
     m = read_manifest(out)
-    assert meta["counts"]["listed"] == 3 and meta["summary"]["conditioning_files"] == 2  # maps are no samples
+    assert meta.counts.listed == 3 and meta.summary.conditioning_files == 2  # maps are no samples
     assert [(r["filename"], r["conditioning"], r["caption"]) for r in m.samples.to_pylist()] == [
         ("img_0.jpg", "maps/m0.png", "zero")]
     assert {r["filename"]: r["error"] for r in m.errors.to_pylist()} == {
         "img_1.jpg": "conditioning_mismatch", "img_2.jpg": "conditioning_missing"}
-    assert meta["conditioning"] == {"root": str(ds), "column": "control"}
+    assert meta.conditioning.to_json() == {"root": str(ds), "column": "control"}
 
 
 # --- embed: conditioning latents with the target's crop, --flip and --crops variants, and the trainer ----------
@@ -238,5 +239,5 @@ def test_bad_conditioning_option_is_a_usage_error(tmp_path):
     (ds / "img_0.jpg").write_bytes(jpeg(64, 64, 0))
     for option, says in ((str(tmp_path / "nowhere"), "no such folder"), (str(ds), "the source root itself")):
         with pytest.raises(UsageError, match=says):
-            scan_dataset(str(ds), str(tmp_path / "m"), spec=SPEC, conditioning=option, config=QUIET)
+            run(ScanJob(source=str(ds), out=str(tmp_path / "m"), spec=SPEC, conditioning=option, config=QUIET))
     assert not (tmp_path / "m").exists()  # nothing written

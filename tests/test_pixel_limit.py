@@ -12,7 +12,9 @@ from manifests.buckets import BucketSpec
 from manifests.cache import read_index
 from manifests.manifest import read_manifest, write_manifest
 from manifests.schema import MAX_PIXELS, sample_id
+from pipeline import RebucketJob, ScanJob, run
 from pipeline.cli import main
+from pipeline.scan import ScanConfig
 from tests.corpus import png_declaring
 from tests.embed_data import embed_args, run_embed
 from tests.factories import manifest_tables
@@ -37,8 +39,8 @@ def test_the_manifests_limit_governs_scan_and_embed(tmp_path, ray_local):
     (data / "big.jpg").write_bytes(solid_jpeg(11_000, 10_000))  # 110 MP: within the limit
     (data / "small.jpg").write_bytes(solid_jpeg(64, 48))
     (data / "grows.png").write_bytes(png_declaring(64, 64))
-    argv = ["scan", str(data), "--out", manifest, "--max-pixels", str(limit), "--resolution", "64", "--no-progress"]
-    assert main(argv) == 0
+    run(ScanJob(source=str(data), out=manifest, spec=BucketSpec(area=64 * 64),
+                config=ScanConfig(max_pixels=limit, progress=False)))
     m = read_manifest(manifest)
     assert m.max_pixels == limit == json.loads((tmp_path / "manifest" / "_manifest.json").read_text())["max_pixels"]
     assert sorted(m.samples.column("filename").to_pylist()) == ["big.jpg", "grows.png", "small.jpg"]
@@ -57,7 +59,7 @@ def test_the_manifests_limit_governs_scan_and_embed(tmp_path, ray_local):
 def test_scan_records_the_limit_and_rebucket_keeps_it(tmp_path, capsys):
     url, rebucketed = str(tmp_path / "m"), str(tmp_path / "r")
     write_manifest(url, *manifest_tables(20, seed=3), source="/d", spec=BucketSpec(), max_pixels=4_000_000)
-    assert main(["rebucket", url, "--out", rebucketed, "--resolution", "512"]) == 0
+    run(RebucketJob(manifest=url, out=rebucketed, spec=BucketSpec(area=512 * 512)))
     assert read_manifest(rebucketed).max_pixels == 4_000_000
     # one option, on the scan, that can only lower the limit; embed has none of its own
     assert main(["scan", str(tmp_path), "--out", url, "--max-pixels", str(MAX_PIXELS + 1)]) == 2

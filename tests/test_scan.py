@@ -16,7 +16,8 @@ from manifests.manifest import ManifestError, read_manifest
 from manifests.schema import sample_id
 from pipeline.sources.captions import load_caption_table
 from pipeline.cli import main
-from pipeline.scan import ScanConfig, scan_dataset
+from pipeline import ScanJob, run
+from pipeline.scan import ScanConfig
 from manifests.faults import FAULTS_ENV
 from tests.corpus import _pixels, _save, make_corpus
 
@@ -26,7 +27,8 @@ QUIET = ScanConfig(progress=False, files_per_task=8)
 
 
 def scan(src, out, **kw):
-    return scan_dataset(str(src), str(out), spec=kw.pop("spec", BucketSpec()), config=kw.pop("config", QUIET), **kw)
+    """``_manifest.json`` of a quiet scan of ``src`` into ``out``."""
+    return run(ScanJob(source=str(src), out=str(out), config=kw.pop("config", QUIET), **kw)).meta
 
 
 class CountingLocalFS(LocalFileSystem):
@@ -57,7 +59,7 @@ def assert_same_manifest(a, b) -> None:
 def test_corpus_matches_ground_truth(tmp_path, ray_local, capsys):
     corpus = make_corpus(tmp_path / "ds")
     out = tmp_path / "m"
-    assert main(["scan", str(corpus.root), "--out", str(out), "--no-progress", "--files-per-task", "8"]) == 0
+    result = run(ScanJob(source=str(corpus.root), out=str(out), config=QUIET))
     captured = capsys.readouterr()
     line = captured.out
     assert "scanned 41 images" in line and "files/s" in line
@@ -74,11 +76,13 @@ def test_corpus_matches_ground_truth(tmp_path, ray_local, capsys):
         assert r["mtime"] == pytest.approx((corpus.root / r["filename"]).stat().st_mtime)
         assert 0 < r["bytes_read"] <= max(r["size"], 64 * 1024) or r["filename"] == "jpeg/far_header.jpg"
     assert errors["bad/bomb.png"]["width"] == 60000 and errors["bad/bomb.png"]["bytes_read"] < 1000
-    counts = m.meta["counts"]
-    assert counts == {"listed": 41, "ignored": len(corpus.ignored), "samples": 35, "errors": 6}
-    summary = m.meta["summary"]
-    assert summary["files_read"] == 41 and summary["new"] == 41 and summary["reused"] == 0
-    assert summary["errors_by_kind"] == {"empty": 1, "not_an_image": 2, "too_many_pixels": 1, "truncated": 2}
+    counts = m.meta.counts
+    assert result.meta == m.meta and result.fingerprint == m.fingerprint and result.url == str(out)
+    assert (result.listed, result.samples, result.errors, result.ignored) == (41, 35, 6, len(corpus.ignored))
+    assert counts.to_json() == {"listed": 41, "ignored": len(corpus.ignored), "samples": 35, "errors": 6}
+    summary = m.meta.summary
+    assert summary.files_read == 41 and summary.new == 41 and summary.reused == 0
+    assert summary.errors_by_kind == {"empty": 1, "not_an_image": 2, "too_many_pixels": 1, "truncated": 2}
     assert "credential" not in str(m.meta).lower()
 
 
@@ -86,7 +90,7 @@ def test_incremental_rescan_reads_only_changed_files(tmp_path, ray_local):
     corpus = make_corpus(tmp_path / "ds")
     out = tmp_path / "m"
     first = scan(corpus.root, out)
-    assert first["summary"]["files_read"] == 41
+    assert first.summary.files_read == 41
 
     (corpus.root / "orient/jpeg_o1.jpg").write_bytes(_save(_pixels(w=90, h=30), "JPEG"))  # changed
     (corpus.root / "new/added.png").parent.mkdir()
@@ -94,8 +98,8 @@ def test_incremental_rescan_reads_only_changed_files(tmp_path, ray_local):
     (corpus.root / "bmp/plain.bmp").unlink()  # deleted
     (corpus.root / "cap/crlf.txt").write_text("an edited caption")  # sidecar edited, image not
     meta = scan(corpus.root, out)
-    s = meta["summary"]
-    assert (s["files_read"], s["new"], s["changed"], s["deleted"], s["reused"]) == (2, 1, 1, 1, 39)
+    s = meta.summary
+    assert (s.files_read, s.new, s.changed, s.deleted, s.reused) == (2, 1, 1, 1, 39)
     m = read_manifest(str(out))
     rows = {r["filename"]: r for r in m.samples.to_pylist()}
     assert (rows["orient/jpeg_o1.jpg"]["width"], rows["orient/jpeg_o1.jpg"]["height"]) == (90, 30)
@@ -104,18 +108,18 @@ def test_incremental_rescan_reads_only_changed_files(tmp_path, ray_local):
     assert len(m.errors) == 6  # broken files were reused as error rows, not re-read
 
     clean = scan(corpus.root, tmp_path / "clean")
-    assert clean["fingerprint"] == meta["fingerprint"]
+    assert clean.fingerprint == meta.fingerprint
     assert m.samples.equals(read_manifest(str(tmp_path / "clean")).samples)
 
     again = scan(corpus.root, out)  # nothing changed: nothing read, same manifest
-    assert again["summary"]["files_read"] == 0 and again["fingerprint"] == meta["fingerprint"]
+    assert again.summary.files_read == 0 and again.fingerprint == meta.fingerprint
 
 
 def test_previous_manifest_and_bucket_options(tmp_path, ray_local):
     corpus = make_corpus(tmp_path / "ds")
     scan(corpus.root, tmp_path / "a")
     meta = scan(corpus.root, tmp_path / "b", previous=str(tmp_path / "a"), spec=BucketSpec(area=512 * 512, min_side=30))
-    assert meta["summary"]["files_read"] == 0 and meta["summary"]["reused"] == 41
+    assert meta.summary.files_read == 0 and meta.summary.reused == 41
     m = read_manifest(str(tmp_path / "b"))
     small = [r for r in m.errors.to_pylist() if r["error"] == "too_small"]
     assert small and all(min(r["width"], r["height"]) < 30 for r in small)
@@ -147,7 +151,7 @@ def test_rescan_rereads_exactly_the_sidecars_that_changed(tmp_path, ray_local):
     meta = scan(root, out, fs=fs)
     # unchanged sidecars (trailing, latin1, blank, unicode, other.caption) are not read
     assert sorted(fs.reads) == ["cap/crlf.txt", "cap/missing.caption", "cap/other.txt"]
-    assert (meta["summary"]["captions_read"], meta["summary"]["files_read"], meta["summary"]["reused"]) == (3, 0, 41)
+    assert (meta.summary.captions_read, meta.summary.files_read, meta.summary.reused) == (3, 0, 41)
     rows = rows_of(out)
     crlf = (root / "cap/crlf.txt").stat()
     assert rows["cap/crlf.jpg"]["caption"] == "x" * before.st_size
@@ -162,7 +166,7 @@ def test_rescan_rereads_exactly_the_sidecars_that_changed(tmp_path, ray_local):
 
     fs = CountingLocalFS(root)
     again = scan(root, out, fs=fs)
-    assert fs.reads == [] and again["summary"]["captions_read"] == 0 and again["fingerprint"] == meta["fingerprint"]
+    assert fs.reads == [] and again.summary.captions_read == 0 and again.fingerprint == meta.fingerprint
 
 
 def test_caption_table_edit_applies_to_all_its_rows_without_reads(tmp_path, ray_local):
@@ -199,14 +203,14 @@ def test_manifest_without_caption_source_rereads_sidecars_once(tmp_path, ray_loc
     corpus = make_corpus(tmp_path / "ds")
     out = tmp_path / "m"
     meta = scan(corpus.root, out)
-    for part in meta["parts"]["samples"] + meta["parts"]["errors"]:  # as written before the column existed
-        pq.write_table(pq.read_table(out / part["path"]).drop_columns(["caption_source"]), out / part["path"])
+    for part in meta.parts.samples + meta.parts.errors:  # as written before the column existed
+        pq.write_table(pq.read_table(out / part.path).drop_columns(["caption_source"]), out / part.path)
     assert read_manifest(str(out)).samples.column("caption_source").null_count == 35
     fs = CountingLocalFS(corpus.root)
     again = scan(corpus.root, out, fs=fs)
     sidecars = [f"cap/{n}" for n in os.listdir(corpus.root / "cap") if n.endswith((".txt", ".caption"))]
     assert sorted(fs.reads) == sorted(sidecars)
-    assert again["summary"]["files_read"] == 0 and again["fingerprint"] == meta["fingerprint"]
+    assert again.summary.files_read == 0 and again.fingerprint == meta.fingerprint
     fs = CountingLocalFS(corpus.root)
     scan(corpus.root, out, fs=fs)
     assert fs.reads == []
@@ -278,14 +282,14 @@ def test_kill_and_resume_equals_a_clean_run(tmp_path, ray_local):
     proc = _start_slow_scan(corpus.root, out, tmp_path / "scan.log")
     _kill_session(proc)
     # a reader still sees the previous manifest, whole
-    assert read_manifest(str(out)).fingerprint == before["fingerprint"]
-    for part in before["parts"]["samples"]:
-        assert pq.read_table(out / part["path"]).num_rows == part["rows"]
+    assert read_manifest(str(out)).fingerprint == before.fingerprint
+    for part in before.parts.samples:
+        assert pq.read_table(out / part.path).num_rows == part.rows
 
     resumed = scan(corpus.root, out)
     clean = scan(corpus.root, tmp_path / "clean")
-    assert resumed["fingerprint"] == clean["fingerprint"]
-    assert resumed["summary"]["files_read"] == 40 and resumed["counts"]["samples"] == clean["counts"]["samples"] == 75
+    assert resumed.fingerprint == clean.fingerprint
+    assert resumed.summary.files_read == 40 and resumed.counts.samples == clean.counts.samples == 75
     a, b = read_manifest(str(out)), read_manifest(str(tmp_path / "clean"))
     assert a.samples.equals(b.samples) and a.errors.equals(b.errors)
 
@@ -298,7 +302,7 @@ def test_killed_first_scan_leaves_nothing_readable(tmp_path, ray_local):
     with pytest.raises(ManifestError, match="never committed"):
         read_manifest(str(out))
     rerun = scan(corpus.root, out)
-    assert rerun["fingerprint"] == scan(corpus.root, tmp_path / "clean")["fingerprint"]
+    assert rerun.fingerprint == scan(corpus.root, tmp_path / "clean").fingerprint
 
 
 @pytest.mark.slow

@@ -16,7 +16,8 @@ from manifests.buckets import BucketSpec
 from manifests.manifest import read_manifest
 from manifests.schema import sample_id
 from pipeline import formats
-from pipeline.cli import main
+from pipeline import ScanJob, run
+from pipeline.scan import ScanConfig
 from pipeline.embed.imaging import prepare_views
 from pipeline.sources import listing
 from tests.corpus import truth
@@ -62,11 +63,12 @@ def modern(tmp_path_factory, ray_local):
         (root / "ds").mkdir(exist_ok=True)
         (root / "ds" / name).write_bytes(data)
     manifest = root / "manifest"
-    assert main(["scan", str(root / "ds"), "--out", str(manifest), "--no-progress", *SPEC_ARGS]) == 0
+    run(ScanJob(source=str(root / "ds"), out=str(manifest), spec=SPEC, config=QUIET))
     return files, str(manifest)
 
 
-SPEC_ARGS = ["--resolution", "64", "--bucket-step", "32"]
+SPEC = BucketSpec(area=64 * 64, step=32)
+QUIET = ScanConfig(progress=False)
 
 
 @pytest.mark.ray
@@ -111,12 +113,12 @@ def test_a_format_without_its_plugin_is_named_with_its_count(tmp_path, ray_local
         (root / f"phone_{i}.HEIC").write_bytes(b"\0\0\0\x18ftypheic" + bytes(100))
     (root / "notes.md").write_text("x")
     (root / "README").write_text("x")
-    assert main(["scan", str(root), "--out", str(tmp_path / "m"), "--no-progress"]) == 0
+    run(ScanJob(source=str(root), out=str(tmp_path / "m"), config=QUIET))
     line = capsys.readouterr().out
     assert "5 other files ignored: 3 .heic (pip install 'bucketeer[heif]'), 1 (no extension), 1 .md" in line
     meta = read_manifest(str(tmp_path / "m")).meta
-    assert meta["summary"]["ignored_extensions"] == {"": 1, "heic": 3, "md": 1}
-    assert meta["counts"] == {"listed": 1, "ignored": 5, "samples": 1, "errors": 0}
+    assert meta.summary.ignored_extensions == {"": 1, "heic": 3, "md": 1}
+    assert meta.counts.to_json() == {"listed": 1, "ignored": 5, "samples": 1, "errors": 0}
 
 
 def test_a_folder_of_only_unreadable_formats_says_which(tmp_path, monkeypatch):
@@ -124,6 +126,6 @@ def test_a_folder_of_only_unreadable_formats_says_which(tmp_path, monkeypatch):
     monkeypatch.setattr(formats, "image_extensions", lambda: formats.IMAGE_EXTENSIONS - {"jxl"})
     (tmp_path / "a.jxl").write_bytes(b"\xff\x0a")
     with pytest.raises(ValueError, match=r"\(1 other files ignored: 1 \.jxl \(pip install 'bucketeer\[jxl\]'\)\)"):
-        from pipeline.scan import scan_dataset
+        from pipeline import ScanJob, run
 
-        scan_dataset(str(tmp_path), str(tmp_path / "m"), spec=BucketSpec())
+        run(ScanJob(source=str(tmp_path), out=str(tmp_path / "m"), spec=BucketSpec()))

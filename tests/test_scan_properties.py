@@ -25,10 +25,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from manifests.buckets import BucketSpec
 from manifests.manifest import read_manifest
 from manifests.schema import ERROR_KINDS, MAX_PIXELS
-from pipeline.scan import ScanConfig, scan_dataset
+from pipeline import ScanJob, run
+from pipeline.scan import ScanConfig
 from pipeline.sources.headers import MAX_HEADER_BYTES, probe_header
 from pipeline.sources.results import INT32_LIMIT, Header, Probe, checked
 from tests.corpus import png_declaring, truth
@@ -227,12 +227,12 @@ def test_a_scan_of_hostile_files_commits_every_file_exactly_once(ray_local, file
         names = [f"f{i}.{ext}" for i, ext in zip(range(len(files)), exts)]
         for name, data in zip(names, files):
             (root / name).write_bytes(data)
-        meta = scan_dataset(str(root), str(Path(tmp) / "m"), spec=BucketSpec(), config=ScanConfig(progress=False))
+        meta = run(ScanJob(source=str(root), out=str(Path(tmp) / "m"), config=ScanConfig(progress=False))).meta
         m = read_manifest(str(Path(tmp) / "m"))
         samples = {r["filename"]: r for r in m.samples.to_pylist()}
         errors = {r["filename"]: r for r in m.errors.to_pylist()}
         assert not samples.keys() & errors.keys() and sorted(samples.keys() | errors.keys()) == sorted(names)
-        assert meta["counts"]["samples"] + meta["counts"]["errors"] == len(names)
+        assert meta.counts.samples + meta.counts.errors == len(names)
         for name, row in samples.items():
             assert 1 <= row["width"] < INT32_LIMIT and 1 <= row["height"] < INT32_LIMIT
             try:
@@ -240,6 +240,6 @@ def test_a_scan_of_hostile_files_commits_every_file_exactly_once(ray_local, file
             except Exception:  # pixel data cut short after a sound header: embed's decode_failed, never read here
                 continue
             assert (row["width"], row["height"]) == expected, name
-        for part in meta["parts"]["errors"]:  # error rows round-trip: every value fitted its column
-            assert pq.read_table(Path(tmp) / "m" / part["path"]).num_rows == part["rows"]
+        for part in meta.parts.errors:  # error rows round-trip: every value fitted its column
+            assert pq.read_table(Path(tmp) / "m" / part.path).num_rows == part.rows
         assert isinstance(m.errors, pa.Table)

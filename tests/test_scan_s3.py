@@ -11,12 +11,11 @@ import pytest
 import s3fs
 from fsspec import AbstractFileSystem
 
-from manifests.buckets import BucketSpec
 from manifests.manifest import read_manifest
 from manifests.storage import StorageError
-from pipeline.cli import main
 from pipeline.sources.listing import list_source
-from pipeline.scan import ScanConfig, scan_dataset
+from pipeline import ScanJob, run
+from pipeline.scan import ScanConfig
 from tests.corpus import make_corpus
 
 pytestmark = [pytest.mark.s3, pytest.mark.ray]
@@ -64,9 +63,8 @@ def dataset(s3_server, tmp_path_factory):
 def test_scan_s3_into_s3_matches_ground_truth(s3, dataset, ray_local, capsys):
     corpus, url = dataset
     out = s3.fresh_url("manifest")
-    options = json.dumps({**s3.storage_options, "key": "testing-key-id", "secret": SECRET})
-    argv = ["scan", url, "--out", out, "--storage-options", options, "--no-progress", "--files-per-task", "8"]
-    assert main(argv) == 0
+    options = {**s3.storage_options, "key": "testing-key-id", "secret": SECRET}
+    run(ScanJob(source=url, out=out, storage_options=options, config=ScanConfig(progress=False, files_per_task=8)))
     captured = capsys.readouterr()
     assert SECRET not in captured.out + captured.err
     m = read_manifest(out, s3.storage_options)
@@ -74,12 +72,12 @@ def test_scan_s3_into_s3_matches_ground_truth(s3, dataset, ray_local, capsys):
     assert {r["filename"]: r["error"] for r in m.errors.to_pylist()} == corpus.errors
     assert {r["filename"]: r["caption"] for r in m.samples.to_pylist()} == corpus.captions
     assert all(r["etag"] for r in m.samples.to_pylist())
-    assert m.meta["counts"]["ignored"] == len(corpus.ignored)
+    assert m.meta.counts.ignored == len(corpus.ignored)
     assert SECRET not in s3.fs.cat_file(out + "/_manifest.json").decode()
 
     quiet = ScanConfig(progress=False)
-    again = scan_dataset(url, out, spec=BucketSpec(), storage_options=s3.storage_options, config=quiet)
-    assert again["summary"]["files_read"] == 0 and again["fingerprint"] == m.fingerprint
+    again = run(ScanJob(source=url, out=out, storage_options=s3.storage_options, config=quiet)).meta
+    assert again.summary.files_read == 0 and again.fingerprint == m.fingerprint
 
 
 def test_rescan_rereads_exactly_the_changed_sidecars_by_etag(s3, ray_local, tmp_path):
@@ -88,25 +86,25 @@ def test_rescan_rereads_exactly_the_changed_sidecars_by_etag(s3, ray_local, tmp_
     s3.fs.put(str(corpus.root) + "/", url + "/", recursive=True)
     out = s3.fresh_url("manifest")
     cfg = ScanConfig(progress=False, files_per_task=8)
-    scan_dataset(url, out, spec=BucketSpec(), storage_options=s3.storage_options, config=cfg)
+    run(ScanJob(source=url, out=out, storage_options=s3.storage_options, config=cfg))
     size = s3.fs.size(f"{url}/cap/crlf.txt")
     s3.fs.pipe_file(f"{url}/cap/crlf.txt", b"y" * size)  # same size, new content: a new ETag
     s3.fs.rm_file(f"{url}/cap/bom.txt")
     s3.fs.pipe_file(f"{url}/cap/missing.caption", b"now captioned")
     # no image changed, so nothing goes to Ray and every read passes through this instance
     counting = FlakyS3(s3.endpoint, failures=0)
-    meta = scan_dataset(url.removeprefix("s3://"), out, spec=BucketSpec(), storage_options=s3.storage_options,
-                        fs=counting, config=cfg)  # fmt: skip
+    meta = run(ScanJob(source=url.removeprefix("s3://"), out=out, storage_options=s3.storage_options,
+                        fs=counting, config=cfg)).meta  # fmt: skip
     prefix = url.removeprefix("s3://") + "/"
     assert sorted(p.removeprefix(prefix) for p in counting.reads) == ["cap/crlf.txt", "cap/missing.caption"]
-    assert meta["summary"]["captions_read"] == 2 and meta["summary"]["files_read"] == 0
+    assert meta.summary.captions_read == 2 and meta.summary.files_read == 0
     rows = {r["filename"]: r for r in read_manifest(out, s3.storage_options).samples.to_pylist()}
     etag = s3.fs.info(f"{url}/cap/crlf.txt")["ETag"].strip('"')
     assert rows["cap/crlf.jpg"]["caption"] == "y" * size
     assert rows["cap/crlf.jpg"]["caption_source"] == f"sidecar:{size}:{etag}:cap/crlf.txt"
     assert rows["cap/bom.jpg"]["caption"] is None and rows["cap/missing.jpg"]["caption"] == "now captioned"
     clean_url = s3.fresh_url("clean")
-    scan_dataset(url, clean_url, spec=BucketSpec(), storage_options=s3.storage_options, config=cfg)
+    run(ScanJob(source=url, out=clean_url, storage_options=s3.storage_options, config=cfg))
     a, b = read_manifest(out, s3.storage_options), read_manifest(clean_url, s3.storage_options)
     assert a.samples.equals(b.samples) and a.errors.equals(b.errors)
 
@@ -126,11 +124,11 @@ def test_key_range_listing_is_parallel_and_exact(s3):
 def test_transient_errors_are_retried(s3, dataset, ray_local, tmp_path):
     corpus, url = dataset
     flaky = FlakyS3(s3.endpoint, failures=5)  # fewer than the 6 attempts: no file can run out
-    meta = scan_dataset(url.removeprefix("s3://"), str(tmp_path / "m"), spec=BucketSpec(), fs=flaky,
-                        config=ScanConfig(progress=False, files_per_task=8))  # fmt: skip
+    meta = run(ScanJob(source=url.removeprefix("s3://"), out=str(tmp_path / "m"), fs=flaky,
+                        config=ScanConfig(progress=False, files_per_task=8))).meta  # fmt: skip
     errors = read_manifest(str(tmp_path / "m")).errors.to_pylist()
     failures = [r["message"] for r in errors if r["error"] == "read_failed"]
-    assert "read_failed" not in meta["summary"]["errors_by_kind"], failures
+    assert "read_failed" not in meta.summary.errors_by_kind, failures
     m = read_manifest(str(tmp_path / "m"))
     assert {r["filename"]: (r["width"], r["height"]) for r in m.samples.to_pylist()} == corpus.sizes
 
@@ -142,19 +140,19 @@ def test_retries_that_run_out_become_read_failed_rows_and_are_reread(s3, ray_loc
     out = str(tmp_path / "m")
     cfg = ScanConfig(progress=False)
     path = url.removeprefix("s3://")
-    meta = scan_dataset(path, out, spec=BucketSpec(), fs=FlakyS3(s3.endpoint, failures=10**6), config=cfg)
-    assert meta["summary"]["errors_by_kind"] == {"read_failed": 3}
+    meta = run(ScanJob(source=path, out=out, fs=FlakyS3(s3.endpoint, failures=10**6), config=cfg)).meta
+    assert meta.summary.errors_by_kind == {"read_failed": 3}
     assert "SlowDown" in read_manifest(out).errors.column("message")[0].as_py()
-    healed = scan_dataset(path, out, spec=BucketSpec(), fs=FlakyS3(s3.endpoint, failures=0), config=cfg)
-    assert healed["summary"]["files_read"] == 3 and healed["counts"]["samples"] == 3
+    healed = run(ScanJob(source=path, out=out, fs=FlakyS3(s3.endpoint, failures=0), config=cfg)).meta
+    assert healed.summary.files_read == 3 and healed.counts.samples == 3
 
 
 def test_access_denied_stops_the_job_and_commits_nothing(s3, dataset, ray_local, tmp_path):
     _, url = dataset
     out = tmp_path / "m"
     with pytest.raises(StorageError) as e:
-        scan_dataset(url.removeprefix("s3://"), str(out), spec=BucketSpec(), fs=FlakyS3(s3.endpoint, 10**6, "denied"),
-                     config=ScanConfig(progress=False))  # fmt: skip
+        run(ScanJob(source=url.removeprefix("s3://"), out=str(out), fs=FlakyS3(s3.endpoint, 10**6, "denied"),
+                     config=ScanConfig(progress=False)))  # fmt: skip
     assert "Access Denied" in str(e.value) and SECRET not in str(e.value)
     assert not (out / "_manifest.json").exists()
 

@@ -18,7 +18,8 @@ from manifests.errors import UsageError
 from manifests.manifest import read_manifest
 from pipeline.cli import main
 from pipeline.embed.imaging import fetch_images
-from pipeline.scan import ScanConfig, scan_dataset
+from pipeline import ScanJob, run
+from pipeline.scan import ScanConfig
 from tests.corpus import truth
 from tests.shards import ShardSet, good_shard, photo
 from tests.test_sources_tar import CountingLocal, reads_of
@@ -81,8 +82,8 @@ def dataset(tmp_path_factory) -> ParquetSet:
 @pytest.mark.ray
 def test_parquet_scan_matches_pillow_and_error_rows_name_file_and_row(dataset, ray_local, tmp_path, capsys):
     out = str(tmp_path / "manifest")
-    assert main(["scan", str(dataset.root), "--out", out, "--format", "parquet", "--image-column", "image",
-                 "--caption-column", "text", "--no-progress"]) == 0  # fmt: skip
+    run(ScanJob(source=str(dataset.root), out=out, config=ScanConfig(
+        format="parquet", image_column="image", caption_column="text", progress=False)))  # fmt: skip
     line = capsys.readouterr().out
     assert "scanned 2 parquet files, 14 images: 10 samples, 4 errors" in line, line
     m = read_manifest(out)
@@ -101,7 +102,7 @@ def test_parquet_scan_matches_pillow_and_error_rows_name_file_and_row(dataset, r
     assert row["size"] == len(dataset.blobs["raw-000.parquet/4"]) and row["member_offset"] is None
     assert row["caption_source"] == "column:raw-000.parquet:text"
     assert samples["raw-000.parquet/3"]["caption_source"] is None  # no caption in that row
-    assert m.meta["summary"]["image_column"] == "image"
+    assert m.meta.summary.image_column == "image"
 
     # embed's fetch: every sample's bytes, one image-column read per (file, row group)
     log = tmp_path / "reads.jsonl"
@@ -118,25 +119,25 @@ def test_rescan_reads_only_the_changed_parquet_file(tmp_path, ray_local):
     for k in range(3):
         write_parquet(s, f"part-{k}.parquet", [small(10 * k + i) for i in range(3)], hf=k == 1, group_rows=2)
     out = str(tmp_path / "manifest")
-    first = scan_dataset(str(s.root), out, spec=BucketSpec(), config=PARQUET)
-    assert first["summary"]["samples"] == 9
+    first = run(ScanJob(source=str(s.root), out=out, config=PARQUET)).meta
+    assert first.summary.samples == 9
     changed = ParquetSet(s.root)
     write_parquet(changed, "part-1.parquet", [small(50 + i) for i in range(4)], hf=False, group_rows=3)
     log = tmp_path / "reads.jsonl"
-    meta = scan_dataset(str(s.root), out, spec=BucketSpec(), config=PARQUET, fs=CountingLocal(str(log)))
-    summary = meta["summary"]
-    assert (summary["reused"], summary["changed"], summary["new"], summary["shards_read"]) == (2, 1, 0, 1)
+    meta = run(ScanJob(source=str(s.root), out=out, config=PARQUET, fs=CountingLocal(str(log)))).meta
+    summary = meta.summary
+    assert (summary.reused, summary.changed, summary.new, summary.shards_read) == (2, 1, 0, 1)
     assert {Path(p).name for p, *_ in reads_of(log)} == {"part-1.parquet"}  # the others: not one read
-    assert sum(n for *_, n in reads_of(log)) == summary["bytes_read"]
+    assert sum(n for *_, n in reads_of(log)) == summary.bytes_read
     m = read_manifest(out)
     assert {r["filename"]: (r["width"], r["height"]) for r in m.samples.to_pylist()} == {
         **{f: v for f, v in s.sizes.items() if not f.startswith("part-1")}, **changed.sizes}
-    clean = scan_dataset(str(s.root), str(tmp_path / "clean"), spec=BucketSpec(), config=PARQUET)
-    assert clean["fingerprint"] == meta["fingerprint"]
+    clean = run(ScanJob(source=str(s.root), out=str(tmp_path / "clean"), config=PARQUET)).meta
+    assert clean.fingerprint == meta.fingerprint
     # another image column is another scan: every file is read again
-    again = scan_dataset(str(s.root), out, spec=BucketSpec(), config=ScanConfig(
-        progress=False, format="parquet", image_column="image"))  # fmt: skip
-    assert again["summary"]["shards_read"] == 3 and again["summary"]["no_caption"] == 10
+    again = run(ScanJob(source=str(s.root), out=out, config=ScanConfig(
+        progress=False, format="parquet", image_column="image"))).meta  # fmt: skip
+    assert again.summary.shards_read == 3 and again.summary.no_caption == 10
 
 
 @pytest.mark.ray
@@ -144,25 +145,25 @@ def test_parquet_sources_are_never_silently_ignored(tmp_path, ray_local):
     s = ParquetSet(tmp_path / "src")
     write_parquet(s, "a.parquet", [small(1)], hf=False, group_rows=1)
     with pytest.raises(UsageError, match="--format parquet --image-column"):
-        scan_dataset(str(s.root), str(tmp_path / "m1"), spec=BucketSpec(), config=ScanConfig(progress=False))
+        run(ScanJob(source=str(s.root), out=str(tmp_path / "m1"), config=ScanConfig(progress=False)))
     with pytest.raises(UsageError, match=r"a.parquet has no column 'picture' \(columns: id, image, text\)"):
-        scan_dataset(str(s.root), str(tmp_path / "m2"), spec=BucketSpec(), config=ScanConfig(
-            progress=False, format="parquet", image_column="picture"))  # fmt: skip
+        run(ScanJob(source=str(s.root), out=str(tmp_path / "m2"), config=ScanConfig(
+            progress=False, format="parquet", image_column="picture")))  # fmt: skip
     with pytest.raises(UsageError, match="a.parquet column 'text' is string, not image bytes"):
-        scan_dataset(str(s.root), str(tmp_path / "m3"), spec=BucketSpec(), config=ScanConfig(
-            progress=False, format="parquet", image_column="text"))  # fmt: skip
+        run(ScanJob(source=str(s.root), out=str(tmp_path / "m3"), config=ScanConfig(
+            progress=False, format="parquet", image_column="text")))  # fmt: skip
     (s.root / "loose.jpg").write_bytes(small(2))
     with pytest.raises(UsageError, match="1 loose images"):
-        scan_dataset(str(s.root), str(tmp_path / "m4"), spec=BucketSpec(), config=PARQUET)
+        run(ScanJob(source=str(s.root), out=str(tmp_path / "m4"), config=PARQUET))
     # beside images (a caption table, say) a parquet file is an ignored file, counted by extension
-    meta = scan_dataset(str(s.root), str(tmp_path / "m5"), spec=BucketSpec(), config=ScanConfig(progress=False))
-    assert meta["summary"]["samples"] == 1 and meta["summary"]["ignored_extensions"] == {"parquet": 1}
+    meta = run(ScanJob(source=str(s.root), out=str(tmp_path / "m5"), config=ScanConfig(progress=False))).meta
+    assert meta.summary.samples == 1 and meta.summary.ignored_extensions == {"parquet": 1}
     (s.root / "not-parquet.parquet").write_bytes(b"PAR1 but no footer")
     (s.root / "loose.jpg").unlink()
-    meta = scan_dataset(str(s.root), str(tmp_path / "m6"), spec=BucketSpec(), config=PARQUET)
+    meta = run(ScanJob(source=str(s.root), out=str(tmp_path / "m6"), config=PARQUET)).meta
     errors = read_manifest(str(tmp_path / "m6")).errors.to_pylist()
     assert [(r["filename"], r["error"]) for r in errors] == [("not-parquet.parquet", "corrupt_container")]
-    assert meta["summary"]["samples"] == 1
+    assert meta.summary.samples == 1
     assert not any((tmp_path / f"m{i}").exists() for i in range(1, 5))
 
 
@@ -173,7 +174,7 @@ def test_a_caption_table_keyed_by_member_captions_tar_shards(tmp_path, ray_local
     table = tmp_path / "captions.jsonl"
     table.write_text(json.dumps({"filename": "00000.tar/sample_00001.jpg", "caption": "from the table"}) + "\n")
     out = str(tmp_path / "manifest")
-    scan_dataset(str(s.root), out, spec=BucketSpec(), captions=str(table), config=ScanConfig(progress=False))
+    run(ScanJob(source=str(s.root), out=out, captions=str(table), config=ScanConfig(progress=False)))
     rows = {r["filename"]: r for r in read_manifest(out).samples.to_pylist()}
     assert rows["00000.tar/sample_00001.jpg"]["caption"] == "from the table"
     assert rows["00000.tar/sample_00001.jpg"]["caption_source"].startswith("table:")
@@ -195,8 +196,8 @@ def test_parquet_on_s3_scan_then_embed_and_verify(s3, ray_local, tmp_path, capsy
     s3.fs.put(str(s.root) + "/", url + "/", recursive=True)
     out = s3.fresh_url("manifest")
     so = json.dumps(s3.storage_options)
-    assert main(["scan", url, "--out", out, "--storage-options", so, "--no-progress", "--format", "parquet",
-                 "--caption-column", "text", "--resolution", "64", "--bucket-step", "32"]) == 0  # fmt: skip
+    run(ScanJob(source=url, out=out, storage_options=s3.storage_options, spec=BucketSpec(area=64 * 64, step=32),
+                config=ScanConfig(progress=False, format="parquet", caption_column="text")))  # fmt: skip
     assert "scanned 2 parquet files, 10 images: 9 samples, 1 errors" in capsys.readouterr().out
     m = read_manifest(out, s3.storage_options)
     assert {r["filename"]: (r["width"], r["height"]) for r in m.samples.to_pylist()} == s.sizes

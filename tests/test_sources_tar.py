@@ -22,7 +22,8 @@ from manifests.manifest import read_manifest
 from manifests.schema import MAX_PIXELS, image_range
 from pipeline.cli import main
 from pipeline.embed.imaging import fetch_images
-from pipeline.scan import ScanConfig, scan_dataset
+from pipeline import ScanJob, run
+from pipeline.scan import ScanConfig
 from pipeline.sources.results import checked
 from pipeline.sources.jpeg import KEEP, sparse_jpeg_header
 from pipeline.sources.tar import walk_tar
@@ -127,13 +128,13 @@ def _check_rows(m, shards: ShardSet) -> None:
 def test_shard_scan_matches_pillow_and_reads_only_headers(shards, ray_local, tmp_path, capsys):
     log = tmp_path / "reads.jsonl"
     out = str(tmp_path / "manifest")
-    meta = scan_dataset(str(shards.root), out, spec=BucketSpec(), config=QUIET, fs=CountingLocal(str(log)))
+    meta = run(ScanJob(source=str(shards.root), out=out, config=QUIET, fs=CountingLocal(str(log)))).meta
     m = read_manifest(out)
     _check_rows(m, shards)
-    s = meta["summary"]
+    s = meta.summary
     # no caption: plain.jpg, html.jpg, and the cut and the lying member (their captions lie beyond the break)
-    assert s["no_caption"] == 4 and s["ignored_members"] == {"cls": 1, "txt": 1}  # plain.cls, orphan.txt
-    assert meta["counts"]["listed"] == len(shards.sizes) + sum("/" in f[1:] for f in shards.errors)
+    assert s.no_caption == 4 and s.ignored_members == {"cls": 1, "txt": 1}  # plain.cls, orphan.txt
+    assert meta.counts.listed == len(shards.sizes) + sum("/" in f[1:] for f in shards.errors)
     # every row says where its image is; those bytes are the member's (one ranged read)
     row = next(r for r in m.samples.to_pylist() if r["filename"] == "mixed.tar/orient.webp")
     path, start, end = image_range(row)
@@ -146,13 +147,13 @@ def test_shard_scan_matches_pillow_and_reads_only_headers(shards, ray_local, tmp
              for p, *_ in reads}  # fmt: skip
     assert reads and all(n < sizes[p.rsplit("/", 1)[-1]] for p, _, _, n in reads)  # no shard read whole
     total = sum(n for *_, n in reads)
-    assert total == s["bytes_read"] and len(reads) == s["requests"]
+    assert total == s.bytes_read and len(reads) == s.requests
     images = len(shards.sizes) + 5  # + the images of error rows that were probed or walked
     assert total < 0.2 * shards.shard_bytes, (total, shards.shard_bytes)
     assert len(reads) <= 1.5 * images
 
     # a rescan of unchanged shards reads nothing and commits the same manifest
-    assert main(["scan", str(shards.root), "--out", out, "--no-progress"]) == 0
+    run(ScanJob(source=str(shards.root), out=out, config=QUIET))
     line = capsys.readouterr().out
     assert "scanned 5 tar shards" in line and "shards reused 5, new 0, changed 0" in line
     assert read_manifest(out).fingerprint == m.fingerprint
@@ -177,17 +178,17 @@ def test_rescan_reads_only_the_changed_shard(tmp_path, ray_local):
     for k in range(3):
         good_shard(s, f"{k:05d}.tar", 10 * k, 4)
     out = str(tmp_path / "manifest")
-    scan_dataset(str(s.root), out, spec=BucketSpec(), config=QUIET)
+    run(ScanJob(source=str(s.root), out=out, config=QUIET))
     changed = ShardSet(s.root)
     good_shard(changed, "00001.tar", 100, 5)  # rewritten: other samples, one more
     (s.root / "00002.tar").unlink()
     good_shard(changed, "00003.tar", 200, 2)  # new
-    meta = scan_dataset(str(s.root), out, spec=BucketSpec(), config=QUIET)
-    summary = meta["summary"]
-    assert (summary["reused"], summary["changed"], summary["new"], summary["deleted"]) == (1, 1, 1, 1)
-    assert summary["shards_read"] == 2
-    clean = scan_dataset(str(s.root), str(tmp_path / "clean"), spec=BucketSpec(), config=QUIET)
-    assert meta["fingerprint"] == clean["fingerprint"]
+    meta = run(ScanJob(source=str(s.root), out=out, config=QUIET)).meta
+    summary = meta.summary
+    assert (summary.reused, summary.changed, summary.new, summary.deleted) == (1, 1, 1, 1)
+    assert summary.shards_read == 2
+    clean = run(ScanJob(source=str(s.root), out=str(tmp_path / "clean"), config=QUIET)).meta
+    assert meta.fingerprint == clean.fingerprint
     names = set(read_manifest(out).samples.column("filename").to_pylist())
     assert names == {f for f in s.sizes if f.startswith("00000")} | set(changed.sizes)
 
@@ -196,12 +197,12 @@ def test_compressed_or_mixed_sources_are_refused_with_what_to_do(tmp_path):
     s = ShardSet(tmp_path / "gz")
     put(s, "00000.tar.gz", b"\x1f\x8b not really")
     with pytest.raises(UsageError, match=r"gzip -dc"):
-        scan_dataset(str(s.root), str(tmp_path / "m1"), spec=BucketSpec(), config=QUIET)
+        run(ScanJob(source=str(s.root), out=str(tmp_path / "m1"), config=QUIET))
     mixed = ShardSet(tmp_path / "mixed")
     good_shard(mixed, "00000.tar", 0, 1)
     put(mixed, "loose.jpg", b"\xff\xd8\xff")
     with pytest.raises(UsageError, match=r"a folder of their own"):
-        scan_dataset(str(mixed.root), str(tmp_path / "m2"), spec=BucketSpec(), config=QUIET)
+        run(ScanJob(source=str(mixed.root), out=str(tmp_path / "m2"), config=QUIET))
     assert not (tmp_path / "m1").exists() and not (tmp_path / "m2").exists()
 
 
@@ -220,14 +221,13 @@ def test_shards_on_s3_scan_then_embed_verify_plan_and_train(s3, ray_local, tmp_p
     out = s3.fresh_url("manifest")
     so = json.dumps(s3.storage_options)
     # tiny buckets: the CPU VAE's time grows with the pixels
-    argv = ["scan", url, "--out", out, "--storage-options", so, "--no-progress", "--resolution", "64",
-            "--bucket-step", "32"]
-    assert main(argv) == 0
+    run(ScanJob(source=url, out=out, storage_options=s3.storage_options, spec=BucketSpec(area=64 * 64, step=32),
+                config=QUIET))
     assert "scanned 2 tar shards, 10 images: 10 samples" in capsys.readouterr().out
     m = read_manifest(out, s3.storage_options)
     _check_rows(m, s)
     assert all(r["etag"] for r in m.samples.to_pylist())
-    assert m.meta["summary"]["read_fraction"] < 0.5
+    assert m.meta.summary.read_fraction < 0.5
 
     cache = str(tmp_path / "cache")
     assert run_embed(out, cache, "--storage-options", so) == 0
@@ -238,10 +238,10 @@ def test_shards_on_s3_scan_then_embed_verify_plan_and_train(s3, ray_local, tmp_p
     plan = str(tmp_path / "plan")
     assert main(["plan", out, "--out", plan, "--world-size", "1", "--batch-size", "2", "--epochs", "1",
                  "--cache", cache, "--storage-options", so]) == 0  # fmt: skip
-    run = tmp_path / "run"
-    assert train_here("--plan", plan, "--cache", cache, "--config", DEFAULT_CONFIG, "--output-dir", run,
+    trained = tmp_path / "run"
+    assert train_here("--plan", plan, "--cache", cache, "--config", DEFAULT_CONFIG, "--output-dir", trained,
                       "--max-steps", 2) == 0  # fmt: skip
-    assert (run / "model").is_dir()
+    assert (trained / "model").is_dir()
 
 
 @settings(max_examples=25, deadline=None)

@@ -11,7 +11,7 @@ Where a sample's conditioning image is (:func:`resolve`):
 Conditioning images that lie under the source root are not samples of their own: they are taken out
 of the listing before the scan (:meth:`Pairing.exclude`). The pair is checked after the targets are
 probed (:func:`pair`): the conditioning image's header is read through the scan's own probe path
-(:func:`pipeline.scan.job.scan_batch` in Ray tasks, batched like the targets), and it must show the
+(:func:`pipeline.scan.probing.scan_batch` in Ray tasks, batched like the targets), and it must show the
 target's size in display orientation (after EXIF orientation). A sample without its conditioning
 image is a ``conditioning_missing`` error row, one of another size ``conditioning_mismatch``, one whose
 header cannot be read ``conditioning_unusable``. A reused sample whose conditioning image is the listed
@@ -29,10 +29,12 @@ import pyarrow.compute as pc
 from manifests.errors import StorageError, UsageError
 from manifests.retry import is_storage_failure
 from manifests.manifest import conform
+from manifests.manifest_meta import ManifestConditioning
 from manifests.schema import CONDITIONING_COLUMNS, ERRORS_SCHEMA
 from manifests.storage import open_url, redact
 from pipeline.sources.captions import read_table, table_filenames
-from pipeline.sources.listing import IMAGE_SCHEMA, FileEntry, Listing, WorkItem, list_source, unchanged
+from pipeline.sources.listing import IMAGE_SCHEMA, FileEntry, Listing, WorkItem, list_source
+from pipeline.sources.rescan import unchanged
 
 __all__ = ["CONDITIONING_ERRORS", "Pairing", "resolve", "pair"]
 
@@ -67,9 +69,9 @@ class Pairing:
             return listing, 0
         return replace(listing, images=keep), len(listing.images) - len(keep)
 
-    def meta(self) -> dict[str, Any]:
+    def meta(self) -> ManifestConditioning:
         """What ``_manifest.json`` records as ``conditioning``."""
-        return {"root": self.root, "column": self.column}
+        return ManifestConditioning(root=self.root, column=self.column)
 
 
 def resolve(option: str, source: str, captions: str | None, storage_options: dict[str, Any] | None,
@@ -195,7 +197,7 @@ def _with_conditioning(table: pa.Table, paths: list[str | None], entries: list[F
 
 
 def probe_target(pairing: Pairing, storage_options: dict[str, Any] | None, fs=None) -> tuple:
-    """The ``target`` tuple of :func:`pipeline.scan.job.scan_batch` for the conditioning root
+    """The ``target`` tuple of :func:`pipeline.scan.probing.scan_batch` for the conditioning root
     (``fs``: the source's replaced filesystem, used in column mode)."""
     if fs is not None and pairing.column is not None:
         return (pairing.root, storage_options, fs, fs._strip_protocol(pairing.root).rstrip("/"))

@@ -32,10 +32,12 @@ import pyarrow.compute as pc
 from manifests.buckets import BucketSpec
 from manifests.errors import StorageError, UsageError
 from manifests.manifest import apply_buckets, conform, write_manifest
+from manifests.manifest_meta import ManifestMeta, ScanSummary
 from manifests.schema import ERRORS_SCHEMA, sample_ids
 from manifests.storage import redact
 from pipeline.sources.captions import CaptionTable
-from pipeline.sources.listing import IMAGE_SCHEMA, FileEntry, Listing, previous_manifest, unchanged
+from pipeline.sources.listing import IMAGE_SCHEMA, FileEntry, Listing
+from pipeline.sources.rescan import previous_manifest, unchanged
 from pipeline.sources.tasks import run_tasks
 from pipeline.sources.parquet import PARQUET_ROWS, scan_parquet_batch
 from pipeline.sources.shards import SHARD_ROWS, scan_shard_batch, shard_work
@@ -113,9 +115,8 @@ def plan_shards(
     (``previous``, else a committed one at ``out``). Raises ManifestError when ``previous`` is unreadable."""
     old = previous_manifest(out, previous, storage_options)
     empty = ShardPlan(list(shards), IMAGE_SCHEMA.empty_table(), ERRORS_SCHEMA.empty_table(), new=len(shards))
-    summary = old.meta.get("summary", {}) if old is not None else {}
     if old is None or old.max_pixels != config.max_pixels or any(
-        summary.get(k) != v for k, v in _settings(config).items()
+        getattr(old.meta.summary, k) != v for k, v in _settings(config).items()
     ):
         return empty
     small = pc.equal(old.errors.column("error"), "too_small")
@@ -162,11 +163,11 @@ def scan_containers(
     config: Any,
     ray_address: str | None,
     started: float,
-) -> dict[str, Any]:
+) -> ManifestMeta:
     """Scan the tar shards (or, with ``config.format == "parquet"``, the parquet files) of ``listing``
     into a manifest at ``out``; returns its ``_manifest.json`` content.
 
-    ``target`` is what each Ray task opens storage with (see :func:`pipeline.scan.job.scan_batch`).
+    ``target`` is what each Ray task opens storage with (see :func:`pipeline.scan.probing.scan_batch`).
     Raises UsageError for a mixed or compressed source (or a missing --image-column/--caption-column),
     StorageError for a permanent storage failure.
     """
@@ -243,14 +244,14 @@ def _stats(results: list[pa.Table]) -> dict[str, Any]:
     return total
 
 
-def _summary(listing, files, plan, stats, samples, errors, listed, seconds, started, config, table) -> dict[str, Any]:
+def _summary(listing, files, plan, stats, samples, errors, listed, seconds, started, config, table) -> ScanSummary:
     kinds: dict[str, int] = {}
     for kind in errors.column("error").to_pylist():
         kinds[kind] = kinds.get(kind, 0) + 1
     read_names = {s.name for s in plan.work}
     shard_bytes = sum(s.size for s in files if s.name in read_names)
     images_read = max(1, stats["images"])
-    return {
+    return ScanSummary.from_json({
         **_settings(config),
         "listed": listed, "samples": samples.num_rows, "errors": errors.num_rows, "errors_by_kind": kinds,
         "shards": len(files), "shards_read": len(plan.work), "images_read": stats["images"],
@@ -270,25 +271,4 @@ def _summary(listing, files, plan, stats, samples, errors, listed, seconds, star
         "captions": "table" if table is not None else ("column" if _is_parquet(config) else "members"),
         "caption_table_version": table.version if table is not None else None,
         "median_bytes_read": int(np.median(samples.column("bytes_read").to_numpy())) if samples.num_rows else 0,
-    }  # fmt: skip
-
-
-def summary_line(meta: dict[str, Any], out: str) -> str:
-    """The closing line of a container scan: counts, reuse per container, bytes read against their bytes, speed."""
-    s = meta["summary"]
-    kinds = ", ".join(f"{k} {v}" for k, v in sorted(s["errors_by_kind"].items())) or "none"
-    if s.get("source_format") == "parquet":
-        noun, others = "parquet files", ""
-    else:
-        members = ", ".join(f"{n:,} .{e}" for e, n in sorted(s["ignored_members"].items(), key=lambda kv: -kv[1])[:4])
-        noun, others = "tar shards", f", other members ignored: {members or 'none'}"
-    short = noun.split()[-1]
-    return (
-        f"scanned {s['shards']} {noun}, {s['listed']} images: {s['samples']} samples, {s['errors']} errors "
-        f"({kinds}), {s['no_caption']} images without a caption{others} | "
-        f"{short} reused {s['reused']}, new {s['new']}, changed {s['changed']}, deleted {s['deleted']} | read "
-        f"{s['mb_read']:.1f} MB = {100 * s['read_fraction']:.2f}% of the {s['shards_read']} {short} read "
-        f"({s['requests_per_image']:.2f} requests, {s['bytes_per_image'] / 1024:.1f} KiB per image) in "
-        f"{s['seconds']:.1f} s, {s['files_per_s']:.0f} images/s -> {redact(out)} "
-        f"(fingerprint {meta['fingerprint'][:12]})"
-    )
+    })  # fmt: skip

@@ -1,6 +1,6 @@
 """The scan's Ray part: batches of work as Ray tasks, a bounded window of them in flight, progress.
 
-Used by the scan of loose files (:func:`pipeline.scan.job.scan_batch`, a batch of files) and of
+Used by the scan of loose files (:func:`pipeline.scan.probing.scan_batch`, a batch of files) and of
 containers (:func:`pipeline.sources.shards.scan_shard_batch`, a batch of tar shards). A task
 returns an Arrow table with ``bytes_read`` and ``error`` columns, one row per image.
 """

@@ -1,0 +1,168 @@
+"""Incremental rescans: what changed since the previous manifest.
+
+:func:`plan_rescan` compares a :class:`~pipeline.sources.listing.Listing` with the previous manifest:
+unchanged files (same size and ETag, or mtime where the store has no ETag) keep their rows and are not
+read, and their sidecar captions are read again exactly when the listed sidecar differs from the one
+each row's ``caption_source`` records (no timestamps are compared with any clock). An image with
+numbered sidecars (:func:`~pipeline.sources.listing.image_sidecars`) has several captions; all of them
+are read again when any one of them changed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from manifests.manifest import Manifest, ManifestError, conform, read_manifest
+from manifests.schema import ERRORS_SCHEMA
+from manifests.storage import redact
+from pipeline.sources.captions import CaptionTable
+from pipeline.sources.listing import IMAGE_SCHEMA, FileEntry, Listing, WorkItem, image_sidecars
+
+__all__ = [
+    "RescanPlan", "plan_rescan", "previous_manifest", "unchanged", "caption_source", "sidecar_version",
+    "sidecars_version",
+]  # fmt: skip
+
+
+
+@dataclass
+class RescanPlan:
+    work: list[WorkItem]  # files to read, by name
+    reused_images: pa.Table  # IMAGE_SCHEMA rows of unchanged files, caption as before
+    reused_errors: pa.Table  # ERRORS_SCHEMA rows of unchanged broken files
+    kept_captions: set[str]  # reused rows read from exactly the sidecar version still listed
+    reused: int = 0
+    new: int = 0
+    changed: int = 0
+    deleted: int = 0
+    previous: str | None = None
+
+
+def sidecar_version(entry: FileEntry) -> str:
+    """``caption_source`` of a caption read from sidecar ``entry`` (format in manifests/schema.py)."""
+    version = entry.etag or (repr(entry.mtime) if entry.mtime is not None else "?")
+    return f"sidecar:{entry.size}:{version}:{entry.name}"
+
+
+def sidecars_version(entries: list[FileEntry]) -> str | None:
+    """``caption_source`` of captions read from ``entries`` (one sidecar, or numbered ones), None for none."""
+    if len(entries) <= 1:
+        return sidecar_version(entries[0]) if entries else None
+    return "sidecars:" + "|".join(sidecar_version(e) for e in entries)
+
+
+def caption_source(listing: Listing, name: str, table: CaptionTable | None) -> str | None:
+    """``caption_source`` of image ``name`` now: the caption table's row, else its sidecar(s), else None."""
+    if table is not None and name in table.captions:
+        return f"table:{table.version}"
+    return sidecars_version(image_sidecars(listing, name))
+
+
+def unchanged(entry: FileEntry, size: int | None, etag: str | None, mtime: float | None) -> bool:
+    """Whether a listed object is the one recorded with ``size`` and ``etag`` (``mtime`` where the store has none)."""
+    if size != entry.size:
+        return False
+    if entry.etag and etag:
+        return entry.etag == etag
+    return entry.mtime is not None and mtime is not None and entry.mtime == mtime
+
+
+def previous_manifest(out: str, previous: str | None, storage_options: dict[str, Any] | None) -> Manifest | None:
+    """The manifest a rescan reuses rows from: ``previous``, else the one committed at ``out``, else None.
+
+    Raises ManifestError when ``previous`` was named and cannot be read.
+    """
+    try:
+        return read_manifest(previous or out, storage_options)
+    except ManifestError:
+        if previous:
+            raise
+        return None
+
+
+def plan_rescan(
+    listing: Listing,
+    out: str,
+    previous: str | None,
+    storage_options: dict[str, Any] | None,
+    max_pixels: int,
+    table: CaptionTable | None,
+) -> RescanPlan:
+    """Split the listed images into rows to reuse from the previous manifest and files to read.
+
+    The previous manifest is ``previous`` or, when absent, a committed one at ``out``. Error rows
+    of kind ``read_failed`` are always re-read, ``too_many_pixels`` when ``--max-pixels`` changed.
+    A reused row's sidecar is read again exactly when its ``caption_source`` differs from the
+    sidecar listed now (new, rewritten, or another sidecar wins), or was unknown (null: an older
+    manifest, or a failed read). Table captions need no read: the table is in memory.
+    """
+    old = previous_manifest(out, previous, storage_options)
+    entries = {e.name: e for e in listing.images}
+    empty = RescanPlan([], IMAGE_SCHEMA.empty_table(), ERRORS_SCHEMA.empty_table(), set())
+    if old is None:
+        empty.work = [item for e in listing.images for item in _work(listing, e, True, table)]
+        empty.new = len(listing.images)
+        return empty
+
+    small = pc.equal(old.errors.column("error"), "too_small")
+    images = pa.concat_tables([conform(old.samples, IMAGE_SCHEMA), conform(old.errors.filter(small), IMAGE_SCHEMA)])
+    redo = {"read_failed"} | ({"too_many_pixels"} if old.max_pixels != max_pixels else set())
+    errors = old.errors.filter(pc.invert(small))
+    errors = errors.filter(pc.invert(pc.is_in(errors.column("error"), pa.array(sorted(redo)))))
+    redo_names = set(old.errors.column("filename").to_pylist()) - set(errors.column("filename").to_pylist())
+    redo_names -= set(images.column("filename").to_pylist())
+
+    plan = RescanPlan([], images, errors, set(), previous=redact(previous or out))
+    seen: set[str] = set()
+    keep_image, keep_error = [], []
+    for tab, keep in ((images, keep_image), (errors, keep_error)):
+        cols = tab.select(["filename", "size", "etag", "mtime", "caption_source"]).to_pydict()
+        for i, name in enumerate(cols["filename"]):
+            entry = entries.get(name)
+            if entry is None or not unchanged(entry, cols["size"][i], cols["etag"][i], cols["mtime"][i]):
+                keep.append(False)
+                continue
+            keep.append(True)
+            seen.add(name)
+            sidecars = _sidecars(listing, name, table)
+            if not sidecars:
+                continue  # the table's caption, or none: known without reading anything
+            versioned = all(e.etag is not None or e.mtime is not None for e in sidecars)
+            if versioned and cols["caption_source"][i] == sidecars_version(sidecars):
+                plan.kept_captions.add(name)
+            else:
+                plan.work += _work(listing, entry, False, table)
+    plan.reused_images = images.filter(pa.array(keep_image, pa.bool_()))
+    plan.reused_errors = errors.filter(pa.array(keep_error, pa.bool_()))
+    previous_names = set(images.column("filename").to_pylist()) | set(errors.column("filename").to_pylist())
+    previous_names |= redo_names
+    for e in listing.images:
+        if e.name not in seen:
+            plan.work += _work(listing, e, True, table)
+            if e.name in previous_names:
+                plan.changed += 1
+            else:
+                plan.new += 1
+    plan.reused = len(seen)
+    plan.deleted = len(previous_names - set(entries))
+    plan.work.sort()
+    return plan
+
+
+def _sidecars(listing: Listing, name: str, table: CaptionTable | None) -> list[FileEntry]:
+    """The sidecars to read for ``name``: none when the caption table already has it."""
+    if table is not None and name in table.captions:
+        return []
+    return image_sidecars(listing, name)
+
+
+def _work(listing: Listing, entry: FileEntry, probe: bool, table: CaptionTable | None) -> list[WorkItem]:
+    """The items of image ``entry``: its probe with its (first) sidecar, then one item per further sidecar."""
+    sidecars = _sidecars(listing, entry.name, table)
+    first = sidecars[0] if sidecars else None
+    items = [WorkItem(entry.name, entry.size, probe, first and first.name, first.size if first else 0)]
+    return items + [WorkItem(entry.name, entry.size, False, s.name, s.size) for s in sidecars[1:]]
