@@ -70,6 +70,7 @@ from manifests.cache.records import GZIP_BACKEND
 from manifests.cache.writer import COMMIT_SECONDS
 from manifests.errors import BucketeerError, UsageError
 from manifests.manifest import read_manifest_meta
+from manifests.manifest_meta import ManifestMeta
 from manifests.schema import MAX_PIXELS
 from manifests.storage import parse_storage_options, redact
 from pipeline.embed.dataflow import DEVICES
@@ -253,11 +254,11 @@ def _specs(job: EmbedJob):
                          home=os.environ.get("BUCKETEER_HOME"))  # fmt: skip
 
 
-def _request(job: EmbedJob, manifest: dict) -> dict[str, Any]:
+def _request(job: EmbedJob, manifest: ManifestMeta) -> dict[str, Any]:
     latent, text = _specs(job)
-    return request_settings(latent, text, dtype=STORAGE_DTYPES[job.dtype], bucket_spec=manifest["bucket_spec"],
+    return request_settings(latent, text, dtype=STORAGE_DTYPES[job.dtype], bucket_spec=manifest.bucket_spec.to_json(),
                             crop=job.crop, seed=job.seed, crops=job.crops, flip=job.flip,
-                            conditioning="conditioning" in manifest)  # fmt: skip
+                            conditioning=manifest.conditioning is not None)  # fmt: skip
 
 
 def _factories(job: EmbedJob, dtype: str):
@@ -278,17 +279,16 @@ def _describe(ray, make_encoder) -> dict[str, Any]:
             raise UsageError(f"an encoder failed to load: {e.cause}") from None
         raise
 
-def image_column(manifest: dict) -> str | None:
+def image_column(manifest: ManifestMeta) -> str | None:
     """The column of image bytes of a parquet-sourced manifest (``scan --format parquet``), else None."""
-    summary = manifest.get("summary") or {}
-    return summary.get("image_column") if summary.get("source_format") == "parquet" else None
+    return manifest.summary.image_column if manifest.summary.source_format == "parquet" else None
 
 
-def _image_options(job: EmbedJob, manifest: dict, source: str) -> dict[str, Any]:
+def _image_options(job: EmbedJob, manifest: ManifestMeta, source: str) -> dict[str, Any]:
     """What the image workers take (:func:`pipeline.embed.dataflow.image_pipeline`)."""
     return {"batch_size": job.batch_size, "shard_records": job.shard_records, "crop": job.crop, "seed": job.seed,
             "crops": job.crops, "flip": job.flip, "conditioning": _conditioning_root(manifest, source),
-            "max_pixels": int(manifest.get("max_pixels") or MAX_PIXELS),
+            "max_pixels": int(manifest.max_pixels or MAX_PIXELS),
             "image_column": image_column(manifest)}  # fmt: skip
 
 
@@ -301,7 +301,7 @@ def run(job: EmbedJob) -> EmbedResult:
 
     so = dict(job.storage_options)
     manifest = read_manifest_meta(job.manifest, so)
-    source = job.source or manifest["source"]
+    source = job.source or manifest.source
     request = _request(job, manifest)
     # one look at the committed index decides the work: stale rows (changed image bytes, caption or
     # bucket since they were embedded), read failures and missing ones are embedded; fresh records
@@ -361,7 +361,7 @@ def run(job: EmbedJob) -> EmbedResult:
         images_per_second=round(embed.steady_images / image_seconds, 2) if image_seconds else None,
         device=placement.device, encoder_nodes=len(embed.nodes), shards=embed.shards, redone=embed.committer.redone,
     )  # fmt: skip
-    meta = embed.committer.finish(manifest["fingerprint"], summary)
+    meta = embed.committer.finish(manifest.fingerprint, summary)
     embed.unmark_visible()
     print(f"bucketeer embed: {embed.embedded} embedded, {embed.errors} error rows, {counts['stale']} changed, "
           f"{counts['retry']} retried, {summary.skipped} skipped in {seconds:.1f}s -> {redact(job.out)} "
@@ -375,13 +375,13 @@ def run(job: EmbedJob) -> EmbedResult:
                        else None, images_per_second=summary.images_per_second)  # fmt: skip
 
 
-def _conditioning_root(manifest: dict, source: str) -> str | None:
+def _conditioning_root(manifest: ManifestMeta, source: str) -> str | None:
     """Where the manifest's ``conditioning`` paths are: its conditioning root, or (a --captions column)
     the source root, ``--source`` when the dataset moved. None for a manifest without pairs."""
-    pairing = manifest.get("conditioning")
+    pairing = manifest.conditioning
     if pairing is None:
         return None
-    return source if pairing.get("column") else pairing["root"]
+    return source if pairing.column else pairing.root
 
 
 def _size(n: float | None) -> str:

@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from manifests.manifest_meta import ManifestMeta
 from manifests.buckets import parse_bucket
 from manifests.cache import IndexLookup, KeySet, source_key
 from manifests.cache.records import caption_key
@@ -115,7 +116,7 @@ def _spread(n: int, k: int) -> np.ndarray:
 
 
 def find_work(
-    url: str, meta: dict[str, Any], storage_options: dict | None, lookup: IndexLookup, done_texts: np.ndarray
+    url: str, meta: ManifestMeta, storage_options: dict | None, lookup: IndexLookup, done_texts: np.ndarray
 ) -> EmbedWork:
     """One pass over the manifest at ``url`` (``meta``: its ``_manifest.json``) against a cache's
     committed index (``lookup``; ``done_texts``: caption keys with a text record).

@@ -141,12 +141,12 @@ def manifest_section(manifest: Manifest, plots) -> Section:
     stats = manifest_stats(manifest)
     samples = manifest.samples_df()
     counts = stats["counts"]
-    spec = manifest.meta.get("bucket_spec", {})
+    spec = manifest.meta.bucket_spec.to_json()
     rows = [
         ("source", redact(manifest.source)),
         ("manifest", redact(manifest.url)),
         ("fingerprint", manifest.fingerprint),
-        ("created", str(manifest.meta.get("created_at", "?"))),
+        ("created", manifest.meta.created_at),
         ("counts", ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))),
         ("captions", f"{stats['captioned']} of {counts['samples']} samples have one"),
         ("buckets", f"{len(stats['buckets'])} used; spec "
