@@ -35,6 +35,7 @@ POINTS = {
     "cache.samples_committed": "the cache committer, after a commit that wrote sample index rows (_cache.json written)",
     "embed.unit": "an embed encoder worker, after it wrote a unit's shard, before it returns the unit's index rows",
     "train.checkpoint": "the trainer, after every rank has saved a checkpoint and latest.json names it",
+    "lock.taken": "a job that writes an artifact, right after it took the artifact's writer lock",
 }
 ACTIONS = {"sleep": "SECONDS", "pause": "SECONDS", "exit-once": "PATH"}
 

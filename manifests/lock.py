@@ -37,6 +37,7 @@ from typing import Any, Iterator, Mapping
 
 from fsspec import AbstractFileSystem
 
+from manifests import faults
 from manifests.errors import UsageError
 from manifests.storage import call_storage, is_local, join, open_url, redact
 
@@ -223,6 +224,7 @@ def writer_lock(url: str, storage_options: Mapping[str, Any] | None, command: st
     """
     fs, root = open_url(url, dict(storage_options or {}))
     lock = _Lock(fs, root, url)
+    created = lock.local and not os.path.exists(root)  # a run that writes nothing leaves no empty folder behind
     stale_seconds = _env_seconds(STALE_ENV, STALE_SECONDS)
     me = Writer(token=uuid.uuid4().hex, command=command, host=socket.gethostname(), pid=os.getpid(),
                 process_started=_process_started(os.getpid()),
@@ -246,6 +248,7 @@ def writer_lock(url: str, storage_options: Mapping[str, Any] | None, command: st
         holder, _ = lock.read()
         raise WriterBusyError(f"{redact(url)} is being written by {holder.describe() if holder else 'another writer'}"
                               "; wait for it to finish")  # fmt: skip
+    faults.hit("lock.taken")
     removed = lock.remove_temporaries()
     if removed:
         log.info("removed %d temporary file(s) a killed run left under %s", removed, redact(url))
@@ -260,6 +263,9 @@ def writer_lock(url: str, storage_options: Mapping[str, Any] | None, command: st
         holder, _ = lock.read()
         if holder is not None and holder.token == me.token:
             lock.remove()
+        if created:
+            with contextlib.suppress(OSError):
+                os.rmdir(root)
 
 
 def _heartbeat(lock: _Lock, me: Writer, stop: threading.Event) -> None:

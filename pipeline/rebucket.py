@@ -12,6 +12,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from manifests.lock import writer_lock
 from manifests.buckets import BucketSpec, add_bucket_arguments, spec_from_args
 from manifests.manifest import read_manifest, rebucket, write_manifest
 from manifests.manifest_meta import ManifestMeta
@@ -59,17 +60,11 @@ def run(job: RebucketJob) -> RebucketResult:
     old = read_manifest(job.manifest, job.storage_options)
     samples, errors = rebucket(old, job.spec)
     counts = {k: v for k, v in old.meta.counts.to_json().items() if k not in ("samples", "errors")}
-    meta = write_manifest(
-        job.out,
-        samples,
-        errors,
-        source=old.source,
-        spec=job.spec,
-        counts=counts,
-        summary=replace(old.meta.summary, rebucketed_from=old.fingerprint),
-        max_pixels=old.max_pixels,  # the rows were judged by it; embed decodes up to it
-        storage_options=job.storage_options,
-    )
+    with writer_lock(job.out, job.storage_options, "rebucket"):
+        meta = write_manifest(job.out, samples, errors, source=old.source, spec=job.spec, counts=counts,
+                              summary=replace(old.meta.summary, rebucketed_from=old.fingerprint),
+                              max_pixels=old.max_pixels,  # the rows were judged by it; embed decodes up to it
+                              storage_options=job.storage_options)  # fmt: skip
     n_buckets = len(set(samples.column("bucket").to_pylist()))
     print(
         f"rebucketed {samples.num_rows} samples into {n_buckets} buckets "

@@ -65,6 +65,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from manifests.lock import writer_lock
 from manifests.cache import SHARD_RECORDS, CacheMeta, EmbedSummary, IndexLookup, index_lookup
 from manifests.cache.records import GZIP_BACKEND
 from manifests.cache.writer import COMMIT_SECONDS
@@ -294,7 +295,13 @@ def _image_options(job: EmbedJob, manifest: ManifestMeta, source: str) -> dict[s
 
 def run(job: EmbedJob) -> EmbedResult:
     """Embed what ``job.manifest`` has and ``job.out`` lacks (or holds stale); prints what ``bucketeer
-    embed`` prints. Raises UsageError (CacheError: a cache of other settings) for what the user must fix."""
+    embed`` prints. Raises UsageError (CacheError: a cache of other settings; WriterBusyError: another
+    embed writes ``out``) for what the user must fix."""
+    with writer_lock(job.out, job.storage_options, "embed"):
+        return _embed(job)
+
+
+def _embed(job: EmbedJob) -> EmbedResult:
     from pipeline.embed.encoders import DEFAULT_NOTICE
     from pipeline.embed.work import find_work
     from pipeline.embed.workers import check_source

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from manifests.lock import writer_lock
 from manifests.errors import UsageError
 from manifests.plan import PlanConfig, PlanMeta
 from manifests.plan.mix import MixRule
@@ -147,17 +148,14 @@ def run(job: PlanJob) -> PlanResult:
     start = time.perf_counter()
     if job.check:
         return _check(job, start)
-    if job.extend:
-        url, meta = job.extend, _extend(job)
-    elif job.resume:
-        url, meta = job.out, _resume(job)
-    else:
-        url, meta = job.out, _plan(job)
+    url = job.extend or job.out or ""
+    with writer_lock(url, job.storage_options, "plan"):  # one writer per plan folder
+        meta = _extend(job) if job.extend else _resume(job) if job.resume else _plan(job)
     if job.json:
         print(json.dumps(meta.to_json(), indent=2, sort_keys=True))
     else:
         print_summary(meta)
-    return _result(url or "", meta, start)
+    return _result(url, meta, start)
 
 
 def _result(url: str, meta: PlanMeta, start: float, violations: tuple[str, ...] = ()) -> PlanResult:

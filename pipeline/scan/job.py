@@ -46,6 +46,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from manifests.lock import writer_lock
 from manifests.buckets import BucketSpec, add_bucket_arguments, spec_from_args
 from manifests.errors import StorageError, UsageError
 from manifests.manifest import apply_buckets, write_manifest
@@ -190,7 +191,13 @@ def run(job: ScanJob) -> ScanResult:
 
 def scan_dataset(job: ScanJob) -> ManifestMeta:
     """Scan ``job.source`` into a manifest at ``job.out`` (what :func:`run` does, without the summary
-    line); returns the committed ``_manifest.json``. Raises as :func:`run`."""
+    line); returns the committed ``_manifest.json``. Raises as :func:`run`, and WriterBusyError when another
+    job writes ``job.out``."""
+    with writer_lock(job.out, job.storage_options, "scan"):  # one writer per manifest folder
+        return _scan(job)
+
+
+def _scan(job: ScanJob) -> ManifestMeta:
     started, clock = time.time(), time.perf_counter()
     source, config, options = job.source, job.config, job.storage_options
     fs, root = (job.fs, job.fs._strip_protocol(source).rstrip("/")) if job.fs is not None else \
