@@ -21,12 +21,13 @@ import torch
 from manifests.cache import CacheReader, TextLayout
 from manifests.errors import UsageError
 from manifests.storage import redact
+from train.config import TrainConfig
 from train.recipes import Denoiser, PromptEmbeds
 
 __all__ = ["Validator", "validation_size"]
 
 
-def validation_size(cfg: Any, meta: dict[str, Any]) -> int:
+def validation_size(cfg: TrainConfig, meta: dict[str, Any]) -> int:
     """The square side in pixels: the config's ``validation_size``, else the side of the cache's bucket area
     (a multiple of 16: Flux packs 2x2 latents of an 8x VAE)."""
     if cfg.validation_size:
@@ -38,7 +39,7 @@ def validation_size(cfg: Any, meta: dict[str, Any]) -> int:
 class Validator:
     """Samples the validation images of one run (call :meth:`sample` on the main process only)."""
 
-    def __init__(self, denoiser: Denoiser, reader: CacheReader, cfg: Any):
+    def __init__(self, denoiser: Denoiser, reader: CacheReader, cfg: TrainConfig):
         text = reader.meta.get("text") or {}
         self.prompts = [p["prompt"] for p in text.get("validation_prompts") or []]
         if not self.prompts:

@@ -26,6 +26,7 @@ from typing import Any
 
 from manifests.cache import TextLayout
 from manifests.errors import UsageError
+from train.config import TrainConfig
 from train.recipes import flux, pixart, sd3, sdxl
 from train.recipes.base import Denoiser, PromptEmbeds, Recipe
 
@@ -35,7 +36,7 @@ RECIPES: dict[str, Recipe] = {"sdxl": sdxl.RECIPE, "sd3": sd3.RECIPE, "flux": fl
                               "generic": pixart.RECIPE}  # fmt: skip
 
 
-def recipe_for(cfg: Any, meta: dict[str, Any]) -> Recipe:
+def recipe_for(cfg: TrainConfig, meta: dict[str, Any]) -> Recipe:
     """The recipe of the cache's family (``meta``: ``_cache.json``). Raises UsageError when the config's
     ``family`` contradicts the cache's, naming both."""
     family = meta.get("family") or TextLayout.from_meta(meta).family

@@ -15,12 +15,13 @@ from typing import Any
 import torch
 
 from manifests.cache import TextLayout
+from train.config import TrainConfig
 from train.model import flow_sample
 from train.recipes.base import (Denoiser, PromptEmbeds, Recipe, check_matches, flow_loss, flow_options,
                                 load_pretrained, pretrained_source)  # fmt: skip
 
 
-def setup(cfg: Any, meta: dict[str, Any]) -> Denoiser:
+def setup(cfg: TrainConfig, meta: dict[str, Any]) -> Denoiser:
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
     source = pretrained_source(cfg, meta)

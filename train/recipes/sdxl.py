@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from manifests.cache import TextLayout
+from train.config import TrainConfig
 from train.model import ddpm_sample
 from train.recipes.base import Denoiser, PromptEmbeds, Recipe, check_matches, load_pretrained, pretrained_source
 
@@ -25,7 +26,7 @@ def time_ids(original_size: torch.Tensor, crop_top_left: torch.Tensor, target_si
     return torch.cat([original_size, crop_top_left, target_size], dim=1)
 
 
-def setup(cfg: Any, meta: dict[str, Any]) -> Denoiser:
+def setup(cfg: TrainConfig, meta: dict[str, Any]) -> Denoiser:
     from diffusers import DDPMScheduler, UNet2DConditionModel
 
     source = pretrained_source(cfg, meta)
