@@ -128,9 +128,9 @@ def test_training_never_lists_local_storage(run, train_data, tmp_path, monkeypat
     from fsspec.implementations.local import LocalFileSystem
 
     calls = forbid_listing(monkeypatch, LocalFileSystem)
-    rc = run("--plan", train_data.plan1, "--cache", train_data.cache, "--output-dir", tmp_path / "out",
+    result = run("--plan", train_data.plan1, "--cache", train_data.cache, "--output-dir", tmp_path / "out",
              "--record-samples", tmp_path / "rec", "--max-steps", 3)  # fmt: skip
-    assert calls == [] and rc == 0
+    assert calls == [] and result.stop is StopReason.MAX_STEPS
     recorded = [(r["epoch"], r["step"], r["sample_ids"]) for r in records(tmp_path / "rec")]
     assert recorded == plan_rows(train_data.plan1)[:3]
 
@@ -144,14 +144,14 @@ def test_training_never_lists_or_heads_s3(run, train_data, tmp_path, monkeypatch
     s3.fs.put(train_data.cache + "/", cache + "/", recursive=True)
     calls = forbid_listing(monkeypatch, s3fs.S3FileSystem)
     s3fs.S3FileSystem.clear_instance_cache()
-    rc = run("--plan", plan, "--cache", cache, "--storage-options", json.dumps(s3.storage_options),
+    result = run("--plan", plan, "--cache", cache, "--storage-options", json.dumps(s3.storage_options),
              "--output-dir", tmp_path / "out", "--record-samples", tmp_path / "rec", "--max-steps", 3)  # fmt: skip
-    assert calls == [] and rc == 0
+    assert calls == [] and result.stop is StopReason.MAX_STEPS
     recorded = [(r["epoch"], r["step"], r["sample_ids"]) for r in records(tmp_path / "rec")]
     assert recorded == plan_rows(train_data.plan1)[:3]
 
 
-def test_a_corrupt_record_stops_the_run_or_is_skipped_when_asked(run, train_data, tmp_path, capsys):
+def test_a_corrupt_record_stops_the_run_or_is_skipped_when_asked(run, cli, train_data, tmp_path, capsys):
     bad = plan_rows(train_data.plan1)[1][2][0]
     shard = corrupt_copy(train_data.cache, tmp_path / "cache", bad)
     args = ["--plan", train_data.plan1, "--cache", tmp_path / "cache", "--max-steps", 3]
@@ -169,7 +169,7 @@ def test_a_corrupt_record_stops_the_run_or_is_skipped_when_asked(run, train_data
     assert step1["skipped"] == [bad] and bad not in step1["sample_ids"] and len(step1["sample_ids"]) == 3
 
 
-def test_refusals_name_the_problem_and_the_fix(run, train_data, tmp_path, capsys):
+def test_refusals_name_the_problem_and_the_fix(run, cli, train_data, tmp_path, capsys):
     assert cli("--plan", train_data.plan2, "--cache", train_data.cache, "--output-dir", tmp_path / "a") == 2
     assert "is for 2 ranks but 1 processes are running: plan with --world-size 1" in capsys.readouterr().err
     cfg = tmp_path / "c.yaml"
@@ -186,7 +186,7 @@ def test_refusals_name_the_problem_and_the_fix(run, train_data, tmp_path, capsys
 
 
 def test_max_steps_between_optimizer_steps_stops_at_the_last_whole_one(
-    run, train_data, tmp_path, capsys, monkeypatch
+    run, cli, train_data, tmp_path, capsys, monkeypatch
 ):
     cfg = write_config(tmp_path / "c.yaml", grad_accum=2, checkpoint_every=2)
     common = ["--plan", train_data.plan1a, "--cache", train_data.cache, "--config", cfg,
@@ -213,7 +213,7 @@ def test_max_steps_between_optimizer_steps_stops_at_the_last_whole_one(
     assert (cursor["position"], cursor["optimizer_steps"]) == (10, 5)
 
 
-def test_the_config_must_accumulate_as_the_plan_was_made(run, train_data, tmp_path, capsys, monkeypatch):
+def test_the_config_must_accumulate_as_the_plan_was_made(cli, train_data, tmp_path, capsys, monkeypatch):
     cfg = write_config(tmp_path / "c.yaml", grad_accum=1)
     assert cli("--plan", train_data.plan1a, "--cache", train_data.cache, "--config", cfg,
                "--output-dir", tmp_path / "a") == 2  # fmt: skip
