@@ -169,9 +169,9 @@ def test_ema_and_caption_dropout_resume_exactly_and_validation_images_are_writte
                 validation_every=2, validation_steps=2, validation_size=32)  # fmt: skip
     common = ["--plan", f["plan"], "--cache", f["cache"], "--config", cfg]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    assert run(*common, "--output-dir", straight, "--max-steps", 4) == 0
-    assert run(*common, "--output-dir", resumed, "--max-steps", 2) == 0
-    assert run(*common, "--output-dir", resumed, "--max-steps", 4, "--resume") == 0
+    assert run(*common, "--output-dir", straight, "--max-steps", 4).steps == 4
+    assert run(*common, "--output-dir", resumed, "--max-steps", 2).steps == 2
+    assert run(*common, "--output-dir", resumed, "--max-steps", 4, "--resume").steps == 2  # the 2 not yet run
 
     for name in ("checkpoints/step-00000004/ema.safetensors", "model/diffusion_pytorch_model.safetensors",
                  "model_ema/diffusion_pytorch_model.safetensors"):  # fmt: skip
@@ -203,7 +203,8 @@ def test_lora_adapters_are_trained_saved_and_loaded(run, families, tmp_path):
     f = families["flux"]
     cfg = write(tmp_path / "c.json", lora_rank=4, lr=1e-2)
     out = tmp_path / "out"
-    assert run("--plan", f["plan"], "--cache", f["cache"], "--config", cfg, "--output-dir", out, "--max-steps", 2) == 0
+    result = run("--plan", f["plan"], "--cache", f["cache"], "--config", cfg, "--output-dir", out, "--max-steps", 2)
+    assert result.steps == 2
     assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file() and not (out / "model").exists()
 
     trained = load_file(out / "checkpoints" / "step-00000002" / "model.safetensors")  # the whole model, adapted

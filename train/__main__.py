@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point: errors a user can fix (:class:`manifests.errors.BucketeerError`) are printed as one
     line (credentials redacted), exit code 2; any other exception is a bug and keeps its traceback."""
     try:  # a malformed command line is argparse's usage message and SystemExit(2), not caught here
-        from train.loop import run
+        from train.loop import run  # torch and the rest first: a broken install is a bug (exit 1), not a user error
 
         return run(job_from_args(argv)).exit_code
     except Exception as e:

@@ -21,9 +21,16 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from manifests.progress import Progress
 from manifests.storage import redact
+from train.checkpoint import save_checkpoint, save_weights, truncate_records
 from train.job import TrainJob
+from train.metrics import MetricsFile, SampleRecorder, Window
+from train.model import step_generator
 from train.setup import Data, Launch, Model, Position, setup_data, setup_launch, setup_model, setup_position
+from train.validation import Validator
 
 __all__ = ["StopReason", "TrainResult", "Trainer", "run"]
 
@@ -114,10 +121,6 @@ class Trainer:
     def setup(cls, job: TrainJob) -> "Trainer":
         """Launch, position, data, model (:mod:`train.setup`); then validation prompts, the sample record,
         metrics and trackers."""
-        from train.checkpoint import truncate_records
-        from train.metrics import MetricsFile, SampleRecorder
-        from train.validation import Validator
-
         launch = setup_launch(job)
         accelerator, cfg, output = launch.accelerator, launch.cfg, launch.output
         world, main = accelerator.num_processes, accelerator.is_main_process
@@ -146,8 +149,6 @@ class Trainer:
         The noise is a function of the batch's plan position (:func:`train.model.step_generator`), so a
         resumed run draws what an uninterrupted one would. Returns this rank's loss.
         """
-        from train.model import step_generator
-
         accelerator, cfg, model, optimizer = self.accelerator, self.cfg, self.model, self.parts.optimizer
         generator = step_generator(cfg.seed, batch.epoch, batch.step, accelerator.process_index)
         with accelerator.accumulate(model):
@@ -170,9 +171,6 @@ class Trainer:
         """Every batch of this rank in plan order, one :meth:`train_step` each, until the steps run out or
         a stop (SIGTERM, ``--max-steps``, a non-finite loss); checkpoints, validation and stops only
         between optimizer steps."""
-        from manifests.progress import Progress
-        from train.metrics import Window
-
         accelerator, cfg = self.accelerator, self.cfg
         # Preemption (SIGTERM to this rank; torchrun / accelerate launch forward theirs to every rank): finish the
         # optimizer step under way, checkpoint, stop. torchrun SIGKILLs ranks 30 s after forwarding, so at real
@@ -215,8 +213,6 @@ class Trainer:
 
     def _stop(self, loss: float) -> StopReason | None:
         """Whether every rank stops at this optimizer step, and why (a collective when some rank asks)."""
-        import torch
-
         accelerator = self.accelerator
         if not math.isfinite(loss) or self.stop_requested.is_set():
             accelerator.set_trigger()
@@ -253,8 +249,6 @@ class Trainer:
 
     def checkpoint(self) -> None:
         """A checkpoint at the cursor (every rank), then the metrics and logs uploaded."""
-        from train.checkpoint import save_checkpoint
-
         save_checkpoint(self.accelerator, self.output, self.cursor, self.cfg.keep_checkpoints)
         if self.accelerator.is_main_process:
             self.metrics.flush()
@@ -273,10 +267,6 @@ class Trainer:
 
     def finish(self, stop: StopReason, started: float) -> TrainResult:
         """The stop's checkpoint and the final weights (unless the loss diverged), the ``done:`` line."""
-        import torch
-
-        from train.checkpoint import save_weights
-
         accelerator, cursor, output, lora = self.accelerator, self.cursor, self.output, self.cfg.lora_rank
         steps = len(self.data.steps)
         # the stop's checkpoint (SIGTERM, --max-steps, the plan's end) unless this step has one already
