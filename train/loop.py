@@ -105,7 +105,7 @@ class Trainer:
     """One rank's run once set up: what it steps (model, optimizer, loader) and where it stands (cursor)."""
 
     def __init__(self, job: TrainJob, launch: Launch, position: Position, data: Data, model: Model, *,
-                 validator: Any, metrics: Any, recorder: Any):  # fmt: skip
+                 validator: Validator | None, metrics: MetricsFile, recorder: SampleRecorder):  # fmt: skip
         self.job, self.launch, self.position, self.data, self.parts = job, launch, position, data, model
         self.accelerator, self.cfg, self.output = launch.accelerator, launch.cfg, launch.output
         self.model, self.denoiser, self.ema = model.model, model.denoiser, model.ema

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from manifests.errors import UsageError
 from manifests.storage import redact
@@ -18,6 +18,12 @@ from train.checkpoint import Checkpoint, Cursor
 from train.config import TrainConfig
 from train.job import TrainJob
 from train.output import OutputDir
+
+if TYPE_CHECKING:
+    from manifests.cache import CacheReader
+    from train.data import BatchLoader, RankSteps
+    from train.ema import EMA
+    from train.recipes import Denoiser
 
 __all__ = ["Launch", "Position", "Data", "Model", "setup_launch", "setup_position", "setup_data", "setup_model"]
 
@@ -58,9 +64,9 @@ class Position:
 class Data:
     """This rank's steps and the loader that turns them into batches."""
 
-    reader: Any  # manifests.cache.CacheReader of the first cache
-    steps: Any  # train.data.RankSteps
-    loader: Any  # train.data.BatchLoader
+    reader: CacheReader  # the first cache's
+    steps: RankSteps
+    loader: BatchLoader
     family: str  # the cache's model family ("generic" for none)
 
 
@@ -68,8 +74,8 @@ class Data:
 class Model:
     """The family's recipe, the prepared model, optimizer and schedule (and the EMA, if any)."""
 
-    denoiser: Any  # train.recipes.Denoiser
-    ema: Any  # train.ema.EMA | None
+    denoiser: Denoiser
+    ema: EMA | None
     model: Any  # prepared by accelerate (DDP / FSDP / DeepSpeed wrapped)
     optimizer: Any
     lr_scheduler: Any
