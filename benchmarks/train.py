@@ -102,7 +102,7 @@ def loader_rate(
     if latency_s:
         reader.fs = SlowStorage(reader.fs, latency_s)
     steps = rank_steps(plan, 0, storage_options)
-    loader = BatchLoader(reader, steps, reader.meta["latent"], prefetch=prefetch, read_threads=read_threads)
+    loader = BatchLoader(reader, steps, reader.meta.latent, prefetch=prefetch, read_threads=read_threads)
     it = iter(loader)
     first = next(it)  # the reading thread's start-up is not the steady state
     t0 = time.perf_counter()

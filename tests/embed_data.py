@@ -88,15 +88,6 @@ def embed_args(manifest: str, out: str, *extra: str) -> EmbedJob:
     return embed.job_from_args(args)
 
 
-def run_embed(manifest: str, out: str, *extra: str) -> int:
-    """TRANSITIONAL, for the tests outside the embed area that still pass argv: :func:`embed_cache`
-    with the options as ``bucketeer embed`` arguments; 0 when it ran."""
-    from pipeline import run
-
-    run(embed_args(manifest, out, *extra))
-    return 0
-
-
 def records_by_id(url: str, storage_options=None) -> dict[int, object]:
     reader = CacheReader(url, storage_options)
     return {r.sample_id: r for r in reader.read(reader.sample_ids.tolist())}

@@ -24,7 +24,7 @@ from manifests.schema import sample_id
 from pipeline import ScanJob, run
 from pipeline.scan import ScanConfig
 from pipeline.sources.captions import caption_list, sidecar_number
-from tests.embed_data import SPEC, jpeg, run_embed
+from tests.embed_data import SPEC, jpeg, embed_cache
 from tests.shards import tar_bytes
 from train.data import BadRecordError, BatchLoader, PlanStep
 
@@ -75,7 +75,7 @@ def captioned(tmp_path_factory, ray_local) -> Captioned:
                                                                            pa.list_(pa.string()))}), table)
     manifest, cache = str(base / "manifest"), str(base / "cache")
     meta = run(ScanJob(source=str(root), out=manifest, spec=SPEC, captions=table, config=QUIET)).meta
-    assert run_embed(manifest, cache, "--latents", "posterior") == 0
+    embed_cache(manifest, cache, latents="posterior")
     return Captioned(root, table, manifest, cache, meta.summary)
 
 
@@ -127,16 +127,16 @@ def test_the_trainer_takes_the_caption_the_plan_chose(captioned):
     bucket = _rows(captioned.manifest)["a.jpg"]["bucket"]
     ids = (sample_id("a.jpg"), sample_id("c.jpg"), sample_id("b.jpg"))
     steps = [PlanStep(0, 0, bucket, ids), PlanStep(0, 1, bucket, ids, caption_index=np.array([2, 1, 0], np.uint8))]
-    first, chosen = BatchLoader(reader, steps, meta["latent"], log=lambda _: None)
+    first, chosen = BatchLoader(reader, steps, meta.latent, log=lambda _: None)
     for batch, captions in ((first, ["first a", "shared caption", "shared caption"]),
                             (chosen, ["third a", "only c", "shared caption"])):  # fmt: skip
         texts = reader.read_texts([caption_key(c) for c in captions])
-        text, mask, _ = BatchLoader(reader, [], meta["latent"]).layout.prompt_embeds(texts)
+        text, mask, _ = BatchLoader(reader, [], meta.latent).layout.prompt_embeds(texts)
         np.testing.assert_array_equal(batch.text.numpy(), text)
     np.testing.assert_array_equal(first.latents.numpy(), chosen.latents.numpy())  # only the text differs
     beyond = PlanStep(0, 2, bucket, ids, caption_index=np.array([3, 0, 0]))  # a has 3 captions: 0..2
     with pytest.raises(BadRecordError, match="chose caption 3"):
-        list(BatchLoader(reader, [beyond], meta["latent"]))
+        list(BatchLoader(reader, [beyond], meta.latent))
 
 
 @pytest.mark.slow  # a second scan and embed
@@ -157,16 +157,16 @@ def test_changing_the_second_caption_rescans_and_reembeds_that_sample_only(capti
     assert after["a.jpg"]["caption_source"] != before["a.jpg"]["caption_source"]
     assert {n: r for n, r in after.items() if n != "a.jpg"} == {n: r for n, r in before.items() if n != "a.jpg"}
     capsys.readouterr()
-    assert run_embed(manifest, cache, "--latents", "posterior") == 0
-    summary = read_cache_meta(cache)["summary"]
-    assert (summary["embedded"], summary["changed"], summary["new_captions"]) == (1, 1, 1)
+    embed_cache(manifest, cache, latents="posterior")
+    summary = read_cache_meta(cache).summary
+    assert (summary.embedded, summary.changed, summary.new_captions) == (1, 1, 1)
     keys = {r["sample_id"]: r["caption_keys"] for r in read_index(cache)["samples"].to_pylist()}
     assert keys[sample_id("a.jpg")][1] == caption_key("second a, rewritten")
     assert verify_cache(cache).ok
 
 
 def test_posterior_draws_are_per_epoch_and_exact_across_ranks_and_resumes(captioned):
-    reader, latent = CacheReader(captioned.cache), read_cache_meta(captioned.cache)["latent"]
+    reader, latent = CacheReader(captioned.cache), read_cache_meta(captioned.cache).latent
     records = {r.sample_id: r for r in reader.read(reader.sample_ids)}
     bucket = _rows(captioned.manifest)["a.jpg"]["bucket"]
     ids = tuple(sid for sid, r in records.items() if r.bucket == bucket)[:4]

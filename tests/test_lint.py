@@ -45,7 +45,7 @@ def test_ruff_would_find_a_long_line_and_an_unused_import(tmp_path):
 HOUSE_CHECK = ROOT.parent / "shared" / "tools" / "house_check.py"
 
 
-@pytest.mark.skipif(not HOUSE_CHECK.exists(), reason="../shared/tools/house_check.py is beside CI's clone, not a user's")
+@pytest.mark.skipif(not HOUSE_CHECK.exists(), reason="../shared/tools/house_check.py is beside CI's clone only")
 def test_the_house_check_finds_no_structure_problem():
     """No import cycle (lazy imports count), no file over 450 lines or function over 100 in manifests/,
     pipeline/, train/, no `cfg: Any`, and the plan's inputs read in one parser only."""

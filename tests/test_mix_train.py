@@ -83,7 +83,7 @@ def test_the_loader_reads_each_sample_from_its_datasets_cache(mixture):
 
         reader.read = read
     steps = list(rank_steps(plan, 0))
-    batches = list(BatchLoader(readers, steps, readers[0].meta["latent"], read_threads=1, prefetch=1))
+    batches = list(BatchLoader(readers, steps, readers[0].meta.latent, read_threads=1, prefetch=1))
     assert [b.sample_ids for b in batches] == [list(s.sample_ids) for s in steps]
     assert [b.datasets for b in batches] == [s.dataset.tolist() for s in steps]
     wanted = Counter((int(d), i) for s in steps for d, i in zip(s.dataset, s.sample_ids))

@@ -24,7 +24,7 @@ from manifests.schema import CONDITIONING_COLUMNS
 from pipeline.embed.imaging import prepare_views
 from pipeline import ScanJob, run
 from pipeline.scan import ScanConfig
-from tests.embed_data import embed_args, jpeg, records_by_id, run_embed
+from tests.embed_data import embed_args, jpeg, records_by_id, embed_cache
 
 pytestmark = pytest.mark.ray
 SPEC = BucketSpec(area=64 * 64, step=32)
@@ -133,7 +133,7 @@ def paired_cache(pairs, bucketeer_home):
     """The pairs' manifest embedded with 2 crops x flips, in fp32 (so latents compare to fp32 tolerance)."""
     base, ds, cond, out, _ = pairs
     cache = str(base / "cache")
-    assert run_embed(out, cache, "--crops", "2", "--flip", "--dtype", "fp32", "--seed", "5") == 0
+    embed_cache(out, cache, crops=2, flip=True, dtype="fp32", seed=5)
     return out, cache
 
 
@@ -149,7 +149,7 @@ def test_conditioning_and_variant_latents(pairs, paired_cache):
     base, ds, cond, _, _ = pairs
     manifest, cache = paired_cache
     meta = read_cache_meta(cache)
-    assert meta["settings"]["variants"] == {"crops": 2, "flip": True} and "conditioning" in meta["settings"]
+    assert meta.settings.hashed["variants"] == {"crops": 2, "flip": True} and "conditioning" in meta.settings.hashed
     checked = verify_cache(cache)  # 4 variants and a conditioning latent in every record, as the settings say
     assert checked.ok and checked.checked_samples == 3
     vae = _vae(manifest, cache)
@@ -212,12 +212,12 @@ def test_trainer_batches_carry_the_chosen_variant(paired_cache):
     ids = sorted(int(i) for i in reader.sample_ids)
     records = records_by_id(cache)
     steps = [PlanStep(epoch, 0, "64x64", tuple(ids)) for epoch in range(6)]
-    info = reader.meta["latent"]
+    info = reader.meta.latent
     batches = list(BatchLoader(reader, steps, info, seed=11))
     chosen = [b.variants for b in batches]
     assert chosen == [variant_choice(11, e, ids, 4).tolist() for e in range(6)]
     assert len({tuple(c) for c in chosen}) > 1  # varies across epochs
-    scale, shift = float(info.get("scaling_factor") or 1.0), float(info.get("shift_factor") or 0.0)
+    scale, shift = float(info.scaling_factor or 1.0), float(info.shift_factor or 0.0)
     for batch in batches:
         for j, (sid, v) in enumerate(zip(batch.sample_ids, batch.variants)):
             one = records[sid].variant(v)

@@ -16,7 +16,7 @@ from pipeline import RebucketJob, ScanJob, run
 from pipeline.cli import main
 from pipeline.scan import ScanConfig
 from tests.corpus import png_declaring
-from tests.embed_data import embed_args, run_embed
+from tests.embed_data import embed_args, embed_cache
 from tests.factories import manifest_tables
 
 OLD_EMBED_LIMIT = 100_000_000  # what embed refused above before the limit was the manifest's
@@ -47,7 +47,7 @@ def test_the_manifests_limit_governs_scan_and_embed(tmp_path, ray_local):
 
     # after the scan the file grows past the manifest's limit (but not past MAX_PIXELS): embed refuses it
     (data / "grows.png").write_bytes(png_declaring(11_000, 11_000))
-    assert run_embed(manifest, cache) == 0
+    embed_cache(manifest, cache)
     index = read_index(cache)
     embedded = set(index["samples"].column("sample_id").to_pylist())
     assert {sample_id("big.jpg"), sample_id("small.jpg")} <= embedded and 11_000 * 10_000 > OLD_EMBED_LIMIT

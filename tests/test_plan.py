@@ -392,12 +392,12 @@ def embedded(tmp_path_factory, ray_local, bucketeer_home) -> SimpleNamespace:
     Embedding takes seconds on two cores, so the tests of this module share one.
     """
     from manifests.schema import sample_id
-    from tests.embed_data import make_dataset, run_embed
+    from tests.embed_data import make_dataset, embed_cache
 
     base = tmp_path_factory.mktemp("embedded")
     root, manifest, cache = str(base / "data"), str(base / "manifest"), str(base / "cache")
     names = make_dataset(root, manifest, 10, broken=["zz_broken.jpg"])
-    assert run_embed(manifest, cache) == 0
+    embed_cache(manifest, cache)
     return SimpleNamespace(root=root, manifest=manifest, cache=cache, names=names, broken=sample_id("zz_broken.jpg"))
 
 
@@ -423,7 +423,7 @@ def test_plan_with_a_real_cache_end_to_end(embedded, tmp_path, capsys):
                 cache=(embedded.cache,), progress=False))  # fmt: skip
     assert "1 not in the cache (left out)" in capsys.readouterr().out
     meta = read_plan_meta(url)
-    assert meta.inputs.cache_fingerprint == read_cache_meta(embedded.cache)["fingerprint"]
+    assert meta.inputs.cache_fingerprint == read_cache_meta(embedded.cache).fingerprint
     assert meta.samples.to_json() == {"planned": 10, "not_in_cache": 1, "stale": 0}
     planned, rows = _all_planned(url)
     good = available_sample_ids(embedded.cache, manifest=read_manifest(embedded.manifest))
@@ -435,11 +435,11 @@ def test_plan_with_a_real_cache_end_to_end(embedded, tmp_path, capsys):
     assert "ok" in capsys.readouterr().out
 
     # the same folder re-embedded with other settings is another cache: the plan no longer matches it
-    from tests.embed_data import run_embed
+    from tests.embed_data import embed_cache
 
     other = str(tmp_path / "cache-fp32")
-    assert run_embed(embedded.manifest, other, "--dtype", "fp32") == 0
-    assert read_cache_meta(other)["fingerprint"] != meta.inputs.cache_fingerprint
+    embed_cache(embedded.manifest, other, dtype="fp32")
+    assert read_cache_meta(other).fingerprint != meta.inputs.cache_fingerprint
     capsys.readouterr()
     assert main(["plan", "--check", url, embedded.manifest, "--cache", other]) == 1
     assert "cache fingerprint mismatch" in capsys.readouterr().out
@@ -458,7 +458,7 @@ def test_plan_check_catches_a_cache_that_lost_records(embedded, tmp_path, capsys
                 progress=False))  # fmt: skip
     manifest = read_manifest(embedded.manifest)
     fresh = available_sample_ids(embedded.cache, manifest=manifest)
-    fp = read_cache_meta(embedded.cache)["fingerprint"]
+    fp = read_cache_meta(embedded.cache).fingerprint
     assert check_plan(url, manifests=[manifest], available_ids=[fresh], cache_fingerprints=[fp]) == []
     problems = check_plan(url, manifests=[manifest], available_ids=[fresh[1:]], cache_fingerprints=[fp])
     assert any("differ from the manifest's (and cache's)" in p for p in problems)

@@ -305,7 +305,7 @@ def test_access_denied_is_asked_once_and_named_without_credentials(s3_fails):
 
 def test_a_transient_error_then_success_reads_the_object(s3_fails):
     s3_fails.reset(fail_next=2, status=500)
-    assert read_cache_meta("s3://b/cache", options(s3_fails))["kind"] == "bucketeer.cache"
+    assert read_cache_meta("s3://b/cache", options(s3_fails)).kind == "bucketeer.cache"
     assert s3_fails.failed() == 2 and s3_fails.requests[-1][2] == 200
 
 

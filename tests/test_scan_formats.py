@@ -21,7 +21,7 @@ from pipeline.scan import ScanConfig
 from pipeline.embed.imaging import prepare_views
 from pipeline.sources import listing
 from tests.corpus import truth
-from tests.embed_data import records_by_id, run_embed
+from tests.embed_data import records_by_id, embed_cache
 
 CODECS = {
     "avif": ("AVIF", features.check("avif"), "this Pillow has no AVIF codec (wheels since 11.3)"),
@@ -94,7 +94,7 @@ def test_modern_formats_scan_and_decode_as_embed_does(modern, ext):
 @pytest.mark.usefixtures("bucketeer_home")
 def test_modern_formats_embed(modern, tmp_path):
     files, manifest = modern
-    assert run_embed(manifest, str(tmp_path / "cache")) == 0
+    embed_cache(manifest, str(tmp_path / "cache"))
     records = records_by_id(str(tmp_path / "cache"))
     for row in read_manifest(manifest).samples.to_pylist():
         assert records[sample_id(row["filename"])].original_size == (row["height"], row["width"])

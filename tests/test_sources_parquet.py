@@ -186,7 +186,7 @@ def test_a_caption_table_keyed_by_member_captions_tar_shards(tmp_path, ray_local
 @pytest.mark.slow  # ~15-30 s: embed's text and VAE actors start
 @pytest.mark.usefixtures("bucketeer_home")
 def test_parquet_on_s3_scan_then_embed_and_verify(s3, ray_local, tmp_path, capsys):
-    from tests.embed_data import run_embed
+    from tests.embed_data import embed_cache
 
     s = ParquetSet(tmp_path / "src")
     write_parquet(s, "train/0.parquet", [small(i) for i in range(5)], hf=True, group_rows=2)
@@ -195,7 +195,6 @@ def test_parquet_on_s3_scan_then_embed_and_verify(s3, ray_local, tmp_path, capsy
     url = s3.fresh_url("parquet")
     s3.fs.put(str(s.root) + "/", url + "/", recursive=True)
     out = s3.fresh_url("manifest")
-    so = json.dumps(s3.storage_options)
     run(ScanJob(source=url, out=out, storage_options=s3.storage_options, spec=BucketSpec(area=64 * 64, step=32),
                 config=ScanConfig(progress=False, format="parquet", caption_column="text")))  # fmt: skip
     assert "scanned 2 parquet files, 10 images: 9 samples, 1 errors" in capsys.readouterr().out
@@ -204,7 +203,7 @@ def test_parquet_on_s3_scan_then_embed_and_verify(s3, ray_local, tmp_path, capsy
     assert all(r["etag"] for r in m.samples.to_pylist())
 
     cache = str(tmp_path / "cache")
-    assert run_embed(out, cache, "--storage-options", so) == 0
+    embed_cache(out, cache, storage_options=s3.storage_options)
     assert "9 embedded, 0 error rows" in capsys.readouterr().out
     assert main(["verify", cache]) == 0
 

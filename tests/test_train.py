@@ -14,7 +14,8 @@ from manifests.plan import read_rank_plan
 from manifests.progress import INTERVAL_ENV
 from tests.test_progress import assert_progress
 from tests.test_train_data import corrupt_copy
-from tests.train_dataset import train_data, train_here  # noqa: F401  (train_data: session fixture)
+from tests.train_dataset import train_cli, train_data, train_here  # noqa: F401  (train_data: session fixture)
+from train import StopReason
 from train.config import DEFAULT_CONFIG
 
 pytestmark = [pytest.mark.ray]
@@ -24,11 +25,19 @@ LISTING = ("ls", "find", "glob", "info", "exists", "lexists", "isdir", "isfile",
 
 @pytest.fixture
 def run():
-    """``python -m train ARGS`` in this process (:func:`tests.train_dataset.train_here`), on one thread."""
+    """The trainer as ``python -m train ARGS`` would run it, through the library (``run(job)``:
+    :func:`tests.train_dataset.train_here`), in this process, on one thread; returns the TrainResult."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # 2 shared cores: more threads only contend
     yield train_here
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def cli(run):
+    """``python -m train ARGS`` in this process (:func:`tests.train_dataset.train_cli`): the exit code, errors
+    printed as one line; for the tests of what a user sees."""
+    return train_cli
 
 
 def write_config(path: Path, **settings) -> Path:
@@ -69,8 +78,11 @@ def test_loss_goes_down_and_the_run_is_observable(run, train_data, tmp_path):
 
     out, rec = tmp_path / "out", tmp_path / "rec"
     cfg = write_config(tmp_path / "c.yaml", checkpoint_every=20, log_every=10)
-    assert run("--plan", train_data.plan1, "--cache", train_data.cache, "--config", cfg, "--output-dir", out,
-               "--record-samples", rec) == 0  # fmt: skip
+    result = run("--plan", train_data.plan1, "--cache", train_data.cache, "--config", cfg, "--output-dir", out,
+                 "--record-samples", rec)  # fmt: skip
+    assert (result.stop, result.exit_code, result.steps, result.position) == (StopReason.PLAN_FINISHED, 0, 60, 60)
+    assert (result.optimizer_steps, result.skipped_records, result.output_dir) == (60, 0, str(out))
+    assert result.last_loss is not None and result.last_loss > 0 and result.seconds > 0
 
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["position"] for r in rows] == [10, 20, 30, 40, 50, 60]
@@ -96,12 +108,13 @@ def test_resume_continues_with_the_batches_and_weights_of_an_uninterrupted_run(r
     cfg = write_config(tmp_path / "c.yaml", checkpoint_every=5)
     common = ["--plan", train_data.plan1, "--cache", train_data.cache, "--config", cfg]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    assert run(*common, "--output-dir", straight, "--record-samples", straight / "rec", "--max-steps", 13) == 0
-    assert run(*common, "--output-dir", resumed, "--record-samples", resumed / "rec", "--max-steps", 7) == 0
+    assert run(*common, "--output-dir", straight, "--record-samples", straight / "rec", "--max-steps", 13).steps == 13
+    assert run(*common, "--output-dir", resumed, "--record-samples", resumed / "rec", "--max-steps", 7).steps == 7
     cursor = json.loads((resumed / "checkpoints" / "step-00000007" / "cursor.json").read_text())
     assert (cursor["epoch"], cursor["step"]) == (0, 7)
-    assert run(*common, "--output-dir", resumed, "--record-samples", resumed / "rec", "--max-steps", 13,
-               "--resume") == 0  # fmt: skip
+    result = run(*common, "--output-dir", resumed, "--record-samples", resumed / "rec", "--max-steps", 13, "--resume")
+    assert (result.stop, result.steps, result.position) == (StopReason.MAX_STEPS, 6, 13)
+    assert (result.epoch, result.step) == (1, 3)  # epoch 1's first 3 steps were run
 
     assert records(resumed / "rec") == records(straight / "rec") and len(records(straight / "rec")) == 13
     a = load_file(straight / "model" / "diffusion_pytorch_model.safetensors")
@@ -115,9 +128,9 @@ def test_training_never_lists_local_storage(run, train_data, tmp_path, monkeypat
     from fsspec.implementations.local import LocalFileSystem
 
     calls = forbid_listing(monkeypatch, LocalFileSystem)
-    rc = run("--plan", train_data.plan1, "--cache", train_data.cache, "--output-dir", tmp_path / "out",
+    result = run("--plan", train_data.plan1, "--cache", train_data.cache, "--output-dir", tmp_path / "out",
              "--record-samples", tmp_path / "rec", "--max-steps", 3)  # fmt: skip
-    assert calls == [] and rc == 0
+    assert calls == [] and result.stop is StopReason.MAX_STEPS
     recorded = [(r["epoch"], r["step"], r["sample_ids"]) for r in records(tmp_path / "rec")]
     assert recorded == plan_rows(train_data.plan1)[:3]
 
@@ -131,23 +144,24 @@ def test_training_never_lists_or_heads_s3(run, train_data, tmp_path, monkeypatch
     s3.fs.put(train_data.cache + "/", cache + "/", recursive=True)
     calls = forbid_listing(monkeypatch, s3fs.S3FileSystem)
     s3fs.S3FileSystem.clear_instance_cache()
-    rc = run("--plan", plan, "--cache", cache, "--storage-options", json.dumps(s3.storage_options),
+    result = run("--plan", plan, "--cache", cache, "--storage-options", json.dumps(s3.storage_options),
              "--output-dir", tmp_path / "out", "--record-samples", tmp_path / "rec", "--max-steps", 3)  # fmt: skip
-    assert calls == [] and rc == 0
+    assert calls == [] and result.stop is StopReason.MAX_STEPS
     recorded = [(r["epoch"], r["step"], r["sample_ids"]) for r in records(tmp_path / "rec")]
     assert recorded == plan_rows(train_data.plan1)[:3]
 
 
-def test_a_corrupt_record_stops_the_run_or_is_skipped_when_asked(run, train_data, tmp_path, capsys):
+def test_a_corrupt_record_stops_the_run_or_is_skipped_when_asked(run, cli, train_data, tmp_path, capsys):
     bad = plan_rows(train_data.plan1)[1][2][0]
     shard = corrupt_copy(train_data.cache, tmp_path / "cache", bad)
     args = ["--plan", train_data.plan1, "--cache", tmp_path / "cache", "--max-steps", 3]
-    assert run(*args, "--output-dir", tmp_path / "a") == 2
+    assert cli(*args, "--output-dir", tmp_path / "a") == 2
     err = capsys.readouterr().err
     assert f"sample {bad} in shard {shard}" in err and "bucketeer verify" in err and "--skip-bad-records" in err
     assert not (tmp_path / "a" / "model").exists()
 
-    assert run(*args, "--output-dir", tmp_path / "b", "--record-samples", tmp_path / "rec", "--skip-bad-records") == 0
+    result = run(*args, "--output-dir", tmp_path / "b", "--record-samples", tmp_path / "rec", "--skip-bad-records")
+    assert (result.stop, result.skipped_records) == (StopReason.MAX_STEPS, 1)
     captured = capsys.readouterr()
     assert f"skipping bad record (--skip-bad-records): sample {bad}" in captured.err
     assert "1 bad records skipped" in captured.out
@@ -155,32 +169,33 @@ def test_a_corrupt_record_stops_the_run_or_is_skipped_when_asked(run, train_data
     assert step1["skipped"] == [bad] and bad not in step1["sample_ids"] and len(step1["sample_ids"]) == 3
 
 
-def test_refusals_name_the_problem_and_the_fix(run, train_data, tmp_path, capsys):
-    assert run("--plan", train_data.plan2, "--cache", train_data.cache, "--output-dir", tmp_path / "a") == 2
+def test_refusals_name_the_problem_and_the_fix(run, cli, train_data, tmp_path, capsys):
+    assert cli("--plan", train_data.plan2, "--cache", train_data.cache, "--output-dir", tmp_path / "a") == 2
     assert "is for 2 ranks but 1 processes are running: plan with --world-size 1" in capsys.readouterr().err
     cfg = tmp_path / "c.yaml"
     cfg.write_text("lr: 0.001\nbatch_size: 4\n")
-    assert run("--plan", train_data.plan1, "--cache", train_data.cache, "--config", cfg, "--output-dir", tmp_path) == 2
+    assert cli("--plan", train_data.plan1, "--cache", train_data.cache, "--config", cfg, "--output-dir", tmp_path) == 2
     assert "unknown keys ['batch_size']" in capsys.readouterr().err
     # a checkpoint made with one plan is not resumed with another
     out = tmp_path / "b"
-    assert run("--plan", train_data.plan1, "--cache", train_data.cache, "--output-dir", out, "--max-steps", 1) == 0
+    assert run("--plan", train_data.plan1, "--cache", train_data.cache, "--output-dir", out, "--max-steps", 1).steps
     other = tmp_path / "plan-copy"
     shutil.copytree(train_data.plan2, other)
-    assert run("--plan", other, "--cache", train_data.cache, "--output-dir", out, "--resume") == 2
+    assert cli("--plan", other, "--cache", train_data.cache, "--output-dir", out, "--resume") == 2
     assert "was trained on another plan" in capsys.readouterr().err
 
 
 def test_max_steps_between_optimizer_steps_stops_at_the_last_whole_one(
-    run, train_data, tmp_path, capsys, monkeypatch
+    run, cli, train_data, tmp_path, capsys, monkeypatch
 ):
     cfg = write_config(tmp_path / "c.yaml", grad_accum=2, checkpoint_every=2)
     common = ["--plan", train_data.plan1a, "--cache", train_data.cache, "--config", cfg,
               "--output-dir", tmp_path / "out", "--record-samples", tmp_path / "rec"]  # fmt: skip
-    assert run(*common, "--max-steps", 1) == 2
+    assert cli(*common, "--max-steps", 1) == 2
     assert "--max-steps 1 is less than one optimizer step (grad_accum: 2" in capsys.readouterr().err
     monkeypatch.setenv(INTERVAL_ENV, "0")  # a progress line per step (stderr is not a terminal here)
-    assert run(*common, "--max-steps", 5) == 0
+    result = run(*common, "--max-steps", 5)
+    assert (result.stop, result.steps, result.optimizer_steps) == (StopReason.MAX_STEPS, 4, 2)
     captured = capsys.readouterr()
     assert "stopping after 4 plan steps" in captured.out and "done: --max-steps 4 reached" in captured.out
     assert_progress(captured.err, "train steps", "steps", 4)
@@ -191,21 +206,21 @@ def test_max_steps_between_optimizer_steps_stops_at_the_last_whole_one(
     half = tmp_path / "out" / "checkpoints" / "step-00000006"  # a later save killed before its commit
     half.mkdir()
     (half / "model.safetensors").write_bytes(b"\0" * 10)
-    assert run(*common, "--resume") == 0  # the rest of the plan, from the optimizer-step boundary
+    assert run(*common, "--resume").stop is StopReason.PLAN_FINISHED  # the rest, from the optimizer-step boundary
     assert "checkpoints/step-00000004: epoch 0 step 4" in capsys.readouterr().out  # latest.json, not the newest folder
     assert [(r["epoch"], r["step"], r["sample_ids"]) for r in records(tmp_path / "rec")] == plan_rows(train_data.plan1a)
     cursor = json.loads((tmp_path / "out" / "checkpoints" / "step-00000010" / "cursor.json").read_text())
     assert (cursor["position"], cursor["optimizer_steps"]) == (10, 5)
 
 
-def test_the_config_must_accumulate_as_the_plan_was_made(run, train_data, tmp_path, capsys, monkeypatch):
+def test_the_config_must_accumulate_as_the_plan_was_made(cli, train_data, tmp_path, capsys, monkeypatch):
     cfg = write_config(tmp_path / "c.yaml", grad_accum=1)
-    assert run("--plan", train_data.plan1a, "--cache", train_data.cache, "--config", cfg,
+    assert cli("--plan", train_data.plan1a, "--cache", train_data.cache, "--config", cfg,
                "--output-dir", tmp_path / "a") == 2  # fmt: skip
     assert "was made with --grad-accum 2 but the config says grad_accum: 1" in capsys.readouterr().err
     # an accelerate config's gradient_accumulation_steps (accelerate launch exports it) may not override the plan
     monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "1")
-    assert run("--plan", train_data.plan1a, "--cache", train_data.cache, "--output-dir", tmp_path / "b") == 2
+    assert cli("--plan", train_data.plan1a, "--cache", train_data.cache, "--output-dir", tmp_path / "b") == 2
     err = capsys.readouterr().err
     assert "the accelerate config sets gradient_accumulation_steps: 1" in err and "--grad-accum 2" in err
 
@@ -213,8 +228,9 @@ def test_the_config_must_accumulate_as_the_plan_was_made(run, train_data, tmp_pa
 def test_a_non_finite_loss_stops_the_run_without_saving_its_weights(run, train_data, tmp_path, capsys):
     cfg = write_config(tmp_path / "c.yaml", lr=1.0e30, warmup_steps=0, checkpoint_every=1)  # diverges at once
     out = tmp_path / "out"
-    assert run("--plan", train_data.plan1, "--cache", train_data.cache, "--config", cfg, "--output-dir", out,
-               "--max-steps", 6) == 1  # fmt: skip
+    result = run("--plan", train_data.plan1, "--cache", train_data.cache, "--config", cfg, "--output-dir", out,
+                 "--max-steps", 6)  # fmt: skip
+    assert (result.stop, result.exit_code) == (StopReason.NON_FINITE_LOSS, 1)
     done = [line for line in capsys.readouterr().out.splitlines() if line.startswith("done: ")]
     assert len(done) == 1 and done[0].startswith("done: non-finite loss at position "), done
     position = int(done[0].split("position ")[1].split(";")[0])
@@ -237,12 +253,12 @@ def test_a_plan_written_in_windows_trains_to_its_last_planned_epoch_and_resumes_
     common = ["--plan", plan, "--cache", train_data.cache, "--config", cfg, "--output-dir", tmp_path / "out",
               "--record-samples", tmp_path / "rec"]  # fmt: skip
     capsys.readouterr()
-    assert run(*common) == 0
+    assert run(*common).stop is StopReason.WINDOW_FINISHED
     out = capsys.readouterr().out
     assert "the plan holds epochs up to 1 of 6: this run stops there" in out and "60 optimizer steps in the" in out
     assert "done: planned epochs finished" in out and len(records(tmp_path / "rec")) == 20
     assert bucketeer(["plan", *argv[:1], "--extend", plan, *argv[5:]]) == 0  # the rest, same --cache
-    assert run(*common, "--resume") == 0
+    assert run(*common, "--resume").stop is StopReason.PLAN_FINISHED
     assert "done: plan finished" in capsys.readouterr().out
     # the same rows as the plan made at once: windows change nothing but when epochs are written
     assert [(r["epoch"], r["step"], r["sample_ids"]) for r in records(tmp_path / "rec")] == plan_rows(train_data.plan1)

@@ -56,7 +56,7 @@ def test_rank_steps_are_exactly_the_plan_rows_from_the_cursor(train_data):
 
 def test_batches_follow_the_plan_with_padded_text_and_scaled_latents(train_data):
     reader = CacheReader(train_data.cache)
-    latent = read_cache_meta(train_data.cache)["latent"]
+    latent = read_cache_meta(train_data.cache).latent
     steps = list(rank_steps(train_data.plan1, 0, limit=10))  # epoch 0: every bucket
     batches = list(BatchLoader(reader, steps, latent, prefetch=2, read_threads=2))
     assert [b.sample_ids for b in batches] == [list(s.sample_ids) for s in steps]
@@ -83,7 +83,7 @@ def reading_threads() -> list[threading.Thread]:
 
 def test_loader_stops_its_reading_threads_when_closed(train_data):
     reader = CacheReader(train_data.cache)
-    loader = BatchLoader(reader, rank_steps(train_data.plan1, 0), reader.meta["latent"], prefetch=4, read_threads=2)
+    loader = BatchLoader(reader, rank_steps(train_data.plan1, 0), reader.meta.latent, prefetch=4, read_threads=2)
     assert len(loader) == 60
     it = iter(loader)
     next(it)
@@ -146,10 +146,10 @@ def test_batches_come_in_plan_order_whatever_order_the_reads_finish(train_data):
         return read(sample_ids)
 
     reader.read = slow_on_even_steps
-    loader = BatchLoader(reader, steps, reader.meta["latent"], prefetch=4, read_threads=3)
+    loader = BatchLoader(reader, steps, reader.meta.latent, prefetch=4, read_threads=3)
     assert [(b.epoch, b.step, b.sample_ids) for b in loader] == [(s.epoch, s.step, list(s.sample_ids)) for s in steps]
     with pytest.raises(ValueError, match="read_threads"):
-        BatchLoader(reader, steps, reader.meta["latent"], read_threads=0)
+        BatchLoader(reader, steps, reader.meta.latent, read_threads=0)
 
 
 def test_corrupt_record_stops_with_sample_shard_and_fix_or_is_skipped(train_data, tmp_path):
@@ -157,7 +157,7 @@ def test_corrupt_record_stops_with_sample_shard_and_fix_or_is_skipped(train_data
     bad = steps[1].sample_ids[2]
     shard = corrupt_copy(train_data.cache, tmp_path / "cache", bad)
     reader = CacheReader(str(tmp_path / "cache"))
-    loader = BatchLoader(reader, steps, reader.meta["latent"])
+    loader = BatchLoader(reader, steps, reader.meta.latent)
     with pytest.raises(BadRecordError) as err:
         list(loader)
     message = str(err.value)
@@ -165,7 +165,7 @@ def test_corrupt_record_stops_with_sample_shard_and_fix_or_is_skipped(train_data
     assert "--skip-bad-records" in message and "step 1" in message
 
     logged: list[str] = []
-    loader = BatchLoader(reader, steps, reader.meta["latent"], skip_bad_records=True, log=logged.append)
+    loader = BatchLoader(reader, steps, reader.meta.latent, skip_bad_records=True, log=logged.append)
     batches = list(loader)
     assert batches[1].sample_ids == [s for s in steps[1].sample_ids if s != bad] and batches[1].skipped == [bad]
     assert loader.skipped == 1 and len(logged) == 1 and f"sample {bad}" in logged[0]
@@ -177,9 +177,9 @@ def test_samples_missing_from_the_cache_fail_before_the_first_step(train_data):
     first = reader.read([int(reader.sample_ids[0])])[0]
     steps = [PlanStep(0, 0, first.bucket, (first.sample_id, 12345))]
     with pytest.raises(BadRecordError, match=r"1 samples of the plan are not in cache .*bucketeer plan .*--cache"):
-        BatchLoader(reader, steps, reader.meta["latent"])
+        BatchLoader(reader, steps, reader.meta.latent)
     logged: list[str] = []
-    loader = BatchLoader(reader, steps, reader.meta["latent"], skip_bad_records=True, log=logged.append)
+    loader = BatchLoader(reader, steps, reader.meta.latent, skip_bad_records=True, log=logged.append)
     assert [b.sample_ids for b in loader] == [[first.sample_id]] and loader.skipped == 1
 
 

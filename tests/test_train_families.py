@@ -20,7 +20,7 @@ import torch
 
 from manifests.cache import CacheReader
 from manifests.errors import UsageError
-from tests.embed_data import make_dataset, run_embed
+from tests.embed_data import make_dataset, embed_cache
 from tests.test_train import run  # noqa: F401  (fixture: the trainer in this process)
 from tests.test_train_dist import command, environment
 from tests.train_dataset import _parse
@@ -56,9 +56,8 @@ def families(tmp_path_factory, ray_local) -> dict[str, dict[str, str]]:
     out = {}
     for family in FAMILIES:
         model, cache = str(build_tiny(family, base / family)), str(base / f"cache-{family}")
-        tokens = [] if family == "sdxl" else ["--max-text-tokens", "8"]
-        assert run_embed(manifest, cache, "--family", family, "--model", model, "--validation-prompts", str(prompts),
-                         *tokens) == 0  # fmt: skip
+        embed_cache(manifest, cache, family=family, model=model, validation_prompts=str(prompts),
+                    max_text_tokens=None if family == "sdxl" else 8)  # fmt: skip
         plans = {}
         for world in (1, 2) if family == "flux" else (1,):  # 2 ranks: the two-process Flux run
             plans[world] = str(base / f"plan-{family}-w{world}")
@@ -71,7 +70,7 @@ def families(tmp_path_factory, ray_local) -> dict[str, dict[str, str]]:
 
 def first_batch(cache: str, plan: str, **loader):
     reader = CacheReader(cache)
-    batches = iter(BatchLoader(reader, list(rank_steps(plan, 0)), reader.meta["latent"], **loader))
+    batches = iter(BatchLoader(reader, list(rank_steps(plan, 0)), reader.meta.latent, **loader))
     return reader, next(batches)
 
 
@@ -117,9 +116,8 @@ def test_sdxl_time_ids_equal_the_pipelines(families):
 
 
 def reader_layout(reader: CacheReader):
-    from manifests.cache import TextLayout
 
-    return TextLayout.from_meta(reader.meta)
+    return reader.meta.text_layout
 
 
 @pytest.mark.slow
@@ -146,7 +144,7 @@ def test_caption_dropout_is_a_pure_function_of_seed_epoch_and_sample():
 @pytest.mark.slow
 def test_caption_dropout_trains_on_the_empty_captions_record(families):
     reader = CacheReader(families["sd3"]["cache"])
-    (empty,) = reader.read_texts([reader.meta["text"]["empty_caption_key"]])
+    (empty,) = reader.read_texts([reader.meta.text.empty_caption_key])
     _, batch = first_batch(families["sd3"]["cache"], families["sd3"]["plan"], caption_dropout=0.999, seed=1)
     embeds, _, pooled = reader_layout(reader).prompt_embeds([empty])
     assert batch.dropped == batch.sample_ids
@@ -169,9 +167,9 @@ def test_ema_and_caption_dropout_resume_exactly_and_validation_images_are_writte
                 validation_every=2, validation_steps=2, validation_size=32)  # fmt: skip
     common = ["--plan", f["plan"], "--cache", f["cache"], "--config", cfg]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    assert run(*common, "--output-dir", straight, "--max-steps", 4) == 0
-    assert run(*common, "--output-dir", resumed, "--max-steps", 2) == 0
-    assert run(*common, "--output-dir", resumed, "--max-steps", 4, "--resume") == 0
+    assert run(*common, "--output-dir", straight, "--max-steps", 4).steps == 4
+    assert run(*common, "--output-dir", resumed, "--max-steps", 2).steps == 2
+    assert run(*common, "--output-dir", resumed, "--max-steps", 4, "--resume").steps == 2  # the 2 not yet run
 
     for name in ("checkpoints/step-00000004/ema.safetensors", "model/diffusion_pytorch_model.safetensors",
                  "model_ema/diffusion_pytorch_model.safetensors"):  # fmt: skip
@@ -203,7 +201,8 @@ def test_lora_adapters_are_trained_saved_and_loaded(run, families, tmp_path):
     f = families["flux"]
     cfg = write(tmp_path / "c.json", lora_rank=4, lr=1e-2)
     out = tmp_path / "out"
-    assert run("--plan", f["plan"], "--cache", f["cache"], "--config", cfg, "--output-dir", out, "--max-steps", 2) == 0
+    result = run("--plan", f["plan"], "--cache", f["cache"], "--config", cfg, "--output-dir", out, "--max-steps", 2)
+    assert result.steps == 2
     assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file() and not (out / "model").exists()
 
     trained = load_file(out / "checkpoints" / "step-00000002" / "model.safetensors")  # the whole model, adapted
@@ -237,6 +236,14 @@ def test_two_processes_train_flux(families, tmp_path):
     assert "done: --max-steps 2 reached" in proc.stdout + proc.stderr
 
 
+def _cache_meta(**fields):
+    """A ``_cache.json`` with only ``fields`` beside the required keys, as a recipe reads it."""
+    from manifests.cache.meta import CACHE_FORMAT_VERSION, KIND, CacheMeta
+
+    return CacheMeta.from_json({"kind": KIND, "format_version": CACHE_FORMAT_VERSION, "fingerprint": "0" * 64,
+                                "settings": {}, "index": {}, "counts": {}, **fields}, "test")  # fmt: skip
+
+
 def test_a_pretrained_pixart_is_fine_tuned_with_ddpm_noise(tmp_path):
     """``pretrained:`` on a PixArt cache: its transformer (learned sigma: 2C outputs), the epsilon target."""
     from manifests.cache import TextLayout
@@ -247,7 +254,7 @@ def test_a_pretrained_pixart_is_fine_tuned_with_ddpm_noise(tmp_path):
 
     folder = str(build_tiny("pixart", tmp_path / "pixart"))
     layout = TextLayout(family="pixart", join="features", masked=True, lengths=(8,), widths=(T5_WIDTH,))
-    meta = {"family": "pixart", "latent": {"channels": 4}, "text": {"layout": layout.to_json()}}
+    meta = _cache_meta(family="pixart", latent={"channels": 4}, text={"layout": layout.to_json()})
     cfg = TrainConfig(pretrained=folder)
     denoiser = recipe_for(cfg, meta).setup(cfg, meta)
     assert denoiser.model.config.out_channels == 8 and not denoiser.lora
@@ -260,7 +267,8 @@ def test_a_pretrained_pixart_is_fine_tuned_with_ddpm_noise(tmp_path):
     assert torch.isfinite(loss) and denoiser.model.proj_out.weight.grad[:16].abs().sum() > 0
     wide = TextLayout(family="pixart", join="features", masked=True, lengths=(8,), widths=(T5_WIDTH + 1,))
     with pytest.raises(UsageError, match="caption_channels"):  # a cache of another text width is refused
-        recipe_for(cfg, meta).setup(cfg, {**meta, "text": {"layout": wide.to_json()}})
+        recipe_for(cfg, meta).setup(cfg, _cache_meta(family="pixart", latent={"channels": 4},
+                                                     text={"layout": wide.to_json()}))  # fmt: skip
 
 
 def test_ddpm_targets_follow_the_schedulers_prediction_type():

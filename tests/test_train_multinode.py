@@ -25,7 +25,7 @@ from manifests.faults import FAULTS_ENV
 from tests.conftest import free_port
 from tests.test_train import records, write_config
 from tests.test_train_dist import PAUSED, ROOT, command, environment, kill_tree, rows
-from tests.train_dataset import train_data  # noqa: F401  (session fixture)
+from tests.train_dataset import train_data, train_here  # noqa: F401  (train_data: session fixture)
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.ray, pytest.mark.s3]
 
@@ -123,9 +123,7 @@ def test_two_nodes_checkpoint_to_s3_and_resume_on_one_node_from_the_bucket(clust
 
 
 def test_an_elastic_resume_on_one_process_reads_everything_from_the_bucket(cluster, s3, train_data, tmp_path):
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
-    from train.__main__ import main
+    from train import StopReason
 
     rec = tmp_path / "rec"
     rec.mkdir()
@@ -135,13 +133,10 @@ def test_an_elastic_resume_on_one_process_reads_everything_from_the_bucket(clust
     s3.fs.copy(cluster["out"] + "/", resumed + "/", recursive=True)
     os.environ["BUCKETEER_SCRATCH"] = str(tmp_path / "scratch")
     try:
-        assert main([*map(str, cluster["common"]), "--output-dir", resumed, "--record-samples", str(rec),
-                     "--resume"]) == 0  # fmt: skip
+        result = train_here(*cluster["common"], "--output-dir", resumed, "--record-samples", rec, "--resume")
     finally:
         os.environ.pop("BUCKETEER_SCRATCH")
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
-        PartialState._reset_state()
+    assert result.stop is StopReason.PLAN_FINISHED and result.output_dir == resumed
     meta = s3_json(s3, f"{resumed}/plans/resume-00000004-w1/_plan.json")
     assert meta["resumed_from"]["world_size"] == 2 and meta["inputs"]["world_size"] == 1
     consumed = Counter(i for rank in (0, 1) for r in records(rec, rank) for i in r["sample_ids"])

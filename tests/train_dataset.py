@@ -8,6 +8,7 @@ buckets (64x64: 16, 128x32: 12, 32x128: 12) with repeating captions, some missin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import os
 from dataclasses import dataclass
@@ -101,14 +102,33 @@ def train_data(tmp_path_factory, ray_local) -> TrainData:
             os.environ["BUCKETEER_HOME"] = old
 
 
-def train_here(*argv) -> int:
-    """``python -m train ARGV`` in this process, with accelerate's process-wide state reset afterwards."""
-    from accelerate.state import AcceleratorState, GradientState, PartialState
+def train_here(*argv):
+    """Train as ``python -m train ARGV`` would, in this process, through the library: ``run(job_from_args(ARGV))``.
 
+    Returns the :class:`train.TrainResult`; an error a user can fix is raised (a BucketeerError), not printed
+    (:func:`train_cli` for the command line's one-line errors and exit codes). Accelerate's process-wide
+    state is reset afterwards.
+    """
+    from train import job_from_args, run
+
+    with _fresh_accelerate():
+        return run(job_from_args([str(a) for a in argv]))
+
+
+def train_cli(*argv) -> int:
+    """``python -m train ARGV`` in this process (``train.__main__.main``): the exit code; errors printed as one line."""
     from train.__main__ import main
 
-    try:
+    with _fresh_accelerate():
         return main([str(a) for a in argv])
+
+
+@contextlib.contextmanager
+def _fresh_accelerate():
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    try:
+        yield
     finally:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()

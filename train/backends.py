@@ -18,14 +18,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from manifests.plan import PlanMeta
 from manifests.errors import UsageError
 
-if TYPE_CHECKING:
-    from manifests.plan import PlanMeta
-
-__all__ = ["plan_grad_accum", "plan_micro_batch", "check_backend", "configure_deepspeed", "save_model"]
+__all__ = ["plan_grad_accum", "plan_micro_batch", "check_backend", "configure_deepspeed", "is_sharded", "save_model"]
 
 ACCUM_ENV = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"  # set by `accelerate launch` from a deepspeed_config
 
@@ -96,6 +93,13 @@ def configure_deepspeed(plugin, *, micro_batch: int, grad_accum: int, world_size
         config[key] = value
     plugin.gradient_accumulation_steps = grad_accum
     plugin.gradient_clipping = max_grad_norm
+
+
+def is_sharded(accelerator) -> bool:
+    """Whether the backend shards parameters (FSDP, DeepSpeed ZeRO-3)."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    stage = plugin.deepspeed_config.get("zero_optimization", {}).get("stage") if plugin is not None else None
+    return accelerator.distributed_type.name == "FSDP" or stage == 3
 
 
 def save_model(accelerator, model, directory: Path) -> None:

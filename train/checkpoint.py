@@ -1,4 +1,5 @@
-"""Checkpoints at any ``--output-dir`` (local or a URL): ``accelerator.save_state``, the plan cursor, a commit.
+"""Checkpoints at any ``--output-dir`` (local or a URL): ``accelerator.save_state``, the plan cursor, a commit;
+and the run's final weights (:func:`save_weights`).
 
 Layout under ``--output-dir`` (:mod:`train.output`)::
 
@@ -35,7 +36,7 @@ from manifests.storage import join, read_json, write_json_atomic
 from train.output import OutputDir
 
 __all__ = ["Cursor", "Checkpoint", "find_checkpoint", "fetch_checkpoint", "save_checkpoint", "resume_elastic",
-           "truncate_records"]  # fmt: skip
+           "truncate_records", "save_weights"]  # fmt: skip
 
 CURSOR_FILE = "cursor.json"
 LATEST_FILE = "latest.json"
@@ -146,6 +147,22 @@ def save_checkpoint(accelerator, output: OutputDir, cursor: Cursor, keep: int) -
         output.drop_local_copy(rel)
     faults.hit("train.checkpoint")  # tests: kill or preempt a run right after a checkpoint
     return name
+
+
+def save_weights(accelerator, model, output: OutputDir, name: str) -> None:
+    """The final weights as ``OUTPUT/<name>``: the whole model (``model``, ``model_ema``: ``from_pretrained``
+    loads it) or the LoRA adapters (``lora``, ``lora_ema``: ``load_lora_adapter`` loads them). Call it on
+    every rank (FSDP / ZeRO-3 gather the shards of a whole model)."""
+    from train.backends import save_model
+    from train.lora import save_lora
+
+    if name.startswith("lora"):
+        if accelerator.is_main_process:
+            save_lora(accelerator.unwrap_model(model), output.local(name))
+    else:
+        save_model(accelerator, model, output.local(name))  # every rank: FSDP / ZeRO-3 gather shards here
+    if accelerator.is_main_process:
+        output.upload(name)
 
 
 def resume_elastic(

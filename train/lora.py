@@ -9,18 +9,18 @@ with ``load_lora_adapter`` on the same pretrained model. Needs ``peft`` (``pip i
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from manifests.errors import UsageError
+from train.config import TrainConfig
 
 __all__ = ["add_lora", "save_lora", "load_lora", "LORA_FILE"]
 
 LORA_FILE = "pytorch_lora_weights.safetensors"  # the name diffusers' LoRA loaders look for
 
 
-def add_lora(model: torch.nn.Module, cfg: Any, *, targets: tuple[str, ...], supported: bool = True) -> None:
+def add_lora(model: torch.nn.Module, cfg: TrainConfig, *, targets: tuple[str, ...], supported: bool = True) -> None:
     """Freeze ``model`` and add LoRA adapters (``cfg.lora_rank``, ``lora_alpha``, ``lora_targets`` or ``targets``).
 
     Raises UsageError when peft is missing or the model class cannot save adapters (``supported``).

@@ -18,35 +18,38 @@ from typing import Any
 import numpy as np
 import torch
 
-from manifests.cache import CacheReader, TextLayout
+from manifests.cache.meta import CacheMeta
+from manifests.cache import CacheReader
 from manifests.errors import UsageError
 from manifests.storage import redact
+from train.config import TrainConfig
 from train.recipes import Denoiser, PromptEmbeds
 
 __all__ = ["Validator", "validation_size"]
 
 
-def validation_size(cfg: Any, meta: dict[str, Any]) -> int:
+def validation_size(cfg: TrainConfig, meta: CacheMeta) -> int:
     """The square side in pixels: the config's ``validation_size``, else the side of the cache's bucket area
     (a multiple of 16: Flux packs 2x2 latents of an 8x VAE)."""
     if cfg.validation_size:
         return int(cfg.validation_size)
-    area = int(((meta.get("settings") or {}).get("buckets") or {}).get("area") or 512 * 512)
+    area = (meta.settings.buckets.area if meta.settings.buckets else None) or 512 * 512
     return max(16, int(math.isqrt(area)) // 16 * 16)
 
 
 class Validator:
     """Samples the validation images of one run (call :meth:`sample` on the main process only)."""
 
-    def __init__(self, denoiser: Denoiser, reader: CacheReader, cfg: Any):
-        text = reader.meta.get("text") or {}
-        self.prompts = [p["prompt"] for p in text.get("validation_prompts") or []]
+    def __init__(self, denoiser: Denoiser, reader: CacheReader, cfg: TrainConfig):
+        text = reader.meta.text
+        prompts = (text.validation_prompts if text else None) or ()
+        self.prompts = [p.prompt for p in prompts]
         if not self.prompts:
             raise UsageError(f"config validation_every {cfg.validation_every}: cache {redact(reader.url)} holds no "
                              "validation prompts; embed them with `bucketeer embed ... --validation-prompts FILE` "
                              "(only they are embedded, once), or set validation_every: 0")  # fmt: skip
-        keys = [int(p["caption_key"]) for p in text["validation_prompts"]] + [int(text["empty_caption_key"])]
-        layout = TextLayout.from_meta(reader.meta)
+        keys = [int(p.caption_key) for p in prompts] + [int(text.empty_caption_key)]
+        layout = reader.meta.text_layout
         embeds, mask, pooled = layout.prompt_embeds(reader.read_texts(keys))  # (P + 1, L, D), (P + 1, L), (P + 1, D)
         self.embeds = [PromptEmbeds(torch.from_numpy(embeds[i : i + 1]), torch.from_numpy(mask[i : i + 1]),
                                     None if pooled is None else torch.from_numpy(pooled[i : i + 1]))
@@ -60,8 +63,8 @@ class Validator:
         from diffusers import AutoencoderKL
 
         if self._vae is None:
-            vae = self.meta["settings"]["vae"]
-            self._vae = AutoencoderKL.from_pretrained(vae["id"], subfolder=vae.get("subfolder"))
+            vae = self.meta.settings.vae
+            self._vae = AutoencoderKL.from_pretrained(vae.id, subfolder=vae.subfolder)
         return self._vae
 
     @torch.no_grad()

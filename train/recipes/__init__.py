@@ -22,10 +22,10 @@ generic    (as pixart, from scratch)
 
 from __future__ import annotations
 
-from typing import Any
 
-from manifests.cache import TextLayout
+from manifests.cache.meta import CacheMeta
 from manifests.errors import UsageError
+from train.config import TrainConfig
 from train.recipes import flux, pixart, sd3, sdxl
 from train.recipes.base import Denoiser, PromptEmbeds, Recipe
 
@@ -35,10 +35,10 @@ RECIPES: dict[str, Recipe] = {"sdxl": sdxl.RECIPE, "sd3": sd3.RECIPE, "flux": fl
                               "generic": pixart.RECIPE}  # fmt: skip
 
 
-def recipe_for(cfg: Any, meta: dict[str, Any]) -> Recipe:
+def recipe_for(cfg: TrainConfig, meta: CacheMeta) -> Recipe:
     """The recipe of the cache's family (``meta``: ``_cache.json``). Raises UsageError when the config's
     ``family`` contradicts the cache's, naming both."""
-    family = meta.get("family") or TextLayout.from_meta(meta).family
+    family = meta.family or meta.text_layout.family
     if cfg.family is not None and cfg.family != family:
         raise UsageError(f"config family {cfg.family!r} but the cache was embedded for family {family!r}: "
                          f"train {family} on this cache, or embed with --family {cfg.family}")

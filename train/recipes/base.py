@@ -7,7 +7,9 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from manifests.cache.meta import CacheMeta
 from manifests.errors import UsageError
+from train.config import TrainConfig
 
 __all__ = ["Denoiser", "LossFn", "PromptEmbeds", "Recipe", "pretrained_source", "load_pretrained", "check_matches",
            "flow_options", "flow_loss"]
@@ -50,10 +52,10 @@ class Denoiser:
 @dataclass(frozen=True)
 class Recipe:
     family: str
-    setup: Callable[[Any, dict[str, Any]], Denoiser]
+    setup: Callable[[TrainConfig, dict[str, Any]], Denoiser]
 
 
-def pretrained_source(cfg: Any, meta: dict[str, Any], *, required: bool = True) -> str | None:
+def pretrained_source(cfg: TrainConfig, meta: CacheMeta, *, required: bool = True) -> str | None:
     """The model to start from: the config's ``pretrained``, else the ``--model`` the cache was embedded with.
 
     Raises UsageError when neither names one and ``required``, or when the config also sizes a fresh
@@ -62,9 +64,9 @@ def pretrained_source(cfg: Any, meta: dict[str, Any], *, required: bool = True) 
     if cfg.model:
         raise UsageError(f"config model: {sorted(cfg.model)} sizes the from-scratch PixArt transformer; a run that "
                          "fine-tunes a pretrained model takes its architecture from it: remove model:")
-    source = cfg.pretrained or (meta.get("settings") or {}).get("model")
+    source = cfg.pretrained or meta.settings.model
     if source is None and required:
-        raise UsageError(f"config: family {meta.get('family')!r} fine-tunes a pretrained model, and the cache was "
+        raise UsageError(f"config: family {meta.family!r} fine-tunes a pretrained model, and the cache was "
                          "embedded without --model: set pretrained: ID_OR_PATH (a diffusers pipeline folder)")
     return source
 
@@ -85,7 +87,7 @@ def check_matches(what: str, model_value: Any, cache_value: Any, source: str) ->
                          "train with the model the cache was embedded with (bucketeer embed --model)")
 
 
-def flow_options(cfg: Any) -> dict[str, Any]:
+def flow_options(cfg: TrainConfig) -> dict[str, Any]:
     """The config's timestep-density settings, as :func:`train.model.flow_sample` takes them."""
     return {"weighting_scheme": cfg.weighting_scheme, "logit_mean": cfg.logit_mean, "logit_std": cfg.logit_std,
             "mode_scale": cfg.mode_scale}  # fmt: skip

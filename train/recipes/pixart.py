@@ -16,16 +16,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from manifests.cache import TextLayout
+from manifests.cache.meta import CacheMeta
+from train.config import TrainConfig
 from train.model import build_model, ddpm_sample, flow_matching_loss
 from train.recipes.base import (Denoiser, PromptEmbeds, Recipe, check_matches, flow_options, load_pretrained,
                                 pretrained_source)  # fmt: skip
 
 
-def setup(cfg: Any, meta: dict[str, Any]) -> Denoiser:
+def setup(cfg: TrainConfig, meta: CacheMeta) -> Denoiser:
     from diffusers import DDPMScheduler, FlowMatchEulerDiscreteScheduler, PixArtTransformer2DModel
 
-    layout, channels = TextLayout.from_meta(meta), int(meta["latent"]["channels"])
+    layout, channels = meta.text_layout, int(meta.latent.channels)
     if cfg.pretrained is None:
         model = build_model(cfg.model, latent_channels=channels, caption_channels=layout.width)
         sampler = FlowMatchEulerDiscreteScheduler()

@@ -13,22 +13,23 @@ from typing import Any
 
 import torch
 
-from manifests.cache import TextLayout
+from manifests.cache.meta import CacheMeta
+from train.config import TrainConfig
 from train.model import flow_sample
 from train.recipes.base import (Denoiser, PromptEmbeds, Recipe, check_matches, flow_loss, flow_options,
                                 load_pretrained, pretrained_source)  # fmt: skip
 
 
-def setup(cfg: Any, meta: dict[str, Any]) -> Denoiser:
+def setup(cfg: TrainConfig, meta: CacheMeta) -> Denoiser:
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
 
     source = pretrained_source(cfg, meta)
     transformer = load_pretrained(SD3Transformer2DModel, source, "transformer")
-    layout = TextLayout.from_meta(meta)
+    layout = meta.text_layout
     check_matches("text width (joint_attention_dim)", transformer.config.joint_attention_dim, layout.width, source)
     check_matches("pooled width (pooled_projection_dim)", transformer.config.pooled_projection_dim,
                   layout.pooled_dim, source)
-    check_matches("latent channels", transformer.config.in_channels, int(meta["latent"]["channels"]), source)
+    check_matches("latent channels", transformer.config.in_channels, int(meta.latent.channels), source)
     scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(source, subfolder="scheduler")
     shift = 1.0 if scheduler.config.get("use_dynamic_shifting") else float(scheduler.config.get("shift", 1.0))
 

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from manifests.cache import TextLayout
+from manifests.cache.meta import CacheMeta
+from train.config import TrainConfig
 from train.model import ddpm_sample
 from train.recipes.base import Denoiser, PromptEmbeds, Recipe, check_matches, load_pretrained, pretrained_source
 
@@ -25,17 +26,17 @@ def time_ids(original_size: torch.Tensor, crop_top_left: torch.Tensor, target_si
     return torch.cat([original_size, crop_top_left, target_size], dim=1)
 
 
-def setup(cfg: Any, meta: dict[str, Any]) -> Denoiser:
+def setup(cfg: TrainConfig, meta: CacheMeta) -> Denoiser:
     from diffusers import DDPMScheduler, UNet2DConditionModel
 
     source = pretrained_source(cfg, meta)
     unet = load_pretrained(UNet2DConditionModel, source, "unet")
-    layout = TextLayout.from_meta(meta)
+    layout = meta.text_layout
     check_matches("text width (cross_attention_dim)", unet.config.cross_attention_dim, layout.width, source)
     time_width = 6 * int(unet.config.addition_time_embed_dim)
     check_matches("pooled width (projection_class_embeddings_input_dim - 6 time ids)",
                   int(unet.config.projection_class_embeddings_input_dim) - time_width, layout.pooled_dim, source)
-    check_matches("latent channels", unet.config.in_channels, int(meta["latent"]["channels"]), source)
+    check_matches("latent channels", unet.config.in_channels, int(meta.latent.channels), source)
     scheduler = DDPMScheduler.from_pretrained(source, subfolder="scheduler")  # keeps prediction_type, betas
 
     def loss(model: torch.nn.Module, batch: Any, generator: torch.Generator) -> torch.Tensor:

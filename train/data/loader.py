@@ -1,43 +1,8 @@
-"""This rank's batches: its own plan rows, records from the cache by ranged reads, read ahead on threads.
+"""This rank's batches: records of its plan rows from the cache by ranged reads, read ahead on threads.
 
-A rank reads only its own rows of the plan, one epoch at a time (:class:`RankSteps`: memory is one
-epoch of this rank's rows, the next epoch read while this one trains), and asks the
-:class:`CacheReader` for each step's sample ids: no listing, no per-sample objects. Each plan row becomes exactly one
-:class:`Batch`, in plan order, on this rank only. The loader is deliberately NOT a DataLoader
-handed to ``accelerator.prepare()``: prepare would re-shard it across ranks (BatchSamplerShard /
-IterableDatasetShard), i.e. shard a plan that is already sharded, and it fails on
-``batch_size=None``. Reading ahead happens on a few threads of this process rather than in
-DataLoader worker processes: fsspec's S3 clients are not fork-safe and each worker would hold its
-own copy of the cache index. ``read_threads`` batches are read at once (the reader is
-thread-safe): on an object store a batch read is one round of concurrent ranged GETs, so its
-latency, not bandwidth, bounds a single reader; the batches are still handed out in plan order.
-
-A record that is missing, truncated or fails its checksum stops the run with an error naming the
-sample, the shard and the fix (``bucketeer verify``), unless ``skip_bad_records`` is set: then the
-bad records are dropped from their batch, counted and reported (a batch with no good record left
-still stops the run: every rank must take every step).
-
-Caption dropout (classifier-free guidance) replaces a sample's text with the empty caption's record
-(``_cache.json["text"]["empty_caption_key"]``, read once) when :func:`caption_dropout_mask` draws it:
-a pure function of ``(seed, epoch, sample id)``, so a resumed run (on any number of processes) drops
-exactly the captions an uninterrupted run would have dropped.
-
-Variants (a cache embedded with ``--flip`` / ``--crops K``): each sample trains on one of its
-variants per epoch, :func:`variant_choice` (the same kind of pure function, another salt), and its
-``crop_top_left`` (SDXL's crop conditioning) is that variant's crop box. A cache of pairs
-(``scan --conditioning``) gives every batch ``cond_latents`` too, the same variant of the
-conditioning image.
-
-Caption lists: a sample embedded with several captions trains on the one the plan chose for it this
-epoch (``PlanStep.caption_index``; a plan without that column means caption 0); caption dropout still
-replaces the chosen one.
-
-Posterior sampling: a cache embedded with ``--latents posterior`` stores each latent's posterior
-``latent_std``; the loader trains on a fresh draw ``mean + std * eps`` every epoch (config
-``posterior_sampling``, default on), ``eps`` a pure function of ``(seed, epoch, sample id)``
-(:func:`posterior_noise`, a counter-based Philox stream), so it does not depend on the rank, the
-batch it lands in or any RNG state: a resumed run draws exactly what an uninterrupted one would.
-Caches of means only train on the mean, as before.
+Each plan row (:class:`train.data.steps.PlanStep`) becomes exactly one :class:`Batch`, in plan
+order, on this rank only: the :class:`CacheReader` is asked for each step's sample ids (no listing,
+no per-sample objects). See :mod:`train.data` for why this is not a DataLoader.
 """
 
 from __future__ import annotations
@@ -45,22 +10,20 @@ from __future__ import annotations
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 
+from manifests.cache.meta import LatentInfo
 from manifests.cache import CacheError, CacheReader, TextLayout
 from manifests.cache.records import SampleRecord, to_float32
-from manifests.draws import SALT_VARIANT, uniforms
 from manifests.errors import UsageError
-from manifests.plan import PlanMeta, read_plan_meta, read_plan_rows
 from manifests.storage import redact
+from train.data.draws import caption_dropout_mask, draw_posterior, variant_choice
+from train.data.steps import PlanStep, RankSteps
 
-__all__ = ["PlanStep", "Batch", "BadRecordError", "RankSteps", "rank_steps", "collate", "BatchLoader",
-           "caption_dropout_mask", "variant_choice", "posterior_noise", "draw_posterior"]
-
-_POSTERIOR_SALT = 0x706F7374  # "post": keeps the posterior's stream apart from every other per-sample draw
+__all__ = ["Batch", "BadRecordError", "collate", "BatchLoader"]
 
 TENSORS = ("latents", "text", "text_mask", "resolution", "aspect_ratio", "crop_top_left", "target_size", "pooled",
            "cond_latents")
@@ -68,94 +31,6 @@ TENSORS = ("latents", "text", "text_mask", "resolution", "aspect_ratio", "crop_t
 
 class BadRecordError(UsageError):
     """A cache record this rank needs is missing or corrupt (and skipping was not asked for)."""
-
-
-@dataclass(frozen=True)
-class PlanStep:
-    """One plan row of this rank: the samples of one step, all of one bucket.
-
-    Mixture plans: ``dataset`` (B,) uint8, the dataset (and cache) of each sample, None for a
-    one-manifest plan; ``caption_index`` (B,) uint8, the caption the plan chose from each sample's
-    caption list, None for plans without caption lists (caption 0).
-    """
-
-    epoch: int
-    step: int
-    bucket: str
-    sample_ids: tuple[int, ...]
-    dataset: np.ndarray | None = None  # (B,) mixture plans: the dataset of each sample; None: one manifest
-    caption_index: np.ndarray | None = None  # (B,) which caption of each sample the plan chose; None: caption 0
-
-
-class RankSteps:
-    """This rank's plan rows from a position on, in order, read one epoch at a time.
-
-    ``len()`` is known from ``_plan.json`` alone (every rank gets the same). Iterating yields
-    :class:`PlanStep` s; :meth:`epochs` yields them epoch by epoch, reading the next epoch's rows
-    (two ranged reads) on a thread while the current one is used. Memory: two epochs of this
-    rank's rows at most. A plan error (a missing or malformed file) is raised at that epoch.
-    """
-
-    def __init__(self, plan_url: str, rank: int, storage_options: dict | None = None, *,
-                 meta: PlanMeta | None = None, start: tuple[int, int] = (0, 0),
-                 limit: int | None = None):  # fmt: skip
-        self.url, self.rank, self.storage_options = plan_url, rank, storage_options
-        self.meta = meta or read_plan_meta(plan_url, storage_options)
-        self.start = start
-        left = limit
-        self.parts: list[tuple[int, int, int]] = []  # (epoch, first step to take, steps to take)
-        for e in self.meta.epochs:
-            first, end = e.first_step, e.first_step + e.steps
-            if (e.epoch, end) <= start or (left is not None and left <= 0):
-                continue
-            skip = max(start[1] - first, 0) if e.epoch == start[0] else 0
-            count = end - first - skip if left is None else min(end - first - skip, left)
-            self.parts.append((e.epoch, first + skip, count))
-            left = None if left is None else left - count
-
-    def __len__(self) -> int:
-        return sum(count for _, _, count in self.parts)
-
-    @property
-    def last_epoch(self) -> int | None:
-        """The last epoch these steps reach (None when there is no step)."""
-        return self.parts[-1][0] if self.parts else None
-
-    def _read(self, epoch: int, first: int, count: int) -> list[PlanStep]:
-        table = read_plan_rows(self.url, [epoch], [self.rank], storage_options=self.storage_options,
-                               meta=self.meta).table()  # fmt: skip
-        steps = table.column("step").to_numpy()
-        keep = table.filter((steps >= first) & (steps < first + count))
-        rows = [keep.column(c).to_pylist() for c in ("step", "bucket", "sample_ids")]
-        extra = [[np.asarray(v, np.uint8) for v in keep.column(c).to_pylist()] if c in keep.column_names
-                 else [None] * keep.num_rows for c in ("dataset", "caption_index")]  # fmt: skip
-        return [PlanStep(epoch, s, b, tuple(i), d, c) for s, b, i, d, c in zip(*rows, *extra)]
-
-    def epochs(self) -> Iterator[list[PlanStep]]:
-        with ThreadPoolExecutor(1, thread_name_prefix=f"bucketeer-plan-{self.rank}") as pool:
-            ahead = [pool.submit(self._read, *part) for part in self.parts[:1]]
-            for i in range(len(self.parts)):
-                current = ahead.pop(0).result()
-                if i + 1 < len(self.parts):
-                    ahead.append(pool.submit(self._read, *self.parts[i + 1]))
-                yield current
-
-    def __iter__(self) -> Iterator[PlanStep]:
-        for steps in self.epochs():
-            yield from steps
-
-
-def rank_steps(
-    plan_url: str, rank: int, storage_options: dict | None = None, *, start: tuple[int, int] = (0, 0),
-    limit: int | None = None,
-) -> RankSteps:  # fmt: skip
-    """This rank's plan rows from position ``start = (epoch, first step not yet run)`` on, in order,
-    at most ``limit`` of them (read lazily, epoch by epoch: see :class:`RankSteps`).
-
-    Reads ``_plan.json`` now, this rank's rows as they are iterated. Raises PlanError (a ValueError)
-    for a bad plan.
-    """
-    return RankSteps(plan_url, rank, storage_options, start=start, limit=limit)
 
 
 @dataclass
@@ -253,52 +128,6 @@ def collate(
     )
 
 
-def caption_dropout_mask(seed: int, epoch: int, sample_ids: Sequence[int], p: float,
-                         datasets: Sequence[int] | None = None) -> np.ndarray:  # fmt: skip
-    """Which of ``sample_ids`` train on the empty caption this epoch: (B,) bool, each True with probability
-    ``p``, a pure function of ``(seed, epoch, sample id)`` (so of the plan, not of the rank or the RNG state).
-    ``datasets`` (mixture plans): the sample is ``(dataset, id)``; dataset 0 draws what a one-manifest plan does."""
-    if p <= 0:
-        return np.zeros(len(sample_ids), bool)
-    return uniforms(seed, epoch, sample_ids, 0 if datasets is None else np.asarray(datasets, np.uint64)) < p
-
-
-def variant_choice(seed: int, epoch: int, sample_ids: Sequence[int], variants: Sequence[int] | int,
-                   datasets: Sequence[int] | None = None) -> np.ndarray:  # fmt: skip
-    """Which variant (``embed --flip`` / ``--crops``) each of ``sample_ids`` trains on this epoch: (B,) int64,
-    uniform over ``0 .. variants - 1`` (per sample, or one count for all), a pure function of ``(seed,
-    epoch, sample id)`` (and the dataset in mixture plans): a resumed run, on any number of processes, picks
-    what an uninterrupted run picks; independent of caption dropout and the caption choice (own salt)."""
-    counts = np.broadcast_to(np.asarray(variants, np.int64), (len(sample_ids),))
-    salt = np.uint64(SALT_VARIANT) + (np.zeros(1, np.uint64) if datasets is None else np.asarray(datasets, np.uint64))
-    return np.minimum((uniforms(seed, epoch, sample_ids, salt) * counts).astype(np.int64), counts - 1)
-
-
-def posterior_noise(seed: int, epoch: int, sample_id: int, shape: tuple[int, ...], dataset: int = 0) -> np.ndarray:
-    """Standard normal float32 noise of ``shape`` for one sample's posterior draw this epoch: a pure
-    function of ``(seed, epoch, sample id)`` and, in mixture plans, the dataset (a Philox stream keyed
-    by them; the same on every rank)."""
-    entropy = [seed & ((1 << 64) - 1), epoch, int(sample_id), _POSTERIOR_SALT] + ([int(dataset)] if dataset else [])
-    key = np.random.SeedSequence(entropy)
-    return np.random.Generator(np.random.Philox(key)).standard_normal(shape, dtype=np.float32)
-
-
-def draw_posterior(records: Sequence[SampleRecord], seed: int, epoch: int,
-                   datasets: Sequence[int] | None = None) -> list[SampleRecord]:  # fmt: skip
-    """Records whose latent is a draw ``mean + std * eps`` from their VAE posterior (float32, not yet
-    scaled), ``eps`` from :func:`posterior_noise` (``datasets``: each record's, in mixture plans);
-    records without ``latent_std`` are returned as they are."""
-    out = []
-    for r, d in zip(records, [0] * len(records) if datasets is None else datasets):
-        if r.latent_std is None:
-            out.append(r)
-            continue
-        mean, std = to_float32(r.latent, r.dtype), to_float32(r.latent_std, r.dtype)  # (C, h, w)
-        latent = mean + std * posterior_noise(seed, epoch, r.sample_id, mean.shape, d)
-        out.append(replace(r, latent=latent.astype(np.float32), dtype="F32", latent_std=None))
-    return out
-
-
 class BatchLoader:
     """Iterate :class:`Batch` es for ``steps`` in plan order, reading ``prefetch`` batches ahead.
 
@@ -322,7 +151,7 @@ class BatchLoader:
         self,
         reader: CacheReader | Sequence[CacheReader],
         steps: Sequence[PlanStep] | RankSteps,
-        latent_info: dict[str, Any],
+        latent_info: LatentInfo | None,
         *,
         rank: int = 0,
         prefetch: int = 4,
@@ -339,11 +168,11 @@ class BatchLoader:
         self.readers = [reader] if isinstance(reader, CacheReader) else list(reader)
         self.reader = reader = self.readers[0]
         self.steps = steps if isinstance(steps, RankSteps) else list(steps)
-        self.scaling_factor = float(latent_info.get("scaling_factor") or 1.0)
-        self.shift_factor = float(latent_info.get("shift_factor") or 0.0)
-        self.layout = TextLayout.from_meta(reader.meta)
+        self.scaling_factor = float(latent_info.scaling_factor or 1.0) if latent_info else 1.0
+        self.shift_factor = float(latent_info.shift_factor or 0.0) if latent_info else 0.0
+        self.layout = reader.meta.text_layout
         for other in self.readers[1:]:  # one batch holds samples of several caches: one encoder for all
-            if TextLayout.from_meta(other.meta) != self.layout or other.meta["latent"] != reader.meta["latent"]:
+            if other.meta.text_layout != self.layout or other.meta.latent != reader.meta.latent:
                 raise UsageError(f"cache {redact(other.url)} was made with other encoders (text layout or latent "
                                  f"settings) than {redact(reader.url)}: a mixture's caches must come from one "
                                  "`bucketeer embed` setup")  # fmt: skip
@@ -358,7 +187,7 @@ class BatchLoader:
         self.posterior_sampling = posterior_sampling
         self.empty_text = None
         if caption_dropout > 0:
-            key = (reader.meta.get("text") or {}).get("empty_caption_key")
+            key = reader.meta.text.empty_caption_key if reader.meta.text else None
             if key is None:
                 raise UsageError(f"config caption_dropout {caption_dropout}: cache {redact(reader.url)} has no empty "
                                  "caption record (_cache.json text.empty_caption_key); re-embed it with this "
