@@ -81,8 +81,6 @@ def _setup_logging(verbose: bool) -> None:
 
 def _invoke(module: ModuleType, args: argparse.Namespace) -> int:
     try:
-        if not hasattr(module, "job_from_args"):  # TRANSITIONAL: removed once every command takes a job
-            return int(module.run(args) or 0)
         result = module.run(module.job_from_args(args))
         return int(getattr(result, "exit_code", 0))
     except Exception as e:
