@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from manifests.errors import UsageError
+from manifests.errors import BucketeerError, UsageError
 from manifests.storage import call_storage, is_local, join, open_url, redact
 
-__all__ = ["OutputDir", "open_output", "check_shared", "SCRATCH_ENV"]
+__all__ = ["OutputDir", "open_output", "check_writable", "check_shared", "SCRATCH_ENV"]
 
 SCRATCH_ENV = "BUCKETEER_SCRATCH"
 
@@ -129,6 +129,31 @@ def open_output(url: str, storage_options: dict[str, Any] | None, node: int) -> 
     digest = hashlib.sha256(f"{fs.protocol}:{root}".encode()).hexdigest()[:12]
     scratch = base / "bucketeer-train" / digest / f"node-{node}"
     return OutputDir(url, fs, root, scratch)
+
+
+def check_writable(output: OutputDir) -> None:
+    """Write and remove a probe file in ``--output-dir`` (and this node's scratch folder for a URL), so that a
+    read-only, permission-denied or missing output stops the run in one line (UsageError, exit 2) before any
+    model loads, not in TensorBoard's first log write after it."""
+    probe = f".bucketeer-write-check-{uuid.uuid4().hex}"
+    folders = [output.local()] if output.is_local else [output.scratch]
+    for folder in folders:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / probe).write_bytes(b"")
+            (folder / probe).unlink()
+        except OSError as e:
+            where = output.name() if output.is_local else f"{folder} (this node's local copy of {output.name()})"
+            raise UsageError(f"--output-dir {where}: cannot write there ({e.strerror or type(e).__name__}); "
+                             "choose a folder this user can write, or fix its permissions") from None  # fmt: skip
+    if not output.is_local:
+        target = join(output.root, probe)
+        try:
+            call_storage(output.fs, "writing", target, lambda: output.fs.pipe_file(target, b""))
+            call_storage(output.fs, "removing", target, lambda: output.fs.rm_file(target))
+        except (OSError, BucketeerError) as e:
+            raise UsageError(f"--output-dir {output.name()}: cannot write there ({redact(str(e))}); check the "
+                             "bucket, the credentials' write permission and --storage-options") from None  # fmt: skip
 
 
 def check_shared(accelerator, output: OutputDir) -> None:

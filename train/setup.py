@@ -90,7 +90,7 @@ def setup_launch(job: TrainJob) -> Launch:
 
     from manifests.plan import read_plan_meta
     from train.backends import check_backend, plan_grad_accum
-    from train.output import check_shared, open_output
+    from train.output import check_shared, check_writable, open_output
 
     cfg = job.config
     root_url = job.plan_url
@@ -102,6 +102,7 @@ def setup_launch(job: TrainJob) -> Launch:
     # the first rank of this node names its local folder (torchrun and accelerate launch set both)
     node = int(os.environ.get("RANK", 0)) - int(os.environ.get("LOCAL_RANK", 0))
     output = open_output(job.output_dir, job.storage_options, node)
+    check_writable(output)  # before the Accelerator's TensorBoard folder and any model load
     accelerator = Accelerator(
         mixed_precision=cfg.mixed_precision,
         gradient_accumulation_steps=grad_accum,
