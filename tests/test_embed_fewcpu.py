@@ -96,3 +96,17 @@ def test_a_cluster_without_a_whole_cpu_is_refused(tmp_path):
         "cluster has 1 x (0 CPU + 2 GPU) and no autoscaler that can add one: start a node with --num-cpus 1 or more"
     ], done.stderr
     assert not os.path.exists(out)  # refused before anything was written
+
+
+@pytest.mark.parametrize("cpus", [1, 2, 3, 8, 16])
+@pytest.mark.parametrize("gpus", [1, 2, 4, 8, 64])
+def test_encoders_for_every_gpu_leave_a_decode_task_room(cpus, gpus):
+    """On a GPU node of any shape (with a CPU-only node beside it or not), the encoder actors of all
+    its GPUs and a decode task fit its CPUs; an actor never asks for more than a CPU."""
+    from pipeline.embed.dataflow import NodeShape, size_cpus
+
+    for nodes in ([NodeShape(cpus, gpus)], [NodeShape(cpus, gpus), NodeShape(32, 0)]):
+        actor, task, light = size_cpus("cuda", 1, nodes)
+        assert 0 < actor <= 1 and 0 < light <= task <= 1
+        assert gpus * actor + task <= cpus + 1e-9, (nodes, actor, task)
+        assert task >= min(1.0, cpus / 2) - 1e-9  # decoding gets at least half the tightest node

@@ -24,6 +24,18 @@ into the actor stage after it when their Ray options are equal, which would move
 encoder actors and stop it overlapping the encoder: the prepare tasks' memory request keeps them
 apart. Ray Data's own progress bars and start/finish logging are off: the job reports its phases
 itself (:class:`manifests.progress.Progress`).
+
+What each kind of work asks Ray for is sized to the nodes Ray reports (:func:`size_cpus`): GPU
+boxes often have as many vCPUs as GPUs, and encoder actors that each held a whole CPU left none
+for decoding (tested on GPU nodes with 1 CPU and no CPU-only node: ``tests/test_embed_fewcpu.py``).
+Ray Data then splits the cluster's CPUs between the stages itself (its resource manager reserves
+``op_resource_reservation_ratio`` of them among the stages, upstream first, each at least one
+task's worth, and shares the rest); its defaults are kept: with the sizes above a manifest-reading
+task and a decode task fit in the CPUs of any cluster that has a GPU node with a CPU, so it bounds
+how many decode tasks run at once, not whether one does. The one
+stage whose CPUs Ray Data decides alone, the streaming repartition, is given them
+(:func:`_one_per_block`). A cluster that can never decode (no node with a whole CPU, none an
+autoscaler reports it can add) is refused at once (:func:`check_runnable`).
 """
 
 from __future__ import annotations
@@ -49,8 +61,7 @@ _LIGHT_TASK_CPUS = 0.25  # reading a row group of the manifest: a few ranged rea
 # keeps a node from starting more of them than it can hold (and, its options differing from the
 # encoder actor's, keeps Ray Data from fusing decoding into the encoder actors)
 _PREPARE_MEMORY = 2 * UNIT_PIXEL_BYTES
-# Ray schedules CPU fractions in steps of 1/10000; ours are rounded down to hundredths
-_CPU_STEP = 0.01
+_CPU_STEP = 0.0001  # Ray's resolution of a fractional resource: sizes are rounded down to it
 
 
 @dataclass(frozen=True)
@@ -140,7 +151,7 @@ def cluster_nodes(ray) -> list[NodeShape]:
 
 
 def _down(cpus: float) -> float:
-    return max(_CPU_STEP, int(cpus / _CPU_STEP + 1e-9) * _CPU_STEP)
+    return max(_CPU_STEP, round(int(cpus / _CPU_STEP + 1e-9) * _CPU_STEP, 4))
 
 
 def size_cpus(device: str, threads: int, nodes: list[NodeShape]) -> tuple[float, float, float]:
