@@ -24,12 +24,25 @@ into the actor stage after it when their Ray options are equal, which would move
 encoder actors and stop it overlapping the encoder: the prepare tasks' memory request keeps them
 apart. Ray Data's own progress bars and start/finish logging are off: the job reports its phases
 itself (:class:`manifests.progress.Progress`).
+
+What each kind of work asks Ray for is sized to the nodes Ray reports (:func:`size_cpus`): GPU
+boxes often have as many vCPUs as GPUs, and encoder actors that each held a whole CPU left none
+for decoding (tested on GPU nodes with 1 CPU and no CPU-only node: ``tests/test_embed_fewcpu.py``).
+Ray Data then splits the cluster's CPUs between the stages itself (its resource manager reserves
+``op_resource_reservation_ratio`` of them among the stages, upstream first, each at least one
+task's worth, and shares the rest); its defaults are kept: with the sizes above a manifest-reading
+task and a decode task fit in the CPUs of any cluster that has a GPU node with a CPU, so it bounds
+how many decode tasks run at once, not whether one does. The one
+stage whose CPUs Ray Data decides alone, the streaming repartition, is given them
+(:func:`_one_per_block`). A cluster that can never decode (no node with a whole CPU, none an
+autoscaler reports it can add) is refused at once (:func:`check_runnable`).
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -39,7 +52,8 @@ from manifests.errors import UsageError
 from pipeline.embed.work import UNIT_PIXEL_BYTES, EmbedWork
 from pipeline.embed.workers import LatentWriter, TextWriter, plan_units, prepare_unit, read_captions
 
-__all__ = ["Placement", "place_encoders", "configure_ray_data", "caption_pipeline", "image_pipeline", "results"]
+__all__ = ["Placement", "NodeShape", "place_encoders", "size_cpus", "configure_ray_data", "caption_pipeline",
+           "image_pipeline", "results"]
 
 DEVICES = ("auto", "cuda", "cpu")
 _LIGHT_TASK_CPUS = 0.25  # reading a row group of the manifest: a few ranged reads, next to no compute
@@ -47,22 +61,39 @@ _LIGHT_TASK_CPUS = 0.25  # reading a row group of the manifest: a few ranged rea
 # keeps a node from starting more of them than it can hold (and, its options differing from the
 # encoder actor's, keeps Ray Data from fusing decoding into the encoder actors)
 _PREPARE_MEMORY = 2 * UNIT_PIXEL_BYTES
+_CPU_STEP = 0.0001  # Ray's resolution of a fractional resource: sizes are rounded down to it
+
+
+@dataclass(frozen=True)
+class NodeShape:
+    """The logical CPUs and GPUs of a Ray node (one that is alive, or one the autoscaler can start)."""
+
+    cpus: float
+    gpus: float
+
+    def __str__(self) -> str:
+        return f"{self.cpus:g} CPU + {self.gpus:g} GPU"
 
 
 @dataclass(frozen=True)
 class Placement:
     """Where the encoders run: ``device`` (``cuda``: one GPU per actor, requested from Ray; ``cpu``),
-    at most ``workers`` actors per phase, ``threads`` torch threads per CPU actor."""
+    at most ``workers`` actors per phase, ``threads`` torch threads per CPU actor; and the CPUs each
+    kind of Ray work asks for: ``actor_cpus`` per encoder actor, ``task_cpus`` per decode task
+    (``prepare_unit``), ``light_cpus`` per manifest-reading task (sized by :func:`size_cpus`)."""
 
     device: str
     workers: int
     threads: int
     gpus_now: int  # GPUs in the cluster when the job started
     gpus_max: int | None  # GPUs the cluster's autoscaler can reach, when Ray reports it
+    actor_cpus: float
+    task_cpus: float
+    light_cpus: float
 
     def actor_options(self) -> dict[str, Any]:
         """Ray resources of one encoder actor (Ray Data restarts its actors and retries their tasks)."""
-        return {"num_gpus": 1, "num_cpus": 1} if self.device == "cuda" else {"num_cpus": self.threads}
+        return {"num_gpus": 1, "num_cpus": self.actor_cpus} if self.device == "cuda" else {"num_cpus": self.actor_cpus}
 
     def pool(self, calls: int):
         """The actor pool for ``calls`` encoder calls: starts with the workers the cluster can place now
@@ -78,10 +109,12 @@ class Placement:
         return ray.data.ActorPoolStrategy(min_size=1, max_size=most, **{k: v for k, v in wanted.items() if k in known})
 
     def summary(self) -> str:
+        cpus = f"; {self.actor_cpus:g} CPU per encoder, {self.task_cpus:g} per decode task"
         if self.device == "cpu":
-            return f"encoders on CPU, {self.workers} actor(s) x {self.threads} thread(s)"
+            return f"encoders on CPU, {self.workers} actor(s) x {self.threads} thread(s){cpus}"
         reach = f", up to {self.gpus_max} as its autoscaler adds nodes" if self.gpus_max else ""
-        return f"encoders on GPU, up to {self.workers} actor(s) (the cluster has {self.gpus_now} GPU(s) now{reach})"
+        return (f"encoders on GPU, up to {self.workers} actor(s) (the cluster has {self.gpus_now} GPU(s) now{reach})"
+                f"{cpus}")  # fmt: skip
 
 
 def autoscaler_gpus() -> int | None:
@@ -97,22 +130,93 @@ def autoscaler_gpus() -> int | None:
     return gpus or None
 
 
+def autoscaler_node_types() -> list[NodeShape]:
+    """The node types the cluster's autoscaler can start, as Ray reports its cluster config; none
+    when it reports none (no autoscaler, or one that does not report)."""
+    try:
+        from ray._private.state import state
+
+        config = state.get_cluster_config()
+    except Exception:  # a private API, as in autoscaler_gpus
+        return []
+    groups = config.node_group_configs if config is not None else []
+    return [NodeShape(float(g.resources.get("CPU", 0)), float(g.resources.get("GPU", 0)))
+            for g in groups if g.max_count != 0]  # fmt: skip
+
+
+def cluster_nodes(ray) -> list[NodeShape]:
+    """The alive nodes of the cluster, as Ray reports their logical resources."""
+    return [NodeShape(float(n["Resources"].get("CPU", 0)), float(n["Resources"].get("GPU", 0)))
+            for n in ray.nodes() if n.get("Alive")]  # fmt: skip
+
+
+def _down(cpus: float) -> float:
+    return max(_CPU_STEP, round(int(cpus / _CPU_STEP + 1e-9) * _CPU_STEP, 4))
+
+
+def size_cpus(device: str, threads: int, nodes: list[NodeShape]) -> tuple[float, float, float]:
+    """The CPUs an encoder actor, a decode task and a light task ask Ray for, on ``nodes`` (those
+    alive and those an autoscaler can start): ``(actor_cpus, task_cpus, light_cpus)``.
+
+    An encoder actor holds its CPUs for the whole phase, so on a GPU box with few CPUs (8 GPUs and
+    8 vCPUs is common) one CPU per actor would leave none for decoding, and the job would wait
+    forever. On cuda an actor asks for at most half a node's CPUs divided by its GPUs, on the
+    tightest GPU node (1 CPU at most: it feeds a GPU and compresses); on cpu, at most ``threads``
+    and half the largest node. A decode task asks for at most 1 CPU and what is left on every node
+    that can run one (a node with at least 1 CPU) once encoders for all its GPUs are placed, so it
+    fits beside them; a light task for at most ``_LIGHT_TASK_CPUS`` of that. Nodes with no CPU are
+    left out; with no node at all yet (an autoscaler adds them), the sizes of a roomy node.
+    """
+    cpu_nodes = [n for n in nodes if n.cpus >= 1]
+    if device == "cuda":
+        gpu_nodes = [n for n in nodes if n.gpus >= 1]
+        actor = min([1.0, *(n.cpus / (2 * n.gpus) for n in gpu_nodes)])
+        actor = 0.0 if actor == 0 else _down(actor)  # a GPU node without CPUs: its actors ask for none
+
+        def free(n: NodeShape) -> float:
+            return n.cpus - actor * int(n.gpus)
+    else:
+        actor = _down(min(float(threads), max([n.cpus for n in cpu_nodes] or [2.0]) / 2))
+
+        def free(n: NodeShape) -> float:
+            return n.cpus - actor if n.cpus >= actor else n.cpus
+
+    task = _down(min([1.0, *(free(n) for n in cpu_nodes)]))
+    return actor, task, min(_LIGHT_TASK_CPUS, task)
+
+
+def check_runnable(nodes: list[NodeShape], can_add: list[NodeShape]) -> None:
+    """Raise UsageError when the cluster can never run the job: no node with a whole CPU (decoding
+    runs on CPUs), none the autoscaler can add. Missing GPUs are not this case: the job waits for them."""
+    if any(n.cpus >= 1 for n in nodes) or any(n.cpus >= 1 for n in can_add):
+        return
+    shapes = Counter(str(n) for n in nodes)
+    has = ", ".join(f"{count} x ({shape})" for shape, count in shapes.items()) or "no node"
+    raise UsageError(f"embed needs a Ray node with at least 1 CPU (images are decoded on CPUs), but the cluster has "
+                     f"{has} and no autoscaler that can add one: start a node with --num-cpus 1 or more")  # fmt: skip
+
+
 def place_encoders(ray, device: str, workers: int | None, threads: int | None) -> Placement:
     """Decide ``--device auto|cuda|cpu``: ``auto`` is ``cuda`` when the cluster has GPUs or its
     autoscaler can add some, else ``cpu``. ``cuda`` requests GPUs even when none are there yet
-    (the job waits for GPU nodes). Raises UsageError for an unknown device."""
+    (the job waits for GPU nodes). The CPUs each kind of work asks for fit the nodes
+    (:func:`size_cpus`). Raises UsageError for an unknown device, or a cluster that cannot run the
+    job at all (:func:`check_runnable`)."""
     if device not in DEVICES:
         raise UsageError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
+    nodes, can_add = cluster_nodes(ray), autoscaler_node_types()
+    check_runnable(nodes, can_add)
     gpus_now = int(ray.cluster_resources().get("GPU", 0))
     gpus_max = autoscaler_gpus()
     use = device if device != "auto" else ("cuda" if gpus_now or gpus_max else "cpu")
-    node_cpus = max([int(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n.get("Alive")] or [2])
+    node_cpus = max([int(n.cpus) for n in nodes] or [2])
     threads = threads or max(1, node_cpus // 2)
     if use == "cuda":
         count = workers or max(gpus_now, gpus_max or 0, 1)
     else:
         count = workers or 1
-    return Placement(use, count, threads, gpus_now, gpus_max)
+    actor_cpus, task_cpus, light_cpus = size_cpus(use, threads, nodes + can_add)
+    return Placement(use, count, threads, gpus_now, gpus_max, actor_cpus, task_cpus, light_cpus)
 
 
 def configure_ray_data() -> None:
@@ -143,7 +247,7 @@ def caption_pipeline(work: EmbedWork, prompts: dict[int, str], manifest: str, st
     captions = []
     if work.captions:
         captions.append(_items(work.captions).map_batches(
-            read_captions, batch_size=1, batch_format="pyarrow", num_cpus=_LIGHT_TASK_CPUS,
+            read_captions, batch_size=1, batch_format="pyarrow", num_cpus=placement.light_cpus,
             fn_kwargs={"manifest": manifest, "storage_options": storage_options}))  # fmt: skip
     if prompts:
         captions.append(ray.data.from_arrow(pa.table({"caption_key": pa.array(list(prompts), pa.uint64()),
@@ -164,13 +268,16 @@ def image_pipeline(work: EmbedWork, manifest: str, source: str, storage_options:
     """The images pipeline: one shard per unit. ``options``: batch_size, shard_records, crop, seed, max_pixels,
     crops, flip, conditioning (the root of the manifest's conditioning images, or None), image_column (a
     parquet-sourced manifest's, else None)."""
-    return (
+    units = (
         _items(work.images)
-        .map_batches(plan_units, batch_size=1, batch_format="pyarrow", num_cpus=_LIGHT_TASK_CPUS,
+        .map_batches(plan_units, batch_size=1, batch_format="pyarrow", num_cpus=placement.light_cpus,
                      fn_kwargs={"manifest": manifest, "storage_options": storage_options,
                                 "batch_size": options["batch_size"], "shard_records": options["shard_records"]})
-        .repartition(target_num_rows_per_block=1)  # a unit per block: each becomes its own prepare task
-        .map_batches(prepare_unit, batch_size=1, batch_format="pyarrow", num_cpus=1, memory=_PREPARE_MEMORY,
+    )  # fmt: skip
+    return (
+        _one_per_block(units, placement.light_cpus)
+        .map_batches(prepare_unit, batch_size=1, batch_format="pyarrow", num_cpus=placement.task_cpus,
+                     memory=_PREPARE_MEMORY,
                      fn_kwargs={"source": source, "storage_options": storage_options, "crop": options["crop"],
                                 "seed": options["seed"], "max_pixels": options["max_pixels"],
                                 "crops": options["crops"], "conditioning": options["conditioning"],
@@ -183,6 +290,23 @@ def image_pipeline(work: EmbedWork, manifest: str, source: str, storage_options:
                                             "flip": options["flip"]},
                      **placement.actor_options())
     )  # fmt: skip
+
+
+def _one_per_block(dataset, num_cpus: float):
+    """``dataset`` with one row per block (a unit per block: each becomes its own prepare task), cut by
+    the map stage before it, which asks for ``num_cpus``.
+
+    Ray Data's streaming repartition takes no Ray options: left alone it runs as tasks of 1 CPU (its
+    default), which never start on a GPU node whose encoders leave less than that free, and
+    its default options keep it from fusing into the stage before. Giving it that stage's CPUs
+    makes the two one stage, whose tasks cut their own output into blocks of one unit. The
+    repartition's options are not public API: on a Ray without them it stays a stage of its own.
+    """
+    dataset = dataset.repartition(target_num_rows_per_block=1)
+    options = getattr(getattr(getattr(dataset, "_logical_plan", None), "dag", None), "ray_remote_args", None)
+    if isinstance(options, dict):
+        options["num_cpus"] = num_cpus
+    return dataset
 
 
 def results(dataset) -> Iterator[dict[str, Any]]:
