@@ -171,7 +171,7 @@ def test_posterior_draws_are_per_epoch_and_exact_across_ranks_and_resumes(captio
     bucket = _rows(captioned.manifest)["a.jpg"]["bucket"]
     ids = tuple(sid for sid, r in records.items() if r.bucket == bucket)[:4]
     assert len(ids) == 4 and all(records[i].latent_std is not None for i in ids)
-    scale, shift = float(latent["scaling_factor"]), float(latent.get("shift_factor") or 0.0)
+    scale, shift = float(latent.scaling_factor), float(latent.shift_factor or 0.0)
     mean = (np.stack([to_float32(records[i].latent, records[i].dtype) for i in ids]) - shift) * scale  # (4, C, h, w)
 
     def latents(steps, **kw) -> list[np.ndarray]:

@@ -251,13 +251,11 @@ def test_reembedding_with_the_encoders_swapped_or_another_layer_is_refused(sdxl_
 def test_train_on_the_two_encoder_cache(sdxl_cache, tmp_path):
     from diffusers import PixArtTransformer2DModel
 
-    from pipeline import plan
-    from tests.train_dataset import _parse
+    from pipeline import PlanJob, run
 
     _, manifest, cache = sdxl_cache
     plan_url = str(tmp_path / "plan")
-    assert plan.run(_parse(plan, [manifest, "--out", plan_url, "--world-size", "1", "--batch-size", "2",
-                                  "--epochs", "2", "--cache", cache])) == 0  # fmt: skip
+    run(PlanJob(manifests=(manifest,), out=plan_url, world_size=1, batch_size=2, epochs=2, cache=(cache,)))
     out = tmp_path / "out"
     config = tmp_path / "c.yaml"
     config.write_text("log_every: 1\nwarmup_steps: 1\n")

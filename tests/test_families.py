@@ -308,13 +308,11 @@ def test_train_on_a_pixart_family_cache(pixart_cache, tmp_path):
     """The PixArt family (real tokens, masked) trains through the existing trainer's collate."""
     from diffusers import PixArtTransformer2DModel
 
-    from pipeline import plan
-    from tests.train_dataset import _parse
+    from pipeline import PlanJob, run
 
     manifest, cache, _ = pixart_cache
     plan_url = str(tmp_path / "plan")
-    assert plan.run(_parse(plan, [manifest, "--out", plan_url, "--world-size", "1", "--batch-size", "2",
-                                  "--epochs", "2", "--cache", cache])) == 0  # fmt: skip
+    run(PlanJob(manifests=(manifest,), out=plan_url, world_size=1, batch_size=2, epochs=2, cache=(cache,)))
     out, config = tmp_path / "out", tmp_path / "c.yaml"
     config.write_text("log_every: 1\nwarmup_steps: 1\n")
     proc = subprocess.run([sys.executable, "-m", "train", "--plan", plan_url, "--cache", cache, "--config", str(config),

@@ -65,7 +65,7 @@ def test_batches_follow_the_plan_with_padded_text_and_scaled_latents(train_data)
         w, h = map(int, batch.bucket.split("x"))
         assert batch.latents.shape == (4, 4, h // 8, w // 8) and batch.latents.dtype == torch.float32
         records = reader.read(batch.sample_ids)
-        expected = (np.stack([to_float32(r.latent, r.dtype) for r in records]) - 0.0) * latent["scaling_factor"]
+        expected = (np.stack([to_float32(r.latent, r.dtype) for r in records]) - 0.0) * latent.scaling_factor
         np.testing.assert_allclose(batch.latents.numpy(), expected, rtol=1e-6)
         lengths = [r.text.lengths[0] for r in records]
         assert batch.text.shape == (4, max(lengths), 32) and batch.text_mask.sum(1).tolist() == lengths

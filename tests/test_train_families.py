@@ -23,7 +23,6 @@ from manifests.errors import UsageError
 from tests.embed_data import make_dataset, embed_cache
 from tests.test_train import run  # noqa: F401  (fixture: the trainer in this process)
 from tests.test_train_dist import command, environment
-from tests.train_dataset import _parse
 from train.config import TrainConfig
 from train.data import BatchLoader, PlanStep, caption_dropout_mask, collate, rank_steps
 
@@ -44,7 +43,7 @@ CONDITIONED = {
 @pytest.fixture(scope="module")
 def families(tmp_path_factory, ray_local) -> dict[str, dict[str, str]]:
     """Per family: its tiny model folder, cache (6 samples, T5 at 8 tokens) and 1-rank plans."""
-    from pipeline import plan
+    from pipeline import PlanJob, run
     from pipeline.embed.encoders import quiet_loading
     from pipeline.embed.families.tiny import build_tiny
 
@@ -61,9 +60,8 @@ def families(tmp_path_factory, ray_local) -> dict[str, dict[str, str]]:
         plans = {}
         for world in (1, 2) if family == "flux" else (1,):  # 2 ranks: the two-process Flux run
             plans[world] = str(base / f"plan-{family}-w{world}")
-            argv = [manifest, "--out", plans[world], "--world-size", str(world), "--batch-size", "2", "--epochs",
-                    "3", "--cache", cache, "--leftover", "pad"]  # fmt: skip
-            assert plan.run(_parse(plan, argv)) == 0
+            run(PlanJob(manifests=(manifest,), out=plans[world], world_size=world, batch_size=2, epochs=3,
+                        cache=(cache,), leftover="pad"))  # fmt: skip
         out[family] = {"model": model, "cache": cache, "plan": plans[1], "plan2": plans.get(2)}
     return out
 

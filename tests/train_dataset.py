@@ -7,7 +7,6 @@ buckets (64x64: 16, 128x32: 12, 32x128: 12) with repeating captions, some missin
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import os
@@ -47,15 +46,9 @@ def _png(w: int, h: int, seed: int) -> bytes:
     return buf.getvalue()
 
 
-def _parse(module, argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    module.add_arguments(parser)
-    return parser.parse_args(argv)
-
-
 def build(base: Path) -> TrainData:
     """Build (or reuse) the dataset under ``base``; needs Ray (the embed job)."""
-    from pipeline import embed, plan
+    from pipeline import EmbedJob, PlanJob, run
 
     data = TrainData(str(base / "images"), str(base / "manifest"), str(base / "cache"),
                      str(base / "plan2"), str(base / "plan1"), str(base / "plan2a"), str(base / "plan1a"))  # fmt: skip
@@ -77,13 +70,11 @@ def build(base: Path) -> TrainData:
     samples, rejects = apply_buckets(table, SPEC)
     assert rejects.num_rows == 0
     write_manifest(data.manifest, samples, ERRORS_SCHEMA.empty_table(), source=data.root, spec=SPEC)
-    assert embed.run(_parse(embed, [data.manifest, "--out", data.cache, "--batch-size", "8",
-                                    "--shard-records", "8"])) == 0  # fmt: skip
+    run(EmbedJob(manifest=data.manifest, out=data.cache, batch_size=8, shard_records=8))
     plans = ((data.plan2, 2, 2, 2, 1), (data.plan1, 1, 4, 6, 1), (data.plan2a, 2, 2, 2, 2), (data.plan1a, 1, 4, 1, 2))
     for out, world, batch, epochs, accum in plans:
-        argv = [data.manifest, "--out", out, "--world-size", str(world), "--batch-size", str(batch),
-                "--epochs", str(epochs), "--seed", "3", "--cache", data.cache, "--grad-accum", str(accum)]  # fmt: skip
-        assert plan.run(_parse(plan, argv)) == 0
+        run(PlanJob(manifests=(data.manifest,), out=out, world_size=world, batch_size=batch, epochs=epochs, seed=3,
+                    cache=(data.cache,), grad_accum=accum))  # fmt: skip
     return data
 
 

@@ -52,12 +52,12 @@ class RankSteps:
         left = limit
         self.parts: list[tuple[int, int, int]] = []  # (epoch, first step to take, steps to take)
         for e in self.meta.epochs:
-            first, end = e["first_step"], e["first_step"] + e["steps"]
-            if (e["epoch"], end) <= start or (left is not None and left <= 0):
+            first, end = e.first_step, e.first_step + e.steps
+            if (e.epoch, end) <= start or (left is not None and left <= 0):
                 continue
-            skip = max(start[1] - first, 0) if e["epoch"] == start[0] else 0
+            skip = max(start[1] - first, 0) if e.epoch == start[0] else 0
             count = end - first - skip if left is None else min(end - first - skip, left)
-            self.parts.append((e["epoch"], first + skip, count))
+            self.parts.append((e.epoch, first + skip, count))
             left = None if left is None else left - count
 
     def __len__(self) -> int:
