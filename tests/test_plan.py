@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from collections import Counter
@@ -154,6 +155,13 @@ def test_a_rank_reads_only_its_own_row_groups(manifest_url, tmp_path):
         for i in [*range(4, start), *range(end, footer)]:
             data[i] = 0xAB
         path.write_bytes(bytes(data))
+    with pytest.raises(PlanError, match="epoch-00000.parquet does not hash to the sha256"):  # edited: refused
+        read_rank_plan(str(only), 1)
+    # as if planned so (the sha256s recorded): rank 1 decodes only its row groups, the rest is only hashed
+    meta = json.loads((only / PLAN_FILE).read_text())
+    for entry in meta["epochs"]:
+        entry["sha256"] = hashlib.sha256((only / epoch_part(entry["epoch"])).read_bytes()).hexdigest()
+    (only / PLAN_FILE).write_text(json.dumps(meta))
     assert read_rank_plan(str(only), 1).equals(expected)
     with pytest.raises(PlanError, match="rank 0"):
         read_rank_plan(str(only), 0)
@@ -423,7 +431,7 @@ def test_plan_with_a_real_cache_end_to_end(embedded, tmp_path, capsys):
                 cache=(embedded.cache,), progress=False))  # fmt: skip
     assert "1 not in the cache (left out)" in capsys.readouterr().out
     meta = read_plan_meta(url)
-    assert meta.inputs.cache_fingerprint == read_cache_meta(embedded.cache)["fingerprint"]
+    assert meta.inputs.cache_fingerprint == read_cache_meta(embedded.cache).fingerprint
     assert meta.samples.to_json() == {"planned": 10, "not_in_cache": 1, "stale": 0}
     planned, rows = _all_planned(url)
     good = available_sample_ids(embedded.cache, manifest=read_manifest(embedded.manifest))
@@ -439,7 +447,7 @@ def test_plan_with_a_real_cache_end_to_end(embedded, tmp_path, capsys):
 
     other = str(tmp_path / "cache-fp32")
     assert run_embed(embedded.manifest, other, "--dtype", "fp32") == 0
-    assert read_cache_meta(other)["fingerprint"] != meta.inputs.cache_fingerprint
+    assert read_cache_meta(other).fingerprint != meta.inputs.cache_fingerprint
     capsys.readouterr()
     assert main(["plan", "--check", url, embedded.manifest, "--cache", other]) == 1
     assert "cache fingerprint mismatch" in capsys.readouterr().out
@@ -458,7 +466,7 @@ def test_plan_check_catches_a_cache_that_lost_records(embedded, tmp_path, capsys
                 progress=False))  # fmt: skip
     manifest = read_manifest(embedded.manifest)
     fresh = available_sample_ids(embedded.cache, manifest=manifest)
-    fp = read_cache_meta(embedded.cache)["fingerprint"]
+    fp = read_cache_meta(embedded.cache).fingerprint
     assert check_plan(url, manifests=[manifest], available_ids=[fresh], cache_fingerprints=[fp]) == []
     problems = check_plan(url, manifests=[manifest], available_ids=[fresh[1:]], cache_fingerprints=[fp])
     assert any("differ from the manifest's (and cache's)" in p for p in problems)
