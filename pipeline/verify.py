@@ -5,7 +5,10 @@
     from pipeline import VerifyJob, run
     result = run(VerifyJob(cache="cache/"))   # result.bad: the bad records; result.exit_code
 
-Exit status 0 when every record is good, 1 when any is bad (their sample ids are listed).
+Exit status 0 when every record is good, 1 when any is bad (their sample ids are listed), 2 with
+one line when records are not the ones the index names (a sample id or caption key that differs from
+its index row: the index was edited or its rows mixed up, so re-embed into a new --out) or when there
+is no cache.
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ def job_from_args(args: argparse.Namespace) -> VerifyJob:
 
 def run(job: VerifyJob) -> VerifyResult:
     """Check every record of ``job.cache``; prints what ``bucketeer verify`` prints. CacheError when
-    there is no cache there."""
+    there is no cache there, or when records are not the ones its index names."""
     from manifests.cache.verify import verify_cache
 
     found = verify_cache(job.cache, dict(job.storage_options), progress=True)

@@ -163,6 +163,8 @@ def test_changing_the_second_caption_rescans_and_reembeds_that_sample_only(capti
     keys = {r["sample_id"]: r["caption_keys"] for r in read_index(cache)["samples"].to_pylist()}
     assert keys[sample_id("a.jpg")][1] == caption_key("second a, rewritten")
     assert verify_cache(cache).ok
+    a = CacheReader(cache).read([sample_id("a.jpg")])[0]  # the record names every caption, as its index row
+    assert a.caption_keys == tuple(keys[sample_id("a.jpg")])
 
 
 def test_posterior_draws_are_per_epoch_and_exact_across_ranks_and_resumes(captioned):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from collections import Counter
@@ -154,6 +155,13 @@ def test_a_rank_reads_only_its_own_row_groups(manifest_url, tmp_path):
         for i in [*range(4, start), *range(end, footer)]:
             data[i] = 0xAB
         path.write_bytes(bytes(data))
+    with pytest.raises(PlanError, match="epoch-00000.parquet does not hash to the sha256"):  # edited: refused
+        read_rank_plan(str(only), 1)
+    # as if planned so (the sha256s recorded): rank 1 decodes only its row groups, the rest is only hashed
+    meta = json.loads((only / PLAN_FILE).read_text())
+    for entry in meta["epochs"]:
+        entry["sha256"] = hashlib.sha256((only / epoch_part(entry["epoch"])).read_bytes()).hexdigest()
+    (only / PLAN_FILE).write_text(json.dumps(meta))
     assert read_rank_plan(str(only), 1).equals(expected)
     with pytest.raises(PlanError, match="rank 0"):
         read_rank_plan(str(only), 0)

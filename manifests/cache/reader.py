@@ -19,7 +19,16 @@ import pyarrow.compute as pc
 
 from manifests.cache.layout import TEXT_INDEX_SCHEMA, CacheError, read_meta, read_index
 from manifests.cache.meta import CacheMeta
-from manifests.cache.records import RecordError, SampleRecord, TextRecord, crc32, decode_sample, decode_text
+from manifests.cache.records import (
+    RecordError,
+    SampleRecord,
+    TextRecord,
+    crc32,
+    decode_sample,
+    decode_text,
+    sample_mismatch,
+    text_mismatch,
+)
 from manifests.storage import join, open_url, read_many, redact, storage_error
 
 __all__ = ["CacheReader", "merge_reads", "MAX_GAP", "MAX_BLOCK"]
@@ -151,6 +160,11 @@ class CacheReader:
     def _bad(self, what: str, shard: str, problem: str) -> str:
         return redact(f"{what} in shard {shard} of {self.url}: {problem}; run `bucketeer verify {self.url}`")
 
+    def _not_named(self, what: str, shard: str, problem: str) -> CacheError:
+        """The one-line error for a record that is not the one the index named (see :func:`sample_mismatch`)."""
+        return CacheError(redact(f"{what} in shard {shard} of {self.url}: {problem}; the index and the shards "
+                                 "disagree: re-embed into a new --out"))  # fmt: skip
+
     def caption_counts(self, sample_ids: Sequence[int]) -> np.ndarray:
         """(k,) how many captions each of ``sample_ids`` was embedded with (1 for a single caption)."""
         return np.maximum(self._caption_counts[self._locate(sample_ids)], 1)
@@ -177,7 +191,9 @@ class CacheReader:
         caption ``caption_index[i]`` of sample ``i`` (the first when None) when it has several.
 
         Raises CacheError naming the sample id and shard when a record is missing, truncated,
-        fails its checksum or does not decode, or a caption index is beyond the sample's captions.
+        fails its checksum or does not decode, is not the record the index named (its sample id or
+        caption keys, or its text record's caption key, differ from the index row's: a few integer
+        compares per record), or a caption index is beyond the sample's captions.
         """
         pos = self._locate(sample_ids)
         keys = self._caption_keys(pos, caption_index)
@@ -192,15 +208,21 @@ class CacheReader:
         blobs = self._fetch(items + text_items)  # samples and texts in one batch of ranged reads
         self._decode_texts(need, text_items, blobs[len(items) :], texts)
         records = []
-        for item, blob, key, sid in zip(items, blobs, keys, np.asarray(sample_ids, dtype=np.uint64)):
+        for item, blob, key, p in zip(items, blobs, keys, pos):
             try:
                 record = decode_sample(blob)
             except RecordError as e:
                 raise CacheError(self._bad(item[-1], item[0], str(e))) from None
-            if record.sample_id != int(sid):
-                raise CacheError(self._bad(item[-1], item[0], f"record holds sample {record.sample_id}"))
+            problem = sample_mismatch(record, self._ids[p], self._samples["caption_key"][p], self._listed_keys(p))
+            if problem:
+                raise self._not_named(item[-1], item[0], problem)
             records.append(replace(record, text=texts[int(key)], caption_key=int(key)))
         return records
+
+    def _listed_keys(self, p: int) -> np.ndarray:
+        """(m,) every caption key the index lists for the sample at index row ``p`` (0 long: one caption)."""
+        start = self._caption_starts[p]
+        return self._caption_flat[start : start + self._caption_counts[p]]
 
     def read_texts(self, caption_keys: Sequence[int]) -> list[TextRecord]:
         """Text records by caption key, in the given order: e.g. the empty caption's
@@ -228,6 +250,9 @@ class CacheReader:
                 texts[k] = decode_text(blob)
             except RecordError as e:
                 raise CacheError(self._bad(item[-1], item[0], str(e))) from None
+            problem = text_mismatch(texts[k], k)
+            if problem:
+                raise self._not_named(item[-1], item[0], problem)
             self._remember(k, texts[k])
 
     def _cached_texts(self, keys) -> dict[int, TextRecord]:

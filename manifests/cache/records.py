@@ -54,6 +54,8 @@ __all__ = [
     "decode_sample",
     "encode_text",
     "decode_text",
+    "sample_mismatch",
+    "text_mismatch",
 ]
 
 # safetensors dtype tag -> numpy dtype of the stored bits (BF16 has no numpy dtype: raw uint16)
@@ -229,7 +231,8 @@ class SampleRecord:
     ``crop_top_left`` are variant 0; ``variant_latents`` and ``variant_cond_latents`` (V-1, C, h, w)
     the others; ``variant_crops`` (V, 2) int32 every variant's ``(top, left)`` (a flipped variant's
     mirrored, as SDXL expects: ``left -> resized_w - left - target_w``); ``variant_flips`` (V,) uint8.
-    :meth:`variant` gives one variant as a plain record.
+    :meth:`variant` gives one variant as a plain record. ``caption_keys``: every caption's key of a
+    sample embedded with several (the first is ``caption_key``), as the index lists them; None otherwise.
     """
 
     sample_id: int
@@ -248,6 +251,7 @@ class SampleRecord:
     variant_cond_latents: np.ndarray | None = None
     variant_crops: np.ndarray | None = None
     variant_flips: np.ndarray | None = None
+    caption_keys: tuple[int, ...] | None = None
 
     @property
     def variants(self) -> int:
@@ -311,6 +315,8 @@ def encode_sample(record: SampleRecord) -> bytes:
         "target_size": "%d,%d" % record.target_size,
         "caption_key": str(record.caption_key),
     }
+    if record.caption_keys:  # the sample's identity covers every caption a plan may choose
+        meta["caption_keys"] = ",".join(str(int(k)) for k in record.caption_keys)
     tensors = {"latent": (record.latent, record.dtype)}
     if record.latent_std is not None:
         tensors["latent_std"] = (record.latent_std, record.dtype)
@@ -345,6 +351,7 @@ def decode_sample(data: bytes) -> SampleRecord:
             target_size=_pair(meta["target_size"]),
             caption_key=int(meta["caption_key"]),
             latent_std=None if std is None else std[0],
+            caption_keys=tuple(int(k) for k in meta["caption_keys"].split(",")) if meta.get("caption_keys") else None,
             **extra,
         )
     except (KeyError, ValueError):
@@ -396,3 +403,30 @@ def decode_text(data: bytes) -> TextRecord:
                           dtype=tags.pop() if tags else "F32")
     except (KeyError, ValueError):
         raise RecordError("payload is not a text record (metadata or tensors missing)") from None
+
+
+def sample_mismatch(record: SampleRecord, sample_id: int, caption_key: int, caption_keys=None) -> str | None:
+    """What of ``record``'s own identity differs from the index row that named it (``sample_id``, the
+    first caption's ``caption_key``, every caption's ``caption_keys`` or None); None when it is that row's.
+
+    A record written before it carried ``caption_keys`` is compared on the rest. The text is one clause
+    for a one-line error: the index and the shards disagree, so a sample would train on another's
+    latent or caption.
+    """
+    if record.sample_id != int(sample_id):
+        return f"the index names sample {int(sample_id)} but the record holds sample {record.sample_id}"
+    if record.caption_key != int(caption_key):
+        return (f"the index gives sample {record.sample_id} caption key {int(caption_key)} but its record was "
+                f"embedded with caption key {record.caption_key}")  # fmt: skip
+    listed = None if caption_keys is None or len(caption_keys) == 0 else tuple(int(k) for k in caption_keys)
+    if record.caption_keys is not None and listed is not None and record.caption_keys != listed:
+        return (f"the index gives sample {record.sample_id} caption keys {list(listed)} but its record was "
+                f"embedded with {list(record.caption_keys)}")  # fmt: skip
+    return None
+
+
+def text_mismatch(record: TextRecord, caption_key: int) -> str | None:
+    """How ``record`` is not the text record of ``caption_key`` that the index named; None when it is."""
+    if record.caption_key != int(caption_key):
+        return f"the index names caption key {int(caption_key)} but the text record holds {record.caption_key}"
+    return None

@@ -6,6 +6,12 @@ and ``_cache.json``: latent ``(C, H / f, W / f)`` for bucket ``WxH`` and VAE fac
 ``--flip``/``--crops`` variants its settings say), the cache's dtype, finite values;
 text records against the cache's ``text.layout`` (parts, widths, lengths, pooled). A bad text
 record makes every sample with that caption (any of its captions) bad.
+
+Every record is also compared with the index row that named it (:func:`sample_mismatch`,
+:func:`text_mismatch`: its sample id and caption keys, a text record's caption key). A record that
+is not the one its row names is not a bad record to re-embed but an index that no longer matches
+its shards (rows swapped or edited): all the mismatches are counted and :func:`verify_cache` raises
+one CacheError (one line, exit 2) naming the first, after checking the rest.
 """
 
 from __future__ import annotations
@@ -14,12 +20,20 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from manifests.buckets import parse_bucket
-from manifests.cache.layout import read_meta, read_index
+from manifests.cache.layout import CacheError, read_meta, read_index
 from manifests.cache.meta import CacheMeta, LatentInfo
-from manifests.cache.records import RecordError, crc32, decode_sample, decode_text, to_float32
+from manifests.cache.records import (
+    RecordError,
+    crc32,
+    decode_sample,
+    decode_text,
+    sample_mismatch,
+    text_mismatch,
+    to_float32,
+)
 from manifests.cache.text_layout import TextLayout
 from manifests.progress import Progress
-from manifests.storage import join, open_url, read_bytes
+from manifests.storage import join, open_url, read_bytes, redact
 
 __all__ = ["BadRecord", "VerifyResult", "verify_cache"]
 
@@ -56,15 +70,21 @@ def _check_finite(array: np.ndarray, tag: str) -> str | None:
     return None
 
 
-def _check_sample(blob: bytes, sample_id: int, bucket: str, meta: CacheMeta) -> str | None:
+class _NotNamed(Exception):
+    """A record that is not the one its index row names (one clause of text)."""
+
+
+def _check_sample(blob: bytes, row: dict, meta: CacheMeta) -> str | None:
     record = decode_sample(blob)
+    problem = sample_mismatch(record, row["sample_id"], row["caption_key"], row.get("caption_keys"))
+    if problem:
+        raise _NotNamed(problem)
     latent = meta.latent or LatentInfo()
+    bucket = row["bucket"]
     w, h = parse_bucket(bucket)
     f = int(8 if latent.factor is None else latent.factor)
     channels = int(record.latent.shape[0] if latent.channels is None else latent.channels)
     expected = (channels, h // f, w // f)
-    if record.sample_id != sample_id:
-        return f"record holds sample {record.sample_id}, index says {sample_id}"
     if tuple(record.latent.shape) != expected:
         return f"latent shape {tuple(record.latent.shape)} != {expected} (bucket {bucket} / factor {f})"
     if latent.dtype and record.dtype != latent.dtype:
@@ -83,8 +103,11 @@ def _check_sample(blob: bytes, sample_id: int, bucket: str, meta: CacheMeta) -> 
     return next((p for p in (_check_finite(t, record.dtype) for t in tensors if t is not None) if p), None)
 
 
-def _check_text(blob: bytes, meta: CacheMeta, layout: TextLayout) -> str | None:
+def _check_text(blob: bytes, row: dict, meta: CacheMeta, layout: TextLayout) -> str | None:
     record = decode_text(blob)
+    problem = text_mismatch(record, row["caption_key"])
+    if problem:
+        raise _NotNamed(problem)
     dtype = meta.text.dtype if meta.text else None
     problem = layout.check(record)
     if problem:
@@ -105,16 +128,18 @@ def _check(kind: str, blob: bytes, row: dict, meta: CacheMeta, layout: TextLayou
         return f"checksum mismatch at offset {row['offset']}"
     try:
         if kind == "samples":
-            return _check_sample(blob, row["sample_id"], row["bucket"], meta)
-        return _check_text(blob, meta, layout)
+            return _check_sample(blob, row, meta)
+        return _check_text(blob, row, meta, layout)
     except RecordError as e:
         return f"undecodable record at offset {row['offset']}: {e}"
 
 
 def verify_cache(url: str, storage_options: dict | None = None, *, progress: bool = False) -> VerifyResult:
-    """Check every record; returns a :class:`VerifyResult` listing bad samples (CacheError if no cache).
+    """Check every record; returns a :class:`VerifyResult` listing bad samples.
 
     ``progress``: report records checked (:class:`manifests.progress.Progress`, on stderr).
+    Raises CacheError if there is no cache, or (after checking every record) when records are not
+    the ones their index rows name: one line with their count and the first.
     """
     fs, root = open_url(url, storage_options)
     meta = read_meta(fs, root, url)
@@ -127,6 +152,7 @@ def verify_cache(url: str, storage_options: dict | None = None, *, progress: boo
         for row in kind_rows:
             by_shard.setdefault(row["shard"], []).append((kind, row))
     bad_texts: dict[int, tuple[str, str]] = {}
+    not_named: list[str] = []  # records that are not the ones their index rows name
     reporter = Progress("verify", "records", total=sum(map(len, rows.values())), unit="records", enabled=progress)
     for shard, items in sorted(by_shard.items()):
         result.shards += 1
@@ -141,8 +167,13 @@ def verify_cache(url: str, storage_options: dict | None = None, *, progress: boo
                 result.checked_samples += 1
             else:
                 result.checked_texts += 1
-            problem = shard_note or _check(kind, data[row["offset"] : row["offset"] + row["length"]], row, meta,
-                                         layout)
+            try:
+                problem = shard_note or _check(kind, data[row["offset"] : row["offset"] + row["length"]], row,
+                                             meta, layout)  # fmt: skip
+            except _NotNamed as e:
+                what = f"sample {row['sample_id']}" if kind == "samples" else f"text record {row['caption_key']}"
+                not_named.append(f"{what} in shard {shard} at offset {row['offset']}: {e}")
+                continue
             if problem is None:
                 continue
             if kind == "samples":
@@ -151,6 +182,12 @@ def verify_cache(url: str, storage_options: dict | None = None, *, progress: boo
                 bad_texts[int(row["caption_key"])] = (shard, problem)
         reporter.update(len(items), shards=result.shards, bad=len(result.bad) + len(bad_texts))
     reporter.close()
+    if not_named:
+        checked = result.checked_samples + result.checked_texts
+        raise CacheError(redact(f"{url}: {len(not_named)} of {checked} records are not the ones the index names "
+                                f"(first: {not_named[0]}); the index and the shards disagree (rows swapped or edited), "
+                                "so samples would train on other samples' latents or captions: re-embed into a "
+                                "new --out"))  # fmt: skip
     known_texts = {int(r["caption_key"]) for r in rows["texts"]}
     for row in rows["samples"]:
         for key in dict.fromkeys([int(row["caption_key"]), *(row.get("caption_keys") or ())]):  # every caption

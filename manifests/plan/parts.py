@@ -5,6 +5,11 @@ rank-major: row group ``r`` is rank ``r``'s rows, sorted by step. So a plan is O
 and a rank reads its rows with two ranged reads: the footer (its byte count is in ``_plan.json``,
 so no HEAD is needed to find it) and its row group. Memory: one epoch of one rank's rows.
 
+Integrity: the rows a rank decodes are bytes that hash to the epoch's sha256 in ``_plan.json``, not
+only a file of the right size with a valid footer. A sha256 covers the whole file, so a rank streams
+the whole file once per epoch (:data:`HASH_CHUNK`-sized ranged reads, hashed in order) and keeps only
+its row group; see :func:`read_epoch_ranks` for the cost.
+
 Encoding (measured in ``benchmarks/plan.py``): ``sample_ids`` is a non-nullable ``list<uint64>``
 whose values are DELTA_BINARY_PACKED. The ids are 64-bit hashes, incompressible one by one, but a
 global batch is in ascending id order (:func:`manifests.plan.schedule.plan_epoch`), so a rank's
@@ -27,11 +32,12 @@ import pyarrow.parquet as pq
 from manifests.plan.meta import EpochEntry
 from manifests.plan.rows import epoch_table
 from manifests.plan.schedule import EpochSchedule
-from manifests.storage import read_bytes, read_many, storage_error
+from manifests.storage import read_bytes
 
 __all__ = ["EpochFile", "epoch_part", "encode_epoch", "read_epoch_whole", "read_epoch_ranks", "PartProblem"]
 
 LAYOUT = "epoch-{epoch:05d}.parquet"
+HASH_CHUNK = 32 << 20  # bytes per ranged read when a rank hashes its epoch file: one GET for most plans
 _WRITE_OPTIONS: dict[str, Any] = {
     "compression": "zstd",
     "use_dictionary": ["epoch", "rank", "bucket", "dataset", "caption_index"],  # the last two: mixture plans
@@ -176,12 +182,22 @@ def _group_range(metadata: pq.FileMetaData, rank: int) -> tuple[int, int]:
 
 
 def read_epoch_ranks(
-    fs, path: str, where: str, entry: EpochEntry, world_size: int, ranks: Sequence[int], want: pa.Schema
-) -> dict[int, pa.Table]:
-    """Rows of ``ranks`` in one epoch file by ranged reads: the footer, then each rank's row group.
+    fs, path: str, where: str, entry: EpochEntry, world_size: int, ranks: Sequence[int], want: pa.Schema,
+    *, chunk: int = HASH_CHUNK,
+) -> dict[int, pa.Table]:  # fmt: skip
+    """Rows of ``ranks`` in one epoch file by ranged reads: the footer, then the file in ``chunk``-byte
+    reads, hashed and checked against the epoch's sha256 in ``_plan.json``; only the ranks' row groups
+    (and the footer, compared with the one read first) are kept.
 
-    ``entry`` is the epoch's ``_plan.json`` entry (its ``bytes``, ``footer_bytes`` and ``steps``). Raises
-    PartProblem naming ``where`` for a missing or malformed file, StorageError when storage refuses.
+    Cost per rank and epoch: the footer twice plus the whole file once (``entry.bytes``: about 8 bytes
+    per planned sample id, e.g. ~8 MB for an epoch of 1M samples, whatever the world size), in
+    ``1 + ceil(bytes / chunk)`` GETs (2 for most plans, as many as the footer and row group alone took),
+    against 1/world of the file without the check; memory: one chunk plus the ranks' row groups.
+    The trainer reads the next epoch in a background thread, so this is off the step path.
+
+    ``entry`` is the epoch's ``_plan.json`` entry (its ``bytes``, ``footer_bytes``, ``steps`` and
+    ``sha256``). Raises PartProblem naming ``where`` for a missing, malformed or edited file (one
+    whose bytes do not hash to ``entry.sha256``), StorageError when storage refuses.
     """
     size, footer = entry.bytes, entry.footer_bytes
     try:
@@ -197,13 +213,32 @@ def read_epoch_ranks(
     _columns(want, metadata.schema.to_arrow_schema(), where)
     _check_layout(metadata, world_size, entry.steps, where)
     spans = [_group_range(metadata, r) for r in ranks]
-    blobs = read_many(fs, [path] * len(spans), [s for s, _ in spans], [e for _, e in spans])  # concurrent, retried
+    digest, (*blobs, hashed_tail) = _read_hashed(fs, path, where, size, [*spans, (size - footer - 8, size)], chunk)
+    if digest != entry.sha256 or hashed_tail != tail:
+        raise PartProblem(f"{where} does not hash to the sha256 that _plan.json records (edited after planning)")
     tables = {}
     for rank, (start, _), data in zip(ranks, spans, blobs):
-        if isinstance(data, FileNotFoundError):
-            raise PartProblem(f"{where} named by _plan.json is missing")
-        if isinstance(data, Exception):
-            raise storage_error(fs, "reading", path, data) from data
         parquet = pq.ParquetFile(_SparseFile(size, {start: data}), metadata=metadata)
         tables[rank] = _row_group(parquet, rank, want, where)
     return tables
+
+
+def _read_hashed(
+    fs, path: str, where: str, size: int, spans: Sequence[tuple[int, int]], chunk: int
+) -> tuple[str, list[bytes]]:
+    """The sha256 of bytes ``[0, size)`` of ``path``, read in ``chunk``-byte ranged reads, and the bytes of
+    each ``[start, end)`` of ``spans`` cut from them. PartProblem when the file is missing or shorter."""
+    digest, pieces = hashlib.sha256(), [[] for _ in spans]
+    for at in range(0, size, chunk):
+        end = min(at + chunk, size)
+        try:
+            data = read_bytes(fs, path, at, end)
+        except FileNotFoundError:
+            raise PartProblem(f"{where} named by _plan.json is missing") from None
+        if len(data) != end - at:
+            raise PartProblem(f"{where} is shorter than the {size} bytes _plan.json records")
+        digest.update(data)
+        for piece, (start, stop) in zip(pieces, spans):
+            if start < end and stop > at:
+                piece.append(data[max(start, at) - at : min(stop, end) - at])
+    return digest.hexdigest(), [b"".join(p) for p in pieces]

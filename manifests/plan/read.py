@@ -1,10 +1,12 @@
 """Reading a plan's rows: :func:`read_plan_rows` is the one reader, by epochs, ranks and columns.
 
 Rows come as ``(epochs, ranks, columns)``, never as file paths, so the layout can change under
-them. Every rank of an epoch: its file is read whole (one GET) and hashed. Some ranks: the footer
-and their row groups by ranged reads (:mod:`manifests.plan.parts`), whose offsets follow from
-``_plan.json``: no listing, no HEAD. The trainer, ``--check``, the resume and the report all read
-through it.
+them. Every rank of an epoch: its file is read whole (one GET) and hashed; the caller compares the
+hash (``--check`` reports it with the file's other problems). Some ranks (the trainer's reads): the
+footer, then the file streamed and hashed, keeping only their row groups; a file that does not hash
+to ``_plan.json``'s sha256 is refused (:func:`manifests.plan.parts.read_epoch_ranks` gives the cost).
+Offsets follow from ``_plan.json``: no listing, no HEAD. The trainer, ``--check``, the resume and the
+report all read through it.
 
     rows = read_plan_rows(url, epochs=[0], ranks=[3], columns=["step", "bucket"])  # a PlanRows
     table = read_rank_plan(url, rank, storage_options, epoch=None)   # this rank's rows, by (epoch, step)
@@ -74,9 +76,11 @@ def read_plan_rows(
     """The rows of ``epochs`` x ``ranks`` (default: every epoch the plan holds, every rank) in ``columns``
     (default: all the plan's columns, :func:`plan_columns`).
 
-    Every rank: each epoch file is read whole (one GET). Some ranks: the footer and their row groups
-    by ranged reads. ``meta`` is the plan's parsed ``_plan.json`` when the caller has it. A missing or
-    malformed file is a problem in the result (see :class:`PlanRows`), never an exception here.
+    Every rank: each epoch file is read whole (one GET) and its sha256 returned. Some ranks: the footer
+    and their row groups by ranged reads, the whole file hashed on the way and compared with
+    ``_plan.json``'s sha256. ``meta`` is the plan's parsed ``_plan.json`` when the caller has it. A
+    missing or malformed file (or, read by some ranks, an edited one) is a problem in the result (see
+    :class:`PlanRows`), never an exception here.
     Raises PlanError for an invalid plan, an epoch it does not hold, a rank outside its world size,
     or an unknown column; a storage failure other than a missing file is a StorageError.
     """
@@ -124,7 +128,8 @@ def read_rank_plan(
 ) -> pa.Table:
     """Rank ``rank``'s rows (all epochs, or one), sorted by (epoch, step), in PLAN_SCHEMA.
 
-    Reads ``_plan.json`` and this rank's row groups only. Raises PlanError for an invalid plan, a
-    rank outside the world size, an epoch the plan does not hold, or a missing or malformed file.
+    Reads ``_plan.json`` and streams each epoch file once, keeping this rank's row groups. Raises
+    PlanError for an invalid plan, a rank outside the world size, an epoch the plan does not hold, or
+    a missing, malformed or edited file (one that does not hash to the sha256 ``_plan.json`` records).
     """
     return read_plan_rows(url, None if epoch is None else [epoch], [rank], storage_options=storage_options).table()
