@@ -104,6 +104,10 @@ def _quantization_tables_ok(head: bytes, pos: int, end: int) -> bool:
     return True
 
 
+# bytes per value of each TIFF field type (BYTE, ASCII, SHORT, LONG, RATIONAL, ... , IFD)
+_TIFF_TYPE_SIZES = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 1, 7: 1, 8: 2, 9: 4, 10: 8, 11: 4, 12: 8, 13: 4}
+
+
 def exif_orientation(block: bytes) -> int | None | object:
     """The orientation tag of an EXIF block's first directory (the TIFF structure after
     ``Exif\\0\\0``): its value, None when the block has none, :data:`UNSURE` when the block is
@@ -124,6 +128,9 @@ def exif_orientation(block: bytes) -> int | None | object:
         return UNSURE
     found = None
     for tag, kind, values, value in struct.iter_unpack(order + "HHL4s", entries):
+        size = _TIFF_TYPE_SIZES.get(kind, 0) * values
+        if size > 4 and struct.unpack_from(order + "L", value)[0] + size > len(block):
+            return UNSURE  # any value stored past the block's end: Pillow then drops the whole directory
         if tag != _ORIENTATION:
             continue
         if found is not None or values != 1 or kind not in (3, 4):
