@@ -202,7 +202,7 @@ def _probe(reads: _CountingReads, image: TarMember, max_pixels: int, window: int
         if header is not None:
             return checked(header, max_pixels, bytes_read=len(head) + fetched[0], requests=fetched[1])
     return probe_header(read_member, image.size, max_pixels=max_pixels, first_read=window,
-                        head=head if len(head) >= min(image.size, _HEAD_MIN) else None)  # fmt: skip
+                        head=head if len(head) >= min(image.size, _HEAD_MIN) else None, name=image.name)  # fmt: skip
 
 
 def _member_bytes(reads: _CountingReads, member: TarMember) -> bytes:
