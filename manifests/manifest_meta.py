@@ -153,6 +153,7 @@ class ScanSummary:
     caption_read_failures: int | None = None
     caption_lists: int | None = None  # samples with several captions
     empty_captions_dropped: int | None = None  # empty entries left out of caption lists
+    captions_truncated: int | None = None  # captions over 1 MiB (sidecars, caption members), cut there
     seconds: float | None = None  # driver seconds, Ray start-up left out
     files_per_s: float | None = None
     # scan --conditioning

@@ -58,3 +58,30 @@ def test_formats_pillow_picks_by_extension_are_samples_with_their_size(tmp_path,
     # embed decodes them by the same name (no magic number to go by)
     views = prepare_views((src / "a.tga").read_bytes(), (16, 16), name="a.tga")
     assert views[0].original_size == (23, 37)
+
+
+def test_empty_and_oversized_captions_are_counted_loose_and_in_shards(tmp_path, ray_local):
+    import tarfile
+
+    jpg = image_bytes("JPEG", (64, 64))
+    big = b"word " * (300 * 1024)  # 1.5 MiB
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    for name, caption in (("a", b""), ("b", big), ("c", b"a cat")):
+        (loose / f"{name}.jpg").write_bytes(jpg)
+        (loose / f"{name}.txt").write_bytes(caption)
+    result = scan(loose, tmp_path / "m1")
+    s = result.meta.summary
+    assert (s.no_caption, s.captions_truncated) == (1, 1)
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    with tarfile.open(shards / "00000.tar", "w") as tf:
+        for name, caption in (("a", b""), ("b", big), ("c", b"a cat")):
+            for member, data in ((f"{name}.jpg", jpg), (f"{name}.txt", caption)):
+                info = tarfile.TarInfo(member)
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+    s = scan(shards, tmp_path / "m2").meta.summary
+    assert (s.no_caption, s.captions_truncated) == (1, 1)
+    rows = rows_of(tmp_path / "m2")
+    assert rows["00000.tar/a.jpg"]["caption"] is None and len(rows["00000.tar/b.jpg"]["caption"]) < len(big)

@@ -75,11 +75,18 @@ def summary_line(meta: ManifestMeta, out: str) -> str:
     return (
         f"scanned {s.listed} images ({s.ignored} other files ignored{': ' + others if others else ''}): "
         f"{s.samples} samples, {s.errors} errors ({kinds}) | reused {s.reused}, new {s.new}, "
-        f"changed {s.changed}, deleted {s.deleted}{pairs} | read {s.files_read} files, {s.mb_read:.1f} MB "
+        f"changed {s.changed}, deleted {s.deleted}{pairs}{_notes(s)} | read {s.files_read} files, {s.mb_read:.1f} MB "
         f"(median {s.median_bytes_read / 1024:.0f} KiB, {s.requests_per_file:.2f} requests per file) in "
         f"{s.seconds:.1f} s, {s.files_per_s:.0f} files/s -> {redact(out)} "
         f"(fingerprint {meta.fingerprint[:12]})"
     )
+
+
+def _notes(s: ScanSummary) -> str:
+    """What the user should know once: captions cut at 1 MiB."""
+    if not s.captions_truncated:
+        return ""
+    return f" | {s.captions_truncated} captions longer than 1 MiB cut there"
 
 
 def _containers_line(meta: ManifestMeta, out: str) -> str:
@@ -94,7 +101,7 @@ def _containers_line(meta: ManifestMeta, out: str) -> str:
     short = noun.split()[-1]
     return (
         f"scanned {s.shards} {noun}, {s.listed} images: {s.samples} samples, {s.errors} errors "
-        f"({kinds}), {s.no_caption} images without a caption{others} | "
+        f"({kinds}), {s.no_caption} images without a caption{others}{_notes(s)} | "
         f"{short} reused {s.reused}, new {s.new}, changed {s.changed}, deleted {s.deleted} | read "
         f"{s.mb_read:.1f} MB = {100 * s.read_fraction:.2f}% of the {s.shards_read} {short} read "
         f"({s.requests_per_image:.2f} requests, {s.bytes_per_image / 1024:.1f} KiB per image) in "

@@ -90,7 +90,8 @@ class ShardScan:
     requests: int = 0
     bytes_read: int = 0  # every byte fetched from the shard: headers, captions, image headers
     images: int = 0
-    no_caption: int = 0  # images whose key has no caption member
+    no_caption: int = 0  # images without a caption: no caption member, or an empty one
+    captions_truncated: int = 0  # caption members over SIDECAR_LIMIT bytes, cut there
     ignored_members: dict[str, int] = field(default_factory=dict)  # by extension
 
 
@@ -149,12 +150,13 @@ def scan_shard(
                 out.ignored_members[ext] = out.ignored_members.get(ext, 0) + 1
             continue
         caption, captions, source = _caption(reads, shard.name, members, caption_field)
+        out.captions_truncated += source is not None and _caption_member(members, source).size > SIDECAR_LIMIT
         for m in members:
             ext = extension(m.name)
             if m not in images and ext not in (*_CAPTION_EXTENSIONS, "json"):
                 out.ignored_members[ext] = out.ignored_members.get(ext, 0) + 1
         out.images += len(images)
-        out.no_caption += len(images) if source is None else 0
+        out.no_caption += len(images) if caption is None else 0  # an empty .txt member is no caption either
         for image in images:
             row = {**base, "filename": f"{shard.name}/{image.name}", "member_offset": image.offset,
                    "size": image.size, "caption": caption, "captions": captions,
@@ -210,6 +212,12 @@ def _member_bytes(reads: _CountingReads, member: TarMember) -> bytes:
     if len(member.head) >= limit:
         return member.head[:limit]
     return reads(member.offset, member.offset + limit)
+
+
+def _caption_member(members: list[TarMember], source: str) -> TarMember:
+    """The member a ``caption_source`` (``member:<shard>:<name>[#field]``) was read from."""
+    name = source.split(":", 2)[2].split("#", 1)[0]
+    return next(m for m in members if m.name == name)
 
 
 def _caption(reads: _CountingReads, container: str, members: list[TarMember], caption_field: str):
@@ -298,12 +306,12 @@ def combine_scans(scans: list, schema: pa.Schema) -> pa.Table:
     table whose metadata ``stats`` holds their summed counts: shards (containers), requests, bytes_read,
     images, no_caption and ignored_members by extension."""
     stats: dict[str, Any] = {"shards": len(scans), "requests": 0, "bytes_read": 0, "images": 0, "no_caption": 0,
-                             "ignored_members": {}}  # fmt: skip
+                             "captions_truncated": 0, "ignored_members": {}}  # fmt: skip
     rows: list[dict[str, Any]] = []
     for scan in scans:
         rows.extend(scan.rows)
-        for name in ("requests", "bytes_read", "images", "no_caption"):
-            stats[name] += getattr(scan, name)
+        for name in ("requests", "bytes_read", "images", "no_caption", "captions_truncated"):
+            stats[name] += getattr(scan, name, 0)
         for ext, n in getattr(scan, "ignored_members", {}).items():
             stats["ignored_members"][ext] = stats["ignored_members"].get(ext, 0) + n
     columns = {name: [row.get(name) for row in rows] for name in schema.names}
