@@ -171,6 +171,13 @@ class ScanSummary:
     shard_bytes: int | None = None  # bytes of the containers read
     no_caption: int | None = None
     ignored_members: dict[str, int] | None = None
+    # a mixed folder (loose images and tar shards): how many images came from each, the shards' reuse
+    images_loose: int | None = None
+    images_in_shards: int | None = None
+    shards_reused: int | None = None
+    shards_new: int | None = None
+    shards_changed: int | None = None
+    shards_deleted: int | None = None
     read_fraction: float | None = None
     requests_per_image: float | None = None
     bytes_per_image: float | None = None
