@@ -85,3 +85,81 @@ def test_empty_and_oversized_captions_are_counted_loose_and_in_shards(tmp_path, 
     assert (s.no_caption, s.captions_truncated) == (1, 1)
     rows = rows_of(tmp_path / "m2")
     assert rows["00000.tar/a.jpg"]["caption"] is None and len(rows["00000.tar/b.jpg"]["caption"]) < len(big)
+
+
+def _tar(path: Path, members: list[tuple[str, bytes | None, str | None, bytes | None]]) -> None:
+    """A tar of ``(name, data, link target, link type)`` members: data for a file, else a link."""
+    import tarfile
+
+    with tarfile.open(path, "w") as tf:
+        for name, data, target, kind in members:
+            info = tarfile.TarInfo(name)
+            if data is not None:
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+            else:
+                info.type, info.linkname = kind, target
+                tf.addfile(info)
+
+
+def test_mixed_folder_scans_loose_images_and_shard_members_and_rescans_reuse_both(tmp_path, ray_local, capsys):
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(3):
+        (src / f"loose{i}.png").write_bytes(image_bytes("PNG", (40 + i, 30)))
+    _tar(src / "hopper.tar", [("k0.jpg", image_bytes("JPEG", (50, 20)), None, None), ("k0.txt", b"hopper", None, None)])
+    (src / "hopper.parquet").write_bytes(b"PAR1 per-shard metadata, as img2dataset writes")
+    (src / "old.tar.gz").write_bytes(b"\x1f\x8b not really")
+    result = scan(src, tmp_path / "m")
+    s = result.meta.summary
+    assert (s.listed, s.samples, s.images_loose, s.images_in_shards, s.shards) == (4, 4, 3, 1, 1)
+    assert s.ignored_extensions == {"parquet": 1, "tar.gz": 1}
+    line = capsys.readouterr().out
+    assert "3 loose images and 1 tar shards holding 1 images" in line and "gzip -dc" in line
+    rows = rows_of(tmp_path / "m")
+    assert rows["hopper.tar/k0.jpg"]["caption"] == "hopper" and rows["loose2.png"]["width"] == 42
+    again = scan(src, tmp_path / "m").meta
+    assert (again.summary.reused, again.summary.shards_reused, again.summary.files_read) == (3, 1, 0)
+    assert again.fingerprint == result.fingerprint
+    # one kind only: the others are counted as ignored by extension
+    files = scan(src, tmp_path / "files", ScanConfig(progress=False, format="files")).meta.summary
+    assert files.samples == 3 and files.ignored_extensions == {"parquet": 1, "tar": 1, "tar.gz": 1}
+    (src / "old.tar.gz").unlink()
+    tar = scan(src, tmp_path / "tar", ScanConfig(progress=False, format="tar")).meta.summary
+    assert tar.samples == 1 and tar.ignored_extensions == {"parquet": 1, "png": 3}
+
+
+def test_links_land_in_rows_or_counts(tmp_path, ray_local):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "real.png").write_bytes(image_bytes("PNG", (33, 44)))
+    (src / "alias.png").symlink_to("real.png")
+    (src / "a.jpg").symlink_to("b.jpg")
+    (src / "b.jpg").symlink_to("a.jpg")
+    (src / "gone.jpg").symlink_to("nowhere.jpg")
+    (src / "gone.txt").symlink_to("nowhere.txt")
+    (src / "passwd.jpg").symlink_to("/etc/passwd")
+    jpg = image_bytes("JPEG", (64, 48))
+    _tar(src / "links.tar", [
+        ("x.jpg", jpg, None, None), ("x.txt", b"the original", None, None),
+        ("hard.jpg", None, "x.jpg", b"1"), ("dir/soft.jpg", None, "../x.jpg", b"2"),
+        ("dead.jpg", None, "missing.jpg", b"2"), ("loop1.jpg", None, "loop2.jpg", b"2"),
+        ("loop2.jpg", None, "loop1.jpg", b"2"), ("dead.json", None, "missing.json", b"2"),
+    ])  # fmt: skip
+    import tarfile
+
+    assert {m.type for m in tarfile.open(src / "links.tar").getmembers()} == {b"0", b"1", b"2"}
+    result = scan(src, tmp_path / "m")
+    rows = rows_of(tmp_path / "m")
+    assert (rows["alias.png"]["width"], rows["alias.png"]["height"]) == (33, 44)
+    assert rows["a.jpg"]["error"] == rows["b.jpg"]["error"] == "link_loop"
+    assert rows["gone.jpg"]["error"] == "broken_link" and "nowhere.jpg" in rows["gone.jpg"]["message"]
+    assert rows["passwd.jpg"]["error"] == "not_an_image" and "root" not in rows["passwd.jpg"]["message"]
+    assert "bytes of text" in rows["passwd.jpg"]["message"]
+    for link in ("links.tar/hard.jpg", "links.tar/dir/soft.jpg"):  # read as the member they name
+        assert (rows[link]["width"], rows[link]["member_offset"]) == (64, rows["links.tar/x.jpg"]["member_offset"])
+    assert rows["links.tar/dead.jpg"]["error"] == "broken_link"
+    assert rows["links.tar/loop1.jpg"]["error"] == rows["links.tar/loop2.jpg"]["error"] == "link_loop"
+    s = result.meta.summary
+    assert s.ignored_extensions == {"(broken link)": 1} and s.ignored_members == {"json": 1}
+    assert len(rows) == result.samples + result.errors == 12 and result.listed == 12
