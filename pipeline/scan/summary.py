@@ -58,7 +58,7 @@ def scan_summary(
         "errors": errors.num_rows, "errors_by_kind": kinds, "reused": plan.reused, "new": plan.new,
         "changed": plan.changed, "deleted": plan.deleted, "previous": plan.previous, "bytes_read": int(read.sum()),
         "mb_read": round(int(read.sum()) / 1e6, 3), "median_bytes_read": int(np.median(read)) if len(read) else 0,
-        "seconds": round(seconds, 3), "files_per_s": round(stats["files_read"] / max(seconds, 1e-9), 1),
+        "seconds": round(seconds, 3), "files_per_s": round(len(listing.images) / max(seconds, 1e-9), 1),
         "started_at": _dt.datetime.fromtimestamp(started, _dt.timezone.utc).isoformat(timespec="seconds"),
         "started_at_epoch": started, "header_bytes": config.header_bytes, "plugins": list(register_plugins()),
         "captions": redact(captions) if captions else "sidecars",
@@ -86,7 +86,7 @@ def mixed_part(loose: ScanPart, shards: ScanPart) -> ScanPart:
         "captions_truncated": (a.captions_truncated or 0) + (b.captions_truncated or 0),
         "requests": (a.requests or 0) + (b.requests or 0), "bytes_read": read, "mb_read": round(read / 1e6, 3),
         "seconds": round(seconds, 3),
-        "files_per_s": round(((a.files_read or 0) + (b.images_read or 0)) / max(seconds, 1e-9), 1),
+        "files_per_s": round((a.listed + b.listed) / max(seconds, 1e-9), 1),
     }  # fmt: skip
     counts = {**loose.counts, "listed": loose.counts["listed"] + shards.counts["listed"],
               "shards": shards.counts["shards"]}  # fmt: skip
