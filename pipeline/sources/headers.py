@@ -219,7 +219,7 @@ def _parse(reader: RangeReader, name: str | None) -> Header:
     return _parse_with_pillow(reader, signature, name)
 
 
-def _parse_with_pillow(reader: RangeReader, signature: bytes, name: str | None) -> Header:
+def _parse_with_pillow(reader: RangeReader, signature: bytes, name: str | None = None) -> Header:
     im, problems = open_image(reader, signature, name)  # reads the header only: nothing is decoded here
     if im is not None:
         width, height = im.size
