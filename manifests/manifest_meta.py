@@ -153,6 +153,7 @@ class ScanSummary:
     caption_read_failures: int | None = None
     caption_lists: int | None = None  # samples with several captions
     empty_captions_dropped: int | None = None  # empty entries left out of caption lists
+    captions_truncated: int | None = None  # captions over 1 MiB (sidecars, caption members), cut there
     seconds: float | None = None  # driver seconds, Ray start-up left out
     files_per_s: float | None = None
     # scan --conditioning
@@ -170,6 +171,13 @@ class ScanSummary:
     shard_bytes: int | None = None  # bytes of the containers read
     no_caption: int | None = None
     ignored_members: dict[str, int] | None = None
+    # a mixed folder (loose images and tar shards): how many images came from each, the shards' reuse
+    images_loose: int | None = None
+    images_in_shards: int | None = None
+    shards_reused: int | None = None
+    shards_new: int | None = None
+    shards_changed: int | None = None
+    shards_deleted: int | None = None
     read_fraction: float | None = None
     requests_per_image: float | None = None
     bytes_per_image: float | None = None

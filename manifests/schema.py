@@ -148,6 +148,8 @@ ERROR_KINDS = (
     "conditioning_missing",  # (scan --conditioning) the sample's conditioning image is not there
     "conditioning_mismatch",  # its size (display orientation) differs from the image's
     "conditioning_unusable",  # its header cannot be read (the message gives the kind: truncated, not_an_image, ...)
+    "broken_link",  # a symbolic link (or a tar shard's link member) to nothing there
+    "link_loop",  # a symbolic link that leads back to itself
 )
 
 

@@ -4,10 +4,11 @@ The formats are those the installed Pillow decodes, plus what the optional plugi
 are installed (:func:`register_plugins`, run on import): pillow-heif for HEIC/HEIF (the ``heif``
 extra) and pillow-jxl-plugin for JPEG XL (the ``jxl`` extra). Pillow's own wheels read AVIF
 since 11.3. The scan takes a file as an image by its extension (:data:`IMAGE_EXTENSIONS`), and
-both the scan and embed open it by its first bytes (:func:`open_image`), so a format counts only
-when Pillow can also tell it from those bytes and decode it. Left out, as ignored files: formats
-Pillow identifies by file name alone (TGA, IM, PCD, IPTC; embed sees bytes, not names), stub
-plugins without a decoder (BUFR, GRIB, HDF5, WMF), MPEG (header only) and EPS/PS (Ghostscript).
+both the scan and embed open it by its first bytes (:func:`open_image`). Formats without a magic
+number, which Pillow picks by file name alone (TGA, IM, PCD, IPTC), are opened by the plugin their
+extension names when no signature matches: the scan passes the file name, embed the manifest's
+``format`` (Pillow's lazy ``open`` reads only their header). Left out, as ignored files: stub plugins
+without a decoder (BUFR, GRIB, HDF5, WMF), MPEG (header only) and EPS/PS (Ghostscript).
 
 The scan, the embed workers and every Ray worker of a job must have the same extras installed:
 a manifest that lists ``.heic`` images needs pillow-heif wherever it is embedded.
@@ -27,6 +28,7 @@ __all__ = [
     "image_extensions",
     "missing_format_hint",
     "open_image",
+    "named_format",
     "format_name",
 ]
 
@@ -60,7 +62,7 @@ def register_plugins() -> tuple[str, ...]:
 def _decodable(fmt: str) -> bool:
     fmt = _OPENED_AS.get(fmt, fmt)
     factory, accept = Image.OPEN.get(fmt, (None, None))
-    if factory is None or accept is None or fmt in _NOT_DECODABLE:
+    if factory is None or fmt in _NOT_DECODABLE:
         return False
     return not (isinstance(factory, type) and issubclass(factory, ImageFile.StubImageFile))
 
@@ -85,19 +87,34 @@ def missing_format_hint(extension: str) -> str | None:
     return None
 
 
-def open_image(fp: IO[bytes], signature: bytes) -> tuple[Image.Image | None, list[tuple[str, Exception]]]:
+def named_format(hint: str | None) -> str | None:
+    """The format without a signature check that ``hint`` names: a file name or extension (``a.tga``,
+    ``tga``) or a Pillow format name (``TGA``, a manifest's ``format``); else None."""
+    if not hint:
+        return None
+    ext = "." + hint.rsplit("/", 1)[-1].rsplit(".", 1)[-1].lower()
+    fmt = Image.EXTENSION.get(ext) or hint.upper()
+    factory, accept = Image.OPEN.get(fmt, (None, None))
+    return fmt if factory is not None and accept is None and _decodable(fmt) else None
+
+
+def open_image(
+    fp: IO[bytes], signature: bytes, hint: str | None = None
+) -> tuple[Image.Image | None, list[tuple[str, Exception]]]:
     """``Image.open`` of the seekable ``fp`` (whose first bytes are ``signature``) without Pillow's
     decompression-bomb check: the caller applies the manifest's pixel limit to ``im.size``.
 
     Returns ``(image, problems)``: the image is lazy (only its header is read; some plugins,
     AVIF, HEIF and JPEG XL, read the whole file), or None when no format opens it; ``problems``
-    are ``(format, exception)`` of formats whose signature matched but whose header could not
-    be read. Formats without a signature check are skipped (see the module docstring).
+    are ``(format, exception)`` of formats whose signature matched (or that ``hint`` named) but
+    whose header could not be read. A format without a signature check (TGA, IM, PCD) is tried
+    only when ``hint``, a file name or format name (:func:`named_format`), names it.
     """
     problems: list[tuple[str, Exception]] = []
-    for fmt in Image.ID:
-        factory, accept = Image.OPEN[fmt]
-        verdict = accept(signature) if accept else None
+    named = named_format(hint)
+    candidates = [(fmt, Image.OPEN[fmt]) for fmt in Image.ID] + ([(named, Image.OPEN[named])] if named else [])
+    for i, (fmt, (factory, accept)) in enumerate(candidates):  # the signatures first, then the named format
+        verdict = accept(signature) if accept else i == len(Image.ID)
         if not verdict or isinstance(verdict, str):
             continue
         fp.seek(0)

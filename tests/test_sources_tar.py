@@ -193,16 +193,14 @@ def test_rescan_reads_only_the_changed_shard(tmp_path, ray_local):
     assert names == {f for f in s.sizes if f.startswith("00000")} | set(changed.sizes)
 
 
-def test_compressed_or_mixed_sources_are_refused_with_what_to_do(tmp_path):
+def test_compressed_shards_alone_or_with_format_tar_are_refused_with_what_to_do(tmp_path):
     s = ShardSet(tmp_path / "gz")
     put(s, "00000.tar.gz", b"\x1f\x8b not really")
     with pytest.raises(UsageError, match=r"gzip -dc"):
         run(ScanJob(source=str(s.root), out=str(tmp_path / "m1"), config=QUIET))
-    mixed = ShardSet(tmp_path / "mixed")
-    good_shard(mixed, "00000.tar", 0, 1)
-    put(mixed, "loose.jpg", b"\xff\xd8\xff")
-    with pytest.raises(UsageError, match=r"a folder of their own"):
-        run(ScanJob(source=str(mixed.root), out=str(tmp_path / "m2"), config=QUIET))
+    with pytest.raises(UsageError, match=r"gzip -dc"):  # --format tar: the same refusal beside good shards
+        good_shard(s, "00001.tar", 0, 1)
+        run(ScanJob(source=str(s.root), out=str(tmp_path / "m2"), config=ScanConfig(progress=False, format="tar")))
     assert not (tmp_path / "m1").exists() and not (tmp_path / "m2").exists()
 
 

@@ -80,11 +80,11 @@ def cover_and_crop(
     raise UsageError(f"--crop must be 'center' or 'random', got {crop!r}")
 
 
-def _open(data: bytes, max_pixels: int) -> Image.Image:
+def _open(data: bytes, max_pixels: int, name: str | None = None) -> Image.Image:
     if not data:
         raise ImageFailure("empty", "the file has zero bytes")
     try:
-        img, problems = open_image(io.BytesIO(data), data[:16])
+        img, problems = open_image(io.BytesIO(data), data[:16], name)  # the name picks TGA, IM, PCD
     except Image.DecompressionBombError as e:  # a plugin that checks while opening (WebP): above MAX_PIXELS
         raise ImageFailure("too_many_pixels", str(e)) from None
     if img is None:
@@ -118,6 +118,7 @@ def prepare_views(
     crops: int = 1,
     at: list[tuple[int, int]] | None = None,
     size: tuple[int, int] | None = None,
+    name: str | None = None,
 ) -> list[Prepared]:
     """Decode ``data`` once and return crops of ``bucket`` ``(h, w)`` from it resized to cover the bucket.
 
@@ -126,9 +127,10 @@ def prepare_views(
     ``crops``: 1 is the ``crop`` policy's crop; K > 1 gives K random crops (``cover_and_crop``
     ``index`` 0..K-1: reproducible from ``(seed, sample_id)``). ``at``: the crops' ``(top, left)``
     given instead (a conditioning image gets its target's), with ``size`` the ``(h, w)`` the image
-    must show (display orientation; ImageFailure ``conditioning_mismatch`` otherwise).
+    must show (display orientation; ImageFailure ``conditioning_mismatch`` otherwise). ``name``: the
+    file's name, which picks the plugin of a format without a magic number (TGA, IM, PCD).
     """
-    img = _open(data, max_pixels)
+    img = _open(data, max_pixels, name)
     try:
         orientation = img.getexif().get(_EXIF_ORIENTATION, 1)
     except Exception:  # a broken EXIF block is not a broken image

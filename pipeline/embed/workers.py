@@ -135,7 +135,7 @@ def prepare_batch(
             if isinstance(blob, BaseException):
                 raise _read_failure(blob, storage_options)
             views = prepare_views(blob, (bh, bw), crop=crop, seed=seed, sample_id=row["sample_id"],
-                                  max_pixels=max_pixels, crops=crops)  # fmt: skip
+                                  max_pixels=max_pixels, crops=crops, name=row["filename"])  # fmt: skip
             if paired:
                 cond = _conditioning_views(row, cond_blobs[i], views, (bh, bw), max_pixels, storage_options)
         except ImageFailure as e:
@@ -170,7 +170,7 @@ def _conditioning_views(row: dict, blob, views: list, bucket: tuple[int, int], m
                 raise ImageFailure("conditioning_missing", f"not found: {redact(str(blob), storage_options)}")
             raise _read_failure(blob, storage_options)
         cond = prepare_views(blob, bucket, max_pixels=max_pixels, at=[v.crop_top_left for v in views],
-                             size=views[0].original_size)  # fmt: skip
+                             size=views[0].original_size, name=path)  # fmt: skip
     except ImageFailure as e:
         raise ImageFailure(e.kind, f"conditioning image {path}: {e.message}") from None
     return np.stack([c.pixels for c in cond])  # (K, H, W, 3)

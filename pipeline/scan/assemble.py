@@ -11,6 +11,7 @@ from manifests.manifest import conform
 from manifests.schema import ERRORS_SCHEMA, sample_ids
 from pipeline.sources.captions import CaptionTable, caption_list
 from pipeline.sources.listing import IMAGE_SCHEMA, Listing, image_sidecars
+from pipeline.sources.reading import SIDECAR_LIMIT
 from pipeline.sources.rescan import RescanPlan, caption_source
 
 __all__ = ["assemble"]
@@ -49,6 +50,14 @@ def _sidecar_captions(listing: Listing, probed: pa.Table):
         caption, captions, empty = caption_list([texts[s.name] for s in sidecars])
         out[name], dropped = (caption, captions), dropped + empty
     return out, failed, dropped
+
+
+def _truncated(listing: Listing, probed: pa.Table) -> int:
+    """Sidecars read in this scan that were longer than SIDECAR_LIMIT bytes, so cut there."""
+    sizes = {e.name: e.size for e in listing.sidecars.values()}
+    sizes.update((e.name, e.size) for numbered in listing.numbered.values() for e in numbered.values())
+    read = probed.filter(pc.fill_null(probed.column("caption_read"), False)).column("sidecar").to_pylist()
+    return sum(sizes.get(name, 0) > SIDECAR_LIMIT for name in read)
 
 
 def assemble(listing: Listing, plan: RescanPlan, probed: pa.Table, table: CaptionTable | None):
@@ -107,5 +116,7 @@ def assemble(listing: Listing, plan: RescanPlan, probed: pa.Table, table: Captio
         "caption_read_failures": len(failed_reads),
         "empty_captions_dropped": dropped + (table.dropped if table is not None else 0),
         "caption_lists": sum(len(c[1] or ()) > 1 for c in sidecar_captions.values()) + len(table_lists),
+        "captions_truncated": _truncated(listing, probed),
+        "no_caption": images.column("caption").null_count,  # no sidecar, or an empty one
     }
     return images, errors, stats

@@ -12,7 +12,7 @@ from pipeline.sources.tar import SHARD_WINDOW
 
 __all__ = ["FORMATS", "ScanConfig"]
 
-FORMATS = ("auto", "parquet")  # --format
+FORMATS = ("auto", "files", "tar", "parquet")  # --format (see pipeline/scan/kinds.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,7 +30,7 @@ class ScanConfig:
     progress: bool = True  # a bar on a terminal, else a line every $BUCKETEER_PROGRESS_SECONDS
     shard_window: int = SHARD_WINDOW  # tar shards: bytes read at each member header
     caption_field: str = "caption"  # tar shards: the field of a key's .json member that holds its caption
-    format: str = "auto"  # auto: loose images or tar shards, found by extension; parquet: .parquet files
+    format: str = "auto"  # auto: loose images and tar shards; files, tar or parquet: only that kind
     image_column: str = "image"  # parquet: the column of image bytes (binary, or HF's {"bytes", "path"} struct)
     caption_column: str | None = None  # parquet: the column of captions (None: no captions)
 

@@ -24,13 +24,14 @@ Incremental (:mod:`pipeline.sources.rescan`): rows of the manifest already at ``
 without reading the file; their sidecar caption is read again only when the listed sidecar is not
 the version recorded in the row's ``caption_source`` (see manifests/schema.py). An image with
 numbered sidecars (``img.1.txt``, ...: :func:`pipeline.sources.listing.image_sidecars`) gets one
-work item per further sidecar, read in its task; all of them are read again when any one changed. A
-source of WebDataset ``.tar`` shards is scanned by :mod:`pipeline.sources.containers` (member
-headers walked by ranged reads, reuse per shard); shards mixed with loose images, and compressed
-shards, are refused there with what to do. ``--format parquet`` scans the ``.parquet`` files of the
-source instead (:mod:`pipeline.sources.parquet`: the ``--image-column`` and ``--caption-column`` of
-each row group, reuse per file); without it, a source of nothing but parquet files is refused with
-the options to pass, and parquet files beside images are counted as ignored. ``--conditioning``
+work item per further sidecar, read in its task; all of them are read again when any one changed. The
+members of WebDataset ``.tar`` shards are scanned by :mod:`pipeline.sources.containers` (member
+headers walked by ranged reads, reuse per shard); a folder of loose images and shards gives one
+manifest of both (:func:`pipeline.scan.summary.mixed_part`). ``--format files|tar|parquet`` scans
+one kind only (:mod:`pipeline.scan.kinds`; parquet: :mod:`pipeline.sources.parquet`, the
+``--image-column`` and ``--caption-column`` of each row group, reuse per file) and counts the others
+as ignored by extension; without it, a source of nothing but parquet files is refused with the
+options to pass. ``--conditioning``
 pairs each sample with a conditioning image (:mod:`pipeline.scan.conditioning`): its header is
 probed by the same tasks after the images', and a bad pair is an error row. Without
 ``--ray-address`` (or ``RAY_ADDRESS``) Ray starts in-process on this machine.
@@ -56,14 +57,15 @@ from manifests.schema import MAX_PIXELS
 from manifests.storage import open_url, parse_storage_options, redact
 from pipeline.formats import IMAGE_EXTENSIONS
 from pipeline.scan.assemble import assemble
-from pipeline.scan.conditioning import pair, resolve
+from pipeline.scan.conditioning import Pairing, pair, resolve
 from pipeline.scan.config import FORMATS, ScanConfig
 from pipeline.scan.probing import batches, conditioning_probe, redacted, scan_batch, task_options
-from pipeline.scan.summary import ignored_line, scan_summary, summary_line
-from pipeline.sources.captions import load_caption_table
-from pipeline.sources.containers import scan_containers
+from pipeline.scan.kinds import select_kinds
+from pipeline.scan.summary import ignored_line, mixed_part, scan_summary, summary_line
+from pipeline.sources.captions import CaptionTable, load_caption_table
+from pipeline.sources.containers import ScanPart, container_part
 from pipeline.sources.headers import FIRST_READ
-from pipeline.sources.listing import Listing, list_source
+from pipeline.sources.listing import Listing, link_error_rows, list_source
 from pipeline.sources.reading import PROBE_SCHEMA, probe_files
 from pipeline.sources.rescan import plan_rescan
 from pipeline.sources.tar import SHARD_WINDOW
@@ -145,8 +147,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tar shards: the field of a sample's .json member to take the caption from when it "
                         "has no .txt/.caption member, a string or a list of strings (default: caption)")  # fmt: skip
     parser.add_argument("--format", choices=FORMATS, default="auto",
-                        help="auto (default): loose image files, or WebDataset .tar shards, told apart by extension; "
-                        "parquet: the .parquet files of the source, one image per row (--image-column)")  # fmt: skip
+                        help="auto (default): loose image files and the members of WebDataset .tar shards, into one "
+                        "manifest; files: only loose images; tar: only .tar shards; parquet: only the .parquet files, "
+                        "one image per row (--image-column). Files of the other kinds are counted as ignored by "
+                        "extension")  # fmt: skip
     parser.add_argument("--image-column", default="image",
                         help="--format parquet: the column of image bytes: binary, or the HuggingFace datasets "
                         "Image struct {bytes, path} (default: image)")  # fmt: skip
@@ -198,7 +202,7 @@ def scan_dataset(job: ScanJob) -> ManifestMeta:
 
 
 def _scan(job: ScanJob) -> ManifestMeta:
-    started, clock = time.time(), time.perf_counter()
+    started = time.time()
     source, config, options = job.source, job.config, job.storage_options
     fs, root = (job.fs, job.fs._strip_protocol(source).rstrip("/")) if job.fs is not None else \
         open_url(source, options)  # fmt: skip
@@ -210,24 +214,43 @@ def _scan(job: ScanJob) -> ManifestMeta:
         raise
     table = load_caption_table(job.captions, options) if job.captions else None
     target = (source, task_options(source, options, config), job.fs, root)
-    if config.format != "parquet":
-        _parquet_files_ignored(listing, source)
-    if (config.format == "parquet" or listing.shards or listing.compressed_shards) and job.conditioning:
-        raise UsageError("--conditioning works on loose image files; this source holds .tar shards or parquet files")
-    pairing = resolve(job.conditioning, source, job.captions, options, job.fs) if job.conditioning else None
-    excluded = 0
-    if pairing is not None:
-        listing, excluded = pairing.exclude(listing)
-    if config.format == "parquet" or listing.shards or listing.compressed_shards:
-        return scan_containers(listing, job.out, target, source=source, spec=job.spec, storage_options=options,
-                               table=table, previous=job.previous, config=config, ray_address=job.ray_address,
-                               started=started)  # fmt: skip
-    if not listing.images:
+    loose, containers = select_kinds(listing, source, config.format)
+    if containers and job.conditioning:
+        raise UsageError("--conditioning works on loose image files; this source holds .tar shards or parquet files: "
+                         "add --format files to scan only its loose images")  # fmt: skip
+    if not (loose or containers):
         raise UsageError(
             f"no image files under {redact(source)} ({listing.ignored} other files ignored"
             f"{': ' + ignored_line(listing.ignored_extensions) if listing.ignored_extensions else ''}); images are "
             f"{_extensions()}, or WebDataset .tar shards. Check the path."
         )
+    pairing = resolve(job.conditioning, source, job.captions, options, job.fs) if job.conditioning else None
+    excluded = 0
+    if pairing is not None:
+        listing, excluded = pairing.exclude(listing)
+    parts = []
+    if loose:
+        parts.append(_loose_part(job, listing, target, table, (pairing, excluded), started))
+    if containers:
+        parts.append(container_part(listing, job.out, target, source=source, spec=job.spec, storage_options=options,
+                                    table=table, previous=job.previous, config=config, ray_address=job.ray_address,
+                                    started=started))  # fmt: skip
+    samples, errors, summary, counts = parts[0] if len(parts) == 1 else mixed_part(*parts)
+    return write_manifest(
+        job.out, samples, errors, source=source, spec=job.spec, storage_options=options, summary=summary,
+        counts=counts, max_pixels=config.max_pixels, conditioning=pairing.meta() if pairing is not None else None,
+    )  # fmt: skip
+
+
+def _loose_part(job: ScanJob, listing: Listing, target: tuple, table: CaptionTable | None,
+                conditioning: tuple[Pairing | None, int], started: float) -> ScanPart:
+    """The loose image files of ``listing``: probed by Ray tasks, reused where unchanged, paired with
+    their conditioning images (``conditioning``: the pairing and the files it took from the listing)."""
+    clock = time.perf_counter()
+    config, options, (pairing, excluded) = job.config, job.storage_options, conditioning
+    _, _, fs, root = target
+    if fs is None:
+        fs, root = open_url(job.source, options)
     log.info("listed %d images (%d ignored) in %.1f s", len(listing.images), listing.ignored, listing.seconds)
     plan = plan_rescan(listing, job.out, job.previous, options, config.max_pixels, table)
 
@@ -250,30 +273,11 @@ def _scan(job: ScanJob) -> ManifestMeta:
                                       conditioning_probe(pairing, options, job.fs, config, job.ray_address))
         stats.update(paired, conditioning_files=excluded)
     samples, too_small = apply_buckets(images, job.spec)
-    errors = pa.concat_tables([errors, too_small])
+    errors = pa.concat_tables([errors, too_small, link_error_rows(listing)])
     seconds = time.perf_counter() - clock - ray_seconds
     summary = scan_summary(listing, plan, stats, samples, errors, seconds, started, config, job.captions, table)
-    return write_manifest(
-        job.out, samples, errors, source=source, spec=job.spec, storage_options=options, summary=summary,
-        counts={"listed": len(listing.images), "ignored": listing.ignored}, max_pixels=config.max_pixels,
-        conditioning=pairing.meta() if pairing is not None else None,
-    )  # fmt: skip
-
-
-def _parquet_files_ignored(listing: Listing, source: str) -> None:
-    """Without --format parquet, parquet files are other files (a caption table beside images, say),
-    unless they are all the source holds: then the user most likely meant to scan them."""
-    if not listing.parquet:
-        return
-    if not (listing.images or listing.shards or listing.compressed_shards):
-        raise UsageError(
-            f"{redact(source)} holds {len(listing.parquet)} .parquet files (e.g. {listing.parquet[0].name}) and "
-            "no image files or tar shards: to scan the images inside them, add --format parquet --image-column "
-            "COLUMN (binary image bytes, or a HuggingFace Image struct) and, if they have captions, "
-            "--caption-column COLUMN"
-        )
-    listing.ignored_extensions["parquet"] = listing.ignored_extensions.get("parquet", 0) + len(listing.parquet)
-    listing.parquet = []
+    listed = len(listing.images) + len(listing.link_errors)
+    return ScanPart(samples, errors, summary, {"listed": listed, "ignored": listing.ignored})
 
 
 def _extensions() -> str:

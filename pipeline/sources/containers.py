@@ -1,19 +1,19 @@
 """The scan of a source made of containers: WebDataset tar shards, or parquet files with an image column.
 
-Called by :func:`pipeline.scan.job.scan_dataset` when the listing holds ``.tar`` files, or with
-``--format parquet`` (:mod:`pipeline.sources.parquet`). A source is either loose images or
-containers of one kind: tar shards beside loose images are refused (pack the loose images into
-shards too, or move them to a folder of their own and scan it into its own manifest), and so is a
-``.tar.gz``/``.tgz`` shard, which no byte range can be read from (neither by the scan nor by
-embed, which reads each image with one ranged read): decompress it once into a ``.tar``. With
-``--format parquet``, images or tar shards beside the parquet files are refused the same way.
+Called by :func:`pipeline.scan.job.scan_dataset` for the ``.tar`` files of a listing (alone, or beside
+the loose images of a mixed folder: :func:`container_part` gives rows and a summary, the job commits
+them), or with ``--format parquet`` (:mod:`pipeline.sources.parquet`). Files of the kinds a scan does
+not read were counted as ignored before this (:mod:`pipeline.scan.kinds`). A ``.tar.gz``/``.tgz``
+shard cannot be read by byte range (neither by the scan nor by embed, which reads each image with one
+ranged read): ``--format tar`` refuses it with what to do (decompress it once into a ``.tar``),
+other scans count it as ignored and say so.
 
 Incremental per container: every row of a shard or parquet file whose size and ETag (mtime where
 the store has none) are those recorded in the previous manifest is reused without reading it,
 unless it had a ``read_failed`` row, or ``--max-pixels``, ``--caption-field`` (tar) or
 ``--image-column``/``--caption-column`` (parquet) changed. Rows are checked and bucketed as for
-loose files (:func:`manifests.manifest.apply_buckets`), and committed by
-:func:`manifests.manifest.write_manifest`. The summary counts containers under the keys
+loose files (:func:`manifests.manifest.apply_buckets`); rows without a container (a mixed folder's
+loose images) are the loose scan's to reuse. The summary counts containers under the keys
 ``shards``/``shards_read``/``shard_bytes`` whatever their kind (``source_format`` says which).
 """
 
@@ -23,7 +23,7 @@ import datetime as _dt
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -31,8 +31,8 @@ import pyarrow.compute as pc
 
 from manifests.buckets import BucketSpec
 from manifests.errors import StorageError, UsageError
-from manifests.manifest import apply_buckets, conform, write_manifest
-from manifests.manifest_meta import ManifestMeta, ScanSummary
+from manifests.manifest import apply_buckets, conform
+from manifests.manifest_meta import ScanSummary
 from manifests.schema import ERRORS_SCHEMA, sample_ids
 from manifests.storage import redact
 from pipeline.sources.captions import CaptionTable
@@ -42,7 +42,8 @@ from pipeline.sources.tasks import run_tasks
 from pipeline.sources.parquet import PARQUET_ROWS, scan_parquet_batch
 from pipeline.sources.shards import SHARD_ROWS, scan_shard_batch, shard_work
 
-__all__ = ["ShardPlan", "check_container_source", "plan_shards", "scan_containers"]
+__all__ = ["ScanPart", "ShardPlan", "check_container_source", "compressed_shards_message", "container_part",
+           "plan_shards"]
 
 
 
@@ -51,39 +52,36 @@ def _is_parquet(config: Any) -> bool:
 
 
 def check_container_source(listing: Listing, source: str, config: Any = None) -> None:
-    """Raise UsageError for a source this scan cannot take whole: shards mixed with loose images,
-    compressed shards, or (``--format parquet``) anything but parquet files (see the module docstring)."""
+    """Raise UsageError for containers this scan cannot read: none at all, or compressed tar shards
+    (see the module docstring). Other kinds of files were counted as ignored before this."""
     if _is_parquet(config):
         if not listing.parquet:
             raise UsageError(f"--format parquet: no .parquet files under {redact(source)}; check the path")
-        others = [(len(listing.images), "loose images", listing.images[0].name if listing.images else ""),
-                  (len(listing.shards), "tar shards", listing.shards[0].name if listing.shards else ""),
-                  (len(listing.compressed_shards), "compressed tar shards",
-                   listing.compressed_shards[0] if listing.compressed_shards else "")]  # fmt: skip
-        for n, what, first in others:
-            if n:
-                raise UsageError(
-                    f"{redact(source)} holds both {len(listing.parquet)} parquet files (e.g. "
-                    f"{listing.parquet[0].name}) and {n} {what} (e.g. {first}): move them to a folder of their "
-                    "own and scan it into its own manifest (without --format parquet)"
-                )
         return
     if listing.compressed_shards:
-        first = listing.compressed_shards[0]
-        raise UsageError(
-            f"{redact(source)} holds {len(listing.compressed_shards)} compressed tar shards (e.g. {first}): a "
-            ".tar.gz/.tgz cannot be read by byte range, so scanning it means reading it whole, and embed "
-            "would decompress a whole shard for every image. Decompress them once "
-            "(for f in *.tar.gz; do gzip -dc \"$f\" > \"${f%.gz}\"; done), remove the compressed copies, "
-            "and scan the .tar shards"
-        )
-    if listing.shards and listing.images:
-        raise UsageError(
-            f"{redact(source)} holds both {len(listing.shards)} tar shards (e.g. {listing.shards[0].name}) and "
-            f"{len(listing.images)} loose images (e.g. {listing.images[0].name}): pack the loose images "
-            "into .tar shards too, or move them to a folder of their own, scan it into its own manifest and "
-            "plan both together: `bucketeer plan MANIFEST_SHARDS MANIFEST_LOOSE --out PLAN ...`"
-        )
+        raise UsageError(compressed_shards_message(listing.compressed_shards, source))
+    if not listing.shards:
+        raise UsageError(f"--format tar: no .tar shards under {redact(source)}; check the path")
+
+
+def compressed_shards_message(names: list[str], source: str) -> str:
+    """Why compressed tar shards are not scanned, and what to do."""
+    return (
+        f"{redact(source)} holds {len(names)} compressed tar shards (e.g. {names[0]}): a "
+        ".tar.gz/.tgz cannot be read by byte range, so scanning it means reading it whole, and embed "
+        "would decompress a whole shard for every image. Decompress them once "
+        "(for f in *.tar.gz; do gzip -dc \"$f\" > \"${f%.gz}\"; done), remove the compressed copies, "
+        "and scan the .tar shards"
+    )
+
+
+class ScanPart(NamedTuple):
+    """What one kind of file of a source gave: rows (bucketed), the scan's summary of them, the counts."""
+
+    samples: pa.Table
+    errors: pa.Table
+    summary: ScanSummary
+    counts: dict[str, int]
 
 
 @dataclass
@@ -122,6 +120,8 @@ def plan_shards(
     small = pc.equal(old.errors.column("error"), "too_small")
     images = pa.concat_tables([conform(old.samples, IMAGE_SCHEMA), conform(old.errors.filter(small), IMAGE_SCHEMA)])
     errors = old.errors.filter(pc.invert(small))
+    images = images.filter(pc.is_valid(images.column("container")))  # a mixed folder's loose rows: not ours
+    errors = errors.filter(pc.is_valid(errors.column("container")))
     recorded: dict[str, tuple] = {}
     for tab in (images, errors):
         cols = tab.select(["container", "container_size", "etag", "mtime"]).to_pydict()
@@ -150,7 +150,7 @@ def plan_shards(
     return plan
 
 
-def scan_containers(
+def container_part(
     listing: Listing,
     out: str,
     target: tuple,
@@ -163,12 +163,13 @@ def scan_containers(
     config: Any,
     ray_address: str | None,
     started: float,
-) -> ManifestMeta:
-    """Scan the tar shards (or, with ``config.format == "parquet"``, the parquet files) of ``listing``
-    into a manifest at ``out``; returns its ``_manifest.json`` content.
+) -> ScanPart:
+    """Scan the tar shards (or, with ``config.format == "parquet"``, the parquet files) of ``listing``,
+    reusing the rows of unchanged ones from the manifest at ``previous`` (else ``out``); the caller
+    commits the part (alone, or beside the loose images' rows).
 
     ``target`` is what each Ray task opens storage with (see :func:`pipeline.scan.probing.scan_batch`).
-    Raises UsageError for a mixed or compressed source (or a missing --image-column/--caption-column),
+    Raises UsageError for compressed shards (or a missing --image-column/--caption-column),
     StorageError for a permanent storage failure.
     """
     clock = time.perf_counter()
@@ -204,11 +205,7 @@ def scan_containers(
     seconds = time.perf_counter() - clock - ray_seconds
     listed = images.num_rows + errors.num_rows - _container_rows(errors)
     summary = _summary(listing, files, plan, stats, samples, errors, listed, seconds, started, config, table)
-    return write_manifest(
-        out, samples, errors, source=source, spec=spec, storage_options=storage_options, summary=summary,
-        counts={"listed": listed, "ignored": listing.ignored, "shards": len(files)},
-        max_pixels=config.max_pixels,
-    )  # fmt: skip
+    return ScanPart(samples, errors, summary, {"listed": listed, "ignored": listing.ignored, "shards": len(files)})
 
 
 def _container_rows(errors: pa.Table) -> int:
@@ -234,10 +231,10 @@ def _with_table_captions(rows: pa.Table, table: CaptionTable) -> pa.Table:
 
 def _stats(results: list[pa.Table]) -> dict[str, Any]:
     total: dict[str, Any] = {"shards": 0, "requests": 0, "bytes_read": 0, "images": 0, "no_caption": 0,
-                             "ignored_members": {}}  # fmt: skip
+                             "captions_truncated": 0, "ignored_members": {}}  # fmt: skip
     for result in results:
         stats = json.loads(result.schema.metadata[b"stats"])
-        for name in ("shards", "requests", "bytes_read", "images", "no_caption"):
+        for name in ("shards", "requests", "bytes_read", "images", "no_caption", "captions_truncated"):
             total[name] += stats[name]
         for ext, n in stats["ignored_members"].items():
             total["ignored_members"][ext] = total["ignored_members"].get(ext, 0) + n
@@ -256,7 +253,7 @@ def _summary(listing, files, plan, stats, samples, errors, listed, seconds, star
         "listed": listed, "samples": samples.num_rows, "errors": errors.num_rows, "errors_by_kind": kinds,
         "shards": len(files), "shards_read": len(plan.work), "images_read": stats["images"],
         "reused": plan.reused, "new": plan.new, "changed": plan.changed, "deleted": plan.deleted,
-        "previous": plan.previous, "no_caption": stats["no_caption"],
+        "previous": plan.previous, "no_caption": stats["no_caption"], "captions_truncated": stats["captions_truncated"],
         "ignored": listing.ignored, "ignored_members": dict(sorted(stats["ignored_members"].items())),
         "ignored_extensions": dict(sorted(listing.ignored_extensions.items())),
         "ignored_hidden": listing.ignored_hidden, "requests": stats["requests"],

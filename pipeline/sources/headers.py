@@ -23,7 +23,7 @@ from typing import Callable
 from PIL import Image
 
 from manifests.schema import MAX_PIXELS
-from pipeline.formats import format_name, open_image
+from pipeline.formats import format_name, named_format, open_image
 from pipeline.sources.parsers import parse_jpeg, parse_webp, xmp_orientation
 from pipeline.sources.results import Header, Probe, checked
 
@@ -175,10 +175,12 @@ def probe_header(
     max_pixels: int = MAX_PIXELS,
     first_read: int = FIRST_READ,
     head: bytes | None = None,
+    name: str | None = None,
 ) -> Probe:
     """Probe one image file of ``size`` bytes through ``read_range(start, end)`` (end exclusive).
 
-    ``head``: the file's first ``first_read`` bytes, when the caller has read them already.
+    ``head``: the file's first ``first_read`` bytes, when the caller has read them already; ``name``:
+    the file's name, which picks the plugin of a format without a magic number (TGA, IM, PCD).
     Returns a checked :class:`~pipeline.sources.results.Probe`; unusable files give an ``error``
     kind (``empty``, ``truncated``, ``not_an_image``, ``unsupported``, ``invalid_header``,
     ``too_many_pixels``) and a message. Never raises for the file's content; raises
@@ -188,7 +190,7 @@ def probe_header(
         return checked(Header(error="empty", message="the file is empty (0 bytes)"), max_pixels)
     reader = RangeReader(read_range, size, first_read, head=head)
     try:
-        header = _parse(reader)
+        header = _parse(reader, name)
     except StorageFailure:
         raise
     except (KeyboardInterrupt, SystemExit):
@@ -204,7 +206,7 @@ def probe_header(
     return checked(header, max_pixels, bytes_read=reader.bytes_read, requests=reader.requests)
 
 
-def _parse(reader: RangeReader) -> Header:
+def _parse(reader: RangeReader, name: str | None) -> Header:
     reader.read(16)  # makes sure the first read is in hand
     head = reader.head
     signature = head[:16]
@@ -214,11 +216,11 @@ def _parse(reader: RangeReader) -> Header:
             return header
     elif len(signature) >= 12 and signature[:4] == b"RIFF" and signature[8:12] == b"WEBP":
         return parse_webp(reader)
-    return _parse_with_pillow(reader, signature)
+    return _parse_with_pillow(reader, signature, name)
 
 
-def _parse_with_pillow(reader: RangeReader, signature: bytes) -> Header:
-    im, problems = open_image(reader, signature)  # reads the header only: nothing is decoded here
+def _parse_with_pillow(reader: RangeReader, signature: bytes, name: str | None = None) -> Header:
+    im, problems = open_image(reader, signature, name)  # reads the header only: nothing is decoded here
     if im is not None:
         width, height = im.size
         orientation = _orientation(im)
@@ -236,10 +238,11 @@ def _parse_with_pillow(reader: RangeReader, signature: bytes) -> Header:
         text = str(e) or type(e).__name__
         unsupported = any(w in text.lower() for w in ("unsupported", "not supported", "unknown"))
         kind = "unsupported" if unsupported else "not_an_image"
-        return Header(error=kind, format=fmt, message=f"{fmt} signature but Pillow cannot read it: {text}")
-    for magic, name in _OTHER_IMAGE_SIGNATURES.items():
+        how = f"named .{name.rsplit('.', 1)[-1]}" if name and fmt == named_format(name) else f"{fmt} signature"
+        return Header(error=kind, format=fmt, message=f"{how} but Pillow cannot read it as {fmt}: {text}")
+    for magic, other in _OTHER_IMAGE_SIGNATURES.items():
         if magic in signature[:16]:
-            return Header(error="unsupported", format=name, message=f"{name} image: no decoder for it in this Pillow")
+            return Header(error="unsupported", format=other, message=f"{other} image: no decoder for it in this Pillow")
     return _failed(reader, "no image format recognises these bytes")
 
 
@@ -250,10 +253,21 @@ def _failed(reader: RangeReader, why: str) -> Header:
 
 
 def _describe(reader: RangeReader) -> str:
-    head = reader.head[:16]
-    if head.lstrip().lower().startswith((b"<!doctype", b"<html", b"<?xml", b"{")):
-        return " (it looks like text: HTML/XML/JSON)"
-    return f" (starts with {head[:8].hex(' ')})"
+    """What the bytes look like, by kind and size only: a row never quotes a file's content (a link
+    to /etc/passwd named .jpg must not put its first line into a manifest)."""
+    head = reader.head[:512]
+    if head.lstrip().lower().startswith((b"<!doctype", b"<html", b"<?xml", b"{", b"[")):
+        kind = "text: HTML/XML/JSON"
+    else:  # the last 3 bytes may cut a character in two
+        kind = "text" if head and (_printable(head) or (len(head) > 3 and _printable(head[:-3]))) else "binary"
+    return f" ({reader.size:,} bytes of {kind})"
+
+
+def _printable(data: bytes) -> bool:
+    try:
+        return all(c.isprintable() or c in "\t\r\n" for c in data.decode("utf-8"))
+    except UnicodeDecodeError:
+        return False
 
 
 def _orientation(im: Image.Image) -> object:

@@ -23,12 +23,16 @@ part starting with ``.``, so also macOS ``._*`` AppleDouble files) and other fil
 counted as ``ignored``; the others also by extension (``Listing.ignored_extensions``), so that
 200,000 ``.heic`` files without the HEIF plugin are a visible line, not a silent count. A name that
 is not valid UTF-8 (possible on a local disk) cannot be a manifest row: it is ignored and counted
-under the extension ``(name not UTF-8)``.
+under the extension ``(name not UTF-8)``. On a local disk symbolic links are followed; one that leads
+to no file (dangling, or a loop) is in ``Listing.link_errors`` when it is named as an image (an error row
+``broken_link`` or ``link_loop``), else an ignored file counted as ``(broken link)``/``(link loop)``;
+FIFOs, sockets and devices are counted as ``(not a regular file)``.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import os
 import stat
 import time
@@ -41,7 +45,8 @@ from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from manifests.errors import MissingError, UsageError
-from manifests.schema import SAMPLES_SCHEMA
+from manifests.manifest import conform
+from manifests.schema import ERRORS_SCHEMA, SAMPLES_SCHEMA, sample_ids
 from manifests.storage import is_local
 from pipeline.formats import IMAGE_EXTENSIONS
 from pipeline.sources.captions import SIDECAR_EXTENSIONS, sidecar_number, sidecar_stem
@@ -49,12 +54,13 @@ from manifests.retry import with_retries
 
 __all__ = [
     "IMAGE_EXTENSIONS", "IMAGE_SCHEMA", "WORK_SCHEMA", "FileEntry", "Listing", "WorkItem",
-    "list_source", "classify", "extension", "work_table", "work_items", "image_sidecars",
+    "list_source", "classify", "extension", "work_table", "work_items", "image_sidecars", "link_error_rows",
 ]  # fmt: skip
 
 IMAGE_SCHEMA = pa.schema([f for f in SAMPLES_SCHEMA if f.name != "bucket"])  # a sample before bucketing
 PAGE_SIZE = 1000  # the S3 maximum per ListObjectsV2 call
 NOT_UTF8 = "(name not UTF-8)"  # the ignored_extensions key of names that cannot be a manifest row
+NOT_REGULAR = "(not a regular file)"  # the ignored_extensions key of FIFOs, sockets and devices
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,7 @@ class Listing:
     parquet: list[FileEntry] = field(default_factory=list)  # .parquet files: scanned with --format parquet
     sidecars: dict[str, FileEntry] = field(default_factory=dict)  # image stem -> its caption file
     numbered: dict[str, dict[int, FileEntry]] = field(default_factory=dict)  # image stem -> number -> img.N.txt
+    link_errors: list[tuple[str, str, str]] = field(default_factory=list)  # image names: (name, kind, message)
     ignored_hidden: int = 0
     ignored_extensions: dict[str, int] = field(default_factory=dict)  # other files by extension ("" for none)
     requests: int = 0
@@ -156,12 +163,14 @@ def list_source(fs: AbstractFileSystem, root: str, *, page_size: int = PAGE_SIZE
     bucket) propagate from the filesystem.
     """
     start = time.perf_counter()
+    problems: list[tuple[str, str, str]] = []
+    special = 0
     if hasattr(fs, "call_s3"):
         entries, requests = _list_s3(fs, root, page_size, workers)
     elif type(fs) is LocalFileSystem:  # a subclass may override its listing: it gets fs.find
         if not os.path.isdir(root):
             raise MissingError(f"source folder {root} does not exist")
-        entries, requests = with_retries(lambda: _list_local(root)), 1
+        (entries, problems, special), requests = with_retries(lambda: _list_local(root)), 1
     else:
         if is_local(fs) and not fs.isdir(root):
             raise MissingError(f"source folder {root} does not exist")
@@ -194,6 +203,7 @@ def list_source(fs: AbstractFileSystem, root: str, *, page_size: int = PAGE_SIZE
         else:
             ext = extension(entry.name) if _utf8(entry.name) else NOT_UTF8
             listing.ignored_extensions[ext] = listing.ignored_extensions.get(ext, 0) + 1
+    _sort_links(listing, problems, special)
     if listing.numbered:  # img.1.txt next to an image img.1.jpg is that image's caption, not img's second
         stems = {sidecar_stem(e.name) for e in listing.images}
         for base, numbered in list(listing.numbered.items()):
@@ -205,6 +215,33 @@ def list_source(fs: AbstractFileSystem, root: str, *, page_size: int = PAGE_SIZE
     listing.compressed_shards.sort()
     listing.seconds = time.perf_counter() - start
     return listing
+
+
+def _sort_links(listing: Listing, problems: list[tuple[str, str, str]], special: int) -> None:
+    """Links leading to no file: an error row each when named as an image, else an ignored file
+    counted as ``(broken link)``/``(link loop)``; FIFOs, sockets, devices as ``(not a regular file)``."""
+    for name, kind, message in problems:
+        what = classify(name) if _utf8(name) else "other"
+        if what == "image":
+            listing.link_errors.append((name, kind, message))
+        elif what == "hidden":
+            listing.ignored_hidden += 1
+        else:
+            key = f"({kind.replace('_', ' ')})"
+            listing.ignored_extensions[key] = listing.ignored_extensions.get(key, 0) + 1
+    if special:
+        listing.ignored_extensions[NOT_REGULAR] = listing.ignored_extensions.get(NOT_REGULAR, 0) + special
+    listing.link_errors.sort()
+
+
+def link_error_rows(listing: Listing) -> pa.Table:
+    """The error rows (:data:`manifests.schema.ERRORS_SCHEMA`) of the image names whose links lead to no file."""
+    names = [name for name, _, _ in listing.link_errors]
+    return conform(pa.table({
+        "sample_id": pa.array(sample_ids(names), pa.uint64()), "filename": pa.array(names, pa.string()),
+        "error": pa.array([kind for _, kind, _ in listing.link_errors], pa.string()),
+        "message": pa.array([message for _, _, message in listing.link_errors], pa.string()),
+    }), ERRORS_SCHEMA)  # fmt: skip
 
 
 def _keep_first(sidecars: dict, key: Any, entry: FileEntry) -> None:
@@ -230,10 +267,31 @@ def image_sidecars(listing: Listing, name: str) -> list[FileEntry]:
     return [by_number[n] for n in sorted(by_number)]
 
 
-def _list_local(root: str) -> list[FileEntry]:
+def _link_problem(path: str, name: str, error: OSError) -> tuple[str, str, str] | None:
+    """``(name, kind, message)`` of a symbolic link ``path`` that leads to no file; None when it is no link
+    (a file gone since its folder was read)."""
+    if not os.path.islink(path):
+        return None
+    chain, at = [name], path
+    for _ in range(8):  # the chain as the user wrote it, for the message
+        if not os.path.islink(at):
+            break
+        target = os.readlink(at)
+        chain.append(target)
+        at = os.path.join(os.path.dirname(at), target)
+    if error.errno == errno.ELOOP:
+        return name, "link_loop", f"symbolic link loop: {' -> '.join(chain)} -> ..."
+    return name, "broken_link", f"symbolic link to {' -> '.join(chain[1:])}, which does not exist"
+
+
+def _list_local(root: str) -> tuple[list[FileEntry], list[tuple[str, str, str]], int]:
     """Every regular file under the local folder ``root``: one ``stat`` each (fsspec's ``find`` builds
-    an info dict per file, several times the cost). Symbolic links are followed, each folder once."""
+    an info dict per file, several times the cost). Symbolic links are followed, each folder once.
+    Also returns the links that lead to no file (``(name, kind, message)``) and how many entries are
+    neither files nor folders (FIFOs, sockets, devices)."""
     entries = []
+    problems: list[tuple[str, str, str]] = []
+    special = 0
     seen: set[tuple[int, int]] = set()
     folders = [("", root)]
     while folders:
@@ -249,11 +307,15 @@ def _list_local(root: str) -> list[FileEntry]:
                         folders.append((f"{prefix}{item.name}/", item.path))
                         continue
                     info = item.stat()
-                except OSError:  # a dangling link, or a file gone since the folder was read
+                except OSError as e:  # a dangling link or a loop; or a file gone since the folder was read
+                    problem = _link_problem(item.path, prefix + item.name, e)
+                    problems += [problem] if problem else []
                     continue
                 if stat.S_ISREG(info.st_mode):
                     entries.append(FileEntry(prefix + item.name, info.st_size, None, info.st_mtime))
-    return entries
+                else:
+                    special += 1
+    return entries, problems, special
 
 
 def _ext(name: str) -> str:

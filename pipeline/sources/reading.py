@@ -119,7 +119,7 @@ def _probe(fetched: _Fetched, max_pixels: int, first_read: int, local: bool) -> 
         if isinstance(fetched.head, BaseException):
             raise StorageFailure(fetched.head)
         return probe_header(fetched.read_range, item.size, max_pixels=max_pixels, first_read=first_read,
-                            head=fetched.head)  # fmt: skip
+                            head=fetched.head, name=item.name)  # fmt: skip
     except StorageFailure as failure:
         cause = failure.cause
         if is_permanent(cause) and not local:

@@ -108,12 +108,17 @@ def plan_rescan(
         empty.new = len(listing.images)
         return empty
 
-    small = pc.equal(old.errors.column("error"), "too_small")
-    images = pa.concat_tables([conform(old.samples, IMAGE_SCHEMA), conform(old.errors.filter(small), IMAGE_SCHEMA)])
-    redo = {"read_failed"} | ({"too_many_pixels"} if old.max_pixels != max_pixels else set())
-    errors = old.errors.filter(pc.invert(small))
+    # a mixed folder's tar rows are the shards' scan's to reuse (pipeline/sources/containers.py)
+    old_samples = old.samples.filter(pc.is_null(old.samples.column("container")))
+    old_errors = old.errors.filter(pc.is_null(old.errors.column("container")))
+    small = pc.equal(old_errors.column("error"), "too_small")
+    images = pa.concat_tables([conform(old_samples, IMAGE_SCHEMA), conform(old_errors.filter(small), IMAGE_SCHEMA)])
+    # link errors come from the listing each time, never from the previous manifest
+    redo = {"read_failed", "broken_link", "link_loop"}
+    redo |= {"too_many_pixels"} if old.max_pixels != max_pixels else set()
+    errors = old_errors.filter(pc.invert(small))
     errors = errors.filter(pc.invert(pc.is_in(errors.column("error"), pa.array(sorted(redo)))))
-    redo_names = set(old.errors.column("filename").to_pylist()) - set(errors.column("filename").to_pylist())
+    redo_names = set(old_errors.column("filename").to_pylist()) - set(errors.column("filename").to_pylist())
     redo_names -= set(images.column("filename").to_pylist())
 
     plan = RescanPlan([], images, errors, set(), previous=redact(previous or out))
@@ -148,7 +153,7 @@ def plan_rescan(
             else:
                 plan.new += 1
     plan.reused = len(seen)
-    plan.deleted = len(previous_names - set(entries))
+    plan.deleted = len(previous_names - set(entries) - {name for name, _, _ in listing.link_errors})
     plan.work.sort()
     return plan
 

@@ -11,9 +11,12 @@ ICC bodies are skipped: :mod:`pipeline.sources.jpeg`). The caption is the
 list of strings: several captions). No shard is
 read whole: the bytes read are the headers, the captions and each image's first bytes.
 
-A key's outcome, as for a loose file: one image -> a sample (null caption when it has none,
-counted in ``no_caption``) or an error row; two images -> a ``duplicate_key`` error row each;
-other members are counted by extension (``ignored_members``). A shard whose walk stops early
+A key's outcome, as for a loose file: one image -> a sample (null caption when it has none or an
+empty one, counted in ``no_caption``) or an error row; two images -> a ``duplicate_key`` error row
+each; other members are counted by extension (``ignored_members``). A hard or symbolic link to a
+file of the same shard is that file's bytes under the link's name (:func:`resolve_links`: its row
+points at the target's offset); one leading nowhere in the shard is a ``broken_link`` or
+``link_loop`` row when named as an image, else an ignored member. A shard whose walk stops early
 (truncated, a header with a bad checksum) gives a ``corrupt_container`` row named after the shard
 (a cut image member is also a ``truncated`` row); a shard whose reads fail after the retries one
 ``read_failed`` row, and it is read again by the next scan.
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -45,9 +49,10 @@ from pipeline.sources.listing import FileEntry, extension
 from pipeline.sources.reading import SIDECAR_LIMIT
 from pipeline.sources.results import Header, checked
 from pipeline.sources.jpeg import sparse_jpeg_header
-from pipeline.sources.tar import SHARD_WINDOW, TarMember, walk_tar
+from pipeline.sources.tar import SHARD_WINDOW, TarLink, TarMember, TarWalk, walk_tar
 
-__all__ = ["SHARD_ROWS", "SHARD_WINDOW", "ShardScan", "scan_shard", "scan_shards", "scan_shard_batch", "shard_key"]
+__all__ = ["SHARD_ROWS", "SHARD_WINDOW", "ShardScan", "scan_shard", "scan_shards", "scan_shard_batch", "shard_key",
+           "resolve_links"]  # fmt: skip
 
 _HEAD_MIN = 512  # fewer bytes of a non-JPEG image in hand than this: read its first `window` bytes afresh
 _CAPTION_EXTENSIONS = ("txt", "caption")  # .txt wins over .caption, both over the .json field
@@ -90,7 +95,8 @@ class ShardScan:
     requests: int = 0
     bytes_read: int = 0  # every byte fetched from the shard: headers, captions, image headers
     images: int = 0
-    no_caption: int = 0  # images whose key has no caption member
+    no_caption: int = 0  # images without a caption: no caption member, or an empty one
+    captions_truncated: int = 0  # caption members over SIDECAR_LIMIT bytes, cut there
     ignored_members: dict[str, int] = field(default_factory=dict)  # by extension
 
 
@@ -138,8 +144,9 @@ def scan_shard(
     walk = walk_tar(reads, shard.size, window=window, keep=window)
     out = ShardScan()
     base = {"container": shard.name, "container_size": shard.size, "etag": shard.etag, "mtime": shard.mtime}
+    resolved, broken = resolve_links(walk)
     by_key: dict[str, list[TarMember]] = {}
-    for member in walk.members:
+    for member in [*walk.members, *resolved]:
         by_key.setdefault(shard_key(member.name), []).append(member)
     for key, members in by_key.items():
         images = [m for m in members if extension(m.name) in IMAGE_EXTENSIONS]
@@ -149,12 +156,13 @@ def scan_shard(
                 out.ignored_members[ext] = out.ignored_members.get(ext, 0) + 1
             continue
         caption, captions, source = _caption(reads, shard.name, members, caption_field)
+        out.captions_truncated += source is not None and _caption_member(members, source).size > SIDECAR_LIMIT
         for m in members:
             ext = extension(m.name)
             if m not in images and ext not in (*_CAPTION_EXTENSIONS, "json"):
                 out.ignored_members[ext] = out.ignored_members.get(ext, 0) + 1
         out.images += len(images)
-        out.no_caption += len(images) if source is None else 0
+        out.no_caption += len(images) if caption is None else 0  # an empty .txt member is no caption either
         for image in images:
             row = {**base, "filename": f"{shard.name}/{image.name}", "member_offset": image.offset,
                    "size": image.size, "caption": caption, "captions": captions,
@@ -175,12 +183,57 @@ def scan_shard(
             row.update(width=probe.width, height=probe.height, format=probe.format, orientation=probe.orientation,
                        error=probe.error, message=probe.message, bytes_read=probe.bytes_read)  # fmt: skip
             out.rows.append(row)
+    for link, kind, message in broken:  # an image named by a link that leads nowhere in the shard
+        if extension(link.name) in IMAGE_EXTENSIONS:
+            out.images += 1
+            out.rows.append({**base, "filename": f"{shard.name}/{link.name}", "error": kind, "message": message})
+        else:
+            ext = extension(link.name)
+            out.ignored_members[ext] = out.ignored_members.get(ext, 0) + 1
+    if walk.special:  # devices, FIFOs: no data to read
+        out.ignored_members["(not a file)"] = out.ignored_members.get("(not a file)", 0) + walk.special
     if walk.problem:
         out.rows.append({**base, "filename": shard.name, "error": "corrupt_container", "size": shard.size,
                          "message": f"{walk.problem}; {len(walk.members)} members before it were scanned, "
                          "nothing after it (re-create or re-download the shard)"})  # fmt: skip
     out.requests, out.bytes_read = reads.requests, reads.bytes
     return out
+
+
+def resolve_links(walk: TarWalk, hops: int = 8) -> tuple[list[TarMember], list[tuple[TarLink, str, str]]]:
+    """The link entries of a shard as members holding their target's bytes (same offset and size: a
+    ranged read of the row reads the target), and the links that lead to no regular member of the
+    shard, each with its error kind (``broken_link``, ``link_loop``) and a message.
+
+    A hard link names its target by archive path; a symbolic one relative to its own folder (an
+    absolute target, or one leaving the shard's root, leads outside the shard). Links to links are
+    followed up to ``hops`` steps.
+    """
+    files = {m.name: m for m in walk.members}
+    links = {link.name: link for link in walk.links}
+    resolved: list[TarMember] = []
+    broken: list[tuple[TarLink, str, str]] = []
+    for link in walk.links:
+        at, seen = link, [link.name]
+        while True:
+            folder = "" if at.hard else posixpath.dirname(at.name)
+            path = posixpath.normpath(posixpath.join(folder, at.target))
+            if path in files:
+                target = files[path]
+                resolved.append(TarMember(link.name, target.offset, target.size, target.head))
+                break
+            if path in links and path not in seen and len(seen) <= hops:
+                at = links[path]
+                seen.append(path)
+                continue
+            if path in seen or len(seen) > hops:
+                broken.append((link, "link_loop", f"link loop in the shard: {' -> '.join([*seen, path])}"))
+            else:
+                where = "outside the shard" if at.target.startswith("/") or path.startswith("..") else "in the shard"
+                broken.append((link, "broken_link", f"{'hard' if at.hard else 'symbolic'} link to {at.target}, "
+                               f"which is no file {where}"))  # fmt: skip
+            break
+    return resolved, broken
 
 
 def _probe(reads: _CountingReads, image: TarMember, max_pixels: int, window: int):
@@ -202,7 +255,7 @@ def _probe(reads: _CountingReads, image: TarMember, max_pixels: int, window: int
         if header is not None:
             return checked(header, max_pixels, bytes_read=len(head) + fetched[0], requests=fetched[1])
     return probe_header(read_member, image.size, max_pixels=max_pixels, first_read=window,
-                        head=head if len(head) >= min(image.size, _HEAD_MIN) else None)  # fmt: skip
+                        head=head if len(head) >= min(image.size, _HEAD_MIN) else None, name=image.name)  # fmt: skip
 
 
 def _member_bytes(reads: _CountingReads, member: TarMember) -> bytes:
@@ -210,6 +263,12 @@ def _member_bytes(reads: _CountingReads, member: TarMember) -> bytes:
     if len(member.head) >= limit:
         return member.head[:limit]
     return reads(member.offset, member.offset + limit)
+
+
+def _caption_member(members: list[TarMember], source: str) -> TarMember:
+    """The member a ``caption_source`` (``member:<shard>:<name>[#field]``) was read from."""
+    name = source.split(":", 2)[2].split("#", 1)[0]
+    return next(m for m in members if m.name == name)
 
 
 def _caption(reads: _CountingReads, container: str, members: list[TarMember], caption_field: str):
@@ -298,12 +357,12 @@ def combine_scans(scans: list, schema: pa.Schema) -> pa.Table:
     table whose metadata ``stats`` holds their summed counts: shards (containers), requests, bytes_read,
     images, no_caption and ignored_members by extension."""
     stats: dict[str, Any] = {"shards": len(scans), "requests": 0, "bytes_read": 0, "images": 0, "no_caption": 0,
-                             "ignored_members": {}}  # fmt: skip
+                             "captions_truncated": 0, "ignored_members": {}}  # fmt: skip
     rows: list[dict[str, Any]] = []
     for scan in scans:
         rows.extend(scan.rows)
-        for name in ("requests", "bytes_read", "images", "no_caption"):
-            stats[name] += getattr(scan, name)
+        for name in ("requests", "bytes_read", "images", "no_caption", "captions_truncated"):
+            stats[name] += getattr(scan, name, 0)
         for ext, n in getattr(scan, "ignored_members", {}).items():
             stats["ignored_members"][ext] = stats["ignored_members"].get(ext, 0) + n
     columns = {name: [row.get(name) for row in rows] for name in schema.names}

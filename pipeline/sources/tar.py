@@ -9,23 +9,25 @@ large member costs one read at its header. It says where to read next (``next_of
 ``wanted``) and keeps, per member, the bytes of its data it has seen (``head``).
 
 Handled: POSIX ustar (``prefix`` + ``name``), GNU long names (``././@LongLink``, typeflag ``L``),
-pax extended headers (typeflag ``x``: ``path`` and ``size``), GNU base-256 sizes. A header whose
-checksum fails, or a member running past the end of the shard, stops the walk with a
-``problem`` (members before it stay usable). Directories, links and other non-file entries are
-counted in ``skipped``. Pure: no I/O, so every transport (a local ``pread``, an S3 ranged GET)
-drives the same parser.
+pax extended headers (typeflag ``x``: ``path``, ``linkpath`` and ``size``; GNU ``K`` long link names),
+GNU base-256 sizes. A header whose checksum fails, or a member running past the end of the shard,
+stops the walk with a ``problem`` (members before it stay usable). Hard and symbolic links are kept
+apart in ``links`` (:class:`TarLink`: the scan resolves them to a member of the same shard);
+directories and other non-file entries (devices, FIFOs) are counted in ``skipped``. Pure: no I/O,
+so every transport (a local ``pread``, an S3 ranged GET) drives the same parser.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["BLOCK", "SHARD_WINDOW", "TarMember", "TarWalk", "walk_tar"]
+__all__ = ["BLOCK", "SHARD_WINDOW", "TarLink", "TarMember", "TarWalk", "walk_tar"]
 
 BLOCK = 512
 SHARD_WINDOW = 4 * 1024  # bytes the scan reads at a header: it, the small members after it, an image's header
 _REGULAR = (b"0", b"\0", b"7")  # a file, an old-style file, a contiguous file
-_LONG_NAME, _PAX, _GLOBAL_PAX = b"L", b"x", b"g"
+_LONG_NAME, _LONG_LINK, _PAX, _GLOBAL_PAX = b"L", b"K", b"x", b"g"
+_HARDLINK, _SYMLINK, _DIRECTORY = b"1", b"2", b"5"
 _MAX_META = 1 << 20  # most bytes a long name or pax record may take: larger means a corrupt header
 
 
@@ -41,6 +43,16 @@ class TarMember:
     @property
     def end(self) -> int:
         return self.offset + self.size
+
+
+@dataclass(frozen=True)
+class TarLink:
+    """A link entry of a shard: its path, the path it names (``target``, as stored) and whether it is
+    a hard link (whose target is an archive path) or a symbolic one (relative to the link's folder)."""
+
+    name: str
+    target: str
+    hard: bool
 
 
 def _octal(field_bytes: bytes) -> int:
@@ -103,7 +115,9 @@ class TarWalk:
     shard_size: int
     keep: int = SHARD_WINDOW
     members: list[TarMember] = field(default_factory=list)
-    skipped: int = 0  # directories, links and other entries that are not regular files
+    links: list[TarLink] = field(default_factory=list)  # hard and symbolic links, in archive order
+    skipped: int = 0  # directories and other entries that are neither regular files nor links
+    special: int = 0  # of those, the ones that are not directories (devices, FIFOs): counted as ignored
     not_utf8: int = 0  # members whose name is not UTF-8 (no manifest row can name them)
     problem: str | None = None  # why the walk stopped before the end of the archive
     cut_member: TarMember | None = None  # the member whose data runs past the end of the shard
@@ -111,6 +125,7 @@ class TarWalk:
     next_offset: int | None = 0  # where the next header is; None when the walk is over
     wanted: int = BLOCK  # bytes needed from next_offset (a long name or pax header needs its data too)
     _long_name: str | None = None
+    _long_link: str | None = None
     _pax: dict[str, str] = field(default_factory=dict)
 
     def feed(self, start: int, data: bytes) -> None:
@@ -148,7 +163,7 @@ class TarWalk:
                 break
             kind = block[156:157]
             data_at = o + BLOCK
-            if kind in (_LONG_NAME, _PAX, _GLOBAL_PAX):
+            if kind in (_LONG_NAME, _LONG_LINK, _PAX, _GLOBAL_PAX):
                 if size > _MAX_META:
                     self._stop(f"the header at byte {o:,} declares {size:,} bytes of metadata: corrupt")
                     o = None
@@ -163,12 +178,14 @@ class TarWalk:
                 meta = data[data_at - start : data_at - start + size]
                 if kind == _LONG_NAME:
                     self._long_name = _text(meta) or ""
+                elif kind == _LONG_LINK:
+                    self._long_link = _text(meta) or ""
                 elif kind == _PAX:
                     self._pax = _pax_records(meta)
                 o = data_at + -(-size // BLOCK) * BLOCK
                 continue
-            name, pax = self._long_name, self._pax
-            self._long_name, self._pax = None, {}
+            name, link, pax = self._long_name, self._long_link, self._pax
+            self._long_name, self._long_link, self._pax = None, None, {}
             if "path" in pax:
                 name = pax["path"]
             if "size" in pax:
@@ -199,8 +216,13 @@ class TarWalk:
                         o = None
                         break
                     self.members.append(member)
+            elif kind in (_HARDLINK, _SYMLINK) and name is not None:
+                target = pax.get("linkpath", link if link is not None else _text(block[157:257]))
+                self.links.append(TarLink(name, target or "", kind == _HARDLINK))
+                size = 0  # a link has no data, whatever its size field says
             else:
                 self.skipped += 1
+                self.special += kind != _DIRECTORY
             o = data_at + -(-size // BLOCK) * BLOCK
         self.next_offset = o
         if o is not None and self.wanted < BLOCK:
