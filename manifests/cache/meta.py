@@ -21,12 +21,13 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from manifests.buckets import BucketSpec
 from manifests.cache.text_layout import TextLayout
 from manifests.errors import MissingError, UsageError
+from manifests.jsonrecord import JsonRecord, each, nested, optional
 from manifests.storage import redact
 
 __all__ = [
@@ -79,70 +80,7 @@ def fingerprint_of(settings: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def _plain(value: Any) -> Any:
-    """A JSON value as an attribute: lists become tuples, objects stay dicts (maps keyed by data)."""
-    return tuple(_plain(v) for v in value) if isinstance(value, list) else value
-
-
-def _to_json(value: Any) -> Any:
-    if hasattr(value, "to_json"):
-        return value.to_json()
-    if isinstance(value, (tuple, list)):
-        return [_to_json(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _to_json(v) for k, v in value.items()}
-    return value
-
-
-def _part(parse: Callable[[Any], Any], **kwargs: Any) -> Any:
-    """A field holding a nested JSON value that ``parse`` turns into its type."""
-    return field(default=None, metadata={"parse": parse, **kwargs})
-
-
-def _many(parse: Callable[[Any], Any]) -> Callable[[Any], tuple]:
-    return lambda values: tuple(parse(v) for v in values)
-
-
-def _key(f: Any) -> str:
-    return f.metadata.get("key", f.name)
-
-
-def _default(f: Any) -> Any:
-    return None if f.default is MISSING else f.default
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Section:
-    """A JSON object of ``_cache.json`` whose keys are the fields (see the module docstring)."""
-
-    _absent: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
-    _extra: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
-
-    @classmethod
-    def _fields(cls) -> list[Any]:
-        return [f for f in fields(cls) if not f.name.startswith("_")]
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> Any:
-        if not isinstance(d, Mapping):
-            raise TypeError(f"{cls.__name__} is a JSON object, not {type(d).__name__}")
-        values, absent = {}, set()
-        for f in cls._fields():
-            if _key(f) not in d:
-                absent.add(f.name)
-            elif d[_key(f)] is not None:
-                values[f.name] = f.metadata.get("parse", _plain)(d[_key(f)])
-        known = {_key(f) for f in cls._fields()}
-        extra = {k: copy.deepcopy(v) for k, v in d.items() if k not in known}
-        return cls(**values, _absent=frozenset(absent), _extra=extra)
-
-    def to_json(self) -> dict[str, Any]:
-        out = {_key(f): _to_json(getattr(self, f.name)) for f in self._fields()
-               if f.name not in self._absent or getattr(self, f.name) != _default(f)}  # fmt: skip
-        return {**out, **copy.deepcopy(dict(self._extra))}
-
-
-def _section_or_none(cls: type[_Section]) -> Callable[[Any], Any]:
+def _section_or_none(cls: type[JsonRecord]) -> Callable[[Any], Any]:
     """Parse a settings section when it has the shape ``embed`` writes (a cache assembled by hand may
     hold anything there: its settings are only hashed)."""
     return lambda v: cls.from_json(v) if isinstance(v, Mapping) else None
@@ -152,7 +90,7 @@ def _section_or_none(cls: type[_Section]) -> Callable[[Any], Any]:
 
 
 @dataclass(frozen=True, kw_only=True)
-class VaeSettings(_Section):
+class VaeSettings(JsonRecord):
     id: str | None = None
     subfolder: str | None = None
     class_: str | None = field(default=None, metadata={"key": "class"})
@@ -164,7 +102,7 @@ class VaeSettings(_Section):
 
 
 @dataclass(frozen=True, kw_only=True)
-class TextEncoderSettings(_Section):
+class TextEncoderSettings(JsonRecord):
     id: str | None = None
     subfolder: str | None = None
     class_: str | None = field(default=None, metadata={"key": "class"})
@@ -174,17 +112,17 @@ class TextEncoderSettings(_Section):
 
 
 @dataclass(frozen=True, kw_only=True)
-class TextSettings(_Section):
+class TextSettings(JsonRecord):
     layer: str | None = None
     max_text_tokens: int | None = None
-    encoders: tuple[TextEncoderSettings, ...] | None = _part(_many(TextEncoderSettings.from_json))
+    encoders: tuple[TextEncoderSettings, ...] | None = nested(each(TextEncoderSettings.from_json), default=None)
     pipeline: str | None = None
     pooled_dim: int | None = None
-    layout: TextLayout | None = _part(TextLayout.from_json)
+    layout: TextLayout | None = nested(TextLayout.from_json, default=None)
 
 
 @dataclass(frozen=True, kw_only=True)
-class VariantSettings(_Section):
+class VariantSettings(JsonRecord):
     crops: int | None = None
     flip: bool | None = None
 
@@ -243,7 +181,7 @@ class CacheSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
-class LatentInfo(_Section):
+class LatentInfo(JsonRecord):
     kind: str | None = None  # posterior_mean | posterior_mean_std
     dtype: str | None = None
     channels: int | None = None
@@ -254,7 +192,7 @@ class LatentInfo(_Section):
 
 
 @dataclass(frozen=True, kw_only=True)
-class TextEncoderInfo(_Section):
+class TextEncoderInfo(JsonRecord):
     id: str | None = None
     class_: str | None = field(default=None, metadata={"key": "class"})
     hidden_size: int | None = None
@@ -262,34 +200,34 @@ class TextEncoderInfo(_Section):
 
 
 @dataclass(frozen=True, kw_only=True)
-class ValidationPrompt(_Section):
+class ValidationPrompt(JsonRecord):
     prompt: str
     caption_key: int
 
 
 @dataclass(frozen=True, kw_only=True)
-class TextInfo(_Section):
+class TextInfo(JsonRecord):
     family: str | None = None
     pipeline: str | None = None
     dtype: str | None = None
     layer: str | None = None
     max_tokens: int | None = None
     pooled_dim: int | None = None
-    encoders: tuple[TextEncoderInfo, ...] | None = _part(_many(TextEncoderInfo.from_json))
-    layout: TextLayout | None = _part(TextLayout.from_json)
+    encoders: tuple[TextEncoderInfo, ...] | None = nested(each(TextEncoderInfo.from_json), default=None)
+    layout: TextLayout | None = nested(TextLayout.from_json, default=None)
     empty_caption_key: int | None = None  # its text record: caption dropout, and a null caption's text
-    validation_prompts: tuple[ValidationPrompt, ...] | None = _part(_many(ValidationPrompt.from_json))
+    validation_prompts: tuple[ValidationPrompt, ...] | None = nested(each(ValidationPrompt.from_json), default=None)
 
 
 @dataclass(frozen=True, kw_only=True)
-class ComputeInfo(_Section):
+class ComputeInfo(JsonRecord):
     device: str | None = None
     gpus: int | None = None
     dtype: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
-class CacheBytes(_Section):
+class CacheBytes(JsonRecord):
     """Compressed bytes of the live records: totals, and the means (None when there is no record)."""
 
     samples: int | None = None
@@ -299,14 +237,14 @@ class CacheBytes(_Section):
 
 
 @dataclass(frozen=True, kw_only=True)
-class CacheCounts(_Section):
+class CacheCounts(JsonRecord):
     samples: int = 0
     texts: int = 0
     errors: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
-class CacheIndex(_Section):
+class CacheIndex(JsonRecord):
     """The index parts of each kind, paths relative to the cache root, in commit order."""
 
     samples: tuple[str, ...] = ()
@@ -319,7 +257,7 @@ class CacheIndex(_Section):
 
 
 @dataclass(frozen=True, kw_only=True)
-class EmbedSummary(_Section):
+class EmbedSummary(JsonRecord):
     """What the last embed run did (``{}`` for a cache not written by ``bucketeer embed``)."""
 
     embedded: int | None = None
@@ -343,31 +281,31 @@ class EmbedSummary(_Section):
 
 
 @dataclass(frozen=True, kw_only=True)
-class CacheMeta(_Section):
+class CacheMeta(JsonRecord):
     """``_cache.json``. Required: ``kind``, ``format_version``, ``fingerprint``, ``settings``, ``index``,
     ``counts``; every other key is None when the file does not have it."""
 
     kind: str
     format_version: int
     fingerprint: str
-    settings: CacheSettings = _part(CacheSettings.from_json)
-    index: CacheIndex = _part(CacheIndex.from_json)
-    counts: CacheCounts = _part(CacheCounts.from_json)
+    settings: CacheSettings = optional(CacheSettings.from_json)
+    index: CacheIndex = optional(CacheIndex.from_json)
+    counts: CacheCounts = optional(CacheCounts.from_json)
     manifests: tuple[str, ...] = ()  # fingerprints of the manifests embedded into it
-    created_at: str | None = None
-    updated_at: str | None = None
-    tool_version: str | None = None
-    complete: bool | None = None
-    generation: int | None = None  # commits so far; the newest index row of a sample wins
-    family: str | None = None
-    latent: LatentInfo | None = _part(LatentInfo.from_json)
-    text: TextInfo | None = _part(TextInfo.from_json)
-    gzip: str | None = None
-    storage_options: dict[str, Any] | None = None
-    compute: ComputeInfo | None = _part(ComputeInfo.from_json)
-    bytes: CacheBytes | None = _part(CacheBytes.from_json)
-    superseded_records: int | None = None
-    summary: EmbedSummary | None = _part(EmbedSummary.from_json)
+    created_at: str | None = optional()
+    updated_at: str | None = optional()
+    tool_version: str | None = optional()
+    complete: bool | None = optional()
+    generation: int | None = optional()  # commits so far; the newest index row of a sample wins
+    family: str | None = optional()
+    latent: LatentInfo | None = optional(LatentInfo.from_json)
+    text: TextInfo | None = optional(TextInfo.from_json)
+    gzip: str | None = optional()
+    storage_options: dict[str, Any] | None = optional()
+    compute: ComputeInfo | None = optional(ComputeInfo.from_json)
+    bytes: CacheBytes | None = optional(CacheBytes.from_json)
+    superseded_records: int | None = optional()
+    summary: EmbedSummary | None = optional(EmbedSummary.from_json)
 
     @classmethod
     def from_json(cls, d: Any, url: str) -> "CacheMeta":  # type: ignore[override]
@@ -384,10 +322,6 @@ class CacheMeta(_Section):
         except (TypeError, ValueError, KeyError, AttributeError) as e:
             raise CacheError(f"{redact(url)}/{CACHE_FILE} is malformed ({type(e).__name__}: {e}); "
                              "re-embed into a new --out") from None  # fmt: skip
-
-    def to_json(self) -> dict[str, Any]:
-        """The dict written as ``_cache.json`` (no top-level key is ever null)."""
-        return {k: v for k, v in super().to_json().items() if v is not None}
 
     @property
     def text_layout(self) -> TextLayout:

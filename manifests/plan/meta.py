@@ -10,10 +10,11 @@ attribute that is None when absent, and :meth:`PlanMeta.to_json` leaves it out a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from manifests.errors import MissingError, UsageError
+from manifests.jsonrecord import JsonRecord, each, each_value, nested, optional
 from manifests.plan.mix import MixRule
 from manifests.plan.schedule import PlanConfig
 from manifests.storage import open_url, read_artifact_meta, redact
@@ -53,35 +54,16 @@ class PlanMissingError(PlanError, MissingError):
     """A folder without ``_plan.json``: no plan there, or `bucketeer plan` never finished."""
 
 
-def _absent() -> Any:
-    """A field whose key only some plans have: None when absent, and left out of ``to_json`` then."""
-    return field(default=None, metadata={"absent_when_none": True})
+@dataclass(frozen=True, kw_only=True)
+class _PlanRecord(JsonRecord):
+    """A record of ``_plan.json``: a field without a default is a key the file must have; keys this
+    bucketeer does not know are dropped (a plan is only rewritten by the bucketeer that reads it)."""
+
+    _unknown_keys = "drop"
 
 
-def _plain(value: Any) -> Any:
-    if hasattr(value, "to_json"):
-        return value.to_json()
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
-
-
-class _Record:
-    """``to_json``: every field under its own name, in declaration order (nested records as dicts)."""
-
-    def to_json(self) -> dict[str, Any]:
-        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)  # type: ignore[arg-type]
-                if not (f.metadata.get("absent_when_none") and getattr(self, f.name) is None)}  # fmt: skip
-
-
-def _ints(values: Any) -> tuple[int, ...] | None:
-    return None if values is None else tuple(values)
-
-
-@dataclass(frozen=True)
-class MixInputs(_Record):
+@dataclass(frozen=True, kw_only=True)
+class MixInputs(_PlanRecord):
     """``inputs.mix``: the rule and the fingerprints of every dataset's manifest and cache, in order."""
 
     kind: str  # weights | repeats
@@ -89,17 +71,13 @@ class MixInputs(_Record):
     manifest_fingerprints: tuple[str, ...]
     cache_fingerprints: tuple[str | None, ...]
 
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "MixInputs":
-        return cls(d["kind"], tuple(d["values"]), tuple(d["manifest_fingerprints"]), tuple(d["cache_fingerprints"]))
-
     @property
     def rule(self) -> MixRule:
         return MixRule.from_json(self.to_json())
 
 
-@dataclass(frozen=True)
-class PlanInputs(_Record):
+@dataclass(frozen=True, kw_only=True)
+class PlanInputs(_PlanRecord):
     """``inputs``: what the plan is a pure function of (:class:`PlanConfig` and the data's fingerprints)."""
 
     world_size: int
@@ -113,13 +91,7 @@ class PlanInputs(_Record):
     patch_size: int
     manifest_fingerprint: str | None
     cache_fingerprint: str | None
-    mix: MixInputs | None = _absent()
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "PlanInputs":
-        mix = d.get("mix")
-        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name != "mix"},
-                   mix=None if mix is None else MixInputs.from_json(mix))  # fmt: skip
+    mix: MixInputs | None = optional(MixInputs.from_json)
 
     @classmethod
     def of(cls, config: PlanConfig, manifest_fingerprint: str | None, cache_fingerprint: str | None,
@@ -132,35 +104,27 @@ class PlanInputs(_Record):
         return PlanConfig.from_json(self.to_json())
 
 
-@dataclass(frozen=True)
-class BucketInfo(_Record):
+@dataclass(frozen=True, kw_only=True)
+class BucketInfo(_PlanRecord):
     """``buckets[name]``: samples (a mixture: sample slots per epoch), per-rank batch size, latent tokens."""
 
     samples: int
     batch_size: int
     latent_tokens: int
 
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "BucketInfo":
-        return cls(d["samples"], d["batch_size"], d["latent_tokens"])
 
-
-@dataclass(frozen=True)
-class PlanSamplesCount(_Record):
+@dataclass(frozen=True, kw_only=True)
+class PlanSamplesCount(_PlanRecord):
     """``samples``: planned, a mixture's slots per epoch, and those left out for the cache."""
 
     planned: int
-    per_epoch: int | None = _absent()
-    not_in_cache: int = 0
-    stale: int = 0
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "PlanSamplesCount":
-        return cls(d["planned"], d.get("per_epoch"), d["not_in_cache"], d["stale"])
+    per_epoch: int | None = optional()
+    not_in_cache: int
+    stale: int
 
 
-@dataclass(frozen=True)
-class EpochEntry(_Record):
+@dataclass(frozen=True, kw_only=True)
+class EpochEntry(_PlanRecord):
     """``epochs[i]``: one epoch file: its steps (from ``first_step``), padding and drops per bucket, latent
     tokens per rank and step (min, max, sum), the file's sha256, size and footer length; a mixture's slots
     per dataset."""
@@ -173,17 +137,11 @@ class EpochEntry(_Record):
     dropped: dict[str, int]
     padded_total: int
     dropped_total: int
-    tokens: tuple[int, ...] | None = _absent()
-    sha256: str = ""
-    bytes: int = 0
-    footer_bytes: int = 0
-    datasets: tuple[int, ...] | None = _absent()
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "EpochEntry":
-        return cls(d["epoch"], d["first_step"], d["steps"], d["steps_in_epoch"], dict(d["padded"]), dict(d["dropped"]),
-                   d["padded_total"], d["dropped_total"], _ints(d.get("tokens")), d["sha256"], d["bytes"],
-                   d["footer_bytes"], _ints(d.get("datasets")))  # fmt: skip
+    tokens: tuple[int, ...] | None = optional()
+    sha256: str
+    bytes: int
+    footer_bytes: int
+    datasets: tuple[int, ...] | None = optional()
 
     @property
     def full(self) -> bool:
@@ -191,38 +149,29 @@ class EpochEntry(_Record):
         return self.first_step == 0 and self.steps == self.steps_in_epoch
 
 
-@dataclass(frozen=True)
-class PlanCounts(_Record):
+@dataclass(frozen=True, kw_only=True)
+class PlanCounts(_PlanRecord):
     """``counts``: padded and dropped over every epoch held, per bucket; a mixture's slots per dataset."""
 
     padded: int
     dropped: int
     padded_per_bucket: dict[str, int]
     dropped_per_bucket: dict[str, int]
-    per_dataset: tuple[int, ...] | None = _absent()
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "PlanCounts":
-        return cls(d["padded"], d["dropped"], dict(d["padded_per_bucket"]), dict(d["dropped_per_bucket"]),
-                   _ints(d.get("per_dataset")))  # fmt: skip
+    per_dataset: tuple[int, ...] | None = optional()
 
 
-@dataclass(frozen=True)
-class TokensPerStep(_Record):
+@dataclass(frozen=True, kw_only=True)
+class TokensPerStep(_PlanRecord):
     """``tokens_per_step``: per-rank latent tokens per step over every epoch held (None: no step)."""
 
     min: int | None
     mean: float
     max: int | None
-    per: str = "rank"
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "TokensPerStep":
-        return cls(d["min"], d["mean"], d["max"], d["per"])
+    per: str
 
 
-@dataclass(frozen=True)
-class ResumedFrom(_Record):
+@dataclass(frozen=True, kw_only=True)
+class ResumedFrom(_PlanRecord):
     """``resumed_from``: the parent plan and the position and world shape it was resumed at."""
 
     plan_fingerprint: str
@@ -231,82 +180,64 @@ class ResumedFrom(_Record):
     world_size: int
     batch_size: int | None
 
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "ResumedFrom":
-        return cls(d["plan_fingerprint"], d["epoch"], d["step"], d["world_size"], d["batch_size"])
 
-
-@dataclass(frozen=True)
-class MixBucket(_Record):
+@dataclass(frozen=True, kw_only=True)
+class MixBucket(_PlanRecord):
     samples: int
     per_epoch: int
 
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "MixBucket":
-        return cls(d["samples"], d["per_epoch"])
 
-
-@dataclass(frozen=True)
-class MixDataset(_Record):
+@dataclass(frozen=True, kw_only=True)
+class MixDataset(_PlanRecord):
     """``mix.datasets[d]``: one dataset of a mixture, its value (``weight`` or ``repeat``, the other None)
     and what the rule gives it per epoch and per bucket."""
 
     manifest: str | None
     cache: str | None
     samples: int
-    weight: str | None = _absent()
-    repeat: str | None = _absent()
-    per_epoch: int = 0
-    times: float = 0.0
-    share: float | None = _absent()
-    not_in_cache: int = 0
-    stale: int = 0
-    buckets: dict[str, MixBucket] = field(default_factory=dict)
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "MixDataset":
-        return cls(d["manifest"], d["cache"], d["samples"], d.get("weight"), d.get("repeat"), d["per_epoch"],
-                   d["times"], d.get("share"), d["not_in_cache"], d["stale"],
-                   {n: MixBucket.from_json(b) for n, b in d["buckets"].items()})  # fmt: skip
+    weight: str | None = optional()
+    repeat: str | None = optional()
+    per_epoch: int
+    times: float
+    share: float | None = optional()
+    not_in_cache: int
+    stale: int
+    buckets: dict[str, MixBucket] = nested(each_value(MixBucket.from_json))
 
 
-@dataclass(frozen=True)
-class MixSummary(_Record):
+@dataclass(frozen=True, kw_only=True)
+class MixSummary(_PlanRecord):
     """``mix``: the counting rule in words and per dataset what it gives."""
 
     rule: str
-    datasets: tuple[MixDataset, ...]
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "MixSummary":
-        return cls(d["rule"], tuple(MixDataset.from_json(x) for x in d["datasets"]))
+    datasets: tuple[MixDataset, ...] = nested(each(MixDataset.from_json))
 
 
-@dataclass(frozen=True)
-class PlanMeta(_Record):
+@dataclass(frozen=True, kw_only=True)
+class PlanMeta(_PlanRecord):
     """``_plan.json`` of a committed plan. ``to_json()`` is the file's dict exactly."""
 
     kind: str
     format_version: int
     tool_version: str
     mode: str  # fixed | packing
-    inputs: PlanInputs
-    sources: dict[str, str | None] | None = _absent()  # a one-manifest plan's manifest and cache URLs, redacted
-    layout: str | None = _absent()
-    buckets: dict[str, BucketInfo] = field(default_factory=dict)
-    samples: PlanSamplesCount = PlanSamplesCount(0)
-    global_batch: int | None = None
-    steps_per_epoch: int = 0
-    resumed_from: ResumedFrom | None = None
-    columns: tuple[str, ...] | None = _absent()  # a mixture's extra plan columns
-    mix: MixSummary | None = _absent()
-    epochs: tuple[EpochEntry, ...] = ()
-    counts: PlanCounts | None = None
-    tokens_per_step: TokensPerStep | None = _absent()
-    fingerprint: str = ""
+    inputs: PlanInputs = nested(PlanInputs.from_json)
+    sources: dict[str, str | None] | None = optional()  # a one-manifest plan's manifest and cache URLs, redacted
+    layout: str | None = optional()
+    buckets: dict[str, BucketInfo] = nested(each_value(BucketInfo.from_json))
+    samples: PlanSamplesCount = nested(PlanSamplesCount.from_json)
+    global_batch: int | None
+    steps_per_epoch: int
+    resumed_from: ResumedFrom | None = nested(ResumedFrom.from_json, default=None)
+    columns: tuple[str, ...] | None = optional()  # a mixture's extra plan columns
+    mix: MixSummary | None = optional(MixSummary.from_json)
+    epochs: tuple[EpochEntry, ...] = nested(each(EpochEntry.from_json))
+    counts: PlanCounts | None = nested(PlanCounts.from_json)
+    tokens_per_step: TokensPerStep | None = optional(TokensPerStep.from_json)
+    fingerprint: str
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any], url: str) -> "PlanMeta":
+    def from_json(cls, d: Mapping[str, Any], url: str) -> "PlanMeta":  # type: ignore[override]
         """Parse ``_plan.json`` read from ``url``. Raises PlanError for another kind or format version, or a
         file that lacks what this version writes."""
         where = f"{redact(url)}/{PLAN_FILE}"
@@ -318,25 +249,9 @@ class PlanMeta(_Record):
                             f"bucketeer reads version {PLAN_FORMAT_VERSION}. Re-run `bucketeer plan` with this "
                             "version.")  # fmt: skip
         try:
-            return cls._parse(d)
+            return super().from_json(d)
         except (KeyError, TypeError, AttributeError) as e:
             raise PlanError(f"{where} is malformed ({type(e).__name__}: {e}); re-run `bucketeer plan`") from None
-
-    @classmethod
-    def _parse(cls, d: Mapping[str, Any]) -> "PlanMeta":
-        def opt(key: str, parse: Any) -> Any:
-            return None if d.get(key) is None else parse(d[key])
-
-        return cls(
-            kind=d["kind"], format_version=d["format_version"], tool_version=d["tool_version"], mode=d["mode"],
-            inputs=PlanInputs.from_json(d["inputs"]), sources=opt("sources", dict), layout=d.get("layout"),
-            buckets={n: BucketInfo.from_json(b) for n, b in d["buckets"].items()},
-            samples=PlanSamplesCount.from_json(d["samples"]), global_batch=d["global_batch"],
-            steps_per_epoch=d["steps_per_epoch"], resumed_from=opt("resumed_from", ResumedFrom.from_json),
-            columns=opt("columns", tuple), mix=opt("mix", MixSummary.from_json),
-            epochs=tuple(EpochEntry.from_json(e) for e in d["epochs"]), counts=PlanCounts.from_json(d["counts"]),
-            tokens_per_step=opt("tokens_per_step", TokensPerStep.from_json), fingerprint=d["fingerprint"],
-        )  # fmt: skip
 
     def epoch(self, epoch: int) -> EpochEntry | None:
         """The entry of ``epoch``, None when the plan does not hold it."""

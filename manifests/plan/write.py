@@ -198,8 +198,8 @@ def _recorded_inputs(datasets: Sequence[DatasetSamples], samples: PlanSamples) -
     caches = [d.cache_fingerprint for d in datasets]
     if not isinstance(samples, MixedSamples):
         return manifests[0], caches[0], None
-    mix = MixInputs(samples.rule.kind, tuple(samples.rule.to_json()["values"]), tuple(manifests),  # type: ignore[arg-type]
-                    tuple(caches))  # fmt: skip
+    mix = MixInputs(kind=samples.rule.kind, values=tuple(samples.rule.to_json()["values"]),  # type: ignore[arg-type]
+                    manifest_fingerprints=tuple(manifests), cache_fingerprints=tuple(caches))  # fmt: skip
     return combined_fingerprint(manifests), combined_fingerprint(caches), mix
 
 
@@ -246,6 +246,7 @@ def write_plan(
         global_batch=None if config.packing else config.world_size * config.batch_size,
         steps_per_epoch=first.steps, resumed_from=None,
         columns=_mix_columns(samples) if mix else None, mix=_mix_summary(samples, datasets) if mix else None,
+        epochs=(), counts=None, fingerprint="",  # with_epochs sets them
     )  # fmt: skip
     fs, root = open_url(url, dict(storage_options or {}))
     begin_plan(fs, root)
