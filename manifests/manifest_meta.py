@@ -20,7 +20,7 @@ from manifests.buckets import BucketSpec
 from manifests.errors import MissingError, UsageError
 from manifests.jsonrecord import JsonRecord, RecordError, each, nested, optional
 from manifests.schema import FORMAT_VERSION
-from manifests.storage import redact
+from manifests.storage import check_artifact, redact
 
 __all__ = [
     "MANIFEST_KIND",
@@ -192,14 +192,8 @@ class ManifestMeta(_ManifestRecord):
     def from_json(cls, d: Any, url: str) -> ManifestMeta:  # type: ignore[override]
         """Parse the JSON of ``url``'s ``_manifest.json``. Raises ManifestError (one line, ``url``
         redacted) for another kind, another format version, or keys that are absent or unknown."""
-        found = d.get("kind") if isinstance(d, Mapping) else None
-        if found != MANIFEST_KIND:
-            raise ManifestError(f"{redact(url)}/{_FILE} is not a {MANIFEST_KIND} (kind={found!r})")
-        if d.get("format_version") != FORMAT_VERSION:
-            raise ManifestError(
-                f"{redact(url)} has {_FILE} format version {d.get('format_version')!r}; this bucketeer reads "
-                f"version {FORMAT_VERSION}. {VERSION_HINT}"
-            )
+        check_artifact(d, url, file=_FILE, kind=MANIFEST_KIND, version=FORMAT_VERSION, error=ManifestError,
+                       version_hint=VERSION_HINT)  # fmt: skip
         try:
             return super().from_json(d)
         except RecordError as e:

@@ -25,7 +25,7 @@ import re
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import fsspec
 from fsspec import AbstractFileSystem
@@ -51,6 +51,7 @@ __all__ = [
     "write_json_atomic",
     "read_json",
     "read_artifact_meta",
+    "check_artifact",
     "is_local",
     "RangedFile",
 ]
@@ -354,7 +355,15 @@ def read_artifact_meta(
         raise missing(f"{redact(url)} has no {file}: {missing_hint}") from None
     except json.JSONDecodeError as e:
         raise error(f"{redact(url)}/{file} is not valid JSON ({e.msg})") from None
-    found = meta.get("kind") if isinstance(meta, dict) else None
+    check_artifact(meta, url, file=file, kind=kind, version=version, error=error, version_hint=version_hint)
+    return meta
+
+
+def check_artifact(meta: Any, url: str, *, file: str, kind: str, version: int, error: type[UsageError],
+                   version_hint: str) -> None:  # fmt: skip
+    """Refuse an artifact's root JSON of another ``kind`` or format ``version``: ``error`` in one line,
+    naming ``url`` (redacted) and saying what to do (``version_hint``)."""
+    found = meta.get("kind") if isinstance(meta, Mapping) else None
     if found != kind:
         raise error(f"{redact(url)}/{file} is not a {kind} (kind={found!r})")
     if meta.get("format_version") != version:
@@ -362,7 +371,6 @@ def read_artifact_meta(
             f"{redact(url)} has {file} format version {meta.get('format_version')!r}; this bucketeer reads "
             f"version {version}. {version_hint}"
         )
-    return meta
 
 
 class RangedFile(io.RawIOBase):

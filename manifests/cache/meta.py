@@ -28,7 +28,7 @@ from manifests.buckets import BucketSpec
 from manifests.cache.text_layout import TextLayout
 from manifests.errors import MissingError, UsageError
 from manifests.jsonrecord import JsonRecord, each, nested, optional
-from manifests.storage import redact
+from manifests.storage import check_artifact, redact
 
 __all__ = [
     "CACHE_FILE",
@@ -311,12 +311,8 @@ class CacheMeta(JsonRecord):
     def from_json(cls, d: Any, url: str) -> "CacheMeta":  # type: ignore[override]
         """Parse ``_cache.json`` of the cache at ``url`` (for messages). CacheError when it is not a
         bucketeer cache, of another format version, or malformed."""
-        found = d.get("kind") if isinstance(d, Mapping) else None
-        if found != KIND:
-            raise CacheError(f"{redact(url)}/{CACHE_FILE} is not a {KIND} (kind={found!r})")
-        if d.get("format_version") != CACHE_FORMAT_VERSION:
-            raise CacheError(f"{redact(url)} has {CACHE_FILE} format version {d.get('format_version')!r}; this "
-                             f"bucketeer reads version {CACHE_FORMAT_VERSION}. {VERSION_HINT}")  # fmt: skip
+        check_artifact(d, url, file=CACHE_FILE, kind=KIND, version=CACHE_FORMAT_VERSION, error=CacheError,
+                       version_hint=VERSION_HINT)  # fmt: skip
         try:
             return super().from_json(d)
         except (TypeError, ValueError, KeyError, AttributeError) as e:

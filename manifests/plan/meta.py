@@ -17,7 +17,7 @@ from manifests.errors import MissingError, UsageError
 from manifests.jsonrecord import JsonRecord, each, each_value, nested, optional
 from manifests.plan.mix import MixRule
 from manifests.plan.schedule import PlanConfig
-from manifests.storage import open_url, read_artifact_meta, redact
+from manifests.storage import check_artifact, open_url, read_artifact_meta, redact
 
 __all__ = [
     "PLAN_FILE",
@@ -41,6 +41,7 @@ __all__ = [
 ]
 
 PLAN_FILE = "_plan.json"
+_VERSION_HINT = "Re-run `bucketeer plan` with this version."
 PLAN_KIND = "bucketeer.plan"
 # 2: one file per epoch with a row group per rank (1: a file per epoch and rank), batches in id order
 PLAN_FORMAT_VERSION = 2
@@ -241,13 +242,8 @@ class PlanMeta(_PlanRecord):
         """Parse ``_plan.json`` read from ``url``. Raises PlanError for another kind or format version, or a
         file that lacks what this version writes."""
         where = f"{redact(url)}/{PLAN_FILE}"
-        found = d.get("kind") if isinstance(d, Mapping) else None
-        if found != PLAN_KIND:
-            raise PlanError(f"{where} is not a {PLAN_KIND} (kind={found!r})")
-        if d.get("format_version") != PLAN_FORMAT_VERSION:
-            raise PlanError(f"{redact(url)} has {PLAN_FILE} format version {d.get('format_version')!r}; this "
-                            f"bucketeer reads version {PLAN_FORMAT_VERSION}. Re-run `bucketeer plan` with this "
-                            "version.")  # fmt: skip
+        check_artifact(d, url, file=PLAN_FILE, kind=PLAN_KIND, version=PLAN_FORMAT_VERSION, error=PlanError,
+                       version_hint=_VERSION_HINT)  # fmt: skip
         try:
             return super().from_json(d)
         except (KeyError, TypeError, AttributeError) as e:
@@ -266,6 +262,6 @@ def read_plan_meta(url: str, storage_options: Mapping[str, Any] | None = None) -
         missing=PlanMissingError,
         missing_hint="it is not a plan, or `bucketeer plan` never finished (still running or killed). "
         "Run `bucketeer plan` to (re)build it.",
-        version_hint="Re-run `bucketeer plan` with this version.",
+        version_hint=_VERSION_HINT,
     )  # fmt: skip
     return PlanMeta.from_json(d, url)
