@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from manifests.cache.verify import BadRecord
+from manifests.cache.verify import VerifyResult as CacheCheck
 from manifests.storage import parse_storage_options, redact
 
 __all__ = ["VerifyJob", "VerifyResult", "add_arguments", "job_from_args", "run"]
@@ -39,25 +39,12 @@ class VerifyJob:
     max_listed: int = 50
 
 
-@dataclass(frozen=True, kw_only=True)
-class VerifyResult:
-    """What verify found: records checked, the bad ones (``bad``, one per bad sample record) and
-    whether the cache is ``complete`` (its embed job finished). ``exit_code``: 0 all good, 1 any bad."""
+@dataclass
+class VerifyResult(CacheCheck):
+    """What verify found (:class:`manifests.cache.verify.VerifyResult`: records checked, the bad ones, whether
+    the cache is ``complete``) and where. ``exit_code``: 0 all good, 1 any bad record."""
 
-    url: str
-    checked_samples: int
-    checked_texts: int
-    shards: int
-    complete: bool
-    bad: tuple[BadRecord, ...] = ()
-
-    @property
-    def ok(self) -> bool:
-        return not self.bad
-
-    @property
-    def bad_sample_ids(self) -> list[int]:
-        return sorted({b.sample_id for b in self.bad})
+    url: str = ""
 
     @property
     def exit_code(self) -> int:
@@ -76,8 +63,7 @@ def run(job: VerifyJob) -> VerifyResult:
     from manifests.cache.verify import verify_cache
 
     found = verify_cache(job.cache, dict(job.storage_options), progress=True)
-    result = VerifyResult(url=job.cache, checked_samples=found.checked_samples, checked_texts=found.checked_texts,
-                          shards=found.shards, complete=found.complete, bad=tuple(found.bad))  # fmt: skip
+    result = VerifyResult(**vars(found), url=job.cache)
     where = redact(job.cache)
     if not result.complete:
         print(f"note: {where} is not complete (its embed job is running or was killed; rerun it to resume)")
