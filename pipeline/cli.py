@@ -71,11 +71,26 @@ def job_from_argv(argv: Sequence[str]):
     return args._module.job_from_args(args)
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record is emitted: a process that runs several commands
+    (tests, a notebook, the demo) may have replaced it since, and a handler bound to a closed stream prints
+    a "Logging error" traceback instead of the record."""
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def _setup_logging(verbose: bool) -> None:
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
+        handlers=[_StderrHandler()],
     )
 
 

@@ -21,7 +21,7 @@ import time
 import pytest
 
 from tests.embed_data import make_dataset
-from tests.test_embed_cluster import EmbedJob, assert_every_sample_once
+from tests.test_embed_cluster import EmbedProcess, assert_every_sample_once
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.usefixtures("bucketeer_home")]
 
@@ -61,7 +61,7 @@ def test_gpu_nodes_with_few_cpus_make_progress(nodes, tmp_path):
     make_dataset(str(tmp_path / "data"), manifest, 8)
     with gpu_cluster(*nodes) as cluster:
         start = time.time()
-        job = EmbedJob(cluster, manifest, out, "--device", "cuda")
+        job = EmbedProcess(cluster, manifest, out, "--device", "cuda")
         try:
             job.wait_for(r"embed images: [1-9]\d*/8", timeout=150)
             first = time.time() - start

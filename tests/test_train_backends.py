@@ -8,6 +8,9 @@ where 2 GPUs are present.
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
 import json
 import shutil
 import subprocess
@@ -19,7 +22,21 @@ import torch
 from manifests.errors import UsageError
 from train.backends import check_backend, configure_deepspeed, plan_grad_accum, plan_micro_batch
 
-PLAN = {"inputs": {"grad_accum": 2}, "buckets": {"64x64": {"batch_size": 4}, "128x32": {"batch_size": 2}}}
+FIXTURE_PLAN = Path(__file__).parent / "fixtures" / "v0_2" / "plan"
+
+
+def _plan_meta():
+    """A plan made with --grad-accum 2 whose buckets hold per-rank batches of 4 and 2 (a fixture's, edited)."""
+    from manifests.plan import read_plan_meta
+    from manifests.plan.meta import BucketInfo
+
+    meta = read_plan_meta(str(FIXTURE_PLAN))
+    buckets = {"64x64": BucketInfo(samples=8, batch_size=4, latent_tokens=64),
+               "128x32": BucketInfo(samples=8, batch_size=2, latent_tokens=64)}  # fmt: skip
+    return replace(meta, inputs=replace(meta.inputs, grad_accum=2), buckets=buckets)
+
+
+PLAN = _plan_meta()
 
 
 def test_the_plan_fills_deepspeeds_auto_batch_accumulation_and_clipping():

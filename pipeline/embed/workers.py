@@ -412,7 +412,7 @@ def sample_record(row: dict, bucket: str, dtype: str, latents: np.ndarray, conds
         sample_id=row["sample_id"], bucket=bucket, latent=latents[0], dtype=dtype,
         original_size=(row["original_h"], row["original_w"]), resized_size=(row["resized_h"], row["resized_w"]),
         crop_top_left=(row["crop_top"], row["crop_left"]), target_size=(bh, bw), caption_key=row["caption_key"],
-        caption_keys=None if row["caption_keys"] is None else tuple(row["caption_keys"]),  # its identity: every caption
+        caption_keys=None if row.get("caption_keys") is None else tuple(row["caption_keys"]),  # identity: every caption
         latent_std=std, cond_latent=None if conds is None else conds[0],
         variant_latents=latents[1:] if several else None,
         variant_cond_latents=conds[1:] if several and conds is not None else None,

@@ -201,13 +201,22 @@ def scan_dataset(job: ScanJob) -> ManifestMeta:
         return _scan(job)
 
 
+def _inside(out: str, options: dict[str, Any], fs, root: str) -> str | None:
+    """``out``'s path relative to the source ``root`` when the manifest is written inside the dataset: its
+    parts and writer lock are bucketeer's own files, never listed as the dataset's."""
+    out_fs, out_root = open_url(out, options)
+    if out_fs.protocol != fs.protocol or not out_root.startswith(root.rstrip("/") + "/"):
+        return None
+    return out_root[len(root.rstrip("/")) + 1 :]
+
+
 def _scan(job: ScanJob) -> ManifestMeta:
     started = time.time()
     source, config, options = job.source, job.config, job.storage_options
     fs, root = (job.fs, job.fs._strip_protocol(source).rstrip("/")) if job.fs is not None else \
         open_url(source, options)  # fmt: skip
     try:
-        listing = list_source(fs, root)
+        listing = list_source(fs, root, skip=_inside(job.out, options, fs, root))
     except Exception as e:
         if isinstance(e, FileNotFoundError) or is_storage_failure(e):  # retried already; a missing root or bucket
             raise StorageError(redact(f"cannot list {source}: {e}", options)) from None

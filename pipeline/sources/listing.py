@@ -156,8 +156,10 @@ def classify(name: str) -> str:
     return "other"
 
 
-def list_source(fs: AbstractFileSystem, root: str, *, page_size: int = PAGE_SIZE, workers: int = 16) -> Listing:
-    """List everything under ``root`` once and sort it into images, sidecars and ignored files.
+def list_source(fs: AbstractFileSystem, root: str, *, page_size: int = PAGE_SIZE, workers: int = 16,
+                skip: str | None = None) -> Listing:  # fmt: skip
+    """List everything under ``root`` once and sort it into images, sidecars and ignored files. ``skip``: a
+    folder under ``root`` (relative) left out entirely, the job's own output when it is written inside the source.
 
     Raises FileNotFoundError when a local root does not exist; storage errors (403, missing
     bucket) propagate from the filesystem.
@@ -181,6 +183,8 @@ def list_source(fs: AbstractFileSystem, root: str, *, page_size: int = PAGE_SIZE
             raise UsageError(f"listing {root} returned {outside}, which is not under it; give an absolute path")
         entries = [_entry(path[len(prefix) :], info) for path, info in found.items()]
         requests = 1
+    if skip:
+        entries = [e for e in entries if e.name != skip and not e.name.startswith(skip + "/")]
     listing = Listing(requests=requests)
     for entry in entries:
         kind = classify(entry.name)
