@@ -8,7 +8,6 @@ Change the training resolution (or bucket list, or min side) without rescanning:
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -75,6 +74,6 @@ def run(job: RebucketJob) -> RebucketResult:
 
 
 if __name__ == "__main__":
-    from pipeline.cli import module_main
+    from pipeline.cli import exit_after, module_main
 
-    sys.exit(module_main("rebucket"))
+    exit_after(module_main, "rebucket")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json as _json
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +68,6 @@ def run(job: StatsJob) -> StatsResult:
 
 
 if __name__ == "__main__":
-    from pipeline.cli import module_main
+    from pipeline.cli import exit_after, module_main
 
-    sys.exit(module_main("stats"))
+    exit_after(module_main, "stats")

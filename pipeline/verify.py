@@ -82,6 +82,6 @@ def run(job: VerifyJob) -> VerifyResult:
 
 
 if __name__ == "__main__":
-    from pipeline.cli import module_main
+    from pipeline.cli import exit_after, module_main
 
-    sys.exit(module_main("verify"))
+    exit_after(module_main, "verify")

@@ -23,7 +23,7 @@ import time
 import numpy as np
 import pytest
 
-from manifests.cache import read_cache_meta, read_index
+from manifests.cache import CacheMeta, read_cache_meta, read_index
 from manifests.cache.verify import verify_cache
 from manifests.faults import FAULTS_ENV
 from manifests.manifest import read_manifest
@@ -113,7 +113,7 @@ def report_gpu_node_type(cluster, gpus: int) -> None:
     GcsClient(address=cluster.address).report_cluster_config(config.SerializeToString())
 
 
-def assert_every_sample_once(manifest: str, out: str, storage_options=None) -> dict:
+def assert_every_sample_once(manifest: str, out: str, storage_options=None) -> CacheMeta:
     meta = read_cache_meta(out, storage_options)
     assert meta.complete and verify_cache(out, storage_options).ok
     ids = read_index(out, storage_options)["samples"].column("sample_id").to_numpy()

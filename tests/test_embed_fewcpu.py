@@ -74,7 +74,7 @@ def test_gpu_nodes_with_few_cpus_make_progress(nodes, tmp_path):
     assert re.search(r"encoders on GPU, up to 4 actor\(s\) \(the cluster has 4 GPU\(s\) now\); 0.25 CPU per encoder",
                      output)  # fmt: skip
     meta = assert_every_sample_once(manifest, out)
-    assert meta["summary"]["device"] == "cuda"
+    assert meta.summary.device == "cuda"
     assert re.search(r"embed images: 8/8 images \(100%\).*done in", output)
 
 

@@ -1,5 +1,4 @@
-import sys
 
-from pipeline.cli import module_main
+from pipeline.cli import exit_after, module_main
 
-sys.exit(module_main("demo"))
+exit_after(module_main, "demo")

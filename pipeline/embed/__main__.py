@@ -1,7 +1,6 @@
 """``python -m pipeline.embed …``: the same options as ``bucketeer embed …`` (for ``ray job submit``)."""
 
-import sys
 
-from pipeline.cli import module_main
+from pipeline.cli import exit_after, module_main
 
-sys.exit(module_main("embed"))
+exit_after(module_main, "embed")

@@ -221,7 +221,9 @@ def place_encoders(ray, device: str, workers: int | None, threads: int | None) -
 
 def configure_ray_data() -> None:
     """This process's Ray Data settings: the job reports progress itself, a worker's user error
-    reaches the driver as itself (one line), and Ray Data's logs stay at warnings."""
+    reaches the driver as itself (one line), and Ray Data logs only what is critical: a task's error is
+    raised here, as itself, and reported once by the command (one line for a user's error, its traceback for
+    a bug); Ray Data's own ERROR log of it would print that traceback a second time, before the line."""
     import ray.data
 
     ctx = ray.data.DataContext.get_current()
@@ -229,7 +231,7 @@ def configure_ray_data() -> None:
     ctx.print_on_execution_start = False
     ctx.enable_auto_log_stats = False
     ctx.raise_original_map_exception = True
-    logging.getLogger("ray.data").setLevel(logging.ERROR)
+    logging.getLogger("ray.data").setLevel(logging.CRITICAL)
 
 
 def _items(work: list) -> Any:

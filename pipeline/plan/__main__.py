@@ -1,7 +1,6 @@
 """``python -m pipeline.plan …``: the same options as ``bucketeer plan …``."""
 
-import sys
 
-from pipeline.cli import module_main
+from pipeline.cli import exit_after, module_main
 
-sys.exit(module_main("plan"))
+exit_after(module_main, "plan")

@@ -1,7 +1,6 @@
 """``python -m pipeline.report …``: the same options as ``bucketeer report …`` (for ``ray job submit``)."""
 
-import sys
 
-from pipeline.cli import module_main
+from pipeline.cli import exit_after, module_main
 
-sys.exit(module_main("report"))
+exit_after(module_main, "report")

@@ -1,7 +1,6 @@
 """``python -m pipeline.scan …``: the same options as ``bucketeer scan …`` (for ``ray job submit``)."""
 
-import sys
 
-from pipeline.cli import module_main
+from pipeline.cli import exit_after, module_main
 
-sys.exit(module_main("scan"))
+exit_after(module_main, "scan")
