@@ -11,6 +11,7 @@ first test hung (a text actor held one GPU while the job waited for a VAE actor 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -33,17 +34,19 @@ from tests.embed_data import make_dataset
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.usefixtures("bucketeer_home")]
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    """A head node with 2 CPUs and no GPU; tests add GPU nodes and leave it as they found it."""
+@contextlib.contextmanager
+def simulated_cluster(cpus: int, gpus: int):
+    """A ``ray.cluster_utils.Cluster`` whose head has ``cpus`` CPUs and ``gpus`` logical GPUs, shut down after.
+
+    Cluster() records its address in Ray's "current cluster" file, which a bare ray.init() of any process on
+    this machine would follow: what was there is put back."""
     import ray._private.utils as ray_utils
     from ray.cluster_utils import Cluster
 
-    # Cluster() records its address in Ray's "current cluster" file, which a bare ray.init() of any
-    # process on this machine would follow: put back what was there
     address_file = ray_utils.get_ray_address_file(None)
     before = open(address_file).read() if os.path.exists(address_file) else None
-    head = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0, "include_dashboard": False})
+    head = Cluster(initialize_head=True,
+                   head_node_args={"num_cpus": cpus, "num_gpus": gpus, "include_dashboard": False})  # fmt: skip
     if before is None:
         os.remove(address_file)
     else:
@@ -53,6 +56,13 @@ def cluster():
         yield head
     finally:
         head.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A head node with 2 CPUs and no GPU; tests add GPU nodes and leave it as they found it."""
+    with simulated_cluster(2, 0) as head:
+        yield head
 
 
 class EmbedProcess:

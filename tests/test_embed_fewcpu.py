@@ -21,7 +21,7 @@ import time
 import pytest
 
 from tests.embed_data import make_dataset
-from tests.test_embed_cluster import EmbedProcess, assert_every_sample_once
+from tests.test_embed_cluster import EmbedProcess, assert_every_sample_once, simulated_cluster
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.usefixtures("bucketeer_home")]
 
@@ -29,28 +29,12 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.usefixtures("bucket
 @contextlib.contextmanager
 def gpu_cluster(*nodes: tuple[int, int]):
     """A cluster of ``nodes`` given as (CPUs, GPUs); the first is the head. No CPU-only node."""
-    import ray._private.utils as ray_utils
-    from ray.cluster_utils import Cluster
-
-    # Cluster() records its address in Ray's "current cluster" file, which a bare ray.init() of any
-    # process on this machine would follow: put back what was there
-    address_file = ray_utils.get_ray_address_file(None)
-    before = open(address_file).read() if os.path.exists(address_file) else None
     (cpus, gpus), *others = nodes
-    cluster = Cluster(initialize_head=True,
-                      head_node_args={"num_cpus": cpus, "num_gpus": gpus, "include_dashboard": False})  # fmt: skip
-    if before is None:
-        os.remove(address_file)
-    else:
-        with open(address_file, "w") as f:
-            f.write(before)
-    try:
+    with simulated_cluster(cpus, gpus) as cluster:
         for cpus, gpus in others:
             cluster.add_node(num_cpus=cpus, num_gpus=gpus)
         cluster.wait_for_nodes()
         yield cluster
-    finally:
-        cluster.shutdown()
 
 
 @pytest.mark.parametrize("nodes", [((1, 2), (1, 2)), ((2, 4),)], ids=["2 nodes x 1 CPU 2 GPUs", "1 node 2 CPUs 4 GPUs"])
