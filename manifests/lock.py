@@ -137,11 +137,7 @@ class _Lock:
             return call_storage(self.fs, "locking", self.path, create_local)
 
         def create_remote() -> bool:
-            try:
-                self.fs.pipe_file(self.path, data, mode="create")
-            except FileExistsError:
-                return False
-            return True
+            return self._put(data, IfNoneMatch="*")
 
         return call_storage(self.fs, "locking", self.path, create_remote)
 
@@ -178,13 +174,7 @@ class _Lock:
             return self.create(data)
 
         def put_if_match() -> bool:
-            try:
-                self.fs.pipe_file(self.path, data, **({"IfMatch": etag} if etag else {}))
-            except (FileNotFoundError, OSError) as e:
-                if isinstance(e, FileNotFoundError) or getattr(e, "errno", None) == errno.EINVAL:  # 404, 412
-                    return False
-                raise
-            return True
+            return self._put(data, **({"IfMatch": etag} if etag else {}))
 
         return call_storage(self.fs, "locking", self.path, put_if_match)
 
@@ -196,7 +186,24 @@ class _Lock:
                 f.write(data)
             os.replace(tmp, self.path)
         else:
-            self.fs.pipe_file(self.path, data, **({"IfMatch": etag} if etag else {}))
+            self._put(data, **({"IfMatch": etag} if etag else {}))
+
+    def _put(self, data: bytes, **condition: str) -> bool:
+        """One conditional PUT of the lock object (S3's ``If-None-Match: *`` or ``If-Match: <ETag>``, which AWS,
+        R2 and moto honour); False when the condition failed (412, or 404 for an If-Match on a gone object).
+        The request is made here rather than through ``pipe_file``, whose conditional modes older s3fs lack."""
+        bucket, key, _ = self.fs.split_path(self.path)
+        try:
+            self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **condition)
+        except FileExistsError:  # newer s3fs: a failed If-None-Match
+            return False
+        except OSError as e:  # older s3fs: 412 Precondition Failed is EINVAL; 404 is FileNotFoundError
+            if isinstance(e, FileNotFoundError) or e.errno == errno.EINVAL:
+                return False
+            raise
+        finally:
+            self.fs.invalidate_cache(self.path)
+        return True
 
     def remove(self) -> None:
         with contextlib.suppress(FileNotFoundError):
