@@ -367,6 +367,22 @@ def test_a_lora_resume_refuses_another_base_model_in_one_line(lora_runs, familie
 
 
 @pytest.mark.slow
+def test_a_whole_model_lora_checkpoint_of_an_earlier_version_still_resumes(lora_runs, families, tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    run = lora_runs["flux", "alpha_is_not"]
+    out = tmp_path / "out"
+    shutil.copytree(run["out"], out)
+    checkpoint = out / "checkpoints" / "step-00000003"
+    trained = _trained_model("flux", families, run)
+    (checkpoint / "adapters.safetensors").unlink()
+    (checkpoint / "lora.json").unlink()
+    save_file({k: v.contiguous() for k, v in trained.state_dict().items()}, checkpoint / "model.safetensors")
+    result, printed = _train_quietly(*run["common"], "--output-dir", out, "--max-steps", 4, "--resume")
+    assert result.steps == 1 and "a whole-model checkpoint of an earlier version" in printed
+
+
+@pytest.mark.slow
 def test_load_lora_reads_the_export_and_the_model_level_files_of_earlier_versions(lora_runs, families, tmp_path):
     from train.lora import load_lora
 

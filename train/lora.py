@@ -90,7 +90,7 @@ def weights_sha256(model: torch.nn.Module) -> str:
     for name, tensor in sorted(model.state_dict().items()):
         t = tensor.detach().to("cpu").contiguous().reshape(-1)
         h.update(f"{name}|{t.dtype}|{tuple(tensor.shape)}\n".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes())
+        h.update(t.view(torch.uint8).numpy())  # hashed in place, no copy
     return h.hexdigest()
 
 
