@@ -85,7 +85,8 @@ class LoraRecord(JsonRecord):
 
 def weights_sha256(model: torch.nn.Module) -> str:
     """sha256 over ``model``'s state dict (sorted names, dtypes, shapes, raw bytes): the same weights give
-    the same hash whether loaded from a hub id or a folder. Reads every weight once (~2 s per GB)."""
+    the same hash whether loaded from a hub id or a folder. Reads every weight once: ~0.6 s of one core per GB
+    (1.8 GB/s measured), ~30 s for Flux's 12B transformer in fp32."""
     h = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         t = tensor.detach().to("cpu").contiguous().reshape(-1)

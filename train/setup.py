@@ -200,8 +200,8 @@ def setup_model(launch: Launch, position: Position, data: Data) -> Model:
 
     from train.backends import configure_deepspeed, is_sharded, plan_micro_batch
     from train.checkpoint import fetch_checkpoint
-    from train.lora import check_resume
     from train.ema import EMA
+    from train.lora import check_resume
     from train.recipes import recipe_for
 
     accelerator, cfg, root_meta, reader = launch.accelerator, launch.cfg, launch.root_meta, data.reader
@@ -253,7 +253,8 @@ def _setup_lora(accelerator, cfg: TrainConfig, denoiser: Denoiser, family: str) 
 
     from train.lora import add_lora, lora_record, register_adapter_checkpoints, weights_sha256
 
-    digest = [weights_sha256(denoiser.model) if accelerator.is_main_process else None]
+    # a model without LoRA loaders is refused by add_lora below, unhashed
+    digest = [weights_sha256(denoiser.model) if accelerator.is_main_process and denoiser.lora else None]
     broadcast_object_list(digest)  # every rank compares the same hash at a resume, so all refuse or none
     add_lora(denoiser.model, cfg, targets=denoiser.lora_targets, supported=denoiser.lora)
     record = lora_record(denoiser.model, family=family, pipeline=str(denoiser.pipeline_class),
