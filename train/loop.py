@@ -6,8 +6,8 @@
 Reads top to bottom: :meth:`Trainer.setup` (the steps of :mod:`train.setup`: launch, position, data,
 model; then validation, metrics and trackers), :meth:`Trainer.loop` (batches in plan order, one
 ``train_step`` each; checkpoints, validation and stops only between optimizer steps) and
-:meth:`Trainer.finish` (the last checkpoint, the final weights, the ``done:`` line). Why the loop
-stopped is a :class:`StopReason`, which carries its consequences.
+:meth:`Trainer.finish` (the last checkpoint, the final weights, the ``done:`` line and the diffusers code
+that loads the weights). Why the loop stopped is a :class:`StopReason`, which carries its consequences.
 """
 
 from __future__ import annotations
