@@ -28,3 +28,11 @@ def test_demo_family_sdxl_fine_tunes_and_writes_validation_images(tmp_path, buck
     assert len(images) >= 2, output[-3000:]  # one per validation prompt, at the end of the run at least
     assert (out / "train" / "model" / "config.json").exists()
     assert (out / "train" / "model_ema").is_dir()
+    # what a newcomer opens next: TensorBoard (tensorboard --logdir OUTPUT/logs) holds the loss, last step included
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    steps = figures["train"]["steps"]
+    logs = next((out / "train" / "logs").rglob("events.out.tfevents.*")).parent
+    losses = EventAccumulator(str(logs)).Reload().Scalars("loss")
+    assert losses and losses[-1].step == steps, (steps, [e.step for e in losses])
+    assert f"tensorboard --logdir {out / 'train'}/logs" in output

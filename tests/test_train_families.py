@@ -4,15 +4,23 @@ One module fixture embeds 6 images for SDXL, SD3 and Flux (the real embed job on
 tiny diffusers folders, with two validation prompts) and plans them; the tests train in process:
 one step per family (finite loss, gradients where the family's conditioning enters), SDXL's
 ``time_ids`` against the SDXL pipeline's own, a run interrupted and resumed with an EMA and caption
-dropout against an uninterrupted one, validation images, LoRA adapters saved and loaded, and one
-two-process run (Flux).
+dropout against an uninterrupted one, validation images, and one two-process run (Flux LoRA, resumed on
+one process). LoRA, as a user takes it: per family, 3-step runs whose export the family's diffusers
+pipeline loads (``from_pretrained`` + ``load_lora_weights``, the code the trainer printed) and whose
+denoiser then gives the trained model's outputs, for an alpha equal to and other than the rank;
+adapter-only checkpoints that resume exactly; a full fine-tune's ``model/`` and ``model_ema/`` in the
+pipeline, generating a 64x64 image.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -189,39 +197,243 @@ def test_ema_and_caption_dropout_resume_exactly_and_validation_images_are_writte
     assert len(events.Tags()["images"]) == 2 and all(len(events.Images(t)) == 2 for t in events.Tags()["images"])
 
 
-@pytest.mark.slow
-def test_lora_adapters_are_trained_saved_and_loaded(run, families, tmp_path):
-    from diffusers import FluxTransformer2DModel
+def _train_quietly(*argv) -> tuple[Any, str]:
+    """The trainer in this process (one thread), its result and what it printed."""
+    from tests.train_dataset import train_here
+
+    threads, out = torch.get_num_threads(), io.StringIO()
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(out):
+            result = train_here(*argv)
+    finally:
+        torch.set_num_threads(threads)
+    return result, out.getvalue()
+
+
+RANK = 4
+ALPHAS = {"alpha_is_rank": RANK, "alpha_is_not": 3 * RANK}
+
+
+@pytest.fixture(scope="module")
+def lora_runs(families, tmp_path_factory) -> dict[tuple[str, str], dict[str, Any]]:
+    """Per family and alpha: a 3-step LoRA run (EMA on, log_every 10 as the demo's) and, for an alpha other than
+    the rank, the same run stopped after 2 steps and resumed."""
+    base = tmp_path_factory.mktemp("lora-runs")
+    runs = {}
+    for family in FAMILIES:
+        f = families[family]
+        for name, alpha in ALPHAS.items():
+            cfg = write(base / f"{family}-{name}.json", lora_rank=RANK, lora_alpha=alpha, lr=1e-2, ema_decay=0.9,
+                        log_every=10)  # fmt: skip
+            common = ["--plan", f["plan"], "--cache", f["cache"], "--config", cfg]
+            out = base / f"{family}-{name}"
+            result, printed = _train_quietly(*common, "--output-dir", out, "--max-steps", 3)
+            assert result.steps == 3, printed
+            runs[family, name] = {"out": out, "printed": printed, "cfg": cfg, "common": common}
+            if alpha != RANK:
+                resumed = base / f"{family}-{name}-resumed"
+                _train_quietly(*common, "--output-dir", resumed, "--max-steps", 2)
+                assert _train_quietly(*common, "--output-dir", resumed, "--max-steps", 3, "--resume")[0].steps == 1
+                runs[family, name]["resumed"] = resumed
+    return runs
+
+
+def _denoiser_output(family: str, families, model: torch.nn.Module) -> torch.Tensor:
+    """``model``'s output on the first batch of the family's plan, with the recipe's inputs and fixed noise."""
+    from train.model import step_generator
+    from train.recipes import recipe_for
+
+    reader, batch = first_batch(families[family]["cache"], families[family]["plan"])
+    cfg = TrainConfig(family=family)
+    recipe = recipe_for(cfg, reader.meta).setup(cfg, reader.meta)
+    outputs = []
+    hook = model.register_forward_hook(lambda module, args, out: outputs.append(out[0] if isinstance(out, tuple)
+                                                                                 else out.sample))  # fmt: skip
+    try:
+        with torch.no_grad():
+            recipe.loss(model, batch, step_generator(0, batch.epoch, batch.step, 0))
+    finally:
+        hook.remove()
+    return outputs[0]
+
+
+def _trained_model(family: str, families, run: dict[str, Any]) -> torch.nn.Module:
+    """The base model with the adapters of the run's last checkpoint (by parameter name): what training held."""
     from safetensors.torch import load_file
 
+    from train.config import load_config
+    from train.lora import add_lora
+
+    model = _base_model(family, families)
+    add_lora(model, load_config(run["cfg"]), targets=("to_q", "to_k", "to_v", "to_out.0"))
+    saved = load_file(run["out"] / "checkpoints" / "step-00000003" / "adapters.safetensors")
+    params = dict(model.named_parameters())
+    assert saved.keys() == {n for n, p in params.items() if p.requires_grad}
+    with torch.no_grad():
+        for name, tensor in saved.items():
+            params[name].copy_(tensor)
+    return model
+
+
+def _base_model(family: str, families) -> torch.nn.Module:
+    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel
+
+    cls, sub = {"sdxl": (UNet2DConditionModel, "unet"), "sd3": (SD3Transformer2DModel, "transformer"),
+                "flux": (FluxTransformer2DModel, "transformer")}[family]  # fmt: skip
+    return cls.from_pretrained(families[family]["model"], subfolder=sub)
+
+
+def _printed_code(printed: str, after: str) -> str:
+    """The indented code lines the trainer printed after the line containing ``after``."""
+    lines = printed.splitlines()
+    start = next(i for i, line in enumerate(lines) if after in line) + 1
+    code = []
+    for line in lines[start:]:
+        if not line.startswith("    "):
+            break
+        code.append(line[4:])
+    return "\n".join(code)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("alpha", sorted(ALPHAS))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_lora_export_loads_into_the_familys_pipeline_with_the_printed_code(lora_runs, families, family, alpha):
+    run = lora_runs[family, alpha]
+    out = run["out"]
+    record = json.loads((out / "lora" / "lora.json").read_text())
+    assert (record["family"], record["rank"], record["alpha"], record["steps"]) == (family, RANK, ALPHAS[alpha], 3)
+    assert record["base_model"] == families[family]["model"] and len(record["base_sha256"]) == 64
+    # the run's last lines: the folders, and the diffusers code that loads them, run here as printed
+    code = _printed_code(run["printed"], "LoRA adapters in")
+    assert f"pipe.load_lora_weights('{out / 'lora'}')" in code and "tensorboard --logdir" in run["printed"]
+    scope: dict[str, Any] = {}
+    exec(code, scope)
+    pipe = scope["pipe"]
+    assert pipe.get_list_adapters(), "load_lora_weights loaded nothing"
+    component = "unet" if family == "sdxl" else "transformer"
+    loaded = _denoiser_output(family, families, getattr(pipe, component))
+    trained = _denoiser_output(family, families, _trained_model(family, families, run))
+    base = _denoiser_output(family, families, _base_model(family, families))
+    torch.testing.assert_close(loaded, trained, rtol=1e-4, atol=1e-5)
+    assert (loaded - base).abs().max() > 100 * (loaded - trained).abs().max()  # the adapters do act
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_lora_checkpoint_holds_the_adapters_only_and_resumes_exactly(lora_runs, families, family):
+    from safetensors.torch import load_file
+
+    run = lora_runs[family, "alpha_is_not"]
+    checkpoint = run["out"] / "checkpoints" / "step-00000003"
+    files = {p.name: p.stat().st_size for p in checkpoint.iterdir()}
+    assert "adapters.safetensors" in files and "lora.json" in files and "model.safetensors" not in files
+    sub = "unet" if family == "sdxl" else "transformer"
+    base = Path(families[family]["model"]) / sub / "diffusion_pytorch_model.safetensors"
+    assert sum(files.values()) < base.stat().st_size, (files, base.stat().st_size)
+    for name in ("lora/pytorch_lora_weights.safetensors", "lora_ema/pytorch_lora_weights.safetensors",
+                 "checkpoints/step-00000003/ema.safetensors"):  # fmt: skip
+        a, b = load_file(run["out"] / name), load_file(run["resumed"] / name)
+        assert a.keys() == b.keys() and a, name
+        for key in a:
+            torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")
+
+
+@pytest.mark.slow
+def test_a_lora_resume_refuses_another_base_model_in_one_line(lora_runs, families, tmp_path, capsys):
+    from diffusers import FluxTransformer2DModel
+
+    from tests.train_dataset import train_cli
+
+    run = lora_runs["flux", "alpha_is_not"]
+    other = tmp_path / "other-flux"
+    shutil.copytree(families["flux"]["model"], other)
+    transformer = FluxTransformer2DModel.from_pretrained(other, subfolder="transformer")
+    with torch.no_grad():
+        transformer.x_embedder.weight[0, 0] += 0.01  # one weight changed: another base model
+    transformer.save_pretrained(other / "transformer")
+    out = tmp_path / "out"
+    shutil.copytree(run["out"], out)
+    cfg = write(tmp_path / "c.json", lora_rank=RANK, lora_alpha=ALPHAS["alpha_is_not"], lr=1e-2, ema_decay=0.9,
+                pretrained=str(other))  # fmt: skip
+    argv = ["--plan", families["flux"]["plan"], "--cache", families["flux"]["cache"], "--output-dir", out,
+            "--max-steps", 4, "--resume"]  # fmt: skip
+    assert train_cli(*argv, "--config", cfg) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "trained adapters on another base model" in err[0], err
+    assert train_cli(*argv, "--config", write(tmp_path / "full.json", ema_decay=0.9)) == 2  # the whole model: refused
+    assert "holds LoRA adapters (lora_rank 4) but the config trains the whole model" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_whole_model_lora_checkpoint_of_an_earlier_version_still_resumes(lora_runs, families, tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    run = lora_runs["flux", "alpha_is_not"]
+    out = tmp_path / "out"
+    shutil.copytree(run["out"], out)
+    checkpoint = out / "checkpoints" / "step-00000003"
+    trained = _trained_model("flux", families, run)
+    (checkpoint / "adapters.safetensors").unlink()
+    (checkpoint / "lora.json").unlink()
+    save_file({k: v.contiguous() for k, v in trained.state_dict().items()}, checkpoint / "model.safetensors")
+    result, printed = _train_quietly(*run["common"], "--output-dir", out, "--max-steps", 4, "--resume")
+    assert result.steps == 1 and "a whole-model checkpoint of an earlier version" in printed
+
+
+@pytest.mark.slow
+def test_load_lora_reads_the_export_and_the_model_level_files_of_earlier_versions(lora_runs, families, tmp_path):
     from train.lora import load_lora
 
-    f = families["flux"]
-    cfg = write(tmp_path / "c.json", lora_rank=4, lr=1e-2)
-    out = tmp_path / "out"
-    result = run("--plan", f["plan"], "--cache", f["cache"], "--config", cfg, "--output-dir", out, "--max-steps", 2)
-    assert result.steps == 2
-    assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file() and not (out / "model").exists()
+    run = lora_runs["flux", "alpha_is_not"]
+    trained = _trained_model("flux", families, run)
+    want = _denoiser_output("flux", families, trained)
+    trained.save_lora_adapter(str(tmp_path / "old"), weight_name="pytorch_lora_weights.safetensors")  # 0.x format
+    for folder in (run["out"] / "lora", tmp_path / "old"):
+        got = _denoiser_output("flux", families, load_lora(_base_model("flux", families), folder))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
-    trained = load_file(out / "checkpoints" / "step-00000002" / "model.safetensors")  # the whole model, adapted
-    base = FluxTransformer2DModel.from_pretrained(f["model"], subfolder="transformer")
-    frozen = {n: p.detach().clone() for n, p in base.named_parameters()}
-    loaded = dict(load_lora(base, out / "lora").named_parameters())
-    lora = {n: p for n, p in loaded.items() if "lora_" in n}
-    assert lora and all(n in trained for n in lora)
-    assert loaded.keys() == trained.keys()
-    for name, param in loaded.items():  # loaded = trained; the base weights were frozen in training
-        assert torch.equal(param.detach(), trained[name]), name
-        if "lora_" not in name:
-            assert torch.equal(trained[name], frozen[name.replace(".base_layer", "")]), name
-    assert any(not torch.equal(trained[n], torch.zeros_like(trained[n])) for n in lora if "lora_B" in n)
+
+@pytest.mark.slow
+def test_a_short_runs_last_step_is_in_metrics_and_tensorboard(lora_runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = lora_runs["sd3", "alpha_is_rank"]["out"]  # 3 steps with log_every 10, as the demo's 6
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["position"] for r in rows] == [3] and np.isfinite(rows[0]["loss"])
+    events = EventAccumulator(str(next((out / "logs").rglob("events.out.tfevents.*")).parent)).Reload()
+    assert [(e.step, round(e.value, 5)) for e in events.Scalars("loss")] == [(3, round(rows[0]["loss"], 5))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_full_fine_tunes_model_and_ema_load_as_the_pipelines_denoiser_and_generate(families, family, tmp_path):
+    f = families[family]
+    out = tmp_path / "out"
+    cfg = write(tmp_path / "c.json", ema_decay=0.9)
+    result, printed = _train_quietly("--plan", f["plan"], "--cache", f["cache"], "--config", cfg, "--output-dir",
+                                     out, "--max-steps", 2)  # fmt: skip
+    assert result.steps == 2
+    code = _printed_code(printed, "load it into the base pipeline")
+    for folder in ("model", "model_ema"):
+        scope: dict[str, Any] = {}
+        exec(code.replace(f"'{out / 'model'}'", f"'{out / folder}'"), scope)  # as printed, for either folder
+        pipe = scope["pipe"]
+        kwargs = {"guidance_scale": 1.0} if family != "flux" else {}
+        image = pipe("a red cat", height=64, width=64, num_inference_steps=2, output_type="pil",
+                     generator=torch.Generator().manual_seed(0), **kwargs).images[0]  # fmt: skip
+        assert image.size == (64, 64)
+    assert f"(the EMA's: {out / 'model_ema'})" in printed
 
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_two_processes_train_flux(families, tmp_path):
+def test_two_processes_train_flux_lora_and_resume_elastically_on_one(families, tmp_path):
+    from tests.train_dataset import train_here
+
     f = families["flux"]
-    cfg = write(tmp_path / "c.json", ema_decay=0.9, caption_dropout=0.2, checkpoint_every=2)
+    cfg = write(tmp_path / "c.json", lora_rank=RANK, lr=1e-2, ema_decay=0.9, caption_dropout=0.2, checkpoint_every=2)
     out = tmp_path / "out"
     proc = subprocess.run(command(2, "--plan", f["plan2"], "--cache", f["cache"], "--config", cfg, "--output-dir",
                                   out, "--max-steps", 2), env=environment(), capture_output=True, text=True,
@@ -229,9 +441,16 @@ def test_two_processes_train_flux(families, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 2 and np.isfinite(losses).all()
-    assert (out / "checkpoints" / "step-00000002" / "ema.safetensors").is_file()
-    assert (out / "model_ema" / "diffusion_pytorch_model.safetensors").is_file()
+    checkpoint = out / "checkpoints" / "step-00000002"
+    assert {"adapters.safetensors", "ema.safetensors", "lora.json"} <= {p.name for p in checkpoint.iterdir()}
+    assert not (checkpoint / "model.safetensors").exists()
+    assert (out / "lora_ema" / "pytorch_lora_weights.safetensors").is_file()
     assert "done: --max-steps 2 reached" in proc.stdout + proc.stderr
+    # the rest on one process: the plan re-cut, the adapters, their optimizer state and the EMA read back
+    result = train_here("--plan", f["plan2"], "--cache", f["cache"], "--config", cfg, "--output-dir", out,
+                        "--max-steps", 4, "--resume")  # fmt: skip
+    assert (result.steps, result.position) == (2, 4) and (out / "plans" / "resume-00000002-w1").is_dir()
+    assert not (out / "checkpoints" / "step-00000004" / "model.safetensors").exists()
 
 
 def _cache_meta(**fields):

@@ -4,7 +4,9 @@ and the run's final weights (:func:`save_weights`).
 Layout under ``--output-dir`` (:mod:`train.output`)::
 
     checkpoints/step-00000120/   accelerate state (model.safetensors, optimizer.bin, scheduler.bin,
-                                 random_states_<rank>.pkl) + cursor.json (the cursor and the files)
+                                 random_states_<rank>.pkl) + cursor.json (the cursor and the files);
+                                 a LoRA run: adapters.safetensors + lora.json instead of model.safetensors
+                                 (:func:`train.lora.register_adapter_checkpoints`), no frozen base weights
     checkpoints/latest.json      {"checkpoint": "step-00000120", "kept": [...]}, written last
     plans/resume-00000120-w4/    the plan an elastic resume wrote for 4 ranks (see resume_elastic)
 
@@ -27,13 +29,16 @@ import json
 import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from manifests import faults
 from manifests.errors import UsageError
 from manifests.plan import PlanMeta, read_plan_meta, resume_plan
 from manifests.storage import join, read_json, write_json_atomic
 from train.output import OutputDir
+
+if TYPE_CHECKING:
+    from train.lora import LoraRecord
 
 __all__ = ["Cursor", "Checkpoint", "find_checkpoint", "fetch_checkpoint", "save_checkpoint", "resume_elastic",
            "truncate_records", "save_weights"]  # fmt: skip
@@ -149,16 +154,17 @@ def save_checkpoint(accelerator, output: OutputDir, cursor: Cursor, keep: int) -
     return name
 
 
-def save_weights(accelerator, model, output: OutputDir, name: str) -> None:
+def save_weights(accelerator, model, output: OutputDir, name: str, lora: LoraRecord | None = None) -> None:
     """The final weights as ``OUTPUT/<name>``: the whole model (``model``, ``model_ema``: ``from_pretrained``
-    loads it) or the LoRA adapters (``lora``, ``lora_ema``: ``load_lora_adapter`` loads them). Call it on
-    every rank (FSDP / ZeRO-3 gather the shards of a whole model)."""
+    loads it), or with ``lora`` (the run's record, its ``steps`` set) the adapters (``lora``, ``lora_ema``: the
+    family pipeline's ``load_lora_weights`` loads them, :mod:`train.lora`). Call it on every rank (FSDP /
+    ZeRO-3 gather the shards of a whole model)."""
     from train.backends import save_model
     from train.lora import save_lora
 
-    if name.startswith("lora"):
+    if lora is not None:
         if accelerator.is_main_process:
-            save_lora(accelerator.unwrap_model(model), output.local(name))
+            save_lora(accelerator.unwrap_model(model), output.local(name), lora)
     else:
         save_model(accelerator, model, output.local(name))  # every rank: FSDP / ZeRO-3 gather shards here
     if accelerator.is_main_process:

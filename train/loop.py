@@ -6,8 +6,8 @@
 Reads top to bottom: :meth:`Trainer.setup` (the steps of :mod:`train.setup`: launch, position, data,
 model; then validation, metrics and trackers), :meth:`Trainer.loop` (batches in plan order, one
 ``train_step`` each; checkpoints, validation and stops only between optimizer steps) and
-:meth:`Trainer.finish` (the last checkpoint, the final weights, the ``done:`` line). Why the loop
-stopped is a :class:`StopReason`, which carries its consequences.
+:meth:`Trainer.finish` (the last checkpoint, the final weights, the ``done:`` line and the diffusers code
+that loads the weights). Why the loop stopped is a :class:`StopReason`, which carries its consequences.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import math
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from train.checkpoint import save_checkpoint, save_weights, truncate_records
 from train.job import TrainJob
 from train.metrics import MetricsFile, SampleRecorder, Window
 from train.model import step_generator
+from train.output import how_to_load
 from train.setup import Data, Launch, Model, Position, setup_data, setup_launch, setup_model, setup_position
 from train.validation import Validator
 
@@ -177,7 +178,7 @@ class Trainer:
         # sizes keep a checkpoint's save_state well under that.
         signal.signal(signal.SIGTERM, lambda *_: self.stop_requested.set())
         self._announce()
-        window, stop = Window(), None
+        window, stop, last_step = Window(), None, 0
         steps = self.data.steps
         progress = Progress("train", "steps", total=len(steps), unit="steps", enabled=accelerator.is_main_process)
         self.model.train()
@@ -195,6 +196,7 @@ class Trainer:
             window.add(loss, len(batch.sample_ids), int(batch.latent_positions * self.denoiser.tokens_per_position),
                        t_data - t0, time.perf_counter() - t0)  # fmt: skip
             progress.update(1, **self._log(window, batch.step))
+            last_step = batch.step
             if not accelerator.sync_gradients:
                 continue  # checkpoints, validation and stops only between optimizer steps
             if self.validator is not None and self.cursor.position % cfg.validation_every == 0:
@@ -203,6 +205,8 @@ class Trainer:
             if stop is None and self.cursor.position % cfg.checkpoint_every == 0:
                 self.checkpoint()
                 self.saved_at = self.cursor.position
+        if window.values["steps"]:  # the steps since the last log point: the last step is always logged
+            self._log(window, last_step, final=True)
         if stop is None:
             finished = self.cursor.epoch >= self.launch.epochs - 1
             stop = StopReason.PLAN_FINISHED if finished or not len(steps) else StopReason.WINDOW_FINISHED
@@ -223,10 +227,10 @@ class Trainer:
             return StopReason.MAX_STEPS
         return None
 
-    def _log(self, window: Any, step: int) -> dict[str, str]:
-        """At a log point: the window's values, gathered from every rank, to the trackers and metrics.jsonl;
-        what the progress bar shows."""
-        if self.cursor.position % self.cfg.log_every:
+    def _log(self, window: Any, step: int, *, final: bool = False) -> dict[str, str]:
+        """At a log point (every ``log_every`` steps, and the ``final`` one): the window's values, gathered from
+        every rank, to the trackers and metrics.jsonl; what the progress bar shows."""
+        if self.cursor.position % self.cfg.log_every and not final:
             return {}
         values = window.reduce(self.accelerator) | {"lr": self.parts.lr_scheduler.get_last_lr()[0],
                                                     "epoch": self.cursor.epoch}  # fmt: skip
@@ -267,7 +271,7 @@ class Trainer:
 
     def finish(self, stop: StopReason, started: float) -> TrainResult:
         """The stop's checkpoint and the final weights (unless the loss diverged), the ``done:`` line."""
-        accelerator, cursor, output, lora = self.accelerator, self.cursor, self.output, self.cfg.lora_rank
+        accelerator, cursor, output, lora = self.accelerator, self.cursor, self.output, self.parts.lora
         steps = len(self.data.steps)
         # the stop's checkpoint (SIGTERM, --max-steps, the plan's end) unless this step has one already
         if stop.keeps_weights and self.saved_at != cursor.position and steps:
@@ -276,10 +280,11 @@ class Trainer:
         local = torch.tensor([self.data.loader.skipped], device=accelerator.device)
         skipped = int(accelerator.reduce(local, "sum").item())
         if stop.keeps_weights:
-            save_weights(accelerator, self.model, output, "lora" if lora else "model")
+            record = replace(lora, steps=cursor.position) if lora else None
+            save_weights(accelerator, self.model, output, "lora" if lora else "model", record)
             if self.ema is not None:
                 with self.ema.swapped_into(self.unwrapped):
-                    save_weights(accelerator, self.model, output, "lora_ema" if lora else "model_ema")
+                    save_weights(accelerator, self.model, output, "lora_ema" if lora else "model_ema", record)
         accelerator.wait_for_everyone()
         accelerator.end_training()
         self.metrics.close()
@@ -288,6 +293,12 @@ class Trainer:
         accelerator.print(f"done: {stop.describe(max_steps=self.launch.max_steps, position=cursor.position)}; "
                           f"position {cursor.position}, epoch {cursor.epoch} step {cursor.step}, {self.updates} "
                           f"optimizer steps, {skipped} bad records skipped; output in {output.name()}")  # fmt: skip
+        if stop.keeps_weights:  # the last lines: where the results are, and how to load them
+            d = self.denoiser
+            for line in how_to_load(output, model_class=type(self.unwrapped).__name__, pipeline=d.pipeline_class,
+                                    component=d.component, base=d.source, lora=lora is not None,
+                                    ema=self.ema is not None):  # fmt: skip
+                accelerator.print(line)
         return TrainResult(stop, cursor.position - self.position.cursor.position, cursor.position, cursor.epoch,
                            cursor.step, self.updates, self.last_loss, skipped, self.job.output_dir,
                            time.perf_counter() - started)  # fmt: skip

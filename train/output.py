@@ -27,7 +27,7 @@ from typing import Any
 from manifests.errors import BucketeerError, UsageError
 from manifests.storage import call_storage, is_local, join, open_url, redact
 
-__all__ = ["OutputDir", "open_output", "check_writable", "check_shared", "SCRATCH_ENV"]
+__all__ = ["OutputDir", "open_output", "check_writable", "check_shared", "how_to_load", "SCRATCH_ENV"]
 
 SCRATCH_ENV = "BUCKETEER_SCRATCH"
 
@@ -184,3 +184,30 @@ def check_shared(accelerator, output: OutputDir) -> None:
             "node the same --output-dir they can all reach, e.g. --output-dir s3://bucket/run (with "
             "--storage-options), or a shared filesystem path"
         )
+
+
+def how_to_load(output: OutputDir, *, model_class: str, pipeline: str | None, component: str, base: str | None,
+                lora: bool, ema: bool) -> list[str]:  # fmt: skip
+    """The lines a finished run ends with: its folders and the diffusers code that loads them (``pipeline``:
+    the family's pipeline class, ``component``: the model's name in it, ``base``: the pretrained model;
+    ``lora``: adapters were trained; ``ema``: an EMA was kept)."""
+    kind = "lora" if lora else "model"
+    folder = output.name(kind)
+    also = f" (the EMA's: {output.name(f'{kind}_ema')})" if ema else ""
+    lines = [f"metrics: {output.name('metrics.jsonl')}; `tensorboard --logdir {output.name('logs')}` plots them"]
+    local = "" if output.is_local else " (download the folder first: diffusers reads local folders and hub ids)"
+    if lora:
+        lines += [f"LoRA adapters in {folder}{also}; load them into the base pipeline{local}:",
+                  f"    from diffusers import {pipeline}",
+                  f"    pipe = {pipeline}.from_pretrained({redact(str(base))!r})",
+                  f"    pipe.load_lora_weights({folder!r})"]  # fmt: skip
+    elif pipeline is not None and base is not None:
+        lines += [f"the trained {component} in {folder}{also}; load it into the base pipeline{local}:",
+                  f"    from diffusers import {model_class}, {pipeline}",
+                  f"    {component} = {model_class}.from_pretrained({folder!r})",
+                  f"    pipe = {pipeline}.from_pretrained({redact(str(base))!r}, {component}={component})"]  # fmt: skip
+    else:
+        lines += [f"the trained model in {folder}{also}{local}:",
+                  "    from diffusers import " + model_class,
+                  f"    model = {model_class}.from_pretrained({folder!r})"]  # fmt: skip
+    return lines

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from manifests.cache import CacheReader
     from train.data import BatchLoader, RankSteps
     from train.ema import EMA
+    from train.lora import LoraRecord
     from train.recipes import Denoiser
 
 __all__ = ["Launch", "Position", "Data", "Model", "setup_launch", "setup_position", "setup_data", "setup_model"]
@@ -81,6 +82,7 @@ class Model:
     lr_scheduler: Any
     plan_steps: int  # plan steps of the whole run (root plan)
     total_updates: int  # optimizer steps in the schedule
+    lora: LoraRecord | None  # what the adapters are trained on and with (None: the whole model is trained)
 
 
 def setup_launch(job: TrainJob) -> Launch:
@@ -199,14 +201,13 @@ def setup_model(launch: Launch, position: Position, data: Data) -> Model:
     from train.backends import configure_deepspeed, is_sharded, plan_micro_batch
     from train.checkpoint import fetch_checkpoint
     from train.ema import EMA
-    from train.lora import add_lora
+    from train.lora import check_resume
     from train.recipes import recipe_for
 
     accelerator, cfg, root_meta, reader = launch.accelerator, launch.cfg, launch.root_meta, data.reader
     denoiser = recipe_for(cfg, reader.meta).setup(cfg, reader.meta)
     model = denoiser.model
-    if cfg.lora_rank:
-        add_lora(model, cfg, targets=denoiser.lora_targets, supported=denoiser.lora)
+    lora = _setup_lora(accelerator, cfg, denoiser, data.family) if cfg.lora_rank else None
     trained = [p for p in model.parameters() if p.requires_grad]
     if cfg.ema_decay and is_sharded(accelerator):
         raise UsageError("config ema_decay: the EMA averages whole weights, which FSDP and DeepSpeed ZeRO-3 shard; "
@@ -233,13 +234,33 @@ def setup_model(launch: Launch, position: Position, data: Data) -> Model:
     _KEEP_ALIVE.append(model)  # never deallocated before os._exit: see _KEEP_ALIVE
     if position.checkpoint is not None:
         local = fetch_checkpoint(accelerator, launch.output, position.checkpoint)
+        note = check_resume(local, launch.output.name(position.checkpoint.rel), lora)  # base model, rank, targets
+        if note:
+            accelerator.print(note)
         # accelerate 1.x reads optimizer, schedule and RNG files with torch.load(weights_only=True)
         accelerator.load_state(str(local), load_kwargs={"weights_only": True})
         accelerator.wait_for_everyone()
         if accelerator.is_local_main_process:
             launch.output.drop_local_copy(position.checkpoint.rel)
     accelerator.wait_for_everyone()
-    return Model(denoiser, ema, model, optimizer, lr_scheduler, plan_steps, total_updates)
+    return Model(denoiser, ema, model, optimizer, lr_scheduler, plan_steps, total_updates, lora)
+
+
+def _setup_lora(accelerator, cfg: TrainConfig, denoiser: Denoiser, family: str) -> LoraRecord:
+    """Adapters on the frozen model, their record (base id and weight hash: hashed once, on the main process),
+    and checkpoints that hold the adapters only."""
+    from accelerate.utils import broadcast_object_list
+
+    from train.lora import add_lora, lora_record, register_adapter_checkpoints, weights_sha256
+
+    # a model without LoRA loaders is refused by add_lora below, unhashed
+    digest = [weights_sha256(denoiser.model) if accelerator.is_main_process and denoiser.lora else None]
+    broadcast_object_list(digest)  # every rank compares the same hash at a resume, so all refuse or none
+    add_lora(denoiser.model, cfg, targets=denoiser.lora_targets, supported=denoiser.lora)
+    record = lora_record(denoiser.model, family=family, pipeline=str(denoiser.pipeline_class),
+                         component=denoiser.component, base_model=str(denoiser.source), base_sha256=digest[0])
+    register_adapter_checkpoints(accelerator, record)
+    return record
 
 
 def _whole_updates(max_steps: int | None, grad_accum: int) -> int | None:

@@ -176,7 +176,7 @@ def demo_figures(scan: Any, embed: Any, plan: Any, *, target: Target, out: Path)
     """The figures of ``demo-summary.json``, from the stages' results and the trainer's metrics."""
     s, cache, p = scan.meta.summary, embed.meta, plan.meta
     metrics = out / "train" / "metrics.jsonl"
-    # one row per log_every (10) steps: none when the plan is shorter (a tiny --images)
+    # one row per log_every (10) steps, and one for the last step (also of a plan shorter than 10 steps)
     losses = [json.loads(line) for line in metrics.read_text().splitlines() if line] if metrics.exists() else []
     return {
         "scan": {"listed": s.listed, "samples": s.samples, "errors": s.errors, "errors_by_kind": dict(s.errors_by_kind),

@@ -22,7 +22,7 @@ def summary_text(figures: dict[str, Any], out: Path, world_size: int) -> str:
         f"  manifest  {a['manifest']}   (parquet: filename, width, height, caption, bucket; _manifest.json)",
         f"  cache     {a['cache']}   (gzip'd latents + text embeddings; _cache.json)",
         f"  plan      {a['plan']}   (rows epoch, step, rank, bucket, sample_ids; _plan.json)",
-        f"  trainer   {a['train']}   (checkpoints, metrics.jsonl, model/), log {out / 'train.log'}",
+        f"  trainer   {a['train']}   (checkpoints, metrics.jsonl, logs/, model/), log {out / 'train.log'}",
         f"  report    {a['report']}   (PNGs in {a['figures']})",
         "",
         "figures",
@@ -32,9 +32,9 @@ def summary_text(figures: dict[str, Any], out: Path, world_size: int) -> str:
         f"  plan      {p['steps_per_epoch']} steps/epoch x {p['epochs']} epochs on {world_size} ranks; "
         f"{p['planned']} samples planned, {p['padded']} padded, {p['dropped']} dropped sample-epochs",
         f"  train     {t['steps']} steps; " + (
-            f"loss {t['loss_first']:.4f} (first 10 steps) -> {t['loss_last']:.4f} (last 10); "
-            f"{t['samples_per_s']:.1f} samples/s" if t["loss_first"] is not None
-            else "fewer than 10 steps: no loss logged"),
+            f"loss {t['loss_first']:.4f} (first 10 steps) -> {t['loss_last']:.4f} (last logged); "
+            f"{t['samples_per_s']:.1f} samples/s; `tensorboard --logdir {a['train']}/logs` plots it"
+            if t["loss_first"] is not None else "no loss logged"),
         "",
         "the same on a cluster (credentials from AWS_* variables; see README.md and infra/README.md)",
         "  ray job submit --runtime-env infra/ray/runtime_env.yaml --working-dir . -- python -m pipeline.scan "

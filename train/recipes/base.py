@@ -37,7 +37,10 @@ class Denoiser:
     ``pipeline(model, vae)``: the family's diffusers pipeline around the (unwrapped) model, no text
     encoder; ``prompt_kwargs(prompts, negative)``: its ``__call__`` arguments for cached prompts.
     ``tokens_per_position``: transformer tokens per latent pixel (for throughput), ``lora_targets``:
-    the modules LoRA adapts by default.
+    the modules LoRA adapts by default. ``source``: the pretrained model id or folder (None: from
+    scratch); ``pipeline_class``: the diffusers pipeline a user loads the results into (its
+    ``load_lora_weights`` reads the LoRA export; None: no LoRA loaders), ``component``: the model's
+    name in it.
     """
 
     model: torch.nn.Module
@@ -46,7 +49,14 @@ class Denoiser:
     prompt_kwargs: Callable[[PromptEmbeds, PromptEmbeds], dict[str, Any]]
     tokens_per_position: float = 1.0
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
-    lora: bool = True  # the model class can save and load LoRA adapters
+    source: str | None = None
+    pipeline_class: str | None = None
+    component: str = "transformer"
+
+    @property
+    def lora(self) -> bool:
+        """The model class can save and load LoRA adapters (a pipeline with LoRA loaders)."""
+        return self.pipeline_class is not None
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,8 @@ def setup(cfg: TrainConfig, meta: CacheMeta) -> Denoiser:
         # guidance-distilled: the guidance embedding, not a negative prompt, steers (true_cfg_scale stays 1)
         return {"prompt_embeds": prompts.embeds, "pooled_prompt_embeds": prompts.pooled}
 
-    return Denoiser(transformer, loss, pipeline, prompt_kwargs, tokens_per_position=1 / 4)
+    return Denoiser(transformer, loss, pipeline, prompt_kwargs, tokens_per_position=1 / 4, source=source,
+                    pipeline_class="FluxPipeline")  # fmt: skip
 
 
 RECIPE = Recipe("flux", setup)

@@ -61,8 +61,8 @@ def setup(cfg: TrainConfig, meta: CacheMeta) -> Denoiser:
                 "use_resolution_binning": False}  # binning knows PixArt's 256..2048 sample sizes only
 
     patch = int(model.config.patch_size)
-    # PixArt's transformer has no LoRA save/load of its own (diffusers' PeftAdapterMixin loaders)
-    return Denoiser(model, loss, pipeline, prompt_kwargs, tokens_per_position=1 / patch**2, lora=False)
+    # no pipeline_class: PixArt's pipelines have no LoRA loaders (load_lora_weights) in diffusers
+    return Denoiser(model, loss, pipeline, prompt_kwargs, tokens_per_position=1 / patch**2, source=cfg.pretrained)
 
 
 RECIPE = Recipe("pixart", setup)

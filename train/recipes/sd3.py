@@ -51,7 +51,8 @@ def setup(cfg: TrainConfig, meta: CacheMeta) -> Denoiser:
                 "negative_prompt_embeds": negative.embeds, "negative_pooled_prompt_embeds": negative.pooled}
 
     patch = int(transformer.config.patch_size)
-    return Denoiser(transformer, loss, pipeline, prompt_kwargs, tokens_per_position=1 / patch**2)
+    return Denoiser(transformer, loss, pipeline, prompt_kwargs, tokens_per_position=1 / patch**2, source=source,
+                    pipeline_class="StableDiffusion3Pipeline")  # fmt: skip
 
 
 RECIPE = Recipe("sd3", setup)

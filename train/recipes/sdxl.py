@@ -58,7 +58,8 @@ def setup(cfg: TrainConfig, meta: CacheMeta) -> Denoiser:
         return {"prompt_embeds": prompts.embeds, "pooled_prompt_embeds": prompts.pooled,
                 "negative_prompt_embeds": negative.embeds, "negative_pooled_prompt_embeds": negative.pooled}
 
-    return Denoiser(unet, loss, pipeline, prompt_kwargs)
+    return Denoiser(unet, loss, pipeline, prompt_kwargs, source=source, pipeline_class="StableDiffusionXLPipeline",
+                    component="unet")  # fmt: skip
 
 
 RECIPE = Recipe("sdxl", setup)
