@@ -99,3 +99,15 @@ def test_the_embed_encoders_on_cuda_give_what_they_give_on_the_cpu(tmp_path):
             for c, g in zip(tokens_c, tokens_g):
                 assert g.device.type == "cpu" and torch.allclose(g, c, atol=0.05, rtol=0.05)
             assert torch.allclose(pooled_g, pooled_c, atol=0.05, rtol=0.05)
+
+
+def test_the_ema_follows_the_model_to_its_device():
+    """The EMA is made before accelerator.prepare moves the model to the GPU: its first step follows the weights
+    (here to the meta device, which a CPU has) instead of failing on two devices."""
+    from train.ema import EMA
+
+    model = torch.nn.Linear(4, 2)
+    ema = EMA(model, 0.9)
+    model.to("meta")
+    ema.step(model)
+    assert {p.device.type for p in ema.average.shadow_params} == {"meta"}
