@@ -65,7 +65,7 @@ class BusySampler:
             if smi is None:
                 raise RuntimeError("no pynvml and no nvidia-smi: cannot sample GPU utilization") from None
             self.proc = subprocess.Popen([smi, "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
-                                          "-i", str(_gpu_index()), f"-lms={int(period * 1000)}"],
+                                          "-i", str(_gpu_index()), f"--loop-ms={int(period * 1000)}"],
                                          stdout=subprocess.PIPE, text=True)  # fmt: skip
         self.thread = threading.Thread(target=self._run, daemon=True)
 
@@ -207,15 +207,45 @@ def loader_rate(plan: str, cache: str, device: str, batches: int) -> float:
     return samples / (time.perf_counter() - t0)
 
 
-def annotate_rows() -> list[Row]:
-    """VLM captions/s through the annotate job vs ``vllm.LLM.generate`` alone: a skipped row until both
-    ``pipeline.annotate`` and ``vllm`` import and the annotate job's caption task is wired in here."""
-    what = "VLM captions/s: pipeline.annotate (vLLM engine) vs LLM.generate alone"
+def annotate_rows(work: Path, gpu: bool, images: int = 256) -> list[Row]:
+    """VLM captions/s through ``bucketeer annotate --engine vllm`` (Ray Data's vLLM engine, end to end: fetch,
+    decode, generate, parts written) vs vLLM alone (``LLM.chat``: the model's chat template, then
+    ``LLM.generate``) on the same images decoded beforehand, greedy, 32 new tokens; a random-weight Llava
+    (``pipeline.annotate.default_model``, 1024 wide, 8 layers, 336-pixel vision input). A skipped row with
+    the reason until ``pipeline.annotate`` and ``vllm`` import and a GPU is there."""
+    what = "VLM captions/s: bucketeer annotate (vLLM engine) vs LLM.chat/generate alone, Llava 1024x8, 336 px"
     for module in ("pipeline.annotate", "vllm"):
         try:
             __import__(module)
         except Exception as e:
             return [Row("annotate", what, f"skipped: {module} does not import ({type(e).__name__}: {e})"[:200],
                         status="skipped")]  # fmt: skip
-    return [Row("annotate", what, "skipped: pipeline.annotate and vllm import, but its caption task is not wired "
-                "into gpu_check yet (benchmarks/gpu_measures.py annotate_rows)", status="skipped")]
+    if not gpu:
+        return [Row("annotate", what, "skipped: the vLLM engine needs a GPU", status="skipped")]
+    from PIL import Image
+    from vllm import LLM, SamplingParams
+
+    from benchmarks.gpu_models import write_jpeg_manifest
+    from pipeline import AnnotateJob, run
+    from pipeline.annotate.default_model import build_default_model
+    from pipeline.annotate.job import DEFAULT_PROMPT
+
+    files = sorted((work / "images").glob("*.jpg"))[:images]
+    size = Image.open(files[0]).size
+    manifest = str(work / "manifest-annotate")
+    write_jpeg_manifest(str(work / "images"), manifest, [f.name for f in files], size, (1024, 1024), 1)
+    folder = str(build_default_model(work / "vlm", width=1024, layers=8, image=336))
+    result = run(AnnotateJob(manifest=manifest, out=str(work / "annotations"), model=folder, engine="vllm",
+                             device="cuda", max_new_tokens=32, image_size=336))  # fmt: skip
+    llm = LLM(model=folder, gpu_memory_utilization=0.5)
+    pictures = [Image.open(f).convert("RGB").resize((336, 336)) for f in files]
+    chats = [[{"role": "user", "content": [{"type": "image_pil", "image_pil": p},
+                                           {"type": "text", "text": DEFAULT_PROMPT}]}] for p in pictures]  # fmt: skip
+    greedy = SamplingParams(max_tokens=32, temperature=0.0)
+    llm.chat(chats[:8], greedy)  # warm-up
+    t0 = time.perf_counter()
+    llm.chat(chats, greedy)
+    alone = len(chats) / (time.perf_counter() - t0)
+    e2e = result.images_per_second or 0.0
+    return [Row("annotate", what, f"{e2e:.1f} vs {alone:.1f} images/s ({e2e / alone:.2f}x)",
+                values={"end_to_end": e2e, "alone": alone, "captioned": result.captioned})]

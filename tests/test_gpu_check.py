@@ -36,8 +36,8 @@ def test_smoke_runs_every_section_on_the_cpu(tmp_path):
     checked below); FSDP/DeepSpeed rows say why they skip; the table is written as markdown and JSON."""
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, SCRIPT, "--smoke", "--families", "sdxl", "--backends", "ddp,zero3",
-                           "--out-dir", str(out), "--work-dir", str(tmp_path / "work")],
-                          capture_output=True, text=True, env=_env(), timeout=600)  # fmt: skip
+                           "--out-dir", str(out), "--work-dir", str(tmp_path / "work"), "--budget", "1200"],
+                          capture_output=True, text=True, env=_env(), timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((out / "gpu-check.json").read_text())
     rows = {(r["section"], r["measure"].split(":")[0].split(" (")[0]): r for r in result["rows"]}
