@@ -64,8 +64,9 @@ bench: install
 # On a GPU machine: make install TORCH_SPEC="torch>=2.4", plus `pip install deepspeed torchvision` for the ZeRO
 # rows and the GPU JPEG decode row (each is a "skipped" row without). GPU_CHECK_ARGS, e.g. --families sdxl --keep.
 GPU_CHECK_ARGS ?=
+# one GPU: the rates are per GPU, and the busy fraction is sampled on the GPU the encoders get
 gpu-check: install
-	$(PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+	CUDA_VISIBLE_DEVICES=$${CUDA_VISIBLE_DEVICES:-0} $(PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 test-gpu: install
 	$(PY) -m pytest -m gpu $(PYTEST_ARGS)

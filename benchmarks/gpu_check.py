@@ -35,7 +35,9 @@ exit code is 1 when any row failed):
 6. **annotate**: VLM captions/s through ``bucketeer annotate --engine vllm`` vs vLLM's ``LLM.chat`` alone on a
    random-weight Llava; a row saying why it is skipped until ``pipeline.annotate`` and ``vllm`` import.
 
-Writes ``gpu-check.md`` and ``gpu-check.json`` to ``--out-dir`` (default ``$OUT``, else
+Everything is per GPU: on a machine with several, run it on one (``make gpu-check`` sets
+``CUDA_VISIBLE_DEVICES=0`` unless it is set), so that Ray's encoder actors get the GPU whose busy fraction
+is sampled. Writes ``gpu-check.md`` and ``gpu-check.json`` to ``--out-dir`` (default ``$OUT``, else
 ``benchmarks/results/``). Meant to take under 10 minutes on one H100 (``--budget``).
 """
 
@@ -160,8 +162,9 @@ class Check:
                               device=self.device)  # fmt: skip
         self.done[f"model-{family}"] = str(folder)
         gb = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 1e9
+        size = f"{gb:.2f} GB" if gb >= 0.1 else f"{gb * 1000:.1f} MB"
         return [Row("setup", f"{family}: random-weight pipeline folder (bf16) + {s.images} JPEGs {s.image[0]}x"
-                    f"{s.image[1]}", f"{gb:.2f} GB in {time.perf_counter() - t1:.0f} s; JPEGs {t1 - t0:.0f} s",
+                    f"{s.image[1]}", f"{size} in {time.perf_counter() - t1:.0f} s; JPEGs {t1 - t0:.0f} s",
                     values={"gb": gb})]  # fmt: skip
 
     def embed(self, family: str) -> list[Row]:
