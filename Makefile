@@ -2,6 +2,8 @@
 #   make demo   # create .venv, install, run the end-to-end demo on this machine
 #   make test   # create .venv, install, run every test (unit, S3, Ray, multi-process)
 #   make test-floors   # create .venv-floors with every core dependency at its pyproject floor, run the fast tests
+#   make gpu-check     # every GPU measure on random weights at real sizes: one table (one line and exit 0 without CUDA)
+#   make test-gpu      # the tests that need CUDA (marked gpu); skipped with their reason without one
 PYTHON ?= python3
 VENV ?= .venv
 # the CPU wheel; installed before the project so nothing pulls the multi-GB CUDA build.
@@ -23,7 +25,7 @@ FLOORS_VENV ?= .venv-floors
 FLOORS_PY := $(FLOORS_VENV)/bin/python
 FLOORS_PYTEST_ARGS ?= -m "not slow"
 
-.PHONY: install demo test test-floors bench clean
+.PHONY: install demo test test-floors bench gpu-check test-gpu clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +60,16 @@ test-floors: $(FLOORS_VENV)/.installed
 
 bench: install
 	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done
+
+# On a GPU machine: make install TORCH_SPEC="torch>=2.4", plus `pip install deepspeed torchvision` for the ZeRO
+# rows and the GPU JPEG decode row (each is a "skipped" row without). GPU_CHECK_ARGS, e.g. --families sdxl --keep.
+GPU_CHECK_ARGS ?=
+# one GPU: the rates are per GPU, and the busy fraction is sampled on the GPU the encoders get
+gpu-check: install
+	CUDA_VISIBLE_DEVICES=$${CUDA_VISIBLE_DEVICES:-0} $(PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+
+test-gpu: install
+	$(PY) -m pytest -m gpu $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(FLOORS_VENV) .pytest_cache build *.egg-info

@@ -2,8 +2,8 @@
 
 The DeepSpeed and FSDP plumbing is checked on accelerate's own ``DeepSpeedPlugin`` and
 ``FullyShardedDataParallelPlugin`` (no engine). The end-to-end FSDP2 and DeepSpeed ZeRO-2 runs
-need GPUs: accelerate 1.x runs neither on a CPU-only machine (see the skip reasons); they run
-where 2 GPUs are present.
+need CUDA: accelerate 1.x runs neither on a CPU-only machine (see the skip reasons); they run
+(``make test-gpu``, marker ``gpu``) on 2 GPUs with a 2-rank plan, on 1 GPU with a 1-rank one.
 """
 
 from __future__ import annotations
@@ -100,16 +100,18 @@ def test_backends_that_cannot_run_or_would_pickle_are_refused(monkeypatch):
 
 
 GPUS = torch.cuda.device_count()
-FSDP_ON_CPU = ("FSDP2 needs 2 GPUs: accelerate 1.x enables FSDP only for accelerator process groups; with "
+WORLD = min(GPUS, 2)  # ranks of the FSDP2 / DeepSpeed runs: 2 where there are 2 GPUs, else 1
+FSDP_ON_CPU = ("FSDP2 needs CUDA: accelerate 1.x enables FSDP only for accelerator process groups; with "
                "ACCELERATE_USE_CPU (gloo) it runs MULTI_CPU and ignores the FSDP plugin (accelerate/state.py), "
                "which the trainer refuses (test_backends_that_cannot_run_or_would_pickle_are_refused)")  # fmt: skip
-DEEPSPEED_ON_CPU = ("DeepSpeed ZeRO-2 needs deepspeed and 2 GPUs: on a CPU-only machine accelerate 1.x sets up no "
+DEEPSPEED_ON_CPU = ("DeepSpeed ZeRO-2 needs deepspeed and CUDA: on a CPU-only machine accelerate 1.x sets up no "
                     "process group for DEEPSPEED (distributed_type NO, 1 process) while DeepSpeed's engine sees "
                     "the whole world (tried with deepspeed 0.19.8, DS_ACCELERATOR=cpu: its batch assertion fails)")
 
 
 def _run_backend(train_data, tmp_path, *launch_flags: str) -> None:
-    """Train plan2a on 2 GPUs with the given accelerate flags: to a checkpoint, resume, final model loads."""
+    """Train plan2a on 2 GPUs (plan1a on 1) with the given accelerate flags: to a checkpoint, resume, final model
+    loads."""
     from diffusers import PixArtTransformer2DModel
 
     from tests.test_train import records, write_config
@@ -117,30 +119,32 @@ def _run_backend(train_data, tmp_path, *launch_flags: str) -> None:
 
     config = write_config(tmp_path / "c.yaml", checkpoint_every=4, log_every=5)
     out = tmp_path / "out"
-    base = ["accelerate", "launch", *launch_flags, "--num_processes", "2", "--main_process_port", "0", "-m", "train",
-            "--plan", train_data.plan2a, "--cache", train_data.cache, "--config", str(config), "--output-dir", str(out),
+    plan = train_data.plan2a if WORLD == 2 else train_data.plan1a  # both: --grad-accum 2
+    base = ["accelerate", "launch", *launch_flags, "--num_processes", str(WORLD), "--main_process_port", "0", "-m",
+            "train", "--plan", plan, "--cache", train_data.cache, "--config", str(config), "--output-dir", str(out),
             "--record-samples", str(out / "rec")]  # fmt: skip
     accelerate = shutil.which("accelerate")
     first = subprocess.run([accelerate, *base[1:], "--max-steps", "8"], cwd=ROOT, capture_output=True, text=True)
     assert first.returncode == 0, first.stderr[-4000:]
     second = subprocess.run([accelerate, *base[1:], "--resume"], cwd=ROOT, capture_output=True, text=True)
     assert second.returncode == 0, second.stderr[-4000:]
-    for rank in (0, 1):
-        assert [(r["epoch"], r["step"], r["sample_ids"]) for r in records(out / "rec", rank)] == rows(train_data.plan2a,
-                                                                                                      rank)  # fmt: skip
+    for rank in range(WORLD):
+        assert [(r["epoch"], r["step"], r["sample_ids"]) for r in records(out / "rec", rank)] == rows(plan, rank)
     assert PixArtTransformer2DModel.from_pretrained(out / "model").config.in_channels == 4
 
 
+@pytest.mark.gpu
 @pytest.mark.dist
 @pytest.mark.slow
-@pytest.mark.skipif(GPUS < 2, reason=FSDP_ON_CPU)
+@pytest.mark.skipif(GPUS < 1, reason=FSDP_ON_CPU)
 def test_fsdp2_trains_checkpoints_resumes_and_saves_a_loadable_model(train_data, tmp_path):
     _run_backend(train_data, tmp_path, "--config_file", "infra/accelerate/fsdp2-1x8.yaml", "--mixed_precision", "no")
 
 
+@pytest.mark.gpu
 @pytest.mark.dist
 @pytest.mark.slow
-@pytest.mark.skipif(GPUS < 2 or shutil.which("deepspeed") is None, reason=DEEPSPEED_ON_CPU)
+@pytest.mark.skipif(GPUS < 1 or shutil.which("deepspeed") is None, reason=DEEPSPEED_ON_CPU)
 def test_deepspeed_zero2_trains_checkpoints_resumes_and_saves_a_loadable_model(train_data, tmp_path):
     _run_backend(train_data, tmp_path, "--config_file", "infra/accelerate/deepspeed-zero1-1x8.yaml", "--zero_stage",
                  "2", "--mixed_precision", "no")  # fmt: skip

@@ -103,6 +103,24 @@ def test_one_training_step_per_family(families, family):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_bf16_model_without_autocast_trains_on_the_float32_batches(families, family):
+    """DeepSpeed with mixed_precision bf16 casts the weights to bf16 and autocasts nothing (accelerate turns its
+    native autocast off under DeepSpeed): the loader's float32 batch must reach the model in the weights' dtype."""
+    from train.model import step_generator
+    from train.recipes import recipe_for
+
+    reader, batch = first_batch(families[family]["cache"], families[family]["plan"])
+    cfg = TrainConfig(family=family)
+    model = recipe_for(cfg, reader.meta).setup(cfg, reader.meta)
+    weights = model.model.to(torch.bfloat16)
+    loss = model.loss(weights, batch, step_generator(0, batch.epoch, batch.step, 0))
+    loss.backward()
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+    assert all(p.grad is None or p.grad.dtype == torch.bfloat16 for p in weights.parameters())
+
+
+@pytest.mark.slow
 def test_sdxl_time_ids_equal_the_pipelines(families):
     from diffusers import StableDiffusionXLPipeline
 

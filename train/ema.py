@@ -39,7 +39,12 @@ class EMA:
 
     def step(self, model: torch.nn.Module) -> None:
         """Fold the current weights of ``model`` (unwrapped) into the average; once per optimizer step."""
-        self.average.step(self._params(model))
+        params = self._params(model)
+        if params and self.average.shadow_params[0].device != params[0].device:
+            # made before accelerator.prepare moved the model to the GPU (and read back from a checkpoint on the
+            # CPU): diffusers' EMAModel.step subtracts the two, which needs them on one device
+            self.average.to(device=params[0].device)
+        self.average.step(params)
 
     def state(self) -> dict[str, torch.Tensor]:
         """The shadow weights by parameter name (CPU, contiguous)."""

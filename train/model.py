@@ -27,7 +27,7 @@ import torch
 from manifests.errors import UsageError
 
 __all__ = ["build_model", "model_arguments", "step_generator", "flow_matching_loss", "flow_sample", "ddpm_sample",
-           "FlowSample"]
+           "FlowSample", "to_weight_dtype"]
 
 # PixArt-alpha's layout, shrunk: what trains in seconds on a CPU
 TINY = {
@@ -77,6 +77,20 @@ def build_model(model_cfg: dict[str, Any], *, latent_channels: int, caption_chan
 
     return PixArtTransformer2DModel(**model_arguments(model_cfg, latent_channels=latent_channels,
                                                       caption_channels=caption_channels))  # fmt: skip
+
+
+def to_weight_dtype(model: torch.nn.Module, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """``tensors`` in the dtype of ``model``'s weights where those are half precision (integer tensors and None
+    pass as they are).
+
+    Under DDP and FSDP2 the weights stay float32 and accelerate autocasts the forward; DeepSpeed with
+    ``mixed_precision: bf16`` (or fp16) casts the weights themselves and accelerate autocasts nothing there,
+    so the loader's float32 batch would fail the first layer ("mat1 and mat2 must have the same dtype").
+    """
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    if dtype not in (torch.bfloat16, torch.float16):
+        return tensors
+    return tuple(t.to(dtype) if t is not None and t.is_floating_point() else t for t in tensors)
 
 
 def step_generator(seed: int, epoch: int, step: int, rank: int) -> torch.Generator:
@@ -162,8 +176,11 @@ def flow_matching_loss(
     """
     draw = flow_sample(latents, generator, weighting_scheme=weighting_scheme, logit_mean=logit_mean,
                        logit_std=logit_std, mode_scale=mode_scale)  # fmt: skip
+    noisy, text, resolution, aspect = to_weight_dtype(model, draw.noisy, text, added_cond.get("resolution"),
+                                                      added_cond.get("aspect_ratio"))  # fmt: skip
+    added_cond = {**added_cond, "resolution": resolution, "aspect_ratio": aspect}
     pred = model(
-        draw.noisy,
+        noisy,
         encoder_hidden_states=text,
         encoder_attention_mask=text_mask,
         timestep=draw.sigma.flatten() * 1000.0,  # PixArt embeds timesteps on DDPM's 0..1000 scale

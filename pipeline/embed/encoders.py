@@ -289,7 +289,9 @@ class LatentEncoder:
         with torch.inference_mode():
             batch = batch if batch.flags.writeable else batch.copy()  # Ray hands out read-only arrays
             x = torch.from_numpy(batch).to(self.device).permute(0, 3, 1, 2)  # (B, 3, H, W) uint8
-            x = x.to(self.compute_dtype) / 127.5 - 1.0
+            # [-1, 1] in float32, then the compute dtype, as diffusers' image processor does: in bf16 the division
+            # rounds to 1/128 above 1.0 and the subtraction keeps that, up to half a level off for bright pixels
+            x = (x.float() / 127.5 - 1.0).to(self.compute_dtype)
             posterior = self.vae.encode(x).latent_dist
             out = {"latent": posterior.mean.float()}  # (B, C, h, w)
             if self.latents == "posterior":

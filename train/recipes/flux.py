@@ -16,7 +16,7 @@ import torch
 
 from manifests.cache.meta import CacheMeta
 from train.config import TrainConfig
-from train.model import flow_sample
+from train.model import flow_sample, to_weight_dtype
 from train.recipes.base import (Denoiser, PromptEmbeds, Recipe, check_matches, flow_loss, flow_options,
                                 load_pretrained, pretrained_source)  # fmt: skip
 
@@ -44,9 +44,11 @@ def setup(cfg: TrainConfig, meta: CacheMeta) -> Denoiser:
         img_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype)  # (h/2 * w/2, 3)
         txt_ids = torch.zeros(batch.text.shape[1], 3, device=device, dtype=dtype)  # (L, 3)
         guidance = torch.full((b,), float(cfg.guidance), device=device) if guidance_embeds else None
-        pred = model(hidden_states=FluxPipeline._pack_latents(draw.noisy, b, c, h, w), timestep=draw.sigma.flatten(),
-                     guidance=guidance, pooled_projections=batch.pooled, encoder_hidden_states=batch.text,
-                     txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]  # (B, h/2 * w/2, 4C)  # fmt: skip
+        packed, pooled, text = to_weight_dtype(model, FluxPipeline._pack_latents(draw.noisy, b, c, h, w), batch.pooled,
+                                               batch.text)  # DeepSpeed bf16: no autocast  # fmt: skip
+        pred = model(hidden_states=packed, timestep=draw.sigma.flatten(), guidance=guidance, pooled_projections=pooled,
+                     encoder_hidden_states=text, txt_ids=txt_ids, img_ids=img_ids,
+                     return_dict=False)[0]  # (B, h/2 * w/2, 4C)  # fmt: skip
         return flow_loss(pred, FluxPipeline._pack_latents(draw.target, b, c, h, w), draw.weight.view(b, 1, 1))
 
     def pipeline(model: torch.nn.Module, vae: Any) -> Any:

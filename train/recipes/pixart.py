@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from manifests.cache.meta import CacheMeta
 from train.config import TrainConfig
-from train.model import build_model, ddpm_sample, flow_matching_loss
+from train.model import build_model, ddpm_sample, flow_matching_loss, to_weight_dtype
 from train.recipes.base import (Denoiser, PromptEmbeds, Recipe, check_matches, flow_options, load_pretrained,
                                 pretrained_source)  # fmt: skip
 
@@ -45,8 +45,10 @@ def setup(cfg: TrainConfig, meta: CacheMeta) -> Denoiser:
 
         def loss(model: torch.nn.Module, batch: Any, generator: torch.Generator) -> torch.Tensor:
             noisy, timesteps, target = ddpm_sample(scheduler, batch.latents, generator)
-            cond = {"resolution": batch.resolution, "aspect_ratio": batch.aspect_ratio}
-            pred = model(noisy, encoder_hidden_states=batch.text, encoder_attention_mask=batch.text_mask,
+            noisy, text, resolution, aspect = to_weight_dtype(model, noisy, batch.text, batch.resolution,
+                                                              batch.aspect_ratio)  # DeepSpeed bf16  # fmt: skip
+            cond = {"resolution": resolution, "aspect_ratio": aspect}
+            pred = model(noisy, encoder_hidden_states=text, encoder_attention_mask=batch.text_mask,
                          timestep=timesteps, added_cond_kwargs=cond, return_dict=False)[0]  # fmt: skip
             return F.mse_loss(pred[:, :channels].float(), target.float())  # learned sigma: the mean half
 

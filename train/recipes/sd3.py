@@ -15,7 +15,7 @@ import torch
 
 from manifests.cache.meta import CacheMeta
 from train.config import TrainConfig
-from train.model import flow_sample
+from train.model import flow_sample, to_weight_dtype
 from train.recipes.base import (Denoiser, PromptEmbeds, Recipe, check_matches, flow_loss, flow_options,
                                 load_pretrained, pretrained_source)  # fmt: skip
 
@@ -35,7 +35,8 @@ def setup(cfg: TrainConfig, meta: CacheMeta) -> Denoiser:
 
     def loss(model: torch.nn.Module, batch: Any, generator: torch.Generator) -> torch.Tensor:
         draw = flow_sample(batch.latents, generator, shift=shift, **flow_options(cfg))
-        pred = model(hidden_states=draw.noisy, encoder_hidden_states=batch.text, pooled_projections=batch.pooled,
+        noisy, text, pooled = to_weight_dtype(model, draw.noisy, batch.text, batch.pooled)  # DeepSpeed bf16
+        pred = model(hidden_states=noisy, encoder_hidden_states=text, pooled_projections=pooled,
                      timestep=draw.sigma.flatten() * 1000.0, return_dict=False)[0]  # fmt: skip
         return flow_loss(pred, draw.target, draw.weight)
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from manifests.cache.meta import CacheMeta
 from train.config import TrainConfig
-from train.model import ddpm_sample
+from train.model import ddpm_sample, to_weight_dtype
 from train.recipes.base import Denoiser, PromptEmbeds, Recipe, check_matches, load_pretrained, pretrained_source
 
 
@@ -41,9 +41,10 @@ def setup(cfg: TrainConfig, meta: CacheMeta) -> Denoiser:
 
     def loss(model: torch.nn.Module, batch: Any, generator: torch.Generator) -> torch.Tensor:
         noisy, timesteps, target = ddpm_sample(scheduler, batch.latents, generator)
-        cond = {"text_embeds": batch.pooled, "time_ids": time_ids(batch.resolution, batch.crop_top_left,
-                                                                  batch.target_size)}  # fmt: skip
-        pred = model(noisy, timesteps, encoder_hidden_states=batch.text, added_cond_kwargs=cond, return_dict=False)[0]
+        sample, text, pooled = to_weight_dtype(model, noisy, batch.text, batch.pooled)  # DeepSpeed bf16: no autocast
+        cond = {"text_embeds": pooled, "time_ids": time_ids(batch.resolution, batch.crop_top_left,
+                                                            batch.target_size)}  # fmt: skip
+        pred = model(sample, timesteps, encoder_hidden_states=text, added_cond_kwargs=cond, return_dict=False)[0]
         return F.mse_loss(pred.float(), target.float())
 
     def pipeline(model: torch.nn.Module, vae: Any) -> Any:

@@ -1,0 +1,113 @@
+"""``make gpu-check`` (benchmarks/gpu_check.py): one line without CUDA, every section's code on the CPU with
+``--smoke``, the real-size configs valid for their classes; and, with CUDA, the encoders on the GPU against
+the CPU (``make test-gpu``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = str(ROOT / "benchmarks" / "gpu_check.py")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), **extra}
+
+
+def test_without_cuda_it_prints_one_line_and_exits_0():
+    proc = subprocess.run([sys.executable, SCRIPT], capture_output=True, text=True, env=_env(CUDA_VISIBLE_DEVICES=""),
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(proc.stdout.splitlines()) == 1 and proc.stdout.startswith("gpu-check: no CUDA device here")
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_smoke_runs_every_section_on_the_cpu(tmp_path):
+    """The real embed job, plan, loader and trainer on tiny models (one family: the other differs in configs only,
+    checked below); FSDP/DeepSpeed rows say why they skip; the table is written as markdown and JSON."""
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, SCRIPT, "--smoke", "--families", "sdxl", "--backends", "ddp,zero3",
+                           "--out-dir", str(out), "--work-dir", str(tmp_path / "work"), "--budget", "1200"],
+                          capture_output=True, text=True, env=_env(), timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((out / "gpu-check.json").read_text())
+    rows = {(r["section"], r["measure"].split(":")[0].split(" (")[0]): r for r in result["rows"]}
+    assert {r["section"] for r in result["rows"]} == {"setup", "embed", "text", "decode", "loader", "train",
+                                                      "annotate"}  # fmt: skip
+    assert [r for r in result["rows"] if r["status"] == "failed"] == []
+    assert rows[("embed", "sdxl VAE 64x64 bf16")]["values"]["images_per_second"] > 0
+    trained = [r for r in result["rows"] if r["section"] == "train"]
+    assert trained[0]["status"] == "ok" and trained[0]["values"]["steps"] == 4
+    assert trained[0]["values"]["stop"] == "--max-steps reached" and 0 <= trained[0]["values"]["data_wait"] <= 1
+    assert trained[1]["status"] == "skipped" and "only on GPUs" in trained[1]["result"]
+    table = (out / "gpu-check.md").read_text()
+    assert table.count("\n| ") == len(result["rows"]) + 1  # header + one line per row
+
+
+# published parameter counts (diffusers / transformers model cards and configs)
+REAL_PARAMS = {("sdxl", "vae"): 83.65e6, ("sdxl", "text_encoder"): 123.06e6, ("sdxl", "text_encoder_2"): 694.66e6,
+               ("sdxl", "unet"): 2567.46e6, ("flux", "text_encoder_2"): 4762.31e6}  # fmt: skip
+
+
+def test_the_real_size_configs_build_their_classes_at_the_published_sizes():
+    """On the meta device (no memory): every REAL config is valid for its class and has the published size."""
+    from benchmarks.gpu_models import REAL, _model
+    from pipeline.embed.families.tiny import clip_tokenizer, t5_tokenizer
+
+    tokenizers = {"sdxl": (clip_tokenizer(), clip_tokenizer(pad_token="!")), "flux": (clip_tokenizer(), t5_tokenizer())}
+    sizes = {}
+    for family, parts in REAL.items():
+        for part, config in parts.items():
+            if part == "scheduler":
+                continue
+            tok = tokenizers[family][part == "text_encoder_2"]
+            with torch.device("meta"):
+                model = _model(family, part, config, tok)
+            sizes[family, part] = sum(p.numel() for p in model.parameters())
+    for key, published in REAL_PARAMS.items():
+        assert abs(sizes[key] / published - 1) < 0.01, (key, sizes[key])
+    assert 2.3e9 < sizes["flux", "transformer"] < 2.7e9  # 4 + 8 of Flux's 19 + 38 blocks
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the encoders on the GPU against the CPU")
+def test_the_embed_encoders_on_cuda_give_what_they_give_on_the_cpu(tmp_path):
+    """The VAE and the text encoders of the sdxl and flux families on cuda (bf16 compute) against the CPU (fp32):
+    the same latents and text embeddings within bf16 precision, returned on the host."""
+    from benchmarks.gpu_models import TINY, build_folder
+    from pipeline.embed.encoders import EncoderSource, LatentSpec, TextSpec
+
+    pixels = np.random.default_rng(0).integers(0, 255, (2, 64, 64, 3), dtype=np.uint8)
+    for family in ("sdxl", "flux"):
+        folder = str(build_folder(family, tmp_path / family, TINY[family]))
+        vae = LatentSpec(EncoderSource(folder, "vae"))
+        cpu, gpu = (vae.load(use_gpu=g).encode(pixels)["latent"] for g in (False, True))
+        assert gpu.device.type == "cuda" and torch.allclose(gpu.cpu(), cpu, atol=0.05, rtol=0.05)
+        spec = TextSpec(family, (EncoderSource(folder, "text_encoder"), EncoderSource(folder, "text_encoder_2")),
+                        EncoderSource(folder))  # fmt: skip
+        cpu_text, gpu_text = (spec.load(use_gpu=g).encode(["a red cat", "a blue dog"]) for g in (False, True))
+        for (tokens_c, pooled_c), (tokens_g, pooled_g) in zip(cpu_text, gpu_text):
+            for c, g in zip(tokens_c, tokens_g):
+                assert g.device.type == "cpu" and torch.allclose(g, c, atol=0.05, rtol=0.05)
+            assert torch.allclose(pooled_g, pooled_c, atol=0.05, rtol=0.05)
+
+
+def test_the_ema_follows_the_model_to_its_device():
+    """The EMA is made before accelerator.prepare moves the model to the GPU: its first step follows the weights
+    (here to the meta device, which a CPU has) instead of failing on two devices."""
+    from train.ema import EMA
+
+    model = torch.nn.Linear(4, 2)
+    ema = EMA(model, 0.9)
+    model.to("meta")
+    ema.step(model)
+    assert {p.device.type for p in ema.average.shadow_params} == {"meta"}
