@@ -28,7 +28,6 @@ cluster has GPUs and vLLM is installed, else transformers. Decoding is greedy. T
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -221,6 +220,15 @@ def _check_settings(job: AnnotateJob, settings: str, tasks: tuple[TaskSettings, 
     return meta
 
 
+def _placement_line(engine: str, placement) -> str:
+    if placement.device == "cpu":
+        return (f"engine {engine} on CPU: {placement.workers} actor(s) x {placement.threads} torch thread(s), "
+                f"{placement.actor_cpus:g} CPU each")  # fmt: skip
+    reach = f", up to {placement.gpus_max} as its autoscaler adds nodes" if placement.gpus_max else ""
+    return (f"engine {engine} on GPU: up to {placement.workers} replica(s), one per GPU (the cluster has "
+            f"{placement.gpus_now} now{reach})")  # fmt: skip
+
+
 def _pick_engine(job: AnnotateJob, placement) -> str:
     if job.engine == "vllm" and not vllm_available():
         raise UsageError("--engine vllm: vLLM is not installed here; pip install 'bucketeer[vllm]' (GPU machines), "
@@ -261,12 +269,13 @@ def _annotate(job: AnnotateJob) -> AnnotateResult:
     c = work.counts
     print(f"bucketeer annotate: {work.samples} samples in the manifest, {c['fresh'] + c['failed']} already annotated, "
           f"{c['stale']} changed since, {c['retry']} read failures (retrying), {c['missing']} new: {work.todo} to "
-          f"caption with {job.model} ({described['class']}) on {engine}; {placement.summary()}", flush=True)  # fmt: skip
+          f"caption with {job.model} ({described['class']}); {_placement_line(engine, placement)}",
+          flush=True)  # fmt: skip
     done = {"captioned": 0, "errors": 0, "tokens": 0}
     steady, steady_seconds = dict(done), None
     if work.todo:
         done, steady, steady_seconds = _caption(job, work, spec, settings, engine, placement, source, manifest)
-    meta = _commit(job, manifest, tasks, settings, engine, lookup_settings=settings)
+    meta = _commit(job, manifest, tasks, settings, engine)
     seconds = time.time() - start
     rates = ((round(steady["captioned"] / steady_seconds, 2), round(steady["tokens"] / steady_seconds, 1))
              if steady_seconds else (None, None))
@@ -310,11 +319,11 @@ def _caption(job: AnnotateJob, work: _Work, spec: CaptionSpec, settings: str, en
     return done, steady, seconds
 
 
-def _commit(job: AnnotateJob, manifest, tasks: tuple[TaskSettings, ...], settings: str, engine: str, *,
-            lookup_settings: str) -> AnnotationsMeta:  # fmt: skip
+def _commit(job: AnnotateJob, manifest, tasks: tuple[TaskSettings, ...], settings: str,
+            engine: str) -> AnnotationsMeta:  # fmt: skip
     """Write ``_annotations.json`` last, naming every part on storage, with counts over the manifest's samples."""
     so = dict(job.storage_options)
-    lookup, _ = committed_lookup(job.out, so, lookup_settings)
+    lookup, _ = committed_lookup(job.out, so, settings)
     totals = _find_work(job, manifest, lookup).counts
     parts, errors = listed_parts(job.out, so)
     samples = sum(totals.values())
