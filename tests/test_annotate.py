@@ -197,3 +197,15 @@ def test_kill_and_rerun_completes_with_nothing_twice(captioned, tmp_path, ray_lo
     assert sorted(rows.column("sample_id").to_pylist()) == sorted(first.column("sample_id").to_pylist())
     np.testing.assert_array_equal(rows.sort_by("sample_id").column("caption").to_numpy(zero_copy_only=False),
                                   first.sort_by("sample_id").column("caption").to_numpy(zero_copy_only=False))
+
+
+def test_report_grid_of_original_and_generated_captions(captioned, tmp_path):
+    from pipeline import ReportJob
+
+    page = tmp_path / "report.html"
+    run(ReportJob(manifest=captioned.manifest, out=str(page), annotations=captioned.out, progress=False))
+    text = page.read_text()
+    assert "Annotations: " in text and "settings fingerprint" in text
+    assert text.count('id="fig-caption-') == 10  # every captioned sample (the cut one has none), as a thumbnail
+    assert "img_002.jpg | original: original caption 2 | generated: " in text
+    assert "img_001.jpg | original: (none) | generated: " in text

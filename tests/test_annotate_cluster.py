@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.usefixtures("bucket
 class AnnotateProcess(EmbedProcess):
     """``python -m pipeline.annotate`` against the cluster, its output read as it comes."""
 
-    def __init__(self, cluster, manifest: str, out: str, *extra: str):  # noqa: super().__init__ runs embed
+    def __init__(self, cluster, manifest: str, out: str, *extra: str):  # not super().__init__: it starts embed
         cmd = [sys.executable, "-m", "pipeline.annotate", manifest, "--out", out, "--ray-address", cluster.address,
                "--max-new-tokens", "4", "--batch-size", "2", "--unit-rows", "2", *extra]  # fmt: skip
         env = {**os.environ, INTERVAL_ENV: "0"}  # a progress line per unit

@@ -49,26 +49,27 @@ def _tokenizer():
                                    model_max_length=4096, extra_special_tokens={"image_token": "<image>"})
 
 
-def build_default_model(folder: str | os.PathLike) -> Path:
-    """Write the tiny captioner (model, processor, chat template) to ``folder``; seeded, so the same weights."""
+def build_default_model(folder: str | os.PathLike, *, width: int = 32, layers: int = 2, image: int = 28) -> Path:
+    """Write the tiny captioner (model, processor, chat template) to ``folder``; seeded, so the same weights.
+    ``width``, ``layers``, ``image`` (pixels, a multiple of 14): a larger random one (benchmarks)."""
     import torch
     from transformers import CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # "requires torchvision, falling back to the PIL backend": expected here
     tokenizer = _tokenizer()
-    images = CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    images = CLIPImageProcessor(size={"shortest_edge": image}, crop_size={"height": image, "width": image})
     processor = LlavaProcessor(image_processor=images, tokenizer=tokenizer, chat_template=_CHAT_TEMPLATE,
                                patch_size=14, vision_feature_select_strategy="default", num_additional_image_tokens=1)
     ids = {s: tokenizer.convert_tokens_to_ids(s) for s in _SPECIALS}
     config = LlavaConfig(
-        text_config={"model_type": "qwen2", "vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64,
-                     "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-                     "max_position_embeddings": 4096, "bos_token_id": ids["<|endoftext|>"],
+        text_config={"model_type": "qwen2", "vocab_size": len(tokenizer), "hidden_size": width,
+                     "intermediate_size": 2 * width, "num_hidden_layers": layers, "num_attention_heads": 2,
+                     "num_key_value_heads": 1, "max_position_embeddings": 4096, "bos_token_id": ids["<|endoftext|>"],
                      "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]},
-        vision_config={"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
-                       "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14,
-                       "projection_dim": 32},
+        vision_config={"model_type": "clip_vision_model", "hidden_size": width, "intermediate_size": 2 * width,
+                       "num_hidden_layers": max(1, layers // 2), "num_attention_heads": 2, "image_size": image,
+                       "patch_size": 14, "projection_dim": width},
         image_token_index=ids["<image>"], vision_feature_select_strategy="default", vision_feature_layer=-1,
     )  # fmt: skip
     torch.manual_seed(25)
