@@ -5,8 +5,9 @@
 In one run, on this machine's CPU, with a random-weight Llava built here (``--model tiny``: the embedded
 default, 32 wide; ``small``: 256 wide, 4 layers, 112-pixel vision input, closer to a real captioner's
 share of compute per image):
-1. end to end (after a warm-up run on a few images): ``run(AnnotateJob(...))`` (manifest pass, fetch, decode, generate, parts written, the
-   commit), one CPU actor with ``--threads`` torch threads, for each of two dataset sizes;
+1. end to end (after a warm-up run on a few images): ``run(AnnotateJob(...))`` (manifest pass, fetch,
+   decode, generate, parts written, the commit), one CPU actor with ``--threads`` torch threads, for each
+   of two dataset sizes;
 2. the model alone: ``TransformersCaptioner.caption`` (processor + batched greedy ``generate``) on the same
    images decoded beforehand, the same batch size and threads, for the same two sizes.
 Rates are **marginal** over the two sizes ((n2 - n1) / (t2 - t1)), so Ray's start, the model loads and
@@ -74,7 +75,7 @@ def model_alone(root: str, n: int, path: str, args) -> float:
     from pipeline.annotate.engines import CaptionSpec, TransformersCaptioner
     from pipeline.annotate.workers import decode_for_caption
 
-    spec = CaptionSpec(model=path, path=path, max_new_tokens=args.max_new_tokens, image_size=args.image_size)
+    spec = CaptionSpec(model=path, max_new_tokens=args.max_new_tokens, image_size=args.image_size)
     captioner = TransformersCaptioner(spec, "cpu", args.threads)
     names = sorted(os.listdir(root))[:n]
     images = [decode_for_caption(open(os.path.join(root, f), "rb").read(), 320, 256, args.image_size, 1 << 30, f)

@@ -225,15 +225,15 @@ def read_annotations(url: str, storage_options: dict | None = None) -> tuple[Ann
     """``(meta, rows, errors)`` of a finished annotations folder: the parts ``_annotations.json`` names,
     one row per sample id (:func:`resolve`); a sample's newest row decides whether it is a row or an error."""
     meta = read_annotations_meta(url, storage_options)
-    rows = read_parts(url, storage_options, "parts", meta.parts)
-    errors = read_parts(url, storage_options, "errors", meta.errors)
-    latest = resolve(pa.concat_tables([rows.select(["sample_id", "written_at"]),
-                                       errors.select(["sample_id", "written_at"])]))  # fmt: skip
-    keep = lambda t: t.filter(pc.is_in(pc.binary_join_element_wise(  # noqa: E731
-        pc.cast(t.column("sample_id"), pa.string()), pc.cast(t.column("written_at"), pa.string()), ":"),
-        value_set=pc.binary_join_element_wise(pc.cast(latest.column("sample_id"), pa.string()),
-                                              pc.cast(latest.column("written_at"), pa.string()), ":")))
-    return meta, resolve(keep(rows)), resolve(keep(errors))
+    rows = resolve(read_parts(url, storage_options, "parts", meta.parts))
+    errors = resolve(read_parts(url, storage_options, "errors", meta.errors))
+    marked = [t.select(["sample_id", "written_at"]).append_column("is_error", pa.array([bad] * t.num_rows, pa.bool_()))
+              for t, bad in ((rows, False), (errors, True))]  # fmt: skip
+    latest = resolve(pa.concat_tables(marked))
+    failed = latest.filter(latest.column("is_error")).column("sample_id")
+    rows = rows.filter(pc.invert(pc.is_in(rows.column("sample_id"), value_set=failed)))
+    errors = errors.filter(pc.is_in(errors.column("sample_id"), value_set=failed))
+    return meta, rows, errors
 
 
 def write_annotations_meta(url: str, storage_options: dict | None, meta: AnnotationsMeta) -> AnnotationsMeta:

@@ -13,7 +13,6 @@ A :class:`CaptionSpec` says which model and how; it travels to the workers (plai
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,12 +26,13 @@ DEFAULT_PROMPT = "Describe this image in one detailed sentence: the subject, the
 
 @dataclass(frozen=True)
 class CaptionSpec:
-    """Which captioner and how: ``model`` as the user gave it (hub id, folder, ``default``), ``path`` what
-    ``from_pretrained`` loads (the default model's folder for ``default``), the prompt, greedy decoding of at
-    most ``max_new_tokens``, images downscaled to at most ``image_size`` pixels on their long side."""
+    """Which captioner and how: ``model`` as the user gave it (hub id, folder, ``default``), the prompt, greedy
+    decoding of at most ``max_new_tokens``, images downscaled to at most ``image_size`` pixels on their long side.
+    ``home``: the driver's ``$BUCKETEER_HOME``, where each node builds the default model (the same seeded
+    weights everywhere) the first time it needs it."""
 
     model: str
-    path: str
+    home: str | None = None
     prompt: str = DEFAULT_PROMPT
     max_new_tokens: int = 64
     image_size: int = 768
@@ -40,6 +40,14 @@ class CaptionSpec:
     @property
     def is_default(self) -> bool:
         return self.model == "default"
+
+    def path(self) -> str:
+        """What ``from_pretrained`` loads: the model, or the default model's folder (built here once)."""
+        if self.is_default:
+            from pipeline.annotate.default_model import ensure_default_model
+
+            return str(ensure_default_model(self.home))
+        return self.model
 
     def generation(self) -> dict[str, Any]:
         """The generation settings recorded in ``_annotations.json`` (greedy: the same model, the same captions)."""
@@ -67,9 +75,10 @@ def _load(spec: CaptionSpec, device: str):
 
     _quiet()
     try:
-        processor = AutoProcessor.from_pretrained(spec.path)
+        path = spec.path()
+        processor = AutoProcessor.from_pretrained(path)
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
-        model = AutoModelForImageTextToText.from_pretrained(spec.path, dtype=dtype).to(device).eval()
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(device).eval()
     except (OSError, ValueError, KeyError, ImportError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(f"--model {spec.model}: cannot load it as an image-text-to-text model "
@@ -115,12 +124,3 @@ class TransformersCaptioner:
         counts = [next((i + 1 for i, t in enumerate(row) if t in self.eos), len(row)) for row in new]
         texts = self.processor.batch_decode([row[:n] for row, n in zip(new, counts)], skip_special_tokens=True)
         return [(" ".join(t.split()), n) for t, n in zip(texts, counts)]
-
-
-def resolve_model(model: str, home: str | None = None) -> str:
-    """What ``from_pretrained`` loads for ``--model``: the default model's folder (built once) for ``default``."""
-    if model == "default":
-        from pipeline.annotate.default_model import ensure_default_model
-
-        return str(ensure_default_model(home or os.environ.get("BUCKETEER_HOME")))
-    return model

@@ -28,6 +28,7 @@ cluster has GPUs and vLLM is installed, else transformers. Decoding is greedy. T
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -243,13 +244,11 @@ def _pick_engine(job: AnnotateJob, placement) -> str:
 
 def _annotate(job: AnnotateJob) -> AnnotateResult:
     from pipeline.annotate.default_model import DEFAULT_CAPTION_NOTICE
-    from pipeline.annotate.engines import resolve_model
-
     so = dict(job.storage_options)
     start = time.time()
     manifest = read_manifest_meta(job.manifest, so)
     source = job.source or manifest.source
-    spec = CaptionSpec(model=job.model, path=resolve_model(job.model), prompt=job.prompt,
+    spec = CaptionSpec(model=job.model, home=os.environ.get("BUCKETEER_HOME"), prompt=job.prompt,
                        max_new_tokens=job.max_new_tokens, image_size=job.image_size)  # fmt: skip
     if spec.is_default:
         print(DEFAULT_CAPTION_NOTICE, file=sys.stderr, flush=True)

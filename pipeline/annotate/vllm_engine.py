@@ -100,7 +100,7 @@ def vllm_pipeline(units, job: Any, spec: CaptionSpec, placement: Any, options: d
                    "max_pixels": options["max_pixels"], "image_column": options["image_column"],
                    "image_size": spec.image_size, "out": job.out, "settings": options["settings"]})  # fmt: skip
     config = vLLMEngineProcessorConfig(
-        model_source=spec.path,
+        model_source=spec.path(),  # the default model: built on the driver (a shared home on a cluster)
         engine_kwargs={"limit_mm_per_prompt": {"image": 1}, "max_model_len": 8192},
         batch_size=job.batch_size,
         concurrency=placement.workers,  # one engine replica per GPU
