@@ -73,7 +73,7 @@ class TaskSettings(JsonRecord):
 
     task: str
     model: str  # hub id, local folder, or "default"
-    weight_sha256: str
+    weight_sha256: str  # over the sorted (name, sha256) of its weight files (pipeline.annotate.engines)
     prompt: str | None = None
     max_new_tokens: int | None = None
     generation: Mapping[str, Any] = nested(dict, default_factory=dict)  # do_sample etc.

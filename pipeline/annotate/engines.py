@@ -13,6 +13,7 @@ A :class:`CaptionSpec` says which model and how; it travels to the workers (plai
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,19 +81,69 @@ def _load(spec: CaptionSpec, device: str):
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(device).eval()
     except (OSError, ValueError, KeyError, ImportError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(f"--model {spec.model}: cannot load it as an image-text-to-text model "
-                         f"(AutoModelForImageTextToText + AutoProcessor): {first}") from None  # fmt: skip
+        raise _unloadable(spec, e) from None
     return processor, model
 
 
-def describe_model(spec: CaptionSpec) -> dict[str, Any]:
-    """Load ``spec`` once on a CPU (a bad id or folder fails here, before any work) and describe it:
-    its class and the sha256 of its weights."""
-    from pipeline.embed.encoders import weights_sha256
+_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
 
-    _, model = _load(spec, "cpu")
-    return {"class": type(model).__name__, "weight_sha256": weights_sha256(model)}
+
+def _unloadable(spec: CaptionSpec, e: BaseException) -> UsageError:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return UsageError(f"--model {spec.model}: cannot load it as an image-text-to-text model "
+                      f"(AutoModelForImageTextToText + AutoProcessor): {first}")  # fmt: skip
+
+
+def weight_files_sha256(path: str) -> str:
+    """sha256 over the sorted ``(name, sha256 of the file)`` of a model's weight files: of a local folder by
+    reading them, of a hub id from the hub's own per-file sha256 (no download); the same files give the
+    same hash either way. Raises OSError when neither can be had (no such folder, no hub access)."""
+    import hashlib
+
+    digests: list[tuple[str, str]] = []
+    if os.path.isdir(path):
+        for root, _, names in os.walk(path):
+            for name in names:
+                if name.endswith(_WEIGHT_FILES):
+                    h = hashlib.sha256()
+                    with open(os.path.join(root, name), "rb") as f:
+                        for block in iter(lambda: f.read(1 << 24), b""):
+                            h.update(block)
+                    digests.append((os.path.relpath(os.path.join(root, name), path), h.hexdigest()))
+    else:
+        from huggingface_hub import HfApi
+
+        try:
+            info = HfApi().model_info(path, files_metadata=True)
+        except Exception as e:  # offline, unknown id, gated: the hub's own error types, all "cannot describe"
+            raise OSError(f"cannot read the weights' sha256 of {path!r} from the hub: {e}") from None
+        digests = [(f.rfilename, f.lfs.sha256 if f.lfs else (f.blob_id or "")) for f in info.siblings or []
+                   if f.rfilename.endswith(_WEIGHT_FILES)]  # fmt: skip
+    if not digests:
+        raise OSError(f"no weight files ({', '.join(_WEIGHT_FILES)}) in {path!r}")
+    return hashlib.sha256("\n".join(f"{n} {d}" for n, d in sorted(digests)).encode()).hexdigest()
+
+
+def describe_model(spec: CaptionSpec) -> dict[str, Any]:
+    """Check ``spec``'s model without loading its weights (a bad id or folder fails here, before any work):
+    its config is an image-text-to-text architecture and its processor loads; its class and the sha256 of
+    its weight files (:func:`weight_files_sha256`)."""
+    from transformers import AutoConfig, AutoProcessor
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    _quiet()
+    try:
+        path = spec.path()
+        config = AutoConfig.from_pretrained(path)
+        AutoProcessor.from_pretrained(path)
+        digest = weight_files_sha256(path)
+    except (OSError, ValueError, KeyError, ImportError) as e:
+        raise _unloadable(spec, e) from None
+    name = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(config.model_type)
+    if name is None:
+        raise UsageError(f"--model {spec.model}: a {config.model_type!r} model is not an image-text-to-text model "
+                         "(AutoModelForImageTextToText has no class for it); pick a vision-language model")
+    return {"class": name, "weight_sha256": digest}
 
 
 class TransformersCaptioner:

@@ -8,16 +8,16 @@
     from pipeline import AnnotateJob, run
     captions = run(AnnotateJob(manifest="manifest/", out="captions/", model="default"))
 
-The recipe: (1) the model is loaded once on a CPU worker for its weight hash (a bad id or folder is one
-line, exit 2, before any work), which with the task, prompt and generation settings makes the
-**settings fingerprint**; an ``--out`` of other settings is refused; (2) one streaming pass over the
-manifest's row groups judges every sample against what ``--out`` holds, by image key
-(:mod:`manifests.annotations`): annotated, failed, changed or new; (3) the work runs on Ray Data
-(:mod:`pipeline.annotate.workers`): row groups are cut into units, and engine actors fetch, decode,
-caption and write one part per unit; (4) ``_annotations.json`` is written last. The images are read
-exactly as embed reads them (never listed again). A killed run leaves its finished parts, which the
-next run of the same settings adopts: it captions only the rest. A worker or node lost mid-job costs
-its in-flight units (Ray Data retries them; a redone unit rewrites the same part).
+The recipe: (1) the model's config and processor are loaded on a CPU worker and its weight files hashed (a bad
+id or folder is one line, exit 2, before any work; the weights themselves load only in the actors); that hash
+with the task, prompt and generation settings makes the **settings fingerprint**; an ``--out`` of other
+settings is refused; (2) one streaming pass over the manifest's row groups judges every sample against what
+``--out`` holds, by image key (:mod:`manifests.annotations`): annotated, failed, changed or new; (3) the work
+runs on Ray Data (:mod:`pipeline.annotate.workers`): row groups are cut into units, and engine actors fetch,
+decode, caption and write one part per unit; (4) ``_annotations.json`` is written last. The images are read
+exactly as embed reads them (never listed again). A killed run leaves its finished parts, which the next run
+of the same settings adopts: it captions only the rest. A worker or node lost mid-job costs its in-flight
+units (Ray Data retries them; a redone unit rewrites the same part).
 
 Engines (:mod:`pipeline.annotate.engines`): ``transformers`` (``AutoModelForImageTextToText``, batched
 ``generate``, one model per actor, on CPU or a GPU) and ``vllm`` (Ray Data's ``ray.data.llm``, one
@@ -191,7 +191,8 @@ def _find_work(job: AnnotateJob, manifest, lookup) -> _Work:
 
 
 def _describe(ray, spec: CaptionSpec) -> dict[str, Any]:
-    """The model's class and weight hash, loaded once on a CPU worker: a bad --model fails here, in one line."""
+    """The model's class and weight hash, checked on a CPU worker without loading the weights: a bad --model
+    fails here, in one line, before any work."""
     from pipeline.annotate.engines import describe_model
 
     try:
