@@ -151,6 +151,7 @@ def write_part(fs, root: str, kind: str, name: str, table: pa.Table, settings: s
 
 def _listed(fs, root: str, kind: str) -> list[str]:
     folder = join(root, kind)
+    fs.invalidate_cache(folder)  # the workers wrote parts since this process last listed (s3fs caches listings)
     try:
         names = fs.ls(folder, detail=False)
     except FileNotFoundError:
@@ -206,6 +207,7 @@ def is_annotations(url: str, storage_options: dict | None = None) -> bool:
     """Whether ``url`` is a folder holding ``_annotations.json``."""
     fs, root = open_url(url, storage_options)
     try:
+        fs.invalidate_cache(root)
         return bool(fs.isfile(join(root, ANNOTATIONS_FILE)))
     except (OSError, ValueError):
         return False

@@ -65,11 +65,11 @@ def _annotate(manifest: str, out: str, **options):
     return run(AnnotateJob(manifest=manifest, out=out, **{**FAST, **options}))
 
 
-def _check_once(out: str, manifest: str) -> tuple[pa.Table, pa.Table]:
+def _check_once(out: str, manifest: str, so: dict | None = None) -> tuple[pa.Table, pa.Table]:
     """Every manifest sample in exactly one of parts and errors, once, also in the raw files."""
-    ids = set(read_manifest(manifest).samples.column("sample_id").to_pylist())
-    meta, rows, errors = read_annotations(out)
-    raw = [t.column("sample_id").to_pylist() for t in (read_parts(out, None, "parts"), read_parts(out, None, "errors"))]
+    ids = set(read_manifest(manifest, so).samples.column("sample_id").to_pylist())
+    meta, rows, errors = read_annotations(out, so)
+    raw = [t.column("sample_id").to_pylist() for t in (read_parts(out, so, "parts"), read_parts(out, so, "errors"))]
     flat = raw[0] + raw[1]
     assert len(flat) == len(set(flat)), "a sample was written twice"
     assert set(flat) == ids and not set(raw[0]) & set(raw[1])
@@ -197,6 +197,19 @@ def test_kill_and_rerun_completes_with_nothing_twice(captioned, tmp_path, ray_lo
     assert sorted(rows.column("sample_id").to_pylist()) == sorted(first.column("sample_id").to_pylist())
     np.testing.assert_array_equal(rows.sort_by("sample_id").column("caption").to_numpy(zero_copy_only=False),
                                   first.sort_by("sample_id").column("caption").to_numpy(zero_copy_only=False))
+
+
+@pytest.mark.s3
+def test_annotate_on_s3(s3, ray_local):
+    from tests.embed_data import make_dataset
+
+    root, manifest, out, so = s3.fresh_url("data"), s3.fresh_url("manifest"), s3.fresh_url("captions"), \
+        s3.storage_options  # fmt: skip
+    make_dataset(root, manifest, 6, storage_options=so, broken=["zz_broken.jpg"])
+    result = _annotate(manifest, out, storage_options=so, unit_rows=2)
+    assert (result.captioned, result.errors) == (6, 1)  # the broken file: an error row, read and refused
+    _check_once(out, manifest, so)
+    assert _annotate(manifest, out, storage_options=so, unit_rows=2).up_to_date
 
 
 def test_report_grid_of_original_and_generated_captions(captioned, tmp_path):
