@@ -65,13 +65,14 @@ def _annotate(manifest: str, out: str, **options):
     return run(AnnotateJob(manifest=manifest, out=out, **{**FAST, **options}))
 
 
-def _check_once(out: str, manifest: str, so: dict | None = None) -> tuple[pa.Table, pa.Table]:
-    """Every manifest sample in exactly one of parts and errors, once, also in the raw files."""
+def _check_once(out: str, manifest: str, so: dict | None = None, changed: int = 0) -> tuple[pa.Table, pa.Table]:
+    """Every manifest sample in exactly one of parts and errors, once, also in the raw files (where
+    ``changed`` images were captioned again, their old rows stay in the files; the newest counts)."""
     ids = set(read_manifest(manifest, so).samples.column("sample_id").to_pylist())
     meta, rows, errors = read_annotations(out, so)
     raw = [t.column("sample_id").to_pylist() for t in (read_parts(out, so, "parts"), read_parts(out, so, "errors"))]
     flat = raw[0] + raw[1]
-    assert len(flat) == len(set(flat)), "a sample was written twice"
+    assert len(flat) == len(set(flat)) + changed, "a sample was written twice"
     assert set(flat) == ids and not set(raw[0]) & set(raw[1])
     assert set(rows.column("sample_id").to_pylist()) | set(errors.column("sample_id").to_pylist()) == ids
     assert meta.counts.samples == len(ids) == meta.counts.annotated + meta.counts.errors
@@ -141,10 +142,12 @@ def test_rescan_captions_only_the_new_images_and_merges_into_caption_lists(capti
     shutil.copytree(captioned.manifest, manifest)
     shutil.copytree(captioned.out, out)
     _loose_and_tar(root, first=6, n=5)  # 5 new images
+    (root / "img_005.jpg").write_bytes(jpeg(64, 96, seed=55))  # and a changed one
+    (root / "img_004.txt").write_text("an edited caption")  # a caption edit changes no image
     run(ScanJob(source=str(root), out=manifest, spec=SPEC, config=QUIET))
     result = _annotate(manifest, out)
-    assert result.captioned == 5 and result.skipped == len(captioned.ids)
-    rows, _ = _check_once(out, manifest)
+    assert result.captioned == 6 and result.skipped == len(captioned.ids) - 1
+    rows, _ = _check_once(out, manifest, changed=1)
 
     merged = str(tmp_path / "merged")
     run(ScanJob(source=str(root), out=merged, spec=SPEC, captions=out, config=QUIET))
@@ -152,6 +155,7 @@ def test_rescan_captions_only_the_new_images_and_merges_into_caption_lists(capti
     samples = {r["filename"]: r for r in read_manifest(merged).samples.to_pylist()}
     assert samples["img_002.jpg"]["captions"] == ["original caption 2", " ".join(generated["img_002.jpg"].split())]
     assert samples["img_002.jpg"]["caption"] == "original caption 2"  # the original stays first
+    assert samples["img_004.jpg"]["captions"][0] == "an edited caption"
     assert samples["shard-000.tar/s0.jpg"]["captions"][0] == "tar caption"
     if generated["img_003.jpg"].strip():  # no original: the generated caption alone
         assert samples["img_003.jpg"]["caption"] == " ".join(generated["img_003.jpg"].split())
