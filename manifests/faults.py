@@ -34,6 +34,7 @@ POINTS = {
     "scan.task": "a scan Ray task, after its reads, before it returns its result",
     "cache.samples_committed": "the cache committer, after a commit that wrote sample index rows (_cache.json written)",
     "embed.unit": "an embed encoder worker, after it wrote a unit's shard, before it returns the unit's index rows",
+    "annotate.unit": "an annotate worker, after it wrote a unit's part, before it returns the unit's summary",
     "train.checkpoint": "the trainer, after every rank has saved a checkpoint and latest.json names it",
     "lock.taken": "a job that writes an artifact, right after it took the artifact's writer lock",
 }

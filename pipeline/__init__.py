@@ -26,6 +26,8 @@ API: dict[str, str] = {
     "StatsResult": "pipeline.stats",
     "EmbedJob": "pipeline.embed.job",
     "EmbedResult": "pipeline.embed.job",
+    "AnnotateJob": "pipeline.annotate.job",
+    "AnnotateResult": "pipeline.annotate.job",
     "VerifyJob": "pipeline.verify",
     "VerifyResult": "pipeline.verify",
     "PlanJob": "pipeline.plan.job",

@@ -30,6 +30,7 @@ LONGEST_FILES = ("test_demo.py", "test_e2e.py", "test_demo_family.py", "test_emb
                  "test_embed_cluster.py", "test_train_dist.py", "test_train_data.py", "test_sources_tar.py",
                  "test_infra.py", "test_plan.py", "test_captions_list.py", "test_embed_faults.py",
                  "test_train_multinode.py", "test_sources_parquet.py", "test_pairs.py", "test_scan.py")  # fmt: skip
+LONGEST_FILES += ("test_annotate.py", "test_annotate_cluster.py")  # VLM captioning: minutes of Ray work each
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", default=None,
                         help="a plan folder made from this manifest: adds padding/drops and tokens per step")
     parser.add_argument("--cache", default=None, help="a cache folder: adds record counts, bytes per sample and errors")
+    parser.add_argument("--annotations", default=None,
+                        help="an annotations folder (bucketeer annotate): adds its settings, counts and a grid of "
+                             "thumbnails with their original and generated captions")
     parser.add_argument("--storage-options", default=None, help="fsspec options as JSON, e.g. an endpoint_url")
 
 
@@ -58,6 +61,7 @@ class ReportJob:
     out: str
     plan: str | None = None
     cache: str | None = None
+    annotations: str | None = None
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     progress: bool = True  # report sections built, on stderr
 
@@ -75,12 +79,13 @@ class ReportResult:
 
 def job_from_args(args: argparse.Namespace) -> ReportJob:
     return ReportJob(manifest=args.manifest, out=args.out, plan=args.plan, cache=args.cache,
+                     annotations=args.annotations,
                      storage_options=parse_storage_options(args.storage_options))  # fmt: skip
 
 
 def run(job: ReportJob) -> ReportResult:
     started = time.perf_counter()
-    paths = write_report(job.manifest, job.out, plan=job.plan, cache=job.cache,
+    paths = write_report(job.manifest, job.out, plan=job.plan, cache=job.cache, annotations=job.annotations,
                          storage_options=dict(job.storage_options), progress=job.progress)  # fmt: skip
     print(f"report: {redact(paths[0])}  ({len(paths) - 1} figures in {redact(paths[0].rsplit('.', 1)[0])}_figures/)")
     return ReportResult(paths[0], tuple(paths[1:]), round(time.perf_counter() - started, 3))
@@ -92,6 +97,7 @@ def write_report(
     *,
     plan: str | None = None,
     cache: str | None = None,
+    annotations: str | None = None,
     storage_options: dict[str, Any] | None = None,
     progress: bool = False,
 ) -> list[str]:
@@ -108,7 +114,8 @@ def write_report(
 
     if not out.endswith((".html", ".htm")):
         raise UsageError(f"--out {out!r} must name an .html file")
-    reporter = Progress("report", "sections", total=1 + bool(plan) + bool(cache), unit="sections", enabled=progress)
+    reporter = Progress("report", "sections", total=1 + bool(plan) + bool(cache) + bool(annotations),
+                        unit="sections", enabled=progress)
     manifest = read_manifest(manifest_url, storage_options)
     sections = [manifest_section(manifest, plots)]
     reporter.update(1, last="manifest")
@@ -118,6 +125,12 @@ def write_report(
     if cache:
         sections.append(cache_section(cache, plots, storage_options))
         reporter.update(1, last="cache")
+    if annotations:
+        from pipeline.report.annotations import annotations_section
+
+        rows, grid = annotations_section(annotations, manifest, storage_options)
+        sections.append(Section(f"Annotations: {redact(annotations)}", rows, [Figure(*f) for f in grid]))
+        reporter.update(1, last="annotations")
     reporter.close()
 
     fs, html_path = open_url(out, storage_options)

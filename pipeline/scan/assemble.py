@@ -67,6 +67,9 @@ def assemble(listing: Listing, plan: RescanPlan, probed: pa.Table, table: Captio
     table_lists = table.lists if table is not None else {}
 
     def caption_of(name: str, previous: tuple[str | None, list[str] | None]) -> tuple[str | None, list[str] | None]:
+        if name in table_captions and table is not None and table.generated:  # added to the originals
+            originals = sidecar_captions.get(name) or (previous if name in plan.kept_captions else (None, None))
+            return table.merged(name, *originals)
         if name in table_captions:
             return table_captions[name], table_lists.get(name)
         if name in sidecar_captions:

@@ -62,7 +62,7 @@ from pipeline.scan.config import FORMATS, ScanConfig
 from pipeline.scan.probing import batches, conditioning_probe, redacted, scan_batch, task_options
 from pipeline.scan.kinds import select_kinds
 from pipeline.scan.summary import ignored_line, mixed_part, scan_summary, summary_line
-from pipeline.sources.captions import CaptionTable, load_caption_table
+from pipeline.sources.captions import CaptionTable, load_captions
 from pipeline.sources.containers import ScanPart, container_part
 from pipeline.sources.headers import FIRST_READ
 from pipeline.sources.listing import Listing, link_error_rows, list_source
@@ -121,7 +121,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--captions", default=None, metavar="URL",
                         help="caption table (parquet, jsonl or csv with filename + caption columns; the caption "
                         "column may be a list of strings: several captions); images not in it fall back to "
-                        ".txt/.caption sidecars (numbered img.1.txt, img.2.txt, ...: more captions)")  # fmt: skip
+                        ".txt/.caption sidecars (numbered img.1.txt, img.2.txt, ...: more captions); or an ANNOTATIONS "
+                        "folder of `bucketeer annotate`: its generated captions are added to each image's caption "
+                        "list beside the originals")  # fmt: skip
     parser.add_argument("--conditioning", default=None, metavar="ROOT_OR_COLUMN",
                         help="a conditioning image per sample (ControlNet map, edit pair): a column of the --captions "
                         "table holding its path relative to the source root, else a root (folder or URL) holding "
@@ -221,7 +223,7 @@ def _scan(job: ScanJob) -> ManifestMeta:
         if isinstance(e, FileNotFoundError) or is_storage_failure(e):  # retried already; a missing root or bucket
             raise StorageError(redact(f"cannot list {source}: {e}", options)) from None
         raise
-    table = load_caption_table(job.captions, options) if job.captions else None
+    table = load_captions(job.captions, options) if job.captions else None
     target = (source, task_options(source, options, config), job.fs, root)
     loose, containers = select_kinds(listing, source, config.format)
     if containers and job.conditioning:

@@ -6,6 +6,12 @@ printable range), and, where even that fails, as Latin-1, which maps every byte:
 never a crash. All whitespace runs (newlines, CRLF, tabs) collapse to one space and the ends are
 stripped; a caption that is empty after that is null.
 
+Generated captions (``--captions ANNOTATIONS``, a folder written by ``bucketeer annotate``, found by its
+``_annotations.json``): each sample's generated caption is **added** to its caption list beside the
+originals (sidecars, the container's, a parquet column), after them and once
+(:func:`with_generated`); a sample with no original caption gets the generated one alone. The
+trainer then picks one of the list per epoch, as for any caption list.
+
 The table (``--captions URL``) is parquet, jsonl or csv with a filename column (``filename``,
 ``file_name``, ``path`` or ``image``) and a caption column (``caption``, ``text`` or ``prompt``);
 filenames are relative to the dataset root. Its ``version`` is a hash of its content as read
@@ -44,6 +50,8 @@ __all__ = [
     "sidecar_number",
     "caption_list",
     "load_caption_table",
+    "load_captions",
+    "with_generated",
     "read_table",
     "table_filenames",
 ]
@@ -123,13 +131,33 @@ class CaptionTable:
     version: str  # 16 hex digits of sha256 over the sorted (filename, caption) pairs (and the lists)
     lists: dict[str, list[str]] = field(default_factory=dict)
     dropped: int = 0  # empty captions left out of lists
+    generated: bool = False  # from an ANNOTATIONS folder: added to the originals, not replacing them
 
     @classmethod
     def of(cls, captions: dict[str, str | None], lists: dict[str, list[str]] | None = None,
-           dropped: int = 0) -> CaptionTable:  # fmt: skip
+           dropped: int = 0, generated: bool = False) -> CaptionTable:  # fmt: skip
         content = sorted(captions.items()) + ([["lists", sorted(lists.items())]] if lists else [])
-        pairs = json.dumps(content, ensure_ascii=False).encode()  # a table without lists keeps its old version
-        return cls(captions, hashlib.sha256(pairs).hexdigest()[:16], lists or {}, dropped)
+        content += [["generated"]] if generated else []  # a table without lists keeps its old version
+        pairs = json.dumps(content, ensure_ascii=False).encode()
+        return cls(captions, hashlib.sha256(pairs).hexdigest()[:16], lists or {}, dropped, generated)
+
+    def merged(self, name: str, caption: str | None, captions: list[str] | None) -> tuple[str | None, list[str] | None]:
+        """``name``'s ``(caption, captions)`` given its originals: the table's (replacing them), or for generated
+        captions the originals with the generated one added (:func:`with_generated`)."""
+        if self.generated:
+            return with_generated(caption, captions, self.captions[name])
+        return self.captions[name], self.lists.get(name)
+
+
+def with_generated(caption: str | None, captions: list[str] | None, generated: str | None) -> tuple[
+        str | None, list[str] | None]:  # fmt: skip
+    """``(caption, captions)`` of a sample whose originals are ``caption``/``captions`` with the ``generated``
+    one added after them (once: a rescan merging the same annotations again adds nothing). The first
+    caption stays the first original; without originals, the generated caption is the caption."""
+    originals = list(captions) if captions else ([caption] if caption is not None else [])
+    merged = originals + ([generated] if generated is not None and generated not in originals else [])
+    first, several, _ = caption_list(merged)
+    return first, several
 
 
 def read_table(url: str, storage_options: dict[str, Any] | None = None) -> pa.Table:
@@ -208,3 +236,20 @@ def load_caption_table(url: str, storage_options: dict[str, Any] | None = None) 
             lists[key] = several
         dropped += empty
     return CaptionTable.of(out, lists, dropped)
+
+
+def load_captions(url: str, storage_options: dict[str, Any] | None = None) -> CaptionTable:
+    """``--captions URL``: a caption table (:func:`load_caption_table`), or an ANNOTATIONS folder (it holds
+    ``_annotations.json``): its generated captions, keyed by filename, to add to the originals. Raises
+    UsageError for annotations without a caption task."""
+    from manifests.annotations import is_annotations, read_annotations
+
+    if not is_annotations(url, storage_options):
+        return load_caption_table(url, storage_options)
+    meta, rows, _ = read_annotations(url, storage_options)
+    if meta.task("caption") is None or "caption" not in rows.column_names:
+        raise UsageError(f"--captions {redact(url)}: these annotations have no generated captions "
+                         f"(tasks: {', '.join(t.task for t in meta.tasks)}); run `bucketeer annotate --task caption`")
+    names = rows.column("filename").to_pylist()
+    texts = [normalise_caption(t) for t in rows.column("caption").to_pylist()]
+    return CaptionTable.of({n: t for n, t in zip(names, texts) if t is not None}, generated=True)

@@ -215,16 +215,16 @@ def _container_rows(errors: pa.Table) -> int:
 
 def _with_table_captions(rows: pa.Table, table: CaptionTable) -> pa.Table:
     """``--captions`` rows (keyed by ``filename``: ``<shard>/<member>``, ``<file>/<row>``) replace what the
-    container said."""
+    container said (generated captions are added to it: :meth:`CaptionTable.merged`)."""
     names = rows.column("filename").to_pylist()
-    old = rows.column("caption").to_pylist()
-    captions = [table.captions[n] if n in table.captions else c for n, c in zip(names, old)]
-    lists = [table.lists.get(n) if n in table.captions else c
-             for n, c in zip(names, rows.column("captions").to_pylist())]  # fmt: skip
+    pairs = [table.merged(n, c, many) if n in table.captions else (c, many)
+             for n, c, many in zip(names, rows.column("caption").to_pylist(), rows.column("captions").to_pylist())]
     sources = [f"table:{table.version}" if n in table.captions else s
                for n, s in zip(names, rows.column("caption_source").to_pylist())]  # fmt: skip
-    rows = rows.set_column(rows.schema.get_field_index("caption"), "caption", pa.array(captions, pa.string()))
-    rows = rows.set_column(rows.schema.get_field_index("captions"), "captions", pa.array(lists, pa.list_(pa.string())))
+    rows = rows.set_column(rows.schema.get_field_index("caption"), "caption", pa.array([p[0] for p in pairs],
+                                                                                         pa.string()))
+    rows = rows.set_column(rows.schema.get_field_index("captions"), "captions",
+                           pa.array([p[1] for p in pairs], pa.list_(pa.string())))
     at = rows.schema.get_field_index("caption_source")
     return rows.set_column(at, "caption_source", pa.array(sources, pa.string()))
 

@@ -159,8 +159,9 @@ def plan_rescan(
 
 
 def _sidecars(listing: Listing, name: str, table: CaptionTable | None) -> list[FileEntry]:
-    """The sidecars to read for ``name``: none when the caption table already has it."""
-    if table is not None and name in table.captions:
+    """The sidecars to read for ``name``: none when the caption table already has it (generated captions
+    are added to the sidecars' captions: those are read)."""
+    if table is not None and name in table.captions and not table.generated:
         return []
     return image_sidecars(listing, name)
 

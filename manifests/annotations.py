@@ -1,0 +1,254 @@
+"""The ANNOTATIONS artifact: per-sample columns a model computed from a manifest's images.
+
+    ANNOTATIONS/
+      _annotations.json          written last: manifest fingerprint, tasks (model, weight hash, settings), counts
+      parts/<unit>.parquet       sample_id, filename, source_key, written_at, + each task's columns
+      errors/<unit>.parquet      sample_id, filename, source_key, written_at, error, message
+
+Workers write the parts, one per unit of work, named by a hash of the unit (its sample ids and
+their source keys) and the settings: a unit redone after a lost worker rewrites the same object,
+never a second copy. The driver writes ``_annotations.json`` last, naming the parts. A killed
+job leaves parts that no root JSON names yet; the next run of the same settings adopts them (each
+part carries the settings fingerprint in its parquet metadata; a part of other settings is refused).
+
+``source_key`` here is an **image key**: :func:`manifests.cache.freshness.source_key` over the
+row's size and etag or mtime only. A caption edit (or ``scan --captions`` merging generated
+captions) changes no image, so it annotates nothing again; a changed image does. When a sample was
+annotated twice (its image changed), the row written last is the one that counts
+(:func:`resolve`); ``read_annotations`` returns one row per sample.
+
+Tasks (``caption`` today): each adds its columns to the parts (:data:`TASK_COLUMNS`) and records its
+settings in ``_annotations.json`` (:class:`TaskSettings`).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import io
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from manifests import __version__
+from manifests.cache.freshness import IndexLookup, source_key
+from manifests.errors import MissingError, UsageError
+from manifests.jsonrecord import JsonRecord, each, nested, optional
+from manifests.storage import join, open_url, read_artifact_meta, redact, write_bytes_atomic, write_json_atomic
+
+__all__ = ["ANNOTATIONS_FILE", "FORMAT_VERSION", "TASK_COLUMNS", "AnnotationsError", "AnnotationsMissingError",
+           "TaskSettings", "AnnotationsCounts", "AnnotationsMeta", "image_key", "settings_fingerprint",
+           "part_name", "write_part", "read_parts", "resolve", "committed_lookup", "read_annotations_meta",
+           "read_annotations", "write_annotations_meta", "is_annotations"]  # fmt: skip
+
+ANNOTATIONS_FILE = "_annotations.json"
+FORMAT_VERSION = 1
+KIND = "bucketeer-annotations"
+_FINGERPRINT_KEY = b"bucketeer.settings_fingerprint"
+# columns every part and error part has, in this order
+KEY_COLUMNS = [("sample_id", pa.uint64()), ("filename", pa.string()), ("source_key", pa.uint64()),
+               ("written_at", pa.float64())]  # fmt: skip
+TASK_COLUMNS: dict[str, list[tuple[str, pa.DataType]]] = {
+    "caption": [("caption", pa.string()), ("generated_tokens", pa.int32())],
+}
+ERROR_COLUMNS = [*KEY_COLUMNS, ("error", pa.string()), ("message", pa.string())]
+
+
+class AnnotationsError(UsageError):
+    """An annotations folder that cannot be used as asked (other settings, another format)."""
+
+
+class AnnotationsMissingError(AnnotationsError, MissingError):
+    """A folder without ``_annotations.json`` (never finished, or not annotations)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskSettings(JsonRecord):
+    """One task's model and settings: what makes its output what it is (fingerprinted)."""
+
+    task: str
+    model: str  # hub id, local folder, or "default"
+    weight_sha256: str  # over the sorted (name, sha256) of its weight files (pipeline.annotate.engines)
+    prompt: str | None = None
+    max_new_tokens: int | None = None
+    generation: Mapping[str, Any] = nested(dict, default_factory=dict)  # do_sample etc.
+
+
+@dataclass(frozen=True, kw_only=True)
+class AnnotationsCounts(JsonRecord):
+    """Of the manifest's samples (when this was written): annotated, error rows, and the total."""
+
+    samples: int
+    annotated: int
+    errors: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class AnnotationsMeta(JsonRecord):
+    """``_annotations.json``, parsed once (:func:`read_annotations_meta`)."""
+
+    kind: str = KIND
+    format_version: int = FORMAT_VERSION
+    manifest: str  # URL of the manifest annotated (redacted)
+    manifest_fingerprint: str
+    tasks: tuple[TaskSettings, ...] = nested(each(TaskSettings.from_json))
+    settings_fingerprint: str
+    engine: str  # what ran the last run: "transformers" or "vllm"
+    counts: AnnotationsCounts = nested(AnnotationsCounts.from_json)
+    parts: tuple[str, ...] = ()
+    errors: tuple[str, ...] = ()
+    fingerprint: str
+    tool_version: str = __version__
+    created_at: str | None = optional()
+
+    def task(self, name: str) -> TaskSettings | None:
+        return next((t for t in self.tasks if t.task == name), None)
+
+
+def image_key(rows: pa.Table) -> np.ndarray:
+    """(n,) uint64 key of each manifest row's image bytes: size and etag or mtime (no caption, no bucket)."""
+    present = [c for c in ("sample_id", "size", "etag", "mtime") if c in rows.column_names]
+    return source_key(rows.select(present))
+
+
+def settings_fingerprint(tasks: tuple[TaskSettings, ...]) -> str:
+    """16 hex digits over the tasks' settings: parts and folders of other settings are never mixed."""
+    text = json.dumps([t.to_json() for t in sorted(tasks, key=lambda t: t.task)], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def part_name(settings: str, sample_ids: np.ndarray, keys: np.ndarray) -> str:
+    """A unit's part name: a hash of the settings and its rows (the same unit redone, the same name)."""
+    order = np.argsort(sample_ids)
+    h = hashlib.sha256(settings.encode())
+    h.update(np.asarray(sample_ids, "<u8")[order].tobytes() + np.asarray(keys, "<u8")[order].tobytes())
+    return h.hexdigest()[:24] + ".parquet"
+
+
+def _schema(columns: list[tuple[str, pa.DataType]], settings: str) -> pa.Schema:
+    return pa.schema(columns, metadata={_FINGERPRINT_KEY: settings.encode()})
+
+
+def part_schema(tasks: tuple[str, ...]) -> list[tuple[str, pa.DataType]]:
+    """The columns of a part holding ``tasks``."""
+    return [*KEY_COLUMNS, *(c for t in tasks for c in TASK_COLUMNS[t])]
+
+
+def write_part(fs, root: str, kind: str, name: str, table: pa.Table, settings: str) -> None:
+    """Write ``table`` as ``ROOT/<kind>/<name>`` (kind ``parts`` or ``errors``) atomically, tagged with
+    the ``settings`` fingerprint."""
+    columns = ERROR_COLUMNS if kind == "errors" else [(f.name, f.type) for f in table.schema]
+    table = pa.Table.from_arrays([table.column(n).cast(t) for n, t in columns], schema=_schema(columns, settings))
+    sink = io.BytesIO()
+    pq.write_table(table, sink, compression="zstd")
+    write_bytes_atomic(fs, join(root, kind, name), sink.getvalue())
+
+
+def _listed(fs, root: str, kind: str) -> list[str]:
+    folder = join(root, kind)
+    fs.invalidate_cache(folder)  # the workers wrote parts since this process last listed (s3fs caches listings)
+    try:
+        names = fs.ls(folder, detail=False)
+    except FileNotFoundError:
+        return []
+    return sorted(n.rsplit("/", 1)[-1] for n in names if n.endswith(".parquet"))
+
+
+def read_parts(url: str, storage_options: dict | None, kind: str, names: tuple[str, ...] | None = None,
+               settings: str | None = None, columns: list[str] | None = None) -> pa.Table:  # fmt: skip
+    """The rows of ``kind`` (``parts`` or ``errors``) parts ``names`` (None: every part in the folder,
+    also those a killed run left). ``settings``: refuse (AnnotationsError) a part of another fingerprint."""
+    fs, root = open_url(url, storage_options)
+    names = tuple(_listed(fs, root, kind)) if names is None else names
+    base = ERROR_COLUMNS if kind == "errors" else KEY_COLUMNS
+    tables = []
+    for name in names:
+        data = fs.cat_file(join(root, kind, name))
+        table = pq.read_table(io.BytesIO(data), columns=columns)
+        found = (table.schema.metadata or {}).get(_FINGERPRINT_KEY, b"").decode()
+        if settings is not None and found != settings:
+            raise AnnotationsError(f"{redact(url)} holds {kind}/{name} of other settings (fingerprint {found}, "
+                                   f"this run's {settings}): write these settings to another --out")  # fmt: skip
+        tables.append(table.replace_schema_metadata(None))
+    if not tables:
+        wanted = columns or [n for n, _ in base]
+        return pa.table({n: pa.array([], t) for n, t in base if n in wanted})
+    return pa.concat_tables(tables, promote_options="permissive")
+
+
+def resolve(table: pa.Table) -> pa.Table:
+    """One row per sample id: the one written last (a sample annotated again after its image changed)."""
+    if table.num_rows == 0:
+        return table
+    order = pc.sort_indices(table, [("sample_id", "ascending"), ("written_at", "descending")])
+    table = table.take(order)
+    ids = table.column("sample_id").to_numpy()
+    first = np.r_[True, ids[1:] != ids[:-1]]
+    return table.filter(pa.array(first))
+
+
+def committed_lookup(url: str, storage_options: dict | None, settings: str) -> tuple[IndexLookup, int]:
+    """What ``url`` already holds of these settings (every part on storage, adopted or named), as a
+    freshness lookup keyed by image keys; and how many part files that was. Refuses parts of other settings."""
+    columns = ["sample_id", "source_key", "written_at"]
+    parts = read_parts(url, storage_options, "parts", settings=settings, columns=columns)
+    errors = read_parts(url, storage_options, "errors", settings=settings, columns=[*columns, "error"])
+    both = resolve(pa.concat_tables([parts.append_column("error", pa.nulls(parts.num_rows, pa.string())), errors]))
+    is_error = both.column("error").is_valid()
+    return IndexLookup(both.filter(pc.invert(is_error)), both.filter(is_error)), parts.num_rows + errors.num_rows
+
+
+def is_annotations(url: str, storage_options: dict | None = None) -> bool:
+    """Whether ``url`` is a folder holding ``_annotations.json``."""
+    fs, root = open_url(url, storage_options)
+    try:
+        fs.invalidate_cache(root)
+        return bool(fs.isfile(join(root, ANNOTATIONS_FILE)))
+    except (OSError, ValueError):
+        return False
+
+
+def read_annotations_meta(url: str, storage_options: dict | None = None) -> AnnotationsMeta:
+    """``url``'s ``_annotations.json``; AnnotationsMissingError without one, AnnotationsError for another format."""
+    fs, root = open_url(url, storage_options)
+    meta = read_artifact_meta(fs, root, url, file=ANNOTATIONS_FILE, kind=KIND, version=FORMAT_VERSION,
+                              error=AnnotationsError, missing=AnnotationsMissingError,
+                              missing_hint="run `bucketeer annotate` (again) to finish it",
+                              version_hint="re-run `bucketeer annotate` into a new folder")  # fmt: skip
+    return AnnotationsMeta.from_json(meta)
+
+
+def read_annotations(url: str, storage_options: dict | None = None) -> tuple[AnnotationsMeta, pa.Table, pa.Table]:
+    """``(meta, rows, errors)`` of a finished annotations folder: the parts ``_annotations.json`` names,
+    one row per sample id (:func:`resolve`); a sample's newest row decides whether it is a row or an error."""
+    meta = read_annotations_meta(url, storage_options)
+    rows = resolve(read_parts(url, storage_options, "parts", meta.parts))
+    errors = resolve(read_parts(url, storage_options, "errors", meta.errors))
+    marked = [t.select(["sample_id", "written_at"]).append_column("is_error", pa.array([bad] * t.num_rows, pa.bool_()))
+              for t, bad in ((rows, False), (errors, True))]  # fmt: skip
+    latest = resolve(pa.concat_tables(marked))
+    failed = latest.filter(latest.column("is_error")).column("sample_id")
+    rows = rows.filter(pc.invert(pc.is_in(rows.column("sample_id"), value_set=failed)))
+    errors = errors.filter(pc.is_in(errors.column("sample_id"), value_set=failed))
+    return meta, rows, errors
+
+
+def write_annotations_meta(url: str, storage_options: dict | None, meta: AnnotationsMeta) -> AnnotationsMeta:
+    """Write ``_annotations.json`` (last: it makes the folder valid) with its own fingerprint filled in."""
+    body = {**meta.to_json(), "fingerprint": "", "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat()}
+    digest = {k: v for k, v in body.items() if k not in ("created_at", "fingerprint", "tool_version")}
+    body["fingerprint"] = hashlib.sha256(json.dumps(digest, sort_keys=True).encode()).hexdigest()[:16]
+    fs, root = open_url(url, storage_options)
+    write_json_atomic(fs, join(root, ANNOTATIONS_FILE), body)
+    return AnnotationsMeta.from_json(body)
+
+
+def listed_parts(url: str, storage_options: dict | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The part and error part names on storage now (what the root JSON will name)."""
+    fs, root = open_url(url, storage_options)
+    return tuple(_listed(fs, root, "parts")), tuple(_listed(fs, root, "errors"))

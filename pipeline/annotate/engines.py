@@ -1,0 +1,177 @@
+"""The captioning engines: what turns decoded images and a prompt into captions.
+
+- ``transformers`` (CPU, and any GPU where vLLM is not installed): ``AutoModelForImageTextToText`` +
+  ``AutoProcessor``, the processor's chat template around ``[image, prompt]``, batched greedy
+  ``generate`` with left padding; one :class:`TransformersCaptioner` per Ray Data actor.
+- ``vllm`` (GPUs with ``pip install 'bucketeer[vllm]'``): Ray Data's batch LLM inference, see
+  :mod:`pipeline.annotate.vllm_engine`.
+
+Both give, per image, the caption (special tokens dropped, whitespace collapsed) and the number of
+tokens generated (up to and including the end-of-sequence token; padding after it is not counted).
+A :class:`CaptionSpec` says which model and how; it travels to the workers (plain data, picklable).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from manifests.errors import UsageError
+
+__all__ = ["ENGINES", "CaptionSpec", "TransformersCaptioner", "describe_model", "vllm_available"]
+
+ENGINES = ("auto", "transformers", "vllm")
+DEFAULT_PROMPT = "Describe this image in one detailed sentence: the subject, the setting, the style."
+
+
+@dataclass(frozen=True)
+class CaptionSpec:
+    """Which captioner and how: ``model`` as the user gave it (hub id, folder, ``default``), the prompt, greedy
+    decoding of at most ``max_new_tokens``, images downscaled to at most ``image_size`` pixels on their long side.
+    ``home``: the driver's ``$BUCKETEER_HOME``, where each node builds the default model (the same seeded
+    weights everywhere) the first time it needs it."""
+
+    model: str
+    home: str | None = None
+    prompt: str = DEFAULT_PROMPT
+    max_new_tokens: int = 64
+    image_size: int = 768
+
+    @property
+    def is_default(self) -> bool:
+        return self.model == "default"
+
+    def path(self) -> str:
+        """What ``from_pretrained`` loads: the model, or the default model's folder (built here once)."""
+        if self.is_default:
+            from pipeline.annotate.default_model import ensure_default_model
+
+            return str(ensure_default_model(self.home))
+        return self.model
+
+    def generation(self) -> dict[str, Any]:
+        """The generation settings recorded in ``_annotations.json`` (greedy: the same model, the same captions)."""
+        return {"do_sample": False, "image_size": self.image_size}
+
+
+def vllm_available() -> bool:
+    """Whether vLLM and Ray's LLM batch API can be imported here."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None and importlib.util.find_spec("ray.data.llm") is not None
+
+
+def _quiet() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def _load(spec: CaptionSpec, device: str):
+    """``(processor, model)`` of ``spec`` on ``device``; UsageError in one line when it cannot load."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    _quiet()
+    try:
+        path = spec.path()
+        processor = AutoProcessor.from_pretrained(path)
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(device).eval()
+    except (OSError, ValueError, KeyError, ImportError) as e:
+        raise _unloadable(spec, e) from None
+    return processor, model
+
+
+_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def _unloadable(spec: CaptionSpec, e: BaseException) -> UsageError:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return UsageError(f"--model {spec.model}: cannot load it as an image-text-to-text model "
+                      f"(AutoModelForImageTextToText + AutoProcessor): {first}")  # fmt: skip
+
+
+def weight_files_sha256(path: str) -> str:
+    """sha256 over the sorted ``(name, sha256 of the file)`` of a model's weight files: of a local folder by
+    reading them, of a hub id from the hub's own per-file sha256 (no download); the same files give the
+    same hash either way. Raises OSError when neither can be had (no such folder, no hub access)."""
+    import hashlib
+
+    digests: list[tuple[str, str]] = []
+    if os.path.isdir(path):
+        for root, _, names in os.walk(path):
+            for name in names:
+                if name.endswith(_WEIGHT_FILES):
+                    h = hashlib.sha256()
+                    with open(os.path.join(root, name), "rb") as f:
+                        for block in iter(lambda: f.read(1 << 24), b""):
+                            h.update(block)
+                    digests.append((os.path.relpath(os.path.join(root, name), path), h.hexdigest()))
+    else:
+        from huggingface_hub import HfApi
+
+        try:
+            info = HfApi().model_info(path, files_metadata=True)
+        except Exception as e:  # offline, unknown id, gated: the hub's own error types, all "cannot describe"
+            raise OSError(f"cannot read the weights' sha256 of {path!r} from the hub: {e}") from None
+        digests = [(f.rfilename, f.lfs.sha256 if f.lfs else (f.blob_id or "")) for f in info.siblings or []
+                   if f.rfilename.endswith(_WEIGHT_FILES)]  # fmt: skip
+    if not digests:
+        raise OSError(f"no weight files ({', '.join(_WEIGHT_FILES)}) in {path!r}")
+    return hashlib.sha256("\n".join(f"{n} {d}" for n, d in sorted(digests)).encode()).hexdigest()
+
+
+def describe_model(spec: CaptionSpec) -> dict[str, Any]:
+    """Check ``spec``'s model without loading its weights (a bad id or folder fails here, before any work):
+    its config is an image-text-to-text architecture and its processor loads; its class and the sha256 of
+    its weight files (:func:`weight_files_sha256`)."""
+    from transformers import AutoConfig, AutoProcessor
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    _quiet()
+    try:
+        path = spec.path()
+        config = AutoConfig.from_pretrained(path)
+        AutoProcessor.from_pretrained(path)
+        digest = weight_files_sha256(path)
+    except (OSError, ValueError, KeyError, ImportError) as e:
+        raise _unloadable(spec, e) from None
+    name = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(config.model_type)
+    if name is None:
+        raise UsageError(f"--model {spec.model}: a {config.model_type!r} model is not an image-text-to-text model "
+                         "(AutoModelForImageTextToText has no class for it); pick a vision-language model")
+    return {"class": name, "weight_sha256": digest}
+
+
+class TransformersCaptioner:
+    """Captions batches of PIL images with ``spec``'s model on ``device`` (``cuda`` or ``cpu``)."""
+
+    def __init__(self, spec: CaptionSpec, device: str = "cpu", threads: int | None = None):
+        import torch
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.device = "cuda" if device == "cuda" and torch.cuda.is_available() else "cpu"
+        self.spec = spec
+        self.processor, self.model = _load(spec, self.device)
+        self.processor.tokenizer.padding_side = "left"  # generation continues every row from its end
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": spec.prompt}]}]
+        self.text = self.processor.apply_chat_template(messages, add_generation_prompt=True)
+        eos = self.model.generation_config.eos_token_id
+        self.eos = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+
+    def caption(self, images: list) -> list[tuple[str, int]]:
+        """``(caption, generated tokens)`` per image (PIL, RGB), in order; one batched ``generate``."""
+        import torch
+
+        inputs = self.processor(images=images, text=[self.text] * len(images), return_tensors="pt", padding=True)
+        inputs = inputs.to(self.device)
+        with torch.inference_mode():
+            out = self.model.generate(**inputs, max_new_tokens=self.spec.max_new_tokens, do_sample=False)
+        new = out[:, inputs["input_ids"].shape[1]:].cpu().tolist()  # (B, new tokens)
+        counts = [next((i + 1 for i, t in enumerate(row) if t in self.eos), len(row)) for row in new]
+        texts = self.processor.batch_decode([row[:n] for row, n in zip(new, counts)], skip_special_tokens=True)
+        return [(" ".join(t.split()), n) for t, n in zip(texts, counts)]

@@ -1,0 +1,335 @@
+"""Annotate a manifest's images with a model: generated captions (Ray job).
+
+    bucketeer annotate MANIFEST --out ANNOTATIONS --task caption [--model ID|PATH|default] [--prompt TEXT]
+                       [--max-new-tokens N] [--device auto|cuda|cpu] [--engine auto|transformers|vllm]
+    ray job submit --working-dir . -- python -m pipeline.annotate MANIFEST --out s3://bucket/captions --model ID
+    bucketeer scan SOURCE --out MANIFEST --captions ANNOTATIONS   # the captions into the manifest's caption lists
+
+    from pipeline import AnnotateJob, run
+    captions = run(AnnotateJob(manifest="manifest/", out="captions/", model="default"))
+
+The recipe: (1) the model's config and processor are loaded on a CPU worker and its weight files hashed (a bad
+id or folder is one line, exit 2, before any work; the weights themselves load only in the actors); that hash
+with the task, prompt and generation settings makes the **settings fingerprint**; an ``--out`` of other
+settings is refused; (2) one streaming pass over the manifest's row groups judges every sample against what
+``--out`` holds, by image key (:mod:`manifests.annotations`): annotated, failed, changed or new; (3) the work
+runs on Ray Data (:mod:`pipeline.annotate.workers`): row groups are cut into units, and engine actors fetch,
+decode, caption and write one part per unit; (4) ``_annotations.json`` is written last. The images are read
+exactly as embed reads them (never listed again). A killed run leaves its finished parts, which the next run
+of the same settings adopts: it captions only the rest. A worker or node lost mid-job costs its in-flight
+units (Ray Data retries them; a redone unit rewrites the same part).
+
+Engines (:mod:`pipeline.annotate.engines`): ``transformers`` (``AutoModelForImageTextToText``, batched
+``generate``, one model per actor, on CPU or a GPU) and ``vllm`` (Ray Data's ``ray.data.llm``, one
+vLLM engine replica per GPU; ``pip install 'bucketeer[vllm]'``). ``--engine auto`` takes vLLM where the
+cluster has GPUs and vLLM is installed, else transformers. Decoding is greedy. The engine used is recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from manifests.annotations import (AnnotationsCounts, AnnotationsMeta, TaskSettings, committed_lookup, listed_parts,
+                                   read_annotations_meta, settings_fingerprint, write_annotations_meta,
+                                   AnnotationsMissingError, image_key)  # fmt: skip
+from manifests.errors import BucketeerError, UsageError
+from manifests.lock import writer_lock
+from manifests.manifest import read_manifest_meta, read_row_group, sample_row_groups
+from manifests.progress import Progress
+from manifests.schema import MAX_PIXELS
+from manifests.storage import parse_storage_options, redact
+from pipeline.annotate.engines import DEFAULT_PROMPT, ENGINES, CaptionSpec, vllm_available
+from pipeline.embed.dataflow import DEVICES
+from pipeline.embed.work import GroupWork
+from pipeline.ray_setup import init_ray
+
+__all__ = ["TASKS", "AnnotateJob", "AnnotateResult", "add_arguments", "job_from_args", "run"]
+
+TASKS = ("caption",)  # the annotate tasks this version runs (more to come: embedding, aesthetic, phash, stats)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("manifest", help="manifest folder (local path or URL) written by `bucketeer scan`")
+    parser.add_argument("--out", required=True, help="annotations folder (local path or URL); resumed if it exists")
+    parser.add_argument("--task", default="caption", help=f"comma-separated tasks, of: {', '.join(TASKS)}")
+    g = parser.add_argument_group("caption")
+    g.add_argument("--model", default="default", metavar="ID|PATH",
+                   help="image-text-to-text model (hub id or folder, loaded with AutoModelForImageTextToText + "
+                        "AutoProcessor, or by vLLM); 'default': a tiny random-weight one whose captions are noise")
+    g.add_argument("--prompt", default=DEFAULT_PROMPT, help="the instruction given with each image")
+    g.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="most tokens generated per caption")
+    g.add_argument("--image-size", type=int, default=768, metavar="PX",
+                   help="images are downscaled to at most this many pixels on their long side before the model's "
+                        "own processor sees them")
+    g = parser.add_argument_group("job")
+    g.add_argument("--device", choices=DEVICES, default="auto",
+                   help="cuda: one GPU per engine replica (requested from Ray); cpu; auto: cuda when the cluster "
+                        "has GPUs or its autoscaler can add some")
+    g.add_argument("--engine", choices=ENGINES, default="auto",
+                   help="transformers (batched generate) or vllm (ray.data.llm, GPUs, bucketeer[vllm]); auto: vllm "
+                        "on GPUs where it is installed, else transformers")
+    g.add_argument("--batch-size", type=int, default=8, help="images per generate call")
+    g.add_argument("--unit-rows", type=int, default=32,
+                   help="images per unit (one part file; what a lost worker costs at most)")
+    g.add_argument("--workers", type=int, default=None,
+                   help="most engine actors (default: one per GPU the cluster has or can add, or 1 on CPU)")
+    g.add_argument("--torch-threads", type=int, default=None, help="torch threads per CPU actor")
+    g.add_argument("--source", default=None, help="dataset root, if it moved since the scan (default: the manifest's)")
+    g.add_argument("--storage-options", default=None, help="JSON fsspec options for all URLs, e.g. an endpoint_url")
+    g.add_argument("--ray-address", default=None, help="Ray cluster address (default: start Ray on this machine)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AnnotateJob:
+    """One ``bucketeer annotate``: the options of :func:`add_arguments` (``--task a,b`` as the tuple
+    ``tasks``), ``storage_options`` parsed. Raises UsageError when built with a bad combination."""
+
+    manifest: str
+    out: str
+    tasks: tuple[str, ...] = ("caption",)
+    model: str = "default"
+    prompt: str = DEFAULT_PROMPT
+    max_new_tokens: int = 64
+    image_size: int = 768
+    device: str = "auto"
+    engine: str = "auto"
+    batch_size: int = 8
+    unit_rows: int = 32
+    workers: int | None = None
+    torch_threads: int | None = None
+    source: str | None = None
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    ray_address: str | None = None
+
+    def __post_init__(self) -> None:
+        unknown = [t for t in self.tasks if t not in TASKS]
+        if not self.tasks or unknown:
+            raise UsageError(f"--task {','.join(self.tasks)!r}: choose from {', '.join(TASKS)}")
+        for option, value, allowed in (("--device", self.device, DEVICES), ("--engine", self.engine, ENGINES)):
+            if value not in allowed:
+                raise UsageError(f"{option} {value!r}: choose one of {', '.join(allowed)}")
+        if min(self.batch_size, self.unit_rows, self.max_new_tokens, self.image_size) < 1:
+            raise UsageError("--batch-size, --unit-rows, --max-new-tokens and --image-size must be >= 1")
+        if self.workers is not None and self.workers < 1:
+            raise UsageError("--workers must be >= 1")
+        if not self.prompt.strip():
+            raise UsageError("--prompt is empty: give the instruction the model answers with a caption")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AnnotateResult:
+    """What a run did: ``captioned`` images and ``errors`` rows written this run, ``skipped`` samples
+    already annotated; ``meta`` the ``_annotations.json`` committed. Rates are steady-state (from the first
+    unit done to the last), None when nothing ran."""
+
+    url: str
+    fingerprint: str
+    meta: AnnotationsMeta
+    seconds: float
+    engine: str
+    up_to_date: bool = False
+    captioned: int = 0
+    errors: int = 0
+    skipped: int = 0
+    images_per_second: float | None = None
+    tokens_per_second: float | None = None
+
+
+def job_from_args(args: argparse.Namespace) -> AnnotateJob:
+    """The :class:`AnnotateJob` of parsed ``bucketeer annotate`` options (UsageError for a bad combination)."""
+    return AnnotateJob(
+        manifest=args.manifest, out=args.out, tasks=tuple(t.strip() for t in args.task.split(",") if t.strip()),
+        model=args.model, prompt=args.prompt, max_new_tokens=args.max_new_tokens, image_size=args.image_size,
+        device=args.device, engine=args.engine, batch_size=args.batch_size, unit_rows=args.unit_rows,
+        workers=args.workers, torch_threads=args.torch_threads, source=args.source,
+        storage_options=parse_storage_options(args.storage_options), ray_address=args.ray_address,
+    )  # fmt: skip
+
+
+def run(job: AnnotateJob) -> AnnotateResult:
+    """Annotate what ``job.manifest`` has and ``job.out`` lacks; prints what ``bucketeer annotate`` prints.
+    Raises UsageError (a model that cannot load, an ``--out`` of other settings, another writer) for what
+    the user must fix."""
+    with writer_lock(job.out, job.storage_options, "annotate"):
+        return _annotate(job)
+
+
+@dataclass
+class _Work:
+    samples: int = 0
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("fresh", "failed", "stale", "retry",
+                                                                           "missing"), 0))  # fmt: skip
+    groups: list[GroupWork] = field(default_factory=list)
+
+    @property
+    def todo(self) -> int:
+        return sum(len(g.rows) for g in self.groups)
+
+
+def _find_work(job: AnnotateJob, manifest, lookup) -> _Work:
+    """One streaming pass over the manifest: the rows whose image has no annotation of these settings yet
+    (new, changed since annotated, or a read failure to retry), per row group."""
+    work = _Work()
+    so = dict(job.storage_options)
+    for group in sample_row_groups(job.manifest, manifest, so):
+        rows = read_row_group(job.manifest, group, ["sample_id", "size", "etag", "mtime"], so)
+        status = lookup.classify(rows, image_key(rows))
+        work.samples += rows.num_rows
+        for name, value in status.counts().items():
+            work.counts[name] += value
+        todo = np.flatnonzero(status.todo).astype(np.int32)  # (t,)
+        if len(todo):
+            work.groups.append(GroupWork(group, todo))
+    return work
+
+
+def _describe(ray, spec: CaptionSpec) -> dict[str, Any]:
+    """The model's class and weight hash, checked on a CPU worker without loading the weights: a bad --model
+    fails here, in one line, before any work."""
+    from pipeline.annotate.engines import describe_model
+
+    try:
+        return ray.get(ray.remote(describe_model).options(num_cpus=1).remote(spec))
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e.cause, (BucketeerError, OSError)):
+            raise UsageError(str(e.cause).splitlines()[0]) from None
+        raise
+
+
+def _check_settings(job: AnnotateJob, settings: str, tasks: tuple[TaskSettings, ...]) -> AnnotationsMeta | None:
+    """The committed ``_annotations.json`` of these settings, None when there is none; refuses other settings."""
+    try:
+        meta = read_annotations_meta(job.out, dict(job.storage_options))
+    except AnnotationsMissingError:
+        return None
+    if meta.settings_fingerprint != settings:
+        was, now = meta.task("caption"), tasks[0]
+        differs = [name for name, a, b in (("model", was and was.model, now.model),
+                                           ("weights", was and was.weight_sha256, now.weight_sha256),
+                                           ("prompt", was and was.prompt, now.prompt),
+                                           ("max-new-tokens", was and was.max_new_tokens, now.max_new_tokens),
+                                           ("tasks", [t.task for t in meta.tasks], [t.task for t in tasks]))
+                   if a != b] or ["generation settings"]  # fmt: skip
+        raise UsageError(f"{redact(job.out)} holds annotations of other settings ({', '.join(differs)} differ: it has "
+                         f"model {was.model if was else '?'!r}); write these settings to another --out")  # fmt: skip
+    return meta
+
+
+def _placement_line(engine: str, placement) -> str:
+    if placement.device == "cpu":
+        return (f"engine {engine} on CPU: {placement.workers} actor(s) x {placement.threads} torch thread(s), "
+                f"{placement.actor_cpus:g} CPU each")  # fmt: skip
+    reach = f", up to {placement.gpus_max} as its autoscaler adds nodes" if placement.gpus_max else ""
+    return (f"engine {engine} on GPU: up to {placement.workers} replica(s), one per GPU (the cluster has "
+            f"{placement.gpus_now} now{reach})")  # fmt: skip
+
+
+def _pick_engine(job: AnnotateJob, placement) -> str:
+    if job.engine == "vllm" and not vllm_available():
+        raise UsageError("--engine vllm: vLLM is not installed here; pip install 'bucketeer[vllm]' (GPU machines), "
+                         "or use --engine transformers")  # fmt: skip
+    if job.engine == "vllm" and placement.device != "cuda":
+        raise UsageError("--engine vllm runs on GPUs; this cluster has none (use --device cuda on a GPU cluster, "
+                         "or --engine transformers)")  # fmt: skip
+    if job.engine == "auto":
+        return "vllm" if placement.device == "cuda" and vllm_available() else "transformers"
+    return job.engine
+
+
+def _annotate(job: AnnotateJob) -> AnnotateResult:
+    from pipeline.annotate.default_model import DEFAULT_CAPTION_NOTICE
+    so = dict(job.storage_options)
+    start = time.time()
+    manifest = read_manifest_meta(job.manifest, so)
+    source = job.source or manifest.source
+    spec = CaptionSpec(model=job.model, home=os.environ.get("BUCKETEER_HOME"), prompt=job.prompt,
+                       max_new_tokens=job.max_new_tokens, image_size=job.image_size)  # fmt: skip
+    if spec.is_default:
+        print(DEFAULT_CAPTION_NOTICE, file=sys.stderr, flush=True)
+    ray, _ = init_ray(job.ray_address)
+    from pipeline.embed.dataflow import configure_ray_data, place_encoders
+
+    configure_ray_data()
+    described = _describe(ray, spec)
+    tasks = (TaskSettings(task="caption", model=job.model, weight_sha256=described["weight_sha256"], prompt=job.prompt,
+                          max_new_tokens=job.max_new_tokens, generation=spec.generation()),)  # fmt: skip
+    settings = settings_fingerprint(tasks)
+    committed = _check_settings(job, settings, tasks)
+    lookup, _ = committed_lookup(job.out, so, settings)
+    work = _find_work(job, manifest, lookup)
+    placement = place_encoders(ray, job.device, job.workers, job.torch_threads)
+    engine = _pick_engine(job, placement)
+    c = work.counts
+    print(f"bucketeer annotate: {work.samples} samples in the manifest, {c['fresh'] + c['failed']} already annotated, "
+          f"{c['stale']} changed since, {c['retry']} read failures (retrying), {c['missing']} new: {work.todo} to "
+          f"caption with {job.model} ({described['class']}); {_placement_line(engine, placement)}",
+          flush=True)  # fmt: skip
+    done = {"captioned": 0, "errors": 0, "tokens": 0}
+    steady, steady_seconds = dict(done), None
+    if work.todo:
+        done, steady, steady_seconds = _caption(job, work, spec, settings, engine, placement, source, manifest)
+    meta = _commit(job, manifest, tasks, settings, engine)
+    seconds = time.time() - start
+    rates = ((round(steady["captioned"] / steady_seconds, 2), round(steady["tokens"] / steady_seconds, 1))
+             if steady_seconds else (None, None))
+    print(f"bucketeer annotate: {done['captioned']} captioned, {done['errors']} error rows, "
+          f"{work.samples - work.todo} skipped in {seconds:.1f}s -> {redact(job.out)} ({meta.counts.annotated} of "
+          f"{meta.counts.samples} samples annotated, {meta.counts.errors} errors)", flush=True)  # fmt: skip
+    return AnnotateResult(url=job.out, fingerprint=meta.fingerprint, meta=meta, seconds=round(seconds, 2),
+                          engine=engine, up_to_date=not work.todo and committed is not None,
+                          captioned=done["captioned"], errors=done["errors"], skipped=work.samples - work.todo,
+                          images_per_second=rates[0], tokens_per_second=rates[1])  # fmt: skip
+
+
+def _caption(job: AnnotateJob, work: _Work, spec: CaptionSpec, settings: str, engine: str, placement, source: str,
+             manifest) -> tuple[dict[str, int], dict[str, int], float | None]:  # fmt: skip
+    """Run the Ray Data pipeline of ``engine``: what it did, what it did after its first unit, and the seconds
+    that took (None with a single unit)."""
+    from pipeline.annotate.dataflow import caption_pipeline
+    from pipeline.embed.dataflow import results
+
+    so = dict(job.storage_options)
+    from pipeline.embed.job import image_column
+
+    options = {"source": source, "max_pixels": int(manifest.max_pixels or MAX_PIXELS),
+               "image_column": image_column(manifest), "settings": settings}  # fmt: skip
+    dataset = caption_pipeline(job, work.groups, spec, engine, placement, options, so)
+    done = {"captioned": 0, "errors": 0, "tokens": 0}
+    first: float | None = None
+    at_first = dict(done)
+    with Progress("annotate", "caption", total=work.todo, unit="images") as progress:
+        for row in results(dataset):
+            now = time.time()
+            for k in done:
+                done[k] += int(row[k])
+            if first is None:  # start-up and model loading end with the first unit done
+                first, at_first = now, dict(done)
+            elapsed = now - first
+            extra = {"tokens/s": round((done["tokens"] - at_first["tokens"]) / elapsed, 1)} if elapsed > 0 else {}
+            progress.update(int(row["captioned"]) + int(row["errors"]), **extra)
+    steady = {k: done[k] - at_first[k] for k in done}
+    seconds = (time.time() - first) if first is not None and steady["captioned"] else None
+    return done, steady, seconds
+
+
+def _commit(job: AnnotateJob, manifest, tasks: tuple[TaskSettings, ...], settings: str,
+            engine: str) -> AnnotationsMeta:  # fmt: skip
+    """Write ``_annotations.json`` last, naming every part on storage, with counts over the manifest's samples."""
+    so = dict(job.storage_options)
+    lookup, _ = committed_lookup(job.out, so, settings)
+    totals = _find_work(job, manifest, lookup).counts
+    parts, errors = listed_parts(job.out, so)
+    samples = sum(totals.values())
+    meta = AnnotationsMeta(manifest=redact(job.manifest), manifest_fingerprint=manifest.fingerprint, tasks=tasks,
+                           settings_fingerprint=settings, engine=engine,
+                           counts=AnnotationsCounts(samples=samples, annotated=totals["fresh"],
+                                                    errors=totals["failed"] + totals["retry"]),
+                           parts=parts, errors=errors, fingerprint="")  # fmt: skip
+    return write_annotations_meta(job.out, so, meta)

@@ -1,0 +1,126 @@
+"""The annotate job's Ray work: two Ray Data stages.
+
+- :func:`read_units` (CPU task, one per manifest row group with work): reads the rows the driver marked
+  (where the image is, its size for the decode, its image key) and cuts them into **units** of
+  ``unit_rows`` rows, sorted by container, row group and sample id (so a unit of a parquet-sourced
+  manifest reads few of the source's row groups); a unit travels as Arrow IPC bytes.
+- :class:`CaptionWriter` (an actor per engine replica, on a GPU or a CPU): fetches a unit's images
+  the way embed does (:func:`pipeline.embed.imaging.fetch_images`: loose files whole, tar members by one
+  ranged read, parquet bytes by row group), decodes them (:func:`pipeline.embed.imaging.prepare_views`:
+  EXIF orientation, the manifest's pixel limit, JPEG draft decoding), captions them in batches, and
+  **writes the unit's part itself** (and its error part), returning one small summary row.
+
+A unit is what a lost worker costs: Ray Data retries it elsewhere, and the rewrite lands on the same
+part name (:func:`manifests.annotations.part_name`).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from manifests import faults
+from manifests.annotations import image_key, part_name, part_schema, write_part
+from manifests.manifest import read_row_group
+from manifests.storage import open_url, redact
+from pipeline.annotate.engines import CaptionSpec, TransformersCaptioner
+from pipeline.embed.imaging import ImageFailure, fetch_images, prepare_views
+from pipeline.embed.work import GroupWork
+from pipeline.embed.workers import from_ipc, to_ipc
+
+__all__ = ["UNIT_COLUMNS", "read_units", "decode_for_caption", "CaptionWriter"]
+
+# what a unit carries per row: identity, where the image is, its display size
+UNIT_COLUMNS = ["sample_id", "filename", "container", "container_size", "member_offset", "row_group", "row_index",
+                "size", "etag", "mtime", "width", "height"]  # fmt: skip
+
+
+def read_units(batch: pa.Table, *, manifest: str, storage_options: dict | None, unit_rows: int) -> pa.Table:
+    """One row group's marked rows (``batch``: one :meth:`GroupWork.item`) as units: ``{"rows": IPC bytes}``."""
+    (item,) = batch.to_pylist()
+    work = GroupWork.from_item(item)
+    rows = read_row_group(manifest, work.group, UNIT_COLUMNS, storage_options).take(pa.array(work.rows))
+    rows = rows.append_column("source_key", pa.array(image_key(rows), pa.uint64()))
+    rows = rows.sort_by([("container", "ascending"), ("row_group", "ascending"), ("sample_id", "ascending")])
+    units = [to_ipc(rows.slice(at, unit_rows)) for at in range(0, rows.num_rows, unit_rows)]
+    return pa.table({"rows": pa.array(units, pa.binary())})
+
+
+def decode_for_caption(data: bytes, width: int, height: int, image_size: int, max_pixels: int, name: str):
+    """A PIL RGB image of ``data`` upright (EXIF), its long side at most ``image_size`` pixels (aspect kept).
+    ``width``/``height``: the manifest's display size. Raises ImageFailure for bytes that cannot be one."""
+    from PIL import Image
+
+    scale = min(1.0, image_size / max(width, height, 1))
+    size = (max(1, round(height * scale)), max(1, round(width * scale)))  # (h, w)
+    (view,) = prepare_views(data, size, max_pixels=max_pixels, name=name)
+    return Image.fromarray(view.pixels)
+
+
+class CaptionWriter:
+    """A Ray Data actor: captions units and writes their parts (see the module docstring)."""
+
+    def __init__(self, *, spec: CaptionSpec, device: str, threads: int, out: str, storage_options: dict | None,
+                 source: str, max_pixels: int, image_column: str | None, settings: str, batch_size: int):  # fmt: skip
+        self.captioner = TransformersCaptioner(spec, device, threads)
+        self.spec, self.out, self.storage_options = spec, out, storage_options
+        self.source, self.max_pixels, self.image_column = source, max_pixels, image_column
+        self.settings, self.batch_size = settings, batch_size
+        self.fs, self.root = open_url(out, storage_options)
+        self.source_fs, self.source_root = open_url(source, storage_options)
+        self.node = socket.gethostname()
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        return pa.Table.from_pylist([self.unit(from_ipc(blob)) for blob in batch.column("rows").to_pylist()])
+
+    def unit(self, rows: pa.Table) -> dict[str, Any]:
+        """Caption one unit, write its part and error part; its summary row."""
+        start = time.time()
+        listed = rows.to_pylist()
+        blobs = fetch_images(self.source_fs, self.source_root, listed, image_column=self.image_column)
+        good, images, errors = [], [], []
+        for row, blob in zip(listed, blobs):
+            try:
+                if isinstance(blob, BaseException):
+                    raise ImageFailure("read_failed", redact(f"{type(blob).__name__}: {blob}", self.storage_options))
+                images.append(decode_for_caption(blob, row["width"], row["height"], self.spec.image_size,
+                                                 self.max_pixels, row["filename"]))  # fmt: skip
+                good.append(row)
+            except ImageFailure as e:
+                errors.append({**row, "error": e.kind, "message": e.message})
+        captions: list[tuple[str, int]] = []
+        for at in range(0, len(images), self.batch_size):
+            captions += self.captioner.caption(images[at : at + self.batch_size])
+        now = time.time()
+        name = part_name(self.settings, rows.column("sample_id").to_numpy(), rows.column("source_key").to_numpy())
+        if good:
+            table = pa.table({
+                "sample_id": pa.array([r["sample_id"] for r in good], pa.uint64()),
+                "filename": pa.array([r["filename"] for r in good], pa.string()),
+                "source_key": pa.array([r["source_key"] for r in good], pa.uint64()),
+                "written_at": pa.array([now] * len(good), pa.float64()),
+                "caption": pa.array([c for c, _ in captions], pa.string()),
+                "generated_tokens": pa.array([n for _, n in captions], pa.int32()),
+            })  # fmt: skip
+            write_part(self.fs, self.root, "parts", name, table.select([n for n, _ in part_schema(("caption",))]),
+                       self.settings)  # fmt: skip
+        if errors:
+            table = pa.table({
+                "sample_id": pa.array([r["sample_id"] for r in errors], pa.uint64()),
+                "filename": pa.array([r["filename"] for r in errors], pa.string()),
+                "source_key": pa.array([r["source_key"] for r in errors], pa.uint64()),
+                "written_at": pa.array([now] * len(errors), pa.float64()),
+                "error": pa.array([r["error"] for r in errors], pa.string()),
+                "message": pa.array([r["message"] for r in errors], pa.string()),
+            })  # fmt: skip
+            write_part(self.fs, self.root, "errors", name, table, self.settings)
+        faults.hit("annotate.unit")  # tests: slow units down, or kill the worker after its part is written
+        return {"part": name, "captioned": len(good), "errors": len(errors),
+                "tokens": int(np.sum([n for _, n in captions])) if captions else 0,
+                "seconds": time.time() - start, "node": self.node, "pid": os.getpid(),
+                "device": self.captioner.device}  # fmt: skip
