@@ -167,10 +167,12 @@ def records_info(meta: CacheMeta) -> RecordsInfo:
 def _live_bytes(tables: dict[str, pa.Table]) -> dict[str, Any]:
     """Compressed bytes of the live records: totals and means per sample and per caption (None when none)."""
     out: dict[str, Any] = {}
-    for kind, per in (("samples", "per_sample"), ("texts", "per_caption")):
-        total = int(pc.sum(tables[kind].column("length")).as_py() or 0)
+    texts = tables["texts"]  # a caption held inline in its sample's record is counted with the samples
+    texts = texts.filter(pc.invert(pc.starts_with(texts.column("shard"), "shards/samples-")))
+    for kind, rows, per in (("samples", tables["samples"], "per_sample"), ("texts", texts, "per_caption")):
+        total = int(pc.sum(rows.column("length")).as_py() or 0)
         out[kind] = total
-        out[per] = round(total / tables[kind].num_rows) if tables[kind].num_rows else None
+        out[per] = round(total / rows.num_rows) if rows.num_rows else None
     return out
 
 

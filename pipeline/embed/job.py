@@ -289,7 +289,7 @@ def _image_options(job: EmbedJob, manifest: ManifestMeta, source: str) -> dict[s
     """What the image workers take (:func:`pipeline.embed.dataflow.image_pipeline`)."""
     return {"batch_size": job.batch_size, "shard_records": job.shard_records, "crop": job.crop, "seed": job.seed,
             "crops": job.crops, "flip": job.flip, "conditioning": _conditioning_root(manifest, source),
-            "max_pixels": int(manifest.max_pixels or MAX_PIXELS),
+            "max_pixels": int(manifest.max_pixels or MAX_PIXELS), "text_batch_size": job.text_batch_size,
             "image_column": image_column(manifest)}  # fmt: skip
 
 
@@ -344,7 +344,7 @@ def _embed(job: EmbedJob) -> EmbedResult:
     t0 = time.time()
     vae = _describe(ray, make_vae)
     embed = EmbedDriver(job.manifest, job.out, so, request, committed, vae, placement, validation, job.commit_seconds)
-    counts, new_captions = work.counts, work.new_captions + len(prompts)
+    counts, new_captions = work.counts, work.new_captions + work.inline_captions + len(prompts)
     print(f"bucketeer embed: {work.samples} samples in the manifest, {counts['fresh'] + counts['failed']} already "
           f"cached, {counts['stale']} changed since embedded (re-embedding), {counts['retry']} read failures "
           f"(retrying), {counts['missing']} new: {work.todo} to embed; {new_captions} new captions; "
@@ -354,7 +354,7 @@ def _embed(job: EmbedJob) -> EmbedResult:
     embed.captions(work, prompts, make_text, job.text_batch_size)
     text_seconds = time.time() - text_start
     if work.todo:
-        embed.images(work, source, make_vae, _image_options(job, manifest, source))
+        embed.images(work, source, make_vae, _image_options(job, manifest, source), make_text)
     seconds, image_seconds = time.time() - t0, embed.steady_seconds
     summary = EmbedSummary(
         embedded=embed.embedded, errors=embed.errors, skipped=work.samples - work.todo, changed=counts["stale"],

@@ -30,10 +30,12 @@ import json
 import os
 import socket
 import threading
+from dataclasses import replace
 from typing import Any, Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from manifests import faults
 from manifests.buckets import parse_bucket
@@ -60,14 +62,17 @@ UNIT_ROWS = pa.schema([("sample_id", pa.uint64()), ("filename", pa.string()), ("
                        # where the image bytes are (manifests.schema.image_range): null container = a loose file
                        ("container", pa.string()), ("container_size", pa.int64()), ("member_offset", pa.int64()),
                        ("row_group", pa.int32()), ("row_index", pa.int64()), ("size", pa.int64()),
-                       ("conditioning", pa.string())])  # fmt: skip
+                       ("conditioning", pa.string()),
+                       # the caption no other row has: its text goes into the sample's record (caption: its text)
+                       ("text_inline", pa.bool_()), ("caption", pa.string())])  # fmt: skip
 _LOCATION = ("container", "container_size", "member_offset", "row_group", "row_index", "size")
 # the good rows of a prepared unit, in the order of its pixels
 _PREPARED_ROWS = pa.schema([("sample_id", pa.uint64()), ("caption_key", pa.uint64()),
                             ("caption_keys", pa.list_(pa.uint64())), ("source_key", pa.uint64()),
                             *((name, pa.int32()) for name in ("original_h", "original_w", "resized_h", "resized_w",
                                                               "crop_top", "crop_left")),
-                            ("crops", pa.list_(pa.int32()))])  # every crop's (top, left), flat  # fmt: skip
+                            ("crops", pa.list_(pa.int32())),  # every crop's (top, left), flat
+                            ("text_inline", pa.bool_()), ("caption", pa.string())])  # fmt: skip
 VISIBLE_MARKER = "_embed-running"  # written by the driver into a local --out; every worker must see it
 
 
@@ -212,7 +217,10 @@ def plan_units(batch: pa.Table, manifest: str, storage_options: dict | None, bat
     for item in batch.to_pylist():
         work = GroupWork.from_item(item)
         rows = read_row_group(manifest, work.group, MANIFEST_COLUMNS, storage_options).take(pa.array(work.rows))
-        rows = pa.table({"sample_id": rows.column("sample_id"), "filename": rows.column("filename"),
+        inline = pa.array(work.inline, pa.bool_())
+        rows = pa.table({"text_inline": inline,
+                         "caption": pc.if_else(inline, rows.column("caption").cast(pa.string()).fill_null(""),
+                                               pa.scalar(None, pa.string())),"sample_id": rows.column("sample_id"), "filename": rows.column("filename"),
                          "caption_key": caption_keys(rows.column("caption")),
                          "caption_keys": sample_caption_keys(rows), "source_key": source_key(rows),
                          "conditioning": rows.column("conditioning"),
@@ -245,6 +253,8 @@ def prepare_unit(batch: pa.Table, source: str, storage_options: dict | None, cro
                 ("resized_h", "resized_size", 0), ("resized_w", "resized_size", 1),
                 ("crop_top", "crop_top_left", 0), ("crop_left", "crop_top_left", 1))},
             "crops": [r["crops"] for r in prepared["rows"]],
+            "text_inline": [r["text_inline"] for r in prepared["rows"]],
+            "caption": [r["caption"] for r in prepared["rows"]],
         }, schema=_PREPARED_ROWS)  # fmt: skip
         errors = pa.Table.from_pylist([{"sample_id": sid, "filename": name, "error": kind, "message": message,
                                         "source_key": keys[sid]} for sid, name, kind, message in prepared["errors"]],
@@ -324,6 +334,7 @@ class _EncoderActor:
                              "their shards themselves, so --out must be a folder every node shares (or an "
                              "s3:// URL)")  # fmt: skip
         device = "cuda" if gpus and not notice else "cpu"
+        self.use_gpu = bool(gpus)
         self.worker = json.dumps({"encoder": encoder.describe(), "host": socket.gethostname(), "gpus": gpus,
                                   "node": ray.get_runtime_context().get_node_id(), "device": device,
                                   "notice": notice}, sort_keys=True)  # fmt: skip
@@ -342,12 +353,37 @@ class LatentWriter(_EncoderActor):
     returns ``unit``, ``samples`` and ``errors`` (index rows, IPC), ``shard_bytes``, ``worker``.
 
     Each image's variants (``crops`` crops, each also mirrored with ``flip``) and its conditioning
-    image's same variants are encoded in the same forward passes (:func:`sample_record`)."""
+    image's same variants are encoded in the same forward passes (:func:`sample_record`). A row whose
+    caption no other row has (``text_inline``) gets that caption encoded here, by the text encoders of
+    ``make_text`` (built on the first such row), into its own record: the trainer then reads the sample
+    with one request, and the caption's text row names that record."""
 
     def __init__(self, make_encoder: Callable[..., Encoder], dtype: str, cache: str, storage_options: dict | None,
-                 batch_size: int, threads: int | None = None, crops: int = 1, flip: bool = False):
+                 batch_size: int, threads: int | None = None, crops: int = 1, flip: bool = False,
+                 make_text: Callable[..., Encoder] | None = None, text_batch_size: int = 128):
         super().__init__(make_encoder, dtype, cache, storage_options, threads)
         self.batch_size, self.crops, self.flips = batch_size, crops, 2 if flip else 1
+        self.make_text, self.text_batch_size = make_text, text_batch_size
+        self.text_encoder: Encoder | None = None
+
+    def _texts(self, rows: list[dict]) -> dict[int, TextRecord]:
+        """The text records of the inline captions of ``rows``, by caption key (encoded here)."""
+        wanted = [(r["caption_key"], r["caption"]) for r in rows if r.get("text_inline")]
+        if not wanted:
+            return {}
+        assert self.make_text is not None, "inline captions need the text encoders"
+        out: dict[int, TextRecord] = {}
+        for start in range(0, len(wanted), self.text_batch_size):
+            batch = wanted[start : start + self.text_batch_size]
+            with self.lock:
+                if self.text_encoder is None:
+                    self.text_encoder = self.make_text(use_gpu=self.use_gpu)
+                encoded = self.text_encoder.encode([c for _, c in batch])
+                for (key, _), (tokens, pooled) in zip(batch, encoded):
+                    out[key] = TextRecord(caption_key=key, tokens=tuple(to_storage(t, self.dtype) for t in tokens),
+                                          pooled=None if pooled is None else to_storage(pooled, self.dtype),
+                                          dtype=self.dtype)  # fmt: skip
+        return out
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         encoder = self._load()
@@ -361,6 +397,7 @@ class LatentWriter(_EncoderActor):
                      if item.get("cond_pixels") else None)  # fmt: skip
             shard = ShardWriter("samples", max_records=rows.num_rows + 1, max_bytes=1 << 62)
             meta = rows.to_pylist()
+            texts = self._texts(meta)
             for start in range(0, rows.num_rows, self.batch_size):
                 views = variant_pixels(pixels[start : start + self.batch_size], f)  # (b * V, H, W, 3)
                 n = len(views)
@@ -377,9 +414,12 @@ class LatentWriter(_EncoderActor):
                         r, item["bucket"], self.dtype, latents[j * v : (j + 1) * v],
                         None if conds is None else latents[n + j * v : n + (j + 1) * v],
                         None if stds is None else stds[j * v], f)  # fmt: skip
-                    shard.append(encode_sample(record), sample_id=r["sample_id"], caption_key=r["caption_key"],
-                                 caption_keys=r["caption_keys"], bucket=item["bucket"],
-                                 source_key=r["source_key"])  # fmt: skip
+                    inline = bool(r.get("text_inline"))
+                    if inline:
+                        record = replace(record, text=texts[r["caption_key"]])
+                    shard.append(encode_sample(record, inline_text=inline), sample_id=r["sample_id"],
+                                 caption_key=r["caption_key"], caption_keys=r["caption_keys"], bucket=item["bucket"],
+                                 source_key=r["source_key"], text_inline=inline)  # fmt: skip
             samples, size = self._result("samples", shard)
             out.append({"unit": item["unit"], "samples": samples, "errors": item["errors"], "shard_bytes": size,
                         "worker": self.worker})  # fmt: skip
