@@ -3,7 +3,7 @@
 Two layouts, told apart per record by its header (a cache written partly before this layout existed
 holds both, and every reader reads both):
 
-- ``plain`` (bucketeer before 0.3): ``gzip(safetensors)``. Safetensors is an 8-byte little-endian
+- ``plain`` (what bucketeer wrote before ``planar``): ``gzip(safetensors)``. Safetensors is an 8-byte little-endian
   header length, a JSON header ``{name: {"dtype", "shape", "data_offsets"}, "__metadata__": {str: str}}``
   and the raw little-endian tensor bytes.
 - ``planar`` (:data:`RECORD_LAYOUT`, what the writers write): float tensors split into **byte planes**.

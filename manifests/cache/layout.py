@@ -19,13 +19,16 @@ nothing is ever listed)::
                                          of the sample record that holds the caption's text inline)
     index/errors-<sha>.parquet           sample_id, filename, error, message, source_key, generation
 
-A record is gzip'd tensors (:mod:`manifests.cache.codec`: byte planes since 0.3, plain safetensors
-before; ``_cache.json`` ``records`` says what its writers wrote), readable alone with one ranged read. A
-caption that only one sample has is stored inside that sample's record (``text_inline``), so the
-trainer reads a sample with one request; shared captions keep one text record each. Writing is a sequence of commits: shard objects (written by the embed workers) and index
-parts first (content-addressed, so a rerun never overwrites a different object under a committed
-name), then ``_cache.json`` atomically (by one committer, :mod:`manifests.cache.writer`). A job
-killed between commits, or a worker whose unit was redone elsewhere, leaves at most unreferenced
+A record is gzip'd tensors (:mod:`manifests.cache.codec`: byte planes, or plain safetensors in
+older caches; ``_cache.json`` ``records`` says what its writers wrote), readable alone with one
+ranged read. A caption that only one sample has is stored inside that sample's record
+(``text_inline``), so the trainer reads a sample with one request; shared captions keep one text
+record each.
+
+Writing is a sequence of commits: shard objects (written by the embed workers) and index parts
+first (content-addressed, so a rerun never overwrites a different object under a committed name), then
+``_cache.json`` atomically (by one committer, :mod:`manifests.cache.writer`). A job killed
+between commits, or a worker whose unit was redone elsewhere, leaves at most unreferenced
 objects; the committed state is always consistent and a resumed job embeds exactly the samples the
 index lacks (or holds stale). One committer at a time per cache folder.
 

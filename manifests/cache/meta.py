@@ -239,8 +239,8 @@ class CacheBytes(JsonRecord):
 
 @dataclass(frozen=True, kw_only=True)
 class RecordsInfo(JsonRecord):
-    """How the records are stored (``_cache.json`` ``records``; absent: a cache written before 0.3, every
-    record ``plain``). Readers decode each record by its own header, so this says what to expect:
+    """How the records are stored (``_cache.json`` ``records``; absent: a cache written before it existed,
+    every record ``plain``). Readers decode each record by its own header, so this says what to expect:
 
     - ``layouts``: the record layouts the cache holds (:mod:`manifests.cache.codec`): ``plain``
       (``gzip(safetensors)``), ``planar`` (float tensors as byte planes: a Huffman-only high plane and stored
@@ -248,7 +248,7 @@ class RecordsInfo(JsonRecord):
     - ``layout``: what its writers write now; ``high_plane`` / ``low_planes``: how each is deflated;
     - ``text``: where a caption's text embedding lives: ``inline_when_unique`` (in the record of the one
       sample that has it, index column ``text_inline``; shared captions, the empty caption and validation
-      prompts in text records) or ``apart`` (every caption in a text record, as before 0.3).
+      prompts in text records) or ``apart`` (every caption in a text record, as older caches).
     """
 
     layouts: tuple[str, ...] = ()

@@ -132,8 +132,9 @@ class EmbedDriver:
         from pipeline.embed.dataflow import image_pipeline, results
         from pipeline.embed.workers import from_ipc
 
+        make_text = make_text if work.inline_captions else None
         pipeline = image_pipeline(work, self.manifest, source, self.so, make_vae, self.request["dtype"],
-                                  self.out, options, self.placement, make_text if work.inline_captions else None)  # fmt: skip
+                                  self.out, options, self.placement, make_text)  # fmt: skip
         written, first, start, results_seen, images_seen = 0, None, time.time(), 0, 0
         with Progress("embed", "images", total=work.todo, unit="images") as progress:
             for row in results(pipeline):

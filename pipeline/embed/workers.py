@@ -218,9 +218,9 @@ def plan_units(batch: pa.Table, manifest: str, storage_options: dict | None, bat
         work = GroupWork.from_item(item)
         rows = read_row_group(manifest, work.group, MANIFEST_COLUMNS, storage_options).take(pa.array(work.rows))
         inline = pa.array(work.inline, pa.bool_())
-        rows = pa.table({"text_inline": inline,
-                         "caption": pc.if_else(inline, rows.column("caption").cast(pa.string()).fill_null(""),
-                                               pa.scalar(None, pa.string())),"sample_id": rows.column("sample_id"), "filename": rows.column("filename"),
+        caption = pc.if_else(inline, rows.column("caption").cast(pa.string()), pa.scalar(None, pa.string()))
+        rows = pa.table({"text_inline": inline, "caption": caption,  # the text of an inline caption only
+                         "sample_id": rows.column("sample_id"), "filename": rows.column("filename"),
                          "caption_key": caption_keys(rows.column("caption")),
                          "caption_keys": sample_caption_keys(rows), "source_key": source_key(rows),
                          "conditioning": rows.column("conditioning"),
