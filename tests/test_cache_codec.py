@@ -117,7 +117,8 @@ def test_old_layout_cache_reads_back_equal_and_continues(tmp_path):
         assert torch.equal(to_torch(record.latent, record.dtype), ref["latent"])
         trow = next(t for t in index["texts"].to_pylist() if t["caption_key"] == row["caption_key"])
         tblob = (Path(url) / trow["shard"]).read_bytes()[trow["offset"] : trow["offset"] + trow["length"]]
-        assert torch.equal(to_torch(record.text.tokens[0], record.text.dtype), st_load(gzip.decompress(tblob))["tokens.0"])
+        tref = st_load(gzip.decompress(tblob))
+        assert torch.equal(to_torch(record.text.tokens[0], record.text.dtype), tref["tokens.0"])
 
     # continued by this bucketeer: a new sample, its caption inline, in the planar layout
     first = records[0]
