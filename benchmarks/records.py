@@ -139,7 +139,8 @@ def main() -> None:
                                    {}))  # fmt: skip
     print(f"SDXL-512 sample: {raw:,d} raw bytes; decode = inflate + parse + planes, marginal {small} -> {large} "
           f"samples, CPU µs per sample on one thread (load {os.getloadavg()[0]:.1f})")  # fmt: skip
-    print(f"{'layout':14s} {'reads/sample':>12s} {'bytes/sample':>13s} {'decode µs/sample':>17s} {'vs plain zlib':>14s}")
+    print(f"{'layout':14s} {'reads/sample':>12s} {'bytes/sample':>13s} {'decode µs/sample':>17s} "
+          f"{'vs plain zlib':>14s}")  # fmt: skip
     base = None
     for name, (records, inflate) in layouts(samples).items():
         us = marginal_us(records, inflate, small, large)

@@ -42,13 +42,14 @@ from manifests.buckets import parse_bucket
 from manifests.cache import CACHE_ERRORS_SCHEMA, ShardWriter
 from manifests.cache.layout import INDEX_SCHEMAS
 from manifests.cache.freshness import source_key
-from manifests.cache.records import SampleRecord, TextRecord, encode_sample, encode_text
+from manifests.cache.records import TextRecord, encode_sample, encode_text
 from manifests.errors import BucketeerError, StorageError, UsageError
 from manifests.manifest import read_row_group
 from manifests.retry import is_transient
 from manifests.storage import is_local, join, open_url, read_many, redact
 from pipeline.embed.encoders import Encoder, quiet_loading, to_storage
 from pipeline.embed.imaging import ImageFailure, fetch_images, prepare_views
+from pipeline.embed.samples import sample_record, variant_pixels
 from pipeline.embed.work import MANIFEST_COLUMNS, GroupWork, caption_keys, cut_units, flat_captions, \
     sample_caption_keys
 
@@ -426,38 +427,6 @@ class LatentWriter(_EncoderActor):
         return pa.Table.from_pylist(out, schema=pa.schema([("unit", pa.string()), ("samples", pa.binary()),
                                                           ("errors", pa.binary()), ("shard_bytes", pa.int64()),
                                                           ("worker", pa.string())]))  # fmt: skip
-
-
-def variant_pixels(pixels: np.ndarray, flips: int) -> np.ndarray:
-    """``(b, K, H, W, 3)`` crops -> ``(b * K * flips, H, W, 3)`` variants, variant ``v`` = crop ``v // flips``,
-    mirrored left-right when ``v % flips``."""
-    if flips == 1:
-        return pixels.reshape(-1, *pixels.shape[2:])
-    both = np.stack([pixels, pixels[:, :, :, ::-1]], axis=2)  # (b, K, 2, H, W, 3)
-    return both.reshape(-1, *pixels.shape[2:])
-
-
-def sample_record(row: dict, bucket: str, dtype: str, latents: np.ndarray, conds: np.ndarray | None,
-                  std: np.ndarray | None, flips: int) -> SampleRecord:
-    """One sample's record from its ``(V, C, h, w)`` variant latents (and its conditioning image's):
-    variant 0 in ``latent``, the others in ``variant_latents``; a mirrored variant's crop box is
-    mirrored as SDXL expects (``left -> resized_w - left - target_w``)."""
-    bw, bh = parse_bucket(bucket)
-    crops = np.asarray(row["crops"], np.int32).reshape(-1, 2)  # (K, 2) (top, left)
-    boxes = np.repeat(crops, flips, axis=0)  # (V, 2)
-    flipped = np.tile(np.arange(flips, dtype=np.uint8), len(crops))  # (V,)
-    boxes[flipped == 1, 1] = row["resized_w"] - boxes[flipped == 1, 1] - bw
-    several = len(latents) > 1
-    return SampleRecord(
-        sample_id=row["sample_id"], bucket=bucket, latent=latents[0], dtype=dtype,
-        original_size=(row["original_h"], row["original_w"]), resized_size=(row["resized_h"], row["resized_w"]),
-        crop_top_left=(row["crop_top"], row["crop_left"]), target_size=(bh, bw), caption_key=row["caption_key"],
-        caption_keys=None if row.get("caption_keys") is None else tuple(row["caption_keys"]),  # identity: every caption
-        latent_std=std, cond_latent=None if conds is None else conds[0],
-        variant_latents=latents[1:] if several else None,
-        variant_cond_latents=conds[1:] if several and conds is not None else None,
-        variant_crops=boxes if several else None, variant_flips=flipped if several else None,
-    )  # fmt: skip
 
 
 class TextWriter(_EncoderActor):
