@@ -98,6 +98,13 @@ def test_inline_text_reads_with_one_fetch_and_shared_captions_stay_apart(tmp_pat
     inline_key = want[102][0].caption_key
     assert np.array_equal(reader.read_texts([inline_key])[0].pooled, want[102][1].pooled)
     assert verify_cache(url).ok
+    # verify checks an inline record as a sample and as its caption's text: damage names that sample only
+    row = next(r for r in index["samples"].to_pylist() if r["sample_id"] == 102)
+    path = tmp_path / "cache" / row["shard"]
+    data = bytearray(path.read_bytes())
+    data[row["offset"] + row["length"] // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert verify_cache(url).bad_sample_ids == [102]
 
 
 def test_old_layout_cache_reads_back_equal_and_continues(tmp_path):
