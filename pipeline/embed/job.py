@@ -23,7 +23,10 @@ with; (2) a VAE is loaded once on a CPU worker for its description (a bad ``--va
 before any work); (3) the captions pipeline encodes the new captions on text-encoder actors, (4)
 the images pipeline fetches, decodes (up to the
 manifest's ``max_pixels``) and crops units of one bucket on CPU tasks and encodes them on VAE
-actors (:mod:`pipeline.embed.dataflow`, Ray Data). Workers write the shards; the driver receives
+actors (:mod:`pipeline.embed.dataflow`, Ray Data). A caption that only one sample has (most
+datasets) skips (3): the VAE actor encodes it too, into that sample's record, so the trainer reads
+each such sample with one request (:mod:`manifests.cache.layout`); shared captions, the empty
+caption and the validation prompts keep one text record each. Workers write the shards; the driver receives
 only index rows and commits them (:mod:`pipeline.embed.driver`, :class:`manifests.cache.CacheCommitter`) every
 ``--commit-seconds`` and at the end of each phase, text records before any sample refers to them,
 so a killed job resumes from what was committed. Each phase reports captions/s or images/s, ETA
