@@ -70,7 +70,7 @@ import numpy as np
 
 from manifests.lock import writer_lock
 from manifests.cache import SHARD_RECORDS, CacheMeta, EmbedSummary, IndexLookup, index_lookup
-from manifests.cache.records import GZIP_BACKEND
+from manifests.cache.records import GZIP_BACKEND, RECORD_LAYOUT
 from manifests.cache.writer import COMMIT_SECONDS
 from manifests.errors import BucketeerError, UsageError
 from manifests.manifest import read_manifest_meta
@@ -351,7 +351,7 @@ def _embed(job: EmbedJob) -> EmbedResult:
     print(f"bucketeer embed: {work.samples} samples in the manifest, {counts['fresh'] + counts['failed']} already "
           f"cached, {counts['stale']} changed since embedded (re-embedding), {counts['retry']} read failures "
           f"(retrying), {counts['missing']} new: {work.todo} to embed; {new_captions} new captions; "
-          f"{placement.summary()}; gzip via {GZIP_BACKEND}", flush=True)  # fmt: skip
+          f"{placement.summary()}; records {RECORD_LAYOUT}, read back via {GZIP_BACKEND}", flush=True)  # fmt: skip
     embed.mark_visible()
     text_start = time.time()
     embed.captions(work, prompts, make_text, job.text_batch_size)
