@@ -35,12 +35,14 @@ def jpeg(w: int, h: int, seed: int, orientation: int = 1) -> bytes:
 
 
 def make_dataset(
-    root: str, manifest: str, n: int = 12, *, storage_options=None, broken=(), start: int = 0
+    root: str, manifest: str, n: int = 12, *, storage_options=None, broken=(), start: int = 0,
+    unique_from: int | None = None,
 ) -> list[str]:
     """``n`` tiny images under ``root`` (+ ``broken`` names with undecodable bytes) and their manifest.
 
     Image 1 is stored sideways with EXIF orientation 6 (display 64x96); captions repeat; every
-    5th image has none. Returns the filenames in the manifest.
+    5th image has none; images from ``unique_from`` on have a caption of their own (``only image <i>``).
+    Returns the filenames in the manifest.
     """
     fs, base = open_url(root, storage_options)
     fs.makedirs(base, exist_ok=True)
@@ -52,7 +54,8 @@ def make_dataset(
             data, (w, h) = jpeg(96, 64, i, orientation=6), (64, 96)
         else:
             data = jpeg(w, h, i)
-        rows.append((name, w, h, None if i % 5 == 0 else f"a photo of thing {i % 3}", data))
+        caption = None if i % 5 == 0 else f"a photo of thing {i % 3}"
+        rows.append((name, w, h, f"only image {i}" if unique_from is not None and i >= unique_from else caption, data))
     for name in broken:
         rows.append((name, 80, 80, "broken", b"<html>not an image</html>"))
     for name, *_, data in rows:

@@ -36,7 +36,7 @@ def test_embed_local_round_trip_errors_and_rerun(tmp_path, ray_local, monkeypatc
     monkeypatch.setenv(INTERVAL_ENV, "0")  # a progress line per result (stderr is not a terminal here)
     result = embed_cache(manifest, out)  # the undecodable image does not fail the job
     err = capsys.readouterr().err
-    assert_progress(err, "embed captions", "captions", 5)
+    assert_progress(err, "embed captions", "captions", 4)  # "broken" is its image's alone: encoded with it
     images = assert_progress(err, "embed images", "images", 13)  # the broken one is an error row, counted
     assert re.fullmatch(r"written [\d.]+ MB, errors 1", images[-1]["extra"])
 
@@ -48,7 +48,10 @@ def test_embed_local_round_trip_errors_and_rerun(tmp_path, ray_local, monkeypatc
     assert [(e["filename"], e["error"]) for e in errors] == [("zz_broken.jpg", "not_an_image")]
     good = sorted(sample_id(n) for n in names if n != "zz_broken.jpg")
     assert available_sample_ids(out).tolist() == good
-    assert meta.counts.texts == 5  # 3 captions + "broken" + the null caption (empty string), each once
+    # 3 captions + the null caption (empty string), each once; "broken", a caption only the undecodable image
+    # has, would have gone into that image's record
+    assert meta.counts.texts == 4
+    assert meta.records.layouts == ("planar",) and meta.records.text == "inline_when_unique"
 
     records = records_by_id(out)
     for sid, r in records.items():
@@ -69,13 +72,47 @@ def test_embed_local_round_trip_errors_and_rerun(tmp_path, ray_local, monkeypatc
 
     # new manifest rows: only they are embedded; committed shards stay as they were
     shards_before = set(read_index(out)["samples"].column("shard").to_pylist())
-    make_dataset(root, manifest, 15, broken=["zz_broken.jpg"])
+    make_dataset(root, manifest, 15, broken=["zz_broken.jpg"], unique_from=13)
     embed_cache(manifest, out)
     meta2 = read_cache_meta(out)
     assert meta2.summary.embedded == 3 and meta2.summary.errors == 0  # the error row is not retried
     assert shards_before <= set(read_index(out)["samples"].column("shard").to_pylist())
-    ids = read_index(out)["samples"].column("sample_id").to_numpy()
+    index = read_index(out)
+    ids = index["samples"].column("sample_id").to_numpy()
     assert len(ids) == len(np.unique(ids)) == 15
+    assert_inline_texts(out, index, manifest, {"img_013.jpg": "only image 13", "img_014.jpg": "only image 14"})
+
+
+def assert_inline_texts(out: str, index, manifest: str, unique: dict[str, str]) -> None:
+    """The captions of ``unique`` (filename -> its caption, no other sample's) live in their sample's record:
+    the index says so, their text rows name that record, the reader joins them from it with one read, and
+    they are what the text encoders give for the caption."""
+    from manifests.cache import CacheReader
+    from pipeline.embed.encoders import to_storage
+    from pipeline.embed.job import EmbedJob, _factories
+
+    samples = {r["sample_id"]: r for r in index["samples"].to_pylist()}
+    texts = {r["caption_key"]: r for r in index["texts"].to_pylist()}
+    for sid, row in samples.items():
+        inline = sid in {sample_id(n) for n in unique}
+        assert bool(row["text_inline"]) == inline
+        if inline:
+            assert {k: texts[row["caption_key"]][k] for k in ("shard", "offset", "length")} == \
+                {k: row[k] for k in ("shard", "offset", "length")}  # fmt: skip
+    reader = CacheReader(out)
+    fetched = []
+    fetch = reader._fetch
+    reader._fetch = lambda items: fetched.append(len(items)) or fetch(items)  # count the ranged reads
+    ids = [sample_id(n) for n in unique]
+    records = reader.read(ids)
+    assert fetched == [len(ids)]  # one record each, no text record
+    encoder = _factories(EmbedJob(manifest=manifest, out=out), "BF16")[1](use_gpu=False)
+    for caption, record, (tokens, _) in zip(unique.values(), records, encoder.encode(list(unique.values()))):
+        assert record.caption_key == caption_key(caption)
+        for got, want in zip(record.text.tokens, tokens):
+            np.testing.assert_allclose(to_float32(got, "BF16"), to_float32(to_storage(want, "BF16"), "BF16"),
+                                       atol=2e-2, rtol=2e-2)  # fmt: skip
+    assert verify_cache(out).ok
 
 
 def _planned_ids(plan: str) -> set[int]:

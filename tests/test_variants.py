@@ -9,7 +9,7 @@ import pytest
 from manifests.cache.records import RecordError, SampleRecord, decode_sample, encode_sample
 from manifests.draws import uniforms
 from pipeline.embed.imaging import cover_and_crop
-from pipeline.embed.workers import sample_record, variant_pixels
+from pipeline.embed.samples import sample_record, variant_pixels
 from train.data import caption_dropout_mask, variant_choice
 
 IDS = np.random.default_rng(0).integers(0, 2**63, 4000, dtype=np.uint64) * np.uint64(2) + np.uint64(1)

@@ -12,15 +12,23 @@ nothing is ever listed)::
     shards/texts-<sha256[:24]>.bin       concatenated text records, one per unique caption
     index/samples-<sha>.parquet          sample_id, shard, offset, length, crc32, caption_key (the first
                                          caption's), caption_keys (all, for a sample with several captions;
-                                         null otherwise and in older caches), bucket, source_key, generation
-    index/texts-<sha>.parquet            caption_key, shard, offset, length, crc32
+                                         null otherwise and in older caches), bucket, source_key, generation,
+                                         text_inline (the record holds its caption's text: null/False in
+                                         older caches)
+    index/texts-<sha>.parquet            caption_key, shard, offset, length, crc32 (of a text record, or
+                                         of the sample record that holds the caption's text inline)
     index/errors-<sha>.parquet           sample_id, filename, error, message, source_key, generation
 
-A record is ``gzip(safetensors)`` (:mod:`manifests.cache.records`), readable alone with one ranged
-read. Writing is a sequence of commits: shard objects (written by the embed workers) and index
-parts first (content-addressed, so a rerun never overwrites a different object under a committed
-name), then ``_cache.json`` atomically (by one committer, :mod:`manifests.cache.writer`). A job
-killed between commits, or a worker whose unit was redone elsewhere, leaves at most unreferenced
+A record is gzip'd tensors (:mod:`manifests.cache.codec`: byte planes, or plain safetensors in
+older caches; ``_cache.json`` ``records`` says what its writers wrote), readable alone with one
+ranged read. A caption that only one sample has is stored inside that sample's record
+(``text_inline``), so the trainer reads a sample with one request; shared captions keep one text
+record each.
+
+Writing is a sequence of commits: shard objects (written by the embed workers) and index parts
+first (content-addressed, so a rerun never overwrites a different object under a committed name), then
+``_cache.json`` atomically (by one committer, :mod:`manifests.cache.writer`). A job killed
+between commits, or a worker whose unit was redone elsewhere, leaves at most unreferenced
 objects; the committed state is always consistent and a resumed job embeds exactly the samples the
 index lacks (or holds stale). One committer at a time per cache folder.
 
@@ -76,6 +84,8 @@ __all__ = [
     "read_cache_meta",
     "read_meta",
     "newest_rows",
+    "newest_texts",
+    "inline_text_rows",
     "table_bytes",
     "read_index",
     "index_lookup",
@@ -102,6 +112,8 @@ SAMPLE_INDEX_SCHEMA = pa.schema(
         pa.field("bucket", pa.string(), nullable=False),  # "WxH"
         pa.field("source_key", pa.uint64()),  # of the manifest row it was made from; null: unknown (stale)
         pa.field("generation", pa.int64()),  # the _cache.json commit that wrote it; the newest wins
+        # the record holds its caption's text too (a caption only this sample has): one read; null: False
+        pa.field("text_inline", pa.bool_()),
     ]
 )
 TEXT_INDEX_SCHEMA = pa.schema(
@@ -180,7 +192,7 @@ def _conform_part(table: pa.Table, kind: str, names: Sequence[str] | None = None
     schema = INDEX_SCHEMAS[kind]
     if names is not None:
         schema = pa.schema([schema.field(n) for n in names])
-    for name in ("source_key", "generation", "caption_keys"):  # parts written before these columns existed
+    for name in ("source_key", "generation", "caption_keys", "text_inline"):  # parts older than these columns
         if name in schema.names and name not in table.column_names:
             table = table.append_column(name, pa.nulls(table.num_rows, schema.field(name).type))
     return table.select(schema.names).cast(schema)
@@ -231,6 +243,24 @@ def newest_rows(samples: pa.Table, errors: pa.Table) -> tuple[pa.Table, pa.Table
     return samples.take(winners[winners < ns]), errors.take(winners[winners >= ns] - ns)
 
 
+def newest_texts(texts: pa.Table) -> pa.Table:
+    """Keep one row per caption key, the last committed (a caption whose text moved into a sample record
+    that was embedded again has a row per record; each names a record holding the same text)."""
+    keys = texts.column("caption_key").to_numpy().astype(np.uint64)  # (m,)
+    if len(np.unique(keys)) == len(keys):
+        return texts
+    _, last = np.unique(keys[::-1], return_index=True)
+    return texts.take(np.sort(len(keys) - 1 - last))
+
+
+def inline_text_rows(samples: pa.Table) -> pa.Table:
+    """The text index rows of the captions that ``samples`` (index rows) hold inline: each names its sample's record."""
+    if "text_inline" not in samples.column_names:
+        return TEXT_INDEX_SCHEMA.empty_table()
+    inline = samples.column("text_inline").combine_chunks().fill_null(False)
+    return samples.filter(inline).select(TEXT_INDEX_SCHEMA.names).cast(TEXT_INDEX_SCHEMA)
+
+
 def read_index(
     url: str,
     storage_options: dict | None = None,
@@ -260,6 +290,7 @@ def read_index(
     tables = {kind: _read_index_parts(fs, root, url, index, kind, names[kind]) for kind in INDEX_SCHEMAS}
     if not superseded:
         tables["samples"], tables["errors"] = newest_rows(tables["samples"], tables["errors"])
+        tables["texts"] = newest_texts(tables["texts"])
     return tables
 
 

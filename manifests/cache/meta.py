@@ -48,6 +48,7 @@ __all__ = [
     "ValidationPrompt",
     "ComputeInfo",
     "CacheBytes",
+    "RecordsInfo",
     "CacheCounts",
     "CacheIndex",
     "EmbedSummary",
@@ -237,6 +238,27 @@ class CacheBytes(JsonRecord):
 
 
 @dataclass(frozen=True, kw_only=True)
+class RecordsInfo(JsonRecord):
+    """How the records are stored (``_cache.json`` ``records``; absent: a cache written before it existed,
+    every record ``plain``). Readers decode each record by its own header, so this says what to expect:
+
+    - ``layouts``: the record layouts the cache holds (:mod:`manifests.cache.codec`): ``plain``
+      (``gzip(safetensors)``), ``planar`` (float tensors as byte planes: a Huffman-only high plane and stored
+      low planes, two gzip members); a cache older writers began and newer ones continued holds both;
+    - ``layout``: what its writers write now; ``high_plane`` / ``low_planes``: how each is deflated;
+    - ``text``: where a caption's text embedding lives: ``inline_when_unique`` (in the record of the one
+      sample that has it, index column ``text_inline``; shared captions, the empty caption and validation
+      prompts in text records) or ``apart`` (every caption in a text record, as older caches).
+    """
+
+    layouts: tuple[str, ...] = ()
+    layout: str | None = None
+    high_plane: str | None = None
+    low_planes: str | None = None
+    text: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class CacheCounts(JsonRecord):
     samples: int = 0
     texts: int = 0
@@ -301,6 +323,7 @@ class CacheMeta(JsonRecord):
     latent: LatentInfo | None = optional(LatentInfo.from_json)
     text: TextInfo | None = optional(TextInfo.from_json)
     gzip: str | None = optional()
+    records: RecordsInfo | None = optional(RecordsInfo.from_json)
     storage_options: dict[str, Any] | None = optional()
     compute: ComputeInfo | None = optional(ComputeInfo.from_json)
     bytes: CacheBytes | None = optional(CacheBytes.from_json)

@@ -67,8 +67,9 @@ class CacheReader:
     """Random access to committed records by sample id: one ranged read per record, batched.
 
     Loads ``_cache.json`` and the index once at construction and never lists storage afterwards.
-    Text records (one per unique caption) are joined into each :class:`SampleRecord`; recently
-    read ones are kept in a small LRU since captions repeat. ``read`` may be called from several
+    Text records are joined into each :class:`SampleRecord`: a caption only that sample has is inside
+    its record (``text_inline``: one ranged read); a shared caption's text record is read apart, and
+    recently read ones are kept in a small LRU since such captions repeat. ``read`` may be called from several
     threads at once (the LRU is the only state it changes, and it is changed under a lock).
     """
 
@@ -87,6 +88,8 @@ class CacheReader:
         samples = tables["samples"].sort_by("sample_id")
         self._ids = samples.column("sample_id").to_numpy().astype(np.uint64)  # (n,) sorted
         self._samples = {name: samples.column(name).to_numpy() for name in ("offset", "length", "crc32", "caption_key")}
+        # (n,) the record holds its (only) caption's text: one ranged read gives both
+        self._inline = samples.column("text_inline").combine_chunks().fill_null(False).to_numpy(zero_copy_only=False)
         # every caption key of a sample with several captions: flat keys + where each sample's start (0 long: none)
         lists = samples.column("caption_keys").combine_chunks()
         self._caption_counts = pc.list_value_length(lists).fill_null(0).to_numpy(zero_copy_only=False)  # (n,)
@@ -197,26 +200,30 @@ class CacheReader:
         """
         pos = self._locate(sample_ids)
         keys = self._caption_keys(pos, caption_index)
+        inline = self._inline[pos] & (keys == self._samples["caption_key"][pos].astype(np.uint64))  # (k,)
         items = [
             (self._sample_shard_names[self._sample_shard[p]], int(self._samples["offset"][p]),
              int(self._samples["length"][p]), int(self._samples["crc32"][p]), f"sample {int(self._ids[p])}")
             for p in pos
         ]  # fmt: skip
-        texts = self._cached_texts(dict.fromkeys(int(k) for k in keys.tolist()))
-        need = [k for k in dict.fromkeys(int(k) for k in keys.tolist()) if k not in texts]
+        apart = dict.fromkeys(int(k) for k in keys[~inline].tolist())  # text records to look up or fetch
+        texts = self._cached_texts(apart)
+        need = [k for k in apart if k not in texts]
         text_items = self._text_items(need)
         blobs = self._fetch(items + text_items)  # samples and texts in one batch of ranged reads
         self._decode_texts(need, text_items, blobs[len(items) :], texts)
         records = []
-        for item, blob, key, p in zip(items, blobs, keys, pos):
+        for item, blob, key, p, own in zip(items, blobs, keys, pos, inline):
             try:
                 record = decode_sample(blob)
             except RecordError as e:
                 raise CacheError(self._bad(item[-1], item[0], str(e))) from None
             problem = sample_mismatch(record, self._ids[p], self._samples["caption_key"][p], self._listed_keys(p))
+            if own and problem is None and record.text is None:
+                problem = f"the index says sample {record.sample_id}'s record holds its caption's text, but it does not"
             if problem:
                 raise self._not_named(item[-1], item[0], problem)
-            records.append(replace(record, text=texts[int(key)], caption_key=int(key)))
+            records.append(replace(record, text=record.text if own else texts[int(key)], caption_key=int(key)))
         return records
 
     def _listed_keys(self, p: int) -> np.ndarray:

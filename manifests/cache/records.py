@@ -1,41 +1,37 @@
-"""One cache record: a gzip-compressed safetensors payload, encoded and decoded without pickle.
+"""The cache's records: what a sample record and a text record hold, and their bytes.
 
-A record is ``gzip(safetensors)``. Safetensors is an 8-byte little-endian header length, a JSON
-header ``{name: {"dtype", "shape", "data_offsets"}, "__metadata__": {str: str}}`` and raw
-little-endian tensor bytes. We parse it ourselves (numpy has no bfloat16): tensors come back as
-numpy arrays, and a BF16 tensor comes back as its raw ``uint16`` bits with the tag ``"BF16"``.
-:func:`to_torch` turns ``(array, tag)`` into a torch tensor (torch imported only when called).
-
-gzip: ISA-L (``isal.igzip``) when installed, else the standard library; both write and read the
-same RFC 1952 format, so a cache written with one is read with the other.
+The bytes of a record (gzip'd tensors and string metadata, no pickle; the ``planar`` layout that
+writers write and the ``plain`` one of older caches) are :mod:`manifests.cache.codec`'s; its names
+are re-exported here. Tensors come back as numpy arrays (a BF16 tensor as its raw ``uint16`` bits
+with the tag ``"BF16"``); :func:`to_torch` turns ``(array, tag)`` into a torch tensor (torch
+imported only when called).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import struct
-import zlib
 from dataclasses import dataclass, replace
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
-try:  # ISA-L: several times faster than zlib at similar ratios, same gzip format
-    from isal import igzip as _gzip
-    from isal import isal_zlib as _zlib
-
-    GZIP_BACKEND = "isal"
-    _LEVEL = 2  # isal levels are 0..3
-except ImportError:  # pragma: no cover - exercised by the backend tests via stdlib_* functions
-    import gzip as _gzip
-
-    _zlib = zlib
-    GZIP_BACKEND = "zlib"
-    _LEVEL = 6
+from manifests.cache.codec import (
+    DTYPES,
+    GZIP_BACKEND,
+    RECORD_LAYOUT,
+    RecordError,
+    crc32,
+    decode_record,
+    decode_tensors,
+    encode_record,
+    encode_tensors,
+    gzip_compress,
+    gzip_decompress,
+)
 
 __all__ = [
     "GZIP_BACKEND",
+    "RECORD_LAYOUT",
     "RecordError",
     "gzip_compress",
     "gzip_decompress",
@@ -58,112 +54,11 @@ __all__ = [
     "text_mismatch",
 ]
 
-# safetensors dtype tag -> numpy dtype of the stored bits (BF16 has no numpy dtype: raw uint16)
-DTYPES: dict[str, np.dtype] = {
-    "BF16": np.dtype("<u2"),
-    "F16": np.dtype("<f2"),
-    "F32": np.dtype("<f4"),
-    "F64": np.dtype("<f8"),
-    "I32": np.dtype("<i4"),
-    "I64": np.dtype("<i8"),
-    "U8": np.dtype("u1"),
-    "U16": np.dtype("<u2"),
-}
-_MAX_HEADER = 1 << 20  # a record header is a few hundred bytes; refuse absurd lengths early
-
-
-class RecordError(ValueError):
-    """Bytes that are not a valid record: bad gzip, bad safetensors header, inconsistent offsets."""
-
-
-def gzip_compress(data: bytes) -> bytes:
-    """gzip ``data`` (mtime 0, so equal input gives equal output with the same backend)."""
-    return _gzip.compress(data, _LEVEL, mtime=0)
-
-
-def gzip_decompress(data: bytes) -> bytes:
-    """Decompress one gzip member; raises RecordError on corrupt or truncated input."""
-    try:
-        return _gzip.decompress(data)
-    except (OSError, EOFError, zlib.error, _zlib.error) as e:
-        raise RecordError(f"gzip decompression failed: {e}") from None
-
-
-def crc32(data: bytes) -> int:
-    """CRC-32 (the gzip/zlib polynomial) of ``data`` as an unsigned int."""
-    return _zlib.crc32(data) & 0xFFFFFFFF
-
 
 def caption_key(caption: str | None) -> int:
     """uint64 key of a caption's text record; a missing caption is the empty string's embedding."""
     text = caption or ""
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "big")
-
-
-def encode_tensors(tensors: Mapping[str, tuple[np.ndarray, str]], metadata: Mapping[str, str]) -> bytes:
-    """Serialize ``{name: (array, dtype_tag)}`` to safetensors bytes.
-
-    ``dtype_tag`` is a safetensors tag; for ``"BF16"`` the array holds the bf16 bits as uint16.
-    Raises ValueError if an array's numpy dtype does not match its tag.
-    """
-    assert "__metadata__" not in tensors, "__metadata__ is the safetensors header's own key, not a tensor name"
-    header: dict[str, Any] = {"__metadata__": {str(k): str(v) for k, v in metadata.items()}}
-    blobs, offset = [], 0
-    for name in sorted(tensors):
-        array, tag = tensors[name]
-        array = np.asarray(array, order="C")  # not ascontiguousarray: it turns a 0-d scalar into shape (1,)
-        if tag not in DTYPES or array.dtype.newbyteorder("<") != DTYPES[tag].newbyteorder("<"):
-            raise ValueError(f"tensor {name!r}: numpy dtype {array.dtype} does not store safetensors {tag}")
-        raw = array.astype(DTYPES[tag], copy=False).tobytes()
-        header[name] = {"dtype": tag, "shape": list(array.shape), "data_offsets": [offset, offset + len(raw)]}
-        blobs.append(raw)
-        offset += len(raw)
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)  # safetensors pads the header so tensor data is 8-byte aligned
-    return struct.pack("<Q", len(head)) + head + b"".join(blobs)
-
-
-def decode_tensors(data: bytes) -> tuple[dict[str, tuple[np.ndarray, str]], dict[str, str]]:
-    """Parse safetensors bytes into ``({name: (array, dtype_tag)}, metadata)``; no code runs.
-
-    Raises RecordError for a malformed header or offsets outside the data.
-    """
-    if len(data) < 8:
-        raise RecordError("safetensors payload shorter than its 8-byte header length")
-    (n,) = struct.unpack("<Q", data[:8])
-    if n > _MAX_HEADER or 8 + n > len(data):
-        raise RecordError(f"safetensors header length {n} does not fit the {len(data)}-byte payload")
-    try:
-        header = json.loads(data[8 : 8 + n])
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise RecordError(f"safetensors header is not JSON: {e}") from None
-    if not isinstance(header, dict):
-        raise RecordError("safetensors header is not a JSON object")
-    metadata = header.pop("__metadata__", {}) or {}
-    body = memoryview(data)[8 + n :]
-    tensors: dict[str, tuple[np.ndarray, str]] = {}
-    for name, info in header.items():
-        try:
-            tag, shape, (start, end) = info["dtype"], [int(s) for s in info["shape"]], info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise RecordError(f"tensor {name!r} has a malformed header entry") from None
-        if tag not in DTYPES:
-            raise RecordError(f"tensor {name!r} has unsupported dtype {tag!r}")
-        count = int(np.prod(shape)) if shape else 1
-        if not (0 <= start <= end <= len(body)) or end - start != count * DTYPES[tag].itemsize:
-            raise RecordError(f"tensor {name!r} offsets {start}..{end} do not match shape {shape} / the payload")
-        tensors[name] = (np.frombuffer(body[start:end], dtype=DTYPES[tag]).reshape(shape), tag)
-    return tensors, {str(k): str(v) for k, v in metadata.items()}
-
-
-def encode_record(tensors: Mapping[str, tuple[np.ndarray, str]], metadata: Mapping[str, str]) -> bytes:
-    """One record: ``gzip(safetensors(tensors, metadata))``."""
-    return gzip_compress(encode_tensors(tensors, metadata))
-
-
-def decode_record(data: bytes) -> tuple[dict[str, tuple[np.ndarray, str]], dict[str, str]]:
-    """Inverse of :func:`encode_record`; raises RecordError for corrupt bytes."""
-    return decode_tensors(gzip_decompress(data))
 
 
 def to_float32(array: np.ndarray, tag: str) -> np.ndarray:
@@ -303,8 +198,14 @@ def _pair(text: str) -> tuple[int, int]:
     return int(a), int(b)
 
 
-def encode_sample(record: SampleRecord) -> bytes:
-    """The compressed bytes of a sample record (its text is stored separately, by caption)."""
+def encode_sample(record: SampleRecord, inline_text: bool = False, layout: str = RECORD_LAYOUT) -> bytes:
+    """The compressed bytes of a sample record.
+
+    Its text is stored separately, by caption, unless ``inline_text``: then ``record.text`` (the text
+    record of ``record.caption_key``, a caption no other sample has) goes into the same record, so a
+    reader fetches both with one ranged read, and the caption's text index row names this record too.
+    ``layout``: see :mod:`manifests.cache.codec` (``plain`` only to write caches as older bucketeers did).
+    """
     meta = {
         "kind": "sample",
         "sample_id": str(record.sample_id),
@@ -326,11 +227,17 @@ def encode_sample(record: SampleRecord) -> bytes:
     if record.variant_crops is not None:
         tensors["variant_crops"] = (np.asarray(record.variant_crops, "<i4"), "I32")
         tensors["variant_flips"] = (np.asarray(record.variant_flips, "u1"), "U8")
-    return encode_record(tensors, meta)
+    if inline_text:
+        text = record.text
+        assert text is not None and text.caption_key == record.caption_key, "inline text: the sample's own caption's"
+        tensors.update(_text_tensors(text, "text."))
+        meta["text_encoders"] = str(len(text.tokens))
+    return encode_record(tensors, meta, layout)
 
 
 def decode_sample(data: bytes) -> SampleRecord:
-    """Inverse of :func:`encode_sample` (``text`` is None); raises RecordError for bad bytes."""
+    """Inverse of :func:`encode_sample` (``text`` is None unless the record holds it inline); raises
+    RecordError for bad bytes."""
     tensors, meta = decode_record(data)
     try:
         if meta.get("kind") != "sample" or "latent" not in tensors:
@@ -352,6 +259,7 @@ def decode_sample(data: bytes) -> SampleRecord:
             caption_key=int(meta["caption_key"]),
             latent_std=None if std is None else std[0],
             caption_keys=tuple(int(k) for k in meta["caption_keys"].split(",")) if meta.get("caption_keys") else None,
+            text=_inline_text(tensors, meta),
             **extra,
         )
     except (KeyError, ValueError):
@@ -380,27 +288,47 @@ def _variants(tensors: dict[str, tuple[np.ndarray, str]], latent: np.ndarray, ta
     return out
 
 
-def encode_text(record: TextRecord) -> bytes:
-    """The compressed bytes of a caption's text record."""
-    tensors = {f"tokens.{i}": (t, record.dtype) for i, t in enumerate(record.tokens)}
+def _text_tensors(record: TextRecord, prefix: str = "") -> dict[str, tuple[np.ndarray, str]]:
+    tensors = {f"{prefix}tokens.{i}": (t, record.dtype) for i, t in enumerate(record.tokens)}
     if record.pooled is not None:
-        tensors["pooled"] = (record.pooled, record.dtype)
+        tensors[f"{prefix}pooled"] = (record.pooled, record.dtype)
+    return tensors
+
+
+def _text_of(tensors: dict[str, tuple[np.ndarray, str]], key: str, count: str, prefix: str = "") -> TextRecord:
+    """The TextRecord of caption ``key`` from ``count`` token parts named ``<prefix>tokens.<i>``; KeyError/ValueError
+    when they are missing."""
+    n = int(count)
+    tokens = tuple(tensors[f"{prefix}tokens.{i}"][0] for i in range(n))
+    tags = {tensors[f"{prefix}tokens.{i}"][1] for i in range(n)}
+    pooled = tensors[f"{prefix}pooled"][0] if f"{prefix}pooled" in tensors else None
+    return TextRecord(caption_key=int(key), tokens=tokens, pooled=pooled, dtype=tags.pop() if tags else "F32")
+
+
+def _inline_text(tensors: dict[str, tuple[np.ndarray, str]], meta: dict[str, str]) -> TextRecord | None:
+    """A sample record's inline text (its first caption's), or None when its text is stored apart."""
+    if "text_encoders" not in meta:
+        return None
+    return _text_of(tensors, meta["caption_key"], meta["text_encoders"], "text.")
+
+
+def encode_text(record: TextRecord, layout: str = RECORD_LAYOUT) -> bytes:
+    """The compressed bytes of a caption's text record."""
     meta = {"kind": "text", "caption_key": str(record.caption_key), "encoders": str(len(record.tokens))}
-    return encode_record(tensors, meta)
+    return encode_record(_text_tensors(record), meta, layout)
 
 
 def decode_text(data: bytes) -> TextRecord:
-    """Inverse of :func:`encode_text`; raises RecordError for bad bytes."""
+    """Inverse of :func:`encode_text`, or the inline text of a sample record (:func:`encode_sample` with
+    ``inline_text``: a caption only that sample has; its text index row names the sample's record).
+    Raises RecordError for bad bytes."""
     tensors, meta = decode_record(data)
     try:
+        if meta.get("kind") == "sample" and "text_encoders" in meta:
+            return _inline_text(tensors, meta)
         if meta.get("kind") != "text":
             raise KeyError("kind")
-        n = int(meta["encoders"])
-        tokens = tuple(tensors[f"tokens.{i}"][0] for i in range(n))
-        tags = {tensors[f"tokens.{i}"][1] for i in range(n)}
-        pooled = tensors["pooled"][0] if "pooled" in tensors else None
-        return TextRecord(caption_key=int(meta["caption_key"]), tokens=tokens, pooled=pooled,
-                          dtype=tags.pop() if tags else "F32")
+        return _text_of(tensors, meta["caption_key"], meta["encoders"])
     except (KeyError, ValueError):
         raise RecordError("payload is not a text record (metadata or tensors missing)") from None
 

@@ -4,8 +4,10 @@ Each shard is read once, whole (one GET), and every record in it is checked agai
 and ``_cache.json``: latent ``(C, H / f, W / f)`` for bucket ``WxH`` and VAE factor ``f`` (and its
 ``latent_std`` in a cache embedded with ``--latents posterior``; the conditioning latent and the
 ``--flip``/``--crops`` variants its settings say), the cache's dtype, finite values;
-text records against the cache's ``text.layout`` (parts, widths, lengths, pooled). A bad text
-record makes every sample with that caption (any of its captions) bad.
+text records against the cache's ``text.layout`` (parts, widths, lengths, pooled). A caption held
+inline in its sample's record (``text_inline``) is checked as a text record too (its text row names
+that record). A bad text record makes every sample with that caption (any of its captions) bad.
+Records of both layouts (``plain``, ``planar``: :mod:`manifests.cache.codec`) are checked alike.
 
 Every record is also compared with the index row that named it (:func:`sample_mismatch`,
 :func:`text_mismatch`: its sample id and caption keys, a text record's caption key). A record that
@@ -79,6 +81,8 @@ def _check_sample(blob: bytes, row: dict, meta: CacheMeta) -> str | None:
     problem = sample_mismatch(record, row["sample_id"], row["caption_key"], row.get("caption_keys"))
     if problem:
         raise _NotNamed(problem)
+    if row.get("text_inline") and record.text is None:
+        raise _NotNamed(f"the index says sample {record.sample_id}'s record holds its caption's text, but it does not")
     latent = meta.latent or LatentInfo()
     bucket = row["bucket"]
     w, h = parse_bucket(bucket)

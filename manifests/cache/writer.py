@@ -43,7 +43,9 @@ from manifests.cache.layout import (
     CacheError,
     CacheMissingError,
     fingerprint_of,
+    inline_text_rows,
     newest_rows,
+    newest_texts,
     read_index,
     read_meta,
     settings_diff,
@@ -57,8 +59,9 @@ from manifests.cache.meta import (
     CacheSettings,
     ComputeInfo,
     EmbedSummary,
+    RecordsInfo,
 )
-from manifests.cache.records import crc32
+from manifests.cache.codec import RECORD_LAYOUT, crc32
 from manifests.storage import call_storage, join, open_url, redact, write_bytes_atomic, write_json_atomic
 
 __all__ = ["ShardWriter", "CacheCommitter", "CacheWriter", "KeySet", "COMMIT_SECONDS", "MERGE_FANIN"]
@@ -152,13 +155,24 @@ class KeySet:
         return new
 
 
+def records_info(meta: CacheMeta) -> RecordsInfo:
+    """``_cache.json`` ``records`` once this bucketeer writes into the cache of ``meta``: its layouts so far
+    (a cache without ``records`` that holds records is ``plain``) and the one written now."""
+    before = meta.records.layouts if meta.records else (("plain",) if meta.counts.samples or meta.counts.texts else ())
+    return RecordsInfo(layouts=tuple(dict.fromkeys([*before, RECORD_LAYOUT])), layout=RECORD_LAYOUT,
+                       high_plane="deflate Huffman-only",
+                       low_planes="stored", text="inline_when_unique")  # fmt: skip
+
+
 def _live_bytes(tables: dict[str, pa.Table]) -> dict[str, Any]:
     """Compressed bytes of the live records: totals and means per sample and per caption (None when none)."""
     out: dict[str, Any] = {}
-    for kind, per in (("samples", "per_sample"), ("texts", "per_caption")):
-        total = int(pc.sum(tables[kind].column("length")).as_py() or 0)
+    texts = tables["texts"]  # a caption held inline in its sample's record is counted with the samples
+    texts = texts.filter(pc.invert(pc.starts_with(texts.column("shard"), "shards/samples-")))
+    for kind, rows, per in (("samples", tables["samples"], "per_sample"), ("texts", texts, "per_caption")):
+        total = int(pc.sum(rows.column("length")).as_py() or 0)
         out[kind] = total
-        out[per] = round(total / tables[kind].num_rows) if tables[kind].num_rows else None
+        out[per] = round(total / rows.num_rows) if rows.num_rows else None
     return out
 
 
@@ -203,7 +217,8 @@ class CacheCommitter:
             )
         meta = self.meta.to_json()
         meta.pop("shards", None)  # written by bucketeer before 0.2: a list of every shard, no longer kept
-        self.meta = CacheMeta.from_json({**meta, **self.info, "tool_version": __version__, "complete": False}, self.url)
+        self.meta = CacheMeta.from_json({**meta, **self.info, "tool_version": __version__, "complete": False,
+                                         "records": records_info(self.meta).to_json()}, self.url)  # fmt: skip
         self._pending: dict[str, list[pa.Table]] = {k: [] for k in INDEX_SCHEMAS}
         self._seen = {"samples": KeySet(), "texts": KeySet()}  # errors share the samples' keys
         self._parts: dict[str, list[tuple[str, int]]] = {k: [] for k in INDEX_SCHEMAS}  # (path, level) of this run
@@ -214,7 +229,11 @@ class CacheCommitter:
 
     def add(self, kind: str, rows: pa.Table) -> int:
         """Queue index rows of ``kind`` (``INDEX_SCHEMAS[kind]``, generation ignored); returns how
-        many were new (a key queued before in this run is dropped: redone work)."""
+        many were new (a key queued before in this run is dropped: redone work). Sample rows whose
+        record holds its caption's text (``text_inline``) also queue that caption's text row, naming
+        the same record."""
+        if kind == "samples":
+            self.add("texts", inline_text_rows(rows))
         keep = self._seen["texts" if kind == "texts" else "samples"].add_new(rows.column(_KEY[kind]).to_numpy())
         if not keep.all():
             self.redone += int((~keep).sum())
@@ -314,6 +333,7 @@ class CacheCommitter:
         raw = read_index(self.url, self.storage_options, self.meta, superseded=True)
         tables = dict(raw)
         tables["samples"], tables["errors"] = newest_rows(raw["samples"], raw["errors"])
+        tables["texts"] = newest_texts(raw["texts"])
         index, counts = dict(old), {}
         for kind, key in _KEY.items():
             counts[kind] = tables[kind].num_rows
@@ -381,15 +401,20 @@ class CacheWriter:
 
     def add_sample(
         self, sample_id: int, data: bytes, caption_key: int, bucket: str, source_key: int | None = None,
-        caption_keys: list[int] | None = None,
+        caption_keys: list[int] | None = None, text_inline: bool = False,
     ) -> bool:
         """Queue a sample record made from the manifest row with ``source_key``; True when a shard was committed.
 
         ``caption_keys``: the keys of all the sample's captions when it has several (the first is ``caption_key``).
+        ``text_inline``: ``data`` holds the caption's text too (``encode_sample(..., inline_text=True)``, a
+        caption no other sample has): the caption needs no :meth:`add_text`, and its text row names this record.
         """
         self._claim(sample_id)
         self._shards["samples"].append(data, sample_id=sample_id, caption_key=caption_key, bucket=bucket,
-                                       source_key=source_key, caption_keys=caption_keys)  # fmt: skip
+                                       source_key=source_key, caption_keys=caption_keys,
+                                       text_inline=text_inline)  # fmt: skip
+        if text_inline:
+            self.done_texts.add(caption_key)
         self.done_samples.add(sample_id)
         self.done_errors.discard(sample_id)
         return self._commit_if_full("samples")

@@ -266,10 +266,12 @@ def caption_pipeline(work: EmbedWork, prompts: dict[int, str], manifest: str, st
 
 
 def image_pipeline(work: EmbedWork, manifest: str, source: str, storage_options: dict | None, make_vae: Callable,
-                   dtype: str, out: str, options: dict[str, Any], placement: Placement):  # fmt: skip
+                   dtype: str, out: str, options: dict[str, Any], placement: Placement,
+                   make_text: Callable | None = None):  # fmt: skip
     """The images pipeline: one shard per unit. ``options``: batch_size, shard_records, crop, seed, max_pixels,
     crops, flip, conditioning (the root of the manifest's conditioning images, or None), image_column (a
-    parquet-sourced manifest's, else None)."""
+    parquet-sourced manifest's, else None), text_batch_size. ``make_text``: the text encoders, for the captions
+    that only one sample has (their text goes into its record: ``work.images[i].inline``)."""
     units = (
         _items(work.images)
         .map_batches(plan_units, batch_size=1, batch_format="pyarrow", num_cpus=placement.light_cpus,
@@ -289,7 +291,8 @@ def image_pipeline(work: EmbedWork, manifest: str, source: str, storage_options:
                      fn_constructor_kwargs={"make_encoder": make_vae, "dtype": dtype, "cache": out,
                                             "storage_options": storage_options, "batch_size": options["batch_size"],
                                             "threads": placement.threads, "crops": options["crops"],
-                                            "flip": options["flip"]},
+                                            "flip": options["flip"], "make_text": make_text,
+                                            "text_batch_size": options.get("text_batch_size", 128)},
                      **placement.actor_options())
     )  # fmt: skip
 

@@ -124,15 +124,17 @@ class EmbedDriver:
                     self.committer.commit()
         self.committer.commit()  # text records are committed before any sample that refers to them
 
-    def images(self, work: EmbedWork, source: str, make_vae, options: dict[str, Any]) -> None:
+    def images(self, work: EmbedWork, source: str, make_vae, options: dict[str, Any], make_text=None) -> None:
         """Phase 2: units of rows -> sample shards and error rows, committed every --commit-seconds.
         ``options``: what the image workers take (batch size, crop, variants, ...;
-        :func:`pipeline.embed.dataflow.image_pipeline`)."""
+        :func:`pipeline.embed.dataflow.image_pipeline`); ``make_text``: the text encoders, for the captions
+        that only one sample has (encoded into its record; their text rows come with its sample rows)."""
         from pipeline.embed.dataflow import image_pipeline, results
         from pipeline.embed.workers import from_ipc
 
+        make_text = make_text if work.inline_captions else None
         pipeline = image_pipeline(work, self.manifest, source, self.so, make_vae, self.request["dtype"],
-                                  self.out, options, self.placement)  # fmt: skip
+                                  self.out, options, self.placement, make_text)  # fmt: skip
         written, first, start, results_seen, images_seen = 0, None, time.time(), 0, 0
         with Progress("embed", "images", total=work.todo, unit="images") as progress:
             for row in results(pipeline):

@@ -23,7 +23,10 @@ with; (2) a VAE is loaded once on a CPU worker for its description (a bad ``--va
 before any work); (3) the captions pipeline encodes the new captions on text-encoder actors, (4)
 the images pipeline fetches, decodes (up to the
 manifest's ``max_pixels``) and crops units of one bucket on CPU tasks and encodes them on VAE
-actors (:mod:`pipeline.embed.dataflow`, Ray Data). Workers write the shards; the driver receives
+actors (:mod:`pipeline.embed.dataflow`, Ray Data). A caption that only one sample has (most
+datasets) skips (3): the VAE actor encodes it too, into that sample's record, so the trainer reads
+each such sample with one request (:mod:`manifests.cache.layout`); shared captions, the empty
+caption and the validation prompts keep one text record each. Workers write the shards; the driver receives
 only index rows and commits them (:mod:`pipeline.embed.driver`, :class:`manifests.cache.CacheCommitter`) every
 ``--commit-seconds`` and at the end of each phase, text records before any sample refers to them,
 so a killed job resumes from what was committed. Each phase reports captions/s or images/s, ETA
@@ -67,7 +70,7 @@ import numpy as np
 
 from manifests.lock import writer_lock
 from manifests.cache import SHARD_RECORDS, CacheMeta, EmbedSummary, IndexLookup, index_lookup
-from manifests.cache.records import GZIP_BACKEND
+from manifests.cache.records import GZIP_BACKEND, RECORD_LAYOUT
 from manifests.cache.writer import COMMIT_SECONDS
 from manifests.errors import BucketeerError, UsageError
 from manifests.manifest import read_manifest_meta
@@ -289,7 +292,7 @@ def _image_options(job: EmbedJob, manifest: ManifestMeta, source: str) -> dict[s
     """What the image workers take (:func:`pipeline.embed.dataflow.image_pipeline`)."""
     return {"batch_size": job.batch_size, "shard_records": job.shard_records, "crop": job.crop, "seed": job.seed,
             "crops": job.crops, "flip": job.flip, "conditioning": _conditioning_root(manifest, source),
-            "max_pixels": int(manifest.max_pixels or MAX_PIXELS),
+            "max_pixels": int(manifest.max_pixels or MAX_PIXELS), "text_batch_size": job.text_batch_size,
             "image_column": image_column(manifest)}  # fmt: skip
 
 
@@ -344,17 +347,17 @@ def _embed(job: EmbedJob) -> EmbedResult:
     t0 = time.time()
     vae = _describe(ray, make_vae)
     embed = EmbedDriver(job.manifest, job.out, so, request, committed, vae, placement, validation, job.commit_seconds)
-    counts, new_captions = work.counts, work.new_captions + len(prompts)
+    counts, new_captions = work.counts, work.new_captions + work.inline_captions + len(prompts)
     print(f"bucketeer embed: {work.samples} samples in the manifest, {counts['fresh'] + counts['failed']} already "
           f"cached, {counts['stale']} changed since embedded (re-embedding), {counts['retry']} read failures "
           f"(retrying), {counts['missing']} new: {work.todo} to embed; {new_captions} new captions; "
-          f"{placement.summary()}; gzip via {GZIP_BACKEND}", flush=True)  # fmt: skip
+          f"{placement.summary()}; records {RECORD_LAYOUT}, read back via {GZIP_BACKEND}", flush=True)  # fmt: skip
     embed.mark_visible()
     text_start = time.time()
     embed.captions(work, prompts, make_text, job.text_batch_size)
     text_seconds = time.time() - text_start
     if work.todo:
-        embed.images(work, source, make_vae, _image_options(job, manifest, source))
+        embed.images(work, source, make_vae, _image_options(job, manifest, source), make_text)
     seconds, image_seconds = time.time() - t0, embed.steady_seconds
     summary = EmbedSummary(
         embedded=embed.embedded, errors=embed.errors, skipped=work.samples - work.todo, changed=counts["stale"],

@@ -15,7 +15,7 @@ from typing import Any
 
 from manifests.cache import CACHE_FORMAT_VERSION, CacheError, CacheMeta, CacheMissingError, read_cache_meta
 from manifests.cache import settings_diff
-from manifests.cache.records import GZIP_BACKEND, caption_key
+from manifests.cache.records import caption_key
 from manifests.storage import public_options, redact
 from pipeline.embed.encoders import LatentSpec, TextSpec
 
@@ -98,7 +98,7 @@ def cache_info(so: dict, settings: dict, vae: dict, text: dict, validation: list
                  "layout": text["layout"],
                  "empty_caption_key": caption_key(""),  # its text record: caption dropout; a null caption's text
                  "validation_prompts": validation},
-        "gzip": GZIP_BACKEND,
+        "gzip": "zlib",  # what compresses the records (Huffman-only and stored blocks); `records` says how
         "storage_options": public_options(so),
     }  # fmt: skip
 

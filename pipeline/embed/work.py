@@ -45,21 +45,27 @@ UNIT_PIXEL_BYTES = 128 << 20  # pixels of one unit in flight: 42 images at 1024x
 
 @dataclass(frozen=True)
 class GroupWork:
-    """Rows of one manifest row group to process, as int32 positions within the row group."""
+    """Rows of one manifest row group to process, as int32 positions within the row group; ``inline``
+    (images only): per position, whether the row's caption is one no other row has, whose text goes
+    into the sample's own record (encoded by the image workers, not the captions phase)."""
 
     group: RowGroup
     rows: np.ndarray  # (k,) int32, ascending
+    inline: np.ndarray | None = None  # (k,) bool
 
     def item(self) -> dict[str, Any]:
         """The row of a Ray Data input dataset that stands for this work (a few bytes per position)."""
         g = self.group
+        inline = np.zeros(len(self.rows), bool) if self.inline is None else self.inline
         return {"part": g.part, "part_bytes": g.part_bytes, "row_group": g.index, "group_rows": g.rows,
-                "rows": self.rows.astype("<i4").tobytes()}  # fmt: skip
+                "rows": self.rows.astype("<i4").tobytes(), "inline": np.packbits(inline).tobytes()}  # fmt: skip
 
     @staticmethod
     def from_item(item: dict[str, Any]) -> "GroupWork":
         group = RowGroup(str(item["part"]), int(item["part_bytes"]), int(item["row_group"]), int(item["group_rows"]))
-        return GroupWork(group, np.frombuffer(item["rows"], "<i4"))
+        rows = np.frombuffer(item["rows"], "<i4")
+        inline = np.unpackbits(np.frombuffer(item.get("inline") or b"", np.uint8), count=len(rows)).astype(bool)
+        return GroupWork(group, rows, inline)
 
 
 @dataclass
@@ -80,7 +86,13 @@ class EmbedWork:
 
     @property
     def new_captions(self) -> int:
+        """Captions the captions phase encodes (shared by several samples, or already embedded apart)."""
         return sum(len(w.rows) for w in self.captions)
+
+    @property
+    def inline_captions(self) -> int:
+        """Captions encoded by the image workers into their only sample's record."""
+        return sum(int(w.inline.sum()) for w in self.images if w.inline is not None)
 
 
 def caption_keys(captions: pa.Array | pa.ChunkedArray) -> np.ndarray:
@@ -116,40 +128,78 @@ def _spread(n: int, k: int) -> np.ndarray:
 
 
 def find_work(
-    url: str, meta: ManifestMeta, storage_options: dict | None, lookup: IndexLookup, done_texts: np.ndarray
+    url: str, meta: ManifestMeta, storage_options: dict | None, lookup: IndexLookup, done_texts: np.ndarray,
+    inline_text: bool = True,
 ) -> EmbedWork:
     """One pass over the manifest at ``url`` (``meta``: its ``_manifest.json``) against a cache's
     committed index (``lookup``; ``done_texts``: caption keys with a text record).
 
     Rows to embed are the stale, retry and missing ones (:class:`~manifests.cache.Freshness`
     ``todo``); captions to encode are those of these rows (every caption of a sample) without a text
-    record, once each. Probe
-    files are spread over the rows to embed, leaving out read-failure retries (if they still
-    cannot be read, renewing their error rows is the right outcome, not a failed job).
+    record, once each. With ``inline_text``, a row to embed whose one caption no other row of the
+    manifest has (and that has no text record yet) gets it encoded into its own record by the image
+    workers (``GroupWork.inline``), so the trainer reads it with one request; the other captions go
+    to the captions phase. Probe files are spread over the rows to embed, leaving out read-failure
+    retries (if they still cannot be read, renewing their error rows is the right outcome, not a failed job).
     """
     work = EmbedWork()
     texts = KeySet(done_texts)
     candidates: list[dict] = []
+    every: list[np.ndarray] = []  # every caption key of every row: which captions only one row has
+    todo_keys: list[np.ndarray] = []  # per images entry: (t,) the caption key of each row to embed, 0: a list
+    caption_keys_new: list[np.ndarray] = []  # per captions entry: (c,) the keys of its captions
     for group in sample_row_groups(url, meta, storage_options):
         rows = read_row_group(url, group, MANIFEST_COLUMNS, storage_options)
         status = lookup.classify(rows, source_key(rows))
         work.samples += rows.num_rows
         for name, value in status.counts().items():
             work.counts[name] += value
+        captions, owner = flat_captions(rows)  # (m,), (m,)
+        keys = caption_keys(captions)  # (m,)
+        every.append(keys)
         todo = np.flatnonzero(status.todo).astype(np.int32)  # (t,)
         if not len(todo):
             continue
         work.images.append(GroupWork(group, todo))
-        captions, owner = flat_captions(rows)  # (m,), (m,)
+        single = np.bincount(owner, minlength=rows.num_rows) == 1  # (n,) rows with one caption, not a list
+        if "captions" in rows.column_names:
+            single &= np.asarray(rows.column("captions").is_null())
+        first_of = np.cumsum(np.bincount(owner, minlength=rows.num_rows)) - 1  # (n,) a single-caption row's caption
+        picked = keys[np.clip(first_of[todo], 0, None)] if len(keys) else np.zeros(len(todo), np.uint64)
+        todo_keys.append(np.where(single[todo], picked, np.uint64(0)).astype(np.uint64))
         wanted = np.flatnonzero(status.todo[owner]).astype(np.int32)  # (c,) the captions of the rows to embed
-        first = texts.add_new(caption_keys(captions.take(pa.array(wanted))))  # (c,)
+        first = texts.add_new(keys[wanted])  # (c,)
         if first.any():
             work.captions.append(GroupWork(group, wanted[first]))
+            caption_keys_new.append(keys[wanted[first]])
         probe = np.flatnonzero(status.todo & ~status.retry)
         picks = pa.array([int(probe[i]) for i in _spread(len(probe), PROBE_FILES)], pa.int64())
         candidates += rows.select(list(LOCATION_COLUMNS)).take(picks).to_pylist()
     work.probe = [candidates[i] for i in _spread(len(candidates), PROBE_FILES)]
+    if inline_text and work.images:
+        _mark_inline(work, np.concatenate(every), todo_keys, caption_keys_new, np.asarray(done_texts, np.uint64))
     return work
+
+
+def _mark_inline(work: EmbedWork, every: np.ndarray, todo_keys: list[np.ndarray], new_keys: list[np.ndarray],
+                 done_texts: np.ndarray) -> None:
+    """Set ``inline`` of each images entry (rows whose one caption no other row has and that has no text
+    record), and take those captions out of the captions phase."""
+    keys, counts = np.unique(every, return_counts=True)
+    once = KeySet(keys[counts == 1])
+    done = KeySet(done_texts)
+    inline_keys = []
+    for i, (entry, t) in enumerate(zip(work.images, todo_keys)):
+        inline = (t != 0) & once.contains(t) & ~done.contains(t)  # (t,)
+        work.images[i] = GroupWork(entry.group, entry.rows, inline)
+        inline_keys.append(t[inline])
+    moved = KeySet(np.concatenate(inline_keys))
+    captions = []
+    for entry, k in zip(work.captions, new_keys):
+        keep = ~moved.contains(k)
+        if keep.any():
+            captions.append(GroupWork(entry.group, entry.rows[keep]))
+    work.captions = captions
 
 
 def unit_size(bucket: str, batch_size: int, shard_records: int) -> int:

@@ -30,23 +30,26 @@ import json
 import os
 import socket
 import threading
+from dataclasses import replace
 from typing import Any, Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from manifests import faults
 from manifests.buckets import parse_bucket
 from manifests.cache import CACHE_ERRORS_SCHEMA, ShardWriter
 from manifests.cache.layout import INDEX_SCHEMAS
 from manifests.cache.freshness import source_key
-from manifests.cache.records import SampleRecord, TextRecord, encode_sample, encode_text
+from manifests.cache.records import TextRecord, encode_sample, encode_text
 from manifests.errors import BucketeerError, StorageError, UsageError
 from manifests.manifest import read_row_group
 from manifests.retry import is_transient
 from manifests.storage import is_local, join, open_url, read_many, redact
 from pipeline.embed.encoders import Encoder, quiet_loading, to_storage
 from pipeline.embed.imaging import ImageFailure, fetch_images, prepare_views
+from pipeline.embed.samples import sample_record, variant_pixels
 from pipeline.embed.work import MANIFEST_COLUMNS, GroupWork, caption_keys, cut_units, flat_captions, \
     sample_caption_keys
 
@@ -60,14 +63,17 @@ UNIT_ROWS = pa.schema([("sample_id", pa.uint64()), ("filename", pa.string()), ("
                        # where the image bytes are (manifests.schema.image_range): null container = a loose file
                        ("container", pa.string()), ("container_size", pa.int64()), ("member_offset", pa.int64()),
                        ("row_group", pa.int32()), ("row_index", pa.int64()), ("size", pa.int64()),
-                       ("conditioning", pa.string())])  # fmt: skip
+                       ("conditioning", pa.string()),
+                       # the caption no other row has: its text goes into the sample's record (caption: its text)
+                       ("text_inline", pa.bool_()), ("caption", pa.string())])  # fmt: skip
 _LOCATION = ("container", "container_size", "member_offset", "row_group", "row_index", "size")
 # the good rows of a prepared unit, in the order of its pixels
 _PREPARED_ROWS = pa.schema([("sample_id", pa.uint64()), ("caption_key", pa.uint64()),
                             ("caption_keys", pa.list_(pa.uint64())), ("source_key", pa.uint64()),
                             *((name, pa.int32()) for name in ("original_h", "original_w", "resized_h", "resized_w",
                                                               "crop_top", "crop_left")),
-                            ("crops", pa.list_(pa.int32()))])  # every crop's (top, left), flat  # fmt: skip
+                            ("crops", pa.list_(pa.int32())),  # every crop's (top, left), flat
+                            ("text_inline", pa.bool_()), ("caption", pa.string())])  # fmt: skip
 VISIBLE_MARKER = "_embed-running"  # written by the driver into a local --out; every worker must see it
 
 
@@ -212,7 +218,10 @@ def plan_units(batch: pa.Table, manifest: str, storage_options: dict | None, bat
     for item in batch.to_pylist():
         work = GroupWork.from_item(item)
         rows = read_row_group(manifest, work.group, MANIFEST_COLUMNS, storage_options).take(pa.array(work.rows))
-        rows = pa.table({"sample_id": rows.column("sample_id"), "filename": rows.column("filename"),
+        inline = pa.array(work.inline, pa.bool_())
+        caption = pc.if_else(inline, rows.column("caption").cast(pa.string()), pa.scalar(None, pa.string()))
+        rows = pa.table({"text_inline": inline, "caption": caption,  # the text of an inline caption only
+                         "sample_id": rows.column("sample_id"), "filename": rows.column("filename"),
                          "caption_key": caption_keys(rows.column("caption")),
                          "caption_keys": sample_caption_keys(rows), "source_key": source_key(rows),
                          "conditioning": rows.column("conditioning"),
@@ -245,6 +254,8 @@ def prepare_unit(batch: pa.Table, source: str, storage_options: dict | None, cro
                 ("resized_h", "resized_size", 0), ("resized_w", "resized_size", 1),
                 ("crop_top", "crop_top_left", 0), ("crop_left", "crop_top_left", 1))},
             "crops": [r["crops"] for r in prepared["rows"]],
+            "text_inline": [r["text_inline"] for r in prepared["rows"]],
+            "caption": [r["caption"] for r in prepared["rows"]],
         }, schema=_PREPARED_ROWS)  # fmt: skip
         errors = pa.Table.from_pylist([{"sample_id": sid, "filename": name, "error": kind, "message": message,
                                         "source_key": keys[sid]} for sid, name, kind, message in prepared["errors"]],
@@ -324,6 +335,7 @@ class _EncoderActor:
                              "their shards themselves, so --out must be a folder every node shares (or an "
                              "s3:// URL)")  # fmt: skip
         device = "cuda" if gpus and not notice else "cpu"
+        self.use_gpu = bool(gpus)
         self.worker = json.dumps({"encoder": encoder.describe(), "host": socket.gethostname(), "gpus": gpus,
                                   "node": ray.get_runtime_context().get_node_id(), "device": device,
                                   "notice": notice}, sort_keys=True)  # fmt: skip
@@ -342,12 +354,37 @@ class LatentWriter(_EncoderActor):
     returns ``unit``, ``samples`` and ``errors`` (index rows, IPC), ``shard_bytes``, ``worker``.
 
     Each image's variants (``crops`` crops, each also mirrored with ``flip``) and its conditioning
-    image's same variants are encoded in the same forward passes (:func:`sample_record`)."""
+    image's same variants are encoded in the same forward passes (:func:`sample_record`). A row whose
+    caption no other row has (``text_inline``) gets that caption encoded here, by the text encoders of
+    ``make_text`` (built on the first such row), into its own record: the trainer then reads the sample
+    with one request, and the caption's text row names that record."""
 
     def __init__(self, make_encoder: Callable[..., Encoder], dtype: str, cache: str, storage_options: dict | None,
-                 batch_size: int, threads: int | None = None, crops: int = 1, flip: bool = False):
+                 batch_size: int, threads: int | None = None, crops: int = 1, flip: bool = False,
+                 make_text: Callable[..., Encoder] | None = None, text_batch_size: int = 128):
         super().__init__(make_encoder, dtype, cache, storage_options, threads)
         self.batch_size, self.crops, self.flips = batch_size, crops, 2 if flip else 1
+        self.make_text, self.text_batch_size = make_text, text_batch_size
+        self.text_encoder: Encoder | None = None
+
+    def _texts(self, rows: list[dict]) -> dict[int, TextRecord]:
+        """The text records of the inline captions of ``rows``, by caption key (encoded here)."""
+        wanted = [(r["caption_key"], r["caption"]) for r in rows if r.get("text_inline")]
+        if not wanted:
+            return {}
+        assert self.make_text is not None, "inline captions need the text encoders"
+        out: dict[int, TextRecord] = {}
+        for start in range(0, len(wanted), self.text_batch_size):
+            batch = wanted[start : start + self.text_batch_size]
+            with self.lock:
+                if self.text_encoder is None:
+                    self.text_encoder = self.make_text(use_gpu=self.use_gpu)
+                encoded = self.text_encoder.encode([c for _, c in batch])
+                for (key, _), (tokens, pooled) in zip(batch, encoded):
+                    out[key] = TextRecord(caption_key=key, tokens=tuple(to_storage(t, self.dtype) for t in tokens),
+                                          pooled=None if pooled is None else to_storage(pooled, self.dtype),
+                                          dtype=self.dtype)  # fmt: skip
+        return out
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         encoder = self._load()
@@ -361,6 +398,7 @@ class LatentWriter(_EncoderActor):
                      if item.get("cond_pixels") else None)  # fmt: skip
             shard = ShardWriter("samples", max_records=rows.num_rows + 1, max_bytes=1 << 62)
             meta = rows.to_pylist()
+            texts = self._texts(meta)
             for start in range(0, rows.num_rows, self.batch_size):
                 views = variant_pixels(pixels[start : start + self.batch_size], f)  # (b * V, H, W, 3)
                 n = len(views)
@@ -377,47 +415,18 @@ class LatentWriter(_EncoderActor):
                         r, item["bucket"], self.dtype, latents[j * v : (j + 1) * v],
                         None if conds is None else latents[n + j * v : n + (j + 1) * v],
                         None if stds is None else stds[j * v], f)  # fmt: skip
-                    shard.append(encode_sample(record), sample_id=r["sample_id"], caption_key=r["caption_key"],
-                                 caption_keys=r["caption_keys"], bucket=item["bucket"],
-                                 source_key=r["source_key"])  # fmt: skip
+                    inline = bool(r.get("text_inline"))
+                    if inline:
+                        record = replace(record, text=texts[r["caption_key"]])
+                    shard.append(encode_sample(record, inline_text=inline), sample_id=r["sample_id"],
+                                 caption_key=r["caption_key"], caption_keys=r["caption_keys"], bucket=item["bucket"],
+                                 source_key=r["source_key"], text_inline=inline)  # fmt: skip
             samples, size = self._result("samples", shard)
             out.append({"unit": item["unit"], "samples": samples, "errors": item["errors"], "shard_bytes": size,
                         "worker": self.worker})  # fmt: skip
         return pa.Table.from_pylist(out, schema=pa.schema([("unit", pa.string()), ("samples", pa.binary()),
                                                           ("errors", pa.binary()), ("shard_bytes", pa.int64()),
                                                           ("worker", pa.string())]))  # fmt: skip
-
-
-def variant_pixels(pixels: np.ndarray, flips: int) -> np.ndarray:
-    """``(b, K, H, W, 3)`` crops -> ``(b * K * flips, H, W, 3)`` variants, variant ``v`` = crop ``v // flips``,
-    mirrored left-right when ``v % flips``."""
-    if flips == 1:
-        return pixels.reshape(-1, *pixels.shape[2:])
-    both = np.stack([pixels, pixels[:, :, :, ::-1]], axis=2)  # (b, K, 2, H, W, 3)
-    return both.reshape(-1, *pixels.shape[2:])
-
-
-def sample_record(row: dict, bucket: str, dtype: str, latents: np.ndarray, conds: np.ndarray | None,
-                  std: np.ndarray | None, flips: int) -> SampleRecord:
-    """One sample's record from its ``(V, C, h, w)`` variant latents (and its conditioning image's):
-    variant 0 in ``latent``, the others in ``variant_latents``; a mirrored variant's crop box is
-    mirrored as SDXL expects (``left -> resized_w - left - target_w``)."""
-    bw, bh = parse_bucket(bucket)
-    crops = np.asarray(row["crops"], np.int32).reshape(-1, 2)  # (K, 2) (top, left)
-    boxes = np.repeat(crops, flips, axis=0)  # (V, 2)
-    flipped = np.tile(np.arange(flips, dtype=np.uint8), len(crops))  # (V,)
-    boxes[flipped == 1, 1] = row["resized_w"] - boxes[flipped == 1, 1] - bw
-    several = len(latents) > 1
-    return SampleRecord(
-        sample_id=row["sample_id"], bucket=bucket, latent=latents[0], dtype=dtype,
-        original_size=(row["original_h"], row["original_w"]), resized_size=(row["resized_h"], row["resized_w"]),
-        crop_top_left=(row["crop_top"], row["crop_left"]), target_size=(bh, bw), caption_key=row["caption_key"],
-        caption_keys=None if row.get("caption_keys") is None else tuple(row["caption_keys"]),  # identity: every caption
-        latent_std=std, cond_latent=None if conds is None else conds[0],
-        variant_latents=latents[1:] if several else None,
-        variant_cond_latents=conds[1:] if several and conds is not None else None,
-        variant_crops=boxes if several else None, variant_flips=flipped if several else None,
-    )  # fmt: skip
 
 
 class TextWriter(_EncoderActor):
