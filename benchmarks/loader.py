@@ -173,28 +173,20 @@ def read_ours(root: str, storage_options: dict | None) -> int:
     from train.config import TrainConfig
     from train.data import BatchLoader, rank_steps
 
-    cfg = TrainConfig()
+    cfg = TrainConfig()  # the trainer's defaults, passed as train/setup.py passes them
     reader = CacheReader(f"{root}/cache", storage_options)
     steps = rank_steps(f"{root}/plan", 0, storage_options)
     loader = BatchLoader(reader, steps, reader.meta.latent, prefetch=cfg.prefetch, read_threads=cfg.read_threads,
-                         **_ours_extra(cfg))  # fmt: skip
+                         **{k: v for k, v in (("widen", getattr(cfg, "loader_float32", None)),
+                                              ("read_ahead_mb", getattr(cfg, "read_ahead_mb", None))) if v is not None})
     n = 0
     for batch in loader:
         if n == 0:
-            latents = batch.latents.float() / reader.meta.latent.scaling_factor  # the stored latent, unscaled
+            batch = batch.to("cpu")  # what the trainer's device gets: widened, scaled
+            latents = batch.latents / reader.meta.latent.scaling_factor  # the stored latent, unscaled
             _check([i - 1 for i in batch.sample_ids], latents, batch.text, batch.pooled)
         n += len(batch.sample_ids)
     return n
-
-
-def _ours_extra(cfg) -> dict:
-    """The trainer's read-ahead settings this version of BatchLoader takes (older ones take none)."""
-    import inspect
-
-    from train.data import BatchLoader
-
-    names = inspect.signature(BatchLoader).parameters
-    return {k: getattr(cfg, k) for k in ("read_ahead_mb", "read_workers") if k in names and hasattr(cfg, k)}
 
 
 def read_litdata(root: str, storage_options: dict | None) -> int:
