@@ -3,6 +3,7 @@
     python benchmarks/loader.py                                # smoke: 128 and 384 samples, 1 round (~2 min)
     python benchmarks/loader.py --sizes 512,2048 --rounds 3    # the comparison of issue 24
     python benchmarks/loader.py --stores local --tools ours    # one side only
+    python benchmarks/loader.py --decode-scaling 2             # read+decode: threads vs processes
 
 Needs ``pip install -e .[bench]`` (LitData, Mosaic Streaming; benchmark-only, never runtime deps).
 
@@ -330,6 +331,50 @@ def start_s3() -> tuple[subprocess.Popen, str]:
             time.sleep(0.2)
 
 
+# ---------------------------------------------------------------- threads or processes
+
+
+def _decode_share(root: str, share: list[list[int]]) -> int:
+    from manifests.cache import CacheReader
+    from train.data import PlanStep, collate
+
+    reader = _READER.get(root) or _READER.setdefault(root, CacheReader(f"{root}/cache"))
+    for ids in share:
+        collate(reader.read(ids), PlanStep(0, 0, BUCKET, tuple(ids)), layout=reader.meta.text_layout,
+                scaling_factor=1.0, shift_factor=0.0, widen=False)  # fmt: skip
+    return sum(len(ids) for ids in share)
+
+
+_READER: dict = {}
+
+
+def decode_scaling(root: str, workers: int) -> None:
+    """The loader's read + decode + collate of every sample of a local cache: one thread, ``workers``
+    threads, ``workers`` forked processes (each reads its own share: nothing read is pickled)."""
+    import multiprocessing
+    from concurrent.futures import ThreadPoolExecutor
+
+    from manifests.cache import CacheReader
+
+    ids = CacheReader(f"{root}/cache").sample_ids.tolist()
+    batches = [ids[i : i + BATCH] for i in range(0, len(ids), BATCH)]
+    shares = [batches[k::workers] for k in range(workers)]
+    _decode_share(root, batches[:2])  # warm: page cache, imports
+    for name in ("1 thread", f"{workers} threads", f"{workers} processes"):
+        cpu0, t0 = _cpu(), time.perf_counter()
+        if name == "1 thread":
+            n = _decode_share(root, batches)
+        elif "threads" in name:
+            with ThreadPoolExecutor(workers) as pool:
+                n = sum(pool.map(_decode_share, [root] * workers, shares))
+        else:
+            with multiprocessing.get_context("fork").Pool(workers) as pool:
+                n = sum(pool.starmap(_decode_share, [(root, share) for share in shares]))
+        seconds, cpu = time.perf_counter() - t0, _cpu() - cpu0
+        print(f"decode {name}: {n / seconds:,.0f} samples/s, {cpu / n * 1000:.2f} CPU-ms/sample "
+              f"(load {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
+
+
 # ---------------------------------------------------------------- driver
 
 
@@ -348,6 +393,8 @@ def main() -> None:
     p.add_argument("--stores", default="local,s3")
     p.add_argument("--tools", default=",".join(TOOLS))
     p.add_argument("--work", default=None, help="folder for the datasets (default: a temporary one)")
+    p.add_argument("--decode-scaling", type=int, metavar="K", default=0,
+                   help="only measure ours' read+decode in 1 thread, K threads, K processes (local, --sizes' larger)")
     p.add_argument("--child", choices=TOOLS, help=argparse.SUPPRESS)
     p.add_argument("--root", help=argparse.SUPPRESS)
     p.add_argument("--endpoint", help=argparse.SUPPRESS)
@@ -363,6 +410,8 @@ def main() -> None:
     tools, stores = args.tools.split(","), args.stores.split(",")
     work = args.work or tempfile.mkdtemp(prefix="bench-loader-")
     server = None
+    if args.decode_scaling:
+        tools, stores, sizes = ["ours"], [], sizes[1:]
     try:
         t = time.perf_counter()
         for n in sizes:
@@ -372,6 +421,8 @@ def main() -> None:
                     WRITERS[tool](f"{work}/n{n}", n)
                     open(f"{work}/n{n}/.{tool}-done", "w").close()
         print(f"wrote {sizes} samples with {tools} in {time.perf_counter() - t:.0f} s under {work}", flush=True)
+        if args.decode_scaling:
+            return decode_scaling(f"{work}/n{sizes[0]}", args.decode_scaling)
         endpoint = None
         if "s3" in stores:
             server, endpoint = start_s3()
