@@ -46,6 +46,7 @@ ours / theirs, then CPU-seconds per sample of each.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import resource
@@ -55,6 +56,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -93,13 +95,19 @@ def write_ours(root: str, n: int) -> None:
                      "encoders": [{"id": "clip-l", "hidden_size": 768, "max_length": 77},
                                   {"id": "clip-g", "hidden_size": 1280, "max_length": 77}]}}  # fmt: skip
     writer = CacheWriter(f"{root}/cache", {"synthetic": [n, *LATENT, *TEXT]}, info=info)
+    # a caption of one sample goes inside its record where this bucketeer can (one read per sample), as embed does
+    inline = "text_inline" in inspect.signature(writer.add_sample).parameters
     for i in range(n):
         latent, text, pooled = sample_tensors(i)
         key = 1_000_000 + i
-        writer.add_text(key, encode_text(TextRecord(key, (text[:, :768].copy(), text[:, 768:].copy()), pooled,
-                                                    "BF16")))  # fmt: skip
+        caption = TextRecord(key, (text[:, :768].copy(), text[:, 768:].copy()), pooled, "BF16")
         record = SampleRecord(i + 1, BUCKET, latent, "BF16", (512, 512), (512, 512), (0, 0), (512, 512), key)
-        writer.add_sample(i + 1, encode_sample(record), key, BUCKET)
+        if inline:
+            writer.add_sample(i + 1, encode_sample(replace(record, text=caption), inline_text=True), key, BUCKET,
+                              text_inline=True)  # fmt: skip
+        else:
+            writer.add_text(key, encode_text(caption))
+            writer.add_sample(i + 1, encode_sample(record), key, BUCKET)
     writer.finish()
     write_plan(f"{root}/plan", [DatasetSamples(np.arange(1, n + 1, dtype=np.uint64), [BUCKET] * n,
                                                manifest_fingerprint="benchmark")],
@@ -178,8 +186,7 @@ def read_ours(root: str, storage_options: dict | None) -> int:
     reader = CacheReader(f"{root}/cache", storage_options)
     steps = rank_steps(f"{root}/plan", 0, storage_options)
     loader = BatchLoader(reader, steps, reader.meta.latent, prefetch=cfg.prefetch, read_threads=cfg.read_threads,
-                         **{k: v for k, v in (("widen", getattr(cfg, "loader_float32", None)),
-                                              ("read_ahead_mb", getattr(cfg, "read_ahead_mb", None))) if v is not None})
+                         widen=cfg.loader_float32, read_ahead_mb=cfg.read_ahead_mb)  # fmt: skip
     n = 0
     for batch in loader:
         if n == 0:
