@@ -25,7 +25,7 @@ FLOORS_VENV ?= .venv-floors
 FLOORS_PY := $(FLOORS_VENV)/bin/python
 FLOORS_PYTEST_ARGS ?= -m "not slow"
 
-.PHONY: install demo test test-floors bench gpu-check test-gpu clean
+.PHONY: install demo test test-floors bench bench-deps gpu-check test-gpu clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -58,7 +58,12 @@ $(FLOORS_VENV)/.installed: pyproject.toml .ci/floors.py
 test-floors: $(FLOORS_VENV)/.installed
 	PYTHONDONTWRITEBYTECODE= $(FLOORS_PY) -m pytest $(XDIST) $(FLOORS_PYTEST_ARGS)
 
-bench: install
+# benchmarks/loader.py's peers, without their deps (see the bench extra in pyproject.toml for why)
+bench-deps: install
+	$(PY) -m pip install -q -e ".[bench]"
+	$(PY) -m pip install -q --no-deps "litdata==0.2.76" "mosaicml-streaming==0.13.0"
+
+bench: install bench-deps
 	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done
 
 # On a GPU machine: make install TORCH_SPEC="torch>=2.4", plus `pip install deepspeed torchvision` for the ZeRO

@@ -226,3 +226,25 @@ def test_truncate_records_drops_steps_taken_after_the_checkpoint(tmp_path):
     kept = [json.loads(line) for line in (tmp_path / "rank-0.jsonl").read_text().splitlines()]
     assert [(r["epoch"], r["step"]) for r in kept] == [(0, 0), (0, 1), (0, 2), (1, 0)]
     assert cursor.after(1, 1, optimizer_steps=5) == Cursor(1, 2, 2, 5, 5, "p", "f", "f")
+
+
+def test_group_reads_and_stored_dtype_batches_equal_lone_float32_steps_on_the_device(train_data):
+    reader = CacheReader(train_data.cache)
+    steps = list(rank_steps(train_data.plan1, 0))  # 60 steps, three buckets
+    lone = list(BatchLoader(reader, steps, reader.meta.latent, read_ahead_mb=0))  # float32 on the CPU, step by step
+    calls: list[int] = []
+    grouped = CacheReader(train_data.cache)
+    read = grouped.read
+    grouped.read = lambda ids, *a: calls.append(len(ids)) or read(ids, *a)
+    loader = BatchLoader(grouped, steps, reader.meta.latent, widen=False)
+    assert loader.read_ahead() == (256, 32)  # tiny records: the most steps ahead, in the largest groups
+    stored = list(loader)
+    assert len(calls) < 10 and max(calls) > 4 * len(steps[0].sample_ids)  # records of many steps per read
+    assert stored[0].pending is not None and stored[0].latents.dtype == torch.bfloat16
+    for a, b in zip(lone, stored, strict=True):
+        b = b.to("cpu")  # widened and scaled where the model is: here the CPU
+        assert (a.epoch, a.step, a.sample_ids, a.variants) == (b.epoch, b.step, b.sample_ids, b.variants)
+        for name in ("latents", "text", "text_mask", "resolution", "aspect_ratio", "crop_top_left", "target_size",
+                     "pooled", "cond_latents"):  # fmt: skip
+            x, y = getattr(a, name), getattr(b, name)
+            assert (x is None and y is None) or (x.dtype == y.dtype == torch.float32 and torch.equal(x, y)), name

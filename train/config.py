@@ -55,6 +55,12 @@ class TrainConfig:
     log_every: int = 10  # plan steps
     prefetch: int = 4  # batches read ahead of the model
     read_threads: int = 2  # of those, batches being read at once (concurrent ranged reads + decode)
+    # records read ahead of the model, per rank, in MB: the loader reads groups of steps at once so that ranges
+    # close in a shard merge into one request across steps (at least `prefetch` steps ahead whatever the budget)
+    read_ahead_mb: float = 256
+    # widen latents and text to float32 (and scale the latents) on the CPU in the loader; false: hand the
+    # stored bf16 to the device and widen there (half the bytes to copy, no loader CPU; the same values)
+    loader_float32: bool = False
     model: dict[str, Any] = field(default_factory=dict)
     # what is trained (train/recipes/): the family's recipe and where its weights start
     family: str | None = None  # the cache's family; set, it must agree (a check that the right cache is passed)
@@ -89,6 +95,7 @@ class TrainConfig:
             (self.log_every >= 1, "log_every must be >= 1"),
             (self.prefetch >= 1, "prefetch must be >= 1"),
             (1 <= self.read_threads <= self.prefetch, "read_threads must be between 1 and prefetch"),
+            (self.read_ahead_mb >= 0, "read_ahead_mb must be >= 0 (0: read prefetch steps ahead)"),
             (self.max_grad_norm > 0, "max_grad_norm must be > 0"),
             (len(self.adam_betas) == 2, "adam_betas must be two numbers, e.g. [0.9, 0.999]"),
             (0.0 <= self.caption_dropout < 1.0, "caption_dropout must be in [0, 1)"),

@@ -188,7 +188,8 @@ def setup_data(job: TrainJob, launch: Launch, position: Position) -> Data:
                          skip_bad_records=job.skip_bad_records, pin_memory=accelerator.device.type == "cuda",
                          log=lambda line: print(redact(line), file=sys.stderr, flush=True),
                          caption_dropout=cfg.caption_dropout, seed=cfg.seed,
-                         posterior_sampling=cfg.posterior_sampling)  # fmt: skip
+                         posterior_sampling=cfg.posterior_sampling, widen=cfg.loader_float32,
+                         read_ahead_mb=cfg.read_ahead_mb)  # fmt: skip
     return Data(reader, steps, loader, reader.meta.family or "generic")
 
 

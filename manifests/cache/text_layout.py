@@ -118,25 +118,33 @@ class TextLayout:
         return None
 
     def prompt_embeds(
-        self, texts: Sequence[TextRecord], pad_to: int | None = None
+        self, texts: Sequence[TextRecord], pad_to: int | None = None, widen: bool = True
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """Join a batch of text records: ``(embeds (B, L, D), mask (B, L), pooled (B, P) or None)``, float32.
 
         Unmasked layouts give exactly the family pipeline's ``encode_prompt`` output, mask all ones.
         Masked layouts pad to ``pad_to`` rows (default: the batch's longest part), zeros past each
-        part's tokens, mask 1 where any part has a token. Raises ValueError for a record that does
-        not fit the layout (see :meth:`check`).
+        part's tokens, mask 1 where any part has a token. ``widen=False``: ``embeds`` and ``pooled``
+        stay in the records' stored dtype (BF16 as uint16 bits; zero bits are 0.0 in every float
+        format), which must then be one for the batch (else AssertionError). Raises ValueError for a
+        record that does not fit the layout (see :meth:`check`).
         """
         for record in texts:
             problem = self.check(record)
             if problem:
                 raise UsageError(f"text record {record.caption_key}: {problem}; run `bucketeer verify`")
         rows = [[t.shape[0] for t in r.tokens] for r in texts]
-        parts = [[to_float32(t, r.dtype) for t in r.tokens] for r in texts]
+        if widen:
+            parts = [[to_float32(t, r.dtype) for t in r.tokens] for r in texts]
+            out = np.dtype(np.float32)
+        else:
+            assert len({r.dtype for r in texts}) == 1, "one stored text dtype per batch, or widen"
+            parts = [list(r.tokens) for r in texts]
+            out = parts[0][0].dtype
         if self.join == "features":
             length = max(max(n) for n in rows) if self.masked else self.length
             length = max(length, pad_to or 0)
-            embeds = np.zeros((len(texts), length, self.width), np.float32)  # (B, L, D)
+            embeds = np.zeros((len(texts), length, self.width), out)  # (B, L, D)
             mask = np.zeros((len(texts), length), np.float32)  # (B, L)
             for b, record_parts in enumerate(parts):
                 col = 0
@@ -146,7 +154,7 @@ class TextLayout:
                     col += part.shape[1]
         else:  # sequence: the features of all but the last part, zero-padded to its width, then the last
             head = max(self.lengths[:-1])
-            embeds = np.zeros((len(texts), self.length, self.width), np.float32)  # (B, L, D)
+            embeds = np.zeros((len(texts), self.length, self.width), out)  # (B, L, D)
             for b, record_parts in enumerate(parts):
                 col = 0
                 for part in record_parts[:-1]:
@@ -156,5 +164,5 @@ class TextLayout:
             mask = np.ones(embeds.shape[:2], np.float32)
         pooled = None
         if self.pooled_dim is not None:
-            pooled = np.stack([to_float32(r.pooled, r.dtype) for r in texts])  # (B, P)
+            pooled = np.stack([to_float32(r.pooled, r.dtype) if widen else r.pooled for r in texts])  # (B, P)
         return embeds, mask, pooled

@@ -7,6 +7,7 @@ no per-sample objects). See :mod:`train.data` for why this is not a DataLoader.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -23,7 +24,11 @@ from manifests.storage import redact
 from train.data.draws import caption_dropout_mask, draw_posterior, variant_choice
 from train.data.steps import PlanStep, RankSteps
 
-__all__ = ["Batch", "BadRecordError", "collate", "BatchLoader"]
+__all__ = ["Batch", "BadRecordError", "collate", "BatchLoader", "READ_AHEAD_MB"]
+
+READ_AHEAD_MB = 256  # default budget of records read ahead of the model, per rank
+MAX_AHEAD_STEPS = 256  # never more steps ahead than this, however small the records
+MAX_GROUP_STEPS = 32  # steps fetched by one batched read (its ranges merged across the steps)
 
 TENSORS = ("latents", "text", "text_mask", "resolution", "aspect_ratio", "crop_top_left", "target_size", "pooled",
            "cond_latents")
@@ -50,6 +55,12 @@ class Batch:
     ``variants`` (B,): the variant each sample trains on (:func:`variant_choice`; 0 without variants).
     ``dropped``: ids whose caption was replaced by the empty one (caption dropout). ``skipped``: ids
     dropped as bad records (only with ``skip_bad_records``).
+
+    ``pending`` ``(shift, scale)``: the batch is as stored (``collate(widen=False)``: latents, text and
+    pooled in the cache's dtype, bf16 as ``torch.bfloat16``, latents not yet scaled): :meth:`to`
+    widens them to float32 and scales the latents on the target device, where the model is, which
+    moves half the bytes and spends no loader CPU. None: already float32 and scaled. Widening is
+    exact and the scaling the same float32 ops, so the tensors on the device are identical.
     """
 
     epoch: int
@@ -69,6 +80,7 @@ class Batch:
     dropped: list[int] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)
     datasets: list[int] | None = None  # mixture plans: the dataset of each of sample_ids
+    pending: tuple[float, float] | None = None  # (shift, scale) still to apply, with the widening, in to()
 
     @property
     def latent_positions(self) -> int:
@@ -77,19 +89,39 @@ class Batch:
         return b * h * w
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
+        """This batch on ``device``, float32 and scaled (a stored-dtype batch is widened there)."""
         move = {k: getattr(self, k).to(device, non_blocking=non_blocking)
                 for k in TENSORS if getattr(self, k) is not None}  # fmt: skip
-        return replace(self, **move)
+        if self.pending is not None:
+            shift, scale = self.pending
+            for k in ("latents", "cond_latents"):  # the same float32 ops collate(widen=True) does on the CPU
+                if k in move:
+                    move[k] = (move[k].float() - shift) * scale
+            for k in ("text", "pooled"):
+                if k in move:
+                    move[k] = move[k].float()
+        return replace(self, **move, pending=None)
 
     def pin_memory(self) -> "Batch":
         return replace(self, **{k: getattr(self, k).pin_memory() for k in TENSORS if getattr(self, k) is not None})
 
 
+def stored_tensor(array: np.ndarray, tag: str) -> torch.Tensor:
+    """A stored array as a torch tensor of its dtype without widening (BF16 bits -> ``torch.bfloat16``)."""
+    array = np.ascontiguousarray(array)
+    if tag == "BF16":
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
 def collate(
-    records: Sequence[SampleRecord], step: PlanStep, *, layout: TextLayout, scaling_factor: float, shift_factor: float
-) -> Batch:
+    records: Sequence[SampleRecord], step: PlanStep, *, layout: TextLayout, scaling_factor: float, shift_factor: float,
+    widen: bool = True,
+) -> Batch:  # fmt: skip
     """Stack one step's records (one bucket) into a :class:`Batch`; ``layout``: the cache's text layout.
 
+    ``widen=False``: keep the stored dtype and leave widening and scaling to :meth:`Batch.to` (on the
+    device); a batch whose records differ in dtype (posterior draws beside means) is widened here.
     Raises ValueError when a record's bucket is not the plan's (plan and cache from different
     manifests) or a record has no text embeddings, or text that does not fit ``layout``.
     """
@@ -100,15 +132,38 @@ def collate(
                              "plan and cache come from different manifests")  # fmt: skip
         if r.text is None:
             raise UsageError(f"sample {r.sample_id} has no text embeddings in the cache; run `bucketeer verify`")
+    has_cond = any(r.cond_latent is not None for r in records)
+    if has_cond and not all(r.cond_latent is not None for r in records):
+        raise UsageError(f"epoch {step.epoch} step {step.step}: some samples have a conditioning latent and "
+                         "some not; the cache mixes records of two embeds. Run `bucketeer verify`")  # fmt: skip
+    if not widen and len({r.dtype for r in records}) == 1 and len({r.text.dtype for r in records}) == 1:
+        return _collate_stored(records, step, layout, has_cond, (shift_factor, scaling_factor))
     latents = np.stack([to_float32(r.latent, r.dtype) for r in records])  # (B, C, h, w)
     latents = (latents - shift_factor) * scaling_factor
     conds = None
-    if any(r.cond_latent is not None for r in records):
-        if not all(r.cond_latent is not None for r in records):
-            raise UsageError(f"epoch {step.epoch} step {step.step}: some samples have a conditioning latent and "
-                             "some not; the cache mixes records of two embeds. Run `bucketeer verify`")  # fmt: skip
+    if has_cond:
         conds = (np.stack([to_float32(r.cond_latent, r.dtype) for r in records]) - shift_factor) * scaling_factor
     text, mask, pooled = layout.prompt_embeds([r.text for r in records])  # (B, L, D), (B, L), (B, P) | None
+    return _batch(records, step, torch.from_numpy(np.ascontiguousarray(latents, np.float32)), torch.from_numpy(text),
+                  mask, None if pooled is None else torch.from_numpy(pooled),
+                  None if conds is None else torch.from_numpy(np.ascontiguousarray(conds, np.float32)))  # fmt: skip
+
+
+def _collate_stored(records: Sequence[SampleRecord], step: PlanStep, layout: TextLayout, has_cond: bool,
+                    pending: tuple[float, float]) -> Batch:  # fmt: skip
+    """:func:`collate` without widening: tensors in the records' one stored dtype, scaling ``pending``."""
+    tag, text_tag = records[0].dtype, records[0].text.dtype
+    latents = stored_tensor(np.stack([r.latent for r in records]), tag)  # (B, C, h, w)
+    conds = stored_tensor(np.stack([r.cond_latent for r in records]), tag) if has_cond else None
+    text, mask, pooled = layout.prompt_embeds([r.text for r in records], widen=False)  # stored dtype
+    batch = _batch(records, step, latents, stored_tensor(text, text_tag), mask,
+                   None if pooled is None else stored_tensor(pooled, text_tag), conds)  # fmt: skip
+    batch.pending = pending
+    return batch
+
+
+def _batch(records: Sequence[SampleRecord], step: PlanStep, latents: torch.Tensor, text: torch.Tensor,
+           mask: np.ndarray, pooled: torch.Tensor | None, conds: torch.Tensor | None) -> Batch:  # fmt: skip
     geometry = np.asarray([(*r.original_size, *r.crop_top_left, *r.target_size) for r in records], np.float32)
     aspect = geometry[:, 4:5] / geometry[:, 5:6]  # (B, 1) bucket height / width
     return Batch(
@@ -116,15 +171,15 @@ def collate(
         step=step.step,
         bucket=step.bucket,
         sample_ids=[r.sample_id for r in records],
-        latents=torch.from_numpy(np.ascontiguousarray(latents, np.float32)),
-        text=torch.from_numpy(text),
+        latents=latents,
+        text=text,
         text_mask=torch.from_numpy(mask),
         resolution=torch.from_numpy(np.ascontiguousarray(geometry[:, 0:2])),  # (B, 2) original (h, w)
         aspect_ratio=torch.from_numpy(np.ascontiguousarray(aspect)),
         crop_top_left=torch.from_numpy(np.ascontiguousarray(geometry[:, 2:4])),
         target_size=torch.from_numpy(np.ascontiguousarray(geometry[:, 4:6])),
-        pooled=None if pooled is None else torch.from_numpy(pooled),
-        cond_latents=None if conds is None else torch.from_numpy(np.ascontiguousarray(conds, np.float32)),
+        pooled=pooled,
+        cond_latents=conds,
     )
 
 
@@ -162,9 +217,12 @@ class BatchLoader:
         caption_dropout: float = 0.0,
         seed: int = 0,
         posterior_sampling: bool = True,
+        widen: bool = True,
+        read_ahead_mb: float = READ_AHEAD_MB,
     ):
-        if prefetch < 1 or read_threads < 1:
-            raise UsageError(f"prefetch ({prefetch}) and read_threads ({read_threads}) must be >= 1")
+        if prefetch < 1 or read_threads < 1 or read_ahead_mb < 0:
+            raise UsageError(f"prefetch ({prefetch}) and read_threads ({read_threads}) must be >= 1, read_ahead_mb "
+                             f"({read_ahead_mb}) >= 0")  # fmt: skip
         self.readers = [reader] if isinstance(reader, CacheReader) else list(reader)
         self.reader = reader = self.readers[0]
         self.steps = steps if isinstance(steps, RankSteps) else list(steps)
@@ -185,6 +243,8 @@ class BatchLoader:
         self.skipped = 0
         self.caption_dropout, self.seed = caption_dropout, seed
         self.posterior_sampling = posterior_sampling
+        self.widen = widen
+        self.read_ahead_bytes = int(read_ahead_mb * (1 << 20))
         self.empty_text = None
         if caption_dropout > 0:
             key = reader.meta.text.empty_caption_key if reader.meta.text else None
@@ -226,11 +286,45 @@ class BatchLoader:
         if len(missing):
             self.log(f"rank {self.rank}: {len(missing)} planned samples are not in the cache; they will be skipped")
 
-    def _read(self, step: PlanStep) -> Batch:
-        """One step's batch (runs on a reading thread; touches no loader state)."""
-        sets = [0] * len(step.sample_ids) if step.dataset is None else step.dataset.tolist()
+    def _read_group(self, steps: list[PlanStep]) -> list[Batch | BaseException]:
+        """The batches of consecutive ``steps`` (runs on a reading thread; touches no loader state): every
+        record of the group in one batched read per cache, so the reader merges ranges that fall close
+        in a shard across the steps (:func:`manifests.cache.merge_reads`), then each step's batch. A
+        step's error is its item, raised by the consumer at that step; a bad record anywhere in the
+        group makes each step read its own records, so errors and skips are exactly a lone step's."""
+        sizes = [len(s.sample_ids) for s in steps]
         try:
-            records = self._fetch(step.sample_ids, sets, step.caption_index)
+            records = self._fetch([i for s in steps for i in s.sample_ids], self._sets(steps),
+                                  self._caption_index(steps)) if len(steps) > 1 else None  # fmt: skip
+        except CacheError:
+            records = None
+        except Exception as e:  # storage: raised at the group's first step
+            return [e] * len(steps)
+        out: list[Batch | BaseException] = []
+        for k, step in enumerate(steps):
+            mine = None if records is None else records[sum(sizes[:k]) : sum(sizes[: k + 1])]
+            try:
+                out.append(self._read(step, mine))
+            except Exception as e:
+                out.append(e)
+        return out
+
+    @staticmethod
+    def _sets(steps: list[PlanStep]) -> list[int]:
+        return [d for s in steps for d in ([0] * len(s.sample_ids) if s.dataset is None else s.dataset.tolist())]
+
+    @staticmethod
+    def _caption_index(steps: list[PlanStep]) -> np.ndarray | None:
+        if all(s.caption_index is None for s in steps):
+            return None
+        return np.concatenate([np.zeros(len(s.sample_ids), np.uint8) if s.caption_index is None else s.caption_index
+                               for s in steps])  # fmt: skip
+
+    def _read(self, step: PlanStep, fetched: list[SampleRecord] | None = None) -> Batch:
+        """One step's batch from its records (``fetched``, or read now); touches no loader state."""
+        sets = self._sets([step])
+        try:
+            records = fetched if fetched is not None else self._fetch(step.sample_ids, sets, step.caption_index)
             skipped: list[int] = []
         except CacheError as e:
             if not self.skip_bad_records:
@@ -262,7 +356,7 @@ class BatchLoader:
             records = [replace(r, text=self.empty_text) if d else r for r, d in zip(records, drop)]
             dropped = [r.sample_id for r, d in zip(records, drop) if d]
         batch = collate(records, step, layout=self.layout, scaling_factor=self.scaling_factor,
-                        shift_factor=self.shift_factor)
+                        shift_factor=self.shift_factor, widen=self.widen)
         batch.skipped, batch.dropped, batch.variants = skipped, dropped, chosen.tolist()
         batch.datasets = None if step.dataset is None else [int(d) for d in sets]
         return batch.pin_memory() if self.pin_memory else batch
@@ -282,25 +376,55 @@ class BatchLoader:
                 out[p] = record
         return out  # type: ignore[return-value]
 
+    def read_ahead(self) -> tuple[int, int]:
+        """``(steps ahead, steps per group read)``: as many steps as ``read_ahead_mb`` holds (at least
+        ``prefetch``, at most :data:`MAX_AHEAD_STEPS`), in groups of about a ``read_threads + 1``-th."""
+        sizes = self.reader.meta.bytes
+        per_sample = (sizes.per_sample or 0) + (sizes.per_caption or 0) if sizes else 0
+        if isinstance(self.steps, RankSteps):
+            batch = self.steps.meta.inputs.batch_size or 16  # a token-budget plan: a typical batch
+        else:
+            batch = len(self.steps[0].sample_ids) if self.steps else 1
+        per_step = 2 * batch * (per_sample or 1 << 20)  # fetched bytes and decoded arrays, held at once
+        steps = min(max(self.prefetch, self.read_ahead_bytes // per_step), MAX_AHEAD_STEPS)
+        return steps, max(1, min(steps // (self.read_threads + 1), MAX_GROUP_STEPS))
+
     def __iter__(self) -> Iterator[Batch]:
         assert self._pool is None, "a BatchLoader is iterated once"
         self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix=f"bucketeer-read-{self.rank}")
         todo = iter(self._planned())
-        ahead: deque[Future[Batch]] = deque()  # reads in plan order: running, queued or done
+        steps_ahead, group = self.read_ahead()
+        ahead: deque[tuple[int, Future[list[Batch | BaseException]]]] = deque()  # groups in plan order
+        size, queued = 1, 0  # the first groups grow 1, 2, 4... steps: the first batch waits for one step only
 
         def read_next() -> None:
-            step = next(todo, None)
-            if step is not None:
-                ahead.append(self._pool.submit(self._read, step))
+            nonlocal size, queued
+            while queued < steps_ahead:
+                try:
+                    steps = list(itertools.islice(todo, size))
+                except Exception as e:  # the next epoch's rows: raised after the steps before it
+                    failed: Future[list[Batch | BaseException]] = Future()
+                    failed.set_result([e])
+                    ahead.append((0, failed))
+                    queued = steps_ahead
+                    return
+                if not steps:
+                    return
+                ahead.append((len(steps), self._pool.submit(self._read_group, steps)))
+                queued += len(steps)
+                size = min(2 * size, group)
 
         try:
-            for _ in range(self.prefetch):
-                read_next()
+            read_next()
             while ahead:
-                batch = ahead.popleft().result()  # a read's error is raised at its step, not before
+                n, future = ahead.popleft()
+                queued -= n
                 read_next()
-                self.skipped += len(batch.skipped)
-                yield batch
+                for batch in future.result():
+                    if isinstance(batch, BaseException):
+                        raise batch  # a read's error is raised at its step, not before
+                    self.skipped += len(batch.skipped)
+                    yield batch
         finally:
             self.close()
 
