@@ -47,7 +47,8 @@ _CLIENTS = ("auto", "fsspec", "obstore")
 # options obstore expresses; any other key keeps the s3fs client (it may change what a request does)
 _TOP_KEYS = frozenset({"endpoint_url", "key", "secret", "token", "anon", "profile", "client_kwargs", "config_kwargs",
                        "use_listings_cache", "listings_expiry_time", "skip_instance_cache", "default_block_size",
-                       "default_fill_cache", "default_cache_type", "version_aware", "use_ssl", "max_concurrency"})  # fmt: skip
+                       "default_fill_cache", "default_cache_type", "version_aware", "use_ssl",
+                       "max_concurrency"})  # fmt: skip
 _CLIENT_KEYS = frozenset({"endpoint_url", "region_name", "aws_access_key_id", "aws_secret_access_key",
                           "aws_session_token"})  # fmt: skip
 _CONFIG_KEYS = frozenset({"connect_timeout", "read_timeout", "retries", "max_pool_connections"})

@@ -105,7 +105,7 @@ def open_url(url: str, storage_options: dict[str, Any] | None = None) -> tuple[A
     """
     options = dict(storage_options or {})
     if url.startswith(("s3://", "s3a://")):
-        from manifests.s3 import BOTOCORE_RETRIES, SingleAttemptS3FileSystem, storage_timeouts
+        from manifests.s3 import BOTOCORE_RETRIES, storage_timeouts
 
         cls = _s3_client(options)
         if "endpoint_url" in options:

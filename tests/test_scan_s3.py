@@ -161,7 +161,8 @@ def test_access_denied_stops_the_job_and_commits_nothing(s3, dataset, ray_local,
 
 def test_missing_bucket_is_one_clear_line(s3, tmp_path, s3_client):
     out = tmp_path / "m"
-    options = json.dumps({**s3.storage_options, "key": "testing-key-id", "secret": SECRET, "bucketeer_client": s3_client})
+    options = json.dumps({**s3.storage_options, "key": "testing-key-id", "secret": SECRET,
+                          "bucketeer_client": s3_client})  # fmt: skip
     cmd = [sys.executable, "-m", "pipeline.scan", "s3://no-such-bucket-here/ds", "--out", str(out),
            "--storage-options", options]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=120)
