@@ -86,8 +86,18 @@ def obstore_refusal(options: dict[str, Any]) -> str | None:
         unknown.append("version_aware" if options.get("version_aware") else "use_ssl")
     if unknown:
         return f"storage option{'s' * (len(unknown) > 1)} {', '.join(unknown)}"
-    if not _endpoint(options) and not _region(options):
-        return "no region configured for AWS S3 (s3fs finds the bucket's region)"
+    if options.get("profile"):
+        import botocore.session
+
+        if options["profile"] not in botocore.session.Session().available_profiles:
+            return "an AWS profile that is not configured"  # s3fs reports it where it always has
+    if not _endpoint(options):
+        try:
+            region = _region(options)
+        except Exception as e:  # e.g. botocore's ProfileNotFound: s3fs reports it where it always has
+            return f"the AWS configuration ({type(e).__name__})"
+        if not region:
+            return "no region configured for AWS S3 (s3fs finds the bucket's region)"
     return None
 
 
