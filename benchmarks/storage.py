@@ -152,7 +152,8 @@ def _role(pid: int, driver: int) -> str:
         command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
     except OSError:
         return "ray daemons"
-    return "ray workers" if command.startswith("ray::") and "Agent" not in command else "ray daemons"
+    task = command.startswith("ray::") and "Agent" not in command  # its title once it runs tasks
+    return "ray workers" if task or "default_worker.py" in command else "ray daemons"
 
 
 class TreeCPU:
@@ -179,7 +180,7 @@ class TreeCPU:
                     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
                 except OSError:
                     continue
-                role = self.last[pid][0] if pid in self.last else _role(pid, self.driver)
+                role = _role(pid, self.driver)  # read each time: a worker renames itself (setproctitle)
                 self.last[pid] = (role, (int(fields[11]) + int(fields[12])) / tick)  # utime + stime
             self._stop.wait(self.interval)
 
