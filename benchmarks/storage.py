@@ -180,7 +180,8 @@ class TreeCPU:
                     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
                 except OSError:
                     continue
-                role = _role(pid, self.driver)  # read each time: a worker renames itself (setproctitle)
+                # read until it says worker: a worker renames itself (setproctitle), an exiting one has no name
+                role = self.last[pid][0] if self.last.get(pid, ("",))[0] == "ray workers" else _role(pid, self.driver)
                 self.last[pid] = (role, (int(fields[11]) + int(fields[12])) / tick)  # utime + stime
             self._stop.wait(self.interval)
 

@@ -151,6 +151,9 @@ def _store_config(options: dict[str, Any]) -> dict[str, Any]:
     key = options.get("key") or client_kwargs.get("aws_access_key_id")
     secret = options.get("secret") or client_kwargs.get("aws_secret_access_key")
     token = options.get("token") or client_kwargs.get("aws_session_token")
+    if not (key and secret) and not options.get("profile"):  # botocore's chain starts with the environment
+        key, secret = os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY")
+        token = os.environ.get("AWS_SESSION_TOKEN")
     if key and secret:
         out.update(access_key_id=key, secret_access_key=secret, **({"session_token": token} if token else {}))
         return out
@@ -178,21 +181,22 @@ def translate(exc: BaseException, path: str) -> BaseException:
     import obstore.exceptions as oe
 
     full = str(exc)
+    found = _STATUS.search(full.split("\n", 1)[0])
+    status = int(found.group(1)) if found else None
     text = full.split("\n", 1)[0].strip()  # the rest is a Rust debug dump: read here, never shown
     text = re.sub(r"^Generic \w+ error: ", "", text).replace(" - HTTP error: error sending request", "")
     text = text.split(": <?xml", 1)[0]
-    code, message = _XML_CODE.search(full), _XML_MESSAGE.search(full)
-    if code or message:  # the store's own words, as s3fs gives them: "(NoSuchBucket) The specified bucket ..."
-        text += f" ({code.group(1) if code else 'Error'}) {message.group(1) if message else ''}".rstrip()
-    found = _STATUS.search(text)
-    status = int(found.group(1)) if found else None
+    xml_code, xml_message = _XML_CODE.search(full), _XML_MESSAGE.search(full)
+    method = re.search(r"Error performing (\w+) ", text)
+    if xml_message:  # the store's words, as s3fs gives them (with the code, method and status)
+        how = [m.group(1) for m in (xml_code, method) if m] + ([str(status)] if status else [])
+        text = f"{xml_message.group(1)} ({', '.join(how)})"
     if isinstance(exc, (FileNotFoundError, oe.NotFoundError)) or status == 404:
         out: BaseException = FileNotFoundError(errno.ENOENT, text, path)
     elif isinstance(exc, (PermissionError, oe.PermissionDeniedError, oe.UnauthenticatedError)) or status in (401, 403):
         out = PermissionError(errno.EACCES, text, path)
     elif status is not None:
-        code = {503: errno.EBUSY, 429: errno.EBUSY, 500: errno.EREMOTEIO}.get(status, errno.EIO)
-        out = OSError(code, text, path)
+        out = OSError({503: errno.EBUSY, 429: errno.EBUSY, 500: errno.EREMOTEIO}.get(status, errno.EIO), text, path)
     elif "kind: Timeout" in full or "TimedOut" in full or "timed out" in text:
         out = TimeoutError(errno.ETIMEDOUT, f"{text}: no answer in time", path)
     elif "error sending request" in full or "kind: Connect" in full or "connection" in text.lower():
