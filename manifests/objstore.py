@@ -28,6 +28,7 @@ treat both clients alike.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as _dt
 import errno
 import os
@@ -284,6 +285,28 @@ class ObstoreS3FileSystem(SingleAttemptS3FileSystem):
             return bytes(await result.bytes_async())
         except Exception as e:
             raise translate(e, path) from None
+
+    async def _cat_ranges(self, paths: list[str], starts: Any, ends: Any, max_gap: int | None = None,
+                          batch_size: int | None = None, on_error: str = "return", **kwargs: Any) -> list:  # fmt: skip
+        """Many reads at once, at most ``batch_size`` (default 64) in flight: one gather with a semaphore, a
+        third less CPU per read than fsspec's chunked gather (``benchmarks/storage.py``)."""
+        if max_gap is not None or kwargs:
+            return await super()._cat_ranges(paths, starts, ends, max_gap=max_gap, batch_size=batch_size,
+                                             on_error=on_error, **kwargs)  # fmt: skip
+        starts = starts if isinstance(starts, list) else [starts] * len(paths)
+        ends = ends if isinstance(ends, list) else [ends] * len(paths)
+        slots = asyncio.Semaphore(batch_size or 64)
+
+        async def read(path: str, start: int | None, end: int | None) -> Any:
+            async with slots:
+                try:
+                    return await self._cat_file(path, start=start, end=end)
+                except Exception as e:
+                    if on_error == "return":
+                        return e
+                    raise
+
+        return list(await asyncio.gather(*map(read, paths, starts, ends)))
 
     def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
         target = None if kwargs else self._target(path)
