@@ -98,12 +98,16 @@ def open_url(url: str, storage_options: dict[str, Any] | None = None) -> tuple[A
     (:mod:`manifests.s3`): :mod:`manifests.retry` is the only retry layer. Every request has
     ``connect_timeout`` and ``read_timeout`` (:func:`manifests.s3.storage_timeouts`), uploads
     included. Entries the user's ``config_kwargs`` give win over these settings (a ``retries``
-    entry then adds its tries to ours). Raises UsageError for a bad timeout variable.
+    entry then adds its tries to ours). Where obstore is installed and can express the options, the
+    ``s3://`` filesystem sends its GETs, PUTs and listing pages through obstore
+    (:class:`manifests.objstore.ObstoreS3FileSystem`, ``bucketeer_client``/``$BUCKETEER_STORAGE_CLIENT``
+    choose). Raises UsageError for a bad timeout variable or client choice.
     """
     options = dict(storage_options or {})
     if url.startswith(("s3://", "s3a://")):
-        from manifests.s3 import BOTOCORE_RETRIES, SingleAttemptS3FileSystem, storage_timeouts
+        from manifests.s3 import BOTOCORE_RETRIES, storage_timeouts
 
+        cls = _s3_client(options)
         if "endpoint_url" in options:
             client_kwargs = dict(options.get("client_kwargs") or {})
             client_kwargs.setdefault("endpoint_url", options.pop("endpoint_url"))
@@ -111,13 +115,31 @@ def open_url(url: str, storage_options: dict[str, Any] | None = None) -> tuple[A
         connect, read = storage_timeouts()
         options["config_kwargs"] = {"retries": BOTOCORE_RETRIES, "connect_timeout": connect, "read_timeout": read,
                                     **(options.get("config_kwargs") or {})}  # fmt: skip
-        fs = SingleAttemptS3FileSystem(**options)
+        fs = cls(**options)
         path = fs._strip_protocol(url)
         return fs, path.rstrip("/") or path
     if "://" not in url:
         url = os.path.abspath(os.path.expanduser(url))
     fs, path = fsspec.core.url_to_fs(url, **options)
     return fs, path.rstrip("/") or path
+
+
+def _s3_client(options: dict[str, Any]) -> type[AbstractFileSystem]:
+    """The filesystem class for S3 ``options`` (``bucketeer_client`` popped): obstore under the hot
+    requests (:mod:`manifests.objstore`) where it can say every option, else s3fs. UsageError when
+    obstore is asked for by name and cannot serve."""
+    from manifests.objstore import CLIENT_ENV, ObstoreS3FileSystem, client_choice, obstore_refusal
+    from manifests.s3 import SingleAttemptS3FileSystem
+
+    choice = client_choice(options)
+    if choice == "fsspec":
+        return SingleAttemptS3FileSystem
+    refusal = obstore_refusal(options)
+    if refusal is None:
+        return ObstoreS3FileSystem
+    if choice == "obstore":
+        raise UsageError(f"the obstore client was asked for ({CLIENT_ENV}) but cannot serve: {refusal}")
+    return SingleAttemptS3FileSystem
 
 
 def is_local(fs: AbstractFileSystem) -> bool:

@@ -83,6 +83,14 @@ def s3(s3_server):
     return s3_server
 
 
+@pytest.fixture(params=["obstore", "fsspec"])
+def s3_client(request, monkeypatch) -> str:
+    """Each S3 client in turn (:mod:`manifests.objstore`), for this process by ``$BUCKETEER_STORAGE_CLIENT``;
+    a test whose storage calls reach Ray workers puts it in its storage options as ``bucketeer_client``."""
+    monkeypatch.setenv("BUCKETEER_STORAGE_CLIENT", request.param)
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def ray_local():
     """One local Ray for the whole session (Ray takes seconds to start)."""

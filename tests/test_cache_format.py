@@ -161,10 +161,12 @@ def test_meta_refuses_non_caches(tmp_path):
 
 
 @pytest.mark.s3
-def test_round_trip_on_s3(s3):
+def test_round_trip_on_s3(s3, s3_client):
     url = s3.fresh_url("cache")
     written = build_cache(url, s3.storage_options, n=6)
     reader = CacheReader(url, s3.storage_options)
+    expected = {"obstore": "ObstoreS3FileSystem", "fsspec": "SingleAttemptS3FileSystem"}[s3_client]
+    assert type(reader.fs).__name__ == expected
     got = reader.read(sorted(written))
     assert [r.sample_id for r in got] == sorted(written)
     assert all(np.array_equal(r.latent, written[r.sample_id].latent) for r in got)

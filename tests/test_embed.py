@@ -235,9 +235,9 @@ def test_kill_and_resume_equals_clean_run(tmp_path, ray_local):
 
 
 @pytest.mark.s3
-def test_embed_on_s3(s3, ray_local):
+def test_embed_on_s3(s3, ray_local, s3_client):
     root, manifest, out = s3.fresh_url("data"), s3.fresh_url("manifest"), s3.fresh_url("cache")
-    so = s3.storage_options
+    so = {**s3.storage_options, "bucketeer_client": s3_client}  # Ray's workers open their storage with it too
     names = make_dataset(root, manifest, 6, storage_options=so, broken=["zz_broken.jpg"])
     embed_cache(manifest, out, storage_options=so)
     s3.fs.invalidate_cache()

@@ -143,7 +143,7 @@ def fake_s3(tmp_path_factory):
 
 
 @pytest.fixture
-def s3_fails(fake_s3, monkeypatch):
+def s3_fails(fake_s3, monkeypatch, s3_client):
     """The fake endpoint, reset, with BUDGET attempts and millisecond backoff for this test."""
     monkeypatch.setenv("BUCKETEER_STORAGE_ATTEMPTS", str(BUDGET))
     monkeypatch.setenv("BUCKETEER_STORAGE_RETRY_DELAY", "0.001")

@@ -12,7 +12,7 @@ import s3fs
 from fsspec import AbstractFileSystem
 
 from manifests.manifest import read_manifest
-from manifests.storage import StorageError
+from manifests.storage import StorageError, open_url
 from pipeline.sources.listing import list_source
 from pipeline import ScanJob, run
 from pipeline.scan import ScanConfig
@@ -60,10 +60,10 @@ def dataset(s3_server, tmp_path_factory):
     return corpus, url
 
 
-def test_scan_s3_into_s3_matches_ground_truth(s3, dataset, ray_local, capsys):
+def test_scan_s3_into_s3_matches_ground_truth(s3, dataset, ray_local, capsys, s3_client):
     corpus, url = dataset
     out = s3.fresh_url("manifest")
-    options = {**s3.storage_options, "key": "testing-key-id", "secret": SECRET}
+    options = {**s3.storage_options, "key": "testing-key-id", "secret": SECRET, "bucketeer_client": s3_client}
     run(ScanJob(source=url, out=out, storage_options=options, config=ScanConfig(progress=False, files_per_task=8)))
     captured = capsys.readouterr()
     assert SECRET not in captured.out + captured.err
@@ -80,13 +80,14 @@ def test_scan_s3_into_s3_matches_ground_truth(s3, dataset, ray_local, capsys):
     assert again.summary.files_read == 0 and again.fingerprint == m.fingerprint
 
 
-def test_rescan_rereads_exactly_the_changed_sidecars_by_etag(s3, ray_local, tmp_path):
+def test_rescan_rereads_exactly_the_changed_sidecars_by_etag(s3, ray_local, tmp_path, s3_client):
     corpus = make_corpus(tmp_path / "c")
     url = s3.fresh_url("caps")
     s3.fs.put(str(corpus.root) + "/", url + "/", recursive=True)
     out = s3.fresh_url("manifest")
     cfg = ScanConfig(progress=False, files_per_task=8)
-    run(ScanJob(source=url, out=out, storage_options=s3.storage_options, config=cfg))
+    so = {**s3.storage_options, "bucketeer_client": s3_client}  # the first scan's client; the rescan reads by s3fs
+    run(ScanJob(source=url, out=out, storage_options=so, config=cfg))
     size = s3.fs.size(f"{url}/cap/crlf.txt")
     s3.fs.pipe_file(f"{url}/cap/crlf.txt", b"y" * size)  # same size, new content: a new ETag
     s3.fs.rm_file(f"{url}/cap/bom.txt")
@@ -109,11 +110,12 @@ def test_rescan_rereads_exactly_the_changed_sidecars_by_etag(s3, ray_local, tmp_
     assert a.samples.equals(b.samples) and a.errors.equals(b.errors)
 
 
-def test_key_range_listing_is_parallel_and_exact(s3):
+def test_key_range_listing_is_parallel_and_exact(s3, s3_client):
     url = s3.fresh_url("many")
     names = [f"{d}/img_{i:04d}.jpg" for d in ("a", "b/c", "zz") for i in range(60)] + ["top.png", "x.txt", ".DS_Store"]
     s3.fs.pipe({f"{url}/{n}": b"x" for n in names})
-    fs = s3fs.S3FileSystem(client_kwargs=s3.storage_options, use_listings_cache=False)
+    fs, _ = open_url(url, s3.storage_options)
+    assert type(fs).__name__ == {"obstore": "ObstoreS3FileSystem", "fsspec": "SingleAttemptS3FileSystem"}[s3_client]
     listing = list_source(fs, url.removeprefix("s3://"), page_size=10, workers=8)
     assert [e.name for e in listing.images] == sorted(n for n in names if n.endswith((".jpg", ".png")))
     assert listing.ignored == 1 and list(listing.sidecars) == ["x"]
@@ -157,9 +159,10 @@ def test_access_denied_stops_the_job_and_commits_nothing(s3, dataset, ray_local,
     assert not (out / "_manifest.json").exists()
 
 
-def test_missing_bucket_is_one_clear_line(s3, tmp_path):
+def test_missing_bucket_is_one_clear_line(s3, tmp_path, s3_client):
     out = tmp_path / "m"
-    options = json.dumps({**s3.storage_options, "key": "testing-key-id", "secret": SECRET})
+    options = json.dumps({**s3.storage_options, "key": "testing-key-id", "secret": SECRET,
+                          "bucketeer_client": s3_client})  # fmt: skip
     cmd = [sys.executable, "-m", "pipeline.scan", "s3://no-such-bucket-here/ds", "--out", str(out),
            "--storage-options", options]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=120)

@@ -349,7 +349,10 @@ def _list_s3(fs: AbstractFileSystem, root: str, page_size: int, workers: int) ->
         kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": page_size}
         if after is not None:
             kwargs["StartAfter"] = after
-        response = with_retries(lambda: fs.call_s3("list_objects_v2", **kwargs))
+        if hasattr(fs, "list_page"):  # manifests.objstore: the page through obstore
+            response = with_retries(lambda: fs.list_page(bucket, prefix, page_size, after))
+        else:
+            response = with_retries(lambda: fs.call_s3("list_objects_v2", **kwargs))
         out = []
         contents = response.get("Contents", [])
         for obj in contents:

@@ -1,0 +1,77 @@
+"""The S3 client choice (manifests/objstore.py): which options obstore takes, the fallbacks to s3fs, the
+choice by hand, and the objects obstore cannot name, against moto on 127.0.0.1."""
+
+import os
+import signal
+
+import pytest
+
+from manifests.errors import UsageError
+from manifests.objstore import ObstoreS3FileSystem, obstore_refusal
+from manifests.s3 import SingleAttemptS3FileSystem
+from manifests.storage import open_url, read_bytes, read_many, write_bytes_atomic
+
+pytestmark = pytest.mark.s3
+
+
+def test_obstore_takes_the_options_users_pass_and_leaves_the_rest_to_s3fs(monkeypatch):
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    for taken in ({"endpoint_url": "https://acc.r2.cloudflarestorage.com"}, {"anon": True},
+                  {"key": "k", "secret": "s", "token": "t"}, {"client_kwargs": {"region_name": "eu-west-1"}},
+                  {"config_kwargs": {"read_timeout": 5}}, {"max_concurrency": 1}):  # fmt: skip
+        assert obstore_refusal(taken) is None, taken
+    assert obstore_refusal({"requester_pays": True}) == "storage option requester_pays"
+    assert obstore_refusal({"config_kwargs": {"signature_version": "s3v4"}}) == \
+        "storage option config_kwargs.signature_version"  # fmt: skip
+    assert obstore_refusal({"profile": "no-such-profile-here"}) == "an AWS profile that is not configured"
+    monkeypatch.delenv("AWS_DEFAULT_REGION")
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
+    assert "no region configured" in obstore_refusal({})  # AWS itself: s3fs finds the bucket's region
+
+
+def test_the_client_is_chosen_by_option_or_environment(s3, monkeypatch):
+    url = s3.fresh_url("choice")
+    assert isinstance(open_url(url, s3.storage_options)[0], ObstoreS3FileSystem)
+    fs, _ = open_url(url, {**s3.storage_options, "bucketeer_client": "fsspec"})
+    assert type(fs) is SingleAttemptS3FileSystem and "bucketeer_client" not in fs.storage_options
+    assert type(open_url(url, {**s3.storage_options, "requester_pays": True})[0]) is SingleAttemptS3FileSystem
+    monkeypatch.setenv("BUCKETEER_STORAGE_CLIENT", "fsspec")
+    assert type(open_url(url, s3.storage_options)[0]) is SingleAttemptS3FileSystem
+    monkeypatch.setenv("BUCKETEER_STORAGE_CLIENT", "obstore")
+    with pytest.raises(UsageError, match="obstore client was asked for .* requester_pays"):
+        open_url(url, {**s3.storage_options, "requester_pays": True})
+    monkeypatch.setenv("BUCKETEER_STORAGE_CLIENT", "boto")
+    with pytest.raises(UsageError, match=r"\$BUCKETEER_STORAGE_CLIENT='boto': give one of auto, fsspec, obstore"):
+        open_url(url, s3.storage_options)
+
+
+def test_keys_obstore_cannot_name_are_read_by_s3fs(s3):
+    url = s3.fresh_url("odd")
+    names = ["a//b.txt", "./dot.txt", "sp ace%20ü.txt", "plain.txt"]
+    s3.fs.pipe({f"{url}/{n}": n.encode() for n in names})
+    fs, root = open_url(url, s3.storage_options)
+    assert isinstance(fs, ObstoreS3FileSystem)
+    assert read_many(fs, [f"{root}/{n}" for n in names]) == [n.encode() for n in names]
+    assert read_bytes(fs, f"{root}/a//b.txt", 1, 3) == b"//"
+    write_bytes_atomic(fs, f"{root}/x/./y.txt", b"y")
+    assert s3.fs.cat_file(f"{url}/x/./y.txt") == b"y"
+
+
+def test_a_forked_child_reads_through_s3fs(s3):
+    url = s3.fresh_url("fork")
+    s3.fs.pipe_file(f"{url}/a.txt", b"forked")
+    fs, root = open_url(url, s3.storage_options)
+    assert read_bytes(fs, f"{root}/a.txt") == b"forked"  # obstore's runtime now runs in this process
+    pid = os.fork()
+    if pid == 0:  # obstore would hang here: the child's filesystem (a new one: fsspec's are per process) takes s3fs
+        ok = False
+        signal.alarm(60)  # a hang ends the child, and so the test, with a failure
+        try:
+            child, _ = open_url(url, s3.storage_options)
+            ok = isinstance(child, ObstoreS3FileSystem) and read_bytes(child, f"{root}/a.txt") == b"forked"
+        except BaseException as e:
+            print("child:", repr(e), flush=True)
+        finally:
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
