@@ -386,12 +386,27 @@ def decode_scaling(root: str, workers: int) -> None:
 # ---------------------------------------------------------------- driver
 
 
-def run_child(tool: str, root: str, endpoint: str | None) -> dict:
+def _process_cpu(pid: int) -> float:
+    """CPU-seconds (user + system) a live process has used, from ``/proc`` (0.0 where there is none)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_child(tool: str, root: str, endpoint: str | None, server: subprocess.Popen | None = None) -> dict:
+    """One epoch in a fresh process; ``server_cpu``: what the moto server spent answering it (its own
+    process, not counted in ``cpu``: a real S3 endpoint's cost is not the reader's)."""
     cmd = [sys.executable, __file__, "--child", tool, "--root", root] + (["--endpoint", endpoint] if endpoint else [])
+    before = _process_cpu(server.pid) if server else 0.0
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     if out.returncode:
         raise RuntimeError(f"{tool} {root} {endpoint or 'local'} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got["server_cpu"] = (_process_cpu(server.pid) - before) if server else 0.0
+    return got
 
 
 def main() -> None:
@@ -450,21 +465,24 @@ def main() -> None:
                         root = f"s3://{BUCKET_NAME}/n{n}" if store == "s3" else f"{work}/n{n}"
                         if store == "s3" and tool != "ours":
                             root = f"{work}/n{n}"  # the peers take the bucket path apart from their cache dir
-                        got = run_child(tool, root, endpoint if store == "s3" else None)
+                        got = run_child(tool, root, *((endpoint, server) if store == "s3" else (None, None)))
                         assert got["samples"] >= n - BATCH, (tool, store, n, got)
                         results.setdefault((tool, store, n), []).append(got)
                         print(f"round {r + 1} {store} {tool} n={n}: {got['samples']} samples {got['seconds']:.2f} s "
                               f"cpu {got['cpu']:.2f} s (load {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
         summary = {}
         for store in stores:
-            rates, cpus = {}, {}
+            rates, cpus, servers = {}, {}, {}
             for tool in tools:
                 pairs = zip(results[(tool, store, sizes[0])], results[(tool, store, sizes[1])])
                 marg = [((b["samples"] - a["samples"]) / (b["seconds"] - a["seconds"]),
-                         (b["cpu"] - a["cpu"]) / (b["samples"] - a["samples"])) for a, b in pairs]  # fmt: skip
+                         (b["cpu"] - a["cpu"]) / (b["samples"] - a["samples"]),
+                         (b["server_cpu"] - a["server_cpu"]) / (b["samples"] - a["samples"]))
+                        for a, b in pairs]  # fmt: skip
                 rates[tool] = float(np.median([m[0] for m in marg]))
                 cpus[tool] = float(np.median([m[1] for m in marg]))
-            summary[store] = {"samples_per_s": rates, "cpu_s_per_sample": cpus}
+                servers[tool] = float(np.median([m[2] for m in marg]))
+            summary[store] = {"samples_per_s": rates, "cpu_s_per_sample": cpus, "server_cpu_s_per_sample": servers}
         print(json.dumps(summary))
         for store in stores:
             rates, cpus = summary[store]["samples_per_s"], summary[store]["cpu_s_per_sample"]
@@ -473,6 +491,10 @@ def main() -> None:
                                                        else "") for tool in tools]  # fmt: skip
             print(f"loader {store}: " + ", ".join(parts))
             print(f"loader {store} cpu-s/sample: " + ", ".join(f"{t} {cpus[t] * 1000:.2f} ms" for t in tools))
+            if store == "s3":  # the moto server's CPU per sample: a real endpoint's, not the reader's, but here
+                servers = summary[store]["server_cpu_s_per_sample"]  # it shares the 2 cores with the reader
+                print("loader s3 moto-server cpu-s/sample: "
+                      + ", ".join(f"{t} {servers[t] * 1000:.2f} ms" for t in tools))
     finally:
         if server is not None:
             server.kill()
