@@ -195,7 +195,10 @@ def test_kill_and_rerun_completes_with_nothing_twice(captioned, tmp_path, ray_lo
     done = len(read_parts(out, None, "parts")) + len(read_parts(out, None, "errors"))
     assert 2 <= done < len(captioned.ids)
     result = _annotate(captioned.manifest, out, unit_rows=1, batch_size=1)
-    assert result.captioned + result.errors == len(captioned.ids) - done
+    # the killed run's actors may finish their in-flight units after its driver died (Ray stops them when it
+    # notices): the rerun adopts every part on storage when it starts, at least the `done` counted above, and
+    # captions only the rest; _check_once: no sample written twice
+    assert result.skipped >= done and result.captioned + result.errors + result.skipped == len(captioned.ids)
     rows, _ = _check_once(out, captioned.manifest)
     first = read_annotations(captioned.out)[1]
     assert sorted(rows.column("sample_id").to_pylist()) == sorted(first.column("sample_id").to_pylist())
