@@ -114,7 +114,9 @@ def _model(family: str, part: str, config: dict[str, Any], tokenizer=None):
     if part == "text_encoder_2" and family == "sdxl":
         return _clip(config, tokenizer, projection=True)
     if part == "text_encoder_2":
-        return T5EncoderModel(T5Config(**config, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1))
+        t5 = T5EncoderModel(T5Config(**config, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1))
+        t5.tie_weights()  # transformers 5.0 leaves the encoder's embedding a second copy of `shared` until asked
+        return t5
     if part == "unet":
         return UNet2DConditionModel(**config)
     return FluxTransformer2DModel(**config)

@@ -329,8 +329,8 @@ class ObstoreS3FileSystem(SingleAttemptS3FileSystem):
 
     async def _pipe_file(self, path: str, data: bytes, mode: str = "overwrite", **kwargs: Any) -> Any:
         target = None if kwargs or mode != "overwrite" else self._target(path)
-        if target is None:
-            return await super()._pipe_file(path, data, mode=mode, **kwargs)
+        if target is None:  # mode only when asked: s3fs before 2024.6 has no mode and passes kwargs on
+            return await super()._pipe_file(path, data, **({} if mode == "overwrite" else {"mode": mode}), **kwargs)
         import obstore
 
         try:
@@ -341,8 +341,8 @@ class ObstoreS3FileSystem(SingleAttemptS3FileSystem):
 
     def pipe_file(self, path: str, value: bytes, mode: str = "overwrite", **kwargs: Any) -> None:
         target = None if kwargs or mode != "overwrite" else self._target(path)
-        if target is None:
-            return super().pipe_file(path, value, mode=mode, **kwargs)
+        if target is None:  # mode only when asked: fsspec before 2024.6 has no mode and passes kwargs to open
+            return super().pipe_file(path, value, **({} if mode == "overwrite" else {"mode": mode}), **kwargs)
         import obstore
 
         try:

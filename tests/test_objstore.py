@@ -4,6 +4,7 @@ choice by hand, and the objects obstore cannot name, against moto on 127.0.0.1."
 import os
 import signal
 
+import fsspec
 import pytest
 
 from manifests.errors import UsageError
@@ -57,6 +58,12 @@ def test_keys_obstore_cannot_name_are_read_by_s3fs(s3):
     assert s3.fs.cat_file(f"{url}/x/./y.txt") == b"y"
 
 
+FSSPEC = tuple(int(x) for x in fsspec.__version__.split(".")[:2])
+
+
+# measured: s3fs in a forked child waits forever on the parent's event loop at fsspec 2024.3 (the floors) and
+# 2024.6, with or without obstore in the parent; it reads at 2026.9. Versions between were not tried.
+@pytest.mark.skipif(FSSPEC < (2026, 9), reason=f"fsspec {fsspec.__version__}: s3fs hangs in a forked child")
 def test_a_forked_child_reads_through_s3fs(s3):
     url = s3.fresh_url("fork")
     s3.fs.pipe_file(f"{url}/a.txt", b"forked")
