@@ -177,7 +177,7 @@ def test_rescan_captions_only_the_new_images_and_merges_into_caption_lists(capti
 def test_kill_and_rerun_completes_with_nothing_twice(captioned, tmp_path, ray_local):
     out = str(tmp_path / "captions")
     address = ray_local.get_runtime_context().gcs_address
-    env = {**os.environ, FAULTS_ENV: "annotate.unit=sleep:1"}
+    env = {**os.environ, FAULTS_ENV: "annotate.unit=sleep:3"}  # slow units: the kill lands mid-job
     cmd = [sys.executable, "-m", "pipeline.annotate", captioned.manifest, "--out", out, "--max-new-tokens", "6",
            "--batch-size", "1", "--unit-rows", "1", "--ray-address", address]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
