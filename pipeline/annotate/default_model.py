@@ -15,9 +15,9 @@ run the pipeline, not to describe images. :func:`ensure_default_model` builds it
 from __future__ import annotations
 
 import os
-import shutil
-import uuid
 from pathlib import Path
+
+from pipeline.embed.families.tiny import build_once
 
 __all__ = ["DEFAULT_VERSION", "DEFAULT_CAPTION_NOTICE", "build_default_model", "default_model_dir",
            "ensure_default_model"]  # fmt: skip
@@ -91,17 +91,4 @@ def default_model_dir(home: str | None = None) -> Path:
 
 def ensure_default_model(home: str | None = None) -> Path:
     """Build the default captioner once (aside, then renamed into place); its folder."""
-    target = default_model_dir(home)
-    if (target / "README.txt").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".build-{uuid.uuid4().hex}"
-    try:
-        build_default_model(tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process finished first; theirs is as good as ours
-            pass
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return build_once(default_model_dir(home), build_default_model)

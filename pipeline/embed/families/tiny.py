@@ -249,13 +249,18 @@ def tiny_dir(family: str, home: str | None = None) -> Path:
 
 def ensure_tiny(family: str, home: str | None = None) -> Path:
     """Build the tiny model of ``family`` once (atomically: build aside, then rename); its folder."""
-    target = tiny_dir(family, home)
+    return build_once(tiny_dir(family, home), lambda tmp: build_tiny(family, tmp))
+
+
+def build_once(target: Path, build: Callable[[Path], None]) -> Path:
+    """``target`` built by ``build(folder)`` once: aside, then renamed into place (its ``README.txt``
+    says it is complete); a concurrent builder's folder is as good as ours."""
     if (target / "README.txt").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".build-{uuid.uuid4().hex}"
     try:
-        build_tiny(family, tmp)
+        build(tmp)
         try:
             os.rename(tmp, target)
         except OSError:  # another process finished first; theirs is as good as ours
