@@ -4,21 +4,30 @@ sections, and the page rendered by a real headless Chromium."""
 from __future__ import annotations
 
 import base64
+import io
 import json
 import os
 import re
 import shutil
 import subprocess
 
+from dataclasses import dataclass
+
 import numpy as np
+import pyarrow as pa
 import pytest
 
+from manifests.annotations import (AnnotationsCounts, AnnotationsMeta, TaskSettings, part_name, settings_fingerprint,
+                                   write_annotations_meta, write_part)  # fmt: skip
 from manifests.cache import CacheWriter, read_cache_meta
 from manifests.plan import DatasetSamples, PlanConfig, epoch_part, write_plan
 from manifests.buckets import BucketSpec
 from manifests.manifest import read_manifest, write_manifest
 from pipeline import ReportJob, run
+from manifests.storage import open_url
 from pipeline.cli import main
+from pipeline.report.scores import score_bins
+from tests.embed_data import make_dataset
 from tests.factories import manifest_tables
 
 MANIFEST_FIGURES = {"buckets", "aspect_ratio", "resolution", "caption_length", "errors"}
@@ -183,6 +192,128 @@ def test_report_reads_and_writes_s3(manifest_url, s3, tmp_path):
     page = s3.fs.cat_file(out).decode()
     assert_self_contained(page)
     assert len(s3.fs.ls(out.rsplit(".", 1)[0].removeprefix("s3://") + "_figures")) == len(MANIFEST_FIGURES)
+
+
+# ---------------------------------------------------------------- annotations: scores and duplicates
+
+
+@dataclass(frozen=True)
+class Scored:
+    manifest: str
+    scores: str  # aesthetic, luminance (floats), grayscale (bool), an embedding (never read by the report)
+    dedup: str  # duplicate, cluster_id, keeper_id, similarity
+    ids: list[int]  # the manifest's sample ids, in filename order
+    names: dict[int, str]  # sample id -> filename
+
+
+def write_annotations_folder(url: str, manifest, tasks: tuple[str, ...], columns: dict[str, pa.Array],
+                             ids: list[int], names: dict[int, str]) -> None:  # fmt: skip
+    """An annotations folder of ``columns`` for samples ``ids`` in two parts, written by the real writers
+    (as ``bucketeer annotate`` or ``dedup`` would): ``_annotations.json`` last."""
+    settings = tuple(TaskSettings(task=t, model="default", weight_sha256="0" * 64) for t in tasks)
+    fingerprint = settings_fingerprint(settings)
+    fs, root = open_url(url)
+    table = pa.table({"sample_id": pa.array(ids, pa.uint64()), "filename": [names[i] for i in ids],
+                      "source_key": pa.array([1] * len(ids), pa.uint64()),
+                      "written_at": pa.array([1.0] * len(ids), pa.float64()), **columns})  # fmt: skip
+    parts = []
+    for half in (table.slice(0, len(ids) // 2), table.slice(len(ids) // 2)):
+        name = part_name(fingerprint, half.column("sample_id").to_numpy(), np.ones(half.num_rows, np.uint64))
+        write_part(fs, root, "parts", name, half, fingerprint)
+        parts.append(name)
+    counts = AnnotationsCounts(samples=manifest.samples.num_rows, annotated=len(ids), errors=0)
+    write_annotations_meta(url, None, AnnotationsMeta(
+        manifest=manifest.url, manifest_fingerprint=manifest.fingerprint, tasks=settings,
+        settings_fingerprint=fingerprint, engine="transformers", counts=counts, parts=tuple(parts), fingerprint=""))
+
+
+AESTHETIC = [5.0, 2.0, None, 7.5, 2.0, 9.0, 1.5, 6.0, 3.0, 8.25, 4.0, 0.5, 6.5, 9.0, 1.0]  # 14 scored, ties 2.0, 9.0
+GRAYSCALE = [True, False, False, None, True, False, False, False, False, True, False, False, False, False, False]
+
+
+@pytest.fixture(scope="module")
+def scored(tmp_path_factory) -> Scored:
+    """16 real images and their manifest; scores of 15 of them (one without an aesthetic score, one
+    without a grayscale value), and dedup clusters of 4 and 3 samples, keepers not the lowest id."""
+    root = tmp_path_factory.mktemp("scored")
+    make_dataset(str(root / "images"), str(root / "manifest"), 16)
+    manifest = read_manifest(str(root / "manifest"))
+    by_name = sorted(zip(manifest.samples.column("filename").to_pylist(),
+                         manifest.samples.column("sample_id").to_pylist()))  # fmt: skip
+    ids = [i for _, i in by_name]
+    names = {i: n for n, i in by_name}
+    annotated = ids[:15]
+    rng = np.random.default_rng(0)
+    write_annotations_folder(str(root / "scores"), manifest, ("aesthetic", "stats"), {
+        "aesthetic": pa.array(AESTHETIC, pa.float32()),
+        "luminance": pa.array(rng.random(15), pa.float32()),
+        "grayscale": pa.array(GRAYSCALE, pa.bool_()),
+        "embedding": pa.FixedSizeListArray.from_arrays(pa.array(rng.random(15 * 4), pa.float16()), 4),
+    }, annotated, names)  # fmt: skip
+    cluster = {i: i for i in ids}  # every sample its own cluster and keeper
+    keeper, similarity = dict(cluster), {i: 1.0 for i in ids}
+    for members, sims in ((ids[2:6], [0.91, 0.99, 0.95]), (ids[8:11], [0.97, 0.93])):
+        head = members[1]  # the keeper: not the lowest sample id of the cluster
+        for member, sim in zip([m for m in members if m != head], sims):
+            cluster[member], keeper[member], similarity[member] = head, head, sim
+        cluster[head] = head
+    write_annotations_folder(str(root / "dedup"), manifest, ("dedup",), {
+        "duplicate": pa.array([keeper[i] != i for i in ids], pa.bool_()),
+        "cluster_id": pa.array([cluster[i] for i in ids], pa.uint64()),
+        "keeper_id": pa.array([keeper[i] for i in ids], pa.uint64()),
+        "similarity": pa.array([similarity[i] for i in ids], pa.float32()),
+    }, ids, names)  # fmt: skip
+    return Scored(str(root / "manifest"), str(root / "scores"), str(root / "dedup"), ids, names)
+
+
+def grid_ids(page: str, name: str) -> list[int]:
+    """The sample ids of grid ``name``'s thumbnails, in page order."""
+    found = re.search(rf'<div class="grid" id="grid-{name}">(.*?)</div></div>', page)
+    assert found, f"no grid {name}"
+    return [int(i) for i in re.findall(r'data-sample-id="(\d+)"', found.group(1))]
+
+
+def test_report_score_histograms_extremes_and_duplicate_clusters(scored, tmp_path):
+    out = tmp_path / "r.html"
+    argv = ["report", scored.manifest, "--annotations", f"{scored.scores},{scored.dedup}", "--out", str(out)]
+    assert main(argv) == 0
+    page = out.read_text()
+    assert_self_contained(page)
+    scores = {"score_aesthetic", "score_luminance", "score_grayscale", "score_duplicate"}  # not similarity
+    assert set(figure_sources(page)) == MANIFEST_FIGURES | scores
+    assert {p.stem for p in (tmp_path / "r_figures").glob("*.png")} == MANIFEST_FIGURES | scores
+    # the counts: 14 of 16 have an aesthetic score; grayscale 3 true, 11 false, 2 without (one unannotated)
+    assert "aesthetic: 14 of 16 samples scored, range 0.5 to 9, median 4.5" in page
+    assert "grayscale: true 3, false 11, no value 2 (of 16 samples)" in page
+    assert "duplicate: true 5, false 11, no value 0" in page
+    edges, counts, missing = score_bins(np.array([np.nan if v is None else v for v in AESTHETIC]))
+    assert counts.sum() == 14 and missing == 1 and (edges[0], edges[-1]) == (0.5, 9.0)
+    # the lowest ascending, the highest descending, ties by sample id; the unscored sample in neither
+    ids = np.array(scored.ids[:15], np.uint64)
+    order = sorted((v, i) for v, i in zip(AESTHETIC, ids.tolist()) if v is not None)
+    assert grid_ids(page, "aesthetic-lowest") == [i for _, i in order[:8]]
+    by_high = sorted(order, key=lambda vi: (-vi[0], vi[1]))
+    assert grid_ids(page, "aesthetic-highest") == [i for _, i in by_high[:8]]
+    assert 'data-sample-id="%d"' % scored.ids[2] in page  # thumbnails are labelled with the filename
+    assert f'alt="{scored.names[order[0][1]]}"' in page and "aesthetic 0.5</figcaption>" in page
+    # duplicate clusters: the largest first, keeper first (outlined), then by similarity to it
+    ids = scored.ids
+    assert grid_ids(page, "cluster-0") == [ids[3], ids[4], ids[5], ids[2]]  # similarity .99, .95, .91
+    assert grid_ids(page, "cluster-1") == [ids[9], ids[8], ids[10]]  # .97, .93
+    assert f'<figure class="thumb keeper" data-sample-id="{ids[3]}">' in page
+    assert re.search(r"similarity 0\.990</figcaption>.*similarity 0\.950</figcaption>", page)
+    assert "5 of 16 samples are duplicates, in 2 clusters of 2 or more samples; the largest has 4" in page
+    assert "grid-cluster-2" not in page  # singletons are not clusters
+    # the thumbnails are the samples' images, upright, the long side at most 128 (JPEG)
+    from PIL import Image
+
+    samples = {r["sample_id"]: r for r in read_manifest(scored.manifest).samples.to_pylist()}
+    thumbs = re.findall(r'data-sample-id="(\d+)"><img alt="[^"]+" src="data:image/jpeg;base64,([^"]+)"', page)
+    assert len(thumbs) == 8 + 8 + 8 + 8 + 4 + 3
+    for sample_id, data in thumbs:
+        row, size = samples[int(sample_id)], Image.open(io.BytesIO(base64.b64decode(data))).size
+        scale = min(1.0, 128 / max(row["width"], row["height"]))
+        assert size == (round(row["width"] * scale), round(row["height"] * scale)), row["filename"]
 
 
 # ---------------------------------------------------------------- a real browser

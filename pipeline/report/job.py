@@ -1,9 +1,10 @@
 """Write a self-contained HTML report with plots of a manifest, and optionally of a plan and a cache.
 
-    bucketeer report MANIFEST [--plan PLAN] [--cache CACHE] --out report.html
+    bucketeer report MANIFEST [--plan PLAN] [--cache CACHE] [--annotations A[,B...]] --out report.html
 
 The page works offline: CSS inline, figures embedded as PNG ``data:`` URIs, no script, no external
-URL. The same figures are written as PNG files to ``<out stem>_figures/`` next to the page.
+URL. The same figures are written as PNG files to ``<out stem>_figures/`` next to the page; sample
+thumbnail grids (captions, scores, duplicates) are inline only.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import html
 import io
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import pyarrow.compute as pc
@@ -24,6 +25,7 @@ from manifests.errors import BucketeerError, UsageError
 from manifests.manifest import Manifest, manifest_stats, read_manifest
 from manifests.progress import Progress
 from manifests.storage import join, open_url, parse_storage_options, redact, write_bytes_atomic
+from pipeline.report.thumbs import GRID_CSS, ThumbGrid, grid_html
 
 
 @dataclass
@@ -39,6 +41,7 @@ class Section:
     title: str
     rows: list[tuple[str, str]] = field(default_factory=list)  # summary table (label, value)
     figures: list[Figure] = field(default_factory=list)
+    grids: list[ThumbGrid] = field(default_factory=list)  # sample thumbnails, after the figures
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,8 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a plan folder made from this manifest: adds padding/drops and tokens per step")
     parser.add_argument("--cache", default=None, help="a cache folder: adds record counts, bytes per sample and errors")
     parser.add_argument("--annotations", default=None,
-                        help="an annotations folder (bucketeer annotate): adds its settings, counts and a grid of "
-                             "thumbnails with their original and generated captions")
+                        help="annotations folders, comma-separated (bucketeer annotate, bucketeer dedup): adds their "
+                             "settings and counts, thumbnails with original and generated captions, a histogram "
+                             "of each score with its lowest and highest scored samples, and the largest "
+                             "duplicate clusters")
     parser.add_argument("--storage-options", default=None, help="fsspec options as JSON, e.g. an endpoint_url")
 
 
@@ -61,11 +66,13 @@ class ReportJob:
     out: str
     plan: str | None = None
     cache: str | None = None
-    annotations: str | None = None
+    annotations: tuple[str, ...] | str = ()  # annotations folders (a str: one folder)
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     progress: bool = True  # report sections built, on stderr
 
     def __post_init__(self) -> None:
+        if isinstance(self.annotations, str):
+            object.__setattr__(self, "annotations", (self.annotations,))
         if not self.out.endswith((".html", ".htm")):
             raise UsageError(f"--out {self.out!r} must name an .html file")
 
@@ -79,7 +86,7 @@ class ReportResult:
 
 def job_from_args(args: argparse.Namespace) -> ReportJob:
     return ReportJob(manifest=args.manifest, out=args.out, plan=args.plan, cache=args.cache,
-                     annotations=args.annotations,
+                     annotations=tuple(u.strip() for u in (args.annotations or "").split(",") if u.strip()),
                      storage_options=parse_storage_options(args.storage_options))  # fmt: skip
 
 
@@ -97,7 +104,7 @@ def write_report(
     *,
     plan: str | None = None,
     cache: str | None = None,
-    annotations: str | None = None,
+    annotations: str | Sequence[str] | None = None,
     storage_options: dict[str, Any] | None = None,
     progress: bool = False,
 ) -> list[str]:
@@ -105,7 +112,9 @@ def write_report(
     report sections built (:class:`manifests.progress.Progress`, on stderr).
 
     Raises ManifestError (a ValueError) for a bad manifest, FileNotFoundError for a plan or cache
-    folder without its ``_plan.json`` / ``_cache.json``.
+    folder without its ``_plan.json`` / ``_cache.json``, AnnotationsMissingError (a UsageError) for an
+    annotations folder without ``_annotations.json``. ``annotations``: one folder, or several joined on
+    ``sample_id`` for the score and duplicate sections.
     """
     try:
         from pipeline.report import plots  # matplotlib only when a report is made
@@ -114,23 +123,29 @@ def write_report(
 
     if not out.endswith((".html", ".htm")):
         raise UsageError(f"--out {out!r} must name an .html file")
-    reporter = Progress("report", "sections", total=1 + bool(plan) + bool(cache) + bool(annotations),
-                        unit="sections", enabled=progress)
+    annotations = (annotations,) if isinstance(annotations, str) else tuple(annotations or ())
+    total = 1 + bool(plan) + bool(cache) + len(annotations) + bool(annotations)  # the scores: one more
+    reporter = Progress("report", "sections", total=total, unit="sections", enabled=progress)
     manifest = read_manifest(manifest_url, storage_options)
     sections = [manifest_section(manifest, plots)]
     reporter.update(1, last="manifest")
+    if annotations:
+        from pipeline.report.annotations import annotations_section
+        from pipeline.report.scores import score_parts
     if plan:
         sections.append(plan_section(plan, manifest, plots, storage_options))
         reporter.update(1, last="plan")
     if cache:
         sections.append(cache_section(cache, plots, storage_options))
         reporter.update(1, last="cache")
-    if annotations:
-        from pipeline.report.annotations import annotations_section
-
-        rows, grid = annotations_section(annotations, manifest, storage_options)
-        sections.append(Section(f"Annotations: {redact(annotations)}", rows, [Figure(*f) for f in grid]))
+    for url in annotations:
+        rows, grid = annotations_section(url, manifest, storage_options)
+        sections.append(Section(f"Annotations: {redact(url)}", rows, [Figure(*f) for f in grid]))
         reporter.update(1, last="annotations")
+    if annotations:
+        for part in score_parts(annotations, manifest, plots, storage_options):
+            sections.append(Section(part.title, part.rows, [Figure(*f) for f in part.figures], part.grids))
+        reporter.update(1, last="scores")
     reporter.close()
 
     fs, html_path = open_url(out, storage_options)
@@ -337,7 +352,7 @@ figure { margin: 0; background: #fff; padding: 10px; box-shadow: 0 1px 2px rgba(
 figure.wide { grid-column: 1 / -1; }
 figure img { width: 100%; height: auto; display: block; }
 figcaption { font-size: 12px; color: #5b6374; margin-top: 6px; }
-"""
+""" + GRID_CSS
 
 
 def _data_uri(png: bytes) -> str:
@@ -364,7 +379,10 @@ def render_html(title: str, sections: list[Section]) -> str:
             if fig.note:
                 out.write(f"<figcaption>{esc(fig.note)}</figcaption>")
             out.write("</figure>")
-        out.write("</div></section>")
+        out.write("</div>")
+        for grid in section.grids:
+            out.write(grid_html(grid))
+        out.write("</section>")
     out.write("</main></body></html>\n")
     return out.getvalue()
 

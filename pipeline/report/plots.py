@@ -28,6 +28,8 @@ __all__ = [
     "plan_waste",
     "tokens_per_step",
     "cache_record_sizes",
+    "score_histogram",
+    "value_counts",
 ]
 
 BLUE, ORANGE, RED, GREY = "#3b6fb6", "#e08a2c", "#c0392b", "#8a8f98"
@@ -230,4 +232,33 @@ def cache_record_sizes(bytes_per_record: np.ndarray) -> Figure:
     ax.legend(frameon=False)
     ax.set_xlabel("KiB")
     ax.set_ylabel("records")
+    return fig
+
+
+def score_histogram(name: str, edges: np.ndarray, counts: np.ndarray, missing: int) -> Figure:
+    """One annotation score: ``counts`` (bins,) over ``edges`` (bins+1,), the samples without a score in the title."""
+    fig, (ax,) = _figure(width=5.5, height=2.8)
+    ax.set_title(f"{name} ({int(counts.sum())} scored, {missing} without)")
+    if counts.sum() == 0:
+        _empty(ax, "no scores")
+        return fig
+    ax.stairs(counts, edges, fill=True, color=BLUE)
+    ax.set_xlim(edges[0], edges[-1])
+    ax.set_xlabel(name)
+    ax.set_ylabel("samples")
+    return fig
+
+
+def value_counts(name: str, counts: Mapping[str, int]) -> Figure:
+    """A bool annotation: samples per value (``true``, ``false``, ``no value``)."""
+    fig, (ax,) = _figure(width=5.5, height=2.0)
+    ax.set_title(name)
+    labels = list(counts)
+    values = [counts[k] for k in labels]
+    ax.barh(labels, values, color=[BLUE, ORANGE, GREY][: len(labels)], height=0.6)
+    ax.invert_yaxis()
+    for y, v in enumerate(values):
+        ax.text(v, y, f" {v}", va="center", fontsize=8)
+    ax.set_xlim(0, max(max(values), 1) * 1.2)
+    ax.set_xlabel("samples")
     return fig
