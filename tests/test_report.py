@@ -323,9 +323,14 @@ _PROBE = """<script>
 window.addEventListener("load", () => {
   const imgs = [...document.images];
   const sizes = imgs.map(i => `${i.alt}:${i.complete ? i.naturalWidth : -1}x${i.naturalHeight}`);
+  // per thumbnail grid: how many rows its thumbnails wrap into, and how many it has
+  const grids = [...document.querySelectorAll(".grid")].map(g => {
+    const tops = new Set([...g.querySelectorAll(".thumb")].map(t => t.offsetTop));
+    return `${g.id}:${tops.size}:${g.querySelectorAll(".thumb").length}`;
+  });
   const probe = document.createElement("pre");
   probe.id = "probe";
-  probe.textContent = "IMAGES " + imgs.length + " " + sizes.join(" ");
+  probe.textContent = "IMAGES " + imgs.length + " " + sizes.join(" ") + " GRIDS " + grids.join(" ");
   document.body.appendChild(probe);
 });
 </script>"""
@@ -350,7 +355,7 @@ def run_chromium(exe: str, tmp_path, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_report_renders_in_headless_chromium(manifest_url, tmp_path):
+def test_report_renders_in_headless_chromium(manifest_url, scored, tmp_path):
     from PIL import Image
 
     exe = chromium_or_skip()
@@ -359,17 +364,28 @@ def test_report_renders_in_headless_chromium(manifest_url, tmp_path):
     out = tmp_path / "report.html"
     run(ReportJob(manifest=manifest_url, plan=str(tmp_path / "plan"), out=str(out)))
 
-    # every <img> decoded: naturalWidth > 0 for each, read back from the DOM after the load event
+    # every <img> decoded: naturalWidth > 0 for each, read back from the DOM after the load event; on a
+    # report of real images with every section: plan, scores and duplicates (their thumbnail grids)
+    write_plan_folder(tmp_path / "scored_plan", read_manifest(scored.manifest))
+    full = tmp_path / "full.html"
+    run(ReportJob(manifest=scored.manifest, plan=str(tmp_path / "scored_plan"), out=str(full),
+                  annotations=(scored.scores, scored.dedup)))  # fmt: skip
     probed = tmp_path / "probed.html"
-    probed.write_text(out.read_text().replace("</body>", _PROBE + "</body>"))
+    probed.write_text(full.read_text().replace("</body>", _PROBE + "</body>"))
     dom = run_chromium(exe, tmp_path, "--dump-dom", probed.as_uri())
-    found = re.search(r'<pre id="probe">IMAGES (\d+) ([^<]*)</pre>', dom.stdout)
+    found = re.search(r'<pre id="probe">IMAGES (\d+) ([^<]*) GRIDS ([^<]*)</pre>', dom.stdout)
     assert found, f"probe did not run: {dom.stderr[-2000:]}"
-    sizes = dict(item.split(":") for item in found.group(2).split())
-    assert int(found.group(1)) == 7 and set(sizes) == MANIFEST_FIGURES | {"plan_waste", "tokens_per_step"}
-    for name, size in sizes.items():
+    items = [item.rsplit(":", 1) for item in found.group(2).split()]
+    figures = {"plan_waste", "tokens_per_step", "score_aesthetic", "score_luminance", "score_grayscale",
+               "score_duplicate"}  # fmt: skip
+    assert int(found.group(1)) == len(items) == 11 + 4 * 8 + 4 + 3  # figures, score grids, the two clusters
+    assert {name for name, _ in items} == MANIFEST_FIGURES | figures | set(scored.names.values()) - {"img_015.jpg"}
+    for name, size in items:
         width, height = (int(v) for v in size.split("x"))
         assert width > 0 and height > 0, f"{name} did not decode in Chromium ({size})"
+    grids = dict(item.split(":", 1) for item in found.group(3).split())
+    assert grids == {**{f"grid-{s}-{end}": "1:8" for s in ("aesthetic", "luminance") for end in ("lowest", "highest")},
+                     "grid-cluster-0": "1:4", "grid-cluster-1": "1:3"}, "each grid: one row of its thumbnails"
 
     # the unmodified page, as a user opens it: the screenshot shows plots, not a blank page
     shot = tmp_path / "shot.png"
