@@ -26,7 +26,7 @@ from manifests.manifest import read_manifest, write_manifest
 from pipeline import ReportJob, run
 from manifests.storage import open_url
 from pipeline.cli import main
-from pipeline.report.scores import score_bins
+from pipeline.report.scores import extremes, score_bins
 from tests.embed_data import make_dataset
 from tests.factories import manifest_tables
 
@@ -58,7 +58,7 @@ def test_report_is_self_contained_with_pngs_next_to_it(manifest_url, tmp_path):
     page = out.read_text()
     assert_self_contained(page)
     sources = figure_sources(page)
-    assert set(sources) == MANIFEST_FIGURES
+    assert set(sources) == MANIFEST_FIGURES and 'class="grid"' not in page  # no annotations, no thumbnails
     pngs = {p.stem: p.read_bytes() for p in (tmp_path / "site" / "report_figures").glob("*.png")}
     assert set(pngs) == MANIFEST_FIGURES
     for name, src in sources.items():
@@ -202,6 +202,7 @@ class Scored:
     manifest: str
     scores: str  # aesthetic, luminance (floats), grayscale (bool), an embedding (never read by the report)
     dedup: str  # duplicate, cluster_id, keeper_id, similarity
+    captions: str  # caption, generated_tokens of 3 samples: no score
     ids: list[int]  # the manifest's sample ids, in filename order
     names: dict[int, str]  # sample id -> filename
 
@@ -263,7 +264,11 @@ def scored(tmp_path_factory) -> Scored:
         "keeper_id": pa.array([keeper[i] for i in ids], pa.uint64()),
         "similarity": pa.array([similarity[i] for i in ids], pa.float32()),
     }, ids, names)  # fmt: skip
-    return Scored(str(root / "manifest"), str(root / "scores"), str(root / "dedup"), ids, names)
+    write_annotations_folder(str(root / "captions"), manifest, ("caption",), {
+        "caption": [f"generated {i}" for i in range(3)], "generated_tokens": pa.array([2] * 3, pa.int32()),
+    }, ids[:3], names)  # fmt: skip
+    return Scored(str(root / "manifest"), str(root / "scores"), str(root / "dedup"), str(root / "captions"), ids,
+                  names)  # fmt: skip
 
 
 def grid_ids(page: str, name: str) -> list[int]:
@@ -271,6 +276,27 @@ def grid_ids(page: str, name: str) -> list[int]:
     found = re.search(rf'<div class="grid" id="grid-{name}">(.*?)</div></div>', page)
     assert found, f"no grid {name}"
     return [int(i) for i in re.findall(r'data-sample-id="(\d+)"', found.group(1))]
+
+
+def test_report_scores_need_score_columns(scored, tmp_path, capsys):
+    out = tmp_path / "r.html"
+    run(ReportJob(manifest=scored.manifest, out=str(out), annotations=scored.captions, progress=False))
+    page = out.read_text()
+    assert "Annotations: " in page and "Scores: " not in page and 'class="grid"' not in page
+    assert set(figure_sources(page)) == MANIFEST_FIGURES | {"caption-00", "caption-01", "caption-02"}
+    assert f"{scored.names[scored.ids[1]]} | original: a photo of thing 1 | generated: generated 1" in page
+    # a folder that is not annotations: one line, exit 2
+    assert main(["report", scored.manifest, "--annotations", f"{scored.scores},{tmp_path}", "--out", str(out)]) == 2
+    assert "_annotations.json" in capsys.readouterr().err
+
+
+def test_extremes_and_bins_of_few_or_no_scores():
+    ids = np.array([5, 3, 9, 1], np.uint64)
+    low, high = extremes(ids, np.array([np.nan, 2.0, 2.0, np.nan]), k=8)
+    assert ids[low].tolist() == [3, 9] and ids[high].tolist() == [3, 9]  # ties by sample id, NaN left out
+    assert [len(a) for a in extremes(ids, np.full(4, np.nan))] == [0, 0]
+    edges, counts, missing = score_bins(np.array([0.25, 0.25, np.nan]))
+    assert counts.sum() == 2 and missing == 1 and edges[0] < 0.25 < edges[-1]  # one value: a span around it
 
 
 def test_report_score_histograms_extremes_and_duplicate_clusters(scored, tmp_path):

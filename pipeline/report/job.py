@@ -130,8 +130,12 @@ def write_report(
     sections = [manifest_section(manifest, plots)]
     reporter.update(1, last="manifest")
     if annotations:
+        from manifests.annotations import read_annotations_meta
         from pipeline.report.annotations import annotations_section
         from pipeline.report.scores import score_parts
+
+        for url in annotations:  # a folder that is not annotations is refused before any figure is drawn
+            read_annotations_meta(url, storage_options)
     if plan:
         sections.append(plan_section(plan, manifest, plots, storage_options))
         reporter.update(1, last="plan")

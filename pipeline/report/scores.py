@@ -177,8 +177,9 @@ def score_parts(urls: Sequence[str], manifest: Manifest, plots, storage_options:
     total = manifest.samples.num_rows
     ids = table.column("sample_id").to_numpy()  # (n,)
     schema = table.schema
-    several = len(urls) > 1
-    scores = ReportPart(f"Scores: {', '.join(redact(u) for u in urls)}")
+    sources = [u for u in urls if u in origin.values()]  # the folders that hold a column drawn here
+    several = len(sources) > 1
+    scores = ReportPart(f"Scores: {', '.join(redact(u) for u in sources)}")
     specs: list[tuple[str, str, list[tuple[int, str]]]] = []
     for name in table.column_names[1:]:
         kind = schema.field(name).type
