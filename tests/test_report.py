@@ -249,7 +249,7 @@ def scored(tmp_path_factory) -> Scored:
         "aesthetic": pa.array(AESTHETIC, pa.float32()),
         "luminance": pa.array(rng.random(15), pa.float32()),
         "grayscale": pa.array(GRAYSCALE, pa.bool_()),
-        "embedding": pa.FixedSizeListArray.from_arrays(pa.array(rng.random(15 * 4), pa.float16()), 4),
+        "embedding": pa.FixedSizeListArray.from_arrays(pa.array(rng.random(15 * 4).astype(np.float16)), 4),
     }, annotated, names)  # fmt: skip
     cluster = {i: i for i in ids}  # every sample its own cluster and keeper
     keeper, similarity = dict(cluster), {i: 1.0 for i in ids}
@@ -257,9 +257,10 @@ def scored(tmp_path_factory) -> Scored:
         head = members[1]  # the keeper: not the lowest sample id of the cluster
         for member, sim in zip([m for m in members if m != head], sims):
             cluster[member], keeper[member], similarity[member] = head, head, sim
-        cluster[head] = head
+    for single in ids[12:]:  # the other way to write a sample with no duplicate: no cluster, keeper, similarity
+        cluster[single] = keeper[single] = similarity[single] = None
     write_annotations_folder(str(root / "dedup"), manifest, ("dedup",), {
-        "duplicate": pa.array([keeper[i] != i for i in ids], pa.bool_()),
+        "duplicate": pa.array([keeper[i] not in (i, None) for i in ids], pa.bool_()),
         "cluster_id": pa.array([cluster[i] for i in ids], pa.uint64()),
         "keeper_id": pa.array([keeper[i] for i in ids], pa.uint64()),
         "similarity": pa.array([similarity[i] for i in ids], pa.float32()),

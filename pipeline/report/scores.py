@@ -135,7 +135,8 @@ def largest_clusters(table: pa.Table, n: int = CLUSTERS, per_cluster: int = CLUS
     members = members.filter(pc.is_in(members.column("cluster_id"), value_set=top.column("cluster_id")))
     cluster = members.column("cluster_id").to_numpy()  # (m,)
     ids = members.column("sample_id").to_numpy()
-    keeper = members.column("keeper_id").to_numpy() == ids if "keeper_id" in has else np.zeros(len(ids), bool)
+    keeper = (pc.fill_null(pc.equal(members.column("keeper_id"), members.column("sample_id")), False).to_numpy()
+              if "keeper_id" in has else np.zeros(len(ids), bool))  # fmt: skip
     similarity = _floats(members, "similarity") if "similarity" in has else np.full(len(ids), np.nan)
     out = []
     for cid, size in zip(top.column("cluster_id").to_pylist(), top.column("sample_id_count").to_pylist()):
