@@ -127,8 +127,6 @@ def write_report(
     total = 1 + bool(plan) + bool(cache) + len(annotations) + bool(annotations)  # the scores: one more
     reporter = Progress("report", "sections", total=total, unit="sections", enabled=progress)
     manifest = read_manifest(manifest_url, storage_options)
-    sections = [manifest_section(manifest, plots)]
-    reporter.update(1, last="manifest")
     if annotations:
         from manifests.annotations import read_annotations_meta
         from pipeline.report.annotations import annotations_section
@@ -136,6 +134,8 @@ def write_report(
 
         for url in annotations:  # a folder that is not annotations is refused before any figure is drawn
             read_annotations_meta(url, storage_options)
+    sections = [manifest_section(manifest, plots)]
+    reporter.update(1, last="manifest")
     if plan:
         sections.append(plan_section(plan, manifest, plots, storage_options))
         reporter.update(1, last="plan")
