@@ -51,7 +51,7 @@ def test_a_sharded_ema_equals_the_unsharded_one_and_resumes_on_any_world_size(tm
 def test_an_ema_is_refused_where_the_weights_are_not_dtensor_shards(tmp_path):
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-    from train.ema import EMA_FILE, ShardedEMA, sharded_ema
+    from train.ema import EMA, EMA_FILE, ShardedEMA, sharded_ema
 
     ddp = SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, state=SimpleNamespace())
     assert sharded_ema(ddp) is False
@@ -70,6 +70,11 @@ def test_an_ema_is_refused_where_the_weights_are_not_dtensor_shards(tmp_path):
     (tmp_path / EMA_FILE).write_bytes(b"")
     with pytest.raises(UsageError, match="unsharded ema.safetensors: resume it without FSDP"):
         ShardedEMA(build_model(), DECAY).load(tmp_path)
+    # and the other way round
+    sharded = tmp_path / "sharded"
+    ShardedEMA(build_model(), DECAY).save(sharded)
+    with pytest.raises(UsageError, match=r"holds a sharded EMA \(ema/, FSDP2\): resume it under FSDP2"):
+        EMA(build_model(), DECAY).load(sharded)
 
 
 def test_the_fsdp2_flux_config_reads():

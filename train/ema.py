@@ -75,8 +75,10 @@ class EMA:
 
         path = Path(folder) / EMA_FILE
         if not path.exists():
+            why = (f"it holds a sharded EMA ({SHARDED_DIR}/, FSDP2): resume it under FSDP2"
+                   if (Path(folder) / SHARDED_DIR).is_dir() else "it was trained without EMA")  # fmt: skip
             raise UsageError(f"{path.parent.name}: the config asks for ema_decay but the checkpoint has no {EMA_FILE} "
-                             "(it was trained without EMA); resume without ema_decay, or use a new --output-dir")
+                             f"({why}); resume without ema_decay, or use a new --output-dir")  # fmt: skip
         with safe_open(str(path), "pt") as f:
             if sorted(f.keys()) != sorted(self.names):
                 raise UsageError(f"{path}: its EMA covers other parameters than this run trains "
