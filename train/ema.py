@@ -196,8 +196,8 @@ class ShardedEMA:
     def swapped_into(self, model: torch.nn.Module) -> Iterator[None]:
         """``model``'s shards hold the averaged ones inside the block (on this rank; a gather of the model's state
         dict inside it on every rank gathers the average), its own again after it."""
-        params = [_local(p) for p in self._params(model)]
-        with torch.no_grad():
+        with torch.no_grad():  # to_local() without grad: the shard's own storage, what FSDP2 gathers from
+            params = [_local(p) for p in self._params(model)]
             kept = [p.clone() for p in params]
             for p, s in zip(params, self.shadow):
                 p.copy_(_local(s))
