@@ -109,15 +109,15 @@ DEEPSPEED_ON_CPU = ("DeepSpeed ZeRO-2 needs deepspeed and CUDA: on a CPU-only ma
                     "the whole world (tried with deepspeed 0.19.8, DS_ACCELERATOR=cpu: its batch assertion fails)")
 
 
-def _run_backend(train_data, tmp_path, *launch_flags: str) -> None:
-    """Train plan2a on 2 GPUs (plan1a on 1) with the given accelerate flags: to a checkpoint, resume, final model
-    loads."""
+def _run_backend(train_data, tmp_path, *launch_flags: str, **settings) -> Path:
+    """Train plan2a on 2 GPUs (plan1a on 1) with the given accelerate flags (and config ``settings``): to a
+    checkpoint, resume, final model loads. Returns the output folder."""
     from diffusers import PixArtTransformer2DModel
 
     from tests.test_train import records, write_config
     from tests.test_train_dist import ROOT, rows
 
-    config = write_config(tmp_path / "c.yaml", checkpoint_every=4, log_every=5)
+    config = write_config(tmp_path / "c.yaml", checkpoint_every=4, log_every=5, **settings)
     out = tmp_path / "out"
     plan = train_data.plan2a if WORLD == 2 else train_data.plan1a  # both: --grad-accum 2
     base = ["accelerate", "launch", *launch_flags, "--num_processes", str(WORLD), "--main_process_port", "0", "-m",
@@ -131,6 +131,7 @@ def _run_backend(train_data, tmp_path, *launch_flags: str) -> None:
     for rank in range(WORLD):
         assert [(r["epoch"], r["step"], r["sample_ids"]) for r in records(out / "rec", rank)] == rows(plan, rank)
     assert PixArtTransformer2DModel.from_pretrained(out / "model").config.in_channels == 4
+    return out
 
 
 @pytest.mark.gpu
@@ -138,7 +139,14 @@ def _run_backend(train_data, tmp_path, *launch_flags: str) -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(GPUS < 1, reason=FSDP_ON_CPU)
 def test_fsdp2_trains_checkpoints_resumes_and_saves_a_loadable_model(train_data, tmp_path):
-    _run_backend(train_data, tmp_path, "--config_file", "infra/accelerate/fsdp2-1x8.yaml", "--mixed_precision", "no")
+    from diffusers import PixArtTransformer2DModel
+
+    # with an EMA: sharded beside the model (train.ema.ShardedEMA), in the checkpoint as ema/, resumed, gathered
+    out = _run_backend(train_data, tmp_path, "--config_file", "infra/accelerate/fsdp2-1x8.yaml", "--mixed_precision",
+                       "no", ema_decay=0.9)  # fmt: skip
+    model, ema = (PixArtTransformer2DModel.from_pretrained(out / name) for name in ("model", "model_ema"))
+    ema_weights = dict(ema.named_parameters())
+    assert any(not torch.equal(p, ema_weights[n]) for n, p in model.named_parameters())
 
 
 @pytest.mark.gpu

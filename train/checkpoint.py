@@ -6,7 +6,9 @@ Layout under ``--output-dir`` (:mod:`train.output`)::
     checkpoints/step-00000120/   accelerate state (model.safetensors, optimizer.bin, scheduler.bin,
                                  random_states_<rank>.pkl) + cursor.json (the cursor and the files);
                                  a LoRA run: adapters.safetensors + lora.json instead of model.safetensors
-                                 (:func:`train.lora.register_adapter_checkpoints`), no frozen base weights
+                                 (:func:`train.lora.register_adapter_checkpoints`), no frozen base weights;
+                                 with ema_decay ema.safetensors, or under FSDP2 ema/ (a shard per rank) and
+                                 ema.json (:mod:`train.ema`)
     checkpoints/latest.json      {"checkpoint": "step-00000120", "kept": [...]}, written last
     plans/resume-00000120-w4/    the plan an elastic resume wrote for 4 ranks (see resume_elastic)
 

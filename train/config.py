@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from manifests.errors import MissingError, UsageError
+from train.shift import parse_shift
 
 __all__ = ["TrainConfig", "load_config", "default_config", "DEFAULT_CONFIG"]
 
@@ -49,6 +50,9 @@ class TrainConfig:
     logit_mean: float = 0.0
     logit_std: float = 1.0
     mode_scale: float = 1.29
+    # where the drawn t is shifted towards noise (train/shift.py): auto (the family's scheduler: Flux per bucket by
+    # its token count, SD3 its fixed shift, others none) | none | a number (a fixed shift, any flow family)
+    timestep_shift: str | float = "auto"
     # bookkeeping
     checkpoint_every: int = 500  # plan steps; a multiple of grad_accum
     keep_checkpoints: int = 2
@@ -105,6 +109,7 @@ class TrainConfig:
             (self.validation_steps >= 1, "validation_steps must be >= 1"),
             (self.validation_size % 16 == 0, "validation_size must be a multiple of 16 (0: from the cache)"),
         ]  # fmt: skip
+        object.__setattr__(self, "timestep_shift", parse_shift(self.timestep_shift))  # UsageError naming the key
         for ok, message in checks:
             if not ok:
                 raise UsageError(f"config: {message}")
@@ -148,6 +153,12 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> TrainConfig
         data["adam_betas"] = tuple(data["adam_betas"])
     defaults = TrainConfig()
     for name, value in data.items():
+        if name == "timestep_shift":  # auto | none | a number: checked by parse_shift
+            try:
+                data[name] = parse_shift(value)
+            except UsageError as e:
+                raise UsageError(f"{path}: {e}") from None
+            continue
         want = OPTIONAL.get(name) or type(getattr(defaults, name))
         if value is None and name in OPTIONAL:  # written out as null: the default
             continue

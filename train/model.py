@@ -167,15 +167,17 @@ def flow_matching_loss(
     logit_mean: float = 0.0,
     logit_std: float = 1.0,
     mode_scale: float = 1.29,
+    shift: float = 1.0,
 ) -> torch.Tensor:
     """Mean squared error between predicted and true velocity, a scalar (the from-scratch PixArt model).
 
     ``latents``: (B, C, h, w), already scaled by the VAE's scaling factor. ``added_cond``: PixArt's
     ``resolution`` (B, 2) and ``aspect_ratio`` (B, 1), ignored by a model without micro-conditioning.
-    Noise and timesteps are drawn on the CPU from ``generator`` (reproducible on any device).
+    Noise and timesteps are drawn on the CPU from ``generator`` (reproducible on any device); ``shift``: as
+    :func:`flow_sample`'s.
     """
     draw = flow_sample(latents, generator, weighting_scheme=weighting_scheme, logit_mean=logit_mean,
-                       logit_std=logit_std, mode_scale=mode_scale)  # fmt: skip
+                       logit_std=logit_std, mode_scale=mode_scale, shift=shift)  # fmt: skip
     noisy, text, resolution, aspect = to_weight_dtype(model, draw.noisy, text, added_cond.get("resolution"),
                                                       added_cond.get("aspect_ratio"))  # fmt: skip
     added_cond = {**added_cond, "resolution": resolution, "aspect_ratio": aspect}

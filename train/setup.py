@@ -22,7 +22,7 @@ from train.output import OutputDir
 if TYPE_CHECKING:
     from manifests.cache import CacheReader
     from train.data import BatchLoader, RankSteps
-    from train.ema import EMA
+    from train.ema import EMA, ShardedEMA
     from train.lora import LoraRecord
     from train.recipes import Denoiser
 
@@ -76,7 +76,7 @@ class Model:
     """The family's recipe, the prepared model, optimizer and schedule (and the EMA, if any)."""
 
     denoiser: Denoiser
-    ema: EMA | None
+    ema: EMA | ShardedEMA | None
     model: Any  # prepared by accelerate (DDP / FSDP / DeepSpeed wrapped)
     optimizer: Any
     lr_scheduler: Any
@@ -199,9 +199,9 @@ def setup_model(launch: Launch, position: Position, data: Data) -> Model:
     import torch
     from diffusers.optimization import get_scheduler
 
-    from train.backends import configure_deepspeed, is_sharded, plan_micro_batch
+    from train.backends import configure_deepspeed, plan_micro_batch
     from train.checkpoint import fetch_checkpoint
-    from train.ema import EMA
+    from train.ema import EMA, ShardedEMA, sharded_ema
     from train.lora import check_resume
     from train.recipes import recipe_for
 
@@ -210,10 +210,9 @@ def setup_model(launch: Launch, position: Position, data: Data) -> Model:
     model = denoiser.model
     lora = _setup_lora(accelerator, cfg, denoiser, data.family) if cfg.lora_rank else None
     trained = [p for p in model.parameters() if p.requires_grad]
-    if cfg.ema_decay and is_sharded(accelerator):
-        raise UsageError("config ema_decay: the EMA averages whole weights, which FSDP and DeepSpeed ZeRO-3 shard; "
-                         "train with DDP or ZeRO-1/2, or without ema_decay")  # fmt: skip
-    ema = EMA(model, cfg.ema_decay) if cfg.ema_decay else None
+    # FSDP2: the EMA is DTensor shards beside the model's, made once prepare has sharded it (ZeRO-3, FSDP1: refused)
+    sharded = bool(cfg.ema_decay) and sharded_ema(accelerator)
+    ema: EMA | ShardedEMA | None = EMA(model, cfg.ema_decay) if cfg.ema_decay and not sharded else None
     if ema is not None:
         ema.register(accelerator)  # ema.safetensors in every checkpoint, read back by load_state
     # linear scaling by the ROOT plan's world size: an elastic resume keeps the global batch, so the lr too
@@ -233,6 +232,9 @@ def setup_model(launch: Launch, position: Position, data: Data) -> Model:
     # only model/optimizer/schedule are prepared: the loader is already this rank's shard (see train.data)
     model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
     _KEEP_ALIVE.append(model)  # never deallocated before os._exit: see _KEEP_ALIVE
+    if sharded:
+        ema = ShardedEMA(accelerator.unwrap_model(model), cfg.ema_decay)
+        ema.register(accelerator)  # ema/ (a shard per rank) and ema.json in every checkpoint
     if position.checkpoint is not None:
         local = fetch_checkpoint(accelerator, launch.output, position.checkpoint)
         note = check_resume(local, launch.output.name(position.checkpoint.rel), lora)  # base model, rank, targets

@@ -17,6 +17,7 @@ import torch
 from manifests.cache.meta import CacheMeta
 from train.config import TrainConfig
 from train.model import flow_sample, to_weight_dtype
+from train.shift import timestep_shift
 from train.recipes.base import (Denoiser, PromptEmbeds, Recipe, check_matches, flow_loss, flow_options,
                                 load_pretrained, pretrained_source)  # fmt: skip
 
@@ -33,13 +34,14 @@ def setup(cfg: TrainConfig, meta: CacheMeta) -> Denoiser:
                   layout.pooled_dim, source)
     check_matches("packed latent channels (in_channels)", transformer.config.in_channels, 4 * channels, source)
     scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(source, subfolder="scheduler")
-    # the pipeline shifts by image size at sampling time (use_dynamic_shifting); training draws unshifted
-    shift = 1.0 if scheduler.config.get("use_dynamic_shifting") else float(scheduler.config.get("shift", 1.0))
+    # the pipeline shifts by the image's token count at sampling time (use_dynamic_shifting): auto trains each
+    # bucket at the shift the pipeline samples it with (train/shift.py); packing makes a token of 2x2 latents
+    shift = timestep_shift(cfg.timestep_shift, scheduler.config, patch=2)
     guidance_embeds = bool(transformer.config.guidance_embeds)
 
     def loss(model: torch.nn.Module, batch: Any, generator: torch.Generator) -> torch.Tensor:
-        draw = flow_sample(batch.latents, generator, shift=shift, **flow_options(cfg))
         b, c, h, w = batch.latents.shape
+        draw = flow_sample(batch.latents, generator, shift=shift.for_bucket(batch.bucket, h, w), **flow_options(cfg))
         device, dtype = batch.latents.device, batch.latents.dtype
         img_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype)  # (h/2 * w/2, 3)
         txt_ids = torch.zeros(batch.text.shape[1], 3, device=device, dtype=dtype)  # (L, 3)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from manifests.cache.meta import CacheMeta
 from train.config import TrainConfig
 from train.model import build_model, ddpm_sample, flow_matching_loss, to_weight_dtype
+from train.shift import refuse_shift, timestep_shift
 from train.recipes.base import (Denoiser, PromptEmbeds, Recipe, check_matches, flow_options, load_pretrained,
                                 pretrained_source)  # fmt: skip
 
@@ -29,13 +30,16 @@ def setup(cfg: TrainConfig, meta: CacheMeta) -> Denoiser:
     layout, channels = meta.text_layout, int(meta.latent.channels)
     if cfg.pretrained is None:
         model = build_model(cfg.model, latent_channels=channels, caption_channels=layout.width)
-        sampler = FlowMatchEulerDiscreteScheduler()
+        shift = timestep_shift(cfg.timestep_shift, None)  # auto: unshifted (no pretrained scheduler)
+        sampler = FlowMatchEulerDiscreteScheduler(shift=shift.fixed)
 
         def loss(model: torch.nn.Module, batch: Any, generator: torch.Generator) -> torch.Tensor:
             cond = {"resolution": batch.resolution, "aspect_ratio": batch.aspect_ratio}
+            s = shift.for_bucket(batch.bucket, *batch.latents.shape[-2:])
             return flow_matching_loss(model, batch.latents, batch.text, batch.text_mask, cond, generator,
-                                      **flow_options(cfg))  # fmt: skip
+                                      shift=s, **flow_options(cfg))  # fmt: skip
     else:
+        refuse_shift(cfg.timestep_shift, "a pretrained pixart")
         source = pretrained_source(cfg, meta)
         model = load_pretrained(PixArtTransformer2DModel, source, "transformer")
         check_matches("text width (caption_channels)", model.config.caption_channels, layout.width, source)

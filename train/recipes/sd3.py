@@ -4,7 +4,7 @@
 prompt embeddings are CLIP-L | CLIP-G zero-padded to T5's width, then T5 on the sequence
 (``(77 + 256, 4096)``), the pooled one both CLIPs' projections. ``x_t = (1 - s) x0 + s eps``, the
 model predicts ``eps - x0`` at timestep ``1000 s``; ``s`` is drawn by the config's density and
-shifted by the base scheduler's ``shift`` (3.0 for SD3), as its sampler shifts them.
+shifted as its sampler shifts them (``timestep_shift``: auto, the base scheduler's ``shift``, 3.0 for SD3).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from manifests.cache.meta import CacheMeta
 from train.config import TrainConfig
 from train.model import flow_sample, to_weight_dtype
+from train.shift import timestep_shift
 from train.recipes.base import (Denoiser, PromptEmbeds, Recipe, check_matches, flow_loss, flow_options,
                                 load_pretrained, pretrained_source)  # fmt: skip
 
@@ -31,10 +32,12 @@ def setup(cfg: TrainConfig, meta: CacheMeta) -> Denoiser:
                   layout.pooled_dim, source)
     check_matches("latent channels", transformer.config.in_channels, int(meta.latent.channels), source)
     scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(source, subfolder="scheduler")
-    shift = 1.0 if scheduler.config.get("use_dynamic_shifting") else float(scheduler.config.get("shift", 1.0))
+    patch = int(transformer.config.patch_size)
+    shift = timestep_shift(cfg.timestep_shift, scheduler.config, patch=patch)  # auto: the scheduler's shift
 
     def loss(model: torch.nn.Module, batch: Any, generator: torch.Generator) -> torch.Tensor:
-        draw = flow_sample(batch.latents, generator, shift=shift, **flow_options(cfg))
+        h, w = batch.latents.shape[-2:]
+        draw = flow_sample(batch.latents, generator, shift=shift.for_bucket(batch.bucket, h, w), **flow_options(cfg))
         noisy, text, pooled = to_weight_dtype(model, draw.noisy, batch.text, batch.pooled)  # DeepSpeed bf16
         pred = model(hidden_states=noisy, encoder_hidden_states=text, pooled_projections=pooled,
                      timestep=draw.sigma.flatten() * 1000.0, return_dict=False)[0]  # fmt: skip
@@ -51,7 +54,6 @@ def setup(cfg: TrainConfig, meta: CacheMeta) -> Denoiser:
         return {"prompt_embeds": prompts.embeds, "pooled_prompt_embeds": prompts.pooled,
                 "negative_prompt_embeds": negative.embeds, "negative_pooled_prompt_embeds": negative.pooled}
 
-    patch = int(transformer.config.patch_size)
     return Denoiser(transformer, loss, pipeline, prompt_kwargs, tokens_per_position=1 / patch**2, source=source,
                     pipeline_class="StableDiffusion3Pipeline")  # fmt: skip
 

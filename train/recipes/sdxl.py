@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from manifests.cache.meta import CacheMeta
 from train.config import TrainConfig
 from train.model import ddpm_sample, to_weight_dtype
+from train.shift import refuse_shift
 from train.recipes.base import Denoiser, PromptEmbeds, Recipe, check_matches, load_pretrained, pretrained_source
 
 
@@ -29,6 +30,7 @@ def time_ids(original_size: torch.Tensor, crop_top_left: torch.Tensor, target_si
 def setup(cfg: TrainConfig, meta: CacheMeta) -> Denoiser:
     from diffusers import DDPMScheduler, UNet2DConditionModel
 
+    refuse_shift(cfg.timestep_shift, "sdxl")
     source = pretrained_source(cfg, meta)
     unet = load_pretrained(UNet2DConditionModel, source, "unet")
     layout = meta.text_layout
