@@ -107,10 +107,12 @@ class EncoderSource:
 
 @dataclass(frozen=True)
 class LatentSpec:
-    """The VAE to load and what to keep of its posterior (``latents``: one of :data:`LATENTS`)."""
+    """The VAE to load and what to keep of its posterior (``latents``: one of :data:`LATENTS`); ``features``: a
+    :class:`pipeline.embed.features.FeatureSpec` run on the same pixels (``--features``), or None."""
 
     source: EncoderSource
     latents: str = "mean"
+    features: Any = None
 
     def load(self, *, use_gpu: bool = False, dtype: str = "BF16") -> "LatentEncoder":
         return LatentEncoder(self, use_gpu=use_gpu, dtype=dtype)
@@ -266,6 +268,7 @@ class LatentEncoder:
         if self.compute_dtype != self.vae.dtype:
             self.vae.to(dtype=self.compute_dtype)
         self.subfolder = subfolder
+        self.features = None if spec.features is None else spec.features.load(use_gpu=use_gpu, dtype=dtype)
 
     def describe(self) -> dict[str, Any]:
         cfg = self.vae.config
@@ -281,6 +284,7 @@ class LatentEncoder:
             "latents": self.latents,
             "device": str(self.device),  # where it runs: recorded in _cache.json, not fingerprinted
             "compute_dtype": str(self.compute_dtype).replace("torch.", ""),
+            "features": None if self.features is None else self.features.describe(),
         }
 
     def encode(self, batch: np.ndarray) -> dict[str, Any]:

@@ -409,12 +409,16 @@ class LatentWriter(_EncoderActor):
                     latents = to_storage(encoded["latent"], self.dtype)  # (b * V [* 2 with conditioning], C, h, w)
                     # --latents posterior: the std too (b, C, h, w), to sample a latent per training step
                     stds = to_storage(encoded["latent_std"], self.dtype) if "latent_std" in encoded else None
+                    # --features: DINOv2 patch tokens of the same variant pixels (not the conditioning images')
+                    extra = getattr(encoder, "features", None)
+                    feats = None if extra is None else to_storage(extra.encode(views[:n]), "F16")  # (b * V, gh, gw, D)
                 v = k * f
                 for j, r in enumerate(meta[start : start + self.batch_size]):
                     record = sample_record(
                         r, item["bucket"], self.dtype, latents[j * v : (j + 1) * v],
                         None if conds is None else latents[n + j * v : n + (j + 1) * v],
-                        None if stds is None else stds[j * v], f)  # fmt: skip
+                        None if stds is None else stds[j * v], f,
+                        features=None if feats is None else feats[j * v : (j + 1) * v])  # fmt: skip
                     inline = bool(r.get("text_inline"))
                     if inline:
                         record = replace(record, text=texts[r["caption_key"]])
