@@ -41,7 +41,8 @@ def _dinov2(pixels: np.ndarray, model, size: tuple[int, int]) -> np.ndarray:
     says: bicubic antialiased resize to ``size``, ImageNet normalisation, last_hidden_state without CLS."""
     x = torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1)[None].float() / 255.0
     x = torch.nn.functional.interpolate(x, size=size, mode="bicubic", antialias=True, align_corners=False)
-    x = (x - torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)) / torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+    mean, std = torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225])
+    x = (x - mean.view(1, 3, 1, 1)) / std.view(1, 3, 1, 1)
     with torch.inference_mode():
         tokens = model(pixel_values=x).last_hidden_state[0, 1:]  # (gh * gw, D)
     gh, gw = size[0] // model.config.patch_size, size[1] // model.config.patch_size

@@ -48,7 +48,8 @@ class RepaConfig:
     def from_json(cls, d: Any) -> "RepaConfig":
         """Parse ``repa:``; UsageError naming the key for unknown keys, wrong types or bad values."""
         if not isinstance(d, Mapping):
-            raise UsageError(f"config repa: a mapping such as {{weight: 0.5, depth: 4, projector_dim: 2048}}, not {d!r}")
+            raise UsageError(f"config repa: a mapping such as {{weight: 0.5, depth: 4, projector_dim: 2048}}, "
+                             f"not {d!r}")
         unknown = sorted(set(d) - {"depth", "weight", "projector_dim"})
         if unknown or "depth" not in d:
             raise UsageError(f"config repa: {'unknown keys ' + str(unknown) if unknown else 'depth is required'}; "
@@ -72,7 +73,8 @@ def projector(hidden: int, width: int, features: int) -> torch.nn.Sequential:
 
 
 def interpolate_features(features: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
-    """``(B, gh, gw, D)`` features -> float32 ``(B, grid_h * grid_w, D)``, bilinear on the 2-D grid (as is when equal)."""
+    """``(B, gh, gw, D)`` features -> float32 ``(B, grid_h * grid_w, D)``, bilinear on the 2-D grid (as is when
+    equal)."""
     x = features.float().permute(0, 3, 1, 2)  # (B, D, gh, gw)
     if tuple(x.shape[-2:]) != tuple(grid):
         x = F.interpolate(x, size=tuple(grid), mode="bilinear", align_corners=False)

@@ -128,7 +128,8 @@ class SampleRecord:
     mirrored, as SDXL expects: ``left -> resized_w - left - target_w``); ``variant_flips`` (V,) uint8.
     :meth:`variant` gives one variant as a plain record. ``features`` (gh, gw, D) float16 (``F16``, whatever
     ``dtype`` says): DINOv2 patch tokens of variant 0's pixels (``embed --features``, REPA; how they were made is
-    ``_cache.json`` ``features``), ``variant_features`` (V-1, gh, gw, D) the other variants'. ``caption_keys``: every caption's key of a
+    ``_cache.json`` ``features``), ``variant_features`` (V-1, gh, gw, D) the other variants'.
+    ``caption_keys``: every caption's key of a
     sample embedded with several (the first is ``caption_key``), as the index lists them; None otherwise.
     """
 

@@ -287,8 +287,11 @@ class LatentEncoder:
             "features": None if self.features is None else self.features.describe(),
         }
 
-    def encode(self, batch: np.ndarray) -> dict[str, Any]:
+    def encode(self, batch: np.ndarray, features_of: int | None = None) -> dict[str, Any]:
+        """``features_of``: with ``--features``, also ``"features"`` ``(n, gh, gw, D)`` of the first n images."""
         import torch
+
+        extra = {} if self.features is None else {"features": self.features.encode(batch[:features_of])}
 
         with torch.inference_mode():
             batch = batch if batch.flags.writeable else batch.copy()  # Ray hands out read-only arrays
@@ -300,7 +303,7 @@ class LatentEncoder:
             out = {"latent": posterior.mean.float()}  # (B, C, h, w)
             if self.latents == "posterior":
                 out["latent_std"] = posterior.std.float()  # (B, C, h, w): exp(logvar / 2), logvar clamped
-            return out
+            return {**out, **extra}
 
 
 # config.architectures[0] -> the class it loads as (generic family: whatever the config names)

@@ -405,13 +405,11 @@ class LatentWriter(_EncoderActor):
                 if conds is not None:
                     views = np.concatenate([views, variant_pixels(conds[start : start + self.batch_size], f)])
                 with self.lock:
-                    encoded = encoder.encode(views)
+                    encoded = encoder.encode(views, features_of=n)  # --features: of the n image variants
                     latents = to_storage(encoded["latent"], self.dtype)  # (b * V [* 2 with conditioning], C, h, w)
                     # --latents posterior: the std too (b, C, h, w), to sample a latent per training step
                     stds = to_storage(encoded["latent_std"], self.dtype) if "latent_std" in encoded else None
-                    # --features: DINOv2 patch tokens of the same variant pixels (not the conditioning images')
-                    extra = getattr(encoder, "features", None)
-                    feats = None if extra is None else to_storage(extra.encode(views[:n]), "F16")  # (b * V, gh, gw, D)
+                    feats = to_storage(encoded["features"], "F16") if "features" in encoded else None  # (b * V, ...)
                 v = k * f
                 for j, r in enumerate(meta[start : start + self.batch_size]):
                     record = sample_record(

@@ -183,19 +183,9 @@ def _batch(records: Sequence[SampleRecord], step: PlanStep, latents: torch.Tenso
         target_size=torch.from_numpy(np.ascontiguousarray(geometry[:, 4:6])),
         pooled=pooled,
         cond_latents=conds,
-        features=_features(records, step),
+        features=None if records[0].features is None else torch.from_numpy(np.stack([r.features for r in records])),
     )
 
-
-def _features(records: Sequence[SampleRecord], step: PlanStep) -> torch.Tensor | None:
-    """The records' DINOv2 features stacked, float16 ``(B, gh, gw, D)``; None when none has them."""
-    have = [r.features is not None for r in records]
-    if not any(have):
-        return None
-    if not all(have):
-        raise UsageError(f"epoch {step.epoch} step {step.step}: some samples have DINOv2 features and some not; the "
-                         "cache mixes records of two embeds. Run `bucketeer verify`")  # fmt: skip
-    return torch.from_numpy(np.stack([np.asarray(r.features, np.float16) for r in records]))
 
 
 class BatchLoader:
