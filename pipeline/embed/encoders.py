@@ -291,10 +291,9 @@ class LatentEncoder:
         """``features_of``: with ``--features``, also ``"features"`` ``(n, gh, gw, D)`` of the first n images."""
         import torch
 
-        extra = {} if self.features is None else {"features": self.features.encode(batch[:features_of])}
-
         with torch.inference_mode():
             batch = batch if batch.flags.writeable else batch.copy()  # Ray hands out read-only arrays
+            extra = {} if self.features is None else {"features": self.features.encode(batch[:features_of])}
             x = torch.from_numpy(batch).to(self.device).permute(0, 3, 1, 2)  # (B, 3, H, W) uint8
             # [-1, 1] in float32, then the compute dtype, as diffusers' image processor does: in bf16 the division
             # rounds to 1/128 above 1.0 and the subtraction keeps that, up to half a level off for bright pixels

@@ -54,6 +54,8 @@ exact resize and crop, into the same record (``cond_latent``). ``--flip`` and ``
 variants (K crops, each also mirrored) in the record, recorded in ``_cache.json`` settings
 (:mod:`pipeline.embed.settings`); the
 trainer picks one per (seed, epoch, sample) (:func:`train.data.variant_choice`).
+``--features dinov2`` also stores DINOv2 patch features of every variant's crop in its record, for the
+trainer's REPA term (:mod:`pipeline.embed.features`).
 """
 
 from __future__ import annotations
