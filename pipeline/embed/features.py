@@ -43,7 +43,8 @@ def build_tiny_dinov2(folder: Path) -> None:
 
     torch.manual_seed(7)
     config = Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                          mlp_ratio=2, patch_size=8, image_size=32)  # fmt: skip
+                          mlp_ratio=2, patch_size=8, image_size=64)  # fmt: skip
+    # the input size is the processor's crop (32), not the config's image_size (64, as dinov2-base: 518 vs 224)
     Dinov2Model(config).save_pretrained(folder)
     BitImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}, image_mean=IMAGENET_MEAN,
                       image_std=IMAGENET_STD).save_pretrained(folder)  # fmt: skip
@@ -77,11 +78,15 @@ class FeatureSpec:
 
 
 def _pair(size: Any) -> tuple[int, int]:
-    if isinstance(size, dict):
-        if "height" in size:
-            return int(size["height"]), int(size["width"])
-        return int(size["shortest_edge"]), int(size["shortest_edge"])
-    return (int(size), int(size)) if isinstance(size, int) else (int(size[0]), int(size[1]))
+    """``(h, w)`` of an image processor's size: a dict or a ``SizeDict`` (height/width or shortest_edge), an int."""
+    if isinstance(size, int):
+        return size, size
+    get = size.get if isinstance(size, dict) else (lambda key: getattr(size, key, None))
+    if get("height") is not None:
+        return int(get("height")), int(get("width"))
+    if get("shortest_edge") is not None:
+        return int(get("shortest_edge")), int(get("shortest_edge"))
+    return int(size[0]), int(size[1])
 
 
 def preprocess(pixels: Any, input_size: tuple[int, int], mean, std):
@@ -123,7 +128,7 @@ class FeatureEncoder:
             processor = AutoImageProcessor.from_pretrained(path)
             self.mean, self.std = tuple(map(float, processor.image_mean)), tuple(map(float, processor.image_std))
             self.input_size = _pair(getattr(processor, "crop_size", None) or processor.size)
-        except (OSError, ValueError, KeyError, TypeError):  # no preprocessor_config.json: ImageNet, image_size
+        except (OSError, ValueError):  # no preprocessor_config.json: ImageNet statistics at the config's image_size
             pass
         self.patch = int(config.patch_size)
         if self.input_size[0] % self.patch or self.input_size[1] % self.patch:
