@@ -1,7 +1,7 @@
 """REPA from cached DINOv2 features vs DINOv2 run live in the training step; cache bytes per sample with features.
 
     python benchmarks/repa.py                      # tiny and mid-size configs, CPU, 1 torch thread
-    python benchmarks/repa.py --configs tiny --steps 8,24
+    python benchmarks/repa.py --configs tiny --steps 8,24 --rounds 2
 
 Each config is a denoiser (the trainer's from-scratch PixArt transformer, ``train.model.build_model``) with the
 trainer's REPA term (``train.repa.Repa``: hook, projector, loss) and a DINOv2 (``transformers.Dinov2Model``, random
@@ -45,8 +45,8 @@ CONFIGS = {
     "tiny": (64, 4, {"num_layers": 2, "num_attention_heads": 2, "attention_head_dim": 24, "sample_size": 8},
              {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "patch_size": 8, "mlp_ratio": 2,
               "image_size": 32}, 32),
-    # ViT-S/14 (dinov2-small's shape) at 224 beside a 12-layer, 384-wide PixArt on 256 px (32x32 latents)
-    "mid": (256, 4, {"num_layers": 12, "num_attention_heads": 6, "attention_head_dim": 64, "sample_size": 32},
+    # ViT-S/14 (dinov2-small's shape) at 224 beside a 12-layer, 384-wide PixArt on 256 px (32x32 latents), batch 2
+    "mid": (256, 2, {"num_layers": 12, "num_attention_heads": 6, "attention_head_dim": 64, "sample_size": 32},
             {"hidden_size": 384, "num_hidden_layers": 12, "num_attention_heads": 6, "patch_size": 14,
              "image_size": 224}, 224),
 }  # fmt: skip
@@ -118,11 +118,32 @@ def record_bytes(name: str) -> tuple[int, int]:
     return len(encode_sample(plain)), len(encode_sample(with_features))
 
 
+def real_sizes() -> None:
+    """Record bytes at real sizes (random values; encode only): latents of three models beside the 16 x 16 patch
+    features of dinov2-small / base / large at 224 px."""
+    rng = np.random.default_rng(2)
+    print("\n| latent (bf16) | record w/o features | + dinov2-small 16x16x384 | + base 16x16x768 | + large 16x16x1024 |"
+          "\n|---|---|---|---|---|")
+    shapes = (("256 px, 4x32x32 (SiT/DiT)", (4, 32, 32)), ("1024 px, 4x128x128 (SDXL, PixArt)", (4, 128, 128)),
+              ("1024 px, 16x128x128 (SD3, Flux)", (16, 128, 128)))
+    for label, shape in shapes:
+        latent = (rng.standard_normal(shape, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        side = shape[1] * 8
+        plain = SampleRecord(sample_id=1, bucket=f"{side}x{side}", latent=latent, dtype="BF16",
+                             original_size=(side, side), resized_size=(side, side), crop_top_left=(0, 0),
+                             target_size=(side, side), caption_key=1)  # fmt: skip
+        sizes = [len(encode_sample(plain))]
+        for dim in (384, 768, 1024):
+            features = rng.standard_normal((16, 16, dim)).astype(np.float16)
+            sizes.append(len(encode_sample(SampleRecord(**{**plain.__dict__, "features": features}))))
+        print(f"| {label} | {sizes[0]:,} | " + " | ".join(f"{n:,} (x{n / sizes[0]:.2f})" for n in sizes[1:]) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default="tiny,mid")
-    parser.add_argument("--steps", default=None, help="two run lengths, e.g. 8,24 (default: tiny 10,40; mid 2,6)")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", default=None, help="two run lengths, e.g. 8,24 (default: tiny 10,40; mid 1,3)")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default: tiny 3, mid 1)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
@@ -131,12 +152,13 @@ def main() -> None:
     print("| config | cached: CPU s/step | live DINOv2: CPU s/step | saved by the cache | record bytes w/o -> with "
           "features |\n|---|---|---|---|---|")
     for name in args.configs.split(","):
-        short, long = (int(x) for x in (args.steps or ("10,40" if name == "tiny" else "2,6")).split(","))
+        short, long = (int(x) for x in (args.steps or ("10,40" if name == "tiny" else "1,3")).split(","))
+        rounds = args.rounds or (3 if name == "tiny" else 1)
         arms = {"cached": Arm(name, False, args.device), "live": Arm(name, True, args.device)}
         for arm in arms.values():
             arm.step()  # warm-up
         rates: dict[str, list[float]] = {k: [] for k in arms}
-        for _ in range(args.rounds):  # interleaved: both arms see the same machine
+        for _ in range(rounds):  # interleaved: both arms see the same machine
             for key, arm in arms.items():
                 a, b = timed(arm, short), timed(arm, long)
                 rates[key].append((b - a) / (long - short))
@@ -144,6 +166,7 @@ def main() -> None:
         plain, featured = record_bytes(name)
         print(f"| {name} | {cached:.4f} | {live:.4f} | {1 - cached / live:.0%} of the live step "
               f"({live / cached:.2f}x) | {plain:,} -> {featured:,} (x{featured / plain:.1f}) |", flush=True)
+    real_sizes()
     print(f"load after: {os.getloadavg()[0]:.1f}")
 
 
