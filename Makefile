@@ -1,5 +1,5 @@
 # Set-up and the two front-door commands. Works on a machine with only Python 3.11, pip and gcc.
-#   make demo   # create .venv, install, run the end-to-end demo on this machine
+#   make demo   # create .venv, install, run the end-to-end demo on this machine (make demo DEMO_ARGS=--repa: with REPA)
 #   make test   # create .venv, install, run every test (unit, S3, Ray, multi-process)
 #   make test-floors   # create .venv-floors with every core dependency at its pyproject floor, run the fast tests
 #   make gpu-check     # every GPU measure on random weights at real sizes: one table (one line and exit 0 without CUDA)
@@ -37,7 +37,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 demo: install
-	$(VENV)/bin/bucketeer demo
+	$(VENV)/bin/bucketeer demo $(DEMO_ARGS)
 
 test: install
 	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)

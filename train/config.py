@@ -26,7 +26,7 @@ WEIGHTING_SCHEMES = ("logit_normal", "uniform", "mode")
 MIXED_PRECISION = ("no", "bf16", "fp16")
 # keys whose default is None: their type when given
 OPTIONAL = {"grad_accum": int, "family": str, "pretrained": str, "ema_decay": float, "lora_alpha": float,
-            "lora_targets": list}
+            "lora_targets": list, "repa": dict}
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,8 @@ class TrainConfig:
     validation_steps: int = 20  # sampler steps per image
     validation_guidance: float = 5.0  # classifier-free guidance scale (Flux: its guidance embedding)
     validation_size: int = 0  # square image side in pixels; 0: the side of the cache's bucket area
+    # REPA (train/repa.py): {weight: 0.5, depth: N, projector_dim: 2048}; the cache needs embed --features dinov2
+    repa: dict | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -113,6 +115,10 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise UsageError(f"config: {message}")
+        if self.repa is not None:
+            from train.repa import RepaConfig
+
+            RepaConfig.from_json(self.repa)  # UsageError naming the key
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -154,6 +154,8 @@ class Trainer:
         generator = step_generator(cfg.seed, batch.epoch, batch.step, accelerator.process_index)
         with accelerator.accumulate(model):
             loss = self.denoiser.loss(model, batch, generator)
+            if self.parts.repa is not None:  # REPA: align block `depth` with the cached DINOv2 features
+                loss = loss + self.parts.repa.loss(batch)
             accelerator.backward(loss)
             if accelerator.sync_gradients:
                 accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)

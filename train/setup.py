@@ -83,6 +83,7 @@ class Model:
     plan_steps: int  # plan steps of the whole run (root plan)
     total_updates: int  # optimizer steps in the schedule
     lora: LoraRecord | None  # what the adapters are trained on and with (None: the whole model is trained)
+    repa: Any = None  # train.repa.Repa: the REPA hook, projector and loss term (config repa:)
 
 
 def setup_launch(job: TrainJob) -> Launch:
@@ -212,12 +213,18 @@ def setup_model(launch: Launch, position: Position, data: Data) -> Model:
     trained = [p for p in model.parameters() if p.requires_grad]
     # FSDP2: the EMA is DTensor shards beside the model's, made once prepare has sharded it (ZeRO-3, FSDP1: refused)
     sharded = bool(cfg.ema_decay) and sharded_ema(accelerator)
+    repa = None
+    if cfg.repa is not None:  # its projector trains in the optimizer's second group, and is checkpointed
+        from train.repa import setup_repa
+
+        repa = setup_repa(accelerator, cfg.repa, model, reader.meta, cfg.seed)
     ema: EMA | ShardedEMA | None = EMA(model, cfg.ema_decay) if cfg.ema_decay and not sharded else None
     if ema is not None:
         ema.register(accelerator)  # ema.safetensors in every checkpoint, read back by load_state
     # linear scaling by the ROOT plan's world size: an elastic resume keeps the global batch, so the lr too
     lr = cfg.lr * root_meta.inputs.world_size if cfg.scale_lr else cfg.lr
-    optimizer = torch.optim.AdamW(trained, lr=lr, betas=cfg.adam_betas, eps=cfg.adam_eps,
+    groups = [{"params": trained}, *([{"params": repa.parameters()}] if repa else [])]
+    optimizer = torch.optim.AdamW(groups, lr=lr, betas=cfg.adam_betas, eps=cfg.adam_eps,
                                   weight_decay=cfg.weight_decay)  # fmt: skip
     # the schedule's length: the run's epochs (inputs.epochs, however many are planned yet) of the root plan
     plan_steps = root_meta.steps_per_epoch * launch.epochs
@@ -246,7 +253,7 @@ def setup_model(launch: Launch, position: Position, data: Data) -> Model:
         if accelerator.is_local_main_process:
             launch.output.drop_local_copy(position.checkpoint.rel)
     accelerator.wait_for_everyone()
-    return Model(denoiser, ema, model, optimizer, lr_scheduler, plan_steps, total_updates, lora)
+    return Model(denoiser, ema, model, optimizer, lr_scheduler, plan_steps, total_updates, lora, repa)
 
 
 def _setup_lora(accelerator, cfg: TrainConfig, denoiser: Denoiser, family: str) -> LoraRecord:

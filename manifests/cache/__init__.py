@@ -44,6 +44,7 @@ from manifests.cache.meta import (
     VaeSettings,
     ValidationPrompt,
     VariantSettings,
+    FeaturesInfo,
 )
 from manifests.cache.reader import CacheReader
 from manifests.cache.text_layout import TextLayout
@@ -73,6 +74,7 @@ __all__ = [
     "VaeSettings",
     "ValidationPrompt",
     "VariantSettings",
+    "FeaturesInfo",
     "CacheMissingError",
     "CacheReader",
     "CacheWriter",

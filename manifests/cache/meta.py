@@ -42,6 +42,7 @@ __all__ = [
     "TextSettings",
     "TextEncoderSettings",
     "VariantSettings",
+    "FeaturesInfo",
     "LatentInfo",
     "TextInfo",
     "TextEncoderInfo",
@@ -129,6 +130,28 @@ class VariantSettings(JsonRecord):
 
 
 @dataclass(frozen=True, kw_only=True)
+class FeaturesInfo(JsonRecord):
+    """The DINOv2 patch features of ``embed --features dinov2`` (REPA): ``settings.features`` (fingerprinted)
+    and ``_cache.json`` ``features`` (the same, plus ``dtype`` and ``usage``). ``input_size`` (h, w): the
+    pixels the model saw (every variant's crop resized to it); ``grid`` (gh, gw) = input_size / patch_size:
+    each record's ``features`` is ``(gh, gw, dim)``. ``weights_sha256``: of the model's state dict."""
+
+    kind: str | None = None  # dinov2
+    id: str | None = None
+    class_: str | None = field(default=None, metadata={"key": "class"})
+    weights_sha256: str | None = None
+    input_size: tuple[int, int] | None = None
+    patch_size: int | None = None
+    grid: tuple[int, int] | None = None
+    dim: int | None = None
+    resize: str | None = None
+    mean: tuple[float, ...] | None = None
+    std: tuple[float, ...] | None = None
+    dtype: str | None = None
+    usage: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class CacheSettings:
     """The preprocessing settings the fingerprint hashes: ``hashed`` exactly as written (what
     :meth:`to_json` returns and :attr:`fingerprint` hashes), and its typed view. A section of
@@ -149,6 +172,7 @@ class CacheSettings:
     text: TextSettings | None = None
     variants: VariantSettings | None = None  # --crops/--flip; None: one crop, no mirror
     conditioning: str | None = None  # set when samples carry a conditioning latent
+    features: FeaturesInfo | None = None  # --features; None: records carry no features
 
     _SCALARS = ("format_version", "family", "dtype", "crop", "seed", "resample", "pixels", "latent", "model",
                 "conditioning")  # fmt: skip
@@ -162,7 +186,8 @@ class CacheSettings:
         return cls(hashed=copy.deepcopy(dict(d)), **scalars,
                    buckets=BucketSpec.from_json(spec) if isinstance(spec, Mapping) else None,
                    vae=_section_or_none(VaeSettings)(d.get("vae")), text=_section_or_none(TextSettings)(d.get("text")),
-                   variants=_section_or_none(VariantSettings)(d.get("variants")))  # fmt: skip
+                   variants=_section_or_none(VariantSettings)(d.get("variants")),
+                   features=_section_or_none(FeaturesInfo)(d.get("features")))  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:
         return copy.deepcopy(dict(self.hashed))
@@ -321,6 +346,7 @@ class CacheMeta(JsonRecord):
     generation: int | None = optional()  # commits so far; the newest index row of a sample wins
     family: str | None = optional()
     latent: LatentInfo | None = optional(LatentInfo.from_json)
+    features: FeaturesInfo | None = optional(FeaturesInfo.from_json)  # embed --features: how records' features are
     text: TextInfo | None = optional(TextInfo.from_json)
     gzip: str | None = optional()
     records: RecordsInfo | None = optional(RecordsInfo.from_json)

@@ -126,7 +126,10 @@ class SampleRecord:
     ``crop_top_left`` are variant 0; ``variant_latents`` and ``variant_cond_latents`` (V-1, C, h, w)
     the others; ``variant_crops`` (V, 2) int32 every variant's ``(top, left)`` (a flipped variant's
     mirrored, as SDXL expects: ``left -> resized_w - left - target_w``); ``variant_flips`` (V,) uint8.
-    :meth:`variant` gives one variant as a plain record. ``caption_keys``: every caption's key of a
+    :meth:`variant` gives one variant as a plain record. ``features`` (gh, gw, D) float16 (``F16``, whatever
+    ``dtype`` says): DINOv2 patch tokens of variant 0's pixels (``embed --features``, REPA; how they were made is
+    ``_cache.json`` ``features``), ``variant_features`` (V-1, gh, gw, D) the other variants'.
+    ``caption_keys``: every caption's key of a
     sample embedded with several (the first is ``caption_key``), as the index lists them; None otherwise.
     """
 
@@ -147,6 +150,8 @@ class SampleRecord:
     variant_crops: np.ndarray | None = None
     variant_flips: np.ndarray | None = None
     caption_keys: tuple[int, ...] | None = None
+    features: np.ndarray | None = None
+    variant_features: np.ndarray | None = None
 
     @property
     def variants(self) -> int:
@@ -157,12 +162,15 @@ class SampleRecord:
         """Variant ``v`` (0 <= v < :attr:`variants`) as a one-variant record: its latent(s) and crop box."""
         if not 0 <= v < self.variants:
             raise IndexError(f"sample {self.sample_id} has {self.variants} variants, not {v + 1}")
-        one = {"variant_latents": None, "variant_cond_latents": None, "variant_crops": None, "variant_flips": None}
+        one = {"variant_latents": None, "variant_cond_latents": None, "variant_crops": None, "variant_flips": None,
+               "variant_features": None}
         if v == 0:
             return replace(self, **one)
         cond = None if self.variant_cond_latents is None else self.variant_cond_latents[v - 1]
+        features = None if self.variant_features is None else self.variant_features[v - 1]
         top, left = (int(x) for x in self.variant_crops[v])
-        return replace(self, latent=self.variant_latents[v - 1], cond_latent=cond, crop_top_left=(top, left), **one)
+        return replace(self, latent=self.variant_latents[v - 1], cond_latent=cond, crop_top_left=(top, left),
+                       features=features, **one)  # fmt: skip
 
     @property
     def crop_box(self) -> tuple[int, int, int, int]:
@@ -224,6 +232,9 @@ def encode_sample(record: SampleRecord, inline_text: bool = False, layout: str =
     for name in ("cond_latent", "variant_latents", "variant_cond_latents"):
         if getattr(record, name) is not None:
             tensors[name] = (getattr(record, name), record.dtype)
+    for name in ("features", "variant_features"):  # float16 whatever the latents' dtype
+        if getattr(record, name) is not None:
+            tensors[name] = (np.asarray(getattr(record, name), "<f2"), "F16")
     if record.variant_crops is not None:
         tensors["variant_crops"] = (np.asarray(record.variant_crops, "<i4"), "I32")
         tensors["variant_flips"] = (np.asarray(record.variant_flips, "u1"), "U8")
@@ -276,7 +287,20 @@ def _variants(tensors: dict[str, tuple[np.ndarray, str]], latent: np.ndarray, ta
             if t != tag or (shape is not None and array.shape != shape) or array.shape[-3:] != latent.shape:
                 raise ValueError(name)
             out[name] = array
+    if "features" in tensors:
+        features, t = tensors["features"]
+        if t != "F16" or features.ndim != 3:
+            raise ValueError("features")
+        out["features"] = features
+    if "variant_features" in tensors:
+        many, t = tensors["variant_features"]
+        if "features" not in out or t != "F16" or many.shape[1:] != out["features"].shape or \
+                "variant_latents" not in out or len(many) != len(out["variant_latents"]):  # fmt: skip
+            raise ValueError("variant_features")
+        out["variant_features"] = many
     if "variant_latents" in out:
+        if "features" in out and "variant_features" not in out:
+            raise ValueError("variant_features")
         v = len(out["variant_latents"]) + 1
         crops, flips = tensors["variant_crops"][0], tensors["variant_flips"][0]
         if crops.shape != (v, 2) or flips.shape != (v,):

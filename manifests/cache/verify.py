@@ -3,7 +3,8 @@
 Each shard is read once, whole (one GET), and every record in it is checked against the index
 and ``_cache.json``: latent ``(C, H / f, W / f)`` for bucket ``WxH`` and VAE factor ``f`` (and its
 ``latent_std`` in a cache embedded with ``--latents posterior``; the conditioning latent and the
-``--flip``/``--crops`` variants its settings say), the cache's dtype, finite values;
+``--flip``/``--crops`` variants its settings say; the DINOv2 features of ``embed --features``, grid and width as
+``_cache.json`` says, and none in a cache without), the cache's dtype, finite values;
 text records against the cache's ``text.layout`` (parts, widths, lengths, pooled). A caption held
 inline in its sample's record (``text_inline``) is checked as a text record too (its text row names
 that record). A bad text record makes every sample with that caption (any of its captions) bad.
@@ -26,6 +27,7 @@ from manifests.cache.layout import CacheError, read_meta, read_index
 from manifests.cache.meta import CacheMeta, LatentInfo
 from manifests.cache.records import (
     RecordError,
+    SampleRecord,
     crc32,
     decode_sample,
     decode_text,
@@ -102,9 +104,29 @@ def _check_sample(blob: bytes, row: dict, meta: CacheMeta) -> str | None:
         return f"{record.variants} variants, the cache's settings (--crops/--flip) say {want}"
     if (record.cond_latent is not None) != (meta.settings.conditioning is not None):
         return f"conditioning latent {'present' if record.cond_latent is not None else 'missing'} in this cache"
+    problem = _check_features(record, meta)
+    if problem:
+        return problem
     tensors = (record.latent, record.latent_std, record.cond_latent, record.variant_latents,
                record.variant_cond_latents)
     return next((p for p in (_check_finite(t, record.dtype) for t in tensors if t is not None) if p), None)
+
+
+def _check_features(record: SampleRecord, meta: CacheMeta) -> str | None:
+    """``embed --features``: every record carries features of the grid and width ``settings.features`` says
+    (float16, finite); a cache without them carries none."""
+    want = meta.settings.features
+    if want is None:
+        return "DINOv2 features in a cache whose settings have none" if record.features is not None else None
+    if record.features is None:
+        return f"no DINOv2 features, but the cache's settings say {want.id} features (embed --features)"
+    shape = (*(want.grid or ()), want.dim)
+    for name, array in (("features", record.features), ("variant_features", record.variant_features)):
+        if array is not None and tuple(array.shape[-3:]) != shape:
+            return f"{name} shape {tuple(array.shape)} != grid x dim {shape} of _cache.json features"
+        if array is not None and not np.isfinite(array.astype(np.float32)).all():
+            return f"{name}: non-finite values (NaN/inf)"
+    return None
 
 
 def _check_text(blob: bytes, row: dict, meta: CacheMeta, layout: TextLayout) -> str | None:

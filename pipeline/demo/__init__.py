@@ -4,6 +4,7 @@
     bucketeer demo --s3                   # the same flow against a local S3-compatible server (moto, 127.0.0.1)
     bucketeer demo --images 60 --out-dir demo-small
     bucketeer demo --family sdxl          # the same flow with a tiny random-weight SDXL (sd3, flux alike)
+    bucketeer demo --repa                 # DINOv2 features in the cache (embed --features), REPA in training
 
 Each stage is the real job, called the way a user calls it: scan, embed, plan, verify and report
 through their ``bucketeer`` entry points in this process (they are Ray drivers and share one

@@ -42,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--family", choices=FAMILIES, default="pixart",
                         help="model family: sdxl, sd3 or flux embed and fine-tune a tiny random-weight model of "
                         "the family's real classes; pixart (default) trains the from-scratch transformer")  # fmt: skip
+    parser.add_argument("--repa", action="store_true",
+                        help="REPA: embed DINOv2 features (--features dinov2, a tiny random DINOv2) and train with "
+                             "the repa: config term (transformer families: pixart, sd3, flux)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,8 +56,11 @@ class DemoJob:
     images: int = 300
     seed: int = 0  # of the generated dataset and of the plan
     family: str = "pixart"
+    repa: bool = False  # embed --features dinov2, train with repa:
 
     def __post_init__(self) -> None:
+        if self.repa and self.family == "sdxl":
+            raise UsageError("--repa needs a transformer family (pixart, sd3, flux); sdxl's UNet has no token blocks")
         if self.images < 8:
             raise UsageError(f"--images must be >= 8 (one global batch of {WORLD_SIZE}x{BATCH_SIZE}), "
                              f"got {self.images}")
@@ -63,7 +69,8 @@ class DemoJob:
 
 
 def job_from_args(args: argparse.Namespace) -> DemoJob:
-    return DemoJob(out_dir=Path(args.out_dir), s3=args.s3, images=args.images, seed=args.seed, family=args.family)
+    return DemoJob(out_dir=Path(args.out_dir), s3=args.s3, images=args.images, seed=args.seed, family=args.family,
+                   repa=args.repa)
 
 
 @dataclass(frozen=True)
@@ -136,7 +143,7 @@ def run(job: DemoJob) -> DemoResult:
                 upload_folder(out / "dataset", target.dataset, target.storage_options)
         else:
             target = Target(*(str(out / n) for n in ("dataset", "manifest", "cache", "plan")), storage_options={})
-        results = run_stages(stages, target, out, job.seed, job.family)
+        results = run_stages(stages, target, out, job.seed, job.family, repa=job.repa)
     figures = demo_figures(*results, target=target, out=out)
     figures["total_seconds"] = round(time.perf_counter() - started, 2)
     figures["stage_seconds"] = stages.seconds
@@ -146,22 +153,25 @@ def run(job: DemoJob) -> DemoResult:
     return DemoResult(out, *results, figures=figures, seconds=figures["total_seconds"])
 
 
-def run_stages(stages: Stages, target: Target, out: Path, seed: int, family: str = "pixart") -> tuple[Any, Any, Any]:
+def run_stages(stages: Stages, target: Target, out: Path, seed: int, family: str = "pixart", *,
+               repa: bool = False) -> tuple[Any, Any, Any]:  # fmt: skip
     """scan -> embed -> plan -> train -> verify -> report against ``target``; returns the scan, embed and plan
-    results. ``family``: see :mod:`pipeline.demo`."""
+    results. ``family``: see :mod:`pipeline.demo`; ``repa``: DINOv2 features in the cache, REPA in training."""
+    features = ["--features", "dinov2"] if repa else []
     opts = target.options_argv()
     with stages.stage("scan", f"{target.dataset} -> {target.manifest} (header-only Ray job)"):
         scan = _bucketeer("scan", target.dataset, "--out", target.manifest, "--resolution", str(RESOLUTION),
                           "--bucket-step", str(BUCKET_STEP), *opts)  # fmt: skip
     models = "embedded default encoders" if family == "pixart" else f"a tiny random-weight {family} model"
     with stages.stage("embed", f"{target.manifest} -> {target.cache} (Ray job, {models})"):
-        embed = _bucketeer("embed", target.manifest, "--out", target.cache, *_family_options(family, out), *opts)
+        embed = _bucketeer("embed", target.manifest, "--out", target.cache, *_family_options(family, out), *features,
+                           *opts)  # fmt: skip
     with stages.stage("plan", f"{WORLD_SIZE} ranks x batch {BATCH_SIZE}, {EPOCHS} epochs -> {target.plan}"):
         plan = _bucketeer("plan", target.manifest, "--out", target.plan, "--world-size", str(WORLD_SIZE),
                           "--batch-size", str(BATCH_SIZE), "--seed", str(seed), "--epochs", str(EPOCHS), "--cache",
                           target.cache, *opts)  # fmt: skip
     with stages.stage("train", f"accelerate launch, {WORLD_SIZE} processes on the CPU -> {out / 'train'}"):
-        config = family_config(family, out, plan_steps=plan.meta.steps_per_epoch * EPOCHS)
+        config = family_config(family, out, plan_steps=plan.meta.steps_per_epoch * EPOCHS, repa=repa)
         train(["--plan", target.plan, "--cache", target.cache, "--output-dir", str(out / "train"), *config, *opts],
               out)  # fmt: skip
     with stages.stage("verify", f"every record of {target.cache}"):

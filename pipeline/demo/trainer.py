@@ -32,18 +32,24 @@ def accelerate_launch() -> list[str]:
     return [*launch, *config, "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port())]
 
 
-def family_config(family: str, out: Path, *, plan_steps: int) -> list[str]:
-    """``--config`` for the trainer: none for pixart (the tiny default), else a small fine-tuning config."""
+def family_config(family: str, out: Path, *, plan_steps: int, repa: bool = False) -> list[str]:
+    """``--config`` for the trainer: none for pixart (the tiny default), else a small fine-tuning config;
+    ``repa``: with the REPA term (``repa:``, on the first transformer block)."""
+    term = "repa: {weight: 0.5, depth: 0, projector_dim: 64}  # REPA on block 0 (a real model: ~1/3 deep)\n"
     if family == "pixart":
-        return []
+        if not repa:
+            return []
+        text = "# written by bucketeer demo --repa: the tiny from-scratch transformer with REPA\nlr: 1.0e-3\n" + term
+    else:
+        text = (
+            f"# written by bucketeer demo --family {family}: the tiny {family} model fine-tuned on the CPU;\n"
+            "# validation images after the last step\n"
+            f"family: {family}\nlr: 1.0e-4\nwarmup_steps: 5\ncaption_dropout: 0.1\nema_decay: 0.99\n"
+            f"checkpoint_every: 100\nlog_every: 10\nvalidation_every: {plan_steps}\nvalidation_steps: 4\n"
+            "validation_guidance: 3.0\nvalidation_size: 64\n" + (term if repa else "")
+        )  # fmt: skip
     config = out / "train-config.yaml"
-    config.write_text(
-        f"# written by bucketeer demo --family {family}: the tiny {family} model fine-tuned on the CPU; validation\n"
-        "# images after the last step\n"
-        f"family: {family}\nlr: 1.0e-4\nwarmup_steps: 5\ncaption_dropout: 0.1\nema_decay: 0.99\n"
-        f"checkpoint_every: 100\nlog_every: 10\nvalidation_every: {plan_steps}\nvalidation_steps: 4\n"
-        "validation_guidance: 3.0\nvalidation_size: 64\n"
-    )  # fmt: skip
+    config.write_text(text)
     return ["--config", str(config)]
 
 

@@ -46,7 +46,10 @@ class EmbedDriver:
         self.written = {"texts": [0, 0], "samples": [0, 0]}  # kind -> [records, compressed bytes] of this run
         if committed is not None:  # refuse other VAE weights now, before any caption is encoded
             old = committed.settings.hashed
-            new = {**old, "vae": full_settings(self.request, vae, old["text"])["vae"]}
+            full = full_settings(self.request, vae, old["text"])
+            # other VAE weights, or other --features (or none, for a cache that has them): refused now
+            new = {**{k: v for k, v in old.items() if k != "features"}, "vae": full["vae"],
+                   **({"features": full["features"]} if "features" in full else {})}  # fmt: skip
             refuse(out, settings_diff(old, new))
 
     def _open(self, text: dict) -> None:

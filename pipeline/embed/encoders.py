@@ -107,10 +107,12 @@ class EncoderSource:
 
 @dataclass(frozen=True)
 class LatentSpec:
-    """The VAE to load and what to keep of its posterior (``latents``: one of :data:`LATENTS`)."""
+    """The VAE to load and what to keep of its posterior (``latents``: one of :data:`LATENTS`); ``features``: a
+    :class:`pipeline.embed.features.FeatureSpec` run on the same pixels (``--features``), or None."""
 
     source: EncoderSource
     latents: str = "mean"
+    features: Any = None
 
     def load(self, *, use_gpu: bool = False, dtype: str = "BF16") -> "LatentEncoder":
         return LatentEncoder(self, use_gpu=use_gpu, dtype=dtype)
@@ -266,6 +268,7 @@ class LatentEncoder:
         if self.compute_dtype != self.vae.dtype:
             self.vae.to(dtype=self.compute_dtype)
         self.subfolder = subfolder
+        self.features = None if spec.features is None else spec.features.load(use_gpu=use_gpu, dtype=dtype)
 
     def describe(self) -> dict[str, Any]:
         cfg = self.vae.config
@@ -281,13 +284,16 @@ class LatentEncoder:
             "latents": self.latents,
             "device": str(self.device),  # where it runs: recorded in _cache.json, not fingerprinted
             "compute_dtype": str(self.compute_dtype).replace("torch.", ""),
+            "features": None if self.features is None else self.features.describe(),
         }
 
-    def encode(self, batch: np.ndarray) -> dict[str, Any]:
+    def encode(self, batch: np.ndarray, features_of: int | None = None) -> dict[str, Any]:
+        """``features_of``: with ``--features``, also ``"features"`` ``(n, gh, gw, D)`` of the first n images."""
         import torch
 
         with torch.inference_mode():
             batch = batch if batch.flags.writeable else batch.copy()  # Ray hands out read-only arrays
+            extra = {} if self.features is None else {"features": self.features.encode(batch[:features_of])}
             x = torch.from_numpy(batch).to(self.device).permute(0, 3, 1, 2)  # (B, 3, H, W) uint8
             # [-1, 1] in float32, then the compute dtype, as diffusers' image processor does: in bf16 the division
             # rounds to 1/128 above 1.0 and the subtraction keeps that, up to half a level off for bright pixels
@@ -296,7 +302,7 @@ class LatentEncoder:
             out = {"latent": posterior.mean.float()}  # (B, C, h, w)
             if self.latents == "posterior":
                 out["latent_std"] = posterior.std.float()  # (B, C, h, w): exp(logvar / 2), logvar clamped
-            return out
+            return {**out, **extra}
 
 
 # config.architectures[0] -> the class it loads as (generic family: whatever the config names)

@@ -54,11 +54,14 @@ exact resize and crop, into the same record (``cond_latent``). ``--flip`` and ``
 variants (K crops, each also mirrored) in the record, recorded in ``_cache.json`` settings
 (:mod:`pipeline.embed.settings`); the
 trainer picks one per (seed, epoch, sample) (:func:`train.data.variant_choice`).
+``--features dinov2`` also stores DINOv2 patch features of every variant's crop in its record, for the
+trainer's REPA term (:mod:`pipeline.embed.features`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import sys
@@ -122,6 +125,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="text file (local path or URL), one prompt per line: embedded into the cache and listed "
                         "in _cache.json, so the trainer samples validation images without text encoders")
     g.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="stored tensor dtype")
+    g.add_argument("--features", choices=("dinov2",), default=None,
+                   help="also store DINOv2 patch features of each variant's crop (float16, beside the latent) for "
+                        "the trainer's repa: config (README: REPA)")
+    g.add_argument("--features-model", default="default", metavar="ID|PATH",
+                   help="the DINOv2 model of --features, e.g. facebook/dinov2-base; 'default': a tiny random one")
     g = parser.add_argument_group("images")
     g.add_argument("--crop", choices=("center", "random"), default="center", help="crop after resize-to-cover")
     g.add_argument("--seed", type=int, default=0,
@@ -174,6 +182,8 @@ class EmbedJob:
     latents: str = "mean"  # mean | posterior
     validation_prompts: str | None = None  # a file, one prompt a line
     dtype: str = "bf16"  # bf16 | fp16 | fp32
+    features: str | None = None  # dinov2: DINOv2 patch features in every record (REPA)
+    features_model: str = "default"
     crop: str = "center"  # center | random
     seed: int = 0
     flip: bool = False
@@ -203,6 +213,8 @@ class EmbedJob:
             raise UsageError("--commit-seconds must be >= 0 and --vae-workers >= 1")
         if self.crops < 1:
             raise UsageError("--crops must be >= 1")
+        if self.features not in (None, "dinov2"):
+            raise UsageError(f"--features {self.features!r}: choose dinov2")
         if (self.crops > 1 or self.flip) and self.latents == "posterior":
             raise UsageError("--latents posterior stores one posterior std per sample, not per --flip/--crops "
                              "variant; use one or the other")  # fmt: skip
@@ -238,7 +250,8 @@ def job_from_args(args: argparse.Namespace) -> EmbedJob:
         vae_subfolder=args.vae_subfolder, text_encoders=tuple_or_none(args.text_encoder),
         text_encoder_subfolders=tuple_or_none(args.text_encoder_subfolder), text_layer=args.text_layer,
         max_text_tokens=args.max_text_tokens, latents=args.latents, validation_prompts=args.validation_prompts,
-        dtype=args.dtype, crop=args.crop, seed=args.seed, flip=args.flip, crops=args.crops, source=args.source,
+        dtype=args.dtype, features=args.features, features_model=args.features_model, crop=args.crop, seed=args.seed,
+        flip=args.flip, crops=args.crops, source=args.source,
         storage_options=parse_storage_options(args.storage_options), batch_size=args.batch_size,
         text_batch_size=args.text_batch_size, shard_records=args.shard_records, device=args.device,
         vae_workers=args.vae_workers, torch_threads=args.torch_threads, commit_seconds=args.commit_seconds,
@@ -250,12 +263,18 @@ def _specs(job: EmbedJob):
     """The encoder specs (:class:`~pipeline.embed.encoders.LatentSpec`, ``TextSpec``) the options ask for."""
     from pipeline.embed.encoders import encoder_specs
 
-    return encoder_specs(family=job.family, model=job.model, vae=job.vae, vae_subfolder=job.vae_subfolder,
-                         text_encoders=None if job.text_encoders is None else list(job.text_encoders),
-                         text_subfolders=None if job.text_encoder_subfolders is None
-                         else list(job.text_encoder_subfolders),
-                         max_tokens=job.max_text_tokens, layer=job.text_layer, latents=job.latents,
-                         home=os.environ.get("BUCKETEER_HOME"))  # fmt: skip
+    from pipeline.embed.features import FeatureSpec
+
+    home = os.environ.get("BUCKETEER_HOME")
+    latent, text = encoder_specs(family=job.family, model=job.model, vae=job.vae, vae_subfolder=job.vae_subfolder,
+                                 text_encoders=None if job.text_encoders is None else list(job.text_encoders),
+                                 text_subfolders=None if job.text_encoder_subfolders is None
+                                 else list(job.text_encoder_subfolders),
+                                 max_tokens=job.max_text_tokens, layer=job.text_layer, latents=job.latents,
+                                 home=home)  # fmt: skip
+    if job.features:  # run on the VAE's worker, on the same pixels
+        latent = dataclasses.replace(latent, features=FeatureSpec(job.features, job.features_model, home))
+    return latent, text
 
 
 def _request(job: EmbedJob, manifest: ManifestMeta) -> dict[str, Any]:

@@ -24,8 +24,9 @@ def variant_pixels(pixels: np.ndarray, flips: int) -> np.ndarray:
 
 
 def sample_record(row: dict, bucket: str, dtype: str, latents: np.ndarray, conds: np.ndarray | None,
-                  std: np.ndarray | None, flips: int) -> SampleRecord:
-    """One sample's record from its ``(V, C, h, w)`` variant latents (and its conditioning image's):
+                  std: np.ndarray | None, flips: int, *, features: np.ndarray | None = None) -> SampleRecord:
+    """One sample's record from its ``(V, C, h, w)`` variant latents (and its conditioning image's, and its
+    variants' ``(V, gh, gw, D)`` float16 DINOv2 ``features``):
     variant 0 in ``latent``, the others in ``variant_latents``; a mirrored variant's crop box is
     mirrored as SDXL expects (``left -> resized_w - left - target_w``)."""
     bw, bh = parse_bucket(bucket)
@@ -43,4 +44,6 @@ def sample_record(row: dict, bucket: str, dtype: str, latents: np.ndarray, conds
         variant_latents=latents[1:] if several else None,
         variant_cond_latents=conds[1:] if several and conds is not None else None,
         variant_crops=boxes if several else None, variant_flips=flipped if several else None,
+        features=None if features is None else features[0],
+        variant_features=features[1:] if several and features is not None else None,
     )  # fmt: skip

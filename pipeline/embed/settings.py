@@ -30,7 +30,10 @@ def request_settings(
 ) -> dict[str, Any]:  # fmt: skip
     """The settings known before any model is loaded (checked first, so a mismatch fails fast).
     ``dtype``: the stored dtype (``BF16``, ...); ``conditioning``: the manifest pairs its samples with
-    conditioning images."""
+    conditioning images. ``latent.features`` (``--features``): a ``features`` section, fingerprinted like
+    the encoders (a cache is made with or without features, never both: resuming with other ``--features``
+    is refused)."""
+    features = latent.features
     return {
         "format_version": CACHE_FORMAT_VERSION,
         "family": text.family,
@@ -48,6 +51,7 @@ def request_settings(
         # only when used, so that caches made before these options keep their settings (and fingerprint)
         **({"variants": {"crops": crops, "flip": flip}} if crops > 1 or flip else {}),
         **({"conditioning": "same crop and variants as the image"} if conditioning else {}),
+        **({"features": {"kind": features.kind, "id": features.ident}} if features is not None else {}),
     }  # fmt: skip
 
 
@@ -69,6 +73,8 @@ def full_settings(request: dict, vae: dict, text: dict) -> dict[str, Any]:
                         "layout": text["layout"], "encoders": [
         {**r, **{k: e[k] for k in ("class", "weights_sha256", "max_length", "hidden_size")}}
         for r, e in zip(request["text"]["encoders"], text["encoders"])]}  # fmt: skip
+    if "features" in request:
+        settings["features"] = {**request["features"], **vae["features"]}
     return settings
 
 
@@ -98,6 +104,10 @@ def cache_info(so: dict, settings: dict, vae: dict, text: dict, validation: list
                  "layout": text["layout"],
                  "empty_caption_key": caption_key(""),  # its text record: caption dropout; a null caption's text
                  "validation_prompts": validation},
+        **({"features": {**settings["features"], "dtype": "F16",
+                         "usage": "record features (gh, gw, dim) = last_hidden_state patch tokens of the variant's "
+                                  "crop resized to input_size, normalised with mean/std (pipeline.embed.features)"}}
+           if "features" in settings else {}),
         "gzip": "zlib",  # what compresses the records (Huffman-only and stored blocks); `records` says how
         "storage_options": public_options(so),
     }  # fmt: skip

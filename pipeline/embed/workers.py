@@ -405,16 +405,18 @@ class LatentWriter(_EncoderActor):
                 if conds is not None:
                     views = np.concatenate([views, variant_pixels(conds[start : start + self.batch_size], f)])
                 with self.lock:
-                    encoded = encoder.encode(views)
+                    encoded = encoder.encode(views, features_of=n)  # --features: of the n image variants
                     latents = to_storage(encoded["latent"], self.dtype)  # (b * V [* 2 with conditioning], C, h, w)
                     # --latents posterior: the std too (b, C, h, w), to sample a latent per training step
                     stds = to_storage(encoded["latent_std"], self.dtype) if "latent_std" in encoded else None
+                    feats = to_storage(encoded["features"], "F16") if "features" in encoded else None  # (b * V, ...)
                 v = k * f
                 for j, r in enumerate(meta[start : start + self.batch_size]):
                     record = sample_record(
                         r, item["bucket"], self.dtype, latents[j * v : (j + 1) * v],
                         None if conds is None else latents[n + j * v : n + (j + 1) * v],
-                        None if stds is None else stds[j * v], f)  # fmt: skip
+                        None if stds is None else stds[j * v], f,
+                        features=None if feats is None else feats[j * v : (j + 1) * v])  # fmt: skip
                     inline = bool(r.get("text_inline"))
                     if inline:
                         record = replace(record, text=texts[r["caption_key"]])

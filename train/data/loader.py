@@ -31,7 +31,7 @@ MAX_AHEAD_STEPS = 256  # never more steps ahead than this, however small the rec
 MAX_GROUP_STEPS = 32  # steps fetched by one batched read (its ranges merged across the steps)
 
 TENSORS = ("latents", "text", "text_mask", "resolution", "aspect_ratio", "crop_top_left", "target_size", "pooled",
-           "cond_latents")
+           "cond_latents", "features")
 
 
 class BadRecordError(UsageError):
@@ -52,6 +52,8 @@ class Batch:
     bucket's (height, width): with ``resolution``, SDXL's micro-conditioning; ``pooled`` (B, P) the
     family's pooled text embedding (None when the layout has none). ``cond_latents`` (B, C, h, w): the
     paired conditioning images' latents, scaled like ``latents`` (None for a cache without pairs).
+    ``features`` (B, gh, gw, D) float16: the DINOv2 patch features of each sample's variant (``embed
+    --features``; REPA, :mod:`train.repa`), as stored whatever ``pending`` says (None for a cache without).
     ``variants`` (B,): the variant each sample trains on (:func:`variant_choice`; 0 without variants).
     ``dropped``: ids whose caption was replaced by the empty one (caption dropout). ``skipped``: ids
     dropped as bad records (only with ``skip_bad_records``).
@@ -76,6 +78,7 @@ class Batch:
     target_size: torch.Tensor
     pooled: torch.Tensor | None = None
     cond_latents: torch.Tensor | None = None
+    features: torch.Tensor | None = None
     variants: list[int] = field(default_factory=list)
     dropped: list[int] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)
@@ -180,7 +183,9 @@ def _batch(records: Sequence[SampleRecord], step: PlanStep, latents: torch.Tenso
         target_size=torch.from_numpy(np.ascontiguousarray(geometry[:, 4:6])),
         pooled=pooled,
         cond_latents=conds,
+        features=None if records[0].features is None else torch.from_numpy(np.stack([r.features for r in records])),
     )
+
 
 
 class BatchLoader:
