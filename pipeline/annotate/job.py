@@ -354,7 +354,8 @@ def _run_units(job: AnnotateJob, work: _Work, plan: TaskPlan, settings: str, eng
             if first is None:  # start-up and model loading end with the first unit done
                 first, at_first = now, dict(done)
             elapsed = now - first
-            extra = {"tokens/s": round((done["tokens"] - at_first["tokens"]) / elapsed, 1)} if elapsed > 0 else {}
+            extra = ({"tokens/s": round((done["tokens"] - at_first["tokens"]) / elapsed, 1)}
+                     if elapsed > 0 and plan.caption else {})  # fmt: skip
             progress.update(int(row["captioned"]) + int(row["errors"]), **extra)
     steady = {k: done[k] - at_first[k] for k in done}
     seconds = (time.time() - first) if first is not None and steady["captioned"] else None

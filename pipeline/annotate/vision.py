@@ -79,14 +79,15 @@ def _home(home: str | None) -> Path:
     return Path(home) / "default-annotators"
 
 
-def build_default_embedder(folder: Path, *, width: int = 32, layers: int = 2, image: int = 32) -> None:
+def build_default_embedder(folder: Path, *, width: int = 32, layers: int = 2, image: int = 32, patch: int = 8) -> None:
     """The tiny seeded CLIP vision tower + its processor, saved with ``save_pretrained``; ``width``, ``layers``,
-    ``image`` (pixels, a multiple of 8): a larger random one (benchmarks)."""
+    ``image`` (pixels, a multiple of ``patch``): a larger random one (benchmarks)."""
     import torch
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
 
     config = CLIPVisionConfig(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
-                              num_attention_heads=2, image_size=image, patch_size=8, projection_dim=width)  # fmt: skip
+                              num_attention_heads=max(2, width // 64), image_size=image, patch_size=patch,
+                              projection_dim=width)  # fmt: skip
     torch.manual_seed(26)
     CLIPVisionModelWithProjection(config).save_pretrained(folder)
     crop = {"height": image, "width": image}
