@@ -87,8 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "has GPUs or its autoscaler can add some")
     g.add_argument("--engine", choices=ENGINES, default="auto",
                    help="transformers (batched generate) or vllm (ray.data.llm, GPUs, bucketeer[vllm]); auto: vllm "
-                        "on GPUs where it is installed, else transformers")
-    g.add_argument("--batch-size", type=int, default=8, help="images per generate call")
+                        "on GPUs where it is installed and caption is the only task, else transformers")
+    g.add_argument("--batch-size", type=int, default=8, help="images per generate (or embedding) call")
     g.add_argument("--unit-rows", type=int, default=32,
                    help="images per unit (one part file; what a lost worker costs at most)")
     g.add_argument("--workers", type=int, default=None,
