@@ -158,6 +158,7 @@ class AnnotateResult:
     skipped: int = 0
     images_per_second: float | None = None
     tokens_per_second: float | None = None
+    worker_cpu_seconds: float = 0.0  # CPU time of the engine actors' units (fetch, decode, tasks, writes; not Ray's)
 
 
 def job_from_args(args: argparse.Namespace) -> AnnotateJob:
@@ -313,7 +314,7 @@ def _annotate(job: AnnotateJob) -> AnnotateResult:
           f"{c['stale']} changed since, {c['retry']} read failures (retrying), {c['missing']} new: {work.todo} to "
           f"annotate: {plan.summary()}; {_placement_line(engine, placement)}",
           flush=True)  # fmt: skip
-    done = {"captioned": 0, "errors": 0, "tokens": 0}
+    done = {"captioned": 0, "errors": 0, "tokens": 0, "cpu_ms": 0}
     steady, steady_seconds = dict(done), None
     if work.todo:
         done, steady, steady_seconds = _run_units(job, work, plan, settings, engine, placement, source, manifest)
@@ -327,7 +328,8 @@ def _annotate(job: AnnotateJob) -> AnnotateResult:
     return AnnotateResult(url=job.out, fingerprint=meta.fingerprint, meta=meta, seconds=round(seconds, 2),
                           engine=engine, up_to_date=not work.todo and committed is not None,
                           captioned=done["captioned"], errors=done["errors"], skipped=work.samples - work.todo,
-                          images_per_second=rates[0], tokens_per_second=rates[1])  # fmt: skip
+                          images_per_second=rates[0], tokens_per_second=rates[1],
+                          worker_cpu_seconds=done["cpu_ms"] / 1000)  # fmt: skip
 
 
 def _run_units(job: AnnotateJob, work: _Work, plan: TaskPlan, settings: str, engine: str, placement, source: str,
@@ -343,14 +345,14 @@ def _run_units(job: AnnotateJob, work: _Work, plan: TaskPlan, settings: str, eng
     options = {"source": source, "max_pixels": int(manifest.max_pixels or MAX_PIXELS),
                "image_column": image_column(manifest), "settings": settings}  # fmt: skip
     dataset = annotate_pipeline(job, work.groups, plan, engine, placement, options, so)
-    done = {"captioned": 0, "errors": 0, "tokens": 0}
+    done = {"captioned": 0, "errors": 0, "tokens": 0, "cpu_ms": 0}
     first: float | None = None
     at_first = dict(done)
     with Progress("annotate", ",".join(plan.tasks), total=work.todo, unit="images") as progress:
         for row in results(dataset):
             now = time.time()
             for k in done:
-                done[k] += int(row[k])
+                done[k] += int(row.get(k, 0))
             if first is None:  # start-up and model loading end with the first unit done
                 first, at_first = now, dict(done)
             elapsed = now - first
