@@ -192,3 +192,20 @@ def test_bad_heads_are_one_line_before_any_work(annotated, tmp_path):
         run(AnnotateJob(manifest=annotated.manifest, out=out, tasks=("safety",),
                         safety_head=str(tmp_path / "not.safetensors")))  # fmt: skip
     assert not (tmp_path / "out" / "parts").exists()
+
+
+def test_command_line_options_make_the_job():
+    import argparse
+
+    from pipeline.annotate import add_arguments, job_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    job = job_from_args(parser.parse_args(["m", "--out", "o", "--task", "caption, embedding,aesthetic",
+                                           "--embedding-model", "openai/clip-vit-large-patch14",
+                                           "--aesthetic-head", "org/heads:aesthetic.safetensors"]))  # fmt: skip
+    assert job.tasks == ("caption", "embedding", "aesthetic") and job.embedding_model == "openai/clip-vit-large-patch14"
+    assert job.aesthetic_head == "org/heads:aesthetic.safetensors" and job.safety_head == "default"
+    for bad in ("embedding,clip", "phash,phash", ""):
+        with pytest.raises(UsageError, match="--task"):
+            job_from_args(parser.parse_args(["m", "--out", "o", "--task", bad]))
