@@ -1,6 +1,13 @@
 """Annotate benchmark: `bucketeer annotate --task caption` end to end against the model alone.
 
     python benchmarks/annotate.py [--images 64,256] [--batch-size 8] [--max-new-tokens 16] [--model small]
+    python benchmarks/annotate.py --tasks embedding,aesthetic,phash,stats [--images 256,1024] [--model small]
+
+``--tasks`` other than ``caption``: the same two sides, where "the model alone" is the tasks' own work
+on the images decoded beforehand (``ImageEmbedder``: the CLIP processor, the vision tower, the heads;
+``phash`` and ``image_stats`` per image), and the CLIP model is a random-weight
+``CLIPVisionModelWithProjection`` built here (``tiny``: the embedded default, 32 wide at 32 px;
+``small``: 384 wide, 6 layers, 224 px in 32-px patches, ViT-B/32's geometry at half its width and depth).
 
 In one run, on this machine's CPU, with a random-weight Llava built here (``--model tiny``: the embedded
 default, 32 wide; ``small``: 256 wide, 4 layers, 112-pixel vision input, closer to a real captioner's
@@ -29,6 +36,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 MODELS = {"tiny": {"width": 32, "layers": 2, "image": 28}, "small": {"width": 256, "layers": 4, "image": 112}}
+EMBEDDERS = {"tiny": {"width": 32, "layers": 2, "image": 32, "patch": 8},
+             "small": {"width": 384, "layers": 6, "image": 224, "patch": 32}}
 
 
 def make_dataset(root: str, manifest: str, n: int) -> None:
@@ -60,14 +69,80 @@ def make_dataset(root: str, manifest: str, n: int) -> None:
 
 
 def end_to_end(manifest: str, out: str, model: str, args) -> tuple[float, float]:
-    """Seconds of one annotate run over the whole manifest, and its own steady-state images/s."""
+    """Seconds of one annotate run over the whole manifest, and its own steady-state images/s (``--tasks``
+    other than caption: the CPU seconds of its actor's units instead)."""
     from pipeline import AnnotateJob, run
 
     start = time.perf_counter()
+    if args.tasks != ("caption",):
+        result = run(AnnotateJob(manifest=manifest, out=out, tasks=args.tasks, embedding_model=model,
+                                 batch_size=args.batch_size, unit_rows=args.batch_size * 4, device="cpu", workers=1,
+                                 torch_threads=args.threads, image_size=args.image_size))  # fmt: skip
+        return time.perf_counter() - start, result.worker_cpu_seconds
     result = run(AnnotateJob(manifest=manifest, out=out, model=model, max_new_tokens=args.max_new_tokens,
                              batch_size=args.batch_size, unit_rows=args.batch_size * 4, device="cpu", workers=1,
                              torch_threads=args.threads, image_size=args.image_size))  # fmt: skip
     return time.perf_counter() - start, result.images_per_second or 0.0
+
+
+def tasks_alone(root: str, n: int, path: str, args) -> tuple[float, float]:
+    """Seconds and CPU seconds of the tasks' own work on ``n`` pre-decoded images (after the model's load and
+    one warm-up batch)."""
+    import numpy as np
+
+    from pipeline.annotate.image_stats import image_stats, phash
+    from pipeline.annotate.vision import HEAD_TASKS, ImageEmbedder, VisionSpec
+    from pipeline.annotate.workers import decode_for_caption
+
+    heads = tuple((t, "default") for t in args.tasks if t in HEAD_TASKS)
+    embedder = ImageEmbedder(VisionSpec(model=path, heads=heads), "cpu") if any(
+        t in ("embedding", *HEAD_TASKS) for t in args.tasks) else None  # fmt: skip
+    names = sorted(os.listdir(root))[:n]
+    images = [decode_for_caption(open(os.path.join(root, f), "rb").read(), 320, 256, args.image_size, 1 << 30, f)
+              for f in names]  # fmt: skip
+    if embedder:
+        embedder(images[: args.batch_size])  # warm-up
+    start, cpu = time.perf_counter(), time.process_time()
+    for at in range(0, len(images), args.batch_size):
+        batch = images[at : at + args.batch_size]
+        if embedder:
+            embedder(batch)
+        for im in batch:
+            if "phash" in args.tasks:
+                phash(im)
+            if "stats" in args.tasks:
+                image_stats(np.asarray(im))
+    return time.perf_counter() - start, time.process_time() - cpu
+
+
+def writer_alone(root: str, manifest: str, n: int, path: str, args) -> float:
+    """CPU seconds of ``AnnotateWriter.unit`` (fetch, decode, the tasks, the part written) over ``n`` images in
+    this process, without Ray: the actor's own work (its process also runs Ray's threads)."""
+    import pyarrow as pa
+
+    from manifests.annotations import image_key
+    from manifests.manifest import read_manifest
+    from pipeline.annotate.tasks import TaskPlan
+    from pipeline.annotate.vision import HEAD_TASKS, VisionSpec
+    from pipeline.annotate.workers import UNIT_COLUMNS, AnnotateWriter
+
+    heads = tuple((t, "default") for t in args.tasks if t in HEAD_TASKS)
+    plan = TaskPlan(tasks=args.tasks, caption=None, vision=VisionSpec(model=path, heads=heads),
+                    image_size=args.image_size)  # fmt: skip
+    writer = AnnotateWriter(plan=plan, device="cpu", threads=args.threads, out=f"{root}-writer", storage_options=None,
+                            source=root, max_pixels=1 << 30, image_column=None, settings="bench",
+                            batch_size=args.batch_size)  # fmt: skip
+    rows = read_manifest(manifest).samples
+    rows = rows.select([c for c in UNIT_COLUMNS if c in rows.column_names])
+    for c in UNIT_COLUMNS:
+        if c not in rows.column_names:
+            rows = rows.append_column(c, pa.nulls(rows.num_rows))
+    rows = rows.select(UNIT_COLUMNS).append_column("source_key", pa.array(image_key(rows), pa.uint64()))
+    writer.unit(rows.slice(0, args.batch_size))  # warm-up
+    cpu, unit = time.process_time(), args.batch_size * 4
+    for at in range(0, n, unit):
+        writer.unit(rows.slice(at, unit))
+    return time.process_time() - cpu
 
 
 def model_alone(root: str, n: int, path: str, args) -> float:
@@ -95,7 +170,10 @@ def main() -> None:
     parser.add_argument("--image-size", type=int, default=768)
     parser.add_argument("--threads", type=int, default=1, help="torch threads, both sides")
     parser.add_argument("--model", choices=tuple(MODELS), default="small")
+    parser.add_argument("--tasks", default="caption", help="annotate's --task (caption, or embedding,phash,...)")
     args = parser.parse_args()
+    args.tasks = tuple(args.tasks.split(","))
+    vision = args.tasks != ("caption",)
     n1, n2 = (int(x) for x in args.images.split(","))
     from pipeline.ray_setup import loopback_only
 
@@ -109,9 +187,15 @@ def main() -> None:
     base = tempfile.mkdtemp(prefix="bucketeer-annotate-bench-")
     os.environ.setdefault("BUCKETEER_HOME", os.path.join(base, "home"))
     try:
-        model = str(build_default_model(os.path.join(base, "model"), **MODELS[args.model]))
+        if vision:
+            from pipeline.annotate.vision import build_default_embedder
+
+            model = os.path.join(base, "embedder")
+            build_default_embedder(model, **EMBEDDERS[args.model])
+        else:
+            model = str(build_default_model(os.path.join(base, "model"), **MODELS[args.model]))
         ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False)
-        e2e, alone, steady = {}, {}, {}
+        e2e, alone, steady, alone_cpu, writer_cpu = {}, {}, {}, {}, {}
         warm_root, warm_manifest = os.path.join(base, "images-warm"), os.path.join(base, "manifest-warm")
         make_dataset(warm_root, warm_manifest, args.batch_size * 2)  # Ray Data's and the workers' first start
         end_to_end(warm_manifest, os.path.join(base, "out-warm"), model, args)
@@ -119,15 +203,31 @@ def main() -> None:
             root, manifest = os.path.join(base, f"images-{n}"), os.path.join(base, f"manifest-{n}")
             make_dataset(root, manifest, n)
             e2e[n], steady[n] = end_to_end(manifest, os.path.join(base, f"out-{n}"), model, args)
-            alone[n] = model_alone(root, n, model, args)
-            print(f"{n} images: end to end {e2e[n]:.1f}s (its steady state {steady[n]:.2f} images/s), "
+            if vision:
+                alone[n], alone_cpu[n] = tasks_alone(root, n, model, args)
+                writer_cpu[n] = writer_alone(root, manifest, n, model, args)
+            else:
+                alone[n] = model_alone(root, n, model, args)
+            print(f"{n} images: end to end {e2e[n]:.1f}s ({'actor CPU s' if vision else 'steady images/s'} "
+                  f"{steady[n]:.2f}), "
                   f"model alone {alone[n]:.1f}s; load {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
         pipeline_rate = (n2 - n1) / (e2e[n2] - e2e[n1])
         model_rate = (n2 - n1) / (alone[n2] - alone[n1])
-        print(f"model {args.model} ({MODELS[args.model]}), batch {args.batch_size}, {args.max_new_tokens} new "
-              f"tokens, {args.threads} torch thread(s)")
-        print(f"marginal captions/s: end to end {pipeline_rate:.2f}, model alone {model_rate:.2f}: "
+        if vision:
+            print(f"tasks {','.join(args.tasks)}, CLIP {args.model} ({EMBEDDERS[args.model]}), batch "
+                  f"{args.batch_size}, {args.threads} torch thread(s)")
+        else:
+            print(f"model {args.model} ({MODELS[args.model]}), batch {args.batch_size}, {args.max_new_tokens} new "
+                  f"tokens, {args.threads} torch thread(s)")
+        what = "images" if vision else "captions"
+        print(f"marginal {what}/s: end to end {pipeline_rate:.2f}, model alone {model_rate:.2f}: "
               f"ratio {pipeline_rate / model_rate:.2f} (target >= 0.9); load {os.getloadavg()[0]:.1f}")
+        if vision:  # CPU time: what the load average does not change (steady[n]: the actor's CPU seconds)
+            worker, own = (n2 - n1) / (steady[n2] - steady[n1]), (n2 - n1) / (alone_cpu[n2] - alone_cpu[n1])
+            unit = (n2 - n1) / (writer_cpu[n2] - writer_cpu[n1])
+            print(f"marginal images per CPU second: the Ray actor's process during its units {worker:.2f} (ratio "
+                  f"{worker / own:.2f}); AnnotateWriter.unit without Ray (fetch, decode, tasks, parts) {unit:.2f} "
+                  f"(ratio {unit / own:.2f}); the tasks alone on pre-decoded images {own:.2f}")
     finally:
         ray.shutdown()
         shutil.rmtree(base, ignore_errors=True)

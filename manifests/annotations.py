@@ -17,8 +17,21 @@ captions) changes no image, so it annotates nothing again; a changed image does.
 annotated twice (its image changed), the row written last is the one that counts
 (:func:`resolve`); ``read_annotations`` returns one row per sample.
 
-Tasks (``caption`` today): each adds its columns to the parts (:data:`TASK_COLUMNS`) and records its
-settings in ``_annotations.json`` (:class:`TaskSettings`).
+Tasks: each adds its columns to the parts (:data:`TASK_COLUMNS`) and records its settings in
+``_annotations.json`` (:class:`TaskSettings`; ``model`` ``"default"``: the embedded tiny random weights).
+
+    caption      caption string, generated_tokens int32       a vision-language model's caption
+    embedding    embedding fixed_size_list<float16>[D]         a CLIP image embedding, L2-normalised
+    aesthetic    aesthetic float32                             a head on the embedding (LAION predictor: ~1..10)
+    safety       safety float32                                P(NSFW) in [0, 1], a head on the embedding
+    watermark    watermark float32                             P(watermark) in [0, 1], a head on the embedding
+    phash        phash uint64                                  64-bit DCT perceptual hash (imagehash's bit order)
+    sha256       sha256 string                                 64 lowercase hex of the bytes read
+    stats        luminance, contrast, colourfulness, sharpness, border_fraction float32; grayscale bool
+
+``embedding``'s D is the model's projection width: :data:`TASK_COLUMNS` lists it as a float16 list,
+:func:`embedding_type` gives the stored type. Readers ask for the columns they use
+(``read_annotations(..., columns=[...])``): a reader without float16 support never touches ``embedding``.
 """
 
 from __future__ import annotations
@@ -42,9 +55,9 @@ from manifests.jsonrecord import JsonRecord, each, nested, optional
 from manifests.storage import join, open_url, read_artifact_meta, redact, write_bytes_atomic, write_json_atomic
 
 __all__ = ["ANNOTATIONS_FILE", "FORMAT_VERSION", "TASK_COLUMNS", "AnnotationsError", "AnnotationsMissingError",
-           "TaskSettings", "AnnotationsCounts", "AnnotationsMeta", "image_key", "settings_fingerprint",
-           "part_name", "write_part", "read_parts", "resolve", "committed_lookup", "read_annotations_meta",
-           "read_annotations", "write_annotations_meta", "is_annotations"]  # fmt: skip
+           "TaskSettings", "AnnotationsCounts", "embedding_type", "AnnotationsMeta", "image_key",
+           "settings_fingerprint", "part_name", "write_part", "read_parts", "resolve", "committed_lookup",
+           "read_annotations_meta", "read_annotations", "write_annotations_meta", "is_annotations"]  # fmt: skip
 
 ANNOTATIONS_FILE = "_annotations.json"
 FORMAT_VERSION = 1
@@ -55,6 +68,14 @@ KEY_COLUMNS = [("sample_id", pa.uint64()), ("filename", pa.string()), ("source_k
                ("written_at", pa.float64())]  # fmt: skip
 TASK_COLUMNS: dict[str, list[tuple[str, pa.DataType]]] = {
     "caption": [("caption", pa.string()), ("generated_tokens", pa.int32())],
+    "embedding": [("embedding", pa.list_(pa.float16()))],  # stored as embedding_type(D)
+    "aesthetic": [("aesthetic", pa.float32())],
+    "safety": [("safety", pa.float32())],
+    "watermark": [("watermark", pa.float32())],
+    "phash": [("phash", pa.uint64())],
+    "sha256": [("sha256", pa.string())],
+    "stats": [("luminance", pa.float32()), ("contrast", pa.float32()), ("colourfulness", pa.float32()),
+              ("sharpness", pa.float32()), ("border_fraction", pa.float32()), ("grayscale", pa.bool_())],
 }
 ERROR_COLUMNS = [*KEY_COLUMNS, ("error", pa.string()), ("message", pa.string())]
 
@@ -108,6 +129,11 @@ class AnnotationsMeta(JsonRecord):
 
     def task(self, name: str) -> TaskSettings | None:
         return next((t for t in self.tasks if t.task == name), None)
+
+
+def embedding_type(dim: int) -> pa.DataType:
+    """The stored type of the ``embedding`` column of a ``dim``-wide model: fixed_size_list<float16>[dim]."""
+    return pa.list_(pa.float16(), dim)
 
 
 def image_key(rows: pa.Table) -> np.ndarray:
@@ -169,6 +195,11 @@ def read_parts(url: str, storage_options: dict | None, kind: str, names: tuple[s
     tables = []
     for name in names:
         data = fs.cat_file(join(root, kind, name))
+        if columns is not None:
+            held = pq.ParquetFile(io.BytesIO(data)).schema_arrow.names
+            if absent := [c for c in columns if c not in held]:
+                raise AnnotationsError(f"{redact(url)} {kind}/{name} has no column {', '.join(absent)} (it has "
+                                       f"{', '.join(held)}): annotate with the task that makes it")  # fmt: skip
         table = pq.read_table(io.BytesIO(data), columns=columns)
         found = (table.schema.metadata or {}).get(_FINGERPRINT_KEY, b"").decode()
         if settings is not None and found != settings:
@@ -176,8 +207,9 @@ def read_parts(url: str, storage_options: dict | None, kind: str, names: tuple[s
                                    f"this run's {settings}): write these settings to another --out")  # fmt: skip
         tables.append(table.replace_schema_metadata(None))
     if not tables:
+        known = dict([*base, *(c for cs in TASK_COLUMNS.values() for c in cs)])
         wanted = columns or [n for n, _ in base]
-        return pa.table({n: pa.array([], t) for n, t in base if n in wanted})
+        return pa.table({n: pa.array([], known.get(n, pa.null())) for n in wanted})
     return pa.concat_tables(tables, promote_options="permissive")
 
 
@@ -227,7 +259,8 @@ def read_annotations(url: str, storage_options: dict | None = None, columns: lis
                      ) -> tuple[AnnotationsMeta, pa.Table, pa.Table]:  # fmt: skip
     """``(meta, rows, errors)`` of a finished annotations folder: the parts ``_annotations.json`` names,
     one row per sample id (:func:`resolve`); a sample's newest row decides whether it is a row or an error.
-    ``columns``: read only these task columns (None: all); the KEY_COLUMNS always come."""
+    ``columns``: read only these task columns (None: all); the KEY_COLUMNS always come. A column the parts
+    lack is an AnnotationsError naming it."""
     meta = read_annotations_meta(url, storage_options)
     keys = [n for n, _ in KEY_COLUMNS]
     wanted = None if columns is None else keys + [c for c in columns if c not in keys]

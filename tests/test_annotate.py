@@ -173,12 +173,17 @@ def test_rescan_captions_only_the_new_images_and_merges_into_caption_lists(capti
     assert train_here("--plan", plan, "--cache", cache, "--output-dir", tmp_path / "train", "--max-steps", 2).steps == 2
 
 
+MULTI = ("caption", "embedding", "aesthetic", "phash", "sha256", "stats")  # one pass: a VLM, CLIP, a head, numpy
+
+
 @pytest.mark.slow  # a subprocess driver
 def test_kill_and_rerun_completes_with_nothing_twice(captioned, tmp_path, ray_local):
+    """Several tasks in one pass (captions as the caption-only run's), killed with SIGKILL and run again."""
     out = str(tmp_path / "captions")
     address = ray_local.get_runtime_context().gcs_address
     env = {**os.environ, FAULTS_ENV: "annotate.unit=sleep:3"}  # slow units: the kill lands mid-job
-    cmd = [sys.executable, "-m", "pipeline.annotate", captioned.manifest, "--out", out, "--max-new-tokens", "6",
+    cmd = [sys.executable, "-m", "pipeline.annotate", captioned.manifest, "--out", out, "--task", ",".join(MULTI),
+           "--max-new-tokens", "6",
            "--batch-size", "1", "--unit-rows", "1", "--ray-address", address]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)  # fmt: skip
@@ -194,7 +199,7 @@ def test_kill_and_rerun_completes_with_nothing_twice(captioned, tmp_path, ray_lo
     assert not (Path(out) / ANNOTATIONS_FILE).exists()
     done = len(read_parts(out, None, "parts")) + len(read_parts(out, None, "errors"))
     assert 2 <= done < len(captioned.ids)
-    result = _annotate(captioned.manifest, out, unit_rows=1, batch_size=1)
+    result = _annotate(captioned.manifest, out, unit_rows=1, batch_size=1, tasks=MULTI)
     # the killed run's actors may finish their in-flight units after its driver died (Ray stops them when it
     # notices): the rerun adopts every part on storage when it starts, at least the `done` counted above, and
     # captions only the rest; _check_once: no sample written twice
@@ -204,6 +209,8 @@ def test_kill_and_rerun_completes_with_nothing_twice(captioned, tmp_path, ray_lo
     assert sorted(rows.column("sample_id").to_pylist()) == sorted(first.column("sample_id").to_pylist())
     np.testing.assert_array_equal(rows.sort_by("sample_id").column("caption").to_numpy(zero_copy_only=False),
                                   first.sort_by("sample_id").column("caption").to_numpy(zero_copy_only=False))
+    assert [t.task for t in read_annotations_meta(out).tasks] == list(MULTI)
+    assert rows.column("embedding").null_count == 0 and len(set(rows.column("sha256").to_pylist())) == rows.num_rows
 
 
 @pytest.mark.s3

@@ -1,8 +1,11 @@
-"""Annotate a manifest's images with models into an ANNOTATIONS folder (Ray job): generated captions.
+"""Annotate a manifest's images with models and rules into an ANNOTATIONS folder (Ray job): generated
+captions, CLIP embeddings and score heads, perceptual hashes, sha256, image statistics, in one pass.
 
 The job is :mod:`pipeline.annotate.job` (``bucketeer annotate``, ``python -m pipeline.annotate``); the
-package holds its parts: the engines (:mod:`~pipeline.annotate.engines`, :mod:`~pipeline.annotate.vllm_engine`),
-the default model (:mod:`~pipeline.annotate.default_model`), the Ray work (:mod:`~pipeline.annotate.workers`,
+package holds its parts: the task registry (:mod:`~pipeline.annotate.tasks`), the caption engines
+(:mod:`~pipeline.annotate.engines`, :mod:`~pipeline.annotate.vllm_engine`) and default captioner
+(:mod:`~pipeline.annotate.default_model`), the embedder and heads (:mod:`~pipeline.annotate.vision`), the
+model-free tasks (:mod:`~pipeline.annotate.image_stats`), the Ray work (:mod:`~pipeline.annotate.workers`,
 :mod:`~pipeline.annotate.dataflow`). The artifact's format is :mod:`manifests.annotations`.
 """
 

@@ -1,7 +1,8 @@
 """The annotate job's Ray Data pipeline (one per engine; the same input and the same result rows).
 
-    row groups -read_units (task)-> units -CaptionWriter (actor pool: transformers)-> one summary row per unit
+    row groups -read_units (task)-> units -AnnotateWriter (actor pool: every task)-> one summary row per unit
     row groups -read_units (task)-> units -vLLM processor (ray.data.llm, one replica per GPU)-> summary rows
+                                                                                 (``--task caption`` alone)
 
 Ray Data gives what a cluster run needs, as for embed (:mod:`pipeline.embed.dataflow`): actors request
 GPUs as resources (an autoscaler adds nodes for them), bounded queues, work to whichever actor is free,
@@ -12,17 +13,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.annotate.engines import CaptionSpec
-from pipeline.annotate.workers import CaptionWriter, read_units
+from pipeline.annotate.tasks import TaskPlan
+from pipeline.annotate.workers import AnnotateWriter, read_units
 from pipeline.embed.work import GroupWork
 
-__all__ = ["caption_pipeline"]
+__all__ = ["annotate_pipeline"]
 
 
-def caption_pipeline(job: Any, groups: list[GroupWork], spec: CaptionSpec, engine: str, placement: Any,
+def annotate_pipeline(job: Any, groups: list[GroupWork], plan: TaskPlan, engine: str, placement: Any,
                      options: dict[str, Any], storage_options: dict | None):  # fmt: skip
-    """The dataset whose rows are the units' summaries (``captioned``, ``errors``, ``tokens``, ...), lazily
-    run. ``options``: source, max_pixels, image_column, settings."""
+    """The dataset whose rows are the units' summaries (``captioned``: images annotated, ``errors``,
+    ``tokens``, ...), lazily run. ``options``: source, max_pixels, image_column, settings."""
     import ray.data
 
     units = (
@@ -36,10 +37,11 @@ def caption_pipeline(job: Any, groups: list[GroupWork], spec: CaptionSpec, engin
     if engine == "vllm":
         from pipeline.annotate.vllm_engine import vllm_pipeline
 
-        return vllm_pipeline(units, job, spec, placement, options, storage_options)
+        assert plan.caption is not None and plan.tasks == ("caption",)
+        return vllm_pipeline(units, job, plan.caption, placement, options, storage_options)
     return units.map_batches(
-        CaptionWriter, batch_size=1, batch_format="pyarrow", compute=placement.pool(n_units),
-        fn_constructor_kwargs={"spec": spec, "device": placement.device, "threads": placement.threads,
+        AnnotateWriter, batch_size=1, batch_format="pyarrow", compute=placement.pool(n_units),
+        fn_constructor_kwargs={"plan": plan, "device": placement.device, "threads": placement.threads,
                                "out": job.out, "storage_options": storage_options, "source": options["source"],
                                "max_pixels": options["max_pixels"], "image_column": options["image_column"],
                                "settings": options["settings"], "batch_size": job.batch_size},

@@ -1,28 +1,32 @@
-"""Annotate a manifest's images with a model: generated captions (Ray job).
+"""Annotate a manifest's images with models and rules: captions, embeddings, scores, hashes, statistics (Ray job).
 
     bucketeer annotate MANIFEST --out ANNOTATIONS --task caption [--model ID|PATH|default] [--prompt TEXT]
                        [--max-new-tokens N] [--device auto|cuda|cpu] [--engine auto|transformers|vllm]
+    bucketeer annotate MANIFEST --out ANNOTATIONS --task embedding,aesthetic,safety,watermark,phash,sha256,stats
+                       [--embedding-model ID|PATH|default] [--aesthetic-head FILE|HUB_ID[:FILE]|default] ...
     ray job submit --working-dir . -- python -m pipeline.annotate MANIFEST --out s3://bucket/captions --model ID
     bucketeer scan SOURCE --out MANIFEST --captions ANNOTATIONS   # the captions into the manifest's caption lists
 
     from pipeline import AnnotateJob, run
     captions = run(AnnotateJob(manifest="manifest/", out="captions/", model="default"))
 
-The recipe: (1) the model's config and processor are loaded on a CPU worker and its weight files hashed (a bad
-id or folder is one line, exit 2, before any work; the weights themselves load only in the actors); that hash
-with the task, prompt and generation settings makes the **settings fingerprint**; an ``--out`` of other
+The tasks (:mod:`pipeline.annotate.tasks`) run in one pass: each image is fetched and decoded once and every
+task asked works from it. The recipe: (1) each model's config and processor are loaded on a CPU worker and its
+weight files hashed (a bad id or folder is one line, exit 2, before any work; the weights themselves load only
+in the actors); those hashes with the tasks' settings make the **settings fingerprint**; an ``--out`` of other
 settings is refused; (2) one streaming pass over the manifest's row groups judges every sample against what
 ``--out`` holds, by image key (:mod:`manifests.annotations`): annotated, failed, changed or new; (3) the work
 runs on Ray Data (:mod:`pipeline.annotate.workers`): row groups are cut into units, and engine actors fetch,
-decode, caption and write one part per unit; (4) ``_annotations.json`` is written last. The images are read
+decode, annotate and write one part per unit; (4) ``_annotations.json`` is written last. The images are read
 exactly as embed reads them (never listed again). A killed run leaves its finished parts, which the next run
-of the same settings adopts: it captions only the rest. A worker or node lost mid-job costs its in-flight
+of the same settings adopts: it annotates only the rest. A worker or node lost mid-job costs its in-flight
 units (Ray Data retries them; a redone unit rewrites the same part).
 
 Engines (:mod:`pipeline.annotate.engines`): ``transformers`` (``AutoModelForImageTextToText``, batched
-``generate``, one model per actor, on CPU or a GPU) and ``vllm`` (Ray Data's ``ray.data.llm``, one
-vLLM engine replica per GPU; ``pip install 'bucketeer[vllm]'``). ``--engine auto`` takes vLLM where the
-cluster has GPUs and vLLM is installed, else transformers. Decoding is greedy. The engine used is recorded.
+``generate``, one model per actor, on CPU or a GPU; it runs every task) and ``vllm`` (``--task caption``
+alone: Ray Data's ``ray.data.llm``, one vLLM engine replica per GPU; ``pip install 'bucketeer[vllm]'``).
+``--engine auto`` takes vLLM where the cluster has GPUs, vLLM is installed and caption is the only task,
+else transformers. Decoding is greedy. The engine used is recorded.
 """
 
 from __future__ import annotations
@@ -46,13 +50,13 @@ from manifests.progress import Progress
 from manifests.schema import MAX_PIXELS
 from manifests.storage import parse_storage_options, redact
 from pipeline.annotate.engines import DEFAULT_PROMPT, ENGINES, CaptionSpec, vllm_available
+from pipeline.annotate.tasks import TASKS, VISION_TASKS, TaskPlan, task_settings
+from pipeline.annotate.vision import HEAD_TASKS, VisionSpec
 from pipeline.embed.dataflow import DEVICES
 from pipeline.embed.work import GroupWork
 from pipeline.ray_setup import init_ray
 
 __all__ = ["TASKS", "AnnotateJob", "AnnotateResult", "add_arguments", "job_from_args", "run"]
-
-TASKS = ("caption",)  # the annotate tasks this version runs (more to come: embedding, aesthetic, phash, stats)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,15 +71,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="most tokens generated per caption")
     g.add_argument("--image-size", type=int, default=768, metavar="PX",
                    help="images are downscaled to at most this many pixels on their long side before the model's "
-                        "own processor sees them")
+                        "own processor sees them (every task: one decode; stats and phash see this size)")
+    g = parser.add_argument_group("embedding, aesthetic, safety, watermark")
+    g.add_argument("--embedding-model", default="default", metavar="ID|PATH",
+                   help="CLIP vision model (hub id or folder, CLIPVisionModelWithProjection + AutoImageProcessor); "
+                        "'default': a tiny random-weight one (its embeddings are noise)")
+    for task, what in (("aesthetic", "aesthetic score (LAION predictor shape)"), ("safety", "P(NSFW)"),
+                       ("watermark", "P(watermark)")):
+        g.add_argument(f"--{task}-head", default="default", metavar="FILE|HUB_ID[:FILE]",
+                       help=f"{what} head on the embedding: a safetensors state dict of Linear layers "
+                            "'layers.<i>.weight' (file or hub id); 'default': tiny random weights")
     g = parser.add_argument_group("job")
     g.add_argument("--device", choices=DEVICES, default="auto",
                    help="cuda: one GPU per engine replica (requested from Ray); cpu; auto: cuda when the cluster "
                         "has GPUs or its autoscaler can add some")
     g.add_argument("--engine", choices=ENGINES, default="auto",
                    help="transformers (batched generate) or vllm (ray.data.llm, GPUs, bucketeer[vllm]); auto: vllm "
-                        "on GPUs where it is installed, else transformers")
-    g.add_argument("--batch-size", type=int, default=8, help="images per generate call")
+                        "on GPUs where it is installed and caption is the only task, else transformers")
+    g.add_argument("--batch-size", type=int, default=8, help="images per generate (or embedding) call")
     g.add_argument("--unit-rows", type=int, default=32,
                    help="images per unit (one part file; what a lost worker costs at most)")
     g.add_argument("--workers", type=int, default=None,
@@ -98,6 +111,10 @@ class AnnotateJob:
     prompt: str = DEFAULT_PROMPT
     max_new_tokens: int = 64
     image_size: int = 768
+    embedding_model: str = "default"
+    aesthetic_head: str = "default"
+    safety_head: str = "default"
+    watermark_head: str = "default"
     device: str = "auto"
     engine: str = "auto"
     batch_size: int = 8
@@ -110,8 +127,8 @@ class AnnotateJob:
 
     def __post_init__(self) -> None:
         unknown = [t for t in self.tasks if t not in TASKS]
-        if not self.tasks or unknown:
-            raise UsageError(f"--task {','.join(self.tasks)!r}: choose from {', '.join(TASKS)}")
+        if not self.tasks or unknown or len(set(self.tasks)) != len(self.tasks):
+            raise UsageError(f"--task {','.join(self.tasks)!r}: choose from {', '.join(TASKS)}, each once")
         for option, value, allowed in (("--device", self.device, DEVICES), ("--engine", self.engine, ENGINES)):
             if value not in allowed:
                 raise UsageError(f"{option} {value!r}: choose one of {', '.join(allowed)}")
@@ -125,7 +142,8 @@ class AnnotateJob:
 
 @dataclass(frozen=True, kw_only=True)
 class AnnotateResult:
-    """What a run did: ``captioned`` images and ``errors`` rows written this run, ``skipped`` samples
+    """What a run did: ``captioned`` images annotated (by every task asked, captions or not) and ``errors`` rows
+    written this run, ``skipped`` samples
     already annotated; ``meta`` the ``_annotations.json`` committed. Rates are steady-state (from the first
     unit done to the last), None when nothing ran."""
 
@@ -140,6 +158,7 @@ class AnnotateResult:
     skipped: int = 0
     images_per_second: float | None = None
     tokens_per_second: float | None = None
+    worker_cpu_seconds: float = 0.0  # CPU time of the engine actors' units (fetch, decode, tasks, writes; not Ray's)
 
 
 def job_from_args(args: argparse.Namespace) -> AnnotateJob:
@@ -147,6 +166,8 @@ def job_from_args(args: argparse.Namespace) -> AnnotateJob:
     return AnnotateJob(
         manifest=args.manifest, out=args.out, tasks=tuple(t.strip() for t in args.task.split(",") if t.strip()),
         model=args.model, prompt=args.prompt, max_new_tokens=args.max_new_tokens, image_size=args.image_size,
+        embedding_model=args.embedding_model, aesthetic_head=args.aesthetic_head, safety_head=args.safety_head,
+        watermark_head=args.watermark_head,
         device=args.device, engine=args.engine, batch_size=args.batch_size, unit_rows=args.unit_rows,
         workers=args.workers, torch_threads=args.torch_threads, source=args.source,
         storage_options=parse_storage_options(args.storage_options), ray_address=args.ray_address,
@@ -190,13 +211,24 @@ def _find_work(job: AnnotateJob, manifest, lookup) -> _Work:
     return work
 
 
-def _describe(ray, spec: CaptionSpec) -> dict[str, Any]:
-    """The model's class and weight hash, checked on a CPU worker without loading the weights: a bad --model
-    fails here, in one line, before any work."""
-    from pipeline.annotate.engines import describe_model
+def _plan(job: AnnotateJob) -> TaskPlan:
+    """The tasks' specs, the models as the user named them; default models are built by whoever loads them."""
+    home = os.environ.get("BUCKETEER_HOME")
+    caption = (CaptionSpec(model=job.model, home=home, prompt=job.prompt, max_new_tokens=job.max_new_tokens,
+                           image_size=job.image_size) if "caption" in job.tasks else None)  # fmt: skip
+    heads = tuple((t, getattr(job, f"{t}_head")) for t in job.tasks if t in HEAD_TASKS)
+    vision = (VisionSpec(model=job.embedding_model, heads=heads, home=home)
+              if any(t in VISION_TASKS for t in job.tasks) else None)  # fmt: skip
+    return TaskPlan(tasks=job.tasks, caption=caption, vision=vision, image_size=job.image_size)
+
+
+def _describe(ray, plan: TaskPlan) -> dict[str, Any]:
+    """Each model's class and weight hash, checked on a CPU worker without loading the weights: a bad model
+    or head fails here, in one line, before any work."""
+    from pipeline.annotate.tasks import describe_tasks
 
     try:
-        return ray.get(ray.remote(describe_model).options(num_cpus=1).remote(spec))
+        return ray.get(ray.remote(describe_tasks).options(num_cpus=1).remote(plan))
     except ray.exceptions.RayTaskError as e:
         if isinstance(e.cause, (BucketeerError, OSError)):
             raise UsageError(str(e.cause).splitlines()[0]) from None
@@ -210,15 +242,20 @@ def _check_settings(job: AnnotateJob, settings: str, tasks: tuple[TaskSettings, 
     except AnnotationsMissingError:
         return None
     if meta.settings_fingerprint != settings:
-        was, now = meta.task("caption"), tasks[0]
-        differs = [name for name, a, b in (("model", was and was.model, now.model),
-                                           ("weights", was and was.weight_sha256, now.weight_sha256),
-                                           ("prompt", was and was.prompt, now.prompt),
-                                           ("max-new-tokens", was and was.max_new_tokens, now.max_new_tokens),
-                                           ("tasks", [t.task for t in meta.tasks], [t.task for t in tasks]))
-                   if a != b] or ["generation settings"]  # fmt: skip
+        differs = [] if [t.task for t in meta.tasks] == [t.task for t in tasks] else ["tasks"]
+        for now in tasks:
+            was = meta.task(now.task)
+            if was is None:
+                continue
+            differs += [f"{now.task} {name}" if len(tasks) > 1 else name
+                        for name, a, b in (("model", was.model, now.model), ("weights", was.weight_sha256,
+                                           now.weight_sha256), ("prompt", was.prompt, now.prompt),
+                                           ("max-new-tokens", was.max_new_tokens, now.max_new_tokens))
+                        if a != b]  # fmt: skip
+        differs = differs or ["generation settings"]
+        held = ", ".join(f"{t.task} {t.model!r}" for t in meta.tasks)
         raise UsageError(f"{redact(job.out)} holds annotations of other settings ({', '.join(differs)} differ: it has "
-                         f"model {was.model if was else '?'!r}); write these settings to another --out")  # fmt: skip
+                         f"{held}); write these settings to another --out")  # fmt: skip
     return meta
 
 
@@ -235,11 +272,15 @@ def _pick_engine(job: AnnotateJob, placement) -> str:
     if job.engine == "vllm" and not vllm_available():
         raise UsageError("--engine vllm: vLLM is not installed here; pip install 'bucketeer[vllm]' (GPU machines), "
                          "or use --engine transformers")  # fmt: skip
+    if job.engine == "vllm" and job.tasks != ("caption",):
+        raise UsageError(f"--engine vllm runs --task caption alone (asked: {','.join(job.tasks)}); use --engine "
+                         "transformers, or a separate run for the captions")  # fmt: skip
     if job.engine == "vllm" and placement.device != "cuda":
         raise UsageError("--engine vllm runs on GPUs; this cluster has none (use --device cuda on a GPU cluster, "
                          "or --engine transformers)")  # fmt: skip
     if job.engine == "auto":
-        return "vllm" if placement.device == "cuda" and vllm_available() else "transformers"
+        alone = job.tasks == ("caption",)
+        return "vllm" if alone and placement.device == "cuda" and vllm_available() else "transformers"
     return job.engine
 
 
@@ -249,17 +290,19 @@ def _annotate(job: AnnotateJob) -> AnnotateResult:
     start = time.time()
     manifest = read_manifest_meta(job.manifest, so)
     source = job.source or manifest.source
-    spec = CaptionSpec(model=job.model, home=os.environ.get("BUCKETEER_HOME"), prompt=job.prompt,
-                       max_new_tokens=job.max_new_tokens, image_size=job.image_size)  # fmt: skip
-    if spec.is_default:
+    plan = _plan(job)
+    if plan.caption and plan.caption.is_default:
         print(DEFAULT_CAPTION_NOTICE, file=sys.stderr, flush=True)
+    if plan.vision and (defaults := [t for t in plan.tasks if t in VISION_TASKS and (
+            job.embedding_model if t == "embedding" else getattr(job, f"{t}_head")) == "default"]):  # fmt: skip
+        print(f"bucketeer annotate: {', '.join(defaults)} from the embedded DEFAULT random-weight models: their "
+              "values are NOISE, for trying the pipeline only (README: Annotate)", file=sys.stderr, flush=True)
     ray, _ = init_ray(job.ray_address)
     from pipeline.embed.dataflow import configure_ray_data, place_encoders
 
     configure_ray_data()
-    described = _describe(ray, spec)
-    tasks = (TaskSettings(task="caption", model=job.model, weight_sha256=described["weight_sha256"], prompt=job.prompt,
-                          max_new_tokens=job.max_new_tokens, generation=spec.generation()),)  # fmt: skip
+    described = _describe(ray, plan)
+    tasks = task_settings(plan, described)
     settings = settings_fingerprint(tasks)
     committed = _check_settings(job, settings, tasks)
     lookup, _ = committed_lookup(job.out, so, settings)
@@ -269,30 +312,31 @@ def _annotate(job: AnnotateJob) -> AnnotateResult:
     c = work.counts
     print(f"bucketeer annotate: {work.samples} samples in the manifest, {c['fresh'] + c['failed']} already annotated, "
           f"{c['stale']} changed since, {c['retry']} read failures (retrying), {c['missing']} new: {work.todo} to "
-          f"caption with {job.model} ({described['class']}); {_placement_line(engine, placement)}",
+          f"annotate: {plan.summary()}; {_placement_line(engine, placement)}",
           flush=True)  # fmt: skip
-    done = {"captioned": 0, "errors": 0, "tokens": 0}
+    done = {"captioned": 0, "errors": 0, "tokens": 0, "cpu_ms": 0}
     steady, steady_seconds = dict(done), None
     if work.todo:
-        done, steady, steady_seconds = _caption(job, work, spec, settings, engine, placement, source, manifest)
+        done, steady, steady_seconds = _run_units(job, work, plan, settings, engine, placement, source, manifest)
     meta = _commit(job, manifest, tasks, settings, engine)
     seconds = time.time() - start
     rates = ((round(steady["captioned"] / steady_seconds, 2), round(steady["tokens"] / steady_seconds, 1))
              if steady_seconds else (None, None))
-    print(f"bucketeer annotate: {done['captioned']} captioned, {done['errors']} error rows, "
+    print(f"bucketeer annotate: {done['captioned']} annotated, {done['errors']} error rows, "
           f"{work.samples - work.todo} skipped in {seconds:.1f}s -> {redact(job.out)} ({meta.counts.annotated} of "
           f"{meta.counts.samples} samples annotated, {meta.counts.errors} errors)", flush=True)  # fmt: skip
     return AnnotateResult(url=job.out, fingerprint=meta.fingerprint, meta=meta, seconds=round(seconds, 2),
                           engine=engine, up_to_date=not work.todo and committed is not None,
                           captioned=done["captioned"], errors=done["errors"], skipped=work.samples - work.todo,
-                          images_per_second=rates[0], tokens_per_second=rates[1])  # fmt: skip
+                          images_per_second=rates[0], tokens_per_second=rates[1],
+                          worker_cpu_seconds=done["cpu_ms"] / 1000)  # fmt: skip
 
 
-def _caption(job: AnnotateJob, work: _Work, spec: CaptionSpec, settings: str, engine: str, placement, source: str,
+def _run_units(job: AnnotateJob, work: _Work, plan: TaskPlan, settings: str, engine: str, placement, source: str,
              manifest) -> tuple[dict[str, int], dict[str, int], float | None]:  # fmt: skip
     """Run the Ray Data pipeline of ``engine``: what it did, what it did after its first unit, and the seconds
     that took (None with a single unit)."""
-    from pipeline.annotate.dataflow import caption_pipeline
+    from pipeline.annotate.dataflow import annotate_pipeline
     from pipeline.embed.dataflow import results
 
     so = dict(job.storage_options)
@@ -300,19 +344,20 @@ def _caption(job: AnnotateJob, work: _Work, spec: CaptionSpec, settings: str, en
 
     options = {"source": source, "max_pixels": int(manifest.max_pixels or MAX_PIXELS),
                "image_column": image_column(manifest), "settings": settings}  # fmt: skip
-    dataset = caption_pipeline(job, work.groups, spec, engine, placement, options, so)
-    done = {"captioned": 0, "errors": 0, "tokens": 0}
+    dataset = annotate_pipeline(job, work.groups, plan, engine, placement, options, so)
+    done = {"captioned": 0, "errors": 0, "tokens": 0, "cpu_ms": 0}
     first: float | None = None
     at_first = dict(done)
-    with Progress("annotate", "caption", total=work.todo, unit="images") as progress:
+    with Progress("annotate", ",".join(plan.tasks), total=work.todo, unit="images") as progress:
         for row in results(dataset):
             now = time.time()
             for k in done:
-                done[k] += int(row[k])
+                done[k] += int(row.get(k, 0))
             if first is None:  # start-up and model loading end with the first unit done
                 first, at_first = now, dict(done)
             elapsed = now - first
-            extra = {"tokens/s": round((done["tokens"] - at_first["tokens"]) / elapsed, 1)} if elapsed > 0 else {}
+            extra = ({"tokens/s": round((done["tokens"] - at_first["tokens"]) / elapsed, 1)}
+                     if elapsed > 0 and plan.caption else {})  # fmt: skip
             progress.update(int(row["captioned"]) + int(row["errors"]), **extra)
     steady = {k: done[k] - at_first[k] for k in done}
     seconds = (time.time() - first) if first is not None and steady["captioned"] else None

@@ -4,11 +4,12 @@
   (where the image is, its size for the decode, its image key) and cuts them into **units** of
   ``unit_rows`` rows, sorted by container, row group and sample id (so a unit of a parquet-sourced
   manifest reads few of the source's row groups); a unit travels as Arrow IPC bytes.
-- :class:`CaptionWriter` (an actor per engine replica, on a GPU or a CPU): fetches a unit's images
+- :class:`AnnotateWriter` (an actor per engine replica, on a GPU or a CPU): fetches a unit's images
   the way embed does (:func:`pipeline.embed.imaging.fetch_images`: loose files whole, tar members by one
-  ranged read, parquet bytes by row group), decodes them (:func:`pipeline.embed.imaging.prepare_views`:
-  EXIF orientation, the manifest's pixel limit, JPEG draft decoding), captions them in batches, and
-  **writes the unit's part itself** (and its error part), returning one small summary row.
+  ranged read, parquet bytes by row group), decodes each once (:func:`pipeline.embed.imaging.prepare_views`:
+  EXIF orientation, the manifest's pixel limit, JPEG draft decoding), runs every task of the
+  :class:`~pipeline.annotate.tasks.TaskPlan` on it (captions and embeddings in batches), and **writes the
+  unit's part itself** (and its error part), returning one small summary row.
 
 A unit is what a lost worker costs: Ray Data retries it elsewhere, and the rewrite lands on the same
 part name (:func:`manifests.annotations.part_name`).
@@ -25,15 +26,17 @@ import numpy as np
 import pyarrow as pa
 
 from manifests import faults
-from manifests.annotations import image_key, part_name, part_schema, write_part
+from manifests.annotations import embedding_type, image_key, part_name, part_schema, write_part
 from manifests.manifest import read_row_group
 from manifests.storage import open_url, redact
-from pipeline.annotate.engines import CaptionSpec, TransformersCaptioner
+from pipeline.annotate.engines import TransformersCaptioner
+from pipeline.annotate.image_stats import STATS, image_stats, phash, sha256_hex
+from pipeline.annotate.tasks import TaskPlan
 from pipeline.embed.imaging import ImageFailure, fetch_images, prepare_views
 from pipeline.embed.work import GroupWork
 from pipeline.embed.workers import from_ipc, to_ipc
 
-__all__ = ["UNIT_COLUMNS", "read_units", "decode_for_caption", "CaptionWriter"]
+__all__ = ["UNIT_COLUMNS", "read_units", "decode_for_caption", "AnnotateWriter"]
 
 # what a unit carries per row: identity, where the image is, its display size
 UNIT_COLUMNS = ["sample_id", "filename", "container", "container_size", "member_offset", "row_group", "row_index",
@@ -62,13 +65,23 @@ def decode_for_caption(data: bytes, width: int, height: int, image_size: int, ma
     return Image.fromarray(view.pixels)
 
 
-class CaptionWriter:
-    """A Ray Data actor: captions units and writes their parts (see the module docstring)."""
+class AnnotateWriter:
+    """A Ray Data actor: annotates units with every task of ``plan`` and writes their parts (module docstring)."""
 
-    def __init__(self, *, spec: CaptionSpec, device: str, threads: int, out: str, storage_options: dict | None,
+    def __init__(self, *, plan: TaskPlan, device: str, threads: int, out: str, storage_options: dict | None,
                  source: str, max_pixels: int, image_column: str | None, settings: str, batch_size: int):  # fmt: skip
-        self.captioner = TransformersCaptioner(spec, device, threads)
-        self.spec, self.out, self.storage_options = spec, out, storage_options
+        import torch
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.captioner = TransformersCaptioner(plan.caption, device, threads) if plan.caption else None
+        self.embedder = None
+        if plan.vision:
+            from pipeline.annotate.vision import ImageEmbedder
+
+            self.embedder = ImageEmbedder(plan.vision, device)
+        self.device = next((m.device for m in (self.captioner, self.embedder) if m is not None), "cpu")
+        self.plan, self.out, self.storage_options = plan, out, storage_options
         self.source, self.max_pixels, self.image_column = source, max_pixels, image_column
         self.settings, self.batch_size = settings, batch_size
         self.fs, self.root = open_url(out, storage_options)
@@ -78,36 +91,63 @@ class CaptionWriter:
     def __call__(self, batch: pa.Table) -> pa.Table:
         return pa.Table.from_pylist([self.unit(from_ipc(blob)) for blob in batch.column("rows").to_pylist()])
 
-    def unit(self, rows: pa.Table) -> dict[str, Any]:
-        """Caption one unit, write its part and error part; its summary row."""
-        start = time.time()
-        listed = rows.to_pylist()
-        blobs = fetch_images(self.source_fs, self.source_root, listed, image_column=self.image_column)
-        good, images, errors = [], [], []
-        for row, blob in zip(listed, blobs):
+    def _decode(self, rows: list[dict]) -> tuple[list[dict], list[bytes], list, list[dict]]:
+        """``(good rows, their bytes, their images (PIL, or None when no task decodes), error rows)``."""
+        blobs = fetch_images(self.source_fs, self.source_root, rows, image_column=self.image_column)
+        good, data, images, errors = [], [], [], []
+        for row, blob in zip(rows, blobs):
             try:
                 if isinstance(blob, BaseException):
                     raise ImageFailure("read_failed", redact(f"{type(blob).__name__}: {blob}", self.storage_options))
-                images.append(decode_for_caption(blob, row["width"], row["height"], self.spec.image_size,
-                                                 self.max_pixels, row["filename"]))  # fmt: skip
+                images.append(decode_for_caption(blob, row["width"], row["height"], self.plan.image_size,
+                                                 self.max_pixels, row["filename"]) if self.plan.decodes else None)
                 good.append(row)
+                data.append(blob)
             except ImageFailure as e:
                 errors.append({**row, "error": e.kind, "message": e.message})
-        captions: list[tuple[str, int]] = []
-        for at in range(0, len(images), self.batch_size):
-            captions += self.captioner.caption(images[at : at + self.batch_size])
+        return good, data, images, errors
+
+    def _columns(self, data: list[bytes], images: list) -> dict[str, pa.Array]:
+        """Every task's columns for the decoded images (in order); captions and embeddings in batches."""
+        tasks, cols, n = self.plan.tasks, {}, len(images)
+        batches = [images[at : at + self.batch_size] for at in range(0, n, self.batch_size)]
+        if self.captioner is not None:
+            captions = [c for b in batches for c in self.captioner.caption(b)]
+            cols["caption"] = pa.array([c for c, _ in captions], pa.string())
+            cols["generated_tokens"] = pa.array([k for _, k in captions], pa.int32())
+        if self.embedder is not None:
+            dim = self.embedder.dim
+            done = [self.embedder(b) for b in batches]
+            emb = np.concatenate([e for e, _ in done]) if done else np.zeros((0, dim), np.float32)  # (n, D)
+            if "embedding" in tasks:
+                flat = pa.array(emb.astype(np.float16).reshape(-1), pa.float16())
+                cols["embedding"] = pa.FixedSizeListArray.from_arrays(flat, dim).cast(embedding_type(dim))
+            for task in self.embedder.heads:
+                cols[task] = pa.array(np.concatenate([s[task] for _, s in done]) if done else [], pa.float32())
+        if "phash" in tasks:
+            cols["phash"] = pa.array([phash(im) for im in images], pa.uint64())
+        if "sha256" in tasks:
+            cols["sha256"] = pa.array([sha256_hex(d) for d in data], pa.string())
+        if "stats" in tasks:
+            stats = [image_stats(np.asarray(im)) for im in images]
+            for key in STATS:
+                cols[key] = pa.array([s[key] for s in stats], pa.bool_() if key == "grayscale" else pa.float32())
+        return cols
+
+    def unit(self, rows: pa.Table) -> dict[str, Any]:
+        """Annotate one unit, write its part and error part; its summary row."""
+        start, cpu = time.time(), time.process_time()
+        good, data, images, errors = self._decode(rows.to_pylist())
+        cols = self._columns(data, images)
         now = time.time()
         name = part_name(self.settings, rows.column("sample_id").to_numpy(), rows.column("source_key").to_numpy())
-        if good:
-            table = pa.table({
-                "sample_id": pa.array([r["sample_id"] for r in good], pa.uint64()),
+        keys = {"sample_id": pa.array([r["sample_id"] for r in good], pa.uint64()),
                 "filename": pa.array([r["filename"] for r in good], pa.string()),
                 "source_key": pa.array([r["source_key"] for r in good], pa.uint64()),
-                "written_at": pa.array([now] * len(good), pa.float64()),
-                "caption": pa.array([c for c, _ in captions], pa.string()),
-                "generated_tokens": pa.array([n for _, n in captions], pa.int32()),
-            })  # fmt: skip
-            write_part(self.fs, self.root, "parts", name, table.select([n for n, _ in part_schema(("caption",))]),
+                "written_at": pa.array([now] * len(good), pa.float64())}  # fmt: skip
+        if good:
+            table = pa.table({**keys, **cols})
+            write_part(self.fs, self.root, "parts", name, table.select([n for n, _ in part_schema(self.plan.tasks)]),
                        self.settings)  # fmt: skip
         if errors:
             table = pa.table({
@@ -120,7 +160,8 @@ class CaptionWriter:
             })  # fmt: skip
             write_part(self.fs, self.root, "errors", name, table, self.settings)
         faults.hit("annotate.unit")  # tests: slow units down, or kill the worker after its part is written
+        tokens = cols.get("generated_tokens")
         return {"part": name, "captioned": len(good), "errors": len(errors),
-                "tokens": int(np.sum([n for _, n in captions])) if captions else 0,
-                "seconds": time.time() - start, "node": self.node, "pid": os.getpid(),
-                "device": self.captioner.device}  # fmt: skip
+                "tokens": int(np.sum(tokens.to_numpy())) if tokens is not None and len(tokens) else 0,
+                "seconds": time.time() - start, "cpu_ms": round(1000 * (time.process_time() - cpu)),
+                "node": self.node, "pid": os.getpid(), "device": self.device}  # fmt: skip

@@ -1,0 +1,101 @@
+"""The annotate tasks: which exist, what each needs, and the settings each records.
+
+    caption                         a vision-language model (pipeline.annotate.engines)
+    embedding aesthetic safety      a CLIP embedder and heads on its embedding (pipeline.annotate.vision)
+    watermark
+    phash stats                     numpy on the decoded image (pipeline.annotate.image_stats)
+    sha256                          the bytes read (no decode)
+
+Every task of a run works from one fetch and one decode of each image (its long side at most
+``--image-size``), in the same actor. A :class:`TaskPlan` says what the workers run (plain data, it travels
+to them); :func:`describe_tasks` checks every model before any work; :func:`task_settings` makes the
+:class:`~manifests.annotations.TaskSettings` the settings fingerprint covers. The model-free tasks name
+their algorithm as ``model`` (weight hash empty); a default model is named ``default``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from manifests.annotations import TaskSettings
+from pipeline.annotate.engines import CaptionSpec
+from pipeline.annotate.vision import HEAD_TASKS, VisionSpec
+
+__all__ = ["TASKS", "VISION_TASKS", "TaskPlan", "describe_tasks", "task_settings"]
+
+TASKS = ("caption", "embedding", *HEAD_TASKS, "phash", "sha256", "stats")
+VISION_TASKS = ("embedding", *HEAD_TASKS)
+_ALGORITHMS = {"phash": "imagehash-phash-8x8", "sha256": "sha256", "stats": "stats-v1"}
+
+
+@dataclass(frozen=True)
+class TaskPlan:
+    """The tasks of one run, in the order asked; ``caption``/``vision`` the specs of those that need a model
+    (None when no such task is asked); ``image_size``: the decode's long side, in pixels."""
+
+    tasks: tuple[str, ...]
+    caption: CaptionSpec | None
+    vision: VisionSpec | None
+    image_size: int
+
+    @property
+    def decodes(self) -> bool:
+        """Whether any task needs pixels (``sha256`` alone reads bytes only)."""
+        return any(t != "sha256" for t in self.tasks)
+
+    def summary(self) -> str:
+        """What runs, for the job's first line."""
+        parts = []
+        if self.caption:
+            parts.append(f"caption with {self.caption.model}")
+        if self.vision:
+            heads = [t for t, _ in self.vision.heads]
+            named = ("embedding" if "embedding" in self.tasks else "") + (f"+{'+'.join(heads)}" if heads else "")
+            parts.append(f"{named.lstrip('+')} with CLIP {self.vision.model}")
+        parts += [t for t in self.tasks if t in _ALGORITHMS]
+        return ", ".join(parts)
+
+
+def describe_tasks(plan: TaskPlan) -> dict[str, Any]:
+    """Every model of ``plan`` checked without running it (a bad id, folder or head fails here in one line,
+    UsageError): ``{"caption": describe_model(...), "vision": describe_vision(...)}`` for those asked."""
+    from pipeline.annotate.engines import describe_model
+    from pipeline.annotate.vision import describe_vision
+
+    out: dict[str, Any] = {}
+    if plan.caption:
+        out["caption"] = describe_model(plan.caption)
+    if plan.vision:
+        out["vision"] = describe_vision(plan.vision)
+    return out
+
+
+def task_settings(plan: TaskPlan, described: dict[str, Any]) -> tuple[TaskSettings, ...]:
+    """Each task's :class:`TaskSettings` (in ``plan.tasks`` order). The caption task's are what they were
+    before the other tasks existed, so a caption-only folder keeps its settings fingerprint."""
+    out = []
+    for task in plan.tasks:
+        if task == "caption":
+            spec = plan.caption
+            assert spec is not None
+            digest = described["caption"]["weight_sha256"]
+            out.append(TaskSettings(task="caption", model=spec.model, weight_sha256=digest,
+                                    prompt=spec.prompt, max_new_tokens=spec.max_new_tokens,
+                                    generation=spec.generation()))  # fmt: skip
+        elif task in VISION_TASKS:
+            vision, v = plan.vision, described["vision"]
+            assert vision is not None
+            embedder = {"image_size": plan.image_size, "dim": v["dim"], "class": v["class"]}
+            if task == "embedding":
+                out.append(TaskSettings(task=task, model=vision.model, weight_sha256=v["weight_sha256"],
+                                        generation={**embedder, "dtype": "float16", "normalised": "l2"}))  # fmt: skip
+            else:
+                source = dict(vision.heads)[task]
+                out.append(TaskSettings(task=task, model=source, weight_sha256=v["heads"][task],
+                                        generation={**embedder, "embedding_model": vision.model,
+                                                    "embedding_sha256": v["weight_sha256"]}))  # fmt: skip
+        else:
+            generation = {} if task == "sha256" else {"image_size": plan.image_size}
+            out.append(TaskSettings(task=task, model=_ALGORITHMS[task], weight_sha256="", generation=generation))
+    return tuple(out)
