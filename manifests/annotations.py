@@ -223,11 +223,15 @@ def read_annotations_meta(url: str, storage_options: dict | None = None) -> Anno
     return AnnotationsMeta.from_json(meta)
 
 
-def read_annotations(url: str, storage_options: dict | None = None) -> tuple[AnnotationsMeta, pa.Table, pa.Table]:
+def read_annotations(url: str, storage_options: dict | None = None, *, columns: list[str] | None = None
+                     ) -> tuple[AnnotationsMeta, pa.Table, pa.Table]:  # fmt: skip
     """``(meta, rows, errors)`` of a finished annotations folder: the parts ``_annotations.json`` names,
-    one row per sample id (:func:`resolve`); a sample's newest row decides whether it is a row or an error."""
+    one row per sample id (:func:`resolve`); a sample's newest row decides whether it is a row or an error.
+    ``columns``: read only these task columns (the KEY_COLUMNS always come), None for all."""
     meta = read_annotations_meta(url, storage_options)
-    rows = resolve(read_parts(url, storage_options, "parts", meta.parts))
+    wanted = None if columns is None else [*(n for n, _ in KEY_COLUMNS), *(c for c in columns if c not in
+                                                                         {n for n, _ in KEY_COLUMNS})]  # fmt: skip
+    rows = resolve(read_parts(url, storage_options, "parts", meta.parts, columns=wanted))
     errors = resolve(read_parts(url, storage_options, "errors", meta.errors))
     marked = [t.select(["sample_id", "written_at"]).append_column("is_error", pa.array([bad] * t.num_rows, pa.bool_()))
               for t, bad in ((rows, False), (errors, True))]  # fmt: skip
