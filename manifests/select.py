@@ -41,7 +41,8 @@ from manifests.errors import UsageError
 from manifests.manifest import Manifest
 from manifests.storage import join, open_url, redact
 
-__all__ = ["AnnotationsSource", "Selection", "Evaluation", "parse_expression", "annotation_sources", "evaluate"]
+__all__ = ["AnnotationsSource", "Selection", "Evaluation", "parse_expression", "annotation_sources", "evaluate",
+           "read_columns"]
 
 _KEYS = {n for n, _ in KEY_COLUMNS}
 
@@ -260,3 +261,11 @@ def evaluate(manifests: Sequence[Manifest], annotations: Sequence[str] | Sequenc
         out.append(Selection(redact(manifest.url), ids, manifest.samples.column("bucket").combine_chunks(), keep,
                              weights))  # fmt: skip
     return Evaluation(where, weight_by, sources, tuple(used), tuple(out))
+
+
+def read_columns(manifest: Manifest, annotations: Sequence[AnnotationsSource], columns: Sequence[str],
+                 storage_options: Mapping[str, Any] | None = None) -> pl.DataFrame:  # fmt: skip
+    """``columns`` of every sample of ``manifest`` (its row order), from it or ``annotations`` (null where a
+    sample has no annotations row). Raises UsageError like :func:`evaluate` for an unknown or ambiguous column."""
+    resolved = _resolve_columns(manifest, list(annotations), list(columns), "columns")
+    return _frame(manifest, resolved, storage_options)
