@@ -82,8 +82,8 @@ def run(job: StatsJob) -> StatsResult:
         result = replace(result, selected=selection.kept, selected_buckets=selection.per_bucket())
     if job.json:
         if result.selected_buckets is not None:
-            stats["where"] = {"expression": job.where, "kept": result.selected,
-                              "buckets": {b: {"kept": k, "dropped": d} for b, (k, d) in result.selected_buckets.items()}}
+            per_bucket = {b: {"kept": k, "dropped": d} for b, (k, d) in result.selected_buckets.items()}
+            stats["where"] = {"expression": job.where, "kept": result.selected, "buckets": per_bucket}
         print(_json.dumps(stats, indent=2, sort_keys=True))
         return result
     print("counts:   " + ", ".join(f"{k} {v}" for k, v in sorted(result.counts.to_json().items())))
