@@ -228,7 +228,32 @@ def test_stats_where_shows_kept_per_bucket_and_histograms(data, capsys):
     assert len(out.splitlines()) < 60  # one screen
 
 
-@pytest.mark.parametrize("path", ["README.md"])
-def test_readme_selection_commands_name_real_options(path):
-    text = Path(path).read_text()
-    assert "--where" in text and "--weight-by" in text
+def test_report_shows_what_a_where_kept_and_dropped(tmp_path):
+    """The report's selection section: kept/dropped per bucket and thumbnails of dropped samples (real images),
+    for ``--where`` given and for a plan made with one."""
+    pytest.importorskip("matplotlib")
+    from pipeline.report import write_report
+    from tests.embed_data import make_dataset
+
+    manifest_url = str(tmp_path / "manifest")
+    make_dataset(str(tmp_path / "images"), manifest_url, 8)
+    manifest = read_manifest(manifest_url)
+    ids = manifest.samples.column("sample_id").to_numpy()
+    scores = np.linspace(1, 8, len(ids)).astype(np.float32)  # 4 of 8 below 5
+    write_annotations(str(tmp_path / "scores"), manifest, "aesthetic", {"aesthetic": pa.array(scores)}, ids)
+    html_path = str(tmp_path / "r.html")
+    write_report(manifest_url, html_path, annotations=str(tmp_path / "scores"), where="aesthetic >= 5")
+    page = Path(html_path).read_text()
+    kept = int((scores >= 5).sum())
+    assert "Selection (--where)" in page and f"{kept:,} of {len(ids):,} samples" in page
+    assert page.count('id="fig-dropped-') == len(ids) - kept  # every dropped sample's thumbnail (fewer than 8)
+    assert "aesthetic 1.0" in page  # the value that dropped it
+
+    plan = str(tmp_path / "plan")
+    run(PlanJob(manifests=(manifest_url,), out=plan, world_size=1, batch_size=1, annotations=(str(tmp_path / "scores"),),
+                where="aesthetic >= 5", progress=False))  # fmt: skip
+    from pipeline.report.selection import selection_section
+
+    title, rows, figures = selection_section(manifest, plan=plan)  # what write_report adds for a plan
+    assert title.startswith("Selection of plan") and ("where", "aesthetic >= 5") in rows
+    assert len(figures) == len(ids) - kept

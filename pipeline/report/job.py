@@ -1,6 +1,7 @@
 """Write a self-contained HTML report with plots of a manifest, and optionally of a plan and a cache.
 
     bucketeer report MANIFEST [--plan PLAN] [--cache CACHE] --out report.html
+    bucketeer report MANIFEST --annotations SCORES,DUPS --where "aesthetic > 5" --out report.html  # kept/dropped
 
 The page works offline: CSS inline, figures embedded as PNG ``data:`` URIs, no script, no external
 URL. The same figures are written as PNG files to ``<out stem>_figures/`` next to the page.
@@ -49,7 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache", default=None, help="a cache folder: adds record counts, bytes per sample and errors")
     parser.add_argument("--annotations", default=None,
                         help="an annotations folder (bucketeer annotate): adds its settings, counts and a grid of "
-                             "thumbnails with their original and generated captions")
+                             "thumbnails with their original and generated captions; comma-separated with --where")
+    parser.add_argument("--where", default=None, metavar="SQL",
+                        help="a selection (as bucketeer plan --where) over the manifest and --annotations: adds what "
+                        "it keeps and drops per bucket and thumbnails of dropped samples (a --plan made with "
+                        "--where shows its own)")
     parser.add_argument("--storage-options", default=None, help="fsspec options as JSON, e.g. an endpoint_url")
 
 
@@ -62,6 +67,7 @@ class ReportJob:
     plan: str | None = None
     cache: str | None = None
     annotations: str | None = None
+    where: str | None = None  # a selection to show (pipeline/report/selection.py)
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     progress: bool = True  # report sections built, on stderr
 
@@ -79,14 +85,14 @@ class ReportResult:
 
 def job_from_args(args: argparse.Namespace) -> ReportJob:
     return ReportJob(manifest=args.manifest, out=args.out, plan=args.plan, cache=args.cache,
-                     annotations=args.annotations,
+                     annotations=args.annotations, where=args.where,
                      storage_options=parse_storage_options(args.storage_options))  # fmt: skip
 
 
 def run(job: ReportJob) -> ReportResult:
     started = time.perf_counter()
     paths = write_report(job.manifest, job.out, plan=job.plan, cache=job.cache, annotations=job.annotations,
-                         storage_options=dict(job.storage_options), progress=job.progress)  # fmt: skip
+                         where=job.where, storage_options=dict(job.storage_options), progress=job.progress)  # fmt: skip
     print(f"report: {redact(paths[0])}  ({len(paths) - 1} figures in {redact(paths[0].rsplit('.', 1)[0])}_figures/)")
     return ReportResult(paths[0], tuple(paths[1:]), round(time.perf_counter() - started, 3))
 
@@ -98,6 +104,7 @@ def write_report(
     plan: str | None = None,
     cache: str | None = None,
     annotations: str | None = None,
+    where: str | None = None,
     storage_options: dict[str, Any] | None = None,
     progress: bool = False,
 ) -> list[str]:
@@ -128,9 +135,17 @@ def write_report(
     if annotations:
         from pipeline.report.annotations import annotations_section
 
-        rows, grid = annotations_section(annotations, manifest, storage_options)
-        sections.append(Section(f"Annotations: {redact(annotations)}", rows, [Figure(*f) for f in grid]))
+        for url in annotations.split(","):  # several with --where
+            rows, grid = annotations_section(url.strip(), manifest, storage_options)
+            sections.append(Section(f"Annotations: {redact(url.strip())}", rows, [Figure(*f) for f in grid]))
         reporter.update(1, last="annotations")
+    if where or plan:
+        from pipeline.report.selection import selection_section
+
+        urls = tuple(u.strip() for u in annotations.split(",")) if annotations else ()
+        found = selection_section(manifest, storage_options, plan=plan, annotations=urls, where=where)
+        if found is not None:
+            sections.append(Section(found[0], found[1], [Figure(*f) for f in found[2]]))
     reporter.close()
 
     fs, html_path = open_url(out, storage_options)
