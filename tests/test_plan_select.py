@@ -250,8 +250,8 @@ def test_report_shows_what_a_where_kept_and_dropped(tmp_path):
     assert "aesthetic 1.0" in page  # the value that dropped it
 
     plan = str(tmp_path / "plan")
-    run(PlanJob(manifests=(manifest_url,), out=plan, world_size=1, batch_size=1, annotations=(str(tmp_path / "scores"),),
-                where="aesthetic >= 5", progress=False))  # fmt: skip
+    run(PlanJob(manifests=(manifest_url,), out=plan, world_size=1, batch_size=1,
+                annotations=(str(tmp_path / "scores"),), where="aesthetic >= 5", progress=False))  # fmt: skip
     from pipeline.report.selection import selection_section
 
     title, rows, figures = selection_section(manifest, plan=plan)  # what write_report adds for a plan
