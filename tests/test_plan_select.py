@@ -21,7 +21,7 @@ from manifests.annotations import (
 )
 from manifests.buckets import BucketSpec
 from manifests.manifest import read_manifest, write_manifest
-from manifests.plan import epoch_part, read_plan_rows, resume_plan
+from manifests.plan import epoch_part, read_plan_meta, read_plan_rows, resume_plan
 from manifests.plan.check import check_plan
 from manifests.select import evaluate
 from manifests.storage import open_url
@@ -257,3 +257,30 @@ def test_report_shows_what_a_where_kept_and_dropped(tmp_path):
     title, rows, figures = selection_section(manifest, plan=plan)  # what write_report adds for a plan
     assert title.startswith("Selection of plan") and ("where", "aesthetic >= 5") in rows
     assert len(figures) == len(ids) - kept
+
+
+def test_selection_in_a_mixture_and_extend(data, tmp_path):
+    """Two manifests, each with its own annotations (matched by the manifest fingerprint they record): each keeps
+    what its --where keeps; --window then --extend gives the plan made at once; --check passes."""
+    samples, errors = manifest_tables(150, seed=9)
+    other = str(tmp_path / "other")
+    write_manifest(other, samples, errors, source="/other", spec=BucketSpec(area=512 * 512))
+    m2 = read_manifest(other)
+    ids2 = m2.samples.column("sample_id").to_numpy()
+    scores2 = np.linspace(0, 10, len(ids2)).astype(np.float32)
+    write_annotations(str(tmp_path / "scores2"), m2, "aesthetic", {"aesthetic": pa.array(scores2)}, ids2)
+    common = dict(manifests=(data["manifest"], other), world_size=2, batch_size=2, epochs=3, repeats="1,2",
+                  annotations=(data["scores"], str(tmp_path / "scores2")), where="aesthetic > 5",
+                  weight_by="aesthetic", progress=False)  # fmt: skip
+    whole = run(PlanJob(out=str(tmp_path / "whole"), **common)).meta
+    kept = [int((data["scored"] & (data["aesthetic"] > 5)).sum()), int((scores2 > 5).sum())]
+    assert [d.kept for d in whole.selection.datasets] == kept
+    assert [d.samples for d in whole.mix.datasets] == kept
+    rows = read_plan_rows(str(tmp_path / "whole"), [0]).table().to_pydict()
+    allowed = [set(data["ids"][data["scored"] & (data["aesthetic"] > 5)].tolist()), set(ids2[scores2 > 5].tolist())]
+    assert all(i in allowed[d] for ids, sets in zip(rows["sample_ids"], rows["dataset"]) for i, d in zip(ids, sets))
+    windowed = str(tmp_path / "windowed")
+    run(PlanJob(out=windowed, window=1, **common))
+    run(PlanJob(manifests=common["manifests"], extend=windowed, progress=False))  # the plan's own selection
+    assert read_plan_meta(windowed).epochs == whole.epochs
+    assert run(PlanJob(manifests=common["manifests"], check=windowed, progress=False)).exit_code == 0
