@@ -88,7 +88,8 @@ def build(root: str, n: int, buckets: int = 40, seed: int = 0) -> dict:
         parts = []
         for start in range(0, n, PART_ROWS):
             m = min(PART_ROWS, n - start)
-            chunk = pa.table({"sample_id": pa.array(ids[start:start + m]), "filename": samples["filename"][start:start + m],
+            rows = slice(start, start + m)
+            chunk = pa.table({"sample_id": pa.array(ids[rows]), "filename": samples["filename"][start:start + m],
                               "source_key": pa.array(np.zeros(m, np.uint64)), "written_at": pa.array(np.ones(m)),
                               column: values[start:start + m]})  # fmt: skip
             parts.append(part_name(settings, ids[start:start + m], np.zeros(m, np.uint64)))
