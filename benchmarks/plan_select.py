@@ -1,7 +1,7 @@
 """``bucketeer plan --annotations --where [--weight-by]`` against the same plan without selection.
 
     python benchmarks/plan_select.py                                  # 10M samples (a few GB in a temp folder)
-    python benchmarks/plan_select.py --sizes 1000000,3000000          # two sizes: the marginal rate
+    python benchmarks/plan_select.py --sizes 1000000,10000000 --epochs 1,10   # two sizes: the marginal rate
 
 Builds, per size, a manifest of N samples (40 Zipf-skewed SDXL buckets, real manifest parts) and two
 annotations folders written as ``bucketeer annotate`` / ``bucketeer dedup`` write them (``aesthetic``
@@ -138,14 +138,14 @@ def run_child(args: list[str]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="10000000", help="samples per manifest, comma-separated (two: marginal)")
-    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--epochs", default="1,10", help="epochs planned, comma-separated (each measured)")
     parser.add_argument("--kinds", default="plain,where,weighted,evaluate")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--paths", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     a = parser.parse_args()
     if a.child:
-        print(json.dumps(child(a.child, json.loads(a.paths), a.out, a.epochs)))
+        print(json.dumps(child(a.child, json.loads(a.paths), a.out, int(a.epochs))))
         return
     rows = {}
     for n in (int(s) for s in a.sizes.split(",")):
@@ -154,26 +154,29 @@ def main() -> None:
             paths = build(tmp, n)
             print(f"# {n:,} samples: inputs built in {time.perf_counter() - t:.1f} s; load {os.getloadavg()}",
                   flush=True)  # fmt: skip
-            for kind in a.kinds.split(","):
-                r = run_child(["--child", kind, "--paths", json.dumps(paths), "--out", os.path.join(tmp, kind),
-                               "--epochs", str(a.epochs)])  # fmt: skip
-                rows[(n, kind)] = r
-                base = rows.get((n, "plain"))
-                ratio = "" if base is None or kind == "plain" else (
-                    f"  ratio cpu {r['cpu_s'] / base['cpu_s']:.2f}x, peak {r['peak_mib'] / base['peak_mib']:.2f}x")
-                print(f"{n:>11,} {kind:>9}: wall {r['wall_s']:8.2f} s  cpu {r['cpu_s']:8.2f} s  peak "
-                      f"{r['peak_mib']:8.1f} MiB  planned {r['planned']:,}{ratio}  (load {os.getloadavg()[0]:.1f})",
-                      flush=True)  # fmt: skip
-    sizes = sorted({n for n, _ in rows})
+            for epochs in (int(e) for e in a.epochs.split(",")):
+                for kind in a.kinds.split(","):
+                    if kind == "evaluate" and (n, 0, kind) in rows:
+                        continue  # the same in every epoch count
+                    key = (n, 0 if kind == "evaluate" else epochs, kind)
+                    rows[key] = r = run_child(["--child", kind, "--paths", json.dumps(paths), "--out",
+                                               os.path.join(tmp, f"{kind}-{epochs}"), "--epochs", str(epochs)])
+                    base = rows.get((n, epochs, "plain"))
+                    ratio = "" if base is None or kind == "plain" else (
+                        f"  ratio cpu {r['cpu_s'] / base['cpu_s']:.2f}x, peak {r['peak_mib'] / base['peak_mib']:.2f}x")
+                    print(f"{n:>11,} {key[1]:>3} epochs {kind:>9}: wall {r['wall_s']:8.2f} s  cpu {r['cpu_s']:8.2f} s"
+                          f"  peak {r['peak_mib']:8.1f} MiB  planned {r['planned']:,}{ratio}  "
+                          f"(load {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
+    sizes = sorted({n for n, _, _ in rows})
     if len(sizes) == 2:
         lo, hi = sizes
-        for kind in a.kinds.split(","):
-            if (lo, kind) in rows and (hi, kind) in rows:
-                rate = (rows[(hi, kind)]["cpu_s"] - rows[(lo, kind)]["cpu_s"]) / ((hi - lo) / 1e6)
-                mem = (rows[(hi, kind)]["peak_mib"] - rows[(lo, kind)]["peak_mib"]) / ((hi - lo) / 1e6)
-                print(f"marginal {kind:>9}: {rate:.3f} CPU s and {mem:.0f} MiB per million samples")
-    print(json.dumps({f"{n}:{k}": v for (n, k), v in rows.items()}))
-
+        for (n, epochs, kind) in sorted(k for k in rows if k[0] == lo):
+            if (hi, epochs, kind) in rows:
+                low, high = rows[(lo, epochs, kind)], rows[(hi, epochs, kind)]
+                rate = (high["cpu_s"] - low["cpu_s"]) / ((hi - lo) / 1e6)
+                mem = (high["peak_mib"] - low["peak_mib"]) / ((hi - lo) / 1e6)
+                print(f"marginal {epochs:>3} epochs {kind:>9}: {rate:.3f} CPU s and {mem:.0f} MiB per million samples")
+    print(json.dumps({f"{n}:{e}:{k}": v for (n, e, k), v in rows.items()}))
 
 if __name__ == "__main__":
     main()

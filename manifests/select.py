@@ -164,14 +164,20 @@ def _resolve_columns(manifest: Manifest, sources: list[AnnotationsSource], used:
     return where
 
 
-def _aligned(ids: np.ndarray, rows: pa.Table, columns: list[str]) -> pa.Table:
-    """``rows``' ``columns`` in the order of ``ids``, null where a sample has no row."""
+def _aligned(ids: np.ndarray, order: np.ndarray, rows: pa.Table, columns: list[str]) -> pa.Table:
+    """``rows``' ``columns`` in the order of ``ids`` (``order``: ``argsort(ids)``), null where a sample has no row."""
     row_ids = rows.column("sample_id").to_numpy()
-    order = np.argsort(row_ids)
-    pos = np.clip(np.searchsorted(row_ids[order], ids), 0, max(len(row_ids) - 1, 0))
-    found = (row_ids[order][pos] == ids) if len(row_ids) else np.zeros(len(ids), bool)
-    take = pa.array(order[pos] if len(row_ids) else np.zeros(len(ids), np.int64), mask=~found)
-    return rows.select(columns).take(take)
+    if not len(row_ids):
+        return pa.table({c: pa.nulls(len(ids), rows.schema.field(c).type) for c in columns})
+    ascending = len(row_ids) < 2 or bool(np.all(row_ids[1:] > row_ids[:-1]))  # read_annotations sorts by id
+    row_order = np.arange(len(row_ids)) if ascending else np.argsort(row_ids)
+    # searching sorted ids in sorted ids walks both arrays in order (cache-friendly: ~5x faster than unsorted)
+    pos = np.minimum(np.searchsorted(row_ids[row_order], ids[order]), len(row_ids) - 1)  # (n,) in sorted order
+    found = np.empty(len(ids), bool)
+    take = np.empty(len(ids), np.int64)
+    found[order] = row_ids[row_order][pos] == ids[order]
+    take[order] = row_order[pos]
+    return rows.select(columns).take(pa.array(take, mask=~found))
 
 
 def _frame(manifest: Manifest, columns: dict[str, AnnotationsSource | None],
@@ -183,9 +189,10 @@ def _frame(manifest: Manifest, columns: dict[str, AnnotationsSource | None],
     for c, s in columns.items():
         if s is not None:
             by_source.setdefault(s.url, []).append(c)
+    order = np.argsort(ids) if by_source else None  # (n,) once for every annotations folder
     for url, cols in by_source.items():
         _, rows, _ = read_annotations(url, dict(storage_options or {}), columns=cols)
-        for name, col in zip(cols, _aligned(ids, rows, cols).columns):
+        for name, col in zip(cols, _aligned(ids, order, rows, cols).columns):
             table = table.append_column(name, col)
     return pl.from_arrow(table) if table.num_columns else pl.DataFrame({"_": np.zeros(len(ids), np.int8)})  # type: ignore[return-value]
 
