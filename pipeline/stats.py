@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from manifests.errors import UsageError
 from manifests.manifest import manifest_stats, read_manifest
 from manifests.manifest_meta import ManifestCounts
 from manifests.storage import parse_storage_options
@@ -66,7 +67,11 @@ def job_from_args(args: argparse.Namespace) -> StatsJob:
 
 
 def run(job: StatsJob) -> StatsResult:
-    """Print the manifest's figures (tables, or JSON); raises ManifestError for an unreadable manifest."""
+    """Print the manifest's figures (tables, or JSON); raises ManifestError for an unreadable manifest, and
+    UsageError for ``--annotations`` without ``--where`` or a bad selection (:func:`manifests.select.evaluate`)."""
+    if job.annotations and job.where is None:
+        raise UsageError("--annotations is read by --where: give the selection to measure, e.g. --where "
+                         "\"aesthetic > 5\"")  # fmt: skip
     manifest = read_manifest(job.manifest, job.storage_options)
     stats = manifest_stats(manifest)
     result = StatsResult(url=job.manifest, fingerprint=manifest.fingerprint, counts=manifest.meta.counts,

@@ -226,6 +226,8 @@ def test_stats_where_shows_kept_per_bucket_and_histograms(data, capsys):
     assert f"kept {int(keep.sum())} of {N} samples" in out
     assert "aesthetic" in out and "histogram" in out
     assert len(out.splitlines()) < 60  # one screen
+    assert main(["stats", data["manifest"], "--annotations", data["scores"]]) == 2  # --annotations alone
+    assert main(["stats", data["manifest"], "--annotations", data["scores"], "--where", "beauty > 1"]) == 2
 
 
 def test_report_shows_what_a_where_kept_and_dropped(tmp_path):
@@ -284,3 +286,14 @@ def test_selection_in_a_mixture_and_extend(data, tmp_path):
     run(PlanJob(manifests=common["manifests"], extend=windowed, progress=False))  # the plan's own selection
     assert read_plan_meta(windowed).epochs == whole.epochs
     assert run(PlanJob(manifests=common["manifests"], check=windowed, progress=False)).exit_code == 0
+
+
+def test_resolve_keeps_the_newest_row_of_each_sample():
+    """read_annotations' one-row-per-sample rule, on both of its paths (unique ids: a sort; repeats: the newest)."""
+    from manifests.annotations import resolve
+
+    unique = pa.table({"sample_id": pa.array([5, 1, 3], pa.uint64()), "written_at": [1.0, 2.0, 3.0], "v": [50, 10, 30]})
+    assert resolve(unique).to_pydict() == {"sample_id": [1, 3, 5], "written_at": [2.0, 3.0, 1.0], "v": [10, 30, 50]}
+    again = pa.table({"sample_id": pa.array([5, 1, 5, 3], pa.uint64()), "written_at": [1.0, 2.0, 4.0, 3.0],
+                      "v": [50, 10, 51, 30]})  # fmt: skip
+    assert resolve(again).column("v").to_pylist() == [10, 30, 51]
