@@ -194,6 +194,19 @@ def test_weight_by_is_exact_per_epoch(data, tmp_path):
     resumed = resume_plan(url, str(tmp_path / "resumed"), epoch=1, step=10, world_size=1)
     assert resumed.inputs.selection == meta.inputs.selection
     assert sum(planned(str(tmp_path / "resumed"), 1).values()) == meta.steps_per_epoch - 10
+    # a sample of weight 0 smuggled into a batch of its own bucket: drawn more often than its weight gives
+    first = read_plan_rows(url, [2]).table().slice(0, 1).to_pylist()[0]
+    zero = next(int(i) for i, b, x in zip(ids, buckets, w) if x == 0 and b == first["bucket"])
+    assert zero not in planned(url, 2)
+
+    def smuggle(table: pa.Table) -> pa.Table:
+        rows = table.to_pydict()
+        rows["sample_ids"][0][0] = zero
+        return pa.Table.from_pydict(rows, schema=table.schema)
+
+    _rewrite(Path(url) / epoch_part(2), 0, smuggle)
+    violations = run(PlanJob(manifests=(data["manifest"],), check=url, progress=False)).violations
+    assert any("drawn more often than ceil" in v for v in violations), violations
 
 
 def test_bad_selection_is_one_clear_line(data, tmp_path, capsys):
