@@ -218,6 +218,7 @@ def test_bad_selection_is_one_clear_line(data, tmp_path, capsys):
         (["--where", "aesthetic + 1"], "not true/false"),
         (["--where", "aesthetic > 5", "--weight-by", "aesthetic - 7"], "negative weight"),
         (["--weight-by", "aesthetic"], "NULL"),
+        (["--where", "aesthetic > 100"], "--where keeps none"),
     ):
         capsys.readouterr()
         assert main(base + extra) == 2, extra

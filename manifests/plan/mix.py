@@ -324,8 +324,8 @@ def plan_samples(datasets: Sequence[DatasetSamples], rule: MixRule | None = None
     if rule is None and len(datasets) == 1 and datasets[0].caption_counts is None and datasets[0].weights is None:
         samples = group_samples(datasets[0].ids, datasets[0].buckets, source=datasets[0].source)
         if not len(samples.ids):
-            raise UsageError("nothing to train: no sample to plan (empty manifest, or none of its samples is in "
-                             "the cache)")  # fmt: skip
+            raise UsageError("nothing to train: no sample to plan (empty manifest, none of its samples is in "
+                             "the cache, or --where keeps none)")  # fmt: skip
         return samples
     rule = rule or MixRule("repeats", (Fraction(1),) * len(datasets))
     if len(rule.values) != len(datasets):
