@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import Counter
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -259,3 +260,79 @@ def test_plan_files_hold_every_invariant_at_up_to_1024_ranks(world, batch, lefto
     for step in range(schedule.steps):  # rank r holds the r-th id range of each global batch
         lows = [int(whole[r].column("sample_ids")[step].values[0].as_py()) for r in range(min(world, 3))]
         assert lows == sorted(lows)
+
+
+# ---------------------------------------------------------------- selection (--where) and weights (--weight-by)
+
+
+def selected_mixture(counts, keep_seed: int, weighted: bool, zero_share: float):
+    """The samples of ``counts`` that a random ``--where`` keeps (about 70%), with random weights (some 0)."""
+    from manifests.plan.mix import DatasetSamples, plan_samples
+
+    ids, buckets = make_samples(counts)
+    rng = np.random.default_rng(keep_seed)
+    keep = rng.random(len(ids)) < 0.7
+    keep[rng.integers(len(ids))] = True
+    weights = rng.gamma(1.0, 2.0, len(ids)) * (rng.random(len(ids)) >= zero_share) if weighted else None
+    if weights is not None:
+        weights[np.flatnonzero(keep)[0]] = 1.0  # something to draw
+    kept = DatasetSamples(ids[keep], pa.array(buckets[keep]), weights=None if weights is None else weights[keep])
+    return ids, buckets, keep, weights, plan_samples([kept])
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    counts=st.lists(st.one_of(st.just(1), st.integers(2, 40), st.integers(41, 300)), min_size=1, max_size=4),
+    world=st.integers(1, 8),
+    batch=st.integers(1, 6),
+    leftover=st.sampled_from(["drop", "pad"]),
+    grad_accum=st.sampled_from([1, 3]),
+    weighted=st.booleans(),
+    zero_share=st.sampled_from([0.0, 0.3]),
+    data=st.data(),
+)
+def test_every_invariant_holds_under_selection(counts, world, batch, leftover, grad_accum, weighted, zero_share,
+                                               data):  # fmt: skip
+    from manifests.errors import UsageError
+    from manifests.plan.mix import draw_limits, schedule_epoch
+
+    ids, buckets, keep, weights, samples = selected_mixture(counts, data.draw(st.integers(0, 99)), weighted,
+                                                            zero_share)  # fmt: skip
+    config = PlanConfig(world_size=world, batch_size=batch, leftover=leftover, grad_accum=grad_accum, seed=2)
+    try:
+        schedule = schedule_epoch(samples, config, 1)
+    except UsageError:
+        return  # nothing to train (no bucket fills a global batch): refused, not planned
+    bucket_of = dict(zip(ids.tolist(), buckets.tolist()))
+    rows = rows_by_rank(schedule, world)
+    steps = len(rows[0]["step"])
+    assert steps % grad_accum == 0
+    seen: Counter = Counter()
+    for r, t in enumerate(rows):
+        assert t["step"] == list(range(steps)) and t["bucket"] == rows[0]["bucket"]  # equal steps, one bucket
+        for bucket, batch_ in zip(t["bucket"], t["sample_ids"]):
+            assert len(batch_) == batch and {bucket_of[i] for i in batch_} == {bucket}
+            seen.update(batch_)
+    excluded = set(ids[~keep].tolist())
+    assert not excluded & set(seen)  # nothing the selection drops is planned
+    names = list(schedule.names)
+    slots = Counter(bucket_of[i] for i in seen.elements())
+    for b, name in enumerate(names):  # every bucket: its slots per epoch - dropped + padded, exactly
+        assert slots[name] == int(samples.counts[b] - schedule.dropped[b] + schedule.padded[b])
+    if weighted:
+        limits = dict(zip(samples.ids.tolist(), draw_limits(samples).tolist()))
+        zero = {i for i, w in zip(ids[keep].tolist(), weights[keep].tolist()) if w == 0}
+        assert not zero & set(seen)  # weight 0: never drawn
+        if leftover == "drop":  # floor/ceil of the expected draws, never more
+            assert all(c <= limits[i] for i, c in seen.items())
+    elif leftover == "drop":
+        assert max(seen.values()) == 1  # no duplicates beyond counted padding
+    # elastic resume: the rest re-cut for another world size consumes every slot exactly once
+    g = world * batch
+    new_world = data.draw(st.sampled_from([d for d in range(1, g + 1) if g % d == 0]))
+    step = data.draw(st.integers(0, schedule.steps))
+    consumed = Counter(i for t in rows for b in t["sample_ids"][:step] for i in b)
+    rest = Counter(i for t in resplit(schedule.tail(step), new_world) for b in t.column("sample_ids").to_pylist()
+                   for i in b)  # fmt: skip
+    assert consumed + rest == seen
+    assert np.array_equal(schedule_epoch(samples, config, 1).ids, schedule.ids)  # exact resume: a pure function

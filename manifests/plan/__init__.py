@@ -8,7 +8,9 @@ rank and reads it whole or one rank at a time; :mod:`~manifests.plan.meta` is ``
 objects (:class:`PlanMeta`, read by :func:`read_plan_meta`); :mod:`~manifests.plan.write` writes plans
 (all epochs or a window, extended later); :mod:`~manifests.plan.read` reads their rows
 (``read_plan_rows``, the one reader); :mod:`~manifests.plan.resume` re-cuts a plan for an elastic
-resume; :mod:`~manifests.plan.check` re-verifies every invariant of a committed plan.
+resume; :mod:`~manifests.plan.check` re-verifies every invariant of a committed plan;
+:mod:`~manifests.plan.selection` records and re-checks a selection (``--where``, ``--weight-by``: the samples
+themselves are chosen by :mod:`manifests.select`).
 """
 
 from manifests.plan.meta import (

@@ -6,7 +6,8 @@ rows; every rank has the same steps in every epoch, numbered in order; all ranks
 same bucket; every batch has the bucket's batch size (exactly B in fixed mode); steps per epoch are
 a multiple of grad_accum; the samples of each epoch are the ones the plan counts
 (:mod:`manifests.plan.check_samples`: one manifest, or a mixture's rule); the manifests (and caches)
-given are the ones recorded; the files hash to what ``_plan.json`` records; and (fresh plans)
+given are the ones recorded; no planned sample is one the plan's selection (``--where``) excludes, re-evaluated
+(:mod:`manifests.plan.selection`); the files hash to what ``_plan.json`` records; and (fresh plans)
 re-planning from the inputs gives the same bytes. Files are read through
 :func:`manifests.plan.read.read_plan_rows`, one epoch at a time; a missing or malformed one is
 reported, not raised. A one-manifest plan is checked as a mixture of one: the same call, lists of one.
@@ -26,6 +27,7 @@ from manifests.plan.meta import PLAN_FILE, EpochEntry, PlanError, PlanMeta, read
 from manifests.plan.mix import DatasetSamples, MixedSamples, PlanSamples, caption_counts, mix_samples, schedule_epoch
 from manifests.plan.parts import EpochFile, encode_epoch
 from manifests.plan.read import read_plan_rows
+from manifests.plan.selection import excluded_problems, selected_rows
 from manifests.plan.schedule import BucketedSamples, cached_mask, group_samples
 from manifests.progress import Progress
 from manifests.storage import redact
@@ -89,19 +91,22 @@ def _plan_level(meta: PlanMeta) -> list[str]:
     return problems
 
 
-def _filtered(manifest: Any, available_ids: np.ndarray | None) -> DatasetSamples:
-    """A manifest's samples, only those in ``available_ids`` (a cache's good records) when given."""
+def _filtered(manifest: Any, available_ids: np.ndarray | None, selection: Any = None) -> DatasetSamples:
+    """A manifest's samples, only those in ``available_ids`` (a cache's good records) when given, and only those
+    ``selection`` keeps (with its weights) when given."""
     ids, buckets = manifest.samples.column("sample_id").to_numpy(), manifest.samples.column("bucket")
     counts = caption_counts(manifest.samples)
+    keep, weights = selected_rows(selection, len(ids))
     if available_ids is not None:
-        keep = cached_mask(ids, available_ids)
-        ids, buckets = ids[keep], buckets.filter(pa.array(keep))
-        counts = None if counts is None else counts[keep]
-    return DatasetSamples(ids, buckets, counts, redact(manifest.url))
+        keep = keep & cached_mask(ids, available_ids)
+    ids, buckets = ids[keep], buckets.filter(pa.array(keep))
+    counts = None if counts is None else counts[keep]
+    return DatasetSamples(ids, buckets, counts, redact(manifest.url),
+                          weights=None if weights is None else weights[keep])
 
 
-def _one_manifest(meta: PlanMeta, manifest: Any, available_ids: np.ndarray | None,
-                  cache_fingerprint: str | None) -> tuple[list[str], BucketedSamples | None, bool]:  # fmt: skip
+def _one_manifest(meta: PlanMeta, manifest: Any, available_ids: np.ndarray | None, cache_fingerprint: str | None,
+                  selection: Any) -> tuple[list[str], BucketedSamples | None, bool]:  # fmt: skip
     """Fingerprint problems, the manifest's samples now (None when it changed), and whether they must be exactly
     the planned ones (else: membership only, a plan made with --cache checked without it)."""
     inputs, problems = meta.inputs, []
@@ -120,7 +125,7 @@ def _one_manifest(meta: PlanMeta, manifest: Any, available_ids: np.ndarray | Non
         available_ids = None
     if manifest is None:
         return problems, None, False
-    mine = _filtered(manifest, available_ids)
+    mine = _filtered(manifest, available_ids, selection)
     samples = group_samples(mine.ids, mine.buckets, source=mine.source)
     # a plan made with --cache checked without it: membership only (the manifest is a superset)
     exact = inputs.cache_fingerprint is None or available_ids is not None
@@ -132,7 +137,8 @@ def _one_manifest(meta: PlanMeta, manifest: Any, available_ids: np.ndarray | Non
 
 
 def _mixture(meta: PlanMeta, manifests: Sequence[Any], available_ids: Sequence[np.ndarray | None],
-             cache_fingerprints: Sequence[str | None]) -> tuple[list[str], MixedSamples | None]:  # fmt: skip
+             cache_fingerprints: Sequence[str | None],
+             selections: Sequence[Any]) -> tuple[list[str], MixedSamples | None]:  # fmt: skip
     """Fingerprint problems, and the mixture re-made from the manifests (None when they are not all given/valid)."""
     mix_in = meta.inputs.mix
     assert mix_in is not None
@@ -153,7 +159,7 @@ def _mixture(meta: PlanMeta, manifests: Sequence[Any], available_ids: Sequence[n
         return problems, None
     if any(want is not None and ids is None for ids, want in zip(available_ids, mix_in.cache_fingerprints)):
         return problems, None  # made with caches, checked without: no exact re-count
-    mix = mix_samples([_filtered(m, ids) for m, ids in zip(manifests, available_ids)], mix_in.rule)
+    mix = mix_samples([_filtered(m, ids, s) for m, ids, s in zip(manifests, available_ids, selections)], mix_in.rule)
     if dict(zip(mix.names, mix.counts.tolist())) != {n: b.samples for n, b in meta.buckets.items()}:
         problems.append("the sample slots per bucket the rule gives for the manifests (and caches) now differ from "
                         "the planned ones: re-run `bucketeer plan`")  # fmt: skip
@@ -169,14 +175,16 @@ def check_plan(
     available_ids: Sequence[np.ndarray | None] = (),
     cache_fingerprints: Sequence[str | None] = (),
     progress: bool = False,
+    selections: Sequence[Any] = (),
 ) -> list[str]:
     """Every violated invariant of the plan at ``url``, one line each (empty when the plan is sound).
 
     ``manifests`` (:class:`manifests.manifest.Manifest`, one per dataset in the plan's order: one for a
     one-manifest plan) add the fingerprint, membership and re-planning checks; ``available_ids`` (per
     manifest: the sample ids with a good record in its cache, or None) and ``cache_fingerprints`` (per
-    manifest, None for no cache) those of the caches the plan used. ``progress``: report epochs checked
-    (on stderr). Raises PlanError when ``url`` is not a readable plan, or for several manifests given for
+    manifest, None for no cache) those of the caches the plan used; ``selections`` (per manifest, the plan's
+    selection evaluated again: :class:`manifests.select.Selection`) the selection checks. ``progress``: report
+    epochs checked (on stderr). Raises PlanError when ``url`` is not a readable plan, or for several manifests given for
     a one-manifest plan.
     """
     meta = read_plan_meta(url, storage_options)
@@ -185,15 +193,18 @@ def check_plan(
         raise PlanError(f"{redact(url)} is a one-manifest plan: check it against its one MANIFEST")
     available = list(available_ids) or [None] * sets
     cache_fps = list(cache_fingerprints) or [None] * sets
+    chosen = list(selections) or [None] * sets
+    excluded = [None if s is None else s.excluded_ids() for s in chosen]
     problems = _plan_level(meta)
     index = None
     samples: PlanSamples | None
     if meta.inputs.mix is None:
-        found, samples, exact = _one_manifest(meta, manifests[0] if manifests else None, available[0], cache_fps[0])
+        found, samples, exact = _one_manifest(meta, manifests[0] if manifests else None, available[0], cache_fps[0],
+                                              chosen[0])  # fmt: skip
         index = None if samples is None else manifest_index(samples, sorted(meta.buckets))
         samples = samples if exact else None  # re-planning needs exactly the planned samples
     else:
-        found, samples = _mixture(meta, manifests, available, cache_fps)
+        found, samples = _mixture(meta, manifests, available, cache_fps, chosen)
     problems += found
     replan = samples is not None and meta.resumed_from is None
     batch_sizes = {n: b.batch_size for n, b in meta.buckets.items()}
@@ -212,6 +223,7 @@ def check_plan(
             problems += check_one_manifest_epoch(epoch, entry, tables, meta, index)
         else:
             problems += check_mixture_epoch(epoch, entry, tables, meta, samples)  # type: ignore[arg-type]
+        problems += excluded_problems(epoch, tables, excluded)
         if rows.sha256[epoch] != entry.sha256:
             problems.append(f"epoch {epoch}: the file does not hash to the sha256 in {PLAN_FILE} (edited after "
                             "planning)")  # fmt: skip

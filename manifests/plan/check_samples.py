@@ -7,7 +7,8 @@ manifest, in the bucket the row names. A mixture: each sample's dataset index na
 plan's datasets; in a whole epoch each bucket holds exactly its slots per epoch minus its dropped
 plus its padded, and each dataset exactly the slots ``_plan.json`` records for it; with ``--leftover
 drop`` no ``(dataset, sample id)`` appears more often than the counting rule allows
-(``ceil(k_{d,b} / n_{d,b})``); with the manifests given, each ``(dataset, id)`` is a sample of that
+(``ceil(k_{d,b} / n_{d,b})``; with ``--weight-by``, ``ceil(x_i)`` of each sample's expected draws, checked
+when the manifests are given); with the manifests given, each ``(dataset, id)`` is a sample of that
 dataset's manifest (and cache), in the bucket the row names, with the caption index the caption
 choice gives. All vectorised: one epoch's rows in memory.
 """
@@ -19,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from manifests.plan.meta import PLAN_FILE, EpochEntry, PlanMeta
-from manifests.plan.mix import MixedSamples, caption_choice
+from manifests.plan.mix import MixedSamples, caption_choice, draw_limits
 from manifests.plan.schedule import BucketedSamples
 
 __all__ = ["bucket_codes", "manifest_index", "check_one_manifest_epoch", "check_mixture_epoch"]
@@ -115,7 +116,10 @@ def check_mixture_epoch(epoch: int, entry: EpochEntry, tables: list[pa.Table], m
         if per_set != list(entry.datasets or ()):
             problems.append(f"epoch {epoch}: sample slots per dataset {per_set} != {_listed(entry.datasets)} in "
                             f"{PLAN_FILE}")  # fmt: skip
-    if meta.inputs.leftover == "drop":  # a (dataset, id) at most ceil(k_{d,b} / n_{d,b}) times
+    weighted = meta.inputs.selection is not None and meta.inputs.selection.weight_by is not None
+    if weighted and mix is not None and mix.weights is not None:
+        problems += _weighted_limits(epoch, ids, datasets, mix)
+    if meta.inputs.leftover == "drop" and not weighted:  # a (dataset, id) at most ceil(k_{d,b} / n_{d,b}) times
         order = np.lexsort((ids, datasets))
         key_d, key_i, key_b = datasets[order], ids[order], codes[order]
         new = np.concatenate([[True], (key_d[1:] != key_d[:-1]) | (key_i[1:] != key_i[:-1])])
@@ -135,6 +139,25 @@ def check_mixture_epoch(epoch: int, entry: EpochEntry, tables: list[pa.Table], m
     if mix is not None:
         problems += _check_members(epoch, ids, datasets, codes, tables, meta, mix)
     return problems
+
+
+def _weighted_limits(epoch: int, ids: np.ndarray, datasets: np.ndarray, mix: MixedSamples) -> list[str]:
+    """A weighted sample drawn more than ``ceil(x_i)`` times (its expected draws, rounded up) in one epoch."""
+    limits = draw_limits(mix)  # (n,) in the mixture's order
+    over = 0
+    for d in np.unique(datasets):  # a loop over datasets
+        mine = mix.datasets == d
+        order = np.argsort(mix.ids[mine])
+        known_ids, limit = mix.ids[mine][order], limits[mine][order]
+        drawn, times = np.unique(ids[datasets == d], return_counts=True)
+        if not len(known_ids):
+            continue
+        pos = np.clip(np.searchsorted(known_ids, drawn), 0, len(known_ids) - 1)
+        over += int(((known_ids[pos] == drawn) & (times > limit[pos])).sum())
+    if not over:
+        return []
+    return [f"epoch {epoch}: {over} weighted samples are drawn more often than ceil(their expected draws) "
+            "(a sample repeated that its --weight-by does not give)"]
 
 
 def _listed(values: tuple[int, ...] | None) -> list[int] | None:

@@ -37,6 +37,10 @@ __all__ = [
     "MixSummary",
     "MixDataset",
     "MixBucket",
+    "SelectionInputs",
+    "SelectionSummary",
+    "SelectionAnnotations",
+    "SelectionCount",
     "read_plan_meta",
 ]
 
@@ -78,6 +82,16 @@ class MixInputs(_PlanRecord):
 
 
 @dataclass(frozen=True, kw_only=True)
+class SelectionInputs(_PlanRecord):
+    """``inputs.selection``: the ``--where`` / ``--weight-by`` expressions (None when not given) and the
+    fingerprints of the annotations folders they read, in the ``--annotations`` order (:mod:`manifests.select`)."""
+
+    where: str | None
+    weight_by: str | None
+    annotations_fingerprints: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
 class PlanInputs(_PlanRecord):
     """``inputs``: what the plan is a pure function of (:class:`PlanConfig` and the data's fingerprints)."""
 
@@ -93,12 +107,13 @@ class PlanInputs(_PlanRecord):
     manifest_fingerprint: str | None
     cache_fingerprint: str | None
     mix: MixInputs | None = optional(MixInputs.from_json)
+    selection: SelectionInputs | None = optional(SelectionInputs.from_json)
 
     @classmethod
     def of(cls, config: PlanConfig, manifest_fingerprint: str | None, cache_fingerprint: str | None,
-           mix: MixInputs | None = None) -> "PlanInputs":  # fmt: skip
+           mix: MixInputs | None = None, selection: SelectionInputs | None = None) -> "PlanInputs":  # fmt: skip
         return cls(**config.to_json(), manifest_fingerprint=manifest_fingerprint,
-                   cache_fingerprint=cache_fingerprint, mix=mix)  # fmt: skip
+                   cache_fingerprint=cache_fingerprint, mix=mix, selection=selection)  # fmt: skip
 
     @property
     def config(self) -> PlanConfig:
@@ -215,6 +230,35 @@ class MixSummary(_PlanRecord):
 
 
 @dataclass(frozen=True, kw_only=True)
+class SelectionAnnotations(_PlanRecord):
+    """``selection.annotations[i]``: an annotations folder the selection read (URL redacted)."""
+
+    url: str
+    fingerprint: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class SelectionCount(_PlanRecord):
+    """Samples the selection kept and dropped (of a manifest, or of a bucket over every manifest)."""
+
+    kept: int
+    dropped: int
+    manifest: str | None = optional()
+
+
+@dataclass(frozen=True, kw_only=True)
+class SelectionSummary(_PlanRecord):
+    """``selection``: what ``--where`` / ``--weight-by`` kept of the manifests' samples (before the cache
+    filter), per manifest in order and per bucket, and the annotations they read."""
+
+    where: str | None
+    weight_by: str | None
+    annotations: tuple[SelectionAnnotations, ...] = nested(each(SelectionAnnotations.from_json))
+    datasets: tuple[SelectionCount, ...] = nested(each(SelectionCount.from_json))
+    buckets: dict[str, SelectionCount] = nested(each_value(SelectionCount.from_json))
+
+
+@dataclass(frozen=True, kw_only=True)
 class PlanMeta(_PlanRecord):
     """``_plan.json`` of a committed plan. ``to_json()`` is the file's dict exactly."""
 
@@ -232,6 +276,7 @@ class PlanMeta(_PlanRecord):
     resumed_from: ResumedFrom | None = nested(ResumedFrom.from_json, default=None)
     columns: tuple[str, ...] | None = optional()  # a mixture's extra plan columns
     mix: MixSummary | None = optional(MixSummary.from_json)
+    selection: SelectionSummary | None = optional(SelectionSummary.from_json)
     epochs: tuple[EpochEntry, ...] = nested(each(EpochEntry.from_json))
     counts: PlanCounts | None = nested(PlanCounts.from_json)
     tokens_per_step: TokensPerStep | None = optional(TokensPerStep.from_json)

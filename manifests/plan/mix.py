@@ -28,6 +28,15 @@ bucket is shared by all datasets (a global batch may hold samples of several), a
    a bucket's leftover is dropped (or padded) as there; ``_plan.json`` records per epoch the slots
    each dataset trains on after that.
 
+**Per-sample weights** (``--weight-by``, :mod:`manifests.select`): a dataset's weights ``w_i >= 0`` replace
+its bucket sizes in step 2 (``k_d`` is spread over buckets in proportion to their total weight ``W_{d,b}``),
+and step 3 becomes: each epoch, sample ``i`` of a stratum of ``k`` slots is drawn ``floor(x_i)`` or
+``ceil(x_i)`` times with ``x_i = k * w_i / W_{d,b}`` and probability ``frac(x_i)`` of the ceiling
+(systematic sampling over the fractional parts, in an order shuffled anew each epoch, seeded by
+``(seed, epoch)``): exactly ``k`` slots per stratum per epoch, and in expectation exactly ``x_i`` draws of
+each sample. A weight of 0 is never drawn; repeats of a sample are slots like any other (counted in the
+per-bucket and per-dataset slots of ``_plan.json``), not padding.
+
 **Caption choice**: when a manifest has a ``captions`` list column, each slot's ``caption_index`` is
 ``floor(u * len(captions))`` (0 for a sample with one caption) with ``u`` uniform, a pure function of
 ``(seed, epoch, dataset, sample id)`` (:func:`manifests.draws.uniforms`): the same in every rank and
@@ -55,7 +64,7 @@ from manifests.plan.schedule import BucketedSamples, EpochSchedule, PlanConfig, 
 
 __all__ = ["MIX_RULES", "RULE_HELP", "MixRule", "DatasetSamples", "MixedSamples", "PlanSamples", "plan_samples",
            "schedule_epoch", "mix_samples", "mix_epoch", "caption_choice", "largest_remainder", "combined_fingerprint",
-           "caption_counts"]
+           "caption_counts", "weighted_counts", "draw_limits"]
 
 MIX_RULES = ("weights", "repeats")
 # the counting rule in a few lines: `bucketeer plan --help` shows it (the module docstring has the details)
@@ -139,6 +148,7 @@ class DatasetSamples:
     sample, None when the manifest has no caption lists; ``source``: the name errors give. Recorded in
     ``_plan.json``: the manifest's and cache's fingerprints, their URLs (redacted), and the samples left out
     for the cache (``not_in_cache``: no record; ``stale``: a record of an older version of the row).
+    ``weights``: (n,) float64 per-sample draw weights (``--weight-by``), None for none.
     """
 
     ids: np.ndarray
@@ -151,6 +161,7 @@ class DatasetSamples:
     cache: str | None = None
     not_in_cache: int = 0
     stale: int = 0
+    weights: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -158,7 +169,8 @@ class MixedSamples:
     """Every dataset's samples, by bucket, then dataset, then id (the global index order).
 
     ``ids`` / ``datasets`` / ``caption_counts``: (n,) per sample; ``strata``: (k, D) int64 samples
-    per (bucket, dataset); ``slots``: (k, D) int64 slots per epoch ``k_{d,b}``; ``per_epoch``: (D,).
+    per (bucket, dataset); ``slots``: (k, D) int64 slots per epoch ``k_{d,b}``; ``per_epoch``: (D,);
+    ``weights``: (n,) float64 per-sample draw weights, None when no dataset has any.
     """
 
     names: tuple[str, ...]
@@ -169,6 +181,7 @@ class MixedSamples:
     slots: np.ndarray
     per_epoch: np.ndarray
     rule: MixRule
+    weights: np.ndarray | None = None
 
     @property
     def counts(self) -> np.ndarray:
@@ -188,17 +201,18 @@ def mix_samples(datasets: Sequence[DatasetSamples], rule: MixRule) -> MixedSampl
         raise UsageError(f"a plan mixes 1 to {MAX_DATASETS} manifests, got {len(datasets)}")
     grouped: list[BucketedSamples] = []
     counts: list[np.ndarray | None] = []
+    weights: list[np.ndarray | None] = []
     for d in datasets:
         g = group_samples(d.ids, d.buckets, source=d.source)
         if not len(g.ids):
-            raise UsageError(f"{d.source}: no sample to plan (empty manifest, or none of its samples is in the cache)")
+            raise UsageError(f"{d.source}: no sample to plan (empty manifest, none of its samples is in the cache, "
+                             "or --where keeps none)")  # fmt: skip
         grouped.append(g)
+        weights.append(None if d.weights is None else _in_group_order(d.ids, d.weights.astype(np.float64), g))
         if d.caption_counts is None:
             counts.append(None)
             continue
-        order = np.argsort(np.asarray(d.ids, np.uint64))
-        sorted_ids = np.asarray(d.ids, np.uint64)[order]
-        c = np.asarray(d.caption_counts, np.int64)[order][np.searchsorted(sorted_ids, g.ids)]
+        c = _in_group_order(d.ids, np.asarray(d.caption_counts, np.int64), g)
         if c.max(initial=1) > MAX_CAPTIONS:
             raise UsageError(f"{d.source}: a sample has {int(c.max())} captions; a plan chooses among at most "
                              f"{MAX_CAPTIONS}")  # fmt: skip
@@ -214,9 +228,15 @@ def mix_samples(datasets: Sequence[DatasetSamples], rule: MixRule) -> MixedSampl
         d = int(zero[0])
         raise UsageError(f"{datasets[d].source}: --{rule.kind} {rule.values[d]} of {int(sizes[d])} samples gives "
                          f"0 samples per epoch; raise its --{rule.kind}")  # fmt: skip
-    slots = np.stack([largest_remainder(int(per_epoch[d]), strata[:, d], int(sizes[d]))
+    weighted = any(w is not None for w in weights)
+    mass = _stratum_weights(grouped, weights, names, strata) if weighted else None  # (k, D) float64
+    for d in range(len(grouped)):
+        if mass is not None and not mass[:, d].sum() > 0:
+            raise UsageError(f"{datasets[d].source}: every kept sample has --weight-by 0; nothing to draw")
+    slots = np.stack([largest_remainder(int(per_epoch[d]), strata[:, d], int(sizes[d])) if mass is None else
+                      largest_remainder(int(per_epoch[d]), [Fraction(float(x)) for x in mass[:, d]])
                       for d in range(len(grouped))], axis=1)  # fmt: skip
-    ids, dsets, caps = [], [], []
+    ids, dsets, caps, ws = [], [], [], []
     with_captions = any(c is not None for c in counts)
     for b, name in enumerate(names):  # a loop over buckets x datasets (hundreds), never over samples
         for d, g in enumerate(grouped):
@@ -228,9 +248,69 @@ def mix_samples(datasets: Sequence[DatasetSamples], rule: MixRule) -> MixedSampl
             dsets.append(np.full(int(g.counts[i]), d, np.uint8))
             if with_captions:
                 caps.append(counts[d][part] if counts[d] is not None else np.ones(int(g.counts[i]), np.int64))
+            if weighted:
+                ws.append(weights[d][part] if weights[d] is not None else np.ones(int(g.counts[i]), np.float64))
     return MixedSamples(names=names, ids=np.concatenate(ids), datasets=np.concatenate(dsets),
                         caption_counts=np.concatenate(caps).astype(np.int64) if with_captions else None,
-                        strata=strata, slots=slots, per_epoch=per_epoch, rule=rule)  # fmt: skip
+                        strata=strata, slots=slots, per_epoch=per_epoch, rule=rule,
+                        weights=np.concatenate(ws) if weighted else None)  # fmt: skip
+
+
+def _in_group_order(ids: np.ndarray, values: np.ndarray, g: BucketedSamples) -> np.ndarray:
+    """``values`` (one per id of ``ids``) in the order of ``g.ids`` (grouped by bucket, then id)."""
+    order = np.argsort(np.asarray(ids, np.uint64))
+    return values[order][np.searchsorted(np.asarray(ids, np.uint64)[order], g.ids)]
+
+
+def _stratum_weights(grouped: Sequence[BucketedSamples], weights: Sequence[np.ndarray | None],
+                     names: tuple[str, ...], strata: np.ndarray) -> np.ndarray:  # fmt: skip
+    """(k, D) float64 total weight of each (bucket, dataset); a dataset without weights weighs 1 per sample."""
+    mass = strata.astype(np.float64)
+    for d, (g, w) in enumerate(zip(grouped, weights)):
+        if w is not None:
+            sums = np.add.reduceat(w, g.starts) if len(w) else np.zeros(0)
+            mass[[names.index(n) for n in g.names], d] = np.where(g.counts > 0, sums, 0.0)
+    return mass
+
+
+def _expected(k: int, weights: np.ndarray) -> np.ndarray:
+    """(n,) float64 expected draws ``k * w_i / sum(w)`` of a stratum of ``k`` slots (0 for a zero total)."""
+    total = float(weights.sum())
+    return weights * (k / total) if total > 0 else np.zeros(len(weights))
+
+
+def weighted_counts(rng: np.random.Generator, k: int, weights: np.ndarray) -> np.ndarray:
+    """(n,) int64 draws of each sample of a stratum of ``k`` slots: ``floor(x_i)`` or ``ceil(x_i)`` with
+    ``x_i = k * w_i / sum(w)``, summing to ``k`` exactly, ``E = x_i`` (systematic sampling of the fractional
+    parts in an order shuffled by ``rng``)."""
+    x = _expected(k, weights)
+    counts = np.floor(x).astype(np.int64)
+    rest = k - int(counts.sum())  # >= 0: the floors never exceed sum(x) < k + 1
+    if rest <= 0:
+        return counts
+    frac = x - counts  # (n,) in [0, 1), summing to `rest` up to rounding
+    order = rng.permutation(len(x))
+    cum = np.cumsum(frac[order])
+    cum *= rest / cum[-1]
+    points = rng.random() + np.arange(rest)  # one point per unit of fractional mass
+    hits = np.unique(order[np.minimum(np.searchsorted(cum, points, side="right"), len(x) - 1)])
+    if len(hits) < rest:  # rounding put two points in one interval (a fraction within 1e-12 of 1): fill up
+        free = np.setdiff1d(np.flatnonzero(frac > 0), hits)
+        hits = np.concatenate([hits, free[np.argsort(-frac[free], kind="stable")][: rest - len(hits)]])
+    counts[hits] += 1
+    return counts
+
+
+def draw_limits(mix: MixedSamples) -> np.ndarray:
+    """(n,) int64 the most times each sample of a weighted mixture can be drawn in an epoch: ``ceil(x_i)``."""
+    assert mix.weights is not None
+    limits = np.zeros(len(mix.ids), np.int64)
+    starts = np.concatenate([[0], np.cumsum(mix.strata.reshape(-1))]).astype(np.int64)
+    for s, k in enumerate(mix.slots.reshape(-1).tolist()):
+        part = slice(int(starts[s]), int(starts[s + 1]))
+        x = _expected(k, mix.weights[part])
+        limits[part] = np.floor(x).astype(np.int64) + (x > np.floor(x))
+    return limits
 
 
 PlanSamples = BucketedSamples | MixedSamples
@@ -241,11 +321,11 @@ def plan_samples(datasets: Sequence[DatasetSamples], rule: MixRule | None = None
     (:func:`manifests.plan.schedule.plan_epoch`, the plans of before mixtures, byte for byte); anything else is
     a mixture, by ``rule`` (default: every sample once per epoch). Raises UsageError for no sample to plan, or
     a rule for another number of datasets (see also :func:`mix_samples`)."""
-    if rule is None and len(datasets) == 1 and datasets[0].caption_counts is None:
+    if rule is None and len(datasets) == 1 and datasets[0].caption_counts is None and datasets[0].weights is None:
         samples = group_samples(datasets[0].ids, datasets[0].buckets, source=datasets[0].source)
         if not len(samples.ids):
-            raise UsageError("nothing to train: no sample to plan (empty manifest, or none of its samples is in "
-                             "the cache)")  # fmt: skip
+            raise UsageError("nothing to train: no sample to plan (empty manifest, none of its samples is in "
+                             "the cache, or --where keeps none)")  # fmt: skip
         return samples
     rule = rule or MixRule("repeats", (Fraction(1),) * len(datasets))
     if len(rule.values) != len(datasets):
@@ -283,6 +363,10 @@ def mix_epoch(mix: MixedSamples, config: PlanConfig, epoch: int) -> EpochSchedul
     pieces = []
     for s, (n, k) in enumerate(zip(mix.strata.reshape(-1).tolist(), mix.slots.reshape(-1).tolist())):
         if not k:
+            continue
+        if mix.weights is not None:  # per-sample weights: floor or ceil of the expected draws
+            counts = weighted_counts(rng, k, mix.weights[int(starts[s]) : int(starts[s]) + n])
+            pieces.append(starts[s] + np.repeat(np.arange(n, dtype=np.int64), counts))
             continue
         full, rest = divmod(k, n)
         local = [np.tile(np.arange(n, dtype=np.int64), full)] if full else []

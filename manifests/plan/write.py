@@ -48,6 +48,8 @@ from manifests.plan.meta import (
     PlanInputs,
     PlanMeta,
     PlanSamplesCount,
+    SelectionInputs,
+    SelectionSummary,
     TokensPerStep,
     read_plan_meta,
 )
@@ -212,6 +214,7 @@ def write_plan(
     storage_options: Mapping[str, Any] | None = None,
     window: int | None = None,
     progress: bool = False,
+    selection: tuple[SelectionInputs, SelectionSummary] | None = None,
 ) -> PlanMeta:
     """Plan ``datasets`` (one per manifest; a mixture by ``rule`` when there are several, see
     :func:`manifests.plan.mix.plan_samples`) and commit the plan at ``url``; returns its ``_plan.json``.
@@ -219,7 +222,8 @@ def write_plan(
     ``window``: write only epochs ``0..window-1`` of ``config.epochs`` (default: all); the rest
     later with :func:`extend_plan`. Files are written epoch by epoch (memory: two epochs),
     ``_plan.json`` last. The datasets' URLs are recorded redacted, outside the fingerprint.
-    ``progress``: report epochs written (on stderr). Raises UsageError for bad inputs (see
+    ``progress``: report epochs written (on stderr). ``selection``: the records of the ``--where`` /
+    ``--weight-by`` that made ``datasets`` (:mod:`manifests.plan.selection`). Raises UsageError for bad inputs (see
     :class:`PlanConfig`, :func:`plan_samples`, :func:`plan_epoch`) before anything is written.
     """
     samples = plan_samples(datasets, rule)
@@ -237,7 +241,8 @@ def write_plan(
     meta = PlanMeta(
         kind=PLAN_KIND, format_version=PLAN_FORMAT_VERSION, tool_version=__version__,
         mode="packing" if config.packing else "fixed",
-        inputs=PlanInputs.of(config, manifest_fp, cache_fp, mix_inputs), sources=sources,
+        inputs=PlanInputs.of(config, manifest_fp, cache_fp, mix_inputs, selection[0] if selection else None),
+        sources=sources, selection=selection[1] if selection else None,
         layout=epoch_part(0).replace("00000", "{epoch:05d}") + ", one row group per rank",
         buckets={n: BucketInfo(samples=int(c), batch_size=int(b), latent_tokens=int(t))
                  for n, c, b, t in zip(samples.names, samples.counts, per_rank, tokens)},
@@ -296,6 +301,7 @@ def extend_plan(
     window: int | None = None,
     storage_options: Mapping[str, Any] | None = None,
     progress: bool = False,
+    selection: SelectionInputs | None = None,
 ) -> PlanMeta:
     """Write more epochs of the plan at ``url`` (made with ``window``) and commit; returns ``_plan.json``.
 
@@ -303,7 +309,7 @@ def extend_plan(
     ``datasets`` must be the ones the plan was made from (same manifest and cache fingerprints, same
     samples per bucket); a mixture's rule is the one it recorded. The plan stays valid while this runs:
     new files are written first, the new ``_plan.json`` last. Raises PlanError for a plan that cannot be
-    extended or other inputs.
+    extended or other inputs (``selection``: the selection's inputs now, which must be the recorded ones).
     """
     meta = read_plan_meta(url, storage_options)
     inputs = meta.inputs
@@ -322,6 +328,9 @@ def extend_plan(
     if inputs.cache_fingerprint != cache_fingerprint:
         raise PlanError(f"{where} was made with --cache of fingerprint {inputs.cache_fingerprint}, not "
                         f"{cache_fingerprint}: pass the same --cache as when it was made")  # fmt: skip
+    if inputs.selection != selection:
+        raise PlanError(f"{where} was made with selection {_shown(inputs.selection)}, not {_shown(selection)}: "
+                        "extend it with the --annotations it was made with (the --where is the plan's)")  # fmt: skip
     if dict(zip(samples.names, samples.counts.tolist())) != {n: b.samples for n, b in meta.buckets.items()}:
         raise PlanError(f"{where}: the samples per bucket differ from the ones planned (the cache changed since?); "
                         "re-run `bucketeer plan` without --extend")  # fmt: skip
@@ -337,3 +346,7 @@ def extend_plan(
     assert new.fingerprint == meta.fingerprint, "extending keeps the plan's identity"
     commit_plan(fs, root, new)
     return new
+
+
+def _shown(selection: SelectionInputs | None) -> str:
+    return "none" if selection is None else json.dumps(selection.to_json(), sort_keys=True)

@@ -8,6 +8,8 @@
     bucketeer plan --resume PLAN --at 3:1200 --world-size 4 --out PLAN2   # elastic resume
     bucketeer plan M1 M2 M3 --out PLAN --weights 0.6,0.3,0.1 --cache C1,C2,C3 --world-size 8 --batch-size 4
     bucketeer plan M1 M2 --out PLAN --repeats 1,2.5 ...       # a mixture: see manifests/plan/mix.py
+    bucketeer plan MANIFEST --out PLAN --annotations SCORES,DUPS --where "aesthetic > 5.5 AND NOT duplicate"
+    bucketeer plan MANIFEST --out PLAN --annotations SCORES --weight-by aesthetic ...  # see manifests/select.py
 
 A mixture (several manifests, or ``--weights``/``--repeats``, or a manifest with caption lists)
 counts samples per epoch by this rule: ``--repeats r``: ``round(r * n)`` samples of a dataset of

@@ -5,6 +5,9 @@
     result = run(PlanJob(check="plan/", manifests=("manifest/",)))         # result.exit_code 1 on a violation
     result = run(PlanJob(manifests=("manifest/",), extend="plan/", epochs=20))
     result = run(PlanJob(resume="plan/", at=(3, 1200), world_size=4, out="plan2/"))
+    result = run(PlanJob(manifests=("manifest/",), out="plan/", world_size=8, batch_size=4,
+                         annotations=("scores/", "dups/"), where="aesthetic > 5 AND NOT duplicate",
+                         weight_by="aesthetic"))
 
 The planning is :mod:`manifests.plan`; this module loads the inputs, runs the mode and prints what the
 command prints.
@@ -23,7 +26,7 @@ from manifests.errors import UsageError
 from manifests.plan import PlanConfig, PlanMeta
 from manifests.plan.mix import MixRule
 from manifests.storage import redact
-from pipeline.plan.inputs import cache_inputs, load_datasets
+from pipeline.plan.inputs import cache_inputs, load_datasets, read_manifests
 from pipeline.plan.summary import print_summary
 
 __all__ = ["PlanJob", "PlanResult", "run"]
@@ -40,7 +43,9 @@ class PlanJob:
     ``extend`` (write more epochs of the plan there), ``resume`` (re-cut the plan there from ``at`` =
     (epoch, step) for ``world_size`` ranks into ``out``), else plan ``manifests`` into ``out``.
 
-    ``cache``: none, or one cache folder per manifest. Options left None take the plan's value
+    ``cache``: none, or one cache folder per manifest. ``annotations``, ``where``, ``weight_by``: the selection
+    (:mod:`manifests.select`); ``check`` and ``extend`` take the plan's, from the annotations given or else the
+    ones it recorded. Options left None take the plan's value
     (``extend``) or the defaults of :class:`manifests.plan.PlanConfig`. Raises UsageError naming the
     option for a missing or bad one.
     """
@@ -64,6 +69,9 @@ class PlanJob:
     extend: str | None = None
     resume: str | None = None
     at: tuple[int, int] | None = None
+    annotations: tuple[str, ...] = ()
+    where: str | None = None
+    weight_by: str | None = None
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     json: bool = False
     progress: bool = True
@@ -71,6 +79,13 @@ class PlanJob:
     def __post_init__(self) -> None:
         object.__setattr__(self, "manifests", tuple(self.manifests))
         object.__setattr__(self, "cache", tuple(self.cache))
+        object.__setattr__(self, "annotations", tuple(self.annotations))
+        if (self.check or self.extend or self.resume) and (self.where is not None or self.weight_by is not None):
+            raise UsageError("--where / --weight-by make a new plan; --check and --extend take the plan's "
+                             "(give its --annotations), --resume needs none")  # fmt: skip
+        if self.annotations and not (self.check or self.extend) and self.where is None and self.weight_by is None:
+            raise UsageError("--annotations is read by --where / --weight-by: give one of them (e.g. --where "
+                             "\"aesthetic > 5\")")  # fmt: skip
         if self.check:
             self.caches()
             return
@@ -173,6 +188,8 @@ def _check(job: PlanJob, start: float) -> PlanResult:
 
     options = job.storage_options
     manifests = [read_manifest(m, dict(options)) for m in job.manifests]
+    meta = read_plan_meta(job.check or "", options)
+    evaluation = _recorded_selection(job, meta, manifests) if manifests else None
     available, cache_fps = [], []
     for d, cache in enumerate(job.caches()):
         ids, cache_meta, _ = cache_inputs(cache, options, manifests[d] if manifests else None) if cache else (
@@ -180,7 +197,12 @@ def _check(job: PlanJob, start: float) -> PlanResult:
         available.append(ids)
         cache_fps.append(cache_meta.fingerprint if cache_meta else None)
     problems = check_plan(job.check, options, manifests=manifests, available_ids=available,  # type: ignore[arg-type]
-                          cache_fingerprints=cache_fps, progress=job.progress)  # fmt: skip
+                          cache_fingerprints=cache_fps, progress=job.progress,
+                          selections=evaluation.selections if evaluation else ())  # fmt: skip
+    if evaluation is not None:
+        from manifests.plan.selection import fingerprint_problems
+
+        problems = fingerprint_problems(meta, evaluation) + problems
     where = redact(job.check or "")
     for p in problems:
         print(f"violation: {redact(p)}")
@@ -205,7 +227,8 @@ def _extend(job: PlanJob) -> PlanMeta:
     from manifests.plan import extend_plan, read_plan_meta
 
     assert job.extend
-    inputs = read_plan_meta(job.extend, job.storage_options).inputs
+    plan_meta = read_plan_meta(job.extend, job.storage_options)
+    inputs = plan_meta.inputs
     for key, option in _INPUTS.items():
         given, planned = getattr(job, key), getattr(inputs, key)
         if given is not None and given != planned:
@@ -213,12 +236,17 @@ def _extend(job: PlanJob) -> PlanMeta:
                              f"epochs of {redact(job.extend)} as it was made; leave {option} out")  # fmt: skip
     if inputs.mix is not None and (job.weights or job.repeats):
         raise UsageError("--extend takes the mixture's --weights/--repeats from the plan; leave them out")
-    datasets = load_datasets(job.manifests, job.caches(), job.storage_options)
-    if inputs.mix is None and (job.rule() or len(datasets) > 1 or datasets[0].caption_counts is not None):
+    manifests = read_manifests(job.manifests, job.storage_options)
+    evaluation = _recorded_selection(job, plan_meta, manifests)
+    datasets = load_datasets(manifests, job.caches(), job.storage_options,
+                             evaluation.selections if evaluation else ())  # fmt: skip
+    if inputs.mix is None and (job.rule() or len(datasets) > 1 or datasets[0].caption_counts is not None or
+                               datasets[0].weights is not None):  # fmt: skip
         raise UsageError(f"{redact(job.extend)} is a one-manifest plan: extend it with its one manifest, "
                          "without --weights/--repeats")  # fmt: skip
     return extend_plan(job.extend, datasets, epochs=job.epochs, window=job.window,
-                       storage_options=job.storage_options, progress=job.progress)  # fmt: skip
+                       storage_options=job.storage_options, progress=job.progress,
+                       selection=_records(evaluation)[0] if evaluation else None)  # fmt: skip
 
 
 def _plan(job: PlanJob) -> PlanMeta:
@@ -226,6 +254,34 @@ def _plan(job: PlanJob) -> PlanMeta:
 
     assert job.out
     config = job.config()
-    datasets = load_datasets(job.manifests, job.caches(), job.storage_options)
+    manifests = read_manifests(job.manifests, job.storage_options)
+    evaluation = None
+    if job.where is not None or job.weight_by is not None:
+        from manifests.select import evaluate
+
+        evaluation = evaluate(manifests, job.annotations, job.where, job.weight_by, job.storage_options)
+    datasets = load_datasets(manifests, job.caches(), job.storage_options,
+                             evaluation.selections if evaluation else ())  # fmt: skip
     return write_plan(job.out, datasets, config, rule=job.rule(), storage_options=job.storage_options,
-                      window=job.window, progress=job.progress)  # fmt: skip
+                      window=job.window, progress=job.progress,
+                      selection=_records(evaluation) if evaluation else None)  # fmt: skip
+
+
+def _records(evaluation: Any) -> Any:
+    from manifests.plan.selection import selection_records
+
+    return selection_records(evaluation)
+
+
+def _recorded_selection(job: PlanJob, meta: PlanMeta, manifests: list[Any]) -> Any:
+    """The plan's selection evaluated again over ``manifests`` (None for a plan without one): its expressions,
+    over ``job.annotations`` or else the annotations folders it recorded."""
+    recorded = meta.inputs.selection
+    if recorded is None:
+        if job.annotations:
+            raise UsageError("the plan was made without --where / --weight-by: leave --annotations out")
+        return None
+    from manifests.select import evaluate
+
+    urls = job.annotations or (tuple(a.url for a in meta.selection.annotations) if meta.selection else ())
+    return evaluate(manifests, urls, recorded.where, recorded.weight_by, job.storage_options)

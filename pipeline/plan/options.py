@@ -49,6 +49,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--weights", default=None, metavar="W1,W2,...",
                    help="share of each manifest in an epoch of as many samples as all manifests hold "
                    "together (normalised; counts by largest remainder)")  # fmt: skip
+    s = parser.add_argument_group("selection (annotations)", description=(
+        "Keep the samples a SQL condition over the manifest's and the annotations' columns holds for (joined on "
+        "sample_id; a sample without an annotations row has NULL there, so a comparison drops it), and draw them "
+        "by weight. Recorded in _plan.json and re-checked by --check. See manifests/select.py."))
+    s.add_argument("--annotations", default=None, metavar="A[,B...]",
+                   help="annotations folders (bucketeer annotate, bucketeer dedup) whose columns --where and "
+                   "--weight-by read, comma-separated")
+    s.add_argument("--where", default=None, metavar="SQL",
+                   help="keep only samples for which this polars SQL condition is true, e.g. "
+                   "\"aesthetic > 5.5 AND NOT duplicate AND width >= 768\"")
+    s.add_argument("--weight-by", default=None, metavar="EXPR",
+                   help="draw each kept sample in proportion to this non-negative number (e.g. aesthetic): per "
+                   "epoch floor or ceil of its expected draws, exactly as many draws as samples kept")
     g = parser.add_argument_group("packing mode")
     g.add_argument(
         "--max-tokens",
@@ -97,6 +110,8 @@ def job_from_args(args: argparse.Namespace) -> PlanJob:
         weights=args.weights, max_tokens=args.max_tokens, latent_factor=args.latent_factor,
         patch_size=args.patch_size, check=args.check, extend=args.extend, resume=args.resume,
         at=_position(args.at) if args.resume and not (args.check or args.extend) else None,
+        annotations=tuple(a.strip() for a in args.annotations.split(",")) if args.annotations else (),
+        where=args.where, weight_by=args.weight_by,
         storage_options=parse_storage_options(args.storage_options), json=args.json,
     )  # fmt: skip
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from manifests.plan import PlanMeta
 
-__all__ = ["print_summary", "mix_lines"]
+__all__ = ["print_summary", "mix_lines", "selection_lines"]
 
 
 def print_summary(meta: PlanMeta) -> None:
@@ -31,6 +31,8 @@ def print_summary(meta: PlanMeta) -> None:
             f"note:     {samples.stale} samples changed (image bytes, caption or bucket) since they were "
             f"embedded; run `bucketeer embed {source} --out {cache}` to re-embed them, then plan again"
         )
+    for line in selection_lines(meta):
+        print(line)
     epochs = meta.epochs
     run = inputs.epochs
     for i, line in enumerate(mix_lines(meta)):
@@ -88,4 +90,19 @@ def mix_lines(meta: PlanMeta) -> list[str]:
     lines = [f"{len(meta.mix.datasets)} datasets ({meta.mix.rule})"]
     for d, line, per_bucket in mix_datasets(meta):
         lines += [f"  [{d}] {line}", f"      {per_bucket}"]
+    return lines
+
+
+def selection_lines(meta: PlanMeta) -> list[str]:
+    """The summary's lines of a plan's selection (``--where`` / ``--weight-by``); empty without one."""
+    sel = meta.selection
+    if sel is None:
+        return []
+    kept, dropped = sum(d.kept for d in sel.datasets), sum(d.dropped for d in sel.datasets)
+    lines = [f"select:   {kept} of {kept + dropped} samples kept ({dropped} dropped)"
+             + (f" where {sel.where}" if sel.where else "")
+             + (f"; drawn by weight {sel.weight_by}" if sel.weight_by else "")]  # fmt: skip
+    if len(sel.datasets) > 1:
+        lines += [f"  [{d}] {c.manifest}: {c.kept} kept, {c.dropped} dropped" for d, c in enumerate(sel.datasets)]
+    lines += [f"  annotations {a.url} ({a.fingerprint})" for a in sel.annotations]
     return lines

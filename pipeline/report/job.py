@@ -1,6 +1,7 @@
 """Write a self-contained HTML report with plots of a manifest, and optionally of a plan and a cache.
 
     bucketeer report MANIFEST [--plan PLAN] [--cache CACHE] [--annotations A[,B...]] --out report.html
+    bucketeer report MANIFEST --annotations SCORES,DUPS --where "aesthetic > 5" --out report.html  # kept/dropped
 
 The page works offline: CSS inline, figures embedded as PNG ``data:`` URIs, no script, no external
 URL. The same figures are written as PNG files to ``<out stem>_figures/`` next to the page; sample
@@ -55,6 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "settings and counts, thumbnails with original and generated captions, a histogram "
                              "of each score with its lowest and highest scored samples, and the largest "
                              "duplicate clusters")
+    parser.add_argument("--where", default=None, metavar="SQL",
+                        help="a selection (as bucketeer plan --where) over the manifest and --annotations: adds what "
+                        "it keeps and drops per bucket and thumbnails of dropped samples (a --plan made with "
+                        "--where shows its own)")
     parser.add_argument("--storage-options", default=None, help="fsspec options as JSON, e.g. an endpoint_url")
 
 
@@ -67,6 +72,7 @@ class ReportJob:
     plan: str | None = None
     cache: str | None = None
     annotations: tuple[str, ...] | str = ()  # annotations folders (a str: one folder)
+    where: str | None = None  # a selection to show (pipeline/report/selection.py)
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     progress: bool = True  # report sections built, on stderr
 
@@ -87,13 +93,14 @@ class ReportResult:
 def job_from_args(args: argparse.Namespace) -> ReportJob:
     return ReportJob(manifest=args.manifest, out=args.out, plan=args.plan, cache=args.cache,
                      annotations=tuple(u.strip() for u in (args.annotations or "").split(",") if u.strip()),
+                     where=args.where,
                      storage_options=parse_storage_options(args.storage_options))  # fmt: skip
 
 
 def run(job: ReportJob) -> ReportResult:
     started = time.perf_counter()
     paths = write_report(job.manifest, job.out, plan=job.plan, cache=job.cache, annotations=job.annotations,
-                         storage_options=dict(job.storage_options), progress=job.progress)  # fmt: skip
+                         where=job.where, storage_options=dict(job.storage_options), progress=job.progress)  # fmt: skip
     print(f"report: {redact(paths[0])}  ({len(paths) - 1} figures in {redact(paths[0].rsplit('.', 1)[0])}_figures/)")
     return ReportResult(paths[0], tuple(paths[1:]), round(time.perf_counter() - started, 3))
 
@@ -105,6 +112,7 @@ def write_report(
     plan: str | None = None,
     cache: str | None = None,
     annotations: str | Sequence[str] | None = None,
+    where: str | None = None,
     storage_options: dict[str, Any] | None = None,
     progress: bool = False,
 ) -> list[str]:
@@ -150,6 +158,12 @@ def write_report(
         for part in score_parts(annotations, manifest, plots, storage_options):
             sections.append(Section(part.title, part.rows, [Figure(*f) for f in part.figures], part.grids))
         reporter.update(1, last="scores")
+    if where or plan:
+        from pipeline.report.selection import selection_section
+
+        found = selection_section(manifest, storage_options, plan=plan, annotations=tuple(annotations), where=where)
+        if found is not None:
+            sections.append(Section(found[0], found[1], [Figure(*f) for f in found[2]]))
     reporter.close()
 
     fs, html_path = open_url(out, storage_options)
