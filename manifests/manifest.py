@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 
 from manifests import __version__
 from manifests.buckets import BucketSpec, assign_buckets, bucket_names
-from manifests.schema import ADDED_COLUMNS, ERRORS_SCHEMA, FORMAT_VERSION, MAX_PIXELS, SAMPLES_SCHEMA
+from manifests.schema import ADDED_COLUMNS, ERRORS_SCHEMA, FORMAT_VERSION, MASK_COLUMNS, MAX_PIXELS, SAMPLES_SCHEMA
 from manifests.manifest_meta import (
     MANIFEST_KIND,
     VERSION_HINT,
@@ -131,6 +131,12 @@ def _part_bytes(table: pa.Table) -> bytes:
     return buf.getvalue()
 
 
+def _without_null(table: pa.Table, columns: tuple[str, ...]) -> pa.Table:
+    """``table`` without those of ``columns`` (nullable, in ADDED_COLUMNS) that hold only nulls: readers take
+    an absent added column as nulls."""
+    return table.drop_columns([c for c in columns if table.column(c).null_count == table.num_rows])
+
+
 def _write_parts(fs, root: str, kind: str, table: pa.Table, rows_per_part: int) -> tuple[ManifestPart, ...]:
     parts: list[ManifestPart] = []
     for start in range(0, max(table.num_rows, 1), rows_per_part):
@@ -158,6 +164,7 @@ def write_manifest(
     storage_options: dict[str, Any] | None = None,
     rows_per_part: int = ROWS_PER_PART,
     conditioning: ManifestConditioning | None = None,
+    masks: str | None = None,
 ) -> ManifestMeta:
     """Commit a manifest at ``url``: parts first, ``_manifest.json`` last; returns its metadata.
 
@@ -166,13 +173,15 @@ def write_manifest(
     sample/error counts; ``summary`` holds the producing job's figures; ``max_pixels`` is the pixel
     limit the rows were judged by (recorded for embed, which decodes up to it). ``conditioning``
     (``scan --conditioning``): where the ``conditioning`` column's paths are relative to; recorded
-    only when given. Parts no longer referenced are deleted after the
-    commit. Raises ManifestError for duplicate sample ids or a ``max_pixels`` outside 1..MAX_PIXELS.
+    only when given; so is ``masks`` (``scan --masks``: the rows' ``mask`` column was filled). Parts no
+    longer referenced are deleted after the commit. Raises ManifestError for duplicate sample ids or a
+    ``max_pixels`` outside 1..MAX_PIXELS.
     """
     if not 1 <= max_pixels <= MAX_PIXELS:
         raise ManifestError(f"max_pixels must be 1..{MAX_PIXELS:,} (what Pillow decodes), got {max_pixels:,}")
-    samples = conform(samples, SAMPLES_SCHEMA).sort_by("filename")
-    errors = conform(errors, ERRORS_SCHEMA).sort_by("filename")
+    # the mask columns only when a row has a mask: a manifest without masks keeps its bytes and fingerprint
+    samples = _without_null(conform(samples, SAMPLES_SCHEMA).sort_by("filename"), MASK_COLUMNS)
+    errors = _without_null(conform(errors, ERRORS_SCHEMA).sort_by("filename"), MASK_COLUMNS)
     both = pa.concat_arrays([samples.column("sample_id").combine_chunks(), errors.column("sample_id").combine_chunks()])
     if len(np.unique(both.to_numpy())) != len(both):
         raise ManifestError("duplicate sample_id: a file is listed twice, or two paths hash alike")
@@ -200,6 +209,7 @@ def write_manifest(
         summary=summary or ScanSummary(),
         conditioning=None if conditioning is None else ManifestConditioning(
             root=redact(conditioning.root), column=conditioning.column),
+        masks=masks,
     )  # fmt: skip
     write_json_atomic(fs, join(root, MANIFEST_FILE), meta.to_json())
     _remove_unreferenced(fs, root, {p.path for p in parts.samples + parts.errors})

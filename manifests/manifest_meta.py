@@ -137,12 +137,17 @@ class ScanSummary(JsonRecord):
     conditioning_probed: int | None = optional()
     conditioning_errors: int | None = optional()
     conditioning_files: int | None = optional()
+    # scan --masks: samples whose mask is their alpha channel / a mask file, mask files not counted as samples
+    masks_alpha: int | None = optional()
+    masks_files: int | None = optional()
+    mask_files: int | None = optional()
     # tar shards and parquet files
     source_format: str | None = optional()  # webdataset | parquet
     image_column: str | None = optional()  # parquet: the column of image bytes (embed reads it)
     caption_column: str | None = optional()
     caption_field: str | None = optional()  # tar: the .json field captions came from
     shards: int | None = optional()
+    masks: str | None = optional()  # tar: the --masks the shards were read with (a change reads them again)
     shards_read: int | None = optional()
     images_read: int | None = optional()
     shard_bytes: int | None = optional()  # bytes of the containers read
@@ -187,6 +192,7 @@ class ManifestMeta(_ManifestRecord):
     parts: ManifestParts = nested(ManifestParts.from_json)
     summary: ScanSummary = nested(ScanSummary.from_json, default_factory=ScanSummary)
     conditioning: ManifestConditioning | None = optional(ManifestConditioning.from_json)  # scan --conditioning
+    masks: str | None = optional()  # scan --masks as given ("alpha", "files" or both): the `mask` column is filled
 
     @classmethod
     def from_json(cls, d: Any, url: str) -> ManifestMeta:  # type: ignore[override]

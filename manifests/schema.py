@@ -20,6 +20,9 @@ __all__ = [
     "ADDED_COLUMNS",
     "CONTAINER_COLUMNS",
     "CONDITIONING_COLUMNS",
+    "MASK_COLUMNS",
+    "MASK_ALPHA",
+    "MASK_INFIX",
     "LOCATION_COLUMNS",
     "MAX_PIXELS",
     "sample_id",
@@ -70,6 +73,24 @@ CONDITIONING_FIELDS = (
 )
 CONDITIONING_COLUMNS = tuple(f.name for f in CONDITIONING_FIELDS)
 
+# A loss mask (``scan --masks``), null without one: where the sample's mask is. ``"alpha"``: the image's
+# own alpha channel (its header declares one: RGBA, LA, a palette with transparency); otherwise the path
+# of a mask file beside the image, relative to the source root (``a/b.mask.png`` for ``a/b.jpg``:
+# :data:`MASK_INFIX`), or for a tar member the mask member beside it in the same shard
+# (``<shard>/<key>.mask.png``, as ``filename``) at bytes [mask_offset, mask_offset + mask_size) of
+# ``container``: one ranged read. Grey levels 0..255 (255 = inside, where the loss counts); embed stores it
+# at the latent grid (``SampleRecord.mask``). Mask files and members are never samples themselves.
+MASK_FIELDS = (
+    pa.field("mask", pa.string()),
+    pa.field("mask_offset", pa.int64()),  # tar: byte offset of the mask member's bytes in the shard
+    pa.field("mask_size", pa.int64()),  # bytes of the mask file or member when scanned
+    pa.field("mask_etag", pa.string()),  # a mask file's ETag / mtime: a changed mask re-embeds its sample
+    pa.field("mask_mtime", pa.float64()),
+)
+MASK_COLUMNS = tuple(f.name for f in MASK_FIELDS)
+MASK_ALPHA = "alpha"
+MASK_INFIX = ".mask"  # the mask of <stem>.<ext> is <stem>.mask.<any image extension>
+
 # what incremental rescans and audits need comes after the five contract columns
 SAMPLES_SCHEMA = pa.schema(
     [
@@ -90,6 +111,7 @@ SAMPLES_SCHEMA = pa.schema(
         pa.field("captions", pa.list_(pa.string())),
         *CONTAINER_FIELDS,
         *CONDITIONING_FIELDS,
+        *MASK_FIELDS,
     ]
 )
 
@@ -113,6 +135,7 @@ ERRORS_SCHEMA = pa.schema(
         pa.field("captions", pa.list_(pa.string())),
         *CONTAINER_FIELDS,
         *CONDITIONING_FIELDS,
+        *MASK_FIELDS,
     ]
 )
 
@@ -131,7 +154,7 @@ ERRORS_SCHEMA = pa.schema(
 #                                                       existed: unknown, read again on the next scan
 
 # nullable columns added after FORMAT_VERSION 1 shipped: parts written before lack them and read as nulls
-ADDED_COLUMNS = frozenset({"caption_source", "captions", *CONTAINER_COLUMNS, *CONDITIONING_COLUMNS})
+ADDED_COLUMNS = frozenset({"caption_source", "captions", *CONTAINER_COLUMNS, *CONDITIONING_COLUMNS, *MASK_COLUMNS})
 
 ERROR_KINDS = (
     "empty",  # zero bytes
@@ -150,6 +173,9 @@ ERROR_KINDS = (
     "conditioning_unusable",  # its header cannot be read (the message gives the kind: truncated, not_an_image, ...)
     "broken_link",  # a symbolic link (or a tar shard's link member) to nothing there
     "link_loop",  # a symbolic link that leads back to itself
+    "mask_missing",  # (embed) the sample's mask file is not there any more
+    "mask_mismatch",  # (embed) its mask's size (display orientation) differs from the image's
+    "mask_unusable",  # (embed) its mask cannot be decoded (the message gives the kind)
 )
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from manifests.errors import MissingError, UsageError
+from train.masks import MaskedLoss
 from train.shift import parse_shift
 
 __all__ = ["TrainConfig", "load_config", "default_config", "DEFAULT_CONFIG"]
@@ -26,7 +27,7 @@ WEIGHTING_SCHEMES = ("logit_normal", "uniform", "mode")
 MIXED_PRECISION = ("no", "bf16", "fp16")
 # keys whose default is None: their type when given
 OPTIONAL = {"grad_accum": int, "family": str, "pretrained": str, "ema_decay": float, "lora_alpha": float,
-            "lora_targets": list, "repa": dict}
+            "lora_targets": list, "repa": dict, "masked_loss": dict}
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,8 @@ class TrainConfig:
     validation_size: int = 0  # square image side in pixels; 0: the side of the cache's bucket area
     # REPA (train/repa.py): {weight: 0.5, depth: N, projector_dim: 2048}; the cache needs embed --features dinov2
     repa: dict | None = None
+    # loss masks (scan --masks): {weight_outside: 0.0} weights each pixel's loss by its sample's mask (train/masks.py)
+    masked_loss: dict | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -119,6 +122,7 @@ class TrainConfig:
             from train.repa import RepaConfig
 
             RepaConfig.from_json(self.repa)  # UsageError naming the key
+        MaskedLoss.from_config(self.masked_loss)  # raises UsageError naming a bad key
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

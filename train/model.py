@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from manifests.errors import UsageError
+from train.masks import masked_mse
 
 __all__ = ["build_model", "model_arguments", "step_generator", "flow_matching_loss", "flow_sample", "ddpm_sample",
            "FlowSample", "to_weight_dtype"]
@@ -168,8 +169,10 @@ def flow_matching_loss(
     logit_std: float = 1.0,
     mode_scale: float = 1.29,
     shift: float = 1.0,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Mean squared error between predicted and true velocity, a scalar (the from-scratch PixArt model).
+    """Mean squared error between predicted and true velocity, a scalar (the from-scratch PixArt model);
+    ``mask``: per-pixel loss weights (B, 1, h, w) normalised per sample (:func:`train.masks.masked_mse`).
 
     ``latents``: (B, C, h, w), already scaled by the VAE's scaling factor. ``added_cond``: PixArt's
     ``resolution`` (B, 2) and ``aspect_ratio`` (B, 1), ignored by a model without micro-conditioning.
@@ -189,4 +192,4 @@ def flow_matching_loss(
         added_cond_kwargs=added_cond,
         return_dict=False,
     )[0]
-    return (draw.weight * (pred.float() - draw.target.float()) ** 2).mean()
+    return masked_mse(pred, draw.target, mask, draw.weight)

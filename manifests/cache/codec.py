@@ -18,6 +18,10 @@ holds both, and every reader reads both):
   ``n``-byte high plane, and the ``(itemsize - 1) * n`` bytes of the other planes, least
   significant first) instead of ``data_offsets``, so a reader that predates it refuses the record
   (a malformed entry) rather than misreading it. Levels chosen by ``benchmarks/records.py``.
+  Byte tensors of a few hundred elements or more (``U8``: loss masks, whose runs LZ matching finds and
+  a Huffman code shared with the latents' exponents does not) come last, after the low planes, in a
+  third member deflated at the default level and strategy (``benchmarks/cache_bytes.py``); their
+  entries keep ``data_offsets`` (a record without such tensors has two members, as before).
 
 Tensors come back as numpy arrays (numpy has no bfloat16: a BF16 tensor comes back as its raw
 ``uint16`` bits with the tag ``"BF16"``), viewing the decompressed buffer where the layout allows
@@ -144,9 +148,13 @@ def encode_planar(tensors: Mapping[str, tuple[np.ndarray, str]], metadata: Mappi
     header: dict[str, Any] = {"__metadata__": {str(k): str(v) for k, v in metadata.items()}}
     arrays = {name: _checked(name, *tensors[name]) for name in sorted(tensors)}
     split = {n for n, a in arrays.items() if tensors[n][1] in PLANAR_TAGS and a.size >= _PLANAR_MIN}
+    dense = _dense(tensors)
     high, low, offset = [], [], 0
     for name, array in arrays.items():
         entry: dict[str, Any] = {"dtype": tensors[name][1], "shape": list(array.shape)}
+        if name in dense:
+            header[name] = entry  # its bytes go last (below)
+            continue
         if name in split:
             planes = array.reshape(-1).view(np.uint8).reshape(array.size, array.itemsize)  # (n, itemsize) LSB first
             high.append(planes[:, -1].tobytes())
@@ -163,7 +171,16 @@ def encode_planar(tensors: Mapping[str, tuple[np.ndarray, str]], metadata: Mappi
             low.append(np.ascontiguousarray(planes[:, :-1].T).tobytes())  # (itemsize - 1, n)
             header[name]["planes"][1] = offset
             offset += array.size * (array.itemsize - 1)
+    for name in sorted(dense):  # byte tensors after the low planes: their own deflated member
+        low.append(arrays[name].tobytes())
+        header[name]["data_offsets"] = [offset, offset + arrays[name].nbytes]
+        offset += arrays[name].nbytes
     return _header(header) + b"".join(high), b"".join(low)
+
+
+def _dense(tensors: Mapping[str, tuple[np.ndarray, str]]) -> set[str]:
+    """The byte tensors that :func:`encode_planar` puts last (the third member of a planar record)."""
+    return {n for n, (a, tag) in tensors.items() if tag == "U8" and np.asarray(a).size >= _PLANAR_MIN}
 
 
 def _planes(body: memoryview, name: str, tag: str, shape: list[int], where: Any) -> np.ndarray:
@@ -226,13 +243,16 @@ def decode_tensors(data: bytes) -> tuple[dict[str, tuple[np.ndarray, str]], dict
 
 def encode_record(tensors: Mapping[str, tuple[np.ndarray, str]], metadata: Mapping[str, str],
                   layout: str = RECORD_LAYOUT) -> bytes:  # fmt: skip
-    """One record in ``layout``: ``planar`` (two gzip members, see the module docstring) or ``plain``
+    """One record in ``layout``: ``planar`` (two or three gzip members, see the module docstring) or ``plain``
     (``gzip(safetensors)``, what bucketeer wrote before; tests of old caches write it)."""
     if layout == "plain":
         return gzip_compress(encode_tensors(tensors, metadata))
     assert layout == "planar", layout
     head, low = encode_planar(tensors, metadata)
-    return _deflate(head, HIGH_LEVEL, HIGH_STRATEGY) + (_deflate(low, 0) if low else b"")
+    tail = sum(np.asarray(tensors[n][0]).nbytes for n in _dense(tensors))  # byte tensors: last, LZ-deflated
+    low, dense = low[: len(low) - tail], low[len(low) - tail :]
+    return (_deflate(head, HIGH_LEVEL, HIGH_STRATEGY) + (_deflate(low, 0) if low else b"")
+            + (_deflate(dense, 6) if dense else b""))  # fmt: skip
 
 
 def decode_record(data: bytes) -> tuple[dict[str, tuple[np.ndarray, str]], dict[str, str]]:

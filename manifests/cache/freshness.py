@@ -83,7 +83,24 @@ def _chunk_keys(rows: pa.Table) -> np.ndarray:
          for i, t in enumerate(text)),
         dtype=np.uint64, count=n,
     )  # fmt: skip
-    return _with_conditioning(keys, rows)
+    return _with_mask(_with_conditioning(keys, rows), rows)
+
+
+def _with_mask(keys: np.ndarray, rows: pa.Table) -> np.ndarray:
+    """Rows with a loss mask (``scan --masks``) hash where it is and its version in too, so a mask that
+    appears, goes or changes re-embeds its sample; rows without one keep their key."""
+    masks = _column(rows, "mask", pa.string())
+    if masks.null_count == rows.num_rows:
+        return keys
+    versions = zip(masks.to_pylist(), *(_column(rows, c, t).to_pylist() for c, t in (
+        ("mask_offset", pa.int64()), ("mask_size", pa.int64()), ("mask_etag", pa.string()),
+        ("mask_mtime", pa.float64()))))  # fmt: skip
+    keys = keys.copy()
+    for i, (mask, offset, size, etag, mtime) in enumerate(versions):
+        if mask is not None:
+            text = json.dumps(["mask", int(keys[i]), mask, offset, size, etag, None if etag is not None else mtime])
+            keys[i] = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+    return keys
 
 
 def _with_conditioning(keys: np.ndarray, rows: pa.Table) -> np.ndarray:

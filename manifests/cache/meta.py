@@ -173,9 +173,10 @@ class CacheSettings:
     variants: VariantSettings | None = None  # --crops/--flip; None: one crop, no mirror
     conditioning: str | None = None  # set when samples carry a conditioning latent
     features: FeaturesInfo | None = None  # --features; None: records carry no features
+    masks: str | None = None  # set when samples may carry a loss mask (scan --masks); how it is stored
 
     _SCALARS = ("format_version", "family", "dtype", "crop", "seed", "resample", "pixels", "latent", "model",
-                "conditioning")  # fmt: skip
+                "conditioning", "masks")  # fmt: skip
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "CacheSettings":

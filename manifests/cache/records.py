@@ -131,6 +131,9 @@ class SampleRecord:
     ``_cache.json`` ``features``), ``variant_features`` (V-1, gh, gw, D) the other variants'.
     ``caption_keys``: every caption's key of a
     sample embedded with several (the first is ``caption_key``), as the index lists them; None otherwise.
+    ``mask`` (h, w) uint8 0..255: the sample's loss mask (``scan --masks``) at the latent grid, cropped and
+    flipped like variant 0 and area-averaged over each latent pixel (255 = inside); ``variant_masks``
+    (V-1, h, w) the other variants'. None for a sample without a mask (it trains unmasked).
     """
 
     sample_id: int
@@ -152,6 +155,8 @@ class SampleRecord:
     caption_keys: tuple[int, ...] | None = None
     features: np.ndarray | None = None
     variant_features: np.ndarray | None = None
+    mask: np.ndarray | None = None
+    variant_masks: np.ndarray | None = None
 
     @property
     def variants(self) -> int:
@@ -163,14 +168,15 @@ class SampleRecord:
         if not 0 <= v < self.variants:
             raise IndexError(f"sample {self.sample_id} has {self.variants} variants, not {v + 1}")
         one = {"variant_latents": None, "variant_cond_latents": None, "variant_crops": None, "variant_flips": None,
-               "variant_features": None}
+               "variant_features": None, "variant_masks": None}  # fmt: skip
         if v == 0:
             return replace(self, **one)
         cond = None if self.variant_cond_latents is None else self.variant_cond_latents[v - 1]
         features = None if self.variant_features is None else self.variant_features[v - 1]
+        mask = None if self.variant_masks is None else self.variant_masks[v - 1]
         top, left = (int(x) for x in self.variant_crops[v])
         return replace(self, latent=self.variant_latents[v - 1], cond_latent=cond, crop_top_left=(top, left),
-                       features=features, **one)  # fmt: skip
+                       features=features, mask=mask, **one)  # fmt: skip
 
     @property
     def crop_box(self) -> tuple[int, int, int, int]:
@@ -238,6 +244,9 @@ def encode_sample(record: SampleRecord, inline_text: bool = False, layout: str =
     if record.variant_crops is not None:
         tensors["variant_crops"] = (np.asarray(record.variant_crops, "<i4"), "I32")
         tensors["variant_flips"] = (np.asarray(record.variant_flips, "u1"), "U8")
+    for name in ("mask", "variant_masks"):  # loss masks: uint8 at the latent grid (additive: old readers skip them)
+        if getattr(record, name) is not None:
+            tensors[name] = (np.asarray(getattr(record, name), "u1"), "U8")
     if inline_text:
         text = record.text
         assert text is not None and text.caption_key == record.caption_key, "inline text: the sample's own caption's"
@@ -274,8 +283,8 @@ def decode_sample(data: bytes) -> SampleRecord:
             **extra,
         )
     except (KeyError, ValueError):
-        raise RecordError("payload is not a sample record (metadata or latent missing, or a latent_std or variant "
-                          "tensors that do not match the latent)") from None
+        raise RecordError("payload is not a sample record (metadata or latent missing, or a latent_std, variant "
+                          "or mask tensors that do not match the latent)") from None
 
 
 def _variants(tensors: dict[str, tuple[np.ndarray, str]], latent: np.ndarray, tag: str) -> dict[str, Any]:
@@ -309,6 +318,17 @@ def _variants(tensors: dict[str, tuple[np.ndarray, str]], latent: np.ndarray, ta
         if (conds is not None) != ("cond_latent" in out) or (conds is not None and len(conds) != v - 1):
             raise ValueError("variant_cond_latents")
         out["variant_crops"], out["variant_flips"] = crops, flips
+    if "mask" in tensors:  # a loss mask: (h, w) and (V-1, h, w) uint8 at the latent grid
+        mask, t = tensors["mask"]
+        if t != "U8" or mask.shape != latent.shape[-2:]:
+            raise ValueError("mask")
+        out["mask"] = mask
+        want = (len(out["variant_latents"]), *latent.shape[-2:]) if "variant_latents" in out else None
+        masks = tensors.get("variant_masks")
+        if (masks is None) != (want is None) or (masks is not None and (masks[1] != "U8" or masks[0].shape != want)):
+            raise ValueError("variant_masks")
+        if masks is not None:
+            out["variant_masks"] = masks[0]
     return out
 
 

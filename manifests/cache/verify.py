@@ -104,6 +104,8 @@ def _check_sample(blob: bytes, row: dict, meta: CacheMeta) -> str | None:
         return f"{record.variants} variants, the cache's settings (--crops/--flip) say {want}"
     if (record.cond_latent is not None) != (meta.settings.conditioning is not None):
         return f"conditioning latent {'present' if record.cond_latent is not None else 'missing'} in this cache"
+    if record.mask is not None and meta.settings.masks is None:
+        return "a loss mask in a cache whose settings say it has none (embedded without scan --masks)"
     problem = _check_features(record, meta)
     if problem:
         return problem

@@ -26,12 +26,13 @@ from PIL import Image, ImageOps
 
 from manifests.errors import UsageError
 from manifests.schema import MAX_PIXELS, image_range
-from manifests.storage import join, read_many
+from manifests.retry import is_transient
+from manifests.storage import join, read_many, redact
 from pipeline.embed.parquet_images import fetch_parquet_images, is_parquet_row
 from pipeline.formats import open_image
 
 __all__ = ["ImageFailure", "Prepared", "cover_and_crop", "prepare_views", "fetch_all",
-           "fetch_images"]
+           "fetch_images", "read_failure", "conditioning_views"]
 
 _EXIF_ORIENTATION = 0x0112
 
@@ -43,6 +44,13 @@ class ImageFailure(Exception):
         super().__init__(message)
         self.kind = kind
         self.message = message
+
+
+def read_failure(exc: BaseException, storage_options: dict | None) -> ImageFailure:
+    """The ``read_failed`` ImageFailure of a read that failed (credentials redacted)."""
+    # a transient error here has outlived every retry; a permanent one was never retried
+    note = " (still failing after retries)" if is_transient(exc) else ""
+    return ImageFailure("read_failed", redact(f"{type(exc).__name__}: {exc}{note}", storage_options))
 
 
 @dataclass(frozen=True)
@@ -172,6 +180,26 @@ def prepare_views(
         pixels = np.asarray(img.resize((bw, bh), Image.Resampling.LANCZOS, box=box), dtype=np.uint8)  # (bh, bw, 3)
         out.append(Prepared(pixels=pixels, original_size=original, resized_size=resized, crop_top_left=(top, left)))
     return out
+
+
+def conditioning_views(row: dict, blob, views: list, bucket: tuple[int, int], max_pixels: int,
+                       storage_options: dict | None) -> np.ndarray:
+    """The conditioning image of ``row`` cropped exactly like its target's ``views``: (K, H, W, 3) uint8.
+
+    Raises ImageFailure naming the conditioning image (a missing one is ``conditioning_missing``)."""
+    path = row["conditioning"]
+    if not path:  # a manifest row of a paired manifest without its pair cannot be: the scan made it an error
+        raise ImageFailure("conditioning_missing", "no conditioning image in its manifest row")
+    try:
+        if isinstance(blob, BaseException):
+            if isinstance(blob, FileNotFoundError):
+                raise ImageFailure("conditioning_missing", f"not found: {redact(str(blob), storage_options)}")
+            raise read_failure(blob, storage_options)
+        cond = prepare_views(blob, bucket, max_pixels=max_pixels, at=[v.crop_top_left for v in views],
+                             size=views[0].original_size, name=path)  # fmt: skip
+    except ImageFailure as e:
+        raise ImageFailure(e.kind, f"conditioning image {path}: {e.message}") from None
+    return np.stack([c.pixels for c in cond])  # (K, H, W, 3)
 
 
 def fetch_all(fs, paths: list[str], *, threads: int = 16) -> list[bytes | BaseException]:

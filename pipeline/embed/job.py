@@ -281,7 +281,8 @@ def _request(job: EmbedJob, manifest: ManifestMeta) -> dict[str, Any]:
     latent, text = _specs(job)
     return request_settings(latent, text, dtype=STORAGE_DTYPES[job.dtype], bucket_spec=manifest.bucket_spec.to_json(),
                             crop=job.crop, seed=job.seed, crops=job.crops, flip=job.flip,
-                            conditioning=manifest.conditioning is not None)  # fmt: skip
+                            conditioning=manifest.conditioning is not None,
+                            masks=manifest.masks is not None)  # fmt: skip
 
 
 def _factories(job: EmbedJob, dtype: str):

@@ -24,11 +24,13 @@ def variant_pixels(pixels: np.ndarray, flips: int) -> np.ndarray:
 
 
 def sample_record(row: dict, bucket: str, dtype: str, latents: np.ndarray, conds: np.ndarray | None,
-                  std: np.ndarray | None, flips: int, *, features: np.ndarray | None = None) -> SampleRecord:
+                  std: np.ndarray | None, flips: int, masks: np.ndarray | None = None, *,
+                  features: np.ndarray | None = None) -> SampleRecord:
     """One sample's record from its ``(V, C, h, w)`` variant latents (and its conditioning image's, and its
     variants' ``(V, gh, gw, D)`` float16 DINOv2 ``features``):
     variant 0 in ``latent``, the others in ``variant_latents``; a mirrored variant's crop box is
-    mirrored as SDXL expects (``left -> resized_w - left - target_w``)."""
+    mirrored as SDXL expects (``left -> resized_w - left - target_w``). ``masks``: ``(V, h, w)`` uint8
+    loss masks of the variants at the latent grid (:func:`pipeline.embed.masks.to_latent_grid`), or None."""
     bw, bh = parse_bucket(bucket)
     crops = np.asarray(row["crops"], np.int32).reshape(-1, 2)  # (K, 2) (top, left)
     boxes = np.repeat(crops, flips, axis=0)  # (V, 2)
@@ -46,4 +48,5 @@ def sample_record(row: dict, bucket: str, dtype: str, latents: np.ndarray, conds
         variant_crops=boxes if several else None, variant_flips=flipped if several else None,
         features=None if features is None else features[0],
         variant_features=features[1:] if several and features is not None else None,
+        mask=None if masks is None else masks[0], variant_masks=masks[1:] if several and masks is not None else None,
     )  # fmt: skip

@@ -19,20 +19,24 @@ from manifests.cache.records import caption_key
 from manifests.storage import public_options, redact
 from pipeline.embed.encoders import LatentSpec, TextSpec
 
-__all__ = ["request_settings", "check_early", "full_settings", "committed_text", "cache_info", "refuse"]
+# what ``_cache.json`` settings ``masks`` says when the records carry loss masks (SampleRecord.mask)
+MASKS_SETTING = "uint8 0..255 at the latent grid: cropped and flipped like the image, area-averaged"
+
+__all__ = ["MASKS_SETTING", "request_settings", "check_early", "full_settings", "committed_text", "cache_info",
+           "refuse"]
 
 _VAE_KEYS = ("class", "weights_sha256", "factor", "channels", "scaling_factor", "shift_factor")
 
 
 def request_settings(
     latent: LatentSpec, text: TextSpec, *, dtype: str, bucket_spec: dict, crop: str, seed: int, crops: int,
-    flip: bool, conditioning: bool = False,
+    flip: bool, conditioning: bool = False, masks: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """The settings known before any model is loaded (checked first, so a mismatch fails fast).
     ``dtype``: the stored dtype (``BF16``, ...); ``conditioning``: the manifest pairs its samples with
     conditioning images. ``latent.features`` (``--features``): a ``features`` section, fingerprinted like
     the encoders (a cache is made with or without features, never both: resuming with other ``--features``
-    is refused)."""
+    is refused); ``masks``: the manifest has loss masks (``scan --masks``)."""
     features = latent.features
     return {
         "format_version": CACHE_FORMAT_VERSION,
@@ -52,6 +56,7 @@ def request_settings(
         **({"variants": {"crops": crops, "flip": flip}} if crops > 1 or flip else {}),
         **({"conditioning": "same crop and variants as the image"} if conditioning else {}),
         **({"features": {"kind": features.kind, "id": features.ident}} if features is not None else {}),
+        **({"masks": MASKS_SETTING} if masks else {}),
     }  # fmt: skip
 
 

@@ -45,10 +45,11 @@ from manifests.cache.freshness import source_key
 from manifests.cache.records import TextRecord, encode_sample, encode_text
 from manifests.errors import BucketeerError, StorageError, UsageError
 from manifests.manifest import read_row_group
-from manifests.retry import is_transient
+from manifests.schema import MASK_COLUMNS
 from manifests.storage import is_local, join, open_url, read_many, redact
 from pipeline.embed.encoders import Encoder, quiet_loading, to_storage
-from pipeline.embed.imaging import ImageFailure, fetch_images, prepare_views
+from pipeline.embed.imaging import ImageFailure, conditioning_views, fetch_images, prepare_views, read_failure
+from pipeline.embed.masks import fetch_masks, row_mask, variant_masks
 from pipeline.embed.samples import sample_record, variant_pixels
 from pipeline.embed.work import MANIFEST_COLUMNS, GroupWork, caption_keys, cut_units, flat_captions, \
     sample_caption_keys
@@ -64,6 +65,8 @@ UNIT_ROWS = pa.schema([("sample_id", pa.uint64()), ("filename", pa.string()), ("
                        ("container", pa.string()), ("container_size", pa.int64()), ("member_offset", pa.int64()),
                        ("row_group", pa.int32()), ("row_index", pa.int64()), ("size", pa.int64()),
                        ("conditioning", pa.string()),
+                       # "alpha", a mask file relative to the source root (a tar member: its byte range), or null
+                       ("mask", pa.string()), ("mask_offset", pa.int64()), ("mask_size", pa.int64()),
                        # the caption no other row has: its text goes into the sample's record (caption: its text)
                        ("text_inline", pa.bool_()), ("caption", pa.string())])  # fmt: skip
 _LOCATION = ("container", "container_size", "member_offset", "row_group", "row_index", "size")
@@ -73,6 +76,7 @@ _PREPARED_ROWS = pa.schema([("sample_id", pa.uint64()), ("caption_key", pa.uint6
                             *((name, pa.int32()) for name in ("original_h", "original_w", "resized_h", "resized_w",
                                                               "crop_top", "crop_left")),
                             ("crops", pa.list_(pa.int32())),  # every crop's (top, left), flat
+                            ("has_mask", pa.bool_()),  # its mask is in the unit's mask_pixels (else all 255 there)
                             ("text_inline", pa.bool_()), ("caption", pa.string())])  # fmt: skip
 VISIBLE_MARKER = "_embed-running"  # written by the driver into a local --out; every worker must see it
 
@@ -96,12 +100,6 @@ def _open_source(source: str, storage_options: dict | None, fs=None):
     return open_url(source, storage_options)
 
 
-def _read_failure(exc: BaseException, storage_options: dict | None) -> ImageFailure:
-    # a transient error here has outlived every retry; a permanent one was never retried
-    note = " (still failing after retries)" if is_transient(exc) else ""
-    return ImageFailure("read_failed", redact(f"{type(exc).__name__}: {exc}{note}", storage_options))
-
-
 def prepare_batch(
     source: str,
     storage_options: dict | None,
@@ -119,7 +117,9 @@ def prepare_batch(
     """Fetch, decode and crop ``rows`` (``sample_id``, ``filename``, ``caption_key``) to ``bucket``.
 
     Returns ``{"bucket", "pixels": uint8 (B * K, H, W, 3) (the K crops of a good row one after the other),
-    "cond_pixels": the same for the conditioning images or None, "rows": [geometry per good row], "errors":
+    "cond_pixels": the same for the conditioning images or None, "mask_pixels": uint8 (B * K, H, W) the loss
+    masks cut like the images (255 for a row without one) or None when no row has one, "rows": [geometry per
+    good row, ``has_mask``], "errors":
     [(sample_id, filename, kind, message)]}``; one bad image never fails the batch. ``crops``: K crops per image
     (:func:`~pipeline.embed.imaging.prepare_views`). ``conditioning``: the root of the rows' ``conditioning``
     paths: each is cropped exactly like its target (same resized size, same boxes), and a pair that cannot be is
@@ -135,15 +135,18 @@ def prepare_batch(
     if paired:
         cfs, croot = (fs, root) if conditioning == source else open_url(conditioning, storage_options)
         cond_blobs = read_many(cfs, [join(croot, r["conditioning"]) for r in rows])
-    good, pixels, cond_pixels, errors = [], [], [], []
+    masked, mask_blobs = any(r.get("mask") for r in rows), fetch_masks(fs, root, rows)
+    good, pixels, cond_pixels, mask_pixels, errors = [], [], [], [], []
     for i, (row, blob) in enumerate(zip(rows, blobs)):
         try:
             if isinstance(blob, BaseException):
-                raise _read_failure(blob, storage_options)
+                raise read_failure(blob, storage_options)
             views = prepare_views(blob, (bh, bw), crop=crop, seed=seed, sample_id=row["sample_id"],
                                   max_pixels=max_pixels, crops=crops, name=row["filename"])  # fmt: skip
             if paired:
-                cond = _conditioning_views(row, cond_blobs[i], views, (bh, bw), max_pixels, storage_options)
+                cond = conditioning_views(row, cond_blobs[i], views, (bh, bw), max_pixels, storage_options)
+            if row.get("mask"):
+                mask = row_mask(row, mask_blobs.get(i, blob), views, (bh, bw), max_pixels, storage_options)
         except ImageFailure as e:
             errors.append((row["sample_id"], row["filename"], e.kind, e.message))
             continue
@@ -154,32 +157,17 @@ def prepare_batch(
         pixels.extend(v.pixels for v in views)
         if paired:
             cond_pixels.extend(cond)
+        if masked:
+            mask_pixels.extend(mask if row.get("mask") else np.full((len(views), bh, bw), 255, np.uint8))
         p = views[0]
         good.append({**row, "original_size": p.original_size, "resized_size": p.resized_size,
-                     "crop_top_left": p.crop_top_left, "crops": [x for v in views for x in v.crop_top_left]})
+                     "crop_top_left": p.crop_top_left, "crops": [x for v in views for x in v.crop_top_left],
+                     "has_mask": bool(row.get("mask"))})  # fmt: skip
     stacked = np.stack(pixels) if pixels else np.zeros((0, bh, bw, 3), np.uint8)  # (B * K, H, W, 3)
     conds = (np.stack(cond_pixels) if cond_pixels else np.zeros((0, bh, bw, 3), np.uint8)) if paired else None
-    return {"bucket": bucket, "pixels": stacked, "cond_pixels": conds, "rows": good, "errors": errors}
-
-
-def _conditioning_views(row: dict, blob, views: list, bucket: tuple[int, int], max_pixels: int,
-                        storage_options: dict | None) -> np.ndarray:
-    """The conditioning image of ``row`` cropped exactly like its target's ``views``: (K, H, W, 3) uint8.
-
-    Raises ImageFailure naming the conditioning image (a missing one is ``conditioning_missing``)."""
-    path = row["conditioning"]
-    if not path:  # a manifest row of a paired manifest without its pair cannot be: the scan made it an error
-        raise ImageFailure("conditioning_missing", "no conditioning image in its manifest row")
-    try:
-        if isinstance(blob, BaseException):
-            if isinstance(blob, FileNotFoundError):
-                raise ImageFailure("conditioning_missing", f"not found: {redact(str(blob), storage_options)}")
-            raise _read_failure(blob, storage_options)
-        cond = prepare_views(blob, bucket, max_pixels=max_pixels, at=[v.crop_top_left for v in views],
-                             size=views[0].original_size, name=path)  # fmt: skip
-    except ImageFailure as e:
-        raise ImageFailure(e.kind, f"conditioning image {path}: {e.message}") from None
-    return np.stack([c.pixels for c in cond])  # (K, H, W, 3)
+    masks = (np.stack(mask_pixels) if mask_pixels else np.zeros((0, bh, bw), np.uint8)) if masked else None
+    return {"bucket": bucket, "pixels": stacked, "cond_pixels": conds, "mask_pixels": masks, "rows": good,
+            "errors": errors}  # fmt: skip
 
 
 def check_source(source: str, storage_options: dict | None, rows: list[dict], fs=None,
@@ -225,7 +213,7 @@ def plan_units(batch: pa.Table, manifest: str, storage_options: dict | None, bat
                          "caption_key": caption_keys(rows.column("caption")),
                          "caption_keys": sample_caption_keys(rows), "source_key": source_key(rows),
                          "conditioning": rows.column("conditioning"),
-                         **{name: rows.column(name) for name in (*_LOCATION, "bucket")}})  # fmt: skip
+                         **{name: rows.column(name) for name in (*_LOCATION, *MASK_COLUMNS, "bucket")}})  # fmt: skip
         for i, unit in enumerate(cut_units(rows, batch_size, shard_records)):
             name = f"{work.group.part}#{work.group.index}.{i}"
             yield pa.table({"unit": [name], "bucket": [unit.column("bucket")[0].as_py()],
@@ -254,19 +242,22 @@ def prepare_unit(batch: pa.Table, source: str, storage_options: dict | None, cro
                 ("resized_h", "resized_size", 0), ("resized_w", "resized_size", 1),
                 ("crop_top", "crop_top_left", 0), ("crop_left", "crop_top_left", 1))},
             "crops": [r["crops"] for r in prepared["rows"]],
+            "has_mask": [r["has_mask"] for r in prepared["rows"]],
             "text_inline": [r["text_inline"] for r in prepared["rows"]],
             "caption": [r["caption"] for r in prepared["rows"]],
         }, schema=_PREPARED_ROWS)  # fmt: skip
         errors = pa.Table.from_pylist([{"sample_id": sid, "filename": name, "error": kind, "message": message,
                                         "source_key": keys[sid]} for sid, name, kind, message in prepared["errors"]],
                                       schema=CACHE_ERRORS_SCHEMA)  # fmt: skip
-        cond = prepared["cond_pixels"]
+        cond, masks = prepared["cond_pixels"], prepared["mask_pixels"]
         out.append({"unit": item["unit"], "bucket": item["bucket"], "pixels": prepared["pixels"].tobytes(),
-                    "cond_pixels": b"" if cond is None else cond.tobytes(), "rows": to_ipc(good),
+                    "cond_pixels": b"" if cond is None else cond.tobytes(),
+                    "mask_pixels": b"" if masks is None else masks.tobytes(), "rows": to_ipc(good),
                     "errors": to_ipc(errors)})  # fmt: skip
     return pa.Table.from_pylist(out, schema=pa.schema([("unit", pa.string()), ("bucket", pa.string()),
                                                       ("pixels", pa.large_binary()), ("cond_pixels", pa.large_binary()),
-                                                      ("rows", pa.binary()), ("errors", pa.binary())]))  # fmt: skip
+                                                      ("mask_pixels", pa.large_binary()), ("rows", pa.binary()),
+                                                      ("errors", pa.binary())]))  # fmt: skip
 
 
 def read_captions(batch: pa.Table, manifest: str, storage_options: dict | None) -> pa.Table:
@@ -396,6 +387,8 @@ class LatentWriter(_EncoderActor):
             pixels = np.frombuffer(item["pixels"], np.uint8).reshape(rows.num_rows, k, bh, bw, 3)  # (B, K, H, W, 3)
             conds = (np.frombuffer(item["cond_pixels"], np.uint8).reshape(rows.num_rows, k, bh, bw, 3)
                      if item.get("cond_pixels") else None)  # fmt: skip
+            masks = np.frombuffer(item["mask_pixels"], np.uint8).reshape(rows.num_rows, k, bh, bw) \
+                if item.get("mask_pixels") else None  # (B, K, H, W)  # fmt: skip
             shard = ShardWriter("samples", max_records=rows.num_rows + 1, max_bytes=1 << 62)
             meta = rows.to_pylist()
             texts = self._texts(meta)
@@ -411,11 +404,14 @@ class LatentWriter(_EncoderActor):
                     stds = to_storage(encoded["latent_std"], self.dtype) if "latent_std" in encoded else None
                     feats = to_storage(encoded["features"], "F16") if "features" in encoded else None  # (b * V, ...)
                 v = k * f
+                grid = None if masks is None else variant_masks(masks[start : start + self.batch_size], f,
+                                                                latents.shape[-2:])  # (b * V, h, w)  # fmt: skip
                 for j, r in enumerate(meta[start : start + self.batch_size]):
                     record = sample_record(
                         r, item["bucket"], self.dtype, latents[j * v : (j + 1) * v],
                         None if conds is None else latents[n + j * v : n + (j + 1) * v],
                         None if stds is None else stds[j * v], f,
+                        grid[j * v : (j + 1) * v] if grid is not None and r.get("has_mask") else None,
                         features=None if feats is None else feats[j * v : (j + 1) * v])  # fmt: skip
                     inline = bool(r.get("text_inline"))
                     if inline:

@@ -182,6 +182,14 @@ def write_report(
 # ---------------------------------------------------------------- manifest
 
 
+def _masks_line(samples) -> str:
+    """``scan --masks``: how many samples have a loss mask (by alpha channel, by mask file) and how many not."""
+    masks = samples["mask"].drop_nulls()
+    alpha = int((masks == "alpha").sum())
+    return (f"{len(masks)} of {samples.height} samples have one ({alpha} alpha channels, {len(masks) - alpha} mask "
+            f"files), {samples.height - len(masks)} without")
+
+
 def manifest_section(manifest: Manifest, plots) -> Section:
     """Counts, fingerprint and source, and the five manifest figures."""
     stats = manifest_stats(manifest)
@@ -195,6 +203,7 @@ def manifest_section(manifest: Manifest, plots) -> Section:
         ("created", manifest.meta.created_at),
         ("counts", ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))),
         ("captions", f"{stats['captioned']} of {counts['samples']} samples have one"),
+        *([("loss masks", _masks_line(samples))] if manifest.meta.masks and "mask" in samples.columns else []),
         ("buckets", f"{len(stats['buckets'])} used; spec "
                     + ", ".join(f"{k}={v}" for k, v in sorted(spec.items()) if v is not None and k != "buckets")),
         ("errors", ", ".join(f"{k} {v}" for k, v in stats["errors"].items()) or "none"),

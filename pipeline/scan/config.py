@@ -33,6 +33,7 @@ class ScanConfig:
     format: str = "auto"  # auto: loose images and tar shards; files, tar or parquet: only that kind
     image_column: str = "image"  # parquet: the column of image bytes (binary, or HF's {"bytes", "path"} struct)
     caption_column: str | None = None  # parquet: the column of captions (None: no captions)
+    masks: str | None = None  # --masks: "alpha", "files" or "alpha,files" (pipeline/scan/masks.py)
 
     def __post_init__(self) -> None:
         for name in ("max_pixels", "header_bytes", "reads_in_flight", "shard_window"):

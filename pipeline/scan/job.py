@@ -42,7 +42,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pyarrow as pa
@@ -58,6 +58,8 @@ from manifests.storage import open_url, parse_storage_options, redact
 from pipeline.formats import IMAGE_EXTENSIONS
 from pipeline.scan.assemble import assemble
 from pipeline.scan.conditioning import Pairing, pair, resolve
+from pipeline.sources.masks import MaskFiles, attach_masks, mask_column, mask_counts, parse_masks, \
+    split_mask_files
 from pipeline.scan.config import FORMATS, ScanConfig
 from pipeline.scan.probing import batches, conditioning_probe, redacted, scan_batch, task_options
 from pipeline.scan.kinds import select_kinds
@@ -94,6 +96,7 @@ class ScanJob:
     storage_options: dict[str, Any] = field(default_factory=dict)  # fsspec options, e.g. an endpoint_url
     captions: str | None = None
     conditioning: str | None = None
+    masks: str | None = None  # --masks: "alpha", "files" or "alpha,files" (pipeline/scan/masks.py)
     previous: str | None = None
     ray_address: str | None = None  # None: $RAY_ADDRESS, else Ray starts in-process
     fs: Any = field(default=None, compare=False, repr=False)
@@ -129,6 +132,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "table holding its path relative to the source root, else a root (folder or URL) holding "
                         "it at the sample's own relative path. Missing or differently sized pairs are error "
                         "rows")  # fmt: skip
+    parser.add_argument("--masks", default=None, metavar="alpha,files",
+                        help="record a loss mask per sample (manifest column `mask`): files: a mask file beside the "
+                        "image, <stem>.mask.<ext> (a/cat.mask.png for a/cat.jpg; in a tar shard the member "
+                        "<key>.mask.<ext>; never a sample itself); alpha: the image's own alpha channel, as its "
+                        "header declares it; column:NAME (--format parquet): a column of mask bytes")  # fmt: skip
     parser.add_argument("--previous", default=None, metavar="MANIFEST",
                         help="reuse unchanged rows from this manifest (default: the one at --out, if any)")  # fmt: skip
     parser.add_argument("--storage-options", default=None, help="fsspec options as JSON, e.g. an endpoint_url")
@@ -179,6 +187,7 @@ def job_from_args(args: argparse.Namespace) -> ScanJob:
     return ScanJob(
         source=args.source, out=args.out, spec=spec_from_args(args), config=config, storage_options=storage_options,
         captions=args.captions, conditioning=args.conditioning, previous=args.previous, ray_address=args.ray_address,
+        masks=parse_masks(args.masks),
     )  # fmt: skip
 
 
@@ -226,6 +235,12 @@ def _scan(job: ScanJob) -> ManifestMeta:
     table = load_captions(job.captions, options) if job.captions else None
     target = (source, task_options(source, options, config), job.fs, root)
     loose, containers = select_kinds(listing, source, config.format)
+    column = mask_column(job.masks)
+    parquet = config.format == "parquet"
+    if job.masks and (parquet and "files" in job.masks.split(",") or not parquet and column is not None):
+        raise UsageError(f"--masks {job.masks}: a parquet dataset's mask files are a column (--masks column:NAME, "
+                         "with --format parquet); loose files and tar shards take alpha and/or files")  # fmt: skip
+    config = replace(config, masks=job.masks)  # the tar shards' tasks read their mask members
     if containers and job.conditioning:
         raise UsageError("--conditioning works on loose image files; this source holds .tar shards or parquet files: "
                          "add --format files to scan only its loose images")  # fmt: skip
@@ -239,9 +254,10 @@ def _scan(job: ScanJob) -> ManifestMeta:
     excluded = 0
     if pairing is not None:
         listing, excluded = pairing.exclude(listing)
+    listing, mask_files = split_mask_files(listing) if job.masks and "files" in job.masks else (listing, MaskFiles({}))
     parts = []
     if loose:
-        parts.append(_loose_part(job, listing, target, table, (pairing, excluded), started))
+        parts.append(_loose_part(job, listing, target, table, (pairing, excluded), started, mask_files))
     if containers:
         parts.append(container_part(listing, job.out, target, source=source, spec=job.spec, storage_options=options,
                                     table=table, previous=job.previous, config=config, ray_address=job.ray_address,
@@ -250,13 +266,15 @@ def _scan(job: ScanJob) -> ManifestMeta:
     return write_manifest(
         job.out, samples, errors, source=source, spec=job.spec, storage_options=options, summary=summary,
         counts=counts, max_pixels=config.max_pixels, conditioning=pairing.meta() if pairing is not None else None,
+        masks=job.masks,
     )  # fmt: skip
 
 
 def _loose_part(job: ScanJob, listing: Listing, target: tuple, table: CaptionTable | None,
-                conditioning: tuple[Pairing | None, int], started: float) -> ScanPart:
+                conditioning: tuple[Pairing | None, int], started: float, mask_files: MaskFiles) -> ScanPart:
     """The loose image files of ``listing``: probed by Ray tasks, reused where unchanged, paired with
-    their conditioning images (``conditioning``: the pairing and the files it took from the listing)."""
+    their conditioning images (``conditioning``: the pairing and the files it took from the listing) and
+    their loss masks (``--masks``; ``mask_files``: the mask files taken from the listing)."""
     clock = time.perf_counter()
     config, options, (pairing, excluded) = job.config, job.storage_options, conditioning
     _, _, fs, root = target
@@ -283,7 +301,11 @@ def _loose_part(job: ScanJob, listing: Listing, target: tuple, table: CaptionTab
                                                           .to_pylist()), pairing,
                                       conditioning_probe(pairing, options, job.fs, config, job.ray_address))
         stats.update(paired, conditioning_files=excluded)
+    if job.masks:
+        images = attach_masks(images, probed, job.masks, mask_files)
     samples, too_small = apply_buckets(images, job.spec)
+    if job.masks:
+        stats.update(mask_counts(samples, len(mask_files.by_stem)))
     errors = pa.concat_tables([errors, too_small, link_error_rows(listing)])
     seconds = time.perf_counter() - clock - ray_seconds
     summary = scan_summary(listing, plan, stats, samples, errors, seconds, started, config, job.captions, table)

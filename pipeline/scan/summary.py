@@ -87,6 +87,8 @@ def mixed_part(loose: ScanPart, shards: ScanPart) -> ScanPart:
         "requests": (a.requests or 0) + (b.requests or 0), "bytes_read": read, "mb_read": round(read / 1e6, 3),
         "seconds": round(seconds, 3),
         "files_per_s": round((a.listed + b.listed) / max(seconds, 1e-9), 1),
+        **{k: (getattr(a, k) or 0) + (getattr(b, k) or 0) for k in ("masks_alpha", "masks_files", "mask_files")
+           if getattr(a, k) is not None or getattr(b, k) is not None},  # scan --masks
     }  # fmt: skip
     counts = {**loose.counts, "listed": loose.counts["listed"] + shards.counts["listed"],
               "shards": shards.counts["shards"]}  # fmt: skip
@@ -116,10 +118,12 @@ def summary_line(meta: ManifestMeta, out: str) -> str:
 
 
 def _notes(s: ScanSummary) -> str:
-    """What the user should know once: captions cut at 1 MiB."""
+    """What the user should know once: captions cut at 1 MiB; the loss masks found (``--masks``)."""
+    masks = (f" | masks: {s.masks_alpha} alpha, {s.masks_files} files ({s.mask_files} mask files not counted as "
+             "samples)") if s.masks_alpha is not None else ""  # fmt: skip
     if not s.captions_truncated:
-        return ""
-    return f" | {s.captions_truncated} captions longer than 1 MiB cut there"
+        return masks
+    return f" | {s.captions_truncated} captions longer than 1 MiB cut there{masks}"
 
 
 def _ignored(s: ScanSummary) -> str:

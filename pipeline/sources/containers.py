@@ -37,6 +37,7 @@ from manifests.schema import ERRORS_SCHEMA, sample_ids
 from manifests.storage import redact
 from pipeline.sources.captions import CaptionTable
 from pipeline.sources.listing import IMAGE_SCHEMA, FileEntry, Listing
+from pipeline.sources.masks import mask_counts
 from pipeline.sources.rescan import previous_manifest, unchanged
 from pipeline.sources.tasks import run_tasks
 from pipeline.sources.parquet import PARQUET_ROWS, scan_parquet_batch
@@ -102,8 +103,9 @@ def _settings(config: Any) -> dict[str, Any]:
     Recorded in the manifest's summary; embed reads ``image_column`` from it."""
     if _is_parquet(config):
         return {"source_format": "parquet", "image_column": config.image_column,
-                "caption_column": config.caption_column}  # fmt: skip
-    return {"source_format": "webdataset", "caption_field": config.caption_field}
+                "caption_column": config.caption_column, "masks": getattr(config, "masks", None)}  # fmt: skip
+    return {"source_format": "webdataset", "caption_field": config.caption_field,
+            "masks": getattr(config, "masks", None)}  # fmt: skip
 
 
 def plan_shards(
@@ -202,6 +204,7 @@ def container_part(
         images, errors = _with_table_captions(images, table), _with_table_captions(errors, table)
     samples, too_small = apply_buckets(images, spec)
     errors = pa.concat_tables([errors, too_small])
+    stats["masks"] = mask_counts(samples, stats["mask_members"]) if getattr(config, "masks", None) else {}
     seconds = time.perf_counter() - clock - ray_seconds
     listed = images.num_rows + errors.num_rows - _container_rows(errors)
     summary = _summary(listing, files, plan, stats, samples, errors, listed, seconds, started, config, table)
@@ -231,10 +234,11 @@ def _with_table_captions(rows: pa.Table, table: CaptionTable) -> pa.Table:
 
 def _stats(results: list[pa.Table]) -> dict[str, Any]:
     total: dict[str, Any] = {"shards": 0, "requests": 0, "bytes_read": 0, "images": 0, "no_caption": 0,
-                             "captions_truncated": 0, "ignored_members": {}}  # fmt: skip
+                             "captions_truncated": 0, "ignored_members": {}, "mask_members": 0}  # fmt: skip
     for result in results:
         stats = json.loads(result.schema.metadata[b"stats"])
-        for name in ("shards", "requests", "bytes_read", "images", "no_caption", "captions_truncated"):
+        for name in ("shards", "requests", "bytes_read", "images", "no_caption", "captions_truncated",
+                     "mask_members"):
             total[name] += stats[name]
         for ext, n in stats["ignored_members"].items():
             total["ignored_members"][ext] = total["ignored_members"].get(ext, 0) + n
@@ -268,4 +272,5 @@ def _summary(listing, files, plan, stats, samples, errors, listed, seconds, star
         "captions": "table" if table is not None else ("column" if _is_parquet(config) else "members"),
         "caption_table_version": table.version if table is not None else None,
         "median_bytes_read": int(np.median(samples.column("bytes_read").to_numpy())) if samples.num_rows else 0,
+        **stats["masks"],
     })  # fmt: skip

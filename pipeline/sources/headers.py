@@ -228,7 +228,9 @@ def _parse_with_pillow(reader: RangeReader, signature: bytes, name: str | None =
             # Pillow's TIFF plugin already reports the displayed size (it transposes on load);
             # undo that here so every format leaves the parser with the stored size
             width, height = height, width
-        return Header(width=width, height=height, format=format_name(im.format), orientation=orientation)
+        alpha = im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in im.info
+        return Header(width=width, height=height, format=format_name(im.format), orientation=orientation,
+                      alpha=alpha)  # fmt: skip
     if reader.hit_eof or (problems and reader.size <= len(signature)):
         fmt = problems[0][0] if problems else "image"
         message = f"{fmt} header ends early: the file is cut off at {reader.size} bytes"

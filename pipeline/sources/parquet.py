@@ -32,11 +32,12 @@ from fsspec.implementations.local import LocalFileSystem
 
 from manifests.errors import StorageError, UsageError
 from manifests.retry import is_permanent, is_storage_failure
-from manifests.schema import MAX_PIXELS
+from manifests.schema import MASK_ALPHA, MAX_PIXELS
 from manifests.storage import RangedFile, join, redact
 from pipeline.sources.captions import normalise_caption
 from pipeline.sources.headers import probe_header
 from pipeline.sources.listing import FileEntry
+from pipeline.sources.masks import mask_column
 from pipeline.sources.results import Header, checked
 from pipeline.sources.shards import combine_scans, open_work, read_failed_row
 
@@ -64,6 +65,8 @@ PARQUET_ROWS = pa.schema(
         pa.field("bytes_read", pa.int64()),
         pa.field("caption", pa.string()),
         pa.field("caption_source", pa.string()),
+        pa.field("mask", pa.string()),  # scan --masks: "column:NAME" (its bytes in that column) or "alpha"
+        pa.field("mask_size", pa.int64()),  # bytes of the mask value
     ]
 )
 
@@ -148,11 +151,14 @@ def scan_parquet_file(
     image_column: str,
     caption_column: str | None = None,
     max_pixels: int = MAX_PIXELS,
+    masks: str | None = None,
 ) -> ParquetScan:
     """Scan the parquet file ``entry`` (name relative to ``root`` on ``fs``, size in bytes).
 
-    Returns its rows (see the module docstring). Raises UsageError when the file lacks the image or
-    caption column, or they hold no image bytes / text; storage failures (after the retries of
+    Returns its rows (see the module docstring). ``masks`` (``scan --masks``): ``column:NAME`` reads that
+    column of mask bytes too (a null value: no mask), ``alpha`` takes an image with alpha as its own mask.
+    Raises UsageError when the file lacks the image, caption or mask column, or they hold no image bytes /
+    text; storage failures (after the retries of
     :func:`manifests.storage.read_bytes`) propagate as StorageError.
     """
     out = ParquetScan()
@@ -180,6 +186,12 @@ def scan_parquet_file(
             if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
                 raise UsageError(f"--caption-column {caption_column!r} of {entry.name} is {kind}, not text")
             columns.append(caption_column)
+        masked = mask_column(masks)
+        if masked is not None:
+            problem = image_column_error(schema, masked)
+            if problem:
+                raise UsageError(f"{entry.name} {problem}; --masks column:NAME names the column of mask bytes")
+            columns.append(masked)
         source = f"column:{entry.name}:{caption_column}" if caption_column else None
         row = 0
         for group in range(parquet.num_row_groups):
@@ -196,7 +208,8 @@ def scan_parquet_file(
             paths = _paths(table.column(image_column))
             captions = (table.column(caption_column).to_pylist() if caption_column is not None
                         else [None] * table.num_rows)  # fmt: skip
-            for index, (blob, path, caption) in enumerate(zip(images, paths, captions)):
+            mask_blobs = image_bytes(table.column(masked)) if masked is not None else [None] * table.num_rows
+            for index, (blob, path, caption, mask) in enumerate(zip(images, paths, captions, mask_blobs)):
                 probe = _probe(blob, path, max_pixels)
                 caption = normalise_caption(caption) if caption is not None else None
                 message = probe.message
@@ -208,6 +221,10 @@ def scan_parquet_file(
                                  "orientation": probe.orientation, "error": probe.error, "message": message,
                                  "bytes_read": len(blob) if blob is not None else 0, "caption": caption,
                                  "caption_source": source if caption is not None else None})  # fmt: skip
+                if mask is not None:
+                    out.rows[-1].update(mask=f"column:{masked}", mask_size=len(mask))
+                elif masks and "alpha" in masks.split(",") and probe.alpha:
+                    out.rows[-1]["mask"] = MASK_ALPHA
                 out.images += 1
                 out.no_caption += caption is None
                 row += 1
@@ -219,7 +236,8 @@ def scan_parquet_file(
 def _scan_one(fs, root: str, entry: FileEntry, config: Any) -> ParquetScan:
     try:
         return scan_parquet_file(fs, root, entry, image_column=config.image_column,
-                                 caption_column=config.caption_column, max_pixels=config.max_pixels)  # fmt: skip
+                                 caption_column=config.caption_column, max_pixels=config.max_pixels,
+                                 masks=getattr(config, "masks", None))  # fmt: skip
     except FileNotFoundError as e:  # gone since the listing
         cause: BaseException = e
     except StorageError as e:

@@ -177,6 +177,7 @@ def parse_webp(reader: IO[bytes]) -> Header:
                 return Header(error="not_an_image", format="WEBP", message="WebP VP8L chunk without its signature")
             bits = int.from_bytes(payload[1:5], "little")
             width, height = 1 + (bits & 0x3FFF), 1 + ((bits >> 14) & 0x3FFF)
+            flags |= 0x10 if bits >> 28 & 1 else 0  # alpha_is_used, as VP8X's alpha flag
         elif fourcc == b"EXIF" and exif is None:
             exif = reader.read(length)
         elif fourcc == b"XMP " and xmp is None:
@@ -188,7 +189,9 @@ def parse_webp(reader: IO[bytes]) -> Header:
         reader.seek(start + length + (length & 1))  # skip the payload (image data) without reading it
     if width is None:
         return Header(error="truncated", format="WEBP", message="WebP ends before its frame header")
-    return Header(width=width, height=height, format="WEBP", orientation=_orientation(exif, xmp))
+    # VP8X flag 0x10: the image has alpha (an ALPH chunk or a VP8L image that uses it)
+    return Header(width=width, height=height, format="WEBP", orientation=_orientation(exif, xmp),
+                  alpha=bool(flags & 0x10))  # fmt: skip
 
 
 def _orientation(exif: bytes | None, xmp: bytes | None) -> object:

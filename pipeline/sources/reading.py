@@ -62,6 +62,7 @@ PROBE_SCHEMA = pa.schema(
         pa.field("caption", pa.string()),
         pa.field("caption_read", pa.bool_()),  # null: no sidecar; False: it could not be read
         pa.field("sidecar", pa.string()),  # the sidecar the caption was read from (an image may have several)
+        pa.field("alpha", pa.bool_()),  # the header declares an alpha channel (scan --masks alpha)
     ]
 )
 
@@ -107,7 +108,8 @@ def probe_files(
         requests = (probe.requests if probe else 0) + (isinstance(fetched.sidecar, bytes) and item.sidecar_size > 0)
         row = (item.name, probe is not None, probe and probe.width, probe and probe.height, probe and probe.format,
                probe and probe.orientation, probe and probe.error, probe and probe.message,
-               probe and probe.bytes_read, requests, caption, caption_read, item.sidecar)  # fmt: skip
+               probe and probe.bytes_read, requests, caption, caption_read, item.sidecar,
+               probe is not None and probe.alpha)  # fmt: skip
         for column, value in zip(columns.values(), row):
             column.append(value)
     return pa.table(columns, schema=PROBE_SCHEMA)

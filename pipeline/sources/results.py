@@ -42,6 +42,7 @@ class Header:
     orientation: Any = 1
     error: str | None = None  # one of ERROR_KINDS, when the parser already knows the file is unusable
     message: Any = None
+    alpha: bool = False  # the header declares an alpha channel (RGBA, LA, a palette or PNG with transparency)
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class Probe:
     message: str | None
     bytes_read: int
     requests: int
+    alpha: bool = False  # a usable image whose header declares an alpha channel (scan --masks alpha)
 
 
 def _text(value: Any, limit: int) -> str | None:
@@ -117,4 +119,4 @@ def checked(header: Header, max_pixels: int, *, bytes_read: int = 0, requests: i
         message = (f"declares {width}x{height} = {width * height:,} pixels, above the limit of {max_pixels:,} "
                    "(--max-pixels); not decoded")  # fmt: skip
         return Probe(*_fits(width, height), fmt, orientation, "too_many_pixels", message, **io)
-    return Probe(width, height, fmt, orientation, None, None, **io)
+    return Probe(width, height, fmt, orientation, None, None, **io, alpha=header.alpha is True)

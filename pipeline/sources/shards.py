@@ -40,12 +40,13 @@ from fsspec.implementations.local import LocalFileSystem
 
 from manifests.errors import StorageError
 from manifests.retry import is_permanent, is_storage_failure, with_retries
-from manifests.schema import MAX_PIXELS
+from manifests.schema import MASK_ALPHA, MAX_PIXELS
 from manifests.storage import join, open_url, redact
 from pipeline.formats import IMAGE_EXTENSIONS, register_plugins
 from pipeline.sources.captions import caption_list, decode_caption, normalise_caption
 from pipeline.sources.headers import StorageFailure, probe_header
 from pipeline.sources.listing import FileEntry, extension
+from pipeline.sources.masks import is_mask_member
 from pipeline.sources.reading import SIDECAR_LIMIT
 from pipeline.sources.results import Header, checked
 from pipeline.sources.jpeg import sparse_jpeg_header
@@ -76,6 +77,9 @@ SHARD_ROWS = pa.schema(
         pa.field("caption", pa.string()),
         pa.field("caption_source", pa.string()),
         pa.field("captions", pa.list_(pa.string())),  # the .json field's list, when it holds several captions
+        pa.field("mask", pa.string()),  # scan --masks: "alpha", or <shard>/<key>.mask.<ext> (manifests.schema)
+        pa.field("mask_offset", pa.int64()),
+        pa.field("mask_size", pa.int64()),
     ]
 )
 
@@ -98,6 +102,7 @@ class ShardScan:
     no_caption: int = 0  # images without a caption: no caption member, or an empty one
     captions_truncated: int = 0  # caption members over SIDECAR_LIMIT bytes, cut there
     ignored_members: dict[str, int] = field(default_factory=dict)  # by extension
+    mask_members: int = 0  # scan --masks files: <key>.mask.<ext> members (not samples)
 
 
 class _CountingReads:
@@ -134,10 +139,13 @@ def scan_shard(
     max_pixels: int = MAX_PIXELS,
     window: int = SHARD_WINDOW,
     caption_field: str = "caption",
+    masks: str | None = None,
 ) -> ShardScan:
     """Scan the shard ``shard`` (name relative to the root, size in bytes) through ``read_range(start, end)``.
 
-    Returns its rows (see the module docstring). Exceptions of ``read_range`` (after its retries)
+    Returns its rows (see the module docstring). ``masks`` (``scan --masks``): with ``files`` a key's
+    ``<key>.mask.<ext>`` member is its image's mask, not an image (:mod:`pipeline.sources.masks`); with
+    ``alpha`` an image whose header declares alpha is its own mask. Exceptions of ``read_range`` (after its retries)
     propagate: the caller decides between ``read_failed`` and stopping the job.
     """
     reads = _CountingReads(read_range)
@@ -150,6 +158,13 @@ def scan_shard(
         by_key.setdefault(shard_key(member.name), []).append(member)
     for key, members in by_key.items():
         images = [m for m in members if extension(m.name) in IMAGE_EXTENSIONS]
+        mask_member = None
+        if masks and "files" in masks:
+            mask_members = [m for m in images if is_mask_member(m.name)]
+            images = [m for m in images if m not in mask_members]
+            out.mask_members += len(mask_members)
+            mask_member = min(mask_members, key=lambda m: m.name) if mask_members else None
+            members = [m for m in members if m not in mask_members]
         if not images:
             for m in members:
                 ext = extension(m.name)
@@ -182,6 +197,11 @@ def scan_shard(
                 probe = _probe(reads, image, max_pixels, window)
             row.update(width=probe.width, height=probe.height, format=probe.format, orientation=probe.orientation,
                        error=probe.error, message=probe.message, bytes_read=probe.bytes_read)  # fmt: skip
+            if mask_member is not None:
+                row.update(mask=f"{shard.name}/{mask_member.name}", mask_offset=mask_member.offset,
+                           mask_size=mask_member.size)  # fmt: skip
+            elif masks and "alpha" in masks and probe.alpha:
+                row["mask"] = MASK_ALPHA
             out.rows.append(row)
     for link, kind, message in broken:  # an image named by a link that leads nowhere in the shard
         if extension(link.name) in IMAGE_EXTENSIONS:
@@ -317,7 +337,7 @@ def _scan_one(fs, root: str, shard: FileEntry, config: Any) -> ShardScan:
         read_range, close = _read_range(fs, join(root, shard.name))
         try:
             return scan_shard(read_range, shard, max_pixels=config.max_pixels, window=config.shard_window,
-                              caption_field=config.caption_field)  # fmt: skip
+                              caption_field=config.caption_field, masks=getattr(config, "masks", None))  # fmt: skip
         finally:
             close()
     except StorageFailure as e:  # a read inside an image probe
@@ -357,11 +377,11 @@ def combine_scans(scans: list, schema: pa.Schema) -> pa.Table:
     table whose metadata ``stats`` holds their summed counts: shards (containers), requests, bytes_read,
     images, no_caption and ignored_members by extension."""
     stats: dict[str, Any] = {"shards": len(scans), "requests": 0, "bytes_read": 0, "images": 0, "no_caption": 0,
-                             "captions_truncated": 0, "ignored_members": {}}  # fmt: skip
+                             "captions_truncated": 0, "ignored_members": {}, "mask_members": 0}  # fmt: skip
     rows: list[dict[str, Any]] = []
     for scan in scans:
         rows.extend(scan.rows)
-        for name in ("requests", "bytes_read", "images", "no_caption", "captions_truncated"):
+        for name in ("requests", "bytes_read", "images", "no_caption", "captions_truncated", "mask_members"):
             stats[name] += getattr(scan, name, 0)
         for ext, n in getattr(scan, "ignored_members", {}).items():
             stats["ignored_members"][ext] = stats["ignored_members"].get(ext, 0) + n

@@ -21,6 +21,7 @@ from manifests.cache import CacheError, CacheReader, TextLayout
 from manifests.cache.records import SampleRecord, to_float32
 from manifests.errors import UsageError
 from manifests.storage import redact
+from train.masks import stack_masks
 from train.data.draws import caption_dropout_mask, draw_posterior, variant_choice
 from train.data.steps import PlanStep, RankSteps
 
@@ -31,7 +32,7 @@ MAX_AHEAD_STEPS = 256  # never more steps ahead than this, however small the rec
 MAX_GROUP_STEPS = 32  # steps fetched by one batched read (its ranges merged across the steps)
 
 TENSORS = ("latents", "text", "text_mask", "resolution", "aspect_ratio", "crop_top_left", "target_size", "pooled",
-           "cond_latents", "features")
+           "cond_latents", "features", "mask")
 
 
 class BadRecordError(UsageError):
@@ -54,9 +55,9 @@ class Batch:
     paired conditioning images' latents, scaled like ``latents`` (None for a cache without pairs).
     ``features`` (B, gh, gw, D) float16: the DINOv2 patch features of each sample's variant (``embed
     --features``; REPA, :mod:`train.repa`), as stored whatever ``pending`` says (None for a cache without).
-    ``variants`` (B,): the variant each sample trains on (:func:`variant_choice`; 0 without variants).
-    ``dropped``: ids whose caption was replaced by the empty one (caption dropout). ``skipped``: ids
-    dropped as bad records (only with ``skip_bad_records``).
+    ``mask`` (B, 1, h, w) float32 in [0, 1]: loss masks at the latent grid (:func:`train.masks.stack_masks`).
+    ``variants`` (B,): each sample's variant (:func:`variant_choice`). ``dropped``: ids whose caption was
+    replaced by the empty one (caption dropout). ``skipped``: ids dropped as bad records (skip_bad_records).
 
     ``pending`` ``(shift, scale)``: the batch is as stored (``collate(widen=False)``: latents, text and
     pooled in the cache's dtype, bf16 as ``torch.bfloat16``, latents not yet scaled): :meth:`to`
@@ -79,6 +80,7 @@ class Batch:
     pooled: torch.Tensor | None = None
     cond_latents: torch.Tensor | None = None
     features: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
     variants: list[int] = field(default_factory=list)
     dropped: list[int] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)
@@ -184,6 +186,7 @@ def _batch(records: Sequence[SampleRecord], step: PlanStep, latents: torch.Tenso
         pooled=pooled,
         cond_latents=conds,
         features=None if records[0].features is None else torch.from_numpy(np.stack([r.features for r in records])),
+        mask=stack_masks([r.mask for r in records], tuple(latents.shape[-2:])),
     )
 
 

@@ -10,6 +10,7 @@ import torch
 from manifests.cache.meta import CacheMeta
 from manifests.errors import UsageError
 from train.config import TrainConfig
+from train.masks import masked_mse
 
 __all__ = ["Denoiser", "LossFn", "PromptEmbeds", "Recipe", "pretrained_source", "load_pretrained", "check_matches",
            "flow_options", "flow_loss"]
@@ -103,6 +104,8 @@ def flow_options(cfg: TrainConfig) -> dict[str, Any]:
             "mode_scale": cfg.mode_scale}  # fmt: skip
 
 
-def flow_loss(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Weighted mean squared error, in fp32 (autocast may have made ``pred`` half precision)."""
-    return (weight.float() * (pred.float() - target.float()) ** 2).mean()
+def flow_loss(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor,
+              mask: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Weighted mean squared error, in fp32 (autocast may have made ``pred`` half precision); ``mask``: per-pixel
+    loss weights (:func:`train.masks.mask_weights`, broadcast to ``pred``), normalised per sample."""
+    return masked_mse(pred, target, mask, weight)

@@ -16,6 +16,7 @@ import torch
 
 from manifests.cache.meta import CacheMeta
 from train.config import TrainConfig
+from train.masks import MaskedLoss, mask_weights
 from train.model import flow_sample, to_weight_dtype
 from train.shift import timestep_shift
 from train.recipes.base import (Denoiser, PromptEmbeds, Recipe, check_matches, flow_loss, flow_options,
@@ -38,6 +39,7 @@ def setup(cfg: TrainConfig, meta: CacheMeta) -> Denoiser:
     # bucket at the shift the pipeline samples it with (train/shift.py); packing makes a token of 2x2 latents
     shift = timestep_shift(cfg.timestep_shift, scheduler.config, patch=2)
     guidance_embeds = bool(transformer.config.guidance_embeds)
+    masked = MaskedLoss.from_config(cfg.masked_loss)
 
     def loss(model: torch.nn.Module, batch: Any, generator: torch.Generator) -> torch.Tensor:
         b, c, h, w = batch.latents.shape
@@ -51,7 +53,9 @@ def setup(cfg: TrainConfig, meta: CacheMeta) -> Denoiser:
         pred = model(hidden_states=packed, timestep=draw.sigma.flatten(), guidance=guidance, pooled_projections=pooled,
                      encoder_hidden_states=text, txt_ids=txt_ids, img_ids=img_ids,
                      return_dict=False)[0]  # (B, h/2 * w/2, 4C)  # fmt: skip
-        return flow_loss(pred, FluxPipeline._pack_latents(draw.target, b, c, h, w), draw.weight.view(b, 1, 1))
+        mask = mask_weights(batch, masked)  # (B, 1, h, w) -> packed like the latents: (B, h/2 * w/2, 4C)
+        mask = None if mask is None else FluxPipeline._pack_latents(mask.expand(b, c, h, w), b, c, h, w)
+        return flow_loss(pred, FluxPipeline._pack_latents(draw.target, b, c, h, w), draw.weight.view(b, 1, 1), mask)
 
     def pipeline(model: torch.nn.Module, vae: Any) -> Any:
         return FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, text_encoder_2=None,

@@ -14,10 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from manifests.cache.meta import CacheMeta
 from train.config import TrainConfig
+from train.masks import MaskedLoss, mask_weights, masked_mse
 from train.model import build_model, ddpm_sample, flow_matching_loss, to_weight_dtype
 from train.shift import refuse_shift, timestep_shift
 from train.recipes.base import (Denoiser, PromptEmbeds, Recipe, check_matches, flow_options, load_pretrained,
@@ -28,6 +28,7 @@ def setup(cfg: TrainConfig, meta: CacheMeta) -> Denoiser:
     from diffusers import DDPMScheduler, FlowMatchEulerDiscreteScheduler, PixArtTransformer2DModel
 
     layout, channels = meta.text_layout, int(meta.latent.channels)
+    masked = MaskedLoss.from_config(cfg.masked_loss)
     if cfg.pretrained is None:
         model = build_model(cfg.model, latent_channels=channels, caption_channels=layout.width)
         shift = timestep_shift(cfg.timestep_shift, None)  # auto: unshifted (no pretrained scheduler)
@@ -37,7 +38,7 @@ def setup(cfg: TrainConfig, meta: CacheMeta) -> Denoiser:
             cond = {"resolution": batch.resolution, "aspect_ratio": batch.aspect_ratio}
             s = shift.for_bucket(batch.bucket, *batch.latents.shape[-2:])
             return flow_matching_loss(model, batch.latents, batch.text, batch.text_mask, cond, generator,
-                                      shift=s, **flow_options(cfg))  # fmt: skip
+                                      shift=s, mask=mask_weights(batch, masked), **flow_options(cfg))  # fmt: skip
     else:
         refuse_shift(cfg.timestep_shift, "a pretrained pixart")
         source = pretrained_source(cfg, meta)
@@ -54,7 +55,8 @@ def setup(cfg: TrainConfig, meta: CacheMeta) -> Denoiser:
             cond = {"resolution": resolution, "aspect_ratio": aspect}
             pred = model(noisy, encoder_hidden_states=text, encoder_attention_mask=batch.text_mask,
                          timestep=timesteps, added_cond_kwargs=cond, return_dict=False)[0]  # fmt: skip
-            return F.mse_loss(pred[:, :channels].float(), target.float())  # learned sigma: the mean half
+            # learned sigma: the mean half
+            return masked_mse(pred[:, :channels], target, mask_weights(batch, masked))
 
     def pipeline(model: torch.nn.Module, vae: Any) -> Any:
         from diffusers import PixArtAlphaPipeline

@@ -15,6 +15,7 @@ import torch
 
 from manifests.cache.meta import CacheMeta
 from train.config import TrainConfig
+from train.masks import MaskedLoss, mask_weights
 from train.model import flow_sample, to_weight_dtype
 from train.shift import timestep_shift
 from train.recipes.base import (Denoiser, PromptEmbeds, Recipe, check_matches, flow_loss, flow_options,
@@ -34,6 +35,7 @@ def setup(cfg: TrainConfig, meta: CacheMeta) -> Denoiser:
     scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(source, subfolder="scheduler")
     patch = int(transformer.config.patch_size)
     shift = timestep_shift(cfg.timestep_shift, scheduler.config, patch=patch)  # auto: the scheduler's shift
+    masked = MaskedLoss.from_config(cfg.masked_loss)
 
     def loss(model: torch.nn.Module, batch: Any, generator: torch.Generator) -> torch.Tensor:
         h, w = batch.latents.shape[-2:]
@@ -41,7 +43,7 @@ def setup(cfg: TrainConfig, meta: CacheMeta) -> Denoiser:
         noisy, text, pooled = to_weight_dtype(model, draw.noisy, batch.text, batch.pooled)  # DeepSpeed bf16
         pred = model(hidden_states=noisy, encoder_hidden_states=text, pooled_projections=pooled,
                      timestep=draw.sigma.flatten() * 1000.0, return_dict=False)[0]  # fmt: skip
-        return flow_loss(pred, draw.target, draw.weight)
+        return flow_loss(pred, draw.target, draw.weight, mask_weights(batch, masked))
 
     def pipeline(model: torch.nn.Module, vae: Any) -> Any:
         from diffusers import StableDiffusion3Pipeline

@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from manifests.cache.meta import CacheMeta
 from train.config import TrainConfig
+from train.masks import MaskedLoss, mask_weights, masked_mse
 from train.model import ddpm_sample, to_weight_dtype
 from train.shift import refuse_shift
 from train.recipes.base import Denoiser, PromptEmbeds, Recipe, check_matches, load_pretrained, pretrained_source
@@ -40,6 +40,7 @@ def setup(cfg: TrainConfig, meta: CacheMeta) -> Denoiser:
                   int(unet.config.projection_class_embeddings_input_dim) - time_width, layout.pooled_dim, source)
     check_matches("latent channels", unet.config.in_channels, int(meta.latent.channels), source)
     scheduler = DDPMScheduler.from_pretrained(source, subfolder="scheduler")  # keeps prediction_type, betas
+    masked = MaskedLoss.from_config(cfg.masked_loss)
 
     def loss(model: torch.nn.Module, batch: Any, generator: torch.Generator) -> torch.Tensor:
         noisy, timesteps, target = ddpm_sample(scheduler, batch.latents, generator)
@@ -47,7 +48,7 @@ def setup(cfg: TrainConfig, meta: CacheMeta) -> Denoiser:
         cond = {"text_embeds": pooled, "time_ids": time_ids(batch.resolution, batch.crop_top_left,
                                                             batch.target_size)}  # fmt: skip
         pred = model(sample, timesteps, encoder_hidden_states=text, added_cond_kwargs=cond, return_dict=False)[0]
-        return F.mse_loss(pred.float(), target.float())
+        return masked_mse(pred, target, mask_weights(batch, masked))
 
     def pipeline(model: torch.nn.Module, vae: Any) -> Any:
         from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
