@@ -158,6 +158,7 @@ def write_manifest(
     storage_options: dict[str, Any] | None = None,
     rows_per_part: int = ROWS_PER_PART,
     conditioning: ManifestConditioning | None = None,
+    frame_ladder: tuple[int, ...] | None = None,
 ) -> ManifestMeta:
     """Commit a manifest at ``url``: parts first, ``_manifest.json`` last; returns its metadata.
 
@@ -166,7 +167,7 @@ def write_manifest(
     sample/error counts; ``summary`` holds the producing job's figures; ``max_pixels`` is the pixel
     limit the rows were judged by (recorded for embed, which decodes up to it). ``conditioning``
     (``scan --conditioning``): where the ``conditioning`` column's paths are relative to; recorded
-    only when given. Parts no longer referenced are deleted after the
+    only when given; so is ``frame_ladder`` (``scan --frames``: a video manifest). Parts no longer referenced are deleted after the
     commit. Raises ManifestError for duplicate sample ids or a ``max_pixels`` outside 1..MAX_PIXELS.
     """
     if not 1 <= max_pixels <= MAX_PIXELS:
@@ -200,6 +201,7 @@ def write_manifest(
         summary=summary or ScanSummary(),
         conditioning=None if conditioning is None else ManifestConditioning(
             root=redact(conditioning.root), column=conditioning.column),
+        frame_ladder=None if frame_ladder is None else tuple(int(f) for f in frame_ladder),
     )  # fmt: skip
     write_json_atomic(fs, join(root, MANIFEST_FILE), meta.to_json())
     _remove_unreferenced(fs, root, {p.path for p in parts.samples + parts.errors})

@@ -187,6 +187,7 @@ class ManifestMeta(_ManifestRecord):
     parts: ManifestParts = nested(ManifestParts.from_json)
     summary: ScanSummary = nested(ScanSummary.from_json, default_factory=ScanSummary)
     conditioning: ManifestConditioning | None = optional(ManifestConditioning.from_json)  # scan --conditioning
+    frame_ladder: tuple[int, ...] | None = optional(tuple)  # scan --frames: a video manifest (manifests/frames.py)
 
     @classmethod
     def from_json(cls, d: Any, url: str) -> ManifestMeta:  # type: ignore[override]

@@ -20,6 +20,7 @@ __all__ = [
     "ADDED_COLUMNS",
     "CONTAINER_COLUMNS",
     "CONDITIONING_COLUMNS",
+    "VIDEO_COLUMNS",
     "LOCATION_COLUMNS",
     "MAX_PIXELS",
     "sample_id",
@@ -70,6 +71,20 @@ CONDITIONING_FIELDS = (
 )
 CONDITIONING_COLUMNS = tuple(f.name for f in CONDITIONING_FIELDS)
 
+# A video manifest's rows (``scan --frames``; manifests/frames.py), null in an image manifest. ``width`` and
+# ``height`` are the display size; ``bucket`` is ``WxHxF``. ``frames`` is the frame count, how it was
+# found in ``frame_count_from`` (index | tag | duration*fps: pipeline/sources/video.py), ``clips`` the
+# non-overlapping clips of the bucket's frame count the video holds. An image there has frames 1, clips 1.
+VIDEO_FIELDS = (
+    pa.field("frames", pa.int32()),
+    pa.field("fps", pa.float64()),
+    pa.field("duration", pa.float64()),  # seconds
+    pa.field("codec", pa.string()),  # FFmpeg's decoder name: h264, hevc, vp9, av1, ...
+    pa.field("frame_count_from", pa.string()),
+    pa.field("clips", pa.int32()),
+)
+VIDEO_COLUMNS = tuple(f.name for f in VIDEO_FIELDS)
+
 # what incremental rescans and audits need comes after the five contract columns
 SAMPLES_SCHEMA = pa.schema(
     [
@@ -90,6 +105,7 @@ SAMPLES_SCHEMA = pa.schema(
         pa.field("captions", pa.list_(pa.string())),
         *CONTAINER_FIELDS,
         *CONDITIONING_FIELDS,
+        *VIDEO_FIELDS,
     ]
 )
 
@@ -113,6 +129,7 @@ ERRORS_SCHEMA = pa.schema(
         pa.field("captions", pa.list_(pa.string())),
         *CONTAINER_FIELDS,
         *CONDITIONING_FIELDS,
+        *VIDEO_FIELDS,
     ]
 )
 
@@ -131,7 +148,7 @@ ERRORS_SCHEMA = pa.schema(
 #                                                       existed: unknown, read again on the next scan
 
 # nullable columns added after FORMAT_VERSION 1 shipped: parts written before lack them and read as nulls
-ADDED_COLUMNS = frozenset({"caption_source", "captions", *CONTAINER_COLUMNS, *CONDITIONING_COLUMNS})
+ADDED_COLUMNS = frozenset({"caption_source", "captions", *CONTAINER_COLUMNS, *CONDITIONING_COLUMNS, *VIDEO_COLUMNS})
 
 ERROR_KINDS = (
     "empty",  # zero bytes
@@ -150,6 +167,8 @@ ERROR_KINDS = (
     "conditioning_unusable",  # its header cannot be read (the message gives the kind: truncated, not_an_image, ...)
     "broken_link",  # a symbolic link (or a tar shard's link member) to nothing there
     "link_loop",  # a symbolic link that leads back to itself
+    "not_a_video",  # (scan --frames) a video file PyAV cannot open, or one without a video stream
+    "too_short",  # (scan --frames) fewer frames than the shortest frame bucket
 )
 
 
