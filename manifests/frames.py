@@ -7,7 +7,7 @@ A video sample's bucket is ``WxHxF``: the pixel bucket of its display size (``ma
 ``F``, the longest rung of the ladder that fits in its frame count. Causal video VAEs (Wan,
 HunyuanVideo) encode ``4k+1`` frames; ``--frame-ladder 4k+1`` gives exactly those (``4k+1`` only
 with a ``max``; ``min`` defaults to 5, the first that is a clip rather than an image). A video
-longer than twice the longest rung is several clips: ``clips = frames // F`` non-overlapping
+of at least twice the longest rung is several clips: ``clips = frames // F`` non-overlapping
 windows of ``F`` consecutive frames, clip ``i`` starting at frame ``i * F`` (frame stride 1); which
 clip an epoch takes is the plan's choice, later (issue #28). A video shorter than the shortest rung
 is an error row ``too_short``. An image in a video manifest is a 1-frame sample: bucket ``WxHx1``,
@@ -56,9 +56,10 @@ class FrameLadder:
     def parse_list(cls, text: str) -> FrameLadder:
         """``"17,33,49,81"`` -> a ladder; raises UsageError naming ``--frames``."""
         try:
-            return cls(tuple(int(t) for t in text.split(",") if t.strip()))
+            frames = tuple(int(t) for t in text.split(",") if t.strip())
         except ValueError:
             raise UsageError(f"--frames {text!r}: give frame counts separated by commas, e.g. 17,33,49,81") from None
+        return cls(frames)
 
     @classmethod
     def parse_rule(cls, text: str) -> FrameLadder:

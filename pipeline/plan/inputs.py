@@ -37,9 +37,11 @@ def cache_inputs(url: str, options: Mapping[str, Any], manifest: Any = None) -> 
 
 def _dataset(url: str, cache: str | None, options: Mapping[str, Any]) -> tuple[Any, DatasetSamples]:
     """``(manifest, its samples to plan)``. Raises UsageError when no sample has an up-to-date record."""
+    from manifests.frames import refuse_video
     from manifests.manifest import read_manifest
 
     manifest = read_manifest(url, dict(options))
+    refuse_video(manifest.meta.frame_ladder, "bucketeer plan")
     ids = manifest.samples.column("sample_id").to_numpy()
     buckets = manifest.samples.column("bucket")
     counts = caption_counts(manifest.samples)

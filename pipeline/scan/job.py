@@ -268,6 +268,10 @@ def _video_scan(job: ScanJob, listing: Listing, target: tuple, table: CaptionTab
     if job.config.format not in ("auto", "files") or job.conditioning:
         raise UsageError("--frames scans loose video and image files: leave out --format tar/parquet and "
                          "--conditioning (video in tar shards and parquet files comes with issue #28)")  # fmt: skip
+    try:
+        import av  # noqa: F401
+    except ImportError:
+        raise UsageError("--frames reads video headers with PyAV: pip install 'bucketeer[video]'") from None
     loose, _ = select_kinds(listing, job.source, "files", videos=True)
     if not listing.videos:
         raise UsageError(f"--frames: no video files (.mp4 .mov .webm .mkv) under {redact(job.source)}; check the path, "
