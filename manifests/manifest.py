@@ -167,8 +167,9 @@ def write_manifest(
     sample/error counts; ``summary`` holds the producing job's figures; ``max_pixels`` is the pixel
     limit the rows were judged by (recorded for embed, which decodes up to it). ``conditioning``
     (``scan --conditioning``): where the ``conditioning`` column's paths are relative to; recorded
-    only when given; so is ``frame_ladder`` (``scan --frames``: a video manifest). Parts no longer referenced are deleted after the
-    commit. Raises ManifestError for duplicate sample ids or a ``max_pixels`` outside 1..MAX_PIXELS.
+    only when given; so is ``frame_ladder`` (``scan --frames``: a video manifest). Parts no longer
+    referenced are deleted after the commit. Raises ManifestError for duplicate sample ids or a
+    ``max_pixels`` outside 1..MAX_PIXELS.
     """
     if not 1 <= max_pixels <= MAX_PIXELS:
         raise ManifestError(f"max_pixels must be 1..{MAX_PIXELS:,} (what Pillow decodes), got {max_pixels:,}")

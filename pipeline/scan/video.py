@@ -64,7 +64,8 @@ def scan_video_batch(target: tuple, batch: pa.Table, config: ScanConfig) -> pa.T
         rows = list(pool.map(lambda item: _probe_one(fs, root, item), items))
     faults.hit("scan.task")
     columns = list(zip(*rows)) if rows else [[] for _ in _PROBE_FIELDS]
-    return pa.Table.from_arrays([pa.array(c, f.type) for c, f in zip(columns, _PROBE_FIELDS)], schema=VIDEO_PROBE_SCHEMA)
+    arrays = [pa.array(c, f.type) for c, f in zip(columns, _PROBE_FIELDS)]
+    return pa.Table.from_arrays(arrays, schema=VIDEO_PROBE_SCHEMA)
 
 
 def _probe_one(fs, root: str, item: WorkItem) -> tuple:

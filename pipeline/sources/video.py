@@ -57,7 +57,8 @@ class VideoProbe:
     requests: int = 0
 
 
-def probe_video(read_range: Callable[[int, int], bytes], size: int, *, first_read: int = VIDEO_FIRST_READ) -> VideoProbe:
+def probe_video(read_range: Callable[[int, int], bytes], size: int, *,
+                first_read: int = VIDEO_FIRST_READ) -> VideoProbe:  # fmt: skip
     """Probe one video of ``size`` bytes through ``read_range(start, end)`` (end exclusive).
 
     Never raises for the file's content (a broken file is ``empty``, ``not_a_video`` or
@@ -92,7 +93,8 @@ def _describe(container, reader: RangeReader) -> VideoProbe:
     width, height = stream.codec_context.width, stream.codec_context.height
     codec = stream.codec_context.name
     if not width or not height or width < 1 or height < 1:
-        return VideoProbe(format=fmt, codec=codec, error="invalid_header", message=f"declares a size of {width}x{height}")
+        message = f"declares a size of {width}x{height}"
+        return VideoProbe(format=fmt, codec=codec, error="invalid_header", message=message)
     duration = _duration(container, stream)
     frames, source = _frames(stream, duration)
     rate = stream.average_rate or stream.guessed_rate
