@@ -7,7 +7,8 @@ Writes once (in ``--cache-dir``, default ``~/.cache/bucketeer/bench-video``) eig
 PyAV: H.264 .mp4 (moov at the end, as FFmpeg writes it), .mov (MPEG-4 part 2), .mkv (H.264) and VP9
 .webm, 320x180 to 640x360 (a panning gradient with fresh grain in every frame: 1-10 MB per clip),
 121 to 241 frames (a sample table of that many entries), then hard-links them into folders of
-``--small`` and ``--large`` files (the header bytes a scan reads are the same whatever the link). In one run, page cache warm, each method scans both folders (best of two) and reports the
+``--small`` and ``--large`` files (the header bytes a scan reads are the same whatever the link). In one
+run, page cache warm, each method scans both folders (best of two) and reports the
 **marginal** rate ``(large - small) / (t_large - t_small)``, so that start-up, listing and commit drop out:
 
 1. ``bucketeer scan --frames 17,33,49,81`` of the local folder (a warm in-process Ray; wall clock);
