@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from fractions import Fraction
 
 import numpy as np
@@ -155,11 +156,22 @@ def test_embed_plan_and_rebucket_refuse_a_video_manifest(scanned, tmp_path, caps
     assert err.count(VIDEO_REFUSAL) == 2 and "rebucket" in err
 
 
-def test_image_scan_ignores_videos_and_keeps_its_manifest(clips, ray_local, tmp_path):
-    out = str(tmp_path / "images")
-    result = run(ScanJob(source=str(clips), out=out, spec=BucketSpec(area=64 * 64, step=16),
+def test_image_scan_ignores_videos_and_rescans_over_a_video_manifest(scanned, clips, ray_local, tmp_path):
+    """An image scan counts videos as ignored files and writes an image manifest, also where a video manifest
+    was (its reused image rows lose the video columns); a video scan there gives the video manifest again."""
+    result, video = scanned
+    out = str(tmp_path / "m")
+    shutil.copytree(result.url, out)
+    images = run(ScanJob(source=str(clips), out=out, spec=BucketSpec(area=64 * 64, step=16),
                          config=ScanConfig(progress=False)))  # fmt: skip
-    assert result.samples == 1 and result.meta.summary.ignored_extensions["mp4"] >= 5
-    meta = json.loads(open(os.path.join(out, "_manifest.json")).read())
-    assert "frame_ladder" not in meta
-    assert read_manifest(out).samples.column("bucket").to_pylist() == ["80x48"]
+    assert images.samples == 1 and images.meta.summary.ignored_extensions["mp4"] >= 5
+    assert "frame_ladder" not in json.loads(open(os.path.join(out, "_manifest.json")).read())
+    rows = read_manifest(out).samples.to_pylist()
+    assert [(r["bucket"], r["frames"], r["clips"]) for r in rows] == [("80x48", None, None)]
+    again = run(ScanJob(source=str(clips), out=out, spec=BucketSpec(area=64 * 64, step=16), frames=LADDER,
+                        config=ScanConfig(progress=False)))  # fmt: skip
+    def rows_of(manifest):
+        return [{k: r[k] for k in ("filename", "bucket", "frames", "clips", "caption")}
+                for r in manifest.samples.to_pylist()]  # fmt: skip
+
+    assert again.meta.frame_ladder == (9, 17) and rows_of(read_manifest(out)) == rows_of(video)

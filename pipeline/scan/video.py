@@ -138,8 +138,9 @@ def video_part(listing: Listing, target: tuple, config: ScanConfig, spec: Bucket
                "clips": int(pc.sum(samples.column("clips")).as_py() or 0), "video_bytes_read": read,
                "video_bytes": total, "video_read_fraction": round(read / total, 6) if total else 0.0,
                "video_requests": int(pc.sum(probed.column("requests")).as_py() or 0),
-               "video_seconds": round(seconds, 3), "frame_ladder": ladder.to_json()}  # fmt: skip
-    return ScanPart(samples, errors, ScanSummary.from_json(figures), {"listed": len(work), "ignored": 0})
+               "video_seconds": round(seconds, 3), "frame_ladder": ladder.to_json(), "ignored": listing.ignored,
+               "ignored_hidden": listing.ignored_hidden, "ignored_extensions": dict(listing.ignored_extensions)}
+    return ScanPart(samples, errors, ScanSummary.from_json(figures), {"listed": len(work), "ignored": listing.ignored})
 
 
 def _table_captions(probed: pa.Table, table: CaptionTable) -> pa.Table:
@@ -189,7 +190,7 @@ def video_scan_part(images: ScanPart | None, videos: ScanPart) -> ScanPart:
     summary = {**base, **videos.summary.to_json(), "samples": samples.num_rows, "errors": errors.num_rows,
                "errors_by_kind": kinds, "images_loose": None}  # fmt: skip
     summary["listed"] = sum(p.counts.get("listed", 0) for p in parts)
-    counts = {"listed": summary["listed"], "ignored": images.counts.get("ignored", 0) if images else 0}
+    counts = {"listed": summary["listed"], "ignored": videos.counts["ignored"]}
     return ScanPart(samples, errors, ScanSummary.from_json({k: v for k, v in summary.items() if v is not None}),
                     counts)  # fmt: skip
 
