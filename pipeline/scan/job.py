@@ -33,7 +33,9 @@ one kind only (:mod:`pipeline.scan.kinds`; parquet: :mod:`pipeline.sources.parqu
 as ignored by extension; without it, a source of nothing but parquet files is refused with the
 options to pass. ``--conditioning``
 pairs each sample with a conditioning image (:mod:`pipeline.scan.conditioning`): its header is
-probed by the same tasks after the images', and a bad pair is an error row. Without
+probed by the same tasks after the images', and a bad pair is an error row. ``--frames`` (or
+``--frame-ladder``) makes it a video scan (:mod:`pipeline.scan.video`): loose video files' container
+headers, ``WxHxF`` buckets, the folder's images as 1-frame samples. Without
 ``--ray-address`` (or ``RAY_ADDRESS``) Ray starts in-process on this machine.
 """
 
