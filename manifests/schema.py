@@ -21,6 +21,9 @@ __all__ = [
     "CONTAINER_COLUMNS",
     "CONDITIONING_COLUMNS",
     "VIDEO_COLUMNS",
+    "VIDEO_SAMPLES_SCHEMA",
+    "VIDEO_ERRORS_SCHEMA",
+    "table_schemas",
     "LOCATION_COLUMNS",
     "MAX_PIXELS",
     "sample_id",
@@ -71,7 +74,7 @@ CONDITIONING_FIELDS = (
 )
 CONDITIONING_COLUMNS = tuple(f.name for f in CONDITIONING_FIELDS)
 
-# A video manifest's rows (``scan --frames``; manifests/frames.py), null in an image manifest. ``width`` and
+# A video manifest's rows (``scan --frames``; manifests/frames.py); an image manifest has no such columns. ``width`` and
 # ``height`` are the display size; ``bucket`` is ``WxHxF``. ``frames`` is the frame count, how it was
 # found in ``frame_count_from`` (index | tag | duration*fps: pipeline/sources/video.py), ``clips`` the
 # non-overlapping clips of the bucket's frame count the video holds. An image there has frames 1, clips 1.
@@ -105,7 +108,6 @@ SAMPLES_SCHEMA = pa.schema(
         pa.field("captions", pa.list_(pa.string())),
         *CONTAINER_FIELDS,
         *CONDITIONING_FIELDS,
-        *VIDEO_FIELDS,
     ]
 )
 
@@ -129,9 +131,18 @@ ERRORS_SCHEMA = pa.schema(
         pa.field("captions", pa.list_(pa.string())),
         *CONTAINER_FIELDS,
         *CONDITIONING_FIELDS,
-        *VIDEO_FIELDS,
     ]
 )
+
+# a video manifest's tables (scan --frames): the image tables and VIDEO_FIELDS; image manifests never have them
+VIDEO_SAMPLES_SCHEMA = pa.schema([*SAMPLES_SCHEMA, *VIDEO_FIELDS])
+VIDEO_ERRORS_SCHEMA = pa.schema([*ERRORS_SCHEMA, *VIDEO_FIELDS])
+
+
+def table_schemas(video: bool) -> tuple[pa.Schema, pa.Schema]:
+    """``(samples, errors)`` schemas of an image manifest, or of a video one (``_manifest.json`` ``frame_ladder``)."""
+    return (VIDEO_SAMPLES_SCHEMA, VIDEO_ERRORS_SCHEMA) if video else (SAMPLES_SCHEMA, ERRORS_SCHEMA)
+
 
 # ``caption_source``: the exact version of what the caption was taken from, so that a rescan
 # re-reads a caption exactly when its source changed (never by timestamps):
@@ -148,7 +159,7 @@ ERRORS_SCHEMA = pa.schema(
 #                                                       existed: unknown, read again on the next scan
 
 # nullable columns added after FORMAT_VERSION 1 shipped: parts written before lack them and read as nulls
-ADDED_COLUMNS = frozenset({"caption_source", "captions", *CONTAINER_COLUMNS, *CONDITIONING_COLUMNS, *VIDEO_COLUMNS})
+ADDED_COLUMNS = frozenset({"caption_source", "captions", *CONTAINER_COLUMNS, *CONDITIONING_COLUMNS})
 
 ERROR_KINDS = (
     "empty",  # zero bytes

@@ -30,13 +30,13 @@ from manifests.errors import StorageError
 from manifests.frames import FrameLadder, assign_frames, video_bucket_names
 from manifests.manifest import apply_buckets, conform
 from manifests.manifest_meta import ManifestMeta, ScanSummary
-from manifests.schema import ERRORS_SCHEMA, sample_ids
+from manifests.schema import VIDEO_ERRORS_SCHEMA, VIDEO_SAMPLES_SCHEMA, sample_ids
 from manifests.storage import is_local, join, open_url, redact
 from pipeline.scan.config import ScanConfig
 from pipeline.sources.captions import decode_caption, sidecar_stem
 from pipeline.sources.containers import ScanPart
 from pipeline.sources.headers import StorageFailure
-from pipeline.sources.listing import IMAGE_SCHEMA, Listing, WorkItem, work_items, work_table
+from pipeline.sources.listing import Listing, WorkItem, work_items, work_table
 from pipeline.sources.reading import SIDECAR_LIMIT
 from pipeline.sources.captions import CaptionTable
 from pipeline.sources.tasks import run_tasks
@@ -52,6 +52,7 @@ _PROBE_FIELDS = (
     pa.field("bytes_read", pa.int64()), pa.field("requests", pa.int32()), pa.field("caption", pa.string()),
 )  # fmt: skip
 VIDEO_PROBE_SCHEMA = pa.schema(_PROBE_FIELDS)
+_UNBUCKETED = pa.schema([f for f in VIDEO_SAMPLES_SCHEMA if f.name != "bucket"])  # a video row before bucketing
 
 
 def scan_video_batch(target: tuple, batch: pa.Table, config: ScanConfig) -> pa.Table:
@@ -130,7 +131,7 @@ def video_part(listing: Listing, target: tuple, config: ScanConfig, spec: Bucket
         failed = failed.set_column(failed.schema.get_field_index("message"), "message", pa.array(messages, pa.string()))
     good = probed.filter(pc.is_null(probed.column("error")))
     samples, errors = bucket_videos(good, spec, ladder)
-    errors = pa.concat_tables([conform(failed, ERRORS_SCHEMA), errors])
+    errors = pa.concat_tables([conform(failed, VIDEO_ERRORS_SCHEMA), errors])
     seconds = time.perf_counter() - clock - ray_seconds
     read = int(pc.sum(probed.column("bytes_read")).as_py() or 0)
     total = int(pc.sum(probed.column("size")).as_py() or 0)
@@ -152,7 +153,7 @@ def _table_captions(probed: pa.Table, table: CaptionTable) -> pa.Table:
 
 def bucket_videos(videos: pa.Table, spec: BucketSpec, ladder: FrameLadder) -> tuple[pa.Table, pa.Table]:
     """Bucket probed video rows ``WxHxF``; returns ``(samples, errors)``: ``too_small`` and ``too_short`` rejects."""
-    samples, small = apply_buckets(conform(videos, IMAGE_SCHEMA), spec)  # the video columns ride along
+    samples, small = apply_buckets(conform(videos, _UNBUCKETED), spec, video=True)  # the video columns ride along
     bucket_frames, clips, short = assign_frames(ladder, samples.column("frames").to_numpy(zero_copy_only=False))
     samples = samples.set_column(samples.schema.get_field_index("bucket"), "bucket",
                                  video_bucket_names(samples.column("bucket"), bucket_frames))  # fmt: skip
@@ -164,18 +165,18 @@ def bucket_videos(videos: pa.Table, spec: BucketSpec, ladder: FrameLadder) -> tu
          for n in too_short.column("frames").to_pylist()], pa.string()))  # fmt: skip
     too_short = too_short.set_column(too_short.schema.get_field_index("clips"), "clips",
                                      pa.nulls(too_short.num_rows, pa.int32()))  # fmt: skip
-    return samples.filter(pa.array(~short)), pa.concat_tables([small, conform(too_short, ERRORS_SCHEMA)])
+    return samples.filter(pa.array(~short)), pa.concat_tables([small, conform(too_short, VIDEO_ERRORS_SCHEMA)])
 
 
 def one_frame(part: ScanPart) -> ScanPart:
     """An image part in a video manifest: each sample 1 frame (``frames`` 1, ``clips`` 1, bucket ``WxHx1``)."""
-    samples = part.samples
+    samples = conform(part.samples, VIDEO_SAMPLES_SCHEMA)
     n = samples.num_rows
     samples = samples.set_column(samples.schema.get_field_index("bucket"), "bucket",
                                  video_bucket_names(samples.column("bucket"), np.ones(n, np.int32)))  # fmt: skip
     samples = samples.set_column(samples.schema.get_field_index("frames"), "frames", pa.array(np.ones(n, np.int32)))
     samples = samples.set_column(samples.schema.get_field_index("clips"), "clips", pa.array(np.ones(n, np.int32)))
-    return ScanPart(samples, part.errors, part.summary, part.counts)
+    return ScanPart(samples, conform(part.errors, VIDEO_ERRORS_SCHEMA), part.summary, part.counts)
 
 
 def video_scan_part(images: ScanPart | None, videos: ScanPart) -> ScanPart:

@@ -177,9 +177,8 @@ def _work(listing: Listing, entry: FileEntry, probe: bool, table: CaptionTable |
 
 
 def _images_only(rows: pa.Table) -> pa.Table:
-    """The image rows of a (video) manifest table, their video columns null (a video scan sets its own)."""
-    rows = rows.filter(pc.is_null(rows.column("codec")))
-    for name in VIDEO_COLUMNS:
-        field = rows.schema.field(name)
-        rows = rows.set_column(rows.schema.get_field_index(name), field, pa.nulls(rows.num_rows, field.type))
-    return rows
+    """The image rows of a manifest table, without video columns: a video manifest's (scan --frames) videos
+    are not images, and its images' frame columns are the video scan's to set."""
+    if "codec" not in rows.column_names:
+        return rows
+    return rows.filter(pc.is_null(rows.column("codec"))).drop_columns(list(VIDEO_COLUMNS))
