@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 
 from manifests import __version__
 from manifests.buckets import BucketSpec, assign_buckets, bucket_names
-from manifests.schema import ADDED_COLUMNS, ERRORS_SCHEMA, FORMAT_VERSION, MASK_COLUMNS, MAX_PIXELS, SAMPLES_SCHEMA
+from manifests.schema import ADDED_COLUMNS, FORMAT_VERSION, MASK_COLUMNS, MAX_PIXELS, SAMPLES_SCHEMA, table_schemas
 from manifests.manifest_meta import (
     MANIFEST_KIND,
     VERSION_HINT,
@@ -165,6 +165,7 @@ def write_manifest(
     rows_per_part: int = ROWS_PER_PART,
     conditioning: ManifestConditioning | None = None,
     masks: str | None = None,
+    frame_ladder: tuple[int, ...] | None = None,
 ) -> ManifestMeta:
     """Commit a manifest at ``url``: parts first, ``_manifest.json`` last; returns its metadata.
 
@@ -173,15 +174,17 @@ def write_manifest(
     sample/error counts; ``summary`` holds the producing job's figures; ``max_pixels`` is the pixel
     limit the rows were judged by (recorded for embed, which decodes up to it). ``conditioning``
     (``scan --conditioning``): where the ``conditioning`` column's paths are relative to; recorded
-    only when given; so is ``masks`` (``scan --masks``: the rows' ``mask`` column was filled). Parts no
-    longer referenced are deleted after the commit. Raises ManifestError for duplicate sample ids or a
+    only when given; so are ``masks`` (``scan --masks``: the rows' ``mask`` column was filled) and
+    ``frame_ladder`` (``scan --frames``: a video manifest). Parts no longer
+    referenced are deleted after the commit. Raises ManifestError for duplicate sample ids or a
     ``max_pixels`` outside 1..MAX_PIXELS.
     """
     if not 1 <= max_pixels <= MAX_PIXELS:
         raise ManifestError(f"max_pixels must be 1..{MAX_PIXELS:,} (what Pillow decodes), got {max_pixels:,}")
     # the mask columns only when a row has a mask: a manifest without masks keeps its bytes and fingerprint
-    samples = _without_null(conform(samples, SAMPLES_SCHEMA).sort_by("filename"), MASK_COLUMNS)
-    errors = _without_null(conform(errors, ERRORS_SCHEMA).sort_by("filename"), MASK_COLUMNS)
+    samples_schema, errors_schema = table_schemas(frame_ladder is not None)
+    samples = _without_null(conform(samples, samples_schema).sort_by("filename"), MASK_COLUMNS)
+    errors = _without_null(conform(errors, errors_schema).sort_by("filename"), MASK_COLUMNS)
     both = pa.concat_arrays([samples.column("sample_id").combine_chunks(), errors.column("sample_id").combine_chunks()])
     if len(np.unique(both.to_numpy())) != len(both):
         raise ManifestError("duplicate sample_id: a file is listed twice, or two paths hash alike")
@@ -210,6 +213,7 @@ def write_manifest(
         conditioning=None if conditioning is None else ManifestConditioning(
             root=redact(conditioning.root), column=conditioning.column),
         masks=masks,
+        frame_ladder=None if frame_ladder is None else tuple(int(f) for f in frame_ladder),
     )  # fmt: skip
     write_json_atomic(fs, join(root, MANIFEST_FILE), meta.to_json())
     _remove_unreferenced(fs, root, {p.path for p in parts.samples + parts.errors})
@@ -255,7 +259,7 @@ def read_manifest(url: str, storage_options: dict[str, Any] | None = None) -> Ma
     fs, root = open_url(url, storage_options)
     meta = _read_meta(fs, root, url)
     tables = {}
-    for kind, schema in (("samples", SAMPLES_SCHEMA), ("errors", ERRORS_SCHEMA)):
+    for kind, schema in zip(("samples", "errors"), table_schemas(meta.frame_ladder is not None)):
         pieces = []
         for part in getattr(meta.parts, kind):
             path = join(root, part.path)
@@ -277,10 +281,11 @@ def read_manifest(url: str, storage_options: dict[str, Any] | None = None) -> Ma
     return Manifest(url=url, meta=meta, samples=tables["samples"], errors=tables["errors"])
 
 
-def apply_buckets(images: pa.Table, spec: BucketSpec) -> tuple[pa.Table, pa.Table]:
+def apply_buckets(images: pa.Table, spec: BucketSpec, *, video: bool = False) -> tuple[pa.Table, pa.Table]:
     """Bucket image rows (samples-like, with ``width``/``height``); split off ``too_small`` rejects.
 
-    Returns ``(samples, rejects)`` conformed to SAMPLES_SCHEMA and ERRORS_SCHEMA. Every row
+    Returns ``(samples, rejects)`` conformed to SAMPLES_SCHEMA and ERRORS_SCHEMA (``video``: the video
+    manifest's, which keep the video columns; pipeline/scan/video.py adds the frame bucket). Every row
     ends in exactly one of them. This is the one bucketing path: scan and rebucket both use it.
     """
     w = images.column("width").to_numpy()
@@ -289,7 +294,8 @@ def apply_buckets(images: pa.Table, spec: BucketSpec) -> tuple[pa.Table, pa.Tabl
     images = images.drop_columns([c for c in ("bucket", "error", "message") if c in images.column_names])
     images = images.append_column("bucket", bucket_names(bw, bh))
     keep = pa.array(~too_small)
-    samples = conform(images.filter(keep), SAMPLES_SCHEMA)
+    samples_schema, errors_schema = table_schemas(video)
+    samples = conform(images.filter(keep), samples_schema)
     small = images.filter(pa.array(too_small))
     short = np.minimum(small.column("width").to_numpy(), small.column("height").to_numpy())
     small = small.drop_columns(["bucket"])
@@ -298,7 +304,7 @@ def apply_buckets(images: pa.Table, spec: BucketSpec) -> tuple[pa.Table, pa.Tabl
         "message",
         pa.array([f"shorter side {s}px is below --min-side {spec.min_side}px" for s in short], pa.string()),
     )
-    return samples, conform(small, ERRORS_SCHEMA)
+    return samples, conform(small, errors_schema)
 
 
 def rebucket(manifest: Manifest, spec: BucketSpec) -> tuple[pa.Table, pa.Table]:

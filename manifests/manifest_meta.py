@@ -193,6 +193,7 @@ class ManifestMeta(_ManifestRecord):
     summary: ScanSummary = nested(ScanSummary.from_json, default_factory=ScanSummary)
     conditioning: ManifestConditioning | None = optional(ManifestConditioning.from_json)  # scan --conditioning
     masks: str | None = optional()  # scan --masks as given ("alpha", "files" or both): the `mask` column is filled
+    frame_ladder: tuple[int, ...] | None = optional(tuple)  # scan --frames: a video manifest (manifests/frames.py)
 
     @classmethod
     def from_json(cls, d: Any, url: str) -> ManifestMeta:  # type: ignore[override]

@@ -23,6 +23,10 @@ __all__ = [
     "MASK_COLUMNS",
     "MASK_ALPHA",
     "MASK_INFIX",
+    "VIDEO_COLUMNS",
+    "VIDEO_SAMPLES_SCHEMA",
+    "VIDEO_ERRORS_SCHEMA",
+    "table_schemas",
     "LOCATION_COLUMNS",
     "MAX_PIXELS",
     "sample_id",
@@ -90,6 +94,19 @@ MASK_FIELDS = (
 MASK_COLUMNS = tuple(f.name for f in MASK_FIELDS)
 MASK_ALPHA = "alpha"
 MASK_INFIX = ".mask"  # the mask of <stem>.<ext> is <stem>.mask.<any image extension>
+# A video manifest's rows (``scan --frames``; manifests/frames.py); an image manifest has no such columns. ``width`` and
+# ``height`` are the display size; ``bucket`` is ``WxHxF``. ``frames`` is the frame count, how it was
+# found in ``frame_count_from`` (index | tag | duration*fps: pipeline/sources/video.py), ``clips`` the
+# non-overlapping clips of the bucket's frame count the video holds. An image there has frames 1, clips 1.
+VIDEO_FIELDS = (
+    pa.field("frames", pa.int32()),
+    pa.field("fps", pa.float64()),
+    pa.field("duration", pa.float64()),  # seconds
+    pa.field("codec", pa.string()),  # FFmpeg's decoder name: h264, hevc, vp9, av1, ...
+    pa.field("frame_count_from", pa.string()),
+    pa.field("clips", pa.int32()),
+)
+VIDEO_COLUMNS = tuple(f.name for f in VIDEO_FIELDS)
 
 # what incremental rescans and audits need comes after the five contract columns
 SAMPLES_SCHEMA = pa.schema(
@@ -139,6 +156,16 @@ ERRORS_SCHEMA = pa.schema(
     ]
 )
 
+# a video manifest's tables (scan --frames): the image tables and VIDEO_FIELDS; image manifests never have them
+VIDEO_SAMPLES_SCHEMA = pa.schema([*SAMPLES_SCHEMA, *VIDEO_FIELDS])
+VIDEO_ERRORS_SCHEMA = pa.schema([*ERRORS_SCHEMA, *VIDEO_FIELDS])
+
+
+def table_schemas(video: bool) -> tuple[pa.Schema, pa.Schema]:
+    """``(samples, errors)`` schemas of an image manifest, or of a video one (``_manifest.json`` ``frame_ladder``)."""
+    return (VIDEO_SAMPLES_SCHEMA, VIDEO_ERRORS_SCHEMA) if video else (SAMPLES_SCHEMA, ERRORS_SCHEMA)
+
+
 # ``caption_source``: the exact version of what the caption was taken from, so that a rescan
 # re-reads a caption exactly when its source changed (never by timestamps):
 #   "sidecar:<size>:<etag, else mtime>:<sidecar path>"  a .txt/.caption file (path relative to the
@@ -176,6 +203,8 @@ ERROR_KINDS = (
     "mask_missing",  # (embed) the sample's mask file is not there any more
     "mask_mismatch",  # (embed) its mask's size (display orientation) differs from the image's
     "mask_unusable",  # (embed) its mask cannot be decoded (the message gives the kind)
+    "not_a_video",  # (scan --frames) a video file PyAV cannot open, or one without a video stream
+    "too_short",  # (scan --frames) fewer frames than the shortest frame bucket
 )
 
 

@@ -76,6 +76,7 @@ from manifests.cache import SHARD_RECORDS, CacheMeta, EmbedSummary, IndexLookup,
 from manifests.cache.records import GZIP_BACKEND, RECORD_LAYOUT
 from manifests.cache.writer import COMMIT_SECONDS
 from manifests.errors import BucketeerError, UsageError
+from manifests.frames import refuse_video
 from manifests.manifest import read_manifest_meta
 from manifests.manifest_meta import ManifestMeta
 from manifests.schema import MAX_PIXELS
@@ -331,6 +332,7 @@ def _embed(job: EmbedJob) -> EmbedResult:
 
     so = dict(job.storage_options)
     manifest = read_manifest_meta(job.manifest, so)
+    refuse_video(manifest.frame_ladder, "bucketeer embed")
     source = job.source or manifest.source
     request = _request(job, manifest)
     # one look at the committed index decides the work: stale rows (changed image bytes, caption or

@@ -33,7 +33,9 @@ one kind only (:mod:`pipeline.scan.kinds`; parquet: :mod:`pipeline.sources.parqu
 as ignored by extension; without it, a source of nothing but parquet files is refused with the
 options to pass. ``--conditioning``
 pairs each sample with a conditioning image (:mod:`pipeline.scan.conditioning`): its header is
-probed by the same tasks after the images', and a bad pair is an error row. Without
+probed by the same tasks after the images', and a bad pair is an error row. ``--frames`` (or
+``--frame-ladder``) makes it a video scan (:mod:`pipeline.scan.video`): loose video files' container
+headers, ``WxHxF`` buckets, the folder's images as 1-frame samples. Without
 ``--ray-address`` (or ``RAY_ADDRESS``) Ray starts in-process on this machine.
 """
 
@@ -50,12 +52,14 @@ import pyarrow as pa
 from manifests.lock import writer_lock
 from manifests.buckets import BucketSpec, add_bucket_arguments, spec_from_args
 from manifests.errors import StorageError, UsageError
+from manifests.frames import FrameLadder, add_frame_arguments, ladder_from_args
 from manifests.manifest import apply_buckets, write_manifest
 from manifests.manifest_meta import ManifestMeta
 from manifests.retry import is_storage_failure
 from manifests.schema import MAX_PIXELS
 from manifests.storage import open_url, parse_storage_options, redact
 from pipeline.formats import IMAGE_EXTENSIONS
+from pipeline.ray_setup import ray_session
 from pipeline.scan.assemble import assemble
 from pipeline.scan.conditioning import Pairing, pair, resolve
 from pipeline.sources.masks import MaskFiles, attach_masks, mask_column, mask_counts, parse_masks, \
@@ -64,6 +68,7 @@ from pipeline.scan.config import FORMATS, ScanConfig
 from pipeline.scan.probing import batches, conditioning_probe, redacted, scan_batch, task_options
 from pipeline.scan.kinds import select_kinds
 from pipeline.scan.summary import ignored_line, mixed_part, scan_summary, summary_line
+from pipeline.scan.video import one_frame, video_part, video_scan_part, video_summary_line
 from pipeline.sources.captions import CaptionTable, load_captions
 from pipeline.sources.containers import ScanPart, container_part
 from pipeline.sources.headers import FIRST_READ
@@ -99,6 +104,7 @@ class ScanJob:
     masks: str | None = None  # --masks: "alpha", "files" or "alpha,files" (pipeline/scan/masks.py)
     previous: str | None = None
     ray_address: str | None = None  # None: $RAY_ADDRESS, else Ray starts in-process
+    frames: FrameLadder | None = None  # --frames: a video scan (pipeline/scan/video.py)
     fs: Any = field(default=None, compare=False, repr=False)
 
 
@@ -171,6 +177,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar or progress lines (the summary line is always printed)")
     add_bucket_arguments(parser)
+    add_frame_arguments(parser)
     parser.epilog = (f"Images: {', '.join(sorted(IMAGE_EXTENSIONS))} (any case): what this Pillow and its "
                      "installed plugins open. Hidden and ._* files are ignored; other files are counted by extension.")
 
@@ -188,6 +195,7 @@ def job_from_args(args: argparse.Namespace) -> ScanJob:
         source=args.source, out=args.out, spec=spec_from_args(args), config=config, storage_options=storage_options,
         captions=args.captions, conditioning=args.conditioning, previous=args.previous, ray_address=args.ray_address,
         masks=parse_masks(args.masks),
+        frames=ladder_from_args(args),
     )  # fmt: skip
 
 
@@ -195,7 +203,7 @@ def run(job: ScanJob) -> ScanResult:
     """Scan, commit the manifest, print the summary line; raises StorageError for permanent storage
     failures (nothing is committed), UsageError for bad input (no images, a bad caption table)."""
     meta = scan_dataset(job)
-    print(summary_line(meta, job.out))
+    print(video_summary_line(meta, job.out) if meta.frame_ladder is not None else summary_line(meta, job.out))
     s = meta.summary
     return ScanResult(
         url=job.out, fingerprint=meta.fingerprint, meta=meta, listed=meta.counts.listed or 0,
@@ -234,6 +242,8 @@ def _scan(job: ScanJob) -> ManifestMeta:
         raise
     table = load_captions(job.captions, options) if job.captions else None
     target = (source, task_options(source, options, config), job.fs, root)
+    if job.frames is not None:
+        return _video_scan(job, listing, target, table, started)
     loose, containers = select_kinds(listing, source, config.format)
     column = mask_column(job.masks)
     parquet = config.format == "parquet"
@@ -267,6 +277,32 @@ def _scan(job: ScanJob) -> ManifestMeta:
         job.out, samples, errors, source=source, spec=job.spec, storage_options=options, summary=summary,
         counts=counts, max_pixels=config.max_pixels, conditioning=pairing.meta() if pairing is not None else None,
         masks=job.masks,
+    )  # fmt: skip
+
+
+def _video_scan(job: ScanJob, listing: Listing, target: tuple, table: CaptionTable | None,
+                started: float) -> ManifestMeta:
+    """``--frames``: the loose videos (pipeline/scan/video.py) and loose images as 1-frame samples."""
+    assert job.frames is not None
+    if job.config.format not in ("auto", "files") or job.conditioning or job.masks:
+        raise UsageError("--frames scans loose video and image files: leave out --format tar/parquet, --masks and "
+                         "--conditioning (video in tar shards and parquet files comes with issue #28)")  # fmt: skip
+    try:
+        import av  # noqa: F401
+    except ImportError:
+        raise UsageError("--frames reads video headers with PyAV: pip install 'bucketeer[video]'") from None
+    loose, _ = select_kinds(listing, job.source, "files", videos=True)
+    if not listing.videos:
+        raise UsageError(f"--frames: no video files (.mp4 .mov .webm .mkv) under {redact(job.source)}; check the path, "
+                         "or scan images without --frames")  # fmt: skip
+    with ray_session(job.ray_address):  # one Ray for both parts
+        no_masks = MaskFiles({})  # --masks is refused above
+        images = one_frame(_loose_part(job, listing, target, table, (None, 0), started, no_masks)) if loose else None
+        videos = video_part(listing, target, job.config, job.spec, job.frames, table, job.ray_address)
+    samples, errors, summary, counts = video_scan_part(images, videos)
+    return write_manifest(
+        job.out, samples, errors, source=job.source, spec=job.spec, storage_options=job.storage_options,
+        summary=summary, counts=counts, max_pixels=job.config.max_pixels, frame_ladder=job.frames.frames,
     )  # fmt: skip
 
 

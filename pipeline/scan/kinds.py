@@ -25,14 +25,19 @@ def _ignore(listing: Listing, key: str, n: int = 1) -> None:
         listing.ignored_extensions[key] = listing.ignored_extensions.get(key, 0) + n
 
 
-def select_kinds(listing: Listing, source: str, fmt: str) -> tuple[bool, bool]:
+def select_kinds(listing: Listing, source: str, fmt: str, *, videos: bool = False) -> tuple[bool, bool]:
     """Keep in ``listing`` the kinds of files ``--format fmt`` scans and count the others as ignored.
 
     Returns ``(loose, containers)``: whether there are loose images (or their link errors) to scan,
     and containers (tar shards; with ``parquet``, parquet files). Raises UsageError, saying what
     to do, when the source holds nothing the format reads but compressed shards or parquet files,
-    or when ``--format tar`` meets a compressed shard.
+    or when ``--format tar`` meets a compressed shard. Video files are counted as ignored unless ``videos``
+    (``--frames``: :mod:`pipeline.scan.video` scans them).
     """
+    if not videos:
+        for entry in listing.videos:
+            _ignore(listing, extension(entry.name))
+        listing.videos = []
     if fmt == "tar" and listing.compressed_shards:
         raise UsageError(compressed_shards_message(listing.compressed_shards, source))
     if fmt == "auto" and listing.compressed_shards and not (listing.images or listing.link_errors or

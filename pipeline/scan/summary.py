@@ -21,7 +21,8 @@ __all__ = ["scan_summary", "summary_line", "ignored_line", "mixed_part"]
 
 _DECOMPRESS = "compressed shards cannot be read by range: gzip -dc each into a .tar to scan it"
 _IGNORED_HINTS = {"tar.gz": _DECOMPRESS, "tgz": _DECOMPRESS, "tar": "--format auto or tar scans them",
-                  "parquet": "--format parquet scans their image column"}  # fmt: skip
+                  "parquet": "--format parquet scans their image column",
+                  **dict.fromkeys(("mp4", "mov", "webm", "mkv"), "--frames scans videos")}  # fmt: skip
 
 
 def ignored_line(ignored_extensions: dict[str, int], top: int = 4) -> str:

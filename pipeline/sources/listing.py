@@ -53,13 +53,14 @@ from pipeline.sources.captions import SIDECAR_EXTENSIONS, sidecar_number, sideca
 from manifests.retry import with_retries
 
 __all__ = [
-    "IMAGE_EXTENSIONS", "IMAGE_SCHEMA", "WORK_SCHEMA", "FileEntry", "Listing", "WorkItem",
+    "IMAGE_EXTENSIONS", "VIDEO_EXTENSIONS", "IMAGE_SCHEMA", "WORK_SCHEMA", "FileEntry", "Listing", "WorkItem",
     "list_source", "classify", "extension", "work_table", "work_items", "image_sidecars", "link_error_rows",
 ]  # fmt: skip
 
 IMAGE_SCHEMA = pa.schema([f for f in SAMPLES_SCHEMA if f.name != "bucket"])  # a sample before bucketing
 PAGE_SIZE = 1000  # the S3 maximum per ListObjectsV2 call
 NOT_UTF8 = "(name not UTF-8)"  # the ignored_extensions key of names that cannot be a manifest row
+VIDEO_EXTENSIONS = frozenset({"mp4", "mov", "webm", "mkv"})  # scanned with --frames (pipeline/scan/video.py)
 NOT_REGULAR = "(not a regular file)"  # the ignored_extensions key of FIFOs, sockets and devices
 
 
@@ -79,6 +80,7 @@ class Listing:
     shards: list[FileEntry] = field(default_factory=list)  # .tar files: WebDataset shards (pipeline/sources)
     compressed_shards: list[str] = field(default_factory=list)  # .tar.gz/.tgz names: refused by the scan
     parquet: list[FileEntry] = field(default_factory=list)  # .parquet files: scanned with --format parquet
+    videos: list[FileEntry] = field(default_factory=list)  # VIDEO_EXTENSIONS: scanned with --frames, else ignored
     sidecars: dict[str, FileEntry] = field(default_factory=dict)  # image stem -> its caption file
     numbered: dict[str, dict[int, FileEntry]] = field(default_factory=dict)  # image stem -> number -> img.N.txt
     link_errors: list[tuple[str, str, str]] = field(default_factory=list)  # image names: (name, kind, message)
@@ -138,7 +140,7 @@ def _utf8(name: str) -> bool:
 
 
 def classify(name: str) -> str:
-    """``image``, ``sidecar``, ``shard``, ``compressed_shard``, ``parquet``, ``hidden`` or ``other`` for a
+    """``image``, ``video``, ``sidecar``, ``shard``, ``compressed_shard``, ``parquet``, ``hidden`` or ``other`` for a
     root-relative name."""
     if name.startswith(".") or "/." in name:  # a hidden file, or one in a hidden folder
         return "hidden"
@@ -151,6 +153,8 @@ def classify(name: str) -> str:
         return "parquet"
     if ext in IMAGE_EXTENSIONS:
         return "image" if _utf8(name) else "other"
+    if ext in VIDEO_EXTENSIONS and _utf8(name):
+        return "video"
     if f".{ext}" in SIDECAR_EXTENSIONS:
         return "sidecar"
     return "other"
@@ -202,6 +206,8 @@ def list_source(fs: AbstractFileSystem, root: str, *, page_size: int = PAGE_SIZE
             listing.compressed_shards.append(entry.name)
         elif kind == "parquet":
             listing.parquet.append(entry)
+        elif kind == "video":
+            listing.videos.append(entry)
         elif kind == "hidden":
             listing.ignored_hidden += 1
         else:
@@ -216,6 +222,7 @@ def list_source(fs: AbstractFileSystem, root: str, *, page_size: int = PAGE_SIZE
     listing.images.sort(key=lambda e: e.name)
     listing.shards.sort(key=lambda e: e.name)
     listing.parquet.sort(key=lambda e: e.name)
+    listing.videos.sort(key=lambda e: e.name)
     listing.compressed_shards.sort()
     listing.seconds = time.perf_counter() - start
     return listing

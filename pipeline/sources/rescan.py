@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from manifests.manifest import Manifest, ManifestError, conform, read_manifest
-from manifests.schema import ERRORS_SCHEMA
+from manifests.schema import ERRORS_SCHEMA, VIDEO_COLUMNS
 from manifests.storage import redact
 from pipeline.sources.captions import CaptionTable
 from pipeline.sources.listing import IMAGE_SCHEMA, FileEntry, Listing, WorkItem, image_sidecars
@@ -111,6 +111,8 @@ def plan_rescan(
     # a mixed folder's tar rows are the shards' scan's to reuse (pipeline/sources/containers.py)
     old_samples = old.samples.filter(pc.is_null(old.samples.column("container")))
     old_errors = old.errors.filter(pc.is_null(old.errors.column("container")))
+    # a video manifest's (scan --frames) video rows are not images; its images' video columns are the video scan's
+    old_samples, old_errors = _images_only(old_samples), _images_only(old_errors)
     small = pc.equal(old_errors.column("error"), "too_small")
     images = pa.concat_tables([conform(old_samples, IMAGE_SCHEMA), conform(old_errors.filter(small), IMAGE_SCHEMA)])
     # link errors come from the listing each time, never from the previous manifest
@@ -172,3 +174,11 @@ def _work(listing: Listing, entry: FileEntry, probe: bool, table: CaptionTable |
     first = sidecars[0] if sidecars else None
     items = [WorkItem(entry.name, entry.size, probe, first and first.name, first.size if first else 0)]
     return items + [WorkItem(entry.name, entry.size, False, s.name, s.size) for s in sidecars[1:]]
+
+
+def _images_only(rows: pa.Table) -> pa.Table:
+    """The image rows of a manifest table, without video columns: a video manifest's (scan --frames) videos
+    are not images, and its images' frame columns are the video scan's to set."""
+    if "codec" not in rows.column_names:
+        return rows
+    return rows.filter(pc.is_null(rows.column("codec"))).drop_columns(list(VIDEO_COLUMNS))
