@@ -55,6 +55,9 @@ KEY_COLUMNS = [("sample_id", pa.uint64()), ("filename", pa.string()), ("source_k
                ("written_at", pa.float64())]  # fmt: skip
 TASK_COLUMNS: dict[str, list[tuple[str, pa.DataType]]] = {
     "caption": [("caption", pa.string()), ("generated_tokens", pa.int32())],
+    # bucketeer dedup (pipeline/dedup): one row per sample of its input annotations
+    "dedup": [("duplicate", pa.bool_()), ("cluster_id", pa.uint64()), ("keeper_id", pa.uint64()),
+              ("similarity", pa.float32())],
 }
 ERROR_COLUMNS = [*KEY_COLUMNS, ("error", pa.string()), ("message", pa.string())]
 
@@ -223,11 +226,15 @@ def read_annotations_meta(url: str, storage_options: dict | None = None) -> Anno
     return AnnotationsMeta.from_json(meta)
 
 
-def read_annotations(url: str, storage_options: dict | None = None) -> tuple[AnnotationsMeta, pa.Table, pa.Table]:
+def read_annotations(url: str, storage_options: dict | None = None,
+                     columns: list[str] | None = None) -> tuple[AnnotationsMeta, pa.Table, pa.Table]:  # fmt: skip
     """``(meta, rows, errors)`` of a finished annotations folder: the parts ``_annotations.json`` names,
-    one row per sample id (:func:`resolve`); a sample's newest row decides whether it is a row or an error."""
+    one row per sample id (:func:`resolve`); a sample's newest row decides whether it is a row or an error.
+    ``columns``: read only these task columns (the KEY_COLUMNS always come)."""
     meta = read_annotations_meta(url, storage_options)
-    rows = resolve(read_parts(url, storage_options, "parts", meta.parts))
+    keys = [n for n, _ in KEY_COLUMNS]
+    wanted = None if columns is None else [*keys, *(c for c in columns if c not in keys)]
+    rows = resolve(read_parts(url, storage_options, "parts", meta.parts, columns=wanted))
     errors = resolve(read_parts(url, storage_options, "errors", meta.errors))
     marked = [t.select(["sample_id", "written_at"]).append_column("is_error", pa.array([bad] * t.num_rows, pa.bool_()))
               for t, bad in ((rows, False), (errors, True))]  # fmt: skip
