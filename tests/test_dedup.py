@@ -196,6 +196,8 @@ def test_keeper_rule() -> None:
     ids = np.array([1, 2, 3, 4, 5, 6, 9, 8], np.uint64)
     # most pixels (then aesthetic); equal pixels: best aesthetic, a missing score last; then lowest id
     assert choose_keepers(labels, pixels, aesthetic, ids).tolist() == [2, 2, 2, 4, 4, 4, 7, 7]
+    nothing = np.empty(0, np.uint64)
+    assert len(cluster(phash_edges(nothing, np.empty(0, bool), 4), nothing, nothing, nothing).keeper) == 0
 
 
 def _components(n: int, pairs: list[tuple[int, int]]) -> list[set[int]]:

@@ -45,7 +45,7 @@ def choose_keepers(labels: np.ndarray, pixels: np.ndarray, aesthetic: np.ndarray
     score = np.where(np.isnan(aesthetic), -np.inf, aesthetic)
     order = np.lexsort((sample_ids, -score, -pixels.astype(np.float64), labels))  # last key sorts first
     sorted_labels = labels[order]
-    starts = np.r_[True, sorted_labels[1:] != sorted_labels[:-1]]
+    starts = np.r_[True, sorted_labels[1:] != sorted_labels[:-1]][: len(labels)]
     keeper_of_label = np.empty(len(labels), np.int64)
     keeper_of_label[sorted_labels[starts]] = order[starts]
     return keeper_of_label[labels]

@@ -47,6 +47,8 @@ class Edges:
 
 def _star_edges(codes: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Edges joining each row to the first row of its group of equal ``codes`` (k - 1 edges for k rows)."""
+    if len(codes) == 0:
+        return rows, rows
     order = np.argsort(codes, kind="stable")
     codes, rows = codes[order], rows[order]
     starts = np.r_[True, codes[1:] != codes[:-1]]  # (n,) a new group begins here
