@@ -15,7 +15,9 @@ included), ``index_mib`` that peak minus the RSS before the search:
   --by embedding`` runs: exact ``IndexFlatIP`` below 10k rows, IVF with fp16 codes above);
 - ``flat``: ``ours`` forced to ``index="flat"`` (exact), to measure the crossover at small N;
 - ``brute``: what a user writes with faiss alone: ``IndexFlatIP`` (float32) filled and range-searched
-  in batches converted from the float16 rows (exact; every pair).
+  in batches converted from the float16 rows (exact; every pair);
+- ``brute-memory``: ``brute``'s full index at a size too large to search (1M), searched for 2,048 rows
+  only: its peak RSS (its time is not a figure).
 
 Recall: of the planted pairs (every method, every size), and of *all* pairs >= the threshold against brute
 force: at the brute-force sizes on every pair; at the other sizes on 2,000 random query rows searched
@@ -45,6 +47,7 @@ DIM = 512
 THRESHOLD = 0.95
 PLANTED = 0.05
 SAMPLED_QUERIES = 2000
+MEMORY_PROBE_QUERIES = 2048  # brute-memory: the full index, but only these queries (its peak RSS, not its time)
 
 
 def make_embeddings(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -69,17 +72,19 @@ def make_embeddings(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.n
     return x, src, np.arange(n_base, n)
 
 
-def brute_force_pairs(x: np.ndarray) -> np.ndarray:
-    """(P, 2) pairs i < j with inner product >= THRESHOLD: faiss IndexFlatIP over float32, range_search."""
+def brute_force_pairs(x: np.ndarray, queries: int | None = None) -> np.ndarray:
+    """(P, 2) pairs i < j with inner product >= THRESHOLD: faiss IndexFlatIP over float32, range_search.
+    ``queries``: search only the first that many rows (the memory probe at sizes too large to search)."""
     import faiss
 
     index = faiss.IndexFlatIP(DIM)  # holds the rows as float32: (n, 512) x 4 bytes
     for start in range(0, len(x), 65536):  # float32 copies one block at a time, as a careful user would
         index.add(x[start:start + 65536].astype(np.float32))
     found = []
-    for start in range(0, len(x), 8192):
-        lims, _, ids = index.range_search(x[start:start + 8192].astype(np.float32), THRESHOLD)
-        query = np.repeat(np.arange(start, start + min(8192, len(x) - start)), np.diff(lims).astype(np.int64))
+    for start in range(0, len(x) if queries is None else queries, 8192):
+        batch = x[start:start + 8192 if queries is None else min(start + 8192, queries)]
+        lims, _, ids = index.range_search(batch.astype(np.float32), THRESHOLD)
+        query = np.repeat(np.arange(start, start + len(batch)), np.diff(lims).astype(np.int64))
         later = ids > query
         found.append(np.stack([query[later], ids[later]], axis=1))
     return np.concatenate(found)
@@ -129,8 +134,8 @@ def _child(method: str, n: int) -> dict:
     x, src, dup = make_embeddings(n)
     base_rss = _reset_peak()
     cpu, wall = time.process_time(), time.perf_counter()
-    if method == "brute":
-        pairs, index = brute_force_pairs(x), "flat"
+    if method in ("brute", "brute-memory"):
+        pairs, index = brute_force_pairs(x, MEMORY_PROBE_QUERIES if method == "brute-memory" else None), "flat"
     else:
         edges, index = embedding_edges(x, np.ones(n, bool), THRESHOLD, index="auto" if method == "ours" else method)
         pairs = np.stack([edges.a, edges.b], axis=1)
@@ -142,7 +147,7 @@ def _child(method: str, n: int) -> dict:
            "load": round(os.getloadavg()[0], 1), "data_mib": round(x.nbytes / 2**20),
            "peak_rss_mib": round(peak / 1024), "index_mib": round((peak - base_rss) / 1024),
            "pairs": int(len(keys)), "planted_recall": round(float(np.isin(planted, keys).mean()), 5)}  # fmt: skip
-    if method != "brute":
+    if method not in ("brute", "brute-memory"):
         out["sampled_recall"] = round(sampled_recall(x, keys), 5)
     np.save(f"/tmp/bucketeer_dedup_{method}_{n}.npy", keys)
     return out
@@ -181,6 +186,8 @@ def main() -> None:
     parser.add_argument("--sizes", default="5000,10000,20000,50000,200000,1000000", help="sizes for ours")
     parser.add_argument("--flat-sizes", default="5000,10000", help="sizes for ours forced to flat")
     parser.add_argument("--brute-sizes", default="20000,50000", help="sizes for faiss brute force")
+    parser.add_argument("--brute-memory-sizes", default="1000000",
+                        help="sizes for the brute-force memory probe (full index, 2,048 queries)")
     parser.add_argument("--phash-sizes", default="20000,1000000,4000000")
     parser.add_argument("--child", nargs=2, metavar=("METHOD", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -190,7 +197,7 @@ def main() -> None:
         return
     results = []
     for method, sizes in (("brute", args.brute_sizes), ("ours", args.sizes), ("phash", args.phash_sizes),
-                          ("flat", args.flat_sizes)):  # fmt: skip
+                          ("flat", args.flat_sizes), ("brute-memory", args.brute_memory_sizes)):  # fmt: skip
         for n in (int(s) for s in sizes.split(",") if s):
             results.append(_run_child(["--child", method, str(n)]))
             print(json.dumps(results[-1]), flush=True)

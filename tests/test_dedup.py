@@ -24,7 +24,7 @@ from manifests.storage import open_url
 from pipeline import DedupJob, run
 from pipeline.cli import main
 from pipeline.dedup.clusters import choose_keepers, cluster, connected_components
-from pipeline.dedup.edges import Edges, hamming, phash_edges
+from pipeline.dedup.edges import Edges, hamming, near_pairs, phash_edges
 from tests.factories import image_rows
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -251,3 +251,9 @@ def test_phash_edges_equal_brute_force(seed, threshold) -> None:
     # edges may skip pairs that equal hashes already join, but their components are the brute force's
     assert all(x < y and valid[x] and valid[y] for x, y in got)
     assert sorted(map(sorted, _components(len(hashes), sorted(got)))) == sorted(map(sorted, want))
+    if threshold:  # every band count finds exactly the pairs within the threshold (the default is t + 1 here)
+        unique = np.unique(hashes)
+        i, j = np.triu_indices(len(unique), 1)
+        close = hamming(unique[i], unique[j]) <= threshold
+        for bands in (threshold + 1, threshold + 2, threshold + 3):
+            assert near_pairs(unique, threshold, bands).tolist() == (i[close] * len(unique) + j[close]).tolist()

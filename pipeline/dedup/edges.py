@@ -4,20 +4,23 @@ An edge is a pair of row indices and a similarity in [0, 1] (:class:`Edges`); th
 (:mod:`pipeline.dedup.clusters`) takes the union of every kind's edges.
 
 Perceptual duplicates use multi-index hashing (Norouzi et al., "Fast search in Hamming space with
-multi-index hashing", CVPR 2012): split the 64 bits into ``t + 1`` bands; two hashes within Hamming
-distance ``t`` agree exactly on at least one band (pigeonhole), so the candidates are the pairs that share
-a band value, found by sorting each band's values, and each candidate is verified by its full distance.
+multi-index hashing", CVPR 2012): split the 64 bits into ``m > t`` bands; two hashes within Hamming
+distance ``t`` agree exactly on at least ``m - t`` of them (pigeonhole), so the candidates are the pairs
+equal on some ``m - t`` bands, found by sorting the hashes on each such combination of bands, and each
+candidate is verified by its full distance (``m`` grows with N: :func:`band_count`).
 Work is O(N log N) per band plus the candidate pairs, not O(N^2): equal hashes are collapsed first (an
 exact group of k images costs k - 1 edges, not k^2 / 2 candidates).
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Edges", "exact_edges", "hamming", "phash_edges", "MAX_PHASH_THRESHOLD"]
+__all__ = ["Edges", "exact_edges", "hamming", "phash_edges", "MAX_PHASH_THRESHOLD", "near_pairs", "band_count"]
 
 MAX_PHASH_THRESHOLD = 15  # t + 1 = 16 bands of 4 bits: past this a band matches a sixteenth of everything
 
@@ -75,17 +78,28 @@ def hamming(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return table[z.view(np.uint8).reshape(-1, 8)].sum(axis=1, dtype=np.int64)
 
 
-def _bands(t: int) -> list[tuple[int, int]]:
-    """(shift, width) of ``t + 1`` bands covering the 64 bits as evenly as possible."""
-    widths = [64 // (t + 1) + (1 if i < 64 % (t + 1) else 0) for i in range(t + 1)]
+def band_count(n: int, t: int) -> int:
+    """How many bands ``m`` (t + 1 .. t + 3) to split 64 bits into for ``n`` distinct hashes and distance ``t``.
+    Pairs within ``t`` agree on at least ``m - t`` whole bands, so each of the C(m, t) combinations of
+    ``m - t`` bands is one sort of the ``n`` hashes, whose candidates are the pairs equal on a key of
+    ``64 (m - t) / m`` bits: ~n^2 / 2 / 2^bits of them for uniform hashes. More bands, more sorts but
+    wider keys: at t = 4, 5 bands (13-bit keys) to ~500k hashes, 6 (21-bit keys: 15 sorts) past that."""
+    def cost(m: int) -> float:
+        return math.comb(m, t) * (n * math.log2(max(n, 2)) + n * n / 2 / 2 ** (64 * (m - t) / m))
+
+    return min(range(t + 1, t + 4), key=cost)
+
+
+def _band_masks(m: int) -> list[int]:
+    """Bit masks of ``m`` bands covering the 64 bits as evenly as possible."""
+    widths = [64 // m + (1 if i < 64 % m else 0) for i in range(m)]
     shifts = np.cumsum([0, *widths[:-1]])
-    return [(int(s), w) for s, w in zip(shifts, widths)]
+    return [((1 << w) - 1) << int(s) for s, w in zip(shifts, widths)]
 
 
-def _band_pairs(hashes: np.ndarray, shift: int, width: int, t: int) -> np.ndarray:
-    """(P,) pair keys ``lo * n + hi`` of distinct hashes equal on this band and within distance ``t``."""
+def _key_pairs(hashes: np.ndarray, key: np.ndarray, t: int) -> np.ndarray:
+    """(P,) pair keys ``lo * n + hi`` of distinct hashes with equal ``key`` and within distance ``t``."""
     n = len(hashes)
-    key = (hashes >> np.uint64(shift)) & np.uint64((1 << width) - 1)
     order = np.argsort(key, kind="stable")
     key = key[order]
     ends = np.r_[np.flatnonzero(key[1:] != key[:-1]) + 1, n]  # exclusive end of each run of equal keys
@@ -103,6 +117,16 @@ def _band_pairs(hashes: np.ndarray, shift: int, width: int, t: int) -> np.ndarra
     return np.concatenate(found) if found else np.empty(0, np.int64)
 
 
+def near_pairs(hashes: np.ndarray, t: int, bands: int | None = None) -> np.ndarray:
+    """(P,) pair keys ``lo * n + hi`` (each once) of the distinct ``hashes`` within Hamming distance ``t``
+    (1 <= t), by multi-index hashing over ``bands`` bands (default :func:`band_count`)."""
+    m = bands or band_count(len(hashes), t)
+    masks = _band_masks(m)
+    found = [_key_pairs(hashes, hashes & np.uint64(sum(masks[b] for b in combo)), t)
+             for combo in itertools.combinations(range(m), m - t)]  # fmt: skip
+    return np.unique(np.concatenate(found))
+
+
 def phash_edges(phash: np.ndarray, valid: np.ndarray, threshold: int) -> Edges:
     """Edges between rows whose 64-bit ``phash`` values differ in at most ``threshold`` bits; similarity
     ``1 - distance / 64``. Rows with ``valid`` False take part in none. Raises ValueError for a threshold
@@ -116,8 +140,8 @@ def phash_edges(phash: np.ndarray, valid: np.ndarray, threshold: int) -> Edges:
     a, b = _star_edges(inverse.ravel(), rows)
     parts = [Edges(np.minimum(a, b), np.maximum(a, b), np.ones(len(a), np.float32))]
     if threshold > 0 and len(unique) > 1:
-        # 2. distinct hashes within the threshold: candidates share a band; pair keys over unique indices
-        keys = np.unique(np.concatenate([_band_pairs(unique, s, w, threshold) for s, w in _bands(threshold)]))
+        # 2. distinct hashes within the threshold: candidates share bands; pair keys over unique indices
+        keys = near_pairs(unique, threshold)
         lo, hi = keys // len(unique), keys % len(unique)
         distance = hamming(unique[lo], unique[hi])
         ra, rb = rows[first[lo]], rows[first[hi]]  # each distinct hash's first row stands for its group
