@@ -25,6 +25,9 @@ exactly against all N (labelled "sampled"). CPU seconds are ``time.process_time`
 faiss's threads); wall seconds depend on the load, which is printed beside them. Brute force is
 quadratic: its 1M figure is extrapolated as ``c * N^2`` from the two measured sizes (labelled).
 
+``--e2e-sizes``: the whole command (``run(DedupJob)``, default ``--by sha256,phash``) over a written
+manifest and annotations folder: read, search, cluster, write; its CPU seconds and peak RSS.
+
 ``--phash-sizes``: multi-index-hashing near-duplicate search over 64-bit hashes (threshold 4), with
 5% planted near copies, against the numpy all-pairs loop a user would write (only at the smallest size).
 """
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -176,6 +180,60 @@ def _phash_child(n: int) -> dict:
     return out
 
 
+def _e2e_child(n: int) -> dict:
+    """``run(DedupJob(--by sha256,phash))`` end to end over a written n-row manifest and annotations folder
+    (2.5% sha256 pairs, 5% phash pairs with one bit flipped): the whole command's time and peak RSS."""
+    import tempfile
+
+    import pyarrow as pa
+
+    from manifests.annotations import (AnnotationsCounts, AnnotationsMeta, TaskSettings, settings_fingerprint,
+                                       write_annotations_meta, write_part)  # fmt: skip
+    from manifests.buckets import BucketSpec
+    from manifests.manifest import apply_buckets, write_manifest
+    from manifests.schema import sample_ids
+    from manifests.storage import open_url
+    from pipeline import DedupJob, run
+
+    root = tempfile.mkdtemp(prefix="bucketeer_dedup_")
+    rng = np.random.default_rng(0)
+    names = [f"d{i % 997}/img_{i:08d}.jpg" for i in range(n)]
+    rows = pa.table({"sample_id": pa.array(sample_ids(names), pa.uint64()), "filename": names,
+                     "width": pa.array(rng.integers(256, 4096, n), pa.int32()),
+                     "height": pa.array(rng.integers(256, 4096, n), pa.int32()), "caption": pa.nulls(n, pa.string()),
+                     "size": pa.array(rng.integers(1000, 3_000_000, n), pa.int64()), "format": ["JPEG"] * n,
+                     "orientation": pa.array(np.ones(n, np.int8))})  # fmt: skip
+    samples, small = apply_buckets(rows, BucketSpec())
+    manifest = write_manifest(f"{root}/manifest", samples, small, source="/data", spec=BucketSpec())
+    samples = samples.sort_by("sample_id")
+    n_dup = n // 20
+    phash = rng.integers(0, 2**64 - 1, n, dtype=np.uint64)
+    phash[n - n_dup:] = phash[:n_dup] ^ (np.uint64(1) << rng.integers(0, 64, n_dup).astype(np.uint64))
+    sha = [f"{i:064x}" for i in range(n)]
+    for i in range(n_dup // 2):
+        sha[n - n_dup - 1 - i] = sha[n_dup + i]
+    tasks = tuple(TaskSettings(task=t, model="rule", weight_sha256="") for t in ("sha256", "phash"))
+    fingerprint = settings_fingerprint(tasks)
+    table = pa.table({"sample_id": samples.column("sample_id"), "filename": samples.column("filename"),
+                      "source_key": pa.array(np.arange(n), pa.uint64()), "written_at": pa.array(np.ones(n)),
+                      "sha256": pa.array(sha), "phash": pa.array(phash, pa.uint64())})  # fmt: skip
+    fs, path = open_url(f"{root}/ann")
+    write_part(fs, path, "parts", "p.parquet", table, fingerprint)
+    write_annotations_meta(f"{root}/ann", None, AnnotationsMeta(
+        manifest=f"{root}/manifest", manifest_fingerprint=manifest.fingerprint, tasks=tasks,
+        settings_fingerprint=fingerprint, engine="rule", counts=AnnotationsCounts(samples=n, annotated=n, errors=0),
+        parts=("p.parquet",), fingerprint=""))  # fmt: skip
+    del table, sha, rows, samples, small
+    base = _reset_peak()
+    cpu, wall = time.process_time(), time.perf_counter()
+    result = run(DedupJob(annotations=(f"{root}/ann",), out=f"{root}/dups"))
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    shutil.rmtree(root)
+    return {"method": "e2e sha256,phash", "n": n, "cpu_s": round(cpu, 1), "wall_s": round(wall, 1), "load": round(os.getloadavg()[0], 1),
+            "rss_before_mib": base // 1024, "peak_rss_mib": _status_kib("VmHWM") // 1024,
+            "duplicates": result.duplicates, "planted_duplicates": n_dup + n_dup // 2}  # fmt: skip
+
+
 def _run_child(args: list[str]) -> dict:
     done = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -189,15 +247,18 @@ def main() -> None:
     parser.add_argument("--brute-memory-sizes", default="1000000",
                         help="sizes for the brute-force memory probe (full index, 2,048 queries)")
     parser.add_argument("--phash-sizes", default="20000,1000000,4000000")
+    parser.add_argument("--e2e-sizes", default="1000000", help="sizes for the whole command, --by sha256,phash")
     parser.add_argument("--child", nargs=2, metavar=("METHOD", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         method, n = args.child[0], int(args.child[1])
-        print(json.dumps(_phash_child(n) if method == "phash" else _child(method, n)))
+        child = {"phash": _phash_child, "e2e": _e2e_child}.get(method, lambda n: _child(method, n))
+        print(json.dumps(child(n)))
         return
     results = []
     for method, sizes in (("brute", args.brute_sizes), ("ours", args.sizes), ("phash", args.phash_sizes),
-                          ("flat", args.flat_sizes), ("brute-memory", args.brute_memory_sizes)):  # fmt: skip
+                          ("flat", args.flat_sizes), ("brute-memory", args.brute_memory_sizes),
+                          ("e2e", args.e2e_sizes)):  # fmt: skip
         for n in (int(s) for s in sizes.split(",") if s):
             results.append(_run_child(["--child", method, str(n)]))
             print(json.dumps(results[-1]), flush=True)
