@@ -229,9 +229,10 @@ def _e2e_child(n: int) -> dict:
     result = run(DedupJob(annotations=(f"{root}/ann",), out=f"{root}/dups"))
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     shutil.rmtree(root)
-    return {"method": "e2e sha256,phash", "n": n, "cpu_s": round(cpu, 1), "wall_s": round(wall, 1), "load": round(os.getloadavg()[0], 1),
-            "rss_before_mib": base // 1024, "peak_rss_mib": _status_kib("VmHWM") // 1024,
-            "duplicates": result.duplicates, "planted_duplicates": n_dup + n_dup // 2}  # fmt: skip
+    return {"method": "e2e sha256,phash", "n": n, "cpu_s": round(cpu, 1), "wall_s": round(wall, 1),
+            "load": round(os.getloadavg()[0], 1), "rss_before_mib": base // 1024,
+            "peak_rss_mib": _status_kib("VmHWM") // 1024, "duplicates": result.duplicates,
+            "planted_duplicates": n_dup + n_dup // 2}  # fmt: skip
 
 
 def _run_child(args: list[str]) -> dict:
