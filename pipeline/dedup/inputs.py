@@ -75,7 +75,7 @@ def _check_embedding_models(metas: list[tuple[str, AnnotationsMeta]]) -> TaskSet
             continue
         if task.model == DEFAULT_MODEL:
             raise UsageError(f"--by embedding: {redact(url)} has embeddings of the random default model, whose "
-                             "similarities mean nothing; annotate with `--task embedding --model ID|PATH` "
+                             "similarities mean nothing; annotate with `--task embedding --embedding-model ID|PATH` "
                              "(a real image encoder), or dedup --by sha256,phash")  # fmt: skip
         models.setdefault((task.model, task.weight_sha256), task)
     if len(models) > 1:

@@ -15,7 +15,7 @@ pHash moves by 0-4 bits under re-encoding, resizing and mild colour changes, and
 further; two unrelated images agree within 4 bits with probability ~5e-14 for uniform hashes (~0.02
 false pairs among a million images), so ``--phash-threshold 4``. ``--embedding-threshold 0.95``: CLIP-like
 cosine of resized / re-encoded copies is >= 0.95, while distinct photos of one subject rarely pass 0.9.
-``--by embedding`` is refused for embeddings of the random default model (``--model default``).
+``--by embedding`` is refused for embeddings of the random default model (``--embedding-model default``).
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="folder for the duplicates (an annotations folder, task dedup)")
     parser.add_argument("--by", default="sha256,phash",
                         help="duplicate kinds, comma-separated: sha256 (exact bytes), phash (perceptual), "
-                             "embedding (semantic; needs embeddings of a real --model, and faiss). "
+                             "embedding (semantic; needs embeddings of a real --embedding-model, and faiss). "
                              "Default: sha256,phash")
     parser.add_argument("--phash-threshold", type=int, default=4, help="max Hamming distance of 64 bits (default 4)")
     parser.add_argument("--embedding-threshold", type=float, default=0.95, help="min cosine (default 0.95)")
