@@ -76,6 +76,9 @@ TASK_COLUMNS: dict[str, list[tuple[str, pa.DataType]]] = {
     "sha256": [("sha256", pa.string())],
     "stats": [("luminance", pa.float32()), ("contrast", pa.float32()), ("colourfulness", pa.float32()),
               ("sharpness", pa.float32()), ("border_fraction", pa.float32()), ("grayscale", pa.bool_())],
+    # bucketeer dedup (pipeline/dedup): one row per sample of its input annotations
+    "dedup": [("duplicate", pa.bool_()), ("cluster_id", pa.uint64()), ("keeper_id", pa.uint64()),
+              ("similarity", pa.float32())],
 }
 ERROR_COLUMNS = [*KEY_COLUMNS, ("error", pa.string()), ("message", pa.string())]
 

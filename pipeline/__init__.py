@@ -28,6 +28,8 @@ API: dict[str, str] = {
     "EmbedResult": "pipeline.embed.job",
     "AnnotateJob": "pipeline.annotate.job",
     "AnnotateResult": "pipeline.annotate.job",
+    "DedupJob": "pipeline.dedup.job",
+    "DedupResult": "pipeline.dedup.job",
     "VerifyJob": "pipeline.verify",
     "VerifyResult": "pipeline.verify",
     "PlanJob": "pipeline.plan.job",

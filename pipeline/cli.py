@@ -35,6 +35,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "embed": ("pipeline.embed", "precompute VAE latents and text embeddings into a gzip cache (Ray job)"),
     "plan": ("pipeline.plan", "write per-rank shard plans: bucketed batches, equal steps, disjoint ranks"),
     "annotate": ("pipeline.annotate", "caption a manifest's images with a vision-language model (Ray job)"),
+    "dedup": ("pipeline.dedup", "find exact, perceptual and semantic duplicates in annotations folders"),
     "verify": ("pipeline.verify", "check every record of a cache: checksum, decompression, shapes, finite values"),
     "rebucket": ("pipeline.rebucket", "re-assign buckets from stored sizes into a new manifest (no image I/O)"),
     "stats": ("pipeline.stats", "print counts, the bucket histogram and errors by kind of a manifest"),
