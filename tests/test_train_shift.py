@@ -111,3 +111,23 @@ def test_a_fixed_shift_is_refused_for_ddpm_families():
     refuse_shift("auto", "sdxl")
     with pytest.raises(UsageError, match="sdxl trains with DDPM noise"):
         refuse_shift(3.0, "sdxl")
+
+
+def test_a_cache_embedded_with_model_default_trains_from_that_same_tiny_model(tmp_path, monkeypatch):
+    """``embed --model default`` records ``bucketeer:default-<family>-<version>``; the trainer starts from that
+    tiny model's folder (built as embed builds it), and a config's ``pretrained`` still wins."""
+    from types import SimpleNamespace
+
+    from pipeline.embed.families.tiny import TINY_VERSION, tiny_dir
+    from train.config import TrainConfig
+    from train.recipes.base import pretrained_source
+
+    monkeypatch.setenv("BUCKETEER_HOME", str(tmp_path))
+    folder = tiny_dir("flux")
+    folder.mkdir(parents=True)
+    (folder / "README.txt").write_text("built")  # build_once: a complete build is not rebuilt
+    meta = SimpleNamespace(family="flux", settings=SimpleNamespace(model=f"bucketeer:default-flux-{TINY_VERSION}"))
+    assert pretrained_source(TrainConfig(family="flux"), meta) == str(folder)
+    assert pretrained_source(TrainConfig(family="flux", pretrained="/my/flux"), meta) == "/my/flux"
+    other = SimpleNamespace(family="flux", settings=SimpleNamespace(model="bucketeer:default-flux-v0"))
+    assert pretrained_source(TrainConfig(family="flux"), other) == "bucketeer:default-flux-v0"  # not ours: as is

@@ -67,7 +67,8 @@ class Recipe:
 
 
 def pretrained_source(cfg: TrainConfig, meta: CacheMeta, *, required: bool = True) -> str | None:
-    """The model to start from: the config's ``pretrained``, else the ``--model`` the cache was embedded with.
+    """The model to start from: the config's ``pretrained``, else the ``--model`` the cache was embedded with
+    (``--model default``: the family's tiny random-weight model, built here as embed built it).
 
     Raises UsageError when neither names one and ``required``, or when the config also sizes a fresh
     model (``model:``, for the from-scratch PixArt transformer only).
@@ -76,6 +77,11 @@ def pretrained_source(cfg: TrainConfig, meta: CacheMeta, *, required: bool = Tru
         raise UsageError(f"config model: {sorted(cfg.model)} sizes the from-scratch PixArt transformer; a run that "
                          "fine-tunes a pretrained model takes its architecture from it: remove model:")
     source = cfg.pretrained or meta.settings.model
+    if source is not None and source.startswith("bucketeer:default-"):  # embedded with --model default
+        from pipeline.embed.families.tiny import TINY_VERSION, ensure_tiny
+
+        if source == f"bucketeer:default-{meta.family}-{TINY_VERSION}":  # the same seeded build embed used
+            return str(ensure_tiny(meta.family))
     if source is None and required:
         raise UsageError(f"config: family {meta.family!r} fine-tunes a pretrained model, and the cache was "
                          "embedded without --model: set pretrained: ID_OR_PATH (a diffusers pipeline folder)")
