@@ -96,6 +96,7 @@ def planted(tmp_path_factory) -> dict:
     emb /= np.linalg.norm(emb, axis=1, keepdims=True)
     for key in ("a", "b"):
         cols = {"sha256": pa.array(sha[key]), "phash": pa.array(phash[key], pa.uint64())}
+        out[f"{key}_phash"] = cols["phash"]
         if key == "a":
             cols["aesthetic"] = pa.array(np.linspace(1, 9, 24), pa.float32())
         out[f"{key}_ann"] = str(tmp / f"ann_{key}")
@@ -147,6 +148,15 @@ def test_exact_and_perceptual_across_two_folders(planted) -> None:
     parts = str(planted["tmp"] / "dups" / "parts" / "*.parquet")
     count, dups = duckdb.sql(f"SELECT count(*), sum(duplicate::INT) FROM read_parquet('{parts}')").fetchall()[0]
     assert (count, dups) == (40, 5)
+
+
+def test_the_default_kinds_are_those_the_folders_hold(planted) -> None:
+    """``--by`` left out: sha256 and phash where a folder holds them; a folder of phash alone dedups by phash."""
+    folder = str(planted["tmp"] / "ann_phash_only")
+    _annotations(folder, planted["a_manifest"], planted["a"], {"phash": planted["a_phash"]})
+    result = run(DedupJob(annotations=(folder,), out=str(planted["tmp"] / "dups_phash_only")))
+    assert result.edges == {"phash": 1} and result.duplicates == 1  # A3~A4; the sha256-equal A0..A2 differ here
+    assert result.meta.task("dedup").generation["by"] == ["phash"]
 
 
 def test_semantic_duplicates_flat_and_ivf(planted) -> None:

@@ -190,6 +190,13 @@ def test_weight_by_is_exact_per_epoch(data, tmp_path):
             assert counts.sum() == k and np.all(counts >= np.floor(x)) and np.all(counts <= np.ceil(x))
     assert not any(total.get(int(i)) for i in ids[w == 0])
     assert run(PlanJob(manifests=(data["manifest"],), check=url, progress=False)).exit_code == 0
+    # --leftover pad: the repeats that fill a bucket's last global batch are counted, not violations
+    padded = str(tmp_path / "weighted-padded")
+    made = run(PlanJob(manifests=(data["manifest"],), out=padded, world_size=2, batch_size=3, epochs=2,
+                       leftover="pad", annotations=(data["scores"], data["dups"]), where="NOT duplicate",
+                       weight_by="COALESCE(aesthetic, 1)", progress=False))  # fmt: skip
+    assert sum(e.padded_total for e in made.meta.epochs) > 0
+    assert not run(PlanJob(manifests=(data["manifest"],), check=padded, progress=False)).violations
     # elastic resume of a weighted plan: the rest, re-cut, the same samples
     resumed = resume_plan(url, str(tmp_path / "resumed"), epoch=1, step=10, world_size=1)
     assert resumed.inputs.selection == meta.inputs.selection

@@ -7,10 +7,10 @@ manifest, in the bucket the row names. A mixture: each sample's dataset index na
 plan's datasets; in a whole epoch each bucket holds exactly its slots per epoch minus its dropped
 plus its padded, and each dataset exactly the slots ``_plan.json`` records for it; with ``--leftover
 drop`` no ``(dataset, sample id)`` appears more often than the counting rule allows
-(``ceil(k_{d,b} / n_{d,b})``; with ``--weight-by``, ``ceil(x_i)`` of each sample's expected draws, checked
-when the manifests are given); with the manifests given, each ``(dataset, id)`` is a sample of that
-dataset's manifest (and cache), in the bucket the row names, with the caption index the caption
-choice gives. All vectorised: one epoch's rows in memory.
+(``ceil(k_{d,b} / n_{d,b})``; with ``--weight-by``, ``ceil(x_i)`` of each sample's expected draws, beyond
+the epoch's padded repeats, checked when the manifests are given); with the manifests given, each
+``(dataset, id)`` is a sample of that dataset's manifest (and cache), in the bucket the row names, with the
+caption index the caption choice gives. All vectorised: one epoch's rows in memory.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def check_mixture_epoch(epoch: int, entry: EpochEntry, tables: list[pa.Table], m
                             f"{PLAN_FILE}")  # fmt: skip
     weighted = meta.inputs.selection is not None and meta.inputs.selection.weight_by is not None
     if weighted and mix is not None and mix.weights is not None:
-        problems += _weighted_limits(epoch, ids, datasets, mix)
+        problems += _weighted_limits(epoch, ids, datasets, mix, entry.padded_total)
     if meta.inputs.leftover == "drop" and not weighted:  # a (dataset, id) at most ceil(k_{d,b} / n_{d,b}) times
         order = np.lexsort((ids, datasets))
         key_d, key_i, key_b = datasets[order], ids[order], codes[order]
@@ -141,10 +141,11 @@ def check_mixture_epoch(epoch: int, entry: EpochEntry, tables: list[pa.Table], m
     return problems
 
 
-def _weighted_limits(epoch: int, ids: np.ndarray, datasets: np.ndarray, mix: MixedSamples) -> list[str]:
-    """A weighted sample drawn more than ``ceil(x_i)`` times (its expected draws, rounded up) in one epoch."""
+def _weighted_limits(epoch: int, ids: np.ndarray, datasets: np.ndarray, mix: MixedSamples, padded: int) -> list[str]:
+    """Weighted samples drawn more than ``ceil(x_i)`` times (their expected draws, rounded up) in one epoch,
+    beyond the epoch's ``padded`` repeats (``--leftover pad`` fills a bucket's last global batch with repeats)."""
     limits = draw_limits(mix)  # (n,) in the mixture's order
-    over = 0
+    over = excess = 0
     for d in np.unique(datasets):  # a loop over datasets
         mine = mix.datasets == d
         order = np.argsort(mix.ids[mine])
@@ -153,11 +154,13 @@ def _weighted_limits(epoch: int, ids: np.ndarray, datasets: np.ndarray, mix: Mix
         if not len(known_ids):
             continue
         pos = np.clip(np.searchsorted(known_ids, drawn), 0, len(known_ids) - 1)
-        over += int(((known_ids[pos] == drawn) & (times > limit[pos])).sum())
-    if not over:
+        beyond = np.where(known_ids[pos] == drawn, np.maximum(times - limit[pos], 0), 0)
+        over += int((beyond > 0).sum())
+        excess += int(beyond.sum())
+    if excess <= padded:
         return []
-    return [f"epoch {epoch}: {over} weighted samples are drawn more often than ceil(their expected draws) "
-            "(a sample repeated that its --weight-by does not give)"]
+    return [f"epoch {epoch}: {over} weighted samples are drawn more often than ceil(their expected draws), "
+            f"{excess} draws in all beyond the {padded} padded (a sample repeated that its --weight-by does not give)"]
 
 
 def _listed(values: tuple[int, ...] | None) -> list[int] | None:

@@ -23,7 +23,7 @@ from manifests.manifest import read_manifest
 from manifests.manifest_meta import ManifestError
 from manifests.storage import redact
 
-__all__ = ["KINDS", "InputArtifact", "DedupInputs", "read_inputs"]
+__all__ = ["DEFAULT_BY", "KINDS", "InputArtifact", "DedupInputs", "default_kinds", "read_inputs"]
 
 log = logging.getLogger("bucketeer.dedup")
 
@@ -120,6 +120,19 @@ def _pixels(manifests: list[str], metas: list[tuple[str, AnnotationsMeta]], ids:
         hit = (ids[pos] == sid) if len(ids) else np.zeros(len(sid), bool)
         pixels[pos[hit]] = np.maximum(pixels[pos[hit]], area[hit])
     return pixels
+
+
+DEFAULT_BY = ("sha256", "phash")  # they mean the same with any model
+
+
+def default_kinds(urls: tuple[str, ...], storage_options: dict[str, Any]) -> tuple[str, ...]:
+    """The kinds of :data:`DEFAULT_BY` that some folder of ``urls`` holds; UsageError when none does."""
+    metas = [read_annotations_meta(url, storage_options) for url in urls]
+    kinds = tuple(k for k in DEFAULT_BY if any(meta.task(k) for meta in metas))
+    if not kinds:
+        raise UsageError(f"{', '.join(redact(u) for u in urls)}: no sha256 or phash task to find duplicates by; run "
+                         "`bucketeer annotate MANIFEST --task sha256,phash --out ...` first (or give --by embedding)")
+    return kinds
 
 
 def read_inputs(urls: tuple[str, ...], by: tuple[str, ...], manifests: tuple[str, ...],

@@ -24,7 +24,7 @@ import argparse
 import datetime as _dt
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -38,7 +38,7 @@ from manifests.lock import writer_lock
 from manifests.storage import join, open_url, parse_storage_options, redact
 from pipeline.dedup.clusters import Clusters, cluster
 from pipeline.dedup.edges import MAX_PHASH_THRESHOLD, Edges, exact_edges, phash_edges
-from pipeline.dedup.inputs import KINDS, DedupInputs, read_inputs
+from pipeline.dedup.inputs import KINDS, DedupInputs, default_kinds, read_inputs
 from pipeline.dedup.semantic import INDEXES, embedding_edges
 
 __all__ = ["DedupJob", "DedupResult", "add_arguments", "job_from_args", "run"]
@@ -55,11 +55,12 @@ def _split(text: str) -> tuple[str, ...]:
 @dataclass(frozen=True, kw_only=True)
 class DedupJob:
     """``bucketeer dedup``: duplicates among the samples of ``annotations`` by the ``by`` kinds, into ``out``.
-    ``manifests``: where to read image sizes (default: the manifests the annotations name)."""
+    ``manifests``: where to read image sizes (default: the manifests the annotations name). ``by`` empty: the
+    default, exact and perceptual (``sha256``, ``phash``), each where the folders hold it (one at least)."""
 
     annotations: tuple[str, ...]
     out: str
-    by: tuple[str, ...] = ("sha256", "phash")
+    by: tuple[str, ...] = ()  # () = DEFAULT_BY, the kinds of it that the folders hold
     phash_threshold: int = 4  # bits of 64
     embedding_threshold: float = 0.95  # cosine
     index: str = "auto"  # semantic index: auto, flat (exact), ivf (approximate)
@@ -70,7 +71,7 @@ class DedupJob:
         if not self.annotations:
             raise UsageError("dedup needs at least one ANNOTATIONS folder")
         unknown = [k for k in self.by if k not in KINDS]
-        if unknown or not self.by or len(set(self.by)) != len(self.by):
+        if unknown or len(set(self.by)) != len(self.by):
             raise UsageError(f"--by {','.join(self.by)}: give one or more of {','.join(KINDS)}, each once")
         if not 0 <= self.phash_threshold <= MAX_PHASH_THRESHOLD:
             raise UsageError(f"--phash-threshold {self.phash_threshold}: give 0..{MAX_PHASH_THRESHOLD} bits")
@@ -98,10 +99,10 @@ class DedupResult:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("annotations", help="annotations folder(s), comma-separated (local paths or URLs)")
     parser.add_argument("--out", required=True, help="folder for the duplicates (an annotations folder, task dedup)")
-    parser.add_argument("--by", default="sha256,phash",
+    parser.add_argument("--by", default="",
                         help="duplicate kinds, comma-separated: sha256 (exact bytes), phash (perceptual), "
                              "embedding (semantic; needs embeddings of a real --embedding-model, and faiss). "
-                             "Default: sha256,phash")
+                             "Default: sha256,phash, those of them the folders hold")
     parser.add_argument("--phash-threshold", type=int, default=4, help="max Hamming distance of 64 bits (default 4)")
     parser.add_argument("--embedding-threshold", type=float, default=0.95, help="min cosine (default 0.95)")
     parser.add_argument("--index", default="auto", choices=INDEXES,
@@ -209,6 +210,8 @@ def run(job: DedupJob) -> DedupResult:
     """Find the duplicates and write ``job.out``; prints a one-screen summary. Raises UsageError for inputs
     that cannot be deduplicated as asked (missing columns, default-model embeddings, another writer)."""
     start = time.perf_counter()
+    if not job.by:
+        job = replace(job, by=default_kinds(job.annotations, dict(job.storage_options)))
     with writer_lock(job.out, job.storage_options, "dedup"):
         inputs = read_inputs(job.annotations, job.by, job.manifests, dict(job.storage_options))
         edges, index = find_edges(job, inputs)
