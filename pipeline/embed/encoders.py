@@ -312,6 +312,7 @@ TEXT_MODELS: dict[str, str] = {
     "CLIPModel": "CLIPTextModelWithProjection",
     "T5EncoderModel": "T5EncoderModel",
     "T5ForConditionalGeneration": "T5EncoderModel",
+    "UMT5EncoderModel": "UMT5EncoderModel",
 }
 
 

@@ -16,6 +16,10 @@ a training step) runs on it in seconds on a CPU:
   with guidance embedding, a 16-channel VAE with Flux's scaling and shift.
 - ``pixart``: ``PixArtAlphaPipeline`` (``variant="sigma"``: ``PixArtSigmaPipeline``): ``T5EncoderModel``,
   ``PixArtTransformer2DModel``, ``DPMSolverMultistepScheduler``, a 4-channel VAE (scaling 0.18215).
+- ``wan``: ``WanPipeline`` (video): ``UMT5EncoderModel`` (64 wide), ``WanTransformer3DModel`` (2 layers,
+  patch 1x2x2), ``UniPCMultistepScheduler`` with ``flow_shift`` 3.0 as the Wan 2.1 folders ship it, and an
+  ``AutoencoderKLWan`` (causal 3D, 4x temporal and 8x spatial compression, 16 channels, Wan 2.1's
+  per-channel ``latents_mean``/``latents_std``).
 - ``generic``: bucketeer's embedded default encoders (a VAE and one CLIP text model; no denoiser).
 
 The T5 tokenizer is a Unigram model over a few words plus single characters (anything else is
@@ -44,6 +48,7 @@ DEFAULT_NOTICE = (
 # widths chosen pairwise different, so that a test catches any mix-up of encoder, layer or pooled source
 CLIP_L, CLIP_G, T5_WIDTH = 32, 48, 96
 CLIP_L_PROJECTION, CLIP_G_PROJECTION = 36, 40
+UMT5_WIDTH = 64
 _T5_WORDS = "a photo of thing 0 1 2 3 the cat dog red blue picture shape broken".split()
 
 
@@ -189,6 +194,27 @@ def _pixart(variant: str = "alpha"):
                scheduler=DPMSolverMultistepScheduler())  # fmt: skip
 
 
+def _wan():
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    tok = t5_tokenizer(512)
+    text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(tok.get_vocab()), d_model=UMT5_WIDTH, d_kv=16, d_ff=96,
+                                               num_layers=2, num_heads=4, feed_forward_proj="gated-gelu",
+                                               decoder_start_token_id=0))  # fmt: skip
+    # Wan 2.1's VAE layout (3 spatial downsamples, the last two also temporal) at base width 8 instead of 96
+    vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
+                           temperal_downsample=[False, True, True])  # fmt: skip
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
+        text_dim=UMT5_WIDTH, freq_dim=32, ffn_dim=48, num_layers=2, rope_max_seq_len=1024,
+    )  # fmt: skip
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
+                                        num_train_timesteps=1000)  # fmt: skip
+    return WanPipeline(tokenizer=tok, text_encoder=text_encoder, vae=vae, transformer=transformer,
+                       scheduler=scheduler)  # fmt: skip
+
+
 def _build_generic(target: Path) -> None:
     """bucketeer's embedded default encoders: ``tokenizer/``, ``text_encoder/`` (CLIP with projection), ``vae/``."""
     import torch
@@ -214,8 +240,9 @@ def _build_generic(target: Path) -> None:
     ).save_pretrained(target / "vae")  # fmt: skip
 
 
-_PIPELINES: dict[str, Callable[[], object]] = {"sdxl": _sdxl, "sd3": _sd3, "flux": _flux, "pixart": _pixart}
-_SEEDS = {"generic": 0, "sdxl": 1, "sd3": 3, "flux": 4, "pixart": 5}
+_PIPELINES: dict[str, Callable[[], object]] = {"sdxl": _sdxl, "sd3": _sd3, "flux": _flux, "pixart": _pixart,
+                                               "wan": _wan}  # fmt: skip
+_SEEDS = {"generic": 0, "sdxl": 1, "sd3": 3, "flux": 4, "pixart": 5, "wan": 6}
 
 
 def build_tiny(family: str, folder: str | os.PathLike, variant: str | None = None) -> Path:
