@@ -216,6 +216,12 @@ class LatentInfo(JsonRecord):
     scaling_factor: float | None = None
     shift_factor: float | None = None
     usage: str | None = None
+    # video VAEs (AutoencoderKLWan): latents are stored as the posterior mean, and the trainer normalises them per
+    # channel, (z - latents_mean) / latents_std, as WanPipeline inverts it; ``temporal_factor`` frames per latent
+    # frame after the first (causal: F frames -> (F - 1) // temporal_factor + 1). Absent from image caches.
+    latents_mean: tuple[float, ...] | None = optional()
+    latents_std: tuple[float, ...] | None = optional()
+    temporal_factor: int | None = optional()
 
 
 @dataclass(frozen=True, kw_only=True)
