@@ -22,7 +22,8 @@ import pyarrow.parquet as pq
 
 from manifests import __version__
 from manifests.buckets import BucketSpec, assign_buckets, bucket_names
-from manifests.schema import ADDED_COLUMNS, FORMAT_VERSION, MASK_COLUMNS, MAX_PIXELS, SAMPLES_SCHEMA, table_schemas
+from manifests.schema import ADDED_COLUMNS, FORMAT_VERSION, MASK_COLUMNS, MAX_PIXELS, SAMPLES_SCHEMA, \
+    VIDEO_SAMPLES_SCHEMA, table_schemas
 from manifests.manifest_meta import (
     MANIFEST_KIND,
     VERSION_HINT,
@@ -405,7 +406,7 @@ def read_row_group(
     table = file.read_row_group(group.index, columns=present)
     out = []
     for name in columns:
-        field = SAMPLES_SCHEMA.field(name)
+        field = VIDEO_SAMPLES_SCHEMA.field(name)  # a superset: an image part reads video columns as nulls
         if name in present:
             out.append(table.column(name).cast(field.type))
         elif field.nullable:

@@ -39,6 +39,7 @@ __all__ = [
     "CacheMeta",
     "CacheSettings",
     "VaeSettings",
+    "VideoSettings",
     "TextSettings",
     "TextEncoderSettings",
     "VariantSettings",
@@ -130,6 +131,16 @@ class VariantSettings(JsonRecord):
 
 
 @dataclass(frozen=True, kw_only=True)
+class VideoSettings(JsonRecord):
+    """A video cache's ``settings.video`` (``embed`` of a ``WxHxF`` manifest): each record holds up to
+    ``max_clips`` clips of its video as variants (``clips`` says which), decoded with ``decoder``."""
+
+    max_clips: int | None = None
+    clips: str | None = None
+    decoder: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class FeaturesInfo(JsonRecord):
     """The DINOv2 patch features of ``embed --features dinov2`` (REPA): ``settings.features`` (fingerprinted)
     and ``_cache.json`` ``features`` (the same, plus ``dtype`` and ``usage``). ``input_size`` (h, w): the
@@ -174,6 +185,7 @@ class CacheSettings:
     conditioning: str | None = None  # set when samples carry a conditioning latent
     features: FeaturesInfo | None = None  # --features; None: records carry no features
     masks: str | None = None  # set when samples may carry a loss mask (scan --masks); how it is stored
+    video: VideoSettings | None = None  # a video cache (WxHxF buckets); None: images
 
     _SCALARS = ("format_version", "family", "dtype", "crop", "seed", "resample", "pixels", "latent", "model",
                 "conditioning", "masks")  # fmt: skip
@@ -188,7 +200,8 @@ class CacheSettings:
                    buckets=BucketSpec.from_json(spec) if isinstance(spec, Mapping) else None,
                    vae=_section_or_none(VaeSettings)(d.get("vae")), text=_section_or_none(TextSettings)(d.get("text")),
                    variants=_section_or_none(VariantSettings)(d.get("variants")),
-                   features=_section_or_none(FeaturesInfo)(d.get("features")))  # fmt: skip
+                   features=_section_or_none(FeaturesInfo)(d.get("features")),
+                   video=_section_or_none(VideoSettings)(d.get("video")))  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:
         return copy.deepcopy(dict(self.hashed))

@@ -134,6 +134,11 @@ class SampleRecord:
     ``mask`` (h, w) uint8 0..255: the sample's loss mask (``scan --masks``) at the latent grid, cropped and
     flipped like variant 0 and area-averaged over each latent pixel (255 = inside); ``variant_masks``
     (V-1, h, w) the other variants'. None for a sample without a mask (it trains unmasked).
+
+    A video cache's records (bucket ``WxHxF``): ``latent`` is ``(C, F', h, w)``, F' = (F - 1) //
+    temporal_factor + 1 (``_cache.json`` latent), ``variant_latents`` ``(V-1, C, F', h, w)``; each variant is a
+    clip (or a clip mirrored, with ``--flip``) and ``clip_starts`` (V,) int32 gives the first frame of each
+    variant's clip in the video (0 for an image of a video manifest, a 1-frame clip). None in image caches.
     """
 
     sample_id: int
@@ -157,6 +162,7 @@ class SampleRecord:
     variant_features: np.ndarray | None = None
     mask: np.ndarray | None = None
     variant_masks: np.ndarray | None = None
+    clip_starts: np.ndarray | None = None
 
     @property
     def variants(self) -> int:
@@ -168,7 +174,8 @@ class SampleRecord:
         if not 0 <= v < self.variants:
             raise IndexError(f"sample {self.sample_id} has {self.variants} variants, not {v + 1}")
         one = {"variant_latents": None, "variant_cond_latents": None, "variant_crops": None, "variant_flips": None,
-               "variant_features": None, "variant_masks": None}  # fmt: skip
+               "variant_features": None, "variant_masks": None,
+               "clip_starts": None if self.clip_starts is None else self.clip_starts[v : v + 1]}  # fmt: skip
         if v == 0:
             return replace(self, **one)
         cond = None if self.variant_cond_latents is None else self.variant_cond_latents[v - 1]
@@ -247,6 +254,8 @@ def encode_sample(record: SampleRecord, inline_text: bool = False, layout: str =
     for name in ("mask", "variant_masks"):  # loss masks: uint8 at the latent grid (additive: old readers skip them)
         if getattr(record, name) is not None:
             tensors[name] = (np.asarray(getattr(record, name), "u1"), "U8")
+    if record.clip_starts is not None:  # video: each variant's first frame in its video
+        tensors["clip_starts"] = (np.asarray(record.clip_starts, "<i4"), "I32")
     if inline_text:
         text = record.text
         assert text is not None and text.caption_key == record.caption_key, "inline text: the sample's own caption's"
@@ -293,7 +302,8 @@ def _variants(tensors: dict[str, tuple[np.ndarray, str]], latent: np.ndarray, ta
     for name, shape in (("cond_latent", latent.shape), ("variant_latents", None), ("variant_cond_latents", None)):
         if name in tensors:
             array, t = tensors[name]
-            if t != tag or (shape is not None and array.shape != shape) or array.shape[-3:] != latent.shape:
+            if t != tag or (shape is not None and array.shape != shape) or \
+                    array.shape[array.ndim - latent.ndim :] != latent.shape:  # fmt: skip
                 raise ValueError(name)
             out[name] = array
     if "features" in tensors:
@@ -329,6 +339,11 @@ def _variants(tensors: dict[str, tuple[np.ndarray, str]], latent: np.ndarray, ta
             raise ValueError("variant_masks")
         if masks is not None:
             out["variant_masks"] = masks[0]
+    if "clip_starts" in tensors:  # video: (V,) int32, one per variant
+        starts, t = tensors["clip_starts"]
+        if t != "I32" or starts.shape != (len(out.get("variant_latents", ())) + 1,):
+            raise ValueError("clip_starts")
+        out["clip_starts"] = starts
     return out
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from manifests.buckets import parse_bucket
+from manifests.frames import parse_video_bucket
 from manifests.cache.layout import CacheError, read_meta, read_index
 from manifests.cache.meta import CacheMeta, LatentInfo
 from manifests.cache.records import (
@@ -87,10 +88,13 @@ def _check_sample(blob: bytes, row: dict, meta: CacheMeta) -> str | None:
         raise _NotNamed(f"the index says sample {record.sample_id}'s record holds its caption's text, but it does not")
     latent = meta.latent or LatentInfo()
     bucket = row["bucket"]
-    w, h = parse_bucket(bucket)
+    video = meta.settings.video is not None
+    w, h, frames = parse_video_bucket(bucket) if video else (*parse_bucket(bucket), None)
     f = int(8 if latent.factor is None else latent.factor)
     channels = int(record.latent.shape[0] if latent.channels is None else latent.channels)
     expected = (channels, h // f, w // f)
+    if video:  # a clip: (C, F', h, w), F' = (F - 1) // temporal_factor + 1
+        expected = (channels, (frames - 1) // int(latent.temporal_factor or 1) + 1, h // f, w // f)
     if tuple(record.latent.shape) != expected:
         return f"latent shape {tuple(record.latent.shape)} != {expected} (bucket {bucket} / factor {f})"
     if latent.dtype and record.dtype != latent.dtype:
@@ -100,7 +104,12 @@ def _check_sample(blob: bytes, row: dict, meta: CacheMeta) -> str | None:
     if (record.latent_std is not None) != (latent.kind == "posterior_mean_std"):
         return f"latent_std {'present' if record.latent_std is not None else 'missing'} in a {latent.kind} cache"
     want = meta.settings.variant_count
-    if record.variants != want:
+    if video:  # a video's variants are its clips (up to max_clips) x flips
+        most, flips = int(meta.settings.video.max_clips or 1) * want, want
+        if record.variants % flips or not flips <= record.variants <= most or record.clip_starts is None:
+            return (f"{record.variants} variants (clip starts {record.clip_starts}), the cache's settings "
+                    f"(--max-clips/--flip) allow {flips} to {most} in steps of {flips}")  # fmt: skip
+    elif record.variants != want:
         return f"{record.variants} variants, the cache's settings (--crops/--flip) say {want}"
     if (record.cond_latent is not None) != (meta.settings.conditioning is not None):
         return f"conditioning latent {'present' if record.cond_latent is not None else 'missing'} in this cache"

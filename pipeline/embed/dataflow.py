@@ -270,13 +270,14 @@ def image_pipeline(work: EmbedWork, manifest: str, source: str, storage_options:
                    make_text: Callable | None = None):  # fmt: skip
     """The images pipeline: one shard per unit. ``options``: batch_size, shard_records, crop, seed, max_pixels,
     crops, flip, conditioning (the root of the manifest's conditioning images, or None), image_column (a
-    parquet-sourced manifest's, else None), text_batch_size. ``make_text``: the text encoders, for the captions
+    parquet-sourced manifest's, else None), text_batch_size, max_clips (a video manifest's, else None). ``make_text``: the text encoders, for the captions
     that only one sample has (their text goes into its record: ``work.images[i].inline``)."""
     units = (
         _items(work.images)
         .map_batches(plan_units, batch_size=1, batch_format="pyarrow", num_cpus=placement.light_cpus,
                      fn_kwargs={"manifest": manifest, "storage_options": storage_options,
-                                "batch_size": options["batch_size"], "shard_records": options["shard_records"]})
+                                "batch_size": options["batch_size"], "shard_records": options["shard_records"],
+                                "max_clips": options.get("max_clips") or 1})
     )  # fmt: skip
     return (
         _one_per_block(units, placement.light_cpus)
@@ -285,7 +286,8 @@ def image_pipeline(work: EmbedWork, manifest: str, source: str, storage_options:
                      fn_kwargs={"source": source, "storage_options": storage_options, "crop": options["crop"],
                                 "seed": options["seed"], "max_pixels": options["max_pixels"],
                                 "crops": options["crops"], "conditioning": options["conditioning"],
-                                "image_column": options.get("image_column")})
+                                "image_column": options.get("image_column"),
+                                "max_clips": options.get("max_clips") or 1})
         .map_batches(LatentWriter, batch_size=1, batch_format="pyarrow",
                      compute=placement.pool(-(-work.todo // options["batch_size"])),
                      fn_constructor_kwargs={"make_encoder": make_vae, "dtype": dtype, "cache": out,

@@ -45,6 +45,7 @@ __all__ = [
     "EncoderSource",
     "LatentEncoder",
     "LatentSpec",
+    "VIDEO_VAES",
     "TextEncoders",
     "TextSpec",
     "TEXT_MODELS",
@@ -251,18 +252,36 @@ def _check_local(path: str, subfolder: str | None, option: str, expected: str, f
                      f"no {' or '.join(files)} in {folder}.{hint}")  # fmt: skip
 
 
+# the diffusers class a VAE folder's config names (``_class_name``) -> what loads it; video VAEs take clips
+VAE_CLASSES = ("AutoencoderKL", "AutoencoderKLWan")
+VIDEO_VAES = ("AutoencoderKLWan",)
+
+
+def _vae_class(path: str, subfolder: str | None):
+    """The diffusers VAE class of ``path``/``subfolder``'s config (``AutoencoderKL`` when it names another
+    or none, as before video VAEs existed)."""
+    import diffusers
+
+    try:
+        name = diffusers.AutoencoderKL.load_config(path, subfolder=subfolder).get("_class_name")
+    except (OSError, ValueError):  # let from_pretrained say what is missing, as it always did
+        name = None
+    return getattr(diffusers, name if name in VAE_CLASSES else "AutoencoderKL")
+
+
 class LatentEncoder:
     """``AutoencoderKL`` latents: uint8 pixels ``(B, H, W, 3)`` -> ``{"latent": posterior mean (B, C, H/f, W/f)}``,
-    plus ``"latent_std"`` (same shape) with ``--latents posterior``."""
+    plus ``"latent_std"`` (same shape) with ``--latents posterior``. A video VAE (``AutoencoderKLWan``, when the
+    folder's config names it) takes clips ``(B, F, H, W, 3)`` -> ``(B, C, F', H/f, W/f)``, F' = (F - 1) //
+    temporal_factor + 1 (an image is a 1-frame clip)."""
 
     def __init__(self, spec: LatentSpec, *, use_gpu: bool = False, dtype: str = "BF16"):
-        from diffusers import AutoencoderKL
-
         path, subfolder = spec.source.resolve("vae")
         self.id, self.latents = spec.source.ident, spec.latents
         _check_local(path, subfolder, "--vae", "vae", ("config.json",))
         self.device, self.compute_dtype = _device_and_dtype(use_gpu, dtype)
-        self.vae = AutoencoderKL.from_pretrained(path, subfolder=subfolder).eval()
+        self.vae = _vae_class(path, subfolder).from_pretrained(path, subfolder=subfolder).eval()
+        self.video = type(self.vae).__name__ in VIDEO_VAES
         self.weights = weights_sha256(self.vae)  # of the weights as published, before any cast
         self.vae.to(self.device)
         if self.compute_dtype != self.vae.dtype:
@@ -272,6 +291,15 @@ class LatentEncoder:
 
     def describe(self) -> dict[str, Any]:
         cfg = self.vae.config
+        if self.video:  # Wan: no scaling factor; the trainer normalises per channel with latents_mean/std
+            return {"id": self.id, "subfolder": self.subfolder, "class": type(self.vae).__name__,
+                    "weights_sha256": self.weights, "factor": int(cfg.scale_factor_spatial),
+                    "channels": int(cfg.z_dim), "scaling_factor": 1.0, "shift_factor": None,
+                    "latents_mean": [float(x) for x in cfg.latents_mean],
+                    "latents_std": [float(x) for x in cfg.latents_std],
+                    "temporal_factor": int(cfg.scale_factor_temporal), "latents": self.latents,
+                    "device": str(self.device), "compute_dtype": str(self.compute_dtype).replace("torch.", ""),
+                    "features": None}  # fmt: skip
         return {
             "id": self.id,
             "subfolder": self.subfolder,
@@ -294,12 +322,14 @@ class LatentEncoder:
         with torch.inference_mode():
             batch = batch if batch.flags.writeable else batch.copy()  # Ray hands out read-only arrays
             extra = {} if self.features is None else {"features": self.features.encode(batch[:features_of])}
-            x = torch.from_numpy(batch).to(self.device).permute(0, 3, 1, 2)  # (B, 3, H, W) uint8
+            x = torch.from_numpy(batch).to(self.device)
+            # (B, 3, H, W) uint8, or a clip (B, 3, F, H, W)
+            x = x.permute(0, 4, 1, 2, 3) if x.ndim == 5 else x.permute(0, 3, 1, 2)
             # [-1, 1] in float32, then the compute dtype, as diffusers' image processor does: in bf16 the division
             # rounds to 1/128 above 1.0 and the subtraction keeps that, up to half a level off for bright pixels
             x = (x.float() / 127.5 - 1.0).to(self.compute_dtype)
             posterior = self.vae.encode(x).latent_dist
-            out = {"latent": posterior.mean.float()}  # (B, C, h, w)
+            out = {"latent": posterior.mean.float()}  # (B, C, h, w), a clip's (B, C, F', h, w)
             if self.latents == "posterior":
                 out["latent_std"] = posterior.std.float()  # (B, C, h, w): exp(logvar / 2), logvar clamped
             return {**out, **extra}

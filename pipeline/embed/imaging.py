@@ -31,7 +31,7 @@ from manifests.storage import join, read_many, redact
 from pipeline.embed.parquet_images import fetch_parquet_images, is_parquet_row
 from pipeline.formats import open_image
 
-__all__ = ["ImageFailure", "Prepared", "cover_and_crop", "prepare_views", "fetch_all",
+__all__ = ["ImageFailure", "Prepared", "cover_and_crop", "crop_resized", "prepare_views", "fetch_all",
            "fetch_images", "read_failure", "conditioning_views"]
 
 _EXIF_ORIENTATION = 0x0112
@@ -171,15 +171,19 @@ def prepare_views(
         raise ImageFailure(kind, f"decode failed: {e}") from None
     except (ValueError, SyntaxError) as e:
         raise ImageFailure("decode_failed", f"decode failed: {e}") from None
-    # resample each crop region straight from the (possibly draft-reduced) image: one resampling pass
+    return [Prepared(pixels=crop_resized(img, resized, (top, left), bucket), original_size=original,
+                     resized_size=resized, crop_top_left=(top, left)) for top, left in tops_lefts]
+
+
+def crop_resized(img: Image.Image, resized: tuple[int, int], top_left: tuple[int, int],
+                 bucket: tuple[int, int]) -> np.ndarray:
+    """The ``bucket`` ``(h, w)`` crop at ``top_left`` of ``img`` resized to ``resized`` ``(h, w)``: uint8
+    ``(h, w, 3)``. The crop region is resampled straight from ``img`` (one Lanczos pass, whatever size
+    ``img`` has: a draft-reduced JPEG, a video frame), never the whole resized image."""
     sx, sy = img.width / resized[1], img.height / resized[0]
-    bh, bw = bucket
-    out = []
-    for top, left in tops_lefts:
-        box = (left * sx, top * sy, (left + bw) * sx, (top + bh) * sy)
-        pixels = np.asarray(img.resize((bw, bh), Image.Resampling.LANCZOS, box=box), dtype=np.uint8)  # (bh, bw, 3)
-        out.append(Prepared(pixels=pixels, original_size=original, resized_size=resized, crop_top_left=(top, left)))
-    return out
+    (bh, bw), (top, left) = bucket, top_left
+    box = (left * sx, top * sy, (left + bw) * sx, (top + bh) * sy)
+    return np.asarray(img.resize((bw, bh), Image.Resampling.LANCZOS, box=box), dtype=np.uint8)  # (bh, bw, 3)
 
 
 def conditioning_views(row: dict, blob, views: list, bucket: tuple[int, int], max_pixels: int,

@@ -76,11 +76,11 @@ from manifests.cache import SHARD_RECORDS, CacheMeta, EmbedSummary, IndexLookup,
 from manifests.cache.records import GZIP_BACKEND, RECORD_LAYOUT
 from manifests.cache.writer import COMMIT_SECONDS
 from manifests.errors import BucketeerError, UsageError
-from manifests.frames import refuse_video
 from manifests.manifest import read_manifest_meta
 from manifests.manifest_meta import ManifestMeta
 from manifests.schema import MAX_PIXELS
 from manifests.storage import parse_storage_options, redact
+from pipeline.embed.clips import MAX_CLIPS
 from pipeline.embed.dataflow import DEVICES
 from pipeline.embed.driver import EmbedDriver
 from pipeline.embed.encoders import LATENTS, STORAGE_DTYPES
@@ -142,6 +142,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="store K random crops per image as variants, reproducible from --seed and the sample id "
                         "(default 1: the --crop policy's one crop); variants = crops x (2 with --flip)")
     g.add_argument("--source", default=None, help="dataset root, if it moved since the scan (default: the manifest's)")
+    g.add_argument("--max-clips", type=int, default=MAX_CLIPS, metavar="N",
+                   help="video manifests: embed at most N of a video's clips, evenly spaced, each a variant of its "
+                        "record (the trainer takes one per epoch); record bytes grow with N (README 'Video (embed)')")
     g = parser.add_argument_group("job")
     g.add_argument("--storage-options", default=None, help="JSON fsspec options for all URLs, e.g. an endpoint_url")
     g.add_argument("--batch-size", type=int, default=16, help="images per VAE forward pass (one bucket each)")
@@ -189,6 +192,7 @@ class EmbedJob:
     seed: int = 0
     flip: bool = False
     crops: int = 1
+    max_clips: int = MAX_CLIPS  # video manifests: clips per video, evenly spaced, one variant each
     source: str | None = None  # dataset root, if it moved since the scan
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     batch_size: int = 16
@@ -212,8 +216,8 @@ class EmbedJob:
             raise UsageError("--batch-size, --text-batch-size and --shard-records must be >= 1")
         if self.commit_seconds < 0 or (self.vae_workers is not None and self.vae_workers < 1):
             raise UsageError("--commit-seconds must be >= 0 and --vae-workers >= 1")
-        if self.crops < 1:
-            raise UsageError("--crops must be >= 1")
+        if self.crops < 1 or self.max_clips < 1:
+            raise UsageError("--crops and --max-clips must be >= 1")
         if self.features not in (None, "dinov2"):
             raise UsageError(f"--features {self.features!r}: choose dinov2")
         if (self.crops > 1 or self.flip) and self.latents == "posterior":
@@ -252,7 +256,7 @@ def job_from_args(args: argparse.Namespace) -> EmbedJob:
         text_encoder_subfolders=tuple_or_none(args.text_encoder_subfolder), text_layer=args.text_layer,
         max_text_tokens=args.max_text_tokens, latents=args.latents, validation_prompts=args.validation_prompts,
         dtype=args.dtype, features=args.features, features_model=args.features_model, crop=args.crop, seed=args.seed,
-        flip=args.flip, crops=args.crops, source=args.source,
+        flip=args.flip, crops=args.crops, max_clips=args.max_clips, source=args.source,
         storage_options=parse_storage_options(args.storage_options), batch_size=args.batch_size,
         text_batch_size=args.text_batch_size, shard_records=args.shard_records, device=args.device,
         vae_workers=args.vae_workers, torch_threads=args.torch_threads, commit_seconds=args.commit_seconds,
@@ -282,8 +286,8 @@ def _request(job: EmbedJob, manifest: ManifestMeta) -> dict[str, Any]:
     latent, text = _specs(job)
     return request_settings(latent, text, dtype=STORAGE_DTYPES[job.dtype], bucket_spec=manifest.bucket_spec.to_json(),
                             crop=job.crop, seed=job.seed, crops=job.crops, flip=job.flip,
-                            conditioning=manifest.conditioning is not None,
-                            masks=manifest.masks is not None)  # fmt: skip
+                            conditioning=manifest.conditioning is not None, masks=manifest.masks is not None,
+                            max_clips=job.max_clips if manifest.frame_ladder is not None else None)  # fmt: skip
 
 
 def _factories(job: EmbedJob, dtype: str):
@@ -314,7 +318,8 @@ def _image_options(job: EmbedJob, manifest: ManifestMeta, source: str) -> dict[s
     return {"batch_size": job.batch_size, "shard_records": job.shard_records, "crop": job.crop, "seed": job.seed,
             "crops": job.crops, "flip": job.flip, "conditioning": _conditioning_root(manifest, source),
             "max_pixels": int(manifest.max_pixels or MAX_PIXELS), "text_batch_size": job.text_batch_size,
-            "image_column": image_column(manifest)}  # fmt: skip
+            "image_column": image_column(manifest),
+            "max_clips": job.max_clips if manifest.frame_ladder is not None else None}  # fmt: skip
 
 
 def run(job: EmbedJob) -> EmbedResult:
@@ -332,7 +337,8 @@ def _embed(job: EmbedJob) -> EmbedResult:
 
     so = dict(job.storage_options)
     manifest = read_manifest_meta(job.manifest, so)
-    refuse_video(manifest.frame_ladder, "bucketeer embed")
+    if manifest.frame_ladder is not None:
+        refuse_for_video(job, manifest)
     source = job.source or manifest.source
     request = _request(job, manifest)
     # one look at the committed index decides the work: stale rows (changed image bytes, caption or
@@ -405,6 +411,19 @@ def _embed(job: EmbedJob) -> EmbedResult:
                        retried=counts["retry"], new_captions=new_captions, shards=embed.shards,
                        texts_per_second=round(new_captions / text_seconds, 2) if new_captions and text_seconds
                        else None, images_per_second=summary.images_per_second)  # fmt: skip
+
+
+def refuse_for_video(job: EmbedJob, manifest: ManifestMeta) -> None:
+    """Raise UsageError (one line) for what a video manifest cannot be embedded with yet."""
+    problems = [(job.features is not None, "--features (REPA) is for images"),
+                (manifest.masks is not None, "loss masks (scan --masks) are for images"),
+                (manifest.conditioning is not None, "conditioning images (scan --conditioning) are for images"),
+                (job.crops > 1, "--crops is for images: a clip takes one crop box, its clips are the variants"),
+                (job.latents == "posterior", "--latents posterior is for images: a clip stores the posterior mean")]
+    for refused, why in problems:
+        if refused:
+            raise UsageError(f"bucketeer embed {redact(job.manifest)} (a video manifest, WxHxF buckets): {why} "
+                             "for now; embed without it")  # fmt: skip
 
 
 def _conditioning_root(manifest: ManifestMeta, source: str) -> str | None:

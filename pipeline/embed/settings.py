@@ -22,21 +22,26 @@ from pipeline.embed.encoders import LatentSpec, TextSpec
 # what ``_cache.json`` settings ``masks`` says when the records carry loss masks (SampleRecord.mask)
 MASKS_SETTING = "uint8 0..255 at the latent grid: cropped and flipped like the image, area-averaged"
 
-__all__ = ["MASKS_SETTING", "request_settings", "check_early", "full_settings", "committed_text", "cache_info",
+# what ``_cache.json`` settings ``video.clips`` says: which clips of a video its record holds
+VIDEO_CLIPS = "up to max_clips of the video's non-overlapping clips, evenly spaced; one variant each (x2 with flip)"
+
+__all__ = ["MASKS_SETTING", "VIDEO_CLIPS", "request_settings", "check_early", "full_settings", "committed_text", "cache_info",
            "refuse"]
 
 _VAE_KEYS = ("class", "weights_sha256", "factor", "channels", "scaling_factor", "shift_factor")
+_VIDEO_VAE_KEYS = ("latents_mean", "latents_std", "temporal_factor")
 
 
 def request_settings(
     latent: LatentSpec, text: TextSpec, *, dtype: str, bucket_spec: dict, crop: str, seed: int, crops: int,
-    flip: bool, conditioning: bool = False, masks: bool = False,
+    flip: bool, conditioning: bool = False, masks: bool = False, max_clips: int | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """The settings known before any model is loaded (checked first, so a mismatch fails fast).
     ``dtype``: the stored dtype (``BF16``, ...); ``conditioning``: the manifest pairs its samples with
     conditioning images. ``latent.features`` (``--features``): a ``features`` section, fingerprinted like
     the encoders (a cache is made with or without features, never both: resuming with other ``--features``
-    is refused); ``masks``: the manifest has loss masks (``scan --masks``)."""
+    is refused); ``masks``: the manifest has loss masks (``scan --masks``); ``max_clips``: a video manifest's
+    ``--max-clips`` (None for images: a ``video`` section only in video caches)."""
     features = latent.features
     return {
         "format_version": CACHE_FORMAT_VERSION,
@@ -57,6 +62,8 @@ def request_settings(
         **({"conditioning": "same crop and variants as the image"} if conditioning else {}),
         **({"features": {"kind": features.kind, "id": features.ident}} if features is not None else {}),
         **({"masks": MASKS_SETTING} if masks else {}),
+        **({"video": {"max_clips": max_clips, "clips": VIDEO_CLIPS, "decoder": "pyav"}}
+           if max_clips is not None else {}),
     }  # fmt: skip
 
 
@@ -73,7 +80,8 @@ def check_early(url: str, storage_options: dict, request: dict) -> CacheMeta | N
 def full_settings(request: dict, vae: dict, text: dict) -> dict[str, Any]:
     """The fingerprinted settings: ``request`` with the VAE's and text encoders' ``describe()``."""
     settings = {**request}
-    settings["vae"] = {**request["vae"], **{k: vae[k] for k in _VAE_KEYS}}
+    settings["vae"] = {**request["vae"], **{k: vae[k] for k in _VAE_KEYS},
+                       **{k: vae[k] for k in _VIDEO_VAE_KEYS if vae.get(k) is not None}}  # video VAEs only
     settings["text"] = {**request["text"], "pipeline": text["pipeline"], "pooled_dim": text["pooled_dim"],
                         "layout": text["layout"], "encoders": [
         {**r, **{k: e[k] for k in ("class", "weights_sha256", "max_length", "hidden_size")}}
@@ -95,13 +103,16 @@ def cache_info(so: dict, settings: dict, vae: dict, text: dict, validation: list
     into :class:`~manifests.cache.CacheMeta`): how to read the tensors, the text records besides the
     captions (the empty caption, ``validation`` prompts)."""
     posterior = vae["latents"] == "posterior"
+    video = {k: vae[k] for k in _VIDEO_VAE_KEYS if vae.get(k) is not None}  # AutoencoderKLWan: per-channel
+    usage = ("clip latents (C, F', h, w), F' = (F - 1) // temporal_factor + 1; "
+             "z = (latent - latents_mean) / latents_std per channel" if video else
+             ("latent = latent + latent_std * noise; " if posterior else "")
+             + "z = (latent - shift_factor) * scaling_factor (shift 0 when null)")  # fmt: skip
     return {
         "family": text["family"],
         "latent": {"kind": "posterior_mean_std" if posterior else "posterior_mean", "dtype": settings["dtype"],
                    "channels": vae["channels"], "factor": vae["factor"], "scaling_factor": vae["scaling_factor"],
-                   "shift_factor": vae["shift_factor"],
-                   "usage": ("latent = latent + latent_std * noise; " if posterior else "")
-                   + "z = (latent - shift_factor) * scaling_factor (shift 0 when null)"},
+                   "shift_factor": vae["shift_factor"], "usage": usage, **video},
         "text": {"family": text["family"], "pipeline": text["pipeline"], "dtype": settings["dtype"],
                  "layer": text["layer"], "max_tokens": text["max_tokens"], "pooled_dim": text["pooled_dim"],
                  "encoders": [{"id": e["id"], "class": e["class"], "hidden_size": e["hidden_size"],

@@ -28,6 +28,7 @@ import pyarrow.compute as pc
 
 from manifests.manifest_meta import ManifestMeta
 from manifests.buckets import parse_bucket
+from manifests.frames import parse_video_bucket
 from manifests.cache import IndexLookup, KeySet, source_key
 from manifests.cache.records import caption_key
 from manifests.manifest import RowGroup, read_row_group, sample_row_groups
@@ -39,7 +40,7 @@ __all__ = ["MANIFEST_COLUMNS", "PROBE_FILES", "UNIT_PIXEL_BYTES", "GroupWork", "
 # what a row's freshness, caption and probe need: the source-key columns, the caption and where the image is
 MANIFEST_COLUMNS = ["sample_id", "filename", "caption", "captions", "bucket", "size", "etag", "mtime", "container",
                     "container_size", "member_offset", "row_group", "row_index", *CONDITIONING_COLUMNS,
-                    *MASK_COLUMNS]
+                    *MASK_COLUMNS, "clips"]  # clips: a video's (null in an image manifest)
 PROBE_FILES = 8  # images read up front to tell an unusable storage from a few bad files
 UNIT_PIXEL_BYTES = 128 << 20  # pixels of one unit in flight: 42 images at 1024x1024, 682 at 256x256
 
@@ -203,15 +204,21 @@ def _mark_inline(work: EmbedWork, every: np.ndarray, todo_keys: list[np.ndarray]
     work.captions = captions
 
 
-def unit_size(bucket: str, batch_size: int, shard_records: int) -> int:
+def unit_size(bucket: str, batch_size: int, shard_records: int, max_clips: int = 1) -> int:
     """Images per unit of ``bucket``: up to ``shard_records``, whole batches whose pixels fit
-    :data:`UNIT_PIXEL_BYTES` (at least one batch: a batch is never split)."""
-    w, h = parse_bucket(bucket)
-    fit = UNIT_PIXEL_BYTES // (w * h * 3)
+    :data:`UNIT_PIXEL_BYTES` (at least one batch: a batch is never split). A video bucket ``WxHxF``
+    counts ``max_clips`` clips of F frames per row."""
+    if bucket.lower().count("x") == 2:
+        w, h, f = parse_video_bucket(bucket)
+        per_row = w * h * 3 * f * (max_clips if f > 1 else 1)
+    else:
+        w, h = parse_bucket(bucket)
+        per_row = w * h * 3
+    fit = UNIT_PIXEL_BYTES // per_row
     return max(1, min(shard_records, max(batch_size, fit - fit % batch_size)))
 
 
-def cut_units(rows: pa.Table, batch_size: int, shard_records: int) -> Iterator[pa.Table]:
+def cut_units(rows: pa.Table, batch_size: int, shard_records: int, max_clips: int = 1) -> Iterator[pa.Table]:
     """Tables of one bucket each, sorted by ``(bucket, container, row_group, sample_id)`` and at most
     :func:`unit_size` rows; ``rows`` needs a ``bucket`` and a ``sample_id`` column (the others ride
     along; ``container`` and ``row_group`` are nulls where absent)."""
@@ -225,6 +232,6 @@ def cut_units(rows: pa.Table, batch_size: int, shard_records: int) -> Iterator[p
     starts = np.flatnonzero(np.r_[True, pc.not_equal(buckets[1:], buckets[:-1]).to_numpy(zero_copy_only=False)])
     ends = np.r_[starts[1:], rows.num_rows]  # (buckets,) half-open ranges of one bucket each
     for start, end in zip(starts.tolist(), ends.tolist()):
-        size = unit_size(buckets[start].as_py(), batch_size, shard_records)
+        size = unit_size(buckets[start].as_py(), batch_size, shard_records, max_clips)
         for at in range(start, end, size):
             yield rows.slice(at, min(size, end - at))

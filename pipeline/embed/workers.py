@@ -47,6 +47,8 @@ from manifests.errors import BucketeerError, StorageError, UsageError
 from manifests.manifest import read_row_group
 from manifests.schema import MASK_COLUMNS
 from manifests.storage import is_local, join, open_url, read_many, redact
+from manifests.frames import parse_video_bucket
+from pipeline.embed.clips import MAX_CLIPS, clip_variants, is_video_bucket, prepare_clips
 from pipeline.embed.encoders import Encoder, quiet_loading, to_storage
 from pipeline.embed.imaging import ImageFailure, conditioning_views, fetch_images, prepare_views, read_failure
 from pipeline.embed.masks import fetch_masks, row_mask, variant_masks
@@ -68,7 +70,8 @@ UNIT_ROWS = pa.schema([("sample_id", pa.uint64()), ("filename", pa.string()), ("
                        # "alpha", a mask file relative to the source root (a tar member: its byte range), or null
                        ("mask", pa.string()), ("mask_offset", pa.int64()), ("mask_size", pa.int64()),
                        # the caption no other row has: its text goes into the sample's record (caption: its text)
-                       ("text_inline", pa.bool_()), ("caption", pa.string())])  # fmt: skip
+                       ("text_inline", pa.bool_()), ("caption", pa.string()),
+                       ("clips", pa.int32())])  # a video's clips (manifests.frames), null for an image  # fmt: skip
 _LOCATION = ("container", "container_size", "member_offset", "row_group", "row_index", "size")
 # the good rows of a prepared unit, in the order of its pixels
 _PREPARED_ROWS = pa.schema([("sample_id", pa.uint64()), ("caption_key", pa.uint64()),
@@ -77,7 +80,8 @@ _PREPARED_ROWS = pa.schema([("sample_id", pa.uint64()), ("caption_key", pa.uint6
                                                               "crop_top", "crop_left")),
                             ("crops", pa.list_(pa.int32())),  # every crop's (top, left), flat
                             ("has_mask", pa.bool_()),  # its mask is in the unit's mask_pixels (else all 255 there)
-                            ("text_inline", pa.bool_()), ("caption", pa.string())])  # fmt: skip
+                            ("text_inline", pa.bool_()), ("caption", pa.string()),
+                            ("clip_starts", pa.list_(pa.int32()))])  # video: its clips' first frames  # fmt: skip
 VISIBLE_MARKER = "_embed-running"  # written by the driver into a local --out; every worker must see it
 
 
@@ -113,6 +117,7 @@ def prepare_batch(
     crops: int = 1,
     conditioning: str | None = None,
     image_column: str | None = None,
+    max_clips: int = MAX_CLIPS,
 ) -> dict[str, Any]:
     """Fetch, decode and crop ``rows`` (``sample_id``, ``filename``, ``caption_key``) to ``bucket``.
 
@@ -127,8 +132,12 @@ def prepare_batch(
     (:func:`pipeline.embed.imaging.fetch_all`); a read that still fails is a ``read_failed`` error row
     (credentials redacted), which the next run retries. ``fs`` replaces the filesystem of ``source`` (it must be
     picklable for Ray); ``image_column``: a parquet-sourced manifest's (:func:`pipeline.embed.imaging.fetch_images`).
+    A video bucket ``WxHxF`` is :func:`pipeline.embed.clips.prepare_clips`' (``max_clips`` clips per video).
     """
     fs, root = _open_source(source, storage_options, fs)
+    if is_video_bucket(bucket):
+        return prepare_clips(fs, root, bucket, rows, crop, seed, max_pixels, max_clips, storage_options,
+                             lambda some: fetch_images(fs, root, some, image_column=image_column))  # fmt: skip
     bw, bh = parse_bucket(bucket)
     blobs = fetch_images(fs, root, rows, image_column=image_column)
     paired = conditioning is not None and any(r.get("conditioning") for r in rows)
@@ -200,7 +209,7 @@ def check_source(source: str, storage_options: dict | None, rows: list[dict], fs
 
 
 def plan_units(batch: pa.Table, manifest: str, storage_options: dict | None, batch_size: int,
-               shard_records: int) -> Iterator[pa.Table]:
+               shard_records: int, max_clips: int = 1) -> Iterator[pa.Table]:
     """Ray Data ``map_batches`` (batch size 1): a row group's rows to embed -> one row per unit
     (``unit``, ``bucket``, ``rows``: :data:`UNIT_ROWS` as IPC bytes)."""
     for item in batch.to_pylist():
@@ -213,8 +222,8 @@ def plan_units(batch: pa.Table, manifest: str, storage_options: dict | None, bat
                          "caption_key": caption_keys(rows.column("caption")),
                          "caption_keys": sample_caption_keys(rows), "source_key": source_key(rows),
                          "conditioning": rows.column("conditioning"),
-                         **{name: rows.column(name) for name in (*_LOCATION, *MASK_COLUMNS, "bucket")}})  # fmt: skip
-        for i, unit in enumerate(cut_units(rows, batch_size, shard_records)):
+                         **{name: rows.column(name) for name in (*_LOCATION, *MASK_COLUMNS, "bucket", "clips")}})
+        for i, unit in enumerate(cut_units(rows, batch_size, shard_records, max_clips)):
             name = f"{work.group.part}#{work.group.index}.{i}"
             yield pa.table({"unit": [name], "bucket": [unit.column("bucket")[0].as_py()],
                             "rows": pa.array([to_ipc(unit.select(UNIT_ROWS.names).cast(UNIT_ROWS))], pa.binary())})
@@ -222,7 +231,7 @@ def plan_units(batch: pa.Table, manifest: str, storage_options: dict | None, bat
 
 def prepare_unit(batch: pa.Table, source: str, storage_options: dict | None, crop: str, seed: int,
                  max_pixels: int, crops: int = 1, conditioning: str | None = None,
-                 image_column: str | None = None) -> pa.Table:
+                 image_column: str | None = None, max_clips: int = MAX_CLIPS) -> pa.Table:
     """Ray Data ``map_batches`` (batch size 1): a unit -> its pixels (``uint8 (B * K, H, W, 3)`` bytes;
     ``cond_pixels`` the same for the conditioning images, empty without), the geometry of its good
     rows and its error rows (IPC bytes), via :func:`prepare_batch`."""
@@ -231,7 +240,8 @@ def prepare_unit(batch: pa.Table, source: str, storage_options: dict | None, cro
         rows = from_ipc(item["rows"]).to_pylist()
         keys = {r["sample_id"]: r["source_key"] for r in rows}
         prepared = prepare_batch(source, storage_options, item["bucket"], rows, crop, seed, max_pixels, crops=crops,
-                                 conditioning=conditioning, image_column=image_column)  # fmt: skip
+                                 conditioning=conditioning, image_column=image_column,
+                                 max_clips=max_clips)  # fmt: skip
         good = pa.table({
             "sample_id": [r["sample_id"] for r in prepared["rows"]],
             "caption_key": [r["caption_key"] for r in prepared["rows"]],
@@ -245,6 +255,7 @@ def prepare_unit(batch: pa.Table, source: str, storage_options: dict | None, cro
             "has_mask": [r["has_mask"] for r in prepared["rows"]],
             "text_inline": [r["text_inline"] for r in prepared["rows"]],
             "caption": [r["caption"] for r in prepared["rows"]],
+            "clip_starts": [r.get("clip_starts") for r in prepared["rows"]],
         }, schema=_PREPARED_ROWS)  # fmt: skip
         errors = pa.Table.from_pylist([{"sample_id": sid, "filename": name, "error": kind, "message": message,
                                         "source_key": keys[sid]} for sid, name, kind, message in prepared["errors"]],
@@ -383,6 +394,13 @@ class LatentWriter(_EncoderActor):
         k, f = self.crops, self.flips
         for item in batch.to_pylist():
             rows = from_ipc(item["rows"])
+            if is_video_bucket(item["bucket"]):
+                shard = ShardWriter("samples", max_records=rows.num_rows + 1, max_bytes=1 << 62)
+                self._clips(encoder, item, rows.to_pylist(), shard)
+                samples, size = self._result("samples", shard)
+                out.append({"unit": item["unit"], "samples": samples, "errors": item["errors"], "shard_bytes": size,
+                            "worker": self.worker})  # fmt: skip
+                continue
             bw, bh = parse_bucket(item["bucket"])
             pixels = np.frombuffer(item["pixels"], np.uint8).reshape(rows.num_rows, k, bh, bw, 3)  # (B, K, H, W, 3)
             conds = (np.frombuffer(item["cond_pixels"], np.uint8).reshape(rows.num_rows, k, bh, bw, 3)
@@ -425,6 +443,33 @@ class LatentWriter(_EncoderActor):
         return pa.Table.from_pylist(out, schema=pa.schema([("unit", pa.string()), ("samples", pa.binary()),
                                                           ("errors", pa.binary()), ("shard_bytes", pa.int64()),
                                                           ("worker", pa.string())]))  # fmt: skip
+
+
+    def _clips(self, encoder: Encoder, item: dict, meta: list[dict], shard: ShardWriter) -> None:
+        """A video unit's records: every row's clips (``clip_starts``; x2 mirrored with ``--flip``) through
+        the VAE, ``batch_size`` clips a forward pass, each row's clips the variants of its record."""
+        bw, bh, frames = parse_video_bucket(item["bucket"])
+        pixels = np.frombuffer(item["pixels"], np.uint8).reshape(-1, frames, bh, bw, 3)  # (clips, F, H, W, 3)
+        views = clip_variants(pixels, self.flips)  # (clips * flips, F, H, W, 3): clip-major
+        latents = []
+        for start in range(0, len(views), self.batch_size):
+            with self.lock:
+                encoded = encoder.encode(views[start : start + self.batch_size])
+                latents.append(to_storage(encoded["latent"], self.dtype))  # (b, C, F', h, w)
+        latents = np.concatenate(latents) if latents else np.zeros((0,), np.uint16)
+        texts = self._texts(meta)
+        at = 0
+        for r in meta:
+            v = len(r["clip_starts"]) * self.flips
+            record = sample_record(r, item["bucket"], self.dtype, latents[at : at + v], None, None, self.flips,
+                                   clip_starts=r["clip_starts"])  # fmt: skip
+            at += v
+            inline = bool(r.get("text_inline"))
+            if inline:
+                record = replace(record, text=texts[r["caption_key"]])
+            shard.append(encode_sample(record, inline_text=inline), sample_id=r["sample_id"],
+                         caption_key=r["caption_key"], caption_keys=r["caption_keys"], bucket=item["bucket"],
+                         source_key=r["source_key"], text_inline=inline)  # fmt: skip
 
 
 class TextWriter(_EncoderActor):

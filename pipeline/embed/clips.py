@@ -1,0 +1,176 @@
+"""Video clips for ``bucketeer embed``: which clips of a video are embedded, their frames decoded with PyAV
+over ranged reads and cropped to the bucket, and the sample record they become.
+
+A video row of bucket ``WxHxF`` with ``clips = k`` holds k non-overlapping clips of F frames (clip i
+starts at frame ``i * F``, :mod:`manifests.frames`). ``--max-clips N`` embeds at most N of them, evenly
+spaced (:func:`clip_starts`); each is a **variant** of the sample's record (variant ``v`` = clip
+``v // flips``, mirrored when ``v % flips`` with ``--flip``), so the trainer takes a different clip per
+epoch with the one ranged read per sample it already does (``train.data.variant_choice``).
+
+Frames are decoded on the CPU workers from the file's bytes through a
+:class:`~pipeline.sources.headers.RangeReader` (ranged reads of what FFmpeg asks for; a tar member's
+byte range offset into its shard), forward from the start and counted, and each frame is turned
+to the bucket right away, so a worker holds the clips' pixels at the bucket's size, never the video:
+decoding stops after the last wanted clip's last frame. Frames are counted from the first decoded one
+(the scan's ``frames`` is the container's count of the same frames), in display orientation (each
+frame's rotation side data applied, as FFmpeg's autorotate does). One crop box for the whole clip, by
+the images' cover-and-crop rule (:func:`pipeline.embed.imaging.cover_and_crop`) on the display size.
+A video that cannot be decoded, or ends before a wanted clip does, is an error row of the cache
+(``decode_failed`` / ``truncated``). An image of a video manifest (bucket ``WxHx1``) is a 1-frame clip.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any, Callable
+
+import numpy as np
+
+from manifests.frames import parse_video_bucket
+from manifests.schema import image_range
+from manifests.storage import is_local, join, redact
+from pipeline.embed.imaging import ImageFailure, cover_and_crop, crop_resized, prepare_views, read_failure
+
+__all__ = ["MAX_CLIPS", "clip_starts", "clip_variants", "decode_clip_frames", "prepare_clips", "is_video_bucket"]
+
+MAX_CLIPS = 4  # --max-clips default: record bytes grow with the clips kept
+_FIRST_READ = 256 * 1024  # ranged reads while decoding: sequential misses double from here
+
+
+def is_video_bucket(bucket: str) -> bool:
+    """Whether ``bucket`` is a video manifest's ``WxHxF`` (an image manifest's is ``WxH``)."""
+    return bucket.lower().count("x") == 2
+
+
+def clip_starts(clips: int, frames: int, max_clips: int) -> list[int]:
+    """The first frame of each clip embedded from a video of ``clips`` clips of ``frames`` frames: at most
+    ``max_clips`` of them, evenly spaced over the video (the first and, with 2 or more, the last)."""
+    k = max(1, int(clips))
+    chosen = np.unique(np.linspace(0, k - 1, min(k, max_clips)).round().astype(int))
+    return [int(i) * frames for i in chosen]
+
+
+def clip_variants(clips: np.ndarray, flips: int) -> np.ndarray:
+    """``(n, F, H, W, 3)`` clips -> ``(n * flips, F, H, W, 3)`` variants: variant ``v`` is clip ``v // flips``,
+    every frame mirrored left-right when ``v % flips``."""
+    if flips == 1:
+        return clips
+    return np.stack([clips, clips[:, :, :, ::-1]], axis=1).reshape(-1, *clips.shape[1:])
+
+
+def _frame_image(frame):
+    """A decoded PyAV frame as an RGB PIL image in display orientation (its rotation side data applied)."""
+    from PIL import Image
+
+    pixels = frame.to_ndarray(format="rgb24")  # (h, w, 3) as stored
+    turns = int(round(getattr(frame, "rotation", 0) or 0) / 90) % 4  # counter-clockwise quarter turns
+    if turns:
+        pixels = np.ascontiguousarray(np.rot90(pixels, turns))
+    return Image.fromarray(pixels)
+
+
+def decode_clip_frames(file: io.RawIOBase | str, starts: list[int], frames: int,
+                       on_frame: Callable[[int, Any], None]) -> int:
+    """Decode the video ``file`` (a path or a seekable file) forward and hand every frame of the clips
+    ``[s, s + frames)`` of ``starts`` to ``on_frame(clip index, PIL image in display orientation)``, in
+    order; stop after the last clip's last frame. Returns the frames decoded. PyAV's errors propagate."""
+    import av
+
+    last = max(starts) + frames
+    decoded = 0
+    with av.open(file) as container:
+        stream = container.streams.video[0]
+        stream.thread_type = "AUTO"
+        for frame in container.decode(stream):
+            for c, s in enumerate(starts):
+                if s <= decoded < s + frames:
+                    on_frame(c, _frame_image(frame))
+            decoded += 1
+            if decoded >= last:
+                break
+    return decoded
+
+
+def _open_video(fs, root: str, row: dict):
+    """A seekable file over the row's video bytes: a loose local file as itself, else a RangeReader."""
+    from pipeline.sources.headers import RangeReader
+
+    path, start, end = image_range(row)
+    full = join(root, path)
+    if start is None and is_local(fs):
+        return open(full, "rb")
+    offset = start or 0
+    size = (end - offset) if end is not None else int(row["size"])
+    reader = RangeReader(lambda a, b: fs.cat_file(full, start=offset + a, end=offset + b), size, _FIRST_READ,
+                         max_bytes=size + 1)  # fmt: skip
+    return reader
+
+
+def _video_views(fs, root: str, row: dict, bucket: tuple[int, int], frames: int, crop: str, seed: int,
+                 max_clips: int, storage_options: dict | None) -> tuple[np.ndarray, dict]:
+    """One video row -> ``uint8 (n, F, H, W, 3)`` clips and its geometry; raises ImageFailure."""
+    starts = clip_starts(row.get("clips") or 1, frames, max_clips)
+    bh, bw = bucket
+    out = np.zeros((len(starts), frames, bh, bw, 3), np.uint8)
+    seen = np.zeros(len(starts), np.int64)
+    geometry: dict[str, Any] = {}
+
+    def on_frame(c: int, img) -> None:
+        if not geometry:  # the first frame fixes the crop box of every clip
+            original = (img.height, img.width)
+            resized, top_left = cover_and_crop(original, bucket, crop, seed, row["sample_id"])
+            geometry.update(original_size=original, resized_size=resized, crop_top_left=top_left)
+        out[c, seen[c]] = crop_resized(img, geometry["resized_size"], geometry["crop_top_left"], bucket)
+        seen[c] += 1
+
+    try:
+        file = _open_video(fs, root, row)
+    except OSError as e:
+        raise read_failure(e, storage_options) from None
+    try:
+        with file:
+            decoded = decode_clip_frames(file, starts, frames, on_frame)
+    except (KeyboardInterrupt, SystemExit, MemoryError):
+        raise
+    except BaseException as e:  # untrusted bytes: this video's error row
+        failure = getattr(file, "failure", None)
+        if failure is not None:
+            raise read_failure(failure, storage_options) from None
+        raise ImageFailure("decode_failed", redact(f"PyAV cannot decode it: {type(e).__name__}: {e}",
+                                                   storage_options)) from None  # fmt: skip
+    if not (seen == frames).all():
+        raise ImageFailure("truncated", f"decoded {decoded} frames, fewer than its clips need "
+                           f"(starts {starts}, {frames} frames each): rescan it")  # fmt: skip
+    return out, {**geometry, "clip_starts": starts}
+
+
+def prepare_clips(fs, root: str, bucket: str, rows: list[dict], crop: str, seed: int, max_pixels: int,
+                  max_clips: int, storage_options: dict | None,
+                  blobs: Callable[[list[dict]], list]) -> dict[str, Any]:  # fmt: skip
+    """:func:`pipeline.embed.workers.prepare_batch` for a unit of a video bucket ``WxHxF``: ``pixels`` uint8
+    ``(n, F, H, W, 3)``, every good row's clips one after the other (``clip_starts`` in its geometry says how
+    many); a 1-frame bucket's rows are images (read with ``blobs(rows)``, decoded as images are). One bad file
+    never fails the unit: it is an error row ``(sample_id, filename, kind, message)``."""
+    bw, bh, frames = parse_video_bucket(bucket)
+    pixels, good, errors = [], [], []
+    images = blobs(rows) if frames == 1 else [None] * len(rows)
+    for row, blob in zip(rows, images):
+        try:
+            if frames == 1:
+                if isinstance(blob, BaseException):
+                    raise read_failure(blob, storage_options)
+                view = prepare_views(blob, (bh, bw), crop=crop, seed=seed, sample_id=row["sample_id"],
+                                     max_pixels=max_pixels, name=row["filename"])[0]  # fmt: skip
+                clips = view.pixels[None, None]  # (1, 1, H, W, 3)
+                geometry = {"original_size": view.original_size, "resized_size": view.resized_size,
+                            "crop_top_left": view.crop_top_left, "clip_starts": [0]}  # fmt: skip
+            else:
+                clips, geometry = _video_views(fs, root, row, (bh, bw), frames, crop, seed, max_clips, storage_options)
+        except ImageFailure as e:
+            errors.append((row["sample_id"], row["filename"], e.kind, e.message))
+            continue
+        pixels.append(clips)
+        good.append({**row, **geometry, "crops": list(geometry["crop_top_left"]) * len(clips), "has_mask": False})
+    stacked = np.concatenate(pixels) if pixels else np.zeros((0, frames, bh, bw, 3), np.uint8)
+    return {"bucket": bucket, "pixels": stacked, "cond_pixels": None, "mask_pixels": None, "rows": good,
+            "errors": errors}  # fmt: skip
