@@ -167,8 +167,33 @@ def test_an_undecodable_video_is_an_error_row(tmp_path, ray_local):
 
 
 @pytest.mark.parametrize("options, words", [({"features": "dinov2"}, "--features"), ({"crops": 2}, "--crops"),
-                                             ({"latents": "posterior"}, "--latents posterior")])  # fmt: skip
+                                             ({"latents": "posterior"}, "--latents posterior"),
+                                             ({"family": "generic", "model": None}, "need a video VAE")])  # fmt: skip
 def test_what_video_cannot_take_is_refused(embedded, tmp_path, options, words):
     manifest = embedded[0]
     with pytest.raises(UsageError, match=words):
-        embed(EmbedJob(manifest=manifest, out=str(tmp_path / "c"), family="wan", model="default", **options))
+        embed(EmbedJob(manifest=manifest, out=str(tmp_path / "c"), **{"family": "wan", "model": "default", **options}))
+
+
+def test_ranged_reads_stop_after_the_clip_and_match_a_local_decode(tmp_path):
+    """Over object storage (memory://) the workers read ranges, keep a few chunks and stop after the clip."""
+    import fsspec
+
+    from pipeline.embed.workers import prepare_batch
+    from pipeline.sources.headers import RangeReader
+
+    options = {"crf": "0", "preset": "ultrafast"} if H264 == "libx264" else {"qscale": "1"}
+    _write(tmp_path / "big.mp4", H264, 60, size=(96, 64), options=options)  # lossless noise: ~1 MB
+    data = (tmp_path / "big.mp4").read_bytes()
+    reader = RangeReader(lambda a, b: data[a:b], len(data), 64 * 1024, max_bytes=1 << 62, max_fetch=128 * 1024,
+                         keep_chunks=2)  # fmt: skip
+    assert decode_clip_frames(reader, [0], FRAMES, lambda c, img: None) == FRAMES
+    assert reader.bytes_read < len(data) / 2 and len(reader._chunks) <= 3
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/videos/big.mp4", data)
+    row = {"sample_id": 7, "filename": "big.mp4", "container": None, "size": len(data), "clips": 6}
+    remote = prepare_batch("/videos", None, "64x64x9", [row], "center", 0, 1 << 30, fs=fs, max_clips=2)
+    local = prepare_batch(str(tmp_path), None, "64x64x9", [row], "center", 0, 1 << 30, max_clips=2)
+    assert remote["errors"] == [] and remote["rows"][0]["clip_starts"] == [0, 45]
+    assert remote["pixels"].shape == (2, FRAMES, 64, 64, 3)
+    np.testing.assert_array_equal(remote["pixels"], local["pixels"])

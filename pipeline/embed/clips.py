@@ -27,6 +27,7 @@ from typing import Any, Callable
 import numpy as np
 
 from manifests.frames import parse_video_bucket
+from manifests.retry import with_retries
 from manifests.schema import image_range
 from manifests.storage import is_local, join, redact
 from pipeline.embed.imaging import ImageFailure, cover_and_crop, crop_resized, prepare_views, read_failure
@@ -35,6 +36,7 @@ __all__ = ["MAX_CLIPS", "clip_starts", "clip_variants", "decode_clip_frames", "p
 
 MAX_CLIPS = 4  # --max-clips default: record bytes grow with the clips kept
 _FIRST_READ = 256 * 1024  # ranged reads while decoding: sequential misses double from here
+_MAX_FETCH = 8 * 1024 * 1024  # ... up to this
 
 
 def is_video_bucket(bucket: str) -> bool:
@@ -101,9 +103,9 @@ def _open_video(fs, root: str, row: dict):
         return open(full, "rb")
     offset = start or 0
     size = (end - offset) if end is not None else int(row["size"])
-    reader = RangeReader(lambda a, b: fs.cat_file(full, start=offset + a, end=offset + b), size, _FIRST_READ,
-                         max_bytes=size + 1)  # fmt: skip
-    return reader
+    # a forward decode keeps the last few chunks only: memory bounded by _MAX_FETCH, never the file
+    return RangeReader(lambda a, b: with_retries(lambda: fs.cat_file(full, start=offset + a, end=offset + b)), size,
+                       _FIRST_READ, max_bytes=1 << 62, max_fetch=_MAX_FETCH, keep_chunks=4)  # fmt: skip
 
 
 def _video_views(fs, root: str, row: dict, bucket: tuple[int, int], frames: int, crop: str, seed: int,

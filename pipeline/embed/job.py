@@ -83,7 +83,7 @@ from manifests.storage import parse_storage_options, redact
 from pipeline.embed.clips import MAX_CLIPS
 from pipeline.embed.dataflow import DEVICES
 from pipeline.embed.driver import EmbedDriver
-from pipeline.embed.encoders import LATENTS, STORAGE_DTYPES
+from pipeline.embed.encoders import DEFAULT_ID, LATENTS, STORAGE_DTYPES
 from pipeline.embed.families import FAMILIES
 from pipeline.embed.prompts import committed_prompts, missing_texts, prompt_texts, read_validation_prompts
 from pipeline.embed.settings import check_early, request_settings
@@ -374,6 +374,10 @@ def _embed(job: EmbedJob) -> EmbedResult:
     make_vae, make_text = _factories(job, STORAGE_DTYPES[job.dtype])
     t0 = time.time()
     vae = _describe(ray, make_vae)
+    if (manifest.frame_ladder is not None) != (vae.get("temporal_factor") is not None):
+        what = "a video manifest needs a video VAE (AutoencoderKLWan: --family wan)" if manifest.frame_ladder \
+            else "an image manifest (no frame buckets) with a video VAE: scan with --frames, or use an image family"
+        raise UsageError(f"bucketeer embed {redact(job.manifest)}: {what}; the VAE is a {vae['class']}")
     embed = EmbedDriver(job.manifest, job.out, so, request, committed, vae, placement, validation, job.commit_seconds)
     counts, new_captions = work.counts, work.new_captions + work.inline_captions + len(prompts)
     print(f"bucketeer embed: {work.samples} samples in the manifest, {counts['fresh'] + counts['failed']} already "
@@ -415,7 +419,10 @@ def _embed(job: EmbedJob) -> EmbedResult:
 
 def refuse_for_video(job: EmbedJob, manifest: ManifestMeta) -> None:
     """Raise UsageError (one line) for what a video manifest cannot be embedded with yet."""
-    problems = [(job.features is not None, "--features (REPA) is for images"),
+    image_vae = job.family != "wan" and job.vae in (None, DEFAULT_ID)  # the tiny AutoencoderKL, or the family's
+    problems = [(image_vae, f"--family {job.family} encodes images; clips need a video VAE: --family wan --model "
+                            "ID|PATH ('default': a tiny random one), or --vae of an AutoencoderKLWan"),
+                (job.features is not None, "--features (REPA) is for images"),
                 (manifest.masks is not None, "loss masks (scan --masks) are for images"),
                 (manifest.conditioning is not None, "conditioning images (scan --conditioning) are for images"),
                 (job.crops > 1, "--crops is for images: a clip takes one crop box, its clips are the variants"),

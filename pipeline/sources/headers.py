@@ -58,7 +58,9 @@ class RangeReader(io.RawIOBase):
     ``head`` is the file's first bytes when they were fetched already. The first miss fetches
     ``first_read`` bytes; a miss right after the last fetch (sequential reading) fetches twice
     the previous amount, any other miss ``first_read`` bytes again. Reads stop at
-    ``max_bytes`` fetched in all (``capped``). ``bytes_read`` and ``requests`` count what
+    ``max_bytes`` fetched in all (``capped``); a fetch is at most ``max_fetch`` bytes, and with
+    ``keep_chunks`` only that many fetched chunks besides the head are kept (a decoder reading a
+    video forward then holds a few chunks, not the file). ``bytes_read`` and ``requests`` count what
     storage delivered. A storage exception is re-raised as :class:`StorageFailure` and kept in
     ``failure``, so no image decoder can mistake it for a broken file.
     """
@@ -71,12 +73,15 @@ class RangeReader(io.RawIOBase):
         *,
         head: bytes | None = None,
         max_bytes: int = MAX_HEADER_BYTES,
+        max_fetch: int = 64 * 1024 * 1024,
+        keep_chunks: int | None = None,
     ):
         super().__init__()
         self._read_range = read_range
         self.size = size
         self.first_read = max(16, first_read)
         self.max_bytes = max_bytes
+        self.max_fetch, self.keep_chunks = max_fetch, keep_chunks
         self._chunks: list[tuple[int, bytes]] = []  # (start, data), non-overlapping
         self._pos = 0
         self._next_fetch = self.first_read
@@ -111,6 +116,8 @@ class RangeReader(io.RawIOBase):
         if start == 0 and not self._chunks:
             self.head = data
         self._chunks.append((start, data))
+        if self.keep_chunks is not None and len(self._chunks) > self.keep_chunks + 1:
+            del self._chunks[1 if self._chunks[0][0] == 0 else 0]  # the oldest, but the head
 
     def _fetch(self, start: int, want: int) -> None:
         sequential = start == self._last_end
@@ -128,7 +135,7 @@ class RangeReader(io.RawIOBase):
         self.bytes_read += len(data)
         self._store(start, data, end - start)
         self._last_end = start + len(data)
-        self._next_fetch = min(2 * amount, 64 * 1024 * 1024) if sequential else self.first_read * 2
+        self._next_fetch = min(2 * amount, self.max_fetch) if sequential else min(self.first_read * 2, self.max_fetch)
 
     def _cached(self, pos: int) -> tuple[bytes, int] | None:
         for start, data in self._chunks:

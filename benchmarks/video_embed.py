@@ -1,0 +1,149 @@
+"""Video embed throughput as marginal rates: ``bucketeer embed`` of a video manifest end to end vs the VAE alone.
+
+    .venv/bin/python benchmarks/video_embed.py [--small 6] [--large 18] [--frames 17] [--size 64] [--threads 1]
+
+Writes ``--large`` distinct H.264 clips (``--size`` square, ``--frames`` frames each, a panning gradient
+with grain) with PyAV, then in one run, on this machine's CPU with the tiny random Wan
+(``--family wan --model default``: AutoencoderKLWan, UMT5):
+
+1. ``bucketeer scan --frames F`` then ``bucketeer embed --family wan --model default`` of the first
+   ``--small`` clips and of all ``--large`` (a warm in-process Ray; wall clock of each embed, model loading
+   and Ray start-up included), marginal rate ``(large - small) / (t_large - t_small)``: clips/s with the
+   reads, the PyAV decode in the workers, the crop, the VAE, gzip and the commits;
+2. the VAE alone (``AutoencoderKLWan.encode``, the same batch size and torch threads) on the same clips
+   already decoded and cropped, timed on ``small`` and ``large`` clips: its marginal clips/s.
+
+The end-to-end rate over the VAE-alone rate is what the pipeline keeps of the encoder's speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from manifests.buckets import BucketSpec  # noqa: E402
+from manifests.frames import FrameLadder  # noqa: E402
+from pipeline.ray_setup import loopback_only  # noqa: E402
+
+loopback_only()
+
+
+def write_clips(folder: Path, n: int, size: int, frames: int) -> list[Path]:
+    import av
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    yy, xx = np.mgrid[0:size, 0:size]
+    paths = []
+    for i in range(n):
+        path = folder / f"clip_{i:04d}.mp4"
+        with av.open(str(path), "w") as container:
+            stream = container.add_stream("libx264" if "libx264" in av.codecs_available else "mpeg4", rate=24)
+            stream.width = stream.height = size
+            stream.pix_fmt = "yuv420p"
+            for t in range(frames):
+                base = np.stack([(xx + 3 * t + 11 * i) % 256, (yy * 2 + t) % 256, (xx + yy + 29 * i) % 256], -1)
+                img = np.clip(base + rng.normal(0, 6, base.shape), 0, 255).astype(np.uint8)
+                for packet in stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
+                    container.mux(packet)
+            for packet in stream.encode():
+                container.mux(packet)
+        (folder / f"clip_{i:04d}.txt").write_text(f"a moving pattern number {i}\n")
+        paths.append(path)
+    return paths
+
+
+def end_to_end(folder: Path, work: Path, frames: int, size: int, batch: int, threads: int) -> float:
+    """Seconds of one ``bucketeer embed`` (scan first, not timed) of ``folder``."""
+    from pipeline.embed import EmbedJob, run as embed
+    from pipeline.scan import ScanConfig, ScanJob, run as scan
+
+    manifest, cache = str(work / "m"), str(work / "c")
+    scan(ScanJob(source=str(folder), out=manifest, spec=BucketSpec(area=size * size, step=16),
+                 frames=FrameLadder((frames,)), config=ScanConfig(progress=False)))  # fmt: skip
+    t = time.perf_counter()
+    result = embed(EmbedJob(manifest=manifest, out=cache, family="wan", model="default", device="cpu", dtype="bf16",
+                            batch_size=batch, shard_records=batch, torch_threads=threads))  # fmt: skip
+    seconds = time.perf_counter() - t
+    assert result.errors == 0, result
+    return seconds
+
+
+def decoded(paths: list[Path], frames: int, size: int) -> np.ndarray:
+    """(n, F, H, W, 3) uint8: the clips as the workers decode and crop them."""
+    from pipeline.embed.clips import decode_clip_frames
+    from pipeline.embed.imaging import cover_and_crop, crop_resized
+
+    out = np.zeros((len(paths), frames, size, size, 3), np.uint8)
+    for i, path in enumerate(paths):
+        def keep(c, img, i=i, seen=[0]):  # noqa: B006 - a counter per clip
+            resized, top_left = cover_and_crop((img.height, img.width), (size, size))
+            out[i, seen[0]] = crop_resized(img, resized, top_left, (size, size))
+            seen[0] += 1
+
+        decode_clip_frames(str(path), [0], frames, keep)
+    return out
+
+
+def vae_alone(clips: np.ndarray, batch: int, threads: int) -> float:
+    """Seconds for the tiny Wan VAE (as the embed workers load it) to encode ``clips`` in batches of ``batch``."""
+    import torch
+
+    from pipeline.embed.encoders import EncoderSource, LatentSpec, quiet_loading
+
+    quiet_loading()
+    torch.set_num_threads(threads)
+    enc = LatentSpec(EncoderSource("default", "vae", family="wan")).load()
+    enc.encode(clips[:1])  # warm-up
+    t = time.perf_counter()
+    for start in range(0, len(clips), batch):
+        enc.encode(clips[start : start + batch])
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small", type=int, default=6)
+    parser.add_argument("--large", type=int, default=18)
+    parser.add_argument("--frames", type=int, default=17)
+    parser.add_argument("--size", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads, of the embed's VAE actor and alone")
+    args = parser.parse_args()
+    import ray
+
+    ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        paths = write_clips(root / "all", args.large, args.size, args.frames)
+        small = root / "small"
+        small.mkdir()
+        for p in paths[: args.small]:
+            os.link(p, small / p.name)
+            os.link(p.with_suffix(".txt"), small / p.with_suffix(".txt").name)
+        e2e = {n: end_to_end(folder, root / f"work{n}", args.frames, args.size, args.batch_size, args.threads)
+               for n, folder in ((args.small, small), (args.large, root / "all"))}  # fmt: skip
+        clips = decoded(paths, args.frames, args.size)
+        alone = {n: vae_alone(clips[:n], args.batch_size, args.threads) for n in (args.small, args.large)}
+    marginal = lambda t: (args.large - args.small) / (t[args.large] - t[args.small])  # noqa: E731
+    print(f"clips {args.size}x{args.size}x{args.frames} (H.264), tiny Wan on CPU, batch {args.batch_size}, "
+          f"{args.threads} torch thread(s); load average {os.getloadavg()[0]:.1f}")
+    print(f"  bucketeer embed end to end: {args.small} clips {e2e[args.small]:.1f}s, {args.large} clips "
+          f"{e2e[args.large]:.1f}s -> marginal {marginal(e2e):.2f} clips/s")
+    print(f"  VAE alone on decoded clips:  {args.small} clips {alone[args.small]:.1f}s, {args.large} clips "
+          f"{alone[args.large]:.1f}s -> marginal {marginal(alone):.2f} clips/s")
+    print(f"  end to end / VAE alone: {marginal(e2e) / marginal(alone):.2f}")
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
