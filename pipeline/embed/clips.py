@@ -31,8 +31,10 @@ from manifests.retry import with_retries
 from manifests.schema import image_range
 from manifests.storage import is_local, join, redact
 from pipeline.embed.imaging import ImageFailure, cover_and_crop, crop_resized, prepare_views, read_failure
+from pipeline.embed.samples import sample_record
 
-__all__ = ["MAX_CLIPS", "clip_starts", "clip_variants", "decode_clip_frames", "prepare_clips", "is_video_bucket"]
+__all__ = ["MAX_CLIPS", "clip_records", "clip_starts", "clip_variants", "decode_clip_frames", "prepare_clips",
+           "is_video_bucket"]
 
 MAX_CLIPS = 4  # --max-clips default: record bytes grow with the clips kept
 _FIRST_READ = 256 * 1024  # ranged reads while decoding: sequential misses double from here
@@ -176,3 +178,23 @@ def prepare_clips(fs, root: str, bucket: str, rows: list[dict], crop: str, seed:
     stacked = np.concatenate(pixels) if pixels else np.zeros((0, frames, bh, bw, 3), np.uint8)
     return {"bucket": bucket, "pixels": stacked, "cond_pixels": None, "mask_pixels": None, "rows": good,
             "errors": errors}  # fmt: skip
+
+
+def clip_records(item: dict, rows: list[dict], encode: Callable[[np.ndarray], np.ndarray], flips: int,
+                 batch_size: int, dtype: str) -> list[tuple[dict, Any]]:
+    """A prepared video unit (``pixels`` of :func:`prepare_clips`, its good ``rows``) -> ``(row, SampleRecord)``
+    each: every clip (x2 mirrored with ``flips`` 2) through ``encode`` (``(b, F, H, W, 3)`` uint8 -> ``(b, C, F',
+    h, w)`` in ``dtype``), ``batch_size`` clips a pass; a row's clips are the variants of its record."""
+    bw, bh, frames = parse_video_bucket(item["bucket"])
+    pixels = np.frombuffer(item["pixels"], np.uint8).reshape(-1, frames, bh, bw, 3)  # (clips, F, H, W, 3)
+    views = clip_variants(pixels, flips)  # (clips * flips, F, H, W, 3): clip-major
+    if not rows:
+        return []
+    latents = np.concatenate([encode(views[at : at + batch_size]) for at in range(0, len(views), batch_size)])
+    out, at = [], 0
+    for r in rows:
+        v = len(r["clip_starts"]) * flips
+        out.append((r, sample_record(r, item["bucket"], dtype, latents[at : at + v], None, None, flips,
+                                     clip_starts=r["clip_starts"])))  # fmt: skip
+        at += v
+    return out

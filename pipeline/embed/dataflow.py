@@ -270,7 +270,8 @@ def image_pipeline(work: EmbedWork, manifest: str, source: str, storage_options:
                    make_text: Callable | None = None):  # fmt: skip
     """The images pipeline: one shard per unit. ``options``: batch_size, shard_records, crop, seed, max_pixels,
     crops, flip, conditioning (the root of the manifest's conditioning images, or None), image_column (a
-    parquet-sourced manifest's, else None), text_batch_size, max_clips (a video manifest's, else None). ``make_text``: the text encoders, for the captions
+    parquet-sourced manifest's, else None), text_batch_size, max_clips (a video manifest's, else None).
+    ``make_text``: the text encoders, for the captions
     that only one sample has (their text goes into its record: ``work.images[i].inline``)."""
     units = (
         _items(work.images)

@@ -45,7 +45,6 @@ __all__ = [
     "EncoderSource",
     "LatentEncoder",
     "LatentSpec",
-    "VIDEO_VAES",
     "TextEncoders",
     "TextSpec",
     "TEXT_MODELS",
@@ -252,14 +251,11 @@ def _check_local(path: str, subfolder: str | None, option: str, expected: str, f
                      f"no {' or '.join(files)} in {folder}.{hint}")  # fmt: skip
 
 
-# the diffusers class a VAE folder's config names (``_class_name``) -> what loads it; video VAEs take clips
-VAE_CLASSES = ("AutoencoderKL", "AutoencoderKLWan")
-VIDEO_VAES = ("AutoencoderKLWan",)
+VAE_CLASSES = ("AutoencoderKL", "AutoencoderKLWan")  # what a VAE config's _class_name may name; Wan's takes clips
 
 
 def _vae_class(path: str, subfolder: str | None):
-    """The diffusers VAE class of ``path``/``subfolder``'s config (``AutoencoderKL`` when it names another
-    or none, as before video VAEs existed)."""
+    """The diffusers VAE class ``path``/``subfolder``'s config names (else ``AutoencoderKL``, as always)."""
     import diffusers
 
     try:
@@ -281,7 +277,7 @@ class LatentEncoder:
         _check_local(path, subfolder, "--vae", "vae", ("config.json",))
         self.device, self.compute_dtype = _device_and_dtype(use_gpu, dtype)
         self.vae = _vae_class(path, subfolder).from_pretrained(path, subfolder=subfolder).eval()
-        self.video = type(self.vae).__name__ in VIDEO_VAES
+        self.video = type(self.vae).__name__ == "AutoencoderKLWan"
         self.weights = weights_sha256(self.vae)  # of the weights as published, before any cast
         self.vae.to(self.device)
         if self.compute_dtype != self.vae.dtype:
@@ -292,23 +288,20 @@ class LatentEncoder:
     def describe(self) -> dict[str, Any]:
         cfg = self.vae.config
         if self.video:  # Wan: no scaling factor; the trainer normalises per channel with latents_mean/std
-            return {"id": self.id, "subfolder": self.subfolder, "class": type(self.vae).__name__,
-                    "weights_sha256": self.weights, "factor": int(cfg.scale_factor_spatial),
-                    "channels": int(cfg.z_dim), "scaling_factor": 1.0, "shift_factor": None,
-                    "latents_mean": [float(x) for x in cfg.latents_mean],
-                    "latents_std": [float(x) for x in cfg.latents_std],
-                    "temporal_factor": int(cfg.scale_factor_temporal), "latents": self.latents,
-                    "device": str(self.device), "compute_dtype": str(self.compute_dtype).replace("torch.", ""),
-                    "features": None}  # fmt: skip
+            shape = {"factor": int(cfg.scale_factor_spatial), "channels": int(cfg.z_dim), "scaling_factor": 1.0,
+                     "shift_factor": None, "latents_mean": [float(x) for x in cfg.latents_mean],
+                     "latents_std": [float(x) for x in cfg.latents_std],
+                     "temporal_factor": int(cfg.scale_factor_temporal)}  # fmt: skip
+        else:
+            shape = {"factor": 2 ** (len(cfg.block_out_channels) - 1), "channels": int(cfg.latent_channels),
+                     "scaling_factor": float(cfg.scaling_factor),
+                     "shift_factor": None if getattr(cfg, "shift_factor", None) is None else float(cfg.shift_factor)}
         return {
             "id": self.id,
             "subfolder": self.subfolder,
             "class": type(self.vae).__name__,
             "weights_sha256": self.weights,
-            "factor": 2 ** (len(cfg.block_out_channels) - 1),
-            "channels": int(cfg.latent_channels),
-            "scaling_factor": float(cfg.scaling_factor),
-            "shift_factor": None if getattr(cfg, "shift_factor", None) is None else float(cfg.shift_factor),
+            **shape,
             "latents": self.latents,
             "device": str(self.device),  # where it runs: recorded in _cache.json, not fingerprinted
             "compute_dtype": str(self.compute_dtype).replace("torch.", ""),

@@ -24,15 +24,15 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageOps
 
-from manifests.errors import UsageError
+from manifests.errors import StorageError, UsageError
 from manifests.schema import MAX_PIXELS, image_range
 from manifests.retry import is_transient
-from manifests.storage import join, read_many, redact
+from manifests.storage import join, open_url, read_many, redact
 from pipeline.embed.parquet_images import fetch_parquet_images, is_parquet_row
 from pipeline.formats import open_image
 
-__all__ = ["ImageFailure", "Prepared", "cover_and_crop", "crop_resized", "prepare_views", "fetch_all",
-           "fetch_images", "read_failure", "conditioning_views"]
+__all__ = ["ImageFailure", "Prepared", "check_source", "cover_and_crop", "crop_resized", "open_source", "prepare_views",
+           "fetch_all", "fetch_images", "read_failure", "conditioning_views"]
 
 _EXIF_ORIENTATION = 0x0112
 
@@ -246,3 +246,34 @@ def fetch_images(
         for i, blob in zip(in_parquet, blobs):
             results[i] = blob
     return results
+
+
+def open_source(source: str, storage_options: dict | None, fs=None):
+    """``(fs, root)`` of the dataset; a given ``fs`` (tests, benchmarks) takes ``source`` as its path."""
+    if fs is not None:
+        return fs, fs._strip_protocol(source).rstrip("/")
+    return open_url(source, storage_options)
+
+
+def check_source(source: str, storage_options: dict | None, rows: list[dict], fs=None,
+                 image_column: str | None = None) -> None:  # fmt: skip
+    """Refuse a dataset whose storage is unusable: raise StorageError when every one of the images
+    of ``rows`` (a few manifest rows spread over the job, with :data:`manifests.schema.LOCATION_COLUMNS`,
+    read with the usual retries) fails to read.
+
+    One unreadable file is that file's error row; all of them failing means the bucket is gone,
+    access is denied or the endpoint is down, and a job would only write an error row per
+    sample. The message quotes the first failure (credentials redacted) and names the file.
+    """
+    if not rows:
+        return
+    fs, root = open_source(source, storage_options, fs)
+    blobs = fetch_images(fs, root, rows, image_column=image_column)
+    failures = [(r["filename"], b) for r, b in zip(rows, blobs) if isinstance(b, BaseException)]
+    if len(failures) < len(rows):
+        return
+    name, first = failures[0]
+    raise StorageError(redact(
+        f"cannot read the images of {source}: all {len(rows)} probed files failed, e.g. {name}: "
+        f"{type(first).__name__}: {first}. Nothing was embedded; check that the dataset is still there "
+        "(--source if it moved) and the credentials/--storage-options allow reading it.", storage_options))

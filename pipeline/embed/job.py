@@ -374,10 +374,9 @@ def _embed(job: EmbedJob) -> EmbedResult:
     make_vae, make_text = _factories(job, STORAGE_DTYPES[job.dtype])
     t0 = time.time()
     vae = _describe(ray, make_vae)
-    if (manifest.frame_ladder is not None) != (vae.get("temporal_factor") is not None):
-        what = "a video manifest needs a video VAE (AutoencoderKLWan: --family wan)" if manifest.frame_ladder \
-            else "an image manifest (no frame buckets) with a video VAE: scan with --frames, or use an image family"
-        raise UsageError(f"bucketeer embed {redact(job.manifest)}: {what}; the VAE is a {vae['class']}")
+    if (manifest.frame_ladder is not None) != (vae.get("temporal_factor") is not None):  # a --vae of the other kind
+        raise UsageError(f"bucketeer embed {redact(job.manifest)}: a {'video' if manifest.frame_ladder else 'n image'} "
+                         f"manifest and a {vae['class']} VAE: scan --frames for video VAEs, --family wan for clips")
     embed = EmbedDriver(job.manifest, job.out, so, request, committed, vae, placement, validation, job.commit_seconds)
     counts, new_captions = work.counts, work.new_captions + work.inline_captions + len(prompts)
     print(f"bucketeer embed: {work.samples} samples in the manifest, {counts['fresh'] + counts['failed']} already "
@@ -418,19 +417,16 @@ def _embed(job: EmbedJob) -> EmbedResult:
 
 
 def refuse_for_video(job: EmbedJob, manifest: ManifestMeta) -> None:
-    """Raise UsageError (one line) for what a video manifest cannot be embedded with yet."""
-    image_vae = job.family != "wan" and job.vae in (None, DEFAULT_ID)  # the tiny AutoencoderKL, or the family's
-    problems = [(image_vae, f"--family {job.family} encodes images; clips need a video VAE: --family wan --model "
-                            "ID|PATH ('default': a tiny random one), or --vae of an AutoencoderKLWan"),
-                (job.features is not None, "--features (REPA) is for images"),
-                (manifest.masks is not None, "loss masks (scan --masks) are for images"),
-                (manifest.conditioning is not None, "conditioning images (scan --conditioning) are for images"),
-                (job.crops > 1, "--crops is for images: a clip takes one crop box, its clips are the variants"),
-                (job.latents == "posterior", "--latents posterior is for images: a clip stores the posterior mean")]
-    for refused, why in problems:
-        if refused:
-            raise UsageError(f"bucketeer embed {redact(job.manifest)} (a video manifest, WxHxF buckets): {why} "
-                             "for now; embed without it")  # fmt: skip
+    """Raise UsageError (one line) for what a video manifest cannot be embedded with (yet)."""
+    images_only = {"--features (REPA)": job.features is not None, "--crops K": job.crops > 1,
+                   "--latents posterior": job.latents == "posterior", "loss masks (scan --masks)": bool(manifest.masks),
+                   "conditioning images (scan --conditioning)": manifest.conditioning is not None}  # fmt: skip
+    why = next((f"{what} is for images only, for now: embed without it" for what, on in images_only.items() if on), "")
+    if job.family != "wan" and job.vae in (None, DEFAULT_ID):  # the tiny AutoencoderKL, or the family's
+        why = (f"--family {job.family} encodes images; clips need a video VAE: --family wan --model ID|PATH "
+               "('default': a tiny random one), or --vae of an AutoencoderKLWan")  # fmt: skip
+    if why:
+        raise UsageError(f"bucketeer embed {redact(job.manifest)} (a video manifest, WxHxF buckets): {why}")
 
 
 def _conditioning_root(manifest: ManifestMeta, source: str) -> str | None:

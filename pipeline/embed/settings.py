@@ -25,8 +25,8 @@ MASKS_SETTING = "uint8 0..255 at the latent grid: cropped and flipped like the i
 # what ``_cache.json`` settings ``video.clips`` says: which clips of a video its record holds
 VIDEO_CLIPS = "up to max_clips of the video's non-overlapping clips, evenly spaced; one variant each (x2 with flip)"
 
-__all__ = ["MASKS_SETTING", "VIDEO_CLIPS", "request_settings", "check_early", "full_settings", "committed_text", "cache_info",
-           "refuse"]
+__all__ = ["MASKS_SETTING", "VIDEO_CLIPS", "request_settings", "check_early", "full_settings", "committed_text",
+           "cache_info", "refuse"]
 
 _VAE_KEYS = ("class", "weights_sha256", "factor", "channels", "scaling_factor", "shift_factor")
 _VIDEO_VAE_KEYS = ("latents_mean", "latents_std", "temporal_factor")

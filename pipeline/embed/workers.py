@@ -20,7 +20,7 @@ records. An encoder that fails to load raises from the actor's first call, as a 
 ``UsageError``: Ray keeps only the formatted text of an exception raised in ``__init__``.
 Where an actor got a GPU from Ray but torch sees no CUDA (a CPU build of torch; logical GPUs of a
 test cluster) it runs on the CPU and says so in its description, which the driver prints loudly,
-once per distinct message. :func:`check_source` (on the driver,
+once per distinct message. :func:`~pipeline.embed.imaging.check_source` (on the driver,
 before any model loads) refuses a dataset whose storage cannot be read at all.
 """
 
@@ -43,14 +43,14 @@ from manifests.cache import CACHE_ERRORS_SCHEMA, ShardWriter
 from manifests.cache.layout import INDEX_SCHEMAS
 from manifests.cache.freshness import source_key
 from manifests.cache.records import TextRecord, encode_sample, encode_text
-from manifests.errors import BucketeerError, StorageError, UsageError
+from manifests.errors import BucketeerError, UsageError
 from manifests.manifest import read_row_group
 from manifests.schema import MASK_COLUMNS
 from manifests.storage import is_local, join, open_url, read_many, redact
-from manifests.frames import parse_video_bucket
-from pipeline.embed.clips import MAX_CLIPS, clip_variants, is_video_bucket, prepare_clips
+from pipeline.embed.clips import MAX_CLIPS, clip_records, is_video_bucket, prepare_clips
 from pipeline.embed.encoders import Encoder, quiet_loading, to_storage
-from pipeline.embed.imaging import ImageFailure, conditioning_views, fetch_images, prepare_views, read_failure
+from pipeline.embed.imaging import ImageFailure, check_source, conditioning_views, fetch_images, open_source, \
+    prepare_views, read_failure
 from pipeline.embed.masks import fetch_masks, row_mask, variant_masks
 from pipeline.embed.samples import sample_record, variant_pixels
 from pipeline.embed.work import MANIFEST_COLUMNS, GroupWork, caption_keys, cut_units, flat_captions, \
@@ -97,13 +97,6 @@ def from_ipc(data: bytes) -> pa.Table:
     return pa.ipc.open_stream(pa.py_buffer(data)).read_all()
 
 
-def _open_source(source: str, storage_options: dict | None, fs=None):
-    """``(fs, root)`` of the dataset; a given ``fs`` (tests, benchmarks) takes ``source`` as its path."""
-    if fs is not None:
-        return fs, fs._strip_protocol(source).rstrip("/")
-    return open_url(source, storage_options)
-
-
 def prepare_batch(
     source: str,
     storage_options: dict | None,
@@ -134,7 +127,7 @@ def prepare_batch(
     picklable for Ray); ``image_column``: a parquet-sourced manifest's (:func:`pipeline.embed.imaging.fetch_images`).
     A video bucket ``WxHxF`` is :func:`pipeline.embed.clips.prepare_clips`' (``max_clips`` clips per video).
     """
-    fs, root = _open_source(source, storage_options, fs)
+    fs, root = open_source(source, storage_options, fs)
     if is_video_bucket(bucket):
         return prepare_clips(fs, root, bucket, rows, crop, seed, max_pixels, max_clips, storage_options,
                              lambda some: fetch_images(fs, root, some, image_column=image_column))  # fmt: skip
@@ -177,32 +170,6 @@ def prepare_batch(
     masks = (np.stack(mask_pixels) if mask_pixels else np.zeros((0, bh, bw), np.uint8)) if masked else None
     return {"bucket": bucket, "pixels": stacked, "cond_pixels": conds, "mask_pixels": masks, "rows": good,
             "errors": errors}  # fmt: skip
-
-
-def check_source(source: str, storage_options: dict | None, rows: list[dict], fs=None,
-                 image_column: str | None = None) -> None:  # fmt: skip
-    """Refuse a dataset whose storage is unusable: raise StorageError when every one of the images
-    of ``rows`` (a few manifest rows spread over the job, with :data:`manifests.schema.LOCATION_COLUMNS`,
-    read with the usual retries) fails to read.
-
-    One unreadable file is that file's error row; all of them failing means the bucket is gone,
-    access is denied or the endpoint is down, and a job would only write an error row per
-    sample. The message quotes the first failure (credentials redacted) and names the file.
-    """
-    if not rows:
-        return
-    fs, root = _open_source(source, storage_options, fs)
-    blobs = fetch_images(fs, root, rows, image_column=image_column)
-    failures = [(r["filename"], b) for r, b in zip(rows, blobs) if isinstance(b, BaseException)]
-    if len(failures) < len(rows):
-        return
-    name, first = failures[0]
-    raise StorageError(redact(
-        f"cannot read the images of {source}: all {len(rows)} probed files failed, e.g. {name}: "
-        f"{type(first).__name__}: {first}. Nothing was embedded; check that the dataset is still there "
-        "(--source if it moved) and the credentials/--storage-options allow reading it.", storage_options))
-
-
 
 
 # ---------------------------------------------------------------- CPU stages (Ray Data tasks)
@@ -391,52 +358,22 @@ class LatentWriter(_EncoderActor):
     def __call__(self, batch: pa.Table) -> pa.Table:
         encoder = self._load()
         out = []
-        k, f = self.crops, self.flips
         for item in batch.to_pylist():
             rows = from_ipc(item["rows"])
-            if is_video_bucket(item["bucket"]):
-                shard = ShardWriter("samples", max_records=rows.num_rows + 1, max_bytes=1 << 62)
-                self._clips(encoder, item, rows.to_pylist(), shard)
-                samples, size = self._result("samples", shard)
-                out.append({"unit": item["unit"], "samples": samples, "errors": item["errors"], "shard_bytes": size,
-                            "worker": self.worker})  # fmt: skip
-                continue
-            bw, bh = parse_bucket(item["bucket"])
-            pixels = np.frombuffer(item["pixels"], np.uint8).reshape(rows.num_rows, k, bh, bw, 3)  # (B, K, H, W, 3)
-            conds = (np.frombuffer(item["cond_pixels"], np.uint8).reshape(rows.num_rows, k, bh, bw, 3)
-                     if item.get("cond_pixels") else None)  # fmt: skip
-            masks = np.frombuffer(item["mask_pixels"], np.uint8).reshape(rows.num_rows, k, bh, bw) \
-                if item.get("mask_pixels") else None  # (B, K, H, W)  # fmt: skip
             shard = ShardWriter("samples", max_records=rows.num_rows + 1, max_bytes=1 << 62)
             meta = rows.to_pylist()
             texts = self._texts(meta)
-            for start in range(0, rows.num_rows, self.batch_size):
-                views = variant_pixels(pixels[start : start + self.batch_size], f)  # (b * V, H, W, 3)
-                n = len(views)
-                if conds is not None:
-                    views = np.concatenate([views, variant_pixels(conds[start : start + self.batch_size], f)])
-                with self.lock:
-                    encoded = encoder.encode(views, features_of=n)  # --features: of the n image variants
-                    latents = to_storage(encoded["latent"], self.dtype)  # (b * V [* 2 with conditioning], C, h, w)
-                    # --latents posterior: the std too (b, C, h, w), to sample a latent per training step
-                    stds = to_storage(encoded["latent_std"], self.dtype) if "latent_std" in encoded else None
-                    feats = to_storage(encoded["features"], "F16") if "features" in encoded else None  # (b * V, ...)
-                v = k * f
-                grid = None if masks is None else variant_masks(masks[start : start + self.batch_size], f,
-                                                                latents.shape[-2:])  # (b * V, h, w)  # fmt: skip
-                for j, r in enumerate(meta[start : start + self.batch_size]):
-                    record = sample_record(
-                        r, item["bucket"], self.dtype, latents[j * v : (j + 1) * v],
-                        None if conds is None else latents[n + j * v : n + (j + 1) * v],
-                        None if stds is None else stds[j * v], f,
-                        grid[j * v : (j + 1) * v] if grid is not None and r.get("has_mask") else None,
-                        features=None if feats is None else feats[j * v : (j + 1) * v])  # fmt: skip
-                    inline = bool(r.get("text_inline"))
-                    if inline:
-                        record = replace(record, text=texts[r["caption_key"]])
-                    shard.append(encode_sample(record, inline_text=inline), sample_id=r["sample_id"],
-                                 caption_key=r["caption_key"], caption_keys=r["caption_keys"], bucket=item["bucket"],
-                                 source_key=r["source_key"], text_inline=inline)  # fmt: skip
+            if is_video_bucket(item["bucket"]):  # WxHxF: pipeline.embed.clips
+                records = clip_records(item, meta, self._encode_clips(encoder), self.flips, self.batch_size, self.dtype)
+            else:
+                records = self._image_records(encoder, item, meta)
+            for r, record in records:
+                inline = bool(r.get("text_inline"))
+                if inline:
+                    record = replace(record, text=texts[r["caption_key"]])
+                shard.append(encode_sample(record, inline_text=inline), sample_id=r["sample_id"],
+                             caption_key=r["caption_key"], caption_keys=r["caption_keys"], bucket=item["bucket"],
+                             source_key=r["source_key"], text_inline=inline)  # fmt: skip
             samples, size = self._result("samples", shard)
             out.append({"unit": item["unit"], "samples": samples, "errors": item["errors"], "shard_bytes": size,
                         "worker": self.worker})  # fmt: skip
@@ -444,32 +381,43 @@ class LatentWriter(_EncoderActor):
                                                           ("errors", pa.binary()), ("shard_bytes", pa.int64()),
                                                           ("worker", pa.string())]))  # fmt: skip
 
-
-    def _clips(self, encoder: Encoder, item: dict, meta: list[dict], shard: ShardWriter) -> None:
-        """A video unit's records: every row's clips (``clip_starts``; x2 mirrored with ``--flip``) through
-        the VAE, ``batch_size`` clips a forward pass, each row's clips the variants of its record."""
-        bw, bh, frames = parse_video_bucket(item["bucket"])
-        pixels = np.frombuffer(item["pixels"], np.uint8).reshape(-1, frames, bh, bw, 3)  # (clips, F, H, W, 3)
-        views = clip_variants(pixels, self.flips)  # (clips * flips, F, H, W, 3): clip-major
-        latents = []
-        for start in range(0, len(views), self.batch_size):
+    def _encode_clips(self, encoder: Encoder) -> Callable[[np.ndarray], np.ndarray]:
+        """Clips ``(b, F, H, W, 3)`` -> their latents in the storage dtype, one forward pass at a time."""
+        def encode(clips: np.ndarray) -> np.ndarray:
             with self.lock:
-                encoded = encoder.encode(views[start : start + self.batch_size])
-                latents.append(to_storage(encoded["latent"], self.dtype))  # (b, C, F', h, w)
-        latents = np.concatenate(latents) if latents else np.zeros((0,), np.uint16)
-        texts = self._texts(meta)
-        at = 0
-        for r in meta:
-            v = len(r["clip_starts"]) * self.flips
-            record = sample_record(r, item["bucket"], self.dtype, latents[at : at + v], None, None, self.flips,
-                                   clip_starts=r["clip_starts"])  # fmt: skip
-            at += v
-            inline = bool(r.get("text_inline"))
-            if inline:
-                record = replace(record, text=texts[r["caption_key"]])
-            shard.append(encode_sample(record, inline_text=inline), sample_id=r["sample_id"],
-                         caption_key=r["caption_key"], caption_keys=r["caption_keys"], bucket=item["bucket"],
-                         source_key=r["source_key"], text_inline=inline)  # fmt: skip
+                return to_storage(encoder.encode(clips)["latent"], self.dtype)  # (b, C, F', h, w)
+        return encode
+
+    def _image_records(self, encoder: Encoder, item: dict, meta: list[dict]) -> Iterator[tuple[dict, Any]]:
+        """``(row, SampleRecord)`` of each good row of an image unit, ``batch_size`` images a forward pass."""
+        k, f, n_rows = self.crops, self.flips, len(meta)
+        bw, bh = parse_bucket(item["bucket"])
+        pixels = np.frombuffer(item["pixels"], np.uint8).reshape(n_rows, k, bh, bw, 3)  # (B, K, H, W, 3)
+        conds = (np.frombuffer(item["cond_pixels"], np.uint8).reshape(n_rows, k, bh, bw, 3)
+                 if item.get("cond_pixels") else None)  # fmt: skip
+        masks = np.frombuffer(item["mask_pixels"], np.uint8).reshape(n_rows, k, bh, bw) \
+            if item.get("mask_pixels") else None  # (B, K, H, W)  # fmt: skip
+        for start in range(0, n_rows, self.batch_size):
+            views = variant_pixels(pixels[start : start + self.batch_size], f)  # (b * V, H, W, 3)
+            n = len(views)
+            if conds is not None:
+                views = np.concatenate([views, variant_pixels(conds[start : start + self.batch_size], f)])
+            with self.lock:
+                encoded = encoder.encode(views, features_of=n)  # --features: of the n image variants
+                latents = to_storage(encoded["latent"], self.dtype)  # (b * V [* 2 with conditioning], C, h, w)
+                # --latents posterior: the std too (b, C, h, w), to sample a latent per training step
+                stds = to_storage(encoded["latent_std"], self.dtype) if "latent_std" in encoded else None
+                feats = to_storage(encoded["features"], "F16") if "features" in encoded else None  # (b * V, ...)
+            v = k * f
+            grid = None if masks is None else variant_masks(masks[start : start + self.batch_size], f,
+                                                            latents.shape[-2:])  # (b * V, h, w)  # fmt: skip
+            for j, r in enumerate(meta[start : start + self.batch_size]):
+                yield r, sample_record(
+                    r, item["bucket"], self.dtype, latents[j * v : (j + 1) * v],
+                    None if conds is None else latents[n + j * v : n + (j + 1) * v],
+                    None if stds is None else stds[j * v], f,
+                    grid[j * v : (j + 1) * v] if grid is not None and r.get("has_mask") else None,
+                    features=None if feats is None else feats[j * v : (j + 1) * v])  # fmt: skip
 
 
 class TextWriter(_EncoderActor):
