@@ -28,8 +28,6 @@ from pipeline.embed.imaging import cover_and_crop, crop_resized  # noqa: E402
 from pipeline.scan import ScanConfig, ScanJob, run as scan  # noqa: E402
 from tests.test_video_scan import H264, _write  # noqa: E402
 
-pytestmark = pytest.mark.slow  # a scan and an embed through Ray with a video VAE: ~1 minute on 2 cores
-
 FRAMES = 9
 
 
@@ -51,11 +49,16 @@ def folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def embedded(folder, ray_local, tmp_path_factory):
-    out = tmp_path_factory.mktemp("video-embed-out")
-    manifest, cache = str(out / "m"), str(out / "c")
+def scanned(folder, ray_local, tmp_path_factory):
+    manifest = str(tmp_path_factory.mktemp("video-embed-manifest") / "m")
     scan(ScanJob(source=str(folder), out=manifest, spec=BucketSpec(area=64 * 64, step=32),
                  frames=FrameLadder((FRAMES,)), config=ScanConfig(progress=False)))  # fmt: skip
+    return manifest
+
+
+@pytest.fixture(scope="module")
+def embedded(scanned, tmp_path_factory):
+    manifest, cache = scanned, str(tmp_path_factory.mktemp("video-embed-cache") / "c")
     result = embed(EmbedJob(manifest=manifest, out=cache, family="wan", model="default", flip=True, max_clips=2,
                             dtype="fp32", device="cpu", batch_size=4))  # fmt: skip
     return manifest, cache, result
@@ -104,6 +107,7 @@ def test_decode_stops_after_the_last_clip(folder):
     assert decoded == 18 and len(seen) == 9 and seen[0] == (0, (96, 64))
 
 
+@pytest.mark.slow  # an embed through Ray Data with the tiny Wan: ~1 minute on 2 busy cores
 def test_video_latents_equal_the_vae_on_the_decoded_clip(embedded, folder):
     manifest, cache, result = embedded
     rows = {r["filename"]: r for r in read_manifest(manifest).samples.to_pylist()}
@@ -134,6 +138,7 @@ def test_video_latents_equal_the_vae_on_the_decoded_clip(embedded, folder):
         assert reader.read([rows["rotated.mp4"]["sample_id"]])[0].original_size == (96, 64)
 
 
+@pytest.mark.slow
 def test_an_image_is_a_one_frame_clip(embedded, folder):
     manifest, cache, _ = embedded
     row = next(r for r in read_manifest(manifest).samples.to_pylist() if r["filename"] == "still.png")
@@ -146,6 +151,7 @@ def test_an_image_is_a_one_frame_clip(embedded, folder):
     np.testing.assert_allclose(to_float32(record.latent, record.dtype), _encode(_vae(), clip), atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_verify_and_rerun_add_nothing(embedded, capsys):
     manifest, cache, result = embedded
     assert result.errors == 0 and result.embedded == len(read_manifest(manifest).samples)
@@ -155,6 +161,7 @@ def test_verify_and_rerun_add_nothing(embedded, capsys):
     assert again.up_to_date and again.embedded == 0
 
 
+@pytest.mark.slow
 def test_an_undecodable_video_is_an_error_row(tmp_path, ray_local):
     _write(tmp_path / "ok.mp4", H264, 9, size=(64, 64))
     manifest, cache = str(tmp_path / "m"), str(tmp_path / "c")
@@ -169,8 +176,8 @@ def test_an_undecodable_video_is_an_error_row(tmp_path, ray_local):
 @pytest.mark.parametrize("options, words", [({"features": "dinov2"}, "--features"), ({"crops": 2}, "--crops"),
                                              ({"latents": "posterior"}, "--latents posterior"),
                                              ({"family": "generic", "model": None}, "need a video VAE")])  # fmt: skip
-def test_what_video_cannot_take_is_refused(embedded, tmp_path, options, words):
-    manifest = embedded[0]
+def test_what_video_cannot_take_is_refused(scanned, tmp_path, options, words):
+    manifest = scanned
     with pytest.raises(UsageError, match=words):
         embed(EmbedJob(manifest=manifest, out=str(tmp_path / "c"), **{"family": "wan", "model": "default", **options}))
 
