@@ -10,9 +10,9 @@ with a ``max``; ``min`` defaults to 5, the first that is a clip rather than an i
 of at least twice the longest rung is several clips: ``clips = frames // F`` non-overlapping
 windows of ``F`` consecutive frames, clip ``i`` starting at frame ``i * F`` (frame stride 1); ``embed``
 stores up to ``--max-clips`` of them as variants of the sample's record, and the trainer takes one per
-epoch. A video shorter than the shortest rung is an error row ``too_short``. An image in a video manifest is a 1-frame sample: bucket ``WxHx1``,
-``frames`` 1, ``clips`` 1. The ladder is recorded in ``_manifest.json`` (``frame_ladder``); a
-manifest without it is an image manifest, whatever it holds.
+epoch. A video shorter than the shortest rung is an error row ``too_short``. An image in a video
+manifest is a 1-frame sample: bucket ``WxHx1``, ``frames`` 1, ``clips`` 1. The ladder is recorded in
+``_manifest.json`` (``frame_ladder``); a manifest without it is an image manifest, whatever it holds.
 
 Commands that cannot handle frames yet (plan, rebucket) refuse a video manifest with
 :func:`refuse_video`.
