@@ -206,4 +206,4 @@ def video_summary_line(meta: ManifestMeta, out: str) -> str:
     return (f"scan (video, frames {','.join(map(str, meta.frame_ladder or []))}): {videos} videos -> "
             f"{other.get('video_samples', 0)} samples ({other.get('clips', 0)} clips), {images} images as 1-frame "
             f"samples, {s.errors} errors ({kinds}) -> {redact(out)}; video headers: {read / 1e6:.2f} MB read of "
-            f"{total / 1e6:.1f} MB ({share})")
+            f"{total / 1e6:.2f} MB ({share})")
