@@ -58,9 +58,10 @@ def job_from_args(args: argparse.Namespace) -> RebucketJob:
 def run(job: RebucketJob) -> RebucketResult:
     """Write the re-bucketed manifest and print one line; raises ManifestError for an unreadable manifest."""
     old = read_manifest(job.manifest, job.storage_options)
-    if old.meta.frame_ladder is not None:  # apply_buckets would drop the frame buckets
-        raise UsageError("bucketeer rebucket: video manifests: re-scan with other --frames/--resolution instead "
-                         "(rebucket of video lands with issue #28)")  # fmt: skip
+    if old.meta.frame_ladder is not None:  # apply_buckets would drop the frame buckets and the clip counts
+        raise UsageError(f"bucketeer rebucket: {job.manifest} is a video manifest (scan --frames), which rebucket "
+                         "does not re-bucket: re-scan it with the new --resolution and --frames (a video scan "
+                         "reads only the headers)")  # fmt: skip
     samples, errors = rebucket(old, job.spec)
     counts = {k: v for k, v in old.meta.counts.to_json().items() if k not in ("samples", "errors")}
     with writer_lock(job.out, job.storage_options, "rebucket"):
