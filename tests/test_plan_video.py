@@ -176,3 +176,40 @@ def test_a_videos_clip_is_drawn_per_epoch():
     assert np.mean(seen[several] == clips[several]) > 0.8  # 12 epochs visit (nearly) every clip
     assert not np.array_equal(draws[0], variant_choice(8, 0, ids, clips))  # another seed, another draw
 
+
+
+def _video_cache(url: str, manifest_url: str, temporal_factor: int) -> None:
+    """A committed cache whose ``_cache.json`` says its VAE's temporal factor, with a fresh record per sample (tiny
+    stand-in latents: the plan reads the index and ``_cache.json``, never a latent)."""
+    from manifests.cache import CacheWriter
+    from manifests.cache.freshness import source_key
+    from manifests.cache.records import SampleRecord, caption_key, encode_sample
+
+    info = {"latent": {"kind": "posterior_mean", "dtype": "F32", "channels": 4, "factor": 8,
+                       "temporal_factor": temporal_factor}}  # fmt: skip
+    writer = CacheWriter(url, {"dtype": "F32", "vae": {"id": "wan-like", "weights_sha256": "aa"}}, info=info)
+    manifest = read_manifest(manifest_url)
+    samples = manifest.samples
+    for sid, bucket, caption, key in zip(samples.column("sample_id").to_pylist(), samples.column("bucket").to_pylist(),
+                                         samples.column("caption").to_pylist(), source_key(samples).tolist()):
+        record = SampleRecord(sample_id=sid, bucket=bucket, latent=np.zeros((4, 1, 2, 2), np.float32), dtype="F32",
+                              original_size=(8, 8), resized_size=(8, 8), crop_top_left=(0, 0), target_size=(8, 8),
+                              caption_key=caption_key(caption))  # fmt: skip
+        writer.add_sample(sid, encode_sample(record), record.caption_key, bucket, source_key=key)
+    writer.finish(manifest.fingerprint)
+
+
+def test_the_caches_temporal_factor_counts_the_latent_frames(video, tmp_path, capsys):
+    cache = str(tmp_path / "cache")
+    _video_cache(cache, video, temporal_factor=8)
+    out = str(tmp_path / "plan")
+    meta = run(PlanJob(manifests=(video,), out=out, cache=(cache,), world_size=1, max_tokens=4096, leftover="pad",
+                       progress=False)).meta  # fmt: skip
+    assert meta.inputs.temporal_factor == 8 and meta.samples.planned == read_manifest(video).samples.num_rows
+    assert meta.buckets["256x256x49"].latent_tokens == _tokens("256x256x49", 8)
+    assert main(["plan", "--check", out, video, "--cache", cache]) == 0
+    capsys.readouterr()
+    assert main(["plan", video, "--out", str(tmp_path / "p2"), "--cache", cache, "--world-size", "1",
+                 "--batch-size", "1", "--temporal-factor", "4"]) == 2  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--temporal-factor 4 differs from the 8" in err
