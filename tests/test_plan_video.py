@@ -150,13 +150,23 @@ def test_mixture_of_video_and_image_manifests_extend_and_resume(video, tmp_path)
     assert rest == whole
 
 
-def test_stats_shows_frame_buckets_and_rebucket_refuses_in_one_line(video, tmp_path, capsys):
+def test_stats_shows_frame_buckets_and_rebucket_gives_what_a_scan_would(video, tmp_path, capsys):
     assert main(["stats", video]) == 0
     out = capsys.readouterr().out
     assert "256x256x49" in out and "256x256x1" in out
-    assert main(["rebucket", video, "--out", str(tmp_path / "re"), "--resolution", "128"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "rebucket" in err and "--frames" in err
+    small = BucketSpec(area=128 * 128, step=32, min_side=96)  # smaller buckets, and some too_small rows now
+    again = str(tmp_path / "re")
+    assert main(["rebucket", video, "--out", again, "--resolution", "128", "--bucket-step", "32",
+                 "--min-side", "96"]) == 0  # fmt: skip
+    scanned = str(tmp_path / "scanned")  # the same rows as a video scan with those options buckets them
+    write_manifest(scanned, *video_manifest_tables(400, 60, seed=1, frames=FRAMES, spec=small), source="/clips",
+                   spec=small, frame_ladder=FRAMES)  # fmt: skip
+    got, want = read_manifest(again), read_manifest(scanned)
+    assert got.meta.frame_ladder == FRAMES and got.meta.bucket_spec == want.meta.bucket_spec
+    assert got.samples.to_pylist() == want.samples.to_pylist() and got.errors.to_pylist() == want.errors.to_pylist()
+    kinds = Counter(got.errors.column("error").to_pylist())
+    assert kinds["too_small"] > 0 and kinds["too_short"] > 0
+    assert {b.split("x")[2] for b in got.samples.column("bucket").to_pylist()} == {"1", "17", "33", "49"}
 
 
 def test_a_videos_clip_is_drawn_per_epoch():
