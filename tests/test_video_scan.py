@@ -148,7 +148,7 @@ def test_header_reads_are_a_small_share_of_a_large_file(scanned, clips):
     assert (probe.width, probe.height, probe.frames, probe.bytes_read) == (160, 120, 40, big["bytes_read"])
 
 
-def test_embed_plan_and_rebucket_refuse_a_video_manifest(scanned, tmp_path, capsys):
+def test_plan_and_rebucket_take_a_video_manifest_embed_refuses(scanned, tmp_path, capsys):
     result, _ = scanned
     plan = str(tmp_path / "plan")  # plan takes a video manifest (tests/test_plan_video.py), and checks it
     assert main(["plan", result.url, "--out", plan, "--world-size", "1", "--max-tokens", "128",
