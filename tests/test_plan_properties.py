@@ -445,3 +445,57 @@ def test_video_resume_exact_and_elastic(counts, world, max_tokens, data, leftove
         d = t.to_pydict()
         assert d["step"] == list(range(step, schedule.steps))
         assert [len(b) for b in d["sample_ids"]] == [g // new_world for g in schedule.step_sizes[step:].tolist()]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(counts=st.lists(st.integers(1, 120), min_size=1, max_size=7), world=st.integers(1, 8),
+       max_tokens=st.integers(30_000, 300_000), leftover=st.sampled_from(["drop", "pad"]), data=st.data())  # fmt: skip
+def test_written_video_plans_pass_check_and_a_tampered_one_fails(counts, world, max_tokens, leftover, data):
+    """A token-budget plan of video buckets written and committed passes ``check_plan``; the same plan with
+    another temporal factor in ``_plan.json``, or a sample moved to a batch of another bucket, does not."""
+    import json
+    import uuid
+    from dataclasses import replace
+
+    import fsspec
+    import pyarrow.parquet as pq
+
+    from manifests.errors import UsageError
+    from manifests.plan import epoch_part, write_plan
+    from manifests.plan.check import check_plan
+    from manifests.plan.mix import DatasetSamples
+    from manifests.plan.parts import encode_epoch
+    from manifests.plan.rows import schedule_from_rank_tables
+
+    ids, buckets = make_samples(counts, 5, VIDEO_NAMES)
+    url = f"memory://video-plans/{uuid.uuid4().hex}"
+    config = PlanConfig(world_size=world, max_tokens=max_tokens, leftover=leftover, epochs=2, seed=4)
+    try:
+        meta = write_plan(url, [DatasetSamples(ids, pa.array(buckets), manifest_fingerprint="m")], config)
+    except UsageError:
+        return  # over budget or nothing to train: refused before anything is written
+    assert meta.inputs.temporal_factor == 4 and check_plan(url) == []
+    fs = fsspec.filesystem("memory")
+    path = f"{url[len('memory://'):]}/_plan.json"
+    original = fs.cat_file(path)
+    tampered = json.loads(original)
+    tampered["inputs"]["temporal_factor"] = data.draw(st.sampled_from([1, 2, 8]))
+    fs.pipe_file(path, json.dumps(tampered).encode())
+    if any(latent_tokens([n], temporal_factor=tampered["inputs"]["temporal_factor"])[0] != b.latent_tokens
+           for n, b in meta.buckets.items()):  # fmt: skip
+        assert any("batch size or latent tokens" in p or "give no plan" in p for p in check_plan(url))
+    fs.pipe_file(path, original)
+    names = list(meta.buckets)
+    if len(names) < 2:
+        return
+    epoch_path = f"{url[len('memory://'):]}/{epoch_part(0)}"
+    file = pq.ParquetFile(fs.open(epoch_path))
+    schedule = schedule_from_rank_tables([file.read_row_group(r) for r in range(world)])
+    first = int(schedule.step_buckets[0])
+    other = next((s for s, b in enumerate(schedule.step_buckets.tolist()) if b != first), None)
+    if other is None:
+        return
+    ids_ = schedule.ids.copy()
+    ids_[0] = schedule.ids[schedule.offsets[other]]  # a sample of another bucket (and a repeat) in the first batch
+    fs.pipe_file(epoch_path, encode_epoch(replace(schedule, ids=ids_), world).data)
+    assert check_plan(url) != []
