@@ -17,6 +17,7 @@ import pyarrow as pa
 import pytest
 
 from manifests.buckets import BucketSpec
+from manifests.errors import UsageError
 from manifests.frames import parse_video_bucket
 from manifests.manifest import read_manifest, write_manifest
 from manifests.plan import epoch_part, read_plan_rows, resume_plan
@@ -139,6 +140,8 @@ def test_mixture_of_video_and_image_manifests_extend_and_resume(video, tmp_path)
     names = set(meta.buckets)
     assert any(n.count("x") == 1 for n in names) and any(n.endswith("x1") for n in names)
     assert all(meta.buckets[n].latent_tokens == _tokens(n if n.count("x") == 2 else n + "x1") for n in names)
+    with pytest.raises(UsageError, match="--temporal-factor 8 differs from the plan's 4"):
+        run(PlanJob(manifests=(video, image), extend=out, temporal_factor=8, progress=False))
     run(PlanJob(manifests=(video, image), extend=out, progress=False))
     assert run(PlanJob(check=out, manifests=(video, image), progress=False)).exit_code == 0
     resumed = str(tmp_path / "resumed")
