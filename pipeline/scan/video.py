@@ -42,7 +42,8 @@ from pipeline.sources.captions import CaptionTable
 from pipeline.sources.tasks import run_tasks
 from pipeline.sources.video import VideoProbe, probe_video
 
-__all__ = ["scan_video_batch", "video_part", "one_frame", "video_scan_part", "video_summary_line"]
+__all__ = ["scan_video_batch", "video_part", "one_frame", "one_frame_samples", "bucket_videos", "video_scan_part",
+           "video_summary_line"]
 
 _PROBE_FIELDS = (
     pa.field("name", pa.string()), pa.field("size", pa.int64()), pa.field("width", pa.int32()),
@@ -170,13 +171,18 @@ def bucket_videos(videos: pa.Table, spec: BucketSpec, ladder: FrameLadder) -> tu
 
 def one_frame(part: ScanPart) -> ScanPart:
     """An image part in a video manifest: each sample 1 frame (``frames`` 1, ``clips`` 1, bucket ``WxHx1``)."""
-    samples = conform(part.samples, VIDEO_SAMPLES_SCHEMA)
+    return ScanPart(one_frame_samples(part.samples), conform(part.errors, VIDEO_ERRORS_SCHEMA), part.summary,
+                    part.counts)  # fmt: skip
+
+
+def one_frame_samples(images: pa.Table) -> pa.Table:
+    """Bucketed image rows (``WxH``) as the 1-frame samples of a video manifest (``WxHx1``, frames 1, clips 1)."""
+    samples = conform(images, VIDEO_SAMPLES_SCHEMA)
     n = samples.num_rows
     samples = samples.set_column(samples.schema.get_field_index("bucket"), "bucket",
                                  video_bucket_names(samples.column("bucket"), np.ones(n, np.int32)))  # fmt: skip
     samples = samples.set_column(samples.schema.get_field_index("frames"), "frames", pa.array(np.ones(n, np.int32)))
-    samples = samples.set_column(samples.schema.get_field_index("clips"), "clips", pa.array(np.ones(n, np.int32)))
-    return ScanPart(samples, conform(part.errors, VIDEO_ERRORS_SCHEMA), part.summary, part.counts)
+    return samples.set_column(samples.schema.get_field_index("clips"), "clips", pa.array(np.ones(n, np.int32)))
 
 
 def video_scan_part(images: ScanPart | None, videos: ScanPart) -> ScanPart:
