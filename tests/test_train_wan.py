@@ -117,6 +117,26 @@ def test_the_loss_of_one_batch_equals_a_hand_computation(wan):
     torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
 
 
+def test_the_shift_is_the_schedulers_flow_shift_and_bf16_weights_train_on_float32_batches(wan):
+    """timestep_shift auto: UniPC's flow_shift (Wan 2.1 480p: 3, 720p: 5), FlowMatch's shift. DeepSpeed bf16 casts
+    the weights and autocasts nothing: the recipe hands the model its inputs in the weights' dtype."""
+    from train.model import step_generator
+    from train.recipes import recipe_for
+    from train.shift import timestep_shift
+
+    assert timestep_shift("auto", {"flow_shift": 5.0, "use_flow_sigmas": True}).shift(60, 104) == 5.0
+    assert timestep_shift("auto", {"shift": 3.0}).shift(60, 104) == 3.0
+    reader = CacheReader(wan.cache)
+    batch = _batches(wan)[0]
+    denoiser = recipe_for(TrainConfig(), reader.meta).setup(TrainConfig(), reader.meta)
+    weights = denoiser.model.to(torch.bfloat16)
+    loss = denoiser.loss(weights, batch, step_generator(0, batch.epoch, batch.step, 0))
+    loss.backward()
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+    assert all(p.grad is None or p.grad.dtype == torch.bfloat16 for p in weights.parameters())
+
+
+@pytest.mark.slow
 def test_two_steps_resume_exactly_and_a_full_fine_tune_loads_into_the_pipeline(wan, tmp_path):
     from diffusers import WanTransformer3DModel
     from safetensors.torch import load_file
@@ -175,6 +195,7 @@ def _outputs(denoiser, model: torch.nn.Module, batch) -> torch.Tensor:
     return outputs[0]
 
 
+@pytest.mark.slow
 def test_the_lora_export_loads_into_wan_pipeline_and_gives_the_trained_outputs(wan, tmp_path):
     from diffusers import WanPipeline
     from safetensors.torch import load_file
@@ -238,3 +259,25 @@ def test_an_image_cache_and_bad_validation_frames_are_refused(wan):
     assert validation_frames(TrainConfig(), meta) == 17 and validation_frames(TrainConfig(), image) is None
     with pytest.raises(UsageError, match="validation_frames 8: the cache's video VAE decodes 1 \\+ 4k frames"):
         validation_frames(TrainConfig(validation_frames=8), meta)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_two_processes_train_wan_and_resume_elastically_on_one(wan, tmp_path):
+    import subprocess
+
+    from tests.test_train_dist import command, environment
+
+    cfg = _write(tmp_path / "c.json", lora_rank=4, lr=1e-2, caption_dropout=0.2)
+    out = tmp_path / "out"
+    proc = subprocess.run(command(2, "--plan", wan.plan2, "--cache", wan.cache, "--config", cfg, "--output-dir", out,
+                                  "--max-steps", 2), env=environment(), capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "done: --max-steps 2 reached" in proc.stdout + proc.stderr
+    losses = _losses(out)
+    assert len(losses) == 2 and np.isfinite(losses).all()
+    result, _ = _train("--plan", wan.plan2, "--cache", wan.cache, "--config", cfg, "--output-dir", out,
+                       "--max-steps", 4, "--resume")  # fmt: skip
+    assert (result.steps, result.position) == (2, 4) and (out / "plans" / "resume-00000002-w1").is_dir()
+    assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
