@@ -246,7 +246,7 @@ def test_what_the_recipe_does_not_train_yet_is_one_line(wan, tmp_path, capsys, s
     assert code == 2 and len(err) == 1 and err[0].startswith(f"error: {message}"), err
 
 
-def test_an_image_cache_and_bad_validation_frames_are_refused(wan):
+def test_an_image_cache_odd_latents_and_bad_validation_frames_are_refused(wan):
     import dataclasses
 
     from train.recipes import recipe_for
@@ -256,6 +256,11 @@ def test_an_image_cache_and_bad_validation_frames_are_refused(wan):
     image = dataclasses.replace(meta, latent=dataclasses.replace(meta.latent, temporal_factor=None))
     with pytest.raises(UsageError, match="the cache holds no video latents"):
         recipe_for(TrainConfig(), image).setup(TrainConfig(), image)
+    batch = _batches(wan)[0]
+    denoiser = recipe_for(TrainConfig(), meta).setup(TrainConfig(), meta)
+    odd = dataclasses.replace(batch, latents=batch.latents[..., :7])  # (B, C, F, 8, 7): no 2x2 patches
+    with pytest.raises(UsageError, match="bucket 64x64x9: latents of 3x8x7 .* multiple of 16 pixels"):
+        denoiser.loss(denoiser.model, odd, torch.Generator())
     assert validation_frames(TrainConfig(), meta) == 17 and validation_frames(TrainConfig(), image) is None
     with pytest.raises(UsageError, match="validation_frames 8: the cache's video VAE decodes 1 \\+ 4k frames"):
         validation_frames(TrainConfig(validation_frames=8), meta)

@@ -88,9 +88,14 @@ def setup(cfg: TrainConfig, meta: CacheMeta) -> Denoiser:
     pt, ph, pw = (int(p) for p in transformer.config.patch_size)
     shift = timestep_shift(cfg.timestep_shift, scheduler.config, patch=ph)  # auto: the scheduler's flow_shift
     length = layout.length  # what WanPipeline pads every caption to (max_sequence_length)
+    factor = int(meta.latent.factor or 8)  # pixels per latent pixel
 
     def loss(model: torch.nn.Module, batch: Any, generator: torch.Generator) -> torch.Tensor:
         _, _, f, h, w = batch.latents.shape  # (B, C, F, h, w)
+        if f % pt or h % ph or w % pw:
+            raise UsageError(f"bucket {batch.bucket}: latents of {f}x{h}x{w} (frames x h x w) do not divide into the "
+                             f"transformer's {pt}x{ph}x{pw} patches; scan with a --bucket-step that is a multiple "
+                             f"of {factor * max(ph, pw)} pixels")  # fmt: skip
         draw = flow_sample(batch.latents, generator, shift=shift.for_bucket(batch.bucket, h, w, f // pt),
                            **flow_options(cfg))  # fmt: skip
         noisy, text = to_weight_dtype(model, draw.noisy, pad_text(batch.text, length))  # DeepSpeed bf16
