@@ -114,7 +114,7 @@ def timestep_shift(setting: str | float, scheduler_config: Mapping[str, Any] | N
     config = scheduler_config or {}
     if config.get("use_dynamic_shifting"):
         return TimestepShift(dynamic=dict(config), patch=patch)
-    return TimestepShift(float(config.get("shift", config.get("flow_shift") or 1.0)))
+    return TimestepShift(float(config.get("shift", config.get("flow_shift") or 1.0)), patch=patch)
 
 
 def refuse_shift(setting: str | float, family: str) -> None:
