@@ -16,15 +16,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from unittest import mock
 
 import numpy as np
 import pyarrow as pa
 
-from manifests.buckets import BucketSpec, parse_bucket
+from manifests.buckets import BucketSpec
 from manifests.cache import CacheWriter, TextLayout
 from manifests.cache.records import SampleRecord, TextRecord, caption_key, encode_sample, encode_text
-from manifests.errors import UsageError
 from manifests.plan import DatasetSamples, PlanConfig, write_plan
 from tests.test_cache_format import bf16_bits
 
@@ -103,19 +101,8 @@ def build(base: Path) -> WanData:
     meta = writer.finish()
     ids = np.asarray([r.sample_id for r in records], np.uint64)
     buckets = pa.array([r.bucket for r in records])
-    for url, world, batch in ((data.plan, 1, 2), (data.plan2, 2, 1)):
-        write_video_plan(url, DatasetSamples(ids, buckets, cache_fingerprint=meta.fingerprint, cache=data.cache),
-                         PlanConfig(world_size=world, batch_size=batch, epochs=3, seed=5))  # fmt: skip
+    for url, world, batch in ((data.plan, 1, 2), (data.plan2, 2, 1)):  # the project's plan writer over WxHxF
+        write_plan(url, [DatasetSamples(ids, buckets, cache_fingerprint=meta.fingerprint, cache=data.cache)],
+                   PlanConfig(world_size=world, batch_size=batch, epochs=3, seed=5))  # fmt: skip
     return data
 
-
-def write_video_plan(url: str, samples: DatasetSamples, config: PlanConfig) -> None:
-    """The project's plan writer over ``WxHxF`` buckets. Until the plan reads frame buckets (issue #28's plan
-    part), a refused name is planned as its pixel bucket: the rows and ``_plan.json`` still name ``WxHxF``."""
-    try:
-        write_plan(url, [samples], config)
-        return
-    except UsageError:
-        pass
-    with mock.patch("manifests.plan.schedule.parse_bucket", lambda name: parse_bucket(name.rsplit("x", 1)[0])):
-        write_plan(url, [samples], config)
