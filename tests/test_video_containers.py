@@ -77,3 +77,40 @@ def test_tar_video_members_scanned_from_their_headers(shard_source, ray_local, t
     report(ReportJob(manifest=out, out=str(page), progress=False))
     text = page.read_text()
     assert "unreadable" not in text and text.count('class="thumb"') == 4 * 3
+
+
+def test_parquet_video_column(shard_source, ray_local, tmp_path):
+    """``--format parquet --image-column video``: each value probed from its header; row group and row in the row."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    clips, _ = shard_source
+    root = tmp_path / "pq"
+    root.mkdir()
+    names = ["a.mp4", "b.mkv", "big.mp4", "short.mp4"]
+    table = pa.table({"video": [(clips / n).read_bytes() for n in names] + [b"not a video"],
+                      "text": ["a red ball", "a blue cube", None, "short", "broken"]})  # fmt: skip
+    pq.write_table(table, root / "videos.parquet", row_group_size=2)
+    out = str(tmp_path / "m")
+    run(ScanJob(source=str(root), out=out, spec=BucketSpec(area=64 * 64, step=16), frames=LADDER,
+                config=ScanConfig(progress=False, format="parquet", image_column="video",
+                                  caption_column="text")))  # fmt: skip
+    manifest = read_manifest(out)
+    rows = {r["filename"]: r for r in manifest.samples.to_pylist()}
+    assert set(rows) == {"videos.parquet/0", "videos.parquet/1", "videos.parquet/2"}
+    for i, name in enumerate(names[:3]):
+        row = rows[f"videos.parquet/{i}"]
+        assert (row["width"], row["height"], row["frames"]) == _decoded(clips / name), name
+        assert (row["container"], row["row_group"], row["row_index"]) == ("videos.parquet", i // 2, i % 2)
+        assert row["size"] == (clips / name).stat().st_size
+    assert rows["videos.parquet/1"]["caption"] == "a blue cube" and rows["videos.parquet/2"]["caption"] is None
+    errors = {r["filename"]: r["error"] for r in manifest.errors.to_pylist()}
+    assert errors == {"videos.parquet/3": "too_short", "videos.parquet/4": "not_a_video"}
+    assert manifest.meta.summary.image_column == "video"
+
+    from pipeline import ReportJob, run as report
+
+    page = tmp_path / "r.html"
+    report(ReportJob(manifest=out, out=str(page), progress=False))
+    text = page.read_text()
+    assert "unreadable" not in text and text.count('class="thumb"') == 3 * 3

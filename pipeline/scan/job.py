@@ -284,16 +284,16 @@ def _video_scan(job: ScanJob, listing: Listing, target: tuple, table: CaptionTab
                 started: float) -> ManifestMeta:
     """``--frames``: the loose videos (pipeline/scan/video.py) and loose images as 1-frame samples."""
     assert job.frames is not None
-    if job.config.format not in ("auto", "files", "tar") or job.conditioning or job.masks:
-        raise UsageError("--frames scans loose video and image files and the videos of tar shards: leave out "
-                         "--format parquet, --masks and --conditioning (video in parquet files comes with issue "
-                         "#28)")  # fmt: skip
+    if job.conditioning or job.masks:
+        raise UsageError("--frames scans videos (loose, in tar shards, in a parquet column) and loose images: leave "
+                         "out --masks and --conditioning")  # fmt: skip
     try:
         import av  # noqa: F401
     except ImportError:
         raise UsageError("--frames reads video headers with PyAV: pip install 'bucketeer[video]'") from None
-    loose, _ = select_kinds(listing, job.source, job.config.format, videos=True)
-    if not (listing.videos or listing.shards):
+    fmt = job.config.format  # tar or parquet: only those containers' videos (loose videos ignored)
+    loose, _ = select_kinds(listing, job.source, fmt, videos=fmt in ("auto", "files"))
+    if not (listing.videos or listing.shards or listing.parquet):
         raise UsageError(f"--frames: no video files (.mp4 .mov .webm .mkv) or .tar shards under {redact(job.source)}; "
                          "check the path, or scan images without --frames")  # fmt: skip
     with ray_session(job.ray_address):  # one Ray for both parts

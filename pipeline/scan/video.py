@@ -11,9 +11,10 @@ The driver buckets the rows: the pixel bucket of the display size (:func:`manife
 ``clips``, ``too_short``). Images of the same folder are scanned as ever and join as 1-frame samples
 (:func:`one_frame`). The video members of WebDataset tar shards are probed where they lie, by ranged
 reads of their byte range (:mod:`pipeline.sources.video_shards`: ``container``, ``member_offset`` and
-``size`` in the row, as for images in shards); parquet files are not read by a video scan (counted as
-ignored), and no row is reused from a previous manifest: every video's header is read again (a few
-requests each).
+``size`` in the row, as for images in shards). With ``--format parquet`` the videos of the parquet files'
+``--image-column`` (row group and row in the row, as for images; a parquet value has no byte range, so
+its row group's column chunk is read and each video probed from the bytes in hand). No row is reused
+from a previous manifest: every video's header is read again (a few requests each).
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ from pipeline.scan.config import ScanConfig
 from pipeline.sources.captions import decode_caption, sidecar_stem
 from pipeline.sources.containers import ScanPart
 from pipeline.sources.headers import StorageFailure
-from pipeline.sources.listing import Listing, WorkItem, work_items, work_table
+from pipeline.sources.listing import FileEntry, Listing, WorkItem, work_items, work_table
 from pipeline.sources.reading import SIDECAR_LIMIT
 from pipeline.sources.captions import CaptionTable
+from pipeline.sources.parquet import VIDEO_PARQUET_ROWS, scan_video_parquet_batch
 from pipeline.sources.shards import shard_work
 from pipeline.sources.tasks import run_tasks
 from pipeline.sources.video import VideoProbe, probe_video
@@ -114,8 +116,9 @@ def video_part(listing: Listing, target: tuple, config: ScanConfig, spec: Bucket
     clock = time.perf_counter()
     probed, ray_seconds = _loose_videos(listing, target, config, ray_address)
     shard_stats: dict[str, Any] = {}
-    if listing.shards:
-        in_shards, shard_stats, seconds = _shard_videos(listing, target, config, ray_address)
+    containers = listing.parquet if config.format == "parquet" else listing.shards
+    if containers:
+        in_shards, shard_stats, seconds = _container_videos(containers, target, config, ray_address)
         probed, ray_seconds = pa.concat_tables([probed, in_shards], promote_options="default"), ray_seconds + seconds
     if table is not None:
         probed = _table_captions(probed, table)
@@ -129,7 +132,7 @@ def video_part(listing: Listing, target: tuple, config: ScanConfig, spec: Bucket
     seconds = time.perf_counter() - clock - ray_seconds
     loose = probed.filter(pc.is_null(probed.column("container")))
     read = int(pc.sum(loose.column("bytes_read")).as_py() or 0) + shard_stats.get("bytes_read", 0)
-    total = int(pc.sum(loose.column("size")).as_py() or 0) + sum(s.size for s in listing.shards)
+    total = int(pc.sum(loose.column("size")).as_py() or 0) + sum(s.size for s in containers)
     videos = len(listing.videos) + shard_stats.get("videos", 0)
     requests = int(pc.sum(loose.column("requests")).as_py() or 0) + shard_stats.get("requests", 0)
     figures = {"videos": videos, "video_samples": samples.num_rows, "video_errors": errors.num_rows,
@@ -138,10 +141,12 @@ def video_part(listing: Listing, target: tuple, config: ScanConfig, spec: Bucket
                "video_requests": requests, "video_seconds": round(seconds, 3), "frame_ladder": ladder.to_json(),
                "ignored": listing.ignored, "ignored_hidden": listing.ignored_hidden,
                "ignored_extensions": dict(listing.ignored_extensions)}  # fmt: skip
-    if listing.shards:
-        figures.update(shards=len(listing.shards), shard_bytes=sum(s.size for s in listing.shards),
+    if containers:
+        figures.update(shards=len(containers), shard_bytes=sum(s.size for s in containers),
                        ignored_members=shard_stats.get("ignored_members", {}))  # fmt: skip
-    listed = len(listing.videos) + len(listing.shards)
+    if config.format == "parquet":  # embed and the report read the videos from this column
+        figures.update(source_format="parquet", image_column=config.image_column, caption_column=config.caption_column)
+    listed = len(listing.videos) + len(containers)
     return ScanPart(samples, errors, ScanSummary.from_json(figures), {"listed": listed, "ignored": listing.ignored})
 
 
@@ -170,18 +175,21 @@ def _loose_videos(listing: Listing, target: tuple, config: ScanConfig, ray_addre
     return probed.rename_columns(["filename" if c == "name" else c for c in probed.column_names]), ray_seconds
 
 
-def _shard_videos(listing: Listing, target: tuple, config: ScanConfig, ray_address: str | None
-                  ) -> tuple[pa.Table, dict[str, Any], float]:  # fmt: skip
-    """The video members of the tar shards (:mod:`pipeline.sources.video_shards`): their rows with
-    ``sample_id``, the summed counts, and the seconds Ray took to start."""
-    shards = listing.shards
+def _container_videos(shards: list[FileEntry], target: tuple, config: ScanConfig, ray_address: str | None
+                      ) -> tuple[pa.Table, dict[str, Any], float]:  # fmt: skip
+    """The video members of tar shards (:mod:`pipeline.sources.video_shards`), or with ``--format parquet``
+    the videos of the parquet files' ``--image-column`` (:func:`pipeline.sources.parquet.scan_video_parquet_batch`):
+    their rows with ``sample_id``, the summed counts, and the seconds Ray took to start."""
+    parquet = config.format == "parquet"
+    task, schema = (scan_video_parquet_batch, VIDEO_PARQUET_ROWS) if parquet else (scan_video_shard_batch,
+                                                                                   VIDEO_SHARD_ROWS)  # fmt: skip
     per_task = max(1, min(16, -(-len(shards) // 64)))
 
     def batches(cpus: int) -> list[pa.Table]:
         return [shard_work(shards[i : i + per_task]) for i in range(0, len(shards), per_task)]
 
     try:
-        results, ray_seconds = run_tasks(scan_video_shard_batch, target, config, batches, len(shards),
+        results, ray_seconds = run_tasks(task, target, config, batches, len(shards),
                                          progress=config.progress, ray_address=ray_address, unit="shards",
                                          count=lambda t: json.loads(t.schema.metadata[b"stats"])["shards"])  # fmt: skip
     except StorageError as e:
@@ -189,12 +197,13 @@ def _shard_videos(listing: Listing, target: tuple, config: ScanConfig, ray_addre
     stats: dict[str, Any] = {"requests": 0, "bytes_read": 0, "videos": 0, "ignored_members": {}}
     for result in results:
         found = json.loads(result.schema.metadata[b"stats"])
+        found["videos"] = found.get("videos", found.get("images", 0))  # a parquet file's counts name them images
         for name in ("requests", "bytes_read", "videos"):
             stats[name] += found[name]
-        for ext, n in found["ignored_members"].items():
+        for ext, n in found.get("ignored_members", {}).items():
             stats["ignored_members"][ext] = stats["ignored_members"].get(ext, 0) + n
     rows = pa.concat_tables([r.replace_schema_metadata(None) for r in results]) if results \
-        else VIDEO_SHARD_ROWS.empty_table()  # fmt: skip
+        else schema.empty_table()  # fmt: skip
     rows = rows.append_column("sample_id", pa.array(sample_ids(rows.column("filename").to_pylist()), pa.uint64()))
     return rows, stats, ray_seconds
 
