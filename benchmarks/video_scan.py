@@ -1,7 +1,7 @@
-"""Video scan throughput as marginal rates: ``bucketeer scan --frames`` (container headers only) vs a
-full PyAV decode (what a user without a header reader does to learn every clip's frame count and size).
+"""Video scan throughput as marginal rates: ``bucketeer scan --frames`` (container headers only) vs
+``ffprobe -count_frames`` and a full PyAV decode (what users run to learn every clip's frame count and size).
 
-    .venv/bin/python benchmarks/video_scan.py [--small 500] [--large 2000] [--decode-small 40] [--decode-large 160]
+    .venv/bin/python benchmarks/video_scan.py [--small 500] [--large 2000] [--decode-small 20] [--decode-large 100]
 
 Writes once (in ``--cache-dir``, default ``~/.cache/bucketeer/bench-video``) eight distinct clips with
 PyAV: H.264 .mp4 (moov at the end, as FFmpeg writes it), .mov (MPEG-4 part 2), .mkv (H.264) and VP9
@@ -13,16 +13,22 @@ run, page cache warm, each method scans both folders (best of two) and reports t
 
 1. ``bucketeer scan --frames 17,33,49,81`` of the local folder (a warm in-process Ray; wall clock);
 2. :func:`pipeline.sources.video.probe_video` alone, one thread (CPU seconds of this process);
-3. a full PyAV decode of every frame (one thread, CPU seconds), on ``--decode-small``/``--decode-large``.
+3. a full PyAV decode of every frame (one thread, CPU seconds), on ``--decode-small``/``--decode-large``;
+4. ``ffprobe -v error -threads 1 -count_frames -select_streams v:0 -show_entries stream=nb_read_frames,width,height
+   FILE``, one process per file as a user's loop runs it (CPU seconds of the children, start-up of each
+   process included: that is what each file costs), on the same files as 3;
+5. ``ffprobe -count_packets`` (``nb_read_packets``: demuxes every packet, decodes none) likewise.
 
-``ffprobe -count_frames`` would be the command-line alternative; it is run when an ``ffprobe`` binary
-is on PATH, and the script says so when there is none. Prints bytes read per file and the ratios.
+ffprobe comes from Debian's ``ffmpeg`` package (``apt-get install -y ffmpeg``); without an ``ffprobe``
+binary on PATH rows 4 and 5 are printed as skipped. Prints bytes read per file, the ratios, and a
+side-by-side table of the rates.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -125,12 +131,20 @@ def timed_decode(paths: list[Path]) -> float:
     return time.process_time() - start
 
 
-def timed_ffprobe(paths: list[Path], ffprobe: str) -> float:
-    start = time.perf_counter()
+FFPROBE_COUNTS = {"frames": ("-count_frames", "nb_read_frames"), "packets": ("-count_packets", "nb_read_packets")}
+
+
+def timed_ffprobe(paths: list[Path], ffprobe: str, count: str = "frames") -> float:
+    """CPU seconds (user + system) of one ffprobe process per file; checks each printed count is a number."""
+    option, entry = FFPROBE_COUNTS[count]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     for p in paths:
-        subprocess.run([ffprobe, "-v", "error", "-count_frames", "-select_streams", "v:0", "-show_entries",
-                        "stream=nb_read_frames,width,height", str(p)], check=True, capture_output=True)  # fmt: skip
-    return time.perf_counter() - start
+        out = subprocess.run([ffprobe, "-v", "error", "-threads", "1", option, "-select_streams", "v:0",
+                              "-show_entries", f"stream={entry},width,height", "-of", "csv=p=0", str(p)],
+                             check=True, capture_output=True, text=True).stdout  # fmt: skip
+        assert out.strip().split(",")[-1].isdigit(), (p, out)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def marginal(n_small: int, t_small: float, n_large: int, t_large: float) -> float:
@@ -141,8 +155,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--small", type=int, default=500)
     parser.add_argument("--large", type=int, default=2000)
-    parser.add_argument("--decode-small", type=int, default=40)
-    parser.add_argument("--decode-large", type=int, default=160)
+    parser.add_argument("--decode-small", type=int, default=20)
+    parser.add_argument("--decode-large", type=int, default=100)
     parser.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/bucketeer/bench-video"))
     args = parser.parse_args()
     cache = Path(args.cache_dir)
@@ -174,13 +188,24 @@ def main() -> None:
         decode_rate = marginal(args.decode_small, d_s, args.decode_large, d_l)
         print(f"3. full PyAV decode, one thread: marginal {decode_rate:,.1f} files/s (CPU)")
         print(f"   probe / decode (one thread each): {probe_rate / decode_rate:,.0f}x")
+        table = [("bucketeer scan --frames (wall, Ray, 2 CPUs)", scan_rate),
+                 ("probe_video, one thread (CPU)", probe_rate),
+                 ("full PyAV decode, one thread (CPU)", decode_rate)]  # fmt: skip
         ffprobe = shutil.which("ffprobe")
-        if ffprobe:
-            f_s, f_l = timed_ffprobe(d_files_s, ffprobe), timed_ffprobe(d_files_l, ffprobe)
+        for row, count in ((4, "frames"), (5, "packets")):
+            name = f"ffprobe -count_{count} -threads 1, a process per file (CPU)"
+            if not ffprobe:
+                print(f"{row}. {name}: skipped, no ffprobe binary on PATH (apt-get install -y ffmpeg)")
+                table.append((name, None))
+                continue
+            f_s = timed_ffprobe(d_files_s, ffprobe, count)  # once: CPU seconds, which the load does not inflate
+            f_l = timed_ffprobe(d_files_l, ffprobe, count)
             rate = marginal(len(d_files_s), f_s, len(d_files_l), f_l)
-            print(f"4. ffprobe -count_frames: marginal {rate:,.1f} files/s")
-        else:
-            print("4. ffprobe -count_frames: not run, no ffprobe binary on this machine")
+            print(f"{row}. {name}: marginal {rate:,.1f} files/s; probe_video is {probe_rate / rate:,.0f}x faster")
+            table.append((name, rate))
+        print("\nside by side (marginal files/s):")
+        for name, rate in table:
+            print(f"  {name:<58} {'skipped' if rate is None else f'{rate:,.1f}':>10}")
         print(f"load average at end: {os.getloadavg()[0]:.1f}")
     finally:
         shutil.rmtree(work, ignore_errors=True)

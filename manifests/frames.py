@@ -14,8 +14,9 @@ epoch. A video shorter than the shortest rung is an error row ``too_short``. An 
 manifest is a 1-frame sample: bucket ``WxHx1``, ``frames`` 1, ``clips`` 1. The ladder is recorded in
 ``_manifest.json`` (``frame_ladder``); a manifest without it is an image manifest, whatever it holds.
 
-Commands that cannot handle frames yet (plan, rebucket) refuse a video manifest with
-:func:`refuse_video`.
+Commands that cannot handle frames yet refuse a video manifest with :func:`refuse_video`. Whatever reads
+bucket names of either kind (the plan) reads them with :func:`bucket_dims`; a clip of ``F`` frames is
+``latent_frames(F, t)`` latent frames for a causal VAE of temporal factor ``t``.
 """
 
 from __future__ import annotations
@@ -27,14 +28,17 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from manifests.buckets import parse_bucket
 from manifests.errors import UsageError
 
 __all__ = ["FrameLadder", "assign_frames", "video_bucket_names", "parse_video_bucket", "add_frame_arguments",
-           "ladder_from_args", "refuse_video", "VIDEO_REFUSAL"]  # fmt: skip
+           "ladder_from_args", "refuse_video", "VIDEO_REFUSAL", "bucket_dims", "latent_frames",
+           "DEFAULT_TEMPORAL_FACTOR"]  # fmt: skip
 
 VIDEO_REFUSAL = "video manifests: embed/plan land with issue #28"
 _LADDER = re.compile(r"^\s*(\d+)k\s*\+\s*(\d+)\s*((?::\s*(?:min|max)\s*=\s*\d+\s*)*)$")
 _MAX_FRAMES = 100_000  # a rung beyond this is a typo, not a clip length
+DEFAULT_TEMPORAL_FACTOR = 4  # frames per latent frame after the first: Wan 2.x and HunyuanVideo's causal VAEs
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,21 @@ def parse_video_bucket(name: str) -> tuple[int, int, int]:
     if min(w, h, f) < 1:
         raise UsageError(f"bucket name {name!r} has a side or frame count < 1")
     return w, h, f
+
+
+def bucket_dims(name: str) -> tuple[int, int, int]:
+    """``"832x480x81"`` -> ``(832, 480, 81)``; an image bucket ``"1152x896"`` -> ``(1152, 896, 1)``.
+
+    Raises UsageError naming the bad string for anything else.
+    """
+    if name.lower().count("x") == 2:
+        return parse_video_bucket(name)
+    return (*parse_bucket(name), 1)
+
+
+def latent_frames(frames: np.ndarray, temporal_factor: int) -> np.ndarray:
+    """Latent frames of clips of ``frames`` frames for a causal VAE: ``(F - 1) // t + 1`` (1 frame -> 1)."""
+    return (np.asarray(frames, np.int64) - 1) // temporal_factor + 1
 
 
 def add_frame_arguments(parser: argparse.ArgumentParser) -> None:

@@ -2,7 +2,9 @@
 
 Change the training resolution (or bucket list, or min side) without rescanning:
 ``bucketeer rebucket MANIFEST --out NEW --resolution 512``, or from Python
-``run(RebucketJob(manifest="m/", out="m512/", spec=BucketSpec(area=512 * 512)))``.
+``run(RebucketJob(manifest="m/", out="m512/", spec=BucketSpec(area=512 * 512)))``. A video manifest
+(``scan --frames``) keeps its frame ladder: its rows get the buckets a video scan with the new options gives
+(:func:`rebucket_video`).
 """
 
 from __future__ import annotations
@@ -11,14 +13,18 @@ import argparse
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from manifests.errors import UsageError
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from manifests.lock import writer_lock
 from manifests.buckets import BucketSpec, add_bucket_arguments, spec_from_args
-from manifests.manifest import read_manifest, rebucket, write_manifest
+from manifests.frames import FrameLadder
+from manifests.manifest import Manifest, apply_buckets, conform, read_manifest, rebucket, write_manifest
+from manifests.schema import VIDEO_ERRORS_SCHEMA, VIDEO_SAMPLES_SCHEMA
 from manifests.manifest_meta import ManifestMeta
 from manifests.storage import parse_storage_options
 
-__all__ = ["RebucketJob", "RebucketResult", "add_arguments", "job_from_args", "run"]
+__all__ = ["RebucketJob", "RebucketResult", "add_arguments", "job_from_args", "run", "rebucket_video"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,16 +64,13 @@ def job_from_args(args: argparse.Namespace) -> RebucketJob:
 def run(job: RebucketJob) -> RebucketResult:
     """Write the re-bucketed manifest and print one line; raises ManifestError for an unreadable manifest."""
     old = read_manifest(job.manifest, job.storage_options)
-    if old.meta.frame_ladder is not None:  # apply_buckets would drop the frame buckets
-        raise UsageError("bucketeer rebucket: video manifests: re-scan with other --frames/--resolution instead "
-                         "(rebucket of video lands with issue #28)")  # fmt: skip
-    samples, errors = rebucket(old, job.spec)
+    samples, errors = rebucket(old, job.spec) if old.meta.frame_ladder is None else rebucket_video(old, job.spec)
     counts = {k: v for k, v in old.meta.counts.to_json().items() if k not in ("samples", "errors")}
     with writer_lock(job.out, job.storage_options, "rebucket"):
         meta = write_manifest(job.out, samples, errors, source=old.source, spec=job.spec, counts=counts,
                               summary=replace(old.meta.summary, rebucketed_from=old.fingerprint),
                               max_pixels=old.max_pixels,  # the rows were judged by it; embed decodes up to it
-                              storage_options=job.storage_options)  # fmt: skip
+                              frame_ladder=old.meta.frame_ladder, storage_options=job.storage_options)  # fmt: skip
     n_buckets = len(set(samples.column("bucket").to_pylist()))
     print(
         f"rebucketed {samples.num_rows} samples into {n_buckets} buckets "
@@ -75,6 +78,22 @@ def run(job: RebucketJob) -> RebucketResult:
     )
     return RebucketResult(url=job.out, fingerprint=meta.fingerprint, meta=meta, samples=samples.num_rows,
                           errors=errors.num_rows, buckets=n_buckets)  # fmt: skip
+
+
+def rebucket_video(manifest: Manifest, spec: BucketSpec) -> tuple[pa.Table, pa.Table]:
+    """A video manifest's rows bucketed again by ``spec``, with its own frame ladder, as a video scan buckets
+    them (:func:`pipeline.scan.video.bucket_videos`): videos ``WxHxF``, images ``WxHx1``; ``too_small`` and
+    ``too_short`` rows are judged again, other error rows carried over. Returns new ``(samples, errors)``."""
+    from pipeline.scan.video import bucket_videos, one_frame_samples
+
+    redo = pc.is_in(manifest.errors.column("error"), pa.array(["too_small", "too_short"]))
+    unbucketed = pa.schema([f for f in VIDEO_SAMPLES_SCHEMA if f.name not in ("bucket", "clips")])  # as probed
+    rows = pa.concat_tables([conform(t, unbucketed) for t in (manifest.samples, manifest.errors.filter(redo))])
+    image = pc.is_null(rows.column("codec")).combine_chunks()  # a scanned video always has its codec; an image none
+    videos, rejects = bucket_videos(rows.filter(pc.invert(image)), spec, FrameLadder(manifest.meta.frame_ladder))
+    images, small = apply_buckets(rows.filter(image), spec, video=True)
+    return (pa.concat_tables([videos, one_frame_samples(images)]),
+            pa.concat_tables([manifest.errors.filter(pc.invert(redo)), rejects, conform(small, VIDEO_ERRORS_SCHEMA)]))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
-"""A small, varied, deterministic image dataset for demos: shapes, formats, captions, a few broken files.
+"""Small, varied, deterministic datasets for demos: shapes, formats, captions, a few broken files.
 
 ``make_sample_dataset(folder, n=300)`` writes ``n`` images of several aspect ratios (JPEG, PNG and
 WebP; some with an EXIF orientation that rotates them), ``.txt`` captions for most of them, and a
 handful of broken files (truncated, empty, HTML saved as .jpg) that a scan must report as errors.
+``make_sample_clips(folder, n=24)`` writes short video clips (H.264 mp4 and VP9 webm through PyAV, the
+``video`` extra) of moving colour fields in three aspect ratios, some long enough for several clips,
+one too short for any frame bucket, one rotated 90 degrees, a few still images, and a broken file.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-__all__ = ["make_sample_dataset"]
+__all__ = ["make_sample_dataset", "make_sample_clips"]
 
 # (width, height) shapes in the ratios photo datasets have: square, 4:3, 3:2, 16:9, 2:1 and portraits
 SHAPES = ((512, 512), (576, 432), (432, 576), (600, 400), (400, 600), (640, 360), (360, 640), (640, 320), (480, 480))
@@ -73,3 +76,63 @@ def make_sample_dataset(folder: str | Path, n: int = 300, seed: int = 0) -> dict
         "folder": str(root), "images": n, "broken": len(broken), "captioned": captioned,
         "rotated": rotated, "formats": formats,
     }  # fmt: skip
+
+
+# (width, height, frames) of the demo's clips: square, landscape, portrait; 9-40 frames (at 24 fps: 0.4-1.7 s)
+CLIP_SHAPES = ((128, 128, 17), (160, 96, 40), (96, 160, 21), (128, 128, 9), (160, 96, 26), (96, 160, 36))
+
+
+def _write_clip(path: Path, rng: np.random.Generator, w: int, h: int, frames: int, *, codec: str,
+                rotate: int | None = None) -> None:  # fmt: skip
+    import av
+
+    field = np.asarray(_picture(rng, 2 * w, h), np.uint8)  # (h, 2w, 3): the clip pans across it
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream(codec, rate=24)
+        stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
+        if rotate is not None:
+            stream.set_display_rotation(rotate)
+        for i in range(frames):
+            x = (i * w) // max(frames, 1)
+            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(field[:, x:x + w]), format="rgb24")
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+
+
+def make_sample_clips(folder: str | Path, n: int = 24, seed: int = 0) -> dict[str, Any]:
+    """Write ``n`` short clips, 3 still images, a 5-frame clip (too short) and a broken ``.mp4`` under
+    ``folder``; returns what was written (``clips``, ``images``, ``short``, ``broken``, ``rotated``,
+    ``captioned``, ``codecs``, ``folder``). Same ``seed``, same files. Raises ImportError without PyAV.
+    """
+    import av
+
+    root = Path(folder)
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    h264 = "libx264" if "libx264" in av.codecs_available else "mpeg4"
+    vp9 = "libvpx-vp9" if "libvpx-vp9" in av.codecs_available else None
+    codecs: dict[str, int] = {}
+    captioned = rotated = 0
+    for i in range(n):
+        w, h, frames = CLIP_SHAPES[i % len(CLIP_SHAPES)]
+        codec, ext = (vp9, "webm") if vp9 and i % 4 == 3 else (h264, "mp4")
+        rotate = 90 if i == 5 else None  # a phone clip: stored landscape, shown portrait
+        path = root / f"clips{i % 2}" / f"clip_{i:04d}.{ext}"
+        path.parent.mkdir(exist_ok=True)
+        _write_clip(path, rng, w, h, frames, codec=codec, rotate=rotate)
+        codecs[codec] = codecs.get(codec, 0) + 1
+        rotated += rotate is not None
+        if rng.random() < 0.9:
+            subject, style = SUBJECTS[int(rng.integers(len(SUBJECTS)))], STYLES[int(rng.integers(len(STYLES)))]
+            path.with_suffix(".txt").write_text(f"{style} of {subject} moving, clip {i}\n")
+            captioned += 1
+    for i in range(3):  # stills join a video manifest as 1-frame samples
+        w, h, _ = CLIP_SHAPES[i]
+        _picture(rng, w, h).save(root / f"still_{i}.jpg", quality=90)
+        (root / f"still_{i}.txt").write_text(f"photo of {SUBJECTS[i]}\n")
+    _write_clip(root / "short.mp4", rng, 128, 128, 5, codec=h264)  # fewer frames than any demo bucket
+    (root / "broken.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42" + b"\x00" * 40)  # a header and nothing
+    return {"folder": str(root), "clips": n, "images": 3, "short": 1, "broken": 1, "rotated": rotated,
+            "captioned": captioned, "codecs": codecs}  # fmt: skip

@@ -50,3 +50,35 @@ def manifest_tables(n: int, seed: int = 0, spec: BucketSpec | None = None, n_err
     from manifests.schema import ERRORS_SCHEMA
 
     return samples, pa.concat_tables([conform(errors, ERRORS_SCHEMA), small])
+
+
+def video_manifest_tables(n_videos: int, n_images: int = 0, seed: int = 0, *, frames=(17, 33, 49),
+                          spec: BucketSpec | None = None, max_frames: int = 120):  # fmt: skip
+    """``(samples, errors)`` of a synthetic video manifest (``scan --frames``), bucketed by the scan's own code:
+    ``n_videos`` clips of 5..``max_frames`` frames (``too_short`` rows below the shortest of ``frames``) and
+    ``n_images`` 1-frame image samples (``WxHx1``). Write it with ``frame_ladder=frames``."""
+    from manifests.frames import FrameLadder, video_bucket_names
+    from manifests.manifest import conform
+    from manifests.schema import VIDEO_SAMPLES_SCHEMA
+    from pipeline.scan.video import bucket_videos
+
+    spec = spec or BucketSpec(area=256 * 256, step=32)
+    rng = np.random.default_rng(seed)
+    videos = image_rows(n_videos, seed, min_side=64, max_side=1024)
+    videos = videos.set_column(1, "filename", pa.array([f"clips/v_{i:05d}.mp4" for i in range(n_videos)]))
+    videos = videos.set_column(0, "sample_id", pa.array(sample_ids(videos.column("filename").to_pylist()), pa.uint64()))
+    n = videos.num_rows
+    extra = {"frames": pa.array(rng.integers(5, max_frames, n), pa.int32()), "fps": pa.array(np.full(n, 24.0)),
+             "codec": pa.array(["h264"] * n), "frame_count_from": pa.array(["index"] * n)}  # fmt: skip
+    for name, column in extra.items():
+        videos = videos.append_column(name, column)
+    videos = videos.append_column("duration", pa.array(np.asarray(videos.column("frames"), np.float64) / 24))
+    samples, errors = bucket_videos(videos, spec, FrameLadder(tuple(frames)))
+    images, small = apply_buckets(image_rows(n_images, seed + 1, min_side=64, max_side=1024), spec, video=True)
+    ones = np.ones(images.num_rows, np.int32)
+    images = images.set_column(images.schema.get_field_index("bucket"), "bucket",
+                               video_bucket_names(images.column("bucket"), ones))  # fmt: skip
+    images = images.set_column(images.schema.get_field_index("frames"), "frames", pa.array(ones))
+    images = images.set_column(images.schema.get_field_index("clips"), "clips", pa.array(ones))
+    samples = pa.concat_tables([conform(t, VIDEO_SAMPLES_SCHEMA) for t in (samples, images)])
+    return samples, pa.concat_tables([errors, small])

@@ -20,10 +20,10 @@ NAMES = ["1024x1024", "1152x896", "896x1152", "1344x768", "768x1344", "512x2048"
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def make_samples(counts: list[int], seed: int = 0):
+def make_samples(counts: list[int], seed: int = 0, names: list[str] = NAMES):
     rng = np.random.default_rng(seed)
     ids = rng.choice(2**62, size=sum(counts), replace=False).astype(np.uint64)
-    buckets = np.repeat(np.asarray(NAMES[: len(counts)]), counts)
+    buckets = np.repeat(np.asarray(names[: len(counts)]), counts)
     rng.shuffle(buckets)  # manifest row order is arbitrary
     return ids, buckets
 
@@ -336,3 +336,166 @@ def test_every_invariant_holds_under_selection(counts, world, batch, leftover, g
                    for i in b)  # fmt: skip
     assert consumed + rest == seen
     assert np.array_equal(schedule_epoch(samples, config, 1).ids, schedule.ids)  # exact resume: a pure function
+
+
+# ---------------------------------------------------------------- video buckets (WxHxF, manifests/frames.py)
+
+# clips of several frame counts in one pixel bucket, long and short ones, and 1-frame images among them
+VIDEO_NAMES = ["832x480x81", "832x480x1", "480x832x33", "832x480x17", "512x512x1", "640x640x49", "832x480x33"]
+video_counts = st.lists(st.one_of(st.just(1), st.integers(2, 40), st.integers(41, 400)), min_size=1, max_size=7)
+
+
+def video_tokens(name: str, t: int) -> int:
+    """Latent tokens of one sample of ``name``, written out: 16-pixel patches x ((F - 1) // t + 1) latent frames."""
+    w, h, f = (int(x) for x in name.split("x"))
+    return -(-w // 16) * -(-h // 16) * ((f - 1) // t + 1)
+
+
+def test_video_tokens_count_latent_frames():
+    names = ["832x480x81", "832x480x17", "832x480x1", "832x480", "832x480x2"]
+    assert latent_tokens(names, temporal_factor=4).tolist() == [1560 * 21, 1560 * 5, 1560, 1560, 1560 * 1]
+    assert latent_tokens(names, temporal_factor=8).tolist() == [1560 * 11, 1560 * 3, 1560, 1560, 1560]
+    sizes = bucket_batch_sizes(names[:3], PlanConfig(world_size=1, max_tokens=1560 * 21, temporal_factor=4))
+    assert sizes.tolist() == [1, 4, 21]  # long clips take smaller batches
+    with pytest.raises(ValueError, match=r"^bucket 832x480x81 has 32760 latent tokens per sample, above --max-tokens "
+                       r"32759; raise --max-tokens to at least 32760 or re-scan with shorter --frames$"):
+        bucket_batch_sizes(names, PlanConfig(world_size=1, max_tokens=1560 * 21 - 1))
+    assert PlanConfig(world_size=1, batch_size=1).for_buckets(names[:1]).temporal_factor == 4
+    assert PlanConfig(world_size=1, batch_size=1, temporal_factor=2).for_buckets(["512x512x1"]).temporal_factor is None
+    assert "temporal_factor" not in PlanConfig(world_size=1, batch_size=1).to_json()  # image plans: as before
+    with pytest.raises(ValueError, match="--temporal-factor"):
+        PlanConfig(world_size=1, batch_size=1, temporal_factor=0)
+
+
+@SETTINGS
+@given(
+    counts=video_counts,
+    world=st.integers(1, 32),
+    batch=st.one_of(st.none(), st.integers(1, 16)),
+    max_tokens=st.one_of(st.none(), st.integers(2000, 400_000)),
+    temporal=st.sampled_from([1, 4, 8]),
+    leftover=st.sampled_from(["drop", "pad"]),
+    grad_accum=st.integers(1, 3),
+    seed=st.integers(0, 2**31),
+)
+def test_every_invariant_holds_for_video_buckets(counts, world, batch, max_tokens, temporal, leftover, grad_accum,
+                                                 seed):  # fmt: skip
+    """Fixed and token-budget batches over clips of mixed frame counts and 1-frame images: every invariant of
+    one epoch (from the rows), steps equal in every epoch, a pure function, other epochs other orders."""
+    if batch is None and max_tokens is None:
+        batch = 4
+    ids, buckets = make_samples(counts, seed % 1000, VIDEO_NAMES)
+    config = PlanConfig(world_size=world, batch_size=batch, max_tokens=max_tokens, temporal_factor=temporal,
+                        seed=seed, leftover=leftover, grad_accum=grad_accum)  # fmt: skip
+    names = sorted(set(buckets.tolist()))
+    tokens = np.asarray([video_tokens(n, temporal) for n in names])
+    assert latent_tokens(names, temporal_factor=temporal).tolist() == tokens.tolist()
+    if max_tokens is not None and tokens.max() > max_tokens:
+        with pytest.raises(ValueError, match=f"latent tokens per sample, above --max-tokens {max_tokens}"):
+            bucket_batch_sizes(names, config)
+        event("over budget")
+        return
+    sizes = bucket_batch_sizes(names, config)
+    if max_tokens is not None:
+        assert np.all(sizes * tokens <= max_tokens) and np.all((sizes >= (batch or 0)) | ((sizes + 1) * tokens >
+                                                                                           max_tokens))  # fmt: skip
+    samples = group_samples(ids, buckets)
+    try:
+        first = plan_epoch(samples, config, 0)
+    except ValueError as e:
+        assert "nothing to train" in str(e)
+        event("nothing to train")
+        return
+    event("planned")
+    check_epoch(ids, buckets, config, first)
+    again = plan_epoch(group_samples(ids[::-1], buckets[::-1]), config, 0)  # any manifest row order
+    assert np.array_equal(again.ids, first.ids) and np.array_equal(again.step_buckets, first.step_buckets)
+    second = plan_epoch(samples, config, 1)
+    assert second.steps == first.steps
+    check_epoch(ids, buckets, config, second)
+    if first.steps >= 6:  # 6! orders of the batches at least: two epochs alike by chance is out of the question
+        third = plan_epoch(samples, config, 2)
+        assert not all(np.array_equal(e.ids, first.ids) and np.array_equal(e.step_buckets, first.step_buckets)
+                       for e in (second, third))  # fmt: skip
+
+
+@SETTINGS
+@given(counts=video_counts, world=st.integers(1, 8), max_tokens=st.integers(40_000, 200_000), data=st.data(),
+       leftover=st.sampled_from(["drop", "pad"]))  # fmt: skip
+def test_video_resume_exact_and_elastic(counts, world, max_tokens, data, leftover):
+    """A token-budget video plan cut at any step: the same ranks (exact) or any world size that divides every
+    global batch (elastic) train the rest, every sample exactly as often as the uninterrupted epoch."""
+    ids, buckets = make_samples(counts, 3, VIDEO_NAMES)
+    config = PlanConfig(world_size=world, max_tokens=max_tokens, temporal_factor=4, leftover=leftover, seed=11)
+    try:
+        schedule = plan_epoch(group_samples(ids, buckets), config, 2)
+    except ValueError:
+        return  # over budget or nothing to train: covered above
+    step = data.draw(st.integers(0, schedule.steps))
+    old = rows_by_rank(schedule, world)
+    whole = Counter(i for t in old for b in t["sample_ids"] for i in b)
+    consumed = Counter(i for t in old for b in t["sample_ids"][:step] for i in b)
+    exact = resplit(schedule.tail(step), world)
+    assert [t.to_pydict() for t in exact] == [{k: v[step:] for k, v in t.items()} for t in old]  # the same rows
+    sizes = set(schedule.step_sizes[step:].tolist())
+    new_world = data.draw(st.sampled_from([d for d in range(1, 65) if all(g % d == 0 for g in sizes)]))
+    rest = resplit(schedule.tail(step), new_world)
+    assert consumed + Counter(i for t in rest for b in t.column("sample_ids").to_pylist() for i in b) == whole
+    for t in rest:
+        d = t.to_pydict()
+        assert d["step"] == list(range(step, schedule.steps))
+        assert [len(b) for b in d["sample_ids"]] == [g // new_world for g in schedule.step_sizes[step:].tolist()]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(counts=st.lists(st.integers(1, 120), min_size=1, max_size=7), world=st.integers(1, 8),
+       max_tokens=st.integers(30_000, 300_000), leftover=st.sampled_from(["drop", "pad"]), data=st.data())  # fmt: skip
+def test_written_video_plans_pass_check_and_a_tampered_one_fails(counts, world, max_tokens, leftover, data):
+    """A token-budget plan of video buckets written and committed passes ``check_plan``; the same plan with
+    another temporal factor in ``_plan.json``, or a sample moved to a batch of another bucket, does not."""
+    import json
+    import uuid
+    from dataclasses import replace
+
+    import fsspec
+    import pyarrow.parquet as pq
+
+    from manifests.errors import UsageError
+    from manifests.plan import epoch_part, write_plan
+    from manifests.plan.check import check_plan
+    from manifests.plan.mix import DatasetSamples
+    from manifests.plan.parts import encode_epoch
+    from manifests.plan.rows import schedule_from_rank_tables
+
+    ids, buckets = make_samples(counts, 5, VIDEO_NAMES)
+    url = f"memory://video-plans/{uuid.uuid4().hex}"
+    config = PlanConfig(world_size=world, max_tokens=max_tokens, leftover=leftover, epochs=2, seed=4)
+    try:
+        meta = write_plan(url, [DatasetSamples(ids, pa.array(buckets), manifest_fingerprint="m")], config)
+    except UsageError:
+        return  # over budget or nothing to train: refused before anything is written
+    assert meta.inputs.temporal_factor == 4 and check_plan(url) == []
+    fs = fsspec.filesystem("memory")
+    path = f"{url[len('memory://'):]}/_plan.json"
+    original = fs.cat_file(path)
+    tampered = json.loads(original)
+    tampered["inputs"]["temporal_factor"] = data.draw(st.sampled_from([1, 2, 8]))
+    fs.pipe_file(path, json.dumps(tampered).encode())
+    if any(latent_tokens([n], temporal_factor=tampered["inputs"]["temporal_factor"])[0] != b.latent_tokens
+           for n, b in meta.buckets.items()):  # fmt: skip
+        assert any("batch size or latent tokens" in p or "give no plan" in p for p in check_plan(url))
+    fs.pipe_file(path, original)
+    names = list(meta.buckets)
+    if len(names) < 2:
+        return
+    epoch_path = f"{url[len('memory://'):]}/{epoch_part(0)}"
+    file = pq.ParquetFile(fs.open(epoch_path))
+    schedule = schedule_from_rank_tables([file.read_row_group(r) for r in range(world)])
+    first = int(schedule.step_buckets[0])
+    other = next((s for s, b in enumerate(schedule.step_buckets.tolist()) if b != first), None)
+    if other is None:
+        return
+    ids_ = schedule.ids.copy()
+    ids_[0] = schedule.ids[schedule.offsets[other]]  # a sample of another bucket (and a repeat) in the first batch
+    fs.pipe_file(epoch_path, encode_epoch(replace(schedule, ids=ids_), world).data)
+    assert check_plan(url) != []

@@ -148,14 +148,20 @@ def test_header_reads_are_a_small_share_of_a_large_file(scanned, clips):
     assert (probe.width, probe.height, probe.frames, probe.bytes_read) == (160, 120, 40, big["bytes_read"])
 
 
-def test_embed_plan_and_rebucket_refuse_a_video_manifest(scanned, tmp_path, capsys):
+def test_plan_and_rebucket_take_a_video_manifest_embed_wants_a_video_vae(scanned, tmp_path, capsys):
     result, _ = scanned
-    assert main(["plan", result.url, "--out", str(tmp_path / "plan"), "--world-size", "1", "--batch-size", "1"]) == 2
+    plan = str(tmp_path / "plan")  # plan takes a video manifest (tests/test_plan_video.py), and checks it
+    assert main(["plan", result.url, "--out", plan, "--world-size", "1", "--max-tokens", "128",
+                 "--leftover", "pad"]) == 0  # fmt: skip
+    assert main(["plan", "--check", plan, result.url]) == 0
     assert main(["embed", result.url, "--out", str(tmp_path / "cache")]) == 2
-    assert main(["rebucket", result.url, "--out", str(tmp_path / "re")]) == 2
+    again = str(tmp_path / "re")  # rebucket with the scan's own options gives the scan's rows back
+    assert main(["rebucket", result.url, "--out", again, "--resolution", "64", "--bucket-step", "16"]) == 0
+    assert read_manifest(again).samples.to_pylist() == read_manifest(result.url).samples.to_pylist()
+    assert read_manifest(again).errors.to_pylist() == read_manifest(result.url).errors.to_pylist()
     err = capsys.readouterr().err
-    assert err.count(VIDEO_REFUSAL) == 1 and "rebucket" in err
-    assert "clips need a video VAE: --family wan" in err  # embed takes video manifests, with a video VAE
+    assert VIDEO_REFUSAL not in err  # embed takes video manifests too, with a video VAE:
+    assert "clips need a video VAE: --family wan" in err
 
 
 def test_image_scan_ignores_videos_and_rescans_over_a_video_manifest(scanned, clips, ray_local, tmp_path):

@@ -14,9 +14,10 @@ plan's order; each is checked against the cache fingerprint the plan recorded fo
 each sample is read from its dataset's cache.
 
 What is trained is the cache's model family's recipe (:mod:`train.recipes`: SDXL's UNet, the SD3
-and Flux transformers fine-tuned from their pretrained weights, PixArt's from-scratch transformer),
-fully or as LoRA adapters (:mod:`train.lora`), with caption dropout (:mod:`train.data`), an EMA
-(:mod:`train.ema`) and validation images (:mod:`train.validation`) as the config says.
+and Flux transformers and Wan's video transformer fine-tuned from their pretrained weights, PixArt's
+from-scratch transformer), fully or as LoRA adapters (:mod:`train.lora`), with caption dropout
+(:mod:`train.data`), an EMA (:mod:`train.ema`) and validation images or clips (:mod:`train.validation`)
+as the config says.
 
 This file is the command line only: the arguments become a :class:`train.job.TrainJob`
 (:func:`train.job.job_from_args`), which :func:`train.loop.run` trains (setup in :mod:`train.setup`,

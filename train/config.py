@@ -21,7 +21,7 @@ from train.shift import parse_shift
 __all__ = ["TrainConfig", "load_config", "default_config", "DEFAULT_CONFIG"]
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "tiny.yaml"
-FINE_TUNED = ("sdxl", "sd3", "flux")  # families whose default config fine-tunes the cache's --model
+FINE_TUNED = ("sdxl", "sd3", "flux", "wan")  # families whose default config fine-tunes the cache's --model
 LR_SCHEDULES = ("cosine", "linear", "constant")
 WEIGHTING_SCHEMES = ("logit_normal", "uniform", "mode")
 MIXED_PRECISION = ("no", "bf16", "fp16")
@@ -84,6 +84,7 @@ class TrainConfig:
     validation_steps: int = 20  # sampler steps per image
     validation_guidance: float = 5.0  # classifier-free guidance scale (Flux: its guidance embedding)
     validation_size: int = 0  # square image side in pixels; 0: the side of the cache's bucket area
+    validation_frames: int = 0  # video caches: frames per validation clip (Wan: 4k+1); 0: 4 x VAE temporal factor + 1
     # REPA (train/repa.py): {weight: 0.5, depth: N, projector_dim: 2048}; the cache needs embed --features dinov2
     repa: dict | None = None
     # loss masks (scan --masks): {weight_outside: 0.0} weights each pixel's loss by its sample's mask (train/masks.py)
@@ -113,6 +114,7 @@ class TrainConfig:
             (self.validation_every >= 0, "validation_every must be >= 0 (0: no validation images)"),
             (self.validation_steps >= 1, "validation_steps must be >= 1"),
             (self.validation_size % 16 == 0, "validation_size must be a multiple of 16 (0: from the cache)"),
+            (self.validation_frames >= 0, "validation_frames must be >= 0 (0: from the cache's VAE)"),
         ]  # fmt: skip
         object.__setattr__(self, "timestep_shift", parse_shift(self.timestep_shift))  # UsageError naming the key
         for ok, message in checks:

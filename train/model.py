@@ -104,7 +104,8 @@ def step_generator(seed: int, epoch: int, step: int, rank: int) -> torch.Generat
 class FlowSample:
     """One rectified-flow draw for a batch: ``noisy = (1 - sigma) x0 + sigma eps``; ``target = eps - x0``.
 
-    ``sigma`` (B, 1, 1, 1) in [0, 1]; ``weight`` (B, 1, 1, 1), the loss weighting of the scheme.
+    ``sigma`` (B, 1, 1, 1) in [0, 1] (one 1 per latent axis: (B, 1, 1, 1, 1) for video latents (B, C, F, h, w));
+    ``weight`` of the same shape, the loss weighting of the scheme.
     """
 
     noisy: torch.Tensor
@@ -117,7 +118,7 @@ def flow_sample(
     latents: torch.Tensor, generator: torch.Generator, *, weighting_scheme: str = "logit_normal",
     logit_mean: float = 0.0, logit_std: float = 1.0, mode_scale: float = 1.29, shift: float = 1.0,
 ) -> FlowSample:  # fmt: skip
-    """Draw timesteps and noise for ``latents`` (B, C, h, w) on the CPU from ``generator``.
+    """Draw timesteps and noise for ``latents`` (B, C, h, w) or (B, C, F, h, w) on the CPU from ``generator``.
 
     ``u`` comes from ``compute_density_for_timestep_sampling``; ``shift`` > 1 moves it towards noise as
     ``FlowMatchEulerDiscreteScheduler(shift=...)`` does (SD3: 3.0; 1.0 leaves ``sigma = u``).
@@ -130,7 +131,7 @@ def flow_sample(
     )  # (B,) in [0, 1]
     noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32).to(latents.device)
     u = u.to(latents.device, torch.float32)
-    sigma = (shift * u / (1 + (shift - 1) * u)).view(b, 1, 1, 1)
+    sigma = (shift * u / (1 + (shift - 1) * u)).view(b, *(1,) * (latents.ndim - 1))  # broadcasts over C, (F,) h, w
     weight = compute_loss_weighting_for_sd3(weighting_scheme, sigmas=sigma)  # ones for logit_normal
     return FlowSample((1.0 - sigma) * latents + sigma * noise, sigma, noise - latents, weight.float())
 

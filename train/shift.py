@@ -2,8 +2,9 @@
 
 A flow sampler does not spend its steps evenly in ``sigma``: ``FlowMatchEulerDiscreteScheduler`` moves
 the schedule towards noise by a shift ``s``, ``sigma = s t / (1 + (s - 1) t)``. SD3 uses a fixed
-``shift`` (3.0); Flux (``use_dynamic_shifting``) a shift that grows with the image's token count,
-computed by the pipeline at sampling time::
+``shift`` (3.0), Wan 2.1 a fixed ``flow_shift`` (``UniPCMultistepScheduler`` with ``use_flow_sigmas``: the
+same formula; 3.0 for 480p, 5.0 for 720p); Flux (``use_dynamic_shifting``) a shift that grows with the
+image's token count, computed by the pipeline at sampling time::
 
     mu = calculate_shift(image_seq_len, base_image_seq_len, max_image_seq_len, base_shift, max_shift)
     sigma = exp(mu) / (exp(mu) + (1 / t - 1))          # scheduler.time_shift(mu, 1.0, t)
@@ -14,7 +15,7 @@ trains on are those the sampler visits. Every batch is one bucket (one latent si
 exact: ``image_seq_len`` is the batch's token count after patching (Flux: ``(h / 2) * (w / 2)`` for
 latents ``(h, w)``, i.e. ``(H / 16) * (W / 16)`` pixels). ``timestep_shift``:
 
-- ``auto`` (default): the scheduler's own rule (dynamic: per bucket; else its ``shift``); a family
+- ``auto`` (default): the scheduler's own rule (dynamic: per bucket; else its ``shift`` or ``flow_shift``); a family
   without a flow scheduler (PixArt from scratch, generic) trains unshifted.
 - ``none``: unshifted (``sigma = t``).
 - a number: that fixed shift, for any rectified-flow family.
@@ -85,13 +86,14 @@ class TimestepShift:
             return self.fixed
         return mu if self.dynamic.get("time_shift_type", "exponential") == "linear" else math.exp(mu)
 
-    def for_bucket(self, bucket: str, h: int, w: int) -> float:
-        """:meth:`shift`, logged the first time ``bucket`` is seen."""
+    def for_bucket(self, bucket: str, h: int, w: int, frames: int = 1) -> float:
+        """:meth:`shift`, logged the first time ``bucket`` is seen (``frames``: token frames of a video
+        bucket, counted in the logged tokens only)."""
         s = self.shift(h, w)
         if bucket not in self.seen:
             self.seen.add(bucket)
             mu = self.mu(h, w)
-            tokens = (h // self.patch) * (w // self.patch)
+            tokens = frames * (h // self.patch) * (w // self.patch)
             self.log(f"timestep shift: bucket {bucket} ({tokens} tokens): "
                      + (f"mu {mu:.4f}, " if mu is not None else "") + f"shift {s:.4f}")  # fmt: skip
         return s
@@ -102,7 +104,8 @@ def timestep_shift(setting: str | float, scheduler_config: Mapping[str, Any] | N
     """The shift the config's ``timestep_shift`` asks for, for a family whose flow scheduler has
     ``scheduler_config`` (None: the family's objective has no flow scheduler of its own).
 
-    ``auto``: dynamic when the config says ``use_dynamic_shifting``, else its ``shift`` (1.0 without one).
+    ``auto``: dynamic when the config says ``use_dynamic_shifting``, else its ``shift`` (FlowMatchEuler) or
+    ``flow_shift`` (UniPC / DPM-Solver with flow sigmas, as the Wan folders ship), 1.0 without either.
     """
     if setting == "none":
         return TimestepShift(1.0)
@@ -111,7 +114,7 @@ def timestep_shift(setting: str | float, scheduler_config: Mapping[str, Any] | N
     config = scheduler_config or {}
     if config.get("use_dynamic_shifting"):
         return TimestepShift(dynamic=dict(config), patch=patch)
-    return TimestepShift(float(config.get("shift", 1.0)))
+    return TimestepShift(float(config.get("shift", config.get("flow_shift") or 1.0)), patch=patch)
 
 
 def refuse_shift(setting: str | float, family: str) -> None:

@@ -7,6 +7,11 @@ cache's VAE (``_cache.json`` ``settings.vae``: the same model folder) and the re
 calls it with ``prompt_embeds=`` (pooled, masks, negatives) joined from the cached records. One image
 per prompt, seeded by ``(seed, prompt index)`` so the series across steps is comparable, written to
 ``OUTPUT/validation/step-<position>/<i>.png`` and to TensorBoard.
+
+A video cache (``_cache.json`` ``latent.temporal_factor``: Wan) samples one clip per prompt instead,
+``validation_frames`` long (default ``4 t + 1``, 17 for Wan's VAE): ``<i>.png`` is a strip of its first,
+middle and last frames side by side (what TensorBoard shows), ``<i>.mp4`` the clip (H.264 at
+:data:`CLIP_FPS`, written with PyAV when it is installed: ``pip install 'bucketeer[video]'``).
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ from manifests.storage import redact
 from train.config import TrainConfig
 from train.recipes import Denoiser, PromptEmbeds
 
-__all__ = ["Validator", "validation_size"]
+__all__ = ["Validator", "validation_size", "validation_frames", "frame_strip", "write_mp4", "CLIP_FPS"]
+
+CLIP_FPS = 16  # Wan 2.1's frame rate
 
 
 def validation_size(cfg: TrainConfig, meta: CacheMeta) -> int:
@@ -37,8 +44,47 @@ def validation_size(cfg: TrainConfig, meta: CacheMeta) -> int:
     return max(16, int(math.isqrt(area)) // 16 * 16)
 
 
+def validation_frames(cfg: TrainConfig, meta: CacheMeta) -> int | None:
+    """Frames of a validation clip of a video cache (its VAE's ``latent.temporal_factor`` ``t``): the config's
+    ``validation_frames``, else ``4 t + 1``; None for an image cache. Raises UsageError when ``F - 1`` is not a
+    multiple of ``t`` (a causal video VAE decodes ``1 + t k`` frames)."""
+    t = meta.latent.temporal_factor if meta.latent is not None else None
+    if t is None:
+        return None
+    frames = int(cfg.validation_frames) or 4 * int(t) + 1
+    if (frames - 1) % int(t):
+        raise UsageError(f"config validation_frames {frames}: the cache's video VAE decodes 1 + {t}k frames; set "
+                         f"one of those, e.g. {4 * int(t) + 1}")  # fmt: skip
+    return frames
+
+
+def frame_strip(clip: np.ndarray) -> Any:
+    """A PIL image of ``clip``'s (F, H, W, 3) float frames in [0, 1]: the first, middle and last side by side."""
+    from PIL import Image
+
+    frames = (np.clip(clip, 0.0, 1.0) * 255).round().astype(np.uint8)
+    picks = sorted({0, len(frames) // 2, len(frames) - 1})
+    return Image.fromarray(np.concatenate([frames[i] for i in picks], axis=1))  # (H, len(picks) W, 3)
+
+
+def write_mp4(clip: np.ndarray, path: Path, fps: int = CLIP_FPS) -> bool:
+    """``clip`` (F, H, W, 3) float in [0, 1] as an H.264 (else MPEG-4) ``path``; False when PyAV is not installed."""
+    try:
+        import av
+    except ImportError:
+        return False
+    frames = (np.clip(clip, 0.0, 1.0) * 255).round().astype(np.uint8)
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("libx264" if "libx264" in av.codecs_available else "mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
+        for frame in frames:
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        out.mux(stream.encode())  # flush the encoder
+    return True
+
+
 class Validator:
-    """Samples the validation images of one run (call :meth:`sample` on the main process only)."""
+    """Samples the validation images (or clips) of one run (call :meth:`sample` on the main process only)."""
 
     def __init__(self, denoiser: Denoiser, reader: CacheReader, cfg: TrainConfig):
         text = reader.meta.text
@@ -56,20 +102,23 @@ class Validator:
                        for i in range(len(keys))]  # fmt: skip
         self.denoiser, self.cfg, self.meta = denoiser, cfg, reader.meta
         self.size = validation_size(cfg, reader.meta)
+        self.frames = validation_frames(cfg, reader.meta)
         self._vae = None
 
     def vae(self) -> Any:
-        """The cache's VAE (what encoded the latents), loaded once."""
-        from diffusers import AutoencoderKL
+        """The cache's VAE (what encoded the latents; its recorded class, e.g. ``AutoencoderKLWan``), loaded once."""
+        import diffusers
 
         if self._vae is None:
             vae = self.meta.settings.vae
-            self._vae = AutoencoderKL.from_pretrained(vae.id, subfolder=vae.subfolder)
+            cls = getattr(diffusers, vae.class_ or "AutoencoderKL", diffusers.AutoencoderKL)
+            self._vae = cls.from_pretrained(vae.id, subfolder=vae.subfolder)
         return self._vae
 
     @torch.no_grad()
     def sample(self, model: torch.nn.Module, folder: Path, device: torch.device) -> list[Any]:
-        """One PIL image per prompt from ``model`` (unwrapped), written as ``folder/<i>.png``; the images."""
+        """One PIL image per prompt from ``model`` (unwrapped), written as ``folder/<i>.png``; the images (a video
+        cache: a clip per prompt, ``<i>.mp4``, and its frame strip ``<i>.png``, the image returned)."""
         pipe = self.denoiser.pipeline(model, self.vae().to(device))
         pipe.set_progress_bar_config(disable=True)
         negative = self._to(self.embeds[-1], device)
@@ -80,10 +129,15 @@ class Validator:
         try:
             for i, prompt in enumerate(self.embeds[:-1]):
                 generator = torch.Generator().manual_seed(self.cfg.seed * 1000 + i)
-                image = pipe(**self.denoiser.prompt_kwargs(self._to(prompt, device), negative), height=self.size,
-                             width=self.size, num_inference_steps=self.cfg.validation_steps,
-                             guidance_scale=self.cfg.validation_guidance, generator=generator,
-                             output_type="pil").images[0]  # fmt: skip
+                kwargs = dict(**self.denoiser.prompt_kwargs(self._to(prompt, device), negative), height=self.size,
+                              width=self.size, num_inference_steps=self.cfg.validation_steps,
+                              guidance_scale=self.cfg.validation_guidance, generator=generator)  # fmt: skip
+                if self.frames is None:
+                    image = pipe(**kwargs, output_type="pil").images[0]
+                else:
+                    clip = pipe(**kwargs, num_frames=self.frames, output_type="np").frames[0]  # (F, H, W, 3)
+                    write_mp4(clip, folder / f"{i:02d}.mp4")
+                    image = frame_strip(clip)
                 image.save(folder / f"{i:02d}.png")
                 images.append(image)
         finally:

@@ -302,8 +302,7 @@ def _variants(tensors: dict[str, tuple[np.ndarray, str]], latent: np.ndarray, ta
     for name, shape in (("cond_latent", latent.shape), ("variant_latents", None), ("variant_cond_latents", None)):
         if name in tensors:
             array, t = tensors[name]
-            if t != tag or (shape is not None and array.shape != shape) or \
-                    array.shape[array.ndim - latent.ndim :] != latent.shape:  # fmt: skip
+            if t != tag or (shape is not None and array.shape != shape) or array.shape[-latent.ndim:] != latent.shape:
                 raise ValueError(name)
             out[name] = array
     if "features" in tensors:

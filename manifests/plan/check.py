@@ -28,7 +28,8 @@ from manifests.plan.mix import DatasetSamples, MixedSamples, PlanSamples, captio
 from manifests.plan.parts import EpochFile, encode_epoch
 from manifests.plan.read import read_plan_rows
 from manifests.plan.selection import excluded_problems, selected_rows
-from manifests.plan.schedule import BucketedSamples, cached_mask, group_samples
+from manifests.errors import UsageError
+from manifests.plan.schedule import BucketedSamples, bucket_batch_sizes, cached_mask, group_samples, latent_tokens
 from manifests.progress import Progress
 from manifests.storage import redact
 
@@ -88,7 +89,26 @@ def _plan_level(meta: PlanMeta) -> list[str]:
     batch_sizes = {n: b.batch_size for n, b in meta.buckets.items()}
     if meta.mode == "fixed" and any(b != inputs.batch_size for b in batch_sizes.values()):
         problems.append(f"fixed-batch plan with per-bucket batch sizes {batch_sizes} != {inputs.batch_size}")
+    if meta.resumed_from is None:  # a resumed plan re-cuts the global batches for other ranks: batch sizes change
+        problems += _bucket_sizes(meta)
     return problems
+
+
+def _bucket_sizes(meta: PlanMeta) -> list[str]:
+    """Each bucket's batch size and latent tokens as the recorded inputs give them (max tokens, the latent,
+    patch and temporal factors): a ``WxHxF`` bucket's frames count in its tokens."""
+    names, config = sorted(meta.buckets), meta.inputs.config
+    try:
+        sizes = bucket_batch_sizes(names, config)
+        tokens = latent_tokens(names, config.latent_factor, config.patch_size, config.temporal_factor)
+    except UsageError as e:
+        return [f"{PLAN_FILE}: its inputs give no plan of its buckets ({e})"]
+    bad = [n for n, b, t in zip(names, sizes.tolist(), tokens.tolist())
+           if (meta.buckets[n].batch_size, meta.buckets[n].latent_tokens) != (b, t)]  # fmt: skip
+    if not bad:
+        return []
+    return [f"buckets {', '.join(bad[:5])}{' …' if len(bad) > 5 else ''}: batch size or latent tokens in {PLAN_FILE} "
+            "differ from what its inputs give (edited after planning)"]
 
 
 def _filtered(manifest: Any, available_ids: np.ndarray | None, selection: Any = None) -> DatasetSamples:

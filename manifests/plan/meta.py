@@ -104,6 +104,7 @@ class PlanInputs(_PlanRecord):
     max_tokens: int | None
     latent_factor: int
     patch_size: int
+    temporal_factor: int | None = optional()  # video plans only: frames per latent frame (PlanConfig)
     manifest_fingerprint: str | None
     cache_fingerprint: str | None
     mix: MixInputs | None = optional(MixInputs.from_json)

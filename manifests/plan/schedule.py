@@ -29,7 +29,9 @@ One epoch, with ``rng = np.random.default_rng([seed, epoch])`` (no global random
 Packing mode (``max_tokens``): the per-rank batch of a bucket is ``max_tokens // tokens(bucket)``
 (capped by ``batch_size`` when given), with ``tokens(WxH) = ceil(W/(f*p)) * ceil(H/(f*p))`` for VAE
 factor ``f`` and patch size ``p``: small images get bigger batches, and every rank at a step holds
-the same bucket and batch size, so tokens are balanced across ranks exactly.
+the same bucket and batch size, so tokens are balanced across ranks exactly. A video bucket ``WxHxF``
+(:mod:`manifests.frames`) has ``(F - 1) // t + 1`` latent frames of that many tokens each, for the VAE's
+temporal factor ``t`` (``temporal_factor``): long clips take smaller batches.
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from manifests.buckets import parse_bucket
 from manifests.errors import UsageError
+from manifests.frames import DEFAULT_TEMPORAL_FACTOR, bucket_dims, latent_frames
 
 __all__ = [
     "LEFTOVER_POLICIES",
@@ -79,6 +81,7 @@ class PlanConfig:
     max_tokens: int | None = None
     latent_factor: int = 8
     patch_size: int = 2
+    temporal_factor: int | None = None  # video buckets only (None: DEFAULT_TEMPORAL_FACTOR); absent from image plans
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -97,6 +100,8 @@ class PlanConfig:
             raise UsageError(f"--leftover must be one of {LEFTOVER_POLICIES}, got {self.leftover!r}")
         if self.latent_factor < 1 or self.patch_size < 1:
             raise UsageError("--latent-factor and --patch-size must be >= 1")
+        if self.temporal_factor is not None and self.temporal_factor < 1:
+            raise UsageError(f"--temporal-factor must be >= 1 (frames per latent frame), got {self.temporal_factor}")
         if self.seed < 0:
             raise UsageError(f"--seed must be >= 0, got {self.seed}")
 
@@ -104,8 +109,20 @@ class PlanConfig:
     def packing(self) -> bool:
         return self.max_tokens is not None
 
+    def for_buckets(self, names: Sequence[str]) -> "PlanConfig":
+        """This config as a plan of ``names`` records it: the temporal factor filled in (default
+        DEFAULT_TEMPORAL_FACTOR) where a bucket is a video one (``WxHxF``, F > 1), else left out."""
+        video = any(bucket_dims(n)[2] > 1 for n in names)
+        if video:
+            return self if self.temporal_factor is not None else replace(self, temporal_factor=DEFAULT_TEMPORAL_FACTOR)
+        return replace(self, temporal_factor=None)
+
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields; ``temporal_factor`` only where set (image plans' ``_plan.json`` stays as it was)."""
+        out = asdict(self)
+        if out["temporal_factor"] is None:
+            del out["temporal_factor"]
+        return out
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "PlanConfig":
@@ -190,7 +207,7 @@ def group_samples(
 ) -> BucketedSamples:
     """Group samples by bucket name in canonical order (bucket name, then sample id).
 
-    Raises ValueError naming ``source`` for a bucket name that is not ``"WxH"``, a null bucket, or
+    Raises ValueError naming ``source`` for a bucket name that is not ``"WxH"`` or ``"WxHxF"``, a null bucket, or
     a sample id listed twice in one bucket.
     """
     ids = np.asarray(
@@ -207,7 +224,7 @@ def group_samples(
     names = enc.dictionary.to_pylist()
     for name in names:
         try:
-            parse_bucket(name)
+            bucket_dims(name)
         except ValueError as e:
             raise UsageError(
                 f"{source}: unknown bucket {name!r} ({e}); rebucket it with `bucketeer rebucket`"
@@ -233,26 +250,30 @@ def cached_mask(sample_ids: np.ndarray, available: Iterable[int] | np.ndarray) -
     return np.isin(np.asarray(sample_ids, dtype=np.uint64), avail)
 
 
-def latent_tokens(names: Sequence[str], latent_factor: int = 8, patch_size: int = 2) -> np.ndarray:
-    """(k,) int64 latent tokens per bucket: ``ceil(W/(f*p)) * ceil(H/(f*p))`` (pixels -> patches)."""
+def latent_tokens(names: Sequence[str], latent_factor: int = 8, patch_size: int = 2,
+                  temporal_factor: int | None = None) -> np.ndarray:  # fmt: skip
+    """(k,) int64 latent tokens per sample of each bucket: ``ceil(W/(f*p)) * ceil(H/(f*p))`` (pixels -> patches),
+    times ``(F - 1) // t + 1`` latent frames for a ``WxHxF`` bucket (``t``: ``temporal_factor``, None: 4)."""
     cell = latent_factor * patch_size
-    sides = np.asarray([parse_bucket(n) for n in names], dtype=np.int64).reshape(-1, 2)  # (k, 2)
-    return (-(-sides[:, 0] // cell)) * (-(-sides[:, 1] // cell))
+    dims = np.asarray([bucket_dims(n) for n in names], dtype=np.int64).reshape(-1, 3)  # (k, 3): W, H, F
+    frames = latent_frames(dims[:, 2], temporal_factor or DEFAULT_TEMPORAL_FACTOR)  # (k,)
+    return (-(-dims[:, 0] // cell)) * (-(-dims[:, 1] // cell)) * frames
 
 
 def bucket_batch_sizes(names: Sequence[str], config: PlanConfig) -> np.ndarray:
-    """(k,) int64 per-rank batch size of each bucket. Raises ValueError when one image exceeds --max-tokens."""
+    """(k,) int64 per-rank batch size of each bucket. Raises UsageError when one sample exceeds --max-tokens."""
     if not config.packing:
         return np.full(len(names), config.batch_size, dtype=np.int64)
-    tokens = latent_tokens(names, config.latent_factor, config.patch_size)
+    tokens = latent_tokens(names, config.latent_factor, config.patch_size, config.temporal_factor)
     sizes = config.max_tokens // tokens
     if config.batch_size is not None:
         sizes = np.minimum(sizes, config.batch_size)
     if np.any(sizes < 1):
         worst = int(np.argmax(tokens))
         raise UsageError(
-            f"bucket {names[worst]} has {tokens[worst]} latent tokens per image, above --max-tokens "
+            f"bucket {names[worst]} has {tokens[worst]} latent tokens per sample, above --max-tokens "
             f"{config.max_tokens}; raise --max-tokens to at least {tokens.max()}"
+            + (" or re-scan with shorter --frames" if bucket_dims(names[worst])[2] > 1 else "")
         )
     return sizes
 

@@ -179,7 +179,7 @@ def write_epochs(
 
 def _plan_epochs(fs, root: str, samples: PlanSamples, config: PlanConfig, epochs: range, job: str,
                  progress: bool) -> list[EpochEntry]:  # fmt: skip
-    tokens = latent_tokens(samples.names, config.latent_factor, config.patch_size)
+    tokens = latent_tokens(samples.names, config.latent_factor, config.patch_size, config.temporal_factor)
     steps = schedule_epoch(samples, config, 0).steps if epochs.start else None
     reporter = Progress(job, "epochs", total=len(epochs), unit="epochs", enabled=progress)
 
@@ -227,10 +227,11 @@ def write_plan(
     :class:`PlanConfig`, :func:`plan_samples`, :func:`plan_epoch`) before anything is written.
     """
     samples = plan_samples(datasets, rule)
+    config = config.for_buckets(samples.names)  # a video plan records its temporal factor, an image plan none
     if window is not None and window < 1:
         raise UsageError(f"--window must be >= 1 (epochs to write now), got {window}")
     per_rank = bucket_batch_sizes(samples.names, config)  # raises before anything is written
-    tokens = latent_tokens(samples.names, config.latent_factor, config.patch_size)
+    tokens = latent_tokens(samples.names, config.latent_factor, config.patch_size, config.temporal_factor)
     first = schedule_epoch(samples, config, 0)  # raises "nothing to train" before anything is written
     manifest_fp, cache_fp, mix_inputs = _recorded_inputs(datasets, samples)
     mix = isinstance(samples, MixedSamples)

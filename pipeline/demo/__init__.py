@@ -5,6 +5,7 @@
     bucketeer demo --images 60 --out-dir demo-small
     bucketeer demo --family sdxl          # the same flow with a tiny random-weight SDXL (sd3, flux alike)
     bucketeer demo --repa                 # DINOv2 features in the cache (embed --features), REPA in training
+    bucketeer demo --family wan           # video: generated clips, scan --frames, a tiny random-weight Wan
 
 Each stage is the real job, called the way a user calls it: scan, embed, plan, verify and report
 through their ``bucketeer`` entry points in this process (they are Ray drivers and share one
@@ -18,8 +19,10 @@ server is stopped afterwards, also when a stage fails. The same stage functions 
 ``$BUCKETEER_HOME``, :func:`pipeline.embed.families.tiny.ensure_tiny`), embeds with ``--family F --model
 <that folder>`` and two validation prompts, and trains the family's recipe from it (fine-tuning the
 tiny pretrained weights, with caption dropout, an EMA and validation images at the end: the
-settings are in ``train-config.yaml``). ``--family pixart`` (or none) is the default flow: the
-embedded default encoders and the from-scratch transformer.
+settings are in ``train-config.yaml``). ``--family wan`` does the same on ~24 generated short clips
+(H.264 and VP9, one rotated, stills among them, one too short and one broken), scanned with ``--frames
+9,17`` into ``WxHxF`` buckets and trained with the wan recipe. ``--family pixart`` (or none) is the
+default flow: the embedded default encoders and the from-scratch transformer.
 """
 
 from pipeline.demo.job import DemoJob, DemoResult, add_arguments, job_from_args, run

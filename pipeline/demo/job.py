@@ -26,7 +26,10 @@ EPOCHS = 2  # ~30 steps per epoch on 300 images: a few dozen steps in all
 MARKER = ".bucketeer-demo"  # marks an --out-dir this demo made (and may clear)
 OWNED = ("manifest", "cache", "plan", "train", "report.html", "report_figures", "train.log", "s3-server.log",
          "demo-summary.json", "train-config.yaml", "validation-prompts.txt")
-FAMILIES = ("pixart", "sdxl", "sd3", "flux")
+FAMILIES = ("pixart", "sdxl", "sd3", "flux", "wan")
+# --family wan: short clips at ~128² (the tiny Wan VAE runs each 17-frame clip in about a second on a CPU), frame
+# buckets 9 and 17 (4k+1, as Wan's causal VAE takes them), sides in steps of 16 (VAE 8 x patch 2)
+VIDEO_RESOLUTION, VIDEO_BUCKET_STEP, VIDEO_FRAMES = 128, 16, "9,17"
 VALIDATION_PROMPTS = "a red circle on a blue background\na photo of a cat\n"
 
 
@@ -41,7 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated dataset and of the plan")
     parser.add_argument("--family", choices=FAMILIES, default="pixart",
                         help="model family: sdxl, sd3 or flux embed and fine-tune a tiny random-weight model of "
-                        "the family's real classes; pixart (default) trains the from-scratch transformer")  # fmt: skip
+                        "the family's real classes; wan does so on generated video clips (scan --frames); pixart "
+                        "(default) trains the from-scratch transformer")  # fmt: skip
+    parser.add_argument("--clips", type=int, default=24,
+                        help="with --family wan: clips to generate (default 24; plus 3 stills, a too-short clip "
+                        "and a broken file)")  # fmt: skip
     parser.add_argument("--repa", action="store_true",
                         help="REPA: embed DINOv2 features (--features dinov2, a tiny random DINOv2) and train with "
                              "the repa: config term (transformer families: pixart, sd3, flux)")
@@ -57,10 +64,13 @@ class DemoJob:
     seed: int = 0  # of the generated dataset and of the plan
     family: str = "pixart"
     repa: bool = False  # embed --features dinov2, train with repa:
+    clips: int = 24  # --family wan: generated clips instead of images
 
     def __post_init__(self) -> None:
-        if self.repa and self.family == "sdxl":
-            raise UsageError("--repa needs a transformer family (pixart, sd3, flux); sdxl's UNet has no token blocks")
+        if self.repa and self.family in ("sdxl", "wan"):
+            raise UsageError(f"--repa needs an image transformer family (pixart, sd3, flux), not {self.family}")
+        if self.family == "wan" and self.clips < 8:
+            raise UsageError(f"--clips must be >= 8 (one global batch of {WORLD_SIZE}x{BATCH_SIZE}), got {self.clips}")
         if self.images < 8:
             raise UsageError(f"--images must be >= 8 (one global batch of {WORLD_SIZE}x{BATCH_SIZE}), "
                              f"got {self.images}")
@@ -70,7 +80,7 @@ class DemoJob:
 
 def job_from_args(args: argparse.Namespace) -> DemoJob:
     return DemoJob(out_dir=Path(args.out_dir), s3=args.s3, images=args.images, seed=args.seed, family=args.family,
-                   repa=args.repa)
+                   repa=args.repa, clips=args.clips)
 
 
 @dataclass(frozen=True)
@@ -120,12 +130,10 @@ def run(job: DemoJob) -> DemoResult:
     s3_server, s3_upload = (["s3 server"], ["s3 upload"]) if job.s3 else ([], [])
     stages = Stages(["generate", *s3_server, "ray", *s3_upload, "scan", "embed", "plan", "train", "verify", "report"])
     started = time.perf_counter()
-    with stages.stage("generate", f"{job.images} images in several aspect ratios, captions, 3 broken files"):
-        from pipeline.sample_data import make_sample_dataset
-
-        made = make_sample_dataset(out / "dataset", n=job.images, seed=job.seed)
-        print(f"      {made['images']} images {made['formats']}, {made['captioned']} captions, "
-              f"{made['rotated']} EXIF-rotated, {made['broken']} broken -> {out / 'dataset'}")  # fmt: skip
+    what = (f"{job.clips} short clips in 3 aspect ratios, stills, captions, a broken file" if job.family == "wan"
+            else f"{job.images} images in several aspect ratios, captions, 3 broken files")
+    with stages.stage("generate", what):
+        print(f"      {_generate(job, out / 'dataset')}")
     with contextlib.ExitStack() as cleanup:  # unwound in reverse: Ray, then the server, then the credentials
         endpoint = None
         if job.s3:
@@ -153,6 +161,31 @@ def run(job: DemoJob) -> DemoResult:
     return DemoResult(out, *results, figures=figures, seconds=figures["total_seconds"])
 
 
+def _generate(job: DemoJob, folder: Path) -> str:
+    """Write the demo's dataset (images, or clips for ``--family wan``); a line saying what it wrote."""
+    from pipeline import sample_data
+
+    if job.family == "wan":
+        try:
+            made = sample_data.make_sample_clips(folder, n=job.clips, seed=job.seed)
+        except ImportError:
+            raise UsageError("bucketeer demo --family wan writes and reads clips with PyAV: "
+                             "pip install 'bucketeer[video]'") from None  # fmt: skip
+        return (f"{made['clips']} clips {made['codecs']} ({made['rotated']} rotated), {made['captioned']} captions, "
+                f"{made['images']} stills, {made['short']} too short, {made['broken']} broken -> {folder}")
+    made = sample_data.make_sample_dataset(folder, n=job.images, seed=job.seed)
+    return (f"{made['images']} images {made['formats']}, {made['captioned']} captions, "
+            f"{made['rotated']} EXIF-rotated, {made['broken']} broken -> {folder}")
+
+
+def _scan_options(family: str) -> list[str]:
+    """``bucketeer scan`` bucket options: images at RESOLUTION, or (wan) clips in frame buckets."""
+    if family == "wan":
+        return ["--resolution", str(VIDEO_RESOLUTION), "--bucket-step", str(VIDEO_BUCKET_STEP),
+                "--frames", VIDEO_FRAMES]  # fmt: skip
+    return ["--resolution", str(RESOLUTION), "--bucket-step", str(BUCKET_STEP)]
+
+
 def run_stages(stages: Stages, target: Target, out: Path, seed: int, family: str = "pixart", *,
                repa: bool = False) -> tuple[Any, Any, Any]:  # fmt: skip
     """scan -> embed -> plan -> train -> verify -> report against ``target``; returns the scan, embed and plan
@@ -160,8 +193,7 @@ def run_stages(stages: Stages, target: Target, out: Path, seed: int, family: str
     features = ["--features", "dinov2"] if repa else []
     opts = target.options_argv()
     with stages.stage("scan", f"{target.dataset} -> {target.manifest} (header-only Ray job)"):
-        scan = _bucketeer("scan", target.dataset, "--out", target.manifest, "--resolution", str(RESOLUTION),
-                          "--bucket-step", str(BUCKET_STEP), *opts)  # fmt: skip
+        scan = _bucketeer("scan", target.dataset, "--out", target.manifest, *_scan_options(family), *opts)
     models = "embedded default encoders" if family == "pixart" else f"a tiny random-weight {family} model"
     with stages.stage("embed", f"{target.manifest} -> {target.cache} (Ray job, {models})"):
         embed = _bucketeer("embed", target.manifest, "--out", target.cache, *_family_options(family, out), *features,

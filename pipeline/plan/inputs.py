@@ -40,9 +40,6 @@ def cache_inputs(url: str, options: Mapping[str, Any], manifest: Any = None) -> 
 
 def _dataset(manifest: Any, cache: str | None, options: Mapping[str, Any], selection: Any) -> DatasetSamples:
     """A manifest's samples to plan. Raises UsageError when no sample has an up-to-date record."""
-    from manifests.frames import refuse_video
-
-    refuse_video(manifest.meta.frame_ladder, "bucketeer plan")
     url = manifest.url
     ids = manifest.samples.column("sample_id").to_numpy()
     buckets = manifest.samples.column("bucket")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from manifests.lock import writer_lock
@@ -34,7 +34,7 @@ __all__ = ["PlanJob", "PlanResult", "run"]
 # the planning options: --extend takes them from the plan, and refuses one given with another value
 _INPUTS = {"world_size": "--world-size", "batch_size": "--batch-size", "seed": "--seed", "leftover": "--leftover",
            "grad_accum": "--grad-accum", "max_tokens": "--max-tokens", "latent_factor": "--latent-factor",
-           "patch_size": "--patch-size"}  # fmt: skip
+           "patch_size": "--patch-size", "temporal_factor": "--temporal-factor"}  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +65,7 @@ class PlanJob:
     max_tokens: int | None = None
     latent_factor: int | None = None
     patch_size: int | None = None
+    temporal_factor: int | None = None  # video manifests: frames per latent frame (default: the cache's, else 4)
     check: str | None = None
     extend: str | None = None
     resume: str | None = None
@@ -113,8 +114,8 @@ class PlanJob:
 
     def config(self) -> PlanConfig:
         """The planning options, defaults filled in. Raises UsageError for a value out of range."""
-        given = {k: getattr(self, k) for k in ("seed", "epochs", "leftover", "grad_accum", "latent_factor",
-                                               "patch_size") if getattr(self, k) is not None}  # fmt: skip
+        keys = ("seed", "epochs", "leftover", "grad_accum", "latent_factor", "patch_size", "temporal_factor")
+        given = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
         return PlanConfig(world_size=self.world_size, batch_size=self.batch_size, max_tokens=self.max_tokens,
                           **given)  # type: ignore[arg-type]
 
@@ -253,8 +254,8 @@ def _plan(job: PlanJob) -> PlanMeta:
     from manifests.plan import write_plan
 
     assert job.out
-    config = job.config()
     manifests = read_manifests(job.manifests, job.storage_options)
+    config = replace(job.config(), temporal_factor=_temporal_factor(job, manifests))
     evaluation = None
     if job.where is not None or job.weight_by is not None:
         from manifests.select import evaluate
@@ -265,6 +266,35 @@ def _plan(job: PlanJob) -> PlanMeta:
     return write_plan(job.out, datasets, config, rule=job.rule(), storage_options=job.storage_options,
                       window=job.window, progress=job.progress,
                       selection=_records(evaluation) if evaluation else None)  # fmt: skip
+
+
+def _temporal_factor(job: PlanJob, manifests: list[Any]) -> int | None:
+    """Frames per latent frame of a plan of video manifests: the caches' (``_cache.json`` latent.temporal_factor),
+    else ``--temporal-factor``, else DEFAULT_TEMPORAL_FACTOR; None for image manifests only. Raises UsageError
+    for ``--temporal-factor`` with image manifests only, or one that differs from a cache's."""
+    if all(m.meta.frame_ladder is None for m in manifests):
+        if job.temporal_factor is not None:
+            raise UsageError("--temporal-factor counts the latent frames of video buckets (WxHxF): these manifests "
+                             "hold none (scan with --frames), leave it out")  # fmt: skip
+        return None
+    from manifests.cache import read_cache_meta
+    from manifests.frames import DEFAULT_TEMPORAL_FACTOR
+
+    recorded: dict[int, str] = {}
+    for cache in job.caches():
+        latent = read_cache_meta(cache, dict(job.storage_options)).latent if cache else None
+        if latent is not None and latent.temporal_factor is not None:
+            recorded.setdefault(latent.temporal_factor, cache)  # type: ignore[arg-type]
+    if len(recorded) > 1:
+        raise UsageError("the caches were embedded with temporal factors " + ", ".join(
+            f"{t} ({redact(c)})" for t, c in recorded.items()) + ": plan caches of one video VAE together")
+    if recorded:
+        (factor, cache), = recorded.items()
+        if job.temporal_factor is not None and job.temporal_factor != factor:
+            raise UsageError(f"--temporal-factor {job.temporal_factor} differs from the {factor} of the VAE that "
+                             f"embedded {redact(cache)}: leave it out")  # fmt: skip
+        return factor
+    return job.temporal_factor or DEFAULT_TEMPORAL_FACTOR
 
 
 def _records(evaluation: Any) -> Any:

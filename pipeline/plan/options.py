@@ -71,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--latent-factor", type=int, default=None, help="VAE downsampling factor (default 8)")
     g.add_argument("--patch-size", type=int, default=None, help="transformer patch size on latents (default 2)")
+    g.add_argument("--temporal-factor", type=int, default=None,
+                   help="video manifests: frames per latent frame after the first, so a WxHxF bucket has "
+                   "(F-1)//t+1 latent frames (default: the --cache's VAE, else 4 as Wan/HunyuanVideo)")
     c = parser.add_argument_group("check, extend and resume")
     c.add_argument(
         "--check",
@@ -108,7 +111,8 @@ def job_from_args(args: argparse.Namespace) -> PlanJob:
         seed=args.seed, epochs=args.epochs, window=args.window, leftover=args.leftover, grad_accum=args.grad_accum,
         cache=tuple(c.strip() for c in args.cache.split(",")) if args.cache else (), repeats=args.repeats,
         weights=args.weights, max_tokens=args.max_tokens, latent_factor=args.latent_factor,
-        patch_size=args.patch_size, check=args.check, extend=args.extend, resume=args.resume,
+        patch_size=args.patch_size, temporal_factor=args.temporal_factor, check=args.check, extend=args.extend,
+        resume=args.resume,
         at=_position(args.at) if args.resume and not (args.check or args.extend) else None,
         annotations=tuple(a.strip() for a in args.annotations.split(",")) if args.annotations else (),
         where=args.where, weight_by=args.weight_by,

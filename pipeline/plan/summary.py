@@ -18,6 +18,7 @@ def print_summary(meta: PlanMeta) -> None:
             else f"max {inputs.max_tokens} latent tokens per rank"
         )
         + f", seed {inputs.seed}, leftover {inputs.leftover}, grad accum {inputs.grad_accum}"
+        + (f", {inputs.temporal_factor} frames per latent frame" if inputs.temporal_factor else "")
     )
     print(
         f"samples:  {samples.planned} planned"

@@ -143,6 +143,11 @@ def write_report(
         for url in annotations:  # a folder that is not annotations is refused before any figure is drawn
             read_annotations_meta(url, storage_options)
     sections = [manifest_section(manifest, plots)]
+    if manifest.meta.frame_ladder is not None:  # a video manifest: frame counts and contact sheets
+        from pipeline.report.video import video_part
+
+        part = video_part(manifest, plots, storage_options)
+        sections.append(Section(part.title, part.rows, [Figure(*f) for f in part.figures], part.grids))
     reporter.update(1, last="manifest")
     if plan:
         sections.append(plan_section(plan, manifest, plots, storage_options))

@@ -30,6 +30,8 @@ __all__ = [
     "cache_record_sizes",
     "score_histogram",
     "value_counts",
+    "frame_histogram",
+    "frame_bucket_counts",
 ]
 
 BLUE, ORANGE, RED, GREY = "#3b6fb6", "#e08a2c", "#c0392b", "#8a8f98"
@@ -68,6 +70,7 @@ def png_bytes(fig: Figure, dpi: int = 110) -> bytes:
 
 def _bucket_aspect(name: str) -> float:
     w, _, h = name.partition("x")
+    h = h.partition("x")[0]  # a video bucket WxHxF: the pixel part
     try:
         return int(w) / int(h)
     except ValueError:
@@ -260,5 +263,39 @@ def value_counts(name: str, counts: Mapping[str, int]) -> Figure:
     for y, v in enumerate(values):
         ax.text(v, y, f" {v}", va="center", fontsize=8)
     ax.set_xlim(0, max(max(values), 1) * 1.2)
+    ax.set_xlabel("samples")
+    return fig
+
+
+def frame_histogram(frames: np.ndarray, ladder: Sequence[int]) -> Figure:
+    """Frames per video (``frames``: (videos,)), the frame buckets ``ladder`` as dashed lines."""
+    fig, (ax,) = _figure()
+    ax.set_title("Frames per video")
+    if len(frames) == 0:
+        _empty(ax, "no videos")
+        return fig
+    ax.hist(frames, bins=min(50, max(5, len(np.unique(frames)))), color=BLUE)
+    for f in ladder:
+        if f <= frames.max():
+            ax.axvline(f, color=ORANGE, lw=1, ls="--")
+    ax.set_xlabel("frames")
+    ax.set_ylabel("videos")
+    return fig
+
+
+def frame_bucket_counts(counts: Mapping[int, int]) -> Figure:
+    """Samples per frame bucket (``F`` of ``WxHxF``; 1: images), shortest first."""
+    fig, (ax,) = _figure(height=max(2.4, 0.22 * len(counts) + 1.2))
+    ax.set_title("Samples per frame bucket")
+    if not counts:
+        _empty(ax, "no samples")
+        return fig
+    names = sorted(counts)
+    values = np.array([counts[f] for f in names])
+    ax.barh([f"{f} frames" for f in names], values, color=[GREY if f == 1 else BLUE for f in names])
+    ax.invert_yaxis()
+    for y, v in enumerate(values):
+        ax.text(v, y, f" {v} ({100 * v / values.sum():.1f}%)", va="center", fontsize=7, color="#333")
+    ax.set_xlim(0, values.max() * 1.25)
     ax.set_xlabel("samples")
     return fig

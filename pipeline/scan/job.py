@@ -284,17 +284,18 @@ def _video_scan(job: ScanJob, listing: Listing, target: tuple, table: CaptionTab
                 started: float) -> ManifestMeta:
     """``--frames``: the loose videos (pipeline/scan/video.py) and loose images as 1-frame samples."""
     assert job.frames is not None
-    if job.config.format not in ("auto", "files") or job.conditioning or job.masks:
-        raise UsageError("--frames scans loose video and image files: leave out --format tar/parquet, --masks and "
-                         "--conditioning (video in tar shards and parquet files comes with issue #28)")  # fmt: skip
+    if job.conditioning or job.masks:
+        raise UsageError("--frames scans videos (loose, in tar shards, in a parquet column) and loose images: leave "
+                         "out --masks and --conditioning")  # fmt: skip
     try:
         import av  # noqa: F401
     except ImportError:
         raise UsageError("--frames reads video headers with PyAV: pip install 'bucketeer[video]'") from None
-    loose, _ = select_kinds(listing, job.source, "files", videos=True)
-    if not listing.videos:
-        raise UsageError(f"--frames: no video files (.mp4 .mov .webm .mkv) under {redact(job.source)}; check the path, "
-                         "or scan images without --frames")  # fmt: skip
+    fmt = job.config.format  # tar or parquet: only those containers' videos (loose videos ignored)
+    loose, _ = select_kinds(listing, job.source, fmt, videos=fmt in ("auto", "files"))
+    if not (listing.videos or listing.shards or listing.parquet):
+        raise UsageError(f"--frames: no video files (.mp4 .mov .webm .mkv) or .tar shards under {redact(job.source)}; "
+                         "check the path, or scan images without --frames")  # fmt: skip
     with ray_session(job.ray_address):  # one Ray for both parts
         no_masks = MaskFiles({})  # --masks is refused above
         images = one_frame(_loose_part(job, listing, target, table, (None, 0), started, no_masks)) if loose else None

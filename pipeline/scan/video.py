@@ -9,12 +9,17 @@ with its sidecar caption (``clip.txt``/``clip.caption`` beside ``clip.mp4``) or 
 The driver buckets the rows: the pixel bucket of the display size (:func:`manifests.manifest.apply_buckets`,
 ``too_small`` as for images) and the frame bucket (:func:`manifests.frames.assign_frames`: ``WxHxF``,
 ``clips``, ``too_short``). Images of the same folder are scanned as ever and join as 1-frame samples
-(:func:`one_frame`). Tar shards and parquet files are not read by a video scan (counted as ignored), and
-no row is reused from a previous manifest: every video's header is read again (a few requests each).
+(:func:`one_frame`). The video members of WebDataset tar shards are probed where they lie, by ranged
+reads of their byte range (:mod:`pipeline.sources.video_shards`: ``container``, ``member_offset`` and
+``size`` in the row, as for images in shards). With ``--format parquet`` the videos of the parquet files'
+``--image-column`` (row group and row in the row, as for images; a parquet value has no byte range, so
+its row group's column chunk is read and each video probed from the bytes in hand). No row is reused
+from a previous manifest: every video's header is read again (a few requests each).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -36,13 +41,17 @@ from pipeline.scan.config import ScanConfig
 from pipeline.sources.captions import decode_caption, sidecar_stem
 from pipeline.sources.containers import ScanPart
 from pipeline.sources.headers import StorageFailure
-from pipeline.sources.listing import Listing, WorkItem, work_items, work_table
+from pipeline.sources.listing import FileEntry, Listing, WorkItem, work_items, work_table
 from pipeline.sources.reading import SIDECAR_LIMIT
 from pipeline.sources.captions import CaptionTable
+from pipeline.sources.parquet import VIDEO_PARQUET_ROWS, scan_video_parquet_batch
+from pipeline.sources.shards import shard_work
 from pipeline.sources.tasks import run_tasks
 from pipeline.sources.video import VideoProbe, probe_video
+from pipeline.sources.video_shards import VIDEO_SHARD_ROWS, scan_video_shard_batch
 
-__all__ = ["scan_video_batch", "video_part", "one_frame", "video_scan_part", "video_summary_line"]
+__all__ = ["scan_video_batch", "video_part", "one_frame", "one_frame_samples", "bucket_videos", "video_scan_part",
+           "video_summary_line"]
 
 _PROBE_FIELDS = (
     pa.field("name", pa.string()), pa.field("size", pa.int64()), pa.field("width", pa.int32()),
@@ -103,8 +112,49 @@ def _work(listing: Listing) -> list[WorkItem]:
 
 def video_part(listing: Listing, target: tuple, config: ScanConfig, spec: BucketSpec, ladder: FrameLadder,
                table: CaptionTable | None, ray_address: str | None) -> ScanPart:  # fmt: skip
-    """The loose videos of ``listing``: probed by Ray tasks, bucketed ``WxHxF``; rows and a summary."""
+    """The loose videos and the tar shards' video members of ``listing``: probed by Ray tasks, bucketed
+    ``WxHxF``; rows and a summary."""
     clock = time.perf_counter()
+    probed, ray_seconds = _loose_videos(listing, target, config, ray_address)
+    shard_stats: dict[str, Any] = {}
+    containers = listing.parquet if config.format == "parquet" else listing.shards
+    if containers:
+        in_shards, shard_stats, seconds = _container_videos(containers, target, config, ray_address)
+        probed, ray_seconds = pa.concat_tables([probed, in_shards], promote_options="default"), ray_seconds + seconds
+    if table is not None:
+        probed = _table_captions(probed, table)
+    failed = probed.filter(pc.is_valid(probed.column("error")))
+    if target[1]:
+        messages = [redact(m, target[1]) for m in failed.column("message").to_pylist()]
+        failed = failed.set_column(failed.schema.get_field_index("message"), "message", pa.array(messages, pa.string()))
+    good = probed.filter(pc.is_null(probed.column("error")))
+    samples, errors = bucket_videos(good, spec, ladder)
+    errors = pa.concat_tables([conform(failed, VIDEO_ERRORS_SCHEMA), errors])
+    seconds = time.perf_counter() - clock - ray_seconds
+    loose = probed.filter(pc.is_null(probed.column("container")))
+    read = int(pc.sum(loose.column("bytes_read")).as_py() or 0) + shard_stats.get("bytes_read", 0)
+    total = int(pc.sum(loose.column("size")).as_py() or 0) + sum(s.size for s in containers)
+    videos = len(listing.videos) + shard_stats.get("videos", 0)
+    requests = int(pc.sum(loose.column("requests")).as_py() or 0) + shard_stats.get("requests", 0)
+    figures = {"videos": videos, "video_samples": samples.num_rows, "video_errors": errors.num_rows,
+               "clips": int(pc.sum(samples.column("clips")).as_py() or 0), "video_bytes_read": read,
+               "video_bytes": total, "video_read_fraction": round(read / total, 6) if total else 0.0,
+               "video_requests": requests, "video_seconds": round(seconds, 3), "frame_ladder": ladder.to_json(),
+               "ignored": listing.ignored, "ignored_hidden": listing.ignored_hidden,
+               "ignored_extensions": dict(listing.ignored_extensions)}  # fmt: skip
+    if containers:
+        figures.update(shards=len(containers), shard_bytes=sum(s.size for s in containers),
+                       ignored_members=shard_stats.get("ignored_members", {}))  # fmt: skip
+    if config.format == "parquet":  # embed and the report read the videos from this column
+        figures.update(source_format="parquet", image_column=config.image_column, caption_column=config.caption_column)
+    listed = len(listing.videos) + len(containers)
+    return ScanPart(samples, errors, ScanSummary.from_json(figures), {"listed": listed, "ignored": listing.ignored})
+
+
+def _loose_videos(listing: Listing, target: tuple, config: ScanConfig, ray_address: str | None
+                  ) -> tuple[pa.Table, float]:  # fmt: skip
+    """The probed rows of the loose videos (``filename``, the probe's columns, ``sample_id``, ``etag``,
+    ``mtime``) and the seconds Ray took to start."""
     work = _work(listing)
     per_task = config.files_per_task or 64
 
@@ -122,26 +172,41 @@ def video_part(listing: Listing, target: tuple, config: ScanConfig, spec: Bucket
     probed = probed.append_column("sample_id", pa.array(sample_ids(names), pa.uint64()))
     probed = probed.append_column("etag", pa.array([entries[n].etag for n in names], pa.string()))
     probed = probed.append_column("mtime", pa.array([entries[n].mtime for n in names], pa.float64()))
-    probed = probed.rename_columns(["filename" if c == "name" else c for c in probed.column_names])
-    if table is not None:
-        probed = _table_captions(probed, table)
-    failed = probed.filter(pc.is_valid(probed.column("error")))
-    if target[1]:
-        messages = [redact(m, target[1]) for m in failed.column("message").to_pylist()]
-        failed = failed.set_column(failed.schema.get_field_index("message"), "message", pa.array(messages, pa.string()))
-    good = probed.filter(pc.is_null(probed.column("error")))
-    samples, errors = bucket_videos(good, spec, ladder)
-    errors = pa.concat_tables([conform(failed, VIDEO_ERRORS_SCHEMA), errors])
-    seconds = time.perf_counter() - clock - ray_seconds
-    read = int(pc.sum(probed.column("bytes_read")).as_py() or 0)
-    total = int(pc.sum(probed.column("size")).as_py() or 0)
-    figures = {"videos": len(work), "video_samples": samples.num_rows, "video_errors": errors.num_rows,
-               "clips": int(pc.sum(samples.column("clips")).as_py() or 0), "video_bytes_read": read,
-               "video_bytes": total, "video_read_fraction": round(read / total, 6) if total else 0.0,
-               "video_requests": int(pc.sum(probed.column("requests")).as_py() or 0),
-               "video_seconds": round(seconds, 3), "frame_ladder": ladder.to_json(), "ignored": listing.ignored,
-               "ignored_hidden": listing.ignored_hidden, "ignored_extensions": dict(listing.ignored_extensions)}
-    return ScanPart(samples, errors, ScanSummary.from_json(figures), {"listed": len(work), "ignored": listing.ignored})
+    probed = probed.append_column("container", pa.nulls(probed.num_rows, pa.string()))
+    return probed.rename_columns(["filename" if c == "name" else c for c in probed.column_names]), ray_seconds
+
+
+def _container_videos(shards: list[FileEntry], target: tuple, config: ScanConfig, ray_address: str | None
+                      ) -> tuple[pa.Table, dict[str, Any], float]:  # fmt: skip
+    """The video members of tar shards (:mod:`pipeline.sources.video_shards`), or with ``--format parquet``
+    the videos of the parquet files' ``--image-column`` (:func:`pipeline.sources.parquet.scan_video_parquet_batch`):
+    their rows with ``sample_id``, the summed counts, and the seconds Ray took to start."""
+    parquet = config.format == "parquet"
+    task, schema = (scan_video_parquet_batch, VIDEO_PARQUET_ROWS) if parquet else (scan_video_shard_batch,
+                                                                                   VIDEO_SHARD_ROWS)  # fmt: skip
+    per_task = max(1, min(16, -(-len(shards) // 64)))
+
+    def batches(cpus: int) -> list[pa.Table]:
+        return [shard_work(shards[i : i + per_task]) for i in range(0, len(shards), per_task)]
+
+    try:
+        results, ray_seconds = run_tasks(task, target, config, batches, len(shards),
+                                         progress=config.progress, ray_address=ray_address, unit="shards",
+                                         count=lambda t: json.loads(t.schema.metadata[b"stats"])["shards"])  # fmt: skip
+    except StorageError as e:
+        raise StorageError(redact(str(e), target[1])) from None
+    stats: dict[str, Any] = {"requests": 0, "bytes_read": 0, "videos": 0, "ignored_members": {}}
+    for result in results:
+        found = json.loads(result.schema.metadata[b"stats"])
+        found["videos"] = found.get("videos", found.get("images", 0))  # a parquet file's counts name them images
+        for name in ("requests", "bytes_read", "videos"):
+            stats[name] += found[name]
+        for ext, n in found.get("ignored_members", {}).items():
+            stats["ignored_members"][ext] = stats["ignored_members"].get(ext, 0) + n
+    rows = pa.concat_tables([r.replace_schema_metadata(None) for r in results]) if results \
+        else schema.empty_table()  # fmt: skip
+    rows = rows.append_column("sample_id", pa.array(sample_ids(rows.column("filename").to_pylist()), pa.uint64()))
+    return rows, stats, ray_seconds
 
 
 def _table_captions(probed: pa.Table, table: CaptionTable) -> pa.Table:
@@ -170,13 +235,18 @@ def bucket_videos(videos: pa.Table, spec: BucketSpec, ladder: FrameLadder) -> tu
 
 def one_frame(part: ScanPart) -> ScanPart:
     """An image part in a video manifest: each sample 1 frame (``frames`` 1, ``clips`` 1, bucket ``WxHx1``)."""
-    samples = conform(part.samples, VIDEO_SAMPLES_SCHEMA)
+    return ScanPart(one_frame_samples(part.samples), conform(part.errors, VIDEO_ERRORS_SCHEMA), part.summary,
+                    part.counts)  # fmt: skip
+
+
+def one_frame_samples(images: pa.Table) -> pa.Table:
+    """Bucketed image rows (``WxH``) as the 1-frame samples of a video manifest (``WxHx1``, frames 1, clips 1)."""
+    samples = conform(images, VIDEO_SAMPLES_SCHEMA)
     n = samples.num_rows
     samples = samples.set_column(samples.schema.get_field_index("bucket"), "bucket",
                                  video_bucket_names(samples.column("bucket"), np.ones(n, np.int32)))  # fmt: skip
     samples = samples.set_column(samples.schema.get_field_index("frames"), "frames", pa.array(np.ones(n, np.int32)))
-    samples = samples.set_column(samples.schema.get_field_index("clips"), "clips", pa.array(np.ones(n, np.int32)))
-    return ScanPart(samples, conform(part.errors, VIDEO_ERRORS_SCHEMA), part.summary, part.counts)
+    return samples.set_column(samples.schema.get_field_index("clips"), "clips", pa.array(np.ones(n, np.int32)))
 
 
 def video_scan_part(images: ScanPart | None, videos: ScanPart) -> ScanPart:
@@ -206,4 +276,4 @@ def video_summary_line(meta: ManifestMeta, out: str) -> str:
     return (f"scan (video, frames {','.join(map(str, meta.frame_ladder or []))}): {videos} videos -> "
             f"{other.get('video_samples', 0)} samples ({other.get('clips', 0)} clips), {images} images as 1-frame "
             f"samples, {s.errors} errors ({kinds}) -> {redact(out)}; video headers: {read / 1e6:.2f} MB read of "
-            f"{total / 1e6:.1f} MB ({share})")
+            f"{total / 1e6:.2f} MB ({share})")

@@ -41,8 +41,8 @@ from pipeline.sources.masks import mask_column
 from pipeline.sources.results import Header, checked
 from pipeline.sources.shards import combine_scans, open_work, read_failed_row
 
-__all__ = ["PARQUET_ROWS", "ParquetScan", "image_bytes", "image_column_error", "row_name", "scan_parquet_file",
-           "scan_parquet_files", "scan_parquet_batch"]  # fmt: skip
+__all__ = ["PARQUET_ROWS", "VIDEO_PARQUET_ROWS", "ParquetScan", "image_bytes", "image_column_error", "row_name",
+           "scan_parquet_file", "scan_parquet_files", "scan_parquet_batch", "scan_video_parquet_batch"]  # fmt: skip
 
 PARQUET_THREADS = 8  # files read at once per task on an object store: each holds one row group's images
 
@@ -135,6 +135,30 @@ class _CountingFile(RangedFile):
         return data
 
 
+VIDEO_PARQUET_ROWS = pa.schema([*PARQUET_ROWS, pa.field("frames", pa.int32()), pa.field("fps", pa.float64()),
+                                pa.field("duration", pa.float64()), pa.field("codec", pa.string()),
+                                pa.field("frame_count_from", pa.string())])  # scan --frames: a column of videos
+
+
+def _describe_video(blob: bytes | None, path: str | None) -> dict[str, Any]:
+    """A video value's columns, from its container header (:func:`pipeline.sources.video.probe_video` over
+    the bytes in hand); ``bytes_read`` stays the value's size: its row group's column chunk was read."""
+    from pipeline.sources.video import probe_video
+
+    if blob is None:
+        where = f" (only a path, {path!r}: the video is stored outside the file)" if path else ""
+        return {"error": "empty", "message": f"the video column is null{where}"}
+    probe = probe_video(lambda start, end: blob[start:end], len(blob))
+    found = {k: v for k, v in probe.__dict__.items() if k in VIDEO_PARQUET_ROWS.names and k != "bytes_read"}
+    return {**found, "format": probe.format.split(",")[0] if probe.format else None}
+
+
+def _describe_image(blob: bytes | None, path: str | None, max_pixels: int) -> dict[str, Any]:
+    probe = _probe(blob, path, max_pixels)
+    return {"width": probe.width, "height": probe.height, "format": probe.format, "orientation": probe.orientation,
+            "error": probe.error, "message": probe.message, "alpha": probe.alpha}  # fmt: skip
+
+
 def _probe(blob: bytes | None, path: str | None, max_pixels: int):
     if blob is None:
         where = f" (only a path, {path!r}: the image is stored outside the file)" if path else ""
@@ -152,11 +176,14 @@ def scan_parquet_file(
     caption_column: str | None = None,
     max_pixels: int = MAX_PIXELS,
     masks: str | None = None,
+    video: bool = False,
 ) -> ParquetScan:
     """Scan the parquet file ``entry`` (name relative to ``root`` on ``fs``, size in bytes).
 
-    Returns its rows (see the module docstring). ``masks`` (``scan --masks``): ``column:NAME`` reads that
-    column of mask bytes too (a null value: no mask), ``alpha`` takes an image with alpha as its own mask.
+    Returns its rows (see the module docstring). ``video`` (``scan --frames``): the column holds videos,
+    each probed from its container header in the bytes in hand (:data:`VIDEO_PARQUET_ROWS`).
+    ``masks`` (``scan --masks``): ``column:NAME`` reads that column of mask bytes too (a null value: no
+    mask), ``alpha`` takes an image with alpha as its own mask.
     Raises UsageError when the file lacks the image, caption or mask column, or they hold no image bytes /
     text; storage failures (after the retries of
     :func:`manifests.storage.read_bytes`) propagate as StorageError.
@@ -210,20 +237,19 @@ def scan_parquet_file(
                         else [None] * table.num_rows)  # fmt: skip
             mask_blobs = image_bytes(table.column(masked)) if masked is not None else [None] * table.num_rows
             for index, (blob, path, caption, mask) in enumerate(zip(images, paths, captions, mask_blobs)):
-                probe = _probe(blob, path, max_pixels)
+                found = _describe_video(blob, path) if video else _describe_image(blob, path, max_pixels)
+                alpha = found.pop("alpha", False)
                 caption = normalise_caption(caption) if caption is not None else None
-                message = probe.message
-                if message is not None:
-                    message = f"row {row} (row group {group}, index {index}) of {entry.name}: {message}"
+                if found.get("message") is not None:
+                    where = f"row {row} (row group {group}, index {index}) of {entry.name}"
+                    found["message"] = f"{where}: {found['message']}"
                 out.rows.append({**base, "filename": row_name(entry.name, row), "row_group": group,
-                                 "row_index": index, "size": len(blob) if blob is not None else 0,
-                                 "width": probe.width, "height": probe.height, "format": probe.format,
-                                 "orientation": probe.orientation, "error": probe.error, "message": message,
+                                 "row_index": index, "size": len(blob) if blob is not None else 0, **found,
                                  "bytes_read": len(blob) if blob is not None else 0, "caption": caption,
                                  "caption_source": source if caption is not None else None})  # fmt: skip
                 if mask is not None:
                     out.rows[-1].update(mask=f"column:{masked}", mask_size=len(mask))
-                elif masks and "alpha" in masks.split(",") and probe.alpha:
+                elif masks and "alpha" in masks.split(",") and alpha:
                     out.rows[-1]["mask"] = MASK_ALPHA
                 out.images += 1
                 out.no_caption += caption is None
@@ -233,11 +259,11 @@ def scan_parquet_file(
     return out
 
 
-def _scan_one(fs, root: str, entry: FileEntry, config: Any) -> ParquetScan:
+def _scan_one(fs, root: str, entry: FileEntry, config: Any, video: bool = False) -> ParquetScan:
     try:
         return scan_parquet_file(fs, root, entry, image_column=config.image_column,
                                  caption_column=config.caption_column, max_pixels=config.max_pixels,
-                                 masks=getattr(config, "masks", None))  # fmt: skip
+                                 masks=getattr(config, "masks", None), video=video)  # fmt: skip
     except FileNotFoundError as e:  # gone since the listing
         cause: BaseException = e
     except StorageError as e:
@@ -247,17 +273,23 @@ def _scan_one(fs, root: str, entry: FileEntry, config: Any) -> ParquetScan:
     return ParquetScan(rows=[read_failed_row(entry, cause)])
 
 
-def scan_parquet_files(fs, root: str, files: list[FileEntry], config: Any) -> pa.Table:
+def scan_parquet_files(fs, root: str, files: list[FileEntry], config: Any, *, video: bool = False) -> pa.Table:
     """Scan ``files`` (names relative to ``root`` on ``fs``), up to :data:`PARQUET_THREADS` at once
-    on an object store. Returns a :data:`PARQUET_ROWS` table; its schema metadata ``stats`` holds
-    the summed counts, as :func:`pipeline.sources.shards.scan_shards` does."""
+    on an object store. Returns a :data:`PARQUET_ROWS` table (``video``: :data:`VIDEO_PARQUET_ROWS`); its
+    schema metadata ``stats`` holds the summed counts, as :func:`pipeline.sources.shards.scan_shards` does."""
     threads = 1 if type(fs) is LocalFileSystem else max(1, min(PARQUET_THREADS, len(files)))
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="parquet") as pool:
-        scans = list(pool.map(lambda f: _scan_one(fs, root, f, config), files))
-    return combine_scans(scans, PARQUET_ROWS)
+        scans = list(pool.map(lambda f: _scan_one(fs, root, f, config, video), files))
+    return combine_scans(scans, VIDEO_PARQUET_ROWS if video else PARQUET_ROWS)
 
 
 def scan_parquet_batch(target: tuple, batch: pa.Table, config: Any) -> pa.Table:
     """One Ray task: :func:`scan_parquet_files` over the files of ``batch`` (a ``shard_work`` table)."""
     fs, root, files = open_work(target, batch)
     return scan_parquet_files(fs, root, files, config)
+
+
+def scan_video_parquet_batch(target: tuple, batch: pa.Table, config: Any) -> pa.Table:
+    """One Ray task of ``scan --frames --format parquet``: :func:`scan_parquet_files` of a column of videos."""
+    fs, root, files = open_work(target, batch)
+    return scan_parquet_files(fs, root, files, config, video=True)

@@ -52,8 +52,8 @@ from pipeline.sources.results import Header, checked
 from pipeline.sources.jpeg import sparse_jpeg_header
 from pipeline.sources.tar import SHARD_WINDOW, TarLink, TarMember, TarWalk, walk_tar
 
-__all__ = ["SHARD_ROWS", "SHARD_WINDOW", "ShardScan", "scan_shard", "scan_shards", "scan_shard_batch", "shard_key",
-           "resolve_links"]  # fmt: skip
+__all__ = ["SHARD_ROWS", "SHARD_WINDOW", "CountingReads", "ShardScan", "key_caption", "scan_shard", "scan_shards",
+           "scan_shard_batch", "shard_key", "shard_read_range", "resolve_links", "open_work"]  # fmt: skip
 
 _HEAD_MIN = 512  # fewer bytes of a non-JPEG image in hand than this: read its first `window` bytes afresh
 _CAPTION_EXTENSIONS = ("txt", "caption")  # .txt wins over .caption, both over the .json field
@@ -105,7 +105,7 @@ class ShardScan:
     mask_members: int = 0  # scan --masks files: <key>.mask.<ext> members (not samples)
 
 
-class _CountingReads:
+class CountingReads:
     """``read_range`` that counts requests and bytes, retried by :func:`manifests.retry.with_retries`."""
 
     def __init__(self, read: Callable[[int, int], bytes]):
@@ -148,7 +148,7 @@ def scan_shard(
     ``alpha`` an image whose header declares alpha is its own mask. Exceptions of ``read_range`` (after its retries)
     propagate: the caller decides between ``read_failed`` and stopping the job.
     """
-    reads = _CountingReads(read_range)
+    reads = CountingReads(read_range)
     walk = walk_tar(reads, shard.size, window=window, keep=window)
     out = ShardScan()
     base = {"container": shard.name, "container_size": shard.size, "etag": shard.etag, "mtime": shard.mtime}
@@ -170,7 +170,7 @@ def scan_shard(
                 ext = extension(m.name)
                 out.ignored_members[ext] = out.ignored_members.get(ext, 0) + 1
             continue
-        caption, captions, source = _caption(reads, shard.name, members, caption_field)
+        caption, captions, source = key_caption(reads, shard.name, members, caption_field)
         out.captions_truncated += source is not None and _caption_member(members, source).size > SIDECAR_LIMIT
         for m in members:
             ext = extension(m.name)
@@ -256,7 +256,7 @@ def resolve_links(walk: TarWalk, hops: int = 8) -> tuple[list[TarMember], list[t
     return resolved, broken
 
 
-def _probe(reads: _CountingReads, image: TarMember, max_pixels: int, window: int):
+def _probe(reads: CountingReads, image: TarMember, max_pixels: int, window: int):
     """Probe one image member: a JPEG by its segments (EXIF and ICC bodies skipped), anything else, and
     a JPEG that parse declines, by :func:`~pipeline.sources.headers.probe_header` at the member's offset."""
     fetched = [0, 0]  # bytes, requests of this member beyond the walk's
@@ -278,7 +278,7 @@ def _probe(reads: _CountingReads, image: TarMember, max_pixels: int, window: int
                         head=head if len(head) >= min(image.size, _HEAD_MIN) else None, name=image.name)  # fmt: skip
 
 
-def _member_bytes(reads: _CountingReads, member: TarMember) -> bytes:
+def _member_bytes(reads: CountingReads, member: TarMember) -> bytes:
     limit = min(member.size, SIDECAR_LIMIT)
     if len(member.head) >= limit:
         return member.head[:limit]
@@ -291,7 +291,7 @@ def _caption_member(members: list[TarMember], source: str) -> TarMember:
     return next(m for m in members if m.name == name)
 
 
-def _caption(reads: _CountingReads, container: str, members: list[TarMember], caption_field: str):
+def key_caption(reads: CountingReads, container: str, members: list[TarMember], caption_field: str):
     """``(caption, captions, caption_source)`` of a key: its .txt, else .caption, else the .json field (a
     string, or a list of strings: :func:`~pipeline.sources.captions.caption_list`); else ``(None, None, None)``.
 
@@ -323,7 +323,7 @@ def _caption(reads: _CountingReads, container: str, members: list[TarMember], ca
 # --- a Ray task: a batch of shards ---------------------------------------------------------------
 
 
-def _read_range(fs, path: str) -> tuple[Callable[[int, int], bytes], Callable[[], None]]:
+def shard_read_range(fs, path: str) -> tuple[Callable[[int, int], bytes], Callable[[], None]]:
     """A ``read_range`` over ``path`` and a function closing it: ``os.pread`` on a local disk."""
     if type(fs) is LocalFileSystem:
         fd = os.open(path, os.O_RDONLY)
@@ -334,7 +334,7 @@ def _read_range(fs, path: str) -> tuple[Callable[[int, int], bytes], Callable[[]
 def _scan_one(fs, root: str, shard: FileEntry, config: Any) -> ShardScan:
     local = type(fs) is LocalFileSystem
     try:
-        read_range, close = _read_range(fs, join(root, shard.name))
+        read_range, close = shard_read_range(fs, join(root, shard.name))
         try:
             return scan_shard(read_range, shard, max_pixels=config.max_pixels, window=config.shard_window,
                               caption_field=config.caption_field, masks=getattr(config, "masks", None))  # fmt: skip

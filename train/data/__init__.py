@@ -39,13 +39,15 @@ Posterior sampling: a cache embedded with ``--latents posterior`` stores each la
 batch it lands in or any RNG state: a resumed run draws exactly what an uninterrupted one would.
 Caches of means only train on the mean, as before.
 
-The parts: :mod:`train.data.steps` (this rank's plan rows), :mod:`train.data.loader` (records to
-batches, read ahead) and :mod:`train.data.draws` (the per-sample draws, pure functions).
+The parts: :mod:`train.data.steps` (this rank's plan rows), :mod:`train.data.batch` (a step's records
+as tensors), :mod:`train.data.loader` (records to batches, read ahead) and :mod:`train.data.draws` (the
+per-sample draws, pure functions).
 """
 
 from train.data.draws import caption_dropout_mask, draw_posterior, posterior_noise, variant_choice
-from train.data.loader import BadRecordError, Batch, BatchLoader, collate
+from train.data.batch import Batch, collate, latent_normaliser
+from train.data.loader import BadRecordError, BatchLoader
 from train.data.steps import PlanStep, RankSteps, rank_steps
 
-__all__ = ["PlanStep", "Batch", "BadRecordError", "RankSteps", "rank_steps", "collate", "BatchLoader",
-           "caption_dropout_mask", "variant_choice", "posterior_noise", "draw_posterior"]
+__all__ = ["PlanStep", "Batch", "BadRecordError", "RankSteps", "rank_steps", "collate", "latent_normaliser",
+           "BatchLoader", "caption_dropout_mask", "variant_choice", "posterior_noise", "draw_posterior"]

@@ -4,7 +4,7 @@ A recipe's ``setup(cfg, meta)`` (``meta``: the cache's ``_cache.json``) returns 
 the model to train (``from_pretrained`` of the family's ``unet`` / ``transformer`` subfolder, or
 PixArt's from-scratch transformer), the loss of one :class:`train.data.Batch` (noise drawn from a
 generator seeded by the plan position), and how to build the family's diffusers pipeline around it
-for validation images. ``RECIPES`` is the registry (family -> recipe), :func:`recipe_for` picks the
+for validation images (or clips). ``RECIPES`` is the registry (family -> recipe), :func:`recipe_for` picks the
 cache's family; the loop (:mod:`train.__main__`) never looks at the family again.
 
 =========  ==================================  ===========================================================
@@ -16,6 +16,8 @@ sd3        ``SD3Transformer2DModel``            rectified flow, the scheduler's 
 flux       ``FluxTransformer2DModel``           rectified flow on 2x2-packed latents, image/text ids,
                                                guidance embedding (``guidance``)
 pixart     ``PixArtTransformer2DModel``         from scratch: rectified flow (today's); ``pretrained``: DDPM
+wan        ``WanTransformer3DModel``            video: rectified flow on (C, F, h, w) latents normalised per
+                                               channel, the scheduler's ``flow_shift``; UMT5 zero-padded to 512
 generic    (as pixart, from scratch)
 =========  ==================================  ===========================================================
 """
@@ -26,13 +28,13 @@ from __future__ import annotations
 from manifests.cache.meta import CacheMeta
 from manifests.errors import UsageError
 from train.config import TrainConfig
-from train.recipes import flux, pixart, sd3, sdxl
+from train.recipes import flux, pixart, sd3, sdxl, wan
 from train.recipes.base import Denoiser, PromptEmbeds, Recipe
 
 __all__ = ["RECIPES", "Denoiser", "PromptEmbeds", "Recipe", "recipe_for"]
 
 RECIPES: dict[str, Recipe] = {"sdxl": sdxl.RECIPE, "sd3": sd3.RECIPE, "flux": flux.RECIPE, "pixart": pixart.RECIPE,
-                              "generic": pixart.RECIPE}  # fmt: skip
+                              "wan": wan.RECIPE, "generic": pixart.RECIPE}  # fmt: skip
 
 
 def recipe_for(cfg: TrainConfig, meta: CacheMeta) -> Recipe:
