@@ -204,3 +204,39 @@ def test_ranged_reads_stop_after_the_clip_and_match_a_local_decode(tmp_path):
     assert remote["errors"] == [] and remote["rows"][0]["clip_starts"] == [0, 45]
     assert remote["pixels"].shape == (2, FRAMES, 64, 64, 3)
     np.testing.assert_array_equal(remote["pixels"], local["pixels"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["tar", "parquet"])
+def test_videos_in_tar_shards_and_parquet_columns(folder, ray_local, tmp_path, where):
+    """A tar member's clip is decoded from ranged reads of its byte range, a parquet value from its bytes: the
+    latents equal the VAE on the loose file's decoded clip."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.shards import tar_bytes
+
+    root = tmp_path / "src"
+    root.mkdir()
+    names = ["a.mp4", "long.mp4"]
+    if where == "tar":
+        (root / "shard-000.tar").write_bytes(tar_bytes([(n, (folder / n).read_bytes()) for n in names]))
+        config = ScanConfig(progress=False)
+    else:
+        pq.write_table(pa.table({"video": [(folder / n).read_bytes() for n in names]}), root / "v.parquet")
+        config = ScanConfig(progress=False, format="parquet", image_column="video")
+    manifest, cache = str(tmp_path / "m"), str(tmp_path / "c")
+    scan(ScanJob(source=str(root), out=manifest, spec=BucketSpec(area=64 * 64, step=32),
+                 frames=FrameLadder((FRAMES,)), config=config))  # fmt: skip
+    result = embed(EmbedJob(manifest=manifest, out=cache, family="wan", model="default", dtype="fp32",
+                            device="cpu", max_clips=2))  # fmt: skip
+    rows = read_manifest(manifest).samples.to_pylist()
+    assert result.errors == 0 and result.embedded == len(rows) == 2
+    reader, vae = CacheReader(cache), _vae()
+    for row, name in zip(sorted(rows, key=lambda r: r["filename"]), names):
+        record = reader.read([row["sample_id"]])[0]
+        w, h, f = (int(x) for x in row["bucket"].split("x"))
+        last = clip_starts(row["clips"], f, 2)[-1]
+        want = _encode(vae, _direct_clip(folder / name, (h, w), last, f, flip=False))
+        np.testing.assert_allclose(to_float32(record.variant(record.variants - 1).latent, record.dtype), want,
+                                   atol=2e-4, rtol=1e-4, err_msg=f"{where} {name}")  # fmt: skip

@@ -9,8 +9,9 @@ epoch with the one ranged read per sample it already does (``train.data.variant_
 
 Frames are decoded on the CPU workers from the file's bytes through a
 :class:`~pipeline.sources.headers.RangeReader` (ranged reads of what FFmpeg asks for; a tar member's
-byte range offset into its shard), forward from the start and counted, and each frame is turned
-to the bucket right away, so a worker holds the clips' pixels at the bucket's size, never the video:
+byte range offset into its shard; a parquet value, which has no byte range, read whole), forward from
+the start and counted, and each frame is turned to the bucket right away, so a worker holds the clips'
+pixels at the bucket's size, never the video:
 decoding stops after the last wanted clip's last frame. Frames are counted from the first decoded one
 (the scan's ``frames`` is the container's count of the same frames), in display orientation (each
 frame's rotation side data applied, as FFmpeg's autorotate does). One crop box for the whole clip, by
@@ -30,6 +31,7 @@ from manifests.frames import parse_video_bucket
 from manifests.retry import with_retries
 from manifests.schema import image_range
 from manifests.storage import is_local, join, redact
+from pipeline.embed.parquet_images import is_parquet_row
 from pipeline.embed.imaging import ImageFailure, cover_and_crop, crop_resized, prepare_views, read_failure
 from pipeline.embed.samples import sample_record
 
@@ -111,8 +113,9 @@ def _open_video(fs, root: str, row: dict):
 
 
 def _video_views(fs, root: str, row: dict, bucket: tuple[int, int], frames: int, crop: str, seed: int,
-                 max_clips: int, storage_options: dict | None) -> tuple[np.ndarray, dict]:
-    """One video row -> ``uint8 (n, F, H, W, 3)`` clips and its geometry; raises ImageFailure."""
+                 max_clips: int, storage_options: dict | None, blob=None) -> tuple[np.ndarray, dict]:
+    """One video row -> ``uint8 (n, F, H, W, 3)`` clips and its geometry; raises ImageFailure. ``blob``: the
+    video's bytes (or the exception reading them) when they were read whole (a parquet value), else None."""
     starts = clip_starts(row.get("clips") or 1, frames, max_clips)
     bh, bw = bucket
     out = np.zeros((len(starts), frames, bh, bw, 3), np.uint8)
@@ -127,8 +130,10 @@ def _video_views(fs, root: str, row: dict, bucket: tuple[int, int], frames: int,
         out[c, seen[c]] = crop_resized(img, geometry["resized_size"], geometry["crop_top_left"], bucket)
         seen[c] += 1
 
+    if isinstance(blob, BaseException):
+        raise read_failure(blob, storage_options)
     try:
-        file = _open_video(fs, root, row)
+        file = _open_video(fs, root, row) if blob is None else io.BytesIO(blob)
     except OSError as e:
         raise read_failure(e, storage_options) from None
     try:
@@ -158,6 +163,9 @@ def prepare_clips(fs, root: str, bucket: str, rows: list[dict], crop: str, seed:
     bw, bh, frames = parse_video_bucket(bucket)
     pixels, good, errors = [], [], []
     images = blobs(rows) if frames == 1 else [None] * len(rows)
+    in_parquet = [i for i, r in enumerate(rows) if frames > 1 and is_parquet_row(r)]  # no byte range: read whole
+    for i, blob in zip(in_parquet, blobs([rows[i] for i in in_parquet]) if in_parquet else []):
+        images[i] = blob
     for row, blob in zip(rows, images):
         try:
             if frames == 1:
@@ -169,7 +177,8 @@ def prepare_clips(fs, root: str, bucket: str, rows: list[dict], crop: str, seed:
                 geometry = {"original_size": view.original_size, "resized_size": view.resized_size,
                             "crop_top_left": view.crop_top_left, "clip_starts": [0]}  # fmt: skip
             else:
-                clips, geometry = _video_views(fs, root, row, (bh, bw), frames, crop, seed, max_clips, storage_options)
+                clips, geometry = _video_views(fs, root, row, (bh, bw), frames, crop, seed, max_clips, storage_options,
+                                               blob)  # fmt: skip
         except ImageFailure as e:
             errors.append((row["sample_id"], row["filename"], e.kind, e.message))
             continue
