@@ -14,8 +14,7 @@ epoch. A video shorter than the shortest rung is an error row ``too_short``. An 
 manifest is a 1-frame sample: bucket ``WxHx1``, ``frames`` 1, ``clips`` 1. The ladder is recorded in
 ``_manifest.json`` (``frame_ladder``); a manifest without it is an image manifest, whatever it holds.
 
-Commands that cannot handle frames yet refuse a video manifest with :func:`refuse_video`. Whatever reads
-bucket names of either kind (the plan) reads them with :func:`bucket_dims`; a clip of ``F`` frames is
+Whatever reads bucket names of either kind (the plan) reads them with :func:`bucket_dims`; a clip of ``F`` frames is
 ``latent_frames(F, t)`` latent frames for a causal VAE of temporal factor ``t``.
 """
 
@@ -32,10 +31,9 @@ from manifests.buckets import parse_bucket
 from manifests.errors import UsageError
 
 __all__ = ["FrameLadder", "assign_frames", "video_bucket_names", "parse_video_bucket", "add_frame_arguments",
-           "ladder_from_args", "refuse_video", "VIDEO_REFUSAL", "bucket_dims", "latent_frames",
+           "ladder_from_args", "bucket_dims", "latent_frames",
            "DEFAULT_TEMPORAL_FACTOR"]  # fmt: skip
 
-VIDEO_REFUSAL = "video manifests: embed/plan land with issue #28"
 _LADDER = re.compile(r"^\s*(\d+)k\s*\+\s*(\d+)\s*((?::\s*(?:min|max)\s*=\s*\d+\s*)*)$")
 _MAX_FRAMES = 100_000  # a rung beyond this is a typo, not a clip length
 DEFAULT_TEMPORAL_FACTOR = 4  # frames per latent frame after the first: Wan 2.x and HunyuanVideo's causal VAEs
@@ -149,8 +147,3 @@ def ladder_from_args(args: argparse.Namespace) -> FrameLadder | None:
         return FrameLadder.parse_rule(args.frame_ladder)
     return None
 
-
-def refuse_video(frame_ladder: object, command: str) -> None:
-    """Raise UsageError (one line) when a manifest's ``frame_ladder`` says it is a video manifest."""
-    if frame_ladder is not None:
-        raise UsageError(f"{command}: {VIDEO_REFUSAL}")
