@@ -71,6 +71,8 @@ def test_embed_job_from_args_and_its_checks(tmp_path: Path) -> None:
                            storage_options={"anon": True})  # fmt: skip
     with pytest.raises(UsageError, match="--crops must be >= 1"):
         EmbedJob(manifest="m", out="c", crops=0)
+    with pytest.raises(UsageError, match="--max-clips must be >= 1, got 0"):
+        EmbedJob(manifest="m", out="c", max_clips=0)
     with pytest.raises(UsageError, match="--latents posterior stores one posterior std"):
         EmbedJob(manifest="m", out="c", flip=True, latents="posterior")
 

@@ -216,8 +216,9 @@ class EmbedJob:
             raise UsageError("--batch-size, --text-batch-size and --shard-records must be >= 1")
         if self.commit_seconds < 0 or (self.vae_workers is not None and self.vae_workers < 1):
             raise UsageError("--commit-seconds must be >= 0 and --vae-workers >= 1")
-        if self.crops < 1 or self.max_clips < 1:
-            raise UsageError("--crops and --max-clips must be >= 1")
+        for option, value in (("--crops", self.crops), ("--max-clips", self.max_clips)):
+            if value < 1:
+                raise UsageError(f"{option} must be >= 1, got {value}")
         if self.features not in (None, "dinov2"):
             raise UsageError(f"--features {self.features!r}: choose dinov2")
         if (self.crops > 1 or self.flip) and self.latents == "posterior":
