@@ -267,3 +267,30 @@ def test_phash_edges_equal_brute_force(seed, threshold) -> None:
         close = hamming(unique[i], unique[j]) <= threshold
         for bands in (threshold + 1, threshold + 2, threshold + 3):
             assert near_pairs(unique, threshold, bands).tolist() == (i[close] * len(unique) + j[close]).tolist()
+
+
+@pytest.mark.parametrize("missing", ["faiss", "numpy._core"])
+def test_a_missing_or_broken_faiss_is_one_line_saying_which(monkeypatch, missing):
+    """Not installed: install the extra. Installed but failing to import (faiss-cpu >= 1.12 beside numpy 1.x
+    fails on numpy._core): say that, and the two ways out."""
+    import builtins
+
+    from pipeline.dedup import semantic
+
+    real_import = builtins.__import__
+
+    def fake_import(name, *args, **kwargs):
+        if name == "faiss":
+            raise ModuleNotFoundError(f"No module named {missing!r}", name=missing)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.delitem(sys.modules, "faiss", raising=False)
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    with pytest.raises(UsageError) as info:
+        semantic._faiss()
+    text = str(info.value)
+    assert "\n" not in text
+    if missing == "faiss":
+        assert "pip install 'bucketeer[dedup]'" in text
+    else:
+        assert "installed but does not import" in text and "numpy._core" in text and "faiss-cpu<1.12" in text

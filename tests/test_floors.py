@@ -45,8 +45,14 @@ def test_every_core_dependency_but_torch_is_pinned_to_its_floor():
 def test_the_script_prints_a_constraints_file_pip_can_read():
     out = subprocess.run([sys.executable, str(ROOT / ".ci" / "floors.py")], capture_output=True, text=True, check=True)
     lines = [line for line in out.stdout.splitlines() if line and not line.startswith("#")]
-    assert lines == floors.floor_pins(floors.core_dependencies())
-    assert all(re.fullmatch(r"[A-Za-z0-9._-]+==[0-9][0-9.]*", line) for line in lines), lines
+    pins = floors.floor_pins(floors.core_dependencies())
+    assert lines == pins + floors.tool_ceilings(pins)
+    assert all(re.fullmatch(r"[A-Za-z0-9._-]+(==|<)[0-9][0-9.]*", line) for line in lines), lines
+
+
+def test_tools_that_do_not_import_beside_a_floor_get_a_ceiling():
+    assert floors.tool_ceilings(["numpy==1.26", "ray==2.52"]) == ["faiss-cpu<1.12"]
+    assert floors.tool_ceilings(["numpy==2.0"]) == []
 
 
 def test_extras_markers_and_ceilings_are_read():

@@ -41,8 +41,13 @@ KMEANS_ITERATIONS = 10  # coarse cells need no more (faiss's default is 25)
 def _faiss():
     try:
         import faiss
-    except ImportError:
-        raise UsageError("--by embedding needs faiss: pip install 'bucketeer[dedup]' (faiss-cpu)") from None
+    except ImportError as e:
+        if getattr(e, "name", None) in ("faiss", None):
+            raise UsageError("--by embedding needs faiss: pip install 'bucketeer[dedup]' (faiss-cpu)") from None
+        # e.g. faiss-cpu >= 1.12 under numpy 1.x: it imports numpy._core while its metadata allows numpy>=1.25
+        raise UsageError(f"--by embedding: faiss is installed but does not import ({type(e).__name__}: {e}); "
+                         "faiss-cpu 1.12 and later need numpy >= 2: pip install 'numpy>=2', or 'faiss-cpu<1.12' "
+                         "beside numpy 1.x") from None  # fmt: skip
     return faiss
 
 
