@@ -33,7 +33,7 @@ import os
 import posixpath
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import pyarrow as pa
 from fsspec.implementations.local import LocalFileSystem
@@ -323,6 +323,9 @@ def key_caption(reads: CountingReads, container: str, members: list[TarMember], 
 # --- a Ray task: a batch of shards ---------------------------------------------------------------
 
 
+T = TypeVar("T")  # what one shard's scan gives: image or video rows
+
+
 def shard_read_range(fs, path: str) -> tuple[Callable[[int, int], bytes], Callable[[], None]]:
     """A ``read_range`` over ``path`` and a function closing it: ``os.pread`` on a local disk."""
     if type(fs) is LocalFileSystem:
@@ -331,16 +334,19 @@ def shard_read_range(fs, path: str) -> tuple[Callable[[int, int], bytes], Callab
     return (lambda start, end: fs.cat_file(path, start=start, end=end)), (lambda: None)
 
 
-def _scan_one(fs, root: str, shard: FileEntry, config: Any) -> ShardScan:
+def read_shard(fs, root: str, shard: FileEntry, scan: Callable[[Callable[[int, int], bytes]], T],
+               failed: Callable[[dict[str, Any]], T]) -> T:  # fmt: skip
+    """``scan(read_range)`` over one shard's bytes (images or videos). A storage failure inside it is
+    ``failed(read_failed_row)``, or a StorageError when permanent on remote storage (denied, missing bucket:
+    every shard would fail the same); any other exception keeps its traceback."""
     local = type(fs) is LocalFileSystem
     try:
         read_range, close = shard_read_range(fs, join(root, shard.name))
         try:
-            return scan_shard(read_range, shard, max_pixels=config.max_pixels, window=config.shard_window,
-                              caption_field=config.caption_field, masks=getattr(config, "masks", None))  # fmt: skip
+            return scan(read_range)
         finally:
             close()
-    except StorageFailure as e:  # a read inside an image probe
+    except StorageFailure as e:  # a read inside a probe
         cause = e.cause
     except Exception as e:
         if not is_storage_failure(e):
@@ -348,7 +354,15 @@ def _scan_one(fs, root: str, shard: FileEntry, config: Any) -> ShardScan:
         cause = e
     if is_permanent(cause) and not local:
         raise StorageError(f"reading {shard.name}: {redact(str(cause))}") from None
-    return ShardScan(rows=[read_failed_row(shard, cause)])
+    return failed(read_failed_row(shard, cause))
+
+
+def _scan_one(fs, root: str, shard: FileEntry, config: Any) -> ShardScan:
+    return read_shard(fs, root, shard,
+                      lambda read_range: scan_shard(read_range, shard, max_pixels=config.max_pixels,
+                                                    window=config.shard_window, caption_field=config.caption_field,
+                                                    masks=getattr(config, "masks", None)),
+                      lambda row: ShardScan(rows=[row]))  # fmt: skip
 
 
 def read_failed_row(container: FileEntry, cause: BaseException) -> dict[str, Any]:

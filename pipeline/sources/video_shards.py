@@ -23,15 +23,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pyarrow as pa
-from fsspec.implementations.local import LocalFileSystem
 
-from manifests.errors import StorageError
-from manifests.retry import is_permanent, is_storage_failure
-from manifests.storage import join, redact
-from pipeline.sources.headers import StorageFailure
 from pipeline.sources.listing import VIDEO_EXTENSIONS, FileEntry, extension
-from pipeline.sources.shards import (SHARD_WINDOW, CountingReads, key_caption, open_work, read_failed_row,
-                                     resolve_links, shard_key, shard_read_range)  # fmt: skip
+from pipeline.sources.shards import (SHARD_WINDOW, CountingReads, key_caption, open_work, read_shard,
+                                     resolve_links, shard_key)  # fmt: skip
 from pipeline.sources.tar import TarMember, walk_tar
 from pipeline.sources.video import probe_video
 
@@ -94,22 +89,10 @@ def scan_video_shard(read_range, shard: FileEntry, *, caption_field: str = "capt
 
 
 def _scan_one(fs, root: str, shard: FileEntry, config: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    local = type(fs) is LocalFileSystem
-    try:
-        read_range, close = shard_read_range(fs, join(root, shard.name))
-        try:
-            return scan_video_shard(read_range, shard, caption_field=config.caption_field, window=config.shard_window)
-        finally:
-            close()
-    except StorageFailure as e:  # a read inside a video probe
-        cause = e.cause
-    except Exception as e:
-        if not is_storage_failure(e):
-            raise  # a bug, not storage: keep its traceback
-        cause = e
-    if is_permanent(cause) and not local:
-        raise StorageError(f"reading {shard.name}: {redact(str(cause))}") from None
-    return [read_failed_row(shard, cause)], {"requests": 0, "bytes_read": 0, "ignored_members": {}, "videos": 0}
+    return read_shard(fs, root, shard,
+                      lambda read_range: scan_video_shard(read_range, shard, caption_field=config.caption_field,
+                                                          window=config.shard_window),
+                      lambda row: ([row], {"requests": 0, "bytes_read": 0, "ignored_members": {}, "videos": 0}))
 
 
 def scan_video_shard_batch(target: tuple, batch: pa.Table, config: Any) -> pa.Table:
