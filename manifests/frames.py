@@ -31,7 +31,7 @@ from manifests.buckets import parse_bucket
 from manifests.errors import UsageError
 
 __all__ = ["FrameLadder", "assign_frames", "video_bucket_names", "parse_video_bucket", "add_frame_arguments",
-           "ladder_from_args", "bucket_dims", "latent_frames",
+           "ladder_from_args", "is_video_bucket", "bucket_dims", "latent_frames",
            "DEFAULT_TEMPORAL_FACTOR"]  # fmt: skip
 
 _LADDER = re.compile(r"^\s*(\d+)k\s*\+\s*(\d+)\s*((?::\s*(?:min|max)\s*=\s*\d+\s*)*)$")
@@ -113,12 +113,17 @@ def parse_video_bucket(name: str) -> tuple[int, int, int]:
     return w, h, f
 
 
+def is_video_bucket(name: str) -> bool:
+    """Whether ``name`` is a video manifest's ``WxHxF`` (an image manifest's is ``WxH``)."""
+    return name.lower().count("x") == 2
+
+
 def bucket_dims(name: str) -> tuple[int, int, int]:
     """``"832x480x81"`` -> ``(832, 480, 81)``; an image bucket ``"1152x896"`` -> ``(1152, 896, 1)``.
 
     Raises UsageError naming the bad string for anything else.
     """
-    if name.lower().count("x") == 2:
+    if is_video_bucket(name):
         return parse_video_bucket(name)
     return (*parse_bucket(name), 1)
 

@@ -35,17 +35,11 @@ from pipeline.embed.parquet_images import is_parquet_row
 from pipeline.embed.imaging import ImageFailure, cover_and_crop, crop_resized, prepare_views, read_failure
 from pipeline.embed.samples import sample_record
 
-__all__ = ["MAX_CLIPS", "clip_records", "clip_starts", "clip_variants", "decode_clip_frames", "prepare_clips",
-           "is_video_bucket"]
+__all__ = ["MAX_CLIPS", "clip_records", "clip_starts", "clip_variants", "decode_clip_frames", "prepare_clips"]
 
 MAX_CLIPS = 4  # --max-clips default: record bytes grow with the clips kept
 _FIRST_READ = 256 * 1024  # ranged reads while decoding: sequential misses double from here
 _MAX_FETCH = 8 * 1024 * 1024  # ... up to this
-
-
-def is_video_bucket(bucket: str) -> bool:
-    """Whether ``bucket`` is a video manifest's ``WxHxF`` (an image manifest's is ``WxH``)."""
-    return bucket.lower().count("x") == 2
 
 
 def clip_starts(clips: int, frames: int, max_clips: int) -> list[int]:

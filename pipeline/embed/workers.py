@@ -44,10 +44,11 @@ from manifests.cache.layout import INDEX_SCHEMAS
 from manifests.cache.freshness import source_key
 from manifests.cache.records import TextRecord, encode_sample, encode_text
 from manifests.errors import BucketeerError, UsageError
+from manifests.frames import is_video_bucket
 from manifests.manifest import read_row_group
 from manifests.schema import MASK_COLUMNS
 from manifests.storage import is_local, join, open_url, read_many, redact
-from pipeline.embed.clips import MAX_CLIPS, clip_records, is_video_bucket, prepare_clips
+from pipeline.embed.clips import MAX_CLIPS, clip_records, prepare_clips
 from pipeline.embed.encoders import Encoder, quiet_loading, to_storage
 from pipeline.embed.imaging import ImageFailure, check_source, conditioning_views, fetch_images, open_source, \
     prepare_views, read_failure
