@@ -12,10 +12,9 @@ import hashlib
 import io
 import json
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
-import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -47,6 +46,9 @@ from manifests.storage import (
     write_bytes_atomic,
     write_json_atomic,
 )
+
+if TYPE_CHECKING:  # polars is imported where stats are computed: the trainer and GPU check run without it
+    import polars as pl
 
 __all__ = [
     "MANIFEST_FILE",
@@ -99,9 +101,13 @@ class Manifest:
         return int(self.meta.max_pixels or self.meta.summary.max_pixels or MAX_PIXELS)
 
     def samples_df(self) -> pl.DataFrame:
+        import polars as pl  # here, not at import: the trainer and the GPU check import this module without polars
+
         return pl.from_arrow(self.samples)  # type: ignore[return-value]
 
     def errors_df(self) -> pl.DataFrame:
+        import polars as pl
+
         return pl.from_arrow(self.errors)  # type: ignore[return-value]
 
 
@@ -326,6 +332,8 @@ def rebucket(manifest: Manifest, spec: BucketSpec) -> tuple[pa.Table, pa.Table]:
 
 def manifest_stats(manifest: Manifest) -> dict[str, Any]:
     """Counts, bucket histogram (largest first) and errors by kind, as plain JSON-ready values."""
+    import polars as pl
+
     samples = manifest.samples_df()
     errors = manifest.errors_df()
     buckets = samples.group_by("bucket").len().sort(["len", "bucket"], descending=[True, False])

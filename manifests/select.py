@@ -29,10 +29,9 @@ manifest, to that one whatever it records: annotations made before a rescan stil
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
-import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -40,6 +39,9 @@ from manifests.annotations import KEY_COLUMNS, read_annotations, read_annotation
 from manifests.errors import UsageError
 from manifests.manifest import Manifest
 from manifests.storage import join, open_url, redact
+
+if TYPE_CHECKING:  # polars is imported where a selection runs: the trainer reads plans without it
+    import polars as pl
 
 __all__ = ["AnnotationsSource", "Selection", "Evaluation", "parse_expression", "annotation_sources", "evaluate",
            "read_columns"]
@@ -109,6 +111,8 @@ class Evaluation:
 
 def parse_expression(text: str, option: str) -> pl.Expr:
     """``text`` as a polars SQL expression. Raises UsageError naming ``option`` for one polars cannot read."""
+    import polars as pl
+
     if not text or not text.strip():
         raise UsageError(f"{option} is empty: give a SQL expression, e.g. \"aesthetic > 5.5 AND NOT duplicate\"")
     try:
@@ -183,6 +187,8 @@ def _aligned(ids: np.ndarray, order: np.ndarray, rows: pa.Table, columns: list[s
 def _frame(manifest: Manifest, columns: dict[str, AnnotationsSource | None],
            storage_options: Mapping[str, Any] | None) -> pl.DataFrame:  # fmt: skip
     """The used columns of every manifest sample (in the manifest's order), annotations' aligned by sample id."""
+    import polars as pl
+
     ids = manifest.samples.column("sample_id").to_numpy()
     table = manifest.samples.select([c for c, s in columns.items() if s is None])
     by_source: dict[str, list[str]] = {}
@@ -198,6 +204,8 @@ def _frame(manifest: Manifest, columns: dict[str, AnnotationsSource | None],
 
 
 def _compute(frame: pl.DataFrame, expr: pl.Expr, option: str, text: str) -> pl.Series:
+    import polars as pl
+
     try:
         out = frame.select(expr.alias("_value")).to_series()
     except Exception as e:  # polars' ComputeError / InvalidOperationError / SchemaError by version
@@ -208,6 +216,8 @@ def _compute(frame: pl.DataFrame, expr: pl.Expr, option: str, text: str) -> pl.S
 
 
 def _keep(frame: pl.DataFrame, where: str | None) -> np.ndarray:
+    import polars as pl
+
     if where is None:
         return np.ones(frame.height, bool)
     values = _compute(frame, parse_expression(where, "--where"), "--where", where)
@@ -218,6 +228,8 @@ def _keep(frame: pl.DataFrame, where: str | None) -> np.ndarray:
 
 
 def _weights(frame: pl.DataFrame, weight_by: str, keep: np.ndarray, ids: np.ndarray, source: str) -> np.ndarray:
+    import polars as pl
+
     values = _compute(frame, parse_expression(weight_by, "--weight-by"), "--weight-by", weight_by)
     if not (values.dtype.is_numeric() or values.dtype == pl.Boolean):
         raise UsageError(f"--weight-by {weight_by!r} gives {values.dtype} values, not numbers")

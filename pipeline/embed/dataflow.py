@@ -56,6 +56,7 @@ __all__ = ["Placement", "NodeShape", "place_encoders", "size_cpus", "configure_r
            "image_pipeline", "results"]
 
 DEVICES = ("auto", "cuda", "cpu")
+EXECUTORS = ("ray", "local")  # local: pipeline.embed.local, in this process without Ray
 _LIGHT_TASK_CPUS = 0.25  # reading a row group of the manifest: a few ranged reads, next to no compute
 # a prepare task holds a unit's pixels and the images being decoded: asking Ray for that much memory
 # keeps a node from starting more of them than it can hold (and, its options differing from the
@@ -90,6 +91,8 @@ class Placement:
     actor_cpus: float
     task_cpus: float
     light_cpus: float
+    executor: str = "ray"  # ray | local: this process, no Ray (pipeline.embed.local)
+    decode_threads: int = 0  # local: threads decoding units ahead of the encoder
 
     def actor_options(self) -> dict[str, Any]:
         """Ray resources of one encoder actor (Ray Data restarts its actors and retries their tasks)."""
@@ -109,6 +112,10 @@ class Placement:
         return ray.data.ActorPoolStrategy(min_size=1, max_size=most, **{k: v for k, v in wanted.items() if k in known})
 
     def summary(self) -> str:
+        if self.executor == "local":
+            return (f"in this process (no Ray): encoders on {self.device.upper() if self.device == 'cuda' else 'CPU'}"
+                    f"{'' if self.device == 'cuda' else f' x {self.threads} thread(s)'}, "
+                    f"{self.decode_threads} decode threads")  # fmt: skip
         cpus = f"; {self.actor_cpus:g} CPU per encoder, {self.task_cpus:g} per decode task"
         if self.device == "cpu":
             return f"encoders on CPU, {self.workers} actor(s) x {self.threads} thread(s){cpus}"

@@ -108,12 +108,18 @@ class EmbedDriver:
         if not work.captions and not prompts:  # every text has its record: the text settings are the committed ones
             self._open(committed_text(self.committed))
             return
-        pipeline = caption_pipeline(work, prompts, self.manifest, self.so, make_text, self.request["dtype"],
-                                    self.out, batch_size, self.placement)  # fmt: skip
+        args = (work, prompts, self.manifest, self.so, make_text, self.request["dtype"], self.out, batch_size,
+                self.placement)  # fmt: skip
+        if self.placement.executor == "local":
+            from pipeline.embed.local import caption_results
+
+            rows = caption_results(*args)
+        else:
+            rows = results(caption_pipeline(*args))
         written = 0
         total = work.new_captions + len(prompts)
         with Progress("embed", "captions", total=total, unit="captions") as progress:
-            for row in results(pipeline):
+            for row in rows:
                 worker = self._worker("captions", row["worker"])
                 if self.committer is None:
                     self._open(worker["encoder"])
@@ -136,11 +142,17 @@ class EmbedDriver:
         from pipeline.embed.workers import from_ipc
 
         make_text = make_text if work.inline_captions else None
-        pipeline = image_pipeline(work, self.manifest, source, self.so, make_vae, self.request["dtype"],
-                                  self.out, options, self.placement, make_text)  # fmt: skip
+        args = (work, self.manifest, source, self.so, make_vae, self.request["dtype"], self.out, options,
+                self.placement, make_text)  # fmt: skip
+        if self.placement.executor == "local":
+            from pipeline.embed.local import image_results
+
+            rows = image_results(*args)
+        else:
+            rows = results(image_pipeline(*args))
         written, first, start, results_seen, images_seen = 0, None, time.time(), 0, 0
         with Progress("embed", "images", total=work.todo, unit="images") as progress:
-            for row in results(pipeline):
+            for row in rows:
                 worker = self._worker("images", row["worker"])
                 if self.committer.meta.compute is None:
                     self.committer.set_compute(ComputeInfo(device=worker["device"], gpus=self.placement.gpus_now,

@@ -81,7 +81,7 @@ from manifests.manifest_meta import ManifestMeta
 from manifests.schema import MAX_PIXELS
 from manifests.storage import parse_storage_options, redact
 from pipeline.embed.clips import MAX_CLIPS
-from pipeline.embed.dataflow import DEVICES
+from pipeline.embed.dataflow import DEVICES, EXECUTORS
 from pipeline.embed.driver import EmbedDriver
 from pipeline.embed.encoders import DEFAULT_ID, LATENTS, STORAGE_DTYPES
 from pipeline.embed.families import FAMILIES
@@ -163,6 +163,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="torch threads per CPU encoder actor (default: half the CPUs of a node)")
     g.add_argument("--commit-seconds", type=float, default=COMMIT_SECONDS,
                    help="seconds between commits of finished work to _cache.json: what a killed job loses at most")
+    g.add_argument("--executor", choices=EXECUTORS, default="ray",
+                   help="ray: Ray Data on the cluster (or a local Ray started here); local: everything in this "
+                        "process without Ray, one device, decoding on threads (a GPU box without Ray)")
     g.add_argument("--ray-address", default=None, help="Ray cluster address (default: start Ray on this machine)")
 
 
@@ -202,10 +205,12 @@ class EmbedJob:
     vae_workers: int | None = None
     torch_threads: int | None = None
     commit_seconds: float = COMMIT_SECONDS
+    executor: str = "ray"  # ray | local (pipeline.embed.local: this process, no Ray)
     ray_address: str | None = None
 
     def __post_init__(self) -> None:
         choices = (("--family", self.family, tuple(FAMILIES)), ("--latents", self.latents, LATENTS),
+                   ("--executor", self.executor, EXECUTORS),
                    ("--dtype", self.dtype, tuple(STORAGE_DTYPES)), ("--device", self.device, DEVICES),
                    ("--crop", self.crop, ("center", "random")),
                    ("--text-layer", self.text_layer, (None, "last", "penultimate")))  # fmt: skip
@@ -221,6 +226,9 @@ class EmbedJob:
                 raise UsageError(f"{option} must be >= 1, got {value}")
         if self.features not in (None, "dinov2"):
             raise UsageError(f"--features {self.features!r}: choose dinov2")
+        if self.executor == "local" and (self.ray_address is not None or (self.vae_workers or 1) > 1):
+            raise UsageError("--executor local runs in this process on one device: drop --ray-address and "
+                             "--vae-workers, or use --executor ray")  # fmt: skip
         if (self.crops > 1 or self.flip) and self.latents == "posterior":
             raise UsageError("--latents posterior stores one posterior std per sample, not per --flip/--crops "
                              "variant; use one or the other")  # fmt: skip
@@ -261,7 +269,7 @@ def job_from_args(args: argparse.Namespace) -> EmbedJob:
         storage_options=parse_storage_options(args.storage_options), batch_size=args.batch_size,
         text_batch_size=args.text_batch_size, shard_records=args.shard_records, device=args.device,
         vae_workers=args.vae_workers, torch_threads=args.torch_threads, commit_seconds=args.commit_seconds,
-        ray_address=args.ray_address,
+        executor=args.executor, ray_address=args.ray_address,
     )  # fmt: skip
 
 
@@ -308,6 +316,16 @@ def _describe(ray, make_encoder) -> dict[str, Any]:
         if isinstance(e.cause, (BucketeerError, OSError)):
             raise UsageError(f"an encoder failed to load: {e.cause}") from None
         raise
+
+def _describe_here(make_encoder) -> dict[str, Any]:
+    """An encoder's ``describe()``, loaded in this process on the CPU (``--executor local``)."""
+    from pipeline.embed.workers import describe_encoder
+
+    try:
+        return describe_encoder(make_encoder)
+    except (BucketeerError, OSError) as e:
+        raise UsageError(f"an encoder failed to load: {e}") from None
+
 
 def image_column(manifest: ManifestMeta) -> str | None:
     """The column of image bytes of a parquet-sourced manifest (``scan --format parquet``), else None."""
@@ -367,14 +385,21 @@ def _embed(job: EmbedJob) -> EmbedResult:
     if latent_spec.source.is_default or any(t.is_default for t in text_spec.sources):
         print(DEFAULT_NOTICE, file=sys.stderr, flush=True)
 
-    ray, _ = init_ray(job.ray_address)  # a CLI process: Ray stops when it exits
-    from pipeline.embed.dataflow import configure_ray_data, place_encoders
-
-    configure_ray_data()
-    placement = place_encoders(ray, job.device, job.vae_workers, job.torch_threads)
     make_vae, make_text = _factories(job, STORAGE_DTYPES[job.dtype])
     t0 = time.time()
-    vae = _describe(ray, make_vae)
+    if job.executor == "local":
+        from pipeline.embed.local import local_placement
+
+        placement = local_placement(job.device, job.torch_threads)
+        vae = _describe_here(make_vae)
+    else:
+        ray, _ = init_ray(job.ray_address)  # a CLI process: Ray stops when it exits
+        from pipeline.embed.dataflow import configure_ray_data, place_encoders
+
+        configure_ray_data()
+        placement = place_encoders(ray, job.device, job.vae_workers, job.torch_threads)
+        t0 = time.time()
+        vae = _describe(ray, make_vae)
     if (manifest.frame_ladder is not None) != (vae.get("temporal_factor") is not None):  # a --vae of the other kind
         raise UsageError(f"bucketeer embed {redact(job.manifest)}: a {'video' if manifest.frame_ladder else 'n image'} "
                          f"manifest and a {vae['class']} VAE: scan --frames for video VAEs, --family wan for clips")

@@ -269,9 +269,10 @@ class _EncoderActor:
     that lets one call at a time use the device, and the worker description sent with results."""
 
     def __init__(self, make_encoder: Callable[..., Encoder], dtype: str, cache: str, storage_options: dict | None,
-                 threads: int | None = None):
+                 threads: int | None = None, device: str | None = None):
         self.make_encoder, self.dtype, self.threads = make_encoder, dtype, threads
         self.cache, self.storage_options = cache, storage_options
+        self.device = device  # None: a Ray actor, on the GPUs Ray gave it; cuda | cpu: in this process, no Ray
         self.encoder: Encoder | None = None
         self.lock = threading.Lock()  # one forward pass at a time: compression and writes overlap it
         self.worker = ""
@@ -282,11 +283,18 @@ class _EncoderActor:
                 self.encoder = self._build()
             return self.encoder
 
-    def _build(self) -> Encoder:
+    def _where(self) -> tuple[list[str], str]:
+        """The GPUs this worker may use and the node it runs on: Ray's, in a Ray actor; else this process's."""
+        if self.device is not None:  # pipeline.embed.local: no Ray
+            return (["0"] if self.device == "cuda" else []), socket.gethostname()
         import ray
+
+        return [str(g) for g in ray.get_gpu_ids()], ray.get_runtime_context().get_node_id()
+
+    def _build(self) -> Encoder:
         import torch
 
-        gpus = [str(g) for g in ray.get_gpu_ids()]
+        gpus, node = self._where()
         notice = None
         if gpus and not torch.cuda.is_available():  # logical GPUs of a test cluster, or a CPU-only torch
             notice = (f"Ray gave this encoder worker GPU {','.join(gpus)} on {socket.gethostname()}, but torch "
@@ -307,9 +315,22 @@ class _EncoderActor:
         device = "cuda" if gpus and not notice else "cpu"
         self.use_gpu = bool(gpus)
         self.worker = json.dumps({"encoder": encoder.describe(), "host": socket.gethostname(), "gpus": gpus,
-                                  "node": ray.get_runtime_context().get_node_id(), "device": device,
+                                  "node": node, "device": device,
                                   "notice": notice}, sort_keys=True)  # fmt: skip
         return encoder
+
+    def release(self) -> None:
+        """Drop the encoders and give their device memory back (in-process runs: the next phase needs the GPU)."""
+        self.encoder = None
+        if getattr(self, "text_encoder", None) is not None:
+            self.text_encoder = None
+        import gc
+
+        import torch
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def _result(self, kind: str, shard: ShardWriter) -> tuple[bytes, int]:
         if not len(shard):
@@ -331,8 +352,9 @@ class LatentWriter(_EncoderActor):
 
     def __init__(self, make_encoder: Callable[..., Encoder], dtype: str, cache: str, storage_options: dict | None,
                  batch_size: int, threads: int | None = None, crops: int = 1, flip: bool = False,
-                 make_text: Callable[..., Encoder] | None = None, text_batch_size: int = 128):
-        super().__init__(make_encoder, dtype, cache, storage_options, threads)
+                 make_text: Callable[..., Encoder] | None = None, text_batch_size: int = 128,
+                 device: str | None = None):
+        super().__init__(make_encoder, dtype, cache, storage_options, threads, device)
         self.batch_size, self.crops, self.flips = batch_size, crops, 2 if flip else 1
         self.make_text, self.text_batch_size = make_text, text_batch_size
         self.text_encoder: Encoder | None = None

@@ -1,0 +1,102 @@
+"""The embed job's two pipelines in this process, without Ray (``bucketeer embed --executor local``).
+
+For a machine where Ray is absent or unwanted: one GPU box, an offline GPU machine (``make gpu-check``
+embeds this way), a notebook. The stages are those of :mod:`pipeline.embed.dataflow`, called as plain
+functions in the same order on the same rows (each ``map_batches`` batch of one row is a one-row table
+here), so the shards, index rows and ``_cache.json`` are what a Ray run of the same job writes::
+
+    captions: row groups -read_captions-> (key, caption) -TextWriter, text_batch_size at a time-> text index rows
+    images:   row groups -plan_units-> units -prepare_unit (decode threads)-> pixels -LatentWriter-> index rows
+
+Decoding a unit (fetch, decode, resize, crop) runs on a thread pool ahead of the encoder: Pillow's decode
+and resize and the storage reads release the GIL, so ``decode_threads`` units decode while the encoder,
+in this thread, encodes, compresses and writes the one before. At most ``2 x decode_threads`` units are
+decoded ahead (each ~128 MB of pixels at most, :data:`~pipeline.embed.work.UNIT_PIXEL_BYTES`): a slow
+encoder never lets pixels pile up. What Ray adds and this does not: several GPUs or nodes, restarts of a
+failed worker (here a failure stops the job; a rerun resumes from the last commit, as after a kill).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Iterator
+
+import pyarrow as pa
+
+from pipeline.embed.dataflow import Placement
+from pipeline.embed.work import EmbedWork
+from pipeline.embed.workers import LatentWriter, TextWriter, plan_units, prepare_unit, read_captions
+
+__all__ = ["local_placement", "caption_results", "image_results"]
+
+
+def local_placement(device: str, threads: int | None) -> Placement:
+    """Where the encoders run in this process: ``auto`` is ``cuda`` when torch sees a CUDA device, else ``cpu``;
+    ``threads``: torch threads on the CPU (default: half the CPUs). Decode threads: the CPUs (at least 2)."""
+    import torch
+
+    use = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    cpus = os.cpu_count() or 2
+    return Placement(use, workers=1, threads=threads or max(1, cpus // 2), gpus_now=int(use == "cuda"),
+                     gpus_max=None, actor_cpus=0.0, task_cpus=0.0, light_cpus=0.0, executor="local",
+                     decode_threads=max(2, cpus))  # fmt: skip
+
+
+def _one(row: dict[str, Any]) -> pa.Table:
+    """A one-row table: what a Ray Data ``map_batches`` call of batch size 1 receives."""
+    return pa.Table.from_pylist([row])
+
+
+def caption_results(work: EmbedWork, prompts: dict[int, str], manifest: str, storage_options: dict | None,
+                    make_text: Callable, dtype: str, out: str, text_batch_size: int,
+                    placement: Placement) -> Iterator[dict[str, Any]]:  # fmt: skip
+    """The result rows of the captions pipeline (:func:`pipeline.embed.dataflow.caption_pipeline`), in order."""
+    tables = [read_captions(_one(g.item()), manifest, storage_options) for g in work.captions]
+    if prompts:
+        tables.append(pa.table({"caption_key": pa.array(list(prompts), pa.uint64()),
+                                "caption": pa.array(list(prompts.values()), pa.string())}))  # fmt: skip
+    captions = pa.concat_tables(tables)
+    writer = TextWriter(make_text, dtype, out, storage_options, placement.threads, device=placement.device)
+    for start in range(0, captions.num_rows, text_batch_size):
+        yield from writer(captions.slice(start, text_batch_size)).to_pylist()
+    writer.release()  # the text encoders leave the device to the VAE, as a Ray text actor does when it ends
+
+
+def image_results(work: EmbedWork, manifest: str, source: str, storage_options: dict | None, make_vae: Callable,
+                  dtype: str, out: str, options: dict[str, Any], placement: Placement,
+                  make_text: Callable | None = None) -> Iterator[dict[str, Any]]:  # fmt: skip
+    """The result rows of the images pipeline (:func:`pipeline.embed.dataflow.image_pipeline`), one per unit,
+    in the order the units were cut."""
+    plan = {"manifest": manifest, "storage_options": storage_options, "batch_size": options["batch_size"],
+            "shard_records": options["shard_records"], "max_clips": options.get("max_clips") or 1}
+    prepare = {"source": source, "storage_options": storage_options, "crop": options["crop"], "seed": options["seed"],
+               "max_pixels": options["max_pixels"], "crops": options["crops"],
+               "conditioning": options["conditioning"], "image_column": options.get("image_column"),
+               "max_clips": options.get("max_clips") or 1}  # fmt: skip
+    writer = LatentWriter(make_vae, dtype, out, storage_options, options["batch_size"], placement.threads,
+                          crops=options["crops"], flip=options["flip"], make_text=make_text,
+                          text_batch_size=options.get("text_batch_size", 128), device=placement.device)  # fmt: skip
+
+    def units() -> Iterator[pa.Table]:
+        for group in work.images:
+            for unit in plan_units(_one(group.item()), **plan):
+                yield unit
+
+    ahead = 2 * placement.decode_threads
+    with ThreadPoolExecutor(placement.decode_threads, thread_name_prefix="bucketeer-decode") as pool:
+        pending: deque[Future] = deque()
+        queued = units()
+        try:
+            for unit in queued:
+                pending.append(pool.submit(prepare_unit, unit, **prepare))
+                if len(pending) >= ahead:
+                    yield from writer(pending.popleft().result()).to_pylist()
+            while pending:
+                yield from writer(pending.popleft().result()).to_pylist()
+        finally:  # stopped early (an error, a kill): decoded units not yet encoded are dropped, unwritten
+            for future in pending:
+                future.cancel()
+    writer.release()
+
