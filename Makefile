@@ -2,8 +2,12 @@
 #   make demo   # create .venv, install, run the end-to-end demo on this machine (make demo DEMO_ARGS=--repa: with REPA)
 #   make test   # create .venv, install, run every test (unit, S3, Ray, multi-process)
 #   make test-floors   # create .venv-floors with every core dependency at its pyproject floor, run the fast tests
-#   make gpu-check     # every GPU measure on random weights at real sizes: one table (one line and exit 0 without CUDA)
+#   make gpu-check     # on a GPU machine, offline, with its own python3 (CUDA torch) + .gpu-wheels: every GPU measure
+#                      # on random weights at real sizes, one table (without CUDA: the venv's, one line, exit 0)
+#   make gpu-wheels    # on a networked machine: the wheels gpu-check needs there (infra/gpu/wheels.txt, <= 40 MiB)
+#   make gpu-rehearsal # gpu-check --smoke in a fresh venv holding only what the GPU machine has, plus the wheels
 #   make test-gpu      # the tests that need CUDA (marked gpu); skipped with their reason without one
+#   make install-vllm  # on a networked GPU machine: the vllm extra (bucketeer annotate --engine vllm)
 PYTHON ?= python3
 VENV ?= .venv
 # the CPU wheel; installed before the project so nothing pulls the multi-GB CUDA build.
@@ -25,7 +29,7 @@ FLOORS_VENV ?= .venv-floors
 FLOORS_PY := $(FLOORS_VENV)/bin/python
 FLOORS_PYTEST_ARGS ?= -m "not slow"
 
-.PHONY: install demo test test-floors bench bench-deps gpu-check test-gpu clean
+.PHONY: install demo test test-floors bench bench-deps gpu-check gpu-wheels gpu-rehearsal test-gpu install-vllm clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -66,15 +70,43 @@ bench-deps: install
 bench: install bench-deps
 	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done
 
-# On a GPU machine: make install TORCH_SPEC="torch>=2.4", plus `pip install deepspeed torchvision` for the ZeRO
-# rows and the GPU JPEG decode row (each is a "skipped" row without). GPU_CHECK_ARGS, e.g. --families sdxl --keep.
+# The GPU check runs on the GPU machine's own python3 when it has CUDA torch (no venv, no download: that machine
+# is offline), with what it lacks installed from GPU_WHEELS (make gpu-wheels, on a networked machine; carried
+# beside the working tree). The command is printed first, for a machine without make. Without CUDA there, the
+# venv's python runs it and prints one line. GPU_CHECK_ARGS, e.g. --families sdxl --budget 300 --keep.
 GPU_CHECK_ARGS ?=
+GPU_WHEELS ?= .gpu-wheels
+GPU_REHEARSAL_VENV ?= .venv-gpu-rehearsal
 # one GPU: the rates are per GPU, and the busy fraction is sampled on the GPU the encoders get
-gpu-check: install
-	CUDA_VISIBLE_DEVICES=$${CUDA_VISIBLE_DEVICES:-0} $(PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+gpu-check:
+	@if $(PYTHON) -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then \
+		cmd="CUDA_VISIBLE_DEVICES=$${CUDA_VISIBLE_DEVICES:-0} $(PYTHON) benchmarks/gpu_check.py --wheels $(GPU_WHEELS) $(GPU_CHECK_ARGS)"; \
+	else \
+		$(MAKE) --no-print-directory install >/dev/null && cmd="$(PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)"; \
+	fi; echo "$$cmd"; eval "$$cmd"
+
+$(GPU_WHEELS)/.downloaded: infra/gpu/wheels.txt
+	$(PYTHON) benchmarks/gpu_env.py download --dest $(GPU_WHEELS)
+
+gpu-wheels: $(GPU_WHEELS)/.downloaded
+
+# A fresh venv with only the packages the GPU machine's python3 has (infra/gpu/preinstalled.txt; CPU torch here),
+# the wheel folder installed by the check itself, Ray and vLLM absent: gpu_check.py --smoke must fill every row
+# that needs neither. How we know `make gpu-check` works the day a GPU is lent.
+gpu-rehearsal: gpu-wheels
+	rm -rf $(GPU_REHEARSAL_VENV)
+	$(PYTHON) -m venv $(GPU_REHEARSAL_VENV)
+	$(GPU_REHEARSAL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(GPU_REHEARSAL_VENV)/bin/python -m pip install -q --no-compile "$(TORCH_SPEC)"
+	$(GPU_REHEARSAL_VENV)/bin/python -m pip install -q --no-compile -c infra/gpu/preinstalled.txt -r infra/gpu/preinstalled.txt "$(TORCH_SPEC)"
+	$(GPU_REHEARSAL_VENV)/bin/python benchmarks/gpu_check.py --smoke --rehearsal --wheels $(GPU_WHEELS) $(GPU_CHECK_ARGS)
 
 test-gpu: install
 	$(PY) -m pytest -m gpu $(PYTEST_ARGS)
 
+# on a networked GPU machine: vLLM and Ray's LLM extra into the venv (the vllm extra of pyproject.toml)
+install-vllm: install
+	$(PY) -m pip install -q -e ".[vllm]"
+
 clean:
-	rm -rf $(VENV) $(FLOORS_VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(FLOORS_VENV) $(GPU_REHEARSAL_VENV) .gpu-site .pytest_cache build *.egg-info

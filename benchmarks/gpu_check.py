@@ -1,44 +1,42 @@
 """Every GPU measure the project names, on random weights of the real architectures at real sizes: one table.
 
-    make gpu-check                                   # = python benchmarks/gpu_check.py
-    python benchmarks/gpu_check.py [--out-dir DIR] [--families sdxl,flux] [--backends ddp,fsdp2,zero2,zero3]
-    python benchmarks/gpu_check.py --smoke           # every section's code on the CPU, tiny models, in seconds
+    make gpu-check                                   # on a GPU machine: prints, then runs, the python3 command below
+    python3 benchmarks/gpu_check.py --wheels .gpu-wheels [--budget 470] [--families sdxl,flux] [--backends ...]
+    python3 benchmarks/gpu_check.py --smoke          # every section's code on the CPU, tiny models, in a minute
+    make gpu-rehearsal                               # --smoke in a venv holding only what the GPU machine has
 
-Without CUDA (and without ``--smoke``) it prints one line and exits 0. With CUDA it builds the models
-of :mod:`benchmarks.gpu_models` (nothing downloaded) and a local JPEG dataset, then measures, each
-section time-boxed (a failing or late section prints its error in its row and the others go on; the
-exit code is 1 when any row failed):
+Made for the GPU machine we get: its own ``python3`` (CUDA torch and most of what is imported), no network, no
+Ray, no vLLM. ``--wheels DIR`` installs the rest from a wheel folder (``make gpu-wheels`` on a networked machine;
+:mod:`benchmarks.gpu_env`) into ``.gpu-site/`` and puts it first on the path. Every section runs in this process
+through bucketeer's own code (the trainer in ``accelerate launch`` children), none needs Ray; a section that
+does says ``skipped: needs ray`` (or ``needs vllm``) in its row. Without CUDA (and without ``--smoke``) it prints
+one line and exits 0. Each section is time-boxed, and the whole run keeps to ``--budget`` seconds (late sections
+say they were skipped); a failing section prints its error in its row and the others go on (exit code 1 when
+any row failed). The models are those of :mod:`benchmarks.gpu_models` (nothing downloaded), the data a local
+folder of 1216x1088 JPEGs. In order, so that a cut budget loses the least:
 
-1. **embed** (per family, SDXL and Flux VAE at 1024² bf16): images/s end to end through the real job
-   (``pipeline.run(EmbedJob(family=F, model=FOLDER, device="cuda"))``: Ray Data fetch, JPEG decode,
-   resize and crop on CPU tasks, the VAE actor, gzip, shard writes; its steady-state rate), against
-   the VAE alone (``LatentEncoder.encode`` on pre-decoded uint8 batches, ``torch.cuda.synchronize``
-   before the clock stops); the GPU **busy fraction** over the image phase; captions/s of the text phase.
-   Busy = NVML's ``utilization.gpu`` (the share of each sample period in which at least one kernel ran)
-   sampled every 100 ms from this process (pynvml when it imports, else ``nvidia-smi -lms``), averaged
-   over the job's steady image phase (its last ``embedded / images_per_second`` seconds). NVML and not
-   CUDA events because the encoder runs in a Ray actor, another process: NVML sees the device whoever
-   drives it. It says busy, not how full the SMs are.
-2. **text encoders** alone: captions/s of ``TextEncoders.encode`` (tokenize, forward, copy to host) for
-   CLIP-L + CLIP-bigG (sdxl) and CLIP-L + T5-XXL at 512 tokens (flux).
-3. **decode**: JPEG decode on one CPU thread (Pillow, as embed's prepare tasks do; also the full
-   ``prepare_views``: decode + resize + crop) vs ``torchvision.io.decode_jpeg`` on the GPU, batched.
-4. **loader**: ``BatchLoader`` samples/s over the embedded cache along the plan, batches moved to the device.
-5. **trainer** (per family x backend): step time and data-wait from the trainer's own ``metrics.jsonl``
-   (the first log window, warm-up, left out), samples/s, peak GPU memory. Each run is the project's trainer
-   (``Trainer.setup`` + ``Trainer.loop``, as ``python -m train`` runs them) under ``accelerate launch
-   --num_processes 1`` with ``infra/accelerate``'s DDP, FSDP2 and DeepSpeed (``--zero_stage 2`` / ``3``)
-   configs, full fine-tuning with AdamW in bf16 autocast. Not ``python -m train`` itself: its finish
-   writes a checkpoint and the final model (30 GB for SDXL with AdamW state) that this check does not
-   need. accelerate does not wrap a model in DDP at world size 1 (``use_distributed`` needs 2
-   processes): the ``ddp`` row is the 1-GPU loop the DDP config runs, without all-reduce.
-6. **annotate**: VLM captions/s through ``bucketeer annotate --engine vllm`` vs vLLM's ``LLM.chat`` alone on a
-   random-weight Llava; a row saying why it is skipped until ``pipeline.annotate`` and ``vllm`` import.
+1. **sdxl**: ``vae``: ``LatentEncoder.encode`` (host uint8 in, fp32 posterior mean out) at batch 1..16 against
+   diffusers' ``vae.encode`` alone (on-device input), with the GPU's busy fraction (NVML ``utilization.gpu``:
+   the share of 100 ms periods with a kernel running) over bucketeer's calls; ``text``: ``TextEncoders.encode``
+   against the pipeline's ``encode_prompt``, and how far the cache's joined bf16 records are from its output;
+   ``embed``: ``bucketeer embed --executor local --device cuda`` end to end (read, decode on threads, VAE,
+   gzip, shards, commit: images/s steady state, busy fraction over its image phase, captions/s of its text
+   phase); ``records``: the records embedded on the GPU against those embedded on the CPU (fp32) of the same
+   images; ``loader``: the trainer's ``BatchLoader`` along a plan, batches to the GPU; ``train``: step time,
+   data-wait, samples/s and peak memory of the project's trainer (``Trainer.setup`` + ``Trainer.loop`` under
+   ``accelerate launch --num_processes 1`` with ``infra/accelerate``'s DDP and FSDP2 configs, full
+   fine-tuning, AdamW, bf16 autocast) fed by the real loader from that cache.
+2. **vision**: REPA's DINOv2-base features (``FeatureEncoder.encode`` vs the model alone), the Wan 2.1 VAE on a
+   480x832x81 clip (clips/s, peak memory), annotate's CLIP ViT-L/14 embedding (``ImageEmbedder`` vs the tower
+   alone), JPEG decode (Pillow on one thread vs nvJPEG).
+3. **flux** (CLIP-L + T5-XXL at 512 tokens; a Flux-width transformer of 4 + 8 blocks): as sdxl.
+4. DeepSpeed ZeRO-2/3 (sdxl), where its source archive builds offline there; the Ray embed job and the vLLM
+   annotate engine (rows that say why they skip where Ray or vLLM is absent).
 
-Everything is per GPU: on a machine with several, run it on one (``make gpu-check`` sets
-``CUDA_VISIBLE_DEVICES=0`` unless it is set), so that Ray's encoder actors get the GPU whose busy fraction
-is sampled. Writes ``gpu-check.md`` and ``gpu-check.json`` to ``--out-dir`` (default ``$OUT``, else
-``benchmarks/results/``). Meant to take under 10 minutes on one H100 (``--budget``).
+accelerate does not wrap a model in DDP at world size 1 (``use_distributed`` needs 2 processes): the ``ddp``
+row is the 1-GPU loop the DDP config runs, without all-reduce. Everything is per GPU: on a machine with several
+(``make gpu-check`` sets ``CUDA_VISIBLE_DEVICES=0`` unless set) the busy fraction is sampled on the one used.
+Writes ``gpu-check.md`` and ``gpu-check.json`` to ``--out-dir`` (default ``$OUT``, else ``benchmarks/results/``).
 """
 
 from __future__ import annotations
@@ -59,8 +57,8 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu_measures import (BusySampler, Row, annotate_rows, decode_rows, loader_rate,  # noqa: E402
-                                     text_alone, vae_alone)
+from benchmarks.gpu_measures import (BusySampler, Row, annotate_rows, clip_rows, decode_rows, loader_rate,  # noqa: E402
+                                     repa_rows, text_vs_pipeline, vae_sweep, wan_rows)
 
 RESULT_MARK = "GPU_CHECK_RESULT "
 FAMILIES = ("sdxl", "flux")
@@ -72,6 +70,7 @@ BACKENDS: dict[str, list[str]] = {  # accelerate launch flags, 1 process
 }
 NO_CUDA = ("gpu-check: no CUDA device here (torch {torch}): nothing measured. Run `make gpu-check` on a GPU machine, "
            "or `python benchmarks/gpu_check.py --smoke` to run its code on this CPU.")
+SITE = ROOT / ".gpu-site"  # where --wheels installs (git-ignored), one folder per Python version
 
 
 @dataclass(frozen=True)
@@ -80,21 +79,30 @@ class Sizes:
 
     image: tuple[int, int]  # JPEG (w, h): a little larger than the bucket, so resize and crop do real work
     bucket: tuple[int, int]
-    images: int
-    captions: int
-    vae_batch: int
-    text_batch: int
+    images: int  # embedded end to end
+    captions: int  # distinct captions over those images
+    vae_batches: tuple[int, ...]  # the batch sweep
+    vae_images: int  # images per timing of a batch size
+    text_batch: dict[str, int]
+    text_iters: int
     train_batch: dict[str, int]
     log_every: int
     train_steps: int  # per trainer run: the first log window is warm-up
+    records: tuple[int, tuple[int, int]]  # images and bucket of the GPU-vs-CPU records check
+    repa_batch: int
+    wan_clip: tuple[int, int, int]  # frames, height, width
+    clip_batch: int
+    iters: int  # timed calls of the vision sections
     section_seconds: int
     denoisers: dict[str, str]  # what each family trains, for the table
 
 
-REAL = Sizes((1216, 1088), (1024, 1024), 1024, 256, 16, 128, {"sdxl": 1, "flux": 1}, 4, 16, 150,
-             {"sdxl": "UNet (2.57B)", "flux": "Flux-width transformer, 4+8 of 19+38 blocks (2.5B)"})
-SMOKE = Sizes((80, 72), (64, 64), 16, 8, 4, 8, {"sdxl": 2, "flux": 2}, 2, 4, 300,
-              {"sdxl": "tiny UNet", "flux": "tiny Flux transformer"})
+REAL = Sizes((1216, 1088), (1024, 1024), 384, 96, (1, 4, 8, 16), 32, {"sdxl": 128, "flux": 32}, 2,
+             {"sdxl": 1, "flux": 1}, 4, 12, (8, (512, 512)), 64, (81, 480, 832), 64, 3, 150,
+             {"sdxl": "UNet (2.57B)", "flux": "Flux-width transformer, 4+8 of 19+38 blocks (2.5B)"})  # fmt: skip
+SMOKE = Sizes((80, 72), (64, 64), 16, 8, (1, 2), 2, {"sdxl": 8, "flux": 8}, 1, {"sdxl": 2, "flux": 2}, 2, 4,
+              (4, (64, 64)), 4, (9, 32, 48), 4, 1, 300,
+              {"sdxl": "tiny UNet", "flux": "tiny Flux transformer"})  # fmt: skip
 
 
 class SectionTimeout(Exception):
@@ -126,7 +134,7 @@ class Check:
         """Run ``fn`` time-boxed (``seconds``, at most the time left); its rows, or one failed row with its error."""
         left = self.deadline - time.monotonic()
         if left <= 5:
-            self.rows.append(Row(name, "-", f"skipped: the {self.args.budget:g} s budget is spent", status="skipped"))
+            self._add([Row(name, "-", f"skipped: the {self.args.budget:g} s budget is spent", status="skipped")])
             return
         box = min(seconds or self.sizes.section_seconds, left)
         previous = signal.signal(signal.SIGALRM, _alarm)
@@ -136,16 +144,28 @@ class Check:
             rows = fn()
         except SectionTimeout:
             rows = [Row(name, "-", f"failed: over its time box of {box:.0f} s", status="failed")]
-        except Exception as e:  # one section's failure is its row; the others go on
+        except Exception as e:  # one section's failure is its row (its traceback in the JSON); the others go on
+            import traceback
+
             line = (str(e).strip().splitlines() or [""])[-1][:300]
-            rows = [Row(name, "-", f"failed: {type(e).__name__}: {line}", status="failed")]
+            rows = [Row(name, "-", f"failed: {type(e).__name__}: {line}", status="failed",
+                        values={"traceback": traceback.format_exc().splitlines()[-30:]})]  # fmt: skip
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
+            _free_gpu()
         for row in rows:
             row.values.setdefault("section_seconds", round(time.perf_counter() - started, 1))
+        self._add(rows)
+
+    def _add(self, rows: list[Row]) -> None:
         self.rows.extend(rows)
         print("\n".join(_md_row(r) for r in rows), flush=True)
+
+    def _needs(self, *keys: str) -> None:
+        missing = [k for k in keys if k not in self.done]
+        if missing:
+            raise RuntimeError(f"no {', '.join(missing)}: an earlier section failed")
 
     # ------------------------------------------------------------------ sections
 
@@ -157,26 +177,54 @@ class Check:
         if not (self.work / "manifest").exists():
             names = make_jpegs(data, s.images, s.image)
             write_jpeg_manifest(str(data), str(self.work / "manifest"), names, s.image, s.bucket, s.captions)
+            n, bucket = s.records
+            write_jpeg_manifest(str(data), str(self.work / "manifest-records"), names[:n], s.image, bucket, n)
         t1 = time.perf_counter()
         folder = build_folder(family, self.work / f"model-{family}", (TINY if self.smoke else REAL_MODELS)[family],
                               device=self.device)  # fmt: skip
         self.done[f"model-{family}"] = str(folder)
-        gb = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 1e9
-        size = f"{gb:.2f} GB" if gb >= 0.1 else f"{gb * 1000:.1f} MB"
         return [Row("setup", f"{family}: random-weight pipeline folder (bf16) + {s.images} JPEGs {s.image[0]}x"
-                    f"{s.image[1]}", f"{size} in {time.perf_counter() - t1:.0f} s; JPEGs {t1 - t0:.0f} s",
-                    values={"gb": gb})]  # fmt: skip
+                    f"{s.image[1]}", f"{_size(folder)} in {time.perf_counter() - t1:.0f} s; JPEGs {t1 - t0:.0f} s",
+                    values={"seconds": time.perf_counter() - t1})]  # fmt: skip
+
+    def prepare_vision(self) -> list[Row]:
+        from benchmarks.gpu_models import VISION, build_vision
+
+        t0, sizes = time.perf_counter(), []
+        for kind, (real, tiny) in VISION.items():
+            folder = build_vision(kind, self.work / kind, tiny if self.smoke else real, device=self.device)
+            self.done[kind] = str(folder)
+            sizes.append(f"{kind} {_size(folder)}")
+        return [Row("setup", "vision: DINOv2-base, CLIP ViT-L/14 vision, Wan 2.1 VAE (random weights, bf16)",
+                    f"{', '.join(sizes)} in {time.perf_counter() - t0:.0f} s")]  # fmt: skip
+
+    def vae(self, family: str) -> list[Row]:
+        self._needs(f"model-{family}")
+        s = self.sizes
+        return vae_sweep(family, self.done[f"model-{family}"], s.bucket, s.vae_batches, self.gpu, s.vae_images)
+
+    def text(self, family: str) -> list[Row]:
+        self._needs(f"model-{family}")
+        s = self.sizes
+        return text_vs_pipeline(family, self.done[f"model-{family}"], s.text_batch[family], self.gpu, s.text_iters)
+
+    def _embed_job(self, family: str, manifest: str, out: str, device: str):
+        from pipeline import EmbedJob
+
+        s = self.sizes
+        return EmbedJob(manifest=manifest, out=out, family=family, model=self.done[f"model-{family}"], device=device,
+                        executor="local", batch_size=max(s.vae_batches), text_batch_size=s.text_batch[family],
+                        torch_threads=2 if self.smoke else None)  # fmt: skip
 
     def embed(self, family: str) -> list[Row]:
-        from pipeline import EmbedJob, run
+        from pipeline import run
 
-        s, folder = self.sizes, self.done[f"model-{family}"]
+        self._needs(f"model-{family}")
+        s = self.sizes
         cache = str(self.work / f"cache-{family}")
         sampler = BusySampler.start() if self.gpu else None
         try:
-            result = run(EmbedJob(manifest=str(self.work / "manifest"), out=cache, family=family, model=folder,
-                                  device=self.device, batch_size=s.vae_batch, text_batch_size=s.text_batch,
-                                  vae_workers=1, torch_threads=1 if self.smoke else None))  # fmt: skip
+            result = run(self._embed_job(family, str(self.work / "manifest"), cache, self.device))
             ended = time.time()
         finally:
             samples = sampler.stop() if sampler else None
@@ -187,35 +235,53 @@ class Check:
         window = result.embedded / rate if rate else 0.0
         busy = BusySampler.mean(samples, ended - window, ended) if samples else None
         size = f"{s.bucket[0]}x{s.bucket[1]}"
-        rows = [Row("embed", f"{family} VAE {size} bf16: end to end (pipeline.embed, {s.images} JPEGs)",
-                    f"{rate:.1f} images/s", ">= 60 images/s per H100" if family == "sdxl" else "",
-                    values={"images_per_second": rate, "seconds": result.seconds}),
-                Row("embed", f"{family}: GPU busy over the image phase (NVML utilization.gpu, 100 ms samples)",
-                    "n/a (no GPU)" if busy is None else f"{busy:.0%}", ">= 90%", values={"busy": busy}),
-                Row("text", f"{family}: captions/s of pipeline.embed's text phase ({s.captions} captions; actor "
-                    "start and model load included)",
-                    f"{texts:.1f} captions/s", values={"captions_per_second": texts})]  # fmt: skip
-        return rows
+        return [Row("embed", f"{family} {size} bf16: bucketeer embed --executor local end to end ({s.images} JPEGs "
+                    f"{s.image[0]}x{s.image[1]}: read, decode and crop on threads, VAE, gzip, shards)",
+                    f"{rate:.1f} images/s; GPU busy {'n/a' if busy is None else f'{busy:.0%}'}",
+                    ">= 60 images/s, busy >= 90%" if self.gpu and family == "sdxl" else "",
+                    values={"images_per_second": rate, "busy": busy, "seconds": result.seconds}),
+                Row("embed", f"{family}: captions/s of that run's text phase ({result.new_captions} captions, model "
+                    "load included)", f"{texts:.1f} captions/s", values={"captions_per_second": texts})]  # fmt: skip
 
-    def alone(self, family: str) -> list[Row]:
-        s, folder = self.sizes, self.done[f"model-{family}"]
-        vae = vae_alone(folder, s.bucket, s.vae_batch, self.gpu, batches=2 if self.smoke else 12)
-        e2e = next((r.values.get("images_per_second") for r in self.rows
-                    if r.section == "embed" and r.measure.startswith(f"{family} VAE")), None)  # fmt: skip
-        ratio = f" (end to end = {e2e / vae:.2f}x)" if e2e else ""
-        encoders = "CLIP-L + CLIP-bigG (77 tokens)" if family == "sdxl" else "CLIP-L + T5-XXL (512 tokens)"
-        text = text_alone(family, folder, s.text_batch, self.gpu, batches=1 if self.smoke else 4)
-        return [Row("embed", f"{family} VAE alone (LatentEncoder.encode, batch {s.vae_batch}, synchronized)",
-                    f"{vae:.1f} images/s{ratio}", values={"images_per_second": vae}),
-                Row("text", f"{family}: {encoders} alone (TextEncoders.encode, batch {s.text_batch})",
-                    f"{text:.1f} captions/s", values={"captions_per_second": text})]  # fmt: skip
+    def records(self, family: str) -> list[Row]:
+        """The same images embedded on the GPU (bf16 compute) and on the CPU (fp32): every record's identity and
+        geometry equal, its latent and text within bf16 rounding (relative L2 error)."""
+        import numpy as np
 
-    def decode(self) -> list[Row]:
-        return decode_rows(self.work / "images", self.sizes.bucket, self.gpu, count=8 if self.smoke else 64)
+        from manifests.cache import CacheReader
+        from manifests.cache.records import to_float32
+        from pipeline import run
+
+        self._needs(f"model-{family}")
+        manifest = str(self.work / "manifest-records")
+        caches = {d: str(self.work / f"records-{family}-{d}") for d in (self.device, "cpu")}
+        if self.gpu:
+            run(self._embed_job(family, manifest, caches["cuda"], "cuda"))
+        run(self._embed_job(family, manifest, caches["cpu"], "cpu"))
+        readers = {d: CacheReader(url, {}) for d, url in caches.items()}
+        ids = readers["cpu"].sample_ids.tolist()
+        got = {d: {r.sample_id: r for r in reader.read(ids)} for d, reader in readers.items()}
+        latent_err = text_err = 0.0
+        for sid in ids:
+            a, b = got[self.device][sid], got["cpu"][sid]
+            same = (a.original_size, a.crop_top_left, a.target_size) == (b.original_size, b.crop_top_left,
+                                                                           b.target_size)  # fmt: skip
+            if not same:
+                raise RuntimeError(f"sample {sid}: GPU and CPU records differ in geometry")
+            latent_err = max(latent_err, _rel(to_float32(a.latent, a.dtype), to_float32(b.latent, b.dtype)))
+            for x, y in zip(_text_tensors(a.text), _text_tensors(b.text), strict=True):
+                text_err = max(text_err, _rel(x, y))
+        ok = latent_err < 5e-2 and text_err < 5e-2 and np.isfinite([latent_err, text_err]).all()
+        what = "GPU (bf16 compute)" if self.gpu else "CPU (--smoke: the same CPU path twice)"
+        return [Row("records", f"{family}: {len(ids)} records embedded on the {what} vs on the CPU (fp32), "
+                    f"{self.sizes.records[1][0]}px: largest relative L2 error (latent, text); geometry equal",
+                    f"{latent_err:.1e}, {text_err:.1e}", "< 5e-2 (bf16 rounding)", status="ok" if ok else "failed",
+                    values={"latent_rel_error": latent_err, "text_rel_error": text_err})]  # fmt: skip
 
     def loader(self, family: str) -> list[Row]:
         from pipeline import PlanJob, run
 
+        self._needs(f"cache-{family}")
         plan = str(self.work / f"plan-{family}")
         run(PlanJob(manifests=(str(self.work / "manifest"),), out=plan, world_size=1,
                     batch_size=self.sizes.train_batch[family], seed=0, epochs=1,
@@ -232,8 +298,10 @@ class Check:
             return [Row("train", what, "failed: no plan (the embed or loader section failed)", status="failed")]
         if not self.gpu and backend != "ddp":
             return [Row("train", what, "skipped: accelerate runs FSDP and DeepSpeed only on GPUs", status="skipped")]
-        if backend.startswith("zero") and self.gpu and not _imports("deepspeed"):
-            return [Row("train", what, "skipped: deepspeed is not installed (pip install deepspeed)", status="skipped")]
+        if backend.startswith("zero") and self.gpu:
+            why = self._deepspeed()
+            if why:
+                return [Row("train", what, f"skipped: {why}", status="skipped")]
         out = self.work / f"train-{family}-{backend}"
         shutil.rmtree(out, ignore_errors=True)
         config = self.work / f"train-{family}.yaml"
@@ -245,7 +313,7 @@ class Check:
                   "--max-steps", str(self.sizes.train_steps)]  # fmt: skip
         if self.gpu:
             cmd = [sys.executable, "-m", "accelerate.commands.launch", *BACKENDS[backend], "--num_processes", "1",
-                   "--num_machines", "1", "--main_process_port", "0", *worker]  # fmt: skip
+                   "--num_machines", "1", "--main_process_port", str(_free_port()), *worker]  # fmt: skip
         else:  # one process, no launcher: accelerate's CPU path (what python -m train does)
             cmd = [sys.executable, *worker]
         box = min(max(10.0, self.deadline - time.monotonic() - 10), 240)
@@ -262,21 +330,103 @@ class Check:
             raise
         found = [line for line in stdout.splitlines() if line.startswith(RESULT_MARK)]
         if proc.returncode != 0 or not found:
-            tail = [line for line in stderr.strip().splitlines() if line.strip()][-1:] or ["(no output)"]
-            return [Row("train", what, f"failed: exit {proc.returncode}: {tail[0][:300]}", status="failed")]
+            lines = [line for line in stderr.strip().splitlines() if line.strip()] or ["(no output)"]
+            # the last line is often the launcher's summary: the JSON keeps the rank's last 40 lines
+            return [Row("train", what, f"failed: exit {proc.returncode}: {lines[-1][:300]}", status="failed",
+                        values={"stderr_tail": lines[-40:]})]  # fmt: skip
         r = json.loads(found[-1][len(RESULT_MARK):])
-        result = (f"step {r['step_time_s'] * 1000:.0f} ms, data-wait {r['data_wait']:.1%}, "
-                  f"{r['samples_per_s']:.2f} samples/s, peak {r['peak_gb']:.1f} GB; {r['stop']}")  # fmt: skip
+        result = (f"step {r['step_time_s'] * 1000:.0f} ms, data-wait {r['data_wait']:.1%}, {r['samples_per_s']:.2f} "
+                  f"samples/s, peak {r['peak_gb']:.1f} GB; {r['distributed_type']}, {r['stop']}")  # fmt: skip
         return [Row("train", what, result, values=r)]
 
-    def annotate(self) -> list[Row]:
+    def _deepspeed(self) -> str | None:
+        """Why the ZeRO rows cannot run (None: deepspeed imports, built from the wheel folder's archive if needed)."""
+        if "deepspeed" not in self.done:
+            why = None
+            if not _imports("deepspeed"):
+                from benchmarks.gpu_env import build_sdist
+
+                why = "no --wheels folder to build deepspeed from" if not self.args.wheels else \
+                    build_sdist(Path(self.args.wheels), "deepspeed", _site(), timeout=120)  # fmt: skip
+            self.done["deepspeed"] = why
+        return self.done["deepspeed"]
+
+    def repa(self) -> list[Row]:
+        self._needs("dinov2")
+        return repa_rows(self.done["dinov2"], self.sizes.bucket, self.sizes.repa_batch, self.gpu, self.sizes.iters)
+
+    def wan(self) -> list[Row]:
+        self._needs("wan-vae")
+        return wan_rows(self.done["wan-vae"], self.sizes.wan_clip, self.gpu, 1)
+
+    def clip(self) -> list[Row]:
+        self._needs("clip-vision")
+        return clip_rows(self.done["clip-vision"], self.work / "images", self.gpu, self.sizes.clip_batch,
+                         self.sizes.iters)  # fmt: skip
+
+    def decode(self) -> list[Row]:
+        return decode_rows(self.work / "images", self.sizes.bucket, self.gpu, count=8 if self.smoke else 64)
+
+    def embed_ray(self, family: str) -> list[Row]:
+        """The Ray embed job on the same manifest, when Ray is there (the other rows need none)."""
+        what = f"{family}: bucketeer embed on Ray (Ray Data, VAE actor) end to end"
+        if not _imports("ray"):
+            return [Row("embed-ray", what, "skipped: needs ray (not installed here; the rows above need none)",
+                        status="skipped")]  # fmt: skip
+        from pipeline import EmbedJob, run
+
+        self._needs(f"model-{family}")
+        ray, started = _start_ray(self.smoke)
+        try:
+            result = run(EmbedJob(manifest=str(self.work / "manifest"), out=str(self.work / f"cache-ray-{family}"),
+                                  family=family, model=self.done[f"model-{family}"], device=self.device,
+                                  batch_size=max(self.sizes.vae_batches), vae_workers=1,
+                                  torch_threads=1 if self.smoke else None))  # fmt: skip
+        finally:
+            if started:
+                ray.shutdown()
+        return [Row("embed-ray", what, f"{result.images_per_second or 0:.1f} images/s",
+                    values={"images_per_second": result.images_per_second})]  # fmt: skip
+
+    def annotate_vllm(self) -> list[Row]:
         return annotate_rows(self.work, self.gpu, images=8 if self.smoke else 256)
+
+
+def _free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for the launcher's rendezvous (one trainer run at a time)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _text_tensors(text) -> list:
+    """A text record's tensors as float32: every part's tokens, then the pooled vector (if any)."""
+    from manifests.cache.records import to_float32
+
+    return [to_float32(t, text.dtype) for t in (*text.tokens, *(() if text.pooled is None else (text.pooled,)))]
+
+
+def _rel(a, b) -> float:
+    import numpy as np
+
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _size(folder: Path) -> str:
+    gb = sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file()) / 1e9
+    return f"{gb:.2f} GB" if gb >= 0.1 else f"{gb * 1000:.1f} MB"
 
 
 def _imports(name: str) -> bool:
     import importlib.util
 
-    return importlib.util.find_spec(name) is not None
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _md_row(r: Row) -> str:
@@ -292,28 +442,35 @@ def run_check(args: argparse.Namespace) -> int:
     """Every section in order; the table printed and written. Returns 1 when any row failed, else 0."""
     import torch
 
+    from pipeline.embed.encoders import quiet_loading
+
+    quiet_loading()  # the libraries' load bars and truncation notices would bury the table
+    if args.rehearsal:
+        present = [m for m in ("ray", "vllm") if _imports(m)]
+        if present:
+            raise SystemExit(f"gpu-check --rehearsal: {', '.join(present)} is installed here; the rehearsal is of a "
+                             "machine without them (make gpu-rehearsal builds such a venv)")  # fmt: skip
     check = Check(args)
     started = time.perf_counter()
     machine = torch.cuda.get_device_name(0) if check.gpu else f"CPU (--smoke), {os.cpu_count()} cores"
-    print(f"gpu-check on {machine}, torch {torch.__version__}; work folder {check.work}", flush=True)
+    print(f"gpu-check on {machine}, torch {torch.__version__}; budget {args.budget:g} s; work folder {check.work}",
+          flush=True)  # fmt: skip
+    print(f"versions: {_versions()}", flush=True)
     try:
-        for family in check.families:
-            check.section("setup", lambda f=family: check.prepare(f), 180)
-        ray, started_ray = _start_ray(check.smoke)
-        for family in check.families:
-            check.section("embed", lambda f=family: check.embed(f))
-        if started_ray:
-            ray.shutdown()  # its workers' memory back before the trainer runs
-        for family in check.families:
-            check.section("alone", lambda f=family: check.alone(f))
-            _free_gpu()
-        check.section("decode", check.decode, 60)
-        for family in check.families:
-            check.section("loader", lambda f=family: check.loader(f), 90)
-        for backend in check.backends:  # every backend once before the next: the budget cuts the last ones
-            for family in check.families:
-                check.section("train", lambda f=family, b=backend: check.train(f, b), 300)
-        check.section("annotate", check.annotate, 120)
+        first, *others = check.families
+        for family in (first,):
+            _family_sections(check, family)
+        check.section("setup", check.prepare_vision, 90)
+        check.section("repa", check.repa, 45)
+        check.section("wan", check.wan, 120)
+        check.section("annotate", check.clip, 60)
+        check.section("decode", check.decode, 45)
+        for family in others:
+            _family_sections(check, family)
+        for backend in [b for b in check.backends if b.startswith("zero")]:
+            check.section("train", lambda b=backend: check.train(first, b), 240)
+        check.section("embed-ray", lambda: check.embed_ray(first), 120)
+        check.section("annotate", check.annotate_vllm, 120)
     finally:
         if not args.keep and not args.work_dir:
             shutil.rmtree(check.work, ignore_errors=True)
@@ -324,14 +481,47 @@ def run_check(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu-check.md").write_text(table)
     (out / "gpu-check.json").write_text(json.dumps({"machine": machine, "torch": torch.__version__,
-                                                    "smoke": args.smoke, "seconds": round(seconds, 1),
+                                                    "versions": _versions(), "smoke": args.smoke,
+                                                    "budget": args.budget, "seconds": round(seconds, 1),
                                                     "rows": [asdict(r) for r in check.rows]}, indent=1))  # fmt: skip
     print("\n" + table + f"written to {out}/gpu-check.md and gpu-check.json", flush=True)
-    return 1 if any(r.status == "failed" for r in check.rows) else 0
+    failed = [r for r in check.rows if r.status == "failed"]
+    if args.rehearsal:
+        skipped = [f"{r.section}: {r.result}" for r in check.rows if r.status == "skipped"]
+        filled = len(check.rows) - len(skipped) - len(failed)
+        print(f"gpu-check --rehearsal: {filled} rows filled, {len(failed)} failed, {len(skipped)} skipped in "
+              f"{seconds:.0f} s:\n  " + "\n  ".join(skipped), flush=True)  # fmt: skip
+    return 1 if failed else 0
+
+
+def _family_sections(check: Check, family: str) -> None:
+    """One family's sections, in order: what the later ones need first."""
+    check.section("setup", lambda: check.prepare(family), 180)
+    check.section("vae", lambda: check.vae(family), 90)
+    check.section("text", lambda: check.text(family), 120)
+    check.section("embed", lambda: check.embed(family), 150)
+    if family == check.families[0]:
+        check.section("records", lambda: check.records(family), 120)
+    check.section("loader", lambda: check.loader(family), 60)
+    for backend in [b for b in check.backends if not b.startswith("zero")]:
+        check.section("train", lambda b=backend: check.train(family, b), 240)
+
+
+def _versions() -> dict[str, str]:
+    """The versions of what the check ran with (the GPU machine's own packages and the wheel folder's)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in ("torch", "diffusers", "transformers", "accelerate", "numpy", "pyarrow", "deepspeed", "ray", "vllm"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "-"
+    return out
 
 
 def _start_ray(smoke: bool):
-    """The Ray the embed sections use: a local one with every CPU and GPU; 2 CPUs for --smoke (and tests).
+    """The Ray the embed-ray section uses: a local one with every CPU and GPU; 2 CPUs for --smoke (and tests).
     Returns ``(ray, started here)``; one already running (a test session's) is reused."""
     from pipeline.ray_setup import init_ray, loopback_only
 
@@ -354,6 +544,24 @@ def _free_gpu() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def _site() -> Path:
+    return SITE / f"py{sys.version_info.major}{sys.version_info.minor}"
+
+
+def use_wheels(folder: str) -> None:
+    """Install the wheel folder's packages that this Python lacks into ``.gpu-site/`` and put it first on the
+    path, for this process and its children (``PYTHONPATH``). Prints what it did in one line."""
+    from benchmarks.gpu_env import install
+
+    site = _site()
+    t0 = time.perf_counter()
+    left_out = install(Path(folder), site)
+    sys.path.insert(0, str(site))
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    note = f"; not for this Python: {', '.join(left_out)}" if left_out else ""
+    print(f"gpu-check: wheels of {folder} in {site} ({time.perf_counter() - t0:.1f} s){note}", flush=True)
 
 
 def train_worker(args: argparse.Namespace) -> None:
@@ -392,8 +600,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out-dir", default=None, help="where gpu-check.md/.json go (default $OUT or benchmarks/results)")
     p.add_argument("--work-dir", default=None, help="models, data, caches (default: a temp folder, removed at the end)")
     p.add_argument("--keep", action="store_true", help="keep the temp work folder")
-    p.add_argument("--budget", type=float, default=570.0,
-                   help="seconds for the whole check (10 minutes with start-up and output); late sections skip")
+    p.add_argument("--budget", type=float, default=470.0,
+                   help="seconds for the whole check (under 8 minutes with start-up and output); late sections skip")
+    p.add_argument("--rehearsal", action="store_true",
+                   help="with --smoke: refuse to run where Ray or vLLM is installed; a summary of what was filled")
+    p.add_argument("--wheels", default=None, metavar="DIR",
+                   help="a wheel folder (make gpu-wheels) to install what this python3 lacks from, offline")
     w = p.add_argument_group("internal: one trainer rank")
     w.add_argument("--train-worker", action="store_true", help=argparse.SUPPRESS)
     for name in ("--plan", "--cache", "--config", "--output-dir"):
@@ -409,6 +621,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.wheels and not args.train_worker:  # a trainer rank finds them on PYTHONPATH
+        use_wheels(args.wheels)
     if args.train_worker:
         train_worker(args)
     import torch

@@ -12,11 +12,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["Row", "BusySampler", "vae_alone", "text_alone", "decode_rows", "loader_rate", "annotate_rows"]
+__all__ = ["Row", "BusySampler", "vae_sweep", "text_vs_pipeline", "decode_rows", "loader_rate", "repa_rows",
+           "wan_rows", "clip_rows", "annotate_rows"]
 
 
 @dataclass
@@ -101,37 +102,121 @@ class BusySampler:
         return sum(inside) / len(inside) / 100.0 if inside else None
 
 
-def vae_alone(folder: str, bucket: tuple[int, int], batch: int, gpu: bool, batches: int) -> float:
-    """Images/s of the family's VAE alone: ``LatentEncoder.encode`` (uint8 -> bf16 posterior mean on the
-    device, as the embed actor calls it) on one pre-decoded random batch, after one warm-up batch."""
+def _timed(fn: Callable[[], Any], gpu: bool, iters: int) -> float:
+    """Seconds per call of ``fn`` after one warm-up call, the device synchronized before each clock read."""
+    fn()
+    _sync(gpu)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    _sync(gpu)
+    return (time.perf_counter() - t0) / iters
+
+
+def _free() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def vae_sweep(family: str, folder: str, bucket: tuple[int, int], batches: tuple[int, ...], gpu: bool,
+              images_per_size: int) -> list[Row]:  # fmt: skip
+    """Images/s of the family's VAE at each batch size: bucketeer's ``LatentEncoder.encode`` (uint8 host pixels
+    -> the fp32 posterior mean on the device, as the embed worker calls it) against diffusers' ``vae.encode``
+    alone (bf16 pixels already on the device, the posterior mean left there); the GPU's busy fraction (NVML)
+    over bucketeer's calls. About ``images_per_size`` images per timing (one warm-up call before)."""
+    import torch
+    from diffusers import AutoencoderKL
+
     from pipeline.embed.encoders import EncoderSource, LatentSpec
 
-    encoder = LatentSpec(EncoderSource(folder, "vae")).load(use_gpu=gpu, dtype="BF16")
-    pixels = np.random.default_rng(0).integers(0, 255, (batch, bucket[1], bucket[0], 3), dtype=np.uint8)
-    encoder.encode(pixels)
-    _sync(gpu)
-    t0 = time.perf_counter()
-    for _ in range(batches):
-        encoder.encode(pixels)
-    _sync(gpu)
-    return batches * batch / (time.perf_counter() - t0)
+    ours = LatentSpec(EncoderSource(folder, "vae")).load(use_gpu=gpu, dtype="BF16")
+    device, dtype = ours.device, ours.compute_dtype
+    alone = AutoencoderKL.from_pretrained(folder, subfolder="vae", torch_dtype=dtype).to(device).eval()
+    rng = np.random.default_rng(0)
+    rows = []
+    w, h = bucket
+    for b in batches:
+        pixels = rng.integers(0, 255, (b, h, w, 3), dtype=np.uint8)
+        x = torch.from_numpy(pixels).to(device).permute(0, 3, 1, 2).float().div(127.5).sub(1).to(dtype)
+        iters = max(1, images_per_size // b)
+        with torch.inference_mode():
+            t_alone = _timed(lambda: alone.encode(x).latent_dist.mean, gpu, iters)
+        sampler = BusySampler.start() if gpu else None
+        started = time.time()
+        try:
+            t_ours = _timed(lambda: ours.encode(pixels), gpu, iters)
+        finally:
+            samples = sampler.stop() if sampler else None
+        busy = BusySampler.mean(samples, started, time.time()) if samples else None
+        rate, ceiling = b / t_ours, b / t_alone
+        rows.append(Row("vae", f"{family} VAE {w}x{h} {_dtype_name(dtype)}, batch {b}: LatentEncoder.encode (host "
+                        "uint8 in) vs diffusers vae.encode alone (bf16 input on the device)",
+                        f"{rate:.1f} vs {ceiling:.1f} images/s ({rate / ceiling:.2f}x); GPU busy "
+                        f"{'n/a' if busy is None else f'{busy:.0%}'}",
+                        ">= 0.9x alone, busy >= 90%" if gpu else "",
+                        values={"batch": b, "images_per_second": rate, "alone": ceiling, "busy": busy}))  # fmt: skip
+    return rows  # the caller frees the device memory (gpu_check: after each section)
 
 
-def text_alone(family: str, folder: str, batch: int, gpu: bool, batches: int) -> float:
-    """Captions/s of the family's text encoders alone: ``TextEncoders.encode`` (tokenize, forward, copy
-    to the host: what the embed text actor calls) on batches of distinct captions, after a warm-up."""
-    from pipeline.embed.encoders import EncoderSource, TextSpec
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "").replace("bfloat16", "bf16").replace("float32", "fp32")
 
-    spec = TextSpec(family, (EncoderSource(folder, "text_encoder"), EncoderSource(folder, "text_encoder_2")),
-                    EncoderSource(folder))  # fmt: skip
-    encoder = spec.load(use_gpu=gpu, dtype="BF16")
+
+def text_vs_pipeline(family: str, folder: str, batch: int, gpu: bool, iters: int) -> list[Row]:
+    """Captions/s of bucketeer's ``TextEncoders.encode`` (tokenize, forward, copy to the host: what the embed
+    text worker calls) against the family's diffusers pipeline's ``encode_prompt`` (its outputs left on the
+    device), on the same batch of distinct ~40-word captions, both in the same compute dtype; and how far the
+    cache's joined embeddings (``TextLayout.prompt_embeds`` of the bf16 records) are from ``encode_prompt``'s
+    rounded to bf16 (relative L2 error: 0 when the records are exactly what the pipeline computes)."""
+    import torch
+    from diffusers import DiffusionPipeline
+
+    from manifests.cache import TextLayout
+    from manifests.cache.records import TextRecord
+    from pipeline.embed.encoders import encoder_specs, to_storage
+
+    _, spec = encoder_specs(family=family, model=folder, vae=None, vae_subfolder=None, text_encoders=None,
+                            text_subfolders=None)  # fmt: skip
+    ours = spec.load(use_gpu=gpu, dtype="BF16")
+    device, dtype = ours.device, ours.compute_dtype
+    skip = {"vae": None, "unet": None} if family == "sdxl" else {"vae": None, "transformer": None}
+    pipe = DiffusionPipeline.from_pretrained(folder, torch_dtype=dtype, **skip).to(device)
     words = "a photo of a red cat on a blue chair near the window in soft morning light".split()
     captions = [" ".join(words[(i + k) % len(words)] for k in range(40)) + f" {i}" for i in range(batch)]
-    encoder.encode(captions)  # returns host tensors: the device is synchronized
-    t0 = time.perf_counter()
-    for _ in range(batches):
-        encoder.encode(captions)
-    return batches * batch / (time.perf_counter() - t0)
+
+    def prompt():
+        with torch.inference_mode():
+            if family == "sdxl":
+                embeds, _, pooled, _ = pipe.encode_prompt(captions, device=device, do_classifier_free_guidance=False)
+            else:
+                embeds, pooled, _ = pipe.encode_prompt(captions, prompt_2=None, device=device)
+        return embeds, pooled
+
+    t_ours = _timed(lambda: ours.encode(captions), gpu, iters)
+    t_pipe = _timed(prompt, gpu, iters)
+    encoded = ours.encode(captions)
+    records = [TextRecord(i, tuple(to_storage(t, "BF16") for t in tokens), to_storage(p, "BF16"), "BF16")
+               for i, (tokens, p) in enumerate(encoded)]  # fmt: skip
+    layout = TextLayout.from_json(ours.describe()["layout"])
+    joined, _, pooled = layout.prompt_embeds(records)
+    ref, ref_pooled = (t.to(torch.bfloat16).float().cpu().numpy() for t in prompt())
+    err = float(np.linalg.norm(joined - ref) / max(np.linalg.norm(ref), 1e-30))
+    err_pooled = float(np.linalg.norm(pooled - ref_pooled) / max(np.linalg.norm(ref_pooled), 1e-30))
+    names = "CLIP-L + CLIP-bigG (77 tokens)" if family == "sdxl" else "CLIP-L + T5-XXL (512 tokens)"
+    rate, ceiling = batch / t_ours, batch / t_pipe
+    return [Row("text", f"{family} {names} {_dtype_name(dtype)}, batch {batch}: TextEncoders.encode vs the "
+                "pipeline's encode_prompt", f"{rate:.1f} vs {ceiling:.1f} captions/s ({rate / ceiling:.2f}x)",
+                ">= 0.9x encode_prompt" if gpu else "",
+                values={"captions_per_second": rate, "encode_prompt": ceiling}),
+            Row("text", f"{family}: the cache's joined bf16 text records vs encode_prompt's output in bf16 "
+                "(relative L2 error: embeds, pooled)", f"{err:.1e}, {err_pooled:.1e}", "0 (the same numbers)",
+                status="ok" if err < 1e-2 and err_pooled < 1e-2 else "failed",
+                values={"rel_error": err, "rel_error_pooled": err_pooled})]  # fmt: skip
 
 
 def decode_rows(images: Path, bucket: tuple[int, int], gpu: bool, count: int) -> list[Row]:
@@ -205,6 +290,85 @@ def loader_rate(plan: str, cache: str, device: str, batches: int) -> float:
     if t0 is None or not samples:
         raise RuntimeError(f"the plan has too few steps to measure the loader ({batches + 2} needed)")
     return samples / (time.perf_counter() - t0)
+
+
+def repa_rows(folder: str, size: tuple[int, int], batch: int, gpu: bool, iters: int) -> list[Row]:
+    """Images/s of REPA's DINOv2 features: bucketeer's ``FeatureEncoder.encode`` (uint8 host crops -> resized,
+    normalised, patch tokens back on the host: what ``embed --features dinov2`` runs beside the VAE) against
+    the model alone on inputs already resized and normalised on the device."""
+    import torch
+
+    from pipeline.embed.features import FeatureSpec, preprocess
+
+    ours = FeatureSpec("dinov2", folder).load(use_gpu=gpu, dtype="BF16")
+    w, h = size
+    pixels = np.random.default_rng(0).integers(0, 255, (batch, h, w, 3), dtype=np.uint8)
+    x = preprocess(torch.from_numpy(pixels).to(ours.device), ours.input_size, ours.mean, ours.std)
+    x = x.to(ours.compute_dtype)
+    with torch.inference_mode():
+        t_alone = _timed(lambda: ours.model(pixel_values=x).last_hidden_state, gpu, iters)
+    t_ours = _timed(lambda: ours.encode(pixels), gpu, iters)
+    grid, dim = ours.grid, int(ours.model.config.hidden_size)
+    rate, ceiling = batch / t_ours, batch / t_alone
+    return [Row("repa", f"DINOv2 ({dim} wide, {grid[0]}x{grid[1]} patches) features of {w}x{h} crops, batch "
+                f"{batch}: FeatureEncoder.encode vs the model alone", f"{rate:.1f} vs {ceiling:.1f} images/s "
+                f"({rate / ceiling:.2f}x)", values={"images_per_second": rate, "alone": ceiling})]  # fmt: skip
+
+
+def wan_rows(folder: str, clip: tuple[int, int, int], gpu: bool, iters: int) -> list[Row]:
+    """Clips/s of the Wan 2.1 VAE on ``clip`` = (frames, height, width): bucketeer's ``LatentEncoder.encode``
+    (uint8 host clip -> latents on the host, as embed's clip path calls it) against diffusers'
+    ``AutoencoderKLWan.encode`` alone on a bf16 clip on the device; the peak device memory of one encode."""
+    import torch
+    from diffusers import AutoencoderKLWan
+
+    from pipeline.embed.encoders import EncoderSource, LatentSpec
+
+    ours = LatentSpec(EncoderSource(folder)).load(use_gpu=gpu, dtype="BF16")
+    device, dtype = ours.device, ours.compute_dtype
+    alone = AutoencoderKLWan.from_pretrained(folder, torch_dtype=dtype).to(device).eval()
+    f, h, w = clip
+    pixels = np.random.default_rng(0).integers(0, 255, (1, f, h, w, 3), dtype=np.uint8)
+    x = torch.from_numpy(pixels).to(device).permute(0, 4, 1, 2, 3).float().div(127.5).sub(1).to(dtype)
+    with torch.inference_mode():
+        t_alone = _timed(lambda: alone.encode(x).latent_dist.mean, gpu, iters)
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
+    t_ours = _timed(lambda: ours.encode(pixels), gpu, iters)
+    peak = torch.cuda.max_memory_allocated() / 1e9 if gpu else 0.0
+    return [Row("wan", f"Wan 2.1 VAE {w}x{h}x{f} {_dtype_name(dtype)}, one clip: LatentEncoder.encode vs "
+                "AutoencoderKLWan.encode alone", f"{1 / t_ours:.3f} vs {1 / t_alone:.3f} clips/s "
+                f"({t_alone / t_ours:.2f}x), {t_ours:.2f} s a clip; peak {peak:.1f} GB",
+                values={"clips_per_second": 1 / t_ours, "alone": 1 / t_alone, "peak_gb": peak})]  # fmt: skip
+
+
+def clip_rows(folder: str, images: Path, gpu: bool, batch: int, iters: int) -> list[Row]:
+    """Images/s of annotate's CLIP embedding (``ImageEmbedder``: the model's image processor on the CPU, then
+    the vision tower and projection) on ``batch`` of the dataset's JPEGs, decoded and downscaled beforehand
+    as annotate does (long side 768), against the vision tower alone on processed pixels on the device."""
+    import torch
+    from PIL import Image
+
+    from pipeline.annotate.vision import ImageEmbedder, VisionSpec
+
+    ours = ImageEmbedder(VisionSpec(model=folder), device="cuda" if gpu else "cpu")
+    files = sorted(images.glob("*.jpg"))[:batch]
+    pictures = []
+    for f in files:
+        im = Image.open(f).convert("RGB")
+        im.thumbnail((768, 768))
+        pictures.append(im)
+    pictures = (pictures * (batch // len(pictures) + 1))[:batch]
+    x = ours.processor(images=pictures, return_tensors="pt")["pixel_values"].to(ours.device, ours.model.dtype)
+    with torch.inference_mode():
+        t_alone = _timed(lambda: ours.model(pixel_values=x).image_embeds, gpu, iters)
+    t_ours = _timed(lambda: ours(pictures), gpu, iters)
+    cfg = ours.model.config
+    rate, ceiling = batch / t_ours, batch / t_alone
+    return [Row("annotate", f"CLIP vision ({cfg.hidden_size} wide x {cfg.num_hidden_layers}, patch {cfg.patch_size},"
+                f" {cfg.image_size} px) embedding, batch {batch}: ImageEmbedder (processor on 1 CPU thread) vs the "
+                "tower alone", f"{rate:.1f} vs {ceiling:.1f} images/s ({rate / ceiling:.2f}x)",
+                values={"images_per_second": rate, "alone": ceiling})]  # fmt: skip
 
 
 def annotate_rows(work: Path, gpu: bool, images: int = 256) -> list[Row]:

@@ -31,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["REAL", "TINY", "build_folder", "make_jpegs", "write_jpeg_manifest", "FLUX_BLOCKS"]
+__all__ = ["REAL", "TINY", "VISION", "build_folder", "build_vision", "make_jpegs", "write_jpeg_manifest",
+           "FLUX_BLOCKS"]  # fmt: skip
 
 FLUX_BLOCKS = (4, 8)  # double-stream, single-stream blocks of the Flux-width transformer (real: 19, 38)
 
@@ -91,6 +92,59 @@ TINY: dict[str, dict[str, dict[str, Any]]] = {
              "scheduler": _FLUX_SCHEDULER},
 }  # fmt: skip
 _PIPELINES = {"sdxl": "StableDiffusionXLPipeline", "flux": "FluxPipeline"}
+
+# the other models the check measures, (real, tiny): facebook/dinov2-base (REPA features, 224 crop as its
+# processor), openai/clip-vit-large-patch14's vision tower (annotate's embedding), Wan 2.1's VAE (diffusers'
+# AutoencoderKLWan defaults are Wan2.1-T2V's vae/config.json)
+_DINOV2_BASE = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072,
+                "patch_size": 14, "image_size": 518, "crop": 224}
+_CLIP_L14 = {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24, "num_attention_heads": 16,
+             "patch_size": 14, "image_size": 224, "projection_dim": 768}
+VISION: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "dinov2": (_DINOV2_BASE, {**_DINOV2_BASE, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+                              "intermediate_size": 64, "patch_size": 8, "image_size": 64, "crop": 32}),
+    "clip-vision": (_CLIP_L14, {**_CLIP_L14, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                                "num_attention_heads": 2, "patch_size": 8, "image_size": 32, "projection_dim": 32}),
+    "wan-vae": ({"base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2,
+                 "temperal_downsample": [False, True, True]},
+                {"base_dim": 8, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 1,
+                 "temperal_downsample": [False, True, True]}),
+}  # fmt: skip
+
+
+def build_vision(kind: str, folder: str | os.PathLike, config: dict[str, Any], *, device: str = "cpu") -> Path:
+    """A random-weight ``kind`` (a key of :data:`VISION`) saved with ``save_pretrained`` in bf16, as its loader
+    reads it: ``dinov2`` (``Dinov2Model`` + ``BitImageProcessor``), ``clip-vision``
+    (``CLIPVisionModelWithProjection`` + ``CLIPImageProcessor``), ``wan-vae`` (``AutoencoderKLWan``). A folder
+    already complete is kept."""
+    import torch
+
+    target = Path(folder)
+    if (target / "config.json").exists():
+        return target
+    torch.manual_seed(0)
+    config = dict(config)
+    with torch.device(device):
+        if kind == "dinov2":
+            from transformers import BitImageProcessor, Dinov2Config, Dinov2Model
+
+            crop = config.pop("crop")
+            model = Dinov2Model(Dinov2Config(**config))
+            BitImageProcessor(size={"shortest_edge": crop}, crop_size={"height": crop, "width": crop},
+                              image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225]).save_pretrained(target)
+        elif kind == "clip-vision":
+            from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
+
+            model = CLIPVisionModelWithProjection(CLIPVisionConfig(**config))
+            size = config["image_size"]
+            CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size}
+                               ).save_pretrained(target)  # fmt: skip
+        else:
+            from diffusers import AutoencoderKLWan
+
+            model = AutoencoderKLWan(**config)
+    model.to(torch.bfloat16).save_pretrained(target)
+    return target
 
 
 def _clip(config: dict[str, Any], tokenizer, projection: bool):
@@ -153,8 +207,30 @@ def build_folder(family: str, folder: str | os.PathLike, configs: dict[str, dict
         del model
         if device == "cuda":
             torch.cuda.empty_cache()
-    (target / "model_index.json").write_text(json.dumps({"_class_name": _PIPELINES[family]}) + "\n")
+    (target / "model_index.json").write_text(json.dumps(_model_index(family, configs, tokenizers), indent=1) + "\n")
     return target
+
+
+def _model_index(family: str, configs: dict[str, Any], tokenizers: dict[str, Any]) -> dict[str, Any]:
+    """The pipeline's ``model_index.json`` as ``save_pretrained`` writes it: each component's library and class
+    (``DiffusionPipeline.from_pretrained`` reads them; a component passed as ``None`` is not loaded)."""
+    import diffusers
+
+    classes = {"vae": ("diffusers", "AutoencoderKL"), "text_encoder": ("transformers", "CLIPTextModel"),
+               "text_encoder_2": ("transformers", "CLIPTextModelWithProjection" if family == "sdxl"
+                                  else "T5EncoderModel"),
+               "unet": ("diffusers", "UNet2DConditionModel"),
+               "transformer": ("diffusers", "FluxTransformer2DModel"),
+               "scheduler": ("diffusers", "EulerDiscreteScheduler" if family == "sdxl"
+                             else "FlowMatchEulerDiscreteScheduler")}  # fmt: skip
+    index: dict[str, Any] = {"_class_name": _PIPELINES[family], "_diffusers_version": diffusers.__version__}
+    for part in configs:
+        index[part] = list(classes[part])
+    for name, tok in tokenizers.items():
+        index[name] = ["transformers", type(tok).__name__]
+    if family == "sdxl":
+        index["force_zeros_for_empty_prompt"] = True
+    return index
 
 
 def make_jpegs(root: str | os.PathLike, n: int, size: tuple[int, int], distinct: int = 16) -> list[str]:

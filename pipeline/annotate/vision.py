@@ -184,15 +184,16 @@ def describe_vision(spec: VisionSpec) -> dict:
     """Check the embedder and heads without loading the embedder's weights: its config is a CLIP vision config,
     its processor loads, each head's input width is the embedder's D. ``{"dim", "class", "weight_sha256",
     "heads": {task: sha256}}``; UsageError in one line for what cannot be used."""
-    from transformers import AutoImageProcessor, CLIPVisionConfig
+    from transformers import CLIPVisionConfig
 
     from pipeline.annotate.engines import weight_files_sha256
+    from pipeline.embed.encoders import load_image_processor
 
     _quiet()
     try:
         path = spec.model_path()
         config = CLIPVisionConfig.from_pretrained(path)
-        AutoImageProcessor.from_pretrained(path)
+        load_image_processor(path)
         digest = weight_files_sha256(path)
     except (OSError, ValueError, KeyError, ImportError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -215,12 +216,14 @@ class ImageEmbedder:
 
     def __init__(self, spec: VisionSpec, device: str = "cpu"):
         import torch
-        from transformers import AutoImageProcessor, CLIPVisionModelWithProjection
+        from transformers import CLIPVisionModelWithProjection
+
+        from pipeline.embed.encoders import load_image_processor
 
         _quiet()
         self.device = "cuda" if device == "cuda" and torch.cuda.is_available() else "cpu"
         path = spec.model_path()
-        self.processor = AutoImageProcessor.from_pretrained(path)
+        self.processor = load_image_processor(path)
         dtype = torch.float16 if self.device == "cuda" else torch.float32
         self.model = CLIPVisionModelWithProjection.from_pretrained(path, dtype=dtype).to(self.device).eval()
         self.dim = int(self.model.config.projection_dim)

@@ -110,7 +110,7 @@ class FeatureEncoder:
         import torch
         from transformers import AutoModel
 
-        from pipeline.embed.encoders import weights_sha256
+        from pipeline.embed.encoders import load_image_processor, weights_sha256
 
         self.spec, path = spec, spec.path()
         try:
@@ -123,9 +123,7 @@ class FeatureEncoder:
         self.weights = weights_sha256(self.model)
         self.mean, self.std, self.input_size = IMAGENET_MEAN, IMAGENET_STD, _pair(config.image_size)
         try:
-            from transformers import AutoImageProcessor
-
-            processor = AutoImageProcessor.from_pretrained(path)
+            processor = load_image_processor(path)
             self.mean, self.std = tuple(map(float, processor.image_mean)), tuple(map(float, processor.image_std))
             self.input_size = _pair(getattr(processor, "crop_size", None) or processor.size)
         except (OSError, ValueError):  # no preprocessor_config.json: ImageNet statistics at the config's image_size
