@@ -1,7 +1,7 @@
 """Every GPU measure the project names, on random weights of the real architectures at real sizes: one table.
 
     make gpu-check                                   # on a GPU machine: prints, then runs, the python3 command below
-    python3 benchmarks/gpu_check.py --wheels .gpu-wheels [--budget 470] [--families sdxl,flux] [--backends ...]
+    python3 benchmarks/gpu_check.py --wheels .gpu-wheels [--budget 440] [--families sdxl,flux] [--backends ...]
     python3 benchmarks/gpu_check.py --smoke          # every section's code on the CPU, tiny models, in a minute
     make gpu-rehearsal                               # --smoke in a venv holding only what the GPU machine has
 
@@ -61,6 +61,7 @@ from benchmarks.gpu_measures import (BusySampler, Row, annotate_rows, clip_rows,
                                      repa_rows, text_vs_pipeline, vae_sweep, wan_rows)
 
 RESULT_MARK = "GPU_CHECK_RESULT "
+ERROR_MARK = "GPU_CHECK_ERROR "  # a trainer rank's exception, on its stdout
 FAMILIES = ("sdxl", "flux")
 BACKENDS: dict[str, list[str]] = {  # accelerate launch flags, 1 process
     "ddp": ["--config_file", "infra/accelerate/ddp-1x8.yaml"],
@@ -127,11 +128,17 @@ class Check:
         self.backends = [b for b in args.backends.split(",") if b]
         self.work = Path(args.work_dir or tempfile.mkdtemp(prefix="gpu-check-"))
         self.deadline = time.monotonic() + args.budget
+        self.out_dir = Path(args.out_dir or os.environ.get("OUT") or ROOT / "benchmarks" / "results")
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.sections = {x for x in args.sections.split(",") if x}
         self.rows: list[Row] = []
         self.done: dict[str, Any] = {}  # what later sections need: folders, manifests, caches, plans
 
     def section(self, name: str, fn: Callable[[], list[Row]], seconds: int | None = None) -> None:
-        """Run ``fn`` time-boxed (``seconds``, at most the time left); its rows, or one failed row with its error."""
+        """Run ``fn`` time-boxed (``seconds``, at most the time left); its rows, or one failed row with its error.
+        A section ``--sections`` leaves out is not run (and has no row)."""
+        if self.sections and name not in self.sections:
+            return
         left = self.deadline - time.monotonic()
         if left <= 5:
             self._add([Row(name, "-", f"skipped: the {self.args.budget:g} s budget is spent", status="skipped")])
@@ -234,12 +241,16 @@ class Check:
         rate, texts = result.images_per_second or 0.0, result.texts_per_second or 0.0
         window = result.embedded / rate if rate else 0.0
         busy = BusySampler.mean(samples, ended - window, ended) if samples else None
-        size = f"{s.bucket[0]}x{s.bucket[1]}"
+        size, batch = f"{s.bucket[0]}x{s.bucket[1]}", max(s.vae_batches)
+        alone = next((r.values["alone"] for r in self.rows if r.section == "vae" and r.measure.startswith(family)
+                      and r.values.get("batch") == batch), None)  # the VAE alone at embed's batch size  # fmt: skip
+        ratio = f" ({rate / alone:.2f}x the VAE alone at batch {batch})" if alone else ""
         return [Row("embed", f"{family} {size} bf16: bucketeer embed --executor local end to end ({s.images} JPEGs "
                     f"{s.image[0]}x{s.image[1]}: read, decode and crop on threads, VAE, gzip, shards)",
-                    f"{rate:.1f} images/s; GPU busy {'n/a' if busy is None else f'{busy:.0%}'}",
-                    ">= 60 images/s, busy >= 90%" if self.gpu and family == "sdxl" else "",
-                    values={"images_per_second": rate, "busy": busy, "seconds": result.seconds}),
+                    f"{rate:.1f} images/s{ratio}; GPU busy {'n/a' if busy is None else f'{busy:.0%}'}",
+                    ">= 0.9x the VAE alone, busy >= 90%" if self.gpu else "",
+                    values={"images_per_second": rate, "vae_alone": alone, "busy": busy,
+                            "seconds": result.seconds}),
                 Row("embed", f"{family}: captions/s of that run's text phase ({result.new_captions} captions, model "
                     "load included)", f"{texts:.1f} captions/s", values={"captions_per_second": texts})]  # fmt: skip
 
@@ -316,28 +327,54 @@ class Check:
                    "--num_machines", "1", "--main_process_port", str(_free_port()), *worker]  # fmt: skip
         else:  # one process, no launcher: accelerate's CPU path (what python -m train does)
             cmd = [sys.executable, *worker]
+        code, stdout, stderr = self._launch(cmd, {})
+        if code is None:
+            return [Row("train", what, f"failed: over its time box ({stderr})", status="failed")]
+        found = [line for line in stdout.splitlines() if line.startswith(RESULT_MARK)]
+        if code != 0 or not found:
+            row = self._train_failed(what, f"{family}-{backend}", code, stdout, stderr)
+            if "CUDA error" in row.result and self.deadline - time.monotonic() > 120:
+                # kernels run asynchronously: the failing call named is often not the failing kernel; once more,
+                # synchronously, to name it (its output is appended to the log too)
+                code, stdout, stderr = self._launch(cmd, {"CUDA_LAUNCH_BLOCKING": "1"})
+                again = self._train_failed(what, f"{family}-{backend} CUDA_LAUNCH_BLOCKING=1", code or 0, stdout,
+                                           stderr) if code != 0 else None  # fmt: skip
+                row.values["launch_blocking"] = "passed" if again is None else again.values.get("traceback")
+            return [row]
+        r = json.loads(found[-1][len(RESULT_MARK):])
+        result = (f"step {r['step_time_s'] * 1000:.0f} ms, data-wait {r['data_wait']:.1%}, {r['samples_per_s']:.2f} "
+                  f"samples/s, peak {r['peak_gb']:.1f} GB; {r['distributed_type']}, {r['stop']}")  # fmt: skip
+        return [Row("train", what, result, values=r)]
+
+    def _launch(self, cmd: list[str], env: dict[str, str]) -> tuple[int | None, str, str]:
+        """Run a trainer command, time-boxed by the budget (240 s at most): ``(exit code, stdout, stderr)``;
+        the code is None when it ran over (stderr then says the box)."""
         box = min(max(10.0, self.deadline - time.monotonic() - 10), 240)
         # its own process group: on a timeout the launcher, torchrun and the rank go together (and the GPU is free)
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)  # fmt: skip
+                                start_new_session=True, env={**os.environ, **env})  # fmt: skip
         try:
             stdout, stderr = proc.communicate(timeout=box)
         except BaseException as e:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
             if isinstance(e, subprocess.TimeoutExpired):
-                return [Row("train", what, f"failed: over its time box of {box:.0f} s", status="failed")]
+                return None, "", f"{box:.0f} s"
             raise
-        found = [line for line in stdout.splitlines() if line.startswith(RESULT_MARK)]
-        if proc.returncode != 0 or not found:
-            lines = [line for line in stderr.strip().splitlines() if line.strip()] or ["(no output)"]
-            # the last line is often the launcher's summary: the JSON keeps the rank's last 40 lines
-            return [Row("train", what, f"failed: exit {proc.returncode}: {lines[-1][:300]}", status="failed",
-                        values={"stderr_tail": lines[-40:]})]  # fmt: skip
-        r = json.loads(found[-1][len(RESULT_MARK):])
-        result = (f"step {r['step_time_s'] * 1000:.0f} ms, data-wait {r['data_wait']:.1%}, {r['samples_per_s']:.2f} "
-                  f"samples/s, peak {r['peak_gb']:.1f} GB; {r['distributed_type']}, {r['stop']}")  # fmt: skip
-        return [Row("train", what, result, values=r)]
+        return proc.returncode, stdout, stderr
+
+    def _train_failed(self, what: str, run: str, code: int, stdout: str, stderr: str) -> Row:
+        """The row of a failed trainer run: the rank's own error when it printed one (the launcher's last line
+        says only that a child failed), else its last line; its whole output appended to gpu-check-train.log."""
+        errors = [json.loads(line[len(ERROR_MARK):]) for line in stdout.splitlines() if line.startswith(ERROR_MARK)]
+        lines = [line for line in stderr.strip().splitlines() if line.strip()] or ["(no output)"]
+        aborted = [line for line in lines if "Fatal Python error" in line or "exitcode" in line]
+        why = errors[0]["error"] if errors else (aborted[0].strip() if aborted else lines[-1])
+        log = self.out_dir / "gpu-check-train.log"
+        with open(log, "a") as f:
+            f.write(f"===== {run}: exit {code}\n--- stdout\n{stdout[-20000:]}\n--- stderr\n{stderr[-60000:]}\n")
+        return Row("train", what, f"failed: exit {code}: {why[:300]} (output: {log.name})", status="failed",
+                   values={"traceback": errors[0]["traceback"] if errors else lines[-60:]})
 
     def _deepspeed(self) -> str | None:
         """Why the ZeRO rows cannot run (None: deepspeed imports, built from the wheel folder's archive if needed)."""
@@ -460,7 +497,7 @@ def run_check(args: argparse.Namespace) -> int:
         first, *others = check.families
         for family in (first,):
             _family_sections(check, family)
-        check.section("setup", check.prepare_vision, 90)
+        check.section("setup-vision", check.prepare_vision, 90)
         check.section("repa", check.repa, 45)
         check.section("wan", check.wan, 120)
         check.section("annotate", check.clip, 60)
@@ -477,8 +514,7 @@ def run_check(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - started
     header = f"gpu-check on {machine}, torch {torch.__version__}, {seconds:.0f} s{' (--smoke)' if args.smoke else ''}"
     table = markdown(check.rows, header)
-    out = Path(args.out_dir or os.environ.get("OUT") or ROOT / "benchmarks" / "results")
-    out.mkdir(parents=True, exist_ok=True)
+    out = check.out_dir
     (out / "gpu-check.md").write_text(table)
     (out / "gpu-check.json").write_text(json.dumps({"machine": machine, "torch": torch.__version__,
                                                     "versions": _versions(), "smoke": args.smoke,
@@ -568,12 +604,26 @@ def train_worker(args: argparse.Namespace) -> None:
     """One rank of a trainer run (under ``accelerate launch``): the trainer's setup and loop, then one
     result line from its ``metrics.jsonl`` (the first window, warm-up, left out), and exit without the
     final checkpoint and model."""
+    import faulthandler
+
     import torch
 
     from train.config import load_config
     from train.job import TrainJob
     from train.loop import Trainer
 
+    faulthandler.enable()  # a native abort (CUDA, NCCL) still prints the Python stack
+    try:
+        _train_rank(args, torch, TrainJob, Trainer, load_config)
+    except BaseException as e:
+        import traceback
+
+        print(ERROR_MARK + json.dumps({"error": f"{type(e).__name__}: {e}"[:500],
+                                       "traceback": traceback.format_exc().splitlines()[-30:]}), flush=True)
+        raise
+
+
+def _train_rank(args: argparse.Namespace, torch, TrainJob, Trainer, load_config) -> None:
     job = TrainJob(plan=args.plan, caches=(args.cache,), config=load_config(args.config), output_dir=args.output_dir,
                    max_steps=args.max_steps)  # fmt: skip
     trainer = Trainer.setup(job)
@@ -600,8 +650,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out-dir", default=None, help="where gpu-check.md/.json go (default $OUT or benchmarks/results)")
     p.add_argument("--work-dir", default=None, help="models, data, caches (default: a temp folder, removed at the end)")
     p.add_argument("--keep", action="store_true", help="keep the temp work folder")
-    p.add_argument("--budget", type=float, default=470.0,
-                   help="seconds for the whole check (under 8 minutes with start-up and output); late sections skip")
+    p.add_argument("--budget", type=float, default=440.0,
+                   help="seconds for the sections (under 8 minutes with set-up, teardown and output); late ones skip")
+    p.add_argument("--sections", default="", metavar="A,B",
+                   help="run only these sections (e.g. setup,embed,loader,train: what a trainer row needs); "
+                        "default: all")
     p.add_argument("--rehearsal", action="store_true",
                    help="with --smoke: refuse to run where Ray or vLLM is installed; a summary of what was filled")
     p.add_argument("--wheels", default=None, metavar="DIR",

@@ -29,28 +29,108 @@ def test_without_cuda_it_prints_one_line_and_exits_0():
     assert len(proc.stdout.splitlines()) == 1 and proc.stdout.startswith("gpu-check: no CUDA device here")
 
 
-@pytest.mark.ray
+# what the GPU machine lacks, made unimportable in the check and in every process it starts (a sitecustomize)
+_ABSENT = """
+import sys
+class Absent:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("ray", "polars", "s3fs", "vllm"):
+            raise ModuleNotFoundError(f"No module named {name!r} (absent in this test)")
+sys.meta_path.insert(0, Absent())
+"""
+
+
 @pytest.mark.slow
-def test_smoke_runs_every_section_on_the_cpu(tmp_path):
-    """The real embed job, plan, loader and trainer on tiny models (one family: the other differs in configs only,
-    checked below); FSDP/DeepSpeed rows say why they skip; the table is written as markdown and JSON."""
+def test_smoke_runs_every_section_on_the_cpu_without_ray_polars_or_s3fs(tmp_path):
+    """Every section's code on tiny models (one family: the other differs in configs only, checked below) in a
+    process where Ray, polars, s3fs and vLLM do not import, as on the GPU machine: every row but the Ray and vLLM
+    ones filled; FSDP/DeepSpeed rows say why they skip on a CPU; the table is written as markdown and JSON."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_ABSENT)
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, SCRIPT, "--smoke", "--families", "sdxl", "--backends", "ddp,zero3",
                            "--out-dir", str(out), "--work-dir", str(tmp_path / "work"), "--budget", "1200"],
-                          capture_output=True, text=True, env=_env(), timeout=900)  # fmt: skip
+                          capture_output=True, text=True, env=_env(PYTHONPATH=f"{site}:{ROOT}"),
+                          timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((out / "gpu-check.json").read_text())
-    rows = {(r["section"], r["measure"].split(":")[0].split(" (")[0]): r for r in result["rows"]}
-    assert {r["section"] for r in result["rows"]} == {"setup", "embed", "text", "decode", "loader", "train",
-                                                      "annotate"}  # fmt: skip
-    assert [r for r in result["rows"] if r["status"] == "failed"] == []
-    assert rows[("embed", "sdxl VAE 64x64 bf16")]["values"]["images_per_second"] > 0
-    trained = [r for r in result["rows"] if r["section"] == "train"]
+    rows = result["rows"]
+    assert {r["section"] for r in rows} == {"setup", "vae", "text", "embed", "records", "loader", "train", "repa",
+                                            "wan", "annotate", "decode", "embed-ray"}  # fmt: skip
+    assert [r for r in rows if r["status"] == "failed"] == []
+    skipped = {r["section"]: r["result"] for r in rows if r["status"] == "skipped"}
+    assert skipped["embed-ray"].startswith("skipped: needs ray") and "vllm does not import" in skipped["annotate"]
+    by = {(r["section"], r["values"].get("batch")): r for r in rows}
+    assert by[("vae", 1)]["values"]["images_per_second"] > 0 and by[("vae", 2)]["values"]["alone"] > 0
+    text = [r for r in rows if r["section"] == "text"]
+    assert text[1]["values"]["rel_error"] == 0.0  # the cache's text is exactly encode_prompt's
+    embed = next(r for r in rows if r["section"] == "embed")
+    assert embed["values"]["images_per_second"] > 0 and "--executor local" in embed["measure"]
+    records = next(r for r in rows if r["section"] == "records")
+    assert records["values"]["latent_rel_error"] == 0.0  # --smoke: the CPU path twice, the same records
+    trained = [r for r in rows if r["section"] == "train"]
     assert trained[0]["status"] == "ok" and trained[0]["values"]["steps"] == 4
     assert trained[0]["values"]["stop"] == "--max-steps reached" and 0 <= trained[0]["values"]["data_wait"] <= 1
     assert trained[1]["status"] == "skipped" and "only on GPUs" in trained[1]["result"]
     table = (out / "gpu-check.md").read_text()
-    assert table.count("\n| ") == len(result["rows"]) + 1  # header + one line per row
+    assert table.count("\n| ") == len(rows) + 1  # header + one line per row
+
+
+def _wheel(folder, name: str, version: str, tag: str = "py3-none-any") -> Path:
+    """A minimal wheel of a one-module package ``name`` (what pip needs: the module, METADATA, WHEEL, RECORD)."""
+    import zipfile
+
+    path = folder / f"{name}-{version}-{tag}.whl"
+    info = f"{name}-{version}.dist-info"
+    files = {f"{name}.py": f"VERSION = {version!r}\n",
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+             f"{info}/WHEEL": f"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: {tag}\n"}
+    files[f"{info}/RECORD"] = "".join(f"{f},,\n" for f in [*files, f"{info}/RECORD"])
+    with zipfile.ZipFile(path, "w") as z:
+        for arcname, text in files.items():
+            z.writestr(arcname, text)
+    return path
+
+
+def test_the_wheel_folder_installs_offline_what_fits_this_python(tmp_path):
+    """``--wheels``: the wheels that fit the running Python go into the target, offline; a cp312-only one on
+    another Python is left out and named; a second call with the same folder installs nothing again."""
+    from benchmarks.gpu_env import install
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _wheel(wheels, "bkt_fits", "1.0")
+    other = "cp312-cp312-manylinux_2_17_x86_64" if sys.version_info[:2] != (3, 12) else "cp311-cp311-win_amd64"
+    _wheel(wheels, "bkt_other", "2.0", other)
+    target = tmp_path / "site"
+    left_out = install(wheels, target)
+    assert left_out == [f"bkt_other-2.0-{other}.whl"]
+    assert (target / "bkt_fits.py").exists() and not (target / "bkt_other.py").exists()
+    (target / "bkt_fits.py").unlink()
+    assert install(wheels, target) == left_out and not (target / "bkt_fits.py").exists()  # done once
+    with pytest.raises(SystemExit, match="no such folder.*make gpu-wheels"):
+        install(tmp_path / "missing", target)
+
+
+def test_the_wheel_list_pins_every_line_and_fits_the_limit():
+    """infra/gpu/wheels.txt: NAME==VERSION lines (deepspeed a source archive); a line of another form is refused.
+    Its size limit is what travels beside the working tree (64 MiB in all)."""
+    from benchmarks.gpu_env import LIMIT_BYTES, read_list
+
+    reqs = read_list()
+    assert {r.spec.split("==")[0] for r in reqs} >= {"diffusers", "deepspeed", "isal"}
+    assert [r.spec for r in reqs if r.sdist] == [r.spec for r in reqs if r.spec.startswith("deepspeed==")]
+    assert LIMIT_BYTES <= 40 << 20
+
+
+def test_a_bad_wheel_list_line_is_refused(tmp_path):
+    from benchmarks.gpu_env import read_list
+
+    bad = tmp_path / "wheels.txt"
+    bad.write_text("diffusers>=0.42\n")
+    with pytest.raises(ValueError, match="write NAME==VERSION"):
+        read_list(bad)
 
 
 # published parameter counts (diffusers / transformers model cards and configs)

@@ -156,3 +156,61 @@ def test_fsdp2_trains_checkpoints_resumes_and_saves_a_loadable_model(train_data,
 def test_deepspeed_zero2_trains_checkpoints_resumes_and_saves_a_loadable_model(train_data, tmp_path):
     _run_backend(train_data, tmp_path, "--config_file", "infra/accelerate/deepspeed-zero1-1x8.yaml", "--zero_stage",
                  "2", "--mixed_precision", "no")  # fmt: skip
+
+
+def _fsdp_accelerator(**plugin_options):
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, **plugin_options)
+    return SimpleNamespace(distributed_type=DistributedType.FSDP, state=SimpleNamespace(fsdp_plugin=plugin))
+
+
+def test_an_fsdp2_policy_that_selects_a_modulelist_is_refused_in_one_line():
+    """Size-based wrapping selects an attention's ``to_out`` ModuleList on a diffusers model, which fully_shard
+    refuses deep inside prepare (seen on an H100, torch 2.11): refused before, naming the module and the fix."""
+    from train.backends import check_fsdp_wrap
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ModuleList([torch.nn.Linear(64, 64)]))
+    with pytest.raises(UsageError, match=r"selects 1 \(ModuleList\).*TRANSFORMER_BASED_WRAP"):
+        check_fsdp_wrap(_fsdp_accelerator(auto_wrap_policy="size_based_wrap", min_num_params=1000), model)
+    check_fsdp_wrap(_fsdp_accelerator(auto_wrap_policy="transformer_based_wrap"), model)  # no blocks: root only
+
+
+@pytest.fixture
+def gloo_world_of_one():
+    import torch.distributed as dist
+
+    from tests.conftest import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("family", ["sdxl", "sd3", "flux", "pixart", "wan"])
+def test_the_fsdp2_config_shards_every_familys_denoiser(tmp_path, family, gloo_world_of_one):
+    """infra/accelerate/fsdp2-1x8.yaml's wrap policy on each family's denoiser (tiny, the real classes): it selects
+    the model's blocks, the trainer's check passes, and torch's fully_shard takes every selected module (on a CPU
+    mesh of one rank: what accelerate's fsdp2_prepare_model does on GPUs)."""
+    import yaml
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+    from diffusers import DiffusionPipeline
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from pipeline.embed.families.tiny import build_tiny
+    from train.backends import check_fsdp_wrap
+
+    config = yaml.safe_load((Path(__file__).parent.parent / "infra/accelerate/fsdp2-1x8.yaml").read_text())
+    options = {"auto_wrap_policy": config["fsdp_config"]["fsdp_auto_wrap_policy"].lower()}
+    pipe = DiffusionPipeline.from_pretrained(build_tiny(family, tmp_path / family))
+    model = pipe.unet if family == "sdxl" else pipe.transformer
+    accelerator = _fsdp_accelerator(**options)
+    check_fsdp_wrap(accelerator, model)
+    policy = fsdp2_prepare_auto_wrap_policy(accelerator.state.fsdp_plugin, model)
+    chosen = [m for m in model.modules() if policy(m)]
+    assert chosen and {type(m).__name__ for m in chosen} <= set(model._no_split_modules)
+    mesh = init_device_mesh("cpu", (1,))
+    for module in reversed(chosen):  # innermost first, as accelerate does
+        fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)

@@ -22,7 +22,8 @@ from pathlib import Path
 from manifests.plan import PlanMeta
 from manifests.errors import UsageError
 
-__all__ = ["plan_grad_accum", "plan_micro_batch", "check_backend", "configure_deepspeed", "is_sharded", "save_model"]
+__all__ = ["plan_grad_accum", "plan_micro_batch", "check_backend", "check_fsdp_wrap", "configure_deepspeed",
+           "is_sharded", "save_model"]
 
 ACCUM_ENV = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"  # set by `accelerate launch` from a deepspeed_config
 
@@ -68,6 +69,28 @@ def check_backend(accelerator) -> None:
             raise UsageError(f"fsdp_state_dict_type {kind}: its checkpoints are read back with pickle "
                              "(torch.distributed.checkpoint metadata); set fsdp_state_dict_type: FULL_STATE_DICT "
                              "(saved as tensors, loaded with weights_only=True)")  # fmt: skip
+
+
+def check_fsdp_wrap(accelerator, model) -> None:
+    """Refuse an FSDP2 auto-wrap policy that selects a container without ``forward`` (a ``ModuleList``), which
+    torch's ``fully_shard`` rejects deep inside ``accelerator.prepare``: one line naming the module and the fix.
+    Size-based wrapping does this on diffusers models (an attention's ``to_out`` list passes the size)."""
+    import torch
+    from accelerate.utils import DistributedType
+
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if accelerator.distributed_type != DistributedType.FSDP or plugin is None or plugin.fsdp_version != 2:
+        return
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+
+    policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+    if policy is None:
+        return
+    for name, module in model.named_modules():
+        if name and policy(module) and type(module).forward is torch.nn.Module.forward:
+            raise UsageError(f"FSDP2's auto-wrap policy selects {name} ({type(module).__name__}), a container "
+                             "without forward that torch's fully_shard refuses: set fsdp_auto_wrap_policy: "
+                             "TRANSFORMER_BASED_WRAP (the model's blocks, as infra/accelerate/fsdp2-1x8.yaml does)")
 
 
 def configure_deepspeed(plugin, *, micro_batch: int, grad_accum: int, world_size: int, max_grad_norm: float) -> None:
