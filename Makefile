@@ -4,6 +4,7 @@
 #   make test-floors   # create .venv-floors with every core dependency at its pyproject floor, run the fast tests
 #   make gpu-check     # every GPU measure on random weights at real sizes: one table (one line and exit 0 without CUDA)
 #   make test-gpu      # the tests that need CUDA (marked gpu); skipped with their reason without one
+#   make install-vllm  # on a networked GPU machine: the vllm extra (vLLM, ray[llm]) for annotate --engine vllm
 PYTHON ?= python3
 VENV ?= .venv
 # the CPU wheel; installed before the project so nothing pulls the multi-GB CUDA build.
@@ -25,7 +26,7 @@ FLOORS_VENV ?= .venv-floors
 FLOORS_PY := $(FLOORS_VENV)/bin/python
 FLOORS_PYTEST_ARGS ?= -m "not slow"
 
-.PHONY: install demo test test-floors bench bench-deps gpu-check test-gpu clean
+.PHONY: install install-vllm demo test test-floors bench bench-deps gpu-check test-gpu clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -75,6 +76,12 @@ gpu-check: install
 
 test-gpu: install
 	$(PY) -m pytest -m gpu $(PYTEST_ARGS)
+
+# `bucketeer annotate --engine vllm` (and its gpu-marked test, and the gpu-check's annotate row) needs vLLM and
+# Ray's LLM batch API: the vllm extra, from the registry, so only where there is a network and a GPU. vLLM pins
+# the torch it was built with and pip installs that one (a CUDA build) in place of TORCH_SPEC's.
+install-vllm: install
+	$(PY) -m pip install -q -e ".[vllm]"
 
 clean:
 	rm -rf $(VENV) $(FLOORS_VENV) .pytest_cache build *.egg-info
