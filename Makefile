@@ -7,7 +7,7 @@
 #   make gpu-wheels    # on a networked machine: the wheels gpu-check needs there (infra/gpu/wheels.txt, <= 40 MiB)
 #   make gpu-rehearsal # gpu-check --smoke in a fresh venv holding only what the GPU machine has, plus the wheels
 #   make test-gpu      # the tests that need CUDA (marked gpu); skipped with their reason without one
-#   make install-vllm  # on a networked GPU machine: the vllm extra (bucketeer annotate --engine vllm)
+#   make install-vllm  # on a networked GPU machine: the vllm extra (vLLM, ray[llm]) for annotate --engine vllm
 PYTHON ?= python3
 VENV ?= .venv
 # the CPU wheel; installed before the project so nothing pulls the multi-GB CUDA build.
@@ -104,7 +104,9 @@ gpu-rehearsal: gpu-wheels
 test-gpu: install
 	$(PY) -m pytest -m gpu $(PYTEST_ARGS)
 
-# on a networked GPU machine: vLLM and Ray's LLM extra into the venv (the vllm extra of pyproject.toml)
+# `bucketeer annotate --engine vllm` (and its gpu-marked test, and the gpu-check's annotate row) needs vLLM and
+# Ray's LLM batch API: the vllm extra, from the registry, so only where there is a network and a GPU. vLLM pins
+# the torch it was built with and pip installs that one (a CUDA build) in place of TORCH_SPEC's.
 install-vllm: install
 	$(PY) -m pip install -q -e ".[vllm]"
 

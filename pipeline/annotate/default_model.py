@@ -19,8 +19,8 @@ from pathlib import Path
 
 from pipeline.embed.families.tiny import build_once
 
-__all__ = ["DEFAULT_VERSION", "DEFAULT_CAPTION_NOTICE", "build_default_model", "default_model_dir",
-           "ensure_default_model"]  # fmt: skip
+__all__ = ["DEFAULT_VERSION", "DEFAULT_CAPTION_NOTICE", "MAX_HEAD_DIM", "attention_heads", "build_default_model",
+           "default_model_dir", "ensure_default_model"]  # fmt: skip
 
 DEFAULT_VERSION = "llava-tiny-v1"
 DEFAULT_CAPTION_NOTICE = (
@@ -49,9 +49,24 @@ def _tokenizer():
                                    model_max_length=4096, extra_special_tokens={"image_token": "<image>"})
 
 
+# the widest attention head built: vLLM's attention kernels take heads of at most 256 (FlashAttention's limit);
+# 128 is the size real models use, and what every kernel is tuned for
+MAX_HEAD_DIM = 128
+
+
+def attention_heads(width: int) -> int:
+    """Attention heads of a tower ``width`` wide: the fewest, at least 2, that divide ``width`` into heads of at
+    most :data:`MAX_HEAD_DIM`. 2 for the tiny default (32 wide: heads of 16), 8 for the GPU check's 1024.
+    Raises ValueError for a width under 2."""
+    if width < 2:
+        raise ValueError(f"width {width}: a tower needs at least 2 wide (2 heads)")
+    return next(h for h in range(max(2, -(-width // MAX_HEAD_DIM)), width + 1) if width % h == 0)
+
+
 def build_default_model(folder: str | os.PathLike, *, width: int = 32, layers: int = 2, image: int = 28) -> Path:
     """Write the tiny captioner (model, processor, chat template) to ``folder``; seeded, so the same weights.
-    ``width``, ``layers``, ``image`` (pixels, a multiple of 14): a larger random one (benchmarks)."""
+    ``width``, ``layers``, ``image`` (pixels, a multiple of 14): a larger random one (benchmarks). Both towers
+    get :func:`attention_heads` of ``width``."""
     import torch
     from transformers import CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
     from transformers.utils import logging as hf_logging
@@ -62,13 +77,14 @@ def build_default_model(folder: str | os.PathLike, *, width: int = 32, layers: i
     processor = LlavaProcessor(image_processor=images, tokenizer=tokenizer, chat_template=_CHAT_TEMPLATE,
                                patch_size=14, vision_feature_select_strategy="default", num_additional_image_tokens=1)
     ids = {s: tokenizer.convert_tokens_to_ids(s) for s in _SPECIALS}
+    heads = attention_heads(width)
     config = LlavaConfig(
         text_config={"model_type": "qwen2", "vocab_size": len(tokenizer), "hidden_size": width,
-                     "intermediate_size": 2 * width, "num_hidden_layers": layers, "num_attention_heads": 2,
+                     "intermediate_size": 2 * width, "num_hidden_layers": layers, "num_attention_heads": heads,
                      "num_key_value_heads": 1, "max_position_embeddings": 4096, "bos_token_id": ids["<|endoftext|>"],
                      "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]},
         vision_config={"model_type": "clip_vision_model", "hidden_size": width, "intermediate_size": 2 * width,
-                       "num_hidden_layers": max(1, layers // 2), "num_attention_heads": 2, "image_size": image,
+                       "num_hidden_layers": max(1, layers // 2), "num_attention_heads": heads, "image_size": image,
                        "patch_size": 14, "projection_dim": width},
         image_token_index=ids["<image>"], vision_feature_select_strategy="default", vision_feature_layer=-1,
     )  # fmt: skip

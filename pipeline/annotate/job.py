@@ -2,6 +2,7 @@
 
     bucketeer annotate MANIFEST --out ANNOTATIONS --task caption [--model ID|PATH|default] [--prompt TEXT]
                        [--max-new-tokens N] [--device auto|cuda|cpu] [--engine auto|transformers|vllm]
+                       [--max-model-len N]
     bucketeer annotate MANIFEST --out ANNOTATIONS --task embedding,aesthetic,safety,watermark,phash,sha256,stats
                        [--embedding-model ID|PATH|default] [--aesthetic-head FILE|HUB_ID[:FILE]|default] ...
     ray job submit --working-dir . -- python -m pipeline.annotate MANIFEST --out s3://bucket/captions --model ID
@@ -88,6 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--engine", choices=ENGINES, default="auto",
                    help="transformers (batched generate) or vllm (ray.data.llm, GPUs, bucketeer[vllm]); auto: vllm "
                         "on GPUs where it is installed and caption is the only task, else transformers")
+    g.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="--engine vllm: the context vLLM allocates per sequence (image tokens, prompt and caption); "
+                        "default: the model's own (max_position_embeddings of its language model), the most it takes")
     g.add_argument("--batch-size", type=int, default=8, help="images per generate (or embedding) call")
     g.add_argument("--unit-rows", type=int, default=32,
                    help="images per unit (one part file; what a lost worker costs at most)")
@@ -117,6 +121,7 @@ class AnnotateJob:
     watermark_head: str = "default"
     device: str = "auto"
     engine: str = "auto"
+    max_model_len: int | None = None
     batch_size: int = 8
     unit_rows: int = 32
     workers: int | None = None
@@ -136,6 +141,11 @@ class AnnotateJob:
             raise UsageError("--batch-size, --unit-rows, --max-new-tokens and --image-size must be >= 1")
         if self.workers is not None and self.workers < 1:
             raise UsageError("--workers must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise UsageError(f"--max-model-len {self.max_model_len}: give a context of at least 1 token")
+        if self.max_model_len is not None and self.engine == "transformers":
+            raise UsageError("--max-model-len is for --engine vllm (or auto, where vLLM runs); the transformers "
+                             "engine has no such setting: leave it out")  # fmt: skip
         if not self.prompt.strip():
             raise UsageError("--prompt is empty: give the instruction the model answers with a caption")
 
@@ -168,7 +178,8 @@ def job_from_args(args: argparse.Namespace) -> AnnotateJob:
         model=args.model, prompt=args.prompt, max_new_tokens=args.max_new_tokens, image_size=args.image_size,
         embedding_model=args.embedding_model, aesthetic_head=args.aesthetic_head, safety_head=args.safety_head,
         watermark_head=args.watermark_head,
-        device=args.device, engine=args.engine, batch_size=args.batch_size, unit_rows=args.unit_rows,
+        device=args.device, engine=args.engine, max_model_len=args.max_model_len, batch_size=args.batch_size,
+        unit_rows=args.unit_rows,
         workers=args.workers, torch_threads=args.torch_threads, source=args.source,
         storage_options=parse_storage_options(args.storage_options), ray_address=args.ray_address,
     )  # fmt: skip
@@ -264,7 +275,8 @@ def _placement_line(engine: str, placement) -> str:
         return (f"engine {engine} on CPU: {placement.workers} actor(s) x {placement.threads} torch thread(s), "
                 f"{placement.actor_cpus:g} CPU each")  # fmt: skip
     reach = f", up to {placement.gpus_max} as its autoscaler adds nodes" if placement.gpus_max else ""
-    return (f"engine {engine} on GPU: up to {placement.workers} replica(s), one per GPU (the cluster has "
+    count = f"{placement.workers}" if engine == "vllm" else f"up to {placement.workers}"  # vLLM: a fixed pool
+    return (f"engine {engine} on GPU: {count} replica(s), one per GPU (the cluster has "
             f"{placement.gpus_now} now{reach})")  # fmt: skip
 
 
@@ -278,10 +290,14 @@ def _pick_engine(job: AnnotateJob, placement) -> str:
     if job.engine == "vllm" and placement.device != "cuda":
         raise UsageError("--engine vllm runs on GPUs; this cluster has none (use --device cuda on a GPU cluster, "
                          "or --engine transformers)")  # fmt: skip
-    if job.engine == "auto":
+    engine = job.engine
+    if engine == "auto":
         alone = job.tasks == ("caption",)
-        return "vllm" if alone and placement.device == "cuda" and vllm_available() else "transformers"
-    return job.engine
+        engine = "vllm" if alone and placement.device == "cuda" and vllm_available() else "transformers"
+    if job.max_model_len is not None and engine != "vllm":
+        raise UsageError(f"--max-model-len {job.max_model_len} is for the vllm engine; --engine auto picked "
+                         "transformers here (no GPU, or vLLM not installed): leave it out, or use --engine vllm")
+    return engine
 
 
 def _annotate(job: AnnotateJob) -> AnnotateResult:
@@ -319,15 +335,19 @@ def _annotate(job: AnnotateJob) -> AnnotateResult:
     if work.todo:
         done, steady, steady_seconds = _run_units(job, work, plan, settings, engine, placement, source, manifest)
     meta = _commit(job, manifest, tasks, settings, engine)
+    # the error rows this run wrote: every sample it worked on is now annotated or an error, and the errors
+    # before it that it did not redo ("failed") are still there. Read back from storage, as the counts of
+    # _annotations.json: under vllm, images that do not decode never reach the summary rows (vllm_engine)
+    errors = meta.counts.errors - c["failed"]
     seconds = time.time() - start
     rates = ((round(steady["captioned"] / steady_seconds, 2), round(steady["tokens"] / steady_seconds, 1))
              if steady_seconds else (None, None))
-    print(f"bucketeer annotate: {done['captioned']} annotated, {done['errors']} error rows, "
+    print(f"bucketeer annotate: {done['captioned']} annotated, {errors} error rows, "
           f"{work.samples - work.todo} skipped in {seconds:.1f}s -> {redact(job.out)} ({meta.counts.annotated} of "
           f"{meta.counts.samples} samples annotated, {meta.counts.errors} errors)", flush=True)  # fmt: skip
     return AnnotateResult(url=job.out, fingerprint=meta.fingerprint, meta=meta, seconds=round(seconds, 2),
                           engine=engine, up_to_date=not work.todo and committed is not None,
-                          captioned=done["captioned"], errors=done["errors"], skipped=work.samples - work.todo,
+                          captioned=done["captioned"], errors=errors, skipped=work.samples - work.todo,
                           images_per_second=rates[0], tokens_per_second=rates[1],
                           worker_cpu_seconds=done["cpu_ms"] / 1000)  # fmt: skip
 

@@ -36,7 +36,7 @@ from pipeline.embed.imaging import ImageFailure, fetch_images, prepare_views
 from pipeline.embed.work import GroupWork
 from pipeline.embed.workers import from_ipc, to_ipc
 
-__all__ = ["UNIT_COLUMNS", "read_units", "decode_for_caption", "AnnotateWriter"]
+__all__ = ["UNIT_COLUMNS", "read_units", "decode_for_caption", "decode_rows", "write_error_part", "AnnotateWriter"]
 
 # what a unit carries per row: identity, where the image is, its display size
 UNIT_COLUMNS = ["sample_id", "filename", "container", "container_size", "member_offset", "row_group", "row_index",
@@ -63,6 +63,43 @@ def decode_for_caption(data: bytes, width: int, height: int, image_size: int, ma
     size = (max(1, round(height * scale)), max(1, round(width * scale)))  # (h, w)
     (view,) = prepare_views(data, size, max_pixels=max_pixels, name=name)
     return Image.fromarray(view.pixels)
+
+
+def decode_rows(fs, root: str, rows: list[dict], *, image_column: str | None, image_size: int, max_pixels: int,
+                storage_options: dict | None, decode: bool = True) -> tuple[list[dict], list[bytes], list, list[dict]]:
+    """A unit's ``rows`` fetched from the source ``fs``/``root`` and decoded once (:func:`decode_for_caption`):
+    ``(good rows, their bytes, their images (PIL; None where not ``decode``), error rows)``. An image that cannot
+    be read (``read_failed``, retried by the next run) or decoded (its :class:`ImageFailure` kind) is an error row:
+    the unit's row with ``error`` and ``message``. Both engines decode through here: the same rows, the same kinds."""
+    blobs = fetch_images(fs, root, rows, image_column=image_column)
+    good, data, images, errors = [], [], [], []
+    for row, blob in zip(rows, blobs):
+        try:
+            if isinstance(blob, BaseException):
+                raise ImageFailure("read_failed", redact(f"{type(blob).__name__}: {blob}", storage_options))
+            images.append(decode_for_caption(blob, row["width"], row["height"], image_size, max_pixels,
+                                             row["filename"]) if decode else None)  # fmt: skip
+            good.append(row)
+            data.append(blob)
+        except ImageFailure as e:
+            errors.append({**row, "error": e.kind, "message": e.message})
+    return good, data, images, errors
+
+
+def write_error_part(fs, root: str, name: str, errors: list[dict], settings: str, now: float) -> None:
+    """Write a unit's error rows (:func:`decode_rows`) as ``errors/<name>``, the unit's part name: a redone
+    unit rewrites it, and a rerun retries or keeps its samples by their ``error`` kind. Nothing when none."""
+    if not errors:
+        return
+    table = pa.table({
+        "sample_id": pa.array([r["sample_id"] for r in errors], pa.uint64()),
+        "filename": pa.array([r["filename"] for r in errors], pa.string()),
+        "source_key": pa.array([r["source_key"] for r in errors], pa.uint64()),
+        "written_at": pa.array([now] * len(errors), pa.float64()),
+        "error": pa.array([r["error"] for r in errors], pa.string()),
+        "message": pa.array([r["message"] for r in errors], pa.string()),
+    })  # fmt: skip
+    write_part(fs, root, "errors", name, table, settings)
 
 
 class AnnotateWriter:
@@ -93,19 +130,9 @@ class AnnotateWriter:
 
     def _decode(self, rows: list[dict]) -> tuple[list[dict], list[bytes], list, list[dict]]:
         """``(good rows, their bytes, their images (PIL, or None when no task decodes), error rows)``."""
-        blobs = fetch_images(self.source_fs, self.source_root, rows, image_column=self.image_column)
-        good, data, images, errors = [], [], [], []
-        for row, blob in zip(rows, blobs):
-            try:
-                if isinstance(blob, BaseException):
-                    raise ImageFailure("read_failed", redact(f"{type(blob).__name__}: {blob}", self.storage_options))
-                images.append(decode_for_caption(blob, row["width"], row["height"], self.plan.image_size,
-                                                 self.max_pixels, row["filename"]) if self.plan.decodes else None)
-                good.append(row)
-                data.append(blob)
-            except ImageFailure as e:
-                errors.append({**row, "error": e.kind, "message": e.message})
-        return good, data, images, errors
+        return decode_rows(self.source_fs, self.source_root, rows, image_column=self.image_column,
+                           image_size=self.plan.image_size, max_pixels=self.max_pixels,
+                           storage_options=self.storage_options, decode=self.plan.decodes)  # fmt: skip
 
     def _columns(self, data: list[bytes], images: list) -> dict[str, pa.Array]:
         """Every task's columns for the decoded images (in order); captions and embeddings in batches."""
@@ -149,16 +176,7 @@ class AnnotateWriter:
             table = pa.table({**keys, **cols})
             write_part(self.fs, self.root, "parts", name, table.select([n for n, _ in part_schema(self.plan.tasks)]),
                        self.settings)  # fmt: skip
-        if errors:
-            table = pa.table({
-                "sample_id": pa.array([r["sample_id"] for r in errors], pa.uint64()),
-                "filename": pa.array([r["filename"] for r in errors], pa.string()),
-                "source_key": pa.array([r["source_key"] for r in errors], pa.uint64()),
-                "written_at": pa.array([now] * len(errors), pa.float64()),
-                "error": pa.array([r["error"] for r in errors], pa.string()),
-                "message": pa.array([r["message"] for r in errors], pa.string()),
-            })  # fmt: skip
-            write_part(self.fs, self.root, "errors", name, table, self.settings)
+        write_error_part(self.fs, self.root, name, errors, self.settings, now)
         faults.hit("annotate.unit")  # tests: slow units down, or kill the worker after its part is written
         tokens = cols.get("generated_tokens")
         return {"part": name, "captioned": len(good), "errors": len(errors),
