@@ -51,6 +51,7 @@ import pyarrow as pa
 from manifests.errors import UsageError
 from pipeline.embed.work import UNIT_PIXEL_BYTES, EmbedWork
 from pipeline.embed.workers import LatentWriter, TextWriter, plan_units, prepare_unit, read_captions
+from pipeline.ray_output import ray_false_alarms_dropped
 
 __all__ = ["Placement", "NodeShape", "place_encoders", "size_cpus", "configure_ray_data", "caption_pipeline",
            "image_pipeline", "results"]
@@ -325,6 +326,9 @@ def _one_per_block(dataset, num_cpus: float):
 
 
 def results(dataset) -> Iterator[dict[str, Any]]:
-    """The pipeline's result rows as they arrive (streaming: the pipeline runs while they are read)."""
-    for batch in dataset.iter_batches(batch_size=None, batch_format="pyarrow"):
-        yield from batch.to_pylist()
+    """The pipeline's result rows as they arrive (streaming: the pipeline runs while they are read). Meanwhile
+    stderr goes without the line Ray core prints for every actor pool Ray Data starts
+    (:mod:`pipeline.ray_output`: a false alarm, and not our constructor arguments' doing)."""
+    with ray_false_alarms_dropped():
+        for batch in dataset.iter_batches(batch_size=None, batch_format="pyarrow"):
+            yield from batch.to_pylist()
