@@ -3,6 +3,8 @@
 ``make_sample_dataset(folder, n=300)`` writes ``n`` images of several aspect ratios (JPEG, PNG and
 WebP; some with an EXIF orientation that rotates them), ``.txt`` captions for most of them, and a
 handful of broken files (truncated, empty, HTML saved as .jpg) that a scan must report as errors.
+``add_curation_cases(folder)`` adds what a curation pass should find in such a folder: exact copies and
+re-encoded copies of some of its images (duplicates) and a few blank frames (no contrast).
 ``make_sample_clips(folder, n=24)`` writes short video clips (H.264 mp4 and VP9 webm through PyAV, the
 ``video`` extra) of moving colour fields in three aspect ratios, some long enough for several clips,
 one too short for any frame bucket, one rotated 90 degrees, a few still images, and a broken file.
@@ -17,7 +19,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-__all__ = ["make_sample_dataset", "make_sample_clips"]
+__all__ = ["make_sample_dataset", "add_curation_cases", "make_sample_clips"]
 
 # (width, height) shapes in the ratios photo datasets have: square, 4:3, 3:2, 16:9, 2:1 and portraits
 SHAPES = ((512, 512), (576, 432), (432, 576), (600, 400), (400, 600), (640, 360), (360, 640), (640, 320), (480, 480))
@@ -76,6 +78,38 @@ def make_sample_dataset(folder: str | Path, n: int = 300, seed: int = 0) -> dict
         "folder": str(root), "images": n, "broken": len(broken), "captioned": captioned,
         "rotated": rotated, "formats": formats,
     }  # fmt: skip
+
+
+def add_curation_cases(folder: str | Path, duplicates: int = 6, blanks: int = 3) -> dict[str, int]:
+    """Add to a :func:`make_sample_dataset` folder, under ``curation/``: ``duplicates`` copies of its JPEGs
+    (every other one byte for byte, the rest saved again at JPEG quality 70: equal pixels up to compression,
+    a pHash within a few bits), each with its original's caption, and ``blanks`` flat grey frames (a
+    contrast of 0), captioned. Returns the counts (``exact``, ``resaved``, ``blanks``)."""
+    root = Path(folder)
+    originals = sorted(root.glob("part*/*.jpg"))[:duplicates]
+    if len(originals) < duplicates:
+        raise ValueError(f"{root} has {len(originals)} JPEGs to copy, {duplicates} duplicates asked")
+    out = root / "curation"
+    out.mkdir(exist_ok=True)
+    exact = resaved = 0
+    for j, original in enumerate(originals):
+        if j % 2 == 0:
+            copy = out / f"copy_{j:02d}.jpg"
+            copy.write_bytes(original.read_bytes())
+            exact += 1
+        else:
+            copy = out / f"resaved_{j:02d}.jpg"
+            with Image.open(original) as im:
+                im.save(copy, "JPEG", quality=70, exif=im.info.get("exif", b""))
+            resaved += 1
+        caption = original.with_suffix(".txt")
+        if caption.exists():
+            copy.with_suffix(".txt").write_text(caption.read_text())
+    for j in range(blanks):
+        level = 96 + 32 * j  # three greys: flat frames look alike to a pHash, whatever their level
+        Image.new("RGB", (512, 512), (level, level, level)).save(out / f"blank_{j:02d}.png")
+        (out / f"blank_{j:02d}.txt").write_text("a blank frame\n")
+    return {"exact": exact, "resaved": resaved, "blanks": blanks}
 
 
 # (width, height, frames) of the demo's clips: square, landscape, portrait; 9-40 frames (at 24 fps: 0.4-1.7 s)

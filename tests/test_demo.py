@@ -19,7 +19,7 @@ from pipeline.cli import main
 from tests.test_readme import ROOT, bash_env, readme_blocks, run_bash
 
 BUCKETEER = str(Path(sys.executable).parent / "bucketeer")
-STAGES = ("generate", "ray", "scan", "embed", "plan", "train", "verify", "report")
+STAGES = ("generate", "ray", "scan", "annotate", "dedup", "embed", "plan", "train", "verify", "report")
 
 
 def run_demo(cwd: Path, *argv: str, timeout: float = 600) -> tuple[str, float]:
@@ -69,14 +69,50 @@ def test_demo_runs_every_stage_and_prints_the_summary(demo):
 
     # the summary: where things are, the figures, the commands for a cluster
     summary = output[output.index("bucketeer demo finished") :]
-    for text in (str(out / "manifest"), str(out / "report.html"), "files/s", "empty 1, not_an_image 1, truncated 1",
-                 "padded", "dropped", "loss ", "samples/s",
+    for text in (str(out / "manifest"), str(out / "annotations"), str(out / "duplicates"), str(out / "report.html"),
+                 "files/s", "empty 1, not_an_image 1, truncated 1", "padded", "dropped", "loss ", "samples/s",
                  "ray job submit --runtime-env infra/ray/runtime_env.yaml --working-dir . -- python -m pipeline.scan s3://",
-                 "python -m pipeline.embed s3://", "bucketeer plan s3://",
+                 "python -m pipeline.annotate s3://", "bucketeer dedup s3://", "python -m pipeline.embed s3://",
+                 "bucketeer plan s3://", "--where \"NOT duplicate AND contrast > 0.02\"",
                  "accelerate launch --config_file infra/accelerate/ddp-1x8.yaml -m train"):  # fmt: skip
         assert text in summary, f"the summary lacks {text!r}:\n{summary}"
+    # what is on the screen is bucketeer's: no line of Ray's internals (pipeline/ray_output.py)
+    assert "core_worker" not in output and "Token authentication" not in output, output[:6000]
     scan_line = next(line for line in summary.splitlines() if line.strip().startswith("scan "))
     assert f"{figures['scan']['files_per_s']:.0f} files/s" in scan_line
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.dist
+def test_demo_finds_the_planted_duplicates_and_plans_without_them(demo):
+    import polars as pl
+
+    from manifests.annotations import read_annotations
+
+    cwd, output, _ = demo
+    out = cwd / "demo-output"
+    figures = json.loads((out / "demo-summary.json").read_text())
+    assert figures["annotate"]["annotated"] == 300 and figures["annotate"]["errors"] == 0
+    names = pl.read_parquet(out / "manifest" / "samples" / "*.parquet").select("sample_id", "filename")
+    dups = pl.from_arrow(read_annotations(str(out / "duplicates"))[1]).join(names, on="sample_id")
+    # the clusters are exactly the planted ones: each copy with its original, the blank frames together
+    originals = sorted(str(p.relative_to(out / "dataset")) for p in (out / "dataset").glob("part*/*.jpg"))[:6]
+    copies = {int(p.stem[-2:]): f"curation/{p.name}" for p in (out / "dataset" / "curation").glob("*.jpg")}
+    expected = {frozenset({original, copies[j]}) for j, original in enumerate(originals)}
+    expected.add(frozenset(f"curation/blank_0{j}.png" for j in range(3)))
+    clusters = {frozenset(group["filename"].to_list())
+                for _, group in dups.filter(pl.col("cluster_id").is_not_null()).group_by("cluster_id")
+                if group.height > 1}  # fmt: skip
+    assert clusters == expected
+    assert figures["dedup"]["duplicates"] == dups["duplicate"].sum() == 6 + 2
+    # the plan: every sample but the duplicates and the blank frame that kept its cluster (contrast 0)
+    blank_keeper = dups.filter(pl.col("filename").str.starts_with("curation/blank") & ~pl.col("duplicate"))
+    dropped = set(dups.filter(pl.col("duplicate"))["sample_id"]) | set(blank_keeper["sample_id"])
+    assert figures["plan"]["kept"] == 300 - len(dropped) and figures["plan"]["dropped_by_where"] == len(dropped)
+    planned = set(pl.read_parquet(out / "plan" / "epoch-*.parquet")["sample_ids"].explode())
+    assert planned and not planned & dropped
+    assert "select:   291 of 300 samples kept (9 dropped) where NOT duplicate AND contrast > 0.02" in output
 
 
 @pytest.mark.slow

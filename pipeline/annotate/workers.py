@@ -107,9 +107,9 @@ class AnnotateWriter:
 
     def __init__(self, *, plan: TaskPlan, device: str, threads: int, out: str, storage_options: dict | None,
                  source: str, max_pixels: int, image_column: str | None, settings: str, batch_size: int):  # fmt: skip
-        import torch
+        if threads and (plan.caption or plan.vision):  # the model-free tasks need no torch (seconds to import)
+            import torch
 
-        if threads:
             torch.set_num_threads(threads)
         self.captioner = TransformersCaptioner(plan.caption, device, threads) if plan.caption else None
         self.embedder = None
