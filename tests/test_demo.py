@@ -1,5 +1,5 @@
-"""``bucketeer demo``: the real default run (what `make demo` does), the README commands that use its
-output, the ``--s3`` mode (server started and stopped), and the refusal to clear a foreign folder."""
+"""``bucketeer demo``: the real default run (what `make demo` does), the commands of README.md and docs/ that
+use its output, the ``--s3`` mode (server started and stopped), and the refusal to clear a foreign folder."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 from manifests.manifest import read_manifest
 from manifests.plan import read_plan_meta
 from pipeline.cli import main
-from tests.test_readme import ROOT, bash_env, readme_blocks, run_bash
+from tests.test_readme import ROOT, bash_env, doc_blocks, run_bash
 
 BUCKETEER = str(Path(sys.executable).parent / "bucketeer")
 STAGES = ("generate", "ray", "scan", "annotate", "dedup", "embed", "plan", "train", "verify", "report")
@@ -118,13 +118,14 @@ def test_demo_finds_the_planted_duplicates_and_plans_without_them(demo):
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.dist
-def test_readme_commands_on_the_demo_output_run(demo):
+def test_documented_commands_on_the_demo_output_run(demo):
     cwd, _, _ = demo
-    blocks = readme_blocks("demo")
-    assert blocks
+    blocks = doc_blocks("demo")  # README.md's, then docs/'s
+    assert {b.doc.name for b in blocks} >= {"README.md", "annotate.md", "scan.md", "training.md"}
     output = "".join(run_bash(b.code, cwd, bash_env(), timeout=300) for b in blocks)
     out = cwd / "demo-output"
     assert "demo-output/cache: OK" in output and "demo-output/plan: ok" in output
+    assert "kept 291 of 300 samples" in output  # stats --where: the planted duplicates and blank frames out
     assert read_manifest(str(out / "manifest-512")).spec.area == 512 * 512
     # stopped after 20 steps on 2 processes, finished on 1: the whole plan, each step once
     assert "--max-steps 20 reached" in output and "on 1 process(es)" in output

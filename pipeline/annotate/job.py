@@ -312,7 +312,7 @@ def _annotate(job: AnnotateJob) -> AnnotateResult:
     if plan.vision and (defaults := [t for t in plan.tasks if t in VISION_TASKS and (
             job.embedding_model if t == "embedding" else getattr(job, f"{t}_head")) == "default"]):  # fmt: skip
         print(f"bucketeer annotate: {', '.join(defaults)} from the embedded DEFAULT random-weight models: their "
-              "values are NOISE, for trying the pipeline only (README: Annotate)", file=sys.stderr, flush=True)
+              "values are NOISE, for trying the pipeline only (docs/annotate.md)", file=sys.stderr, flush=True)
     ray, _ = init_ray(job.ray_address)
     from pipeline.embed.dataflow import configure_ray_data, place_encoders
 

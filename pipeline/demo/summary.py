@@ -59,7 +59,7 @@ def summary_text(figures: dict[str, Any], out: Path, world_size: int) -> str:
             f"{t['samples_per_s']:.1f} samples/s; `tensorboard --logdir {a['train']}/logs` plots it"
             if t["loss_first"] is not None else "no loss logged"),
         "",
-        "the same on a cluster (credentials from AWS_* variables; see README.md and infra/README.md)",
+        "the same on a cluster (credentials from AWS_* variables; see README.md, docs/ and infra/README.md)",
         f"  {job}scan s3://my-bucket/dataset --out s3://my-bucket/manifest{opts}",
         *cluster,
         f"  {job}embed s3://my-bucket/manifest --out s3://my-bucket/cache{opts}",

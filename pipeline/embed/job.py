@@ -98,7 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("encoders")
     g.add_argument("--family", choices=tuple(FAMILIES), default="generic",
                    help="model family: the cached text equals what its diffusers pipeline computes in encode_prompt "
-                        "(README: Model families); generic: the encoders of --vae/--text-encoder, real tokens "
+                        "(docs/embed.md: Model families); generic: the encoders of --vae/--text-encoder, real tokens "
                         "masked, for bucketeer's own trainer")
     g.add_argument("--model", default=None, metavar="ID|PATH",
                    help="diffusers pipeline folder or hub id of --family: VAE and text encoders from its subfolders "
@@ -128,7 +128,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="stored tensor dtype")
     g.add_argument("--features", choices=("dinov2",), default=None,
                    help="also store DINOv2 patch features of each variant's crop (float16, beside the latent) for "
-                        "the trainer's repa: config (README: REPA)")
+                        "the trainer's repa: config (docs/embed.md: REPA)")
     g.add_argument("--features-model", default="default", metavar="ID|PATH",
                    help="the DINOv2 model of --features, e.g. facebook/dinov2-base; 'default': a tiny random one")
     g = parser.add_argument_group("images")
@@ -144,7 +144,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--source", default=None, help="dataset root, if it moved since the scan (default: the manifest's)")
     g.add_argument("--max-clips", type=int, default=MAX_CLIPS, metavar="N",
                    help="video manifests: embed at most N of a video's clips, evenly spaced, each a variant of its "
-                        "record (the trainer takes one per epoch); record bytes grow with N (README 'Video (embed)')")
+                        "record (the trainer takes one per epoch); record bytes grow with N (docs/video.md: Embed)")
     g = parser.add_argument_group("job")
     g.add_argument("--storage-options", default=None, help="JSON fsspec options for all URLs, e.g. an endpoint_url")
     g.add_argument("--batch-size", type=int, default=16, help="images per VAE forward pass (one bucket each)")
