@@ -12,7 +12,10 @@ one too short for any frame bucket, one rotated 90 degrees, a few still images, 
 
 from __future__ import annotations
 
+import collections
 import io
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +39,12 @@ def _picture(rng: np.random.Generator, w: int, h: int) -> Image.Image:
     return Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8), "RGB")
 
 
+def _write_image(image: Image.Image, path: Path, fmt: str, options: dict[str, Any]) -> None:
+    buf = io.BytesIO()
+    image.save(buf, fmt, **options)
+    path.write_bytes(buf.getvalue())
+
+
 def make_sample_dataset(folder: str | Path, n: int = 300, seed: int = 0) -> dict[str, Any]:
     """Write ``n`` images (plus a few broken files) under ``folder``; returns what was written.
 
@@ -47,6 +56,10 @@ def make_sample_dataset(folder: str | Path, n: int = 300, seed: int = 0) -> dict
     rng = np.random.default_rng(seed)
     formats = {"JPEG": 0, "PNG": 0, "WEBP": 0}
     captioned = rotated = 0
+    # every random draw is made here, in order (same seed, same files); the encoding (Pillow lets go of the GIL
+    # while it compresses) and the writing run on threads, a bounded number of images ahead
+    encoder = ThreadPoolExecutor(max_workers=os.cpu_count() or 2)
+    pending: collections.deque[Future] = collections.deque()
     for i in range(n):
         w, h = SHAPES[i % len(SHAPES)]
         fmt = ("JPEG", "JPEG", "JPEG", "PNG", "WEBP")[int(rng.integers(5))]
@@ -59,14 +72,17 @@ def make_sample_dataset(folder: str | Path, n: int = 300, seed: int = 0) -> dict
             exif[0x0112] = int(rng.choice([6, 8]))
             kwargs["exif"] = exif.tobytes()
             rotated += 1
-        buf = io.BytesIO()
-        _picture(rng, w, h).save(buf, fmt, **kwargs)
-        path.write_bytes(buf.getvalue())
+        pending.append(encoder.submit(_write_image, _picture(rng, w, h), path, fmt, kwargs))
+        if len(pending) > 16:
+            pending.popleft().result()
         formats[fmt] += 1
         if rng.random() < 0.85:
             subject, style = SUBJECTS[int(rng.integers(len(SUBJECTS)))], STYLES[int(rng.integers(len(STYLES)))]
             path.with_suffix(".txt").write_text(f"{style} of {subject}, number {i}\n")
             captioned += 1
+    for done in pending:
+        done.result()
+    encoder.shutdown()
     broken_dir = root / "broken"
     broken_dir.mkdir(exist_ok=True)
     good = next(iter(sorted((root / "part0").glob("*.jpg"))), None)

@@ -153,6 +153,7 @@ def test_demo_s3_mode_uses_s3_urls_and_stops_its_server(tmp_path, bucketeer_home
     assert "--storage-options" in output and "plan finished" in output
     assert (tmp_path / "out" / "report.html").exists()
     assert "local-demo-secret" not in output  # the placeholder credentials are not printed either
+    assert "core_worker" not in output and figures["dedup"]["duplicates"] == 8  # 51 images + the 9 planted
 
 
 def test_demo_refuses_to_clear_a_folder_it_did_not_make(tmp_path, capsys):
