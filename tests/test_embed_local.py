@@ -32,7 +32,8 @@ def test_local_and_ray_write_the_same_records(tmp_path, ray_local):
     assert (local.embedded, local.errors) == (on_ray.embedded, on_ray.errors) == (len(names) - 1, 1)
     assert local.meta.settings.hashed == on_ray.meta.settings.hashed  # one cache, whichever ran it
     assert record_bytes(str(tmp_path / "local")) == record_bytes(str(tmp_path / "ray"))
-    texts = [read_index(str(tmp_path / k))["texts"].sort_by("caption_key").column("caption_key") for k in ("ray", "local")]
+    texts = [read_index(str(tmp_path / k))["texts"].sort_by("caption_key").column("caption_key")
+             for k in ("ray", "local")]
     assert texts[0].equals(texts[1])
     errors = read_index(str(tmp_path / "local"))["errors"].to_pylist()
     assert [(e["filename"], e["error"]) for e in errors] == [("bad.jpg", "not_an_image")]

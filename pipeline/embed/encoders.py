@@ -203,26 +203,6 @@ def weights_sha256(model: Any) -> str:
     return h.hexdigest()
 
 
-def load_image_processor(path: str):
-    """``AutoImageProcessor.from_pretrained(path)``; where that needs torchvision and it is absent (transformers
-    5.0 to 5.2x refuse the Auto class without torchvision while the class named in the folder's
-    ``preprocessor_config.json`` falls back to its PIL twin), that class. Raises what ``from_pretrained`` raises."""
-    from transformers import AutoImageProcessor
-
-    try:
-        return AutoImageProcessor.from_pretrained(path)
-    except ImportError:
-        import transformers
-        from transformers.image_processing_utils import ImageProcessingMixin
-
-        config, _ = ImageProcessingMixin.get_image_processor_dict(path)
-        name = str(config.get("image_processor_type") or "")
-        cls = getattr(transformers, name.removesuffix("Fast"), None) if name else None
-        if cls is None:
-            raise
-        return cls.from_pretrained(path)
-
-
 def to_storage(tensor: Any, dtype: str) -> np.ndarray:
     """A torch tensor as numpy in the storage dtype tag (BF16 returned as its uint16 bits)."""
     import torch
