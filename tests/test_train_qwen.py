@@ -45,8 +45,8 @@ def families(tmp_path_factory, ray_local) -> dict[str, dict[str, str]]:
     prompts.write_text("a red cat\n")
     out = {}
     for family in FAMILIES:
-        model, cache, plan = str(build_tiny(family, base / family)), str(base / f"cache-{family}"), str(base / family
-                                                                                                          + "-plan")
+        model, cache, plan = (str(build_tiny(family, base / family)), str(base / f"cache-{family}"),
+                              str(base / f"plan-{family}"))
         embed_cache(manifest, cache, family=family, model=model, validation_prompts=str(prompts))
         run(PlanJob(manifests=(manifest,), out=plan, world_size=1, batch_size=2, epochs=3, cache=(cache,),
                     leftover="pad"))  # fmt: skip
