@@ -18,9 +18,9 @@ from tests.test_demo import run_demo
 @pytest.mark.parametrize("family", ["qwen-image", "z-image"])
 def test_demo_family_embeds_and_fine_tunes(tmp_path, bucketeer_home, family):
     out = tmp_path / "out"
-    output, _ = run_demo(tmp_path, "--family", family, "--images", "16", "--out-dir", str(out))
+    output, _ = run_demo(tmp_path, "--family", family, "--images", "40", "--out-dir", str(out))
     figures = json.loads((out / "demo-summary.json").read_text())
-    assert figures["embed"]["samples"] == figures["scan"]["samples"] == 16, output[-3000:]
+    assert figures["embed"]["samples"] == figures["scan"]["samples"] == 40, output[-3000:]
     assert figures["train"]["steps"] >= 2 and figures["train"]["loss_last"] is not None
     cache = json.loads((out / "cache" / "_cache.json").read_text())
     assert cache["family"] == family and cache["text"]["layout"]["masked"]
