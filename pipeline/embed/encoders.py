@@ -34,7 +34,7 @@ import numpy as np
 
 from manifests.errors import UsageError
 from manifests.storage import redact
-from pipeline.embed.families import Family, TextModel, family_of_pipeline, get_family
+from pipeline.embed.families import Family, TextModel, family_of_pipeline, get_family, qwen_image
 from pipeline.embed.families.tiny import DEFAULT_NOTICE, TINY_VERSION, ensure_tiny
 
 __all__ = [
@@ -273,7 +273,6 @@ def _check_local(path: str, subfolder: str | None, option: str, expected: str, f
 
 # what a VAE config's _class_name may name; Wan's takes clips; Qwen-Image's (Wan-style) encodes images as 1-frame clips
 VAE_CLASSES = ("AutoencoderKL", "AutoencoderKLWan", "AutoencoderKLQwenImage")
-NORMALISED = "(posterior - latents_mean) / latents_std per channel, at embed: what the denoiser sees"
 
 
 
@@ -313,10 +312,7 @@ class LatentEncoder:
     def describe(self) -> dict[str, Any]:
         cfg = self.vae.config
         if self.normalised:  # stored as the denoiser sees them: nothing left for the trainer to scale
-            shape = {"factor": 2 ** len(cfg.temperal_downsample), "channels": int(cfg.z_dim), "scaling_factor": 1.0,
-                     "shift_factor": None, "normalised": {"latents_mean": [float(x) for x in cfg.latents_mean],
-                                                          "latents_std": [float(x) for x in cfg.latents_std],
-                                                          "how": NORMALISED}}  # fmt: skip
+            shape = qwen_image.vae_description(cfg)
         elif self.video:  # Wan: no scaling factor; the trainer normalises per channel with latents_mean/std
             shape = {"factor": int(cfg.scale_factor_spatial), "channels": int(cfg.z_dim), "scaling_factor": 1.0,
                      "shift_factor": None, "latents_mean": [float(x) for x in cfg.latents_mean],
@@ -352,27 +348,12 @@ class LatentEncoder:
             # rounds to 1/128 above 1.0 and the subtraction keeps that, up to half a level off for bright pixels
             x = (x.float() / 127.5 - 1.0).to(self.compute_dtype)
             if self.normalised:
-                return {**self._normalised(x), **extra}
+                return {**qwen_image.vae_latents(self.vae, x, std=self.latents == "posterior"), **extra}
             posterior = self.vae.encode(x).latent_dist
             out = {"latent": posterior.mean.float()}  # (B, C, h, w), a clip's (B, C, F', h, w)
             if self.latents == "posterior":
                 out["latent_std"] = posterior.std.float()  # (B, C, h, w): exp(logvar / 2), logvar clamped
             return {**out, **extra}
-
-    def _normalised(self, x: Any) -> dict[str, Any]:
-        """Images ``(B, 3, H, W)`` in [-1, 1] through a Qwen-Image VAE as 1-frame clips, the posterior mode
-        normalised per channel with ``QwenImageEditPipeline._encode_vae_image``'s ops; ``(B, C, h, w)`` each."""
-        import torch
-
-        posterior = self.vae.encode(x.unsqueeze(2)).latent_dist  # (B, 3, 1, H, W) -> (B, C, 1, h, w)
-        mode = posterior.mode()  # retrieve_latents(sample_mode="argmax"): the mean
-        cfg = self.vae.config
-        mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(mode.device, mode.dtype)
-        std = torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(mode.device, mode.dtype)
-        out = {"latent": ((mode - mean) / std).float()[:, :, 0]}
-        if self.latents == "posterior":  # a draw mean + std * eps, normalised, is normalised mean + (std / s) eps
-            out["latent_std"] = (posterior.std / std).float()[:, :, 0]
-        return out
 
 
 # config.architectures[0] -> the class it loads as (generic family: whatever the config names)

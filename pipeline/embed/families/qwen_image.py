@@ -27,13 +27,43 @@ from typing import Any
 from manifests.cache.text_layout import TextLayout
 from pipeline.embed.families.base import Family, PromptParts, TextModel, TextOptions
 
-__all__ = ["FAMILY", "TEMPLATE", "DROP", "TOKENS", "encode_groups"]
+__all__ = ["FAMILY", "TEMPLATE", "DROP", "TOKENS", "NORMALISED", "encode_groups", "vae_description", "vae_latents"]
 
 TOKENS = 1024  # QwenImagePipeline.tokenizer_max_length: encode_prompt's max_sequence_length, check_inputs' most
 DROP = 34  # QwenImagePipeline.prompt_template_encode_start_idx: the template's tokens before the caption
 TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
             "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
             "<|im_start|>assistant\n")  # QwenImagePipeline.prompt_template_encode  # fmt: skip
+
+
+NORMALISED = "(posterior - latents_mean) / latents_std per channel, at embed: what the denoiser sees"
+
+
+def vae_description(cfg: Any) -> dict[str, Any]:
+    """What ``_cache.json`` records of an ``AutoencoderKLQwenImage`` config: 8x, ``z_dim`` channels, no scaling
+    left to do, and the per-channel statistics the stored latents are normalised with."""
+    return {"factor": 2 ** len(cfg.temperal_downsample), "channels": int(cfg.z_dim), "scaling_factor": 1.0,
+            "shift_factor": None, "normalised": {"latents_mean": [float(x) for x in cfg.latents_mean],
+                                                 "latents_std": [float(x) for x in cfg.latents_std],
+                                                 "how": NORMALISED}}  # fmt: skip
+
+
+def vae_latents(vae: Any, x: Any, *, std: bool) -> dict[str, Any]:
+    """Images ``(B, 3, H, W)`` in [-1, 1] through a Qwen-Image VAE as 1-frame clips: ``{"latent"}`` the posterior
+    mode normalised per channel with ``QwenImageEditPipeline._encode_vae_image``'s ops, ``(B, C, h, w)``, and
+    with ``std`` ``{"latent_std"}``: the posterior std over ``latents_std`` (a draw ``mean + std * eps``,
+    normalised, is the normalised mean plus that std times ``eps``)."""
+    import torch
+
+    posterior = vae.encode(x.unsqueeze(2)).latent_dist  # (B, 3, 1, H, W) -> (B, C, 1, h, w)
+    mode = posterior.mode()  # retrieve_latents(sample_mode="argmax"): the mean
+    cfg = vae.config
+    mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(mode.device, mode.dtype)
+    scale = torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(mode.device, mode.dtype)
+    out = {"latent": ((mode - mean) / scale).float()[:, :, 0]}
+    if std:
+        out["latent_std"] = (posterior.std / scale).float()[:, :, 0]
+    return out
 
 
 def width(model: Any) -> int:
