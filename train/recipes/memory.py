@@ -66,7 +66,8 @@ def check_fits(family: str, cls: type, source: str, cfg: TrainConfig, subfolder:
     what = "LoRA (frozen float32 weights)" if cfg.lora_rank else "a full fine-tune (float32 weights, gradients, AdamW)"
     lora = 4 * params
     hint = (f"shard it with FSDP over >= {-(-need // memory)} GPUs (accelerate config)"
-            + ("" if cfg.lora_rank else f", or train LoRA (lora_rank: 16; {lora / 1e9:.1f} GB of frozen weights)"))
+            + ("" if cfg.lora_rank or lora > memory else
+               f", or train LoRA (lora_rank: 16; {lora / 1e9:.1f} GB of frozen weights)"))
     raise UsageError(f"{family}: {what} of its {params / 1e9:.2f}B-parameter {cls.__name__} needs {need / 1e9:.1f} GB "
                      f"per GPU before activations; this GPU has {memory / 1e9:.1f} GB: {hint}")  # fmt: skip
 
