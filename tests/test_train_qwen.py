@@ -267,5 +267,8 @@ def test_what_one_80_gb_gpu_holds_is_checked_before_loading(tmp_path, monkeypatc
         with pytest.raises(UsageError, match=f"{family}: .* needs .* GB per GPU before activations; this GPU has "
                                              "80.0 GB: shard it with FSDP"):  # fmt: skip
             check_fits(family, cls, str(tmp_path), cfg)
+    with pytest.raises(UsageError) as refused:  # LoRA is suggested where its frozen weights fit
+        check_fits(family, cls, str(tmp_path), TrainConfig())
+    assert ("or train LoRA" in str(refused.value)) == lora_fits
     monkeypatch.setenv(MEMORY_ENV, "400")  # a figure that holds it: nothing to say
     check_fits(family, cls, str(tmp_path), TrainConfig())
