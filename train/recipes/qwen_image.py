@@ -10,6 +10,10 @@ RoPE follows the padded length), the timestep as the noise level ``sigma`` (the 
 integrates), packed the same way; ``s`` drawn by the config's density and shifted per bucket with the
 scheduler's dynamic rule (``mu`` of the bucket's ``h/2 * w/2`` tokens; Qwen-Image: base 0.5 at 256 tokens, max
 0.9 at 8192), as the pipeline samples that size.
+
+The last block's text output is discarded by the model, so its ``attn.to_add_out`` and ``txt_mlp`` never get a
+gradient; they are frozen (what a single process does to them anyway: AdamW skips a parameter without a
+gradient), since DDP refuses a trained parameter that takes no part in the loss.
 """
 
 from __future__ import annotations
@@ -56,6 +60,9 @@ def setup(cfg: TrainConfig, meta: CacheMeta) -> Denoiser:
     source = pretrained_source(cfg, meta)
     check_fits("qwen-image", QwenImageTransformer2DModel, source, cfg)
     transformer = load_pretrained(QwenImageTransformer2DModel, source, "transformer")
+    last = transformer.transformer_blocks[-1]  # its text stream's output is never read: no gradient reaches
+    for module in (last.attn.to_add_out, last.txt_mlp):  # these, and DDP refuses parameters that get none
+        module.requires_grad_(False)
     layout, channels = meta.text_layout, int(meta.latent.channels)
     check_matches("text width (joint_attention_dim)", transformer.config.joint_attention_dim, layout.width, source)
     check_matches("packed latent channels (in_channels)", transformer.config.in_channels, 4 * channels, source)
