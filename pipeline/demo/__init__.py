@@ -4,6 +4,7 @@
     bucketeer demo --s3                   # the same flow against a local S3-compatible server (moto, 127.0.0.1)
     bucketeer demo --images 60 --out-dir demo-small
     bucketeer demo --family sdxl          # the same flow with a tiny random-weight SDXL (sd3, flux alike)
+    bucketeer demo --family qwen-image    # ... Qwen-Image (Qwen2.5-VL text, normalised latents); z-image alike
     bucketeer demo --repa                 # DINOv2 features in the cache (embed --features), REPA in training
     bucketeer demo --family wan           # video: generated clips, scan --frames, a tiny random-weight Wan
 

@@ -27,6 +27,7 @@ MARKER = ".bucketeer-demo"  # marks an --out-dir this demo made (and may clear)
 OWNED = ("manifest", "cache", "plan", "train", "report.html", "report_figures", "train.log", "s3-server.log",
          "demo-summary.json", "train-config.yaml", "validation-prompts.txt")
 FAMILIES = ("pixart", "sdxl", "sd3", "flux", "wan")
+FAMILIES += ("qwen-image", "z-image")  # tiny Qwen2.5-VL / Qwen3 text encoders (pipeline.embed.families.tiny_qwen)
 # --family wan: short clips at ~128² (the tiny Wan VAE runs each 17-frame clip in about a second on a CPU), frame
 # buckets 9 and 17 (4k+1, as Wan's causal VAE takes them), sides in steps of 16 (VAE 8 x patch 2)
 VIDEO_RESOLUTION, VIDEO_BUCKET_STEP, VIDEO_FRAMES = 128, 16, "9,17"
@@ -43,9 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--images", type=int, default=300, help="images to generate (default 300; plus 3 broken files)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated dataset and of the plan")
     parser.add_argument("--family", choices=FAMILIES, default="pixart",
-                        help="model family: sdxl, sd3 or flux embed and fine-tune a tiny random-weight model of "
-                        "the family's real classes; wan does so on generated video clips (scan --frames); pixart "
-                        "(default) trains the from-scratch transformer")  # fmt: skip
+                        help="model family: sdxl, sd3, flux, qwen-image or z-image embed and fine-tune a tiny "
+                        "random-weight model of the family's real classes; wan does so on generated video clips "
+                        "(scan --frames); pixart (default) trains the from-scratch transformer")  # fmt: skip
     parser.add_argument("--clips", type=int, default=24,
                         help="with --family wan: clips to generate (default 24; plus 3 stills, a too-short clip "
                         "and a broken file)")  # fmt: skip

@@ -34,7 +34,7 @@ import numpy as np
 
 from manifests.errors import UsageError
 from manifests.storage import redact
-from pipeline.embed.families import Family, TextModel, family_of_pipeline, get_family
+from pipeline.embed.families import Family, TextModel, family_of_pipeline, get_family, qwen_image
 from pipeline.embed.families.tiny import DEFAULT_NOTICE, TINY_VERSION, ensure_tiny
 
 __all__ = [
@@ -251,7 +251,9 @@ def _check_local(path: str, subfolder: str | None, option: str, expected: str, f
                      f"no {' or '.join(files)} in {folder}.{hint}")  # fmt: skip
 
 
-VAE_CLASSES = ("AutoencoderKL", "AutoencoderKLWan")  # what a VAE config's _class_name may name; Wan's takes clips
+# what a VAE config's _class_name may name; Wan's takes clips; Qwen-Image's (Wan-style) encodes images as 1-frame clips
+VAE_CLASSES = ("AutoencoderKL", "AutoencoderKLWan", "AutoencoderKLQwenImage")
+
 
 
 def _vae_class(path: str, subfolder: str | None):
@@ -278,6 +280,8 @@ class LatentEncoder:
         self.device, self.compute_dtype = _device_and_dtype(use_gpu, dtype)
         self.vae = _vae_class(path, subfolder).from_pretrained(path, subfolder=subfolder).eval()
         self.video = type(self.vae).__name__ == "AutoencoderKLWan"
+        # Qwen-Image: per-channel statistics applied here, as QwenImageEditPipeline._encode_vae_image applies them
+        self.normalised = type(self.vae).__name__ == "AutoencoderKLQwenImage"
         self.weights = weights_sha256(self.vae)  # of the weights as published, before any cast
         self.vae.to(self.device)
         if self.compute_dtype != self.vae.dtype:
@@ -287,7 +291,9 @@ class LatentEncoder:
 
     def describe(self) -> dict[str, Any]:
         cfg = self.vae.config
-        if self.video:  # Wan: no scaling factor; the trainer normalises per channel with latents_mean/std
+        if self.normalised:  # stored as the denoiser sees them: nothing left for the trainer to scale
+            shape = qwen_image.vae_description(cfg)
+        elif self.video:  # Wan: no scaling factor; the trainer normalises per channel with latents_mean/std
             shape = {"factor": int(cfg.scale_factor_spatial), "channels": int(cfg.z_dim), "scaling_factor": 1.0,
                      "shift_factor": None, "latents_mean": [float(x) for x in cfg.latents_mean],
                      "latents_std": [float(x) for x in cfg.latents_std],
@@ -321,6 +327,8 @@ class LatentEncoder:
             # [-1, 1] in float32, then the compute dtype, as diffusers' image processor does: in bf16 the division
             # rounds to 1/128 above 1.0 and the subtraction keeps that, up to half a level off for bright pixels
             x = (x.float() / 127.5 - 1.0).to(self.compute_dtype)
+            if self.normalised:
+                return {**qwen_image.vae_latents(self.vae, x, std=self.latents == "posterior"), **extra}
             posterior = self.vae.encode(x).latent_dist
             out = {"latent": posterior.mean.float()}  # (B, C, h, w), a clip's (B, C, F', h, w)
             if self.latents == "posterior":
@@ -415,10 +423,11 @@ class TextEncoders:
             model = _load_text_model(path, subfolder or "", class_name, "--text-encoder").eval()
             weights = weights_sha256(model)
             model.to(device=self.device, dtype=self.compute_dtype)
-            limit = getattr(model.config, "max_position_embeddings", None) or 512
+            config = model.config.get_text_config()  # a multimodal model's (Qwen2.5-VL) is nested
+            limit = getattr(config, "max_position_embeddings", None) or 512
             info = {"id": source.ident, "subfolder": subfolder, "class": type(model).__name__,
                     "weights_sha256": weights, "max_length": min(int(tokenizer.model_max_length), int(limit)),
-                    "hidden_size": int(getattr(model.config, "hidden_size", None) or model.config.d_model)}
+                    "hidden_size": int(getattr(config, "hidden_size", None) or config.d_model)}
             self.models.append(TextModel(tokenizer, model, self.device, info))  # fmt: skip
         self.options = replace(spec, max_tokens=self._max_tokens(spec.max_tokens))
         self.layout = self.family.layout(self.models, self.options)
