@@ -31,6 +31,7 @@ outputs are noise: these models exist to run the pipeline, not to make images.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import uuid
@@ -243,6 +244,17 @@ def _build_generic(target: Path) -> None:
 _PIPELINES: dict[str, Callable[[], object]] = {"sdxl": _sdxl, "sd3": _sd3, "flux": _flux, "pixart": _pixart,
                                                "wan": _wan}  # fmt: skip
 _SEEDS = {"generic": 0, "sdxl": 1, "sd3": 3, "flux": 4, "pixart": 5, "wan": 6}
+
+
+def _tiny_flux2(family: str) -> object:
+    """A pipeline of :mod:`pipeline.embed.families.tiny_flux2` (Flux 2, Flux 2 Klein, Chroma)."""
+    from pipeline.embed.families.tiny_flux2 import PIPELINES
+
+    return PIPELINES[family]()
+
+
+_PIPELINES.update({f: functools.partial(_tiny_flux2, f) for f in ("flux2", "flux2-klein", "chroma")})
+_SEEDS.update({"flux2": 21, "flux2-klein": 22, "chroma": 23})
 
 
 def build_tiny(family: str, folder: str | os.PathLike, variant: str | None = None) -> Path:
