@@ -14,6 +14,8 @@ writes. Side by side, in one run:
 3. what gzip does to a record of that shape filled with Normal(0, 1) bf16 values (a stand-in for
    real activations, whose compressibility needs the real weights: the embed summary reports it);
 4. latent bytes per sample at 1024x1024 (posterior mean; ``--latents posterior`` doubles it).
+
+Then Flux 2, Flux 2 Klein and Chroma at real size (:mod:`sizes_flux2`: parameter counts on the meta device).
 """
 
 from __future__ import annotations
@@ -78,6 +80,10 @@ def main() -> None:
                                                                                   if layout.masked else 0)
         latent = 2 * channels * 128 * 128
         print(f"{name:44s} {stored:>15,d} {gz:>12,d} {joined:>19,d} {joined / stored:>5.1f}x {latent:>14,d}")
+    print()
+    from sizes_flux2 import print_sizes  # Flux 2, Flux 2 Klein, Chroma: real sizes on the meta device
+
+    print_sizes(rng)
 
 
 if __name__ == "__main__":
