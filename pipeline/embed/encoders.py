@@ -273,7 +273,8 @@ def _check_local(path: str, subfolder: str | None, option: str, expected: str, f
                      f"no {' or '.join(files)} in {folder}.{hint}")  # fmt: skip
 
 
-# what a VAE config's _class_name may name; Wan's takes clips, Flux 2's patchifies and normalises (flux2_latents)
+# what a VAE config's _class_name may name; Wan's takes clips, Flux 2's latents are stored patchified and normalised
+# (families.flux2.denoiser_latents)
 VAE_CLASSES = ("AutoencoderKL", "AutoencoderKLWan", "AutoencoderKLFlux2")
 
 
