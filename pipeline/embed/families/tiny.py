@@ -21,6 +21,8 @@ a training step) runs on it in seconds on a CPU:
   ``AutoencoderKLWan`` (causal 3D, 4x temporal and 8x spatial compression, 16 channels, Wan 2.1's
   per-channel ``latents_mean``/``latents_std``).
 - ``generic``: bucketeer's embedded default encoders (a VAE and one CLIP text model; no denoiser).
+- ``flux2``, ``flux2-klein``, ``chroma``: :mod:`pipeline.embed.families.tiny_flux2` (Mistral 3 / Qwen3 LLMs with
+  their chat templates, ``Flux2Transformer2DModel``, ``AutoencoderKLFlux2``; T5 and ``ChromaTransformer2DModel``).
 
 The T5 tokenizer is a Unigram model over a few words plus single characters (anything else is
 ``<unk>``); the CLIP tokenizers are byte-level BPE with a few merges, so any text tokenizes. Their
