@@ -446,7 +446,9 @@ class TextEncoders:
             path, subfolder = source.resolve("text_encoder")
             _check_local(path, subfolder, "--text-encoder", "text_encoder", ("config.json",))
             found.append((source, path, subfolder, *_text_class(path, subfolder or "", class_name)))
-        self._check_memory(found, memory.free_bytes(self.device) if device_memory is None else device_memory)
+        memory.check_text_encoders(self.family, [(s.ident, cls, config) for s, _, _, cls, config in found],
+                                   self.compute_dtype, memory.free_bytes(self.device) if device_memory is None
+                                   else device_memory)  # fmt: skip
         self.models: list[TextModel] = []
         for source, path, subfolder, class_name, _ in found:
             # a pipeline repo keeps text_encoder_2's tokenizer in tokenizer_2; a bare model repo, beside it
@@ -469,16 +471,6 @@ class TextEncoders:
             self.models.append(TextModel(tokenizer, model, self.device, info))  # fmt: skip
         self.options = replace(spec, max_tokens=self._max_tokens(spec.max_tokens))
         self.layout = self.family.layout(self.models, self.options)
-
-    def _check_memory(self, found: list[tuple], free: int | None) -> None:
-        """Refuse in one line, before a weight loads, encoders whose weights exceed ``free`` bytes (None: no check)."""
-        if free is None:
-            return
-        need = sum(memory.text_encoder_bytes(cls, config, self.family.prune, self.compute_dtype)
-                   for *_, cls, config in found)  # fmt: skip
-        names = ", ".join(f"{cls} ({source.ident})" for source, _, _, cls, _ in found)
-        memory.check_fits(need, free, f"--family {self.family.name}: the text encoder {names} in "
-                                      f"{str(self.compute_dtype).replace('torch.', '')}")  # fmt: skip
 
     def _max_tokens(self, asked: int | None) -> int | None:
         default = self.family.max_text_tokens(self.pipeline)

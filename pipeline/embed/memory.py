@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from manifests.errors import UsageError
 
-__all__ = ["parameter_count", "text_encoder_bytes", "free_bytes", "check_fits"]
+__all__ = ["parameter_count", "text_encoder_bytes", "free_bytes", "check_fits", "check_text_encoders"]
 
 GB = 1e9
 
@@ -54,6 +54,16 @@ def check_fits(need: int, free: int | None, what: str) -> None:
     if free is not None and need > free:
         raise UsageError(f"{what} needs {_gb(need)} for its weights alone, and the GPU has {_gb(free)} free: use a "
                          "GPU with more memory, --dtype bf16 (fp16 and fp32 caches compute in fp32), or --device cpu")
+
+
+def check_text_encoders(family: Any, encoders: list[tuple[str, str, Any]], dtype: Any, free: int | None) -> None:
+    """Refuse in one line, before a weight loads, a ``family``'s text ``encoders`` (``(id, class, config)`` each)
+    whose weights in ``dtype`` (after the family's ``prune``) exceed ``free`` bytes (None: nothing checked)."""
+    if free is None:
+        return
+    need = sum(text_encoder_bytes(cls, config, family.prune, dtype) for _, cls, config in encoders)
+    names = ", ".join(f"{cls} ({ident})" for ident, cls, _ in encoders)
+    check_fits(need, free, f"--family {family.name}: the text encoder {names} in {str(dtype).replace('torch.', '')}")
 
 
 def _gb(n: int) -> str:

@@ -1,6 +1,7 @@
-"""Tiny random-weight Flux 2, Flux 2 Klein and Chroma pipelines: the real classes, a few dozen channels wide.
+"""Tiny random-weight Flux 2 and Flux 2 Klein pipelines: the real classes, a few dozen channels wide.
 
-What :func:`pipeline.embed.families.tiny.build_tiny` writes for ``flux2``, ``flux2-klein`` and ``chroma``:
+What :func:`pipeline.embed.families.tiny.build_tiny` writes for ``flux2`` and ``flux2-klein`` (``chroma``'s
+tiny pipeline is in :mod:`pipeline.embed.families.tiny`, beside the T5 and VAE it shares with Flux.1):
 
 - ``flux2``: ``Flux2Pipeline``: a ``Mistral3ForConditionalGeneration`` (a 1-layer Pixtral vision tower and a
   32-layer Mistral language model 40 wide, so that hidden states 10, 20 and 30 exist and are intermediate
@@ -10,8 +11,6 @@ What :func:`pipeline.embed.families.tiny.build_tiny` writes for ``flux2``, ``flu
   2x2 patches, batch-norm statistics set to random values so that a missing normalisation shows).
 - ``flux2-klein``: ``Flux2KleinPipeline``: a 29-layer ``Qwen3ForCausalLM`` 24 wide (hidden states 9, 18, 27),
   a Qwen2 tokenizer with Qwen3's chat template (``enable_thinking``), a transformer without guidance embedding.
-- ``chroma``: ``ChromaPipeline``: T5 (the shared tiny one), a ``ChromaTransformer2DModel`` and Flux.1's
-  16-channel VAE (scaling 0.3611, shift 0.1159).
 
 The tokenizers are byte-level BPEs over single bytes plus a few merges (every text tokenizes). The Flux 2
 folder holds the plain tokenizer where the real one holds a ``PixtralProcessor``: that processor needs
@@ -23,8 +22,6 @@ side), Qwen's on the right.
 from __future__ import annotations
 
 from typing import Callable
-
-from pipeline.embed.families.tiny import T5_WIDTH, _byte_level_vocab, _t5, _vae, t5_tokenizer
 
 __all__ = ["PIPELINES", "MISTRAL_WIDTH", "QWEN3_WIDTH", "mistral_tokenizer", "qwen3_tokenizer"]
 
@@ -66,7 +63,7 @@ def _byte_bpe(specials: list[str]):
     """A ``tokenizers`` byte-level BPE: one token per byte, a few merges, ``specials`` after them."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {c: i for i, c in enumerate(_byte_level_vocab())}
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}  # the 256 byte symbols
     for a, b in _MERGES:
         vocab.setdefault(a + b, len(vocab))
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=_MERGES))
@@ -170,17 +167,4 @@ def flux2_klein():
                               transformer=_flux2_transformer(3 * QWEN3_WIDTH, guidance=False))  # fmt: skip
 
 
-def chroma():
-    from diffusers import ChromaPipeline, ChromaTransformer2DModel
-
-    tok = t5_tokenizer(512)
-    transformer = ChromaTransformer2DModel(
-        patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=T5_WIDTH, axes_dims_rope=(4, 6, 6), approximator_num_channels=16,
-        approximator_hidden_dim=32, approximator_layers=1,
-    )  # fmt: skip
-    return ChromaPipeline(scheduler=_flow_scheduler(), vae=_vae(16, 0.3611, 0.1159, quant_convs=False),
-                          text_encoder=_t5(tok), tokenizer=tok, transformer=transformer)  # fmt: skip
-
-
-PIPELINES: dict[str, Callable[[], object]] = {"flux2": flux2, "flux2-klein": flux2_klein, "chroma": chroma}
+PIPELINES: dict[str, Callable[[], object]] = {"flux2": flux2, "flux2-klein": flux2_klein}
