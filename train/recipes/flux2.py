@@ -11,7 +11,7 @@ with classifier-free guidance against the empty caption. The target ``eps - x0``
 
 The noise levels are shifted as the pipelines sample (``timestep_shift: auto``): ``mu =
 compute_empirical_mu(h w, steps)`` of the bucket's token count (``steps`` = the pipelines' default 50
-``num_inference_steps``; above 4300 tokens, about 1024x1072 pixels, ``mu`` does not depend on it), then
+``num_inference_steps``; above 4300 tokens, from about 1.1 megapixels (1024x1088), ``mu`` does not depend on it), then
 ``exp(mu) t / (1 + (exp(mu) - 1) t)``.
 """
 
