@@ -20,6 +20,8 @@ published configs on the meta device (no weight is allocated) to count parameter
 its real rows (Qwen-Image: the caption's tokens + the template's 5 closing ones, 3584 wide; Z-Image: + the chat
 template's 8, 2560 wide) against ``encode_prompt``'s fp32 output for that caption alone and padded to the
 pipeline's length (what a fixed-shape cache stores).
+
+Then Flux 2, Flux 2 Klein and Chroma at real size (:mod:`sizes_flux2`: parameter counts on the meta device).
 """
 
 from __future__ import annotations
@@ -85,6 +87,10 @@ def main() -> None:
                                                                                   if layout.masked else 0)
         latent = 2 * channels * 128 * 128
         print(f"{name:44s} {stored:>15,d} {gz:>12,d} {joined:>19,d} {joined / stored:>5.1f}x {latent:>14,d}")
+    print()
+    from sizes_flux2 import print_sizes  # Flux 2, Flux 2 Klein, Chroma: real sizes on the meta device
+
+    print_sizes(rng)
     qwen_zimage(args.qwen_tokens)
 
 

@@ -7,6 +7,7 @@
     bucketeer demo --family qwen-image    # ... Qwen-Image (Qwen2.5-VL text, normalised latents); z-image alike
     bucketeer demo --repa                 # DINOv2 features in the cache (embed --features), REPA in training
     bucketeer demo --family wan           # video: generated clips, scan --frames, a tiny random-weight Wan
+    bucketeer demo --family flux2         # a tiny random-weight FLUX.2-dev (flux2-klein, chroma alike)
 
 Each stage is the real job, called the way a user calls it: scan, embed, plan, verify and report
 through their ``bucketeer`` entry points in this process (they are Ray drivers and share one
@@ -16,7 +17,7 @@ infra/accelerate/cpu-2proc.yaml -m train`` in subprocesses (2 ranks, gloo on the
 artifact is an ``s3://`` URL passed with ``--storage-options '{"endpoint_url": ...}'``, and the
 server is stopped afterwards, also when a stage fails. The same stage functions serve both modes.
 
-``--family sdxl|sd3|flux`` builds that family's tiny random-weight diffusers folder once (under
+``--family sdxl|sd3|flux|flux2|flux2-klein|chroma`` builds that family's tiny random-weight diffusers folder once (under
 ``$BUCKETEER_HOME``, :func:`pipeline.embed.families.tiny.ensure_tiny`), embeds with ``--family F --model
 <that folder>`` and two validation prompts, and trains the family's recipe from it (fine-tuning the
 tiny pretrained weights, with caption dropout, an EMA and validation images at the end: the

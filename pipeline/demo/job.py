@@ -28,6 +28,7 @@ OWNED = ("manifest", "cache", "plan", "train", "report.html", "report_figures", 
          "demo-summary.json", "train-config.yaml", "validation-prompts.txt")
 FAMILIES = ("pixart", "sdxl", "sd3", "flux", "wan")
 FAMILIES += ("qwen-image", "z-image")  # tiny Qwen2.5-VL / Qwen3 text encoders (pipeline.embed.families.tiny_qwen)
+FAMILIES += ("flux2", "flux2-klein", "chroma")  # docs/families-flux2-chroma.md
 # --family wan: short clips at ~128² (the tiny Wan VAE runs each 17-frame clip in about a second on a CPU), frame
 # buckets 9 and 17 (4k+1, as Wan's causal VAE takes them), sides in steps of 16 (VAE 8 x patch 2)
 VIDEO_RESOLUTION, VIDEO_BUCKET_STEP, VIDEO_FRAMES = 128, 16, "9,17"
@@ -44,9 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--images", type=int, default=300, help="images to generate (default 300; plus 3 broken files)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated dataset and of the plan")
     parser.add_argument("--family", choices=FAMILIES, default="pixart",
-                        help="model family: sdxl, sd3, flux, qwen-image or z-image embed and fine-tune a tiny "
-                        "random-weight model of the family's real classes; wan does so on generated video clips "
-                        "(scan --frames); pixart (default) trains the from-scratch transformer")  # fmt: skip
+                        help="model family: sdxl, sd3, flux, flux2, flux2-klein, chroma, qwen-image or z-image embed "
+                        "and fine-tune a tiny random-weight model of the family's real classes; wan does so on "
+                        "generated video clips (scan --frames); pixart (default) trains the from-scratch "
+                        "transformer")  # fmt: skip
     parser.add_argument("--clips", type=int, default=24,
                         help="with --family wan: clips to generate (default 24; plus 3 stills, a too-short clip "
                         "and a broken file)")  # fmt: skip
@@ -68,7 +70,7 @@ class DemoJob:
     clips: int = 24  # --family wan: generated clips instead of images
 
     def __post_init__(self) -> None:
-        if self.repa and self.family in ("sdxl", "wan"):
+        if self.repa and self.family not in ("pixart", "sd3", "flux"):
             raise UsageError(f"--repa needs an image transformer family (pixart, sd3, flux), not {self.family}")
         if self.family == "wan" and self.clips < 8:
             raise UsageError(f"--clips must be >= 8 (one global batch of {WORLD_SIZE}x{BATCH_SIZE}), got {self.clips}")

@@ -108,8 +108,8 @@ def cache_info(so: dict, settings: dict, vae: dict, text: dict, validation: list
     usage = ("clip latents (C, F', h, w), F' = (F - 1) // temporal_factor + 1; "
              "z = (latent - latents_mean) / latents_std per channel" if video else
              ("latent = latent + latent_std * noise; " if posterior else "")
-             + ("z = latent, stored normalised (latent.normalised)" if vae.get("normalised") else
-                "z = (latent - shift_factor) * scaling_factor (shift 0 when null)"))  # fmt: skip
+             + (vae.get("usage") or ("z = latent, stored normalised (latent.normalised)" if vae.get("normalised") else
+                                     "z = (latent - shift_factor) * scaling_factor (shift 0 when null)")))  # fmt: skip
     return {
         "family": text["family"],
         "latent": {"kind": "posterior_mean_std" if posterior else "posterior_mean", "dtype": settings["dtype"],
