@@ -308,3 +308,27 @@ def test_the_lora_export_loads_with_load_lora_weights_and_gives_the_trained_outp
     torch.testing.assert_close(loaded, want, rtol=1e-4, atol=1e-5)
     assert (loaded - base).abs().max() > 100 * (loaded - want).abs().max()  # the adapters do act
     assert np.isfinite(_generate(pipe, family)).all()
+
+
+def test_flux2_dev_training_is_refused_on_one_gpu_before_any_weight_loads(tmp_path, monkeypatch):
+    """FLUX.2-dev's published transformer config (32B parameters) against an 80 GB GPU (the memory faked by
+    BUCKETEER_GPU_MEMORY_GB): a full fine-tune and LoRA both refused in one line, from config.json alone."""
+    import json
+
+    from diffusers import Flux2Transformer2DModel
+
+    from train.config import TrainConfig
+    from train.recipes.memory import MEMORY_ENV, check_fits, parameters
+
+    from benchmarks.sizes_flux2 import FLUX2_TRANSFORMER
+    from manifests.errors import UsageError
+
+    folder = tmp_path / "transformer"
+    folder.mkdir()
+    config = {"_class_name": "Flux2Transformer2DModel", **FLUX2_TRANSFORMER["dev"]}
+    (folder / "config.json").write_text(json.dumps(config))
+    assert parameters(Flux2Transformer2DModel, str(tmp_path)) > 30e9
+    monkeypatch.setenv(MEMORY_ENV, "80")
+    for cfg, what in ((TrainConfig(), "a full fine-tune"), (TrainConfig(lora_rank=16), "LoRA")):
+        with pytest.raises(UsageError, match=f"flux2: {what}.*per GPU before activations; this GPU has 80.0 GB"):
+            check_fits("flux2", Flux2Transformer2DModel, str(tmp_path), cfg)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from manifests.cache.meta import CacheMeta
+from train.recipes.memory import check_fits
 from train.config import TrainConfig
 from train.masks import MaskedLoss, mask_weights
 from train.model import flow_sample, to_weight_dtype
@@ -38,6 +39,7 @@ def setup(cfg: TrainConfig, meta: CacheMeta) -> Denoiser:
     from diffusers import ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler
 
     source = pretrained_source(cfg, meta)
+    check_fits("chroma", ChromaTransformer2DModel, source, cfg)
     transformer = load_pretrained(ChromaTransformer2DModel, source, "transformer")
     layout = meta.text_layout
     channels = int(meta.latent.channels)

@@ -23,6 +23,7 @@ import torch
 
 from manifests.cache.meta import CacheMeta
 from manifests.errors import UsageError
+from train.recipes.memory import check_fits
 from train.config import TrainConfig
 from train.masks import MaskedLoss, mask_weights
 from train.model import flow_sample, to_weight_dtype
@@ -52,6 +53,8 @@ def _setup(cfg: TrainConfig, meta: CacheMeta, *, pipeline_class: str) -> Denoise
 
     pipeline_type = getattr(diffusers, pipeline_class)
     source = pretrained_source(cfg, meta)
+    # FLUX.2-dev's 32B transformer fits one 80 GB GPU in no mode (fp32 weights): refused before loading
+    check_fits("flux2-klein" if "Klein" in pipeline_class else "flux2", Flux2Transformer2DModel, source, cfg)
     transformer = load_pretrained(Flux2Transformer2DModel, source, "transformer")
     layout = meta.text_layout
     check_matches("text width (joint_attention_dim)", transformer.config.joint_attention_dim, layout.width, source)
