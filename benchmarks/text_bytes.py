@@ -14,6 +14,14 @@ writes. Side by side, in one run:
 3. what gzip does to a record of that shape filled with Normal(0, 1) bf16 values (a stand-in for
    real activations, whose compressibility needs the real weights: the embed summary reports it);
 4. latent bytes per sample at 1024x1024 (posterior mean; ``--latents posterior`` doubles it).
+
+Qwen-Image and Z-Image (:func:`qwen_zimage`): their text encoders, VAEs and transformers are built from the
+published configs on the meta device (no weight is allocated) to count parameters, and a caption's record is
+its real rows (Qwen-Image: the caption's tokens + the template's 5 closing ones, 3584 wide; Z-Image: + the chat
+template's 8, 2560 wide) against ``encode_prompt``'s fp32 output for that caption alone and padded to the
+pipeline's length (what a fixed-shape cache stores).
+
+Then Flux 2, Flux 2 Klein and Chroma at real size (:mod:`sizes_flux2`: parameter counts on the meta device).
 """
 
 from __future__ import annotations
@@ -66,6 +74,7 @@ def record(layout: TextLayout, tokens: int, rng: np.random.Generator) -> TextRec
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pixart-tokens", type=int, default=40, help="real T5 tokens of a typical PixArt caption")
+    parser.add_argument("--qwen-tokens", type=int, default=40, help="tokens of a typical Qwen-Image / Z-Image caption")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     print(f"{'family':44s} {'bucketeer bf16':>15s} {'gzip(noise)':>12s} {'encode_prompt fp32':>19s} {'ratio':>6s} "
@@ -78,6 +87,69 @@ def main() -> None:
                                                                                   if layout.masked else 0)
         latent = 2 * channels * 128 * 128
         print(f"{name:44s} {stored:>15,d} {gz:>12,d} {joined:>19,d} {joined / stored:>5.1f}x {latent:>14,d}")
+    print()
+    from sizes_flux2 import print_sizes  # Flux 2, Flux 2 Klein, Chroma: real sizes on the meta device
+
+    print_sizes(rng)
+    qwen_zimage(args.qwen_tokens)
+
+
+QWEN_VL_7B = {"text_config": {"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+                              "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                              "max_position_embeddings": 128000, "tie_word_embeddings": False,
+                              "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}},
+              "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+                                "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2,
+                                "temporal_patch_size": 2, "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31]},
+              "tie_word_embeddings": False}  # Qwen/Qwen-Image text_encoder (Qwen2.5-VL-7B-Instruct)
+QWEN3_4B = {"vocab_size": 151936, "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": True}
+QWEN_IMAGE = {"patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 60, "attention_head_dim": 128,
+              "num_attention_heads": 24, "joint_attention_dim": 3584, "axes_dims_rope": [16, 56, 56]}
+Z_IMAGE = {"all_patch_size": [2], "all_f_patch_size": [1], "in_channels": 16, "dim": 3840, "n_layers": 30,
+           "n_refiner_layers": 2, "n_heads": 30, "n_kv_heads": 30, "cap_feat_dim": 2560, "axes_dims": [32, 48, 48],
+           "axes_lens": [1536, 512, 512]}
+FLUX_VAE = {"down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
+            "block_out_channels": [128, 256, 512, 512], "layers_per_block": 2, "latent_channels": 16,
+            "use_quant_conv": False, "use_post_quant_conv": False}  # Z-Image's VAE is Flux.1's
+
+
+def _params(build) -> int:
+    """Parameters of the model ``build()`` makes on the meta device."""
+    import torch
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in build().parameters())
+
+
+def qwen_zimage(caption_tokens: int) -> None:
+    """Parameter counts and bytes per caption of Qwen-Image and Z-Image at their real sizes (module docstring)."""
+    import diffusers
+    import transformers
+
+    counts = {
+        "Qwen2.5-VL-7B (as the pipeline loads it)": _params(lambda: transformers.Qwen2_5_VLForConditionalGeneration(
+            transformers.Qwen2_5_VLConfig(**QWEN_VL_7B))),
+        "Qwen2.5-VL-7B without lm_head (as bucketeer loads it)": _params(lambda: transformers.Qwen2_5_VLModel(
+            transformers.Qwen2_5_VLConfig(**QWEN_VL_7B))),
+        "Qwen-Image VAE (AutoencoderKLQwenImage)": _params(lambda: diffusers.AutoencoderKLQwenImage()),
+        "Qwen-Image transformer": _params(lambda: diffusers.QwenImageTransformer2DModel(**QWEN_IMAGE)),
+        "Qwen3-4B (Z-Image text encoder)": _params(lambda: transformers.Qwen3Model(
+            transformers.Qwen3Config(**QWEN3_4B))),
+        "Z-Image VAE (Flux.1's AutoencoderKL)": _params(lambda: diffusers.AutoencoderKL(**FLUX_VAE)),
+        "Z-Image transformer": _params(lambda: diffusers.ZImageTransformer2DModel(**Z_IMAGE)),
+    }  # fmt: skip
+    print(f"\n{'model':56s} {'parameters':>15s} {'bf16 GB':>8s} {'fp32 GB':>8s} {'full FT GB':>11s}")
+    for name, n in counts.items():
+        print(f"{name:56s} {n:>15,d} {2 * n / 1e9:>8.1f} {4 * n / 1e9:>8.1f} {16 * n / 1e9:>11.1f}")
+    print(f"\n{'family':44s} {'bucketeer bf16':>15s} {'encode_prompt fp32':>19s} {'ratio':>6s} "
+          f"{'padded fp32':>12s} {'ratio':>6s} {'latent/sample':>14s}")  # fmt: skip
+    rows = [(f"qwen-image ({caption_tokens}-token caption, 1024 max)", caption_tokens + 5, 3584, 1024),
+            (f"z-image ({caption_tokens}-token caption, 512 max)", caption_tokens + 8, 2560, 512)]
+    for name, n, width, length in rows:
+        stored, alone, padded = 2 * n * width, 4 * n * width, 4 * length * width + 4 * length
+        print(f"{name:44s} {stored:>15,d} {alone:>19,d} {alone / stored:>5.1f}x {padded:>12,d} "
+              f"{padded / stored:>5.1f}x {2 * 16 * 128 * 128:>14,d}")
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from typing import Any, Callable, TextIO
 from manifests.errors import UsageError
 from manifests.retry import StorageWait, add_wait_listener, remove_wait_listener
 
-__all__ = ["INTERVAL_ENV", "DEFAULT_INTERVAL", "Progress", "interval_seconds", "format_duration"]
+__all__ = ["INTERVAL_ENV", "DEFAULT_INTERVAL", "Progress", "interval_seconds", "format_duration", "human_bytes"]
 
 INTERVAL_ENV = "BUCKETEER_PROGRESS_SECONDS"
 DEFAULT_INTERVAL = 30.0
@@ -73,6 +73,16 @@ def format_duration(seconds: float) -> str:
     if s < 3600:
         return f"{s // 60}m{s % 60:02d}s"
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def human_bytes(n: float | None) -> str:
+    """``n`` bytes for people: ``'512 B'``, ``'6.3 kB'``, ``'2.42 MB'`` (decimal units); ``'-'`` for None."""
+    if n is None:
+        return "-"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
 
 
 def _number(value: float) -> str:

@@ -82,3 +82,28 @@ def video_manifest_tables(n_videos: int, n_images: int = 0, seed: int = 0, *, fr
     images = images.set_column(images.schema.get_field_index("clips"), "clips", pa.array(ones))
     samples = pa.concat_tables([conform(t, VIDEO_SAMPLES_SCHEMA) for t in (samples, images)])
     return samples, pa.concat_tables([errors, small])
+
+
+# what the offline GPU machine lacks (benchmarks/gpu_check.py must run without them)
+GPU_MACHINE_ABSENT = ("ray", "polars", "s3fs", "vllm")
+
+
+def absent_modules_site(folder, names=GPU_MACHINE_ABSENT):
+    """A folder holding a ``sitecustomize.py`` that makes ``names`` unimportable: put it first on ``PYTHONPATH``
+    and a process and every process it starts behave as on a machine without those packages. Returns it."""
+    from pathlib import Path
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(f"""import sys
+
+
+class Absent:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {tuple(names)!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}} (absent in this test)")
+
+
+sys.meta_path.insert(0, Absent())
+""")
+    return folder

@@ -17,6 +17,7 @@ import pytest
 from manifests.cache import read_index
 from manifests.errors import UsageError
 from tests.embed_data import embed_cache, make_dataset, record_bytes, records_by_id
+from tests.factories import absent_modules_site
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.usefixtures("bucketeer_home")
@@ -32,7 +33,8 @@ def test_local_and_ray_write_the_same_records(tmp_path, ray_local):
     assert (local.embedded, local.errors) == (on_ray.embedded, on_ray.errors) == (len(names) - 1, 1)
     assert local.meta.settings.hashed == on_ray.meta.settings.hashed  # one cache, whichever ran it
     assert record_bytes(str(tmp_path / "local")) == record_bytes(str(tmp_path / "ray"))
-    texts = [read_index(str(tmp_path / k))["texts"].sort_by("caption_key").column("caption_key") for k in ("ray", "local")]
+    texts = [read_index(str(tmp_path / k))["texts"].sort_by("caption_key").column("caption_key")
+             for k in ("ray", "local")]
     assert texts[0].equals(texts[1])
     errors = read_index(str(tmp_path / "local"))["errors"].to_pylist()
     assert [(e["filename"], e["error"]) for e in errors] == [("bad.jpg", "not_an_image")]
@@ -59,25 +61,13 @@ def test_local_refuses_what_needs_ray(tmp_path):
             EmbedJob(manifest="m", out="o", executor="local", **extra)
 
 
-# ray, polars and s3fs made unimportable, as on a machine that does not have them
-_WITHOUT = """
-import sys
-class Absent:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("ray", "polars", "s3fs", "vllm"):
-            raise ModuleNotFoundError(f"No module named {name!r} (absent in this test)")
-sys.meta_path.insert(0, Absent())
-from pipeline.cli import console_main
-sys.argv = ["bucketeer", "embed", sys.argv[1], "--out", sys.argv[2], "--executor", "local", "--batch-size", "4"]
-console_main()
-"""
-
-
 def test_local_runs_where_ray_polars_and_s3fs_are_absent(tmp_path):
     root, manifest, out = str(tmp_path / "images"), str(tmp_path / "manifest"), str(tmp_path / "cache")
     make_dataset(root, manifest, 5)
-    proc = subprocess.run([sys.executable, "-c", _WITHOUT, manifest, out], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)  # fmt: skip
+    site = absent_modules_site(tmp_path / "site")  # ray, polars, s3fs and vllm do not import there
+    proc = subprocess.run([sys.executable, "-m", "pipeline.embed", manifest, "--out", out, "--executor", "local",
+                           "--batch-size", "4"], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": f"{site}:{ROOT}"}, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "in this process (no Ray)" in proc.stdout and "5 embedded, 0 error rows" in proc.stdout
     meta = json.loads((tmp_path / "cache" / "_cache.json").read_text())

@@ -29,25 +29,14 @@ def test_without_cuda_it_prints_one_line_and_exits_0():
     assert len(proc.stdout.splitlines()) == 1 and proc.stdout.startswith("gpu-check: no CUDA device here")
 
 
-# what the GPU machine lacks, made unimportable in the check and in every process it starts (a sitecustomize)
-_ABSENT = """
-import sys
-class Absent:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("ray", "polars", "s3fs", "vllm"):
-            raise ModuleNotFoundError(f"No module named {name!r} (absent in this test)")
-sys.meta_path.insert(0, Absent())
-"""
-
-
 @pytest.mark.slow
 def test_smoke_runs_every_section_on_the_cpu_without_ray_polars_or_s3fs(tmp_path):
     """Every section's code on tiny models (one family: the other differs in configs only, checked below) in a
     process where Ray, polars, s3fs and vLLM do not import, as on the GPU machine: every row but the Ray and vLLM
     ones filled; FSDP/DeepSpeed rows say why they skip on a CPU; the table is written as markdown and JSON."""
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(_ABSENT)
+    from tests.factories import absent_modules_site
+
+    site = absent_modules_site(tmp_path / "site")
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, SCRIPT, "--smoke", "--families", "sdxl", "--backends", "ddp,zero3",
                            "--out-dir", str(out), "--work-dir", str(tmp_path / "work"), "--budget", "1200"],

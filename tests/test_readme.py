@@ -36,7 +36,7 @@ DOCS = ROOT / "docs"
 CONFIGURATION = DOCS / "configuration.md"
 REFERENCE = "## Every option of every command"  # the generated part of CONFIGURATION: from here to its end
 # pages that other branches add, linked from here ahead of their merge: a link to one of them may dangle until then
-PENDING_PAGES = ("families-flux2-chroma.md", "families-qwen-zimage.md", "storage-faults.md")
+PENDING_PAGES = ("storage-faults.md",)
 TAGS = ("e2e", "demo", "local", "skip")
 # the tag line, then (blank lines allowed) the fenced block
 _BLOCK = re.compile(r"<!-- test: (\w+)(?::\s*(.*?))? -->\s*\n```bash\n(.*?)```", re.DOTALL)

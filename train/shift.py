@@ -9,7 +9,9 @@ image's token count, computed by the pipeline at sampling time::
     mu = calculate_shift(image_seq_len, base_image_seq_len, max_image_seq_len, base_shift, max_shift)
     sigma = exp(mu) / (exp(mu) + (1 / t - 1))          # scheduler.time_shift(mu, 1.0, t)
 
-which is the fixed-shift formula with ``s = exp(mu)`` (``s = mu`` for ``time_shift_type: linear``).
+which is the fixed-shift formula with ``s = exp(mu)`` (``s = mu`` for ``time_shift_type: linear``). Flux 2's
+pipelines compute ``mu`` by another rule (``compute_empirical_mu`` of the token count and the number of sampling
+steps): a recipe passes it as ``mu_rule``.
 Training draws ``t`` from the config's density and shifts it the same way, so the noise levels it
 trains on are those the sampler visits. Every batch is one bucket (one latent size), so its shift is
 exact: ``image_seq_len`` is the batch's token count after patching (Flux: ``(h / 2) * (w / 2)`` for
@@ -63,8 +65,10 @@ class TimestepShift:
     ``log`` receives one line the first time each bucket is shifted."""
 
     def __init__(self, shift: float = 1.0, *, dynamic: Mapping[str, Any] | None = None, patch: int = 1,
-                 log: Callable[[str], None] = _main_process_log):  # fmt: skip
+                 log: Callable[[str], None] = _main_process_log,
+                 mu_rule: Callable[[int], float] | None = None):  # fmt: skip
         self.fixed, self.dynamic, self.patch, self.log = float(shift), dynamic, patch, log
+        self.mu_rule = mu_rule  # tokens -> mu, instead of calculate_shift (Flux 2's compute_empirical_mu)
         self.seen: set[str] = set()
 
     def mu(self, h: int, w: int) -> float | None:
@@ -75,6 +79,8 @@ class TimestepShift:
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
         c = self.dynamic
+        if self.mu_rule is not None:
+            return float(self.mu_rule((h // self.patch) * (w // self.patch)))
         return calculate_shift((h // self.patch) * (w // self.patch), c.get("base_image_seq_len", 256),
                                c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5),
                                c.get("max_shift", 1.15))  # fmt: skip
@@ -100,12 +106,13 @@ class TimestepShift:
 
 
 def timestep_shift(setting: str | float, scheduler_config: Mapping[str, Any] | None, *,
-                   patch: int = 1) -> TimestepShift:  # fmt: skip
+                   patch: int = 1, mu_rule: Callable[[int], float] | None = None) -> TimestepShift:  # fmt: skip
     """The shift the config's ``timestep_shift`` asks for, for a family whose flow scheduler has
     ``scheduler_config`` (None: the family's objective has no flow scheduler of its own).
 
-    ``auto``: dynamic when the config says ``use_dynamic_shifting``, else its ``shift`` (FlowMatchEuler) or
-    ``flow_shift`` (UniPC / DPM-Solver with flow sigmas, as the Wan folders ship), 1.0 without either.
+    ``auto``: dynamic when the config says ``use_dynamic_shifting`` (its ``mu`` by ``calculate_shift``, or by
+    ``mu_rule(tokens)`` when given), else its ``shift`` (FlowMatchEuler) or ``flow_shift`` (UniPC / DPM-Solver
+    with flow sigmas, as the Wan folders ship), 1.0 without either.
     """
     if setting == "none":
         return TimestepShift(1.0)
@@ -113,7 +120,7 @@ def timestep_shift(setting: str | float, scheduler_config: Mapping[str, Any] | N
         return TimestepShift(float(setting))
     config = scheduler_config or {}
     if config.get("use_dynamic_shifting"):
-        return TimestepShift(dynamic=dict(config), patch=patch)
+        return TimestepShift(dynamic=dict(config), patch=patch, mu_rule=mu_rule)
     return TimestepShift(float(config.get("shift", config.get("flow_shift") or 1.0)), patch=patch)
 
 

@@ -4,8 +4,10 @@
     bucketeer demo --s3                   # the same flow against a local S3-compatible server (moto, 127.0.0.1)
     bucketeer demo --images 60 --out-dir demo-small
     bucketeer demo --family sdxl          # the same flow with a tiny random-weight SDXL (sd3, flux alike)
+    bucketeer demo --family qwen-image    # ... Qwen-Image (Qwen2.5-VL text, normalised latents); z-image alike
     bucketeer demo --repa                 # DINOv2 features in the cache (embed --features), REPA in training
     bucketeer demo --family wan           # video: generated clips, scan --frames, a tiny random-weight Wan
+    bucketeer demo --family flux2         # a tiny random-weight FLUX.2-dev (flux2-klein, chroma alike)
 
 Each stage is the real job, called the way a user calls it: scan, annotate, dedup, embed, plan, verify
 and report through their ``bucketeer`` entry points in this process (the Ray drivers among them share one
@@ -19,10 +21,10 @@ What a user decides before training is in the flow: ``annotate --task sha256,pha
 and image statistics), ``dedup`` (exact and perceptual duplicates, one keeper per cluster) and a plan made
 with ``--where "NOT duplicate AND contrast > 0.02"``. The dataset has cases for them planted
 (:func:`pipeline.sample_data.add_curation_cases`: copies of 6 images, 3 blank frames; from 40 images up), and
-the report shows the scores, the duplicate clusters and what the selection dropped. A video demo
-(``--family wan``) skips annotate and dedup (image tasks).
+the report shows the scores, the duplicate clusters and what the selection dropped. A ``--family`` demo
+shows that family's embed and training, without these stages.
 
-``--family sdxl|sd3|flux`` builds that family's tiny random-weight diffusers folder once (under
+``--family sdxl|sd3|flux|flux2|flux2-klein|chroma`` builds that family's tiny random-weight diffusers folder once (under
 ``$BUCKETEER_HOME``, :func:`pipeline.embed.families.tiny.ensure_tiny`), embeds with ``--family F --model
 <that folder>`` and two validation prompts, and trains the family's recipe from it (fine-tuning the
 tiny pretrained weights, with caption dropout, an EMA and validation images at the end: the

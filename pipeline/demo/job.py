@@ -33,6 +33,8 @@ ANNOTATE_TASKS, ANNOTATE_IMAGE_SIZE = "sha256,phash,stats", 256
 WHERE = "NOT duplicate AND contrast > 0.02"
 CURATION_FROM = 40  # --images from which some of them are planted duplicates and blank frames (9)
 FAMILIES = ("pixart", "sdxl", "sd3", "flux", "wan")
+FAMILIES += ("qwen-image", "z-image")  # tiny Qwen2.5-VL / Qwen3 text encoders (pipeline.embed.families.tiny_qwen)
+FAMILIES += ("flux2", "flux2-klein", "chroma")  # docs/families-flux2-chroma.md
 # --family wan: short clips at ~128² (the tiny Wan VAE runs each 17-frame clip in about a second on a CPU), frame
 # buckets 9 and 17 (4k+1, as Wan's causal VAE takes them), sides in steps of 16 (VAE 8 x patch 2)
 VIDEO_RESOLUTION, VIDEO_BUCKET_STEP, VIDEO_FRAMES = 128, 16, "9,17"
@@ -46,12 +48,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--s3", action="store_true",
                         help="run every stage against a local S3-compatible server (moto on 127.0.0.1) started "
                         "and stopped by the demo")  # fmt: skip
-    parser.add_argument("--images", type=int, default=300, help="images to generate (default 300; plus 3 broken files)")
+    parser.add_argument("--images", type=int, default=300,
+                        help="images to generate (default 300; plus 3 broken files); in the default flow 9 of them "
+                        "are copies of others and blank frames, for dedup and the selection to find")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated dataset and of the plan")
     parser.add_argument("--family", choices=FAMILIES, default="pixart",
-                        help="model family: sdxl, sd3 or flux embed and fine-tune a tiny random-weight model of "
-                        "the family's real classes; wan does so on generated video clips (scan --frames); pixart "
-                        "(default) trains the from-scratch transformer")  # fmt: skip
+                        help="model family: sdxl, sd3, flux, flux2, flux2-klein, chroma, qwen-image or z-image embed "
+                        "and fine-tune a tiny random-weight model of the family's real classes; wan does so on "
+                        "generated video clips (scan --frames); pixart (default) trains the from-scratch "
+                        "transformer")  # fmt: skip
     parser.add_argument("--clips", type=int, default=24,
                         help="with --family wan: clips to generate (default 24; plus 3 stills, a too-short clip "
                         "and a broken file)")  # fmt: skip
@@ -73,7 +78,7 @@ class DemoJob:
     clips: int = 24  # --family wan: generated clips instead of images
 
     def __post_init__(self) -> None:
-        if self.repa and self.family in ("sdxl", "wan"):
+        if self.repa and self.family not in ("pixart", "sd3", "flux"):
             raise UsageError(f"--repa needs an image transformer family (pixart, sd3, flux), not {self.family}")
         if self.family == "wan" and self.clips < 8:
             raise UsageError(f"--clips must be >= 8 (one global batch of {WORLD_SIZE}x{BATCH_SIZE}), got {self.clips}")
@@ -137,12 +142,13 @@ class Stages:
 def run(job: DemoJob) -> DemoResult:
     out = _prepare_out_dir(job.out_dir)
     s3_server, s3_upload = (["s3 server"], ["s3 upload"]) if job.s3 else ([], [])
-    curation = [] if job.family == "wan" else ["annotate", "dedup"]  # image tasks: a video manifest has none
+    curation = ["annotate", "dedup"] if _curates(job) else []
     stages = Stages(["generate", *s3_server, "ray", *s3_upload, "scan", *curation, "embed", "plan", "train", "verify",
                      "report"])  # fmt: skip
     started = time.perf_counter()
     what = (f"{job.clips} short clips in 3 aspect ratios, stills, captions, a broken file" if job.family == "wan"
-            else f"{job.images} images in several aspect ratios, captions, duplicates, blank frames, 3 broken files")
+            else f"{job.images} images in several aspect ratios, captions, 3 broken files"
+            + (", duplicates, blank frames" if _curates(job) else ""))  # fmt: skip
     with stages.stage("generate", what):
         print(f"      {_generate(job, out / 'dataset')}")
     with contextlib.ExitStack() as cleanup:  # unwound in reverse: Ray, then the server, then the credentials
@@ -173,6 +179,12 @@ def run(job: DemoJob) -> DemoResult:
                       seconds=figures["total_seconds"])  # fmt: skip
 
 
+def _curates(job: DemoJob) -> bool:
+    """Whether the demo runs annotate and dedup, and plans with --where: the default flow does (``--s3`` too); a
+    ``--family`` demo shows that family's embed and training (and a video manifest has no image tasks)."""
+    return job.family == "pixart"
+
+
 def _generate(job: DemoJob, folder: Path) -> str:
     """Write the demo's dataset (images, or clips for ``--family wan``); a line saying what it wrote."""
     from pipeline import sample_data
@@ -185,7 +197,7 @@ def _generate(job: DemoJob, folder: Path) -> str:
                              "pip install 'bucketeer[video]'") from None  # fmt: skip
         return (f"{made['clips']} clips {made['codecs']} ({made['rotated']} rotated), {made['captioned']} captions, "
                 f"{made['images']} stills, {made['short']} too short, {made['broken']} broken -> {folder}")
-    planted = {"duplicates": 6, "blanks": 3} if job.images >= CURATION_FROM and job.family != "wan" else {}
+    planted = {"duplicates": 6, "blanks": 3} if _curates(job) and job.images >= CURATION_FROM else {}
     made = sample_data.make_sample_dataset(folder, n=job.images - sum(planted.values()), seed=job.seed)
     line = (f"{made['images']} images {made['formats']}, {made['captioned']} captions, "
             f"{made['rotated']} EXIF-rotated, {made['broken']} broken")

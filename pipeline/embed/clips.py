@@ -27,15 +27,19 @@ from typing import Any, Callable
 
 import numpy as np
 
+from manifests.errors import UsageError
 from manifests.frames import parse_video_bucket
+from manifests.manifest_meta import ManifestMeta
 from manifests.retry import with_retries
 from manifests.schema import image_range
 from manifests.storage import is_local, join, redact
+from pipeline.embed.encoders import DEFAULT_ID
 from pipeline.embed.parquet_images import is_parquet_row
 from pipeline.embed.imaging import ImageFailure, cover_and_crop, crop_resized, prepare_views, read_failure
 from pipeline.embed.samples import sample_record
 
-__all__ = ["MAX_CLIPS", "clip_records", "clip_starts", "clip_variants", "decode_clip_frames", "prepare_clips"]
+__all__ = ["MAX_CLIPS", "clip_records", "clip_starts", "clip_variants", "decode_clip_frames", "prepare_clips",
+           "refuse_for_video"]
 
 MAX_CLIPS = 4  # --max-clips default: record bytes grow with the clips kept
 _FIRST_READ = 256 * 1024  # ranged reads while decoding: sequential misses double from here
@@ -201,3 +205,17 @@ def clip_records(item: dict, rows: list[dict], encode: Callable[[np.ndarray], np
                                      clip_starts=r["clip_starts"])))  # fmt: skip
         at += v
     return out
+
+
+def refuse_for_video(job: Any, manifest: ManifestMeta) -> None:
+    """Raise UsageError (one line) for what a video manifest cannot be embedded with (yet); ``job``: the
+    :class:`~pipeline.embed.job.EmbedJob` (not imported here: that module imports this one)."""
+    images_only = {"--features (REPA)": job.features is not None, "--crops K": job.crops > 1,
+                   "--latents posterior": job.latents == "posterior", "loss masks (scan --masks)": bool(manifest.masks),
+                   "conditioning images (scan --conditioning)": manifest.conditioning is not None}  # fmt: skip
+    why = next((f"{what} is for images only, for now: embed without it" for what, on in images_only.items() if on), "")
+    if job.family != "wan" and job.vae in (None, DEFAULT_ID):  # the tiny AutoencoderKL, or the family's
+        why = (f"--family {job.family} encodes images; clips need a video VAE: --family wan --model ID|PATH "
+               "('default': a tiny random one), or --vae of an AutoencoderKLWan")  # fmt: skip
+    if why:
+        raise UsageError(f"bucketeer embed {redact(job.manifest)} (a video manifest, WxHxF buckets): {why}")

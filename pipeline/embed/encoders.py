@@ -34,7 +34,8 @@ import numpy as np
 
 from manifests.errors import UsageError
 from manifests.storage import redact
-from pipeline.embed.families import Family, TextModel, family_of_pipeline, get_family
+from pipeline.embed import memory
+from pipeline.embed.families import Family, TextModel, family_of_pipeline, flux2, get_family, qwen_image
 from pipeline.embed.families.tiny import DEFAULT_NOTICE, TINY_VERSION, ensure_tiny
 
 __all__ = [
@@ -133,8 +134,9 @@ class TextSpec:
     max_tokens: int | None = None
     layer: str | None = None
 
-    def load(self, *, use_gpu: bool = False, dtype: str = "BF16") -> "TextEncoders":
-        return TextEncoders(self, use_gpu=use_gpu, dtype=dtype)
+    def load(self, *, use_gpu: bool = False, dtype: str = "BF16", device_memory: int | None = None) -> "TextEncoders":
+        """The encoders, loaded (``device_memory``: free bytes to check them against instead of the device's)."""
+        return TextEncoders(self, use_gpu=use_gpu, dtype=dtype, device_memory=device_memory)
 
 
 def encoder_specs(
@@ -203,26 +205,6 @@ def weights_sha256(model: Any) -> str:
     return h.hexdigest()
 
 
-def load_image_processor(path: str):
-    """``AutoImageProcessor.from_pretrained(path)``; where that needs torchvision and it is absent (transformers
-    5.0 to 5.2x refuse the Auto class without torchvision while the class named in the folder's
-    ``preprocessor_config.json`` falls back to its PIL twin), that class. Raises what ``from_pretrained`` raises."""
-    from transformers import AutoImageProcessor
-
-    try:
-        return AutoImageProcessor.from_pretrained(path)
-    except ImportError:
-        import transformers
-        from transformers.image_processing_utils import ImageProcessingMixin
-
-        config, _ = ImageProcessingMixin.get_image_processor_dict(path)
-        name = str(config.get("image_processor_type") or "")
-        cls = getattr(transformers, name.removesuffix("Fast"), None) if name else None
-        if cls is None:
-            raise
-        return cls.from_pretrained(path)
-
-
 def to_storage(tensor: Any, dtype: str) -> np.ndarray:
     """A torch tensor as numpy in the storage dtype tag (BF16 returned as its uint16 bits)."""
     import torch
@@ -271,7 +253,9 @@ def _check_local(path: str, subfolder: str | None, option: str, expected: str, f
                      f"no {' or '.join(files)} in {folder}.{hint}")  # fmt: skip
 
 
-VAE_CLASSES = ("AutoencoderKL", "AutoencoderKLWan")  # what a VAE config's _class_name may name; Wan's takes clips
+# what a VAE config's _class_name may name; Wan's takes clips; Flux 2's latents are stored patchified and normalised
+# (families.flux2.denoiser_latents); Qwen-Image's (Wan-style) encodes images as 1-frame clips, normalised per channel
+VAE_CLASSES = ("AutoencoderKL", "AutoencoderKLWan", "AutoencoderKLFlux2", "AutoencoderKLQwenImage")
 
 
 def _vae_class(path: str, subfolder: str | None):
@@ -298,6 +282,9 @@ class LatentEncoder:
         self.device, self.compute_dtype = _device_and_dtype(use_gpu, dtype)
         self.vae = _vae_class(path, subfolder).from_pretrained(path, subfolder=subfolder).eval()
         self.video = type(self.vae).__name__ == "AutoencoderKLWan"
+        # Qwen-Image: per-channel statistics applied here, as QwenImageEditPipeline._encode_vae_image applies them
+        self.normalised = type(self.vae).__name__ == "AutoencoderKLQwenImage"
+        self.flux2 = type(self.vae).__name__ == "AutoencoderKLFlux2"  # stores what Flux 2's transformer sees
         self.weights = weights_sha256(self.vae)  # of the weights as published, before any cast
         self.vae.to(self.device)
         if self.compute_dtype != self.vae.dtype:
@@ -307,11 +294,16 @@ class LatentEncoder:
 
     def describe(self) -> dict[str, Any]:
         cfg = self.vae.config
-        if self.video:  # Wan: no scaling factor; the trainer normalises per channel with latents_mean/std
+        if self.normalised:  # stored as the denoiser sees them: nothing left for the trainer to scale
+            shape = qwen_image.vae_description(cfg)
+        elif self.video:  # Wan: no scaling factor; the trainer normalises per channel with latents_mean/std
             shape = {"factor": int(cfg.scale_factor_spatial), "channels": int(cfg.z_dim), "scaling_factor": 1.0,
                      "shift_factor": None, "latents_mean": [float(x) for x in cfg.latents_mean],
                      "latents_std": [float(x) for x in cfg.latents_std],
                      "temporal_factor": int(cfg.scale_factor_temporal)}  # fmt: skip
+        elif self.flux2:  # patchified 2x2 and normalised by the batch-norm statistics: scaled already
+            shape = {"factor": 2 ** len(cfg.block_out_channels), "channels": 4 * int(cfg.latent_channels),
+                     "scaling_factor": 1.0, "shift_factor": None, "usage": flux2.LATENT_USAGE}
         else:
             shape = {"factor": 2 ** (len(cfg.block_out_channels) - 1), "channels": int(cfg.latent_channels),
                      "scaling_factor": float(cfg.scaling_factor),
@@ -341,10 +333,15 @@ class LatentEncoder:
             # [-1, 1] in float32, then the compute dtype, as diffusers' image processor does: in bf16 the division
             # rounds to 1/128 above 1.0 and the subtraction keeps that, up to half a level off for bright pixels
             x = (x.float() / 127.5 - 1.0).to(self.compute_dtype)
+            if self.normalised:
+                return {**qwen_image.vae_latents(self.vae, x, std=self.latents == "posterior"), **extra}
             posterior = self.vae.encode(x).latent_dist
             out = {"latent": posterior.mean.float()}  # (B, C, h, w), a clip's (B, C, F', h, w)
             if self.latents == "posterior":
                 out["latent_std"] = posterior.std.float()  # (B, C, h, w): exp(logvar / 2), logvar clamped
+            if self.flux2:  # (B, 4C, h/2, w/2), normalised
+                out["latent"], std = flux2.denoiser_latents(self.vae, out["latent"], out.get("latent_std"))
+                out.update({"latent_std": std} if std is not None else {})
             return {**out, **extra}
 
 
@@ -359,19 +356,26 @@ TEXT_MODELS: dict[str, str] = {
 }
 
 
-def _load_text_model(path: str, subfolder: str, class_name: str | None, what: str):
-    """``class_name`` (None: the class the config names) from ``path``/``subfolder``; refuses a
-    checkpoint that lacks weights of that class (e.g. a CLIP without the projection SD3 pools)."""
-    import transformers
+def _text_class(path: str, subfolder: str, class_name: str | None) -> tuple[str, Any]:
+    """``(class, config)`` of the text encoder in ``path``/``subfolder``: ``class_name``, or (None) the class its
+    config's architecture loads as (:data:`TEXT_MODELS`; UsageError for another)."""
     from transformers import AutoConfig
 
+    config = AutoConfig.from_pretrained(path, subfolder=subfolder)
     if class_name is None:
-        config = AutoConfig.from_pretrained(path, subfolder=subfolder)
         arch = (getattr(config, "architectures", None) or [""])[0]
         if arch not in TEXT_MODELS:
             raise UsageError(f"--text-encoder {path} ({subfolder or '.'}) is a {arch or config.model_type!r}; "
                              f"bucketeer knows {sorted(TEXT_MODELS)}")  # fmt: skip
         class_name = TEXT_MODELS[arch]
+    return class_name, config
+
+
+def _load_text_model(path: str, subfolder: str, class_name: str, what: str):
+    """``class_name`` from ``path``/``subfolder``; refuses a checkpoint that lacks weights of that class (e.g.
+    a CLIP without the projection SD3 pools)."""
+    import transformers
+
     model, loading = getattr(transformers, class_name).from_pretrained(path, subfolder=subfolder,
                                                                        output_loading_info=True)  # fmt: skip
     missing = sorted(loading.get("missing_keys") or [])
@@ -414,7 +418,8 @@ class TextEncoders:
     ``pooled`` float32 ``(P,)`` or None.
     """
 
-    def __init__(self, spec: TextSpec, *, use_gpu: bool = False, dtype: str = "BF16"):
+    def __init__(self, spec: TextSpec, *, use_gpu: bool = False, dtype: str = "BF16",
+                 device_memory: int | None = None):  # fmt: skip
         from transformers import AutoTokenizer
 
         self.family = get_family(spec.family)
@@ -422,23 +427,33 @@ class TextEncoders:
         self.pipeline = _pipeline_class(spec.model)
         _check_pipeline(self.family, self.pipeline, spec.model)
         classes = self.family.text_classes or (None,) * len(spec.sources)
-        self.models: list[TextModel] = []
+        found = []
         for source, class_name in zip(spec.sources, classes):
             path, subfolder = source.resolve("text_encoder")
+            _check_local(path, subfolder, "--text-encoder", "text_encoder", ("config.json",))
+            found.append((source, path, subfolder, *_text_class(path, subfolder or "", class_name)))
+        memory.check_text_encoders(self.family, [(s.ident, cls, config) for s, _, _, cls, config in found],
+                                   self.compute_dtype, memory.free_bytes(self.device) if device_memory is None
+                                   else device_memory)  # fmt: skip
+        self.models: list[TextModel] = []
+        for source, path, subfolder, class_name, _ in found:
             # a pipeline repo keeps text_encoder_2's tokenizer in tokenizer_2; a bare model repo, beside it
             tok_sub = subfolder.replace("text_encoder", "tokenizer") if subfolder else ""
-            _check_local(path, subfolder, "--text-encoder", "text_encoder", ("config.json",))
             _check_local(path, tok_sub, "--text-encoder", "tokenizer", ("tokenizer_config.json", "tokenizer.json"),
                          " The tokenizer is read from the tokenizer* folder matching --text-encoder-subfolder "
                          "(text_encoder_2 -> tokenizer_2), or from beside config.json without one.")
             tokenizer = AutoTokenizer.from_pretrained(path, subfolder=tok_sub)
             model = _load_text_model(path, subfolder or "", class_name, "--text-encoder").eval()
+            loaded = type(model).__name__
+            if self.family.prune is not None:  # only what encode runs is hashed and moved (an LLM's first layers)
+                model = self.family.prune(model)
             weights = weights_sha256(model)
             model.to(device=self.device, dtype=self.compute_dtype)
-            limit = getattr(model.config, "max_position_embeddings", None) or 512
-            info = {"id": source.ident, "subfolder": subfolder, "class": type(model).__name__,
+            config = model.config.get_text_config()  # a multimodal model's (Qwen2.5-VL) is nested
+            limit = getattr(config, "max_position_embeddings", None) or 512
+            info = {"id": source.ident, "subfolder": subfolder, "class": loaded,
                     "weights_sha256": weights, "max_length": min(int(tokenizer.model_max_length), int(limit)),
-                    "hidden_size": int(getattr(model.config, "hidden_size", None) or model.config.d_model)}
+                    "hidden_size": int(getattr(config, "hidden_size", None) or config.d_model)}
             self.models.append(TextModel(tokenizer, model, self.device, info))  # fmt: skip
         self.options = replace(spec, max_tokens=self._max_tokens(spec.max_tokens))
         self.layout = self.family.layout(self.models, self.options)

@@ -78,12 +78,13 @@ from manifests.cache.writer import COMMIT_SECONDS
 from manifests.errors import BucketeerError, UsageError
 from manifests.manifest import read_manifest_meta
 from manifests.manifest_meta import ManifestMeta
+from manifests.progress import human_bytes
 from manifests.schema import MAX_PIXELS
 from manifests.storage import parse_storage_options, redact
-from pipeline.embed.clips import MAX_CLIPS
+from pipeline.embed.clips import MAX_CLIPS, refuse_for_video
 from pipeline.embed.dataflow import DEVICES, EXECUTORS
 from pipeline.embed.driver import EmbedDriver
-from pipeline.embed.encoders import DEFAULT_ID, LATENTS, STORAGE_DTYPES
+from pipeline.embed.encoders import LATENTS, STORAGE_DTYPES
 from pipeline.embed.families import FAMILIES
 from pipeline.embed.prompts import committed_prompts, missing_texts, prompt_texts, read_validation_prompts
 from pipeline.embed.settings import check_early, request_settings
@@ -307,24 +308,19 @@ def _factories(job: EmbedJob, dtype: str):
 
 
 def _describe(ray, make_encoder) -> dict[str, Any]:
-    """An encoder's ``describe()``, loaded once on a CPU worker (a bad path fails here, in one line)."""
+    """An encoder's ``describe()``, loaded once on the CPU: in a Ray task, or in this process (``ray`` None,
+    ``--executor local``). A bad path fails here, in one line."""
     from pipeline.embed.workers import describe_encoder
 
     try:
+        if ray is None:
+            return describe_encoder(make_encoder)
         return ray.get(ray.remote(describe_encoder).options(num_cpus=1).remote(make_encoder))
-    except ray.exceptions.RayTaskError as e:
-        if isinstance(e.cause, (BucketeerError, OSError)):
-            raise UsageError(f"an encoder failed to load: {e.cause}") from None
+    except Exception as e:
+        cause = getattr(e, "cause", e)  # a Ray task's error carries the worker's exception
+        if isinstance(cause, (BucketeerError, OSError)):
+            raise UsageError(f"an encoder failed to load: {cause}") from None
         raise
-
-def _describe_here(make_encoder) -> dict[str, Any]:
-    """An encoder's ``describe()``, loaded in this process on the CPU (``--executor local``)."""
-    from pipeline.embed.workers import describe_encoder
-
-    try:
-        return describe_encoder(make_encoder)
-    except (BucketeerError, OSError) as e:
-        raise UsageError(f"an encoder failed to load: {e}") from None
 
 
 def image_column(manifest: ManifestMeta) -> str | None:
@@ -391,7 +387,7 @@ def _embed(job: EmbedJob) -> EmbedResult:
         from pipeline.embed.local import local_placement
 
         placement = local_placement(job.device, job.torch_threads)
-        vae = _describe_here(make_vae)
+        vae = _describe(None, make_vae)
     else:
         ray, _ = init_ray(job.ray_address)  # a CLI process: Ray stops when it exits
         from pipeline.embed.dataflow import configure_ray_data, place_encoders
@@ -433,26 +429,13 @@ def _embed(job: EmbedJob) -> EmbedResult:
     print(f"bucketeer embed: {embed.embedded} embedded, {embed.errors} error rows, {counts['stale']} changed, "
           f"{counts['retry']} retried, {summary.skipped} skipped in {seconds:.1f}s -> {redact(job.out)} "
           f"({meta.counts.samples} samples, {meta.counts.texts} captions; {embed.shards} shards "
-          f"written; {_size(meta.bytes.per_sample)} per sample, {_size(meta.bytes.per_caption)} per "
+          f"written; {human_bytes(meta.bytes.per_sample)} per sample, {human_bytes(meta.bytes.per_caption)} per "
           "caption)", flush=True)  # fmt: skip
     return EmbedResult(url=job.out, fingerprint=meta.fingerprint, meta=meta, seconds=summary.seconds,
                        embedded=embed.embedded, errors=embed.errors, skipped=summary.skipped, changed=counts["stale"],
                        retried=counts["retry"], new_captions=new_captions, shards=embed.shards,
                        texts_per_second=round(new_captions / text_seconds, 2) if new_captions and text_seconds
                        else None, images_per_second=summary.images_per_second)  # fmt: skip
-
-
-def refuse_for_video(job: EmbedJob, manifest: ManifestMeta) -> None:
-    """Raise UsageError (one line) for what a video manifest cannot be embedded with (yet)."""
-    images_only = {"--features (REPA)": job.features is not None, "--crops K": job.crops > 1,
-                   "--latents posterior": job.latents == "posterior", "loss masks (scan --masks)": bool(manifest.masks),
-                   "conditioning images (scan --conditioning)": manifest.conditioning is not None}  # fmt: skip
-    why = next((f"{what} is for images only, for now: embed without it" for what, on in images_only.items() if on), "")
-    if job.family != "wan" and job.vae in (None, DEFAULT_ID):  # the tiny AutoencoderKL, or the family's
-        why = (f"--family {job.family} encodes images; clips need a video VAE: --family wan --model ID|PATH "
-               "('default': a tiny random one), or --vae of an AutoencoderKLWan")  # fmt: skip
-    if why:
-        raise UsageError(f"bucketeer embed {redact(job.manifest)} (a video manifest, WxHxF buckets): {why}")
 
 
 def _conditioning_root(manifest: ManifestMeta, source: str) -> str | None:
@@ -462,13 +445,3 @@ def _conditioning_root(manifest: ManifestMeta, source: str) -> str | None:
     if pairing is None:
         return None
     return source if pairing.column else pairing.root
-
-
-def _size(n: float | None) -> str:
-    """``n`` bytes for people: ``'512 B'``, ``'6.3 kB'``, ``'2.42 MB'`` (decimal units)."""
-    if n is None:
-        return "-"
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n:.0f} B"

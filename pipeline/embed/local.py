@@ -61,7 +61,8 @@ def caption_results(work: EmbedWork, prompts: dict[int, str], manifest: str, sto
     writer = TextWriter(make_text, dtype, out, storage_options, placement.threads, device=placement.device)
     for start in range(0, captions.num_rows, text_batch_size):
         yield from writer(captions.slice(start, text_batch_size)).to_pylist()
-    writer.release()  # the text encoders leave the device to the VAE, as a Ray text actor does when it ends
+    del writer  # the text encoders leave the device to the VAE, as a Ray text actor does when it ends
+    _free_device()
 
 
 def image_results(work: EmbedWork, manifest: str, source: str, storage_options: dict | None, make_vae: Callable,
@@ -98,5 +99,17 @@ def image_results(work: EmbedWork, manifest: str, source: str, storage_options: 
         finally:  # stopped early (an error, a kill): decoded units not yet encoded are dropped, unwritten
             for future in pending:
                 future.cancel()
-    writer.release()
+    del writer
+    _free_device()
+
+
+def _free_device() -> None:
+    """Give the memory of encoders no longer referenced back to the device (the next phase needs it)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 

@@ -81,7 +81,8 @@ def full_settings(request: dict, vae: dict, text: dict) -> dict[str, Any]:
     """The fingerprinted settings: ``request`` with the VAE's and text encoders' ``describe()``."""
     settings = {**request}
     settings["vae"] = {**request["vae"], **{k: vae[k] for k in _VAE_KEYS},
-                       **{k: vae[k] for k in _VIDEO_VAE_KEYS if vae.get(k) is not None}}  # video VAEs only
+                       **{k: vae[k] for k in _VIDEO_VAE_KEYS if vae.get(k) is not None},  # video VAEs only
+                       **({"normalised": vae["normalised"]} if vae.get("normalised") else {})}  # Qwen-Image's VAE
     settings["text"] = {**request["text"], "pipeline": text["pipeline"], "pooled_dim": text["pooled_dim"],
                         "layout": text["layout"], "encoders": [
         {**r, **{k: e[k] for k in ("class", "weights_sha256", "max_length", "hidden_size")}}
@@ -107,12 +108,14 @@ def cache_info(so: dict, settings: dict, vae: dict, text: dict, validation: list
     usage = ("clip latents (C, F', h, w), F' = (F - 1) // temporal_factor + 1; "
              "z = (latent - latents_mean) / latents_std per channel" if video else
              ("latent = latent + latent_std * noise; " if posterior else "")
-             + "z = (latent - shift_factor) * scaling_factor (shift 0 when null)")  # fmt: skip
+             + (vae.get("usage") or ("z = latent, stored normalised (latent.normalised)" if vae.get("normalised") else
+                                     "z = (latent - shift_factor) * scaling_factor (shift 0 when null)")))  # fmt: skip
     return {
         "family": text["family"],
         "latent": {"kind": "posterior_mean_std" if posterior else "posterior_mean", "dtype": settings["dtype"],
                    "channels": vae["channels"], "factor": vae["factor"], "scaling_factor": vae["scaling_factor"],
-                   "shift_factor": vae["shift_factor"], "usage": usage, **video},
+                   "shift_factor": vae["shift_factor"], "usage": usage, **video,
+                   **({"normalised": vae["normalised"]} if vae.get("normalised") else {})},
         "text": {"family": text["family"], "pipeline": text["pipeline"], "dtype": settings["dtype"],
                  "layer": text["layer"], "max_tokens": text["max_tokens"], "pooled_dim": text["pooled_dim"],
                  "encoders": [{"id": e["id"], "class": e["class"], "hidden_size": e["hidden_size"],

@@ -319,19 +319,6 @@ class _EncoderActor:
                                   "notice": notice}, sort_keys=True)  # fmt: skip
         return encoder
 
-    def release(self) -> None:
-        """Drop the encoders and give their device memory back (in-process runs: the next phase needs the GPU)."""
-        self.encoder = None
-        if getattr(self, "text_encoder", None) is not None:
-            self.text_encoder = None
-        import gc
-
-        import torch
-
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-
     def _result(self, kind: str, shard: ShardWriter) -> tuple[bytes, int]:
         if not len(shard):
             return to_ipc(INDEX_SCHEMAS[kind].empty_table()), 0

@@ -18,8 +18,16 @@ flux       ``FluxTransformer2DModel``           rectified flow on 2x2-packed lat
 pixart     ``PixArtTransformer2DModel``         from scratch: rectified flow (today's); ``pretrained``: DDPM
 wan        ``WanTransformer3DModel``            video: rectified flow on (C, F, h, w) latents normalised per
                                                channel, the scheduler's ``flow_shift``; UMT5 zero-padded to 512
+qwen-image ``QwenImageTransformer2DModel``      rectified flow on 2x2-packed latents (stored normalised), text
+                                               mask, ``img_shapes``; dynamic shift per bucket
+z-image    ``ZImageTransformer2DModel``        rectified flow on per-image lists, timestep ``1 - sigma``,
+                                               output = minus the velocity; the scheduler's fixed ``shift``
 generic    (as pixart, from scratch)
 =========  ==================================  ===========================================================
+
+Flux 2, Flux 2 Klein and Chroma: :mod:`train.recipes.flux2` (``Flux2Transformer2DModel`` on the cache's
+patchified, batch-norm-normalised latents, Flux 2's empirical shift) and :mod:`train.recipes.chroma`
+(``ChromaTransformer2DModel``, its text mask).
 """
 
 from __future__ import annotations
@@ -28,13 +36,15 @@ from __future__ import annotations
 from manifests.cache.meta import CacheMeta
 from manifests.errors import UsageError
 from train.config import TrainConfig
-from train.recipes import flux, pixart, sd3, sdxl, wan
+from train.recipes import chroma, flux, flux2, pixart, qwen_image, sd3, sdxl, wan, z_image
 from train.recipes.base import Denoiser, PromptEmbeds, Recipe
 
 __all__ = ["RECIPES", "Denoiser", "PromptEmbeds", "Recipe", "recipe_for"]
 
 RECIPES: dict[str, Recipe] = {"sdxl": sdxl.RECIPE, "sd3": sd3.RECIPE, "flux": flux.RECIPE, "pixart": pixart.RECIPE,
                               "wan": wan.RECIPE, "generic": pixart.RECIPE}  # fmt: skip
+RECIPES.update({r.family: r for r in (flux2.RECIPE, flux2.KLEIN_RECIPE, chroma.RECIPE)})
+RECIPES.update({"qwen-image": qwen_image.RECIPE, "z-image": z_image.RECIPE})
 
 
 def recipe_for(cfg: TrainConfig, meta: CacheMeta) -> Recipe:

@@ -1,6 +1,7 @@
 """Model families: what each diffusers pipeline feeds its model, so the cache holds exactly that.
 
-One module per family (:mod:`.sdxl`, :mod:`.sd3`, :mod:`.flux`, :mod:`.pixart`, :mod:`.wan`, :mod:`.generic`),
+One module per family (:mod:`.sdxl`, :mod:`.sd3`, :mod:`.flux`, :mod:`.pixart`, :mod:`.wan`, :mod:`.generic`;
+:mod:`.flux2` for Flux 2 and Flux 2 Klein, :mod:`.chroma`, :mod:`.qwen_image`, :mod:`.z_image`),
 each a :class:`~pipeline.embed.families.base.Family` written next to the pipeline's
 ``encode_prompt`` it reproduces; :mod:`.tiny` builds tiny random-weight models of each family's
 real classes. ``FAMILIES`` is the registry, :func:`get_family` the lookup.
@@ -9,13 +10,14 @@ real classes. ``FAMILIES`` is the registry, :func:`get_family` the lookup.
 from __future__ import annotations
 
 from manifests.errors import UsageError
-from pipeline.embed.families import flux, generic, pixart, sd3, sdxl, wan
+from pipeline.embed.families import chroma, flux, flux2, generic, pixart, qwen_image, sd3, sdxl, wan, z_image
 from pipeline.embed.families.base import Family, PromptParts, TextModel, TextOptions
 
 __all__ = ["FAMILIES", "Family", "PromptParts", "TextModel", "TextOptions", "get_family", "family_of_pipeline"]
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (sdxl.FAMILY, sd3.FAMILY, flux.FAMILY, pixart.FAMILY,
                                                    wan.FAMILY, generic.FAMILY)}  # fmt: skip
+FAMILIES.update({f.name: f for f in (flux2.FAMILY, flux2.KLEIN, chroma.FAMILY, qwen_image.FAMILY, z_image.FAMILY)})
 
 
 def get_family(name: str) -> Family:

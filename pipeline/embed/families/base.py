@@ -59,7 +59,8 @@ class Family:
     model). ``text_encoders``: the diffusers subfolders of its text encoders, in the pipeline's order,
     ``text_classes`` the transformers class each loads as (None: the one its config names).
     ``max_text_tokens(pipeline)``: the default T5 length for a pipeline class (None: no T5, CLIP's
-    77 positions are fixed). ``vae``: the subfolder of its VAE.
+    77 positions are fixed). ``vae``: the subfolder of its VAE. ``prune(model)``: the part of a loaded text
+    encoder that ``encode`` runs (None: all of it), taken before the weights are hashed and moved to the device.
     """
 
     name: str
@@ -71,3 +72,4 @@ class Family:
     encode: Callable[[list[TextModel], list[str], TextOptions], PromptParts]
     max_text_tokens: Callable[[str | None], int | None] = lambda pipeline: None
     vae: str = "vae"
+    prune: Callable[[Any], Any] | None = None

@@ -20,7 +20,11 @@ a training step) runs on it in seconds on a CPU:
   patch 1x2x2), ``UniPCMultistepScheduler`` with ``flow_shift`` 3.0 as the Wan 2.1 folders ship it, and an
   ``AutoencoderKLWan`` (causal 3D, 4x temporal and 8x spatial compression, 16 channels, Wan 2.1's
   per-channel ``latents_mean``/``latents_std``).
+- ``qwen-image``, ``z-image``: :mod:`pipeline.embed.families.tiny_qwen`.
 - ``generic``: bucketeer's embedded default encoders (a VAE and one CLIP text model; no denoiser).
+- ``flux2``, ``flux2-klein``: :mod:`pipeline.embed.families.tiny_flux2` (Mistral 3 / Qwen3 LLMs with their chat
+  templates, ``Flux2Transformer2DModel``, ``AutoencoderKLFlux2``).
+- ``chroma``: ``ChromaPipeline``: the T5 above, a ``ChromaTransformer2DModel``, Flux.1's VAE and scheduler.
 
 The T5 tokenizer is a Unigram model over a few words plus single characters (anything else is
 ``<unk>``); the CLIP tokenizers are byte-level BPE with a few merges, so any text tokenizes. Their
@@ -31,11 +35,14 @@ outputs are noise: these models exist to run the pipeline, not to make images.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import uuid
 from pathlib import Path
 from typing import Callable
+
+from pipeline.embed.families import tiny_qwen
 
 __all__ = ["DEFAULT_NOTICE", "TINY_VERSION", "build_tiny", "ensure_tiny", "tiny_dir", "clip_tokenizer", "t5_tokenizer"]
 
@@ -242,7 +249,36 @@ def _build_generic(target: Path) -> None:
 
 _PIPELINES: dict[str, Callable[[], object]] = {"sdxl": _sdxl, "sd3": _sd3, "flux": _flux, "pixart": _pixart,
                                                "wan": _wan}  # fmt: skip
+_PIPELINES.update({"qwen-image": tiny_qwen.qwen_image, "z-image": tiny_qwen.z_image})  # tiny_qwen.py
 _SEEDS = {"generic": 0, "sdxl": 1, "sd3": 3, "flux": 4, "pixart": 5, "wan": 6}
+_SEEDS.update({"qwen-image": 7, "z-image": 9})
+
+
+def _tiny_flux2(family: str) -> object:
+    """A pipeline of :mod:`pipeline.embed.families.tiny_flux2` (Flux 2, Flux 2 Klein)."""
+    from pipeline.embed.families.tiny_flux2 import PIPELINES
+
+    return PIPELINES[family]()
+
+
+def _chroma():
+    """``ChromaPipeline``: T5, a ``ChromaTransformer2DModel`` and Flux.1's VAE and scheduler (dynamic shifting)."""
+    from diffusers import ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler
+
+    tok = t5_tokenizer(512)
+    transformer = ChromaTransformer2DModel(
+        patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=T5_WIDTH, axes_dims_rope=(4, 6, 6), approximator_num_channels=16,
+        approximator_hidden_dim=32, approximator_layers=1,
+    )  # fmt: skip
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                                base_image_seq_len=256, max_image_seq_len=4096)  # fmt: skip
+    return ChromaPipeline(scheduler=scheduler, vae=_vae(16, 0.3611, 0.1159, quant_convs=False), text_encoder=_t5(tok),
+                          tokenizer=tok, transformer=transformer)  # fmt: skip
+
+
+_PIPELINES.update({"chroma": _chroma, **{f: functools.partial(_tiny_flux2, f) for f in ("flux2", "flux2-klein")}})
+_SEEDS.update({"flux2": 21, "flux2-klein": 22, "chroma": 23})
 
 
 def build_tiny(family: str, folder: str | os.PathLike, variant: str | None = None) -> Path:

@@ -1,0 +1,54 @@
+"""Z-Image: Qwen3's second-to-last hidden states of the caption in its chat template, real tokens only.
+
+Mirrors ``ZImagePipeline._encode_prompt`` (diffusers 0.42): the caption becomes one user message through the
+tokenizer's chat template with ``add_generation_prompt=True, enable_thinking=True`` (``<|im_start|>user\\n``,
+the caption, ``<|im_end|>\\n<|im_start|>assistant\\n``), padded to ``max_sequence_length`` (512) and run through
+Qwen3 with the boolean attention mask and ``output_hidden_states=True``; ``hidden_states[-2]`` at the mask's
+positions is each caption's embedding, a list of ``(n_i, 2560)`` tensors of different lengths that
+``ZImageTransformer2DModel`` takes as they are (it pads each to a multiple of 32 with its own learned pad
+token). So the real tokens are stored, nothing else. Every batch has the same padded shape, so a caption's
+rows do not depend on the captions beside it.
+"""
+
+from __future__ import annotations
+
+from manifests.cache.text_layout import TextLayout
+from pipeline.embed.families.base import Family, PromptParts, TextModel, TextOptions
+from pipeline.embed.families.qwen_image import pad_parts, width
+
+__all__ = ["FAMILY", "TOKENS", "chat"]
+
+TOKENS = 512  # ZImagePipeline's max_sequence_length
+
+
+def chat(tokenizer, caption: str) -> str:
+    """The caption as ``ZImagePipeline._encode_prompt`` puts it through the chat template."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": caption}], tokenize=False,
+                                         add_generation_prompt=True, enable_thinking=True)  # fmt: skip
+
+
+def layout(models: list[TextModel], options: TextOptions) -> TextLayout:
+    (qwen3,) = models
+    return TextLayout(family="z-image", join="features", masked=True, lengths=(int(options.max_tokens),),
+                      widths=(width(qwen3.model),))  # fmt: skip
+
+
+def encode(models: list[TextModel], captions: list[str], options: TextOptions) -> PromptParts:
+    (qwen3,) = models
+    enc = qwen3.tokenizer([chat(qwen3.tokenizer, c) for c in captions], padding="max_length",
+                          max_length=options.max_tokens, truncation=True, return_tensors="pt")  # fmt: skip
+    mask = enc.attention_mask.to(qwen3.device).bool()
+    hidden = qwen3(enc.input_ids, attention_mask=mask, output_hidden_states=True).hidden_states[-2]  # (B, L, D)
+    return pad_parts([h[k] for h, k in zip(hidden, mask)])  # the mask's rows, wherever the tokenizer pads
+
+
+FAMILY = Family(
+    name="z-image",
+    summary="Z-Image: Qwen3 second-to-last hidden states of the chat-templated caption (512, masked; real tokens)",
+    pipelines=("ZImagePipeline",),
+    text_encoders=("text_encoder",),
+    text_classes=("Qwen3Model",),
+    layout=layout,
+    encode=encode,
+    max_text_tokens=lambda pipeline: TOKENS,
+)
