@@ -19,6 +19,7 @@ from pipeline.cli import main
 from tests.test_readme import ROOT, bash_env, doc_blocks, run_bash
 
 BUCKETEER = str(Path(sys.executable).parent / "bucketeer")
+IMAGES = 200  # the demo's default
 STAGES = ("generate", "ray", "scan", "annotate", "dedup", "embed", "plan", "train", "verify", "report")
 
 
@@ -56,11 +57,11 @@ def test_demo_runs_every_stage_and_prints_the_summary(demo):
 
     # the artifacts, each valid by its own reader
     manifest = read_manifest(str(out / "manifest"))
-    assert manifest.samples.num_rows == 300 and figures["scan"]["samples"] == 300
+    assert manifest.samples.num_rows == IMAGES and figures["scan"]["samples"] == IMAGES
     assert figures["scan"]["errors_by_kind"] == {"empty": 1, "not_an_image": 1, "truncated": 1}
     assert len(set(manifest.samples.column("bucket").to_pylist())) >= 4, "several aspect-ratio buckets"
     assert read_plan_meta(str(out / "plan")).inputs.world_size == 2
-    assert figures["embed"]["samples"] == 300
+    assert figures["embed"]["samples"] == IMAGES
     assert (out / "train" / "model").is_dir() and (out / "train.log").exists()
     assert "on 2 process(es)" in output and "plan finished" in output
     assert 24 <= figures["train"]["steps"] <= 100, "a few dozen steps"
@@ -89,11 +90,12 @@ def test_demo_finds_the_planted_duplicates_and_plans_without_them(demo):
     import polars as pl
 
     from manifests.annotations import read_annotations
+    from pipeline.demo.job import WHERE
 
     cwd, output, _ = demo
     out = cwd / "demo-output"
     figures = json.loads((out / "demo-summary.json").read_text())
-    assert figures["annotate"]["annotated"] == 300 and figures["annotate"]["errors"] == 0
+    assert figures["annotate"]["annotated"] == IMAGES and figures["annotate"]["errors"] == 0
     names = pl.read_parquet(out / "manifest" / "samples" / "*.parquet").select("sample_id", "filename")
     dups = pl.from_arrow(read_annotations(str(out / "duplicates"))[1]).join(names, on="sample_id")
     # the clusters are exactly the planted ones: each copy with its original, the blank frames together
@@ -109,10 +111,10 @@ def test_demo_finds_the_planted_duplicates_and_plans_without_them(demo):
     # the plan: every sample but the duplicates and the blank frame that kept its cluster (contrast 0)
     blank_keeper = dups.filter(pl.col("filename").str.starts_with("curation/blank") & ~pl.col("duplicate"))
     dropped = set(dups.filter(pl.col("duplicate"))["sample_id"]) | set(blank_keeper["sample_id"])
-    assert figures["plan"]["kept"] == 300 - len(dropped) and figures["plan"]["dropped_by_where"] == len(dropped)
+    assert figures["plan"]["kept"] == IMAGES - len(dropped) and figures["plan"]["dropped_by_where"] == len(dropped)
     planned = set(pl.read_parquet(out / "plan" / "epoch-*.parquet")["sample_ids"].explode())
     assert planned and not planned & dropped
-    assert "select:   291 of 300 samples kept (9 dropped) where NOT duplicate AND contrast > 0.02" in output
+    assert f"select:   {IMAGES - 9} of {IMAGES} samples kept (9 dropped) where {WHERE}" in output
 
 
 @pytest.mark.slow
@@ -125,7 +127,7 @@ def test_documented_commands_on_the_demo_output_run(demo):
     output = "".join(run_bash(b.code, cwd, bash_env(), timeout=300) for b in blocks)
     out = cwd / "demo-output"
     assert "demo-output/cache: OK" in output and "demo-output/plan: ok" in output
-    assert "kept 291 of 300 samples" in output  # stats --where: the planted duplicates and blank frames out
+    assert f"kept {IMAGES - 9} of {IMAGES} samples" in output  # stats --where: the planted duplicates and blanks out
     assert read_manifest(str(out / "manifest-512")).spec.area == 512 * 512
     # stopped after 20 steps on 2 processes, finished on 1: the whole plan, each step once
     assert "--max-steps 20 reached" in output and "on 1 process(es)" in output

@@ -1,6 +1,6 @@
 """Run scan -> annotate -> dedup -> embed -> plan -> train -> verify -> report on a generated dataset, here.
 
-    bucketeer demo                        # ./demo-output: 300 images, 2 training processes, under 2 minutes on 2 cores
+    bucketeer demo                        # ./demo-output: 200 images, 2 training processes, under 2 minutes on 2 cores
     bucketeer demo --s3                   # the same flow against a local S3-compatible server (moto, 127.0.0.1)
     bucketeer demo --images 60 --out-dir demo-small
     bucketeer demo --family sdxl          # the same flow with a tiny random-weight SDXL (sd3, flux alike)

@@ -22,7 +22,7 @@ from pipeline.demo.trainer import WORLD_SIZE, family_config, train
 RESOLUTION = 256
 BUCKET_STEP = 32  # at 256² a step of 64 leaves 3 buckets for 9 aspect ratios; 32 keeps them apart
 BATCH_SIZE = 4  # per rank: a global batch of 8
-EPOCHS = 2  # ~30 steps per epoch on 300 images: a few dozen steps in all
+EPOCHS = 2  # ~23 steps per epoch on 200 images: a few dozen steps in all
 MARKER = ".bucketeer-demo"  # marks an --out-dir this demo made (and may clear)
 OWNED = ("manifest", "annotations", "duplicates", "cache", "plan", "train", "report.html", "report_figures",
          "train.log", "s3-server.log", "demo-summary.json", "train-config.yaml", "validation-prompts.txt")
@@ -48,8 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--s3", action="store_true",
                         help="run every stage against a local S3-compatible server (moto on 127.0.0.1) started "
                         "and stopped by the demo")  # fmt: skip
-    parser.add_argument("--images", type=int, default=300,
-                        help="images to generate (default 300; plus 3 broken files); in the default flow 9 of them "
+    parser.add_argument("--images", type=int, default=200,
+                        help="images to generate (default 200; plus 3 broken files); in the default flow 9 of them "
                         "are copies of others and blank frames, for dedup and the selection to find")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated dataset and of the plan")
     parser.add_argument("--family", choices=FAMILIES, default="pixart",
@@ -71,7 +71,7 @@ class DemoJob:
 
     out_dir: Path = Path("./demo-output")
     s3: bool = False  # every stage against a local S3-compatible server (moto on 127.0.0.1)
-    images: int = 300
+    images: int = 200
     seed: int = 0  # of the generated dataset and of the plan
     family: str = "pixart"
     repa: bool = False  # embed --features dinov2, train with repa:
