@@ -34,7 +34,7 @@ import numpy as np
 
 from manifests.errors import UsageError
 from manifests.storage import redact
-from pipeline.embed.families import Family, TextModel, family_of_pipeline, get_family, qwen_image
+from pipeline.embed.families import Family, TextModel, family_of_pipeline, get_family, qwen_image, qwen_image_edit
 from pipeline.embed.families.tiny import DEFAULT_NOTICE, TINY_VERSION, ensure_tiny
 
 __all__ = [
@@ -420,6 +420,7 @@ class TextEncoders:
                          " The tokenizer is read from the tokenizer* folder matching --text-encoder-subfolder "
                          "(text_encoder_2 -> tokenizer_2), or from beside config.json without one.")
             tokenizer = AutoTokenizer.from_pretrained(path, subfolder=tok_sub)
+            processor = self._processor(path, subfolder)
             model = _load_text_model(path, subfolder or "", class_name, "--text-encoder").eval()
             weights = weights_sha256(model)
             model.to(device=self.device, dtype=self.compute_dtype)
@@ -428,11 +429,24 @@ class TextEncoders:
             info = {"id": source.ident, "subfolder": subfolder, "class": type(model).__name__,
                     "weights_sha256": weights, "max_length": min(int(tokenizer.model_max_length), int(limit)),
                     "hidden_size": int(getattr(config, "hidden_size", None) or config.d_model)}
-            self.models.append(TextModel(tokenizer, model, self.device, info))  # fmt: skip
+            self.models.append(TextModel(tokenizer, model, self.device, info, processor))  # fmt: skip
         self.options = replace(spec, max_tokens=self._max_tokens(spec.max_tokens))
         self.layout = self.family.layout(self.models, self.options)
 
+    def _processor(self, path: str, subfolder: str | None) -> Any:
+        """The family's multimodal processor, from the pipeline's ``processor`` folder beside the text encoder's
+        (a bare model repo: its root); None for a family without one."""
+        if self.family.processor is None:
+            return None
+        folder = self.family.processor if subfolder else ""
+        _check_local(path, folder, "--text-encoder", self.family.processor, ("preprocessor_config.json",),
+                     f" {self.family.name} reads its processor from the pipeline's {self.family.processor}/ folder.")
+        return qwen_image_edit.load_processor(path, folder)
+
     def _max_tokens(self, asked: int | None) -> int | None:
+        if self.family.reference and asked is not None:
+            raise UsageError(f"--max-text-tokens {asked}: {self.family.name}'s pipeline keeps every token of the "
+                             "instruction and its reference image (no max_sequence_length cut); drop the option")
         default = self.family.max_text_tokens(self.pipeline)
         if default is not None and asked is not None and asked > default:
             raise UsageError(f"--max-text-tokens {asked} is above {self.family.name}'s {default} "
@@ -444,11 +458,13 @@ class TextEncoders:
                 "layout": self.layout.to_json(), "pooled_dim": self.layout.pooled_dim,
                 "max_tokens": self.options.max_tokens, "layer": self.options.layer}  # fmt: skip
 
-    def encode(self, captions: list[str]) -> list[tuple[tuple[Any, ...], Any]]:
+    def encode(self, captions: list[str], images: list[np.ndarray] | None = None) -> list[tuple[tuple[Any, ...], Any]]:
+        """``images``: a ``reference`` family's reference image per caption (``(h, w, 3)`` uint8)."""
         import torch
 
         with torch.inference_mode():
-            prompt = self.family.encode(self.models, list(captions), self.options)
+            extra = {} if images is None else {"images": images}
+            prompt = self.family.encode(self.models, list(captions), self.options, **extra)
             parts = [p.float().cpu() for p in prompt.parts]  # (B, L_i, D_i) each
             rows = None if prompt.rows is None else [r.cpu().tolist() for r in prompt.rows]
             pooled = None if prompt.pooled is None else prompt.pooled.float().cpu()  # (B, P)

@@ -104,24 +104,25 @@ def preprocess(pixels: Any, input_size: tuple[int, int], mean, std):
     return (x - m) / s
 
 
-def load_image_processor(path: str):
-    """``AutoImageProcessor.from_pretrained(path)``; where that needs torchvision and it is absent (transformers
-    5.0 to 5.2x refuse the Auto class without torchvision while the class named in the folder's
-    ``preprocessor_config.json`` falls back to its PIL twin), that class. Raises what ``from_pretrained`` raises."""
+def load_image_processor(path: str, subfolder: str = ""):
+    """``AutoImageProcessor.from_pretrained(path, subfolder=subfolder)``; where that needs torchvision and it is
+    absent (transformers 5.0 to 5.2x refuse the Auto class without torchvision while the class named in the
+    folder's ``preprocessor_config.json`` falls back to its PIL twin), that class. Raises what ``from_pretrained``
+    raises."""
     from transformers import AutoImageProcessor
 
     try:
-        return AutoImageProcessor.from_pretrained(path)
+        return AutoImageProcessor.from_pretrained(path, subfolder=subfolder)
     except ImportError:
         import transformers
         from transformers.image_processing_utils import ImageProcessingMixin
 
-        config, _ = ImageProcessingMixin.get_image_processor_dict(path)
+        config, _ = ImageProcessingMixin.get_image_processor_dict(path, subfolder=subfolder)
         name = str(config.get("image_processor_type") or "")
         cls = getattr(transformers, name.removesuffix("Fast"), None) if name else None
         if cls is None:
             raise
-        return cls.from_pretrained(path)
+        return cls.from_pretrained(path, subfolder=subfolder)
 
 
 class FeatureEncoder:

@@ -85,7 +85,7 @@ from pipeline.embed.clips import MAX_CLIPS, refuse_for_video
 from pipeline.embed.dataflow import DEVICES, EXECUTORS
 from pipeline.embed.driver import EmbedDriver
 from pipeline.embed.encoders import LATENTS, STORAGE_DTYPES
-from pipeline.embed.families import FAMILIES
+from pipeline.embed.families import FAMILIES, qwen_image_edit
 from pipeline.embed.prompts import committed_prompts, missing_texts, prompt_texts, read_validation_prompts
 from pipeline.embed.settings import check_early, request_settings
 from pipeline.ray_setup import init_ray
@@ -143,6 +143,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="store K random crops per image as variants, reproducible from --seed and the sample id "
                         "(default 1: the --crop policy's one crop); variants = crops x (2 with --flip)")
     g.add_argument("--source", default=None, help="dataset root, if it moved since the scan (default: the manifest's)")
+    g.add_argument("--reference-resolution", type=int, default=None, metavar="N",
+                   help="--family qwen-image-edit: the area (N x N) its pipeline resizes each reference image to "
+                        "(default 1024, QwenImageEditPipeline's; lower only for trials: its __call__ uses 1024)")
     g.add_argument("--max-clips", type=int, default=MAX_CLIPS, metavar="N",
                    help="video manifests: embed at most N of a video's clips, evenly spaced, each a variant of its "
                         "record (the trainer takes one per epoch); record bytes grow with N (README 'Video (embed)')")
@@ -197,6 +200,7 @@ class EmbedJob:
     flip: bool = False
     crops: int = 1
     max_clips: int = MAX_CLIPS  # video manifests: clips per video, evenly spaced, one variant each
+    reference_resolution: int | None = None  # a reference family's reference area, squared (None: its pipeline's)
     source: str | None = None  # dataset root, if it moved since the scan
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     batch_size: int = 16
@@ -230,9 +234,34 @@ class EmbedJob:
         if self.executor == "local" and (self.ray_address is not None or (self.vae_workers or 1) > 1):
             raise UsageError("--executor local runs in this process on one device: drop --ray-address and "
                              "--vae-workers, or use --executor ray")  # fmt: skip
+        self._check_reference()
         if (self.crops > 1 or self.flip) and self.latents == "posterior":
             raise UsageError("--latents posterior stores one posterior std per sample, not per --flip/--crops "
                              "variant; use one or the other")  # fmt: skip
+
+
+    def _check_reference(self) -> None:
+        """What a family whose text depends on each sample's reference image (Qwen-Image-Edit) cannot do."""
+        name = f"--family {self.family}"
+        if not FAMILIES[self.family].reference:
+            if self.reference_resolution is not None:
+                raise UsageError(f"--reference-resolution is for --family qwen-image-edit, not {self.family}")
+            return
+        if self.reference_resolution is not None and not 32 <= self.reference_resolution <= 4096:
+            raise UsageError(f"--reference-resolution must be 32 to 4096, got {self.reference_resolution}")
+        if self.crops > 1 or self.flip:
+            raise UsageError(f"--crops/--flip: {name}'s text is encoded from each sample's reference crop, so every "
+                             "variant would need its own ~10 MB text embedding; drop --crops/--flip")  # fmt: skip
+        if self.validation_prompts is not None:
+            raise UsageError(f"--validation-prompts: {name} conditions every prompt on a reference image, which a "
+                             "prompts file does not give; drop the option")  # fmt: skip
+
+    @property
+    def reference_area(self) -> int | None:
+        """Pixels a reference family resizes each reference image to (None: not such a family)."""
+        if not FAMILIES[self.family].reference:
+            return None
+        return qwen_image_edit.REFERENCE_AREA if self.reference_resolution is None else self.reference_resolution ** 2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -266,7 +295,8 @@ def job_from_args(args: argparse.Namespace) -> EmbedJob:
         text_encoder_subfolders=tuple_or_none(args.text_encoder_subfolder), text_layer=args.text_layer,
         max_text_tokens=args.max_text_tokens, latents=args.latents, validation_prompts=args.validation_prompts,
         dtype=args.dtype, features=args.features, features_model=args.features_model, crop=args.crop, seed=args.seed,
-        flip=args.flip, crops=args.crops, max_clips=args.max_clips, source=args.source,
+        flip=args.flip, crops=args.crops, max_clips=args.max_clips, reference_resolution=args.reference_resolution,
+        source=args.source,
         storage_options=parse_storage_options(args.storage_options), batch_size=args.batch_size,
         text_batch_size=args.text_batch_size, shard_records=args.shard_records, device=args.device,
         vae_workers=args.vae_workers, torch_threads=args.torch_threads, commit_seconds=args.commit_seconds,
@@ -297,7 +327,8 @@ def _request(job: EmbedJob, manifest: ManifestMeta) -> dict[str, Any]:
     return request_settings(latent, text, dtype=STORAGE_DTYPES[job.dtype], bucket_spec=manifest.bucket_spec.to_json(),
                             crop=job.crop, seed=job.seed, crops=job.crops, flip=job.flip,
                             conditioning=manifest.conditioning is not None, masks=manifest.masks is not None,
-                            max_clips=job.max_clips if manifest.frame_ladder is not None else None)  # fmt: skip
+                            max_clips=job.max_clips if manifest.frame_ladder is not None else None,
+                            reference=job.reference_area)  # fmt: skip
 
 
 def _factories(job: EmbedJob, dtype: str):
@@ -333,7 +364,7 @@ def _image_options(job: EmbedJob, manifest: ManifestMeta, source: str) -> dict[s
     return {"batch_size": job.batch_size, "shard_records": job.shard_records, "crop": job.crop, "seed": job.seed,
             "crops": job.crops, "flip": job.flip, "conditioning": _conditioning_root(manifest, source),
             "max_pixels": int(manifest.max_pixels or MAX_PIXELS), "text_batch_size": job.text_batch_size,
-            "image_column": image_column(manifest),
+            "image_column": image_column(manifest), "reference": job.reference_area,
             "max_clips": job.max_clips if manifest.frame_ladder is not None else None}  # fmt: skip
 
 
@@ -355,6 +386,11 @@ def _embed(job: EmbedJob) -> EmbedResult:
     if manifest.frame_ladder is not None:
         refuse_for_video(job, manifest)
     source = job.source or manifest.source
+    reference = FAMILIES[job.family].reference  # its text: of each sample's instruction and reference image
+    if reference and manifest.conditioning is None:
+        raise UsageError(f"--family {job.family} conditions each sample on its reference image, and "
+                         f"{redact(job.manifest)} has none: scan with --conditioning ROOT_OR_COLUMN (the references, "
+                         "each the size of its target)")  # fmt: skip
     request = _request(job, manifest)
     # one look at the committed index decides the work: stale rows (changed image bytes, caption or
     # bucket since they were embedded), read failures and missing ones are embedded; fresh records
@@ -366,9 +402,10 @@ def _embed(job: EmbedJob) -> EmbedResult:
     # a caption equal to one of them is encoded as that one, not twice
     validation = committed_prompts(committed) if job.validation_prompts is None else \
         read_validation_prompts(job.validation_prompts, so)  # fmt: skip
-    prompts = missing_texts(prompt_texts(validation), done_texts)
+    # a reference family has no text of a caption alone: not even the empty caption's
+    prompts = {} if reference else missing_texts(prompt_texts(validation), done_texts)
     done_texts = np.concatenate([np.asarray(done_texts, np.uint64), np.fromiter(prompts, np.uint64, len(prompts))])
-    work = find_work(job.manifest, manifest, so, lookup, done_texts)
+    work = find_work(job.manifest, manifest, so, lookup, done_texts, per_sample_text=job.family if reference else None)
     del lookup, done_texts
     if not work.todo and not prompts and validation == committed_prompts(committed):
         print(f"bucketeer embed: {redact(job.out)} already holds every sample of the manifest, all up to date; "

@@ -50,6 +50,7 @@ from manifests.schema import MASK_COLUMNS
 from manifests.storage import is_local, join, open_url, read_many, redact
 from pipeline.embed.clips import MAX_CLIPS, clip_records, prepare_clips
 from pipeline.embed.encoders import Encoder, quiet_loading, to_storage
+from pipeline.embed.families import qwen_image_edit
 from pipeline.embed.imaging import ImageFailure, check_source, conditioning_views, fetch_images, open_source, \
     prepare_views, read_failure
 from pipeline.embed.masks import fetch_masks, row_mask, variant_masks
@@ -112,6 +113,7 @@ def prepare_batch(
     conditioning: str | None = None,
     image_column: str | None = None,
     max_clips: int = MAX_CLIPS,
+    reference: int | None = None,
 ) -> dict[str, Any]:
     """Fetch, decode and crop ``rows`` (``sample_id``, ``filename``, ``caption_key``) to ``bucket``.
 
@@ -122,7 +124,9 @@ def prepare_batch(
     [(sample_id, filename, kind, message)]}``; one bad image never fails the batch. ``crops``: K crops per image
     (:func:`~pipeline.embed.imaging.prepare_views`). ``conditioning``: the root of the rows' ``conditioning``
     paths: each is cropped exactly like its target (same resized size, same boxes), and a pair that cannot be is
-    the sample's error row. Transient storage errors are retried per file
+    the sample's error row; ``reference`` (an area in pixels, a ``reference`` family's): each crop is then resized as
+    that family's pipeline resizes its reference (:func:`~pipeline.embed.families.qwen_image_edit.reference_pixels`),
+    so ``cond_pixels`` are ``(B * K, h, w, 3)`` at that size. Transient storage errors are retried per file
     (:func:`pipeline.embed.imaging.fetch_all`); a read that still fails is a ``read_failed`` error row
     (credentials redacted), which the next run retries. ``fs`` replaces the filesystem of ``source`` (it must be
     picklable for Ray); ``image_column``: a parquet-sourced manifest's (:func:`pipeline.embed.imaging.fetch_images`).
@@ -148,6 +152,8 @@ def prepare_batch(
                                   max_pixels=max_pixels, crops=crops, name=row["filename"])  # fmt: skip
             if paired:
                 cond = conditioning_views(row, cond_blobs[i], views, (bh, bw), max_pixels, storage_options)
+                if reference:
+                    cond = [qwen_image_edit.reference_pixels(c, reference) for c in cond]
             if row.get("mask"):
                 mask = row_mask(row, mask_blobs.get(i, blob), views, (bh, bw), max_pixels, storage_options)
         except ImageFailure as e:
@@ -199,7 +205,7 @@ def plan_units(batch: pa.Table, manifest: str, storage_options: dict | None, bat
 
 def prepare_unit(batch: pa.Table, source: str, storage_options: dict | None, crop: str, seed: int,
                  max_pixels: int, crops: int = 1, conditioning: str | None = None,
-                 image_column: str | None = None, max_clips: int = MAX_CLIPS) -> pa.Table:
+                 image_column: str | None = None, max_clips: int = MAX_CLIPS, reference: int | None = None) -> pa.Table:
     """Ray Data ``map_batches`` (batch size 1): a unit -> its pixels (``uint8 (B * K, H, W, 3)`` bytes;
     ``cond_pixels`` the same for the conditioning images, empty without), the geometry of its good
     rows and its error rows (IPC bytes), via :func:`prepare_batch`."""
@@ -209,7 +215,7 @@ def prepare_unit(batch: pa.Table, source: str, storage_options: dict | None, cro
         keys = {r["sample_id"]: r["source_key"] for r in rows}
         prepared = prepare_batch(source, storage_options, item["bucket"], rows, crop, seed, max_pixels, crops=crops,
                                  conditioning=conditioning, image_column=image_column,
-                                 max_clips=max_clips)  # fmt: skip
+                                 max_clips=max_clips, reference=reference)  # fmt: skip
         good = pa.table({
             "sample_id": [r["sample_id"] for r in prepared["rows"]],
             "caption_key": [r["caption_key"] for r in prepared["rows"]],
@@ -335,16 +341,49 @@ class LatentWriter(_EncoderActor):
     image's same variants are encoded in the same forward passes (:func:`sample_record`). A row whose
     caption no other row has (``text_inline``) gets that caption encoded here, by the text encoders of
     ``make_text`` (built on the first such row), into its own record: the trainer then reads the sample
-    with one request, and the caption's text row names that record."""
+    with one request, and the caption's text row names that record.
+
+    ``reference`` (an area in pixels: a ``reference`` family, Qwen-Image-Edit): every row's text is a function of
+    its caption and its reference (the conditioning crop as the family resized it); the text encoders are built
+    with the VAE (the worker's description carries theirs, ``text``), the reference latents are encoded apart (their
+    grid is the reference's), and each row's text is keyed by
+    :func:`~pipeline.embed.families.qwen_image_edit.reference_key` (its record's and index row's ``caption_key``)."""
 
     def __init__(self, make_encoder: Callable[..., Encoder], dtype: str, cache: str, storage_options: dict | None,
                  batch_size: int, threads: int | None = None, crops: int = 1, flip: bool = False,
                  make_text: Callable[..., Encoder] | None = None, text_batch_size: int = 128,
-                 device: str | None = None):
+                 device: str | None = None, reference: int | None = None):
         super().__init__(make_encoder, dtype, cache, storage_options, threads, device)
         self.batch_size, self.crops, self.flips = batch_size, crops, 2 if flip else 1
         self.make_text, self.text_batch_size = make_text, text_batch_size
         self.text_encoder: Encoder | None = None
+        self.reference = reference
+
+    def _build(self) -> Encoder:
+        encoder = super()._build()
+        if self.reference:  # every row needs the text encoders: built now, and described with the VAE
+            assert self.make_text is not None, "a reference family's text is encoded by the image workers"
+            self.text_encoder = self.make_text(use_gpu=self.use_gpu)
+            self.worker = json.dumps({**json.loads(self.worker), "text": self.text_encoder.describe()}, sort_keys=True)
+        return encoder
+
+    def _text_record(self, key: int, tokens: tuple, pooled: Any) -> TextRecord:
+        return TextRecord(caption_key=key, tokens=tuple(to_storage(t, self.dtype) for t in tokens),
+                          pooled=None if pooled is None else to_storage(pooled, self.dtype), dtype=self.dtype)
+
+    def _reference_texts(self, rows: list[dict], refs: np.ndarray) -> dict[int, TextRecord]:
+        """Each row's text, encoded with its reference ``refs[i]`` ``(h, w, 3)``, by its key; sets the rows'
+        ``caption_key`` to that key."""
+        out: dict[int, TextRecord] = {}
+        for start in range(0, len(rows), self.text_batch_size):
+            batch, images = rows[start : start + self.text_batch_size], refs[start : start + self.text_batch_size]
+            captions = [r["caption"] or "" for r in batch]  # a null caption: the empty instruction
+            with self.lock:
+                encoded = self.text_encoder.encode(captions, images=list(images))
+                for r, caption, image, (tokens, pooled) in zip(batch, captions, images, encoded):
+                    r["caption_key"] = qwen_image_edit.reference_key(caption, image)
+                    out[r["caption_key"]] = self._text_record(r["caption_key"], tokens, pooled)
+        return out
 
     def _texts(self, rows: list[dict]) -> dict[int, TextRecord]:
         """The text records of the inline captions of ``rows``, by caption key (encoded here)."""
@@ -360,9 +399,7 @@ class LatentWriter(_EncoderActor):
                     self.text_encoder = self.make_text(use_gpu=self.use_gpu)
                 encoded = self.text_encoder.encode([c for _, c in batch])
                 for (key, _), (tokens, pooled) in zip(batch, encoded):
-                    out[key] = TextRecord(caption_key=key, tokens=tuple(to_storage(t, self.dtype) for t in tokens),
-                                          pooled=None if pooled is None else to_storage(pooled, self.dtype),
-                                          dtype=self.dtype)  # fmt: skip
+                    out[key] = self._text_record(key, tokens, pooled)
         return out
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -372,7 +409,10 @@ class LatentWriter(_EncoderActor):
             rows = from_ipc(item["rows"])
             shard = ShardWriter("samples", max_records=rows.num_rows + 1, max_bytes=1 << 62)
             meta = rows.to_pylist()
-            texts = self._texts(meta)
+            if self.reference:  # the text of (caption, reference): every row's, keyed by both
+                texts = self._reference_texts(meta, self._conditioning(item, len(meta))[:, 0])
+            else:
+                texts = self._texts(meta)
             if is_video_bucket(item["bucket"]):  # WxHxF: pipeline.embed.clips
                 records = clip_records(item, meta, self._encode_clips(encoder), self.flips, self.batch_size, self.dtype)
             else:
@@ -398,23 +438,34 @@ class LatentWriter(_EncoderActor):
                 return to_storage(encoder.encode(clips)["latent"], self.dtype)  # (b, C, F', h, w)
         return encode
 
+    def _conditioning(self, item: dict, n_rows: int) -> np.ndarray | None:
+        """A unit's conditioning pixels ``(B, K, H, W, 3)``: the bucket's size, or the reference's
+        (``reference``); None without."""
+        if not item.get("cond_pixels"):
+            return None
+        bw, bh = parse_bucket(item["bucket"])
+        h, w = qwen_image_edit.reference_size(bh, bw, self.reference) if self.reference else (bh, bw)
+        return np.frombuffer(item["cond_pixels"], np.uint8).reshape(n_rows, self.crops, h, w, 3)
+
     def _image_records(self, encoder: Encoder, item: dict, meta: list[dict]) -> Iterator[tuple[dict, Any]]:
         """``(row, SampleRecord)`` of each good row of an image unit, ``batch_size`` images a forward pass."""
         k, f, n_rows = self.crops, self.flips, len(meta)
         bw, bh = parse_bucket(item["bucket"])
         pixels = np.frombuffer(item["pixels"], np.uint8).reshape(n_rows, k, bh, bw, 3)  # (B, K, H, W, 3)
-        conds = (np.frombuffer(item["cond_pixels"], np.uint8).reshape(n_rows, k, bh, bw, 3)
-                 if item.get("cond_pixels") else None)  # fmt: skip
+        conds = self._conditioning(item, n_rows)  # (B, K, H, W, 3), a reference's (B, K, h', w', 3)
         masks = np.frombuffer(item["mask_pixels"], np.uint8).reshape(n_rows, k, bh, bw) \
             if item.get("mask_pixels") else None  # (B, K, H, W)  # fmt: skip
         for start in range(0, n_rows, self.batch_size):
             views = variant_pixels(pixels[start : start + self.batch_size], f)  # (b * V, H, W, 3)
             n = len(views)
-            if conds is not None:
+            if conds is not None and not self.reference:
                 views = np.concatenate([views, variant_pixels(conds[start : start + self.batch_size], f)])
             with self.lock:
                 encoded = encoder.encode(views, features_of=n)  # --features: of the n image variants
                 latents = to_storage(encoded["latent"], self.dtype)  # (b * V [* 2 with conditioning], C, h, w)
+                if conds is not None and self.reference:  # (b * V, C, h', w'): the reference's own grid
+                    refs = to_storage(encoder.encode(variant_pixels(conds[start : start + self.batch_size], f))
+                                      ["latent"], self.dtype)  # fmt: skip
                 # --latents posterior: the std too (b, C, h, w), to sample a latent per training step
                 stds = to_storage(encoded["latent_std"], self.dtype) if "latent_std" in encoded else None
                 feats = to_storage(encoded["features"], "F16") if "features" in encoded else None  # (b * V, ...)
@@ -422,9 +473,10 @@ class LatentWriter(_EncoderActor):
             grid = None if masks is None else variant_masks(masks[start : start + self.batch_size], f,
                                                             latents.shape[-2:])  # (b * V, h, w)  # fmt: skip
             for j, r in enumerate(meta[start : start + self.batch_size]):
+                cond = None if conds is None else (refs[j * v : (j + 1) * v] if self.reference else
+                                                   latents[n + j * v : n + (j + 1) * v])  # fmt: skip
                 yield r, sample_record(
-                    r, item["bucket"], self.dtype, latents[j * v : (j + 1) * v],
-                    None if conds is None else latents[n + j * v : n + (j + 1) * v],
+                    r, item["bucket"], self.dtype, latents[j * v : (j + 1) * v], cond,
                     None if stds is None else stds[j * v], f,
                     grid[j * v : (j + 1) * v] if grid is not None and r.get("has_mask") else None,
                     features=None if feats is None else feats[j * v : (j + 1) * v])  # fmt: skip

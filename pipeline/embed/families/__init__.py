@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from manifests.errors import UsageError
 from pipeline.embed.families import flux, generic, pixart, sd3, sdxl, wan
-from pipeline.embed.families import qwen_image, z_image
+from pipeline.embed.families import qwen_image, qwen_image_edit, z_image
 from pipeline.embed.families.base import Family, PromptParts, TextModel, TextOptions
 
 __all__ = ["FAMILIES", "Family", "PromptParts", "TextModel", "TextOptions", "get_family", "family_of_pipeline"]
@@ -19,6 +19,7 @@ __all__ = ["FAMILIES", "Family", "PromptParts", "TextModel", "TextOptions", "get
 FAMILIES: dict[str, Family] = {f.name: f for f in (sdxl.FAMILY, sd3.FAMILY, flux.FAMILY, pixart.FAMILY,
                                                    wan.FAMILY, generic.FAMILY)}  # fmt: skip
 FAMILIES.update({f.name: f for f in (qwen_image.FAMILY, z_image.FAMILY)})
+FAMILIES[qwen_image_edit.FAMILY.name] = qwen_image_edit.FAMILY
 
 
 def get_family(name: str) -> Family:

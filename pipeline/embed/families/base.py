@@ -4,7 +4,7 @@ A :class:`Family` is data plus two small functions, one module per family (``sdx
 ``flux``, ``pixart``, ``generic``), each written next to the diffusers pipeline's ``encode_prompt``
 it reproduces: ``layout(models, options)`` says what the cache's text records hold
 (:class:`manifests.cache.text_layout.TextLayout`), ``encode(models, captions, options)`` computes
-them for a batch of captions as :class:`PromptParts`.
+them for a batch of captions as :class:`PromptParts` (a ``reference`` family's takes ``images=`` too).
 """
 
 from __future__ import annotations
@@ -19,12 +19,14 @@ __all__ = ["Family", "PromptParts", "TextModel", "TextOptions"]
 
 @dataclass(frozen=True)
 class TextModel:
-    """One loaded text encoder: its tokenizer, the model (eval mode, on ``device``), and where it came from."""
+    """One loaded text encoder: its tokenizer, the model (eval mode, on ``device``), where it came from, and the
+    pipeline's multimodal processor (a family whose text sees an image; else None)."""
 
     tokenizer: Any
     model: Any
     device: Any
     info: dict[str, Any]
+    processor: Any = None
 
     def __call__(self, input_ids: Any, **kwargs: Any) -> Any:
         """The model's forward on ``input_ids`` moved to its device (as the pipelines call it)."""
@@ -59,7 +61,10 @@ class Family:
     model). ``text_encoders``: the diffusers subfolders of its text encoders, in the pipeline's order,
     ``text_classes`` the transformers class each loads as (None: the one its config names).
     ``max_text_tokens(pipeline)``: the default T5 length for a pipeline class (None: no T5, CLIP's
-    77 positions are fixed). ``vae``: the subfolder of its VAE.
+    77 positions are fixed). ``vae``: the subfolder of its VAE. ``reference``: its text is a function of the
+    caption and the sample's reference image (the paired conditioning image, ``scan --conditioning``): ``encode``
+    takes ``images=`` too, and the image workers encode each sample's text into its record
+    (:mod:`.qwen_image_edit`). ``processor``: the pipeline subfolder of its multimodal processor (None: none).
     """
 
     name: str
@@ -71,3 +76,5 @@ class Family:
     encode: Callable[[list[TextModel], list[str], TextOptions], PromptParts]
     max_text_tokens: Callable[[str | None], int | None] = lambda pipeline: None
     vae: str = "vae"
+    reference: bool = False
+    processor: str | None = None

@@ -1,0 +1,167 @@
+"""Qwen-Image-Edit: Qwen2.5-VL's last hidden states of (instruction, reference image), prefix dropped.
+
+Mirrors ``QwenImageEditPipeline`` (diffusers 0.42). Its "text" embedding is a function of the instruction **and**
+the reference image: ``encode_prompt(prompt, image)`` puts the instruction in the edit template (a system message,
+then the user turn ``<|vision_start|><|image_pad|><|vision_end|>{instruction}``, then the assistant's opening),
+runs the template and the image through ``Qwen2VLProcessor`` (the image's ``<|image_pad|>`` becomes one token per
+2x2 merged 14-pixel patch: 1,369 for a 1024² reference) and Qwen2.5-VL, and keeps ``hidden_states[-1]`` of the
+real tokens minus the first ``prompt_template_encode_start_idx`` (64): the system message and the user turn's
+opening. What remains (``<|vision_start|>``, the image's tokens, ``<|vision_end|>``, the instruction and the 5
+closing tokens) is what the transformer sees; the edit pipeline cuts nothing (``max_sequence_length`` is not
+applied), so neither does the cache.
+
+**The reference.** A sample's reference is its paired conditioning image (``scan --conditioning``), cropped like
+its target (the bucket's crop: :func:`pipeline.embed.imaging.conditioning_views`). The cache stores what
+``QwenImageEditPipeline.__call__`` makes of that crop when handed it as ``image``: resized with Lanczos
+(``image_processor.resize``) to ``calculate_dimensions(1024 * 1024, width / height)`` (the bucket's aspect at
+about a megapixel, sides multiples of 32; a 1024² or 1152x896 bucket is left as it is) by :func:`reference_pixels`;
+that one image is what Qwen2.5-VL sees (through the processor) and what the VAE encodes into the record's
+``cond_latent`` (the normalised posterior mode, ``_encode_vae_image``). So ``cond_latent`` is at the reference's
+grid, which differs from the target's for buckets far from a megapixel, as in the pipeline's ``img_shapes``.
+
+**The key.** A record's text is keyed by :func:`reference_key` (a hash of the instruction and the reference's
+pixels), never by the caption alone: two samples with the same instruction and other references get their own
+embeddings. Each sample's text is encoded on the image worker, one sample per forward pass (exactly
+``encode_prompt([instruction], image)``: no batch padding), and stored inline in its record (~10 MB in bf16 at a
+1024² reference): a repeated (instruction, reference) pair is stored per sample, since the key exists only once
+the reference is decoded and cropped, on the workers, and such repeats are rare in edit datasets.
+
+**The processor.** Loaded as the pipeline loads it, ``Qwen2VLProcessor.from_pretrained(model, subfolder=
+"processor")``. transformers 5.x without torchvision cannot build that class (its video processor needs
+torchvision); there :func:`load_processor` builds the same processor without a video processor
+(``ImageTextProcessor``) from the folder's image processor (its PIL twin, ``Qwen2VLImageProcessorPil``) and
+tokenizer. The tests pass that object to the pipeline too, so exactness is against the pipeline's own
+``encode_prompt`` with the same processor.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+from typing import Any
+
+import numpy as np
+
+from manifests.cache.text_layout import TextLayout
+from pipeline.embed.families.base import Family, PromptParts, TextModel, TextOptions
+from pipeline.embed.families.qwen_image import pad_parts, width
+
+__all__ = ["FAMILY", "TEMPLATE", "DROP", "REFERENCE_AREA", "conditioning_setting", "load_processor", "reference_size",
+           "reference_pixels", "reference_key"]  # fmt: skip
+
+DROP = 64  # QwenImageEditPipeline.prompt_template_encode_start_idx: the template's tokens before <|vision_start|>
+REFERENCE_AREA = 1024 * 1024  # QwenImageEditPipeline.__call__: calculate_dimensions(1024 * 1024, ratio)
+TEMPLATE = ("<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
+            "background), then explain how the user's text instruction should alter or modify the image. Generate a "
+            "new image that meets the user's requirements while maintaining consistency with the original input "
+            "where appropriate.<|im_end|>\n<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{}<|im_end|>\n"
+            "<|im_start|>assistant\n")  # QwenImageEditPipeline.prompt_template_encode  # fmt: skip
+
+
+def reference_size(height: int, width: int, area: int = REFERENCE_AREA) -> tuple[int, int]:
+    """``(height, width)`` the edit pipeline resizes a ``height x width`` reference to: ``calculate_dimensions(area,
+    width / height)``, ``area`` the pipeline's 1024² (``embed --reference-resolution`` squared)."""
+    ratio = width / height
+    w = math.sqrt(area * ratio)
+    return round(w / ratio / 32) * 32, round(w / 32) * 32
+
+
+def conditioning_setting(area: int) -> str:
+    """What ``_cache.json`` ``settings.conditioning`` says of the references of a cache made at ``area`` pixels."""
+    return (f"the reference: the image's crop resized (Lanczos) to calculate_dimensions({area}, w / h) as "
+            "QwenImageEditPipeline does; its latent is cond_latent and the text saw it")  # fmt: skip
+
+
+def reference_pixels(crop: np.ndarray, area: int = REFERENCE_AREA) -> np.ndarray:
+    """A reference crop ``(H, W, 3)`` uint8 as the pipeline resizes it (``image_processor.resize``: Lanczos) to
+    :func:`reference_size`."""
+    from PIL import Image
+
+    h, w = reference_size(*crop.shape[:2], area)
+    if (h, w) == crop.shape[:2]:
+        return crop
+    return np.asarray(Image.fromarray(crop).resize((w, h), resample=Image.Resampling.LANCZOS))
+
+
+def reference_key(instruction: str | None, pixels: np.ndarray) -> int:
+    """uint64 key of the text of ``instruction`` with reference ``pixels`` ``(h, w, 3)`` uint8 (None: ``""``)."""
+    h = hashlib.blake2b(digest_size=8)
+    text = (instruction or "").encode("utf-8")
+    h.update(b"qwen-image-edit\0%d\0" % len(text) + text + b"%d,%d\0" % pixels.shape[:2])
+    h.update(np.ascontiguousarray(pixels, np.uint8).tobytes())
+    return int.from_bytes(h.digest(), "big")
+
+
+@functools.cache
+def _image_text_processor() -> type:
+    """The class ``ImageTextProcessor`` (defined in a function: transformers is imported only when it is needed)."""
+    from transformers import Qwen2VLProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    class ImageTextProcessor(Qwen2VLProcessor):
+        """``Qwen2VLProcessor`` without a video processor (what transformers 5.x without torchvision can build):
+        the same ``__call__`` on text and images."""
+
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
+            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+    return ImageTextProcessor
+
+
+def load_processor(path: str, subfolder: str = "processor") -> Any:
+    """The pipeline's ``Qwen2VLProcessor`` from ``path``/``subfolder``; where transformers cannot build it for lack of
+    torchvision, the same processor without a video processor (see the module docstring)."""
+    from transformers import AutoTokenizer, Qwen2VLProcessor
+
+    try:
+        return Qwen2VLProcessor.from_pretrained(path, subfolder=subfolder)
+    except ImportError:  # transformers 5.x: Qwen2VLVideoProcessor requires torchvision
+        from pipeline.embed.features import load_image_processor
+
+        return _image_text_processor()(image_processor=load_image_processor(path, subfolder=subfolder),
+                                       tokenizer=AutoTokenizer.from_pretrained(path, subfolder=subfolder))
+
+
+def layout(models: list[TextModel], options: TextOptions) -> TextLayout:
+    (qwen,) = models
+    limit = int(qwen.model.config.get_text_config().max_position_embeddings) - DROP  # no cut: the positions' bound
+    return TextLayout(family="qwen-image-edit", join="features", masked=True, lengths=(limit,),
+                      widths=(width(qwen.model),))  # fmt: skip
+
+
+def encode(models: list[TextModel], captions: list[str], options: TextOptions,
+           images: list[np.ndarray] | None = None) -> PromptParts:  # fmt: skip
+    """Per instruction and its reference ``images[i]`` (``(h, w, 3)`` uint8, as :func:`reference_pixels` gives it),
+    ``encode_prompt([instruction], image)``'s rows, one sample per forward pass."""
+    from PIL import Image
+
+    (qwen,) = models
+    if images is None or len(images) != len(captions):
+        raise ValueError("qwen-image-edit encodes an instruction with its reference image: one image per caption")
+    rows = []
+    for caption, pixels in zip(captions, images):
+        inputs = qwen.processor(text=[TEMPLATE.format(caption)], images=Image.fromarray(pixels), padding=True,
+                                return_tensors="pt").to(qwen.device)  # fmt: skip
+        mask = inputs["attention_mask"]
+        hidden = qwen.model(input_ids=inputs["input_ids"], attention_mask=mask, pixel_values=inputs["pixel_values"],
+                            image_grid_thw=inputs["image_grid_thw"], output_hidden_states=True).hidden_states[-1]
+        rows.append(hidden[0][mask[0].bool()][DROP:])  # (L, D)
+    return pad_parts(rows)
+
+
+FAMILY = Family(
+    name="qwen-image-edit",
+    summary="Qwen-Image-Edit: Qwen2.5-VL last hidden states of the instruction with its reference image "
+            "(scan --conditioning; per sample, inline; prefix dropped)",
+    pipelines=("QwenImageEditPipeline",),
+    text_encoders=("text_encoder",),
+    text_classes=("Qwen2_5_VLModel",),
+    layout=layout,
+    encode=encode,
+    reference=True,
+    processor="processor",
+)
