@@ -123,7 +123,8 @@ class SampleRecord:
     ``cond_latent`` (C, h, w): the paired conditioning image (``scan --conditioning``) encoded with the
     same resize and crop (a reference family's, Qwen-Image-Edit: then resized to its reference size, so its
     ``(h, w)`` may differ from ``latent``'s; ``_cache.json`` ``settings.conditioning`` says which).
-    Variants (``embed --flip`` / ``--crops K``; V = K crops x 1 or 2 flips, variant ``v`` = crop ``v // flips``, flipped when ``v % flips``): ``latent``, ``cond_latent`` and
+    Variants (``embed --flip`` / ``--crops K``; V = K crops x 1 or 2 flips, variant ``v`` = crop ``v // flips``,
+    flipped when ``v % flips``): ``latent``, ``cond_latent`` and
     ``crop_top_left`` are variant 0; ``variant_latents`` and ``variant_cond_latents`` (V-1, C, h, w)
     the others; ``variant_crops`` (V, 2) int32 every variant's ``(top, left)`` (a flipped variant's
     mirrored, as SDXL expects: ``left -> resized_w - left - target_w``); ``variant_flips`` (V,) uint8.
