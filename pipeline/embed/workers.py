@@ -463,9 +463,10 @@ class LatentWriter(_EncoderActor):
             with self.lock:
                 encoded = encoder.encode(views, features_of=n)  # --features: of the n image variants
                 latents = to_storage(encoded["latent"], self.dtype)  # (b * V [* 2 with conditioning], C, h, w)
-                if conds is not None and self.reference:  # (b * V, C, h', w'): the reference's own grid
-                    refs = to_storage(encoder.encode(variant_pixels(conds[start : start + self.batch_size], f))
-                                      ["latent"], self.dtype)  # fmt: skip
+                if conds is not None and self.reference:  # (b * V, C, h', w'): the reference's own grid, one
+                    # image a forward pass as the pipeline's _encode_vae_image (bit for bit: no batch composition)
+                    refs = np.concatenate([to_storage(encoder.encode(x[None])["latent"], self.dtype)
+                                           for x in variant_pixels(conds[start : start + self.batch_size], f)])
                 # --latents posterior: the std too (b, C, h, w), to sample a latent per training step
                 stds = to_storage(encoded["latent_std"], self.dtype) if "latent_std" in encoded else None
                 feats = to_storage(encoded["features"], "F16") if "features" in encoded else None  # (b * V, ...)
