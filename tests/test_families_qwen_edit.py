@@ -151,25 +151,32 @@ SPEC = BucketSpec(area=64 * 64, step=32)
 REFERENCE = 96  # --reference-resolution: references of 96² (bucket 64x64: 96x96; 128x32: 192x64), few tokens
 
 
-@pytest.fixture(scope="module")
-def paired(tiny, tmp_path_factory, ray_local):
-    """6 targets and their references; img_0..3 share an instruction (img_3's reference is img_0's, so they are
-    one (instruction, reference) pair), img_4 has none (null caption), img_5 its own."""
+def make_edit_pairs(base: Path, n: int = 6) -> str:
+    """``n`` targets under ``base/ds`` and their references under ``base/cond``, scanned into ``base/manifest``
+    (returned). img_0..3 share an instruction (img_3's reference is img_0's, so they are one (instruction,
+    reference) pair), img_4 has none (null caption), the others their own; buckets 64x64 and 128x32."""
     from pipeline import ScanJob, run
     from pipeline.scan import ScanConfig
 
-    base = tmp_path_factory.mktemp("edit-pairs")
     ds, cond = base / "ds", base / "cond"
     ds.mkdir()
     cond.mkdir()
-    for i in range(6):
+    for i in range(n):
         w, h = [(64, 64), (128, 32), (64, 64)][i % 3]
         (ds / f"img_{i}.jpg").write_bytes(jpeg(w, h, i))
         if i != 4:
-            (ds / f"img_{i}.txt").write_text("make it red" if i < 4 else "make the sky green")
+            (ds / f"img_{i}.txt").write_text("make it red" if i < 4 else f"make the sky green {i}")
         (cond / f"img_{i}.jpg").write_bytes(jpeg(w, h, 100 + (0 if i == 3 else i)))
-    manifest, cache = str(base / "manifest"), str(base / "cache")
+    manifest = str(base / "manifest")
     run(ScanJob(source=str(ds), out=manifest, spec=SPEC, conditioning=str(cond), config=ScanConfig(progress=False)))
+    return manifest
+
+
+@pytest.fixture(scope="module")
+def paired(tiny, tmp_path_factory, ray_local):
+    """The pairs of :func:`make_edit_pairs`, embedded."""
+    base = tmp_path_factory.mktemp("edit-pairs")
+    manifest, cache = make_edit_pairs(base), str(base / "cache")
     # one torch thread in the workers and in the test: fp32 sums on a CPU depend on how the threads split them
     result = embed_cache(manifest, cache, family=FAMILY, model=tiny, dtype="fp32", reference_resolution=REFERENCE,
                          torch_threads=1)  # fmt: skip
