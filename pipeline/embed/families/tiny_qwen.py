@@ -112,8 +112,15 @@ def save_qwen_image_edit(folder) -> None:
 
     from transformers import Qwen2VLImageProcessorPil
 
+    from diffusers.utils import logging
+
     pipe = qwen_image("QwenImageEditPipeline", processor=None)
-    pipe.save_pretrained(folder)
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()  # not its "processor=None cannot be saved": it is saved below
+    try:
+        pipe.save_pretrained(folder)
+    finally:
+        logging.set_verbosity(verbosity)
     processor = Path(folder) / "processor"
     pipe.tokenizer.save_pretrained(processor)
     # Qwen2.5-VL's preprocessor_config.json (saved as image_processor_type Qwen2VLImageProcessor)
