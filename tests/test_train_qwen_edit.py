@@ -36,8 +36,6 @@ from train.data import BatchLoader, rank_steps
 FAMILY = "qwen-image-edit"
 RANK = 4
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(scope="module")
 def edit(tmp_path_factory, ray_local) -> dict[str, str]:
@@ -89,6 +87,7 @@ def _by_hand(model: torch.nn.Module, batch: Any, scheduler: dict, seed: tuple, r
     return ((pred.float() - pack(noise - x0, b, c, h, w)) ** 2).mean()
 
 
+@pytest.mark.slow
 def test_the_loss_is_the_edit_pipelines_forward_by_hand(edit):
     from train.model import step_generator
     from train.recipes import recipe_for
@@ -114,6 +113,7 @@ def test_the_loss_is_the_edit_pipelines_forward_by_hand(edit):
     assert denoiser.pipeline_class == "QwenImageEditPipeline"
 
 
+@pytest.mark.slow
 def test_caption_dropout_and_validation_are_refused_in_one_line(edit, tmp_path):
     common = ["--plan", edit["plan"], "--cache", edit["cache"], "--output-dir", tmp_path / "o", "--max-steps", 1]
     for setting, says in (({"caption_dropout": 0.1}, "empty instruction's embedding depends on each reference"),
@@ -172,6 +172,7 @@ def _run_printed(printed: str, after: str, base: str) -> Any:
     return scope["pipe"]
 
 
+@pytest.mark.slow
 def test_the_lora_export_loads_into_the_edit_pipeline_and_gives_the_trained_outputs(lora_runs, edit):
     from safetensors.torch import load_file
 
@@ -192,6 +193,7 @@ def test_the_lora_export_loads_into_the_edit_pipeline_and_gives_the_trained_outp
     assert (loaded - base).abs().max() > 100 * (loaded - held).abs().max()  # the adapters do act
 
 
+@pytest.mark.slow
 def test_a_lora_run_resumes_exactly(lora_runs):
     from safetensors.torch import load_file
 
@@ -203,6 +205,7 @@ def test_a_lora_run_resumes_exactly(lora_runs):
             assert torch.equal(a[key], b[key]), (name, key)
 
 
+@pytest.mark.slow
 def test_a_full_fine_tune_loads_into_the_edit_pipeline_and_edits(edit, tmp_path):
     from PIL import Image
 
@@ -221,3 +224,19 @@ def test_a_full_fine_tune_loads_into_the_edit_pipeline_and_edits(edit, tmp_path)
                  true_cfg_scale=1.0, height=64, width=64, num_inference_steps=2, output_type="np",
                  generator=torch.Generator().manual_seed(0)).images[0]  # fmt: skip
     assert image.shape == (64, 64, 3) and np.isfinite(image).all()
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_what_one_80_gb_gpu_holds_is_checked_before_loading(tmp_path, monkeypatch, lora):
+    import diffusers
+
+    from tests.test_train_qwen import REAL
+    from train.recipes.memory import MEMORY_ENV, check_fits
+
+    name, config = REAL["qwen-image"]  # Qwen/Qwen-Image-Edit's transformer: the same class and config
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps({"_class_name": name, **config}))
+    monkeypatch.setenv(MEMORY_ENV, "80")
+    with pytest.raises(UsageError, match=f"{FAMILY}: .* of its 20.43B-parameter QwenImageTransformer2DModel needs "
+                                         f"{81.7 if lora else 326.9} GB per GPU"):  # fmt: skip
+        check_fits(FAMILY, getattr(diffusers, name), str(tmp_path), TrainConfig(lora_rank=16 if lora else 0))
