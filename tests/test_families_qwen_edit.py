@@ -13,6 +13,7 @@ reference) pair twice under one key.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -131,13 +132,12 @@ def test_what_the_edit_family_refuses(tiny, tmp_path):
     base = dict(manifest=str(tmp_path / "m"), out=str(tmp_path / "c"), family=FAMILY, model=tiny)
     for extra, says in (({"crops": 2}, "--crops/--flip"), ({"flip": True}, "--crops/--flip"),
                         ({"validation_prompts": "p.txt"}, "--validation-prompts"),
+                        ({"max_text_tokens": 512}, "no max_sequence_length cut"),
                         ({"reference_resolution": 8}, "32 to 4096")):  # fmt: skip
         with pytest.raises(UsageError, match=says):
             EmbedJob(**base, **extra)
     with pytest.raises(UsageError, match="for --family qwen-image-edit, not sdxl"):
         EmbedJob(**{**base, "family": "sdxl"}, reference_resolution=512)
-    with pytest.raises(UsageError, match="no max_sequence_length cut"):
-        _encoders(tiny, max_tokens=512)
     from tests.embed_data import make_dataset
 
     make_dataset(str(tmp_path / "data"), base["manifest"], 2)  # no pairs
@@ -256,11 +256,12 @@ def test_a_rerun_embeds_nothing_and_a_changed_reference_re_embeds_its_sample(tin
     assert len(changed) == 1 and verify_cache(str(copy)).ok
 
 
-def test_a_manifest_row_with_several_captions_is_refused(tmp_path):
+def test_a_manifest_without_pairs_or_with_several_captions_a_row_is_refused(tmp_path):
     import pyarrow as pa
 
     from manifests.cache import IndexLookup
     from manifests.manifest import read_manifest_meta, write_manifest
+    from manifests.manifest_meta import ManifestConditioning
     from pipeline.embed.work import find_work
     from tests.embed_data import make_dataset
 
@@ -273,6 +274,9 @@ def test_a_manifest_row_with_several_captions_is_refused(tmp_path):
     write_manifest(manifest, samples, m.errors, source=str(tmp_path / "data"),
                    spec=read_manifest_meta(manifest).bucket_spec)  # fmt: skip
     meta = read_manifest_meta(manifest)
-    with pytest.raises(UsageError, match="'img_001.jpg' has several captions; --family qwen-image-edit"):
+    with pytest.raises(UsageError, match="scan with --conditioning"):
         find_work(manifest, meta, None, IndexLookup.empty(), np.zeros(0, np.uint64), per_sample_text=FAMILY)
+    paired = dataclasses.replace(meta, conditioning=ManifestConditioning(root=str(tmp_path / "refs"), column=None))
+    with pytest.raises(UsageError, match="'img_001.jpg' has several captions; --family qwen-image-edit"):
+        find_work(manifest, paired, None, IndexLookup.empty(), np.zeros(0, np.uint64), per_sample_text=FAMILY)
     assert find_work(manifest, meta, None, IndexLookup.empty(), np.zeros(0, np.uint64)).todo == 3  # others take it

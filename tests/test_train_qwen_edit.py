@@ -11,7 +11,7 @@ stopped and resumed equal to a straight one; a full fine-tune's ``model/`` loade
 image from cached prompt embeddings; caption dropout and validation images refused in one line.
 
 The printed code loads ``QwenImageEditPipeline.from_pretrained(base)``; this environment has no torchvision, so
-the test passes it the processor bucketeer loads (:func:`pipeline.embed.families.qwen_image_edit.load_processor`).
+the test passes it the processor bucketeer loads (:func:`pipeline.embed.processors.load_qwen2vl_processor`).
 """
 
 from __future__ import annotations
@@ -162,12 +162,12 @@ def _base(edit: dict[str, str]) -> torch.nn.Module:
 
 def _run_printed(printed: str, after: str, base: str) -> Any:
     """The pipeline the trainer's printed code loads, the processor passed in (no torchvision here)."""
-    from pipeline.embed.families.qwen_image_edit import load_processor
+    from pipeline.embed.processors import load_qwen2vl_processor
 
     code = _printed_code(printed, after).replace(f".from_pretrained({base!r}", f".from_pretrained({base!r}, "
                                                                               "processor=processor")  # fmt: skip
     assert "processor=processor" in code
-    scope: dict[str, Any] = {"processor": load_processor(base)}
+    scope: dict[str, Any] = {"processor": load_qwen2vl_processor(base)}
     exec(code, scope)
     return scope["pipe"]
 

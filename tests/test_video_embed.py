@@ -186,7 +186,7 @@ def test_ranged_reads_stop_after_the_clip_and_match_a_local_decode(tmp_path):
     """Over object storage (memory://) the workers read ranges, keep a few chunks and stop after the clip."""
     import fsspec
 
-    from pipeline.embed.workers import prepare_batch
+    from pipeline.embed.prepare import prepare_batch
     from pipeline.sources.headers import RangeReader
 
     options = {"crf": "0", "preset": "ultrafast"} if H264 == "libx264" else {"qscale": "1"}

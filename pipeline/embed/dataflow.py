@@ -50,7 +50,8 @@ import pyarrow as pa
 
 from manifests.errors import UsageError
 from pipeline.embed.work import UNIT_PIXEL_BYTES, EmbedWork
-from pipeline.embed.workers import LatentWriter, TextWriter, plan_units, prepare_unit, read_captions
+from pipeline.embed.prepare import prepare_unit
+from pipeline.embed.workers import LatentWriter, TextWriter, plan_units, read_captions
 
 __all__ = ["Placement", "NodeShape", "place_encoders", "size_cpus", "configure_ray_data", "caption_pipeline",
            "image_pipeline", "results"]

@@ -34,26 +34,13 @@ import numpy as np
 
 from manifests.errors import UsageError
 from manifests.storage import redact
-from pipeline.embed.families import Family, TextModel, family_of_pipeline, get_family, qwen_image, qwen_image_edit
+from pipeline.embed.families import Family, TextModel, family_of_pipeline, get_family, qwen_image
 from pipeline.embed.families.tiny import DEFAULT_NOTICE, TINY_VERSION, ensure_tiny
+from pipeline.embed.processors import load_qwen2vl_processor
 
-__all__ = [
-    "DEFAULT_ID",
-    "DEFAULT_NOTICE",
-    "LATENTS",
-    "Encoder",
-    "EncoderSource",
-    "LatentEncoder",
-    "LatentSpec",
-    "TextEncoders",
-    "TextSpec",
-    "TEXT_MODELS",
-    "encoder_specs",
-    "weights_sha256",
-    "to_storage",
-    "quiet_loading",
-    "STORAGE_DTYPES",
-]
+__all__ = ["DEFAULT_ID", "DEFAULT_NOTICE", "LATENTS", "Encoder", "EncoderSource", "LatentEncoder", "LatentSpec",
+           "TextEncoders", "TextSpec", "TEXT_MODELS", "encoder_specs", "weights_sha256", "to_storage", "quiet_loading",
+           "STORAGE_DTYPES"]
 
 DEFAULT_ID = "default"
 STORAGE_DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
@@ -255,7 +242,6 @@ def _check_local(path: str, subfolder: str | None, option: str, expected: str, f
 VAE_CLASSES = ("AutoencoderKL", "AutoencoderKLWan", "AutoencoderKLQwenImage")
 
 
-
 def _vae_class(path: str, subfolder: str | None):
     """The diffusers VAE class ``path``/``subfolder``'s config names (else ``AutoencoderKL``, as always)."""
     import diffusers
@@ -420,7 +406,9 @@ class TextEncoders:
                          " The tokenizer is read from the tokenizer* folder matching --text-encoder-subfolder "
                          "(text_encoder_2 -> tokenizer_2), or from beside config.json without one.")
             tokenizer = AutoTokenizer.from_pretrained(path, subfolder=tok_sub)
-            processor = self._processor(path, subfolder)
+            # a multimodal family's processor: the pipeline's folder beside the text encoder's (a bare repo: its root)
+            processor = load_qwen2vl_processor(path, self.family.processor if subfolder else "") \
+                if self.family.processor else None  # fmt: skip
             model = _load_text_model(path, subfolder or "", class_name, "--text-encoder").eval()
             weights = weights_sha256(model)
             model.to(device=self.device, dtype=self.compute_dtype)
@@ -433,20 +421,7 @@ class TextEncoders:
         self.options = replace(spec, max_tokens=self._max_tokens(spec.max_tokens))
         self.layout = self.family.layout(self.models, self.options)
 
-    def _processor(self, path: str, subfolder: str | None) -> Any:
-        """The family's multimodal processor, from the pipeline's ``processor`` folder beside the text encoder's
-        (a bare model repo: its root); None for a family without one."""
-        if self.family.processor is None:
-            return None
-        folder = self.family.processor if subfolder else ""
-        _check_local(path, folder, "--text-encoder", self.family.processor, ("preprocessor_config.json",),
-                     f" {self.family.name} reads its processor from the pipeline's {self.family.processor}/ folder.")
-        return qwen_image_edit.load_processor(path, folder)
-
     def _max_tokens(self, asked: int | None) -> int | None:
-        if self.family.reference and asked is not None:
-            raise UsageError(f"--max-text-tokens {asked}: {self.family.name}'s pipeline keeps every token of the "
-                             "instruction and its reference image (no max_sequence_length cut); drop the option")
         default = self.family.max_text_tokens(self.pipeline)
         if default is not None and asked is not None and asked > default:
             raise UsageError(f"--max-text-tokens {asked} is above {self.family.name}'s {default} "

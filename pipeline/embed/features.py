@@ -28,9 +28,9 @@ import numpy as np
 from manifests.errors import UsageError
 from manifests.storage import redact
 from pipeline.embed.families.tiny import TINY_VERSION, build_once, tiny_dir
+from pipeline.embed.processors import load_image_processor
 
-__all__ = ["FEATURE_KINDS", "FeatureSpec", "FeatureEncoder", "preprocess", "build_tiny_dinov2",
-           "load_image_processor"]
+__all__ = ["FEATURE_KINDS", "FeatureSpec", "FeatureEncoder", "preprocess", "build_tiny_dinov2"]
 
 FEATURE_KINDS = ("dinov2",)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -102,27 +102,6 @@ def preprocess(pixels: Any, input_size: tuple[int, int], mean, std):
     m = torch.tensor(mean, dtype=torch.float32, device=x.device).view(1, 3, 1, 1)
     s = torch.tensor(std, dtype=torch.float32, device=x.device).view(1, 3, 1, 1)
     return (x - m) / s
-
-
-def load_image_processor(path: str, subfolder: str = ""):
-    """``AutoImageProcessor.from_pretrained(path, subfolder=subfolder)``; where that needs torchvision and it is
-    absent (transformers 5.0 to 5.2x refuse the Auto class without torchvision while the class named in the
-    folder's ``preprocessor_config.json`` falls back to its PIL twin), that class. Raises what ``from_pretrained``
-    raises."""
-    from transformers import AutoImageProcessor
-
-    try:
-        return AutoImageProcessor.from_pretrained(path, subfolder=subfolder)
-    except ImportError:
-        import transformers
-        from transformers.image_processing_utils import ImageProcessingMixin
-
-        config, _ = ImageProcessingMixin.get_image_processor_dict(path, subfolder=subfolder)
-        name = str(config.get("image_processor_type") or "")
-        cls = getattr(transformers, name.removesuffix("Fast"), None) if name else None
-        if cls is None:
-            raise
-        return cls.from_pretrained(path, subfolder=subfolder)
 
 
 class FeatureEncoder:

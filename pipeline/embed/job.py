@@ -75,7 +75,7 @@ from manifests.lock import writer_lock
 from manifests.cache import SHARD_RECORDS, CacheMeta, EmbedSummary, IndexLookup, index_lookup
 from manifests.cache.records import GZIP_BACKEND, RECORD_LAYOUT
 from manifests.cache.writer import COMMIT_SECONDS
-from manifests.errors import BucketeerError, UsageError
+from manifests.errors import UsageError
 from manifests.manifest import read_manifest_meta
 from manifests.manifest_meta import ManifestMeta
 from manifests.progress import human_bytes
@@ -234,34 +234,10 @@ class EmbedJob:
         if self.executor == "local" and (self.ray_address is not None or (self.vae_workers or 1) > 1):
             raise UsageError("--executor local runs in this process on one device: drop --ray-address and "
                              "--vae-workers, or use --executor ray")  # fmt: skip
-        self._check_reference()
+        qwen_image_edit.check_options(self)  # what a text that needs each sample's reference image cannot take
         if (self.crops > 1 or self.flip) and self.latents == "posterior":
             raise UsageError("--latents posterior stores one posterior std per sample, not per --flip/--crops "
                              "variant; use one or the other")  # fmt: skip
-
-
-    def _check_reference(self) -> None:
-        """What a family whose text depends on each sample's reference image (Qwen-Image-Edit) cannot do."""
-        name = f"--family {self.family}"
-        if not FAMILIES[self.family].reference:
-            if self.reference_resolution is not None:
-                raise UsageError(f"--reference-resolution is for --family qwen-image-edit, not {self.family}")
-            return
-        if self.reference_resolution is not None and not 32 <= self.reference_resolution <= 4096:
-            raise UsageError(f"--reference-resolution must be 32 to 4096, got {self.reference_resolution}")
-        if self.crops > 1 or self.flip:
-            raise UsageError(f"--crops/--flip: {name}'s text is encoded from each sample's reference crop, so every "
-                             "variant would need its own ~10 MB text embedding; drop --crops/--flip")  # fmt: skip
-        if self.validation_prompts is not None:
-            raise UsageError(f"--validation-prompts: {name} conditions every prompt on a reference image, which a "
-                             "prompts file does not give; drop the option")  # fmt: skip
-
-    @property
-    def reference_area(self) -> int | None:
-        """Pixels a reference family resizes each reference image to (None: not such a family)."""
-        if not FAMILIES[self.family].reference:
-            return None
-        return qwen_image_edit.REFERENCE_AREA if self.reference_resolution is None else self.reference_resolution ** 2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -328,7 +304,7 @@ def _request(job: EmbedJob, manifest: ManifestMeta) -> dict[str, Any]:
                             crop=job.crop, seed=job.seed, crops=job.crops, flip=job.flip,
                             conditioning=manifest.conditioning is not None, masks=manifest.masks is not None,
                             max_clips=job.max_clips if manifest.frame_ladder is not None else None,
-                            reference=job.reference_area)  # fmt: skip
+                            reference=qwen_image_edit.reference_area(job))  # fmt: skip
 
 
 def _factories(job: EmbedJob, dtype: str):
@@ -336,22 +312,6 @@ def _factories(job: EmbedJob, dtype: str):
     the workers build."""
     latent, text = _specs(job)
     return functools.partial(latent.load, dtype=dtype), functools.partial(text.load, dtype=dtype)
-
-
-def _describe(ray, make_encoder) -> dict[str, Any]:
-    """An encoder's ``describe()``, loaded once on the CPU: in a Ray task, or in this process (``ray`` None,
-    ``--executor local``). A bad path fails here, in one line."""
-    from pipeline.embed.workers import describe_encoder
-
-    try:
-        if ray is None:
-            return describe_encoder(make_encoder)
-        return ray.get(ray.remote(describe_encoder).options(num_cpus=1).remote(make_encoder))
-    except Exception as e:
-        cause = getattr(e, "cause", e)  # a Ray task's error carries the worker's exception
-        if isinstance(cause, (BucketeerError, OSError)):
-            raise UsageError(f"an encoder failed to load: {cause}") from None
-        raise
 
 
 def image_column(manifest: ManifestMeta) -> str | None:
@@ -364,7 +324,7 @@ def _image_options(job: EmbedJob, manifest: ManifestMeta, source: str) -> dict[s
     return {"batch_size": job.batch_size, "shard_records": job.shard_records, "crop": job.crop, "seed": job.seed,
             "crops": job.crops, "flip": job.flip, "conditioning": _conditioning_root(manifest, source),
             "max_pixels": int(manifest.max_pixels or MAX_PIXELS), "text_batch_size": job.text_batch_size,
-            "image_column": image_column(manifest), "reference": job.reference_area,
+            "image_column": image_column(manifest), "reference": qwen_image_edit.reference_area(job),
             "max_clips": job.max_clips if manifest.frame_ladder is not None else None}  # fmt: skip
 
 
@@ -379,7 +339,7 @@ def run(job: EmbedJob) -> EmbedResult:
 def _embed(job: EmbedJob) -> EmbedResult:
     from pipeline.embed.encoders import DEFAULT_NOTICE
     from pipeline.embed.work import find_work
-    from pipeline.embed.workers import check_source
+    from pipeline.embed.workers import check_source, describe_encoder
 
     so = dict(job.storage_options)
     manifest = read_manifest_meta(job.manifest, so)
@@ -387,10 +347,6 @@ def _embed(job: EmbedJob) -> EmbedResult:
         refuse_for_video(job, manifest)
     source = job.source or manifest.source
     reference = FAMILIES[job.family].reference  # its text: of each sample's instruction and reference image
-    if reference and manifest.conditioning is None:
-        raise UsageError(f"--family {job.family} conditions each sample on its reference image, and "
-                         f"{redact(job.manifest)} has none: scan with --conditioning ROOT_OR_COLUMN (the references, "
-                         "each the size of its target)")  # fmt: skip
     request = _request(job, manifest)
     # one look at the committed index decides the work: stale rows (changed image bytes, caption or
     # bucket since they were embedded), read failures and missing ones are embedded; fresh records
@@ -424,7 +380,7 @@ def _embed(job: EmbedJob) -> EmbedResult:
         from pipeline.embed.local import local_placement
 
         placement = local_placement(job.device, job.torch_threads)
-        vae = _describe(None, make_vae)
+        vae = describe_encoder(make_vae)
     else:
         ray, _ = init_ray(job.ray_address)  # a CLI process: Ray stops when it exits
         from pipeline.embed.dataflow import configure_ray_data, place_encoders
@@ -432,7 +388,7 @@ def _embed(job: EmbedJob) -> EmbedResult:
         configure_ray_data()
         placement = place_encoders(ray, job.device, job.vae_workers, job.torch_threads)
         t0 = time.time()
-        vae = _describe(ray, make_vae)
+        vae = describe_encoder(make_vae, ray)
     if (manifest.frame_ladder is not None) != (vae.get("temporal_factor") is not None):  # a --vae of the other kind
         raise UsageError(f"bucketeer embed {redact(job.manifest)}: a {'video' if manifest.frame_ladder else 'n image'} "
                          f"manifest and a {vae['class']} VAE: scan --frames for video VAEs, --family wan for clips")

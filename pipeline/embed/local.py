@@ -27,7 +27,8 @@ import pyarrow as pa
 
 from pipeline.embed.dataflow import Placement
 from pipeline.embed.work import EmbedWork
-from pipeline.embed.workers import LatentWriter, TextWriter, plan_units, prepare_unit, read_captions
+from pipeline.embed.prepare import prepare_unit
+from pipeline.embed.workers import LatentWriter, TextWriter, plan_units, read_captions
 
 __all__ = ["local_placement", "caption_results", "image_results"]
 

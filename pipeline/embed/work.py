@@ -145,9 +145,13 @@ def find_work(
     to the captions phase. Probe files are spread over the rows to embed, leaving out read-failure
     retries (if they still cannot be read, renewing their error rows is the right outcome, not a failed job).
     ``per_sample_text`` (a family whose text depends on each sample's reference image, by name): every row to
-    embed gets its text encoded into its own record, and nothing goes to the captions phase; UsageError for a row
-    with several captions (one text per record).
+    embed gets its text encoded into its own record, and nothing goes to the captions phase; UsageError for a
+    manifest without conditioning images (``scan --conditioning``) or a row with several captions (one text per
+    record).
     """
+    if per_sample_text and meta.conditioning is None:
+        raise UsageError(f"--family {per_sample_text} conditions each sample on its reference image, and {url} has "
+                         "none: scan with --conditioning ROOT_OR_COLUMN (the references, each the size of its target)")
     work = EmbedWork()
     texts = KeySet(done_texts)
     candidates: list[dict] = []

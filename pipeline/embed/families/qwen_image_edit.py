@@ -27,16 +27,14 @@ embeddings. Each sample's text is encoded on the image worker, one sample per fo
 the reference is decoded and cropped, on the workers, and such repeats are rare in edit datasets.
 
 **The processor.** Loaded as the pipeline loads it, ``Qwen2VLProcessor.from_pretrained(model, subfolder=
-"processor")``. transformers 5.x without torchvision cannot build that class (its video processor needs
-torchvision); there :func:`load_processor` builds the same processor without a video processor
-(``ImageTextProcessor``) from the folder's image processor (its PIL twin, ``Qwen2VLImageProcessorPil``) and
-tokenizer. The tests pass that object to the pipeline too, so exactness is against the pipeline's own
-``encode_prompt`` with the same processor.
+"processor")``, where transformers 5.x without torchvision cannot build that class (its video processor needs
+torchvision): :func:`pipeline.embed.processors.load_qwen2vl_processor` then builds the same processor without a
+video processor from the folder's image processor (its PIL twin, ``Qwen2VLImageProcessorPil``) and tokenizer. The
+tests pass that object to the pipeline too, so exactness is against its own ``encode_prompt`` with that processor.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import math
 from typing import Any
@@ -44,11 +42,12 @@ from typing import Any
 import numpy as np
 
 from manifests.cache.text_layout import TextLayout
+from manifests.errors import UsageError
 from pipeline.embed.families.base import Family, PromptParts, TextModel, TextOptions
 from pipeline.embed.families.qwen_image import pad_parts, width
 
-__all__ = ["FAMILY", "TEMPLATE", "DROP", "REFERENCE_AREA", "conditioning_setting", "load_processor", "reference_size",
-           "reference_pixels", "reference_key"]  # fmt: skip
+__all__ = ["FAMILY", "TEMPLATE", "DROP", "REFERENCE_AREA", "conditioning_setting", "reference_size", "reference_pixels",
+           "reference_key", "check_options", "reference_area"]  # fmt: skip
 
 DROP = 64  # QwenImageEditPipeline.prompt_template_encode_start_idx: the template's tokens before <|vision_start|>
 REFERENCE_AREA = 1024 * 1024  # QwenImageEditPipeline.__call__: calculate_dimensions(1024 * 1024, ratio)
@@ -93,37 +92,32 @@ def reference_key(instruction: str | None, pixels: np.ndarray) -> int:
     return int.from_bytes(h.digest(), "big")
 
 
-@functools.cache
-def _image_text_processor() -> type:
-    """The class ``ImageTextProcessor`` (defined in a function: transformers is imported only when it is needed)."""
-    from transformers import Qwen2VLProcessor
-    from transformers.processing_utils import ProcessorMixin
+def check_options(job: Any) -> None:
+    """UsageError naming the ``embed`` option (of an :class:`~pipeline.embed.job.EmbedJob`) that this family cannot
+    take, its text needing each sample's reference; ``--reference-resolution`` with another family."""
+    family, size = job.family, job.reference_resolution
+    if family != FAMILY.name:
+        if size is not None:
+            raise UsageError(f"--reference-resolution is for --family {FAMILY.name}, not {family}")
+        return
+    if size is not None and not 32 <= size <= 4096:
+        raise UsageError(f"--reference-resolution must be 32 to 4096, got {size}")
+    if job.crops > 1 or job.flip:
+        raise UsageError(f"--crops/--flip: --family {family}'s text is encoded from each sample's reference crop, "
+                         "so every variant would need its own ~10 MB text embedding; drop --crops/--flip")
+    if job.validation_prompts is not None:
+        raise UsageError(f"--validation-prompts: --family {family} conditions every prompt on a reference image, "
+                         "which a prompts file does not give; drop the option")
+    if job.max_text_tokens is not None:
+        raise UsageError(f"--max-text-tokens {job.max_text_tokens}: --family {family}'s pipeline keeps every token "
+                         "of the instruction and its reference image (no max_sequence_length cut); drop the option")
 
-    class ImageTextProcessor(Qwen2VLProcessor):
-        """``Qwen2VLProcessor`` without a video processor (what transformers 5.x without torchvision can build):
-        the same ``__call__`` on text and images."""
 
-        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-            self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
-            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
-            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
-            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
-
-    return ImageTextProcessor
-
-
-def load_processor(path: str, subfolder: str = "processor") -> Any:
-    """The pipeline's ``Qwen2VLProcessor`` from ``path``/``subfolder``; where transformers cannot build it for lack of
-    torchvision, the same processor without a video processor (see the module docstring)."""
-    from transformers import AutoTokenizer, Qwen2VLProcessor
-
-    try:
-        return Qwen2VLProcessor.from_pretrained(path, subfolder=subfolder)
-    except ImportError:  # transformers 5.x: Qwen2VLVideoProcessor requires torchvision
-        from pipeline.embed.features import load_image_processor
-
-        return _image_text_processor()(image_processor=load_image_processor(path, subfolder=subfolder),
-                                       tokenizer=AutoTokenizer.from_pretrained(path, subfolder=subfolder))
+def reference_area(job: Any) -> int | None:
+    """Pixels the references of an :class:`~pipeline.embed.job.EmbedJob` are resized to (None: another family)."""
+    if job.family != FAMILY.name:
+        return None
+    return REFERENCE_AREA if job.reference_resolution is None else job.reference_resolution**2
 
 
 def layout(models: list[TextModel], options: TextOptions) -> TextLayout:
