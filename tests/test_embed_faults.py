@@ -19,7 +19,8 @@ from manifests.manifest import read_manifest
 from manifests.schema import sample_id
 from manifests.storage import StorageError
 from pipeline.cli import main
-from pipeline.embed.workers import check_source, prepare_batch
+from pipeline.embed.prepare import prepare_batch
+from pipeline.embed.workers import check_source
 from tests.embed_data import embed_cache, jpeg, make_dataset
 
 SECRET = "testing-secret-key"  # must never show up in an error row or message

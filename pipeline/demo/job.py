@@ -29,6 +29,7 @@ OWNED = ("manifest", "cache", "plan", "train", "report.html", "report_figures", 
 FAMILIES = ("pixart", "sdxl", "sd3", "flux", "wan")
 FAMILIES += ("qwen-image", "z-image")  # tiny Qwen2.5-VL / Qwen3 text encoders (pipeline.embed.families.tiny_qwen)
 FAMILIES += ("flux2", "flux2-klein", "chroma")  # docs/families-flux2-chroma.md
+FAMILIES += ("qwen-image-edit",)  # (target, reference) pairs: a grey reference per image, scan --conditioning
 # --family wan: short clips at ~128² (the tiny Wan VAE runs each 17-frame clip in about a second on a CPU), frame
 # buckets 9 and 17 (4k+1, as Wan's causal VAE takes them), sides in steps of 16 (VAE 8 x patch 2)
 VIDEO_RESOLUTION, VIDEO_BUCKET_STEP, VIDEO_FRAMES = 128, 16, "9,17"
@@ -45,10 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--images", type=int, default=300, help="images to generate (default 300; plus 3 broken files)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated dataset and of the plan")
     parser.add_argument("--family", choices=FAMILIES, default="pixart",
-                        help="model family: sdxl, sd3, flux, flux2, flux2-klein, chroma, qwen-image or z-image embed "
-                        "and fine-tune a tiny random-weight model of the family's real classes; wan does so on "
-                        "generated video clips (scan --frames); pixart (default) trains the from-scratch "
-                        "transformer")  # fmt: skip
+                        help="model family: sdxl, sd3, flux, flux2, flux2-klein, chroma, qwen-image, qwen-image-edit "
+                        "(on generated pairs) or z-image embed and fine-tune a tiny random-weight model of the "
+                        "family's real classes; wan does so on generated video clips (scan --frames); pixart "
+                        "(default) trains the from-scratch transformer")  # fmt: skip
     parser.add_argument("--clips", type=int, default=24,
                         help="with --family wan: clips to generate (default 24; plus 3 stills, a too-short clip "
                         "and a broken file)")  # fmt: skip
@@ -177,16 +178,23 @@ def _generate(job: DemoJob, folder: Path) -> str:
         return (f"{made['clips']} clips {made['codecs']} ({made['rotated']} rotated), {made['captioned']} captions, "
                 f"{made['images']} stills, {made['short']} too short, {made['broken']} broken -> {folder}")
     made = sample_data.make_sample_dataset(folder, n=job.images, seed=job.seed)
+    references = ""
+    if job.family == "qwen-image-edit":  # its captions are the instructions: a reference to edit per image
+        references = f", {sample_data.make_references(folder)} references in {sample_data.REFERENCES}/"
     return (f"{made['images']} images {made['formats']}, {made['captioned']} captions, "
-            f"{made['rotated']} EXIF-rotated, {made['broken']} broken -> {folder}")
+            f"{made['rotated']} EXIF-rotated, {made['broken']} broken{references} -> {folder}")
 
 
-def _scan_options(family: str) -> list[str]:
-    """``bucketeer scan`` bucket options: images at RESOLUTION, or (wan) clips in frame buckets."""
+def _scan_options(family: str, dataset: str) -> list[str]:
+    """``bucketeer scan`` bucket options: images at RESOLUTION, or (wan) clips in frame buckets; (qwen-image-edit)
+    the references under ``dataset`` paired with their images."""
     if family == "wan":
         return ["--resolution", str(VIDEO_RESOLUTION), "--bucket-step", str(VIDEO_BUCKET_STEP),
                 "--frames", VIDEO_FRAMES]  # fmt: skip
-    return ["--resolution", str(RESOLUTION), "--bucket-step", str(BUCKET_STEP)]
+    from pipeline.sample_data import REFERENCES
+
+    pairs = ["--conditioning", f"{dataset}/{REFERENCES}"] if family == "qwen-image-edit" else []
+    return ["--resolution", str(RESOLUTION), "--bucket-step", str(BUCKET_STEP), *pairs]
 
 
 def run_stages(stages: Stages, target: Target, out: Path, seed: int, family: str = "pixart", *,
@@ -196,7 +204,8 @@ def run_stages(stages: Stages, target: Target, out: Path, seed: int, family: str
     features = ["--features", "dinov2"] if repa else []
     opts = target.options_argv()
     with stages.stage("scan", f"{target.dataset} -> {target.manifest} (header-only Ray job)"):
-        scan = _bucketeer("scan", target.dataset, "--out", target.manifest, *_scan_options(family), *opts)
+        scan = _bucketeer("scan", target.dataset, "--out", target.manifest, *_scan_options(family, target.dataset),
+                          *opts)  # fmt: skip
     models = "embedded default encoders" if family == "pixart" else f"a tiny random-weight {family} model"
     with stages.stage("embed", f"{target.manifest} -> {target.cache} (Ray job, {models})"):
         embed = _bucketeer("embed", target.manifest, "--out", target.cache, *_family_options(family, out), *features,
@@ -256,9 +265,12 @@ def _family_options(family: str, out: Path) -> list[str]:
         return []
     from pipeline.embed.families.tiny import ensure_tiny
 
+    model = ["--family", family, "--model", str(ensure_tiny(family))]
+    if family == "qwen-image-edit":  # no prompt without its reference; references at the demo's resolution (the
+        return [*model, "--reference-resolution", str(RESOLUTION)]  # pipeline's 1024² costs the CPU 16x the VAE)
     prompts = out / "validation-prompts.txt"
     prompts.write_text(VALIDATION_PROMPTS)  # read by the embed driver, this process: a local path in --s3 mode too
-    return ["--family", family, "--model", str(ensure_tiny(family)), "--validation-prompts", str(prompts)]
+    return [*model, "--validation-prompts", str(prompts)]
 
 
 def _prepare_out_dir(out: Path) -> Path:

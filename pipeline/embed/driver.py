@@ -74,7 +74,8 @@ class EmbedDriver:
         first = self.seen.setdefault(phase, worker)
         expected = self.vae if phase == "images" else first["encoder"]
         digests = (lambda d: [e["weights_sha256"] for e in d.get("encoders", [d])])  # noqa: E731
-        if digests(worker["encoder"]) != digests(expected):
+        text = (lambda w: digests(w["text"]) if w.get("text") else None)  # noqa: E731  # image workers' text encoders
+        if digests(worker["encoder"]) != digests(expected) or text(worker) != text(first):
             raise BucketeerError(f"encoder workers on {first['host']} and {worker['host']} loaded different "
                                  "weights (nodes disagree on the model files): fix the nodes' model cache and rerun")
         if worker["notice"] and worker["notice"] not in self.notices:
@@ -106,8 +107,9 @@ class EmbedDriver:
         from pipeline.embed.workers import from_ipc
 
         if not work.captions and not prompts:  # every text has its record: the text settings are the committed ones
-            self._open(committed_text(self.committed))
-            return
+            if self.committed is not None:
+                self._open(committed_text(self.committed))
+            return  # else a family whose image workers encode every text: their first result describes it
         args = (work, prompts, self.manifest, self.so, make_text, self.request["dtype"], self.out, batch_size,
                 self.placement)  # fmt: skip
         if self.placement.executor == "local":
@@ -154,6 +156,13 @@ class EmbedDriver:
         with Progress("embed", "images", total=work.todo, unit="images") as progress:
             for row in rows:
                 worker = self._worker("images", row["worker"])
+                if self.committer is None:  # Qwen-Image-Edit: the text encoders are the image workers'
+                    self._open(worker["text"])
+                elif worker.get("text") and self.committed is not None and results_seen == 0:
+                    # a resumed cache: the image workers' text encoders must be the ones it was embedded with
+                    old = self.committed.settings.hashed
+                    refuse(self.out, settings_diff(old, {**old, "text": full_settings(self.request, self.vae,
+                                                                                      worker["text"])["text"]}))
                 if self.committer.meta.compute is None:
                     self.committer.set_compute(ComputeInfo(device=worker["device"], gpus=self.placement.gpus_now,
                                                            dtype=worker["encoder"].get("compute_dtype")))  # fmt: skip
