@@ -225,8 +225,8 @@ def storage_error(
                 "(fewer workers or reads in flight) or raise it, and try again")  # fmt: skip
     elif is_transient(exc):
         waiting = f" over {waited:.1f} s" if waited is not None else ""
-        knobs = f"${ATTEMPTS_ENV}, $BUCKETEER_STORAGE_CONNECT_TIMEOUT/_READ_TIMEOUT" if is_timeout(exc) else \
-            f"${ATTEMPTS_ENV}"  # fmt: skip
+        knobs = f"${ATTEMPTS_ENV}, $BUCKETEER_STORAGE_CONNECT_TIMEOUT/_READ_TIMEOUT/_MIN_RATE" if is_timeout(exc) \
+            else f"${ATTEMPTS_ENV}"  # fmt: skip
         answer = "did not answer in time" if is_timeout(exc) else "still failing"
         hint = (f"; storage{' at ' + where if where else ''} {answer} after {RetryPolicy.from_env().attempts} "
                 f"attempts{waiting} ({knobs}), try again later")  # fmt: skip
