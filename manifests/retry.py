@@ -37,7 +37,7 @@ not a failure: a throttled answer does not use up ``attempts``. The call waits a
 full jitter), or what the answer's ``Retry-After`` header says when that is longer (s3fs hands the
 header on; obstore does not, so its throttled reads back off on the exponential alone), and tries
 again, for as long as ``BUCKETEER_STORAGE_THROTTLE_SECONDS`` (default 300) from its first throttled
-answer; a wait that would end past that gives up at once. Every throttled answer is counted in this
+answer (its last wait cut to end there); a ``Retry-After`` past that gives up at once. Every throttled answer is counted in this
 process (:func:`throttled_requests`); a job adds up those of all its processes in a :class:`ThrottleTally`
 (its tasks return a :func:`throttle_span` each), and its progress line and summary say how many there were.
 
@@ -430,9 +430,11 @@ class _Tries:
                 _throttled[0] += 1
             self.throttles += 1
             self.throttled_since = self.throttled_since or now
-            delay = policy.throttle_delay(self.throttles, retry_after(exc))
-            if now - self.throttled_since + delay > policy.throttle_seconds:
+            asked = retry_after(exc)
+            left = policy.throttle_seconds - (now - self.throttled_since)
+            if left <= 0 or (asked is not None and asked > left):  # no time left, or not as much as the store asks
                 return None
+            delay = min(policy.throttle_delay(self.throttles, asked), left)
             status = _http_status(exc)
             error = str(status) if status is not None else errno.errorcode.get(getattr(exc, "errno", 0), "EBUSY")
             wait = StorageWait(error, self.throttles, policy.attempts, now - self.started, throttled=True)

@@ -5,6 +5,7 @@ the requests for a while, or trickles its answers a byte at a time.
     proxy = FaultProxy(s3.endpoint)                           # forwards every request as it is
     proxy.throttle(share=0.5, seconds=3)                      # every 2nd request for 3 s: 503 SlowDown
     proxy.throttle(share=1.0, seconds=2, status=429, retry_after=1)
+    proxy.throttle(share=0.5, requests=100, match=reads)      # every 2nd of the next 100 GETs and HEADs
     proxy.trickle(interval=0.3)                               # response bodies: one byte every 0.3 s
     options = {"endpoint_url": proxy.endpoint}
 
@@ -21,13 +22,29 @@ import threading
 import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
 from urllib.parse import urlsplit
 
-__all__ = ["FaultProxy", "Seen"]
+__all__ = ["FaultProxy", "Seen", "reads"]
 
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection",
                "expect"}  # fmt: skip
 _CODES = {503: ("SlowDown", "Please reduce your request rate."), 429: ("TooManyRequests", "Too many requests.")}
+
+
+def reads(method: str, path: str) -> bool:
+    """GETs and HEADs, except of a writer lock (a job's last read, after its summary is written)."""
+    return method in ("GET", "HEAD") and "_writer.json" not in path
+
+
+@dataclass(frozen=True)
+class _Throttle:
+    until: float
+    requests: int | None
+    share: float
+    status: int
+    retry_after: float | None
+    match: Callable[[str, str], bool] | None
 
 
 @dataclass(frozen=True)
@@ -52,7 +69,7 @@ class FaultProxy(ThreadingHTTPServer):
         self.upstream = (parts.hostname or "127.0.0.1", parts.port or 80)
         self.lock = threading.Lock()
         self.log: list[Seen] = []
-        self._throttle: tuple[float, float, int, float | None] | None = None  # until, share, status, retry-after
+        self._throttle: _Throttle | None = None
         self._counter = 0
         self._trickle: tuple[float, float, bool] | None = None  # interval, until, headers too
         threading.Thread(target=self.serve_forever, daemon=True, name="fault-proxy").start()
@@ -64,12 +81,17 @@ class FaultProxy(ThreadingHTTPServer):
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.server_address[1]}"
 
-    def throttle(self, share: float, seconds: float, status: int = 503, retry_after: float | None = None) -> float:
-        """Answer ``share`` (0..1, spread evenly) of the requests of the next ``seconds`` with ``status``
-        (503 SlowDown or 429 TooManyRequests, ``Retry-After: retry_after`` when given); returns the start."""
+    def throttle(self, share: float, seconds: float = float("inf"), status: int = 503,
+                 retry_after: float | None = None, requests: int | None = None,
+                 match: Callable[[str, str], bool] | None = None) -> float:  # fmt: skip
+        """Answer ``share`` (0..1, spread evenly) of the requests of the next ``seconds`` (or the next
+        ``requests`` of them, whichever ends first) with ``status`` (503 SlowDown or 429 TooManyRequests,
+        ``Retry-After: retry_after`` when given); ``match(method, path)`` picks the requests it may throttle
+        and counts (default: all). Returns the start."""
         with self.lock:
             start = time.monotonic()
-            self._throttle, self._counter = (start + seconds, share, status, retry_after), 0
+            self._throttle = _Throttle(start + seconds, requests, share, status, retry_after, match)
+            self._counter = 0
         return start
 
     def trickle(self, interval: float, seconds: float = float("inf"), headers: bool = False) -> float:
@@ -94,17 +116,17 @@ class FaultProxy(ThreadingHTTPServer):
         with self.lock:
             return [s for s in self.log if start <= s.at < end]
 
-    def _decide(self) -> tuple[int, float | None] | None:
+    def _decide(self, method: str, path: str) -> tuple[int, float | None] | None:
         """``(status, retry_after)`` when this request is to be throttled, else None."""
         with self.lock:
-            if self._throttle is None:
+            t = self._throttle
+            if t is None or (t.match is not None and not t.match(method, path)):
                 return None
-            until, share, status, retry_after = self._throttle
-            if time.monotonic() >= until:
+            if time.monotonic() >= t.until or (t.requests is not None and self._counter >= t.requests):
                 self._throttle = None
                 return None
             i, self._counter = self._counter, self._counter + 1
-            return (status, retry_after) if int((i + 1) * share) > int(i * share) else None
+            return (t.status, t.retry_after) if int((i + 1) * t.share) > int(i * t.share) else None
 
     def _trickling(self) -> tuple[float, bool] | None:
         trickle = self._trickle
@@ -139,7 +161,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _forward(self) -> None:
         body = self._body()
-        throttled = self.server._decide()
+        throttled = self.server._decide(self.command, self.path)
         if throttled is not None:
             status, retry_after = throttled
             code, message = _CODES[status]
