@@ -3,6 +3,7 @@ store under load does: it throttles (S3's ``503 SlowDown``, R2's ``429`` with ``
 the requests for a while, or trickles its answers a byte at a time.
 
     proxy = FaultProxy(s3.endpoint)                           # forwards every request as it is
+    proxy = FaultProxy(s3.endpoint, latency=0.02)             # ... 20 ms later, as a store across a network
     proxy.throttle(share=0.5, seconds=3)                      # every 2nd request for 3 s: 503 SlowDown
     proxy.throttle(share=1.0, seconds=2, status=429, retry_after=1)
     proxy.throttle(share=0.5, requests=100, match=reads)      # every 2nd of the next 100 GETs and HEADs
@@ -63,8 +64,9 @@ class FaultProxy(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, upstream: str):
+    def __init__(self, upstream: str, latency: float = 0.0):
         super().__init__(("127.0.0.1", 0), _Handler)
+        self.latency = latency  # seconds added to every answer, throttled ones too: a store's round trip
         parts = urlsplit(upstream)
         self.upstream = (parts.hostname or "127.0.0.1", parts.port or 80)
         self.lock = threading.Lock()
@@ -161,6 +163,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _forward(self) -> None:
         body = self._body()
+        if self.server.latency:
+            time.sleep(self.server.latency)
         throttled = self.server._decide(self.command, self.path)
         if throttled is not None:
             status, retry_after = throttled
