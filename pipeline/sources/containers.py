@@ -206,7 +206,7 @@ def container_part(
     errors = pa.concat_tables([errors, too_small])
     stats["masks"] = mask_counts(samples, stats["mask_members"]) if getattr(config, "masks", None) else {}
     seconds = time.perf_counter() - clock - ray_seconds
-    listed = images.num_rows + errors.num_rows - _container_rows(errors)
+    listed = samples.num_rows + errors.num_rows - _container_rows(errors)  # a too_small image is in errors now
     summary = _summary(listing, files, plan, stats, samples, errors, listed, seconds, started, config, table)
     return ScanPart(samples, errors, summary, {"listed": listed, "ignored": listing.ignored, "shards": len(files)})
 
