@@ -37,9 +37,10 @@ not a failure: a throttled answer does not use up ``attempts``. The call waits a
 full jitter), or what the answer's ``Retry-After`` header says when that is longer (s3fs hands the
 header on; obstore does not, so its throttled reads back off on the exponential alone), and tries
 again, for as long as ``BUCKETEER_STORAGE_THROTTLE_SECONDS`` (default 300) from its first throttled
-answer (its last wait cut to end there); a ``Retry-After`` past that gives up at once. Every throttled answer is counted in this
-process (:func:`throttled_requests`); a job adds up those of all its processes in a :class:`ThrottleTally`
-(its tasks return a :func:`throttle_span` each), and its progress line and summary say how many there were.
+answer (its last wait cut to end there); a ``Retry-After`` past that gives up at once. Every throttled
+answer is counted in this process (:func:`throttled_requests`); a job adds up those of all its processes
+in a :class:`ThrottleTally` (its tasks return a :func:`throttle_span` each), and its progress line and
+summary say how many there were.
 
 A hung endpoint is a transient failure like any other: every S3 request has a connect and a read
 timeout, uploads included (:mod:`manifests.s3`), and the timeout it raises is retried here. So a
