@@ -42,7 +42,8 @@ import time
 from typing import Any, Callable, TextIO
 
 from manifests.errors import UsageError
-from manifests.retry import StorageWait, ThrottleTally, add_wait_listener, job_throttles, remove_wait_listener
+from manifests.retry import StorageWait, add_wait_listener, remove_wait_listener
+from manifests.throttles import ThrottleTally, job_throttles
 
 __all__ = ["INTERVAL_ENV", "DEFAULT_INTERVAL", "Progress", "interval_seconds", "format_duration"]
 

@@ -39,8 +39,7 @@ header on; obstore does not, so its throttled reads back off on the exponential 
 again, for as long as ``BUCKETEER_STORAGE_THROTTLE_SECONDS`` (default 300) from its first throttled
 answer (its last wait cut to end there); a ``Retry-After`` past that gives up at once. Every throttled
 answer is counted in this process (:func:`throttled_requests`); a job adds up those of all its processes
-in a :class:`ThrottleTally` (its tasks return a :func:`throttle_span` each), and its progress line and
-summary say how many there were.
+(:mod:`manifests.throttles`), and its progress line and summary say how many there were.
 
 A hung endpoint is a transient failure like any other: every S3 request has a connect and a read
 timeout, uploads included (:mod:`manifests.s3`), and the timeout it raises is retried here. So a
@@ -57,23 +56,19 @@ or, where none listens (a Ray worker, a command between progress phases), to a w
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import contextvars
 import datetime as _dt
 import email.utils
 import errno
-import json
 import logging
 import math
 import os
 import random
-import socket
 import threading
 import time
 import weakref
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Awaitable, Callable, Iterator, TypeVar
+from typing import Awaitable, Callable, TypeVar
 
 from manifests.errors import BucketeerError, UsageError
 
@@ -91,11 +86,6 @@ __all__ = [
     "is_throttled",
     "retry_after",
     "throttled_requests",
-    "throttle_mark",
-    "throttle_span",
-    "ThrottleTally",
-    "counting_throttles",
-    "job_throttles",
     "is_storage_failure",
     "with_retries",
     "with_retries_async",
@@ -286,65 +276,6 @@ def throttled_requests() -> int:
     """How many throttled answers (:func:`is_throttled`) the storage calls of this process have had so far."""
     with _lock:
         return _throttled[0]
-
-
-def throttle_mark() -> tuple[str, int]:
-    """``(process, count)``: this process (host and pid) and its :func:`throttled_requests` now. A task
-    takes one before its work and returns :func:`throttle_span` of it after."""
-    return f"{socket.gethostname()}:{os.getpid()}", throttled_requests()
-
-
-def throttle_span(before: tuple[str, int]) -> str:
-    """What a task returns for the throttled answers of its process since ``before`` (a :func:`throttle_mark`):
-    a short JSON text, for :meth:`ThrottleTally.add`."""
-    return json.dumps([before[0], before[1], throttled_requests()])
-
-
-class ThrottleTally:
-    """The throttled answers of one job, over every process it ran in: this process's from the tally's making
-    (the driver's own reads, and workers that run in it), and each other process's from the lowest count to
-    the highest its tasks' spans (:func:`throttle_span`) report. A span given twice, or spans of tasks that ran
-    at once in one process, count once: the tally keeps each process's range, never a sum of differences."""
-
-    def __init__(self) -> None:
-        self._here = throttle_mark()
-        self._ranges: dict[str, tuple[int, int]] = {}
-        self._guard = threading.Lock()
-
-    def add(self, *spans: str) -> None:
-        """Take in the spans the job's tasks returned."""
-        with self._guard:
-            for span in spans:
-                process, low, high = json.loads(span)
-                known = self._ranges.get(process)
-                self._ranges[process] = (low, high) if known is None else (min(known[0], low), max(known[1], high))
-
-    @property
-    def total(self) -> int:
-        """The job's throttled answers so far."""
-        with self._guard:
-            ranges = {**self._ranges, self._here[0]: (self._here[1], throttled_requests())}
-        return sum(high - low for low, high in ranges.values())
-
-
-_tally: contextvars.ContextVar[ThrottleTally | None] = contextvars.ContextVar("bucketeer_throttles", default=None)
-
-
-@contextlib.contextmanager
-def counting_throttles() -> Iterator[ThrottleTally]:
-    """Count a job's throttled answers (a :class:`ThrottleTally`) for the ``with`` block: its progress lines
-    (:class:`~manifests.progress.Progress`) and its summary read it; its driver adds its tasks' spans."""
-    tally = ThrottleTally()
-    token = _tally.set(tally)
-    try:
-        yield tally
-    finally:
-        _tally.reset(token)
-
-
-def job_throttles() -> ThrottleTally | None:
-    """The :class:`ThrottleTally` of the job this code runs in (:func:`counting_throttles`), or None."""
-    return _tally.get()
 
 
 def is_timeout(exc: BaseException) -> bool:

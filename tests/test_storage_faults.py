@@ -21,7 +21,8 @@ import pytest
 
 from manifests.errors import StorageError
 from manifests.progress import Progress
-from manifests.retry import counting_throttles, throttled_requests, with_retries
+from manifests.retry import throttled_requests, with_retries
+from manifests.throttles import counting_throttles
 from manifests.storage import open_url, read_bytes, read_many
 from tests.fault_proxy import FaultProxy, reads
 

@@ -48,7 +48,7 @@ from manifests.errors import BucketeerError, UsageError
 from manifests.lock import writer_lock
 from manifests.manifest import read_manifest_meta, read_row_group, sample_row_groups
 from manifests.progress import Progress
-from manifests.retry import ThrottleTally, counting_throttles, job_throttles
+from manifests.throttles import ThrottleTally, counting_throttles, job_throttles
 from manifests.schema import MAX_PIXELS
 from manifests.storage import parse_storage_options, redact
 from pipeline.annotate.engines import DEFAULT_PROMPT, ENGINES, CaptionSpec, vllm_available

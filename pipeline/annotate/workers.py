@@ -28,7 +28,7 @@ import pyarrow as pa
 from manifests import faults
 from manifests.annotations import embedding_type, image_key, part_name, part_schema, write_part
 from manifests.manifest import read_row_group
-from manifests.retry import throttle_mark, throttle_span
+from manifests.throttles import SPANS, throttle_mark, throttle_span
 from manifests.storage import open_url, redact
 from pipeline.annotate.engines import TransformersCaptioner
 from pipeline.annotate.image_stats import STATS, image_stats, phash, sha256_hex
@@ -54,8 +54,7 @@ def read_units(batch: pa.Table, *, manifest: str, storage_options: dict | None, 
     rows = rows.sort_by([("container", "ascending"), ("row_group", "ascending"), ("sample_id", "ascending")])
     units = [to_ipc(rows.slice(at, unit_rows)) for at in range(0, rows.num_rows, unit_rows)]
     spans = [throttle_span(before)]  # the manifest reads' throttled storage answers: carried to the summary rows
-    return pa.table({"rows": pa.array(units, pa.binary()), "throttled": pa.array([spans] * len(units),
-                                                                                  pa.list_(pa.string()))})
+    return pa.table({"rows": pa.array(units, pa.binary()), "throttled": pa.array([spans] * len(units), SPANS)})
 
 
 def decode_for_caption(data: bytes, width: int, height: int, image_size: int, max_pixels: int, name: str):

@@ -35,7 +35,7 @@ from manifests.annotations import (AnnotationsCounts, AnnotationsError, Annotati
                                    write_annotations_meta, write_part)  # fmt: skip
 from manifests.errors import UsageError
 from manifests.lock import writer_lock
-from manifests.retry import counting_throttles, job_throttles
+from manifests.throttles import counting_throttles, job_throttles
 from manifests.storage import join, open_url, parse_storage_options, redact
 from pipeline.dedup.clusters import Clusters, cluster
 from pipeline.dedup.edges import MAX_PHASH_THRESHOLD, Edges, exact_edges, phash_edges

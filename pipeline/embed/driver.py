@@ -18,7 +18,7 @@ import pyarrow.compute as pc
 from manifests.cache import CacheCommitter, CacheMeta, ComputeInfo, settings_diff
 from manifests.errors import BucketeerError
 from manifests.progress import Progress
-from manifests.retry import ThrottleTally, job_throttles
+from manifests.throttles import ThrottleTally, job_throttles
 from manifests.storage import call_storage, is_local, join, open_url
 from pipeline.embed.dataflow import Placement
 from pipeline.embed.settings import cache_info, committed_text, full_settings, refuse

@@ -78,7 +78,7 @@ from manifests.cache.writer import COMMIT_SECONDS
 from manifests.errors import BucketeerError, UsageError
 from manifests.manifest import read_manifest_meta
 from manifests.manifest_meta import ManifestMeta
-from manifests.retry import counting_throttles
+from manifests.throttles import counting_throttles
 from manifests.schema import MAX_PIXELS
 from manifests.storage import parse_storage_options, redact
 from pipeline.embed.clips import MAX_CLIPS

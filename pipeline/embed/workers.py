@@ -46,7 +46,7 @@ from manifests.cache.records import TextRecord, encode_sample, encode_text
 from manifests.errors import BucketeerError, UsageError
 from manifests.frames import is_video_bucket
 from manifests.manifest import read_row_group
-from manifests.retry import throttle_mark, throttle_span
+from manifests.throttles import SPANS, carry_spans, throttle_mark
 from manifests.schema import MASK_COLUMNS
 from manifests.storage import is_local, join, open_url, read_many, redact
 from pipeline.embed.clips import MAX_CLIPS, clip_records, prepare_clips
@@ -175,16 +175,7 @@ def prepare_batch(
 
 
 # ---------------------------------------------------------------- CPU stages (Ray Data tasks)
-
-# every stage's rows carry ``throttled``: the throttle spans (manifests.retry.throttle_span) of the stages that
-# made them, its own added, so that the driver's tally counts every process's throttled storage answers
-THROTTLED = pa.list_(pa.string())
-
-
-def _throttled(carried: list[str] | None, before: tuple[str, int]) -> list[str]:
-    """The spans a row carries on: those it came with, and this stage's since ``before``."""
-    return sorted({*(carried or ()), throttle_span(before)})
-
+# every stage's rows carry ``throttled``, the spans of the stages that made them (manifests.throttles)
 
 
 def plan_units(batch: pa.Table, manifest: str, storage_options: dict | None, batch_size: int,
@@ -195,7 +186,7 @@ def plan_units(batch: pa.Table, manifest: str, storage_options: dict | None, bat
         before = throttle_mark()
         work = GroupWork.from_item(item)
         rows = read_row_group(manifest, work.group, MANIFEST_COLUMNS, storage_options).take(pa.array(work.rows))
-        throttled = pa.array([_throttled(None, before)], THROTTLED)
+        throttled = pa.array([carry_spans(None, before)], SPANS)
         inline = pa.array(work.inline, pa.bool_())
         caption = pc.if_else(inline, rows.column("caption").cast(pa.string()), pa.scalar(None, pa.string()))
         rows = pa.table({"text_inline": inline, "caption": caption,  # the text of an inline caption only
@@ -247,11 +238,11 @@ def prepare_unit(batch: pa.Table, source: str, storage_options: dict | None, cro
         out.append({"unit": item["unit"], "bucket": item["bucket"], "pixels": prepared["pixels"].tobytes(),
                     "cond_pixels": b"" if cond is None else cond.tobytes(),
                     "mask_pixels": b"" if masks is None else masks.tobytes(), "rows": to_ipc(good),
-                    "errors": to_ipc(errors), "throttled": _throttled(item.get("throttled"), before)})  # fmt: skip
+                    "errors": to_ipc(errors), "throttled": carry_spans(item.get("throttled"), before)})  # fmt: skip
     return pa.Table.from_pylist(out, schema=pa.schema([("unit", pa.string()), ("bucket", pa.string()),
                                                       ("pixels", pa.large_binary()), ("cond_pixels", pa.large_binary()),
                                                       ("mask_pixels", pa.large_binary()), ("rows", pa.binary()),
-                                                      ("errors", pa.binary()), ("throttled", THROTTLED)]))  # fmt: skip
+                                                      ("errors", pa.binary()), ("throttled", SPANS)]))  # fmt: skip
 
 
 def read_captions(batch: pa.Table, manifest: str, storage_options: dict | None) -> pa.Table:
@@ -266,7 +257,7 @@ def read_captions(batch: pa.Table, manifest: str, storage_options: dict | None) 
         captions = captions.take(pa.array(work.rows)).fill_null("").cast(pa.string())  # the prompts' type
         order = np.argsort([len(c) for c in captions.to_pylist()], kind="stable")
         captions = captions.take(pa.array(order))
-        throttled = pa.array([_throttled(None, before)] * len(captions), THROTTLED)
+        throttled = pa.array([carry_spans(None, before)] * len(captions), SPANS)
         tables.append(pa.table({"caption_key": caption_keys(captions), "caption": captions, "throttled": throttled}))
     return pa.concat_tables(tables)
 
@@ -276,7 +267,7 @@ def prompt_rows(prompts: dict[int, str]) -> pa.Table:
     :func:`read_captions`' schema, to encode with the manifest's."""
     return pa.table({"caption_key": pa.array(list(prompts), pa.uint64()),
                      "caption": pa.array(list(prompts.values()), pa.string()),
-                     "throttled": pa.array([[]] * len(prompts), THROTTLED)})  # fmt: skip
+                     "throttled": pa.array([[]] * len(prompts), SPANS)})  # fmt: skip
 
 
 # ---------------------------------------------------------------- encoder actors (Ray Data actor pools)
@@ -425,11 +416,11 @@ class LatentWriter(_EncoderActor):
                              source_key=r["source_key"], text_inline=inline)  # fmt: skip
             samples, size = self._result("samples", shard)
             out.append({"unit": item["unit"], "samples": samples, "errors": item["errors"], "shard_bytes": size,
-                        "worker": self.worker, "throttled": _throttled(item.get("throttled"), before)})  # fmt: skip
+                        "worker": self.worker, "throttled": carry_spans(item.get("throttled"), before)})  # fmt: skip
         return pa.Table.from_pylist(out, schema=pa.schema([("unit", pa.string()), ("samples", pa.binary()),
                                                           ("errors", pa.binary()), ("shard_bytes", pa.int64()),
                                                           ("worker", pa.string()),
-                                                          ("throttled", THROTTLED)]))  # fmt: skip
+                                                          ("throttled", SPANS)]))  # fmt: skip
 
     def _encode_clips(self, encoder: Encoder) -> Callable[[np.ndarray], np.ndarray]:
         """Clips ``(b, F, H, W, 3)`` -> their latents in the storage dtype, one forward pass at a time."""
@@ -490,4 +481,4 @@ class TextWriter(_EncoderActor):
         carried = [span for spans in batch.column("throttled").to_pylist() for span in spans] \
             if "throttled" in batch.column_names else []  # fmt: skip
         return pa.table({"texts": pa.array([texts], pa.binary()), "shard_bytes": [size], "worker": [self.worker],
-                         "throttled": pa.array([_throttled(carried, before)], THROTTLED)})  # fmt: skip
+                         "throttled": pa.array([carry_spans(carried, before)], SPANS)})  # fmt: skip

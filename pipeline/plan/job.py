@@ -23,7 +23,7 @@ from typing import Any, Mapping
 
 from manifests.lock import writer_lock
 from manifests.errors import UsageError
-from manifests.retry import counting_throttles
+from manifests.throttles import counting_throttles
 from manifests.plan import PlanConfig, PlanMeta
 from manifests.plan.mix import MixRule
 from manifests.storage import redact

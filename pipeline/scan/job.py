@@ -55,9 +55,10 @@ from manifests.errors import StorageError, UsageError
 from manifests.frames import FrameLadder, add_frame_arguments, ladder_from_args
 from manifests.manifest import apply_buckets, write_manifest
 from manifests.manifest_meta import ManifestMeta, ScanSummary
-from manifests.retry import counting_throttles, is_storage_failure, job_throttles
+from manifests.retry import is_storage_failure
 from manifests.schema import MAX_PIXELS
 from manifests.storage import open_url, parse_storage_options, redact
+from manifests.throttles import counting_throttles, job_throttles
 from pipeline.formats import IMAGE_EXTENSIONS
 from pipeline.ray_setup import ray_session
 from pipeline.scan.assemble import assemble

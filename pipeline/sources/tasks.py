@@ -16,7 +16,7 @@ import pyarrow.compute as pc
 
 from manifests.errors import BucketeerError
 from manifests.progress import Progress
-from manifests.retry import job_throttles, throttle_mark, throttle_span
+from manifests.throttles import job_throttles, throttle_mark, throttle_span
 from pipeline.ray_setup import ray_session
 
 __all__ = ["run_tasks"]
