@@ -194,6 +194,7 @@ class WatchdogSession(AIOHTTPSession):
         connect, read = self._timeout.sock_connect, self._timeout.sock_read
         self._stall = connect + read if connect and read else None  # None: the user switched a timeout off
         self._floor = rate_floor()
+        self._watchers: set[asyncio.Task] = set()  # held here: the loop keeps only weak references to tasks
 
     async def send(self, request):
         if self._stall is None:
@@ -224,7 +225,9 @@ class WatchdogSession(AIOHTTPSession):
                     return
                 await asyncio.sleep(floor.seconds_left() + 0.01)
 
-        asyncio.ensure_future(watch())
+        task = asyncio.ensure_future(watch())
+        self._watchers.add(task)
+        task.add_done_callback(self._watchers.discard)
 
     async def _send_body(self, request):
         stamp = [time.monotonic()]
