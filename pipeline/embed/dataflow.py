@@ -46,12 +46,10 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-import pyarrow as pa
-
 from manifests.errors import UsageError
 from pipeline.embed.work import UNIT_PIXEL_BYTES, EmbedWork
 from pipeline.embed.prepare import prepare_unit
-from pipeline.embed.workers import LatentWriter, TextWriter, plan_units, read_captions
+from pipeline.embed.workers import LatentWriter, TextWriter, plan_units, prompt_rows, read_captions
 
 __all__ = ["Placement", "NodeShape", "place_encoders", "size_cpus", "configure_ray_data", "caption_pipeline",
            "image_pipeline", "results"]
@@ -260,8 +258,7 @@ def caption_pipeline(work: EmbedWork, prompts: dict[int, str], manifest: str, st
             read_captions, batch_size=1, batch_format="pyarrow", num_cpus=placement.light_cpus,
             fn_kwargs={"manifest": manifest, "storage_options": storage_options}))  # fmt: skip
     if prompts:
-        captions.append(ray.data.from_arrow(pa.table({"caption_key": pa.array(list(prompts), pa.uint64()),
-                                                      "caption": pa.array(list(prompts.values()), pa.string())})))
+        captions.append(ray.data.from_arrow(prompt_rows(prompts)))
     texts = -(-(work.new_captions + len(prompts)) // text_batch_size)
     return (
         (captions[0] if len(captions) == 1 else captions[0].union(*captions[1:]))

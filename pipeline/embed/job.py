@@ -79,6 +79,7 @@ from manifests.errors import UsageError
 from manifests.manifest import read_manifest_meta
 from manifests.manifest_meta import ManifestMeta
 from manifests.progress import human_bytes
+from manifests.throttles import counting_throttles
 from manifests.schema import MAX_PIXELS
 from manifests.storage import parse_storage_options, redact
 from pipeline.embed.clips import MAX_CLIPS, refuse_for_video
@@ -332,7 +333,7 @@ def run(job: EmbedJob) -> EmbedResult:
     """Embed what ``job.manifest`` has and ``job.out`` lacks (or holds stale); prints what ``bucketeer
     embed`` prints. Raises UsageError (CacheError: a cache of other settings; WriterBusyError: another
     embed writes ``out``) for what the user must fix."""
-    with writer_lock(job.out, job.storage_options, "embed"):
+    with writer_lock(job.out, job.storage_options, "embed"), counting_throttles():
         return _embed(job)
 
 
@@ -416,6 +417,7 @@ def _embed(job: EmbedJob) -> EmbedResult:
         image_seconds=round(image_seconds, 2),
         images_per_second=round(embed.steady_images / image_seconds, 2) if image_seconds else None,
         device=placement.device, encoder_nodes=len(embed.nodes), shards=embed.shards, redone=embed.committer.redone,
+        throttled=embed.throttles.total,  # storage answers that asked for fewer requests, every process's
     )  # fmt: skip
     meta = embed.committer.finish(manifest.fingerprint, summary)
     embed.unmark_visible()
@@ -423,7 +425,8 @@ def _embed(job: EmbedJob) -> EmbedResult:
           f"{counts['retry']} retried, {summary.skipped} skipped in {seconds:.1f}s -> {redact(job.out)} "
           f"({meta.counts.samples} samples, {meta.counts.texts} captions; {embed.shards} shards "
           f"written; {human_bytes(meta.bytes.per_sample)} per sample, {human_bytes(meta.bytes.per_caption)} per "
-          "caption)", flush=True)  # fmt: skip
+          f"caption){f'; storage throttled {summary.throttled:,} requests (retried)' if summary.throttled else ''}",
+          flush=True)  # fmt: skip
     return EmbedResult(url=job.out, fingerprint=meta.fingerprint, meta=meta, seconds=summary.seconds,
                        embedded=embed.embedded, errors=embed.errors, skipped=summary.skipped, changed=counts["stale"],
                        retried=counts["retry"], new_captions=new_captions, shards=embed.shards,
