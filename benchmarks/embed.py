@@ -65,7 +65,9 @@ def make_images(root: str, manifest: str, n: int, size: int) -> None:
 def encoder_only(size: int, batch: int, threads: int, n: int) -> float:
     import torch
 
-    from pipeline.embed.encoders import EncoderSource, LatentSpec, quiet_loading
+    from pipeline.embed.loading import EncoderSource, quiet_loading
+
+    from pipeline.embed.latents import LatentSpec
 
     quiet_loading()
     torch.set_num_threads(threads)

@@ -479,7 +479,7 @@ def run_check(args: argparse.Namespace) -> int:
     """Every section in order; the table printed and written. Returns 1 when any row failed, else 0."""
     import torch
 
-    from pipeline.embed.encoders import quiet_loading
+    from pipeline.embed.loading import quiet_loading
 
     quiet_loading()  # the libraries' load bars and truncation notices would bury the table
     if args.rehearsal:

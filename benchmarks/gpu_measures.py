@@ -132,7 +132,9 @@ def vae_sweep(family: str, folder: str, bucket: tuple[int, int], batches: tuple[
     import torch
     from diffusers import AutoencoderKL
 
-    from pipeline.embed.encoders import EncoderSource, LatentSpec
+    from pipeline.embed.loading import EncoderSource
+
+    from pipeline.embed.latents import LatentSpec
 
     ours = LatentSpec(EncoderSource(folder, "vae")).load(use_gpu=gpu, dtype="BF16")
     device, dtype = ours.device, ours.compute_dtype
@@ -178,7 +180,8 @@ def text_vs_pipeline(family: str, folder: str, batch: int, gpu: bool, iters: int
 
     from manifests.cache import TextLayout
     from manifests.cache.records import TextRecord
-    from pipeline.embed.encoders import encoder_specs, to_storage
+    from pipeline.embed.loading import to_storage
+    from pipeline.embed.encoders import encoder_specs
 
     _, spec = encoder_specs(family=family, model=folder, vae=None, vae_subfolder=None, text_encoders=None,
                             text_subfolders=None)  # fmt: skip
@@ -322,7 +325,9 @@ def wan_rows(folder: str, clip: tuple[int, int, int], gpu: bool, iters: int) -> 
     import torch
     from diffusers import AutoencoderKLWan
 
-    from pipeline.embed.encoders import EncoderSource, LatentSpec
+    from pipeline.embed.loading import EncoderSource
+
+    from pipeline.embed.latents import LatentSpec
 
     ours = LatentSpec(EncoderSource(folder)).load(use_gpu=gpu, dtype="BF16")
     device, dtype = ours.device, ours.compute_dtype

@@ -22,6 +22,12 @@ template's 8, 2560 wide) against ``encode_prompt``'s fp32 output for that captio
 pipeline's length (what a fixed-shape cache stores).
 
 Then Flux 2, Flux 2 Klein and Chroma at real size (:mod:`sizes_flux2`: parameter counts on the meta device).
+
+Qwen-Image-Edit (:func:`qwen_image_edit`): a sample's text record is its rows of (instruction, reference): the
+reference's image tokens are counted by Qwen2.5-VL's own image processor (the published config: patch 14, merge 2,
+``max_pixels`` 12845056) on the reference as the pipeline resizes it (``calculate_dimensions(1024 * 1024, ...)``),
+plus ``<|vision_start|>``, ``<|vision_end|>``, the instruction's tokens and the template's 5 closing ones, 3584 wide;
+against ``encode_prompt``'s fp32 output for it, and with the reference latent beside the target's.
 """
 
 from __future__ import annotations
@@ -75,6 +81,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pixart-tokens", type=int, default=40, help="real T5 tokens of a typical PixArt caption")
     parser.add_argument("--qwen-tokens", type=int, default=40, help="tokens of a typical Qwen-Image / Z-Image caption")
+    parser.add_argument("--instruction-tokens", type=int, default=20, help="tokens of a typical edit instruction")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     print(f"{'family':44s} {'bucketeer bf16':>15s} {'gzip(noise)':>12s} {'encode_prompt fp32':>19s} {'ratio':>6s} "
@@ -92,6 +99,7 @@ def main() -> None:
 
     print_sizes(rng)
     qwen_zimage(args.qwen_tokens)
+    qwen_image_edit(args.instruction_tokens)
 
 
 QWEN_VL_7B = {"text_config": {"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
@@ -150,6 +158,33 @@ def qwen_zimage(caption_tokens: int) -> None:
         stored, alone, padded = 2 * n * width, 4 * n * width, 4 * length * width + 4 * length
         print(f"{name:44s} {stored:>15,d} {alone:>19,d} {alone / stored:>5.1f}x {padded:>12,d} "
               f"{padded / stored:>5.1f}x {2 * 16 * 128 * 128:>14,d}")
+
+
+def image_tokens(height: int, width: int) -> tuple[int, tuple[int, int]]:
+    """Qwen2.5-VL tokens of a ``height x width`` reference as ``QwenImageEditPipeline`` feeds it (resized to its
+    ``calculate_dimensions(1024 * 1024, ...)``, then the image processor's own resize), and that resized size."""
+    from PIL import Image
+    from transformers import Qwen2VLImageProcessorPil
+
+    from pipeline.embed.families.qwen_image_edit import reference_size
+
+    h, w = reference_size(height, width)
+    processor = Qwen2VLImageProcessorPil(size={"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 16384},
+                                         patch_size=14, merge_size=2, temporal_patch_size=2)  # the published config
+    grid = processor(Image.new("RGB", (w, h)), return_tensors="pt")["image_grid_thw"][0]  # (t, h/14, w/14)
+    return int(grid.prod()) // 4, (h, w)  # 2x2 patches merged into one token
+
+
+def qwen_image_edit(instruction_tokens: int) -> None:
+    """Bytes per sample of Qwen-Image-Edit at real size (module docstring): the text of (instruction, reference)."""
+    print(f"\n{'qwen-image-edit reference (h x w)':44s} {'image tokens':>12s} {'rows':>6s} {'bucketeer bf16':>15s} "
+          f"{'encode_prompt fp32':>19s} {'latents bf16':>13s}")  # fmt: skip
+    for height, width in ((1024, 1024), (896, 1152), (512, 512), (1536, 1024)):
+        tokens, (h, w) = image_tokens(height, width)
+        rows = 1 + tokens + 1 + instruction_tokens + 5  # <|vision_start|>, image, <|vision_end|>, instruction, 5
+        latents = 2 * 16 * (height // 8) * (width // 8) + 2 * 16 * (h // 8) * (w // 8)  # target + reference
+        print(f"{f'{height}x{width} -> {h}x{w}, {instruction_tokens}-token instruction':44s} {tokens:>12,d} "
+              f"{rows:>6,d} {2 * rows * 3584:>15,d} {4 * rows * 3584:>19,d} {latents:>13,d}")
 
 
 if __name__ == "__main__":

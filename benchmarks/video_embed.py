@@ -99,7 +99,9 @@ def vae_alone(clips: np.ndarray, batch: int, threads: int) -> float:
     """Seconds for the tiny Wan VAE (as the embed workers load it) to encode ``clips`` in batches of ``batch``."""
     import torch
 
-    from pipeline.embed.encoders import EncoderSource, LatentSpec, quiet_loading
+    from pipeline.embed.loading import EncoderSource, quiet_loading
+
+    from pipeline.embed.latents import LatentSpec
 
     quiet_loading()
     torch.set_num_threads(threads)

@@ -8,6 +8,8 @@ re-encoded copies of some of its images (duplicates) and a few blank frames (no 
 ``make_sample_clips(folder, n=24)`` writes short video clips (H.264 mp4 and VP9 webm through PyAV, the
 ``video`` extra) of moving colour fields in three aspect ratios, some long enough for several clips,
 one too short for any frame bucket, one rotated 90 degrees, a few still images, and a broken file.
+``make_references(folder)`` gives each image of such a dataset a reference image (its grey version) under
+``folder/_references``, for ``scan --conditioning`` and an edit model (``qwen-image-edit``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-__all__ = ["make_sample_dataset", "add_curation_cases", "make_sample_clips"]
+__all__ = ["make_sample_dataset", "add_curation_cases", "make_references", "make_sample_clips", "REFERENCES"]
+
+REFERENCES = "_references"  # make_references' folder under the dataset: scan --conditioning DATASET/_references
 
 # (width, height) shapes in the ratios photo datasets have: square, 4:3, 3:2, 16:9, 2:1 and portraits
 SHAPES = ((512, 512), (576, 432), (432, 576), (600, 400), (400, 600), (640, 360), (360, 640), (640, 320), (480, 480))
@@ -126,6 +130,29 @@ def add_curation_cases(folder: str | Path, duplicates: int = 6, blanks: int = 3)
         Image.new("RGB", (512, 512), (level, level, level)).save(out / f"blank_{j:02d}.png")
         (out / f"blank_{j:02d}.txt").write_text("a blank frame\n")
     return {"exact": exact, "resaved": resaved, "blanks": blanks}
+
+
+def make_references(folder: str | Path) -> int:
+    """For each image under ``folder`` (a :func:`make_sample_dataset` folder), a reference image for an edit model
+    under ``folder/_references`` at the same relative path and display size: the image in grey, as an editing
+    pair "colour it" would have it. Same format as the image (by its extension); files that do not decode get
+    none. Returns how many were written."""
+    from PIL import ImageOps
+
+    root = Path(folder)
+    formats = {".jpg": "JPEG", ".png": "PNG", ".webp": "WEBP"}
+    written = 0
+    for path in sorted(p for p in root.rglob("*") if p.suffix in formats and REFERENCES not in p.parts):
+        try:
+            with Image.open(path) as img:
+                grey = ImageOps.exif_transpose(img).convert("L").convert("RGB")  # display orientation, no EXIF
+        except OSError:  # the broken files: their targets are scan errors anyway
+            continue
+        target = root / REFERENCES / path.relative_to(root)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        grey.save(target, formats[path.suffix])
+        written += 1
+    return written
 
 
 # (width, height, frames) of the demo's clips: square, landscape, portrait; 9-40 frames (at 24 fps: 0.4-1.7 s)

@@ -88,7 +88,7 @@ def assert_inline_texts(out: str, index, manifest: str, unique: dict[str, str]) 
     the index says so, their text rows name that record, the reader joins them from it with one read, and
     they are what the text encoders give for the caption."""
     from manifests.cache import CacheReader
-    from pipeline.embed.encoders import to_storage
+    from pipeline.embed.loading import to_storage
     from pipeline.embed.job import EmbedJob, _factories
 
     samples = {r["sample_id"]: r for r in index["samples"].to_pylist()}

@@ -20,7 +20,9 @@ import torch
 from manifests.cache import CacheError, read_cache_meta
 from manifests.cache.records import SampleRecord, TextRecord, caption_key, to_float32
 from manifests.cache.verify import verify_cache
-from pipeline.embed.encoders import EncoderSource, LatentSpec, TextSpec, quiet_loading, weights_sha256
+from pipeline.embed.loading import EncoderSource, quiet_loading, weights_sha256
+from pipeline.embed.latents import LatentSpec
+from pipeline.embed.encoders import TextSpec
 from tests.embed_data import embed_cache, make_dataset, records_by_id
 from tests.encoder_repos import (
     CLIP1_WIDTH,

@@ -23,7 +23,9 @@ from manifests.cache import CacheError, CacheReader, TextLayout, read_cache_meta
 from manifests.cache.records import SampleRecord, TextRecord, caption_key, decode_sample, encode_sample, to_float32
 from manifests.cache.verify import verify_cache
 from manifests.errors import UsageError
-from pipeline.embed.encoders import LatentSpec, encoder_specs, quiet_loading, to_storage
+from pipeline.embed.loading import quiet_loading, to_storage
+from pipeline.embed.latents import LatentSpec
+from pipeline.embed.encoders import encoder_specs
 from pipeline.embed.families.tiny import CLIP_G, CLIP_G_PROJECTION, CLIP_L, CLIP_L_PROJECTION, T5_WIDTH, build_tiny
 from tests.embed_data import embed_cache, make_dataset, records_by_id
 

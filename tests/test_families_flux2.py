@@ -23,7 +23,8 @@ from manifests.cache import TextLayout, read_cache_meta
 from manifests.cache.records import TextRecord
 from manifests.cache.verify import verify_cache
 from manifests.errors import UsageError
-from pipeline.embed.encoders import encoder_specs, quiet_loading, to_storage
+from pipeline.embed.loading import quiet_loading, to_storage
+from pipeline.embed.encoders import encoder_specs
 from pipeline.embed.families.tiny import T5_WIDTH, build_tiny
 from pipeline.embed.families.tiny_flux2 import MISTRAL_WIDTH, QWEN3_WIDTH
 from tests.embed_data import embed_cache, make_dataset, records_by_id

@@ -20,7 +20,9 @@ import torch
 from manifests.cache import TextLayout, read_cache_meta
 from manifests.errors import UsageError
 from manifests.manifest import read_manifest
-from pipeline.embed.encoders import LatentSpec, encoder_specs, quiet_loading, to_storage
+from pipeline.embed.loading import quiet_loading, to_storage
+from pipeline.embed.latents import LatentSpec
+from pipeline.embed.encoders import encoder_specs
 from pipeline.embed.families import qwen_image
 from pipeline.embed.families.tiny import build_tiny
 from pipeline.embed.families.tiny_qwen import QWEN3_WIDTH, QWEN_WIDTH

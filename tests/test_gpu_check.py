@@ -153,7 +153,9 @@ def test_the_embed_encoders_on_cuda_give_what_they_give_on_the_cpu(tmp_path):
     """The VAE and the text encoders of the sdxl and flux families on cuda (bf16 compute) against the CPU (fp32):
     the same latents and text embeddings within bf16 precision, returned on the host."""
     from benchmarks.gpu_models import TINY, build_folder
-    from pipeline.embed.encoders import EncoderSource, LatentSpec, TextSpec
+    from pipeline.embed.loading import EncoderSource
+    from pipeline.embed.latents import LatentSpec
+    from pipeline.embed.encoders import TextSpec
 
     pixels = np.random.default_rng(0).integers(0, 255, (2, 64, 64, 3), dtype=np.uint8)
     for family in ("sdxl", "flux"):

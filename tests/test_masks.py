@@ -124,7 +124,7 @@ def test_a_parquet_mask_column_is_scanned_and_cut_like_its_image(tmp_path):
 
     from manifests.schema import SAMPLES_SCHEMA
     from manifests.storage import open_url
-    from pipeline.embed.workers import prepare_batch
+    from pipeline.embed.prepare import prepare_batch
     from pipeline.sources.listing import FileEntry
     from pipeline.sources.parquet import scan_parquet_file
 

@@ -35,8 +35,6 @@ README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 CONFIGURATION = DOCS / "configuration.md"
 REFERENCE = "## Every option of every command"  # the generated part of CONFIGURATION: from here to its end
-# pages that other branches add, linked from here ahead of their merge: a link to one of them may dangle until then
-PENDING_PAGES = ("storage-faults.md",)
 TAGS = ("e2e", "demo", "local", "skip")
 # the tag line, then (blank lines allowed) the fenced block
 _BLOCK = re.compile(r"<!-- test: (\w+)(?::\s*(.*?))? -->\s*\n```bash\n(.*?)```", re.DOTALL)
@@ -269,9 +267,7 @@ def test_links_and_their_anchors_resolve():
                 continue
             path, _, anchor = link.partition("#")
             target = (doc.parent / path).resolve() if path else doc
-            if path and not target.exists():
-                assert Path(path).name in PENDING_PAGES, f"{doc.relative_to(ROOT)}: {link} leads nowhere"
-                continue
+            assert target.exists(), f"{doc.relative_to(ROOT)}: {link} leads nowhere"
             if anchor and target.suffix == ".md":
                 assert anchor in anchors(target), f"{doc.relative_to(ROOT)}: {link}: no such heading in {path or doc}"
 

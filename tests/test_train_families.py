@@ -52,7 +52,7 @@ CONDITIONED = {
 def families(tmp_path_factory, ray_local) -> dict[str, dict[str, str]]:
     """Per family: its tiny model folder, cache (6 samples, T5 at 8 tokens) and 1-rank plans."""
     from pipeline import PlanJob, run
-    from pipeline.embed.encoders import quiet_loading
+    from pipeline.embed.loading import quiet_loading
     from pipeline.embed.families.tiny import build_tiny
 
     quiet_loading()

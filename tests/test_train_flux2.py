@@ -33,7 +33,7 @@ TOKENS = 16  # --max-text-tokens: the pipelines take prompt_embeds of any length
 @pytest.fixture(scope="module")
 def families(tmp_path_factory) -> dict[str, dict[str, str]]:
     from pipeline import PlanJob, run
-    from pipeline.embed.encoders import quiet_loading
+    from pipeline.embed.loading import quiet_loading
     from pipeline.embed.families.tiny import build_tiny
     from tests.embed_data import embed_cache, make_dataset
 

@@ -35,7 +35,7 @@ RANK = 4
 @pytest.fixture(scope="module")
 def families(tmp_path_factory, ray_local) -> dict[str, dict[str, str]]:
     from pipeline import PlanJob, run
-    from pipeline.embed.encoders import quiet_loading
+    from pipeline.embed.loading import quiet_loading
     from pipeline.embed.families.tiny import build_tiny
 
     quiet_loading()

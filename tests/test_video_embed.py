@@ -22,7 +22,7 @@ from manifests.manifest import read_manifest  # noqa: E402
 from pipeline.cli import main  # noqa: E402
 from pipeline.embed import EmbedJob, run as embed  # noqa: E402
 from pipeline.embed.clips import clip_starts, decode_clip_frames  # noqa: E402
-from pipeline.embed.encoders import to_storage  # noqa: E402
+from pipeline.embed.loading import to_storage  # noqa: E402
 from pipeline.embed.families.tiny import ensure_tiny  # noqa: E402
 from pipeline.embed.imaging import cover_and_crop, crop_resized  # noqa: E402
 from pipeline.scan import ScanConfig, ScanJob, run as scan  # noqa: E402
@@ -186,7 +186,7 @@ def test_ranged_reads_stop_after_the_clip_and_match_a_local_decode(tmp_path):
     """Over object storage (memory://) the workers read ranges, keep a few chunks and stop after the clip."""
     import fsspec
 
-    from pipeline.embed.workers import prepare_batch
+    from pipeline.embed.prepare import prepare_batch
     from pipeline.sources.headers import RangeReader
 
     options = {"crf": "0", "preset": "ultrafast"} if H264 == "libx264" else {"qscale": "1"}

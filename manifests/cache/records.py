@@ -121,8 +121,10 @@ class SampleRecord:
 
     Additive, absent from caches made without them (old readers ignore the extra tensors):
     ``cond_latent`` (C, h, w): the paired conditioning image (``scan --conditioning``) encoded with the
-    same resize and crop. Variants (``embed --flip`` / ``--crops K``; V = K crops x 1 or 2 flips,
-    variant ``v`` = crop ``v // flips``, flipped when ``v % flips``): ``latent``, ``cond_latent`` and
+    same resize and crop (a reference family's, Qwen-Image-Edit: then resized to its reference size, so its
+    ``(h, w)`` may differ from ``latent``'s; ``_cache.json`` ``settings.conditioning`` says which).
+    Variants (``embed --flip`` / ``--crops K``; V = K crops x 1 or 2 flips, variant ``v`` = crop ``v // flips``,
+    flipped when ``v % flips``): ``latent``, ``cond_latent`` and
     ``crop_top_left`` are variant 0; ``variant_latents`` and ``variant_cond_latents`` (V-1, C, h, w)
     the others; ``variant_crops`` (V, 2) int32 every variant's ``(top, left)`` (a flipped variant's
     mirrored, as SDXL expects: ``left -> resized_w - left - target_w``); ``variant_flips`` (V,) uint8.
@@ -299,10 +301,13 @@ def decode_sample(data: bytes) -> SampleRecord:
 def _variants(tensors: dict[str, tuple[np.ndarray, str]], latent: np.ndarray, tag: str) -> dict[str, Any]:
     """The optional conditioning and variant tensors of a sample record, checked against its latent."""
     out: dict[str, Any] = {}
-    for name, shape in (("cond_latent", latent.shape), ("variant_latents", None), ("variant_cond_latents", None)):
+    for name in ("cond_latent", "variant_latents", "variant_cond_latents"):
         if name in tensors:
             array, t = tensors[name]
-            if t != tag or (shape is not None and array.shape != shape) or array.shape[-latent.ndim:] != latent.shape:
+            # a conditioning latent has the latent's channels, at its own grid (a reference's may differ)
+            like = array.shape if name == "cond_latent" else array.shape[-latent.ndim:]
+            if t != tag or len(like) != latent.ndim or like[0] != latent.shape[0] or \
+                    (name == "variant_latents" and like != latent.shape):  # fmt: skip
                 raise ValueError(name)
             out[name] = array
     if "features" in tensors:
@@ -324,7 +329,8 @@ def _variants(tensors: dict[str, tuple[np.ndarray, str]], latent: np.ndarray, ta
         if crops.shape != (v, 2) or flips.shape != (v,):
             raise ValueError("variant_crops")
         conds = out.get("variant_cond_latents")
-        if (conds is not None) != ("cond_latent" in out) or (conds is not None and len(conds) != v - 1):
+        if (conds is not None) != ("cond_latent" in out) or (conds is not None and (
+                len(conds) != v - 1 or conds.shape[1:] != out["cond_latent"].shape)):  # fmt: skip
             raise ValueError("variant_cond_latents")
         out["variant_crops"], out["variant_flips"] = crops, flips
     if "mask" in tensors:  # a loss mask: (h, w) and (V-1, h, w) uint8 at the latent grid

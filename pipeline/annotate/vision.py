@@ -187,7 +187,7 @@ def describe_vision(spec: VisionSpec) -> dict:
     from transformers import CLIPVisionConfig
 
     from pipeline.annotate.engines import weight_files_sha256
-    from pipeline.embed.features import load_image_processor
+    from pipeline.embed.processors import load_image_processor
 
     _quiet()
     try:
@@ -218,7 +218,7 @@ class ImageEmbedder:
         import torch
         from transformers import CLIPVisionModelWithProjection
 
-        from pipeline.embed.features import load_image_processor
+        from pipeline.embed.processors import load_image_processor
 
         _quiet()
         self.device = "cuda" if device == "cuda" and torch.cuda.is_available() else "cpu"

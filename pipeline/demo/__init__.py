@@ -5,6 +5,7 @@
     bucketeer demo --images 60 --out-dir demo-small
     bucketeer demo --family sdxl          # the same flow with a tiny random-weight SDXL (sd3, flux alike)
     bucketeer demo --family qwen-image    # ... Qwen-Image (Qwen2.5-VL text, normalised latents); z-image alike
+    bucketeer demo --family qwen-image-edit  # ... (target, reference) pairs: a grey reference per image
     bucketeer demo --repa                 # DINOv2 features in the cache (embed --features), REPA in training
     bucketeer demo --family wan           # video: generated clips, scan --frames, a tiny random-weight Wan
     bucketeer demo --family flux2         # a tiny random-weight FLUX.2-dev (flux2-klein, chroma alike)
@@ -30,7 +31,10 @@ shows that family's embed and training, without these stages.
 tiny pretrained weights, with caption dropout, an EMA and validation images at the end: the
 settings are in ``train-config.yaml``). ``--family wan`` does the same on ~24 generated short clips
 (H.264 and VP9, one rotated, stills among them, one too short and one broken), scanned with ``--frames
-9,17`` into ``WxHxF`` buckets and trained with the wan recipe. ``--family pixart`` (or none) is the
+9,17`` into ``WxHxF`` buckets and trained with the wan recipe. ``--family qwen-image-edit`` gives every
+image a reference (its grey version, ``dataset/_references/``), scans the pairs (``--conditioning``), embeds
+each (caption, reference) with the references at the demo's 256² (``--reference-resolution 256``) and
+fine-tunes without caption dropout or validation images. ``--family pixart`` (or none) is the
 default flow: the embedded default encoders and the from-scratch transformer.
 """
 

@@ -35,6 +35,7 @@ CURATION_FROM = 40  # --images from which some of them are planted duplicates an
 FAMILIES = ("pixart", "sdxl", "sd3", "flux", "wan")
 FAMILIES += ("qwen-image", "z-image")  # tiny Qwen2.5-VL / Qwen3 text encoders (pipeline.embed.families.tiny_qwen)
 FAMILIES += ("flux2", "flux2-klein", "chroma")  # docs/families-flux2-chroma.md
+FAMILIES += ("qwen-image-edit",)  # (target, reference) pairs: a grey reference per image, scan --conditioning
 # --family wan: short clips at ~128² (the tiny Wan VAE runs each 17-frame clip in about a second on a CPU), frame
 # buckets 9 and 17 (4k+1, as Wan's causal VAE takes them), sides in steps of 16 (VAE 8 x patch 2)
 VIDEO_RESOLUTION, VIDEO_BUCKET_STEP, VIDEO_FRAMES = 128, 16, "9,17"
@@ -53,10 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "are copies of others and blank frames, for dedup and the selection to find")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated dataset and of the plan")
     parser.add_argument("--family", choices=FAMILIES, default="pixart",
-                        help="model family: sdxl, sd3, flux, flux2, flux2-klein, chroma, qwen-image or z-image embed "
-                        "and fine-tune a tiny random-weight model of the family's real classes; wan does so on "
-                        "generated video clips (scan --frames); pixart (default) trains the from-scratch "
-                        "transformer")  # fmt: skip
+                        help="model family: sdxl, sd3, flux, flux2, flux2-klein, chroma, qwen-image, qwen-image-edit "
+                        "(on generated pairs) or z-image embed and fine-tune a tiny random-weight model of the "
+                        "family's real classes; wan does so on generated video clips (scan --frames); pixart "
+                        "(default) trains the from-scratch transformer")  # fmt: skip
     parser.add_argument("--clips", type=int, default=24,
                         help="with --family wan: clips to generate (default 24; plus 3 stills, a too-short clip "
                         "and a broken file)")  # fmt: skip
@@ -205,15 +206,21 @@ def _generate(job: DemoJob, folder: Path) -> str:
         cases = sample_data.add_curation_cases(folder, **planted)
         line += (f"; planted: {cases['exact']} exact copies, {cases['resaved']} re-saved copies, "
                  f"{cases['blanks']} blank frames")  # fmt: skip
+    if job.family == "qwen-image-edit":  # its captions are the instructions: a reference to edit per image
+        line += f", {sample_data.make_references(folder)} references in {sample_data.REFERENCES}/"
     return f"{line} -> {folder}"
 
 
-def _scan_options(family: str) -> list[str]:
-    """``bucketeer scan`` bucket options: images at RESOLUTION, or (wan) clips in frame buckets."""
+def _scan_options(family: str, dataset: str) -> list[str]:
+    """``bucketeer scan`` bucket options: images at RESOLUTION, or (wan) clips in frame buckets; (qwen-image-edit)
+    the references under ``dataset`` paired with their images."""
     if family == "wan":
         return ["--resolution", str(VIDEO_RESOLUTION), "--bucket-step", str(VIDEO_BUCKET_STEP),
                 "--frames", VIDEO_FRAMES]  # fmt: skip
-    return ["--resolution", str(RESOLUTION), "--bucket-step", str(BUCKET_STEP)]
+    from pipeline.sample_data import REFERENCES
+
+    pairs = ["--conditioning", f"{dataset}/{REFERENCES}"] if family == "qwen-image-edit" else []
+    return ["--resolution", str(RESOLUTION), "--bucket-step", str(BUCKET_STEP), *pairs]
 
 
 @dataclass(frozen=True)
@@ -235,7 +242,8 @@ def run_stages(stages: Stages, target: Target, out: Path, seed: int, family: str
     features = ["--features", "dinov2"] if repa else []
     opts = target.options_argv()
     with stages.stage("scan", f"{target.dataset} -> {target.manifest} (header-only Ray job)"):
-        scan = _bucketeer("scan", target.dataset, "--out", target.manifest, *_scan_options(family), *opts)
+        scan = _bucketeer("scan", target.dataset, "--out", target.manifest, *_scan_options(family, target.dataset),
+                          *opts)  # fmt: skip
     annotate = dedup = None
     selection: list[str] = []
     if "annotate" in stages.names:
@@ -317,9 +325,12 @@ def _family_options(family: str, out: Path) -> list[str]:
         return []
     from pipeline.embed.families.tiny import ensure_tiny
 
+    model = ["--family", family, "--model", str(ensure_tiny(family))]
+    if family == "qwen-image-edit":  # no prompt without its reference; references at the demo's resolution (the
+        return [*model, "--reference-resolution", str(RESOLUTION)]  # pipeline's 1024² costs the CPU 16x the VAE)
     prompts = out / "validation-prompts.txt"
     prompts.write_text(VALIDATION_PROMPTS)  # read by the embed driver, this process: a local path in --s3 mode too
-    return ["--family", family, "--model", str(ensure_tiny(family)), "--validation-prompts", str(prompts)]
+    return [*model, "--validation-prompts", str(prompts)]
 
 
 def _prepare_out_dir(out: Path) -> Path:

@@ -40,6 +40,11 @@ def family_config(family: str, out: Path, *, plan_steps: int, repa: bool = False
         if not repa:
             return []
         text = "# written by bucketeer demo --repa: the tiny from-scratch transformer with REPA\nlr: 1.0e-3\n" + term
+    elif family == "qwen-image-edit":  # its empty instruction and any prompt need a reference image: neither
+        text = (f"# written by bucketeer demo --family {family}: the tiny {family} model fine-tuned on the CPU on\n"
+                "# (target, reference) pairs; no caption dropout and no validation images (each needs a reference)\n"
+                f"family: {family}\nlr: 1.0e-4\nwarmup_steps: 5\nema_decay: 0.99\ncheckpoint_every: 100\n"
+                "log_every: 10\n")  # fmt: skip
     else:
         text = (
             f"# written by bucketeer demo --family {family}: the tiny {family} model fine-tuned on the CPU;\n"

@@ -33,7 +33,7 @@ from manifests.manifest_meta import ManifestMeta
 from manifests.retry import with_retries
 from manifests.schema import image_range
 from manifests.storage import is_local, join, redact
-from pipeline.embed.encoders import DEFAULT_ID
+from pipeline.embed.loading import DEFAULT_ID
 from pipeline.embed.parquet_images import is_parquet_row
 from pipeline.embed.imaging import ImageFailure, cover_and_crop, crop_resized, prepare_views, read_failure
 from pipeline.embed.samples import sample_record
@@ -154,7 +154,7 @@ def _video_views(fs, root: str, row: dict, bucket: tuple[int, int], frames: int,
 def prepare_clips(fs, root: str, bucket: str, rows: list[dict], crop: str, seed: int, max_pixels: int,
                   max_clips: int, storage_options: dict | None,
                   blobs: Callable[[list[dict]], list]) -> dict[str, Any]:  # fmt: skip
-    """:func:`pipeline.embed.workers.prepare_batch` for a unit of a video bucket ``WxHxF``: ``pixels`` uint8
+    """:func:`pipeline.embed.prepare.prepare_batch` for a unit of a video bucket ``WxHxF``: ``pixels`` uint8
     ``(n, F, H, W, 3)``, every good row's clips one after the other (``clip_starts`` in its geometry says how
     many); a 1-frame bucket's rows are images (read with ``blobs(rows)``, decoded as images are). One bad file
     never fails the unit: it is an error row ``(sample_id, filename, kind, message)``."""

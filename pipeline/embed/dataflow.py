@@ -46,11 +46,10 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-import pyarrow as pa
-
 from manifests.errors import UsageError
 from pipeline.embed.work import UNIT_PIXEL_BYTES, EmbedWork
-from pipeline.embed.workers import LatentWriter, TextWriter, plan_units, prepare_unit, read_captions
+from pipeline.embed.prepare import prepare_unit
+from pipeline.embed.workers import LatentWriter, TextWriter, plan_units, prompt_rows, read_captions
 from pipeline.ray_output import ray_false_alarms_dropped
 
 __all__ = ["Placement", "NodeShape", "place_encoders", "size_cpus", "configure_ray_data", "caption_pipeline",
@@ -260,8 +259,7 @@ def caption_pipeline(work: EmbedWork, prompts: dict[int, str], manifest: str, st
             read_captions, batch_size=1, batch_format="pyarrow", num_cpus=placement.light_cpus,
             fn_kwargs={"manifest": manifest, "storage_options": storage_options}))  # fmt: skip
     if prompts:
-        captions.append(ray.data.from_arrow(pa.table({"caption_key": pa.array(list(prompts), pa.uint64()),
-                                                      "caption": pa.array(list(prompts.values()), pa.string())})))
+        captions.append(ray.data.from_arrow(prompt_rows(prompts)))
     texts = -(-(work.new_captions + len(prompts)) // text_batch_size)
     return (
         (captions[0] if len(captions) == 1 else captions[0].union(*captions[1:]))
@@ -278,7 +276,8 @@ def image_pipeline(work: EmbedWork, manifest: str, source: str, storage_options:
                    make_text: Callable | None = None):  # fmt: skip
     """The images pipeline: one shard per unit. ``options``: batch_size, shard_records, crop, seed, max_pixels,
     crops, flip, conditioning (the root of the manifest's conditioning images, or None), image_column (a
-    parquet-sourced manifest's, else None), text_batch_size, max_clips (a video manifest's, else None).
+    parquet-sourced manifest's, else None), text_batch_size, max_clips (a video manifest's, else None), reference
+    (the reference area of a family whose text sees each sample's reference image, else None).
     ``make_text``: the text encoders, for the captions
     that only one sample has (their text goes into its record: ``work.images[i].inline``)."""
     units = (
@@ -295,7 +294,7 @@ def image_pipeline(work: EmbedWork, manifest: str, source: str, storage_options:
                      fn_kwargs={"source": source, "storage_options": storage_options, "crop": options["crop"],
                                 "seed": options["seed"], "max_pixels": options["max_pixels"],
                                 "crops": options["crops"], "conditioning": options["conditioning"],
-                                "image_column": options.get("image_column"),
+                                "image_column": options.get("image_column"), "reference": options.get("reference"),
                                 "max_clips": options.get("max_clips") or 1})
         .map_batches(LatentWriter, batch_size=1, batch_format="pyarrow",
                      compute=placement.pool(-(-work.todo // options["batch_size"])),
@@ -303,7 +302,8 @@ def image_pipeline(work: EmbedWork, manifest: str, source: str, storage_options:
                                             "storage_options": storage_options, "batch_size": options["batch_size"],
                                             "threads": placement.threads, "crops": options["crops"],
                                             "flip": options["flip"], "make_text": make_text,
-                                            "text_batch_size": options.get("text_batch_size", 128)},
+                                            "text_batch_size": options.get("text_batch_size", 128),
+                                            "reference": options.get("reference")},
                      **placement.actor_options())
     )  # fmt: skip
 

@@ -18,6 +18,7 @@ import pyarrow.compute as pc
 from manifests.cache import CacheCommitter, CacheMeta, ComputeInfo, settings_diff
 from manifests.errors import BucketeerError
 from manifests.progress import Progress
+from manifests.throttles import ThrottleTally, job_throttles
 from manifests.storage import call_storage, is_local, join, open_url
 from pipeline.embed.dataflow import Placement
 from pipeline.embed.settings import cache_info, committed_text, full_settings, refuse
@@ -41,6 +42,7 @@ class EmbedDriver:
         self.seen: dict[str, dict] = {}  # phase -> the first worker's encoder description
         self.nodes: set[str] = set()  # Ray nodes whose VAE workers returned results
         self.notices: set[str] = set()
+        self.throttles = job_throttles() or ThrottleTally()  # the workers' throttled storage answers go here
         self.embedded = self.errors = self.shards = 0
         self.steady_images, self.steady_seconds = 0, 0.0  # images after the first result, and their seconds
         self.written = {"texts": [0, 0], "samples": [0, 0]}  # kind -> [records, compressed bytes] of this run
@@ -74,7 +76,8 @@ class EmbedDriver:
         first = self.seen.setdefault(phase, worker)
         expected = self.vae if phase == "images" else first["encoder"]
         digests = (lambda d: [e["weights_sha256"] for e in d.get("encoders", [d])])  # noqa: E731
-        if digests(worker["encoder"]) != digests(expected):
+        text = (lambda w: digests(w["text"]) if w.get("text") else None)  # noqa: E731  # image workers' text encoders
+        if digests(worker["encoder"]) != digests(expected) or text(worker) != text(first):
             raise BucketeerError(f"encoder workers on {first['host']} and {worker['host']} loaded different "
                                  "weights (nodes disagree on the model files): fix the nodes' model cache and rerun")
         if worker["notice"] and worker["notice"] not in self.notices:
@@ -106,8 +109,9 @@ class EmbedDriver:
         from pipeline.embed.workers import from_ipc
 
         if not work.captions and not prompts:  # every text has its record: the text settings are the committed ones
-            self._open(committed_text(self.committed))
-            return
+            if self.committed is not None:
+                self._open(committed_text(self.committed))
+            return  # else a family whose image workers encode every text: their first result describes it
         args = (work, prompts, self.manifest, self.so, make_text, self.request["dtype"], self.out, batch_size,
                 self.placement)  # fmt: skip
         if self.placement.executor == "local":
@@ -120,6 +124,7 @@ class EmbedDriver:
         total = work.new_captions + len(prompts)
         with Progress("embed", "captions", total=total, unit="captions") as progress:
             for row in rows:
+                self.throttles.add(*row["throttled"])
                 worker = self._worker("captions", row["worker"])
                 if self.committer is None:
                     self._open(worker["encoder"])
@@ -153,7 +158,15 @@ class EmbedDriver:
         written, first, start, results_seen, images_seen = 0, None, time.time(), 0, 0
         with Progress("embed", "images", total=work.todo, unit="images") as progress:
             for row in rows:
+                self.throttles.add(*row["throttled"])
                 worker = self._worker("images", row["worker"])
+                if self.committer is None:  # Qwen-Image-Edit: the text encoders are the image workers'
+                    self._open(worker["text"])
+                elif worker.get("text") and self.committed is not None and results_seen == 0:
+                    # a resumed cache: the image workers' text encoders must be the ones it was embedded with
+                    old = self.committed.settings.hashed
+                    refuse(self.out, settings_diff(old, {**old, "text": full_settings(self.request, self.vae,
+                                                                                      worker["text"])["text"]}))
                 if self.committer.meta.compute is None:
                     self.committer.set_compute(ComputeInfo(device=worker["device"], gpus=self.placement.gpus_now,
                                                            dtype=worker["encoder"].get("compute_dtype")))  # fmt: skip

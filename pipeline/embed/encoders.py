@@ -1,8 +1,8 @@
-"""Encoders behind one small protocol: the VAE (latents) and a model family's text encoders.
+"""A model family's text encoders, and the encoder specs the ``embed`` options make.
 
-The embed workers get a picklable spec (:class:`LatentSpec`, :class:`TextSpec`), ``load()`` it
-into an :class:`Encoder` and use only ``describe()`` (ids, weight hashes, shapes: the cache's
-fingerprint) and ``encode(batch)``. :func:`encoder_specs` makes the specs from the ``embed``
+The embed workers get a picklable spec (:class:`~pipeline.embed.latents.LatentSpec`, :class:`TextSpec`),
+``load()`` it into an :class:`~pipeline.embed.loading.Encoder` and use only ``describe()`` (ids, weight hashes,
+shapes: the cache's fingerprint) and ``encode(batch)``. :func:`encoder_specs` makes the specs from the ``embed``
 options: ``--family F --model ID_OR_PATH`` takes the VAE and text encoders from the subfolders of
 one diffusers pipeline folder or hub id (``vae``, ``text_encoder``, ``text_encoder_2``, ...), and
 ``--vae`` / ``--text-encoder`` replace any of them; without ``--family`` (the ``generic`` family)
@@ -15,109 +15,28 @@ options at all) is a tiny **random-weight** model of the family's real classes
 (default ``~/.cache/bucketeer``) and then loaded like a real one: for trying the pipeline, useless
 for training a real model.
 
-Latents are the VAE posterior **mean** (``latent_dist.mean``), unscaled, and with
-``--latents posterior`` also its standard deviation: the trainer draws ``mean + std * noise`` and
-multiplies by ``scaling_factor`` (after subtracting ``shift_factor`` when set), both stored in
-``_cache.json``.
+The latent side (each VAE's path, ``--latents``) is :mod:`pipeline.embed.latents`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
 import numpy as np
 
 from manifests.errors import UsageError
-from manifests.storage import redact
 from pipeline.embed import memory
-from pipeline.embed.families import Family, TextModel, family_of_pipeline, flux2, get_family, qwen_image
-from pipeline.embed.families.tiny import DEFAULT_NOTICE, TINY_VERSION, ensure_tiny
+from pipeline.embed.families import Family, TextModel, family_of_pipeline, get_family
+from pipeline.embed.families.tiny import DEFAULT_NOTICE
+from pipeline.embed.latents import LatentSpec
+from pipeline.embed.loading import DEFAULT_ID, LATENTS, EncoderSource, check_local, device_and_dtype, weights_sha256
+from pipeline.embed.processors import load_qwen2vl_processor
 
-__all__ = [
-    "DEFAULT_ID",
-    "DEFAULT_NOTICE",
-    "LATENTS",
-    "Encoder",
-    "EncoderSource",
-    "LatentEncoder",
-    "LatentSpec",
-    "TextEncoders",
-    "TextSpec",
-    "TEXT_MODELS",
-    "encoder_specs",
-    "weights_sha256",
-    "to_storage",
-    "quiet_loading",
-    "STORAGE_DTYPES",
-]
-
-DEFAULT_ID = "default"
-STORAGE_DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
-LATENTS = ("mean", "posterior")  # --latents: the posterior mean, or mean and std (for per-step sampling)
-
-
-Batch = TypeVar("Batch", contravariant=True)
-
-
-class Encoder(Protocol[Batch]):
-    """What the embed workers need from an encoder, and all they use: ``describe()`` (ids, weight
-    hashes and shapes, for the cache's fingerprint) and ``encode(batch)``. :class:`LatentEncoder` is
-    an ``Encoder[np.ndarray]`` (pixels), :class:`TextEncoders` an ``Encoder[list[str]]`` (captions)."""
-
-    def describe(self) -> dict[str, Any]: ...
-
-    def encode(self, batch: Batch) -> Any: ...
-
-
-@dataclass(frozen=True)
-class EncoderSource:
-    """Where a model comes from: hub id or local folder, and the subfolder inside it.
-
-    ``default`` is the tiny random-weight model of ``family`` (built on first use under ``home``, the
-    driver's ``$BUCKETEER_HOME``, so that every worker finds the same one).
-    """
-
-    source: str
-    subfolder: str | None = None
-    home: str | None = None
-    family: str = "generic"
-
-    @property
-    def is_default(self) -> bool:
-        return self.source == DEFAULT_ID
-
-    @property
-    def ident(self) -> str:
-        """The id recorded in ``_cache.json`` (credentials redacted; the default's names its version)."""
-        if self.is_default:
-            return f"bucketeer:default-{TINY_VERSION}" if self.family == "generic" else \
-                f"bucketeer:default-{self.family}-{TINY_VERSION}"  # fmt: skip
-        return redact(self.source)
-
-    def resolve(self, default_subfolder: str | None = None) -> tuple[str, str | None]:
-        """``(path_or_id, subfolder)`` to pass to ``from_pretrained``; the default is built on first use."""
-        if self.is_default:
-            return str(ensure_tiny(self.family, self.home)), self.subfolder or default_subfolder
-        return self.source, self.subfolder
-
-
-@dataclass(frozen=True)
-class LatentSpec:
-    """The VAE to load and what to keep of its posterior (``latents``: one of :data:`LATENTS`); ``features``: a
-    :class:`pipeline.embed.features.FeatureSpec` run on the same pixels (``--features``), or None."""
-
-    source: EncoderSource
-    latents: str = "mean"
-    features: Any = None
-
-    def load(self, *, use_gpu: bool = False, dtype: str = "BF16") -> "LatentEncoder":
-        return LatentEncoder(self, use_gpu=use_gpu, dtype=dtype)
-
+__all__ = ["DEFAULT_NOTICE", "TextEncoders", "TextSpec", "TEXT_MODELS", "encoder_specs"]
 
 @dataclass(frozen=True)
 class TextSpec:
@@ -191,158 +110,6 @@ def encoder_specs(
     vae_source = source(vae, vae_subfolder) if vae else source(model, vae_subfolder or fam.vae)
     return (LatentSpec(vae_source, latents),
             TextSpec(fam.name, text_sources, source(model) if model else None, max_tokens, None))  # fmt: skip
-
-
-def weights_sha256(model: Any) -> str:
-    """sha256 over the model's state dict (sorted names, dtypes, shapes, raw bytes): source-independent."""
-    import torch
-
-    h = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        t = tensor.detach().to("cpu").contiguous().reshape(-1)
-        h.update(f"{name}|{t.dtype}|{tuple(tensor.shape)}\n".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def to_storage(tensor: Any, dtype: str) -> np.ndarray:
-    """A torch tensor as numpy in the storage dtype tag (BF16 returned as its uint16 bits)."""
-    import torch
-
-    if dtype == "BF16":
-        return tensor.to(torch.bfloat16).cpu().contiguous().view(torch.int16).numpy().view(np.uint16)
-    return tensor.to(torch.float16 if dtype == "F16" else torch.float32).cpu().numpy()
-
-
-def quiet_loading() -> None:
-    """Silence per-file progress bars of from_pretrained (one per worker would flood the job log)."""
-    import diffusers
-    import transformers
-
-    diffusers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.disable_progress_bar()
-    diffusers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.set_verbosity_error()
-
-
-def _device_and_dtype(use_gpu: bool, dtype: str):
-    import torch
-
-    if use_gpu and torch.cuda.is_available():
-        # fp16 VAEs overflow (SDXL's VAE NaNs in fp16): compute in bf16 or fp32, store in `dtype`
-        return torch.device("cuda"), torch.bfloat16 if dtype == "BF16" else torch.float32
-    return torch.device("cpu"), torch.float32
-
-
-def _check_local(path: str, subfolder: str | None, option: str, expected: str, files: tuple[str, ...],
-                 note: str = "") -> None:
-    """Fail early and clearly when a local folder lacks what ``from_pretrained`` will look for.
-
-    Hub ids (not local folders) are left to ``from_pretrained``. Raises ValueError naming the
-    option and the folder, with the subfolder to pass when ``path`` is a diffusers pipeline folder.
-    """
-    if not os.path.isdir(path):
-        return
-    folder = Path(path, subfolder or "")
-    if any((folder / f).is_file() for f in files):
-        return
-    hint = note
-    if not subfolder and (Path(path) / expected / files[0]).is_file():
-        hint = f" It looks like a diffusers pipeline folder: pass {option}-subfolder {expected}."
-    raise UsageError(f"{option} {path}{f' ({option}-subfolder {subfolder})' if subfolder else ''}: "
-                     f"no {' or '.join(files)} in {folder}.{hint}")  # fmt: skip
-
-
-# what a VAE config's _class_name may name; Wan's takes clips; Flux 2's latents are stored patchified and normalised
-# (families.flux2.denoiser_latents); Qwen-Image's (Wan-style) encodes images as 1-frame clips, normalised per channel
-VAE_CLASSES = ("AutoencoderKL", "AutoencoderKLWan", "AutoencoderKLFlux2", "AutoencoderKLQwenImage")
-
-
-def _vae_class(path: str, subfolder: str | None):
-    """The diffusers VAE class ``path``/``subfolder``'s config names (else ``AutoencoderKL``, as always)."""
-    import diffusers
-
-    try:
-        name = diffusers.AutoencoderKL.load_config(path, subfolder=subfolder).get("_class_name")
-    except (OSError, ValueError):  # let from_pretrained say what is missing, as it always did
-        name = None
-    return getattr(diffusers, name if name in VAE_CLASSES else "AutoencoderKL")
-
-
-class LatentEncoder:
-    """``AutoencoderKL`` latents: uint8 pixels ``(B, H, W, 3)`` -> ``{"latent": posterior mean (B, C, H/f, W/f)}``,
-    plus ``"latent_std"`` (same shape) with ``--latents posterior``. A video VAE (``AutoencoderKLWan``, when the
-    folder's config names it) takes clips ``(B, F, H, W, 3)`` -> ``(B, C, F', H/f, W/f)``, F' = (F - 1) //
-    temporal_factor + 1 (an image is a 1-frame clip)."""
-
-    def __init__(self, spec: LatentSpec, *, use_gpu: bool = False, dtype: str = "BF16"):
-        path, subfolder = spec.source.resolve("vae")
-        self.id, self.latents = spec.source.ident, spec.latents
-        _check_local(path, subfolder, "--vae", "vae", ("config.json",))
-        self.device, self.compute_dtype = _device_and_dtype(use_gpu, dtype)
-        self.vae = _vae_class(path, subfolder).from_pretrained(path, subfolder=subfolder).eval()
-        self.video = type(self.vae).__name__ == "AutoencoderKLWan"
-        # Qwen-Image: per-channel statistics applied here, as QwenImageEditPipeline._encode_vae_image applies them
-        self.normalised = type(self.vae).__name__ == "AutoencoderKLQwenImage"
-        self.flux2 = type(self.vae).__name__ == "AutoencoderKLFlux2"  # stores what Flux 2's transformer sees
-        self.weights = weights_sha256(self.vae)  # of the weights as published, before any cast
-        self.vae.to(self.device)
-        if self.compute_dtype != self.vae.dtype:
-            self.vae.to(dtype=self.compute_dtype)
-        self.subfolder = subfolder
-        self.features = None if spec.features is None else spec.features.load(use_gpu=use_gpu, dtype=dtype)
-
-    def describe(self) -> dict[str, Any]:
-        cfg = self.vae.config
-        if self.normalised:  # stored as the denoiser sees them: nothing left for the trainer to scale
-            shape = qwen_image.vae_description(cfg)
-        elif self.video:  # Wan: no scaling factor; the trainer normalises per channel with latents_mean/std
-            shape = {"factor": int(cfg.scale_factor_spatial), "channels": int(cfg.z_dim), "scaling_factor": 1.0,
-                     "shift_factor": None, "latents_mean": [float(x) for x in cfg.latents_mean],
-                     "latents_std": [float(x) for x in cfg.latents_std],
-                     "temporal_factor": int(cfg.scale_factor_temporal)}  # fmt: skip
-        elif self.flux2:  # patchified 2x2 and normalised by the batch-norm statistics: scaled already
-            shape = {"factor": 2 ** len(cfg.block_out_channels), "channels": 4 * int(cfg.latent_channels),
-                     "scaling_factor": 1.0, "shift_factor": None, "usage": flux2.LATENT_USAGE}
-        else:
-            shape = {"factor": 2 ** (len(cfg.block_out_channels) - 1), "channels": int(cfg.latent_channels),
-                     "scaling_factor": float(cfg.scaling_factor),
-                     "shift_factor": None if getattr(cfg, "shift_factor", None) is None else float(cfg.shift_factor)}
-        return {
-            "id": self.id,
-            "subfolder": self.subfolder,
-            "class": type(self.vae).__name__,
-            "weights_sha256": self.weights,
-            **shape,
-            "latents": self.latents,
-            "device": str(self.device),  # where it runs: recorded in _cache.json, not fingerprinted
-            "compute_dtype": str(self.compute_dtype).replace("torch.", ""),
-            "features": None if self.features is None else self.features.describe(),
-        }
-
-    def encode(self, batch: np.ndarray, features_of: int | None = None) -> dict[str, Any]:
-        """``features_of``: with ``--features``, also ``"features"`` ``(n, gh, gw, D)`` of the first n images."""
-        import torch
-
-        with torch.inference_mode():
-            batch = batch if batch.flags.writeable else batch.copy()  # Ray hands out read-only arrays
-            extra = {} if self.features is None else {"features": self.features.encode(batch[:features_of])}
-            x = torch.from_numpy(batch).to(self.device)
-            # (B, 3, H, W) uint8, or a clip (B, 3, F, H, W)
-            x = x.permute(0, 4, 1, 2, 3) if x.ndim == 5 else x.permute(0, 3, 1, 2)
-            # [-1, 1] in float32, then the compute dtype, as diffusers' image processor does: in bf16 the division
-            # rounds to 1/128 above 1.0 and the subtraction keeps that, up to half a level off for bright pixels
-            x = (x.float() / 127.5 - 1.0).to(self.compute_dtype)
-            if self.normalised:
-                return {**qwen_image.vae_latents(self.vae, x, std=self.latents == "posterior"), **extra}
-            posterior = self.vae.encode(x).latent_dist
-            out = {"latent": posterior.mean.float()}  # (B, C, h, w), a clip's (B, C, F', h, w)
-            if self.latents == "posterior":
-                out["latent_std"] = posterior.std.float()  # (B, C, h, w): exp(logvar / 2), logvar clamped
-            if self.flux2:  # (B, 4C, h/2, w/2), normalised
-                out["latent"], std = flux2.denoiser_latents(self.vae, out["latent"], out.get("latent_std"))
-                out.update({"latent_std": std} if std is not None else {})
-            return {**out, **extra}
 
 
 # config.architectures[0] -> the class it loads as (generic family: whatever the config names)
@@ -423,14 +190,14 @@ class TextEncoders:
         from transformers import AutoTokenizer
 
         self.family = get_family(spec.family)
-        self.device, self.compute_dtype = _device_and_dtype(use_gpu, dtype)
+        self.device, self.compute_dtype = device_and_dtype(use_gpu, dtype)
         self.pipeline = _pipeline_class(spec.model)
         _check_pipeline(self.family, self.pipeline, spec.model)
         classes = self.family.text_classes or (None,) * len(spec.sources)
         found = []
         for source, class_name in zip(spec.sources, classes):
             path, subfolder = source.resolve("text_encoder")
-            _check_local(path, subfolder, "--text-encoder", "text_encoder", ("config.json",))
+            check_local(path, subfolder, "--text-encoder", "text_encoder", ("config.json",))
             found.append((source, path, subfolder, *_text_class(path, subfolder or "", class_name)))
         memory.check_text_encoders(self.family, [(s.ident, cls, config) for s, _, _, cls, config in found],
                                    self.compute_dtype, memory.free_bytes(self.device) if device_memory is None
@@ -439,10 +206,13 @@ class TextEncoders:
         for source, path, subfolder, class_name, _ in found:
             # a pipeline repo keeps text_encoder_2's tokenizer in tokenizer_2; a bare model repo, beside it
             tok_sub = subfolder.replace("text_encoder", "tokenizer") if subfolder else ""
-            _check_local(path, tok_sub, "--text-encoder", "tokenizer", ("tokenizer_config.json", "tokenizer.json"),
+            check_local(path, tok_sub, "--text-encoder", "tokenizer", ("tokenizer_config.json", "tokenizer.json"),
                          " The tokenizer is read from the tokenizer* folder matching --text-encoder-subfolder "
                          "(text_encoder_2 -> tokenizer_2), or from beside config.json without one.")
             tokenizer = AutoTokenizer.from_pretrained(path, subfolder=tok_sub)
+            # a multimodal family's processor: the pipeline's folder beside the text encoder's (a bare repo: its root)
+            processor = load_qwen2vl_processor(path, self.family.processor if subfolder else "") \
+                if self.family.processor else None  # fmt: skip
             model = _load_text_model(path, subfolder or "", class_name, "--text-encoder").eval()
             loaded = type(model).__name__
             if self.family.prune is not None:  # only what encode runs is hashed and moved (an LLM's first layers)
@@ -454,7 +224,7 @@ class TextEncoders:
             info = {"id": source.ident, "subfolder": subfolder, "class": loaded,
                     "weights_sha256": weights, "max_length": min(int(tokenizer.model_max_length), int(limit)),
                     "hidden_size": int(getattr(config, "hidden_size", None) or config.d_model)}
-            self.models.append(TextModel(tokenizer, model, self.device, info))  # fmt: skip
+            self.models.append(TextModel(tokenizer, model, self.device, info, processor))  # fmt: skip
         self.options = replace(spec, max_tokens=self._max_tokens(spec.max_tokens))
         self.layout = self.family.layout(self.models, self.options)
 
@@ -470,11 +240,13 @@ class TextEncoders:
                 "layout": self.layout.to_json(), "pooled_dim": self.layout.pooled_dim,
                 "max_tokens": self.options.max_tokens, "layer": self.options.layer}  # fmt: skip
 
-    def encode(self, captions: list[str]) -> list[tuple[tuple[Any, ...], Any]]:
+    def encode(self, captions: list[str], images: list[np.ndarray] | None = None) -> list[tuple[tuple[Any, ...], Any]]:
+        """``images``: a ``reference`` family's reference image per caption (``(h, w, 3)`` uint8)."""
         import torch
 
         with torch.inference_mode():
-            prompt = self.family.encode(self.models, list(captions), self.options)
+            extra = {} if images is None else {"images": images}
+            prompt = self.family.encode(self.models, list(captions), self.options, **extra)
             parts = [p.float().cpu() for p in prompt.parts]  # (B, L_i, D_i) each
             rows = None if prompt.rows is None else [r.cpu().tolist() for r in prompt.rows]
             pooled = None if prompt.pooled is None else prompt.pooled.float().cpu()  # (B, P)

@@ -28,9 +28,9 @@ import numpy as np
 from manifests.errors import UsageError
 from manifests.storage import redact
 from pipeline.embed.families.tiny import TINY_VERSION, build_once, tiny_dir
+from pipeline.embed.processors import load_image_processor
 
-__all__ = ["FEATURE_KINDS", "FeatureSpec", "FeatureEncoder", "preprocess", "build_tiny_dinov2",
-           "load_image_processor"]
+__all__ = ["FEATURE_KINDS", "FeatureSpec", "FeatureEncoder", "preprocess", "build_tiny_dinov2"]
 
 FEATURE_KINDS = ("dinov2",)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -104,26 +104,6 @@ def preprocess(pixels: Any, input_size: tuple[int, int], mean, std):
     return (x - m) / s
 
 
-def load_image_processor(path: str):
-    """``AutoImageProcessor.from_pretrained(path)``; where that needs torchvision and it is absent (transformers
-    5.0 to 5.2x refuse the Auto class without torchvision while the class named in the folder's
-    ``preprocessor_config.json`` falls back to its PIL twin), that class. Raises what ``from_pretrained`` raises."""
-    from transformers import AutoImageProcessor
-
-    try:
-        return AutoImageProcessor.from_pretrained(path)
-    except ImportError:
-        import transformers
-        from transformers.image_processing_utils import ImageProcessingMixin
-
-        config, _ = ImageProcessingMixin.get_image_processor_dict(path)
-        name = str(config.get("image_processor_type") or "")
-        cls = getattr(transformers, name.removesuffix("Fast"), None) if name else None
-        if cls is None:
-            raise
-        return cls.from_pretrained(path)
-
-
 class FeatureEncoder:
     """uint8 pixels ``(B, H, W, 3)`` -> patch features ``(B, gh, gw, D)`` float32 (see the module docstring)."""
 
@@ -131,7 +111,7 @@ class FeatureEncoder:
         import torch
         from transformers import AutoModel
 
-        from pipeline.embed.encoders import weights_sha256
+        from pipeline.embed.loading import weights_sha256
 
         self.spec, path = spec, spec.path()
         try:

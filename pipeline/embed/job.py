@@ -75,17 +75,18 @@ from manifests.lock import writer_lock
 from manifests.cache import SHARD_RECORDS, CacheMeta, EmbedSummary, IndexLookup, index_lookup
 from manifests.cache.records import GZIP_BACKEND, RECORD_LAYOUT
 from manifests.cache.writer import COMMIT_SECONDS
-from manifests.errors import BucketeerError, UsageError
+from manifests.errors import UsageError
 from manifests.manifest import read_manifest_meta
 from manifests.manifest_meta import ManifestMeta
 from manifests.progress import human_bytes
+from manifests.throttles import counting_throttles
 from manifests.schema import MAX_PIXELS
 from manifests.storage import parse_storage_options, redact
 from pipeline.embed.clips import MAX_CLIPS, refuse_for_video
 from pipeline.embed.dataflow import DEVICES, EXECUTORS
 from pipeline.embed.driver import EmbedDriver
-from pipeline.embed.encoders import LATENTS, STORAGE_DTYPES
-from pipeline.embed.families import FAMILIES
+from pipeline.embed.loading import LATENTS, STORAGE_DTYPES
+from pipeline.embed.families import FAMILIES, qwen_image_edit
 from pipeline.embed.prompts import committed_prompts, missing_texts, prompt_texts, read_validation_prompts
 from pipeline.embed.settings import check_early, request_settings
 from pipeline.ray_setup import init_ray
@@ -143,6 +144,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="store K random crops per image as variants, reproducible from --seed and the sample id "
                         "(default 1: the --crop policy's one crop); variants = crops x (2 with --flip)")
     g.add_argument("--source", default=None, help="dataset root, if it moved since the scan (default: the manifest's)")
+    g.add_argument("--reference-resolution", type=int, default=None, metavar="N",
+                   help="--family qwen-image-edit: the area (N x N) its pipeline resizes each reference image to "
+                        "(default 1024, QwenImageEditPipeline's; lower only for trials: its __call__ uses 1024)")
     g.add_argument("--max-clips", type=int, default=MAX_CLIPS, metavar="N",
                    help="video manifests: embed at most N of a video's clips, evenly spaced, each a variant of its "
                         "record (the trainer takes one per epoch); record bytes grow with N (docs/video.md: Embed)")
@@ -197,6 +201,7 @@ class EmbedJob:
     flip: bool = False
     crops: int = 1
     max_clips: int = MAX_CLIPS  # video manifests: clips per video, evenly spaced, one variant each
+    reference_resolution: int | None = None  # a reference family's reference area, squared (None: its pipeline's)
     source: str | None = None  # dataset root, if it moved since the scan
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     batch_size: int = 16
@@ -230,6 +235,7 @@ class EmbedJob:
         if self.executor == "local" and (self.ray_address is not None or (self.vae_workers or 1) > 1):
             raise UsageError("--executor local runs in this process on one device: drop --ray-address and "
                              "--vae-workers, or use --executor ray")  # fmt: skip
+        qwen_image_edit.check_options(self)  # what a text that needs each sample's reference image cannot take
         if (self.crops > 1 or self.flip) and self.latents == "posterior":
             raise UsageError("--latents posterior stores one posterior std per sample, not per --flip/--crops "
                              "variant; use one or the other")  # fmt: skip
@@ -266,7 +272,8 @@ def job_from_args(args: argparse.Namespace) -> EmbedJob:
         text_encoder_subfolders=tuple_or_none(args.text_encoder_subfolder), text_layer=args.text_layer,
         max_text_tokens=args.max_text_tokens, latents=args.latents, validation_prompts=args.validation_prompts,
         dtype=args.dtype, features=args.features, features_model=args.features_model, crop=args.crop, seed=args.seed,
-        flip=args.flip, crops=args.crops, max_clips=args.max_clips, source=args.source,
+        flip=args.flip, crops=args.crops, max_clips=args.max_clips, reference_resolution=args.reference_resolution,
+        source=args.source,
         storage_options=parse_storage_options(args.storage_options), batch_size=args.batch_size,
         text_batch_size=args.text_batch_size, shard_records=args.shard_records, device=args.device,
         vae_workers=args.vae_workers, torch_threads=args.torch_threads, commit_seconds=args.commit_seconds,
@@ -275,7 +282,7 @@ def job_from_args(args: argparse.Namespace) -> EmbedJob:
 
 
 def _specs(job: EmbedJob):
-    """The encoder specs (:class:`~pipeline.embed.encoders.LatentSpec`, ``TextSpec``) the options ask for."""
+    """The encoder specs (:class:`~pipeline.embed.latents.LatentSpec`, ``TextSpec``) the options ask for."""
     from pipeline.embed.encoders import encoder_specs
 
     from pipeline.embed.features import FeatureSpec
@@ -297,7 +304,8 @@ def _request(job: EmbedJob, manifest: ManifestMeta) -> dict[str, Any]:
     return request_settings(latent, text, dtype=STORAGE_DTYPES[job.dtype], bucket_spec=manifest.bucket_spec.to_json(),
                             crop=job.crop, seed=job.seed, crops=job.crops, flip=job.flip,
                             conditioning=manifest.conditioning is not None, masks=manifest.masks is not None,
-                            max_clips=job.max_clips if manifest.frame_ladder is not None else None)  # fmt: skip
+                            max_clips=job.max_clips if manifest.frame_ladder is not None else None,
+                            reference=qwen_image_edit.reference_area(job))  # fmt: skip
 
 
 def _factories(job: EmbedJob, dtype: str):
@@ -305,22 +313,6 @@ def _factories(job: EmbedJob, dtype: str):
     the workers build."""
     latent, text = _specs(job)
     return functools.partial(latent.load, dtype=dtype), functools.partial(text.load, dtype=dtype)
-
-
-def _describe(ray, make_encoder) -> dict[str, Any]:
-    """An encoder's ``describe()``, loaded once on the CPU: in a Ray task, or in this process (``ray`` None,
-    ``--executor local``). A bad path fails here, in one line."""
-    from pipeline.embed.workers import describe_encoder
-
-    try:
-        if ray is None:
-            return describe_encoder(make_encoder)
-        return ray.get(ray.remote(describe_encoder).options(num_cpus=1).remote(make_encoder))
-    except Exception as e:
-        cause = getattr(e, "cause", e)  # a Ray task's error carries the worker's exception
-        if isinstance(cause, (BucketeerError, OSError)):
-            raise UsageError(f"an encoder failed to load: {cause}") from None
-        raise
 
 
 def image_column(manifest: ManifestMeta) -> str | None:
@@ -333,7 +325,7 @@ def _image_options(job: EmbedJob, manifest: ManifestMeta, source: str) -> dict[s
     return {"batch_size": job.batch_size, "shard_records": job.shard_records, "crop": job.crop, "seed": job.seed,
             "crops": job.crops, "flip": job.flip, "conditioning": _conditioning_root(manifest, source),
             "max_pixels": int(manifest.max_pixels or MAX_PIXELS), "text_batch_size": job.text_batch_size,
-            "image_column": image_column(manifest),
+            "image_column": image_column(manifest), "reference": qwen_image_edit.reference_area(job),
             "max_clips": job.max_clips if manifest.frame_ladder is not None else None}  # fmt: skip
 
 
@@ -341,20 +333,21 @@ def run(job: EmbedJob) -> EmbedResult:
     """Embed what ``job.manifest`` has and ``job.out`` lacks (or holds stale); prints what ``bucketeer
     embed`` prints. Raises UsageError (CacheError: a cache of other settings; WriterBusyError: another
     embed writes ``out``) for what the user must fix."""
-    with writer_lock(job.out, job.storage_options, "embed"):
+    with writer_lock(job.out, job.storage_options, "embed"), counting_throttles():
         return _embed(job)
 
 
 def _embed(job: EmbedJob) -> EmbedResult:
     from pipeline.embed.encoders import DEFAULT_NOTICE
     from pipeline.embed.work import find_work
-    from pipeline.embed.workers import check_source
+    from pipeline.embed.workers import check_source, describe_encoder
 
     so = dict(job.storage_options)
     manifest = read_manifest_meta(job.manifest, so)
     if manifest.frame_ladder is not None:
         refuse_for_video(job, manifest)
     source = job.source or manifest.source
+    reference = FAMILIES[job.family].reference  # its text: of each sample's instruction and reference image
     request = _request(job, manifest)
     # one look at the committed index decides the work: stale rows (changed image bytes, caption or
     # bucket since they were embedded), read failures and missing ones are embedded; fresh records
@@ -366,9 +359,10 @@ def _embed(job: EmbedJob) -> EmbedResult:
     # a caption equal to one of them is encoded as that one, not twice
     validation = committed_prompts(committed) if job.validation_prompts is None else \
         read_validation_prompts(job.validation_prompts, so)  # fmt: skip
-    prompts = missing_texts(prompt_texts(validation), done_texts)
+    # a reference family has no text of a caption alone: not even the empty caption's
+    prompts = {} if reference else missing_texts(prompt_texts(validation), done_texts)
     done_texts = np.concatenate([np.asarray(done_texts, np.uint64), np.fromiter(prompts, np.uint64, len(prompts))])
-    work = find_work(job.manifest, manifest, so, lookup, done_texts)
+    work = find_work(job.manifest, manifest, so, lookup, done_texts, per_sample_text=job.family if reference else None)
     del lookup, done_texts
     if not work.todo and not prompts and validation == committed_prompts(committed):
         print(f"bucketeer embed: {redact(job.out)} already holds every sample of the manifest, all up to date; "
@@ -387,7 +381,7 @@ def _embed(job: EmbedJob) -> EmbedResult:
         from pipeline.embed.local import local_placement
 
         placement = local_placement(job.device, job.torch_threads)
-        vae = _describe(None, make_vae)
+        vae = describe_encoder(make_vae)
     else:
         ray, _ = init_ray(job.ray_address)  # a CLI process: Ray stops when it exits
         from pipeline.embed.dataflow import configure_ray_data, place_encoders
@@ -395,7 +389,7 @@ def _embed(job: EmbedJob) -> EmbedResult:
         configure_ray_data()
         placement = place_encoders(ray, job.device, job.vae_workers, job.torch_threads)
         t0 = time.time()
-        vae = _describe(ray, make_vae)
+        vae = describe_encoder(make_vae, ray)
     if (manifest.frame_ladder is not None) != (vae.get("temporal_factor") is not None):  # a --vae of the other kind
         raise UsageError(f"bucketeer embed {redact(job.manifest)}: a {'video' if manifest.frame_ladder else 'n image'} "
                          f"manifest and a {vae['class']} VAE: scan --frames for video VAEs, --family wan for clips")
@@ -423,6 +417,7 @@ def _embed(job: EmbedJob) -> EmbedResult:
         image_seconds=round(image_seconds, 2),
         images_per_second=round(embed.steady_images / image_seconds, 2) if image_seconds else None,
         device=placement.device, encoder_nodes=len(embed.nodes), shards=embed.shards, redone=embed.committer.redone,
+        throttled=embed.throttles.total,  # storage answers that asked for fewer requests, every process's
     )  # fmt: skip
     meta = embed.committer.finish(manifest.fingerprint, summary)
     embed.unmark_visible()
@@ -430,7 +425,8 @@ def _embed(job: EmbedJob) -> EmbedResult:
           f"{counts['retry']} retried, {summary.skipped} skipped in {seconds:.1f}s -> {redact(job.out)} "
           f"({meta.counts.samples} samples, {meta.counts.texts} captions; {embed.shards} shards "
           f"written; {human_bytes(meta.bytes.per_sample)} per sample, {human_bytes(meta.bytes.per_caption)} per "
-          "caption)", flush=True)  # fmt: skip
+          f"caption){f'; storage throttled {summary.throttled:,} requests (retried)' if summary.throttled else ''}",
+          flush=True)  # fmt: skip
     return EmbedResult(url=job.out, fingerprint=meta.fingerprint, meta=meta, seconds=summary.seconds,
                        embedded=embed.embedded, errors=embed.errors, skipped=summary.skipped, changed=counts["stale"],
                        retried=counts["retry"], new_captions=new_captions, shards=embed.shards,

@@ -27,7 +27,8 @@ import pyarrow as pa
 
 from pipeline.embed.dataflow import Placement
 from pipeline.embed.work import EmbedWork
-from pipeline.embed.workers import LatentWriter, TextWriter, plan_units, prepare_unit, read_captions
+from pipeline.embed.prepare import prepare_unit
+from pipeline.embed.workers import LatentWriter, TextWriter, plan_units, prompt_rows, read_captions
 
 __all__ = ["local_placement", "caption_results", "image_results"]
 
@@ -55,8 +56,7 @@ def caption_results(work: EmbedWork, prompts: dict[int, str], manifest: str, sto
     """The result rows of the captions pipeline (:func:`pipeline.embed.dataflow.caption_pipeline`), in order."""
     tables = [read_captions(_one(g.item()), manifest, storage_options) for g in work.captions]
     if prompts:
-        tables.append(pa.table({"caption_key": pa.array(list(prompts), pa.uint64()),
-                                "caption": pa.array(list(prompts.values()), pa.string())}))  # fmt: skip
+        tables.append(prompt_rows(prompts))
     captions = pa.concat_tables(tables)
     writer = TextWriter(make_text, dtype, out, storage_options, placement.threads, device=placement.device)
     for start in range(0, captions.num_rows, text_batch_size):
@@ -75,10 +75,11 @@ def image_results(work: EmbedWork, manifest: str, source: str, storage_options: 
     prepare = {"source": source, "storage_options": storage_options, "crop": options["crop"], "seed": options["seed"],
                "max_pixels": options["max_pixels"], "crops": options["crops"],
                "conditioning": options["conditioning"], "image_column": options.get("image_column"),
-               "max_clips": options.get("max_clips") or 1}  # fmt: skip
+               "max_clips": options.get("max_clips") or 1, "reference": options.get("reference")}  # fmt: skip
     writer = LatentWriter(make_vae, dtype, out, storage_options, options["batch_size"], placement.threads,
                           crops=options["crops"], flip=options["flip"], make_text=make_text,
-                          text_batch_size=options.get("text_batch_size", 128), device=placement.device)  # fmt: skip
+                          text_batch_size=options.get("text_batch_size", 128), device=placement.device,
+                          reference=options.get("reference"))  # fmt: skip
 
     def units() -> Iterator[pa.Table]:
         for group in work.images:

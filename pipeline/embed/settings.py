@@ -17,7 +17,9 @@ from manifests.cache import CACHE_FORMAT_VERSION, CacheError, CacheMeta, CacheMi
 from manifests.cache import settings_diff
 from manifests.cache.records import caption_key
 from manifests.storage import public_options, redact
-from pipeline.embed.encoders import LatentSpec, TextSpec
+from pipeline.embed.latents import LatentSpec
+from pipeline.embed.encoders import TextSpec
+from pipeline.embed.families import get_family, qwen_image_edit
 
 # what ``_cache.json`` settings ``masks`` says when the records carry loss masks (SampleRecord.mask)
 MASKS_SETTING = "uint8 0..255 at the latent grid: cropped and flipped like the image, area-averaged"
@@ -35,13 +37,16 @@ _VIDEO_VAE_KEYS = ("latents_mean", "latents_std", "temporal_factor")
 def request_settings(
     latent: LatentSpec, text: TextSpec, *, dtype: str, bucket_spec: dict, crop: str, seed: int, crops: int,
     flip: bool, conditioning: bool = False, masks: bool = False, max_clips: int | None = None,
+    reference: int | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """The settings known before any model is loaded (checked first, so a mismatch fails fast).
     ``dtype``: the stored dtype (``BF16``, ...); ``conditioning``: the manifest pairs its samples with
     conditioning images. ``latent.features`` (``--features``): a ``features`` section, fingerprinted like
     the encoders (a cache is made with or without features, never both: resuming with other ``--features``
     is refused); ``masks``: the manifest has loss masks (``scan --masks``); ``max_clips``: a video manifest's
-    ``--max-clips`` (None for images: a ``video`` section only in video caches)."""
+    ``--max-clips`` (None for images: a ``video`` section only in video caches); ``reference``: the area in pixels
+    a ``reference`` family resizes its conditioning images to (``--reference-resolution`` squared), which the
+    ``conditioning`` setting names."""
     features = latent.features
     return {
         "format_version": CACHE_FORMAT_VERSION,
@@ -59,7 +64,8 @@ def request_settings(
                  "encoders": [{"id": t.ident, "subfolder": t.subfolder} for t in text.sources]},
         # only when used, so that caches made before these options keep their settings (and fingerprint)
         **({"variants": {"crops": crops, "flip": flip}} if crops > 1 or flip else {}),
-        **({"conditioning": "same crop and variants as the image"} if conditioning else {}),
+        **({"conditioning": qwen_image_edit.conditioning_setting(reference) if reference else
+            "same crop and variants as the image"} if conditioning else {}),
         **({"features": {"kind": features.kind, "id": features.ident}} if features is not None else {}),
         **({"masks": MASKS_SETTING} if masks else {}),
         **({"video": {"max_clips": max_clips, "clips": VIDEO_CLIPS, "decoder": "pyav"}}
@@ -121,7 +127,8 @@ def cache_info(so: dict, settings: dict, vae: dict, text: dict, validation: list
                  "encoders": [{"id": e["id"], "class": e["class"], "hidden_size": e["hidden_size"],
                                "max_length": e["max_length"]} for e in text["encoders"]],
                  "layout": text["layout"],
-                 "empty_caption_key": caption_key(""),  # its text record: caption dropout; a null caption's text
+                 # its text record: caption dropout, a null caption's text (none where text depends on the image)
+                 "empty_caption_key": None if get_family(text["family"]).reference else caption_key(""),
                  "validation_prompts": validation},
         **({"features": {**settings["features"], "dtype": "F16",
                          "usage": "record features (gh, gw, dim) = last_hidden_state patch tokens of the variant's "

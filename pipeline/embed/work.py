@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from manifests.errors import UsageError
 from manifests.manifest_meta import ManifestMeta
 from manifests.buckets import parse_bucket
 from manifests.frames import parse_video_bucket
@@ -131,7 +132,7 @@ def _spread(n: int, k: int) -> np.ndarray:
 
 def find_work(
     url: str, meta: ManifestMeta, storage_options: dict | None, lookup: IndexLookup, done_texts: np.ndarray,
-    inline_text: bool = True,
+    inline_text: bool = True, per_sample_text: str | None = None,
 ) -> EmbedWork:
     """One pass over the manifest at ``url`` (``meta``: its ``_manifest.json``) against a cache's
     committed index (``lookup``; ``done_texts``: caption keys with a text record).
@@ -143,7 +144,14 @@ def find_work(
     workers (``GroupWork.inline``), so the trainer reads it with one request; the other captions go
     to the captions phase. Probe files are spread over the rows to embed, leaving out read-failure
     retries (if they still cannot be read, renewing their error rows is the right outcome, not a failed job).
+    ``per_sample_text`` (a family whose text depends on each sample's reference image, by name): every row to
+    embed gets its text encoded into its own record, and nothing goes to the captions phase; UsageError for a
+    manifest without conditioning images (``scan --conditioning``) or a row with several captions (one text per
+    record).
     """
+    if per_sample_text and meta.conditioning is None:
+        raise UsageError(f"--family {per_sample_text} conditions each sample on its reference image, and {url} has "
+                         "none: scan with --conditioning ROOT_OR_COLUMN (the references, each the size of its target)")
     work = EmbedWork()
     texts = KeySet(done_texts)
     candidates: list[dict] = []
@@ -162,25 +170,38 @@ def find_work(
         todo = np.flatnonzero(status.todo).astype(np.int32)  # (t,)
         if not len(todo):
             continue
-        work.images.append(GroupWork(group, todo))
         single = np.bincount(owner, minlength=rows.num_rows) == 1  # (n,) rows with one caption, not a list
         if "captions" in rows.column_names:
             single &= np.asarray(rows.column("captions").is_null())
-        first_of = np.cumsum(np.bincount(owner, minlength=rows.num_rows)) - 1  # (n,) a single-caption row's caption
-        picked = keys[np.clip(first_of[todo], 0, None)] if len(keys) else np.zeros(len(todo), np.uint64)
-        todo_keys.append(np.where(single[todo], picked, np.uint64(0)).astype(np.uint64))
-        wanted = np.flatnonzero(status.todo[owner]).astype(np.int32)  # (c,) the captions of the rows to embed
-        first = texts.add_new(keys[wanted])  # (c,)
-        if first.any():
-            work.captions.append(GroupWork(group, wanted[first]))
-            caption_keys_new.append(keys[wanted[first]])
+        if per_sample_text:  # every row's text into its record: nothing for the captions phase
+            _one_caption_each(rows, todo, single, per_sample_text)
+            work.images.append(GroupWork(group, todo, np.ones(len(todo), bool)))
+        else:
+            work.images.append(GroupWork(group, todo))
+            first_of = np.cumsum(np.bincount(owner, minlength=rows.num_rows)) - 1  # (n,) a single-caption row's
+            picked = keys[np.clip(first_of[todo], 0, None)] if len(keys) else np.zeros(len(todo), np.uint64)
+            todo_keys.append(np.where(single[todo], picked, np.uint64(0)).astype(np.uint64))
+            wanted = np.flatnonzero(status.todo[owner]).astype(np.int32)  # (c,) the captions of the rows to embed
+            first = texts.add_new(keys[wanted])  # (c,)
+            if first.any():
+                work.captions.append(GroupWork(group, wanted[first]))
+                caption_keys_new.append(keys[wanted[first]])
         probe = np.flatnonzero(status.todo & ~status.retry)
         picks = pa.array([int(probe[i]) for i in _spread(len(probe), PROBE_FILES)], pa.int64())
         candidates += rows.select(list(LOCATION_COLUMNS)).take(picks).to_pylist()
     work.probe = [candidates[i] for i in _spread(len(candidates), PROBE_FILES)]
-    if inline_text and work.images:
+    if inline_text and work.images and not per_sample_text:
         _mark_inline(work, np.concatenate(every), todo_keys, caption_keys_new, np.asarray(done_texts, np.uint64))
     return work
+
+
+def _one_caption_each(rows: pa.Table, todo: np.ndarray, single: np.ndarray, family: str) -> None:
+    """UsageError naming the first of the rows ``todo`` that has a list of captions (``single`` False)."""
+    several = todo[~single[todo]]
+    if len(several):
+        name = rows.column("filename")[int(several[0])].as_py()
+        raise UsageError(f"manifest row {name!r} has several captions; --family {family} stores one text per sample "
+                         "(its instruction with its reference image): scan with one caption per image")
 
 
 def _mark_inline(work: EmbedWork, every: np.ndarray, todo_keys: list[np.ndarray], new_keys: list[np.ndarray],

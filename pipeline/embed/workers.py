@@ -4,8 +4,8 @@ Images (one unit = rows of one bucket that become one shard):
 
 - :func:`plan_units` (CPU task, one per manifest row group) reads the row group's rows that the
   driver marked for embedding and cuts them into units (:func:`pipeline.embed.work.cut_units`);
-- :func:`prepare_unit` (CPU task, one per unit) fetches the unit's images concurrently, decodes
-  and crops them to the unit's bucket (:func:`prepare_batch`), so the pixels stack into one
+- :func:`~pipeline.embed.prepare.prepare_unit` (CPU task, one per unit) fetches the unit's images concurrently,
+  decodes and crops them to the unit's bucket (:mod:`pipeline.embed.prepare`), so the pixels stack into one
   ``(B, H, W, 3)`` array;
 - :class:`LatentWriter` (an encoder actor, on a GPU or a CPU) runs the VAE over the unit in
   batches, compresses the records, **writes the unit's shard itself** and returns only its index
@@ -39,26 +39,27 @@ import pyarrow.compute as pc
 
 from manifests import faults
 from manifests.buckets import parse_bucket
-from manifests.cache import CACHE_ERRORS_SCHEMA, ShardWriter
+from manifests.cache import ShardWriter
 from manifests.cache.layout import INDEX_SCHEMAS
 from manifests.cache.freshness import source_key
 from manifests.cache.records import TextRecord, encode_sample, encode_text
 from manifests.errors import BucketeerError, UsageError
 from manifests.frames import is_video_bucket
 from manifests.manifest import read_row_group
+from manifests.throttles import SPANS, carry_spans, throttle_mark
 from manifests.schema import MASK_COLUMNS
-from manifests.storage import is_local, join, open_url, read_many, redact
-from pipeline.embed.clips import MAX_CLIPS, clip_records, prepare_clips
-from pipeline.embed.encoders import Encoder, quiet_loading, to_storage
-from pipeline.embed.imaging import ImageFailure, check_source, conditioning_views, fetch_images, open_source, \
-    prepare_views, read_failure
-from pipeline.embed.masks import fetch_masks, row_mask, variant_masks
+from manifests.storage import is_local, join, open_url
+from pipeline.embed.clips import clip_records
+from pipeline.embed.loading import Encoder, quiet_loading, to_storage
+from pipeline.embed.families import qwen_image_edit
+from pipeline.embed.imaging import check_source
+from pipeline.embed.masks import variant_masks
 from pipeline.embed.samples import sample_record, variant_pixels
 from pipeline.embed.work import MANIFEST_COLUMNS, GroupWork, caption_keys, cut_units, flat_captions, \
     sample_caption_keys
 
-__all__ = ["prepare_batch", "check_source", "describe_encoder", "plan_units", "prepare_unit", "read_captions",
-           "LatentWriter", "TextWriter", "to_ipc", "from_ipc", "UNIT_ROWS", "VISIBLE_MARKER"]  # fmt: skip
+__all__ = ["check_source", "describe_encoder", "plan_units", "read_captions", "LatentWriter", "TextWriter", "to_ipc",
+           "from_ipc", "UNIT_ROWS", "VISIBLE_MARKER"]  # fmt: skip
 
 # the rows of a unit, as plan_units hands them to prepare_unit (conditioning: relative to its root)
 UNIT_ROWS = pa.schema([("sample_id", pa.uint64()), ("filename", pa.string()), ("caption_key", pa.uint64()),
@@ -74,15 +75,6 @@ UNIT_ROWS = pa.schema([("sample_id", pa.uint64()), ("filename", pa.string()), ("
                        ("text_inline", pa.bool_()), ("caption", pa.string()),
                        ("clips", pa.int32())])  # a video's clips (manifests.frames), null for an image  # fmt: skip
 _LOCATION = ("container", "container_size", "member_offset", "row_group", "row_index", "size")
-# the good rows of a prepared unit, in the order of its pixels
-_PREPARED_ROWS = pa.schema([("sample_id", pa.uint64()), ("caption_key", pa.uint64()),
-                            ("caption_keys", pa.list_(pa.uint64())), ("source_key", pa.uint64()),
-                            *((name, pa.int32()) for name in ("original_h", "original_w", "resized_h", "resized_w",
-                                                              "crop_top", "crop_left")),
-                            ("crops", pa.list_(pa.int32())),  # every crop's (top, left), flat
-                            ("has_mask", pa.bool_()),  # its mask is in the unit's mask_pixels (else all 255 there)
-                            ("text_inline", pa.bool_()), ("caption", pa.string()),
-                            ("clip_starts", pa.list_(pa.int32()))])  # video: its clips' first frames  # fmt: skip
 VISIBLE_MARKER = "_embed-running"  # written by the driver into a local --out; every worker must see it
 
 
@@ -98,82 +90,8 @@ def from_ipc(data: bytes) -> pa.Table:
     return pa.ipc.open_stream(pa.py_buffer(data)).read_all()
 
 
-def prepare_batch(
-    source: str,
-    storage_options: dict | None,
-    bucket: str,
-    rows: list[dict[str, Any]],
-    crop: str,
-    seed: int,
-    max_pixels: int,
-    fs=None,
-    *,
-    crops: int = 1,
-    conditioning: str | None = None,
-    image_column: str | None = None,
-    max_clips: int = MAX_CLIPS,
-) -> dict[str, Any]:
-    """Fetch, decode and crop ``rows`` (``sample_id``, ``filename``, ``caption_key``) to ``bucket``.
-
-    Returns ``{"bucket", "pixels": uint8 (B * K, H, W, 3) (the K crops of a good row one after the other),
-    "cond_pixels": the same for the conditioning images or None, "mask_pixels": uint8 (B * K, H, W) the loss
-    masks cut like the images (255 for a row without one) or None when no row has one, "rows": [geometry per
-    good row, ``has_mask``], "errors":
-    [(sample_id, filename, kind, message)]}``; one bad image never fails the batch. ``crops``: K crops per image
-    (:func:`~pipeline.embed.imaging.prepare_views`). ``conditioning``: the root of the rows' ``conditioning``
-    paths: each is cropped exactly like its target (same resized size, same boxes), and a pair that cannot be is
-    the sample's error row. Transient storage errors are retried per file
-    (:func:`pipeline.embed.imaging.fetch_all`); a read that still fails is a ``read_failed`` error row
-    (credentials redacted), which the next run retries. ``fs`` replaces the filesystem of ``source`` (it must be
-    picklable for Ray); ``image_column``: a parquet-sourced manifest's (:func:`pipeline.embed.imaging.fetch_images`).
-    A video bucket ``WxHxF`` is :func:`pipeline.embed.clips.prepare_clips`' (``max_clips`` clips per video).
-    """
-    fs, root = open_source(source, storage_options, fs)
-    if is_video_bucket(bucket):
-        return prepare_clips(fs, root, bucket, rows, crop, seed, max_pixels, max_clips, storage_options,
-                             lambda some: fetch_images(fs, root, some, image_column=image_column))  # fmt: skip
-    bw, bh = parse_bucket(bucket)
-    blobs = fetch_images(fs, root, rows, image_column=image_column)
-    paired = conditioning is not None and any(r.get("conditioning") for r in rows)
-    if paired:
-        cfs, croot = (fs, root) if conditioning == source else open_url(conditioning, storage_options)
-        cond_blobs = read_many(cfs, [join(croot, r["conditioning"]) for r in rows])
-    masked, mask_blobs = any(r.get("mask") for r in rows), fetch_masks(fs, root, rows)
-    good, pixels, cond_pixels, mask_pixels, errors = [], [], [], [], []
-    for i, (row, blob) in enumerate(zip(rows, blobs)):
-        try:
-            if isinstance(blob, BaseException):
-                raise read_failure(blob, storage_options)
-            views = prepare_views(blob, (bh, bw), crop=crop, seed=seed, sample_id=row["sample_id"],
-                                  max_pixels=max_pixels, crops=crops, name=row["filename"])  # fmt: skip
-            if paired:
-                cond = conditioning_views(row, cond_blobs[i], views, (bh, bw), max_pixels, storage_options)
-            if row.get("mask"):
-                mask = row_mask(row, mask_blobs.get(i, blob), views, (bh, bw), max_pixels, storage_options)
-        except ImageFailure as e:
-            errors.append((row["sample_id"], row["filename"], e.kind, e.message))
-            continue
-        except Exception as e:  # a decoder bug on one file must not kill the job: record it
-            message = redact(f"{type(e).__name__}: {e}", storage_options)
-            errors.append((row["sample_id"], row["filename"], "decode_failed", message))
-            continue
-        pixels.extend(v.pixels for v in views)
-        if paired:
-            cond_pixels.extend(cond)
-        if masked:
-            mask_pixels.extend(mask if row.get("mask") else np.full((len(views), bh, bw), 255, np.uint8))
-        p = views[0]
-        good.append({**row, "original_size": p.original_size, "resized_size": p.resized_size,
-                     "crop_top_left": p.crop_top_left, "crops": [x for v in views for x in v.crop_top_left],
-                     "has_mask": bool(row.get("mask"))})  # fmt: skip
-    stacked = np.stack(pixels) if pixels else np.zeros((0, bh, bw, 3), np.uint8)  # (B * K, H, W, 3)
-    conds = (np.stack(cond_pixels) if cond_pixels else np.zeros((0, bh, bw, 3), np.uint8)) if paired else None
-    masks = (np.stack(mask_pixels) if mask_pixels else np.zeros((0, bh, bw), np.uint8)) if masked else None
-    return {"bucket": bucket, "pixels": stacked, "cond_pixels": conds, "mask_pixels": masks, "rows": good,
-            "errors": errors}  # fmt: skip
-
-
 # ---------------------------------------------------------------- CPU stages (Ray Data tasks)
+# every stage's rows carry ``throttled``, the spans of the stages that made them (manifests.throttles)
 
 
 def plan_units(batch: pa.Table, manifest: str, storage_options: dict | None, batch_size: int,
@@ -181,8 +99,10 @@ def plan_units(batch: pa.Table, manifest: str, storage_options: dict | None, bat
     """Ray Data ``map_batches`` (batch size 1): a row group's rows to embed -> one row per unit
     (``unit``, ``bucket``, ``rows``: :data:`UNIT_ROWS` as IPC bytes)."""
     for item in batch.to_pylist():
+        before = throttle_mark()
         work = GroupWork.from_item(item)
         rows = read_row_group(manifest, work.group, MANIFEST_COLUMNS, storage_options).take(pa.array(work.rows))
+        throttled = pa.array([carry_spans(None, before)], SPANS)
         inline = pa.array(work.inline, pa.bool_())
         caption = pc.if_else(inline, rows.column("caption").cast(pa.string()), pa.scalar(None, pa.string()))
         rows = pa.table({"text_inline": inline, "caption": caption,  # the text of an inline caption only
@@ -194,49 +114,8 @@ def plan_units(batch: pa.Table, manifest: str, storage_options: dict | None, bat
         for i, unit in enumerate(cut_units(rows, batch_size, shard_records, max_clips)):
             name = f"{work.group.part}#{work.group.index}.{i}"
             yield pa.table({"unit": [name], "bucket": [unit.column("bucket")[0].as_py()],
-                            "rows": pa.array([to_ipc(unit.select(UNIT_ROWS.names).cast(UNIT_ROWS))], pa.binary())})
-
-
-def prepare_unit(batch: pa.Table, source: str, storage_options: dict | None, crop: str, seed: int,
-                 max_pixels: int, crops: int = 1, conditioning: str | None = None,
-                 image_column: str | None = None, max_clips: int = MAX_CLIPS) -> pa.Table:
-    """Ray Data ``map_batches`` (batch size 1): a unit -> its pixels (``uint8 (B * K, H, W, 3)`` bytes;
-    ``cond_pixels`` the same for the conditioning images, empty without), the geometry of its good
-    rows and its error rows (IPC bytes), via :func:`prepare_batch`."""
-    out = []
-    for item in batch.to_pylist():
-        rows = from_ipc(item["rows"]).to_pylist()
-        keys = {r["sample_id"]: r["source_key"] for r in rows}
-        prepared = prepare_batch(source, storage_options, item["bucket"], rows, crop, seed, max_pixels, crops=crops,
-                                 conditioning=conditioning, image_column=image_column,
-                                 max_clips=max_clips)  # fmt: skip
-        good = pa.table({
-            "sample_id": [r["sample_id"] for r in prepared["rows"]],
-            "caption_key": [r["caption_key"] for r in prepared["rows"]],
-            "caption_keys": [r["caption_keys"] for r in prepared["rows"]],
-            "source_key": [r["source_key"] for r in prepared["rows"]],
-            **{name: [r[key][i] for r in prepared["rows"]] for name, key, i in (
-                ("original_h", "original_size", 0), ("original_w", "original_size", 1),
-                ("resized_h", "resized_size", 0), ("resized_w", "resized_size", 1),
-                ("crop_top", "crop_top_left", 0), ("crop_left", "crop_top_left", 1))},
-            "crops": [r["crops"] for r in prepared["rows"]],
-            "has_mask": [r["has_mask"] for r in prepared["rows"]],
-            "text_inline": [r["text_inline"] for r in prepared["rows"]],
-            "caption": [r["caption"] for r in prepared["rows"]],
-            "clip_starts": [r.get("clip_starts") for r in prepared["rows"]],
-        }, schema=_PREPARED_ROWS)  # fmt: skip
-        errors = pa.Table.from_pylist([{"sample_id": sid, "filename": name, "error": kind, "message": message,
-                                        "source_key": keys[sid]} for sid, name, kind, message in prepared["errors"]],
-                                      schema=CACHE_ERRORS_SCHEMA)  # fmt: skip
-        cond, masks = prepared["cond_pixels"], prepared["mask_pixels"]
-        out.append({"unit": item["unit"], "bucket": item["bucket"], "pixels": prepared["pixels"].tobytes(),
-                    "cond_pixels": b"" if cond is None else cond.tobytes(),
-                    "mask_pixels": b"" if masks is None else masks.tobytes(), "rows": to_ipc(good),
-                    "errors": to_ipc(errors)})  # fmt: skip
-    return pa.Table.from_pylist(out, schema=pa.schema([("unit", pa.string()), ("bucket", pa.string()),
-                                                      ("pixels", pa.large_binary()), ("cond_pixels", pa.large_binary()),
-                                                      ("mask_pixels", pa.large_binary()), ("rows", pa.binary()),
-                                                      ("errors", pa.binary())]))  # fmt: skip
+                            "rows": pa.array([to_ipc(unit.select(UNIT_ROWS.names).cast(UNIT_ROWS))], pa.binary()),
+                            "throttled": throttled})
 
 
 def read_captions(batch: pa.Table, manifest: str, storage_options: dict | None) -> pa.Table:
@@ -245,22 +124,45 @@ def read_captions(batch: pa.Table, manifest: str, storage_options: dict | None) 
     that a text batch pads little)."""
     tables = []
     for item in batch.to_pylist():
+        before = throttle_mark()
         work = GroupWork.from_item(item)
         captions, _ = flat_captions(read_row_group(manifest, work.group, ["caption", "captions"], storage_options))
         captions = captions.take(pa.array(work.rows)).fill_null("").cast(pa.string())  # the prompts' type
         order = np.argsort([len(c) for c in captions.to_pylist()], kind="stable")
         captions = captions.take(pa.array(order))
-        tables.append(pa.table({"caption_key": caption_keys(captions), "caption": captions}))
+        throttled = pa.array([carry_spans(None, before)] * len(captions), SPANS)
+        tables.append(pa.table({"caption_key": caption_keys(captions), "caption": captions, "throttled": throttled}))
     return pa.concat_tables(tables)
+
+
+def prompt_rows(prompts: dict[int, str]) -> pa.Table:
+    """The driver's captions (caption key -> text: the empty caption, validation prompts) as rows of
+    :func:`read_captions`' schema, to encode with the manifest's."""
+    return pa.table({"caption_key": pa.array(list(prompts), pa.uint64()),
+                     "caption": pa.array(list(prompts.values()), pa.string()),
+                     "throttled": pa.array([[]] * len(prompts), SPANS)})  # fmt: skip
 
 
 # ---------------------------------------------------------------- encoder actors (Ray Data actor pools)
 
 
-def describe_encoder(make_encoder: Callable[..., Encoder]) -> dict[str, Any]:
-    """Ray task: build an encoder on the CPU and return its ``describe()`` (what the settings record)."""
+def _described(make_encoder: Callable[..., Encoder]) -> dict[str, Any]:
     quiet_loading()
     return make_encoder(use_gpu=False).describe()
+
+
+def describe_encoder(make_encoder: Callable[..., Encoder], ray: Any = None) -> dict[str, Any]:
+    """An encoder built on the CPU, its ``describe()`` (what the settings record): in a Ray task (``ray``: the
+    module), or in this process (None: ``--executor local``). A bad path fails here, as a one-line UsageError."""
+    try:
+        if ray is None:
+            return _described(make_encoder)
+        return ray.get(ray.remote(_described).options(num_cpus=1).remote(make_encoder))
+    except Exception as e:
+        cause = getattr(e, "cause", e)  # a Ray task's error carries the worker's exception
+        if isinstance(cause, (BucketeerError, OSError)):
+            raise UsageError(f"an encoder failed to load: {cause}") from None
+        raise
 
 
 class _EncoderActor:
@@ -335,16 +237,49 @@ class LatentWriter(_EncoderActor):
     image's same variants are encoded in the same forward passes (:func:`sample_record`). A row whose
     caption no other row has (``text_inline``) gets that caption encoded here, by the text encoders of
     ``make_text`` (built on the first such row), into its own record: the trainer then reads the sample
-    with one request, and the caption's text row names that record."""
+    with one request, and the caption's text row names that record.
+
+    ``reference`` (an area in pixels: a ``reference`` family, Qwen-Image-Edit): every row's text is a function of
+    its caption and its reference (the conditioning crop as the family resized it); the text encoders are built
+    with the VAE (the worker's description carries theirs, ``text``), the reference latents are encoded apart (their
+    grid is the reference's), and each row's text is keyed by
+    :func:`~pipeline.embed.families.qwen_image_edit.reference_key` (its record's and index row's ``caption_key``)."""
 
     def __init__(self, make_encoder: Callable[..., Encoder], dtype: str, cache: str, storage_options: dict | None,
                  batch_size: int, threads: int | None = None, crops: int = 1, flip: bool = False,
                  make_text: Callable[..., Encoder] | None = None, text_batch_size: int = 128,
-                 device: str | None = None):
+                 device: str | None = None, reference: int | None = None):
         super().__init__(make_encoder, dtype, cache, storage_options, threads, device)
         self.batch_size, self.crops, self.flips = batch_size, crops, 2 if flip else 1
         self.make_text, self.text_batch_size = make_text, text_batch_size
         self.text_encoder: Encoder | None = None
+        self.reference = reference
+
+    def _build(self) -> Encoder:
+        encoder = super()._build()
+        if self.reference:  # every row needs the text encoders: built now, and described with the VAE
+            assert self.make_text is not None, "a reference family's text is encoded by the image workers"
+            self.text_encoder = self.make_text(use_gpu=self.use_gpu)
+            self.worker = json.dumps({**json.loads(self.worker), "text": self.text_encoder.describe()}, sort_keys=True)
+        return encoder
+
+    def _text_record(self, key: int, tokens: tuple, pooled: Any) -> TextRecord:
+        return TextRecord(caption_key=key, tokens=tuple(to_storage(t, self.dtype) for t in tokens),
+                          pooled=None if pooled is None else to_storage(pooled, self.dtype), dtype=self.dtype)
+
+    def _reference_texts(self, rows: list[dict], refs: np.ndarray) -> dict[int, TextRecord]:
+        """Each row's text, encoded with its reference ``refs[i]`` ``(h, w, 3)``, by its key; sets the rows'
+        ``caption_key`` to that key."""
+        out: dict[int, TextRecord] = {}
+        for start in range(0, len(rows), self.text_batch_size):
+            batch, images = rows[start : start + self.text_batch_size], refs[start : start + self.text_batch_size]
+            captions = [r["caption"] or "" for r in batch]  # a null caption: the empty instruction
+            with self.lock:
+                encoded = self.text_encoder.encode(captions, images=list(images))
+                for r, caption, image, (tokens, pooled) in zip(batch, captions, images, encoded):
+                    r["caption_key"] = qwen_image_edit.reference_key(caption, image)
+                    out[r["caption_key"]] = self._text_record(r["caption_key"], tokens, pooled)
+        return out
 
     def _texts(self, rows: list[dict]) -> dict[int, TextRecord]:
         """The text records of the inline captions of ``rows``, by caption key (encoded here)."""
@@ -360,19 +295,21 @@ class LatentWriter(_EncoderActor):
                     self.text_encoder = self.make_text(use_gpu=self.use_gpu)
                 encoded = self.text_encoder.encode([c for _, c in batch])
                 for (key, _), (tokens, pooled) in zip(batch, encoded):
-                    out[key] = TextRecord(caption_key=key, tokens=tuple(to_storage(t, self.dtype) for t in tokens),
-                                          pooled=None if pooled is None else to_storage(pooled, self.dtype),
-                                          dtype=self.dtype)  # fmt: skip
+                    out[key] = self._text_record(key, tokens, pooled)
         return out
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         encoder = self._load()
         out = []
         for item in batch.to_pylist():
+            before = throttle_mark()
             rows = from_ipc(item["rows"])
             shard = ShardWriter("samples", max_records=rows.num_rows + 1, max_bytes=1 << 62)
             meta = rows.to_pylist()
-            texts = self._texts(meta)
+            if self.reference:  # the text of (caption, reference): every row's, keyed by both
+                texts = self._reference_texts(meta, self._conditioning(item, len(meta))[:, 0])
+            else:
+                texts = self._texts(meta)
             if is_video_bucket(item["bucket"]):  # WxHxF: pipeline.embed.clips
                 records = clip_records(item, meta, self._encode_clips(encoder), self.flips, self.batch_size, self.dtype)
             else:
@@ -386,10 +323,11 @@ class LatentWriter(_EncoderActor):
                              source_key=r["source_key"], text_inline=inline)  # fmt: skip
             samples, size = self._result("samples", shard)
             out.append({"unit": item["unit"], "samples": samples, "errors": item["errors"], "shard_bytes": size,
-                        "worker": self.worker})  # fmt: skip
+                        "worker": self.worker, "throttled": carry_spans(item.get("throttled"), before)})  # fmt: skip
         return pa.Table.from_pylist(out, schema=pa.schema([("unit", pa.string()), ("samples", pa.binary()),
                                                           ("errors", pa.binary()), ("shard_bytes", pa.int64()),
-                                                          ("worker", pa.string())]))  # fmt: skip
+                                                          ("worker", pa.string()),
+                                                          ("throttled", SPANS)]))  # fmt: skip
 
     def _encode_clips(self, encoder: Encoder) -> Callable[[np.ndarray], np.ndarray]:
         """Clips ``(b, F, H, W, 3)`` -> their latents in the storage dtype, one forward pass at a time."""
@@ -398,23 +336,35 @@ class LatentWriter(_EncoderActor):
                 return to_storage(encoder.encode(clips)["latent"], self.dtype)  # (b, C, F', h, w)
         return encode
 
+    def _conditioning(self, item: dict, n_rows: int) -> np.ndarray | None:
+        """A unit's conditioning pixels ``(B, K, H, W, 3)``: the bucket's size, or the reference's
+        (``reference``); None without."""
+        if not item.get("cond_pixels"):
+            return None
+        bw, bh = parse_bucket(item["bucket"])
+        h, w = qwen_image_edit.reference_size(bh, bw, self.reference) if self.reference else (bh, bw)
+        return np.frombuffer(item["cond_pixels"], np.uint8).reshape(n_rows, self.crops, h, w, 3)
+
     def _image_records(self, encoder: Encoder, item: dict, meta: list[dict]) -> Iterator[tuple[dict, Any]]:
         """``(row, SampleRecord)`` of each good row of an image unit, ``batch_size`` images a forward pass."""
         k, f, n_rows = self.crops, self.flips, len(meta)
         bw, bh = parse_bucket(item["bucket"])
         pixels = np.frombuffer(item["pixels"], np.uint8).reshape(n_rows, k, bh, bw, 3)  # (B, K, H, W, 3)
-        conds = (np.frombuffer(item["cond_pixels"], np.uint8).reshape(n_rows, k, bh, bw, 3)
-                 if item.get("cond_pixels") else None)  # fmt: skip
+        conds = self._conditioning(item, n_rows)  # (B, K, H, W, 3), a reference's (B, K, h', w', 3)
         masks = np.frombuffer(item["mask_pixels"], np.uint8).reshape(n_rows, k, bh, bw) \
             if item.get("mask_pixels") else None  # (B, K, H, W)  # fmt: skip
         for start in range(0, n_rows, self.batch_size):
             views = variant_pixels(pixels[start : start + self.batch_size], f)  # (b * V, H, W, 3)
             n = len(views)
-            if conds is not None:
+            if conds is not None and not self.reference:
                 views = np.concatenate([views, variant_pixels(conds[start : start + self.batch_size], f)])
             with self.lock:
                 encoded = encoder.encode(views, features_of=n)  # --features: of the n image variants
                 latents = to_storage(encoded["latent"], self.dtype)  # (b * V [* 2 with conditioning], C, h, w)
+                if conds is not None and self.reference:  # (b * V, C, h', w'): the reference's own grid, one
+                    # image a forward pass as the pipeline's _encode_vae_image (bit for bit: no batch composition)
+                    refs = np.concatenate([to_storage(encoder.encode(x[None])["latent"], self.dtype)
+                                           for x in variant_pixels(conds[start : start + self.batch_size], f)])
                 # --latents posterior: the std too (b, C, h, w), to sample a latent per training step
                 stds = to_storage(encoded["latent_std"], self.dtype) if "latent_std" in encoded else None
                 feats = to_storage(encoded["features"], "F16") if "features" in encoded else None  # (b * V, ...)
@@ -422,9 +372,10 @@ class LatentWriter(_EncoderActor):
             grid = None if masks is None else variant_masks(masks[start : start + self.batch_size], f,
                                                             latents.shape[-2:])  # (b * V, h, w)  # fmt: skip
             for j, r in enumerate(meta[start : start + self.batch_size]):
+                cond = None if conds is None else (refs[j * v : (j + 1) * v] if self.reference else
+                                                   latents[n + j * v : n + (j + 1) * v])  # fmt: skip
                 yield r, sample_record(
-                    r, item["bucket"], self.dtype, latents[j * v : (j + 1) * v],
-                    None if conds is None else latents[n + j * v : n + (j + 1) * v],
+                    r, item["bucket"], self.dtype, latents[j * v : (j + 1) * v], cond,
                     None if stds is None else stds[j * v], f,
                     grid[j * v : (j + 1) * v] if grid is not None and r.get("has_mask") else None,
                     features=None if feats is None else feats[j * v : (j + 1) * v])  # fmt: skip
@@ -435,6 +386,7 @@ class TextWriter(_EncoderActor):
     written here; returns ``texts`` (index rows, IPC), ``shard_bytes``, ``worker``."""
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        before = throttle_mark()
         encoder = self._load()
         keys = batch.column("caption_key").to_pylist()
         with self.lock:
@@ -446,4 +398,7 @@ class TextWriter(_EncoderActor):
             shard.append(encode_text(TextRecord(caption_key=key, tokens=tokens, pooled=pooled, dtype=self.dtype)),
                          caption_key=key)  # fmt: skip
         texts, size = self._result("texts", shard)
-        return pa.table({"texts": pa.array([texts], pa.binary()), "shard_bytes": [size], "worker": [self.worker]})
+        carried = [span for spans in batch.column("throttled").to_pylist() for span in spans] \
+            if "throttled" in batch.column_names else []  # fmt: skip
+        return pa.table({"texts": pa.array([texts], pa.binary()), "shard_bytes": [size], "worker": [self.worker],
+                         "throttled": pa.array([carry_spans(carried, before)], SPANS)})  # fmt: skip

@@ -103,8 +103,9 @@ class BatchLoader:
             key = reader.meta.text.empty_caption_key if reader.meta.text else None
             if key is None:
                 raise UsageError(f"config caption_dropout {caption_dropout}: cache {redact(reader.url)} has no empty "
-                                 "caption record (_cache.json text.empty_caption_key); re-embed it with this "
-                                 "bucketeer, or set caption_dropout: 0")  # fmt: skip
+                                 "caption record (_cache.json text.empty_caption_key; a qwen-image-edit cache has "
+                                 "none: its empty instruction's embedding depends on each reference image); set "
+                                 "caption_dropout: 0, or re-embed an older cache with this bucketeer")  # fmt: skip
             (self.empty_text,) = reader.read_texts([int(key)])
         self._pool: ThreadPoolExecutor | None = None
         if not isinstance(self.steps, RankSteps):

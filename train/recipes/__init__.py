@@ -20,6 +20,8 @@ wan        ``WanTransformer3DModel``            video: rectified flow on (C, F, 
                                                channel, the scheduler's ``flow_shift``; UMT5 zero-padded to 512
 qwen-image ``QwenImageTransformer2DModel``      rectified flow on 2x2-packed latents (stored normalised), text
                                                mask, ``img_shapes``; dynamic shift per bucket
+qwen-image-edit (the same model)               as qwen-image, the packed reference latents after the noisy
+                                               ones (``img_shapes`` of both); the loss on the target's tokens
 z-image    ``ZImageTransformer2DModel``        rectified flow on per-image lists, timestep ``1 - sigma``,
                                                output = minus the velocity; the scheduler's fixed ``shift``
 generic    (as pixart, from scratch)
@@ -45,6 +47,7 @@ RECIPES: dict[str, Recipe] = {"sdxl": sdxl.RECIPE, "sd3": sd3.RECIPE, "flux": fl
                               "wan": wan.RECIPE, "generic": pixart.RECIPE}  # fmt: skip
 RECIPES.update({r.family: r for r in (flux2.RECIPE, flux2.KLEIN_RECIPE, chroma.RECIPE)})
 RECIPES.update({"qwen-image": qwen_image.RECIPE, "z-image": z_image.RECIPE})
+RECIPES["qwen-image-edit"] = qwen_image.EDIT_RECIPE
 
 
 def recipe_for(cfg: TrainConfig, meta: CacheMeta) -> Recipe:

@@ -10,7 +10,8 @@ real classes. ``FAMILIES`` is the registry, :func:`get_family` the lookup.
 from __future__ import annotations
 
 from manifests.errors import UsageError
-from pipeline.embed.families import chroma, flux, flux2, generic, pixart, qwen_image, sd3, sdxl, wan, z_image
+from pipeline.embed.families import chroma, flux, flux2, generic, pixart, qwen_image, qwen_image_edit, sd3, sdxl, wan
+from pipeline.embed.families import z_image
 from pipeline.embed.families.base import Family, PromptParts, TextModel, TextOptions
 
 __all__ = ["FAMILIES", "Family", "PromptParts", "TextModel", "TextOptions", "get_family", "family_of_pipeline"]
@@ -18,6 +19,7 @@ __all__ = ["FAMILIES", "Family", "PromptParts", "TextModel", "TextOptions", "get
 FAMILIES: dict[str, Family] = {f.name: f for f in (sdxl.FAMILY, sd3.FAMILY, flux.FAMILY, pixart.FAMILY,
                                                    wan.FAMILY, generic.FAMILY)}  # fmt: skip
 FAMILIES.update({f.name: f for f in (flux2.FAMILY, flux2.KLEIN, chroma.FAMILY, qwen_image.FAMILY, z_image.FAMILY)})
+FAMILIES[qwen_image_edit.FAMILY.name] = qwen_image_edit.FAMILY
 
 
 def get_family(name: str) -> Family:

@@ -4,7 +4,7 @@ A :class:`Family` is data plus two small functions, one module per family (``sdx
 ``flux``, ``pixart``, ``generic``), each written next to the diffusers pipeline's ``encode_prompt``
 it reproduces: ``layout(models, options)`` says what the cache's text records hold
 (:class:`manifests.cache.text_layout.TextLayout`), ``encode(models, captions, options)`` computes
-them for a batch of captions as :class:`PromptParts`.
+them for a batch of captions as :class:`PromptParts` (a ``reference`` family's takes ``images=`` too).
 """
 
 from __future__ import annotations
@@ -19,12 +19,14 @@ __all__ = ["Family", "PromptParts", "TextModel", "TextOptions"]
 
 @dataclass(frozen=True)
 class TextModel:
-    """One loaded text encoder: its tokenizer, the model (eval mode, on ``device``), and where it came from."""
+    """One loaded text encoder: its tokenizer, the model (eval mode, on ``device``), where it came from, and the
+    pipeline's multimodal processor (a family whose text sees an image; else None)."""
 
     tokenizer: Any
     model: Any
     device: Any
     info: dict[str, Any]
+    processor: Any = None
 
     def __call__(self, input_ids: Any, **kwargs: Any) -> Any:
         """The model's forward on ``input_ids`` moved to its device (as the pipelines call it)."""
@@ -61,6 +63,10 @@ class Family:
     ``max_text_tokens(pipeline)``: the default T5 length for a pipeline class (None: no T5, CLIP's
     77 positions are fixed). ``vae``: the subfolder of its VAE. ``prune(model)``: the part of a loaded text
     encoder that ``encode`` runs (None: all of it), taken before the weights are hashed and moved to the device.
+    ``reference``: its text is a function of the caption and the sample's reference image (the paired
+    conditioning image, ``scan --conditioning``): ``encode`` takes ``images=`` too, and the image workers encode
+    each sample's text into its record
+    (:mod:`.qwen_image_edit`). ``processor``: the pipeline subfolder of its multimodal processor (None: none).
     """
 
     name: str
@@ -73,3 +79,5 @@ class Family:
     max_text_tokens: Callable[[str | None], int | None] = lambda pipeline: None
     vae: str = "vae"
     prune: Callable[[Any], Any] | None = None
+    reference: bool = False
+    processor: str | None = None

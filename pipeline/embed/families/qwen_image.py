@@ -39,12 +39,12 @@ TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shap
 NORMALISED = "(posterior - latents_mean) / latents_std per channel, at embed: what the denoiser sees"
 
 
-def vae_description(cfg: Any) -> dict[str, Any]:
+def vae_description(config: Any) -> dict[str, Any]:
     """What ``_cache.json`` records of an ``AutoencoderKLQwenImage`` config: 8x, ``z_dim`` channels, no scaling
     left to do, and the per-channel statistics the stored latents are normalised with."""
-    return {"factor": 2 ** len(cfg.temperal_downsample), "channels": int(cfg.z_dim), "scaling_factor": 1.0,
-            "shift_factor": None, "normalised": {"latents_mean": [float(x) for x in cfg.latents_mean],
-                                                 "latents_std": [float(x) for x in cfg.latents_std],
+    return {"factor": 2 ** len(config.temperal_downsample), "channels": int(config.z_dim), "scaling_factor": 1.0,
+            "shift_factor": None, "normalised": {"latents_mean": [float(x) for x in config.latents_mean],
+                                                 "latents_std": [float(x) for x in config.latents_std],
                                                  "how": NORMALISED}}  # fmt: skip
 
 

@@ -20,7 +20,7 @@ a training step) runs on it in seconds on a CPU:
   patch 1x2x2), ``UniPCMultistepScheduler`` with ``flow_shift`` 3.0 as the Wan 2.1 folders ship it, and an
   ``AutoencoderKLWan`` (causal 3D, 4x temporal and 8x spatial compression, 16 channels, Wan 2.1's
   per-channel ``latents_mean``/``latents_std``).
-- ``qwen-image``, ``z-image``: :mod:`pipeline.embed.families.tiny_qwen`.
+- ``qwen-image``, ``qwen-image-edit``, ``z-image``: :mod:`pipeline.embed.families.tiny_qwen`.
 - ``generic``: bucketeer's embedded default encoders (a VAE and one CLIP text model; no denoiser).
 - ``flux2``, ``flux2-klein``: :mod:`pipeline.embed.families.tiny_flux2` (Mistral 3 / Qwen3 LLMs with their chat
   templates, ``Flux2Transformer2DModel``, ``AutoencoderKLFlux2``).
@@ -251,7 +251,7 @@ _PIPELINES: dict[str, Callable[[], object]] = {"sdxl": _sdxl, "sd3": _sd3, "flux
                                                "wan": _wan}  # fmt: skip
 _PIPELINES.update({"qwen-image": tiny_qwen.qwen_image, "z-image": tiny_qwen.z_image})  # tiny_qwen.py
 _SEEDS = {"generic": 0, "sdxl": 1, "sd3": 3, "flux": 4, "pixart": 5, "wan": 6}
-_SEEDS.update({"qwen-image": 7, "z-image": 9})
+_SEEDS.update({"qwen-image": 7, "z-image": 9, "qwen-image-edit": 8})
 
 
 def _tiny_flux2(family: str) -> object:
@@ -292,6 +292,9 @@ def build_tiny(family: str, folder: str | os.PathLike, variant: str | None = Non
     target = Path(folder)
     if family == "generic":
         _build_generic(target)
+    elif family == "qwen-image-edit":  # its processor/ is written from its parts (tiny_qwen.py)
+        torch.manual_seed(_SEEDS[family])
+        tiny_qwen.save_qwen_image_edit(target)
     elif family in _PIPELINES:
         torch.manual_seed(_SEEDS[family])
         pipe = _pixart(variant or "alpha") if family == "pixart" else _PIPELINES[family]()

@@ -5,6 +5,9 @@
   ``AutoencoderKLQwenImage`` (Wan-style causal 3D VAE, base width 8, Qwen-Image's per-channel
   ``latents_mean``/``latents_std``) and Qwen-Image's ``FlowMatchEulerDiscreteScheduler`` config (dynamic shift,
   base 0.5 at 256 tokens, max 0.9 at 8192, ``shift_terminal`` 0.02).
+- ``qwen-image-edit``: ``QwenImageEditPipeline``: the same models (seeded apart) and a ``processor/`` as the
+  pipeline's hub folder has it: the tokenizer and Qwen2.5-VL's image processor config (patch 14, merge 2,
+  ``min_pixels`` 3136, ``max_pixels`` 12845056), named ``Qwen2VLProcessor`` in ``model_index.json``.
 - ``z-image``: ``ZImagePipeline``: a ``Qwen3Model`` (48 wide, 3 layers) with a Qwen3-style chat template
   (``enable_thinking``), a ``ZImageTransformer2DModel`` (2 layers, 1 refiner layer each), Flux's 16-channel
   VAE scaling and shift, and Z-Image-Turbo's scheduler (fixed ``shift`` 3.0).
@@ -17,7 +20,7 @@ Qwen-Image's prefix is 34 tokens, the pipeline's ``prompt_template_encode_start_
 
 from __future__ import annotations
 
-__all__ = ["QWEN_WIDTH", "QWEN3_WIDTH", "qwen_tokenizer", "qwen_image", "z_image"]
+__all__ = ["QWEN_WIDTH", "QWEN3_WIDTH", "qwen_tokenizer", "qwen_image", "save_qwen_image_edit", "z_image"]
 
 QWEN_WIDTH = 40  # Qwen2.5-VL's hidden size (3584 in the 7B)
 QWEN3_WIDTH = 48  # Qwen3's hidden size (2560 in the 4B)
@@ -81,10 +84,11 @@ def _qwen_vl(tokenizer):
     return Qwen2_5_VLForConditionalGeneration(config)
 
 
-def qwen_image():
-    """The tiny ``QwenImagePipeline`` (see the module docstring)."""
-    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
-    from diffusers import QwenImageTransformer2DModel
+def qwen_image(cls: str = "QwenImagePipeline", **extra):
+    """The tiny ``QwenImagePipeline`` (see the module docstring); ``cls``: another pipeline class of the same models
+    (``QwenImageEditPipeline``), ``extra``: its other components."""
+    import diffusers
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
 
     tokenizer = qwen_tokenizer()
     # Qwen-Image's layout (3 spatial downsamples, the last two also temporal) at base width 8 instead of 96
@@ -96,8 +100,35 @@ def qwen_image():
     scheduler = FlowMatchEulerDiscreteScheduler(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192,
                                                 max_shift=0.9, shift=1.0, shift_terminal=0.02,
                                                 time_shift_type="exponential", use_dynamic_shifting=True)  # fmt: skip
-    return QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=_qwen_vl(tokenizer), tokenizer=tokenizer,
-                             transformer=transformer)  # fmt: skip
+    return getattr(diffusers, cls)(scheduler=scheduler, vae=vae, text_encoder=_qwen_vl(tokenizer), tokenizer=tokenizer,
+                                   transformer=transformer, **extra)  # fmt: skip
+
+
+def save_qwen_image_edit(folder) -> None:
+    """Write the tiny ``QwenImageEditPipeline`` to ``folder``, its ``processor/`` as the hub folder has it (saved from
+    its parts: transformers 5.x cannot build a ``Qwen2VLProcessor`` without torchvision)."""
+    import json
+    from pathlib import Path
+
+    from transformers import Qwen2VLImageProcessorPil
+
+    from diffusers.utils import logging
+
+    pipe = qwen_image("QwenImageEditPipeline", processor=None)
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()  # not its "processor=None cannot be saved": it is saved below
+    try:
+        pipe.save_pretrained(folder)
+    finally:
+        logging.set_verbosity(verbosity)
+    processor = Path(folder) / "processor"
+    pipe.tokenizer.save_pretrained(processor)
+    # Qwen2.5-VL's preprocessor_config.json (saved as image_processor_type Qwen2VLImageProcessor)
+    Qwen2VLImageProcessorPil(size={"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 16384},
+                             patch_size=14, merge_size=2, temporal_patch_size=2).save_pretrained(processor)
+    index = Path(folder) / "model_index.json"
+    index.write_text(json.dumps({**json.loads(index.read_text()), "processor": ["transformers", "Qwen2VLProcessor"]},
+                                indent=2, sort_keys=True) + "\n")  # fmt: skip
 
 
 def z_image():

@@ -1,0 +1,158 @@
+"""Latent encoders: each VAE's path from pixels to what the family's denoiser is given, and what ``_cache.json``
+says of it.
+
+Latents are the VAE posterior **mean** (``latent_dist.mean``), unscaled, and with ``--latents posterior`` also its
+standard deviation: the trainer draws ``mean + std * noise`` and applies what ``_cache.json`` ``latent`` records
+(``scaling_factor`` after ``shift_factor``; Wan's per-channel ``latents_mean``/``latents_std``). Two VAEs store
+their latents as the denoiser sees them instead, with nothing left for the trainer to do (``usage`` says so):
+Flux 2's (patchified 2x2 and normalised by its batch-norm statistics: :mod:`pipeline.embed.families.flux2`) and
+Qwen-Image's (normalised per channel as ``QwenImageEditPipeline._encode_vae_image`` does:
+:mod:`pipeline.embed.families.qwen_image`). Which path a VAE takes is its config's ``_class_name``
+(:data:`VAE_PATHS`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from pipeline.embed.families import flux2, qwen_image
+from pipeline.embed.loading import EncoderSource, check_local, device_and_dtype, weights_sha256
+
+if TYPE_CHECKING:  # a diffusers model's .config
+    from diffusers.configuration_utils import FrozenDict
+
+__all__ = ["LatentSpec", "LatentEncoder", "VAE_PATHS", "VAE_CLASSES"]
+
+
+@dataclass(frozen=True)
+class LatentSpec:
+    """The VAE to load and what to keep of its posterior (``latents``: one of :data:`LATENTS`); ``features``: a
+    :class:`pipeline.embed.features.FeatureSpec` run on the same pixels (``--features``), or None."""
+
+    source: EncoderSource
+    latents: str = "mean"
+    features: Any = None
+
+    def load(self, *, use_gpu: bool = False, dtype: str = "BF16") -> "LatentEncoder":
+        return LatentEncoder(self, use_gpu=use_gpu, dtype=dtype)
+
+
+def _kl_shape(cfg: FrozenDict) -> dict[str, Any]:
+    return {"factor": 2 ** (len(cfg.block_out_channels) - 1), "channels": int(cfg.latent_channels),
+            "scaling_factor": float(cfg.scaling_factor),
+            "shift_factor": None if getattr(cfg, "shift_factor", None) is None else float(cfg.shift_factor)}
+
+
+def _wan_shape(cfg: FrozenDict) -> dict[str, Any]:  # no scaling factor: the trainer normalises per channel
+    return {"factor": int(cfg.scale_factor_spatial), "channels": int(cfg.z_dim), "scaling_factor": 1.0,
+            "shift_factor": None, "latents_mean": [float(x) for x in cfg.latents_mean],
+            "latents_std": [float(x) for x in cfg.latents_std], "temporal_factor": int(cfg.scale_factor_temporal)}
+
+
+def _flux2_shape(cfg: FrozenDict) -> dict[str, Any]:  # patchified 2x2 and normalised by the batch-norm statistics
+    return {"factor": 2 ** len(cfg.block_out_channels), "channels": 4 * int(cfg.latent_channels),
+            "scaling_factor": 1.0, "shift_factor": None, "usage": flux2.LATENT_USAGE}
+
+
+def _posterior(vae: Any, x: Any, std: bool) -> dict[str, Any]:
+    """The posterior's mean ``(B, C, h, w)`` (a clip's ``(B, C, F', h, w)``), and its std with ``std``."""
+    posterior = vae.encode(x).latent_dist
+    out = {"latent": posterior.mean.float()}
+    if std:
+        out["latent_std"] = posterior.std.float()  # exp(logvar / 2), logvar clamped
+    return out
+
+
+def _flux2_latents(vae: Any, x: Any, std: bool) -> dict[str, Any]:
+    """Flux 2: the posterior as the transformer sees it, ``(B, 4C, h/2, w/2)`` normalised (std likewise)."""
+    out = _posterior(vae, x, std)
+    latent, scaled = flux2.denoiser_latents(vae, out["latent"], out.get("latent_std"))
+    return {"latent": latent, **({"latent_std": scaled} if scaled is not None else {})}
+
+
+@dataclass(frozen=True)
+class VaeKind:
+    """One VAE class's kind: what ``_cache.json`` records of its config (``shape``), pixels in [-1, 1] to latents
+    (``latents(vae, x, std)``), and whether it takes clips."""
+
+    shape: Callable[[Any], dict[str, Any]]
+    latents: Callable[[Any, Any, bool], dict[str, Any]] = _posterior
+    video: bool = False
+
+
+# a VAE config's _class_name -> its path (an unknown or missing one loads as AutoencoderKL, as always)
+VAE_PATHS: dict[str, VaeKind] = {
+    "AutoencoderKL": VaeKind(_kl_shape),
+    "AutoencoderKLWan": VaeKind(_wan_shape, video=True),  # clips (B, 3, F, H, W)
+    "AutoencoderKLFlux2": VaeKind(_flux2_shape, _flux2_latents),
+    # Wan-style, images as 1-frame clips, stored normalised per channel
+    "AutoencoderKLQwenImage": VaeKind(qwen_image.vae_description,
+                                      lambda vae, x, std: qwen_image.vae_latents(vae, x, std=std)),
+}
+VAE_CLASSES = tuple(VAE_PATHS)
+
+
+def _vae_class(path: str, subfolder: str | None):
+    """The diffusers VAE class ``path``/``subfolder``'s config names (else ``AutoencoderKL``, as always)."""
+    import diffusers
+
+    try:
+        name = diffusers.AutoencoderKL.load_config(path, subfolder=subfolder).get("_class_name")
+    except (OSError, ValueError):  # let from_pretrained say what is missing, as it always did
+        name = None
+    return getattr(diffusers, name if name in VAE_PATHS else "AutoencoderKL")
+
+
+class LatentEncoder:
+    """``AutoencoderKL`` latents: uint8 pixels ``(B, H, W, 3)`` -> ``{"latent": posterior mean (B, C, H/f, W/f)}``,
+    plus ``"latent_std"`` (same shape) with ``--latents posterior``. A video VAE (``AutoencoderKLWan``, when the
+    folder's config names it) takes clips ``(B, F, H, W, 3)`` -> ``(B, C, F', H/f, W/f)``, F' = (F - 1) //
+    temporal_factor + 1 (an image is a 1-frame clip). Flux 2 and Qwen-Image VAEs: see the module docstring."""
+
+    def __init__(self, spec: LatentSpec, *, use_gpu: bool = False, dtype: str = "BF16"):
+        path, subfolder = spec.source.resolve("vae")
+        self.id, self.latents = spec.source.ident, spec.latents
+        check_local(path, subfolder, "--vae", "vae", ("config.json",))
+        self.device, self.compute_dtype = device_and_dtype(use_gpu, dtype)
+        self.vae = _vae_class(path, subfolder).from_pretrained(path, subfolder=subfolder).eval()
+        self.kind = VAE_PATHS[type(self.vae).__name__]
+        self.video = self.kind.video
+        self.weights = weights_sha256(self.vae)  # of the weights as published, before any cast
+        self.vae.to(self.device)
+        if self.compute_dtype != self.vae.dtype:
+            self.vae.to(dtype=self.compute_dtype)
+        self.subfolder = subfolder
+        self.features = None if spec.features is None else spec.features.load(use_gpu=use_gpu, dtype=dtype)
+
+    def describe(self) -> dict[str, Any]:
+        shape = self.kind.shape(self.vae.config)
+        return {
+            "id": self.id,
+            "subfolder": self.subfolder,
+            "class": type(self.vae).__name__,
+            "weights_sha256": self.weights,
+            **shape,
+            "latents": self.latents,
+            "device": str(self.device),  # where it runs: recorded in _cache.json, not fingerprinted
+            "compute_dtype": str(self.compute_dtype).replace("torch.", ""),
+            "features": None if self.features is None else self.features.describe(),
+        }
+
+    def encode(self, batch: np.ndarray, features_of: int | None = None) -> dict[str, Any]:
+        """``features_of``: with ``--features``, also ``"features"`` ``(n, gh, gw, D)`` of the first n images."""
+        import torch
+
+        with torch.inference_mode():
+            batch = batch if batch.flags.writeable else batch.copy()  # Ray hands out read-only arrays
+            extra = {} if self.features is None else {"features": self.features.encode(batch[:features_of])}
+            x = torch.from_numpy(batch).to(self.device)
+            # (B, 3, H, W) uint8, or a clip (B, 3, F, H, W)
+            x = x.permute(0, 4, 1, 2, 3) if x.ndim == 5 else x.permute(0, 3, 1, 2)
+            # [-1, 1] in float32, then the compute dtype, as diffusers' image processor does: in bf16 the division
+            # rounds to 1/128 above 1.0 and the subtraction keeps that, up to half a level off for bright pixels
+            x = (x.float() / 127.5 - 1.0).to(self.compute_dtype)
+            out = self.kind.latents(self.vae, x, self.latents == "posterior")
+            return {**out, **extra}
