@@ -44,9 +44,12 @@ class FlakyS3(AbstractFileSystem):
             self.reads.append(path)
             fail, self.remaining = self.remaining > 0, self.remaining - 1
         if fail and self.error == "slowdown":
-            # what s3fs raises for S3's SlowDown (s3fs/errors.py)
+            # what s3fs raises for S3's SlowDown (s3fs/errors.py): throttling, retried for a time
             raise OSError(errno.EBUSY, "An error occurred (SlowDown) when calling the GetObject operation: "
                           "Please reduce your request rate.")
+        if fail and self.error == "internal":  # S3's 500 InternalError: a failure, retried a number of times
+            raise OSError(errno.EIO, "An error occurred (InternalError) when calling the GetObject operation: "
+                          "We encountered an internal error. Please try again.")
         if fail:
             raise PermissionError(f"Access Denied for {path} (secret={SECRET})")
         return self.inner.cat_file(path, start=start, end=end)
@@ -142,9 +145,12 @@ def test_retries_that_run_out_become_read_failed_rows_and_are_reread(s3, ray_loc
     out = str(tmp_path / "m")
     cfg = ScanConfig(progress=False)
     path = url.removeprefix("s3://")
-    meta = run(ScanJob(source=path, out=out, fs=FlakyS3(s3.endpoint, failures=10**6), config=cfg)).meta
+    # failing for good, not throttled (a throttled read is retried for BUCKETEER_STORAGE_THROTTLE_SECONDS, 300 s:
+    # tests/test_storage_faults.py), so the attempts run out
+    flaky = FlakyS3(s3.endpoint, failures=10**6, error="internal")
+    meta = run(ScanJob(source=path, out=out, fs=flaky, config=cfg)).meta
     assert meta.summary.errors_by_kind == {"read_failed": 3}
-    assert "SlowDown" in read_manifest(out).errors.column("message")[0].as_py()
+    assert "InternalError" in read_manifest(out).errors.column("message")[0].as_py()
     healed = run(ScanJob(source=path, out=out, fs=FlakyS3(s3.endpoint, failures=0), config=cfg)).meta
     assert healed.summary.files_read == 3 and healed.counts.samples == 3
 

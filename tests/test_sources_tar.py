@@ -294,6 +294,7 @@ def test_a_shard_unreadable_after_retries_is_one_read_failed_row_access_denied_s
 
     monkeypatch.setenv("BUCKETEER_STORAGE_ATTEMPTS", "2")
     monkeypatch.setenv("BUCKETEER_STORAGE_RETRY_DELAY", "0.01")
+    monkeypatch.setenv("BUCKETEER_STORAGE_THROTTLE_SECONDS", "0.5")  # SlowDown is retried this long, not twice
     s = ShardSet(tmp_path)
     good_shard(s, "00000.tar", 0, 2)
     good_shard(s, "00001.tar", 2, 2)
