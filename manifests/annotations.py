@@ -129,6 +129,7 @@ class AnnotationsMeta(JsonRecord):
     fingerprint: str
     tool_version: str = __version__
     created_at: str | None = optional()
+    throttled: int | None = optional()  # the last run's storage answers that asked for fewer requests (not hashed)
 
     def task(self, name: str) -> TaskSettings | None:
         return next((t for t in self.tasks if t.task == name), None)
@@ -287,7 +288,7 @@ def read_annotations(url: str, storage_options: dict | None = None, columns: lis
 def write_annotations_meta(url: str, storage_options: dict | None, meta: AnnotationsMeta) -> AnnotationsMeta:
     """Write ``_annotations.json`` (last: it makes the folder valid) with its own fingerprint filled in."""
     body = {**meta.to_json(), "fingerprint": "", "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat()}
-    digest = {k: v for k, v in body.items() if k not in ("created_at", "fingerprint", "tool_version")}
+    digest = {k: v for k, v in body.items() if k not in ("created_at", "fingerprint", "tool_version", "throttled")}
     body["fingerprint"] = hashlib.sha256(json.dumps(digest, sort_keys=True).encode()).hexdigest()[:16]
     fs, root = open_url(url, storage_options)
     write_json_atomic(fs, join(root, ANNOTATIONS_FILE), body)

@@ -135,7 +135,7 @@ def latent_frames(frames: np.ndarray, temporal_factor: int) -> np.ndarray:
 
 def add_frame_arguments(parser: argparse.ArgumentParser) -> None:
     """``--frames`` / ``--frame-ladder`` of ``bucketeer scan``: either makes it a video scan."""
-    g = parser.add_argument_group("video (frame buckets; see README 'Video (scan)')")
+    g = parser.add_argument_group("video (frame buckets; see docs/video.md)")
     x = g.add_mutually_exclusive_group()
     x.add_argument("--frames", default=None, metavar="F,F,...",
                    help="scan videos (.mp4 .mov .webm .mkv) too: frame buckets, e.g. 17,33,49,81; buckets become "

@@ -14,6 +14,13 @@ its writer lock for the whole run (:func:`writer_lock`):
   ``BUCKETEER_LOCK_STALE_SECONDS`` (default :data:`STALE_SECONDS`). The take-over is itself exclusive:
   a rename of the stale file on a local disk, a PUT with ``If-Match: <its ETag>`` on S3, so two
   writers that find one dead lock cannot both take it.
+- **Judged by the store's clock**, never by this host's (:meth:`_Lock.read`): the heartbeat's age is the
+  time since the lock object was last written, both ends read from the store: on S3 the ``Date`` of the
+  HEAD answer less the object's ``LastModified`` (a fresh probe object's ``LastModified`` where an answer
+  has no ``Date``), on a folder a fresh probe file's mtime less the lock file's (a network filesystem's
+  server sets both). A host whose clock runs 10 minutes fast does not steal a live lock, nor does one
+  10 minutes slow keep a dead one 10 minutes longer; ``heartbeat_at`` in the file (this host's clock,
+  :data:`_clock`) is for people reading it.
 - **Released** at the end of the run (also on an exception); a release deletes only the writer's own lock.
 
 A writer that took the lock also removes what a killed writer left on a local disk: the zero-byte or
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import email.utils
 import errno
 import json
 import logging
@@ -48,6 +56,7 @@ HEARTBEAT_SECONDS = 30.0
 STALE_SECONDS = 300.0  # a heartbeat older than this: the writer is gone (any host)
 STALE_ENV = "BUCKETEER_LOCK_STALE_SECONDS"
 HEARTBEAT_ENV = "BUCKETEER_LOCK_HEARTBEAT_SECONDS"
+_clock = time.time  # this host's clock: only what the file says for people (tests set it 10 minutes off)
 
 
 class WriterBusyError(UsageError):
@@ -78,16 +87,17 @@ class Writer:
     def describe(self) -> str:
         return f"`bucketeer {self.command}` on host {self.host}, pid {self.pid}, started {self.started_at}"
 
-    def gone(self, now: float, stale_seconds: float) -> str | None:
-        """Why this writer is gone (a line for the take-over notice), or None while it may still run."""
+    def gone(self, age: float, stale_seconds: float) -> str | None:
+        """Why this writer is gone (a line for the take-over notice), or None while it may still run.
+        ``age``: seconds since its lock was last written, by the store's clock (:meth:`_Lock.read`)."""
         if self.host == socket.gethostname():
             started = _process_started(self.pid)
             if started is None:
                 return f"its process {self.pid} no longer exists"
             if self.process_started is not None and abs(started - self.process_started) > 1.0:  # NaN: False
                 return f"its process {self.pid} no longer exists (the pid now belongs to another process)"
-        if now - self.heartbeat_at > stale_seconds:
-            return f"its last heartbeat was {now - self.heartbeat_at:.0f} s ago (stale after {stale_seconds:.0f} s)"
+        if age > stale_seconds:
+            return f"its last heartbeat was {age:.0f} s ago by the store's clock (stale after {stale_seconds:.0f} s)"
         return None
 
 
@@ -102,6 +112,15 @@ def _process_started(pid: int) -> float | None:
         return None
     except psutil.AccessDenied:
         return float("nan")
+
+
+def _answer_date(head: Mapping[str, Any]) -> _dt.datetime | None:
+    """The ``Date`` header of an S3 answer (the store's clock when it answered), or None without one."""
+    text = head.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+    try:
+        return email.utils.parsedate_to_datetime(text) if text else None
+    except (TypeError, ValueError):
+        return None
 
 
 def _env_seconds(name: str, default: float) -> float:
@@ -141,25 +160,53 @@ class _Lock:
 
         return call_storage(self.fs, "locking", self.path, create_remote)
 
-    def read(self) -> tuple[Writer | None, str | None]:
-        """The current holder and a version tag for a conditional take-over (None, None: no lock)."""
-        def read_it() -> tuple[bytes, str | None]:
+    def read(self) -> tuple[Writer | None, str | None, float]:
+        """The current holder, a version tag for a conditional take-over, and the seconds since the lock was
+        last written by the store's clock (None, None, 0: no lock)."""
+        def read_it() -> tuple[bytes, str | None, float]:
             if self.local:
                 with open(self.path, "rb") as f:
-                    return f.read(), None
-            etag = self.fs.info(self.path).get("ETag")  # before the read: a newer object fails the If-Match
-            return self.fs.cat_file(self.path), etag
+                    written = os.fstat(f.fileno()).st_mtime
+                    return f.read(), None, self._local_now() - written
+            bucket, key, _ = self.fs.split_path(self.path)
+            head = self.fs.call_s3("head_object", Bucket=bucket, Key=key)  # before the read: a newer object
+            etag, written = head.get("ETag"), head["LastModified"]  # fails the If-Match
+            now = _answer_date(head) or self._remote_now()
+            return self.fs.cat_file(self.path), etag, (now - written).total_seconds()
 
         try:
             self.fs.invalidate_cache(self.path)
-            data, etag = call_storage(self.fs, "reading", self.path, read_it)
+            data, etag, age = call_storage(self.fs, "reading", self.path, read_it)
         except FileNotFoundError:
-            return None, None
+            return None, None, 0.0
         try:
-            return Writer.from_json(json.loads(data)), etag
+            return Writer.from_json(json.loads(data)), etag, age
         except (ValueError, KeyError, TypeError):  # a torn or foreign file: nobody can be shown as its owner
             return Writer(token="", command="?", host="?", pid=0, process_started=None, started_at="?",
-                          heartbeat_at=0.0), etag  # fmt: skip
+                          heartbeat_at=0.0), etag, age  # fmt: skip
+
+    def _local_now(self) -> float:
+        """The folder's time now: the mtime of a probe file written here, which a network filesystem's
+        server sets as it sets the lock file's."""
+        probe = f"{self.path}.clock-{uuid.uuid4().hex}"
+        fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        try:
+            return os.fstat(fd).st_mtime
+        finally:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.remove(probe)
+
+    def _remote_now(self) -> _dt.datetime:
+        """The store's time now, for an endpoint whose answers carry no ``Date``: a probe object's ``LastModified``."""
+        probe = f"{self.path}.clock-{uuid.uuid4().hex}"
+        bucket, key, _ = self.fs.split_path(probe)
+        self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=b"")
+        try:
+            return self.fs.call_s3("head_object", Bucket=bucket, Key=key)["LastModified"]
+        finally:
+            with contextlib.suppress(OSError):
+                self.fs.call_s3("delete_object", Bucket=bucket, Key=key)
 
     def replace(self, stale: Writer, etag: str | None, data: bytes) -> bool:
         """Take over ``stale``'s lock; False when another writer took it first."""
@@ -235,15 +282,15 @@ def writer_lock(url: str, storage_options: Mapping[str, Any] | None, command: st
     stale_seconds = _env_seconds(STALE_ENV, STALE_SECONDS)
     me = Writer(token=uuid.uuid4().hex, command=command, host=socket.gethostname(), pid=os.getpid(),
                 process_started=_process_started(os.getpid()),
-                started_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                heartbeat_at=time.time())  # fmt: skip
+                started_at=_dt.datetime.fromtimestamp(_clock(), _dt.timezone.utc).isoformat(timespec="seconds"),
+                heartbeat_at=_clock())  # fmt: skip
     for _ in range(5):  # each round: create, or judge the holder and maybe take it over
         if lock.create(me.to_bytes()):
             break
-        holder, etag = lock.read()
+        holder, etag, age = lock.read()
         if holder is None:  # released between our create and our read: try again
             continue
-        why = holder.gone(time.time(), stale_seconds)
+        why = holder.gone(age, stale_seconds)
         if why is None:
             raise WriterBusyError(f"{redact(url)} is being written by {holder.describe()}; wait for it to finish, "
                                   f"or stop it (a lock whose writer is gone is taken over: {LOCK_FILE})")  # fmt: skip
@@ -252,7 +299,7 @@ def writer_lock(url: str, storage_options: Mapping[str, Any] | None, command: st
                   flush=True)  # fmt: skip
             break
     else:
-        holder, _ = lock.read()
+        holder, _, _ = lock.read()
         raise WriterBusyError(f"{redact(url)} is being written by {holder.describe() if holder else 'another writer'}"
                               "; wait for it to finish")  # fmt: skip
     faults.hit("lock.taken")
@@ -267,7 +314,7 @@ def writer_lock(url: str, storage_options: Mapping[str, Any] | None, command: st
     finally:
         stop.set()
         beat.join(timeout=5)
-        holder, _ = lock.read()
+        holder, _, _ = lock.read()
         if holder is not None and holder.token == me.token:
             lock.remove()
         if created:
@@ -278,12 +325,12 @@ def writer_lock(url: str, storage_options: Mapping[str, Any] | None, command: st
 def _heartbeat(lock: _Lock, me: Writer, stop: threading.Event) -> None:
     every = _env_seconds(HEARTBEAT_ENV, HEARTBEAT_SECONDS)
     while not stop.wait(every):
-        holder, etag = lock.read()
+        holder, etag, _ = lock.read()
         if holder is None or holder.token != me.token:  # taken over (we looked dead): say so, never fight for it
             log.warning("the writer lock of %s was taken over by %s", redact(lock.url),
                         holder.describe() if holder else "nobody (removed)")  # fmt: skip
             return
         try:
-            lock.renew(etag, Writer(**{**asdict(me), "heartbeat_at": time.time()}).to_bytes())
+            lock.renew(etag, Writer(**{**asdict(me), "heartbeat_at": _clock()}).to_bytes())
         except Exception as e:  # a missed beat is not fatal: the lock only turns stale after STALE_SECONDS
             log.warning("could not renew the writer lock of %s: %s", redact(lock.url), e)

@@ -133,6 +133,7 @@ class ScanSummary(JsonRecord):
     captions_truncated: int | None = optional()  # captions over 1 MiB (sidecars, caption members), cut there
     seconds: float | None = optional()  # driver seconds, Ray start-up left out
     files_per_s: float | None = optional()
+    throttled: int | None = optional()  # storage answers that asked for fewer requests (503 SlowDown, 429)
     # scan --conditioning
     conditioning_probed: int | None = optional()
     conditioning_errors: int | None = optional()

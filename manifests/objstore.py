@@ -23,7 +23,9 @@ resolves them; ``anon`` -> unsigned
 requests; ``client_kwargs.region_name``, else botocore's configured region, else ``us-east-1`` where an
 endpoint is given (AWS itself without a known region stays on s3fs, which finds a bucket's region).
 Timeouts: the same ``connect_timeout`` / ``read_timeout`` that ``open_url`` puts in ``config_kwargs``
-(``$BUCKETEER_STORAGE_CONNECT_TIMEOUT`` / ``_READ_TIMEOUT``). obstore's own retries are off
+(``$BUCKETEER_STORAGE_CONNECT_TIMEOUT`` / ``_READ_TIMEOUT``; obstore's own limit of 30 s on a whole request
+stays), and GET bodies are held to the rate floor of :func:`manifests.s3.rate_floor` as s3fs's are: read as a
+stream, judged after each chunk (a stall between chunks is the read timeout's). obstore's own retries are off
 (``max_retries=0``): :mod:`manifests.retry` is the only retry layer, and obstore's errors are turned
 into the builtin ones s3fs raises (:func:`translate`), so the retry layer and the error messages
 treat both clients alike.
@@ -40,7 +42,7 @@ import threading
 from typing import Any
 
 from manifests.errors import UsageError
-from manifests.s3 import SingleAttemptS3FileSystem
+from manifests.s3 import RateFloor, SingleAttemptS3FileSystem, SlowResponseError, rate_floor
 
 __all__ = ["CLIENT_ENV", "CLIENT_OPTION", "ObstoreS3FileSystem", "obstore_refusal", "translate"]
 
@@ -57,6 +59,7 @@ _CLIENT_KEYS = frozenset({"endpoint_url", "region_name", "aws_access_key_id", "a
                           "aws_session_token"})  # fmt: skip
 _CONFIG_KEYS = frozenset({"connect_timeout", "read_timeout", "retries", "max_pool_connections"})
 _PART = 5 << 20
+_FLOOR_CHUNK = 1  # a GET held to the rate floor takes its body as it comes, so a drip is judged as it drips
 _XML_CODE = re.compile(r"<Code>([^<]{1,100})</Code>")
 _XML_MESSAGE = re.compile(r"<Message>([^<]{1,300})</Message>")
 _STATUS = re.compile(r"status code: (\d{3})")
@@ -249,6 +252,10 @@ class ObstoreS3FileSystem(SingleAttemptS3FileSystem):
                         _RUNTIME_PID.append(os.getpid())
         return store
 
+    def _where(self, path: str) -> str:
+        """The URL of ``path`` at the endpoint, for messages."""
+        return f"{(_endpoint(self.storage_options) or 'https://s3.amazonaws.com').rstrip('/')}/{path}"
+
     def _target(self, path: str) -> tuple[Any, str] | None:
         """``(store, key)`` for ``path``, or None where obstore cannot name the object (s3fs reads it)."""
         if not _usable():
@@ -281,11 +288,21 @@ class ObstoreS3FileSystem(SingleAttemptS3FileSystem):
             return b""
         import obstore
 
+        rate, window = rate_floor()
         try:
-            if isinstance(options.get("range"), tuple):  # one call, not two: the common ranged read
+            if rate <= 0 and isinstance(options.get("range"), tuple):  # one call, not two: the common ranged read
                 return bytes(await obstore.get_range_async(target[0], target[1], start=start, end=end))
             result = await obstore.get_async(target[0], target[1], options=options)
-            return bytes(await result.bytes_async())
+            if rate <= 0:
+                return bytes(await result.bytes_async())
+            floor, chunks, received = RateFloor(self._where(path), rate, window), [], 0
+            async for chunk in result.stream(min_chunk_size=_FLOOR_CHUNK):
+                chunks.append(chunk)
+                received += len(chunk)
+                floor.check(received)
+            return b"".join(map(bytes, chunks))
+        except SlowResponseError:
+            raise
         except Exception as e:
             raise translate(e, path) from None
 
@@ -320,10 +337,21 @@ class ObstoreS3FileSystem(SingleAttemptS3FileSystem):
             return b""
         import obstore
 
+        rate, window = rate_floor()
         try:
-            if isinstance(options.get("range"), tuple):
+            if rate <= 0 and isinstance(options.get("range"), tuple):
                 return bytes(obstore.get_range(target[0], target[1], start=start, end=end))
-            return bytes(obstore.get(target[0], target[1], options=options).bytes())
+            result = obstore.get(target[0], target[1], options=options)
+            if rate <= 0:
+                return bytes(result.bytes())
+            floor, chunks, received = RateFloor(self._where(path), rate, window), [], 0
+            for chunk in result.stream(min_chunk_size=_FLOOR_CHUNK):
+                chunks.append(chunk)
+                received += len(chunk)
+                floor.check(received)
+            return b"".join(map(bytes, chunks))
+        except SlowResponseError:
+            raise
         except Exception as e:
             raise translate(e, path) from None
 

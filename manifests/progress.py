@@ -26,7 +26,10 @@ Storage that does not answer is no silence either: a reporter listens to the ret
 process (:func:`manifests.retry.add_wait_listener`), and when a storage call fails transiently and
 waits to try again it writes its line at once (then at most every 10 s, or every interval if
 shorter), ending ``..., waiting for storage (ReadTimeoutError, attempt 2 of 6 failed, 70s)``,
-until the next update. On a terminal the bar's postfix says the same.
+until the next update. On a terminal the bar's postfix says the same. A store that throttles (S3's
+``503 SlowDown``, R2's ``429``) is said the same way, ``storage throttling (503, 3 throttled answers, 4s)``,
+and the line counts the job's throttled answers so far (``throttled 1,234``: those of every process of the
+job, :func:`manifests.retry.counting_throttles`, else this process's since the reporter was made).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from typing import Any, Callable, TextIO
 
 from manifests.errors import UsageError
 from manifests.retry import StorageWait, add_wait_listener, remove_wait_listener
+from manifests.throttles import ThrottleTally, job_throttles
 
 __all__ = ["INTERVAL_ENV", "DEFAULT_INTERVAL", "Progress", "interval_seconds", "format_duration", "human_bytes"]
 
@@ -126,6 +130,7 @@ class Progress:
         self._closed = False
         self._bar = None
         self._waiting: StorageWait | None = None  # the last storage retry notice since the last update
+        self._throttles = job_throttles() or ThrottleTally()  # the job's, else this process's from now
         self._last_wait_line = -math.inf
         self._lock = threading.Lock()  # notices come from the retrying threads
         if enabled and _isatty(self._stream):
@@ -218,12 +223,15 @@ class Progress:
         else:
             eta = self.eta(now)
             parts.append(f"ETA {format_duration(eta) if eta is not None else '?'}")
-        if self.extra or self._waiting:
+        if self.extra or self._waiting or self._throttles.total:
             parts.append(self._extras())
         return f"{self.job} {self.phase}: " + ", ".join(parts)
 
     def _extras(self) -> str:
         parts = [f"{k.replace('_', ' ')} {_extra(v)}" for k, v in self.extra.items()]
+        throttled = self._throttles.total
+        if throttled:
+            parts.append(f"throttled {throttled:,}")
         waiting = self._waiting
         if waiting is not None:
             parts.append(waiting.describe())

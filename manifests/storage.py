@@ -31,8 +31,8 @@ import fsspec
 from fsspec import AbstractFileSystem
 
 from manifests.errors import MissingError, StorageError, UsageError
-from manifests.retry import (ATTEMPTS_ENV, RetryPolicy, is_permanent, is_storage_failure, is_timeout, is_transient,
-                             with_retries)  # fmt: skip
+from manifests.retry import (ATTEMPTS_ENV, THROTTLE_ENV, RetryPolicy, is_permanent, is_storage_failure, is_throttled,
+                             is_timeout, is_transient, with_retries)  # fmt: skip
 
 __all__ = [
     "StorageError",
@@ -218,10 +218,15 @@ def storage_error(
     if is_permanent(exc):
         hint = ("; check the file's permissions" if is_local(fs)
                 else "; check the credentials and --storage-options (endpoint_url, key/secret) for this bucket")
+    elif is_transient(exc) and is_throttled(exc):
+        waiting = f" for {waited:.0f} s" if waited is not None else ""
+        hint = (f"; storage{' at ' + where if where else ''} kept throttling (asking for fewer requests){waiting}, "
+                f"past ${THROTTLE_ENV} ({RetryPolicy.from_env().throttle_seconds:g} s): lower the request rate "
+                "(fewer workers or reads in flight) or raise it, and try again")  # fmt: skip
     elif is_transient(exc):
         waiting = f" over {waited:.1f} s" if waited is not None else ""
-        knobs = f"${ATTEMPTS_ENV}, $BUCKETEER_STORAGE_CONNECT_TIMEOUT/_READ_TIMEOUT" if is_timeout(exc) else \
-            f"${ATTEMPTS_ENV}"  # fmt: skip
+        knobs = f"${ATTEMPTS_ENV}, $BUCKETEER_STORAGE_CONNECT_TIMEOUT/_READ_TIMEOUT/_MIN_RATE" if is_timeout(exc) \
+            else f"${ATTEMPTS_ENV}"  # fmt: skip
         answer = "did not answer in time" if is_timeout(exc) else "still failing"
         hint = (f"; storage{' at ' + where if where else ''} {answer} after {RetryPolicy.from_env().attempts} "
                 f"attempts{waiting} ({knobs}), try again later")  # fmt: skip

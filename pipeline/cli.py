@@ -31,16 +31,23 @@ from manifests.errors import user_error
 
 # name -> (module, one-line help). A registry is a dict from name to where the code lives.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "scan": ("pipeline.scan", "list a dataset once and read image headers into a parquet manifest (Ray job)"),
-    "embed": ("pipeline.embed", "precompute VAE latents and text embeddings into a gzip cache (Ray job)"),
-    "plan": ("pipeline.plan", "write per-rank shard plans: bucketed batches, equal steps, disjoint ranks"),
-    "annotate": ("pipeline.annotate", "caption a manifest's images with a vision-language model (Ray job)"),
-    "dedup": ("pipeline.dedup", "find exact, perceptual and semantic duplicates in annotations folders"),
-    "verify": ("pipeline.verify", "check every record of a cache: checksum, decompression, shapes, finite values"),
+    "scan": ("pipeline.scan", "read the headers and captions of images and videos (loose, tar shards, parquet) "
+                              "into a bucketed parquet manifest (Ray job)"),
+    "embed": ("pipeline.embed", "precompute VAE latents and text embeddings (and DINOv2 features, loss masks, "
+                                "crop variants) into a cache (Ray job)"),
+    "plan": ("pipeline.plan", "write per-rank plans (one bucket per batch, equal steps, disjoint ranks; mixtures, "
+                              "--where, --weight-by); --check, --resume, --extend"),
+    "annotate": ("pipeline.annotate", "caption, score (aesthetic, safety, watermark), hash (sha256, pHash), "
+                                      "CLIP-embed and measure images into an annotations folder (Ray job)"),
+    "dedup": ("pipeline.dedup", "find exact, perceptual and semantic duplicates in annotations; one keeper per "
+                                "cluster"),
+    "verify": ("pipeline.verify", "check every record of a cache: checksum, identity, shapes, finite values"),
     "rebucket": ("pipeline.rebucket", "re-assign buckets from stored sizes into a new manifest (no image I/O)"),
-    "stats": ("pipeline.stats", "print counts, the bucket histogram and errors by kind of a manifest"),
-    "report": ("pipeline.report", "write a self-contained HTML report with plots of a manifest / cache / plan"),
-    "demo": ("pipeline.demo", "run scan -> embed -> plan -> train on a generated dataset on this machine"),
+    "stats": ("pipeline.stats", "print a manifest's counts, buckets and errors; with --where, what a selection "
+                                "keeps"),
+    "report": ("pipeline.report", "write an HTML report of a manifest and its cache, plan and annotations"),
+    "demo": ("pipeline.demo", "run scan, annotate, dedup, embed, plan (without the duplicates), train, verify and "
+                              "report on a generated dataset, here"),
 }
 
 
@@ -61,8 +68,6 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         if command is None or name == command:
             module = _load(name)
-            if getattr(module, "__doc__", None):
-                p.description = module.__doc__.strip().splitlines()[0]
             module.add_arguments(p)
             p.set_defaults(_module=module)
     return parser

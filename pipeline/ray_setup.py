@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from typing import Iterator
 
 # Ray reads this once, when it is first imported: "0" selects its single-machine mode, in which a
@@ -17,10 +18,16 @@ def loopback_only() -> None:
     """Make a Ray started later in this process (and its workers) listen on 127.0.0.1 only.
 
     Call before ``ray`` is imported; ``RAY_USAGE_STATS_ENABLED=0`` keeps a local start from
-    reporting anywhere. Values the user set are left alone.
+    reporting anywhere. ``RAY_AUTH_MODE=token`` asks for what a local Ray does by default (token
+    authentication, a token made once in ``~/.ray/auth_token``), so that Ray does not print a line
+    saying it chose that; it is read when Ray is imported, and set only before (set after, the
+    driver and the cluster it starts would disagree, and the driver could not connect). Values the
+    user set are left alone.
     """
     os.environ.setdefault(LOOPBACK_ONLY_ENV, "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if "ray" not in sys.modules:
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 
 def init_ray(address: str | None = None, *, local: bool = False):

@@ -3,6 +3,8 @@
 ``make_sample_dataset(folder, n=300)`` writes ``n`` images of several aspect ratios (JPEG, PNG and
 WebP; some with an EXIF orientation that rotates them), ``.txt`` captions for most of them, and a
 handful of broken files (truncated, empty, HTML saved as .jpg) that a scan must report as errors.
+``add_curation_cases(folder)`` adds what a curation pass should find in such a folder: exact copies and
+re-encoded copies of some of its images (duplicates) and a few blank frames (no contrast).
 ``make_sample_clips(folder, n=24)`` writes short video clips (H.264 mp4 and VP9 webm through PyAV, the
 ``video`` extra) of moving colour fields in three aspect ratios, some long enough for several clips,
 one too short for any frame bucket, one rotated 90 degrees, a few still images, and a broken file.
@@ -12,14 +14,17 @@ one too short for any frame bucket, one rotated 90 degrees, a few still images, 
 
 from __future__ import annotations
 
+import collections
 import io
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from PIL import Image
 
-__all__ = ["make_sample_dataset", "make_references", "make_sample_clips", "REFERENCES"]
+__all__ = ["make_sample_dataset", "add_curation_cases", "make_references", "make_sample_clips", "REFERENCES"]
 
 REFERENCES = "_references"  # make_references' folder under the dataset: scan --conditioning DATASET/_references
 
@@ -38,6 +43,12 @@ def _picture(rng: np.random.Generator, w: int, h: int) -> Image.Image:
     return Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8), "RGB")
 
 
+def _write_image(image: Image.Image, path: Path, fmt: str, options: dict[str, Any]) -> None:
+    buf = io.BytesIO()
+    image.save(buf, fmt, **options)
+    path.write_bytes(buf.getvalue())
+
+
 def make_sample_dataset(folder: str | Path, n: int = 300, seed: int = 0) -> dict[str, Any]:
     """Write ``n`` images (plus a few broken files) under ``folder``; returns what was written.
 
@@ -49,6 +60,10 @@ def make_sample_dataset(folder: str | Path, n: int = 300, seed: int = 0) -> dict
     rng = np.random.default_rng(seed)
     formats = {"JPEG": 0, "PNG": 0, "WEBP": 0}
     captioned = rotated = 0
+    # every random draw is made here, in order (same seed, same files); the encoding (Pillow lets go of the GIL
+    # while it compresses) and the writing run on threads, a bounded number of images ahead
+    encoder = ThreadPoolExecutor(max_workers=os.cpu_count() or 2)
+    pending: collections.deque[Future] = collections.deque()
     for i in range(n):
         w, h = SHAPES[i % len(SHAPES)]
         fmt = ("JPEG", "JPEG", "JPEG", "PNG", "WEBP")[int(rng.integers(5))]
@@ -61,14 +76,17 @@ def make_sample_dataset(folder: str | Path, n: int = 300, seed: int = 0) -> dict
             exif[0x0112] = int(rng.choice([6, 8]))
             kwargs["exif"] = exif.tobytes()
             rotated += 1
-        buf = io.BytesIO()
-        _picture(rng, w, h).save(buf, fmt, **kwargs)
-        path.write_bytes(buf.getvalue())
+        pending.append(encoder.submit(_write_image, _picture(rng, w, h), path, fmt, kwargs))
+        if len(pending) > 16:
+            pending.popleft().result()
         formats[fmt] += 1
         if rng.random() < 0.85:
             subject, style = SUBJECTS[int(rng.integers(len(SUBJECTS)))], STYLES[int(rng.integers(len(STYLES)))]
             path.with_suffix(".txt").write_text(f"{style} of {subject}, number {i}\n")
             captioned += 1
+    for done in pending:
+        done.result()
+    encoder.shutdown()
     broken_dir = root / "broken"
     broken_dir.mkdir(exist_ok=True)
     good = next(iter(sorted((root / "part0").glob("*.jpg"))), None)
@@ -80,6 +98,38 @@ def make_sample_dataset(folder: str | Path, n: int = 300, seed: int = 0) -> dict
         "folder": str(root), "images": n, "broken": len(broken), "captioned": captioned,
         "rotated": rotated, "formats": formats,
     }  # fmt: skip
+
+
+def add_curation_cases(folder: str | Path, duplicates: int = 6, blanks: int = 3) -> dict[str, int]:
+    """Add to a :func:`make_sample_dataset` folder, under ``curation/``: ``duplicates`` copies of its JPEGs
+    (every other one byte for byte, the rest saved again at JPEG quality 70: equal pixels up to compression,
+    a pHash within a few bits), each with its original's caption, and ``blanks`` flat grey frames (a
+    contrast of 0), captioned. Returns the counts (``exact``, ``resaved``, ``blanks``)."""
+    root = Path(folder)
+    originals = sorted(root.glob("part*/*.jpg"))[:duplicates]
+    if len(originals) < duplicates:
+        raise ValueError(f"{root} has {len(originals)} JPEGs to copy, {duplicates} duplicates asked")
+    out = root / "curation"
+    out.mkdir(exist_ok=True)
+    exact = resaved = 0
+    for j, original in enumerate(originals):
+        if j % 2 == 0:
+            copy = out / f"copy_{j:02d}.jpg"
+            copy.write_bytes(original.read_bytes())
+            exact += 1
+        else:
+            copy = out / f"resaved_{j:02d}.jpg"
+            with Image.open(original) as im:
+                im.save(copy, "JPEG", quality=70, exif=im.info.get("exif", b""))
+            resaved += 1
+        caption = original.with_suffix(".txt")
+        if caption.exists():
+            copy.with_suffix(".txt").write_text(caption.read_text())
+    for j in range(blanks):
+        level = 96 + 32 * j  # three greys: flat frames look alike to a pHash, whatever their level
+        Image.new("RGB", (512, 512), (level, level, level)).save(out / f"blank_{j:02d}.png")
+        (out / f"blank_{j:02d}.txt").write_text("a blank frame\n")
+    return {"exact": exact, "resaved": resaved, "blanks": blanks}
 
 
 def make_references(folder: str | Path) -> int:

@@ -1,4 +1,6 @@
+import argparse
 import json
+import re
 import subprocess
 import sys
 
@@ -23,6 +25,50 @@ def test_each_subcommand_has_help(name, capsys):
         main([name, "--help"])
     assert e.value.code == 0
     assert "usage: bucketeer" in capsys.readouterr().out
+
+
+def _command_help(text: str) -> dict[str, str]:
+    """``bucketeer --help``'s commands section: command -> its one-line help (argparse wraps it: joined)."""
+    section = text[text.index("  COMMAND\n") : text.index("\noptions:")]
+    parts = re.split(r"^    (\w+) +", section, flags=re.MULTILINE)
+    return {name: _unwrapped(body) for name, body in zip(parts[1::2], parts[2::2])}
+
+
+def _unwrapped(text: str) -> str:
+    """``text`` as one line: argparse's line breaks (also after a hyphen, "CLIP-\\nembed") undone."""
+    return re.sub(r"-\s+", "-", " ".join(text.split()))
+
+
+def test_help_says_what_each_command_does_now():
+    from pipeline.annotate.tasks import TASKS
+    from pipeline.cli import build_parser
+
+    done = subprocess.run([sys.executable, "-m", "pipeline.cli", "--help"], capture_output=True, text=True, check=True)
+    lines = _command_help(done.stdout)
+    assert list(lines) == list(COMMANDS)
+    # annotate: every task it runs, by name or by what it does
+    said = {"embedding": "CLIP-embed", "stats": "measure", "phash": "pHash"}
+    for task in TASKS:
+        assert said.get(task, task) in lines["annotate"], f"`bucketeer annotate` help does not say it does {task}"
+    assert all(kind in lines["dedup"] for kind in ("exact", "perceptual", "semantic"))
+    assert all(word in lines["scan"] for word in ("images", "videos", "tar", "parquet", "captions"))
+    assert all(word in lines["embed"] for word in ("latents", "text embeddings", "DINOv2", "masks"))
+    assert "--where" in lines["stats"] and "annotations" in lines["report"]
+    # the demo's line names its stages in the order it runs them
+    stages = ("scan", "annotate", "dedup", "embed", "plan", "train", "verify", "report")
+    at = [lines["demo"].index(stage) for stage in stages]
+    assert at == sorted(at) and "duplicates" in lines["demo"]
+    # an option a command's help names is an option of that command
+    parsers = dict(next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices)
+    for name, line in lines.items():
+        options = {s for a in parsers[name]._actions for s in a.option_strings}
+        for option in re.findall(r"--[a-z][\w-]*", line):
+            assert option in options, f"`bucketeer {name}` help names {option}, which it does not have"
+    # `bucketeer COMMAND --help` starts with the same line
+    for name in ("annotate", "demo"):
+        text = subprocess.run([sys.executable, "-m", "pipeline.cli", name, "--help"], capture_output=True, text=True,
+                              check=True).stdout  # fmt: skip
+        assert COMMANDS[name][1] in _unwrapped(text)
 
 
 def test_console_script_runs():

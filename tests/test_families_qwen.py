@@ -53,7 +53,8 @@ def _reference(family: str, pipe, caption: str, **length) -> torch.Tensor:
     with torch.no_grad():
         if family == "qwen-image":
             embeds, mask = pipe.encode_prompt([caption], device="cpu", **length)
-            assert mask is None  # all ones: the pipeline drops it
+            # all ones (a one-prompt batch): diffusers 0.37+ drops it, 0.36 returns it
+            assert mask is None or bool(mask.all()) and mask.shape == embeds.shape[:2]
             return embeds[0]
         (embeds,), _ = pipe.encode_prompt([caption], device="cpu", do_classifier_free_guidance=False, **length)
         return embeds

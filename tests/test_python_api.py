@@ -1,7 +1,7 @@
-"""The Python API as the README shows it: the ``<!-- test: python -->`` block of README.md runs exactly as
+"""The Python API as the documents show it: the ``<!-- test: python -->`` block of README.md runs exactly as
 written (scan -> embed -> plan on a small folder, the manifest read with polars), in a fresh folder and a fresh
-interpreter, as a user would paste it; so does the ``<!-- test: tables -->`` block (a manifest's parquet parts
-read with DuckDB and polars). And ``pipeline.run`` refuses what is not a job."""
+interpreter, as a user would paste it; so does the ``<!-- test: tables -->`` block of docs/artifacts.md (a
+manifest's parquet parts read with DuckDB and polars). And ``pipeline.run`` refuses what is not a job."""
 
 from __future__ import annotations
 
@@ -13,14 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_readme import README, ROOT
+from tests.test_readme import ROOT, documents
 
 _PYTHON_BLOCK = re.compile(r"<!-- test: (\w+) -->\s*\n```python\n(.*?)```", re.DOTALL)
 
 
 def readme_python(tag: str = "python") -> str:
-    blocks = [code for found, code in _PYTHON_BLOCK.findall(README.read_text()) if found == tag]
-    assert len(blocks) == 1, f"README.md has one Python block tagged <!-- test: {tag} -->"
+    """The one Python block of README.md and docs/ tagged ``tag``."""
+    blocks = [code for doc in documents() for found, code in _PYTHON_BLOCK.findall(doc.read_text()) if found == tag]
+    assert len(blocks) == 1, f"README.md and docs/ have one Python block tagged <!-- test: {tag} -->"
     return blocks[0]
 
 

@@ -1,17 +1,20 @@
-"""README.md is the manual, and this keeps it true.
+"""README.md and docs/*.md are the manual, and this keeps them true.
 
-Every fenced ``bash`` block in the README is preceded by a tag saying which test runs it:
+Every fenced ``bash`` block of README.md and of every page of docs/ is preceded by a tag saying which test
+runs it:
 
     <!-- test: e2e -->       tests/test_e2e.py runs it against a local S3-compatible server and Ray head
-                             (real-cloud placeholders substituted, see tests/test_e2e.py: SUBSTITUTIONS)
+                             (real-cloud placeholders substituted, see tests/test_e2e.py: SUBSTITUTIONS);
+                             README.md only: the cluster flow
     <!-- test: demo -->      tests/test_demo.py runs it in the folder where `bucketeer demo` just ran
     <!-- test: local -->     this file runs it, from the repository root
     <!-- test: skip: WHY --> not run, for the stated reason (e.g. `make demo`: test_demo.py runs the demo)
 
-This file checks that every block is tagged, runs the ``local`` ones, and checks that the
-configuration reference lists exactly the options every subcommand's parser has (regenerate it
-with ``.venv/bin/python -m tests.test_readme``), and that the benchmark table agrees with
-benchmarks/README.md.
+This file checks that every block is tagged, runs the ``local`` ones, checks that the option reference of
+docs/configuration.md lists exactly the options every command's parser has (print it with
+``.venv/bin/python -m tests.test_readme``, write it into the page with ``... -m tests.test_readme --write``),
+that the benchmark table agrees with benchmarks/README.md, that every page is one click from the README,
+that links and their anchors resolve, and that no paragraph is on two pages.
 """
 
 from __future__ import annotations
@@ -29,30 +32,47 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+CONFIGURATION = DOCS / "configuration.md"
+REFERENCE = "## Every option of every command"  # the generated part of CONFIGURATION: from here to its end
 TAGS = ("e2e", "demo", "local", "skip")
 # the tag line, then (blank lines allowed) the fenced block
 _BLOCK = re.compile(r"<!-- test: (\w+)(?::\s*(.*?))? -->\s*\n```bash\n(.*?)```", re.DOTALL)
 _ANY_BASH = re.compile(r"^```bash$", re.MULTILINE)
+_FENCE = re.compile(r"^```.*?^```$", re.MULTILINE | re.DOTALL)
+_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def documents() -> list[Path]:
+    """README.md, then the pages of docs/ by name: the order their blocks run in."""
+    return [README, *sorted(DOCS.glob("*.md"))]
 
 
 @dataclass(frozen=True)
 class Block:
+    doc: Path
     tag: str
     reason: str
     code: str
     line: int  # 1-based line of the opening fence, for messages
 
+    @property
+    def where(self) -> str:
+        return f"{self.doc.relative_to(ROOT)} line {self.line}"
 
-def readme_blocks(tag: str | None = None, text: str | None = None) -> list[Block]:
-    """The README's tagged bash blocks (all, or those with ``tag``), in document order."""
-    text = README.read_text() if text is None else text
-    blocks = [Block(m.group(1), (m.group(2) or "").strip(), m.group(3), text.count("\n", 0, m.start(3)))
-              for m in _BLOCK.finditer(text)]  # fmt: skip
+
+def doc_blocks(tag: str | None = None, docs: list[Path] | None = None) -> list[Block]:
+    """The tagged bash blocks (all, or those with ``tag``) of ``docs`` (default: every document), in order."""
+    blocks = []
+    for doc in documents() if docs is None else docs:
+        text = doc.read_text()
+        blocks += [Block(doc, m.group(1), (m.group(2) or "").strip(), m.group(3), text.count("\n", 0, m.start(3)))
+                   for m in _BLOCK.finditer(text)]  # fmt: skip
     return [b for b in blocks if tag is None or b.tag == tag]
 
 
 def bash_env(**extra: str) -> dict[str, str]:
-    """The environment a README command runs in: this checkout's venv first on PATH (as after `make`)."""
+    """The environment a documented command runs in: this checkout's venv first on PATH (as after `make`)."""
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env.update(extra)
@@ -60,11 +80,11 @@ def bash_env(**extra: str) -> dict[str, str]:
 
 
 def run_bash(code: str, cwd: Path, env: dict[str, str], timeout: float = 600) -> str:
-    """Run README commands as a user's shell would, stopping at the first failure; returns the output."""
+    """Run documented commands as a user's shell would, stopping at the first failure; returns the output."""
     proc = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)  # fmt: skip
     output = proc.stdout + proc.stderr
-    failed = f"README commands failed (exit {proc.returncode}):\n{code}\n--- output ---\n{output[-6000:]}"
+    failed = f"documented commands failed (exit {proc.returncode}):\n{code}\n--- output ---\n{output[-6000:]}"
     assert proc.returncode == 0, failed
     return output
 
@@ -116,81 +136,155 @@ def _cell(action: argparse.Action) -> tuple[str, str, str]:
 
 
 def reference_markdown() -> str:
-    """The configuration reference section's tables, generated from the parsers."""
+    """The option reference's tables (the end of docs/configuration.md), generated from the parsers."""
     out = []
     for command, parser in command_parsers().items():
-        out += [f"#### `{command}`", "", "| option | default | meaning |", "|---|---|---|"]
+        out += [f"### `{command}`", "", "| option | default | meaning |", "|---|---|---|"]
         out += [f"| {n} | {d} | {t} |" for n, d, t in map(_cell, _options(parser))]
         out.append("")
     return "\n".join(out)
 
 
+def _reference_part(text: str) -> tuple[int, int]:
+    """Where the generated tables of docs/configuration.md are: from the first command's heading to the end."""
+    return text.index("\n### `", text.index(REFERENCE)) + 1, len(text)
+
+
+def write_reference() -> None:
+    """Replace the tables of docs/configuration.md with :func:`reference_markdown` (the prose above them stays)."""
+    text = CONFIGURATION.read_text()
+    start, end = _reference_part(text)
+    CONFIGURATION.write_text(text[:start] + reference_markdown())
+
+
 def _reference_sections(text: str) -> dict[str, str]:
-    """``command -> its part of the README's configuration reference``."""
-    start = text.index("## Configuration reference")
-    end = text.index("\n## ", start + 1)
-    parts = re.split(r"^#### `([^`]+)`\s*$", text[start:end], flags=re.MULTILINE)
+    """``command -> its table in the option reference``."""
+    start, end = _reference_part(text)
+    parts = re.split(r"^### `([^`]+)`\s*$", text[start:end], flags=re.MULTILINE)
     return dict(zip(parts[1::2], parts[2::2]))
+
+
+# ---------------------------------------------------------------- links
+
+
+def slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation but ``-`` and ``_`` dropped, spaces to ``-``."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(doc: Path) -> set[str]:
+    """The anchors of ``doc``'s headings (outside code blocks); a repeated heading's get -1, -2, ..."""
+    seen: dict[str, int] = {}
+    found = set()
+    for heading in re.findall(r"^#{1,6} (.+)$", _FENCE.sub("", doc.read_text()), re.MULTILINE):
+        base = slug(heading)
+        found.add(f"{base}-{seen[base]}" if base in seen else base)
+        seen[base] = seen.get(base, 0) + 1
+    return found
+
+
+def links(doc: Path) -> list[str]:
+    """``doc``'s Markdown links (outside code blocks), as written."""
+    return _LINK.findall(_FENCE.sub("", doc.read_text()))
+
+
+def paragraphs(doc: Path) -> list[str]:
+    """``doc``'s prose outside code blocks, a paragraph or a table row each, whitespace normalised."""
+    units = []
+    for para in re.split(r"\n\s*\n", _FENCE.sub("", doc.read_text())):
+        rows = [line for line in para.splitlines() if line.startswith("|")]
+        units += [" ".join(u.split()) for u in (rows or [para])]
+    return units
 
 
 # ---------------------------------------------------------------- tests
 
 
 def test_every_bash_block_is_tagged_with_the_test_that_runs_it():
-    text = README.read_text()
-    blocks = readme_blocks(text=text)
-    assert len(blocks) == len(_ANY_BASH.findall(text)), "a ```bash block without a <!-- test: ... --> tag before it"
-    assert not re.search(r"^```(sh|shell|console|zsh)$", text, re.MULTILINE), "commands go in ```bash blocks"
-    for b in blocks:
-        assert b.tag in TAGS, f"README line {b.line}: unknown test tag {b.tag!r} (one of {TAGS})"
-        if b.tag == "skip":
-            assert len(b.reason) > 10, f"README line {b.line}: a skipped block must say why"
-    # the flows the README promises are all there, and run
-    tags = {b.tag for b in blocks}
-    assert {"e2e", "demo", "local"} <= tags
-    e2e = "\n".join(b.code for b in readme_blocks("e2e", text))
+    for doc in documents():
+        text = doc.read_text()
+        blocks = doc_blocks(docs=[doc])
+        assert len(blocks) == len(_ANY_BASH.findall(text)), f"{doc.name}: a ```bash block without a test tag"
+        assert not re.search(r"^```(sh|shell|console|zsh)$", text, re.MULTILINE), "commands go in ```bash blocks"
+        for b in blocks:
+            assert b.tag in TAGS, f"{b.where}: unknown test tag {b.tag!r} (one of {TAGS})"
+            if b.tag == "skip":
+                assert len(b.reason) > 10, f"{b.where}: a skipped block must say why"
+            assert b.tag != "e2e" or doc == README, f"{b.where}: the cluster flow (e2e) is the README's"
+    # the flows the documents promise are all there, and run
+    assert {"e2e", "demo", "local"} <= {b.tag for b in doc_blocks()}
+    e2e = "\n".join(b.code for b in doc_blocks("e2e"))
     job = "ray job submit --runtime-env infra/ray/runtime_env.yaml --working-dir . -- python -m pipeline."
     for command in (f"{job}scan s3://", f"{job}embed s3://", "bucketeer plan s3://", "bucketeer verify s3://",
                     "bucketeer report s3://", "accelerate launch --config_file infra/accelerate/"):  # fmt: skip
         assert command in re.sub(r"\s*\\\n\s*", " ", e2e), f"the cluster flow lacks `{command}`"
-    skipped = " ".join(b.code for b in readme_blocks("skip", text))
+    skipped = " ".join(b.code for b in doc_blocks("skip", docs=[README]))
     assert "make demo" in skipped and "make test" in skipped
 
 
 def test_configuration_reference_lists_exactly_every_option_of_every_command():
-    sections = _reference_sections(README.read_text())
+    sections = _reference_sections(CONFIGURATION.read_text())
     parsers = command_parsers()
-    assert set(sections) == set(parsers), (
-        f"reference sections {sorted(sections)} != commands {sorted(parsers)}; "
-        "regenerate with: .venv/bin/python -m tests.test_readme"
-    )
+    regenerate = "regenerate with: .venv/bin/python -m tests.test_readme --write"
+    assert set(sections) == set(parsers), f"reference sections {sorted(sections)} != commands {sorted(parsers)}; " \
+                                          f"{regenerate}"
     for command, parser in parsers.items():
         documented = set(re.findall(r"^\| `(--?[\w-]+)`", sections[command], re.MULTILINE))
         documented |= set(re.findall(r"^\| `--?[\w-]+`, `(--?[\w-]+)`", sections[command], re.MULTILINE))
         actual = {s for a in _options(parser) for s in a.option_strings}
         assert documented == actual, (
-            f"{command}: README documents {sorted(documented - actual)} that do not exist and lacks "
-            f"{sorted(actual - documented)}; regenerate with: .venv/bin/python -m tests.test_readme"
+            f"{command}: docs/configuration.md documents {sorted(documented - actual)} that do not exist and lacks "
+            f"{sorted(actual - documented)}; {regenerate}"
         )
         positionals = {(a.metavar or a.dest.upper()) for a in _options(parser) if not a.option_strings}
         for name in positionals:
-            assert f"| `{name}` |" in sections[command], f"{command}: README lacks the argument {name}"
+            assert f"| `{name}` |" in sections[command], f"{command}: docs/configuration.md lacks the argument {name}"
 
 
-def test_every_subcommand_is_documented_outside_the_reference_too():
+def test_every_command_is_in_the_readme_and_explained_on_a_page():
     from pipeline.cli import COMMANDS
 
-    text = README.read_text()
-    manual = text[: text.index("## Configuration reference")]
+    readme = README.read_text()
+    pages = "".join(doc.read_text() for doc in documents()[1:] if doc != CONFIGURATION)
     for name in COMMANDS:
-        assert f"bucketeer {name}" in manual, f"`bucketeer {name}` is not explained before the reference"
+        assert f"bucketeer {name}" in readme, f"`bucketeer {name}` is not in the README's list of commands"
+        assert f"bucketeer {name}" in pages, f"`bucketeer {name}` is explained on no page of docs/"
+
+
+def test_every_page_is_one_click_from_the_readme_and_listed_in_the_index():
+    readme_links = {re.sub(r"#.*", "", link) for link in links(README)}
+    index_links = {re.sub(r"#.*", "", link) for link in links(DOCS / "README.md")}
+    for page in DOCS.glob("*.md"):
+        assert f"docs/{page.name}" in readme_links, f"README.md does not link docs/{page.name}"
+        assert page.name == "README.md" or page.name in index_links, f"docs/README.md does not list {page.name}"
+    assert len(README.read_text().splitlines()) <= 400, "README.md is the front door: the reference goes in docs/"
+
+
+def test_links_and_their_anchors_resolve():
+    for doc in [*documents(), ROOT / "benchmarks" / "README.md", ROOT / "infra" / "README.md"]:
+        for link in links(doc):
+            if re.match(r"[a-z]+:", link):  # https:, mailto:
+                continue
+            path, _, anchor = link.partition("#")
+            target = (doc.parent / path).resolve() if path else doc
+            assert target.exists(), f"{doc.relative_to(ROOT)}: {link} leads nowhere"
+            if anchor and target.suffix == ".md":
+                assert anchor in anchors(target), f"{doc.relative_to(ROOT)}: {link}: no such heading in {path or doc}"
+
+
+def test_no_paragraph_is_on_two_pages():
+    seen: dict[str, str] = {}
+    for doc in documents():
+        for unit in paragraphs(doc):
+            if len(unit) < 120:  # a heading, a short line introducing a block: may well recur
+                continue
+            assert unit not in seen, f"{doc.name} repeats a paragraph of {seen[unit]}: {unit[:100]}..."
+            seen[unit] = doc.name
 
 
 def test_benchmark_headlines_are_copied_from_benchmarks_readme():
-    text = README.read_text()
+    table = (DOCS / "benchmarks.md").read_text() + (DOCS / "gpu.md").read_text()
     bench = (ROOT / "benchmarks" / "README.md").read_text()
-    table = text[text.index("## Benchmarks") :]
-    table = table[: table.index("\n## ")] if "\n## " in table else table
     assert "benchmarks/README.md" in table
     figures = re.findall(r"\*\*([^*]*\d[^*]*)\*\*", table)
     assert len(figures) >= 4, "the benchmark table marks its headline figures in bold"
@@ -199,20 +293,25 @@ def test_benchmark_headlines_are_copied_from_benchmarks_readme():
 
 
 def test_status_table_says_what_is_untested():
-    text = README.read_text()
-    status = text[text.index("## Status") :]
+    text = (DOCS / "testing.md").read_text()
+    status = text[text.index("## What is tested, and what is not") :]
     status = status[: status.index("\n## ")]
     assert "planned" not in status and "in progress" not in status
     for untested in ("GPU", "real cloud"):
         assert untested in status, f"the status table must say that {untested} paths are not tested here"
+    assert "GPU measures" in status
 
 
 def test_local_blocks_run(tmp_path):
-    blocks = readme_blocks("local")
+    blocks = doc_blocks("local")
     assert blocks
     for block in blocks:
         run_bash(block.code, ROOT, bash_env(), timeout=300)
 
 
 if __name__ == "__main__":
-    print(reference_markdown())
+    if sys.argv[1:] == ["--write"]:
+        write_reference()
+        print(f"wrote the option reference into {CONFIGURATION.relative_to(ROOT)}")
+    else:
+        print(reference_markdown())

@@ -429,3 +429,21 @@ def test_report_renders_in_headless_chromium(manifest_url, scored, tmp_path):
     assert colours > 1500, f"only {colours} colours in the figure area: plots did not render"
     blue = np.all(np.abs(plots_area.astype(int) - (0x3B, 0x6F, 0xB6)) < 12, axis=-1)  # the bars' colour
     assert blue.sum() > 20000, "no histogram bars visible"
+
+
+@pytest.mark.parametrize("sizes", [[(360, 640), (640, 360), (512, 512)], [(4000, 3000)], [(800, 1200)] * 50])
+def test_resolution_plot_leaves_room_above_its_largest_points(sizes):
+    from pipeline.report import plots
+
+    w, h = np.array(sizes, np.float64).T
+    fig = plots.resolution_distribution(w, h)
+    fig.canvas.draw()  # constrained layout and the equal aspect settle the axes' size in pixels
+    ax, ax_mp = fig.axes[:2]
+    marker = next(c for c in ax.collections).get_sizes()[0]  # points²
+    radius_px = np.sqrt(marker) / 2 * fig.dpi / 72
+    for lo_hi, size_px, largest in ((ax.get_xlim(), ax.bbox.width, w.max()), (ax.get_ylim(), ax.bbox.height, h.max())):
+        data_per_px = (lo_hi[1] - lo_hi[0]) / size_px
+        assert lo_hi[1] - largest > 2 * radius_px * data_per_px, "a point at the largest side is cut by the frame"
+        assert lo_hi[1] >= 1.05 * largest, "the axis ends at (or just past) the largest side"
+    tallest = max(p.get_height() for p in ax_mp.patches)
+    assert ax_mp.get_ylim()[1] >= 1.05 * tallest, "the tallest megapixel bar touches the frame"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import random
 import threading
 from email.utils import formatdate
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -42,7 +43,7 @@ class FakeS3(ThreadingHTTPServer):
     def __init__(self, root: Path):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.root = root
-        self.fail_status, self.fail_next = 503, 0
+        self.fail_status, self.fail_next = 500, 0
         self.requests: list[tuple[str, str, int]] = []
         self.lock = threading.Lock()
 
@@ -50,7 +51,7 @@ class FakeS3(ThreadingHTTPServer):
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.server_address[1]}"
 
-    def reset(self, fail_next: int = 0, status: int = 503) -> None:
+    def reset(self, fail_next: int = 0, status: int = 500) -> None:
         with self.lock:
             self.fail_status, self.fail_next, self.requests = status, fail_next, []
 
@@ -192,13 +193,13 @@ def test_with_retries_makes_exactly_the_attempts_of_its_policy(monkeypatch):
     policy = RetryPolicy(attempts=5, base_delay=0.1, max_delay=0.3)
     calls = []
 
-    def throttled():
+    def failing():
         calls.append(1)
-        raise OSError(errno.EBUSY, "SlowDown")
+        raise OSError(errno.EREMOTEIO, "InternalError")
 
     with pytest.raises(OSError) as e:
-        with_retries(throttled, policy)
-    assert e.value.errno == errno.EBUSY and len(calls) == 5 and len(waits) == 4
+        with_retries(failing, policy)
+    assert e.value.errno == errno.EREMOTEIO and len(calls) == 5 and len(waits) == 4
     assert all(0 <= w <= cap for w, cap in zip(waits, [0.1, 0.2, 0.3, 0.3]))  # backoff, capped, jittered
 
     calls.clear()
@@ -224,12 +225,12 @@ def test_with_retries_makes_exactly_the_attempts_of_its_policy(monkeypatch):
 def test_the_async_variant_counts_the_same():
     calls = []
 
-    async def throttled():
+    async def failing():
         calls.append(1)
-        raise OSError(errno.EBUSY, "SlowDown")
+        raise OSError(errno.EREMOTEIO, "InternalError")
 
     with pytest.raises(OSError):
-        asyncio.run(with_retries_async(throttled, RetryPolicy(attempts=3, base_delay=0.001)))
+        asyncio.run(with_retries_async(failing, RetryPolicy(attempts=3, base_delay=0.001)))
     assert len(calls) == 3
 
     async def fine():
@@ -238,22 +239,138 @@ def test_the_async_variant_counts_the_same():
     assert asyncio.run(with_retries_async(fine)) == 7
 
 
+def _client_error(status: int, code: str, headers: dict | None = None) -> OSError:
+    """What s3fs raises for an S3 error answer: an OSError whose cause is botocore's ClientError."""
+    from botocore.exceptions import ClientError
+
+    error = OSError(errno.EBUSY if status == 503 else errno.EIO, f"an S3 {code}")
+    error.__cause__ = ClientError({"Error": {"Code": code}, "ResponseMetadata": {
+        "HTTPStatusCode": status, "HTTPHeaders": headers or {}}}, "GetObject")  # fmt: skip
+    return error
+
+
+def test_throttling_is_told_by_status_and_errno_and_retry_after_is_read_from_the_answer():
+    from manifests.objstore import translate
+    from manifests.retry import is_throttled, retry_after
+
+    assert is_throttled(OSError(errno.EBUSY, "any text"))  # s3fs: SlowDown, ServiceUnavailable, 503
+    assert is_throttled(_client_error(429, "TooManyRequests")) and is_throttled(_client_error(503, "SlowDown"))
+    assert not is_throttled(_client_error(500, "InternalError")) and not is_throttled(OSError(errno.EIO, "x"))
+    assert not is_throttled(OSError("An error occurred (SlowDown): reduce your request rate"))  # text decides nothing
+    assert not is_throttled(PermissionError(errno.EACCES, "denied")) and not is_throttled(TimeoutError())
+    obstore_429 = translate(OSError("Generic S3 error: ... status code: 429 Too Many Requests"), "b/k")
+    assert is_throttled(obstore_429) and is_transient(obstore_429)
+    assert retry_after(_client_error(429, "TooManyRequests", {"retry-after": "7"})) == 7.0
+    dated = {"retry-after": "Wed, 21 Oct 2026 07:28:30 GMT", "date": "Wed, 21 Oct 2026 07:28:00 GMT"}
+    assert retry_after(_client_error(503, "SlowDown", dated)) == 30.0  # against the answer's own clock
+    assert retry_after(_client_error(503, "SlowDown")) is None and retry_after(OSError(errno.EBUSY, "x")) is None
+
+
+class FakeClock:
+    """``time.monotonic`` and ``time.sleep`` of manifests.retry: a sleep moves the clock, nothing waits."""
+
+    def __init__(self, monkeypatch):
+        self.now, self.sleeps = 1000.0, []
+        monkeypatch.setattr("manifests.retry.time.monotonic", lambda: self.now)
+        monkeypatch.setattr("manifests.retry.time.sleep", self.sleep)
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def test_throttled_answers_back_off_exponentially_for_the_throttle_time_not_the_attempts(monkeypatch):
+    from manifests.retry import throttled_requests
+
+    clock = FakeClock(monkeypatch)
+    random.seed(40)  # the jitter: this test's waits are the same every run
+    policy = RetryPolicy(attempts=3, base_delay=0.1, throttle_seconds=300.0)
+    calls, before = [], throttled_requests()
+
+    def throttled_then_fine():
+        calls.append(clock.now)
+        if len(calls) <= 12:  # 12 throttled answers: 4 times the attempts, and still not given up
+            raise _client_error(503, "SlowDown")
+        return "ok"
+
+    assert with_retries(throttled_then_fine, policy) == "ok"
+    assert len(calls) == 13 and throttled_requests() - before == 12
+    caps = [min(20.0, 0.1 * 2**n) for n in range(12)]  # exponential, capped at 20 s, full jitter under it
+    assert all(0 <= wait <= cap for wait, cap in zip(clock.sleeps, caps))
+    assert sum(clock.sleeps) > 20  # the waits grew: most of the late ones are seconds (full jitter: uniform)
+
+    calls.clear()
+
+    def throttled_for_good():
+        calls.append(clock.now)
+        raise _client_error(429, "TooManyRequests")
+
+    start = clock.now
+    with pytest.raises(OSError):
+        with_retries(throttled_for_good, policy)
+    assert clock.now - start == pytest.approx(300.0) and len(calls) > policy.attempts  # the throttle time, no less
+
+    clock.sleeps.clear()
+    calls.clear()
+
+    def asks_to_wait():
+        calls.append(1)
+        if len(calls) < 3:
+            raise _client_error(429, "TooManyRequests", {"retry-after": "5"})
+        return "ok"
+
+    assert with_retries(asks_to_wait, policy) == "ok" and clock.sleeps == [5.0, 5.0]  # at least what it asked
+    start, calls[:] = clock.now, []
+
+    def asks_too_much():
+        calls.append(1)
+        raise _client_error(503, "SlowDown", {"retry-after": "3600"})
+
+    with pytest.raises(OSError):
+        with_retries(asks_too_much, policy)
+    assert len(calls) == 1 and clock.now == start  # a Retry-After past the throttle time gives up at once
+
+
+def test_a_call_that_is_throttled_and_failing_uses_attempts_only_for_the_failures(monkeypatch):
+    clock = FakeClock(monkeypatch)
+    policy = RetryPolicy(attempts=3, base_delay=0.01)
+    answers = [_client_error(503, "SlowDown"), OSError(errno.EREMOTEIO, "InternalError")] * 2 + \
+        [_client_error(503, "SlowDown")] * 3 + [OSError(errno.EREMOTEIO, "InternalError")]  # fmt: skip
+    calls = []
+
+    def call():
+        calls.append(1)
+        raise answers[len(calls) - 1]
+
+    with pytest.raises(OSError) as e:
+        with_retries(call, policy)
+    assert e.value.errno == errno.EREMOTEIO and len(calls) == len(answers)  # the 3rd failure ends it
+    assert len(clock.sleeps) == len(answers) - 1
+
+
 def test_the_budget_comes_from_the_environment(monkeypatch):
     monkeypatch.delenv("BUCKETEER_STORAGE_ATTEMPTS", raising=False)
     monkeypatch.delenv("BUCKETEER_STORAGE_RETRY_DELAY", raising=False)
+    monkeypatch.delenv("BUCKETEER_STORAGE_THROTTLE_SECONDS", raising=False)
     assert RetryPolicy.from_env() == RetryPolicy(attempts=6, base_delay=0.1, max_delay=5.0)
     monkeypatch.setenv("BUCKETEER_STORAGE_ATTEMPTS", "3")
     monkeypatch.setenv("BUCKETEER_STORAGE_RETRY_DELAY", "0.5")
     assert RetryPolicy.from_env() == RetryPolicy(attempts=3, base_delay=0.5)
+    monkeypatch.setenv("BUCKETEER_STORAGE_THROTTLE_SECONDS", "45")
+    assert RetryPolicy.from_env() == RetryPolicy(attempts=3, base_delay=0.5, throttle_seconds=45.0)
     monkeypatch.setenv("BUCKETEER_STORAGE_ATTEMPTS", "0")
     with pytest.raises(UsageError, match="BUCKETEER_STORAGE_ATTEMPTS"):
+        RetryPolicy.from_env()
+    monkeypatch.setenv("BUCKETEER_STORAGE_ATTEMPTS", "3")
+    monkeypatch.setenv("BUCKETEER_STORAGE_THROTTLE_SECONDS", "soon")
+    with pytest.raises(UsageError, match="BUCKETEER_STORAGE_THROTTLE_SECONDS='soon'"):
         RetryPolicy.from_env()
 
 
 # --- against an endpoint that fails every request ------------------------------------------------
 
 
-def test_a_throttled_cache_is_asked_exactly_the_budget_then_names_the_object(s3_fails):
+def test_a_failing_cache_is_asked_exactly_the_budget_then_names_the_object(s3_fails):
     s3_fails.reset(fail_next=-1)
     with pytest.raises(StorageError) as e:
         read_cache_meta("s3://b/cache", options(s3_fails))
@@ -280,10 +397,10 @@ def test_every_storage_path_is_asked_exactly_the_budget(s3_fails, path):
     s3_fails.reset(fail_next=-1)
     if path == "header probe":  # the scan: a transient failure that outlives the budget is a read_failed row
         rows = probe_files(fs, root, [WorkItem("img.png", 100, True)]).to_pydict()
-        assert rows["error"] == ["read_failed"] and f"[Errno {errno.EBUSY}]" in rows["message"][0]
+        assert rows["error"] == ["read_failed"] and f"[Errno {errno.EREMOTEIO}]" in rows["message"][0]
     elif path == "image fetch":  # the embed job: the error comes back per image
         (blob,) = fetch_all(fs, [f"{root}/img.png"])
-        assert isinstance(blob, OSError) and blob.errno == errno.EBUSY
+        assert isinstance(blob, OSError) and blob.errno == errno.EREMOTEIO
     elif path == "listing":
         with pytest.raises(OSError):
             list_source(fs, root)

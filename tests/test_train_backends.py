@@ -168,12 +168,15 @@ def _fsdp_accelerator(**plugin_options):
 def test_an_fsdp2_policy_that_selects_a_modulelist_is_refused_in_one_line():
     """Size-based wrapping selects an attention's ``to_out`` ModuleList on a diffusers model, which fully_shard
     refuses deep inside prepare (seen on an H100, torch 2.11): refused before, naming the module and the fix."""
-    from train.backends import check_fsdp_wrap
+    from train.backends import prepare_fsdp_wrap
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ModuleList([torch.nn.Linear(64, 64)]))
     with pytest.raises(UsageError, match=r"selects 1 \(ModuleList\).*TRANSFORMER_BASED_WRAP"):
-        check_fsdp_wrap(_fsdp_accelerator(auto_wrap_policy="size_based_wrap", min_num_params=1000), model)
-    check_fsdp_wrap(_fsdp_accelerator(auto_wrap_policy="transformer_based_wrap"), model)  # no blocks: root only
+        prepare_fsdp_wrap(_fsdp_accelerator(auto_wrap_policy="size_based_wrap", min_num_params=1000), model)
+    prepare_fsdp_wrap(_fsdp_accelerator(auto_wrap_policy="transformer_based_wrap"), model)  # no blocks: root only
+    named = _fsdp_accelerator(auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["Linear"])
+    prepare_fsdp_wrap(named, model)  # the config's own block names are kept
+    assert named.state.fsdp_plugin.transformer_cls_names_to_wrap == ["Linear"]
 
 
 @pytest.fixture
@@ -190,8 +193,9 @@ def gloo_world_of_one():
 @pytest.mark.parametrize("family", ["sdxl", "sd3", "flux", "pixart", "wan"])
 def test_the_fsdp2_config_shards_every_familys_denoiser(tmp_path, family, gloo_world_of_one):
     """infra/accelerate/fsdp2-1x8.yaml's wrap policy on each family's denoiser (tiny, the real classes): it selects
-    the model's blocks, the trainer's check passes, and torch's fully_shard takes every selected module (on a CPU
-    mesh of one rank: what accelerate's fsdp2_prepare_model does on GPUs)."""
+    the model's blocks (named into the plugin by the trainer: accelerate before 1.14 wraps nothing otherwise), the
+    trainer's check passes, and torch's fully_shard takes every selected module (on a CPU mesh of one rank: what
+    accelerate's fsdp2_prepare_model does on GPUs)."""
     import yaml
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
     from diffusers import DiffusionPipeline
@@ -199,14 +203,14 @@ def test_the_fsdp2_config_shards_every_familys_denoiser(tmp_path, family, gloo_w
     from torch.distributed.fsdp import fully_shard
 
     from pipeline.embed.families.tiny import build_tiny
-    from train.backends import check_fsdp_wrap
+    from train.backends import prepare_fsdp_wrap
 
     config = yaml.safe_load((Path(__file__).parent.parent / "infra/accelerate/fsdp2-1x8.yaml").read_text())
     options = {"auto_wrap_policy": config["fsdp_config"]["fsdp_auto_wrap_policy"].lower()}
     pipe = DiffusionPipeline.from_pretrained(build_tiny(family, tmp_path / family))
     model = pipe.unet if family == "sdxl" else pipe.transformer
     accelerator = _fsdp_accelerator(**options)
-    check_fsdp_wrap(accelerator, model)
+    prepare_fsdp_wrap(accelerator, model)
     policy = fsdp2_prepare_auto_wrap_policy(accelerator.state.fsdp_plugin, model)
     chosen = [m for m in model.modules() if policy(m)]
     assert chosen and {type(m).__name__ for m in chosen} <= set(model._no_split_modules)

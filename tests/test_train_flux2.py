@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import functools
 import math
 from pathlib import Path
 from typing import Any
@@ -155,8 +156,14 @@ def test_the_shift_of_a_bucket_is_the_one_the_pipeline_samples_it_with(families,
     pipe = DiffusionPipeline.from_pretrained(families[family]["model"], transformer=denoiser.model)
     pipe.set_progress_bar_config(disable=True)
     captured = []
-    pipe.scheduler.set_begin_index = lambda index, real=pipe.scheduler.set_begin_index: (
-        captured.append(pipe.scheduler.sigmas.clone()), real(index))  # the schedule, before any step
+    set_timesteps = pipe.scheduler.set_timesteps
+
+    @functools.wraps(set_timesteps)  # its signature: retrieve_timesteps reads it
+    def capture(*args, **kwargs):  # the schedule the pipeline sets, before any step
+        set_timesteps(*args, **kwargs)
+        captured.append(pipe.scheduler.sigmas.clone())
+
+    pipe.scheduler.set_timesteps = capture
     width = reader.meta.text_layout.width
     prompt = {"prompt_embeds": torch.zeros(1, 4, width)}
     if family == "chroma":

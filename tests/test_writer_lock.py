@@ -1,6 +1,6 @@
 """One writer per artifact (manifests/lock.py): two processes started at once, a writer killed with -9,
 a stale lock from another host, and the same on a real S3-compatible server (moto) through If-None-Match
-and If-Match conditional PUTs."""
+and If-Match conditional PUTs; staleness judged by the store's clock, with this host's clock 10 minutes off."""
 
 from __future__ import annotations
 
@@ -74,24 +74,32 @@ def test_a_lock_left_by_kill_9_is_taken_over_with_a_notice(tmp_path: Path, capsy
     assert not (tmp_path / "out" / LOCK_FILE).exists()
 
 
-def _foreign_lock(heartbeat_age: float) -> bytes:
+def _foreign_lock() -> bytes:
+    """The lock of a writer on another host, whose clock (``heartbeat_at``) says it beat just now."""
     return json.dumps({"token": "x", "command": "embed", "host": "gpu-node-7", "pid": 4242,
                        "process_started": 1.0, "started_at": "2026-01-01T00:00:00+00:00",
-                       "heartbeat_at": time.time() - heartbeat_age}).encode()  # fmt: skip
+                       "heartbeat_at": time.time()}).encode()  # fmt: skip
+
+
+def _write_local_lock(out: Path, written_ago: float) -> None:
+    """A foreign lock whose file the folder last wrote ``written_ago`` seconds ago (its mtime: the store's time)."""
+    (out / LOCK_FILE).write_bytes(_foreign_lock())
+    os.utime(out / LOCK_FILE, (time.time() - written_ago,) * 2)
 
 
 def test_another_hosts_lock_is_refused_while_it_beats_and_taken_over_when_stale(tmp_path, monkeypatch, capsys):
     out = tmp_path / "out"
     out.mkdir()
-    (out / LOCK_FILE).write_bytes(_foreign_lock(heartbeat_age=5))
+    _write_local_lock(out, written_ago=5)
     with pytest.raises(WriterBusyError, match="being written by `bucketeer embed` on host gpu-node-7, pid 4242"):
         with writer_lock(str(out), None, "embed"):
             pass
     monkeypatch.setenv("BUCKETEER_LOCK_STALE_SECONDS", "60")
-    (out / LOCK_FILE).write_bytes(_foreign_lock(heartbeat_age=61))
+    _write_local_lock(out, written_ago=61)
     with writer_lock(str(out), None, "embed"):
         pass
-    assert "last heartbeat was 61 s ago" in capsys.readouterr().out
+    assert "last heartbeat was 61 s ago by the store's clock" in capsys.readouterr().out
+    assert not [p for p in out.iterdir() if ".clock-" in p.name], "the clock probe is removed"
 
 
 def test_the_holder_renews_its_heartbeat(tmp_path: Path, monkeypatch) -> None:
@@ -111,8 +119,9 @@ def test_on_s3_two_writers_at_once_and_a_stale_lock(s3, monkeypatch, capsys) -> 
     assert "is being written by `bucketeer scan`" in out_refused
     assert not s3.fs.exists(f"{url}/{LOCK_FILE}")
 
-    monkeypatch.setenv("BUCKETEER_LOCK_STALE_SECONDS", "60")
-    s3.fs.pipe_file(f"{url}/{LOCK_FILE}", _foreign_lock(heartbeat_age=600))
+    monkeypatch.setenv("BUCKETEER_LOCK_STALE_SECONDS", "1")
+    s3.fs.pipe_file(f"{url}/{LOCK_FILE}", _foreign_lock())
+    time.sleep(3)  # stale by the store's clock (LastModified and Date are whole seconds)
     winners = []
 
     def take() -> None:
@@ -131,3 +140,51 @@ def test_on_s3_two_writers_at_once_and_a_stale_lock(s3, monkeypatch, capsys) -> 
     assert winners == [1], "one of two writers that find one stale lock takes it over (If-Match)"
     assert "took over the lock" in capsys.readouterr().out
     assert not s3.fs.exists(f"{url}/{LOCK_FILE}")
+
+
+SKEW = 600.0  # this host's clock, 10 minutes off
+
+
+@pytest.fixture(params=["local", "s3"])
+def lock_store(request, tmp_path):
+    """``(url, storage_options, write_foreign_lock)`` on a local folder or on moto (marked s3)."""
+    if request.param == "local":
+        out = tmp_path / "out"
+        out.mkdir()
+        return str(out), None, lambda: (out / LOCK_FILE).write_bytes(_foreign_lock())
+    request.applymarker(pytest.mark.s3)
+    s3 = request.getfixturevalue("s3")
+    url = s3.fresh_url("skew")
+    return url, s3.storage_options, lambda: s3.fs.pipe_file(f"{url}/{LOCK_FILE}", _foreign_lock())
+
+
+def test_a_host_whose_clock_runs_fast_does_not_steal_a_live_lock(lock_store, monkeypatch):
+    url, options, write_lock = lock_store
+    monkeypatch.setenv("BUCKETEER_LOCK_STALE_SECONDS", "300")
+    monkeypatch.setattr("manifests.lock._clock", lambda: time.time() + SKEW)  # its heartbeat looks 600 s old here
+    write_lock()
+    with pytest.raises(WriterBusyError, match="on host gpu-node-7"):
+        with writer_lock(url, options, "embed"):
+            pass
+
+
+def test_a_host_whose_clock_runs_slow_takes_over_a_dead_lock_when_it_is_stale(lock_store, monkeypatch, capsys):
+    url, options, write_lock = lock_store
+    stale = 2.0
+    monkeypatch.setenv("BUCKETEER_LOCK_STALE_SECONDS", str(stale))
+    monkeypatch.setattr("manifests.lock._clock", lambda: time.time() - SKEW)  # its heartbeat looks 600 s ahead here
+    write_lock()  # the writer on gpu-node-7 beats once, then dies
+    written, refused = time.monotonic(), 0
+    while True:
+        try:
+            with writer_lock(url, options, "embed"):
+                break
+        except WriterBusyError:
+            refused += 1
+            assert time.monotonic() - written < stale + 10, "a dead lock kept past its stale time"
+            time.sleep(0.5)
+    took = time.monotonic() - written
+    assert refused >= 1 and took >= stale  # live until stale, by the store's clock, not a moment longer than ~2 s
+    assert "took over the lock" in capsys.readouterr().out
+    print(f"dead lock taken over {took:.1f} s after its last write (stale after {stale:.0f} s, clock {SKEW:.0f} s "
+          "slow)")  # fmt: skip

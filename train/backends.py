@@ -22,7 +22,7 @@ from pathlib import Path
 from manifests.plan import PlanMeta
 from manifests.errors import UsageError
 
-__all__ = ["plan_grad_accum", "plan_micro_batch", "check_backend", "check_fsdp_wrap", "configure_deepspeed",
+__all__ = ["plan_grad_accum", "plan_micro_batch", "check_backend", "prepare_fsdp_wrap", "configure_deepspeed",
            "is_sharded", "save_model"]
 
 ACCUM_ENV = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"  # set by `accelerate launch` from a deepspeed_config
@@ -71,10 +71,15 @@ def check_backend(accelerator) -> None:
                              "(saved as tensors, loaded with weights_only=True)")  # fmt: skip
 
 
-def check_fsdp_wrap(accelerator, model) -> None:
-    """Refuse an FSDP2 auto-wrap policy that selects a container without ``forward`` (a ``ModuleList``), which
-    torch's ``fully_shard`` rejects deep inside ``accelerator.prepare``: one line naming the module and the fix.
-    Size-based wrapping does this on diffusers models (an attention's ``to_out`` list passes the size)."""
+def prepare_fsdp_wrap(accelerator, model) -> None:
+    """Make FSDP2's auto-wrap policy shard ``model``'s blocks, and refuse one that ``fully_shard`` would refuse.
+
+    Under ``TRANSFORMER_BASED_WRAP`` without ``fsdp_transformer_layer_cls_to_wrap``, the block classes are the
+    model's ``_no_split_modules``, written into the plugin: accelerate before 1.14 reads them there but wraps
+    nothing unless the plugin names them, leaving one unsharded root. A policy that selects a container without
+    ``forward`` (a ``ModuleList``), which torch's ``fully_shard`` rejects deep inside ``accelerator.prepare``, is
+    refused in one line naming the module and the fix: size-based wrapping does this on diffusers models (an
+    attention's ``to_out`` list passes the size)."""
     import torch
     from accelerate.utils import DistributedType
 
@@ -82,7 +87,11 @@ def check_fsdp_wrap(accelerator, model) -> None:
     if accelerator.distributed_type != DistributedType.FSDP or plugin is None or plugin.fsdp_version != 2:
         return
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
+    policy_fn = getattr(plugin.auto_wrap_policy, "func", plugin.auto_wrap_policy)
+    if policy_fn is transformer_auto_wrap_policy and plugin.transformer_cls_names_to_wrap is None:
+        plugin.transformer_cls_names_to_wrap = list(getattr(model, "_no_split_modules", None) or [])
     policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
     if policy is None:
         return

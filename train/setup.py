@@ -200,7 +200,7 @@ def setup_model(launch: Launch, position: Position, data: Data) -> Model:
     import torch
     from diffusers.optimization import get_scheduler
 
-    from train.backends import check_fsdp_wrap, configure_deepspeed, plan_micro_batch
+    from train.backends import configure_deepspeed, plan_micro_batch, prepare_fsdp_wrap
     from train.checkpoint import fetch_checkpoint
     from train.ema import EMA, ShardedEMA, sharded_ema
     from train.lora import check_resume
@@ -236,7 +236,7 @@ def setup_model(launch: Launch, position: Position, data: Data) -> Model:
     if plugin is not None:  # no DataLoader is prepared: DeepSpeed's batch settings come from the plan
         configure_deepspeed(plugin, micro_batch=plan_micro_batch(position.plan_meta), grad_accum=launch.grad_accum,
                             world_size=accelerator.num_processes, max_grad_norm=cfg.max_grad_norm)  # fmt: skip
-    check_fsdp_wrap(accelerator, model)
+    prepare_fsdp_wrap(accelerator, model)
     # only model/optimizer/schedule are prepared: the loader is already this rank's shard (see train.data)
     model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
     _KEEP_ALIVE.append(model)  # never deallocated before os._exit: see _KEEP_ALIVE

@@ -342,6 +342,7 @@ class EmbedSummary(JsonRecord):
     encoder_nodes: int | None = None
     shards: int | None = None
     redone: int | None = None
+    throttled: int | None = None  # storage answers that asked for fewer requests (503 SlowDown, 429), all retried
 
 
 # ---------------------------------------------------------------- the file

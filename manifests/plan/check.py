@@ -1,6 +1,6 @@
 """Re-check every invariant of a committed plan (``bucketeer plan --check PLAN MANIFEST ...``).
 
-The invariants (the plan contract of README.md "Artifacts" and :mod:`manifests.plan.write`): every
+The invariants (the plan contract of docs/artifacts.md and :mod:`manifests.plan.write`): every
 epoch file has the plan's columns and one row group per rank, row group ``r`` holding rank ``r``'s
 rows; every rank has the same steps in every epoch, numbered in order; all ranks at a step hold the
 same bucket; every batch has the bucket's batch size (exactly B in fixed mode); steps per epoch are

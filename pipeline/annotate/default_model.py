@@ -25,7 +25,7 @@ __all__ = ["DEFAULT_VERSION", "DEFAULT_CAPTION_NOTICE", "MAX_HEAD_DIM", "attenti
 DEFAULT_VERSION = "llava-tiny-v1"
 DEFAULT_CAPTION_NOTICE = (
     "bucketeer annotate: using the embedded DEFAULT captioner (a tiny random-weight Llava): its captions are "
-    "NOISE, for trying the pipeline only. Pass --model with a real captioner (README: Captions)."
+    "NOISE, for trying the pipeline only. Pass --model with a real captioner (docs/annotate.md)."
 )
 _CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"

@@ -48,6 +48,7 @@ from manifests.errors import BucketeerError, UsageError
 from manifests.lock import writer_lock
 from manifests.manifest import read_manifest_meta, read_row_group, sample_row_groups
 from manifests.progress import Progress
+from manifests.throttles import ThrottleTally, counting_throttles, job_throttles
 from manifests.schema import MAX_PIXELS
 from manifests.storage import parse_storage_options, redact
 from pipeline.annotate.engines import DEFAULT_PROMPT, ENGINES, CaptionSpec, vllm_available
@@ -189,7 +190,7 @@ def run(job: AnnotateJob) -> AnnotateResult:
     """Annotate what ``job.manifest`` has and ``job.out`` lacks; prints what ``bucketeer annotate`` prints.
     Raises UsageError (a model that cannot load, an ``--out`` of other settings, another writer) for what
     the user must fix."""
-    with writer_lock(job.out, job.storage_options, "annotate"):
+    with writer_lock(job.out, job.storage_options, "annotate"), counting_throttles():
         return _annotate(job)
 
 
@@ -312,7 +313,7 @@ def _annotate(job: AnnotateJob) -> AnnotateResult:
     if plan.vision and (defaults := [t for t in plan.tasks if t in VISION_TASKS and (
             job.embedding_model if t == "embedding" else getattr(job, f"{t}_head")) == "default"]):  # fmt: skip
         print(f"bucketeer annotate: {', '.join(defaults)} from the embedded DEFAULT random-weight models: their "
-              "values are NOISE, for trying the pipeline only (README: Annotate)", file=sys.stderr, flush=True)
+              "values are NOISE, for trying the pipeline only (docs/annotate.md)", file=sys.stderr, flush=True)
     ray, _ = init_ray(job.ray_address)
     from pipeline.embed.dataflow import configure_ray_data, place_encoders
 
@@ -365,11 +366,13 @@ def _run_units(job: AnnotateJob, work: _Work, plan: TaskPlan, settings: str, eng
     options = {"source": source, "max_pixels": int(manifest.max_pixels or MAX_PIXELS),
                "image_column": image_column(manifest), "settings": settings}  # fmt: skip
     dataset = annotate_pipeline(job, work.groups, plan, engine, placement, options, so)
+    tally = job_throttles() or ThrottleTally()
     done = {"captioned": 0, "errors": 0, "tokens": 0, "cpu_ms": 0}
     first: float | None = None
     at_first = dict(done)
     with Progress("annotate", ",".join(plan.tasks), total=work.todo, unit="images") as progress:
         for row in results(dataset):
+            tally.add(*(row.get("throttled") or ()))
             now = time.time()
             for k in done:
                 done[k] += int(row.get(k, 0))
@@ -396,5 +399,6 @@ def _commit(job: AnnotateJob, manifest, tasks: tuple[TaskSettings, ...], setting
                            settings_fingerprint=settings, engine=engine,
                            counts=AnnotationsCounts(samples=samples, annotated=totals["fresh"],
                                                     errors=totals["failed"] + totals["retry"]),
-                           parts=parts, errors=errors, fingerprint="")  # fmt: skip
+                           parts=parts, errors=errors, fingerprint="",
+                           throttled=(job_throttles() or ThrottleTally()).total)  # fmt: skip
     return write_annotations_meta(job.out, so, meta)

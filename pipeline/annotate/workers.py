@@ -28,6 +28,7 @@ import pyarrow as pa
 from manifests import faults
 from manifests.annotations import embedding_type, image_key, part_name, part_schema, write_part
 from manifests.manifest import read_row_group
+from manifests.throttles import SPANS, throttle_mark, throttle_span
 from manifests.storage import open_url, redact
 from pipeline.annotate.engines import TransformersCaptioner
 from pipeline.annotate.image_stats import STATS, image_stats, phash, sha256_hex
@@ -46,12 +47,14 @@ UNIT_COLUMNS = ["sample_id", "filename", "container", "container_size", "member_
 def read_units(batch: pa.Table, *, manifest: str, storage_options: dict | None, unit_rows: int) -> pa.Table:
     """One row group's marked rows (``batch``: one :meth:`GroupWork.item`) as units: ``{"rows": IPC bytes}``."""
     (item,) = batch.to_pylist()
+    before = throttle_mark()
     work = GroupWork.from_item(item)
     rows = read_row_group(manifest, work.group, UNIT_COLUMNS, storage_options).take(pa.array(work.rows))
     rows = rows.append_column("source_key", pa.array(image_key(rows), pa.uint64()))
     rows = rows.sort_by([("container", "ascending"), ("row_group", "ascending"), ("sample_id", "ascending")])
     units = [to_ipc(rows.slice(at, unit_rows)) for at in range(0, rows.num_rows, unit_rows)]
-    return pa.table({"rows": pa.array(units, pa.binary())})
+    spans = [throttle_span(before)]  # the manifest reads' throttled storage answers: carried to the summary rows
+    return pa.table({"rows": pa.array(units, pa.binary()), "throttled": pa.array([spans] * len(units), SPANS)})
 
 
 def decode_for_caption(data: bytes, width: int, height: int, image_size: int, max_pixels: int, name: str):
@@ -107,9 +110,9 @@ class AnnotateWriter:
 
     def __init__(self, *, plan: TaskPlan, device: str, threads: int, out: str, storage_options: dict | None,
                  source: str, max_pixels: int, image_column: str | None, settings: str, batch_size: int):  # fmt: skip
-        import torch
+        if threads and (plan.caption or plan.vision):  # the model-free tasks need no torch (seconds to import)
+            import torch
 
-        if threads:
             torch.set_num_threads(threads)
         self.captioner = TransformersCaptioner(plan.caption, device, threads) if plan.caption else None
         self.embedder = None
@@ -126,7 +129,9 @@ class AnnotateWriter:
         self.node = socket.gethostname()
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        return pa.Table.from_pylist([self.unit(from_ipc(blob)) for blob in batch.column("rows").to_pylist()])
+        carried = batch.column("throttled").to_pylist() if "throttled" in batch.column_names else [[]] * batch.num_rows
+        return pa.Table.from_pylist([self.unit(from_ipc(blob), spans)
+                                     for blob, spans in zip(batch.column("rows").to_pylist(), carried)])
 
     def _decode(self, rows: list[dict]) -> tuple[list[dict], list[bytes], list, list[dict]]:
         """``(good rows, their bytes, their images (PIL, or None when no task decodes), error rows)``."""
@@ -161,9 +166,10 @@ class AnnotateWriter:
                 cols[key] = pa.array([s[key] for s in stats], pa.bool_() if key == "grayscale" else pa.float32())
         return cols
 
-    def unit(self, rows: pa.Table) -> dict[str, Any]:
-        """Annotate one unit, write its part and error part; its summary row."""
-        start, cpu = time.time(), time.process_time()
+    def unit(self, rows: pa.Table, throttled: list[str] = ()) -> dict[str, Any]:
+        """Annotate one unit, write its part and error part; its summary row (``throttled``: the spans of the
+        stage before, :func:`manifests.retry.throttle_span`, passed on with this one's)."""
+        start, cpu, before = time.time(), time.process_time(), throttle_mark()
         good, data, images, errors = self._decode(rows.to_pylist())
         cols = self._columns(data, images)
         now = time.time()
@@ -182,4 +188,5 @@ class AnnotateWriter:
         return {"part": name, "captioned": len(good), "errors": len(errors),
                 "tokens": int(np.sum(tokens.to_numpy())) if tokens is not None and len(tokens) else 0,
                 "seconds": time.time() - start, "cpu_ms": round(1000 * (time.process_time() - cpu)),
-                "node": self.node, "pid": os.getpid(), "device": self.device}  # fmt: skip
+                "node": self.node, "pid": os.getpid(), "device": self.device,
+                "throttled": [*throttled, throttle_span(before)]}  # fmt: skip

@@ -35,6 +35,7 @@ from manifests.annotations import (AnnotationsCounts, AnnotationsError, Annotati
                                    write_annotations_meta, write_part)  # fmt: skip
 from manifests.errors import UsageError
 from manifests.lock import writer_lock
+from manifests.throttles import counting_throttles, job_throttles
 from manifests.storage import join, open_url, parse_storage_options, redact
 from pipeline.dedup.clusters import Clusters, cluster
 from pipeline.dedup.edges import MAX_PHASH_THRESHOLD, Edges, exact_edges, phash_edges
@@ -94,6 +95,7 @@ class DedupResult:
     edges: dict[str, int]  # --by kind -> edges found
     index: str | None  # the semantic index used (flat, ivf), None without --by embedding
     seconds: float
+    throttled: int = 0  # storage answers that asked for fewer requests (503 SlowDown, 429), all retried
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -179,7 +181,8 @@ def _write(job: DedupJob, inputs: DedupInputs, table: pa.Table, settings: TaskSe
     meta = AnnotationsMeta(manifest=",".join(manifests), manifest_fingerprint=",".join(manifest_fps),
                            tasks=(settings,), settings_fingerprint=fingerprint, engine="dedup",
                            counts=AnnotationsCounts(samples=len(inputs), annotated=len(inputs), errors=0),
-                           parts=tuple(names), errors=(), fingerprint="")  # fmt: skip
+                           parts=tuple(names), errors=(), fingerprint="",
+                           throttled=job_throttles().total)  # fmt: skip
     meta = write_annotations_meta(job.out, so, meta)
     old_parts, old_errors = listed_parts(job.out, so)
     for kind, old in (("parts", old_parts), ("errors", old_errors)):
@@ -198,6 +201,8 @@ def _summary(job: DedupJob, inputs: DedupInputs, edges: dict[str, Edges], cluste
     print("edges:    " + ", ".join(f"{k} {len(e)}" for k, e in edges.items()))
     print(f"clusters: {len(keepers)} of two or more samples; {duplicates} duplicates, "
           f"{len(inputs) - duplicates} samples kept")  # fmt: skip
+    if meta.throttled:
+        print(f"storage:  throttled {meta.throttled:,} requests (retried)")
     largest = keepers[np.argsort(-clusters.size[keepers], kind="stable")][:5]
     for row in largest:
         w = inputs.pixels[row]
@@ -212,7 +217,7 @@ def run(job: DedupJob) -> DedupResult:
     start = time.perf_counter()
     if not job.by:
         job = replace(job, by=default_kinds(job.annotations, dict(job.storage_options)))
-    with writer_lock(job.out, job.storage_options, "dedup"):
+    with writer_lock(job.out, job.storage_options, "dedup"), counting_throttles() as throttles:
         inputs = read_inputs(job.annotations, job.by, job.manifests, dict(job.storage_options))
         edges, index = find_edges(job, inputs)
         clusters = cluster(Edges.concat(list(edges.values())), inputs.sample_ids, inputs.pixels, inputs.aesthetic)
@@ -222,4 +227,4 @@ def run(job: DedupJob) -> DedupResult:
     log.debug("dedup finished at %s", _dt.datetime.now(_dt.timezone.utc).isoformat())
     return DedupResult(url=job.out, fingerprint=meta.fingerprint, meta=meta, samples=len(inputs),
                        clusters=n_clusters, duplicates=duplicates, edges={k: len(e) for k, e in edges.items()},
-                       index=index, seconds=seconds)  # fmt: skip
+                       index=index, seconds=seconds, throttled=throttles.total)  # fmt: skip

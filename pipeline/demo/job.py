@@ -10,7 +10,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, ClassVar, Iterator
 
 from manifests.errors import UsageError
 from pipeline.demo.local_s3 import DEMO_BUCKET, local_credentials, local_s3_server, upload_folder
@@ -22,10 +22,16 @@ from pipeline.demo.trainer import WORLD_SIZE, family_config, train
 RESOLUTION = 256
 BUCKET_STEP = 32  # at 256² a step of 64 leaves 3 buckets for 9 aspect ratios; 32 keeps them apart
 BATCH_SIZE = 4  # per rank: a global batch of 8
-EPOCHS = 2  # ~30 steps per epoch on 300 images: a few dozen steps in all
+EPOCHS = 2  # ~23 steps per epoch on 200 images: a few dozen steps in all
 MARKER = ".bucketeer-demo"  # marks an --out-dir this demo made (and may clear)
-OWNED = ("manifest", "cache", "plan", "train", "report.html", "report_figures", "train.log", "s3-server.log",
-         "demo-summary.json", "train-config.yaml", "validation-prompts.txt")
+OWNED = ("manifest", "annotations", "duplicates", "cache", "plan", "train", "report.html", "report_figures",
+         "train.log", "s3-server.log", "demo-summary.json", "train-config.yaml", "validation-prompts.txt")
+# What a user decides before training, on the cheap annotations (no model): the duplicates out (one keeper per
+# cluster) and the blank frames (contrast 0; a photo's is 0.1 or more). The annotations are taken at 256 pixels
+# on the long side: all that a hash and these statistics need, and a quarter of the pixels of 512.
+ANNOTATE_TASKS, ANNOTATE_IMAGE_SIZE = "sha256,phash,stats", 256
+WHERE = "NOT duplicate AND contrast > 0.02"
+CURATION_FROM = 40  # --images from which some of them are planted duplicates and blank frames (9)
 FAMILIES = ("pixart", "sdxl", "sd3", "flux", "wan")
 FAMILIES += ("qwen-image", "z-image")  # tiny Qwen2.5-VL / Qwen3 text encoders (pipeline.embed.families.tiny_qwen)
 FAMILIES += ("flux2", "flux2-klein", "chroma")  # docs/families-flux2-chroma.md
@@ -43,7 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--s3", action="store_true",
                         help="run every stage against a local S3-compatible server (moto on 127.0.0.1) started "
                         "and stopped by the demo")  # fmt: skip
-    parser.add_argument("--images", type=int, default=300, help="images to generate (default 300; plus 3 broken files)")
+    parser.add_argument("--images", type=int, default=200,
+                        help="images to generate (default 200; plus 3 broken files); in the default flow 9 of them "
+                        "are copies of others and blank frames, for dedup and the selection to find")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated dataset and of the plan")
     parser.add_argument("--family", choices=FAMILIES, default="pixart",
                         help="model family: sdxl, sd3, flux, flux2, flux2-klein, chroma, qwen-image, qwen-image-edit "
@@ -64,7 +72,7 @@ class DemoJob:
 
     out_dir: Path = Path("./demo-output")
     s3: bool = False  # every stage against a local S3-compatible server (moto on 127.0.0.1)
-    images: int = 300
+    images: int = 200
     seed: int = 0  # of the generated dataset and of the plan
     family: str = "pixart"
     repa: bool = False  # embed --features dinov2, train with repa:
@@ -103,8 +111,11 @@ class DemoResult:
 class Target:
     """Where the artifacts of one demo run live: local paths, or s3:// URLs plus the endpoint."""
 
+    NAMES: ClassVar[tuple[str, ...]] = ("dataset", "manifest", "annotations", "duplicates", "cache", "plan")
     dataset: str
     manifest: str
+    annotations: str
+    duplicates: str
     cache: str
     plan: str
     storage_options: dict[str, Any]
@@ -132,10 +143,13 @@ class Stages:
 def run(job: DemoJob) -> DemoResult:
     out = _prepare_out_dir(job.out_dir)
     s3_server, s3_upload = (["s3 server"], ["s3 upload"]) if job.s3 else ([], [])
-    stages = Stages(["generate", *s3_server, "ray", *s3_upload, "scan", "embed", "plan", "train", "verify", "report"])
+    curation = ["annotate", "dedup"] if _curates(job) else []
+    stages = Stages(["generate", *s3_server, "ray", *s3_upload, "scan", *curation, "embed", "plan", "train", "verify",
+                     "report"])  # fmt: skip
     started = time.perf_counter()
     what = (f"{job.clips} short clips in 3 aspect ratios, stills, captions, a broken file" if job.family == "wan"
-            else f"{job.images} images in several aspect ratios, captions, 3 broken files")
+            else f"{job.images} images in several aspect ratios, captions, 3 broken files"
+            + (", duplicates, blank frames" if _curates(job) else ""))  # fmt: skip
     with stages.stage("generate", what):
         print(f"      {_generate(job, out / 'dataset')}")
     with contextlib.ExitStack() as cleanup:  # unwound in reverse: Ray, then the server, then the credentials
@@ -144,25 +158,32 @@ def run(job: DemoJob) -> DemoResult:
             cleanup.enter_context(local_credentials())
             with stages.stage("s3 server", "a local S3-compatible server (moto) on 127.0.0.1"):
                 endpoint = cleanup.enter_context(local_s3_server(out / "s3-server.log"))
-        with stages.stage("ray", "one local Ray for the jobs (scan, embed)"):
+        with stages.stage("ray", "one local Ray for the jobs (scan, annotate, embed)"):
             from pipeline.ray_setup import ray_session
 
             cleanup.enter_context(ray_session(local=True))  # one Ray for every stage
         if endpoint:
-            target = Target(*(f"s3://{DEMO_BUCKET}/{n}" for n in ("dataset", "manifest", "cache", "plan")),
+            target = Target(*(f"s3://{DEMO_BUCKET}/{n}" for n in Target.NAMES),
                             storage_options={"endpoint_url": endpoint})  # fmt: skip
             with stages.stage("s3 upload", f"the dataset to {target.dataset} on {endpoint}"):
                 upload_folder(out / "dataset", target.dataset, target.storage_options)
         else:
-            target = Target(*(str(out / n) for n in ("dataset", "manifest", "cache", "plan")), storage_options={})
+            target = Target(*(str(out / n) for n in Target.NAMES), storage_options={})
         results = run_stages(stages, target, out, job.seed, job.family, repa=job.repa)
-    figures = demo_figures(*results, target=target, out=out)
+    figures = demo_figures(results, target=target, out=out)
     figures["total_seconds"] = round(time.perf_counter() - started, 2)
     figures["stage_seconds"] = stages.seconds
     figures["mode"] = "s3" if job.s3 else "local"
     (out / "demo-summary.json").write_text(json.dumps(figures, indent=2) + "\n")
     print(summary_text(figures, out, WORLD_SIZE))
-    return DemoResult(out, *results, figures=figures, seconds=figures["total_seconds"])
+    return DemoResult(out, results.scan, results.embed, results.plan, figures=figures,
+                      seconds=figures["total_seconds"])  # fmt: skip
+
+
+def _curates(job: DemoJob) -> bool:
+    """Whether the demo runs annotate and dedup, and plans with --where: the default flow does (``--s3`` too); a
+    ``--family`` demo shows that family's embed and training (and a video manifest has no image tasks)."""
+    return job.family == "pixart"
 
 
 def _generate(job: DemoJob, folder: Path) -> str:
@@ -177,12 +198,17 @@ def _generate(job: DemoJob, folder: Path) -> str:
                              "pip install 'bucketeer[video]'") from None  # fmt: skip
         return (f"{made['clips']} clips {made['codecs']} ({made['rotated']} rotated), {made['captioned']} captions, "
                 f"{made['images']} stills, {made['short']} too short, {made['broken']} broken -> {folder}")
-    made = sample_data.make_sample_dataset(folder, n=job.images, seed=job.seed)
-    references = ""
+    planted = {"duplicates": 6, "blanks": 3} if _curates(job) and job.images >= CURATION_FROM else {}
+    made = sample_data.make_sample_dataset(folder, n=job.images - sum(planted.values()), seed=job.seed)
+    line = (f"{made['images']} images {made['formats']}, {made['captioned']} captions, "
+            f"{made['rotated']} EXIF-rotated, {made['broken']} broken")
+    if planted:
+        cases = sample_data.add_curation_cases(folder, **planted)
+        line += (f"; planted: {cases['exact']} exact copies, {cases['resaved']} re-saved copies, "
+                 f"{cases['blanks']} blank frames")  # fmt: skip
     if job.family == "qwen-image-edit":  # its captions are the instructions: a reference to edit per image
-        references = f", {sample_data.make_references(folder)} references in {sample_data.REFERENCES}/"
-    return (f"{made['images']} images {made['formats']}, {made['captioned']} captions, "
-            f"{made['rotated']} EXIF-rotated, {made['broken']} broken{references} -> {folder}")
+        line += f", {sample_data.make_references(folder)} references in {sample_data.REFERENCES}/"
+    return f"{line} -> {folder}"
 
 
 def _scan_options(family: str, dataset: str) -> list[str]:
@@ -197,23 +223,45 @@ def _scan_options(family: str, dataset: str) -> list[str]:
     return ["--resolution", str(RESOLUTION), "--bucket-step", str(BUCKET_STEP), *pairs]
 
 
+@dataclass(frozen=True)
+class StageResults:
+    """Each job's own result; ``annotate`` and ``dedup`` None where the demo skips them (``--family wan``)."""
+
+    scan: Any
+    annotate: Any
+    dedup: Any
+    embed: Any
+    plan: Any
+
+
 def run_stages(stages: Stages, target: Target, out: Path, seed: int, family: str = "pixart", *,
-               repa: bool = False) -> tuple[Any, Any, Any]:  # fmt: skip
-    """scan -> embed -> plan -> train -> verify -> report against ``target``; returns the scan, embed and plan
-    results. ``family``: see :mod:`pipeline.demo`; ``repa``: DINOv2 features in the cache, REPA in training."""
+               repa: bool = False) -> StageResults:  # fmt: skip
+    """scan -> annotate -> dedup -> embed -> plan --where -> train -> verify -> report against ``target``
+    (``stages`` names the ones to run: a video demo has no annotate and dedup); returns the jobs' results.
+    ``family``: see :mod:`pipeline.demo`; ``repa``: DINOv2 features in the cache, REPA in training."""
     features = ["--features", "dinov2"] if repa else []
     opts = target.options_argv()
     with stages.stage("scan", f"{target.dataset} -> {target.manifest} (header-only Ray job)"):
         scan = _bucketeer("scan", target.dataset, "--out", target.manifest, *_scan_options(family, target.dataset),
                           *opts)  # fmt: skip
+    annotate = dedup = None
+    selection: list[str] = []
+    if "annotate" in stages.names:
+        with stages.stage("annotate", f"{ANNOTATE_TASKS} of every image -> {target.annotations} (Ray job, no model)"):
+            annotate = _bucketeer("annotate", target.manifest, "--out", target.annotations, "--task", ANNOTATE_TASKS,
+                                  "--image-size", str(ANNOTATE_IMAGE_SIZE), *opts)  # fmt: skip
+        with stages.stage("dedup", f"exact and perceptual duplicates -> {target.duplicates}"):
+            dedup = _bucketeer("dedup", target.annotations, "--out", target.duplicates, *opts)
+        selection = ["--annotations", f"{target.annotations},{target.duplicates}", "--where", WHERE]
     models = "embedded default encoders" if family == "pixart" else f"a tiny random-weight {family} model"
     with stages.stage("embed", f"{target.manifest} -> {target.cache} (Ray job, {models})"):
         embed = _bucketeer("embed", target.manifest, "--out", target.cache, *_family_options(family, out), *features,
                            *opts)  # fmt: skip
-    with stages.stage("plan", f"{WORLD_SIZE} ranks x batch {BATCH_SIZE}, {EPOCHS} epochs -> {target.plan}"):
+    keeps = f", keeping {WHERE}" if selection else ""
+    with stages.stage("plan", f"{WORLD_SIZE} ranks x batch {BATCH_SIZE}, {EPOCHS} epochs{keeps} -> {target.plan}"):
         plan = _bucketeer("plan", target.manifest, "--out", target.plan, "--world-size", str(WORLD_SIZE),
                           "--batch-size", str(BATCH_SIZE), "--seed", str(seed), "--epochs", str(EPOCHS), "--cache",
-                          target.cache, *opts)  # fmt: skip
+                          target.cache, *selection, *opts)  # fmt: skip
     with stages.stage("train", f"accelerate launch, {WORLD_SIZE} processes on the CPU -> {out / 'train'}"):
         config = family_config(family, out, plan_steps=plan.meta.steps_per_epoch * EPOCHS, repa=repa)
         train(["--plan", target.plan, "--cache", target.cache, "--output-dir", str(out / "train"), *config, *opts],
@@ -221,18 +269,18 @@ def run_stages(stages: Stages, target: Target, out: Path, seed: int, family: str
     with stages.stage("verify", f"every record of {target.cache}"):
         _bucketeer("verify", target.cache, *opts)
     with stages.stage("report", f"{out / 'report.html'} and PNG figures"):
-        _bucketeer("report", target.manifest, "--plan", target.plan, "--cache", target.cache,
+        _bucketeer("report", target.manifest, "--plan", target.plan, "--cache", target.cache, *selection[:2],
                    "--out", str(out / "report.html"), *opts)  # fmt: skip
-    return scan, embed, plan
+    return StageResults(scan, annotate, dedup, embed, plan)
 
 
-def demo_figures(scan: Any, embed: Any, plan: Any, *, target: Target, out: Path) -> dict[str, Any]:
+def demo_figures(results: StageResults, *, target: Target, out: Path) -> dict[str, Any]:
     """The figures of ``demo-summary.json``, from the stages' results and the trainer's metrics."""
-    s, cache, p = scan.meta.summary, embed.meta, plan.meta
+    s, cache, p = results.scan.meta.summary, results.embed.meta, results.plan.meta
     metrics = out / "train" / "metrics.jsonl"
     # one row per log_every (10) steps, and one for the last step (also of a plan shorter than 10 steps)
     losses = [json.loads(line) for line in metrics.read_text().splitlines() if line] if metrics.exists() else []
-    return {
+    figures: dict[str, Any] = {
         "scan": {"listed": s.listed, "samples": s.samples, "errors": s.errors, "errors_by_kind": dict(s.errors_by_kind),
                  "files_per_s": s.files_per_s, "seconds": s.seconds},
         "embed": {"samples": cache.counts.samples, "texts": cache.counts.texts,
@@ -247,6 +295,18 @@ def demo_figures(scan: Any, embed: Any, plan: Any, *, target: Target, out: Path)
                       "plan": target.plan, "train": str(out / "train"), "report": str(out / "report.html"),
                       "figures": str(out / "report_figures")},
     }  # fmt: skip
+    a, d = results.annotate, results.dedup
+    if a is not None and d is not None:
+        figures["annotate"] = {"tasks": [t.task for t in a.meta.tasks], "annotated": a.meta.counts.annotated,
+                               "errors": a.meta.counts.errors, "images_per_s": a.images_per_second}  # fmt: skip
+        figures["dedup"] = {"samples": d.samples, "clusters": d.clusters, "duplicates": d.duplicates,
+                            "edges": dict(d.edges)}  # fmt: skip
+        kept = p.selection.datasets[0] if p.selection else None
+        figures["plan"]["where"] = p.selection.where if p.selection else None
+        figures["plan"]["kept"] = kept.kept if kept else None
+        figures["plan"]["dropped_by_where"] = kept.dropped if kept else None
+        figures["artifacts"].update(annotations=target.annotations, duplicates=target.duplicates)
+    return figures
 
 
 def _bucketeer(*argv: str) -> Any:

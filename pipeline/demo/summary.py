@@ -13,6 +13,27 @@ def summary_text(figures: dict[str, Any], out: Path, world_size: int) -> str:
     times = ", ".join(f"{k} {v:.1f} s" for k, v in figures["stage_seconds"].items())
     rate = f"{e['images_per_s']:.1f} images/s" if e["images_per_s"] else "images/s n/a"
     opts = " --storage-options '{\"endpoint_url\": \"https://<account>.r2.cloudflarestorage.com\"}'"
+    job = "ray job submit --runtime-env infra/ray/runtime_env.yaml --working-dir . -- python -m pipeline."
+    curated = "annotate" in figures
+    if curated:
+        an, du = figures["annotate"], figures["dedup"]
+        kinds = ", ".join(f"{n} {k}" for k, n in sorted(du["edges"].items()))
+        curation = [
+            f"  annotate  {an['annotated']} images: {', '.join(an['tasks'])}; {an['errors']} errors",
+            f"  dedup     {du['clusters']} clusters of duplicates ({kinds} pairs), {du['duplicates']} duplicates "
+            f"besides their keepers",
+            f"  select    --where \"{p['where']}\": {p['kept']} kept, {p['dropped_by_where']} dropped",
+        ]
+        folders = [f"  annotations {a['annotations']}   (parquet parts by sample_id: sha256, phash, luminance, "
+                   "contrast, ...; _annotations.json)",
+                   f"  duplicates  {a['duplicates']}   (duplicate, cluster_id, keeper_id, similarity)"]
+        select = (" --annotations s3://my-bucket/annotations,s3://my-bucket/duplicates "
+                  f"--where \"{p['where']}\"")
+        cluster = [f"  {job}annotate s3://my-bucket/manifest --out s3://my-bucket/annotations --task sha256,phash,stats"
+                   f"{opts}",
+                   f"  bucketeer dedup s3://my-bucket/annotations --out s3://my-bucket/duplicates{opts}"]
+    else:
+        curation, folders, select, cluster = [], [], "", []
     lines = [
         "",
         f"bucketeer demo finished in {figures['total_seconds']:.1f} s ({figures['mode']}): {times}",
@@ -20,6 +41,7 @@ def summary_text(figures: dict[str, Any], out: Path, world_size: int) -> str:
         "artifacts",
         f"  dataset   {a['dataset']}",
         f"  manifest  {a['manifest']}   (parquet: filename, width, height, caption, bucket; _manifest.json)",
+        *folders,
         f"  cache     {a['cache']}   (gzip'd latents + text embeddings; _cache.json)",
         f"  plan      {a['plan']}   (rows epoch, step, rank, bucket, sample_ids; _plan.json)",
         f"  trainer   {a['train']}   (checkpoints, metrics.jsonl, logs/, model/), log {out / 'train.log'}",
@@ -28,6 +50,7 @@ def summary_text(figures: dict[str, Any], out: Path, world_size: int) -> str:
         "figures",
         f"  scan      {s['listed']} images listed, {s['samples']} samples, {s['errors']} errors ({errors}); "
         f"{s['files_per_s']:.0f} files/s",
+        *curation,
         f"  embed     {e['samples']} latent records, {e['texts']} captions; {rate} on the CPU",
         f"  plan      {p['steps_per_epoch']} steps/epoch x {p['epochs']} epochs on {world_size} ranks; "
         f"{p['planned']} samples planned, {p['padded']} padded, {p['dropped']} dropped sample-epochs",
@@ -36,13 +59,12 @@ def summary_text(figures: dict[str, Any], out: Path, world_size: int) -> str:
             f"{t['samples_per_s']:.1f} samples/s; `tensorboard --logdir {a['train']}/logs` plots it"
             if t["loss_first"] is not None else "no loss logged"),
         "",
-        "the same on a cluster (credentials from AWS_* variables; see README.md and infra/README.md)",
-        "  ray job submit --runtime-env infra/ray/runtime_env.yaml --working-dir . -- python -m pipeline.scan "
-        f"s3://my-bucket/dataset --out s3://my-bucket/manifest{opts}",
-        "  ray job submit --runtime-env infra/ray/runtime_env.yaml --working-dir . -- python -m pipeline.embed "
-        f"s3://my-bucket/manifest --out s3://my-bucket/cache{opts}",
+        "the same on a cluster (credentials from AWS_* variables; see README.md, docs/ and infra/README.md)",
+        f"  {job}scan s3://my-bucket/dataset --out s3://my-bucket/manifest{opts}",
+        *cluster,
+        f"  {job}embed s3://my-bucket/manifest --out s3://my-bucket/cache{opts}",
         "  bucketeer plan s3://my-bucket/manifest --out s3://my-bucket/plan --world-size 8 --batch-size 4 "
-        f"--epochs 10 --cache s3://my-bucket/cache{opts}",
+        f"--epochs 10 --cache s3://my-bucket/cache{select}{opts}",
         "  accelerate launch --config_file infra/accelerate/ddp-1x8.yaml -m train --plan s3://my-bucket/plan "
         f"--cache s3://my-bucket/cache{opts}",
         "",

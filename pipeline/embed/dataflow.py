@@ -46,12 +46,11 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-import pyarrow as pa
-
 from manifests.errors import UsageError
 from pipeline.embed.work import UNIT_PIXEL_BYTES, EmbedWork
 from pipeline.embed.prepare import prepare_unit
-from pipeline.embed.workers import LatentWriter, TextWriter, plan_units, read_captions
+from pipeline.embed.workers import LatentWriter, TextWriter, plan_units, prompt_rows, read_captions
+from pipeline.ray_output import ray_false_alarms_dropped
 
 __all__ = ["Placement", "NodeShape", "place_encoders", "size_cpus", "configure_ray_data", "caption_pipeline",
            "image_pipeline", "results"]
@@ -260,8 +259,7 @@ def caption_pipeline(work: EmbedWork, prompts: dict[int, str], manifest: str, st
             read_captions, batch_size=1, batch_format="pyarrow", num_cpus=placement.light_cpus,
             fn_kwargs={"manifest": manifest, "storage_options": storage_options}))  # fmt: skip
     if prompts:
-        captions.append(ray.data.from_arrow(pa.table({"caption_key": pa.array(list(prompts), pa.uint64()),
-                                                      "caption": pa.array(list(prompts.values()), pa.string())})))
+        captions.append(ray.data.from_arrow(prompt_rows(prompts)))
     texts = -(-(work.new_captions + len(prompts)) // text_batch_size)
     return (
         (captions[0] if len(captions) == 1 else captions[0].union(*captions[1:]))
@@ -328,6 +326,9 @@ def _one_per_block(dataset, num_cpus: float):
 
 
 def results(dataset) -> Iterator[dict[str, Any]]:
-    """The pipeline's result rows as they arrive (streaming: the pipeline runs while they are read)."""
-    for batch in dataset.iter_batches(batch_size=None, batch_format="pyarrow"):
-        yield from batch.to_pylist()
+    """The pipeline's result rows as they arrive (streaming: the pipeline runs while they are read). Meanwhile
+    stderr goes without the line Ray core prints for every actor pool Ray Data starts
+    (:mod:`pipeline.ray_output`: a false alarm, and not our constructor arguments' doing)."""
+    with ray_false_alarms_dropped():
+        for batch in dataset.iter_batches(batch_size=None, batch_format="pyarrow"):
+            yield from batch.to_pylist()

@@ -18,6 +18,7 @@ import pyarrow.compute as pc
 from manifests.cache import CacheCommitter, CacheMeta, ComputeInfo, settings_diff
 from manifests.errors import BucketeerError
 from manifests.progress import Progress
+from manifests.throttles import ThrottleTally, job_throttles
 from manifests.storage import call_storage, is_local, join, open_url
 from pipeline.embed.dataflow import Placement
 from pipeline.embed.settings import cache_info, committed_text, full_settings, refuse
@@ -41,6 +42,7 @@ class EmbedDriver:
         self.seen: dict[str, dict] = {}  # phase -> the first worker's encoder description
         self.nodes: set[str] = set()  # Ray nodes whose VAE workers returned results
         self.notices: set[str] = set()
+        self.throttles = job_throttles() or ThrottleTally()  # the workers' throttled storage answers go here
         self.embedded = self.errors = self.shards = 0
         self.steady_images, self.steady_seconds = 0, 0.0  # images after the first result, and their seconds
         self.written = {"texts": [0, 0], "samples": [0, 0]}  # kind -> [records, compressed bytes] of this run
@@ -122,6 +124,7 @@ class EmbedDriver:
         total = work.new_captions + len(prompts)
         with Progress("embed", "captions", total=total, unit="captions") as progress:
             for row in rows:
+                self.throttles.add(*row["throttled"])
                 worker = self._worker("captions", row["worker"])
                 if self.committer is None:
                     self._open(worker["encoder"])
@@ -155,6 +158,7 @@ class EmbedDriver:
         written, first, start, results_seen, images_seen = 0, None, time.time(), 0, 0
         with Progress("embed", "images", total=work.todo, unit="images") as progress:
             for row in rows:
+                self.throttles.add(*row["throttled"])
                 worker = self._worker("images", row["worker"])
                 if self.committer is None:  # Qwen-Image-Edit: the text encoders are the image workers'
                     self._open(worker["text"])

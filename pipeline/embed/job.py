@@ -79,6 +79,7 @@ from manifests.errors import UsageError
 from manifests.manifest import read_manifest_meta
 from manifests.manifest_meta import ManifestMeta
 from manifests.progress import human_bytes
+from manifests.throttles import counting_throttles
 from manifests.schema import MAX_PIXELS
 from manifests.storage import parse_storage_options, redact
 from pipeline.embed.clips import MAX_CLIPS, refuse_for_video
@@ -99,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("encoders")
     g.add_argument("--family", choices=tuple(FAMILIES), default="generic",
                    help="model family: the cached text equals what its diffusers pipeline computes in encode_prompt "
-                        "(README: Model families); generic: the encoders of --vae/--text-encoder, real tokens "
+                        "(docs/embed.md: Model families); generic: the encoders of --vae/--text-encoder, real tokens "
                         "masked, for bucketeer's own trainer")
     g.add_argument("--model", default=None, metavar="ID|PATH",
                    help="diffusers pipeline folder or hub id of --family: VAE and text encoders from its subfolders "
@@ -129,7 +130,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="stored tensor dtype")
     g.add_argument("--features", choices=("dinov2",), default=None,
                    help="also store DINOv2 patch features of each variant's crop (float16, beside the latent) for "
-                        "the trainer's repa: config (README: REPA)")
+                        "the trainer's repa: config (docs/embed.md: REPA)")
     g.add_argument("--features-model", default="default", metavar="ID|PATH",
                    help="the DINOv2 model of --features, e.g. facebook/dinov2-base; 'default': a tiny random one")
     g = parser.add_argument_group("images")
@@ -148,7 +149,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default 1024, QwenImageEditPipeline's; lower only for trials: its __call__ uses 1024)")
     g.add_argument("--max-clips", type=int, default=MAX_CLIPS, metavar="N",
                    help="video manifests: embed at most N of a video's clips, evenly spaced, each a variant of its "
-                        "record (the trainer takes one per epoch); record bytes grow with N (README 'Video (embed)')")
+                        "record (the trainer takes one per epoch); record bytes grow with N (docs/video.md: Embed)")
     g = parser.add_argument_group("job")
     g.add_argument("--storage-options", default=None, help="JSON fsspec options for all URLs, e.g. an endpoint_url")
     g.add_argument("--batch-size", type=int, default=16, help="images per VAE forward pass (one bucket each)")
@@ -332,7 +333,7 @@ def run(job: EmbedJob) -> EmbedResult:
     """Embed what ``job.manifest`` has and ``job.out`` lacks (or holds stale); prints what ``bucketeer
     embed`` prints. Raises UsageError (CacheError: a cache of other settings; WriterBusyError: another
     embed writes ``out``) for what the user must fix."""
-    with writer_lock(job.out, job.storage_options, "embed"):
+    with writer_lock(job.out, job.storage_options, "embed"), counting_throttles():
         return _embed(job)
 
 
@@ -416,6 +417,7 @@ def _embed(job: EmbedJob) -> EmbedResult:
         image_seconds=round(image_seconds, 2),
         images_per_second=round(embed.steady_images / image_seconds, 2) if image_seconds else None,
         device=placement.device, encoder_nodes=len(embed.nodes), shards=embed.shards, redone=embed.committer.redone,
+        throttled=embed.throttles.total,  # storage answers that asked for fewer requests, every process's
     )  # fmt: skip
     meta = embed.committer.finish(manifest.fingerprint, summary)
     embed.unmark_visible()
@@ -423,7 +425,8 @@ def _embed(job: EmbedJob) -> EmbedResult:
           f"{counts['retry']} retried, {summary.skipped} skipped in {seconds:.1f}s -> {redact(job.out)} "
           f"({meta.counts.samples} samples, {meta.counts.texts} captions; {embed.shards} shards "
           f"written; {human_bytes(meta.bytes.per_sample)} per sample, {human_bytes(meta.bytes.per_caption)} per "
-          "caption)", flush=True)  # fmt: skip
+          f"caption){f'; storage throttled {summary.throttled:,} requests (retried)' if summary.throttled else ''}",
+          flush=True)  # fmt: skip
     return EmbedResult(url=job.out, fingerprint=meta.fingerprint, meta=meta, seconds=summary.seconds,
                        embedded=embed.embedded, errors=embed.errors, skipped=summary.skipped, changed=counts["stale"],
                        retried=counts["retry"], new_captions=new_captions, shards=embed.shards,

@@ -28,7 +28,7 @@ import pyarrow as pa
 from pipeline.embed.dataflow import Placement
 from pipeline.embed.work import EmbedWork
 from pipeline.embed.prepare import prepare_unit
-from pipeline.embed.workers import LatentWriter, TextWriter, plan_units, read_captions
+from pipeline.embed.workers import LatentWriter, TextWriter, plan_units, prompt_rows, read_captions
 
 __all__ = ["local_placement", "caption_results", "image_results"]
 
@@ -56,8 +56,7 @@ def caption_results(work: EmbedWork, prompts: dict[int, str], manifest: str, sto
     """The result rows of the captions pipeline (:func:`pipeline.embed.dataflow.caption_pipeline`), in order."""
     tables = [read_captions(_one(g.item()), manifest, storage_options) for g in work.captions]
     if prompts:
-        tables.append(pa.table({"caption_key": pa.array(list(prompts), pa.uint64()),
-                                "caption": pa.array(list(prompts.values()), pa.string())}))  # fmt: skip
+        tables.append(prompt_rows(prompts))
     captions = pa.concat_tables(tables)
     writer = TextWriter(make_text, dtype, out, storage_options, placement.threads, device=placement.device)
     for start in range(0, captions.num_rows, text_batch_size):

@@ -34,6 +34,7 @@ def text_encoder_bytes(class_name: str, config: Any, prune: Callable[[Any], Any]
 
     with torch.device("meta"):
         model = getattr(transformers, class_name)._from_config(config)
+        model.tie_weights()  # transformers 5.0 leaves tied embeddings (T5's) untied on meta: counted twice
     if prune is not None:
         model = prune(model)
     return parameter_count(model) * torch.empty((), dtype=dtype).element_size()

@@ -18,6 +18,7 @@ from manifests.buckets import parse_bucket
 from manifests.cache import CACHE_ERRORS_SCHEMA
 from manifests.frames import is_video_bucket
 from manifests.storage import join, open_url, read_many, redact
+from manifests.throttles import SPANS, carry_spans, throttle_mark
 from pipeline.embed.clips import MAX_CLIPS, prepare_clips
 from pipeline.embed.families import qwen_image_edit
 from pipeline.embed.imaging import ImageFailure, conditioning_views, fetch_images, open_source, prepare_views, \
@@ -126,6 +127,7 @@ def prepare_unit(batch: pa.Table, source: str, storage_options: dict | None, cro
     rows and its error rows (IPC bytes), via :func:`prepare_batch`."""
     out = []
     for item in batch.to_pylist():
+        before = throttle_mark()
         rows = from_ipc(item["rows"]).to_pylist()
         keys = {r["sample_id"]: r["source_key"] for r in rows}
         prepared = prepare_batch(source, storage_options, item["bucket"], rows, crop, seed, max_pixels, crops=crops,
@@ -153,8 +155,8 @@ def prepare_unit(batch: pa.Table, source: str, storage_options: dict | None, cro
         out.append({"unit": item["unit"], "bucket": item["bucket"], "pixels": prepared["pixels"].tobytes(),
                     "cond_pixels": b"" if cond is None else cond.tobytes(),
                     "mask_pixels": b"" if masks is None else masks.tobytes(), "rows": to_ipc(good),
-                    "errors": to_ipc(errors)})  # fmt: skip
+                    "errors": to_ipc(errors), "throttled": carry_spans(item.get("throttled"), before)})  # fmt: skip
     return pa.Table.from_pylist(out, schema=pa.schema([("unit", pa.string()), ("bucket", pa.string()),
                                                       ("pixels", pa.large_binary()), ("cond_pixels", pa.large_binary()),
                                                       ("mask_pixels", pa.large_binary()), ("rows", pa.binary()),
-                                                      ("errors", pa.binary())]))  # fmt: skip
+                                                      ("errors", pa.binary()), ("throttled", SPANS)]))  # fmt: skip

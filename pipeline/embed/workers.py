@@ -46,6 +46,7 @@ from manifests.cache.records import TextRecord, encode_sample, encode_text
 from manifests.errors import BucketeerError, UsageError
 from manifests.frames import is_video_bucket
 from manifests.manifest import read_row_group
+from manifests.throttles import SPANS, carry_spans, throttle_mark
 from manifests.schema import MASK_COLUMNS
 from manifests.storage import is_local, join, open_url
 from pipeline.embed.clips import clip_records
@@ -90,6 +91,7 @@ def from_ipc(data: bytes) -> pa.Table:
 
 
 # ---------------------------------------------------------------- CPU stages (Ray Data tasks)
+# every stage's rows carry ``throttled``, the spans of the stages that made them (manifests.throttles)
 
 
 def plan_units(batch: pa.Table, manifest: str, storage_options: dict | None, batch_size: int,
@@ -97,8 +99,10 @@ def plan_units(batch: pa.Table, manifest: str, storage_options: dict | None, bat
     """Ray Data ``map_batches`` (batch size 1): a row group's rows to embed -> one row per unit
     (``unit``, ``bucket``, ``rows``: :data:`UNIT_ROWS` as IPC bytes)."""
     for item in batch.to_pylist():
+        before = throttle_mark()
         work = GroupWork.from_item(item)
         rows = read_row_group(manifest, work.group, MANIFEST_COLUMNS, storage_options).take(pa.array(work.rows))
+        throttled = pa.array([carry_spans(None, before)], SPANS)
         inline = pa.array(work.inline, pa.bool_())
         caption = pc.if_else(inline, rows.column("caption").cast(pa.string()), pa.scalar(None, pa.string()))
         rows = pa.table({"text_inline": inline, "caption": caption,  # the text of an inline caption only
@@ -110,7 +114,8 @@ def plan_units(batch: pa.Table, manifest: str, storage_options: dict | None, bat
         for i, unit in enumerate(cut_units(rows, batch_size, shard_records, max_clips)):
             name = f"{work.group.part}#{work.group.index}.{i}"
             yield pa.table({"unit": [name], "bucket": [unit.column("bucket")[0].as_py()],
-                            "rows": pa.array([to_ipc(unit.select(UNIT_ROWS.names).cast(UNIT_ROWS))], pa.binary())})
+                            "rows": pa.array([to_ipc(unit.select(UNIT_ROWS.names).cast(UNIT_ROWS))], pa.binary()),
+                            "throttled": throttled})
 
 
 def read_captions(batch: pa.Table, manifest: str, storage_options: dict | None) -> pa.Table:
@@ -119,13 +124,23 @@ def read_captions(batch: pa.Table, manifest: str, storage_options: dict | None) 
     that a text batch pads little)."""
     tables = []
     for item in batch.to_pylist():
+        before = throttle_mark()
         work = GroupWork.from_item(item)
         captions, _ = flat_captions(read_row_group(manifest, work.group, ["caption", "captions"], storage_options))
         captions = captions.take(pa.array(work.rows)).fill_null("").cast(pa.string())  # the prompts' type
         order = np.argsort([len(c) for c in captions.to_pylist()], kind="stable")
         captions = captions.take(pa.array(order))
-        tables.append(pa.table({"caption_key": caption_keys(captions), "caption": captions}))
+        throttled = pa.array([carry_spans(None, before)] * len(captions), SPANS)
+        tables.append(pa.table({"caption_key": caption_keys(captions), "caption": captions, "throttled": throttled}))
     return pa.concat_tables(tables)
+
+
+def prompt_rows(prompts: dict[int, str]) -> pa.Table:
+    """The driver's captions (caption key -> text: the empty caption, validation prompts) as rows of
+    :func:`read_captions`' schema, to encode with the manifest's."""
+    return pa.table({"caption_key": pa.array(list(prompts), pa.uint64()),
+                     "caption": pa.array(list(prompts.values()), pa.string()),
+                     "throttled": pa.array([[]] * len(prompts), SPANS)})  # fmt: skip
 
 
 # ---------------------------------------------------------------- encoder actors (Ray Data actor pools)
@@ -287,6 +302,7 @@ class LatentWriter(_EncoderActor):
         encoder = self._load()
         out = []
         for item in batch.to_pylist():
+            before = throttle_mark()
             rows = from_ipc(item["rows"])
             shard = ShardWriter("samples", max_records=rows.num_rows + 1, max_bytes=1 << 62)
             meta = rows.to_pylist()
@@ -307,10 +323,11 @@ class LatentWriter(_EncoderActor):
                              source_key=r["source_key"], text_inline=inline)  # fmt: skip
             samples, size = self._result("samples", shard)
             out.append({"unit": item["unit"], "samples": samples, "errors": item["errors"], "shard_bytes": size,
-                        "worker": self.worker})  # fmt: skip
+                        "worker": self.worker, "throttled": carry_spans(item.get("throttled"), before)})  # fmt: skip
         return pa.Table.from_pylist(out, schema=pa.schema([("unit", pa.string()), ("samples", pa.binary()),
                                                           ("errors", pa.binary()), ("shard_bytes", pa.int64()),
-                                                          ("worker", pa.string())]))  # fmt: skip
+                                                          ("worker", pa.string()),
+                                                          ("throttled", SPANS)]))  # fmt: skip
 
     def _encode_clips(self, encoder: Encoder) -> Callable[[np.ndarray], np.ndarray]:
         """Clips ``(b, F, H, W, 3)`` -> their latents in the storage dtype, one forward pass at a time."""
@@ -369,6 +386,7 @@ class TextWriter(_EncoderActor):
     written here; returns ``texts`` (index rows, IPC), ``shard_bytes``, ``worker``."""
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        before = throttle_mark()
         encoder = self._load()
         keys = batch.column("caption_key").to_pylist()
         with self.lock:
@@ -380,4 +398,7 @@ class TextWriter(_EncoderActor):
             shard.append(encode_text(TextRecord(caption_key=key, tokens=tokens, pooled=pooled, dtype=self.dtype)),
                          caption_key=key)  # fmt: skip
         texts, size = self._result("texts", shard)
-        return pa.table({"texts": pa.array([texts], pa.binary()), "shard_bytes": [size], "worker": [self.worker]})
+        carried = [span for spans in batch.column("throttled").to_pylist() for span in spans] \
+            if "throttled" in batch.column_names else []  # fmt: skip
+        return pa.table({"texts": pa.array([texts], pa.binary()), "shard_bytes": [size], "worker": [self.worker],
+                         "throttled": pa.array([carry_spans(carried, before)], SPANS)})  # fmt: skip

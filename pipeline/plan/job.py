@@ -23,6 +23,7 @@ from typing import Any, Mapping
 
 from manifests.lock import writer_lock
 from manifests.errors import UsageError
+from manifests.throttles import counting_throttles
 from manifests.plan import PlanConfig, PlanMeta
 from manifests.plan.mix import MixRule
 from manifests.storage import redact
@@ -152,6 +153,7 @@ class PlanResult:
     steps_per_epoch: int
     epochs_held: int
     violations: tuple[str, ...] = ()
+    throttled: int = 0  # storage answers that asked for fewer requests (never in _plan.json: same inputs, same bytes)
 
     @property
     def exit_code(self) -> int:
@@ -165,13 +167,15 @@ def run(job: PlanJob) -> PlanResult:
     if job.check:
         return _check(job, start)
     url = job.extend or job.out or ""
-    with writer_lock(url, job.storage_options, "plan"):  # one writer per plan folder
+    with writer_lock(url, job.storage_options, "plan"), counting_throttles() as throttles:  # one writer per plan
         meta = _extend(job) if job.extend else _resume(job) if job.resume else _plan(job)
     if job.json:
         print(json.dumps(meta.to_json(), indent=2, sort_keys=True))
     else:
         print_summary(meta)
-    return _result(url, meta, start)
+        if throttles.total:
+            print(f"storage:  throttled {throttles.total:,} requests (retried)")
+    return replace(_result(url, meta, start), throttled=throttles.total)
 
 
 def _result(url: str, meta: PlanMeta, start: float, violations: tuple[str, ...] = ()) -> PlanResult:

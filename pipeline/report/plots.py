@@ -115,6 +115,10 @@ def aspect_ratio_distribution(widths: np.ndarray, heights: np.ndarray) -> Figure
     return fig
 
 
+_POINT_AREA = 6  # points², the scatter's markers
+_MARGIN = 0.06  # of the largest value: room above it inside the axes
+
+
 def resolution_distribution(widths: np.ndarray, heights: np.ndarray) -> Figure:
     """Width x height density (log colour) and a megapixel histogram."""
     fig, (ax, ax_mp) = _figure(width=11.0, height=3.8, ncols=2)
@@ -126,9 +130,10 @@ def resolution_distribution(widths: np.ndarray, heights: np.ndarray) -> Figure:
         return fig
     w = np.asarray(widths, np.float64)
     h = np.asarray(heights, np.float64)
-    top = max(w.max(), h.max()) * 1.02
+    # both axes end 6% past the largest side: a point there is drawn whole, not cut in half by the frame
+    top = max(w.max(), h.max()) * (1 + _MARGIN)
     if len(w) <= 5000:
-        ax.scatter(w, h, s=6, alpha=0.5, color=BLUE, linewidths=0)
+        ax.scatter(w, h, s=_POINT_AREA, alpha=0.5, color=BLUE, linewidths=0)
     else:  # a density: millions of points would be one blot
         _, _, _, image = ax.hist2d(w, h, bins=80, range=[[0, top], [0, top]], cmap="viridis", norm=LogNorm(), cmin=1)
         fig.colorbar(image, ax=ax, label="images")
@@ -139,7 +144,8 @@ def resolution_distribution(widths: np.ndarray, heights: np.ndarray) -> Figure:
     ax.set_ylabel("height (px)")
     ax.set_aspect("equal")
     mp = w * h / 1e6
-    ax_mp.hist(mp, bins=50, color=ORANGE)
+    counts, _, _ = ax_mp.hist(mp, bins=50, color=ORANGE)
+    ax_mp.set_ylim(0, counts.max() * (1 + _MARGIN))  # the tallest bar below the frame, not touching it
     ax_mp.axvline(np.median(mp), color=RED, lw=1, label=f"median {np.median(mp):.2f} MP")
     ax_mp.legend(frameon=False)
     ax_mp.set_xlabel("megapixels")

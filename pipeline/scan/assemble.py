@@ -120,6 +120,5 @@ def assemble(listing: Listing, plan: RescanPlan, probed: pa.Table, table: Captio
         "empty_captions_dropped": dropped + (table.dropped if table is not None else 0),
         "caption_lists": sum(len(c[1] or ()) > 1 for c in sidecar_captions.values()) + len(table_lists),
         "captions_truncated": _truncated(listing, probed),
-        "no_caption": images.column("caption").null_count,  # no sidecar, or an empty one
     }
     return images, errors, stats

@@ -54,10 +54,11 @@ from manifests.buckets import BucketSpec, add_bucket_arguments, spec_from_args
 from manifests.errors import StorageError, UsageError
 from manifests.frames import FrameLadder, add_frame_arguments, ladder_from_args
 from manifests.manifest import apply_buckets, write_manifest
-from manifests.manifest_meta import ManifestMeta
+from manifests.manifest_meta import ManifestMeta, ScanSummary
 from manifests.retry import is_storage_failure
 from manifests.schema import MAX_PIXELS
 from manifests.storage import open_url, parse_storage_options, redact
+from manifests.throttles import counting_throttles, job_throttles
 from pipeline.formats import IMAGE_EXTENSIONS
 from pipeline.ray_setup import ray_session
 from pipeline.scan.assemble import assemble
@@ -216,8 +217,14 @@ def scan_dataset(job: ScanJob) -> ManifestMeta:
     """Scan ``job.source`` into a manifest at ``job.out`` (what :func:`run` does, without the summary
     line); returns the committed ``_manifest.json``. Raises as :func:`run`, and WriterBusyError when another
     job writes ``job.out``."""
-    with writer_lock(job.out, job.storage_options, "scan"):  # one writer per manifest folder
+    with writer_lock(job.out, job.storage_options, "scan"), counting_throttles():  # one writer per manifest folder
         return _scan(job)
+
+
+def _throttled(summary: ScanSummary) -> ScanSummary:
+    """``summary`` with the job's throttled storage answers so far (all its processes)."""
+    tally = job_throttles()
+    return replace(summary, throttled=tally.total) if tally is not None else summary
 
 
 def _inside(out: str, options: dict[str, Any], fs, root: str) -> str | None:
@@ -274,7 +281,7 @@ def _scan(job: ScanJob) -> ManifestMeta:
                                     started=started))  # fmt: skip
     samples, errors, summary, counts = parts[0] if len(parts) == 1 else mixed_part(*parts)
     return write_manifest(
-        job.out, samples, errors, source=source, spec=job.spec, storage_options=options, summary=summary,
+        job.out, samples, errors, source=source, spec=job.spec, storage_options=options, summary=_throttled(summary),
         counts=counts, max_pixels=config.max_pixels, conditioning=pairing.meta() if pairing is not None else None,
         masks=job.masks,
     )  # fmt: skip
@@ -303,7 +310,7 @@ def _video_scan(job: ScanJob, listing: Listing, target: tuple, table: CaptionTab
     samples, errors, summary, counts = video_scan_part(images, videos)
     return write_manifest(
         job.out, samples, errors, source=job.source, spec=job.spec, storage_options=job.storage_options,
-        summary=summary, counts=counts, max_pixels=job.config.max_pixels, frame_ladder=job.frames.frames,
+        summary=_throttled(summary), counts=counts, max_pixels=job.config.max_pixels, frame_ladder=job.frames.frames,
     )  # fmt: skip
 
 

@@ -62,6 +62,7 @@ def scan_summary(
         "seconds": round(seconds, 3), "files_per_s": round(len(listing.images) / max(seconds, 1e-9), 1),
         "started_at": _dt.datetime.fromtimestamp(started, _dt.timezone.utc).isoformat(timespec="seconds"),
         "started_at_epoch": started, "header_bytes": config.header_bytes, "plugins": list(register_plugins()),
+        "no_caption": samples.column("caption").null_count,  # what a reader of samples/ counts
         "captions": redact(captions) if captions else "sidecars",
         "caption_table_version": table.version if table is not None else None,
     })  # fmt: skip
@@ -119,12 +120,14 @@ def summary_line(meta: ManifestMeta, out: str) -> str:
 
 
 def _notes(s: ScanSummary) -> str:
-    """What the user should know once: captions cut at 1 MiB; the loss masks found (``--masks``)."""
+    """What the user should know once: captions cut at 1 MiB; the loss masks found (``--masks``); storage that
+    throttled the scan."""
     masks = (f" | masks: {s.masks_alpha} alpha, {s.masks_files} files ({s.mask_files} mask files not counted as "
              "samples)") if s.masks_alpha is not None else ""  # fmt: skip
+    throttled = f" | storage throttled {s.throttled:,} requests (retried)" if s.throttled else ""
     if not s.captions_truncated:
-        return masks
-    return f" | {s.captions_truncated} captions longer than 1 MiB cut there{masks}"
+        return masks + throttled
+    return f" | {s.captions_truncated} captions longer than 1 MiB cut there{masks}{throttled}"
 
 
 def _ignored(s: ScanSummary) -> str:

@@ -206,7 +206,7 @@ def container_part(
     errors = pa.concat_tables([errors, too_small])
     stats["masks"] = mask_counts(samples, stats["mask_members"]) if getattr(config, "masks", None) else {}
     seconds = time.perf_counter() - clock - ray_seconds
-    listed = images.num_rows + errors.num_rows - _container_rows(errors)
+    listed = samples.num_rows + errors.num_rows - _container_rows(errors)  # a too_small image is in errors now
     summary = _summary(listing, files, plan, stats, samples, errors, listed, seconds, started, config, table)
     return ScanPart(samples, errors, summary, {"listed": listed, "ignored": listing.ignored, "shards": len(files)})
 
@@ -233,11 +233,11 @@ def _with_table_captions(rows: pa.Table, table: CaptionTable) -> pa.Table:
 
 
 def _stats(results: list[pa.Table]) -> dict[str, Any]:
-    total: dict[str, Any] = {"shards": 0, "requests": 0, "bytes_read": 0, "images": 0, "no_caption": 0,
+    total: dict[str, Any] = {"shards": 0, "requests": 0, "bytes_read": 0, "images": 0,
                              "captions_truncated": 0, "ignored_members": {}, "mask_members": 0}  # fmt: skip
     for result in results:
         stats = json.loads(result.schema.metadata[b"stats"])
-        for name in ("shards", "requests", "bytes_read", "images", "no_caption", "captions_truncated",
+        for name in ("shards", "requests", "bytes_read", "images", "captions_truncated",
                      "mask_members"):
             total[name] += stats[name]
         for ext, n in stats["ignored_members"].items():
@@ -257,7 +257,9 @@ def _summary(listing, files, plan, stats, samples, errors, listed, seconds, star
         "listed": listed, "samples": samples.num_rows, "errors": errors.num_rows, "errors_by_kind": kinds,
         "shards": len(files), "shards_read": len(plan.work), "images_read": stats["images"],
         "reused": plan.reused, "new": plan.new, "changed": plan.changed, "deleted": plan.deleted,
-        "previous": plan.previous, "no_caption": stats["no_caption"], "captions_truncated": stats["captions_truncated"],
+        "previous": plan.previous, "captions_truncated": stats["captions_truncated"],
+        # every sample without a caption, reused shards' too (a shard's own count covers only the shards read)
+        "no_caption": samples.column("caption").null_count,
         "ignored": listing.ignored, "ignored_members": dict(sorted(stats["ignored_members"].items())),
         "ignored_extensions": dict(sorted(listing.ignored_extensions.items())),
         "ignored_hidden": listing.ignored_hidden, "requests": stats["requests"],

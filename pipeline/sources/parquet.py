@@ -117,7 +117,6 @@ class ParquetScan:
     requests: int = 0
     bytes_read: int = 0  # every byte fetched from the file: footer and column chunks
     images: int = 0
-    no_caption: int = 0
 
 
 class _CountingFile(RangedFile):
@@ -252,7 +251,6 @@ def scan_parquet_file(
                 elif masks and "alpha" in masks.split(",") and alpha:
                     out.rows[-1]["mask"] = MASK_ALPHA
                 out.images += 1
-                out.no_caption += caption is None
                 row += 1
     finally:
         out.requests, out.bytes_read = file.requests, file.bytes

@@ -12,7 +12,7 @@ list of strings: several captions). No shard is
 read whole: the bytes read are the headers, the captions and each image's first bytes.
 
 A key's outcome, as for a loose file: one image -> a sample (null caption when it has none or an
-empty one, counted in ``no_caption``) or an error row; two images -> a ``duplicate_key`` error row
+empty one) or an error row; two images -> a ``duplicate_key`` error row
 each; other members are counted by extension (``ignored_members``). A hard or symbolic link to a
 file of the same shard is that file's bytes under the link's name (:func:`resolve_links`: its row
 points at the target's offset); one leading nowhere in the shard is a ``broken_link`` or
@@ -99,7 +99,6 @@ class ShardScan:
     requests: int = 0
     bytes_read: int = 0  # every byte fetched from the shard: headers, captions, image headers
     images: int = 0
-    no_caption: int = 0  # images without a caption: no caption member, or an empty one
     captions_truncated: int = 0  # caption members over SIDECAR_LIMIT bytes, cut there
     ignored_members: dict[str, int] = field(default_factory=dict)  # by extension
     mask_members: int = 0  # scan --masks files: <key>.mask.<ext> members (not samples)
@@ -177,7 +176,6 @@ def scan_shard(
             if m not in images and ext not in (*_CAPTION_EXTENSIONS, "json"):
                 out.ignored_members[ext] = out.ignored_members.get(ext, 0) + 1
         out.images += len(images)
-        out.no_caption += len(images) if caption is None else 0  # an empty .txt member is no caption either
         for image in images:
             row = {**base, "filename": f"{shard.name}/{image.name}", "member_offset": image.offset,
                    "size": image.size, "caption": caption, "captions": captions,
@@ -296,7 +294,7 @@ def key_caption(reads: CountingReads, container: str, members: list[TarMember], 
     string, or a list of strings: :func:`~pipeline.sources.captions.caption_list`); else ``(None, None, None)``.
 
     A .json that is not JSON, or whose field is neither a string nor a non-empty list of strings, gives
-    no caption (the image stays usable; counted in ``no_caption``), as a .json without the field does.
+    no caption (the image stays usable, a sample with a null caption), as a .json without the field does.
     """
     by_ext = {extension(m.name): m for m in members}
     for ext in _CAPTION_EXTENSIONS:
@@ -377,7 +375,7 @@ def scan_shards(fs, root: str, shards: list[FileEntry], config: Any) -> pa.Table
     """Scan ``shards`` (names relative to ``root`` on ``fs``), up to ``config.reads_in_flight`` at once.
 
     Returns a :data:`SHARD_ROWS` table; its schema metadata ``stats`` holds the summed counts
-    (requests, bytes_read, images, no_caption, ignored_members). Raises StorageError for a permanent
+    (requests, bytes_read, images, ignored_members). Raises StorageError for a permanent
     failure of an object store (access denied).
     """
     threads = 1 if type(fs) is LocalFileSystem else max(1, min(config.reads_in_flight, len(shards)))
@@ -389,13 +387,13 @@ def scan_shards(fs, root: str, shards: list[FileEntry], config: Any) -> pa.Table
 def combine_scans(scans: list, schema: pa.Schema) -> pa.Table:
     """The rows of per-container scans (:class:`ShardScan`, or a parquet file's scan) as one ``schema``
     table whose metadata ``stats`` holds their summed counts: shards (containers), requests, bytes_read,
-    images, no_caption and ignored_members by extension."""
-    stats: dict[str, Any] = {"shards": len(scans), "requests": 0, "bytes_read": 0, "images": 0, "no_caption": 0,
+    images and ignored_members by extension."""
+    stats: dict[str, Any] = {"shards": len(scans), "requests": 0, "bytes_read": 0, "images": 0,
                              "captions_truncated": 0, "ignored_members": {}, "mask_members": 0}  # fmt: skip
     rows: list[dict[str, Any]] = []
     for scan in scans:
         rows.extend(scan.rows)
-        for name in ("requests", "bytes_read", "images", "no_caption", "captions_truncated", "mask_members"):
+        for name in ("requests", "bytes_read", "images", "captions_truncated", "mask_members"):
             stats[name] += getattr(scan, name, 0)
         for ext, n in getattr(scan, "ignored_members", {}).items():
             stats["ignored_members"][ext] = stats["ignored_members"].get(ext, 0) + n

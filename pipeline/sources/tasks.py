@@ -2,7 +2,8 @@
 
 Used by the scan of loose files (:func:`pipeline.scan.probing.scan_batch`, a batch of files) and of
 containers (:func:`pipeline.sources.shards.scan_shard_batch`, a batch of tar shards). A task
-returns an Arrow table with ``bytes_read`` and ``error`` columns, one row per image.
+returns an Arrow table with ``bytes_read`` and ``error`` columns, one row per image, and the throttled
+answers its storage reads had (:func:`manifests.retry.throttle_span`), which go to the job's tally.
 """
 
 from __future__ import annotations
@@ -15,9 +16,17 @@ import pyarrow.compute as pc
 
 from manifests.errors import BucketeerError
 from manifests.progress import Progress
+from manifests.throttles import job_throttles, throttle_mark, throttle_span
 from pipeline.ray_setup import ray_session
 
 __all__ = ["run_tasks"]
+
+
+def _counted(task: Callable[[Any, pa.Table, Any], pa.Table], target: Any, batch: pa.Table,
+             config: Any) -> tuple[pa.Table, str]:  # fmt: skip
+    """The Ray task: ``task``'s table, and the throttled answers of this worker while it ran."""
+    before = throttle_mark()
+    return task(target, batch, config), throttle_span(before)
 
 
 def run_tasks(
@@ -47,7 +56,8 @@ def run_tasks(
         cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
         batches = batches_for(cpus)
         # worker loss is retried by Ray; exceptions (a permanent storage error) fail the job at once
-        remote = ray.remote(num_cpus=1, max_retries=3, retry_exceptions=False)(task)
+        remote = ray.remote(num_cpus=1, max_retries=3, retry_exceptions=False)(_counted)
+        tally = job_throttles()
         target_ref = ray.put(target)
         results: list[pa.Table] = []
         pending: dict = {}
@@ -57,17 +67,19 @@ def run_tasks(
             while batches or pending:
                 while batches and len(pending) < 4 * cpus:  # a bounded window keeps driver memory flat
                     batch = batches.pop(0)
-                    pending[remote.remote(target_ref, batch, config)] = batch
+                    pending[remote.remote(task, target_ref, batch, config)] = batch
                 done, _ = ray.wait(list(pending), num_returns=1)
                 for ref in done:
                     pending.pop(ref)
                     try:
-                        result = ray.get(ref)
+                        result, throttled = ray.get(ref)
                     except ray.exceptions.RayTaskError as e:
                         if isinstance(e.cause, BucketeerError):  # the task's own error; Ray's wrapper reads as one
                             raise e.cause from None
                         raise
                     results.append(result)
+                    if tally is not None:
+                        tally.add(throttled)
                     mb += (pc.sum(result.column("bytes_read")).as_py() or 0) / 1e6
                     errors += result.num_rows - result.column("error").null_count
                     bar.update(count(result), read=f"{mb:.1f} MB", errors=errors)
