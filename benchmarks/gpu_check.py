@@ -2,6 +2,7 @@
 
     make gpu-check                                   # on a GPU machine: prints, then runs, the python3 command below
     python3 benchmarks/gpu_check.py --wheels .gpu-wheels [--budget 440] [--families sdxl,flux] [--backends ...]
+    python3 benchmarks/gpu_check.py --wheels .gpu-wheels --families qwen-image,z-image --sections setup,vae,text
     python3 benchmarks/gpu_check.py --smoke          # every section's code on the CPU, tiny models, in a minute
     make gpu-rehearsal                               # --smoke in a venv holding only what the GPU machine has
 
@@ -30,7 +31,14 @@ folder of 1216x1088 JPEGs. In order, so that a cut budget loses the least:
    480x832x81 clip (clips/s, peak memory), annotate's CLIP ViT-L/14 embedding (``ImageEmbedder`` vs the tower
    alone), JPEG decode (Pillow on one thread vs nvJPEG).
 3. **flux** (CLIP-L + T5-XXL at 512 tokens; a Flux-width transformer of 4 + 8 blocks): as sdxl.
-4. DeepSpeed ZeRO-2/3 (sdxl), where its source archive builds offline there; the Ray embed job and the vLLM
+4. **the encoder families** (``--families chroma,z-image,flux2-klein,qwen-image,qwen-image-edit,flux2`` or
+   ``all``; not in the default run): per family ``setup`` (its folder: the text encoder and VAE at the published
+   sizes of :mod:`benchmarks.real_configs`, random weights, bf16, no denoiser), ``vae`` (the sweep above against
+   that VAE's own ``encode``) and ``text`` (against the pipeline's ``encode_prompt``, and the exactness row;
+   Qwen-Image-Edit: (instruction, 1024² reference) pairs as the embed worker encodes them). Each section's box
+   grows with the folder's size; a folder the disk, the GPU or the budget left cannot hold (Flux 2's is 48 GB)
+   is skipped and its rows say why; a family's folder is removed after its rows.
+5. DeepSpeed ZeRO-2/3 (sdxl), where its source archive builds offline there; the Ray embed job and the vLLM
    annotate engine (rows that say why they skip where Ray or vLLM is absent).
 
 accelerate does not wrap a model in DDP at world size 1 (``use_distributed`` needs 2 processes): the ``ddp``
@@ -59,10 +67,14 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_measures import (BusySampler, Row, annotate_rows, clip_rows, decode_rows, loader_rate,  # noqa: E402
                                      repa_rows, text_vs_pipeline, vae_sweep, wan_rows)
+from benchmarks.gpu_models import ENCODER_FAMILIES  # noqa: E402
 
 RESULT_MARK = "GPU_CHECK_RESULT "
 ERROR_MARK = "GPU_CHECK_ERROR "  # a trainer rank's exception, on its stdout
-FAMILIES = ("sdxl", "flux")
+FULL_FAMILIES = ("sdxl", "flux")  # every section; the others (ENCODER_FAMILIES): setup, vae and text only
+FAMILIES = FULL_FAMILIES + ENCODER_FAMILIES  # what --families all runs, in this order
+DEFAULT_FAMILIES = "sdxl,flux"  # the default run stays under 8 minutes
+SECONDS_PER_GB = 3.0  # an encoder family's folder: written once, read twice (bucketeer's, the pipeline's) at ~1 GB/s
 BACKENDS: dict[str, list[str]] = {  # accelerate launch flags, 1 process
     "ddp": ["--config_file", "infra/accelerate/ddp-1x8.yaml"],
     "fsdp2": ["--config_file", "infra/accelerate/fsdp2-1x8.yaml"],
@@ -98,16 +110,23 @@ class Sizes:
     denoisers: dict[str, str]  # what each family trains, for the table
 
 
-REAL = Sizes((1216, 1088), (1024, 1024), 384, 96, (1, 4, 8, 16), 32, {"sdxl": 128, "flux": 32}, 2,
+_TEXT_BATCH = {"sdxl": 128, "flux": 32, "chroma": 32, "z-image": 32, "flux2-klein": 16, "qwen-image": 32,
+               "qwen-image-edit": 8, "flux2": 8}  # (instruction, reference) pairs for qwen-image-edit  # fmt: skip
+REAL = Sizes((1216, 1088), (1024, 1024), 384, 96, (1, 4, 8, 16), 32, _TEXT_BATCH, 2,
              {"sdxl": 1, "flux": 1}, 4, 12, (8, (512, 512)), 64, (81, 480, 832), 64, 3, 150,
              {"sdxl": "UNet (2.57B)", "flux": "Flux-width transformer, 4+8 of 19+38 blocks (2.5B)"})  # fmt: skip
-SMOKE = Sizes((80, 72), (64, 64), 16, 8, (1, 2), 2, {"sdxl": 8, "flux": 8}, 1, {"sdxl": 2, "flux": 2}, 2, 4,
-              (4, (64, 64)), 4, (9, 32, 48), 4, 1, 300,
+# --smoke: the encoder families' tiny text encoders are deep (Flux 2 reads layer 30) at 512 tokens: batches of 2
+SMOKE = Sizes((80, 72), (64, 64), 16, 8, (1, 2), 2, {f: 8 if f in FULL_FAMILIES else 2 for f in _TEXT_BATCH}, 1,
+              {"sdxl": 2, "flux": 2}, 2, 4, (4, (64, 64)), 4, (9, 32, 48), 4, 1, 300,
               {"sdxl": "tiny UNet", "flux": "tiny Flux transformer"})  # fmt: skip
 
 
 class SectionTimeout(Exception):
     pass
+
+
+class SectionSkipped(Exception):
+    """A section that cannot run here: its row says why (``skipped: ...``)."""
 
 
 def _alarm(signum, frame):
@@ -133,6 +152,7 @@ class Check:
         self.sections = {x for x in args.sections.split(",") if x}
         self.rows: list[Row] = []
         self.done: dict[str, Any] = {}  # what later sections need: folders, manifests, caches, plans
+        self.skipped: dict[str, str] = {}  # what a section left out on purpose (a key of done), and why
 
     def section(self, name: str, fn: Callable[[], list[Row]], seconds: int | None = None) -> None:
         """Run ``fn`` time-boxed (``seconds``, at most the time left); its rows, or one failed row with its error.
@@ -151,6 +171,8 @@ class Check:
             rows = fn()
         except SectionTimeout:
             rows = [Row(name, "-", f"failed: over its time box of {box:.0f} s", status="failed")]
+        except SectionSkipped as e:
+            rows = [Row(name, "-", f"skipped: {e}", status="skipped")]
         except Exception as e:  # one section's failure is its row (its traceback in the JSON); the others go on
             import traceback
 
@@ -171,6 +193,9 @@ class Check:
 
     def _needs(self, *keys: str) -> None:
         missing = [k for k in keys if k not in self.done]
+        for key in missing:
+            if key in self.skipped:
+                raise SectionSkipped(f"no {key} ({self.skipped[key]})")
         if missing:
             raise RuntimeError(f"no {', '.join(missing)}: an earlier section failed")
 
@@ -205,6 +230,30 @@ class Check:
         return [Row("setup", "vision: DINOv2-base, CLIP ViT-L/14 vision, Wan 2.1 VAE (random weights, bf16)",
                     f"{', '.join(sizes)} in {time.perf_counter() - t0:.0f} s")]  # fmt: skip
 
+    def prepare_encoders(self, family: str, need: int | None) -> list[Row]:
+        """An encoder family's folder (:func:`benchmarks.gpu_models.build_encoders_folder`): its text encoder and VAE
+        at real size (``--smoke``: the tiny pipeline's), no denoiser. ``need``: its bytes (None: not checked);
+        skipped, with the reason in the row and in ``skipped`` for its later sections, when the disk, the GPU or
+        the budget left cannot hold it."""
+        from benchmarks.gpu_models import build_encoders_folder
+
+        size = "tiny" if self.smoke else "published sizes"
+        what = f"{family}: text encoder + VAE ({size}, random weights, bf16; no denoiser: these rows need none)"
+        key = f"model-{family}"
+        if need is not None:
+            import torch
+
+            gpu_free = torch.cuda.mem_get_info()[0] if self.gpu else None
+            why = wont_fit(family, need, shutil.disk_usage(self.work).free, gpu_free, self.deadline - time.monotonic())
+            if why:
+                self.skipped[key] = why
+                return [Row("setup", what, f"skipped: {why}", status="skipped", values={"bytes": need})]
+        t0 = time.perf_counter()
+        folder = build_encoders_folder(family, self.work / key, real=not self.smoke, device=self.device)
+        self.done[key] = str(folder)
+        seconds = time.perf_counter() - t0
+        return [Row("setup", what, f"{_size(folder)} in {seconds:.0f} s", values={"seconds": seconds, "bytes": need})]
+
     def vae(self, family: str) -> list[Row]:
         self._needs(f"model-{family}")
         s = self.sizes
@@ -213,7 +262,11 @@ class Check:
     def text(self, family: str) -> list[Row]:
         self._needs(f"model-{family}")
         s = self.sizes
-        return text_vs_pipeline(family, self.done[f"model-{family}"], s.text_batch[family], self.gpu, s.text_iters)
+        from pipeline.embed.families import get_family
+
+        reference = s.bucket if get_family(family).reference else None  # Qwen-Image-Edit: at the bucket's size
+        return text_vs_pipeline(family, self.done[f"model-{family}"], s.text_batch[family], self.gpu, s.text_iters,
+                                reference)  # fmt: skip
 
     def _embed_job(self, family: str, manifest: str, out: str, device: str):
         from pipeline import EmbedJob
@@ -494,19 +547,23 @@ def run_check(args: argparse.Namespace) -> int:
           flush=True)  # fmt: skip
     print(f"versions: {_versions()}", flush=True)
     try:
-        first, *others = check.families
-        for family in (first,):
-            _family_sections(check, family)
+        full = [f for f in check.families if f in FULL_FAMILIES]
+        first = full[0] if full else None
+        if first:
+            _family_sections(check, first, first)
         check.section("setup-vision", check.prepare_vision, 90)
         check.section("repa", check.repa, 45)
         check.section("wan", check.wan, 120)
         check.section("annotate", check.clip, 60)
         check.section("decode", check.decode, 45)
-        for family in others:
-            _family_sections(check, family)
-        for backend in [b for b in check.backends if b.startswith("zero")]:
-            check.section("train", lambda b=backend: check.train(first, b), 240)
-        check.section("embed-ray", lambda: check.embed_ray(first), 120)
+        for family in full[1:]:
+            _family_sections(check, family, first)
+        for family in [f for f in check.families if f not in FULL_FAMILIES]:
+            _encoder_sections(check, family)
+        if first:
+            for backend in [b for b in check.backends if b.startswith("zero")]:
+                check.section("train", lambda b=backend: check.train(first, b), 240)
+            check.section("embed-ray", lambda: check.embed_ray(first), 120)
         check.section("annotate", check.annotate_vllm, 120)
     finally:
         if not args.keep and not args.work_dir:
@@ -530,17 +587,51 @@ def run_check(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _family_sections(check: Check, family: str) -> None:
-    """One family's sections, in order: what the later ones need first."""
+def _family_sections(check: Check, family: str, first: str) -> None:
+    """One of FULL_FAMILIES's sections, in order: what the later ones need first (``records``: ``first``'s)."""
     check.section("setup", lambda: check.prepare(family), 180)
     check.section("vae", lambda: check.vae(family), 90)
     check.section("text", lambda: check.text(family), 120)
     check.section("embed", lambda: check.embed(family), 150)
-    if family == check.families[0]:
+    if family == first:
         check.section("records", lambda: check.records(family), 120)
     check.section("loader", lambda: check.loader(family), 60)
     for backend in [b for b in check.backends if not b.startswith("zero")]:
         check.section("train", lambda b=backend: check.train(family, b), 240)
+
+
+def _encoder_sections(check: Check, family: str) -> None:
+    """An encoder family's sections (one of ENCODER_FAMILIES): ``setup`` (its folder, when it fits), ``vae`` and
+    ``text``, each time-boxed by the folder's size (a 48 GB Flux 2 folder is written once and read twice); then
+    the folder is removed, leaving the disk to the next family."""
+    need = None
+    if not check.smoke and (not check.sections or "setup" in check.sections):
+        from benchmarks.gpu_models import encoders_bytes
+
+        need = encoders_bytes(family)
+    gb = (need or 0) / 1e9
+    check.section("setup", lambda: check.prepare_encoders(family, need), int(120 + SECONDS_PER_GB * gb))
+    check.section("vae", lambda: check.vae(family), 90)
+    check.section("text", lambda: check.text(family), int(120 + 1.5 * SECONDS_PER_GB * gb))
+    shutil.rmtree(check.work / f"model-{family}", ignore_errors=True)
+    check.done.pop(f"model-{family}", None)
+
+
+def wont_fit(family: str, need: int, disk_free: int, gpu_free: int | None, seconds_left: float) -> str | None:
+    """Why ``family``'s folder of ``need`` bytes (an encoder family's) cannot be measured here (None: it can): the
+    disk (the folder, 1 GB to spare), the GPU (its text encoder whole, as the pipeline loads it; None: not checked)
+    or the budget left (the folder written once and read twice at ~1 GB/s, an estimate, and a minute of work)."""
+    gb = need / 1e9
+    if need + (1 << 30) > disk_free:
+        return f"its folder needs {gb:.1f} GB of disk and {disk_free / 1e9:.1f} GB are free"
+    if gpu_free is not None and need > gpu_free:
+        return f"its text encoder needs {gb:.1f} GB of GPU memory and {gpu_free / 1e9:.1f} GB are free"
+    seconds = SECONDS_PER_GB * gb + 60
+    if seconds > seconds_left:
+        return (f"its {gb:.1f} GB folder needs ~{seconds:.0f} s (written once, read twice at ~1 GB/s), and "
+                f"{seconds_left:.0f} s of the budget are left: run it alone (--families {family} --sections "
+                "setup,vae,text) or raise --budget")
+    return None
 
 
 def _versions() -> dict[str, str]:
@@ -645,7 +736,9 @@ def _train_rank(args: argparse.Namespace, torch, TrainJob, Trainer, load_config)
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="run every section on the CPU with tiny models (seconds)")
-    p.add_argument("--families", default=",".join(FAMILIES), help="comma-separated: sdxl,flux")
+    p.add_argument("--families", default=DEFAULT_FAMILIES,
+                   help=f"comma-separated, or all: {','.join(FAMILIES)} (default {DEFAULT_FAMILIES}: every section; "
+                        "the others: their text encoder and VAE rows)")
     p.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated: ddp,fsdp2,zero2,zero3")
     p.add_argument("--out-dir", default=None, help="where gpu-check.md/.json go (default $OUT or benchmarks/results)")
     p.add_argument("--work-dir", default=None, help="models, data, caches (default: a temp folder, removed at the end)")
@@ -665,6 +758,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         w.add_argument(name, default=None, help=argparse.SUPPRESS)
     w.add_argument("--max-steps", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.families == "all":
+        args.families = ",".join(FAMILIES)
     unknown = sorted({*args.families.split(",")} - {*FAMILIES, ""}) + sorted({*args.backends.split(",")} -
                                                                               {*BACKENDS, ""})  # fmt: skip
     if unknown:

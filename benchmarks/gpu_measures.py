@@ -16,8 +16,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["Row", "BusySampler", "vae_sweep", "text_vs_pipeline", "decode_rows", "loader_rate", "repa_rows",
-           "wan_rows", "clip_rows", "annotate_rows"]
+__all__ = ["Row", "BusySampler", "vae_sweep", "captions", "text_vs_pipeline", "decode_rows", "loader_rate",
+           "repa_rows", "wan_rows", "clip_rows", "annotate_rows"]
 
 
 @dataclass
@@ -104,13 +104,18 @@ class BusySampler:
 
 def _timed(fn: Callable[[], Any], gpu: bool, iters: int) -> float:
     """Seconds per call of ``fn`` after one warm-up call, the device synchronized before each clock read."""
+    return _timed_output(fn, gpu, iters)[0]
+
+
+def _timed_output(fn: Callable[[], Any], gpu: bool, iters: int) -> tuple[float, Any]:
+    """:func:`_timed`, and what the last call of ``fn`` returned (no extra call to get the output checked)."""
     fn()
     _sync(gpu)
     t0 = time.perf_counter()
     for _ in range(iters):
-        fn()
+        out = fn()
     _sync(gpu)
-    return (time.perf_counter() - t0) / iters
+    return (time.perf_counter() - t0) / iters, out
 
 
 def _free() -> None:
@@ -126,28 +131,28 @@ def _free() -> None:
 def vae_sweep(family: str, folder: str, bucket: tuple[int, int], batches: tuple[int, ...], gpu: bool,
               images_per_size: int) -> list[Row]:  # fmt: skip
     """Images/s of the family's VAE at each batch size: bucketeer's ``LatentEncoder.encode`` (uint8 host pixels
-    -> the fp32 posterior mean on the device, as the embed worker calls it) against diffusers' ``vae.encode``
-    alone (bf16 pixels already on the device, the posterior mean left there); the GPU's busy fraction (NVML)
-    over bucketeer's calls. About ``images_per_size`` images per timing (one warm-up call before)."""
+    -> the fp32 latents on the device as the family's denoiser sees them, as the embed worker calls it) against
+    the same diffusers VAE's ``encode`` alone (bf16 pixels already on the device, the posterior mean left there;
+    a 3D VAE, Qwen-Image's, given 1-frame clips as its pipeline does); the GPU's busy fraction (NVML) over
+    bucketeer's calls. About ``images_per_size`` images per timing (one warm-up call before)."""
     import torch
-    from diffusers import AutoencoderKL
-
-    from pipeline.embed.loading import EncoderSource
 
     from pipeline.embed.latents import LatentSpec
+    from pipeline.embed.loading import EncoderSource
 
     ours = LatentSpec(EncoderSource(folder, "vae")).load(use_gpu=gpu, dtype="BF16")
-    device, dtype = ours.device, ours.compute_dtype
-    alone = AutoencoderKL.from_pretrained(folder, subfolder="vae", torch_dtype=dtype).to(device).eval()
+    device, dtype, vae = ours.device, ours.compute_dtype, ours.vae
+    clips = vae.encoder.conv_in.weight.ndim == 5  # a 3D convolution: images go in as 1-frame clips
     rng = np.random.default_rng(0)
     rows = []
     w, h = bucket
     for b in batches:
         pixels = rng.integers(0, 255, (b, h, w, 3), dtype=np.uint8)
         x = torch.from_numpy(pixels).to(device).permute(0, 3, 1, 2).float().div(127.5).sub(1).to(dtype)
+        x = x.unsqueeze(2) if clips else x
         iters = max(1, images_per_size // b)
         with torch.inference_mode():
-            t_alone = _timed(lambda: alone.encode(x).latent_dist.mean, gpu, iters)
+            t_alone = _timed(lambda: vae.encode(x).latent_dist.mean, gpu, iters)
         sampler = BusySampler.start() if gpu else None
         started = time.time()
         try:
@@ -156,8 +161,8 @@ def vae_sweep(family: str, folder: str, bucket: tuple[int, int], batches: tuple[
             samples = sampler.stop() if sampler else None
         busy = BusySampler.mean(samples, started, time.time()) if samples else None
         rate, ceiling = b / t_ours, b / t_alone
-        rows.append(Row("vae", f"{family} VAE {w}x{h} {_dtype_name(dtype)}, batch {b}: LatentEncoder.encode (host "
-                        "uint8 in) vs diffusers vae.encode alone (bf16 input on the device)",
+        rows.append(Row("vae", f"{family} VAE ({type(vae).__name__}) {w}x{h} {_dtype_name(dtype)}, batch {b}: "
+                        f"LatentEncoder.encode (host uint8 in) vs its encode alone (bf16 input on the device)",
                         f"{rate:.1f} vs {ceiling:.1f} images/s ({rate / ceiling:.2f}x); GPU busy "
                         f"{'n/a' if busy is None else f'{busy:.0%}'}",
                         ">= 0.9x alone, busy >= 90%" if gpu else "",
@@ -169,57 +174,139 @@ def _dtype_name(dtype) -> str:
     return str(dtype).replace("torch.", "").replace("bfloat16", "bf16").replace("float32", "fp32")
 
 
-def text_vs_pipeline(family: str, folder: str, batch: int, gpu: bool, iters: int) -> list[Row]:
-    """Captions/s of bucketeer's ``TextEncoders.encode`` (tokenize, forward, copy to the host: what the embed
-    text worker calls) against the family's diffusers pipeline's ``encode_prompt`` (its outputs left on the
-    device), on the same batch of distinct ~40-word captions, both in the same compute dtype; and how far the
-    cache's joined embeddings (``TextLayout.prompt_embeds`` of the bf16 records) are from ``encode_prompt``'s
-    rounded to bf16 (relative L2 error: 0 when the records are exactly what the pipeline computes)."""
+CAPTION_WORDS = ("photo of the red cat and a blue dog on a chair near the window in soft light with color shape "
+                 "size texture quantity text objects background picture broken circle thing spatial").split()
+
+
+def captions(batch: int) -> list[str]:
+    """``batch`` distinct 40-word captions of one token count in every family's tokenizer: ``a`` and then the
+    same 39 words in another order each (every tokenizer splits words apart before it merges or looks them up,
+    so an order changes no count). One count means no padding, so a masked family's pipeline batch is exactly
+    bucketeer's (which encodes captions of one count together)."""
+    rng = np.random.default_rng(0)
+    words = (CAPTION_WORDS * 2)[:39]
+    out: dict[str, None] = {}
+    while len(out) < batch:
+        out["a " + " ".join(rng.permutation(words))] = None
+    return list(out)
+
+
+def _prompt(family: str, pipe, captions: list[str], images: list[np.ndarray] | None, device) -> tuple[Any, Any]:
+    """``(prompt embeddings, pooled or mask or None)`` of ``family``'s pipeline's own ``encode_prompt`` on the
+    captions (Qwen-Image-Edit: each instruction with its reference ``images[i]``, one pair a call, as its
+    ``__call__`` encodes one; Z-Image's list of real rows zero-padded to a batch)."""
     import torch
+    from PIL import Image
+
+    if family == "sdxl":
+        embeds, _, pooled, _ = pipe.encode_prompt(captions, device=device, do_classifier_free_guidance=False)
+        return embeds, pooled
+    if family == "flux":
+        embeds, pooled, _ = pipe.encode_prompt(captions, prompt_2=None, device=device)
+        return embeds, pooled
+    if family == "chroma":
+        embeds, _, mask, *_ = pipe.encode_prompt(captions, device=device, do_classifier_free_guidance=False)
+        return embeds, mask
+    if family == "z-image":  # a copy: its _encode_prompt writes the templated prompts into the list it is given
+        rows, _ = pipe.encode_prompt(list(captions), device=device, do_classifier_free_guidance=False)
+        return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True), None
+    if family == "qwen-image-edit":
+        rows = [pipe.encode_prompt([c], image=Image.fromarray(image), device=device)[0][0]
+                for c, image in zip(captions, images)]  # fmt: skip
+        return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True), None
+    embeds, _ = pipe.encode_prompt(captions, device=device)  # flux2, flux2-klein, qwen-image (no pad: mask None)
+    return embeds, None
+
+
+def _load_pipeline(family: str, folder: str, dtype, device):
+    """The family's diffusers pipeline without its VAE and denoiser (Qwen-Image-Edit's processor loaded as
+    bucketeer loads it: transformers 5.x without torchvision cannot build its own)."""
     from diffusers import DiffusionPipeline
 
+    from pipeline.embed.processors import load_qwen2vl_processor
+
+    skip = {"vae": None, "unet" if family == "sdxl" else "transformer": None}
+    if family == "qwen-image-edit":
+        skip["processor"] = load_qwen2vl_processor(folder)
+    return DiffusionPipeline.from_pretrained(folder, dtype=dtype, **skip).to(device)
+
+
+def text_vs_pipeline(family: str, folder: str, batch: int, gpu: bool, iters: int,
+                     reference: tuple[int, int] | None = None) -> list[Row]:  # fmt: skip
+    """Captions/s of bucketeer's ``TextEncoders.encode`` (tokenize, forward, copy to the host: what the embed
+    text worker calls) against the family's diffusers pipeline's ``encode_prompt`` (its outputs left on the
+    device), on the same batch of :func:`captions`, both in the same compute dtype; and how far the cache's joined
+    embeddings (``TextLayout.prompt_embeds`` of the bf16 records) are from ``encode_prompt``'s rounded to bf16
+    (relative L2 error: 0 when the records are exactly what the pipeline computes). ``reference`` (w, h): a
+    reference family's (Qwen-Image-Edit) image size: each caption is an instruction with its own reference of that
+    size, encoded as the embed worker calls it (``encode(instructions, images=references)``). The two models are
+    loaded one after the other (a 24B text encoder twice would not fit one GPU)."""
+    import torch
+
+    from benchmarks.gpu_models import TEXT_NAMES
     from manifests.cache import TextLayout
     from manifests.cache.records import TextRecord
-    from pipeline.embed.loading import to_storage
     from pipeline.embed.encoders import encoder_specs
+    from pipeline.embed.families.qwen_image_edit import reference_pixels
+    from pipeline.embed.loading import to_storage
 
     _, spec = encoder_specs(family=family, model=folder, vae=None, vae_subfolder=None, text_encoders=None,
                             text_subfolders=None)  # fmt: skip
     ours = spec.load(use_gpu=gpu, dtype="BF16")
     device, dtype = ours.device, ours.compute_dtype
-    skip = {"vae": None, "unet": None} if family == "sdxl" else {"vae": None, "transformer": None}
-    pipe = DiffusionPipeline.from_pretrained(folder, torch_dtype=dtype, **skip).to(device)
-    words = "a photo of a red cat on a blue chair near the window in soft morning light".split()
-    captions = [" ".join(words[(i + k) % len(words)] for k in range(40)) + f" {i}" for i in range(batch)]
+    texts = captions(batch)
+    images = None
+    if reference is not None:
+        w, h = reference
+        noise = np.random.default_rng(1).integers(0, 256, (batch, h, w, 3), dtype=np.uint8)
+        images = [reference_pixels(crop, w * h) for crop in noise]  # as the workers resize it (here: unchanged)
+    extra = {} if images is None else {"images": images}
+    t_ours, encoded = _timed_output(lambda: ours.encode(texts, **extra), gpu, iters)
+    layout = TextLayout.from_json(ours.describe()["layout"])
+    ours = None  # its models freed before the pipeline's load (the timing's closure holds the name, not them)
+    _free()
+    pipe = _load_pipeline(family, folder, dtype, device)
 
     def prompt():
         with torch.inference_mode():
-            if family == "sdxl":
-                embeds, _, pooled, _ = pipe.encode_prompt(captions, device=device, do_classifier_free_guidance=False)
-            else:
-                embeds, pooled, _ = pipe.encode_prompt(captions, prompt_2=None, device=device)
-        return embeds, pooled
+            return _prompt(family, pipe, texts, images, device)
 
-    t_ours = _timed(lambda: ours.encode(captions), gpu, iters)
-    t_pipe = _timed(prompt, gpu, iters)
-    encoded = ours.encode(captions)
-    records = [TextRecord(i, tuple(to_storage(t, "BF16") for t in tokens), to_storage(p, "BF16"), "BF16")
+    t_pipe, prompted = _timed_output(prompt, gpu, iters)
+    records = [TextRecord(i, tuple(to_storage(t, "BF16") for t in tokens),
+                          None if p is None else to_storage(p, "BF16"), "BF16")
                for i, (tokens, p) in enumerate(encoded)]  # fmt: skip
-    layout = TextLayout.from_json(ours.describe()["layout"])
     joined, _, pooled = layout.prompt_embeds(records)
-    ref, ref_pooled = (t.to(torch.bfloat16).float().cpu().numpy() for t in prompt())
-    err = float(np.linalg.norm(joined - ref) / max(np.linalg.norm(ref), 1e-30))
-    err_pooled = float(np.linalg.norm(pooled - ref_pooled) / max(np.linalg.norm(ref_pooled), 1e-30))
-    names = "CLIP-L + CLIP-bigG (77 tokens)" if family == "sdxl" else "CLIP-L + T5-XXL (512 tokens)"
+    ref, ref_pooled = (None if t is None else t.to(torch.bfloat16).float().cpu().numpy() for t in prompted)
+    pipe = prompted = None
+    err = _rel_error(joined, ref)
+    err_pooled = None if ref_pooled is None else _rel_error(pooled, ref_pooled)
     rate, ceiling = batch / t_ours, batch / t_pipe
-    return [Row("text", f"{family} {names} {_dtype_name(dtype)}, batch {batch}: TextEncoders.encode vs the "
-                "pipeline's encode_prompt", f"{rate:.1f} vs {ceiling:.1f} captions/s ({rate / ceiling:.2f}x)",
+    if reference is None:
+        what, unit = f"batch {batch}", "captions/s"
+    else:
+        what, unit = (f"{batch} (instruction, {reference[0]}x{reference[1]} reference) pairs, encode(instructions, "
+                      "images=references)"), "pairs/s"  # fmt: skip
+    errors = f"{err:.1e}" + ("" if err_pooled is None else f", {err_pooled:.1e}")
+    ok = err < 1e-2 and (err_pooled is None or err_pooled < 1e-2)
+    return [Row("text", f"{family} {TEXT_NAMES[family]} {_dtype_name(dtype)}, {what}: TextEncoders.encode vs the "
+                "pipeline's encode_prompt", f"{rate:.1f} vs {ceiling:.1f} {unit} ({rate / ceiling:.2f}x)",
                 ">= 0.9x encode_prompt" if gpu else "",
                 values={"captions_per_second": rate, "encode_prompt": ceiling}),
             Row("text", f"{family}: the cache's joined bf16 text records vs encode_prompt's output in bf16 "
-                "(relative L2 error: embeds, pooled)", f"{err:.1e}, {err_pooled:.1e}", "0 (the same numbers)",
-                status="ok" if err < 1e-2 and err_pooled < 1e-2 else "failed",
+                f"(relative L2 error: embeds{'' if err_pooled is None else ', ' + _pooled_name(family)})", errors,
+                "0 (the same numbers)", status="ok" if ok else "failed",
                 values={"rel_error": err, "rel_error_pooled": err_pooled})]  # fmt: skip
+
+
+def _pooled_name(family: str) -> str:
+    return "mask" if family == "chroma" else "pooled"
+
+
+def _rel_error(ours: np.ndarray, ref: np.ndarray) -> float:
+    """Relative L2 error of ``ours`` against ``ref``; RuntimeError when their shapes differ (not the same rows)."""
+    if ours.shape != ref.shape:
+        raise RuntimeError(f"the cache's joined text is {ours.shape}, encode_prompt's {ref.shape}: not the same rows")
+    return float(np.linalg.norm(ours - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
 def decode_rows(images: Path, bucket: tuple[int, int], gpu: bool, count: int) -> list[Row]:

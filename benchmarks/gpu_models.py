@@ -4,8 +4,9 @@ Nothing is downloaded: every model is built from a config written here and saved
 ``save_pretrained`` as the diffusers pipeline folder the embed job and the trainer load
 (``--family F --model FOLDER``). ``REAL`` holds the published configs (values as in the hub's
 ``config.json`` files of stabilityai/stable-diffusion-xl-base-1.0, black-forest-labs/FLUX.1-dev and
-google/t5-v1_1-xxl), ``TINY`` the same classes shrunk so that ``--smoke`` runs every line of this
-module on a CPU in seconds. Weights are random: the numbers are noise, the shapes and the FLOPs are real.
+google/t5-v1_1-xxl; the VAEs' and T5's in :mod:`benchmarks.real_configs`), ``TINY`` the same classes shrunk
+so that ``--smoke`` runs every line of this module on a CPU in seconds. Weights are random: the numbers are
+noise, the shapes and the FLOPs are real.
 
 - ``sdxl``: ``AutoencoderKL`` (4 latent channels), ``CLIPTextModel`` (CLIP-L, 768 x 12 layers),
   ``CLIPTextModelWithProjection`` (CLIP-bigG, 1280 x 32 layers, projection 1280),
@@ -16,6 +17,12 @@ module on a CPU in seconds. Weights are random: the numbers are noise, the shape
   19 and 38 (2.5B of 11.9B parameters): the full model with AdamW (16 bytes per parameter: fp32 weights,
   gradients and two moments) needs ~190 GB, more than one 80 GB GPU; these 12 blocks train in ~40 GB
   plus activations, so every block and kernel shape of Flux runs, 12/57 of the depth.
+
+- the encoder families (:data:`ENCODER_FAMILIES`: ``flux2``, ``flux2-klein``, ``chroma``, ``qwen-image``,
+  ``qwen-image-edit``, ``z-image``): their text encoder and VAE only (:func:`build_encoders_folder`), at the
+  published sizes of :mod:`benchmarks.real_configs` (Mistral Small 3.1 24B, Qwen3-4B, T5-XXL, Qwen2.5-VL-7B;
+  ``AutoencoderKLFlux2``, Flux.1's VAE, ``AutoencoderKLQwenImage``), built straight in bf16 (24B in fp32 would
+  not fit one GPU) into the family's tiny pipeline in place of its tiny ones, the denoiser left out.
 
 The tokenizers are the tiny in-memory ones of :mod:`pipeline.embed.families.tiny` (every text
 tokenizes; ids fall inside the real vocabularies): sequence lengths (77, 512) are the real ones.
@@ -31,23 +38,18 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.real_configs import FLUX1_VAE, MISTRAL_SMALL_31, QWEN3_4B, QWEN_VL_7B, SDXL_VAE, T5_XXL
+
 __all__ = ["REAL", "TINY", "VISION", "build_folder", "build_vision", "make_jpegs", "write_jpeg_manifest",
-           "FLUX_BLOCKS"]  # fmt: skip
+           "FLUX_BLOCKS", "ENCODER_FAMILIES", "TEXT_NAMES", "real_encoders", "encoders_bytes",
+           "build_encoders_folder"]  # fmt: skip
 
 FLUX_BLOCKS = (4, 8)  # double-stream, single-stream blocks of the Flux-width transformer (real: 19, 38)
 
-_SDXL_VAE = {"down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
-             "block_out_channels": [128, 256, 512, 512], "layers_per_block": 2, "latent_channels": 4,
-             "norm_num_groups": 32, "sample_size": 1024, "scaling_factor": 0.13025, "force_upcast": True}
-_FLUX_VAE = {**_SDXL_VAE, "latent_channels": 16, "scaling_factor": 0.3611, "shift_factor": 0.1159,
-             "use_quant_conv": False, "use_post_quant_conv": False, "force_upcast": True}
 _CLIP_L = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
            "projection_dim": 768, "hidden_act": "quick_gelu", "vocab_size": 49408, "max_position_embeddings": 77}
 _CLIP_G = {"hidden_size": 1280, "intermediate_size": 5120, "num_hidden_layers": 32, "num_attention_heads": 20,
            "projection_dim": 1280, "hidden_act": "gelu", "vocab_size": 49408, "max_position_embeddings": 77}
-_T5_XXL = {"d_model": 4096, "d_ff": 10240, "d_kv": 64, "num_heads": 64, "num_layers": 24, "vocab_size": 32128,
-           "feed_forward_proj": "gated-gelu", "relative_attention_num_buckets": 32,
-           "relative_attention_max_distance": 128, "layer_norm_epsilon": 1e-6, "tie_word_embeddings": False}
 _SDXL_UNET = {"sample_size": 128, "in_channels": 4, "out_channels": 4, "layers_per_block": 2,
               "block_out_channels": [320, 640, 1280], "attention_head_dim": [5, 10, 20],
               "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
@@ -65,9 +67,9 @@ _FLUX_SCHEDULER = {"shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5
                    "base_image_seq_len": 256, "max_image_seq_len": 4096, "num_train_timesteps": 1000}
 
 REAL: dict[str, dict[str, dict[str, Any]]] = {
-    "sdxl": {"vae": _SDXL_VAE, "text_encoder": _CLIP_L, "text_encoder_2": _CLIP_G, "unet": _SDXL_UNET,
+    "sdxl": {"vae": SDXL_VAE, "text_encoder": _CLIP_L, "text_encoder_2": _CLIP_G, "unet": _SDXL_UNET,
              "scheduler": _SDXL_SCHEDULER},
-    "flux": {"vae": _FLUX_VAE, "text_encoder": _CLIP_L, "text_encoder_2": _T5_XXL, "transformer": _FLUX_TRANSFORMER,
+    "flux": {"vae": FLUX1_VAE, "text_encoder": _CLIP_L, "text_encoder_2": T5_XXL, "transformer": _FLUX_TRANSFORMER,
              "scheduler": _FLUX_SCHEDULER},
 }  # fmt: skip
 
@@ -75,7 +77,7 @@ _TINY_VAE = {"block_out_channels": [8, 16, 16, 16], "layers_per_block": 1, "norm
 _TINY_CLIP = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
               "projection_dim": 32, "vocab_size": 1000}
 TINY: dict[str, dict[str, dict[str, Any]]] = {
-    "sdxl": {"vae": {**_SDXL_VAE, **_TINY_VAE}, "text_encoder": {**_CLIP_L, **_TINY_CLIP},
+    "sdxl": {"vae": {**SDXL_VAE, **_TINY_VAE}, "text_encoder": {**_CLIP_L, **_TINY_CLIP},
              "text_encoder_2": {**_CLIP_G, **_TINY_CLIP, "hidden_size": 48, "projection_dim": 40},
              "unet": {**_SDXL_UNET, "sample_size": 32, "layers_per_block": 1, "block_out_channels": [32, 64],
                       "attention_head_dim": [2, 4], "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"],
@@ -83,8 +85,8 @@ TINY: dict[str, dict[str, dict[str, Any]]] = {
                       "cross_attention_dim": 80, "addition_time_embed_dim": 8,
                       "projection_class_embeddings_input_dim": 40 + 6 * 8},
              "scheduler": _SDXL_SCHEDULER},
-    "flux": {"vae": {**_FLUX_VAE, **_TINY_VAE}, "text_encoder": {**_CLIP_L, **_TINY_CLIP},
-             "text_encoder_2": {**_T5_XXL, "d_model": 48, "d_ff": 64, "d_kv": 16, "num_heads": 3, "num_layers": 2,
+    "flux": {"vae": {**FLUX1_VAE, **_TINY_VAE}, "text_encoder": {**_CLIP_L, **_TINY_CLIP},
+             "text_encoder_2": {**T5_XXL, "d_model": 48, "d_ff": 64, "d_kv": 16, "num_heads": 3, "num_layers": 2,
                                 "vocab_size": 1000},
              "transformer": {**_FLUX_TRANSFORMER, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16,
                              "num_attention_heads": 2, "joint_attention_dim": 48, "pooled_projection_dim": 32,
@@ -231,6 +233,95 @@ def _model_index(family: str, configs: dict[str, Any], tokenizers: dict[str, Any
     if family == "sdxl":
         index["force_zeros_for_empty_prompt"] = True
     return index
+
+
+# ---------------------------------------------------------------- families measured by their encoders alone
+
+# smallest first (what `--families all` runs in this order, so that a cut budget loses the largest)
+ENCODER_FAMILIES = ("chroma", "z-image", "flux2-klein", "qwen-image", "qwen-image-edit", "flux2")
+TEXT_NAMES = {  # what the text rows call each family's text encoder (real size)
+    "sdxl": "CLIP-L + CLIP-bigG (77 tokens)", "flux": "CLIP-L + T5-XXL (512 tokens)",
+    "chroma": "T5-XXL (512 tokens, run masked)", "z-image": "Qwen3-4B (chat template, real tokens)",
+    "flux2-klein": "Qwen3-4B (chat, 512 tokens, hidden states 9/18/27)",
+    "qwen-image": "Qwen2.5-VL-7B (template + caption, real tokens)",
+    "qwen-image-edit": "Qwen2.5-VL-7B (template + instruction + reference image)",
+    "flux2": "Mistral Small 3.1 24B (chat, 512 tokens, hidden states 10/20/30)",
+}  # fmt: skip
+
+
+def real_encoders(family: str, tokenizer) -> tuple[Any, Any]:
+    """``(text encoder, VAE)`` of ``family`` (one of :data:`ENCODER_FAMILIES`) at the published sizes
+    (:mod:`benchmarks.real_configs`), random weights, built on the current default device in the current default
+    dtype: the classes the family's pipeline loads (Mistral 3 with its Pixtral tower, Qwen2.5-VL with its vision
+    tower and ``lm_head``). Special-token ids are ``tokenizer``'s (the tiny pipeline's, whose ids all lie inside
+    the real vocabularies): Qwen2.5-VL finds the reference image's tokens by them."""
+    import diffusers
+    import transformers as tf
+
+    if family == "flux2":
+        image = tokenizer.convert_tokens_to_ids("[IMG]")
+        text = tf.Mistral3ForConditionalGeneration(tf.Mistral3Config(**{**MISTRAL_SMALL_31,
+                                                                         "image_token_index": image}))
+        return text, diffusers.AutoencoderKLFlux2()
+    if family == "flux2-klein":
+        return tf.Qwen3ForCausalLM(tf.Qwen3Config(**QWEN3_4B)), diffusers.AutoencoderKLFlux2()
+    if family == "z-image":
+        return tf.Qwen3Model(tf.Qwen3Config(**QWEN3_4B)), diffusers.AutoencoderKL(**FLUX1_VAE)
+    if family == "chroma":
+        return _model("flux", "text_encoder_2", T5_XXL), diffusers.AutoencoderKL(**FLUX1_VAE)
+    if family in ("qwen-image", "qwen-image-edit"):
+        ids = {f"{name}_token_id": tokenizer.convert_tokens_to_ids(f"<|{token}|>") for name, token in
+               (("image", "image_pad"), ("video", "video_pad"), ("vision_start", "vision_start"),
+                ("vision_end", "vision_end"))}  # fmt: skip
+        text = tf.Qwen2_5_VLForConditionalGeneration(tf.Qwen2_5_VLConfig(**QWEN_VL_7B, **ids))
+        return text, diffusers.AutoencoderKLQwenImage()
+    raise ValueError(f"no real-size encoders for family {family!r}: {ENCODER_FAMILIES}")
+
+
+def encoders_bytes(family: str) -> int:
+    """Bytes of ``family``'s real-size text encoder and VAE in bf16 (counted on the meta device): its folder."""
+    import torch
+
+    from pipeline.embed.families.tiny import tiny_pipeline
+    from pipeline.embed.memory import parameter_count
+
+    tokenizer = tiny_pipeline(family).tokenizer
+    with torch.device("meta"):
+        return 2 * sum(parameter_count(m) for m in real_encoders(family, tokenizer))
+
+
+def build_encoders_folder(family: str, folder: str | os.PathLike, *, real: bool, device: str = "cpu") -> Path:
+    """``family``'s diffusers pipeline folder without its denoiser (the rows of :data:`ENCODER_FAMILIES` need none:
+    ``model_index.json`` says ``transformer: [null, null]``, and ``DiffusionPipeline.from_pretrained`` loads the
+    rest): the family's tiny pipeline (:func:`pipeline.embed.families.tiny.tiny_pipeline`: its tokenizer, scheduler
+    and, for Qwen-Image-Edit, processor), with ``real``: its text encoder and VAE replaced by
+    :func:`real_encoders` built in bf16 on ``device`` (cuda: 24B parameters in seconds; fp32 would not fit one GPU);
+    saved in bf16. A folder already complete is kept."""
+    import torch
+
+    from pipeline.embed.families.tiny import save_pipeline, tiny_pipeline
+
+    target = Path(folder)
+    if (target / "model_index.json").exists():
+        return target
+    pipe = tiny_pipeline(family)
+    pipe.register_modules(transformer=None)
+    if real:
+        torch.manual_seed(0)
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with torch.device(device):
+                text, vae = real_encoders(family, pipe.tokenizer)
+        finally:
+            torch.set_default_dtype(default)
+        pipe.register_modules(text_encoder=text, vae=vae)
+    pipe.to(dtype=torch.bfloat16)
+    save_pipeline(pipe, target)
+    if device == "cuda":
+        del pipe
+        torch.cuda.empty_cache()
+    return target
 
 
 def make_jpegs(root: str | os.PathLike, n: int, size: tuple[int, int], distinct: int = 16) -> list[str]:

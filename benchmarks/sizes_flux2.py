@@ -6,11 +6,11 @@ No weights: each model is built from its published configuration on the ``meta``
 counted. The text encoder is counted twice: as published, and as ``embed`` runs it (the family's ``prune``:
 the LLM's first layers up to the last hidden state read, no vision tower or language-model head), through
 :func:`pipeline.embed.memory.text_encoder_bytes`, the function whose figure embed checks against the GPU's
-free memory before it loads a weight. The configurations (``diffusers``/``transformers`` keyword arguments)
-are the published ``config.json`` values: FLUX.2-dev's and FLUX.2 [klein]'s transformers as diffusers'
-``scripts/convert_flux2_to_diffusers.py`` builds them, Mistral Small 3.1 24B (the FLUX.2-dev text encoder),
-Qwen3-4B and Qwen3-8B (Klein 4B and 9B), T5-v1.1-XXL's encoder (Chroma), Flux.1's VAE (Chroma) and the
-``AutoencoderKLFlux2`` defaults (FLUX.2's VAE).
+free memory before it loads a weight. The configurations (``diffusers``/``transformers`` keyword arguments,
+:mod:`benchmarks.real_configs`) are the published ``config.json`` values: FLUX.2-dev's and FLUX.2 [klein]'s
+transformers as diffusers' ``scripts/convert_flux2_to_diffusers.py`` builds them, Mistral Small 3.1 24B (the
+FLUX.2-dev text encoder), Qwen3-4B and Qwen3-8B (Klein 4B and 9B), T5-v1.1-XXL's encoder (Chroma), Flux.1's VAE
+(Chroma) and the ``AutoencoderKLFlux2`` defaults (FLUX.2's VAE).
 
 Per caption: what the cache stores (bf16, all 512 rows: every one is an input of the transformer; Chroma's
 mask beside them) against ``encode_prompt``'s fp32 output (the prompt embeddings, Chroma's mask). What one
@@ -27,41 +27,13 @@ from typing import Any, Callable
 
 import numpy as np
 
+from benchmarks.real_configs import FLUX1_VAE, FLUX2_TRANSFORMER, MISTRAL_SMALL_31, QWEN3_4B, QWEN3_8B, T5_XXL
+
 __all__ = ["FAMILIES", "family_sizes", "print_sizes"]
 
 GB = 1e9
 H100 = 80e9
 TOKENS = 512
-
-MISTRAL_SMALL_31 = {  # mistralai/Mistral-Small-3.1-24B-Instruct-2503 config.json (Mistral3ForConditionalGeneration)
-    "text_config": {"model_type": "mistral", "vocab_size": 131072, "hidden_size": 5120, "intermediate_size": 32768,
-                    "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-                    "max_position_embeddings": 131072, "sliding_window": None, "tie_word_embeddings": False},
-    "vision_config": {"model_type": "pixtral", "hidden_size": 1024, "intermediate_size": 4096,
-                      "num_hidden_layers": 24, "num_attention_heads": 16, "image_size": 1540, "patch_size": 14},
-    "spatial_merge_size": 2, "multimodal_projector_bias": False, "image_token_index": 10,
-    "tie_word_embeddings": False,
-}  # fmt: skip
-QWEN3 = {  # Qwen/Qwen3-4B and Qwen/Qwen3-8B config.json: 36 layers, 32 heads of 128, 8 KV heads
-    "4B": {"hidden_size": 2560, "intermediate_size": 9728, "tie_word_embeddings": True},
-    "8B": {"hidden_size": 4096, "intermediate_size": 12288, "tie_word_embeddings": False},
-}
-QWEN3_COMMON = {"vocab_size": 151936, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
-                "head_dim": 128, "max_position_embeddings": 40960}  # fmt: skip
-T5_XXL = {"vocab_size": 32128, "d_model": 4096, "d_kv": 64, "d_ff": 10240, "num_layers": 24, "num_heads": 64,
-          "feed_forward_proj": "gated-gelu"}  # fmt: skip
-FLUX2_TRANSFORMER = {  # scripts/convert_flux2_to_diffusers.py: flux2-dev, klein-4b, klein-9b
-    "dev": {"num_layers": 8, "num_single_layers": 48, "num_attention_heads": 48, "joint_attention_dim": 15360,
-            "guidance_embeds": True},
-    "klein-4b": {"num_layers": 5, "num_single_layers": 20, "num_attention_heads": 24, "joint_attention_dim": 7680,
-                 "guidance_embeds": False},
-    "klein-9b": {"num_layers": 8, "num_single_layers": 24, "num_attention_heads": 32, "joint_attention_dim": 12288,
-                 "guidance_embeds": False},
-}  # fmt: skip
-FLUX1_VAE = {"block_out_channels": (128, 256, 512, 512), "layers_per_block": 2, "latent_channels": 16,
-             "down_block_types": ("DownEncoderBlock2D",) * 4, "up_block_types": ("UpDecoderBlock2D",) * 4,
-             "use_quant_conv": False, "use_post_quant_conv": False}  # fmt: skip
-
 
 @dataclass(frozen=True)
 class RealFamily:
@@ -85,10 +57,10 @@ def _mistral():
     return Mistral3Config(**MISTRAL_SMALL_31)
 
 
-def _qwen3(size: str):
+def _qwen3(config: dict[str, Any]):
     from transformers import Qwen3Config
 
-    return lambda: Qwen3Config(**QWEN3_COMMON, **QWEN3[size])
+    return lambda: Qwen3Config(**config)
 
 
 def _t5():
@@ -101,10 +73,10 @@ FAMILIES = [
     RealFamily("FLUX.2-dev", "flux2", "Mistral3ForConditionalGeneration", _mistral,
                ("Flux2Transformer2DModel", FLUX2_TRANSFORMER["dev"]), ("AutoencoderKLFlux2", {}), 3 * 5120, False,
                (128, 64, 64)),
-    RealFamily("FLUX.2 [klein] 4B", "flux2-klein", "Qwen3ForCausalLM", _qwen3("4B"),
+    RealFamily("FLUX.2 [klein] 4B", "flux2-klein", "Qwen3ForCausalLM", _qwen3(QWEN3_4B),
                ("Flux2Transformer2DModel", FLUX2_TRANSFORMER["klein-4b"]), ("AutoencoderKLFlux2", {}), 3 * 2560,
                False, (128, 64, 64)),
-    RealFamily("FLUX.2 [klein] 9B", "flux2-klein", "Qwen3ForCausalLM", _qwen3("8B"),
+    RealFamily("FLUX.2 [klein] 9B", "flux2-klein", "Qwen3ForCausalLM", _qwen3(QWEN3_8B),
                ("Flux2Transformer2DModel", FLUX2_TRANSFORMER["klein-9b"]), ("AutoencoderKLFlux2", {}), 3 * 4096,
                False, (128, 64, 64)),
     RealFamily("Chroma1-HD", "chroma", "T5EncoderModel", _t5, ("ChromaTransformer2DModel", {}),

@@ -16,10 +16,10 @@ writes. Side by side, in one run:
 4. latent bytes per sample at 1024x1024 (posterior mean; ``--latents posterior`` doubles it).
 
 Qwen-Image and Z-Image (:func:`qwen_zimage`): their text encoders, VAEs and transformers are built from the
-published configs on the meta device (no weight is allocated) to count parameters, and a caption's record is
-its real rows (Qwen-Image: the caption's tokens + the template's 5 closing ones, 3584 wide; Z-Image: + the chat
-template's 8, 2560 wide) against ``encode_prompt``'s fp32 output for that caption alone and padded to the
-pipeline's length (what a fixed-shape cache stores).
+published configs (:mod:`benchmarks.real_configs`) on the meta device (no weight is allocated) to count
+parameters, and a caption's record is its real rows (Qwen-Image: the caption's tokens + the template's 5
+closing ones, 3584 wide; Z-Image: + the chat template's 8, 2560 wide) against ``encode_prompt``'s fp32 output
+for that caption alone and padded to the pipeline's length (what a fixed-shape cache stores).
 
 Then Flux 2, Flux 2 Klein and Chroma at real size (:mod:`sizes_flux2`: parameter counts on the meta device).
 
@@ -40,6 +40,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from benchmarks.real_configs import FLUX1_VAE, QWEN3_4B, QWEN_IMAGE, QWEN_VL_7B, Z_IMAGE  # noqa: E402
 from manifests.cache import TextLayout  # noqa: E402
 from manifests.cache.records import TextRecord, encode_text  # noqa: E402
 
@@ -102,26 +103,6 @@ def main() -> None:
     qwen_image_edit(args.instruction_tokens)
 
 
-QWEN_VL_7B = {"text_config": {"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
-                              "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
-                              "max_position_embeddings": 128000, "tie_word_embeddings": False,
-                              "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}},
-              "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
-                                "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2,
-                                "temporal_patch_size": 2, "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31]},
-              "tie_word_embeddings": False}  # Qwen/Qwen-Image text_encoder (Qwen2.5-VL-7B-Instruct)
-QWEN3_4B = {"vocab_size": 151936, "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
-            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": True}
-QWEN_IMAGE = {"patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 60, "attention_head_dim": 128,
-              "num_attention_heads": 24, "joint_attention_dim": 3584, "axes_dims_rope": [16, 56, 56]}
-Z_IMAGE = {"all_patch_size": [2], "all_f_patch_size": [1], "in_channels": 16, "dim": 3840, "n_layers": 30,
-           "n_refiner_layers": 2, "n_heads": 30, "n_kv_heads": 30, "cap_feat_dim": 2560, "axes_dims": [32, 48, 48],
-           "axes_lens": [1536, 512, 512]}
-FLUX_VAE = {"down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
-            "block_out_channels": [128, 256, 512, 512], "layers_per_block": 2, "latent_channels": 16,
-            "use_quant_conv": False, "use_post_quant_conv": False}  # Z-Image's VAE is Flux.1's
-
-
 def _params(build) -> int:
     """Parameters of the model ``build()`` makes on the meta device."""
     import torch
@@ -144,7 +125,7 @@ def qwen_zimage(caption_tokens: int) -> None:
         "Qwen-Image transformer": _params(lambda: diffusers.QwenImageTransformer2DModel(**QWEN_IMAGE)),
         "Qwen3-4B (Z-Image text encoder)": _params(lambda: transformers.Qwen3Model(
             transformers.Qwen3Config(**QWEN3_4B))),
-        "Z-Image VAE (Flux.1's AutoencoderKL)": _params(lambda: diffusers.AutoencoderKL(**FLUX_VAE)),
+        "Z-Image VAE (Flux.1's AutoencoderKL)": _params(lambda: diffusers.AutoencoderKL(**FLUX1_VAE)),
         "Z-Image transformer": _params(lambda: diffusers.ZImageTransformer2DModel(**Z_IMAGE)),
     }  # fmt: skip
     print(f"\n{'model':56s} {'parameters':>15s} {'bf16 GB':>8s} {'fp32 GB':>8s} {'full FT GB':>11s}")

@@ -66,6 +66,134 @@ def test_smoke_runs_every_section_on_the_cpu_without_ray_polars_or_s3fs(tmp_path
     assert table.count("\n| ") == len(rows) + 1  # header + one line per row
 
 
+@pytest.mark.slow
+def test_smoke_runs_the_encoder_families_rows_without_ray_polars_or_s3fs(tmp_path):
+    """The rows of the families measured by their encoders alone (a 2D and a 3D VAE; a text encoder with and
+    without a reference image), on their tiny pipelines without a denoiser, where Ray, polars, s3fs and vLLM do
+    not import: every row filled, the cache's text exactly encode_prompt's, each folder removed after its rows."""
+    from tests.factories import absent_modules_site
+
+    site = absent_modules_site(tmp_path / "site")
+    out, work = tmp_path / "out", tmp_path / "work"
+    proc = subprocess.run([sys.executable, SCRIPT, "--smoke", "--families", "flux2,qwen-image-edit", "--sections",
+                           "setup,vae,text", "--out-dir", str(out), "--work-dir", str(work), "--budget", "600"],
+                          capture_output=True, text=True, env=_env(PYTHONPATH=f"{site}:{ROOT}"),
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((out / "gpu-check.json").read_text())["rows"]
+    assert [r for r in rows if r["status"] != "ok"] == []
+    assert [(r["section"], r["measure"].split(":")[0].split(" ")[0]) for r in rows] == [
+        (section, family) for family in ("flux2", "qwen-image-edit")
+        for section in ("setup", "vae", "vae", "text", "text")]  # fmt: skip
+    vae = {(r["measure"].split(" ")[0], r["values"]["batch"]): r for r in rows if r["section"] == "vae"}
+    assert "AutoencoderKLFlux2" in vae["flux2", 1]["measure"] and "QwenImage" in vae["qwen-image-edit", 2]["measure"]
+    assert all(r["values"]["images_per_second"] > 0 and r["values"]["alone"] > 0 for r in vae.values())
+    text = [r for r in rows if r["section"] == "text"]
+    assert text[0]["values"]["captions_per_second"] > 0 and text[0]["values"]["encode_prompt"] > 0
+    assert "2 (instruction, 64x64 reference) pairs" in text[2]["measure"] and "pairs/s" in text[2]["result"]
+    assert text[1]["values"]["rel_error"] == 0.0 and text[3]["values"]["rel_error"] == 0.0  # exactly encode_prompt
+    assert not list(work.glob("model-*"))  # each family's folder gone once its rows are in
+
+
+def test_families_all_and_an_unknown_family():
+    from benchmarks.gpu_check import FAMILIES, parse_args
+
+    assert parse_args([]).families == "sdxl,flux"  # the default run: under 8 minutes
+    assert parse_args(["--families", "all"]).families.split(",") == list(FAMILIES)
+    assert {"flux2", "flux2-klein", "chroma", "qwen-image", "qwen-image-edit", "z-image"} < set(FAMILIES)
+    with pytest.raises(SystemExit):
+        parse_args(["--families", "sdxl,flux3"])
+
+
+def test_an_encoder_family_that_does_not_fit_is_skipped_with_the_reason():
+    """Disk first (the folder and 1 GB), then GPU memory (the text encoder whole), then the budget left (the
+    folder written once, read twice at ~1 GB/s, plus a minute); None when it fits."""
+    from benchmarks.gpu_check import wont_fit
+
+    gb = 10**9
+    assert wont_fit("flux2", 48 * gb, 60 * gb, 79 * gb, 600) is None
+    assert "48.0 GB of disk and 40.0 GB are free" in wont_fit("flux2", 48 * gb, 40 * gb, 79 * gb, 600)
+    assert "GPU memory" in wont_fit("flux2", 48 * gb, 60 * gb, 40 * gb, 600)
+    late = wont_fit("flux2", 48 * gb, 60 * gb, None, 150)
+    assert "~204 s" in late and "150 s of the budget" in late and "--families flux2 --sections setup,vae,text" in late
+
+
+# published parameter counts of the encoder families' text encoders and VAEs (the hub's configs, as
+# benchmarks/text_bytes.py counts them)
+ENCODER_PARAMS = {"flux2": (24.01e9, 84.05e6), "flux2-klein": (4.022e9, 84.05e6), "chroma": (4.762e9, 83.82e6),
+                  "z-image": (4.022e9, 83.82e6), "qwen-image": (8.292e9, 126.89e6),
+                  "qwen-image-edit": (8.292e9, 126.89e6)}  # fmt: skip
+
+
+def test_the_encoder_families_real_size_models_have_the_published_sizes_and_the_tokenizers_ids():
+    """On the meta device: each family's text encoder and VAE at the published sizes, the classes its pipeline
+    loads, and the special tokens Qwen2.5-VL finds a reference image by those of the tokenizer the folder holds."""
+    from benchmarks.gpu_models import ENCODER_FAMILIES, real_encoders
+    from pipeline.embed.families.tiny import tiny_pipeline
+
+    assert set(ENCODER_FAMILIES) == set(ENCODER_PARAMS)
+    for family, (text_params, vae_params) in ENCODER_PARAMS.items():
+        pipe = tiny_pipeline(family)
+        with torch.device("meta"):
+            text, vae = real_encoders(family, pipe.tokenizer)
+        assert (type(text), type(vae)) == (type(pipe.text_encoder), type(pipe.vae)), family
+        for model, published in ((text, text_params), (vae, vae_params)):
+            assert abs(sum(p.numel() for p in model.parameters()) / published - 1) < 1e-3, (family, type(model))
+        if family.startswith("qwen-image"):
+            tok = pipe.tokenizer
+            assert text.config.image_token_id == tok.convert_tokens_to_ids("<|image_pad|>")
+            assert text.config.vision_start_token_id == tok.convert_tokens_to_ids("<|vision_start|>")
+        vocab = text.config.get_text_config().vocab_size
+        assert max(pipe.tokenizer.get_vocab().values()) < vocab  # every id the tokenizer gives is in the vocabulary
+
+
+@pytest.mark.slow
+def test_the_real_size_folders_path_on_shrunk_language_models(tmp_path, monkeypatch):
+    """What ``gpu_check.py`` runs on a GPU for each encoder family, on the CPU: the folder built from the published
+    configs (the VAEs at real size; the language models' widths and depths shrunk, their structure kept) in bf16
+    without a denoiser, then the VAE and text rows: the pipeline loads it and the cache's text is exactly its
+    ``encode_prompt``'s (Qwen-Image-Edit: with a reference image, its tokens found by the tokenizer's ids)."""
+    from safetensors import safe_open
+
+    from benchmarks import gpu_models
+    from benchmarks.gpu_measures import text_vs_pipeline, vae_sweep
+
+    from pipeline.embed.families.flux2 import DEV_LAYERS, KLEIN_LAYERS
+
+    # as deep as the hidden states read and one layer more (which embed prunes and the pipeline runs): 512 tokens
+    small = {"hidden_size": 32, "intermediate_size": 48, "num_attention_heads": 2, "num_key_value_heads": 1,
+             "head_dim": 16, "vocab_size": 1024}  # fmt: skip
+    depth = {"flux2-klein": max(KLEIN_LAYERS) + 1, "z-image": 3}  # Z-Image reads hidden_states[-2]
+    mistral, qwen_vl, qwen3 = gpu_models.MISTRAL_SMALL_31, gpu_models.QWEN_VL_7B, gpu_models.QWEN3_4B
+    monkeypatch.setattr(gpu_models, "MISTRAL_SMALL_31", {**mistral, "text_config": {
+        **mistral["text_config"], **small, "num_hidden_layers": max(DEV_LAYERS) + 1}, "vision_config": {
+        **mistral["vision_config"], "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+        "num_attention_heads": 2}})  # fmt: skip
+    monkeypatch.setattr(gpu_models, "QWEN_VL_7B", {**qwen_vl, "text_config": {
+        **qwen_vl["text_config"], **small, "num_hidden_layers": 2,
+        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}, "vision_config": {
+        **qwen_vl["vision_config"], "depth": 2, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
+        "out_hidden_size": 32, "fullatt_block_indexes": [1]}})  # fmt: skip
+    monkeypatch.setattr(gpu_models, "T5_XXL", {**gpu_models.T5_XXL, "d_model": 32, "d_ff": 48, "num_heads": 2,
+                                               "d_kv": 16, "num_layers": 2})  # fmt: skip
+    swept = set()  # VAE classes measured: Chroma's and Z-Image's are Flux.1's, Klein's is Flux 2's
+    for family in [f for f in gpu_models.ENCODER_FAMILIES if f != "qwen-image"]:  # its models are the edit's
+        monkeypatch.setattr(gpu_models, "QWEN3_4B", {**qwen3, **small, "num_hidden_layers": depth.get(family, 2)})
+        folder = gpu_models.build_encoders_folder(family, tmp_path / family, real=True)
+        index = json.loads((folder / "model_index.json").read_text())
+        assert index["transformer"] == [None, None] and not (folder / "transformer").exists()
+        weights = next((folder / "vae").glob("*.safetensors"))
+        with safe_open(weights, "pt") as f:
+            assert {f.get_slice(k).get_dtype() for k in f.keys()} - {"I64"} == {"BF16"}, family  # I64: a counter
+        if index["vae"][1] not in swept:
+            swept.add(index["vae"][1])
+            (alone,) = vae_sweep(family, str(folder), (32, 32), (1,), False, 1)
+            assert alone.values["images_per_second"] > 0
+        reference = (32, 32) if family == "qwen-image-edit" else None
+        rate, exact = text_vs_pipeline(family, str(folder), 2, False, 1, reference)
+        assert rate.values["captions_per_second"] > 0 and exact.values["rel_error"] == 0.0, family
+
+
 def _wheel(folder, name: str, version: str, tag: str = "py3-none-any") -> Path:
     """A minimal wheel of a one-module package ``name`` (what pip needs: the module, METADATA, WHEEL, RECORD)."""
     import zipfile

@@ -44,7 +44,8 @@ from typing import Callable
 
 from pipeline.embed.families import tiny_qwen
 
-__all__ = ["DEFAULT_NOTICE", "TINY_VERSION", "build_tiny", "ensure_tiny", "tiny_dir", "clip_tokenizer", "t5_tokenizer"]
+__all__ = ["DEFAULT_NOTICE", "TINY_VERSION", "build_tiny", "ensure_tiny", "tiny_dir", "tiny_pipeline", "save_pipeline",
+           "clip_tokenizer", "t5_tokenizer"]  # fmt: skip
 
 TINY_VERSION = "v1"
 DEFAULT_NOTICE = (
@@ -281,26 +282,50 @@ _PIPELINES.update({"chroma": _chroma, **{f: functools.partial(_tiny_flux2, f) fo
 _SEEDS.update({"flux2": 21, "flux2-klein": 22, "chroma": 23})
 
 
+def tiny_pipeline(family: str, variant: str | None = None) -> object:
+    """The tiny random-weight pipeline object of ``family`` (see the module docstring), not saved; its weights a
+    function of the family (seeded). ``variant``: ``"sigma"`` for pixart gives a ``PixArtSigmaPipeline``; a
+    ``QwenImageEditPipeline``'s processor is None (:func:`save_pipeline` writes it from its parts). Raises
+    ValueError for a family without a tiny model (and for ``generic``, which is no pipeline)."""
+    import torch
+
+    if family not in _PIPELINES and family != "qwen-image-edit":
+        raise ValueError(f"no tiny model for family {family!r}; families: {sorted(_SEEDS)}")
+    torch.manual_seed(_SEEDS[family])
+    if family == "qwen-image-edit":
+        return tiny_qwen.qwen_image("QwenImageEditPipeline", processor=None)
+    return _pixart(variant or "alpha") if family == "pixart" else _PIPELINES[family]()
+
+
+def save_pipeline(pipe, folder: str | os.PathLike) -> Path:
+    """``pipe.save_pretrained(folder)``, a ``QwenImageEditPipeline``'s ``processor/`` written from its parts
+    (:func:`tiny_qwen.save_qwen_image_edit`); a component set to None (a model not built) is left out, and
+    ``model_index.json`` says so, as ``save_pretrained`` writes it. Returns the folder."""
+    from diffusers.utils import logging
+
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()  # not its "None cannot be saved" of each component left out on purpose
+    try:
+        if type(pipe).__name__ == "QwenImageEditPipeline":
+            tiny_qwen.save_qwen_image_edit(folder, pipe)
+        else:
+            pipe.save_pretrained(folder)
+    finally:
+        logging.set_verbosity(verbosity)
+    return Path(folder)
+
+
 def build_tiny(family: str, folder: str | os.PathLike, variant: str | None = None) -> Path:
     """Write the tiny random-weight model folder of ``family`` (see the module docstring) to ``folder``.
 
     ``variant``: ``"sigma"`` for pixart writes a ``PixArtSigmaPipeline``. The weights are a function
     of the family (seeded). Raises ValueError for a family without a tiny model.
     """
-    import torch
-
     target = Path(folder)
     if family == "generic":
         _build_generic(target)
-    elif family == "qwen-image-edit":  # its processor/ is written from its parts (tiny_qwen.py)
-        torch.manual_seed(_SEEDS[family])
-        tiny_qwen.save_qwen_image_edit(target)
-    elif family in _PIPELINES:
-        torch.manual_seed(_SEEDS[family])
-        pipe = _pixart(variant or "alpha") if family == "pixart" else _PIPELINES[family]()
-        pipe.save_pretrained(target)
     else:
-        raise ValueError(f"no tiny model for family {family!r}; families: {sorted(_SEEDS)}")
+        save_pipeline(tiny_pipeline(family, variant), target)
     (target / "README.txt").write_text(DEFAULT_NOTICE + "\n")
     return target
 

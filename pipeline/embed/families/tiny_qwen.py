@@ -104,23 +104,16 @@ def qwen_image(cls: str = "QwenImagePipeline", **extra):
                                    transformer=transformer, **extra)  # fmt: skip
 
 
-def save_qwen_image_edit(folder) -> None:
-    """Write the tiny ``QwenImageEditPipeline`` to ``folder``, its ``processor/`` as the hub folder has it (saved from
-    its parts: transformers 5.x cannot build a ``Qwen2VLProcessor`` without torchvision)."""
+def save_qwen_image_edit(folder, pipe) -> None:
+    """Write ``pipe`` (a ``QwenImageEditPipeline`` whose processor is None, as :func:`qwen_image` makes it) to
+    ``folder``, its ``processor/`` as the hub folder has it (saved from its parts: transformers 5.x cannot build a
+    ``Qwen2VLProcessor`` without torchvision). :func:`pipeline.embed.families.tiny.save_pipeline` calls it."""
     import json
     from pathlib import Path
 
     from transformers import Qwen2VLImageProcessorPil
 
-    from diffusers.utils import logging
-
-    pipe = qwen_image("QwenImageEditPipeline", processor=None)
-    verbosity = logging.get_verbosity()
-    logging.set_verbosity_error()  # not its "processor=None cannot be saved": it is saved below
-    try:
-        pipe.save_pretrained(folder)
-    finally:
-        logging.set_verbosity(verbosity)
+    pipe.save_pretrained(folder)
     processor = Path(folder) / "processor"
     pipe.tokenizer.save_pretrained(processor)
     # Qwen2.5-VL's preprocessor_config.json (saved as image_processor_type Qwen2VLImageProcessor)
