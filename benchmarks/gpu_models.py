@@ -264,7 +264,7 @@ def real_encoders(family: str, tokenizer) -> tuple[Any, Any]:
                                                                          "image_token_index": image}))
         return text, diffusers.AutoencoderKLFlux2()
     if family == "flux2-klein":
-        return tf.Qwen3ForCausalLM(tf.Qwen3Config(**QWEN3_4B)), diffusers.AutoencoderKLFlux2()
+        return _tied(tf.Qwen3ForCausalLM(tf.Qwen3Config(**QWEN3_4B))), diffusers.AutoencoderKLFlux2()
     if family == "z-image":
         return tf.Qwen3Model(tf.Qwen3Config(**QWEN3_4B)), diffusers.AutoencoderKL(**FLUX1_VAE)
     if family == "chroma":
@@ -276,6 +276,13 @@ def real_encoders(family: str, tokenizer) -> tuple[Any, Any]:
         text = tf.Qwen2_5_VLForConditionalGeneration(tf.Qwen2_5_VLConfig(**QWEN_VL_7B, **ids))
         return text, diffusers.AutoencoderKLQwenImage()
     raise ValueError(f"no real-size encoders for family {family!r}: {ENCODER_FAMILIES}")
+
+
+def _tied(model):
+    """``model`` with its tied embeddings tied: transformers 5.0 leaves Qwen3-4B's ``lm_head`` a second matrix
+    when built on the meta device (later releases tie it in ``__init__``)."""
+    model.tie_weights()
+    return model
 
 
 def encoders_bytes(family: str) -> int:

@@ -145,12 +145,12 @@ def image_tokens(height: int, width: int) -> tuple[int, tuple[int, int]]:
     """Qwen2.5-VL tokens of a ``height x width`` reference as ``QwenImageEditPipeline`` feeds it (resized to its
     ``calculate_dimensions(1024 * 1024, ...)``, then the image processor's own resize), and that resized size."""
     from PIL import Image
-    from transformers import Qwen2VLImageProcessorPil
+    from pipeline.embed.processors import qwen2vl_image_processor_class
 
     from pipeline.embed.families.qwen_image_edit import reference_size
 
     h, w = reference_size(height, width)
-    processor = Qwen2VLImageProcessorPil(size={"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 16384},
+    processor = qwen2vl_image_processor_class()(size={"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 16384},
                                          patch_size=14, merge_size=2, temporal_patch_size=2)  # the published config
     grid = processor(Image.new("RGB", (w, h)), return_tensors="pt")["image_grid_thw"][0]  # (t, h/14, w/14)
     return int(grid.prod()) // 4, (h, w)  # 2x2 patches merged into one token

@@ -36,6 +36,15 @@ def load_image_processor(path: str, subfolder: str = ""):
         return cls.from_pretrained(path, subfolder=subfolder)
 
 
+def qwen2vl_image_processor_class() -> type:
+    """Qwen2-VL's image processor on PIL: ``Qwen2VLImageProcessorPil`` where transformers has it (the
+    ``Qwen2VLImageProcessor`` of those releases needs torchvision), else ``Qwen2VLImageProcessor`` (5.0's, on
+    PIL and numpy)."""
+    import transformers
+
+    return getattr(transformers, "Qwen2VLImageProcessorPil", None) or transformers.Qwen2VLImageProcessor
+
+
 @functools.cache
 def _image_text_processor() -> type:
     """The class ``ImageTextProcessor`` (defined in a function: transformers is imported only when it is needed)."""

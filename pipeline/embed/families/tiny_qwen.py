@@ -111,13 +111,13 @@ def save_qwen_image_edit(folder, pipe) -> None:
     import json
     from pathlib import Path
 
-    from transformers import Qwen2VLImageProcessorPil
+    from pipeline.embed.processors import qwen2vl_image_processor_class
 
     pipe.save_pretrained(folder)
     processor = Path(folder) / "processor"
     pipe.tokenizer.save_pretrained(processor)
     # Qwen2.5-VL's preprocessor_config.json (saved as image_processor_type Qwen2VLImageProcessor)
-    Qwen2VLImageProcessorPil(size={"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 16384},
+    qwen2vl_image_processor_class()(size={"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 16384},
                              patch_size=14, merge_size=2, temporal_patch_size=2).save_pretrained(processor)
     index = Path(folder) / "model_index.json"
     index.write_text(json.dumps({**json.loads(index.read_text()), "processor": ["transformers", "Qwen2VLProcessor"]},
