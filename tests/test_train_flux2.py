@@ -10,12 +10,9 @@ fine-tune's ``model/`` loads into the pipeline as printed and generates (validat
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import functools
 import math
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,6 +21,7 @@ import torch
 
 from manifests.cache import CacheReader
 from manifests.cache.records import to_float32
+from tests.train_dataset import logged_losses, train_quiet, write_settings
 from train.config import TrainConfig
 from train.data import BatchLoader, rank_steps
 
@@ -190,30 +188,6 @@ def test_the_shift_of_a_bucket_is_the_one_the_pipeline_samples_it_with(families,
     torch.testing.assert_close((s * t / (1 + (s - 1) * t)).double(), sampled.double(), rtol=1e-5, atol=1e-6)
 
 
-def _write(path: Path, **settings) -> Path:
-    path.write_text(json.dumps({"lr": 1e-3, "warmup_steps": 0, "log_every": 1, "checkpoint_every": 1,
-                                "validation_every": 0, **settings}))  # fmt: skip
-    return path
-
-
-def _train(*argv) -> tuple[Any, str]:
-    """The trainer in this process on one thread: its result and what it printed."""
-    from tests.train_dataset import train_here
-
-    threads, out = torch.get_num_threads(), io.StringIO()
-    torch.set_num_threads(1)
-    try:
-        with contextlib.redirect_stdout(out):
-            result = train_here(*map(str, argv))
-    finally:
-        torch.set_num_threads(threads)
-    return result, out.getvalue()
-
-
-def _losses(out: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def _printed_code(printed: str, after: str) -> str:
     lines = printed.splitlines()
     start = next(i for i, line in enumerate(lines) if after in line) + 1
@@ -238,14 +212,14 @@ def test_two_steps_resume_exactly_and_a_full_fine_tune_loads_into_the_pipeline(f
     from safetensors.torch import load_file
 
     f = families[family]
-    cfg = _write(tmp_path / "c.json", validation_every=2, validation_steps=2, validation_size=32, ema_decay=0.9)
+    cfg = write_settings(tmp_path / "c.json", validation_every=2, validation_steps=2, validation_size=32, ema_decay=0.9)
     common = ["--plan", f["plan"], "--cache", f["cache"], "--config", cfg]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    result, printed = _train(*common, "--output-dir", straight, "--max-steps", 2)
+    result, printed = train_quiet(*common, "--output-dir", straight, "--max-steps", 2)
     assert result.steps == 2
-    assert _train(*common, "--output-dir", resumed, "--max-steps", 1)[0].steps == 1
-    assert _train(*common, "--output-dir", resumed, "--max-steps", 2, "--resume")[0].steps == 1
-    assert _losses(straight) == _losses(resumed) and len(_losses(straight)) == 2
+    assert train_quiet(*common, "--output-dir", resumed, "--max-steps", 1)[0].steps == 1
+    assert train_quiet(*common, "--output-dir", resumed, "--max-steps", 2, "--resume")[0].steps == 1
+    assert logged_losses(straight) == logged_losses(resumed) and len(logged_losses(straight)) == 2
     for name in ("model/diffusion_pytorch_model.safetensors", "model_ema/diffusion_pytorch_model.safetensors"):
         a, b = load_file(straight / name), load_file(resumed / name)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
@@ -285,9 +259,9 @@ def test_the_lora_export_loads_with_load_lora_weights_and_gives_the_trained_outp
     from train.lora import add_lora
 
     f = families[family]
-    cfg = _write(tmp_path / "lora.json", lora_rank=4, lora_alpha=8, lr=1e-2)
+    cfg = write_settings(tmp_path / "lora.json", lora_rank=4, lora_alpha=8, lr=1e-2)
     out = tmp_path / "out"
-    result, printed = _train("--plan", f["plan"], "--cache", f["cache"], "--config", cfg, "--output-dir", out,
+    result, printed = train_quiet("--plan", f["plan"], "--cache", f["cache"], "--config", cfg, "--output-dir", out,
                              "--max-steps", 3)  # fmt: skip
     assert result.steps == 3
     record = json.loads((out / "lora" / "lora.json").read_text())

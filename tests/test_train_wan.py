@@ -9,8 +9,6 @@ gives the trained transformer's outputs; what the recipe does not train yet is r
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 from pathlib import Path
 from typing import Any
@@ -23,6 +21,7 @@ from manifests.cache import CacheReader
 from manifests.cache.records import to_float32
 from manifests.errors import UsageError
 from tests.wan_cache import TEXT_TOKENS, WanData, build, latent_shape
+from tests.train_dataset import logged_losses, train_quiet, write_settings
 from train.config import TrainConfig
 from train.data import BatchLoader, rank_steps
 
@@ -35,30 +34,6 @@ def wan(tmp_path_factory) -> WanData:
 def _batches(data: WanData, **loader) -> list:
     reader = CacheReader(data.cache)
     return list(BatchLoader(reader, list(rank_steps(data.plan, 0)), reader.meta.latent, **loader))
-
-
-def _write(path: Path, **settings) -> Path:
-    path.write_text(json.dumps({"lr": 1e-3, "warmup_steps": 0, "log_every": 1, "checkpoint_every": 1,
-                                "validation_every": 0, **settings}))  # fmt: skip
-    return path
-
-
-def _train(*argv) -> tuple[Any, str]:
-    """The trainer in this process on one thread: its result and what it printed."""
-    from tests.train_dataset import train_here
-
-    threads, out = torch.get_num_threads(), io.StringIO()
-    torch.set_num_threads(1)
-    try:
-        with contextlib.redirect_stdout(out):
-            result = train_here(*map(str, argv))
-    finally:
-        torch.set_num_threads(threads)
-    return result, out.getvalue()
-
-
-def _losses(out: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_batches_are_video_latents_normalised_per_channel(wan):
@@ -141,15 +116,15 @@ def test_two_steps_resume_exactly_and_a_full_fine_tune_loads_into_the_pipeline(w
     from diffusers import WanTransformer3DModel
     from safetensors.torch import load_file
 
-    cfg = _write(tmp_path / "c.json", validation_every=2, validation_steps=2, validation_size=32,
+    cfg = write_settings(tmp_path / "c.json", validation_every=2, validation_steps=2, validation_size=32,
                  validation_frames=5)  # fmt: skip
     common = ["--plan", wan.plan, "--cache", wan.cache, "--config", cfg]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    result, printed = _train(*common, "--output-dir", straight, "--max-steps", 2)
+    result, printed = train_quiet(*common, "--output-dir", straight, "--max-steps", 2)
     assert result.steps == 2
-    assert _train(*common, "--output-dir", resumed, "--max-steps", 1)[0].steps == 1
-    assert _train(*common, "--output-dir", resumed, "--max-steps", 2, "--resume")[0].steps == 1
-    assert _losses(straight) == _losses(resumed) and len(_losses(straight)) == 2
+    assert train_quiet(*common, "--output-dir", resumed, "--max-steps", 1)[0].steps == 1
+    assert train_quiet(*common, "--output-dir", resumed, "--max-steps", 2, "--resume")[0].steps == 1
+    assert logged_losses(straight) == logged_losses(resumed) and len(logged_losses(straight)) == 2
     weights = "model/diffusion_pytorch_model.safetensors"
     a, b = load_file(straight / weights), load_file(resumed / weights)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -204,9 +179,9 @@ def test_the_lora_export_loads_into_wan_pipeline_and_gives_the_trained_outputs(w
     from train.lora import add_lora
     from train.recipes import recipe_for
 
-    cfg = _write(tmp_path / "lora.json", lora_rank=4, lora_alpha=8, lr=1e-2)
+    cfg = write_settings(tmp_path / "lora.json", lora_rank=4, lora_alpha=8, lr=1e-2)
     out = tmp_path / "out"
-    result, printed = _train("--plan", wan.plan, "--cache", wan.cache, "--config", cfg, "--output-dir", out,
+    result, printed = train_quiet("--plan", wan.plan, "--cache", wan.cache, "--config", cfg, "--output-dir", out,
                              "--max-steps", 3)  # fmt: skip
     assert result.steps == 3 and "pipe.load_lora_weights" in printed
     record = json.loads((out / "lora" / "lora.json").read_text())
@@ -240,7 +215,7 @@ def test_the_lora_export_loads_into_wan_pipeline_and_gives_the_trained_outputs(w
 def test_what_the_recipe_does_not_train_yet_is_one_line(wan, tmp_path, capsys, setting, message):
     from tests.train_dataset import train_cli
 
-    cfg = _write(tmp_path / "c.json", **setting)
+    cfg = write_settings(tmp_path / "c.json", **setting)
     code = train_cli("--plan", wan.plan, "--cache", wan.cache, "--config", cfg, "--output-dir", tmp_path / "out")
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert code == 2 and len(err) == 1 and err[0].startswith(f"error: {message}"), err
@@ -273,16 +248,16 @@ def test_two_processes_train_wan_and_resume_elastically_on_one(wan, tmp_path):
 
     from tests.test_train_dist import command, environment
 
-    cfg = _write(tmp_path / "c.json", lora_rank=4, lr=1e-2, caption_dropout=0.2)
+    cfg = write_settings(tmp_path / "c.json", lora_rank=4, lr=1e-2, caption_dropout=0.2)
     out = tmp_path / "out"
     proc = subprocess.run(command(2, "--plan", wan.plan2, "--cache", wan.cache, "--config", cfg, "--output-dir", out,
                                   "--max-steps", 2), env=environment(), capture_output=True, text=True, timeout=300,
                           cwd=Path(__file__).resolve().parents[1])  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "done: --max-steps 2 reached" in proc.stdout + proc.stderr
-    losses = _losses(out)
+    losses = logged_losses(out)
     assert len(losses) == 2 and np.isfinite(losses).all()
-    result, _ = _train("--plan", wan.plan2, "--cache", wan.cache, "--config", cfg, "--output-dir", out,
+    result, _ = train_quiet("--plan", wan.plan2, "--cache", wan.cache, "--config", cfg, "--output-dir", out,
                        "--max-steps", 4, "--resume")  # fmt: skip
     assert (result.steps, result.position) == (2, 4) and (out / "plans" / "resume-00000002-w1").is_dir()
     assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()

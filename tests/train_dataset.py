@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -112,6 +114,32 @@ def train_cli(*argv) -> int:
 
     with _fresh_accelerate():
         return main([str(a) for a in argv])
+
+
+def write_settings(path: Path, **settings) -> Path:
+    """A training config at ``path``: log and checkpoint every step, no validation, then ``settings``."""
+    path.write_text(json.dumps({"lr": 1e-3, "warmup_steps": 0, "log_every": 1, "checkpoint_every": 1,
+                                "validation_every": 0, **settings}))  # fmt: skip
+    return path
+
+
+def train_quiet(*argv) -> tuple[Any, str]:
+    """The trainer in this process on one thread: its result and what it printed."""
+    import torch
+
+    threads, out = torch.get_num_threads(), io.StringIO()
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(out):
+            result = train_here(*map(str, argv))
+    finally:
+        torch.set_num_threads(threads)
+    return result, out.getvalue()
+
+
+def logged_losses(out: Path) -> list[float]:
+    """The loss of every logged step of the run whose output folder is ``out``."""
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 @contextlib.contextmanager
