@@ -21,7 +21,7 @@ import torch
 
 from manifests.cache import CacheReader
 from manifests.cache.records import to_float32
-from tests.train_dataset import logged_losses, train_quiet, write_settings
+from tests.train_dataset import logged_losses, recipe_outputs, train_quiet, write_settings
 from train.config import TrainConfig
 from train.data import BatchLoader, rank_steps
 
@@ -236,20 +236,6 @@ def test_two_steps_resume_exactly_and_a_full_fine_tune_loads_into_the_pipeline(f
     assert image.shape == (32, 32, 3) and np.isfinite(image).all()
 
 
-def _outputs(denoiser, model: torch.nn.Module, batch) -> torch.Tensor:
-    """``model``'s prediction on ``batch`` with the recipe's inputs and the noise of plan position 0."""
-    from train.model import step_generator
-
-    outputs = []
-    hook = model.register_forward_hook(lambda module, args, out: outputs.append(out[0]))
-    try:
-        with torch.no_grad():
-            denoiser.loss(model, batch, step_generator(0, 0, 0, 0))
-    finally:
-        hook.remove()
-    return outputs[0]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_lora_export_loads_with_load_lora_weights_and_gives_the_trained_outputs(families, family, tmp_path):
@@ -271,7 +257,7 @@ def test_the_lora_export_loads_with_load_lora_weights_and_gives_the_trained_outp
 
     reader, batch = _batch(f)
     denoiser = _denoiser(reader)
-    base = _outputs(denoiser, denoiser.model, batch)
+    base = recipe_outputs(denoiser, denoiser.model, batch)
     trained = denoiser.model  # the base with the adapters of the last checkpoint, by parameter name
     add_lora(trained, load_config(cfg), targets=denoiser.lora_targets)
     saved = load_file(out / "checkpoints" / "step-00000003" / "adapters.safetensors")
@@ -279,13 +265,13 @@ def test_the_lora_export_loads_with_load_lora_weights_and_gives_the_trained_outp
     with torch.no_grad():
         for name, tensor in saved.items():
             params[name].copy_(tensor)
-    want = _outputs(denoiser, trained, batch)
+    want = recipe_outputs(denoiser, trained, batch)
 
     scope: dict[str, Any] = {}
     exec(_printed_code(printed, "LoRA adapters in"), scope)  # from_pretrained + load_lora_weights, as printed
     pipe = scope["pipe"]
     assert pipe.get_list_adapters(), "load_lora_weights loaded nothing"
-    loaded = _outputs(denoiser, pipe.transformer, batch)
+    loaded = recipe_outputs(denoiser, pipe.transformer, batch)
     torch.testing.assert_close(loaded, want, rtol=1e-4, atol=1e-5)
     assert (loaded - base).abs().max() > 100 * (loaded - want).abs().max()  # the adapters do act
     assert np.isfinite(_generate(pipe, family)).all()

@@ -21,7 +21,7 @@ from manifests.cache import CacheReader
 from manifests.cache.records import to_float32
 from manifests.errors import UsageError
 from tests.wan_cache import TEXT_TOKENS, WanData, build, latent_shape
-from tests.train_dataset import logged_losses, train_quiet, write_settings
+from tests.train_dataset import logged_losses, recipe_outputs, train_quiet, write_settings
 from train.config import TrainConfig
 from train.data import BatchLoader, rank_steps
 
@@ -156,20 +156,6 @@ def test_two_steps_resume_exactly_and_a_full_fine_tune_loads_into_the_pipeline(w
     assert video.shape == (5, 32, 32, 3) and np.isfinite(video).all()
 
 
-def _outputs(denoiser, model: torch.nn.Module, batch) -> torch.Tensor:
-    """``model``'s prediction on ``batch`` with the recipe's inputs and the noise of plan position 0."""
-    from train.model import step_generator
-
-    outputs = []
-    hook = model.register_forward_hook(lambda module, args, out: outputs.append(out[0]))
-    try:
-        with torch.no_grad():
-            denoiser.loss(model, batch, step_generator(0, 0, 0, 0))
-    finally:
-        hook.remove()
-    return outputs[0]
-
-
 @pytest.mark.slow
 def test_the_lora_export_loads_into_wan_pipeline_and_gives_the_trained_outputs(wan, tmp_path):
     from diffusers import WanPipeline
@@ -190,7 +176,7 @@ def test_the_lora_export_loads_into_wan_pipeline_and_gives_the_trained_outputs(w
     reader = CacheReader(wan.cache)
     batch = _batches(wan)[0]
     denoiser = recipe_for(TrainConfig(), reader.meta).setup(TrainConfig(), reader.meta)
-    base = _outputs(denoiser, denoiser.model, batch)
+    base = recipe_outputs(denoiser, denoiser.model, batch)
     trained = denoiser.model  # the base with the adapters of the last checkpoint, by parameter name
     add_lora(trained, load_config(cfg), targets=denoiser.lora_targets)
     saved = load_file(out / "checkpoints" / "step-00000003" / "adapters.safetensors")
@@ -198,12 +184,12 @@ def test_the_lora_export_loads_into_wan_pipeline_and_gives_the_trained_outputs(w
     with torch.no_grad():
         for name, tensor in saved.items():
             params[name].copy_(tensor)
-    want = _outputs(denoiser, trained, batch)
+    want = recipe_outputs(denoiser, trained, batch)
 
     pipe = WanPipeline.from_pretrained(wan.model)
     pipe.load_lora_weights(str(out / "lora"))
     assert pipe.get_list_adapters(), "load_lora_weights loaded nothing"
-    loaded = _outputs(denoiser, pipe.transformer, batch)
+    loaded = recipe_outputs(denoiser, pipe.transformer, batch)
     torch.testing.assert_close(loaded, want, rtol=1e-4, atol=1e-5)
     assert (loaded - base).abs().max() > 100 * (loaded - want).abs().max()  # the adapters do act
 

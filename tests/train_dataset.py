@@ -142,6 +142,22 @@ def logged_losses(out: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def recipe_outputs(denoiser, model: Any, batch) -> Any:
+    """``model``'s prediction on ``batch`` with the recipe's inputs and the noise of plan position 0."""
+    import torch
+
+    from train.model import step_generator
+
+    outputs = []
+    hook = model.register_forward_hook(lambda module, args, out: outputs.append(out[0]))
+    try:
+        with torch.no_grad():
+            denoiser.loss(model, batch, step_generator(0, 0, 0, 0))
+    finally:
+        hook.remove()
+    return outputs[0]
+
+
 @contextlib.contextmanager
 def _fresh_accelerate():
     from accelerate.state import AcceleratorState, GradientState, PartialState
