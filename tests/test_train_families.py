@@ -14,8 +14,6 @@ pipeline, generating a 64x64 image.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import shutil
 import subprocess
@@ -28,6 +26,7 @@ import torch
 
 from manifests.cache import CacheReader
 from manifests.errors import UsageError
+from tests.train_dataset import assert_same_files, printed_code, train_quiet
 from tests.embed_data import make_dataset, embed_cache
 from tests.test_train import run  # noqa: F401  (fixture: the trainer in this process)
 from tests.test_train_dist import command, environment
@@ -195,12 +194,9 @@ def test_ema_and_caption_dropout_resume_exactly_and_validation_images_are_writte
     assert run(*common, "--output-dir", resumed, "--max-steps", 2).steps == 2
     assert run(*common, "--output-dir", resumed, "--max-steps", 4, "--resume").steps == 2  # the 2 not yet run
 
-    for name in ("checkpoints/step-00000004/ema.safetensors", "model/diffusion_pytorch_model.safetensors",
-                 "model_ema/diffusion_pytorch_model.safetensors"):  # fmt: skip
-        a, b = load_file(straight / name), load_file(resumed / name)
-        assert a.keys() == b.keys() and a, name
-        for key in a:
-            assert torch.equal(a[key], b[key]), (name, key)
+    assert_same_files(straight, resumed, ("checkpoints/step-00000004/ema.safetensors",
+                                          "model/diffusion_pytorch_model.safetensors",
+                                          "model_ema/diffusion_pytorch_model.safetensors"))  # fmt: skip
     ema, model = (load_file(straight / n / "diffusion_pytorch_model.safetensors") for n in ("model_ema", "model"))
     assert any(not torch.equal(ema[k], model[k]) for k in ema)  # the average is not the last weights
 
@@ -213,20 +209,6 @@ def test_ema_and_caption_dropout_resume_exactly_and_validation_images_are_writte
 
     events = EventAccumulator(str(next((straight / "logs").rglob("events.out.tfevents.*")).parent)).Reload()
     assert len(events.Tags()["images"]) == 2 and all(len(events.Images(t)) == 2 for t in events.Tags()["images"])
-
-
-def _train_quietly(*argv) -> tuple[Any, str]:
-    """The trainer in this process (one thread), its result and what it printed."""
-    from tests.train_dataset import train_here
-
-    threads, out = torch.get_num_threads(), io.StringIO()
-    torch.set_num_threads(1)
-    try:
-        with contextlib.redirect_stdout(out):
-            result = train_here(*argv)
-    finally:
-        torch.set_num_threads(threads)
-    return result, out.getvalue()
 
 
 RANK = 4
@@ -246,13 +228,13 @@ def lora_runs(families, tmp_path_factory) -> dict[tuple[str, str], dict[str, Any
                         log_every=10)  # fmt: skip
             common = ["--plan", f["plan"], "--cache", f["cache"], "--config", cfg]
             out = base / f"{family}-{name}"
-            result, printed = _train_quietly(*common, "--output-dir", out, "--max-steps", 3)
+            result, printed = train_quiet(*common, "--output-dir", out, "--max-steps", 3)
             assert result.steps == 3, printed
             runs[family, name] = {"out": out, "printed": printed, "cfg": cfg, "common": common}
             if alpha != RANK:
                 resumed = base / f"{family}-{name}-resumed"
-                _train_quietly(*common, "--output-dir", resumed, "--max-steps", 2)
-                assert _train_quietly(*common, "--output-dir", resumed, "--max-steps", 3, "--resume")[0].steps == 1
+                train_quiet(*common, "--output-dir", resumed, "--max-steps", 2)
+                assert train_quiet(*common, "--output-dir", resumed, "--max-steps", 3, "--resume")[0].steps == 1
                 runs[family, name]["resumed"] = resumed
     return runs
 
@@ -302,18 +284,6 @@ def _base_model(family: str, families) -> torch.nn.Module:
     return cls.from_pretrained(families[family]["model"], subfolder=sub)
 
 
-def _printed_code(printed: str, after: str) -> str:
-    """The indented code lines the trainer printed after the line containing ``after``."""
-    lines = printed.splitlines()
-    start = next(i for i, line in enumerate(lines) if after in line) + 1
-    code = []
-    for line in lines[start:]:
-        if not line.startswith("    "):
-            break
-        code.append(line[4:])
-    return "\n".join(code)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("alpha", sorted(ALPHAS))
 @pytest.mark.parametrize("family", FAMILIES)
@@ -324,7 +294,7 @@ def test_the_lora_export_loads_into_the_familys_pipeline_with_the_printed_code(l
     assert (record["family"], record["rank"], record["alpha"], record["steps"]) == (family, RANK, ALPHAS[alpha], 3)
     assert record["base_model"] == families[family]["model"] and len(record["base_sha256"]) == 64
     # the run's last lines: the folders, and the diffusers code that loads them, run here as printed
-    code = _printed_code(run["printed"], "LoRA adapters in")
+    code = printed_code(run["printed"], "LoRA adapters in")
     assert f"pipe.load_lora_weights('{out / 'lora'}')" in code and "tensorboard --logdir" in run["printed"]
     scope: dict[str, Any] = {}
     exec(code, scope)
@@ -396,7 +366,7 @@ def test_a_whole_model_lora_checkpoint_of_an_earlier_version_still_resumes(lora_
     (checkpoint / "adapters.safetensors").unlink()
     (checkpoint / "lora.json").unlink()
     save_file({k: v.contiguous() for k, v in trained.state_dict().items()}, checkpoint / "model.safetensors")
-    result, printed = _train_quietly(*run["common"], "--output-dir", out, "--max-steps", 4, "--resume")
+    result, printed = train_quiet(*run["common"], "--output-dir", out, "--max-steps", 4, "--resume")
     assert result.steps == 1 and "a whole-model checkpoint of an earlier version" in printed
 
 
@@ -430,10 +400,10 @@ def test_a_full_fine_tunes_model_and_ema_load_as_the_pipelines_denoiser_and_gene
     f = families[family]
     out = tmp_path / "out"
     cfg = write(tmp_path / "c.json", ema_decay=0.9)
-    result, printed = _train_quietly("--plan", f["plan"], "--cache", f["cache"], "--config", cfg, "--output-dir",
+    result, printed = train_quiet("--plan", f["plan"], "--cache", f["cache"], "--config", cfg, "--output-dir",
                                      out, "--max-steps", 2)  # fmt: skip
     assert result.steps == 2
-    code = _printed_code(printed, "load it into the base pipeline")
+    code = printed_code(printed, "load it into the base pipeline")
     for folder in ("model", "model_ema"):
         scope: dict[str, Any] = {}
         exec(code.replace(f"'{out / 'model'}'", f"'{out / folder}'"), scope)  # as printed, for either folder

@@ -21,7 +21,7 @@ import torch
 
 from manifests.cache import CacheReader
 from manifests.cache.records import to_float32
-from tests.train_dataset import logged_losses, recipe_outputs, train_quiet, write_settings
+from tests.train_dataset import logged_losses, printed_code, recipe_outputs, train_quiet, write_settings
 from train.config import TrainConfig
 from train.data import BatchLoader, rank_steps
 
@@ -188,17 +188,6 @@ def test_the_shift_of_a_bucket_is_the_one_the_pipeline_samples_it_with(families,
     torch.testing.assert_close((s * t / (1 + (s - 1) * t)).double(), sampled.double(), rtol=1e-5, atol=1e-6)
 
 
-def _printed_code(printed: str, after: str) -> str:
-    lines = printed.splitlines()
-    start = next(i for i, line in enumerate(lines) if after in line) + 1
-    code = []
-    for line in lines[start:]:
-        if not line.startswith("    "):
-            break
-        code.append(line[4:])
-    return "\n".join(code)
-
-
 def _generate(pipe, family: str) -> np.ndarray:
     # FLUX.2-dev: the guidance embedding; Klein and Chroma: classifier-free guidance against the empty prompt
     kwargs = {"guidance_scale": 2.0, **({"negative_prompt": ""} if family == "chroma" else {})}
@@ -227,7 +216,7 @@ def test_two_steps_resume_exactly_and_a_full_fine_tune_loads_into_the_pipeline(f
     assert [p.name for p in images] == ["00.png", "01.png"]
 
     # the trained transformer, as the run printed: loaded into the family's pipeline, which generates
-    code = _printed_code(printed, "load it into the base pipeline")
+    code = printed_code(printed, "load it into the base pipeline")
     cls = "ChromaTransformer2DModel" if family == "chroma" else "Flux2Transformer2DModel"
     assert f"{cls}.from_pretrained" in code
     scope: dict[str, Any] = {}
@@ -268,7 +257,7 @@ def test_the_lora_export_loads_with_load_lora_weights_and_gives_the_trained_outp
     want = recipe_outputs(denoiser, trained, batch)
 
     scope: dict[str, Any] = {}
-    exec(_printed_code(printed, "LoRA adapters in"), scope)  # from_pretrained + load_lora_weights, as printed
+    exec(printed_code(printed, "LoRA adapters in"), scope)  # from_pretrained + load_lora_weights, as printed
     pipe = scope["pipe"]
     assert pipe.get_list_adapters(), "load_lora_weights loaded nothing"
     loaded = recipe_outputs(denoiser, pipe.transformer, batch)

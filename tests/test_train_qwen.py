@@ -23,8 +23,9 @@ import torch
 
 from manifests.cache import CacheReader
 from manifests.errors import UsageError
+from tests.train_dataset import assert_same_files, printed_code, train_quiet
 from tests.embed_data import embed_cache, make_dataset
-from tests.test_train_families import _printed_code, _train_quietly, write
+from tests.test_train_families import write
 from train.config import TrainConfig
 from train.data import BatchLoader, rank_steps
 
@@ -128,10 +129,10 @@ def lora_runs(families, tmp_path_factory) -> dict[str, dict[str, Any]]:
                     log_every=10)  # fmt: skip
         common = ["--plan", f["plan"], "--cache", f["cache"], "--config", cfg]
         out, resumed = base / family, base / f"{family}-resumed"
-        result, printed = _train_quietly(*common, "--output-dir", out, "--max-steps", 3)
+        result, printed = train_quiet(*common, "--output-dir", out, "--max-steps", 3)
         assert result.steps == 3, printed
-        _train_quietly(*common, "--output-dir", resumed, "--max-steps", 2)
-        assert _train_quietly(*common, "--output-dir", resumed, "--max-steps", 3, "--resume")[0].steps == 1
+        train_quiet(*common, "--output-dir", resumed, "--max-steps", 2)
+        assert train_quiet(*common, "--output-dir", resumed, "--max-steps", 3, "--resume")[0].steps == 1
         runs[family] = {"out": out, "resumed": resumed, "printed": printed, "cfg": cfg}
     return runs
 
@@ -183,7 +184,7 @@ def _trained(family: str, families, run: dict[str, Any]) -> torch.nn.Module:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_lora_export_loads_into_the_pipeline_and_gives_the_trained_outputs(lora_runs, families, family):
     run = lora_runs[family]
-    code = _printed_code(run["printed"], "LoRA adapters in")
+    code = printed_code(run["printed"], "LoRA adapters in")
     assert f"pipe.load_lora_weights('{run['out'] / 'lora'}')" in code
     scope: dict[str, Any] = {}
     exec(code, scope)  # as printed: from_pretrained(base) + load_lora_weights
@@ -200,15 +201,10 @@ def test_the_lora_export_loads_into_the_pipeline_and_gives_the_trained_outputs(l
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_lora_run_resumes_exactly(lora_runs, family):
-    from safetensors.torch import load_file
-
     run = lora_runs[family]
-    for name in ("lora/pytorch_lora_weights.safetensors", "lora_ema/pytorch_lora_weights.safetensors",
-                 "checkpoints/step-00000003/ema.safetensors"):  # fmt: skip
-        a, b = load_file(run["out"] / name), load_file(run["resumed"] / name)
-        assert a.keys() == b.keys() and a, name
-        for key in a:
-            assert torch.equal(a[key], b[key]), (name, key)
+    assert_same_files(run["out"], run["resumed"], ("lora/pytorch_lora_weights.safetensors",
+                                                   "lora_ema/pytorch_lora_weights.safetensors",
+                                                   "checkpoints/step-00000003/ema.safetensors"))  # fmt: skip
 
 
 @pytest.mark.slow
@@ -217,12 +213,12 @@ def test_a_full_fine_tune_loads_into_the_pipeline_and_generates(families, family
     f = families[family]
     out = tmp_path / "out"
     cfg = write(tmp_path / "c.json", validation_every=2, validation_steps=2, validation_size=32)
-    result, printed = _train_quietly("--plan", f["plan"], "--cache", f["cache"], "--config", cfg, "--output-dir",
+    result, printed = train_quiet("--plan", f["plan"], "--cache", f["cache"], "--config", cfg, "--output-dir",
                                      out, "--max-steps", 2)  # fmt: skip
     assert result.steps == 2
     assert [p.name for p in (out / "validation" / "step-00000002").glob("*.png")] == ["00.png"]
     scope: dict[str, Any] = {}
-    exec(_printed_code(printed, "load it into the base pipeline"), scope)
+    exec(printed_code(printed, "load it into the base pipeline"), scope)
     pipe = scope["pipe"]
     trained = pipe.transformer.state_dict()
     assert any(not torch.equal(trained[k], v) for k, v in _base(family, families).state_dict().items())

@@ -27,9 +27,10 @@ import torch
 
 from manifests.cache import CacheReader
 from manifests.errors import UsageError
+from tests.train_dataset import assert_same_files, printed_code, train_quiet
 from tests.test_families_qwen_edit import make_edit_pairs
 from tests.embed_data import embed_cache
-from tests.test_train_families import _printed_code, _train_quietly, write
+from tests.test_train_families import write
 from train.config import TrainConfig
 from train.data import BatchLoader, rank_steps
 
@@ -119,7 +120,7 @@ def test_caption_dropout_and_validation_are_refused_in_one_line(edit, tmp_path):
     for setting, says in (({"caption_dropout": 0.1}, "empty instruction's embedding depends on each reference"),
                           ({"validation_every": 1}, "validation images would need a reference image per prompt")):
         with pytest.raises(UsageError, match=says):
-            _train_quietly(*common, "--config", write(tmp_path / "c.json", **setting))
+            train_quiet(*common, "--config", write(tmp_path / "c.json", **setting))
 
 
 @pytest.fixture(scope="module")
@@ -129,10 +130,10 @@ def lora_runs(edit, tmp_path_factory) -> dict[str, Any]:
     cfg = write(base / "c.json", lora_rank=RANK, lora_alpha=3 * RANK, lr=1e-2, ema_decay=0.9, log_every=10)
     common = ["--plan", edit["plan"], "--cache", edit["cache"], "--config", cfg]
     out, resumed = base / "straight", base / "resumed"
-    result, printed = _train_quietly(*common, "--output-dir", out, "--max-steps", 3)
+    result, printed = train_quiet(*common, "--output-dir", out, "--max-steps", 3)
     assert result.steps == 3, printed
-    _train_quietly(*common, "--output-dir", resumed, "--max-steps", 2)
-    assert _train_quietly(*common, "--output-dir", resumed, "--max-steps", 3, "--resume")[0].steps == 1
+    train_quiet(*common, "--output-dir", resumed, "--max-steps", 2)
+    assert train_quiet(*common, "--output-dir", resumed, "--max-steps", 3, "--resume")[0].steps == 1
     return {"out": out, "resumed": resumed, "printed": printed, "cfg": cfg}
 
 
@@ -164,7 +165,7 @@ def _run_printed(printed: str, after: str, base: str) -> Any:
     """The pipeline the trainer's printed code loads, the processor passed in (no torchvision here)."""
     from pipeline.embed.processors import load_qwen2vl_processor
 
-    code = _printed_code(printed, after).replace(f".from_pretrained({base!r}", f".from_pretrained({base!r}, "
+    code = printed_code(printed, after).replace(f".from_pretrained({base!r}", f".from_pretrained({base!r}, "
                                                                               "processor=processor")  # fmt: skip
     assert "processor=processor" in code
     scope: dict[str, Any] = {"processor": load_qwen2vl_processor(base)}
@@ -195,14 +196,9 @@ def test_the_lora_export_loads_into_the_edit_pipeline_and_gives_the_trained_outp
 
 @pytest.mark.slow
 def test_a_lora_run_resumes_exactly(lora_runs):
-    from safetensors.torch import load_file
-
-    for name in ("lora/pytorch_lora_weights.safetensors", "lora_ema/pytorch_lora_weights.safetensors",
-                 "checkpoints/step-00000003/ema.safetensors"):  # fmt: skip
-        a, b = load_file(lora_runs["out"] / name), load_file(lora_runs["resumed"] / name)
-        assert a.keys() == b.keys() and a, name
-        for key in a:
-            assert torch.equal(a[key], b[key]), (name, key)
+    assert_same_files(lora_runs["out"], lora_runs["resumed"], ("lora/pytorch_lora_weights.safetensors",
+                                                               "lora_ema/pytorch_lora_weights.safetensors",
+                                                               "checkpoints/step-00000003/ema.safetensors"))
 
 
 @pytest.mark.slow
@@ -210,7 +206,7 @@ def test_a_full_fine_tune_loads_into_the_edit_pipeline_and_edits(edit, tmp_path)
     from PIL import Image
 
     cfg = write(tmp_path / "c.json")
-    result, printed = _train_quietly("--plan", edit["plan"], "--cache", edit["cache"], "--config", cfg,
+    result, printed = train_quiet("--plan", edit["plan"], "--cache", edit["cache"], "--config", cfg,
                                      "--output-dir", tmp_path / "out", "--max-steps", 2)  # fmt: skip
     assert result.steps == 2
     pipe = _run_printed(printed, "load it into the base pipeline", edit["model"])

@@ -158,6 +158,31 @@ def recipe_outputs(denoiser, model: Any, batch) -> Any:
     return outputs[0]
 
 
+def printed_code(printed: str, after: str) -> str:
+    """The indented code lines the trainer printed after the line containing ``after``."""
+    lines = printed.splitlines()
+    start = next(i for i, line in enumerate(lines) if after in line) + 1
+    code = []
+    for line in lines[start:]:
+        if not line.startswith("    "):
+            break
+        code.append(line[4:])
+    return "\n".join(code)
+
+
+def assert_same_files(first: Path, second: Path, names) -> None:
+    """Each safetensors file ``names`` (relative paths) holds the same non-empty tensors, bit for bit, in the
+    run folders ``first`` and ``second``: what an exact resume leaves."""
+    import torch
+    from safetensors.torch import load_file
+
+    for name in names:
+        a, b = load_file(first / name), load_file(second / name)
+        assert a.keys() == b.keys() and a, name
+        for key in a:
+            assert torch.equal(a[key], b[key]), (name, key)
+
+
 @contextlib.contextmanager
 def _fresh_accelerate():
     from accelerate.state import AcceleratorState, GradientState, PartialState
