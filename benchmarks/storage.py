@@ -29,6 +29,7 @@ import argparse
 import io
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -49,6 +50,7 @@ os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 
 from manifests.storage import open_url, read_many, write_bytes_atomic  # noqa: E402
 from pipeline.sources.listing import list_source  # noqa: E402
+from benchmarks.results import Run  # noqa: E402
 
 BUCKET = "bench-storage"
 CLIENTS = {"s3fs": "fsspec", "obstore": "obstore"}
@@ -98,15 +100,25 @@ def marginal(costs: dict[int, float]) -> float:
     return (c2 - c1) / (n2 - n1)
 
 
-def line(what: str, unit: str, figures: dict[str, float]) -> None:
+def line(run: Run, what: str, unit: str, figures: dict[str, float], target: str = "") -> None:
+    """Print a measure's two clients and their ratio, and add all three to this round of ``run``."""
     s3fs, obstore = figures["s3fs"], figures["obstore"]
     print(f"storage {what}: s3fs {s3fs:.3f} {unit}, obstore {obstore:.3f} {unit} "
           f"(s3fs/obstore = {s3fs / obstore:.1f}x)", flush=True)  # fmt: skip
+    run.add(f"{what}: s3fs", s3fs, unit)
+    run.add(f"{what}: obstore", obstore, unit, target=target)
+    run.add(f"{what}: s3fs / obstore", s3fs / obstore, "x")
 
 
-def bench_requests(endpoint: str, small: int, large: int) -> None:
-    blob = os.urandom(64 << 10)
-    upload(endpoint, {f"objs-{n}/{i:06d}.bin": blob for n in (small, large) for i in range(n)})
+BLOB = os.urandom(64 << 10)
+
+
+def setup_requests(endpoint: str, small: int, large: int) -> None:
+    upload(endpoint, {f"objs-{n}/{i:06d}.bin": BLOB for n in (small, large) for i in range(n)})
+
+
+def bench_requests(run: Run, endpoint: str, small: int, large: int) -> None:
+    blob = BLOB
     gets, lists, puts = {}, {}, {}
     for client in CLIENTS:
         fs, _ = open_url(f"s3://{BUCKET}", options(endpoint, client))
@@ -118,9 +130,9 @@ def bench_requests(endpoint: str, small: int, large: int) -> None:
         few, more = small // 4, large // 4
         puts[client] = marginal({n: cpu(lambda: [write_bytes_atomic(fs, f"{BUCKET}/put-{client}/{n}-{i}", blob)
                                                  for i in range(n)]) for n in (few, more)})  # fmt: skip
-    line("ranged GET 64 KiB (read_many)", "CPU-ms/request", {k: v * 1e3 for k, v in gets.items()})
-    line("listing (list_source)", "CPU-us/key", {k: v * 1e6 for k, v in lists.items()})
-    line("PUT 64 KiB (write_bytes_atomic)", "CPU-ms/request", {k: v * 1e3 for k, v in puts.items()})
+    line(run, "ranged GET 64 KiB (read_many)", "CPU-ms/request", {k: v * 1e3 for k, v in gets.items()})
+    line(run, "listing (list_source)", "CPU-us/key", {k: v * 1e6 for k, v in lists.items()})
+    line(run, "PUT 64 KiB (write_bytes_atomic)", "CPU-ms/request", {k: v * 1e3 for k, v in puts.items()})
 
 
 # --- the scan: a child process and its whole tree ------------------------------------------------
@@ -215,13 +227,18 @@ def tiny_jpeg(i: int) -> bytes:
     return buf.getvalue()
 
 
-def bench_scan(endpoint: str, small: int, large: int, tmp: Path) -> None:
+def setup_scan(endpoint: str, small: int, large: int) -> None:
     objects = {}
     for n in (small, large):
         for i in range(n):
             objects[f"scan-{n}/{i // 1000:03d}/img_{i:06d}.jpg"] = tiny_jpeg(i)
             objects[f"scan-{n}/{i // 1000:03d}/img_{i:06d}.txt"] = f"caption number {i}".encode()
     upload(endpoint, objects)
+
+
+def bench_scan(run: Run, endpoint: str, small: int, large: int, tmp: Path) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)  # a fresh manifest each round: a rescan would skip the files
+    tmp.mkdir(parents=True)
     totals, sides = {}, {}
     for client in CLIENTS:
         costs, side = {}, {}
@@ -236,16 +253,20 @@ def bench_scan(endpoint: str, small: int, large: int, tmp: Path) -> None:
             print(f"  scan {client} {n} files: {costs[n]:.2f} CPU-s in {wall:.1f} s wall (" +
                   ", ".join(f"{k} {v:.2f}" for k, v in roles.items()) + ")", flush=True)  # fmt: skip
         totals[client], sides[client] = marginal(costs) * 1e3, marginal(side) * 1e3
-    line("scan over HTTP, driver + Ray workers (2 GETs per file)", "CPU-ms/file", sides)
-    line("scan over HTTP, with Ray's daemons too", "CPU-ms/file", totals)
+    line(run, "scan over HTTP, driver + Ray workers (2 GETs per file)", "CPU-ms/file", sides, target="<= 1")
+    line(run, "scan over HTTP, with Ray's daemons too", "CPU-ms/file", totals, target="<= 1")
 
 
-def bench_reader(endpoint: str, small: int, large: int) -> None:
-    from manifests.cache.reader import CacheReader
+def setup_reader(endpoint: str, large: int) -> None:
     from tests.test_cache_format import build_cache  # the test suite's synthetic cache (no Ray, no models)
 
+    build_cache(f"s3://{BUCKET}/cache", {"endpoint_url": endpoint}, n=large, shard_records=512)
+
+
+def bench_reader(run: Run, endpoint: str, small: int, large: int) -> None:
+    from manifests.cache.reader import CacheReader
+
     url = f"s3://{BUCKET}/cache"
-    build_cache(url, {"endpoint_url": endpoint}, n=large, shard_records=512)
     figures = {}
     rng = np.random.default_rng(0)
     for client in CLIENTS:
@@ -258,7 +279,7 @@ def bench_reader(endpoint: str, small: int, large: int) -> None:
                 reader.read(ids[k : k + 16])
 
         figures[client] = marginal({n: cpu(lambda: read(n)) for n in (small, large)}) * 1e3
-    line("cache reader (CacheReader.read, random batches of 16)", "CPU-ms/sample", figures)
+    line(run, "cache reader (CacheReader.read, random batches of 16)", "CPU-ms/sample", figures)
 
 
 def main() -> None:
@@ -268,8 +289,11 @@ def main() -> None:
     parser.add_argument("--scan-small", type=int, default=1000)
     parser.add_argument("--scan-large", type=int, default=4000)
     parser.add_argument("--parts", default="requests,reader,scan", help="comma-separated: requests, reader, scan")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds (each measures both clients); the median")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
+    run = Run("storage", "python benchmarks/storage.py" + "".join(f" {a}" for a in sys.argv[1:]),
+              tools=["s3fs", "obstore", "moto", "ray"])  # fmt: skip
     moto, endpoint = start_moto()
     print(f"moto at {endpoint}; load average {os.getloadavg()[0]:.2f}", flush=True)
     try:
@@ -277,12 +301,23 @@ def main() -> None:
 
         s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}).mkdir(BUCKET)
         if "requests" in parts:
-            bench_requests(endpoint, args.small, args.large)
+            setup_requests(endpoint, args.small, args.large)
         if "reader" in parts:
-            bench_reader(endpoint, args.small // 3, args.large // 3)
+            setup_reader(endpoint, args.large // 3)
         if "scan" in parts:
-            with tempfile.TemporaryDirectory() as tmp:
-                bench_scan(endpoint, args.scan_small, args.scan_large, Path(tmp))
+            setup_scan(endpoint, args.scan_small, args.scan_large)
+        with tempfile.TemporaryDirectory() as tmp:
+            for r in range(args.rounds):
+                with run.round():
+                    print(f"round {r + 1}: load average {os.getloadavg()[0]:.2f}", flush=True)
+                    if "requests" in parts:
+                        bench_requests(run, endpoint, args.small, args.large)
+                    if "reader" in parts:
+                        bench_reader(run, endpoint, args.small // 3, args.large // 3)
+                    if "scan" in parts:
+                        bench_scan(run, endpoint, args.scan_small, args.scan_large, Path(tmp) / "scans")
+        if parts == {"requests", "reader", "scan"}:
+            run.save()  # a partial run does not replace the published one
     finally:
         moto.kill()
         moto.wait()
