@@ -189,6 +189,7 @@ def main() -> None:
     p.add_argument("--steps", default=",".join(SIZES))
     p.add_argument("--sizes", default="", help="per step, e.g. 'plan=1e6,1e7;phash=1e6' (default: SIZES)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--name", default="growth", help="results/NAME.json (a separate run, e.g. one large size)")
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -199,7 +200,7 @@ def main() -> None:
         step, _, values = part.partition("=")
         sizes[step] = [int(float(v)) for v in values.split(",")]
     steps = args.steps.split(",")
-    run = Run("growth", "python benchmarks/growth.py" + "".join(f" {a}" for a in sys.argv[1:]), tools=["faiss-cpu"])
+    run = Run(args.name, "python benchmarks/growth.py" + "".join(f" {a}" for a in sys.argv[1:]), tools=["faiss-cpu"])
     for r in range(args.rounds):
         with run.round():
             for step in steps:
@@ -212,7 +213,8 @@ def main() -> None:
                     print(f"round {r + 1} {step} {_label(n)}: {got['cpu_s']:.1f} CPU-s, {got['wall_s']:.1f} s wall, "
                           f"peak {got['peak_mib']:,.0f} MiB (load {got['load']:.1f})", flush=True)  # fmt: skip
     path = run.save()
-    plot(HERE / "growth.png", json.loads(path.read_text()))
+    if args.name == "growth":
+        plot(HERE / "growth.png", json.loads(path.read_text()))
 
 
 if __name__ == "__main__":

@@ -292,7 +292,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds (each measures both clients); the median")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
-    run = Run("storage", "python benchmarks/storage.py" + "".join(f" {a}" for a in sys.argv[1:]),
+    name = "storage" if parts == {"requests", "reader", "scan"} else "storage-" + "-".join(sorted(parts))
+    run = Run(name, "python benchmarks/storage.py" + "".join(f" {a}" for a in sys.argv[1:]),
               tools=["s3fs", "obstore", "moto", "ray"])  # fmt: skip
     moto, endpoint = start_moto()
     print(f"moto at {endpoint}; load average {os.getloadavg()[0]:.2f}", flush=True)
@@ -316,8 +317,7 @@ def main() -> None:
                         bench_reader(run, endpoint, args.small // 3, args.large // 3)
                     if "scan" in parts:
                         bench_scan(run, endpoint, args.scan_small, args.scan_large, Path(tmp) / "scans")
-        if parts == {"requests", "reader", "scan"}:
-            run.save()  # a partial run does not replace the published one
+        run.save()  # a partial run (--parts) is saved under its own name: it does not replace the whole one
     finally:
         moto.kill()
         moto.wait()
