@@ -24,6 +24,8 @@ a training step) runs on it in seconds on a CPU:
 - ``generic``: bucketeer's embedded default encoders (a VAE and one CLIP text model; no denoiser).
 - ``flux2``, ``flux2-klein``: :mod:`pipeline.embed.families.tiny_flux2` (Mistral 3 / Qwen3 LLMs with their chat
   templates, ``Flux2Transformer2DModel``, ``AutoencoderKLFlux2``).
+- ``wan2.2-a14b``, ``wan2.2-ti2v-5b``: :mod:`pipeline.embed.families.tiny_wan22` (two experts and
+  ``boundary_ratio``; per-token timesteps and Wan 2.2's 48-channel VAE).
 - ``chroma``: ``ChromaPipeline``: the T5 above, a ``ChromaTransformer2DModel``, Flux.1's VAE and scheduler.
 
 The T5 tokenizer is a Unigram model over a few words plus single characters (anything else is
@@ -42,7 +44,7 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
-from pipeline.embed.families import tiny_qwen
+from pipeline.embed.families import tiny_qwen, tiny_wan22
 
 __all__ = ["DEFAULT_NOTICE", "TINY_VERSION", "build_tiny", "ensure_tiny", "tiny_dir", "tiny_pipeline", "save_pipeline",
            "clip_tokenizer", "t5_tokenizer"]  # fmt: skip
@@ -280,6 +282,8 @@ def _chroma():
 
 _PIPELINES.update({"chroma": _chroma, **{f: functools.partial(_tiny_flux2, f) for f in ("flux2", "flux2-klein")}})
 _SEEDS.update({"flux2": 21, "flux2-klein": 22, "chroma": 23})
+_PIPELINES.update({"wan2.2-a14b": tiny_wan22.wan22_a14b, "wan2.2-ti2v-5b": tiny_wan22.wan22_ti2v})
+_SEEDS.update({"wan2.2-a14b": 31, "wan2.2-ti2v-5b": 32})
 
 
 def tiny_pipeline(family: str, variant: str | None = None) -> object:
