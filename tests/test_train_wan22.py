@@ -148,6 +148,8 @@ def test_what_does_not_fit_the_family_is_refused_in_one_line(a14b, ti2v):
         _setup(ti2v, expert="high")
     with pytest.raises(UsageError, match="config: expert must be one of"):
         TrainConfig(expert="middle")
+    with pytest.raises(UsageError, match="expert: both: a run trains one of .* two runs on the same cache and plan"):
+        TrainConfig(expert="both")
     with pytest.raises(UsageError, match=r"is a wan2.2-ti2v-5b pipeline .* the cache's family is wan2.2-a14b"):
         _setup(a14b, expert="low", pretrained=ti2v.model)
     with pytest.raises(UsageError, match=r"is a wan2.2-a14b pipeline .* the cache's family is wan2.2-ti2v-5b"):

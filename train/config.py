@@ -116,7 +116,9 @@ class TrainConfig:
             (0.0 <= self.caption_dropout < 1.0, "caption_dropout must be in [0, 1)"),
             (self.ema_decay is None or 0.0 < self.ema_decay < 1.0, "ema_decay must be in (0, 1), e.g. 0.9999"),
             (self.lora_rank >= 0, "lora_rank must be >= 0 (0: full fine-tuning)"),
-            (self.expert in (None, *EXPERTS), f"expert must be one of {EXPERTS} (Wan 2.2 A14B's two experts)"),
+            (self.expert != "both", "expert: both: a run trains one of Wan 2.2 A14B's experts; train both with two "
+             "runs on the same cache and plan, expert: high and expert: low (docs/families-video.md)"),
+            (self.expert in (None, "both", *EXPERTS), f"expert must be one of {EXPERTS} (Wan 2.2 A14B's two experts)"),
             (self.validation_every >= 0, "validation_every must be >= 0 (0: no validation images)"),
             (self.validation_steps >= 1, "validation_steps must be >= 1"),
             (self.validation_size % 16 == 0, "validation_size must be a multiple of 16 (0: from the cache)"),

@@ -69,7 +69,7 @@ def load_flow_scheduler(source: str) -> Any:
 
 def _refuse(cfg: TrainConfig, meta: CacheMeta) -> None:
     """One line for what the recipe does not train yet, and for a cache of image latents."""
-    family = meta.family
+    family = meta.family or meta.text_layout.family
     if cfg.masked_loss is not None:
         raise UsageError(f"config masked_loss: the {family} recipe does not weight video latents by loss masks yet; "
                          "remove masked_loss:")  # fmt: skip
@@ -98,6 +98,8 @@ def _wan22(source: str, family: str) -> tuple[float | None, bool]:
     try:
         index = DiffusionPipeline.load_config(source)
     except (OSError, EnvironmentError) as e:
+        if family == "wan":  # Wan 2.1 needs only transformer/ and scheduler/
+            return None, False
         raise UsageError(f"pretrained {source!r}: cannot read its model_index.json ({e}); pass the {family} diffusers "
                          "pipeline folder or hub id") from None  # fmt: skip
     ratio, expand = index.get("boundary_ratio"), bool(index.get("expand_timesteps"))
@@ -115,7 +117,7 @@ def setup(cfg: TrainConfig, meta: CacheMeta) -> Denoiser:
     from diffusers import WanPipeline, WanTransformer3DModel
 
     _refuse(cfg, meta)
-    family = meta.family
+    family = meta.family or meta.text_layout.family
     source = pretrained_source(cfg, meta)
     boundary, expand = _wan22(source, family)
     low = cfg.expert == "low"
@@ -131,8 +133,10 @@ def setup(cfg: TrainConfig, meta: CacheMeta) -> Denoiser:
     shift = timestep_shift(cfg.timestep_shift, scheduler.config, patch=ph)  # auto: the scheduler's flow_shift
     length = layout.length  # what WanPipeline pads every caption to (max_sequence_length)
     factor = int(meta.latent.factor or 8)  # pixels per latent pixel
-    # the expert's noise levels: the pipeline runs transformer for t >= boundary * num_train_timesteps
-    span = (0.0, 1.0) if boundary is None else (0.0, boundary) if low else (boundary, 1.0)
+    # the expert's noise levels: the pipeline runs transformer for t >= boundary_ratio * num_train_timesteps, and
+    # this recipe's t is 1000 sigma
+    edge = None if boundary is None else boundary * scheduler.config.num_train_timesteps / 1000.0
+    span = (0.0, 1.0) if edge is None else (0.0, edge) if low else (edge, 1.0)
 
     def loss(model: torch.nn.Module, batch: Any, generator: torch.Generator) -> torch.Tensor:
         b, _, f, h, w = batch.latents.shape  # (B, C, F, h, w)
@@ -152,9 +156,10 @@ def setup(cfg: TrainConfig, meta: CacheMeta) -> Denoiser:
 
     def pipeline(model: torch.nn.Module, vae: Any) -> Any:
         experts = {component: model}
-        if boundary is not None:  # the other expert, as the base model has it, for whole validation clips
-            other = "transformer" if low else "transformer_2"
-            experts[other] = load_pretrained(WanTransformer3DModel, source, other).to(model.device, model.dtype)
+        if boundary is not None:  # the other expert as the base model has it, for whole clips; loaded per validation
+            other = "transformer" if low else "transformer_2"  # in the trained one's dtype (no fp32 copy of 14B)
+            experts[other] = WanTransformer3DModel.from_pretrained(source, subfolder=other,
+                                                                   torch_dtype=model.dtype).to(model.device)
         return WanPipeline(tokenizer=None, text_encoder=None, vae=vae, scheduler=scheduler, boundary_ratio=boundary,
                            expand_timesteps=expand, **experts)  # fmt: skip
 
