@@ -5,7 +5,8 @@ back with ``from_pretrained``: the cached text, zero-padded to 512 by the layout
 bit in fp32 (bf16 records: that rounded once); a clip's latent, normalised as the trainer's loader normalises it,
 equals the pipelines' VAE path (``retrieve_latents(vae.encode(video), sample_mode="argmax")``, then
 ``(z - latents_mean) * (1 / latents_std)``, as ``WanVideoToVideoPipeline.prepare_latents`` does) bit for bit in fp32,
-for Wan 2.1's VAE (A14B) and Wan 2.2's 48-channel patchified one (TI2V-5B).
+for Wan 2.1's VAE (A14B) and Wan 2.2's 48-channel patchified one (TI2V-5B). A ``WanPipeline`` folder of another
+kind (two experts, ``expand_timesteps``, neither) is refused at embed in one line naming its family.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from manifests.cache import TextLayout
 from manifests.cache.records import TextRecord
+from manifests.errors import UsageError
 from pipeline.embed.encoders import encoder_specs
 from pipeline.embed.families.tiny import UMT5_WIDTH, build_tiny
 from pipeline.embed.loading import quiet_loading, to_storage
@@ -114,3 +116,13 @@ def test_clip_latents_are_the_pipelines_vae_path_and_normalisation(tiny, family,
     assert (described["class"], described["channels"], described["factor"], described["temporal_factor"]) == (
         "AutoencoderKLWan", shape[0], factor, 4)
     assert described["latents_std"] == vae["latents_std"] and len(described["latents_mean"]) == shape[0]
+
+
+def test_a_folder_of_another_wan_kind_is_refused_at_embed_in_one_line(tiny, tmp_path):
+    """One class, three families: the folder's model_index.json says which, before a weight is read."""
+    wan21 = str(build_tiny("wan", tmp_path / "wan"))
+    for family, model, kind in (("wan", tiny["wan2.2-a14b"], "wan2.2-a14b"), ("wan2.2-a14b", wan21, "wan"),
+                                ("wan", tiny["wan2.2-ti2v-5b"], "wan2.2-ti2v-5b")):  # fmt: skip
+        with pytest.raises(UsageError, match=rf"its model_index.json is a {kind} WanPipeline, not a {family} one; "
+                                             rf"pass --family {kind}"):  # fmt: skip
+            _specs(family, model)[1].load()

@@ -41,10 +41,18 @@ def encode(models: list[TextModel], captions: list[str], options: TextOptions) -
     return PromptParts([t5(enc.input_ids, attention_mask=mask).last_hidden_state], rows=[mask.gt(0).sum(dim=1)])
 
 
+def kind_of(index: dict) -> str:
+    """The family of a ``WanPipeline`` folder by its ``model_index.json``: two experts split at ``boundary_ratio``
+    (Wan 2.2 A14B), ``expand_timesteps`` (Wan 2.2 TI2V-5B), else Wan 2.1's one transformer."""
+    if index.get("boundary_ratio") is not None and (index.get("transformer_2") or [None])[0] is not None:
+        return "wan2.2-a14b"
+    return "wan2.2-ti2v-5b" if index.get("expand_timesteps") else "wan"
+
+
 def _family(name: str, summary: str) -> Family:
     return Family(name=name, summary=summary, pipelines=("WanPipeline",), text_encoders=("text_encoder",),
                   text_classes=("UMT5EncoderModel",), layout=functools.partial(layout, family=name), encode=encode,
-                  max_text_tokens=lambda pipeline: T5_TOKENS)  # fmt: skip
+                  max_text_tokens=lambda pipeline: T5_TOKENS, kind_of=kind_of)  # fmt: skip
 
 
 FAMILY = _family("wan", "Wan 2.x (video): UMT5 (512, masked; real tokens stored, zero-padded by the trainer)")
