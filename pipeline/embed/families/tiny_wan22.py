@@ -10,7 +10,7 @@
   patchified 2x2 into 12 channels before the encoder), residual down/up blocks, 16x spatial and 4x temporal
   compression, 48 per-channel ``latents_mean``/``latents_std``; ``flow_shift`` 5.0 as the TI2V-5B folder ships.
 
-Built by :func:`pipeline.embed.families.tiny.build_tiny` (which seeds them).
+Built by :func:`pipeline.embed.families.tiny.build_tiny` (which seeds them and gives them its tiny UMT5).
 """
 
 from __future__ import annotations
@@ -20,26 +20,12 @@ __all__ = ["BOUNDARY_RATIO", "wan22_a14b", "wan22_ti2v"]
 BOUNDARY_RATIO = 0.875  # Wan2.2-T2V-A14B-Diffusers' model_index.json (its I2V: 0.9)
 
 
-def _umt5():
-    from transformers import UMT5Config, UMT5EncoderModel
-
-    from pipeline.embed.families.tiny import UMT5_WIDTH, t5_tokenizer
-
-    tok = t5_tokenizer(512)
-    model = UMT5EncoderModel(UMT5Config(vocab_size=len(tok.get_vocab()), d_model=UMT5_WIDTH, d_kv=16, d_ff=96,
-                                        num_layers=2, num_heads=4, feed_forward_proj="gated-gelu",
-                                        decoder_start_token_id=0))  # fmt: skip
-    return tok, model
-
-
-def _transformer(channels: int):
+def _transformer(channels: int, text_dim: int):
     from diffusers import WanTransformer3DModel
-
-    from pipeline.embed.families.tiny import UMT5_WIDTH
 
     return WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=channels,
-        out_channels=channels, text_dim=UMT5_WIDTH, freq_dim=32, ffn_dim=48, num_layers=2, rope_max_seq_len=1024,
+        out_channels=channels, text_dim=text_dim, freq_dim=32, ffn_dim=48, num_layers=2, rope_max_seq_len=1024,
     )  # fmt: skip
 
 
@@ -50,24 +36,25 @@ def _scheduler(flow_shift: float):
                                    num_train_timesteps=1000)  # fmt: skip
 
 
-def wan22_a14b():
-    """``WanPipeline`` with two experts and ``boundary_ratio`` (see the module docstring)."""
+def wan22_a14b(tok, text_encoder):
+    """``WanPipeline`` with two experts and ``boundary_ratio`` (see the module docstring) around the tiny UMT5
+    ``text_encoder`` and its tokenizer ``tok``."""
     from diffusers import AutoencoderKLWan, WanPipeline
 
-    tok, text_encoder = _umt5()
+    width = text_encoder.config.d_model
     vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
                            temperal_downsample=[False, True, True])  # fmt: skip
-    return WanPipeline(tokenizer=tok, text_encoder=text_encoder, vae=vae, transformer=_transformer(16),
-                       transformer_2=_transformer(16), scheduler=_scheduler(3.0),
+    return WanPipeline(tokenizer=tok, text_encoder=text_encoder, vae=vae, transformer=_transformer(16, width),
+                       transformer_2=_transformer(16, width), scheduler=_scheduler(3.0),
                        boundary_ratio=BOUNDARY_RATIO)  # fmt: skip
 
 
-def wan22_ti2v():
-    """``WanPipeline`` with ``expand_timesteps`` and Wan 2.2's 48-channel VAE (see the module docstring)."""
+def wan22_ti2v(tok, text_encoder):
+    """``WanPipeline`` with ``expand_timesteps`` and Wan 2.2's 48-channel VAE (see the module docstring) around the
+    tiny UMT5 ``text_encoder`` and its tokenizer ``tok``."""
     import torch
     from diffusers import AutoencoderKLWan, WanPipeline
 
-    tok, text_encoder = _umt5()
     stats = torch.Generator().manual_seed(48)  # per-channel statistics of the shape Wan 2.2's VAE ships
     mean = (torch.randn(48, generator=stats) * 0.3).tolist()
     std = (0.5 + torch.rand(48, generator=stats)).tolist()
@@ -75,5 +62,6 @@ def wan22_ti2v():
                            temperal_downsample=[False, True, True], is_residual=True, in_channels=12,
                            out_channels=12, patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4,
                            latents_mean=mean, latents_std=std)  # fmt: skip
-    return WanPipeline(tokenizer=tok, text_encoder=text_encoder, vae=vae, transformer=_transformer(48),
+    transformer = _transformer(48, text_encoder.config.d_model)
+    return WanPipeline(tokenizer=tok, text_encoder=text_encoder, vae=vae, transformer=transformer,
                        scheduler=_scheduler(5.0), expand_timesteps=True)  # fmt: skip
