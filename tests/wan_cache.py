@@ -9,6 +9,8 @@ names it as its ``--model``, so the trainer starts from it.
 
 Buckets ``WxHxF``: ``64x64x9`` (4 clips, latents ``(16, 3, 8, 8)``) and ``64x32x5`` (2 clips,
 ``(16, 2, 4, 8)``); sample 0 holds 2 clips (variants). Plans: 1 rank x 2 and 2 ranks x 1, 3 epochs of 3 steps.
+``build(base, family)`` writes the same for ``wan2.2-a14b`` (the two-expert folder, Wan 2.1's VAE) and
+``wan2.2-ti2v-5b`` (Wan 2.2's VAE: 48 channels, 16x spatial: ``(48, 3, 4, 4)`` and ``(48, 2, 2, 4)``).
 """
 
 from __future__ import annotations
@@ -41,10 +43,15 @@ class WanData:
     plan2: str  # 2 ranks x 1 clip, the same global batches
 
 
-def latent_shape(bucket: str) -> tuple[int, int, int, int]:
-    """``(C, F', H', W')`` of a ``WxHxF`` bucket's clip through Wan's VAE (causal: ``(F - 1) / 4 + 1`` frames)."""
+VAES = {"wan": (16, SPATIAL), "wan2.2-a14b": (16, SPATIAL), "wan2.2-ti2v-5b": (48, 16)}  # (channels, factor)
+
+
+def latent_shape(bucket: str, family: str = "wan") -> tuple[int, int, int, int]:
+    """``(C, F', H', W')`` of a ``WxHxF`` bucket's clip through the family's VAE (causal: ``(F - 1) / 4 + 1``
+    frames)."""
     w, h, f = (int(x) for x in bucket.split("x"))
-    return 16, (f - 1) // TEMPORAL + 1, h // SPATIAL, w // SPATIAL
+    channels, factor = VAES[family]
+    return channels, (f - 1) // TEMPORAL + 1, h // factor, w // factor
 
 
 def _text(caption: str | None, width: int, rng: np.random.Generator) -> TextRecord:
@@ -54,8 +61,8 @@ def _text(caption: str | None, width: int, rng: np.random.Generator) -> TextReco
 
 
 def _sample(i: int, bucket: str, clips: int, caption: str | None, mean: np.ndarray, std: np.ndarray,
-            rng: np.random.Generator) -> SampleRecord:  # fmt: skip
-    shape = latent_shape(bucket)
+            rng: np.random.Generator, family: str) -> SampleRecord:  # fmt: skip
+    shape = latent_shape(bucket, family)
     draws = [bf16_bits(mean[:, None, None, None] + std[:, None, None, None] * rng.normal(size=shape))
              for _ in range(clips)]  # fmt: skip
     w, h, _ = (int(x) for x in bucket.split("x"))
@@ -68,25 +75,26 @@ def _sample(i: int, bucket: str, clips: int, caption: str | None, mean: np.ndarr
                         **extra)  # fmt: skip
 
 
-def build(base: Path) -> WanData:
-    """Write the model folder, cache and plans under ``base`` (once; later calls reuse them)."""
+def build(base: Path, family: str = "wan") -> WanData:
+    """Write the model folder, cache and plans of ``family`` under ``base`` (once; later calls reuse them)."""
     from pipeline.embed.families.tiny import UMT5_WIDTH, build_tiny
 
-    data = WanData(str(base / "wan"), str(base / "cache"), str(base / "plan"), str(base / "plan2"))
+    data = WanData(str(base / family), str(base / "cache"), str(base / "plan"), str(base / "plan2"))
     if (Path(data.plan2) / "_plan.json").exists():
         return data
-    build_tiny("wan", data.model)
+    build_tiny(family, data.model)
+    channels, factor = VAES[family]
     vae = json.loads((Path(data.model) / "vae" / "config.json").read_text())
     mean, std = np.asarray(vae["latents_mean"]), np.asarray(vae["latents_std"])
-    layout = TextLayout(family="wan", join="features", masked=True, lengths=(TEXT_TOKENS,), widths=(UMT5_WIDTH,))
-    settings = {"family": "wan", "dtype": "BF16", "model": data.model, "latent": "posterior_mean",
+    layout = TextLayout(family=family, join="features", masked=True, lengths=(TEXT_TOKENS,), widths=(UMT5_WIDTH,))
+    settings = {"family": family, "dtype": "BF16", "model": data.model, "latent": "posterior_mean",
                 "buckets": BucketSpec(area=64 * 64, step=32).to_json(),
-                "vae": {"id": data.model, "subfolder": "vae", "class": "AutoencoderKLWan", "factor": SPATIAL,
-                        "channels": 16}}  # fmt: skip
-    info = {"family": "wan",
-            "latent": {"kind": "posterior_mean", "dtype": "BF16", "channels": 16, "factor": SPATIAL,
+                "vae": {"id": data.model, "subfolder": "vae", "class": "AutoencoderKLWan", "factor": factor,
+                        "channels": channels}}  # fmt: skip
+    info = {"family": family,
+            "latent": {"kind": "posterior_mean", "dtype": "BF16", "channels": channels, "factor": factor,
                        "latents_mean": mean.tolist(), "latents_std": std.tolist(), "temporal_factor": TEMPORAL},
-            "text": {"family": "wan", "pipeline": "WanPipeline", "dtype": "BF16", "layout": layout.to_json(),
+            "text": {"family": family, "pipeline": "WanPipeline", "dtype": "BF16", "layout": layout.to_json(),
                      "empty_caption_key": caption_key(""),
                      "validation_prompts": [{"prompt": p, "caption_key": caption_key(p)} for p in PROMPTS]},
             }  # fmt: skip
@@ -95,7 +103,8 @@ def build(base: Path) -> WanData:
     for caption in dict.fromkeys(c or "" for c in (*CAPTIONS, "", *PROMPTS)):  # one text record per caption
         writer.add_text(caption_key(caption), encode_text(_text(caption, UMT5_WIDTH, rng)))
     writer.commit("texts")
-    records = [_sample(i, bucket, clips, CAPTIONS[i % 3], mean, std, rng) for i, (bucket, clips) in enumerate(CLIPS)]
+    records = [_sample(i, bucket, clips, CAPTIONS[i % 3], mean, std, rng, family)
+               for i, (bucket, clips) in enumerate(CLIPS)]  # fmt: skip
     for r in records:
         writer.add_sample(r.sample_id, encode_sample(r), r.caption_key, r.bucket)
     meta = writer.finish()

@@ -21,13 +21,15 @@ from train.shift import parse_shift
 __all__ = ["TrainConfig", "load_config", "default_config", "DEFAULT_CONFIG"]
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "tiny.yaml"
-FINE_TUNED = ("sdxl", "sd3", "flux", "wan")  # families whose default config fine-tunes the cache's --model
+# families whose default config fine-tunes the cache's --model
+FINE_TUNED = ("sdxl", "sd3", "flux", "wan", "wan2.2-a14b", "wan2.2-ti2v-5b")
 LR_SCHEDULES = ("cosine", "linear", "constant")
 WEIGHTING_SCHEMES = ("logit_normal", "uniform", "mode")
 MIXED_PRECISION = ("no", "bf16", "fp16")
 # keys whose default is None: their type when given
 OPTIONAL = {"grad_accum": int, "family": str, "pretrained": str, "ema_decay": float, "lora_alpha": float,
-            "lora_targets": list, "repa": dict, "masked_loss": dict}
+            "lora_targets": list, "repa": dict, "masked_loss": dict, "expert": str}
+EXPERTS = ("high", "low")  # Wan 2.2 A14B: transformer (timesteps >= the pipeline's boundary), transformer_2 (below)
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,9 @@ class TrainConfig:
     lora_rank: int = 0  # 0: full fine-tuning; > 0: train LoRA adapters of this rank (peft), the model frozen
     lora_alpha: float | None = None  # LoRA scale numerator (default: lora_rank)
     lora_targets: list | None = None  # module names LoRA adapts (default: the recipe's attention projections)
+    # Wan 2.2 A14B (two experts): which one a run trains, on its timesteps only; high: transformer, t >= boundary_ratio
+    # * num_train_timesteps; low: transformer_2, below (docs/families-video.md). Other families: leave it out
+    expert: str | None = None
     caption_dropout: float = 0.0  # probability of training a sample on the empty caption (classifier-free guidance)
     # a cache embedded with --latents posterior: train on a fresh draw mean + std * eps from each latent's VAE
     # posterior every epoch (eps a pure function of seed, epoch, sample id); false: on the mean, as a means cache
@@ -111,6 +116,9 @@ class TrainConfig:
             (0.0 <= self.caption_dropout < 1.0, "caption_dropout must be in [0, 1)"),
             (self.ema_decay is None or 0.0 < self.ema_decay < 1.0, "ema_decay must be in (0, 1), e.g. 0.9999"),
             (self.lora_rank >= 0, "lora_rank must be >= 0 (0: full fine-tuning)"),
+            (self.expert != "both", "expert: both: a run trains one of Wan 2.2 A14B's experts; train both with two "
+             "runs on the same cache and plan, expert: high and expert: low (docs/families-video.md)"),
+            (self.expert in (None, "both", *EXPERTS), f"expert must be one of {EXPERTS} (Wan 2.2 A14B's two experts)"),
             (self.validation_every >= 0, "validation_every must be >= 0 (0: no validation images)"),
             (self.validation_steps >= 1, "validation_steps must be >= 1"),
             (self.validation_size % 16 == 0, "validation_size must be a multiple of 16 (0: from the cache)"),

@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache", required=True, help="cache folder (local path or URL) from `bucketeer embed`; for "
                    "a plan over several manifests one cache per manifest, comma-separated, in the plan's order")
     p.add_argument("--config", default=None, help="YAML/JSON training config (default: train/configs/<family>.yaml "
-                   "for an sdxl, sd3, flux or wan cache, else train/configs/tiny.yaml)")
+                   "for an sdxl, sd3, flux, wan or wan2.2-* cache, else train/configs/tiny.yaml)")
     p.add_argument("--output-dir", default="train-output",
                    help="checkpoints, logs, the final model: a local folder, or a URL (s3://bucket/run) that "
                         "every node reaches; several nodes need a URL or a shared filesystem")  # fmt: skip

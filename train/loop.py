@@ -299,7 +299,7 @@ class Trainer:
             d = self.denoiser
             for line in how_to_load(output, model_class=type(self.unwrapped).__name__, pipeline=d.pipeline_class,
                                     component=d.component, base=d.source, lora=lora is not None,
-                                    ema=self.ema is not None):  # fmt: skip
+                                    ema=self.ema is not None, lora_load=d.lora_load):  # fmt: skip
                 accelerator.print(line)
         return TrainResult(stop, cursor.position - self.position.cursor.position, cursor.position, cursor.epoch,
                            cursor.step, self.updates, self.last_loss, skipped, self.job.output_dir,

@@ -117,11 +117,13 @@ class FlowSample:
 def flow_sample(
     latents: torch.Tensor, generator: torch.Generator, *, weighting_scheme: str = "logit_normal",
     logit_mean: float = 0.0, logit_std: float = 1.0, mode_scale: float = 1.29, shift: float = 1.0,
+    sigma_range: tuple[float, float] = (0.0, 1.0),
 ) -> FlowSample:  # fmt: skip
     """Draw timesteps and noise for ``latents`` (B, C, h, w) or (B, C, F, h, w) on the CPU from ``generator``.
 
     ``u`` comes from ``compute_density_for_timestep_sampling``; ``shift`` > 1 moves it towards noise as
-    ``FlowMatchEulerDiscreteScheduler(shift=...)`` does (SD3: 3.0; 1.0 leaves ``sigma = u``).
+    ``FlowMatchEulerDiscreteScheduler(shift=...)`` does (SD3: 3.0; 1.0 leaves ``sigma = u``). ``sigma_range``
+    ``(lo, hi)``: the shifted sigma mapped linearly into it, ``lo + (hi - lo) sigma`` (one expert's noise levels).
     """
     from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
 
@@ -132,6 +134,9 @@ def flow_sample(
     noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32).to(latents.device)
     u = u.to(latents.device, torch.float32)
     sigma = (shift * u / (1 + (shift - 1) * u)).view(b, *(1,) * (latents.ndim - 1))  # broadcasts over C, (F,) h, w
+    if sigma_range != (0.0, 1.0):
+        lo, hi = sigma_range
+        sigma = lo + (hi - lo) * sigma
     weight = compute_loss_weighting_for_sd3(weighting_scheme, sigmas=sigma)  # ones for logit_normal
     return FlowSample((1.0 - sigma) * latents + sigma * noise, sigma, noise - latents, weight.float())
 

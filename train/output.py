@@ -187,20 +187,22 @@ def check_shared(accelerator, output: OutputDir) -> None:
 
 
 def how_to_load(output: OutputDir, *, model_class: str, pipeline: str | None, component: str, base: str | None,
-                lora: bool, ema: bool) -> list[str]:  # fmt: skip
+                lora: bool, ema: bool, lora_load: dict | None = None) -> list[str]:  # fmt: skip
     """The lines a finished run ends with: its folders and the diffusers code that loads them (``pipeline``:
     the family's pipeline class, ``component``: the model's name in it, ``base``: the pretrained model;
-    ``lora``: adapters were trained; ``ema``: an EMA was kept)."""
+    ``lora``: adapters were trained, ``lora_load`` the extra arguments of ``load_lora_weights``; ``ema``: an EMA
+    was kept)."""
     kind = "lora" if lora else "model"
     folder = output.name(kind)
     also = f" (the EMA's: {output.name(f'{kind}_ema')})" if ema else ""
     lines = [f"metrics: {output.name('metrics.jsonl')}; `tensorboard --logdir {output.name('logs')}` plots them"]
     local = "" if output.is_local else " (download the folder first: diffusers reads local folders and hub ids)"
     if lora:
+        into = "".join(f", {k}={v!r}" for k, v in (lora_load or {}).items())  # e.g. load_into_transformer_2=True
         lines += [f"LoRA adapters in {folder}{also}; load them into the base pipeline{local}:",
                   f"    from diffusers import {pipeline}",
                   f"    pipe = {pipeline}.from_pretrained({redact(str(base))!r})",
-                  f"    pipe.load_lora_weights({folder!r})"]  # fmt: skip
+                  f"    pipe.load_lora_weights({folder!r}{into})"]  # fmt: skip
     elif pipeline is not None and base is not None:
         lines += [f"the trained {component} in {folder}{also}; load it into the base pipeline{local}:",
                   f"    from diffusers import {model_class}, {pipeline}",

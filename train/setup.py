@@ -269,7 +269,8 @@ def _setup_lora(accelerator, cfg: TrainConfig, denoiser: Denoiser, family: str) 
     broadcast_object_list(digest)  # every rank compares the same hash at a resume, so all refuse or none
     add_lora(denoiser.model, cfg, targets=denoiser.lora_targets, supported=denoiser.lora)
     record = lora_record(denoiser.model, family=family, pipeline=str(denoiser.pipeline_class),
-                         component=denoiser.component, base_model=str(denoiser.source), base_sha256=digest[0])
+                         component=denoiser.lora_component or denoiser.component, base_model=str(denoiser.source),
+                         base_sha256=digest[0])  # fmt: skip
     register_adapter_checkpoints(accelerator, record)
     return record
 

@@ -36,9 +36,13 @@ FAMILIES = ("pixart", "sdxl", "sd3", "flux", "wan")
 FAMILIES += ("qwen-image", "z-image")  # tiny Qwen2.5-VL / Qwen3 text encoders (pipeline.embed.families.tiny_qwen)
 FAMILIES += ("flux2", "flux2-klein", "chroma")  # docs/families-flux2-chroma.md
 FAMILIES += ("qwen-image-edit",)  # (target, reference) pairs: a grey reference per image, scan --conditioning
+FAMILIES += ("wan2.2-a14b", "wan2.2-ti2v-5b")  # video, as wan: docs/families-video.md
+VIDEO = ("wan", "wan2.2-a14b", "wan2.2-ti2v-5b")  # families trained on generated clips
 # --family wan: short clips at ~128² (the tiny Wan VAE runs each 17-frame clip in about a second on a CPU), frame
-# buckets 9 and 17 (4k+1, as Wan's causal VAE takes them), sides in steps of 16 (VAE 8 x patch 2)
+# buckets 9 and 17 (4k+1, as Wan's causal VAE takes them), sides in steps of 16 (VAE 8 x patch 2); Wan 2.2's
+# TI2V VAE compresses 16x: steps of 32
 VIDEO_RESOLUTION, VIDEO_BUCKET_STEP, VIDEO_FRAMES = 128, 16, "9,17"
+VIDEO_BUCKET_STEPS = {"wan2.2-ti2v-5b": 32}
 VALIDATION_PROMPTS = "a red circle on a blue background\na photo of a cat\n"
 
 
@@ -56,10 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--family", choices=FAMILIES, default="pixart",
                         help="model family: sdxl, sd3, flux, flux2, flux2-klein, chroma, qwen-image, qwen-image-edit "
                         "(on generated pairs) or z-image embed and fine-tune a tiny random-weight model of the "
-                        "family's real classes; wan does so on generated video clips (scan --frames); pixart "
+                        "family's real classes; wan, wan2.2-a14b and wan2.2-ti2v-5b do so on generated video clips "
+                        "(scan --frames); pixart "
                         "(default) trains the from-scratch transformer")  # fmt: skip
     parser.add_argument("--clips", type=int, default=24,
-                        help="with --family wan: clips to generate (default 24; plus 3 stills, a too-short clip "
+                        help="with a video --family (wan, wan2.2-*): clips to generate (default 24; plus 3 stills, a "
+                        "too-short clip "
                         "and a broken file)")  # fmt: skip
     parser.add_argument("--repa", action="store_true",
                         help="REPA: embed DINOv2 features (--features dinov2, a tiny random DINOv2) and train with "
@@ -76,12 +82,12 @@ class DemoJob:
     seed: int = 0  # of the generated dataset and of the plan
     family: str = "pixart"
     repa: bool = False  # embed --features dinov2, train with repa:
-    clips: int = 24  # --family wan: generated clips instead of images
+    clips: int = 24  # a video --family (wan, wan2.2-*): generated clips instead of images
 
     def __post_init__(self) -> None:
         if self.repa and self.family not in ("pixart", "sd3", "flux"):
             raise UsageError(f"--repa needs an image transformer family (pixart, sd3, flux), not {self.family}")
-        if self.family == "wan" and self.clips < 8:
+        if self.family in VIDEO and self.clips < 8:
             raise UsageError(f"--clips must be >= 8 (one global batch of {WORLD_SIZE}x{BATCH_SIZE}), got {self.clips}")
         if self.images < 8:
             raise UsageError(f"--images must be >= 8 (one global batch of {WORLD_SIZE}x{BATCH_SIZE}), "
@@ -147,7 +153,7 @@ def run(job: DemoJob) -> DemoResult:
     stages = Stages(["generate", *s3_server, "ray", *s3_upload, "scan", *curation, "embed", "plan", "train", "verify",
                      "report"])  # fmt: skip
     started = time.perf_counter()
-    what = (f"{job.clips} short clips in 3 aspect ratios, stills, captions, a broken file" if job.family == "wan"
+    what = (f"{job.clips} short clips in 3 aspect ratios, stills, captions, a broken file" if job.family in VIDEO
             else f"{job.images} images in several aspect ratios, captions, 3 broken files"
             + (", duplicates, blank frames" if _curates(job) else ""))  # fmt: skip
     with stages.stage("generate", what):
@@ -187,14 +193,14 @@ def _curates(job: DemoJob) -> bool:
 
 
 def _generate(job: DemoJob, folder: Path) -> str:
-    """Write the demo's dataset (images, or clips for ``--family wan``); a line saying what it wrote."""
+    """Write the demo's dataset (images, or clips for a video family); a line saying what it wrote."""
     from pipeline import sample_data
 
-    if job.family == "wan":
+    if job.family in VIDEO:
         try:
             made = sample_data.make_sample_clips(folder, n=job.clips, seed=job.seed)
         except ImportError:
-            raise UsageError("bucketeer demo --family wan writes and reads clips with PyAV: "
+            raise UsageError(f"bucketeer demo --family {job.family} writes and reads clips with PyAV: "
                              "pip install 'bucketeer[video]'") from None  # fmt: skip
         return (f"{made['clips']} clips {made['codecs']} ({made['rotated']} rotated), {made['captioned']} captions, "
                 f"{made['images']} stills, {made['short']} too short, {made['broken']} broken -> {folder}")
@@ -214,8 +220,9 @@ def _generate(job: DemoJob, folder: Path) -> str:
 def _scan_options(family: str, dataset: str) -> list[str]:
     """``bucketeer scan`` bucket options: images at RESOLUTION, or (wan) clips in frame buckets; (qwen-image-edit)
     the references under ``dataset`` paired with their images."""
-    if family == "wan":
-        return ["--resolution", str(VIDEO_RESOLUTION), "--bucket-step", str(VIDEO_BUCKET_STEP),
+    if family in VIDEO:
+        step = VIDEO_BUCKET_STEPS.get(family, VIDEO_BUCKET_STEP)
+        return ["--resolution", str(VIDEO_RESOLUTION), "--bucket-step", str(step),
                 "--frames", VIDEO_FRAMES]  # fmt: skip
     from pipeline.sample_data import REFERENCES
 

@@ -33,6 +33,7 @@ from manifests.manifest_meta import ManifestMeta
 from manifests.retry import with_retries
 from manifests.schema import image_range
 from manifests.storage import is_local, join, redact
+from pipeline.embed.families.wan import VIDEO_FAMILIES
 from pipeline.embed.loading import DEFAULT_ID
 from pipeline.embed.parquet_images import is_parquet_row
 from pipeline.embed.imaging import ImageFailure, cover_and_crop, crop_resized, prepare_views, read_failure
@@ -214,8 +215,9 @@ def refuse_for_video(job: Any, manifest: ManifestMeta) -> None:
                    "--latents posterior": job.latents == "posterior", "loss masks (scan --masks)": bool(manifest.masks),
                    "conditioning images (scan --conditioning)": manifest.conditioning is not None}  # fmt: skip
     why = next((f"{what} is for images only, for now: embed without it" for what, on in images_only.items() if on), "")
-    if job.family != "wan" and job.vae in (None, DEFAULT_ID):  # the tiny AutoencoderKL, or the family's
-        why = (f"--family {job.family} encodes images; clips need a video VAE: --family wan --model ID|PATH "
+    if job.family not in VIDEO_FAMILIES and job.vae in (None, DEFAULT_ID):  # the tiny AutoencoderKL, or the family's
+        why = (f"--family {job.family} encodes images; clips need a video VAE: --family wan (or wan2.2-a14b, "
+               "wan2.2-ti2v-5b) --model ID|PATH "
                "('default': a tiny random one), or --vae of an AutoencoderKLWan")  # fmt: skip
     if why:
         raise UsageError(f"bucketeer embed {redact(job.manifest)} (a video manifest, WxHxF buckets): {why}")

@@ -153,24 +153,31 @@ def _load_text_model(path: str, subfolder: str, class_name: str, what: str):
     return model
 
 
-def _pipeline_class(model: EncoderSource | None) -> str | None:
-    """``_class_name`` of the ``model_index.json`` of ``--model`` (None: no model, or it has none)."""
+def _pipeline_index(model: EncoderSource | None) -> dict:
+    """The ``model_index.json`` of ``--model`` (empty: no model, or it has none)."""
     if model is None:
-        return None
+        return {}
     path, _ = model.resolve()
     if os.path.isdir(path):
         index = Path(path, "model_index.json")
-        return json.loads(index.read_text()).get("_class_name") if index.is_file() else None
+        return json.loads(index.read_text()) if index.is_file() else {}
     from diffusers import DiffusionPipeline
 
     try:
-        return DiffusionPipeline.load_config(path).get("_class_name")
+        return dict(DiffusionPipeline.load_config(path))
     except OSError:  # no model_index.json in the repo: its subfolders are loaded (and checked) one by one
-        return None
+        return {}
 
 
-def _check_pipeline(fam: Family, pipeline: str | None, model: EncoderSource | None) -> None:
-    if pipeline is None or pipeline in fam.pipelines:
+def _check_pipeline(fam: Family, index: dict, model: EncoderSource | None) -> None:
+    pipeline = index.get("_class_name")
+    if pipeline is None:
+        return
+    if pipeline in fam.pipelines:
+        kind = fam.kind_of(index) if fam.kind_of else fam.name
+        if kind != fam.name:  # e.g. a Wan 2.2 A14B folder (two experts) embedded as --family wan
+            raise UsageError(f"--model {model.ident}: its model_index.json is a {kind} {pipeline}, not a {fam.name} "
+                             f"one; pass --family {kind}")  # fmt: skip
         return
     other = family_of_pipeline(pipeline)
     hint = f"pass --family {other}" if other else f"--family {fam.name} reads {', '.join(fam.pipelines)} folders"
@@ -191,8 +198,9 @@ class TextEncoders:
 
         self.family = get_family(spec.family)
         self.device, self.compute_dtype = device_and_dtype(use_gpu, dtype)
-        self.pipeline = _pipeline_class(spec.model)
-        _check_pipeline(self.family, self.pipeline, spec.model)
+        index = _pipeline_index(spec.model)
+        self.pipeline = index.get("_class_name")
+        _check_pipeline(self.family, index, spec.model)
         classes = self.family.text_classes or (None,) * len(spec.sources)
         found = []
         for source, class_name in zip(spec.sources, classes):

@@ -27,8 +27,9 @@ z-image    ``ZImageTransformer2DModel``        rectified flow on per-image lists
 generic    (as pixart, from scratch)
 =========  ==================================  ===========================================================
 
-Flux 2, Flux 2 Klein and Chroma: :mod:`train.recipes.flux2` (``Flux2Transformer2DModel`` on the cache's
-patchified, batch-norm-normalised latents, Flux 2's empirical shift) and :mod:`train.recipes.chroma`
+Wan 2.2 (``wan2.2-a14b``: one expert per run, on its timesteps; ``wan2.2-ti2v-5b``: per-token timesteps):
+:mod:`train.recipes.wan`. Flux 2, Flux 2 Klein and Chroma: :mod:`train.recipes.flux2` (``Flux2Transformer2DModel``
+on the cache's patchified, batch-norm-normalised latents, Flux 2's empirical shift) and :mod:`train.recipes.chroma`
 (``ChromaTransformer2DModel``, its text mask).
 """
 
@@ -48,6 +49,7 @@ RECIPES: dict[str, Recipe] = {"sdxl": sdxl.RECIPE, "sd3": sd3.RECIPE, "flux": fl
 RECIPES.update({r.family: r for r in (flux2.RECIPE, flux2.KLEIN_RECIPE, chroma.RECIPE)})
 RECIPES.update({"qwen-image": qwen_image.RECIPE, "z-image": z_image.RECIPE})
 RECIPES["qwen-image-edit"] = qwen_image.EDIT_RECIPE
+RECIPES.update({r.family: r for r in (wan.A14B_RECIPE, wan.TI2V_RECIPE)})  # docs/families-video.md
 
 
 def recipe_for(cfg: TrainConfig, meta: CacheMeta) -> Recipe:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import torch
@@ -41,7 +41,9 @@ class Denoiser:
     the modules LoRA adapts by default. ``source``: the pretrained model id or folder (None: from
     scratch); ``pipeline_class``: the diffusers pipeline a user loads the results into (its
     ``load_lora_weights`` reads the LoRA export; None: no LoRA loaders), ``component``: the model's
-    name in it.
+    name in it; ``lora_load``: the extra ``load_lora_weights`` arguments that load the export into it, and
+    ``lora_component`` the key prefix its export then has (Wan 2.2's low-noise expert ``transformer_2``:
+    ``load_into_transformer_2=True``, keys ``transformer.``; None: ``component``).
     """
 
     model: torch.nn.Module
@@ -53,6 +55,8 @@ class Denoiser:
     source: str | None = None
     pipeline_class: str | None = None
     component: str = "transformer"
+    lora_load: dict[str, Any] = field(default_factory=dict)
+    lora_component: str | None = None
 
     @property
     def lora(self) -> bool:

@@ -1,7 +1,8 @@
 """Model families: what each diffusers pipeline feeds its model, so the cache holds exactly that.
 
 One module per family (:mod:`.sdxl`, :mod:`.sd3`, :mod:`.flux`, :mod:`.pixart`, :mod:`.wan`, :mod:`.generic`;
-:mod:`.flux2` for Flux 2 and Flux 2 Klein, :mod:`.chroma`, :mod:`.qwen_image`, :mod:`.z_image`),
+:mod:`.flux2` for Flux 2 and Flux 2 Klein, :mod:`.chroma`, :mod:`.qwen_image`, :mod:`.z_image`; Wan 2.2's
+two in :mod:`.wan`),
 each a :class:`~pipeline.embed.families.base.Family` written next to the pipeline's
 ``encode_prompt`` it reproduces; :mod:`.tiny` builds tiny random-weight models of each family's
 real classes. ``FAMILIES`` is the registry, :func:`get_family` the lookup.
@@ -20,6 +21,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (sdxl.FAMILY, sd3.FAMILY, flux
                                                    wan.FAMILY, generic.FAMILY)}  # fmt: skip
 FAMILIES.update({f.name: f for f in (flux2.FAMILY, flux2.KLEIN, chroma.FAMILY, qwen_image.FAMILY, z_image.FAMILY)})
 FAMILIES[qwen_image_edit.FAMILY.name] = qwen_image_edit.FAMILY
+FAMILIES.update({f.name: f for f in (wan.A14B, wan.TI2V)})  # docs/families-video.md
 
 
 def get_family(name: str) -> Family:

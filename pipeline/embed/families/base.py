@@ -67,6 +67,8 @@ class Family:
     conditioning image, ``scan --conditioning``): ``encode`` takes ``images=`` too, and the image workers encode
     each sample's text into its record
     (:mod:`.qwen_image_edit`). ``processor``: the pipeline subfolder of its multimodal processor (None: none).
+    ``kind_of(model_index)``: the family a folder of one of its pipeline classes is, where one class serves
+    several (``WanPipeline``: ``wan``, ``wan2.2-a14b``, ``wan2.2-ti2v-5b``); None: this family.
     """
 
     name: str
@@ -81,3 +83,4 @@ class Family:
     prune: Callable[[Any], Any] | None = None
     reference: bool = False
     processor: str | None = None
+    kind_of: Callable[[dict[str, Any]], str] | None = None

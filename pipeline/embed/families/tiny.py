@@ -24,6 +24,8 @@ a training step) runs on it in seconds on a CPU:
 - ``generic``: bucketeer's embedded default encoders (a VAE and one CLIP text model; no denoiser).
 - ``flux2``, ``flux2-klein``: :mod:`pipeline.embed.families.tiny_flux2` (Mistral 3 / Qwen3 LLMs with their chat
   templates, ``Flux2Transformer2DModel``, ``AutoencoderKLFlux2``).
+- ``wan2.2-a14b``, ``wan2.2-ti2v-5b``: :mod:`pipeline.embed.families.tiny_wan22` (two experts and
+  ``boundary_ratio``; per-token timesteps and Wan 2.2's 48-channel VAE).
 - ``chroma``: ``ChromaPipeline``: the T5 above, a ``ChromaTransformer2DModel``, Flux.1's VAE and scheduler.
 
 The T5 tokenizer is a Unigram model over a few words plus single characters (anything else is
@@ -42,7 +44,7 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
-from pipeline.embed.families import tiny_qwen
+from pipeline.embed.families import tiny_qwen, tiny_wan22
 
 __all__ = ["DEFAULT_NOTICE", "TINY_VERSION", "build_tiny", "ensure_tiny", "tiny_dir", "tiny_pipeline", "save_pipeline",
            "clip_tokenizer", "t5_tokenizer"]  # fmt: skip
@@ -202,14 +204,21 @@ def _pixart(variant: str = "alpha"):
                scheduler=DPMSolverMultistepScheduler())  # fmt: skip
 
 
-def _wan():
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+def _umt5():
+    """``(tokenizer, UMT5EncoderModel)``: the tiny Wan text encoder (64 wide, 2 layers) and its T5 tokenizer."""
     from transformers import UMT5Config, UMT5EncoderModel
 
     tok = t5_tokenizer(512)
     text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(tok.get_vocab()), d_model=UMT5_WIDTH, d_kv=16, d_ff=96,
                                                num_layers=2, num_heads=4, feed_forward_proj="gated-gelu",
                                                decoder_start_token_id=0))  # fmt: skip
+    return tok, text_encoder
+
+
+def _wan():
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+
+    tok, text_encoder = _umt5()
     # Wan 2.1's VAE layout (3 spatial downsamples, the last two also temporal) at base width 8 instead of 96
     vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
                            temperal_downsample=[False, True, True])  # fmt: skip
@@ -280,6 +289,9 @@ def _chroma():
 
 _PIPELINES.update({"chroma": _chroma, **{f: functools.partial(_tiny_flux2, f) for f in ("flux2", "flux2-klein")}})
 _SEEDS.update({"flux2": 21, "flux2-klein": 22, "chroma": 23})
+_PIPELINES.update({"wan2.2-a14b": lambda: tiny_wan22.wan22_a14b(*_umt5()),
+                   "wan2.2-ti2v-5b": lambda: tiny_wan22.wan22_ti2v(*_umt5())})
+_SEEDS.update({"wan2.2-a14b": 31, "wan2.2-ti2v-5b": 32})
 
 
 def tiny_pipeline(family: str, variant: str | None = None) -> object:

@@ -1,4 +1,5 @@
-"""Wan 2.x: UMT5 with an attention mask, real tokens only; the transformer sees them zero-padded to 512.
+"""Wan 2.1 and 2.2 (``wan``, ``wan2.2-a14b``, ``wan2.2-ti2v-5b``): UMT5 with an attention mask, real tokens
+only; the transformer sees them zero-padded to 512.
 
 Mirrors ``WanPipeline._get_t5_prompt_embeds`` (diffusers): the caption is cleaned with the pipeline's
 own ``prompt_clean`` (ftfy when installed, HTML unescape, whitespace), UMT5 pads to
@@ -6,9 +7,16 @@ own ``prompt_clean`` (ftfy when installed, HTML unescape, whitespace), UMT5 pads
 ``seq_len`` real rows of each caption and pads them with zeros back to 512. So only the real tokens
 (up to and including ``</s>``) are stored, and the trainer pads with zeros: what the pipeline
 feeds ``WanTransformer3DModel`` (it takes no text mask). No pooled embedding.
+
+Wan 2.2 encodes text exactly so (the same ``WanPipeline``); its families differ from ``wan`` in the model and
+the VAE: ``wan2.2-a14b`` has two experts (``transformer``, ``transformer_2``, split at the pipeline's
+``boundary_ratio``), ``wan2.2-ti2v-5b`` one transformer fed per-token timesteps and Wan 2.2's 48-channel VAE
+(16x spatial); both VAEs are ``AutoencoderKLWan`` (:data:`pipeline.embed.latents.VAE_PATHS`).
 """
 
 from __future__ import annotations
+
+import functools
 
 from manifests.cache.text_layout import TextLayout
 from pipeline.embed.families.base import Family, PromptParts, TextModel, TextOptions
@@ -16,9 +24,9 @@ from pipeline.embed.families.base import Family, PromptParts, TextModel, TextOpt
 T5_TOKENS = 512  # WanPipeline.__call__'s max_sequence_length
 
 
-def layout(models: list[TextModel], options: TextOptions) -> TextLayout:
+def layout(models: list[TextModel], options: TextOptions, family: str = "wan") -> TextLayout:
     (t5,) = models
-    return TextLayout(family="wan", join="features", masked=True, lengths=(int(options.max_tokens),),
+    return TextLayout(family=family, join="features", masked=True, lengths=(int(options.max_tokens),),
                       widths=(int(t5.model.config.d_model),))  # fmt: skip
 
 
@@ -33,13 +41,21 @@ def encode(models: list[TextModel], captions: list[str], options: TextOptions) -
     return PromptParts([t5(enc.input_ids, attention_mask=mask).last_hidden_state], rows=[mask.gt(0).sum(dim=1)])
 
 
-FAMILY = Family(
-    name="wan",
-    summary="Wan 2.x (video): UMT5 (512, masked; real tokens stored, zero-padded by the trainer)",
-    pipelines=("WanPipeline",),
-    text_encoders=("text_encoder",),
-    text_classes=("UMT5EncoderModel",),
-    layout=layout,
-    encode=encode,
-    max_text_tokens=lambda pipeline: T5_TOKENS,
-)
+def kind_of(index: dict) -> str:
+    """The family of a ``WanPipeline`` folder by its ``model_index.json``: two experts split at ``boundary_ratio``
+    (Wan 2.2 A14B), ``expand_timesteps`` (Wan 2.2 TI2V-5B), else Wan 2.1's one transformer."""
+    if index.get("boundary_ratio") is not None and (index.get("transformer_2") or [None])[0] is not None:
+        return "wan2.2-a14b"
+    return "wan2.2-ti2v-5b" if index.get("expand_timesteps") else "wan"
+
+
+def _family(name: str, summary: str) -> Family:
+    return Family(name=name, summary=summary, pipelines=("WanPipeline",), text_encoders=("text_encoder",),
+                  text_classes=("UMT5EncoderModel",), layout=functools.partial(layout, family=name), encode=encode,
+                  max_text_tokens=lambda pipeline: T5_TOKENS, kind_of=kind_of)  # fmt: skip
+
+
+FAMILY = _family("wan", "Wan 2.x (video): UMT5 (512, masked; real tokens stored, zero-padded by the trainer)")
+A14B = _family("wan2.2-a14b", "Wan 2.2 A14B (video, two experts by timestep): UMT5 as wan, Wan 2.1's VAE")
+TI2V = _family("wan2.2-ti2v-5b", "Wan 2.2 TI2V-5B (video): UMT5 as wan, Wan 2.2's VAE (48 channels, 16x)")
+VIDEO_FAMILIES = (FAMILY.name, A14B.name, TI2V.name)  # families whose VAE takes clips
