@@ -38,20 +38,22 @@ from pipeline.embed.parquet_images import is_parquet_row
 from pipeline.embed.imaging import ImageFailure, cover_and_crop, crop_resized, prepare_views, read_failure
 from pipeline.embed.samples import sample_record
 
-__all__ = ["MAX_CLIPS", "clip_records", "clip_starts", "clip_variants", "decode_clip_frames", "prepare_clips",
-           "refuse_for_video"]
+__all__ = ["MAX_CLIPS", "open_video", "clip_records", "clip_starts", "clip_variants", "decode_clip_frames",
+           "prepare_clips", "refuse_for_video"]
 
 MAX_CLIPS = 4  # --max-clips default: record bytes grow with the clips kept
 _FIRST_READ = 256 * 1024  # ranged reads while decoding: sequential misses double from here
 _MAX_FETCH = 8 * 1024 * 1024  # ... up to this
 
 
-def clip_starts(clips: int, frames: int, max_clips: int) -> list[int]:
+def clip_starts(clips: int, frames: int, max_clips: int, starts: list[int] | None = None) -> list[int]:
     """The first frame of each clip embedded from a video of ``clips`` clips of ``frames`` frames: at most
-    ``max_clips`` of them, evenly spaced over the video (the first and, with 2 or more, the last)."""
-    k = max(1, int(clips))
+    ``max_clips`` of them, evenly spaced over the video (the first and, with 2 or more, the last). ``starts``: the
+    row's ``clip_starts`` (clips cut inside shots, :func:`manifests.frames.scene_clips`), else clip i starts at
+    ``i * frames``."""
+    k = max(1, len(starts) if starts else int(clips))
     chosen = np.unique(np.linspace(0, k - 1, min(k, max_clips)).round().astype(int))
-    return [int(i) * frames for i in chosen]
+    return [int(starts[i]) if starts else int(i) * frames for i in chosen]
 
 
 def clip_variants(clips: np.ndarray, flips: int) -> np.ndarray:
@@ -95,8 +97,9 @@ def decode_clip_frames(file: io.RawIOBase | str, starts: list[int], frames: int,
     return decoded
 
 
-def _open_video(fs, root: str, row: dict):
-    """A seekable file over the row's video bytes: a loose local file as itself, else a RangeReader."""
+def open_video(fs, root: str, row: dict):
+    """A seekable file over the row's video bytes (a manifest row with its location columns): a loose local file as
+    itself, else a RangeReader (embed and annotate's video tasks decode through it)."""
     from pipeline.sources.headers import RangeReader
 
     path, start, end = image_range(row)
@@ -114,7 +117,7 @@ def _video_views(fs, root: str, row: dict, bucket: tuple[int, int], frames: int,
                  max_clips: int, storage_options: dict | None, blob=None) -> tuple[np.ndarray, dict]:
     """One video row -> ``uint8 (n, F, H, W, 3)`` clips and its geometry; raises ImageFailure. ``blob``: the
     video's bytes (or the exception reading them) when they were read whole (a parquet value), else None."""
-    starts = clip_starts(row.get("clips") or 1, frames, max_clips)
+    starts = clip_starts(row.get("clips") or 1, frames, max_clips, row.get("clip_starts"))
     bh, bw = bucket
     out = np.zeros((len(starts), frames, bh, bw, 3), np.uint8)
     seen = np.zeros(len(starts), np.int64)
@@ -131,7 +134,7 @@ def _video_views(fs, root: str, row: dict, bucket: tuple[int, int], frames: int,
     if isinstance(blob, BaseException):
         raise read_failure(blob, storage_options)
     try:
-        file = _open_video(fs, root, row) if blob is None else io.BytesIO(blob)
+        file = open_video(fs, root, row) if blob is None else io.BytesIO(blob)
     except OSError as e:
         raise read_failure(e, storage_options) from None
     try:
