@@ -192,3 +192,27 @@ def test_video_tasks_are_refused_where_they_cannot_run(cut, tmp_path):
     run(AnnotateJob(manifest=manifest, out=hashes, tasks=("sha256",), device="cpu"))
     with pytest.raises(UsageError, match="holds sha256, no scenes"):
         run(RebucketJob(manifest=manifest, out=str(tmp_path / "x"), scenes=hashes))
+
+
+@pytest.mark.ray
+def test_motion_selects_shots_and_videos(cut, tmp_path):
+    manifest, scenes, manifest_cut, _ = cut
+    _, shots, _ = read_annotations(scenes, columns=["scenes", "scene_motion"])
+    moving = {r["filename"]: [s["start"] for s, m in zip(r["scenes"], r["scene_motion"]) if m > 0.5]
+              for r in shots.to_pylist()}  # fmt: skip
+    assert moving["long.mp4"] == [] and moving["still.png"] == [] and moving["cuts.mp4"][0] == 40
+    out = str(tmp_path / "moving")
+    run(RebucketJob(manifest=manifest, out=out, spec=BucketSpec(area=W * H, step=16), scenes=scenes,
+                    shot_where="motion > 0.5"))  # fmt: skip
+    new = read_manifest(out)
+    rows = {r["filename"]: r for r in new.samples.to_pylist()}
+    assert min(rows["cuts.mp4"]["clip_starts"]) >= 40  # only the shots that move
+    assert {r["filename"]: r["error"] for r in new.errors.to_pylist()} == {"long.mp4": "too_short"}
+    # the video's motion selects whole videos in a plan
+    plan = str(tmp_path / "plan")
+    run(PlanJob(manifests=(manifest_cut,), out=plan, world_size=1, batch_size=1, seed=0, epochs=1,
+                annotations=(scenes,), where="motion > 0.5"))  # fmt: skip
+    planned = {int(i) for ids in read_plan_rows(plan).table().column("sample_ids").to_pylist() for i in ids}
+    assert planned == {rows["cuts.mp4"]["sample_id"]}
+    with pytest.raises(UsageError, match="--shot-where"):
+        run(RebucketJob(manifest=manifest, out=out, scenes=scenes, shot_where="motion +"))
