@@ -36,7 +36,6 @@ __all__ = ["SCENE_SIDE", "SCENE_SETTINGS", "VideoScenes", "detect_scenes", "merg
 SCENE_SIDE = 256  # the decode's long side: PySceneDetect's own CLI downscales to ~256 px wide by default
 SCENE_SETTINGS = {"detectors": "scenedetect ContentDetector(threshold=27) + ThresholdDetector(threshold=12)",
                   "min_scene_len": 15, "decode_side": SCENE_SIDE, "motion": "mean |dY| within shots, 0..255"}
-_LUMA_BGR = np.array([0.114, 0.587, 0.299], np.float32)  # Rec. 601 weights of B, G, R
 
 
 @dataclass(frozen=True)
@@ -82,6 +81,7 @@ def detect_scenes(file: io.RawIOBase | str) -> VideoScenes:
     """Shots and motion of the video ``file`` (a path or a seekable file), from one forward decode (module
     docstring). PyAV's errors propagate (the caller makes them the video's error row)."""
     import av
+    import cv2  # PySceneDetect's own dependency
     from scenedetect import ContentDetector, FrameTimecode, ThresholdDetector
 
     min_len = SCENE_SETTINGS["min_scene_len"]
@@ -97,16 +97,17 @@ def detect_scenes(file: io.RawIOBase | str) -> VideoScenes:
         stream.thread_type = "AUTO"
         rate = float(stream.average_rate or stream.guessed_rate or 24)
         size = None
+        scaler = av.video.reformatter.VideoReformatter()  # one scaler for every frame (FFmpeg's context cached)
         for frame in container.decode(stream):
             if size is None:
                 size = _scaled(frame.width, frame.height)
-            bgr = frame.to_ndarray(format="bgr24", width=size[0], height=size[1])  # (h, w, 3)
+            bgr = scaler.reformat(frame, width=size[0], height=size[1], format="bgr24").to_ndarray()  # (h, w, 3)
             timecode = FrameTimecode(n, rate)
             content_cuts += [c.frame_num for c in content.process_frame(timecode, bgr)]
             fade_cuts += [c.frame_num for c in fade.process_frame(timecode, bgr)]
-            luma = bgr @ _LUMA_BGR  # (h, w)
+            luma = cv2.cvtColor(bgr, cv2.COLOR_BGR2GRAY)  # (h, w) uint8: Y = 0.299 R + 0.587 G + 0.114 B
             if previous is not None:
-                diffs.append(float(np.abs(luma - previous).mean()))
+                diffs.append(float(cv2.absdiff(luma, previous).mean()))
             previous = luma
             times.append(float(frame.time) if frame.time is not None else n / rate)
             n += 1
