@@ -114,31 +114,49 @@ def _decode_clips(file, starts: list[int], frames: int, on_frame, *, seek: bool)
         first_pts = None
         position: int | None = 0  # the index of the next frame the decoder gives; None right after a seek
         pending = iter(container.decode(stream))
+
+        def take(frame) -> int:
+            """Number ``frame`` (from its timestamp right after a seek), hand it to its clips; its index."""
+            nonlocal decoded, first_pts, position, step
+            decoded += 1
+            if position is None:  # the keyframe a seek landed on: its number from its timestamp
+                at = (frame.pts - first_pts) / step if frame.pts is not None else -1
+                if at < 0 or abs(at - round(at)) > 0.25:
+                    raise _NotSeekable()
+                position = round(at)
+            elif step is not None and first_pts is not None and frame.pts is not None \
+                    and abs(frame.pts - first_pts - position * step) > step / 4:
+                raise _NotSeekable()  # off the constant-rate grid: timestamps would not give frame numbers
+            if first_pts is None:
+                first_pts = frame.pts
+                if first_pts is None:
+                    step = None
+            index, position = position, position + 1
+            image = None
+            for c, cs in enumerate(starts):
+                if cs <= index < cs + frames:
+                    image = image or _frame_image(frame)
+                    on_frame(c, index - cs, image)
+            return index
+
         for s in sorted(starts):
+            if step is not None and first_pts is None:  # frame 0's timestamp numbers the frames after a seek
+                first = next(pending, None)
+                if first is None:
+                    break
+                take(first)
             if step is not None and first_pts is not None and position is not None and s - position >= SEEK_GAP:
                 target = first_pts + round(s * step)  # in stream.time_base
                 container.seek(int(target), backward=True, any_frame=False, stream=stream)  # the keyframe at or before
                 pending, position = iter(container.decode(stream)), None
+            if position is not None and position > s + frames - 1:
+                continue  # this clip is behind us already (frame 0 alone)
+            landed = position is None  # the next frame is the keyframe a seek landed on
             for frame in pending:
-                decoded += 1
-                if position is None:  # the keyframe a seek landed on: its number from its timestamp
-                    at = (frame.pts - first_pts) / step if frame.pts is not None else -1
-                    if at < 0 or abs(at - round(at)) > 0.25 or round(at) > s:
-                        raise _NotSeekable()
-                    position = round(at)
-                elif step is not None and first_pts is not None and frame.pts is not None \
-                        and abs(frame.pts - first_pts - position * step) > step / 4:
-                    raise _NotSeekable()  # off the constant-rate grid: timestamps would not give frame numbers
-                if first_pts is None:
-                    first_pts = frame.pts
-                    if first_pts is None:
-                        step = None
-                index, position = position, position + 1
-                image = None
-                for c, cs in enumerate(starts):
-                    if cs <= index < cs + frames:
-                        image = image or _frame_image(frame)
-                        on_frame(c, index - cs, image)
+                index = take(frame)
+                if landed and index > s:
+                    raise _NotSeekable()  # past the clip's first frame: the timestamps do not number the frames
+                landed = False
                 if index >= s + frames - 1:
                     break
     return decoded
