@@ -86,10 +86,9 @@ def decoded(paths: list[Path], frames: int, size: int) -> np.ndarray:
 
     out = np.zeros((len(paths), frames, size, size, 3), np.uint8)
     for i, path in enumerate(paths):
-        def keep(c, img, i=i, seen=[0]):  # noqa: B006 - a counter per clip
+        def keep(c, k, img, i=i):
             resized, top_left = cover_and_crop((img.height, img.width), (size, size))
-            out[i, seen[0]] = crop_resized(img, resized, top_left, (size, size))
-            seen[0] += 1
+            out[i, k] = crop_resized(img, resized, top_left, (size, size))
 
         decode_clip_frames(str(path), [0], frames, keep)
     return out

@@ -28,6 +28,8 @@ Tasks: each adds its columns to the parts (:data:`TASK_COLUMNS`) and records its
     phash        phash uint64                                  64-bit DCT perceptual hash (imagehash's bit order)
     sha256       sha256 string                                 64 lowercase hex of the bytes read
     stats        luminance, contrast, colourfulness, sharpness, border_fraction float32; grayscale bool
+    scenes       scenes list<struct<start int32, frames int32, time float64>>   a video's shots (frames from 0)
+    motion       motion float32, scene_motion list<float32>   mean |dY| between frames within shots (video, per shot)
 
 ``embedding``'s D is the model's projection width: :data:`TASK_COLUMNS` lists it as a float16 list,
 :func:`embedding_type` gives the stored type. Readers ask for the columns they use
@@ -76,6 +78,10 @@ TASK_COLUMNS: dict[str, list[tuple[str, pa.DataType]]] = {
     "sha256": [("sha256", pa.string())],
     "stats": [("luminance", pa.float32()), ("contrast", pa.float32()), ("colourfulness", pa.float32()),
               ("sharpness", pa.float32()), ("border_fraction", pa.float32()), ("grayscale", pa.bool_())],
+    # video manifests (pipeline/annotate/scenes.py): a video's shots, and motion within them (per shot, same order)
+    "scenes": [("scenes", pa.list_(pa.struct([("start", pa.int32()), ("frames", pa.int32()),
+                                              ("time", pa.float64())])))],
+    "motion": [("motion", pa.float32()), ("scene_motion", pa.list_(pa.float32()))],
     # bucketeer dedup (pipeline/dedup): one row per sample of its input annotations
     "dedup": [("duplicate", pa.bool_()), ("cluster_id", pa.uint64()), ("keeper_id", pa.uint64()),
               ("similarity", pa.float32())],

@@ -32,7 +32,7 @@ from manifests.errors import UsageError
 
 __all__ = ["FrameLadder", "assign_frames", "video_bucket_names", "parse_video_bucket", "add_frame_arguments",
            "ladder_from_args", "is_video_bucket", "bucket_dims", "latent_frames",
-           "DEFAULT_TEMPORAL_FACTOR"]  # fmt: skip
+           "DEFAULT_TEMPORAL_FACTOR", "scene_clips"]  # fmt: skip
 
 _LADDER = re.compile(r"^\s*(\d+)k\s*\+\s*(\d+)\s*((?::\s*(?:min|max)\s*=\s*\d+\s*)*)$")
 _MAX_FRAMES = 100_000  # a rung beyond this is a typo, not a clip length
@@ -94,6 +94,21 @@ def assign_frames(ladder: FrameLadder, frames: np.ndarray) -> tuple[np.ndarray, 
     bucket = np.where(too_short, 0, rungs[np.maximum(idx, 0)])
     clips = np.where(too_short, 0, f // np.maximum(bucket, 1))
     return bucket.astype(np.int32), clips.astype(np.int32), too_short
+
+
+def scene_clips(ladder: FrameLadder, starts: np.ndarray, frames: np.ndarray) -> tuple[int, list[int]]:
+    """A video's clips cut inside its shots (``starts``/``frames``: each shot's first frame and length), never
+    across a cut: ``(F, clip starts)``. ``F`` is the longest rung of ``ladder`` that fits in the longest shot; a
+    shot of ``n`` frames holds ``n // F`` non-overlapping clips from its first frame (a shot longer than the
+    longest rung gives several). ``(0, [])`` when no shot reaches the shortest rung."""
+    starts, frames = np.asarray(starts, np.int64), np.asarray(frames, np.int64)  # (shots,)
+    if not len(frames):
+        return 0, []
+    bucket, _, too_short = assign_frames(ladder, frames[[int(np.argmax(frames))]])
+    if too_short[0]:
+        return 0, []
+    f = int(bucket[0])
+    return f, [int(s + i * f) for s, n in zip(starts, frames) for i in range(int(n) // f)]
 
 
 def video_bucket_names(pixel_buckets: pa.Array, bucket_frames: np.ndarray) -> pa.Array:

@@ -97,7 +97,8 @@ MASK_INFIX = ".mask"  # the mask of <stem>.<ext> is <stem>.mask.<any image exten
 # A video manifest's rows (``scan --frames``; manifests/frames.py); an image manifest has no such columns. ``width`` and
 # ``height`` are the display size; ``bucket`` is ``WxHxF``. ``frames`` is the frame count, how it was
 # found in ``frame_count_from`` (index | tag | duration*fps: pipeline/sources/video.py), ``clips`` the
-# non-overlapping clips of the bucket's frame count the video holds. An image there has frames 1, clips 1.
+# non-overlapping clips of the bucket's frame count the video holds (``clip_starts`` where they begin,
+# when they were cut at scene changes). An image there has frames 1, clips 1.
 VIDEO_FIELDS = (
     pa.field("frames", pa.int32()),
     pa.field("fps", pa.float64()),
@@ -105,6 +106,9 @@ VIDEO_FIELDS = (
     pa.field("codec", pa.string()),  # FFmpeg's decoder name: h264, hevc, vp9, av1, ...
     pa.field("frame_count_from", pa.string()),
     pa.field("clips", pa.int32()),
+    # each clip's first frame when the clips were cut inside shots (bucketeer rebucket --scenes); null: clip i
+    # starts at frame i * F (fixed strides)
+    pa.field("clip_starts", pa.list_(pa.int32())),
 )
 VIDEO_COLUMNS = tuple(f.name for f in VIDEO_FIELDS)
 
@@ -204,7 +208,8 @@ ERROR_KINDS = (
     "mask_mismatch",  # (embed) its mask's size (display orientation) differs from the image's
     "mask_unusable",  # (embed) its mask cannot be decoded (the message gives the kind)
     "not_a_video",  # (scan --frames) a video file PyAV cannot open, or one without a video stream
-    "too_short",  # (scan --frames) fewer frames than the shortest frame bucket
+    "too_short",  # (scan --frames) fewer frames than the shortest frame bucket (rebucket --scenes: no shot that long)
+    "no_scenes",  # (rebucket --scenes) a video without an up-to-date scenes annotation (annotate --task scenes)
 )
 
 

@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # polars is imported where a selection runs: the trainer read
     import polars as pl
 
 __all__ = ["AnnotationsSource", "Selection", "Evaluation", "parse_expression", "annotation_sources", "evaluate",
-           "read_columns"]
+           "read_columns", "where_mask"]
 
 _KEYS = {n for n, _ in KEY_COLUMNS}
 
@@ -215,14 +215,16 @@ def _compute(frame: pl.DataFrame, expr: pl.Expr, option: str, text: str) -> pl.S
     return out
 
 
-def _keep(frame: pl.DataFrame, where: str | None) -> np.ndarray:
+def where_mask(frame: pl.DataFrame, where: str | None, option: str = "--where") -> np.ndarray:
+    """(rows,) bool: the rows of ``frame`` for which the SQL condition ``where`` is TRUE (NULL: dropped); all
+    with None. Raises UsageError naming ``option`` for a condition that cannot be read or gives no true/false."""
     import polars as pl
 
     if where is None:
         return np.ones(frame.height, bool)
-    values = _compute(frame, parse_expression(where, "--where"), "--where", where)
+    values = _compute(frame, parse_expression(where, option), option, where)
     if values.dtype != pl.Boolean and values.dtype != pl.Null:
-        raise UsageError(f"--where {where!r} gives {values.dtype} values, not true/false: write a condition, e.g. "
+        raise UsageError(f"{option} {where!r} gives {values.dtype} values, not true/false: write a condition, e.g. "
                          "\"aesthetic > 5.5\"")  # fmt: skip
     return values.cast(pl.Boolean).fill_null(False).to_numpy().astype(bool)
 
@@ -275,7 +277,7 @@ def evaluate(manifests: Sequence[Manifest], annotations: Sequence[str] | Sequenc
         columns = _resolve_columns(manifest, _sources_of(manifest, sources, several), used, options)
         frame = _frame(manifest, columns, storage_options)
         ids = manifest.samples.column("sample_id").to_numpy().astype(np.uint64)
-        keep = _keep(frame, where)
+        keep = where_mask(frame, where)
         weights = None if weight_by is None else _weights(frame, weight_by, keep, ids, redact(manifest.url))
         out.append(Selection(redact(manifest.url), ids, manifest.samples.column("bucket").combine_chunks(), keep,
                              weights))  # fmt: skip

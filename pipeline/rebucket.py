@@ -4,7 +4,9 @@ Change the training resolution (or bucket list, or min side) without rescanning:
 ``bucketeer rebucket MANIFEST --out NEW --resolution 512``, or from Python
 ``run(RebucketJob(manifest="m/", out="m512/", spec=BucketSpec(area=512 * 512)))``. A video manifest
 (``scan --frames``) keeps its frame ladder: its rows get the buckets a video scan with the new options gives
-(:func:`rebucket_video`).
+(:func:`rebucket_video`). ``--scenes ANNOTATIONS`` (``bucketeer annotate --task scenes``) cuts each video's clips
+inside its shots instead of at fixed strides (:func:`cut_at_scenes`), so ``plan`` and ``embed`` of the new manifest
+never train on a clip across a cut.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from manifests.frames import FrameLadder
 from manifests.manifest import Manifest, apply_buckets, conform, read_manifest, rebucket, write_manifest
 from manifests.schema import VIDEO_ERRORS_SCHEMA, VIDEO_SAMPLES_SCHEMA
 from manifests.manifest_meta import ManifestMeta
-from manifests.storage import parse_storage_options
+from manifests.annotations import read_annotations, read_annotations_meta
+from manifests.errors import UsageError
+from manifests.storage import parse_storage_options, redact
 
 __all__ = ["RebucketJob", "RebucketResult", "add_arguments", "job_from_args", "run", "rebucket_video"]
 
@@ -36,6 +40,8 @@ class RebucketJob:
     out: str
     spec: BucketSpec = field(default_factory=BucketSpec)
     storage_options: dict[str, Any] = field(default_factory=dict)  # fsspec options, e.g. an endpoint_url
+    scenes: str | None = None  # annotations of --task scenes: clips cut inside shots (video manifests)
+    shot_where: str | None = None  # with scenes: only shots for which this SQL condition holds give clips
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,19 +58,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("manifest", help="existing manifest folder (local path or URL)")
     parser.add_argument("--out", required=True, help="folder for the new manifest (may equal MANIFEST)")
     parser.add_argument("--storage-options", default=None, help="fsspec options as JSON, e.g. an endpoint_url")
+    parser.add_argument("--scenes", default=None, metavar="ANNOTATIONS",
+                        help="video manifests: cut clips inside the shots of these annotations (bucketeer annotate "
+                        "--task scenes), never across a cut, instead of at fixed strides")
+    parser.add_argument("--shot-where", default=None, metavar="SQL",
+                        help="with --scenes: cut clips only from the shots this polars SQL condition holds for, over "
+                        "each shot's start, frames, time and (annotate --task scenes,motion) motion, e.g. "
+                        "\"motion > 0.5 AND frames >= 33\"")
     add_bucket_arguments(parser)
 
 
 def job_from_args(args: argparse.Namespace) -> RebucketJob:
     """The job of ``bucketeer rebucket``'s options; raises UsageError for bad bucket or storage options."""
     return RebucketJob(manifest=args.manifest, out=args.out, spec=spec_from_args(args),
-                       storage_options=parse_storage_options(args.storage_options))  # fmt: skip
+                       storage_options=parse_storage_options(args.storage_options), scenes=args.scenes,
+                       shot_where=args.shot_where)  # fmt: skip
 
 
 def run(job: RebucketJob) -> RebucketResult:
     """Write the re-bucketed manifest and print one line; raises ManifestError for an unreadable manifest."""
     old = read_manifest(job.manifest, job.storage_options)
+    if job.shot_where is not None and not job.scenes:
+        raise UsageError("--shot-where selects the shots of --scenes ANNOTATIONS: give both")
+    if job.scenes and old.meta.frame_ladder is None:
+        raise UsageError(f"--scenes: {redact(job.manifest)} is an image manifest; scenes cut the clips of a video "
+                         "manifest (bucketeer scan --frames)")  # fmt: skip
     samples, errors = rebucket(old, job.spec) if old.meta.frame_ladder is None else rebucket_video(old, job.spec)
+    if job.scenes:
+        shots = _read_scenes(job.scenes, job.storage_options)
+        samples, cut = cut_at_scenes(samples, shots, FrameLadder(old.meta.frame_ladder), job.shot_where)
+        errors = pa.concat_tables([errors, cut])
     counts = {k: v for k, v in old.meta.counts.to_json().items() if k not in ("samples", "errors")}
     with writer_lock(job.out, job.storage_options, "rebucket"):
         meta = write_manifest(job.out, samples, errors, source=old.source, spec=job.spec, counts=counts,
@@ -87,13 +110,94 @@ def rebucket_video(manifest: Manifest, spec: BucketSpec) -> tuple[pa.Table, pa.T
     from pipeline.scan.video import bucket_videos, one_frame_samples
 
     redo = pc.is_in(manifest.errors.column("error"), pa.array(["too_small", "too_short"]))
-    unbucketed = pa.schema([f for f in VIDEO_SAMPLES_SCHEMA if f.name not in ("bucket", "clips")])  # as probed
+    cut = ("bucket", "clips", "clip_starts")
+    unbucketed = pa.schema([f for f in VIDEO_SAMPLES_SCHEMA if f.name not in cut])  # as probed
     rows = pa.concat_tables([conform(t, unbucketed) for t in (manifest.samples, manifest.errors.filter(redo))])
     image = pc.is_null(rows.column("codec")).combine_chunks()  # a scanned video always has its codec; an image none
     videos, rejects = bucket_videos(rows.filter(pc.invert(image)), spec, FrameLadder(manifest.meta.frame_ladder))
     images, small = apply_buckets(rows.filter(image), spec, video=True)
     return (pa.concat_tables([videos, one_frame_samples(images)]),
             pa.concat_tables([manifest.errors.filter(pc.invert(redo)), rejects, conform(small, VIDEO_ERRORS_SCHEMA)]))
+
+
+def _read_scenes(url: str, storage_options: dict[str, Any]) -> pa.Table:
+    """``sample_id, source_key, scenes`` of a scenes annotations folder; UsageError when it holds no scenes."""
+    meta = read_annotations_meta(url, storage_options)
+    if meta.task("scenes") is None:
+        raise UsageError(f"--scenes {redact(url)} holds {', '.join(t.task for t in meta.tasks)}, no scenes: give the "
+                         "--out of bucketeer annotate MANIFEST --task scenes")  # fmt: skip
+    motion = ["scene_motion"] if meta.task("motion") is not None else []
+    _, rows, _ = read_annotations(url, storage_options, columns=["scenes", *motion])
+    return rows.select(["sample_id", "source_key", "scenes", *motion])
+
+
+def _shot_keep(shots: pa.Table, where: str | None) -> dict[int, list[bool]]:
+    """``{sample_id: [keep shot i]}`` of ``where`` (``--shot-where``) over every shot's start, frames, time and
+    motion (null without the motion task)."""
+    import polars as pl
+
+    from manifests.select import where_mask
+
+    lists = shots.column("scenes").to_pylist()
+    motion = shots.column("scene_motion").to_pylist() if "scene_motion" in shots.column_names else [None] * len(lists)
+    flat = [{**s, "motion": (m or [None] * len(one))[i]}
+            for one, m in zip(lists, motion) for i, s in enumerate(one or [])]  # fmt: skip
+    frame = pl.DataFrame(flat, schema={"start": pl.Int32, "frames": pl.Int32, "time": pl.Float64,
+                                       "motion": pl.Float32})  # fmt: skip
+    keep = where_mask(frame, where, "--shot-where").tolist()
+    out, at = {}, 0
+    for sid, one in zip(shots.column("sample_id").to_pylist(), lists):
+        out[sid] = keep[at : at + len(one or [])]
+        at += len(one or [])
+    return out
+
+
+def cut_at_scenes(samples: pa.Table, shots: pa.Table, ladder: FrameLadder,
+                  shot_where: str | None = None) -> tuple[pa.Table, pa.Table]:  # fmt: skip
+    """A video manifest's ``samples`` with each video's clips cut inside its shots (``shots``: ``sample_id``,
+    ``source_key`` (the image key annotated), ``scenes``, optionally ``scene_motion``), only from the shots
+    ``shot_where`` keeps (all with None), by :func:`manifests.frames.scene_clips`: bucket
+    ``WxHxF`` with F the longest rung that fits its longest shot, ``clips`` and ``clip_starts``. Returns
+    ``(samples, errors)``: a video without an up-to-date scenes row is ``no_scenes``, one without a shot as long
+    as the shortest rung ``too_short``; images (``WxHx1``) stay as they are."""
+    from manifests.annotations import image_key
+    from manifests.frames import scene_clips
+
+    found = dict(zip(shots.column("sample_id").to_pylist(), zip(shots.column("source_key").to_pylist(),
+                                                                shots.column("scenes").to_pylist())))  # fmt: skip
+    keys = image_key(samples).tolist()
+    kept = _shot_keep(shots, shot_where)
+    buckets, clips, starts, reasons = [], [], [], []
+    for i, row in enumerate(samples.select(["sample_id", "bucket", "codec", "clips"]).to_pylist()):
+        reason, bucket, n, at = None, row["bucket"], row["clips"], None
+        if row["codec"] is not None:
+            key, scenes = found.get(row["sample_id"], (None, None))
+            if scenes is None or key != keys[i]:
+                reason = ("no_scenes", "no scenes annotation of it" if scenes is None else "changed since its scenes "
+                          "were annotated: run bucketeer annotate --task scenes again")  # fmt: skip
+            else:
+                chosen = [s for s, keep in zip(scenes, kept[row["sample_id"]]) if keep]
+                f, at = scene_clips(ladder, [s["start"] for s in chosen], [s["frames"] for s in chosen])
+                longest = max((s["frames"] for s in chosen), default=0)
+                if not at:
+                    which = f"{len(chosen)} of its {len(scenes)} shots kept by --shot-where" if shot_where else ""
+                    reason = ("too_short", f"its longest shot{' of ' + which if which else ''} is {longest} frames, "
+                              f"fewer than the shortest frame bucket ({ladder.frames[0]}; --frames)")  # fmt: skip
+                else:
+                    bucket, n = f"{bucket.rsplit('x', 1)[0]}x{f}", len(at)
+        buckets.append(bucket)
+        clips.append(n)
+        starts.append(at)
+        reasons.append(reason)
+    samples = samples.set_column(samples.schema.get_field_index("bucket"), "bucket", pa.array(buckets, pa.string()))
+    samples = samples.set_column(samples.schema.get_field_index("clips"), "clips", pa.array(clips, pa.int32()))
+    samples = samples.set_column(samples.schema.get_field_index("clip_starts"), "clip_starts",
+                                 pa.array(starts, pa.list_(pa.int32())))  # fmt: skip
+    bad = pa.array([r is not None for r in reasons])
+    rejects = samples.filter(bad).drop_columns(["bucket"])
+    rejects = rejects.append_column("error", pa.array([r[0] for r in reasons if r], pa.string()))
+    rejects = rejects.append_column("message", pa.array([r[1] for r in reasons if r], pa.string()))
+    return samples.filter(pc.invert(bad)), conform(rejects, VIDEO_ERRORS_SCHEMA)
 
 
 if __name__ == "__main__":

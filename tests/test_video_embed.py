@@ -103,8 +103,8 @@ def test_clip_starts_are_evenly_spaced():
 
 def test_decode_stops_after_the_last_clip(folder):
     seen = []
-    decoded = decode_clip_frames(str(folder / "long.mp4"), [9], 9, lambda c, img: seen.append((c, img.size)))
-    assert decoded == 18 and len(seen) == 9 and seen[0] == (0, (96, 64))
+    decoded = decode_clip_frames(str(folder / "long.mp4"), [9], 9, lambda c, k, img: seen.append((c, k, img.size)))
+    assert decoded == 18 and [k for _, k, _ in seen] == list(range(9)) and seen[0] == (0, 0, (96, 64))
 
 
 @pytest.mark.slow  # an embed through Ray Data with the tiny Wan: ~1 minute on 2 busy cores
@@ -194,7 +194,7 @@ def test_ranged_reads_stop_after_the_clip_and_match_a_local_decode(tmp_path):
     data = (tmp_path / "big.mp4").read_bytes()
     reader = RangeReader(lambda a, b: data[a:b], len(data), 64 * 1024, max_bytes=1 << 62, max_fetch=128 * 1024,
                          keep_chunks=2)  # fmt: skip
-    assert decode_clip_frames(reader, [0], FRAMES, lambda c, img: None) == FRAMES
+    assert decode_clip_frames(reader, [0], FRAMES, lambda c, k, img: None) == FRAMES
     assert reader.bytes_read < len(data) / 2 and len(reader._chunks) <= 3
     fs = fsspec.filesystem("memory")
     fs.pipe("/videos/big.mp4", data)
@@ -240,3 +240,28 @@ def test_videos_in_tar_shards_and_parquet_columns(folder, ray_local, tmp_path, w
         want = _encode(vae, _direct_clip(folder / name, (h, w), last, f, flip=False))
         np.testing.assert_allclose(to_float32(record.variant(record.variants - 1).latent, record.dtype), want,
                                    atol=2e-4, rtol=1e-4, err_msg=f"{where} {name}")  # fmt: skip
+
+
+def _forward(path) -> list[np.ndarray]:
+    with av.open(str(path)) as container:
+        return [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+
+
+@pytest.mark.parametrize("vfr", [False, True])
+def test_a_late_clip_seeks_to_its_keyframe_frame_exact(tmp_path, vfr):
+    """A clip far into the video: a seek to the keyframe before it (few frames decoded), the same frames as a
+    decode from frame 0; variable-rate video decodes forward from the start instead, with the same frames."""
+    path = tmp_path / "gop.mp4"
+    pts = list(np.cumsum(np.random.default_rng(5).integers(30, 55, 140)) - 30) if vfr else None
+    _write(path, H264, 140, options={"g": "12"} if H264 == "libx264" else None, pts=pts, seed=6)
+    reference = _forward(path)
+    got: dict[tuple[int, int], np.ndarray] = {}
+    decoded = decode_clip_frames(str(path), [0, 120], FRAMES,
+                                 lambda c, k, img: got.__setitem__((c, k), np.asarray(img)))  # fmt: skip
+    assert sorted(got) == [(c, k) for c in (0, 1) for k in range(FRAMES)]
+    for (c, k), pixels in got.items():
+        np.testing.assert_array_equal(pixels, reference[[0, 120][c] + k])
+    if vfr:
+        assert decoded == 120 + FRAMES  # forward from the start
+    elif H264 == "libx264":
+        assert decoded <= FRAMES + 12 + FRAMES, decoded  # the first clip, then a GOP at most before the late one

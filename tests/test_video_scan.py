@@ -182,3 +182,31 @@ def test_image_scan_ignores_videos_and_rescans_over_a_video_manifest(scanned, cl
                 for r in manifest.samples.to_pylist()]  # fmt: skip
 
     assert again.meta.frame_ladder == (9, 17) and rows_of(read_manifest(out)) == rows_of(video)
+
+
+def test_a_rescan_reuses_unchanged_videos_rows(scanned, clips, ray_local, tmp_path):
+    """A video scan over its own manifest reads no header of an unchanged video (its row as before, its sidecar
+    read again); a changed video is probed again, a read failure retried."""
+    result, video = scanned
+    source = tmp_path / "clips"
+    shutil.copytree(clips, source)
+    out = str(tmp_path / "m")
+    first = run(ScanJob(source=str(source), out=out, spec=BucketSpec(area=64 * 64, step=16), frames=LADDER,
+                        config=ScanConfig(progress=False)))  # fmt: skip
+    _write(source / "long.mp4", H264, 60, seed=9)  # changed: 60 frames now
+    (source / "h264.txt").write_text("a blue ball\n")  # a sidecar edit: its caption is read again
+    again = run(ScanJob(source=str(source), out=out, spec=BucketSpec(area=64 * 64, step=16), frames=LADDER,
+                        config=ScanConfig(progress=False)))  # fmt: skip
+    loose = len([p for p in os.listdir(source) if p.rsplit(".", 1)[-1] in ("mp4", "mov", "mkv", "webm")])
+    assert first.meta.summary.other["videos_reused"] == 0 and again.meta.summary.other["videos_reused"] == loose - 1
+    before = {r["filename"]: r for r in video.samples.to_pylist()}  # the same files, scanned in the fixture
+    rows = {r["filename"]: r for r in read_manifest(out).samples.to_pylist()}
+    assert rows["long.mp4"]["frames"] == 60 and rows["long.mp4"]["bytes_read"] > 0
+    assert rows["h264.mp4"]["caption"] == "a blue ball" and rows["h264.mp4"]["bytes_read"] == 0
+    errors = {r["filename"]: r["error"] for r in read_manifest(out).errors.to_pylist()}
+    assert errors == {r["filename"]: r["error"] for r in video.errors.to_pylist()}  # broken, too_short: kept
+    for name, row in rows.items():
+        if name not in ("long.mp4", "h264.mp4", "still.png"):
+            same = ("width", "height", "frames", "fps", "duration", "codec", "format", "frame_count_from", "bucket",
+                    "clips")  # fmt: skip
+            assert {k: row[k] for k in same} == {k: before[name][k] for k in same}, name

@@ -83,7 +83,21 @@ def _chunk_keys(rows: pa.Table) -> np.ndarray:
          for i, t in enumerate(text)),
         dtype=np.uint64, count=n,
     )  # fmt: skip
-    return _with_mask(_with_conditioning(keys, rows), rows)
+    return _with_clip_starts(_with_mask(_with_conditioning(keys, rows), rows), rows)
+
+
+def _with_clip_starts(keys: np.ndarray, rows: pa.Table) -> np.ndarray:
+    """Video rows whose clips were cut at scene changes (``clip_starts``) hash the starts in too, so clips cut
+    anew re-embed their video; rows without them keep their key."""
+    starts = _column(rows, "clip_starts", pa.list_(pa.int32()))
+    if starts.null_count == rows.num_rows:
+        return keys
+    keys = keys.copy()
+    for i, at in enumerate(starts.to_pylist()):
+        if at is not None:
+            text = json.dumps(["clip_starts", int(keys[i]), at])
+            keys[i] = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+    return keys
 
 
 def _with_mask(keys: np.ndarray, rows: pa.Table) -> np.ndarray:

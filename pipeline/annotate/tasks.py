@@ -5,6 +5,8 @@
     watermark
     phash stats                     numpy on the decoded image (pipeline.annotate.image_stats)
     sha256                          the bytes read (no decode)
+    scenes motion                   video manifests: one low-resolution PyAV decode per video
+                                    (pipeline.annotate.scenes), apart from the image tasks
 
 Every task of a run works from one fetch and one decode of each image (its long side at most
 ``--image-size``), in the same actor. A :class:`TaskPlan` says what the workers run (plain data, it travels
@@ -22,11 +24,13 @@ from manifests.annotations import TaskSettings
 from pipeline.annotate.engines import CaptionSpec
 from pipeline.annotate.vision import HEAD_TASKS, VisionSpec
 
-__all__ = ["TASKS", "VISION_TASKS", "TaskPlan", "describe_tasks", "task_settings"]
+__all__ = ["TASKS", "VISION_TASKS", "VIDEO_TASKS", "TaskPlan", "describe_tasks", "task_settings"]
 
-TASKS = ("caption", "embedding", *HEAD_TASKS, "phash", "sha256", "stats")
+VIDEO_TASKS = ("scenes", "motion")
+TASKS = ("caption", "embedding", *HEAD_TASKS, "phash", "sha256", "stats", *VIDEO_TASKS)
 VISION_TASKS = ("embedding", *HEAD_TASKS)
-_ALGORITHMS = {"phash": "imagehash-phash-8x8", "sha256": "sha256", "stats": "stats-v1"}
+_ALGORITHMS = {"phash": "imagehash-phash-8x8", "sha256": "sha256", "stats": "stats-v1",
+               "scenes": "pyscenedetect-content+threshold", "motion": "frame-difference"}
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,11 @@ class TaskPlan:
     def decodes(self) -> bool:
         """Whether any task needs pixels (``sha256`` alone reads bytes only)."""
         return any(t != "sha256" for t in self.tasks)
+
+    @property
+    def video(self) -> bool:
+        """Whether the tasks are the video ones (:data:`VIDEO_TASKS`: each video decoded once, at low resolution)."""
+        return any(t in VIDEO_TASKS for t in self.tasks)
 
     def summary(self) -> str:
         """What runs, for the job's first line."""
@@ -95,6 +104,11 @@ def task_settings(plan: TaskPlan, described: dict[str, Any]) -> tuple[TaskSettin
                 out.append(TaskSettings(task=task, model=source, weight_sha256=v["heads"][task],
                                         generation={**embedder, "embedding_model": vision.model,
                                                     "embedding_sha256": v["weight_sha256"]}))  # fmt: skip
+        elif task in VIDEO_TASKS:
+            from pipeline.annotate.scenes import SCENE_SETTINGS
+
+            out.append(TaskSettings(task=task, model=_ALGORITHMS[task], weight_sha256="",
+                                    generation=dict(SCENE_SETTINGS)))  # fmt: skip
         else:
             generation = {} if task == "sha256" else {"image_size": plan.image_size}
             out.append(TaskSettings(task=task, model=_ALGORITHMS[task], weight_sha256="", generation=generation))

@@ -17,6 +17,7 @@ part name (:func:`manifests.annotations.part_name`).
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import time
@@ -26,14 +27,14 @@ import numpy as np
 import pyarrow as pa
 
 from manifests import faults
-from manifests.annotations import embedding_type, image_key, part_name, part_schema, write_part
+from manifests.annotations import TASK_COLUMNS, embedding_type, image_key, part_name, part_schema, write_part
 from manifests.manifest import read_row_group
 from manifests.throttles import SPANS, throttle_mark, throttle_span
 from manifests.storage import open_url, redact
 from pipeline.annotate.engines import TransformersCaptioner
 from pipeline.annotate.image_stats import STATS, image_stats, phash, sha256_hex
 from pipeline.annotate.tasks import TaskPlan
-from pipeline.embed.imaging import ImageFailure, fetch_images, prepare_views
+from pipeline.embed.imaging import ImageFailure, fetch_images, prepare_views, read_failure
 from pipeline.embed.work import GroupWork
 from pipeline.embed.workers import from_ipc, to_ipc
 
@@ -41,7 +42,7 @@ __all__ = ["UNIT_COLUMNS", "read_units", "decode_for_caption", "decode_rows", "w
 
 # what a unit carries per row: identity, where the image is, its display size
 UNIT_COLUMNS = ["sample_id", "filename", "container", "container_size", "member_offset", "row_group", "row_index",
-                "size", "etag", "mtime", "width", "height"]  # fmt: skip
+                "size", "etag", "mtime", "width", "height", "codec"]  # fmt: skip (codec: a video's; null for images)
 
 
 def read_units(batch: pa.Table, *, manifest: str, storage_options: dict | None, unit_rows: int) -> pa.Table:
@@ -166,12 +167,73 @@ class AnnotateWriter:
                 cols[key] = pa.array([s[key] for s in stats], pa.bool_() if key == "grayscale" else pa.float32())
         return cols
 
+    def _video_columns(self, rows: list[dict]) -> tuple[list[dict], dict[str, pa.Array], list[dict]]:
+        """The video tasks (``scenes``, ``motion``) of a unit: ``(good rows, columns, error rows)``; each video
+        decoded once (:func:`pipeline.annotate.scenes.detect_scenes`); an image of the manifest is one 1-frame
+        still shot. A video that cannot be read is ``read_failed`` (retried by the next run), one that cannot be
+        decoded ``decode_failed``."""
+        from pipeline.annotate.scenes import VideoScenes
+
+        good, found, errors = [], [], []
+        for row in rows:
+            try:
+                if row["codec"] is None:  # an image: one still shot
+                    one = np.array([0], np.int32)
+                    scenes = VideoScenes(starts=one, frames=one + 1, times=np.zeros(1), motion=np.zeros(1, np.float32),
+                                         frame_count=1, video_motion=0.0)  # fmt: skip
+                else:
+                    scenes = self._scenes(row)
+            except ImageFailure as e:
+                errors.append({**row, "error": e.kind, "message": e.message})
+                continue
+            good.append(row)
+            found.append(scenes)
+        cols = {"scenes": pa.array([s.rows() for s in found], TASK_COLUMNS["scenes"][0][1])}
+        if "motion" in self.plan.tasks:
+            cols["motion"] = pa.array([s.video_motion for s in found], pa.float32())
+            cols["scene_motion"] = pa.array([s.motion.tolist() for s in found], pa.list_(pa.float32()))
+        return good, cols, errors
+
+    def _scenes(self, row: dict):
+        """One video row's :class:`~pipeline.annotate.scenes.VideoScenes`; raises ImageFailure."""
+        from pipeline.annotate.scenes import detect_scenes
+        from pipeline.embed.clips import open_video
+        from pipeline.embed.parquet_images import is_parquet_row
+
+        try:
+            if is_parquet_row(row):  # no byte range of its own: the value read whole
+                (blob,) = fetch_images(self.source_fs, self.source_root, [row], image_column=self.image_column)
+                if isinstance(blob, BaseException):
+                    raise blob
+                file = io.BytesIO(blob)
+            else:
+                file = open_video(self.source_fs, self.source_root, row)
+        except OSError as e:
+            raise read_failure(e, self.storage_options) from None
+        with file:
+            try:
+                scenes = detect_scenes(file)
+            except (KeyboardInterrupt, SystemExit, MemoryError):
+                raise
+            except BaseException as e:  # untrusted bytes: this video's error row, unless storage failed under it
+                failure = getattr(file, "failure", None)
+                if failure is not None:
+                    raise read_failure(failure, self.storage_options) from None
+                raise ImageFailure("decode_failed", redact(f"PyAV cannot decode it: {type(e).__name__}: {e}",
+                                                           self.storage_options)) from None  # fmt: skip
+        if not scenes.frame_count:
+            raise ImageFailure("decode_failed", "PyAV decoded no frame of it")
+        return scenes
+
     def unit(self, rows: pa.Table, throttled: list[str] = ()) -> dict[str, Any]:
         """Annotate one unit, write its part and error part; its summary row (``throttled``: the spans of the
         stage before, :func:`manifests.retry.throttle_span`, passed on with this one's)."""
         start, cpu, before = time.time(), time.process_time(), throttle_mark()
-        good, data, images, errors = self._decode(rows.to_pylist())
-        cols = self._columns(data, images)
+        if self.plan.video:
+            good, cols, errors = self._video_columns(rows.to_pylist())
+        else:
+            good, data, images, errors = self._decode(rows.to_pylist())
+            cols = self._columns(data, images)
         now = time.time()
         name = part_name(self.settings, rows.column("sample_id").to_numpy(), rows.column("source_key").to_numpy())
         keys = {"sample_id": pa.array([r["sample_id"] for r in good], pa.uint64()),

@@ -9,9 +9,10 @@ epoch with the one ranged read per sample it already does (``train.data.variant_
 
 Frames are decoded on the CPU workers from the file's bytes through a
 :class:`~pipeline.sources.headers.RangeReader` (ranged reads of what FFmpeg asks for; a tar member's
-byte range offset into its shard; a parquet value, which has no byte range, read whole), forward from
-the start and counted, and each frame is turned to the bucket right away, so a worker holds the clips'
-pixels at the bucket's size, never the video:
+byte range offset into its shard; a parquet value, which has no byte range, read whole): a clip far
+into the video starts with a seek to the keyframe before it and a decode forward from there, frame-exact
+(:func:`decode_clip_frames`; variable-rate video decodes forward from the start), and each frame is turned
+to the bucket right away, so a worker holds the clips' pixels at the bucket's size, never the video:
 decoding stops after the last wanted clip's last frame. Frames are counted from the first decoded one
 (the scan's ``frames`` is the container's count of the same frames), in display orientation (each
 frame's rotation side data applied, as FFmpeg's autorotate does). One crop box for the whole clip, by
@@ -39,20 +40,22 @@ from pipeline.embed.parquet_images import is_parquet_row
 from pipeline.embed.imaging import ImageFailure, cover_and_crop, crop_resized, prepare_views, read_failure
 from pipeline.embed.samples import sample_record
 
-__all__ = ["MAX_CLIPS", "clip_records", "clip_starts", "clip_variants", "decode_clip_frames", "prepare_clips",
-           "refuse_for_video"]
+__all__ = ["MAX_CLIPS", "SEEK_GAP", "open_video", "clip_records", "clip_starts", "clip_variants", "decode_clip_frames",
+           "prepare_clips", "refuse_for_video"]
 
 MAX_CLIPS = 4  # --max-clips default: record bytes grow with the clips kept
 _FIRST_READ = 256 * 1024  # ranged reads while decoding: sequential misses double from here
 _MAX_FETCH = 8 * 1024 * 1024  # ... up to this
 
 
-def clip_starts(clips: int, frames: int, max_clips: int) -> list[int]:
+def clip_starts(clips: int, frames: int, max_clips: int, starts: list[int] | None = None) -> list[int]:
     """The first frame of each clip embedded from a video of ``clips`` clips of ``frames`` frames: at most
-    ``max_clips`` of them, evenly spaced over the video (the first and, with 2 or more, the last)."""
-    k = max(1, int(clips))
+    ``max_clips`` of them, evenly spaced over the video (the first and, with 2 or more, the last). ``starts``: the
+    row's ``clip_starts`` (clips cut inside shots, :func:`manifests.frames.scene_clips`), else clip i starts at
+    ``i * frames``."""
+    k = max(1, len(starts) if starts else int(clips))
     chosen = np.unique(np.linspace(0, k - 1, min(k, max_clips)).round().astype(int))
-    return [int(i) * frames for i in chosen]
+    return [int(starts[i]) if starts else int(i) * frames for i in chosen]
 
 
 def clip_variants(clips: np.ndarray, flips: int) -> np.ndarray:
@@ -74,30 +77,95 @@ def _frame_image(frame):
     return Image.fromarray(pixels)
 
 
+class _NotSeekable(Exception):
+    """A video whose frame numbers cannot be told from timestamps after a seek: decode it forward instead."""
+
+
 def decode_clip_frames(file: io.RawIOBase | str, starts: list[int], frames: int,
-                       on_frame: Callable[[int, Any], None]) -> int:
-    """Decode the video ``file`` (a path or a seekable file) forward and hand every frame of the clips
-    ``[s, s + frames)`` of ``starts`` to ``on_frame(clip index, PIL image in display orientation)``, in
-    order; stop after the last clip's last frame. Returns the frames decoded. PyAV's errors propagate."""
+                       on_frame: Callable[[int, int, Any], None]) -> int:
+    """Decode the frames ``[s, s + frames)`` of each clip of ``starts`` of the video ``file`` (a path or a
+    seekable file) and hand each to ``on_frame(clip index, frame index in the clip, PIL image in display
+    orientation)``, in order; stop after the last clip's last frame. Returns the frames decoded.
+
+    A clip :data:`SEEK_GAP` frames or more past where the decoder is starts with a seek to the keyframe at or
+    before its first frame, and a decode forward from there (frame-exact: frame numbers from timestamps, counted
+    from the first frame's). That needs constant-rate video (the stream's base rate equal to its average rate,
+    and every frame after a seek on the grid of that rate); a video that is not decodes forward from frame 0
+    instead, the whole of it up to the last clip. PyAV's errors propagate."""
+    try:
+        return _decode_clips(file, starts, frames, on_frame, seek=True)
+    except _NotSeekable:
+        if not isinstance(file, str):
+            file.seek(0)
+        return _decode_clips(file, starts, frames, on_frame, seek=False)
+
+
+SEEK_GAP = 48  # frames: a clip at least this far ahead seeks (a keyframe earlier than where we are costs a GOP)
+
+
+def _decode_clips(file, starts: list[int], frames: int, on_frame, *, seek: bool) -> int:
     import av
 
-    last = max(starts) + frames
     decoded = 0
     with av.open(file) as container:
         stream = container.streams.video[0]
         stream.thread_type = "AUTO"
-        for frame in container.decode(stream):
-            for c, s in enumerate(starts):
-                if s <= decoded < s + frames:
-                    on_frame(c, _frame_image(frame))
+        rate, base = stream.average_rate, stream.base_rate
+        step = 1 / (rate * stream.time_base) if seek and rate and base == rate and stream.time_base else None
+        first_pts = None
+        position: int | None = 0  # the index of the next frame the decoder gives; None right after a seek
+        pending = iter(container.decode(stream))
+
+        def take(frame) -> int:
+            """Number ``frame`` (from its timestamp right after a seek), hand it to its clips; its index."""
+            nonlocal decoded, first_pts, position, step
             decoded += 1
-            if decoded >= last:
-                break
+            if position is None:  # the keyframe a seek landed on: its number from its timestamp
+                at = (frame.pts - first_pts) / step if frame.pts is not None else -1
+                if at < 0 or abs(at - round(at)) > 0.25:
+                    raise _NotSeekable()
+                position = round(at)
+            elif step is not None and first_pts is not None and frame.pts is not None \
+                    and abs(frame.pts - first_pts - position * step) > step / 4:
+                raise _NotSeekable()  # off the constant-rate grid: timestamps would not give frame numbers
+            if first_pts is None:
+                first_pts = frame.pts
+                if first_pts is None:
+                    step = None
+            index, position = position, position + 1
+            image = None
+            for c, cs in enumerate(starts):
+                if cs <= index < cs + frames:
+                    image = image or _frame_image(frame)
+                    on_frame(c, index - cs, image)
+            return index
+
+        for s in sorted(starts):
+            if step is not None and first_pts is None:  # frame 0's timestamp numbers the frames after a seek
+                first = next(pending, None)
+                if first is None:
+                    break
+                take(first)
+            if step is not None and first_pts is not None and position is not None and s - position >= SEEK_GAP:
+                target = first_pts + round(s * step)  # in stream.time_base
+                container.seek(int(target), backward=True, any_frame=False, stream=stream)  # the keyframe at or before
+                pending, position = iter(container.decode(stream)), None
+            if position is not None and position > s + frames - 1:
+                continue  # this clip is behind us already (frame 0 alone)
+            landed = position is None  # the next frame is the keyframe a seek landed on
+            for frame in pending:
+                index = take(frame)
+                if landed and index > s:
+                    raise _NotSeekable()  # past the clip's first frame: the timestamps do not number the frames
+                landed = False
+                if index >= s + frames - 1:
+                    break
     return decoded
 
 
-def _open_video(fs, root: str, row: dict):
-    """A seekable file over the row's video bytes: a loose local file as itself, else a RangeReader."""
+def open_video(fs, root: str, row: dict):
+    """A seekable file over the row's video bytes (a manifest row with its location columns): a loose local file as
+    itself, else a RangeReader (embed and annotate's video tasks decode through it)."""
     from pipeline.sources.headers import RangeReader
 
     path, start, end = image_range(row)
@@ -115,24 +183,24 @@ def _video_views(fs, root: str, row: dict, bucket: tuple[int, int], frames: int,
                  max_clips: int, storage_options: dict | None, blob=None) -> tuple[np.ndarray, dict]:
     """One video row -> ``uint8 (n, F, H, W, 3)`` clips and its geometry; raises ImageFailure. ``blob``: the
     video's bytes (or the exception reading them) when they were read whole (a parquet value), else None."""
-    starts = clip_starts(row.get("clips") or 1, frames, max_clips)
+    starts = clip_starts(row.get("clips") or 1, frames, max_clips, row.get("clip_starts"))
     bh, bw = bucket
     out = np.zeros((len(starts), frames, bh, bw, 3), np.uint8)
-    seen = np.zeros(len(starts), np.int64)
+    seen = np.zeros((len(starts), frames), bool)
     geometry: dict[str, Any] = {}
 
-    def on_frame(c: int, img) -> None:
+    def on_frame(c: int, k: int, img) -> None:
         if not geometry:  # the first frame fixes the crop box of every clip
             original = (img.height, img.width)
             resized, top_left = cover_and_crop(original, bucket, crop, seed, row["sample_id"])
             geometry.update(original_size=original, resized_size=resized, crop_top_left=top_left)
-        out[c, seen[c]] = crop_resized(img, geometry["resized_size"], geometry["crop_top_left"], bucket)
-        seen[c] += 1
+        out[c, k] = crop_resized(img, geometry["resized_size"], geometry["crop_top_left"], bucket)
+        seen[c, k] = True
 
     if isinstance(blob, BaseException):
         raise read_failure(blob, storage_options)
     try:
-        file = _open_video(fs, root, row) if blob is None else io.BytesIO(blob)
+        file = open_video(fs, root, row) if blob is None else io.BytesIO(blob)
     except OSError as e:
         raise read_failure(e, storage_options) from None
     try:
@@ -146,7 +214,7 @@ def _video_views(fs, root: str, row: dict, bucket: tuple[int, int], frames: int,
             raise read_failure(failure, storage_options) from None
         raise ImageFailure("decode_failed", redact(f"PyAV cannot decode it: {type(e).__name__}: {e}",
                                                    storage_options)) from None  # fmt: skip
-    if not (seen == frames).all():
+    if not seen.all():
         raise ImageFailure("truncated", f"decoded {decoded} frames, fewer than its clips need "
                            f"(starts {starts}, {frames} frames each): rescan it")  # fmt: skip
     return out, {**geometry, "clip_starts": starts}

@@ -13,8 +13,9 @@ The driver buckets the rows: the pixel bucket of the display size (:func:`manife
 reads of their byte range (:mod:`pipeline.sources.video_shards`: ``container``, ``member_offset`` and
 ``size`` in the row, as for images in shards). With ``--format parquet`` the videos of the parquet files'
 ``--image-column`` (row group and row in the row, as for images; a parquet value has no byte range, so
-its row group's column chunk is read and each video probed from the bytes in hand). No row is reused
-from a previous manifest: every video's header is read again (a few requests each).
+its row group's column chunk is read and each video probed from the bytes in hand). A rescan reuses the
+previous manifest's row of an unchanged loose video (same size and ETag, or mtime: no header read, its
+sidecar read again; :func:`pipeline.sources.rescan.reusable_videos`); videos in containers are probed again.
 """
 
 from __future__ import annotations
@@ -81,7 +82,9 @@ def scan_video_batch(target: tuple, batch: pa.Table, config: ScanConfig) -> pa.T
 def _probe_one(fs, root: str, item: WorkItem) -> tuple:
     path = join(root, item.name)
     try:
-        if is_local(fs):
+        if not item.probe:  # a rescan reuses the previous row's probe (filled in by the driver): the sidecar only
+            probe = VideoProbe()
+        elif is_local(fs):
             with open(path, "rb") as fh:
                 fd = fh.fileno()
                 probe = probe_video(lambda start, end: os.pread(fd, end - start, start), item.size)
@@ -101,21 +104,24 @@ def _probe_one(fs, root: str, item: WorkItem) -> tuple:
             probe.frame_count_from, probe.error, probe.message, probe.bytes_read, probe.requests, caption)  # fmt: skip
 
 
-def _work(listing: Listing) -> list[WorkItem]:
+def _work(listing: Listing, reused: dict[str, dict]) -> list[WorkItem]:
     items = []
     for entry in listing.videos:
         sidecar = listing.sidecars.get(sidecar_stem(entry.name))
-        items.append(WorkItem(entry.name, entry.size, True, sidecar.name if sidecar else None,
+        items.append(WorkItem(entry.name, entry.size, entry.name not in reused, sidecar.name if sidecar else None,
                               sidecar.size if sidecar else 0))  # fmt: skip
     return items
 
 
 def video_part(listing: Listing, target: tuple, config: ScanConfig, spec: BucketSpec, ladder: FrameLadder,
-               table: CaptionTable | None, ray_address: str | None) -> ScanPart:  # fmt: skip
-    """The loose videos and the tar shards' video members of ``listing``: probed by Ray tasks, bucketed
-    ``WxHxF``; rows and a summary."""
+               table: CaptionTable | None, ray_address: str | None,
+               reused: dict[str, dict] | None = None) -> ScanPart:  # fmt: skip
+    """The loose videos and the tar shards' video members of ``listing``: probed by Ray tasks (``reused``: the
+    unchanged loose videos' probes from the previous manifest, :func:`pipeline.sources.rescan.reusable_videos`,
+    not read again), bucketed ``WxHxF``; rows and a summary."""
     clock = time.perf_counter()
-    probed, ray_seconds = _loose_videos(listing, target, config, ray_address)
+    reused = reused or {}
+    probed, ray_seconds = _loose_videos(listing, target, config, ray_address, reused)
     shard_stats: dict[str, Any] = {}
     containers = listing.parquet if config.format == "parquet" else listing.shards
     if containers:
@@ -140,6 +146,7 @@ def video_part(listing: Listing, target: tuple, config: ScanConfig, spec: Bucket
                "clips": int(pc.sum(samples.column("clips")).as_py() or 0), "video_bytes_read": read,
                "video_bytes": total, "video_read_fraction": round(read / total, 6) if total else 0.0,
                "video_requests": requests, "video_seconds": round(seconds, 3), "frame_ladder": ladder.to_json(),
+               "videos_reused": len(reused),
                "ignored": listing.ignored, "ignored_hidden": listing.ignored_hidden,
                "ignored_extensions": dict(listing.ignored_extensions)}  # fmt: skip
     if containers:
@@ -151,11 +158,11 @@ def video_part(listing: Listing, target: tuple, config: ScanConfig, spec: Bucket
     return ScanPart(samples, errors, ScanSummary.from_json(figures), {"listed": listed, "ignored": listing.ignored})
 
 
-def _loose_videos(listing: Listing, target: tuple, config: ScanConfig, ray_address: str | None
-                  ) -> tuple[pa.Table, float]:  # fmt: skip
+def _loose_videos(listing: Listing, target: tuple, config: ScanConfig, ray_address: str | None,
+                  reused: dict[str, dict]) -> tuple[pa.Table, float]:  # fmt: skip
     """The probed rows of the loose videos (``filename``, the probe's columns, ``sample_id``, ``etag``,
-    ``mtime``) and the seconds Ray took to start."""
-    work = _work(listing)
+    ``mtime``; those of ``reused`` from the previous manifest) and the seconds Ray took to start."""
+    work = _work(listing, reused)
     per_task = config.files_per_task or 64
 
     def batches(cpus: int) -> list[pa.Table]:
@@ -167,6 +174,9 @@ def _loose_videos(listing: Listing, target: tuple, config: ScanConfig, ray_addre
     except StorageError as e:
         raise StorageError(redact(str(e), target[1])) from None
     probed = pa.concat_tables(results) if results else VIDEO_PROBE_SCHEMA.empty_table()
+    if reused:  # the previous rows' probes in place of the empty ones of the items not probed
+        rows = [{**r, **reused[r["name"]]} if r["name"] in reused else r for r in probed.to_pylist()]
+        probed = pa.Table.from_pylist(rows, schema=VIDEO_PROBE_SCHEMA)
     entries = {e.name: e for e in listing.videos}
     names = probed.column("name").to_pylist()
     probed = probed.append_column("sample_id", pa.array(sample_ids(names), pa.uint64()))

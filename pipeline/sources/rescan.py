@@ -23,8 +23,8 @@ from pipeline.sources.captions import CaptionTable
 from pipeline.sources.listing import IMAGE_SCHEMA, FileEntry, Listing, WorkItem, image_sidecars
 
 __all__ = [
-    "RescanPlan", "plan_rescan", "previous_manifest", "unchanged", "caption_source", "sidecar_version",
-    "sidecars_version",
+    "RescanPlan", "plan_rescan", "reusable_videos", "VIDEO_PROBED", "previous_manifest", "unchanged", "caption_source",
+    "sidecar_version", "sidecars_version",
 ]  # fmt: skip
 
 
@@ -158,6 +158,43 @@ def plan_rescan(
     plan.deleted = len(previous_names - set(entries) - {name for name, _, _ in listing.link_errors})
     plan.work.sort()
     return plan
+
+
+# what a video's probe found (pipeline/sources/video.py), kept in its manifest row: a rescan reuses them
+VIDEO_PROBED = ("width", "height", "frames", "fps", "duration", "codec", "format", "frame_count_from")
+_VIDEO_CONTENT_ERRORS = ("empty", "not_a_video", "invalid_header")  # the bytes' verdict: the same bytes, the same
+
+
+def reusable_videos(listing: Listing, out: str, previous: str | None,
+                    storage_options: dict[str, Any] | None) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """The previous manifest's loose video rows (``previous``, else the one at ``out``) whose file is listed
+    unchanged (same size and ETag, or mtime): ``{filename: {the probe's columns, error, message}}``, so that a
+    rescan reads no header of theirs. A sample or a ``too_short``/``too_small`` reject gives its probe (bucketed
+    again); a content error (``empty``, ``not_a_video``, ``invalid_header``) stays one; ``read_failed`` is read
+    again. Videos in tar shards and parquet files are probed again (their containers' own reuse is not wired)."""
+    old = previous_manifest(out, previous, storage_options)
+    if old is None or "codec" not in old.samples.column_names:
+        return {}
+    entries = {e.name: e for e in listing.videos}
+    out_rows: dict[str, dict[str, Any]] = {}
+    kept = ["filename", "size", "etag", "mtime", *VIDEO_PROBED]
+    errors = old.errors.filter(pc.is_in(old.errors.column("error"), pa.array(["too_short", "too_small",
+                                                                              *_VIDEO_CONTENT_ERRORS])))  # fmt: skip
+    tables = [(old.samples, False), (errors, True)]
+    for table, is_error in tables:
+        loose = table.filter(pc.is_null(table.column("container")))
+        loose = loose.filter(pc.invert(pc.is_null(loose.column("codec"))) if not is_error else
+                             pc.is_in(loose.column("filename"), pa.array(sorted(entries), pa.string())))  # fmt: skip
+        rows = loose.select(kept + (["error", "message"] if is_error else [])).to_pylist()
+        for row in rows:
+            entry = entries.get(row["filename"])
+            if entry is None or not unchanged(entry, row["size"], row["etag"], row["mtime"]):
+                continue
+            content_error = is_error and row["error"] in _VIDEO_CONTENT_ERRORS
+            out_rows[row["filename"]] = {**{k: row[k] for k in VIDEO_PROBED},
+                                         "error": row["error"] if content_error else None,
+                                         "message": row["message"] if content_error else None}  # fmt: skip
+    return out_rows
 
 
 def _sidecars(listing: Listing, name: str, table: CaptionTable | None) -> list[FileEntry]:
