@@ -28,6 +28,7 @@ Tasks: each adds its columns to the parts (:data:`TASK_COLUMNS`) and records its
     phash        phash uint64                                  64-bit DCT perceptual hash (imagehash's bit order)
     sha256       sha256 string                                 64 lowercase hex of the bytes read
     stats        luminance, contrast, colourfulness, sharpness, border_fraction float32; grayscale bool
+    review       keep bool, caption string, reviewer string  a person's decision (bucketeer review)
 
 ``embedding``'s D is the model's projection width: :data:`TASK_COLUMNS` lists it as a float16 list,
 :func:`embedding_type` gives the stored type. Readers ask for the columns they use
@@ -77,6 +78,9 @@ TASK_COLUMNS: dict[str, list[tuple[str, pa.DataType]]] = {
     "stats": [("luminance", pa.float32()), ("contrast", pa.float32()), ("colourfulness", pa.float32()),
               ("sharpness", pa.float32()), ("border_fraction", pa.float32()), ("grayscale", pa.bool_())],
     # bucketeer dedup (pipeline/dedup): one row per sample of its input annotations
+    # bucketeer review (pipeline/review): a person's decision; caption only when edited (it replaces the sample's
+    # captions in `scan --captions`); written_at is when the decision was made
+    "review": [("keep", pa.bool_()), ("caption", pa.string()), ("reviewer", pa.string())],
     "dedup": [("duplicate", pa.bool_()), ("cluster_id", pa.uint64()), ("keeper_id", pa.uint64()),
               ("similarity", pa.float32())],
 }
