@@ -37,6 +37,7 @@ async function reload(keepScroll) {
   const data = await api(query(0, true));
   if (generation !== state.generation) return;
   state.blocks = new Map([[0, data.rows]]);
+  $("grid").replaceChildren();
   state.pending = new Set();
   state.count = data.count;
   $("count").textContent = `${data.count.toLocaleString()} samples`;
@@ -89,34 +90,43 @@ function fetchBlock(b) {
 }
 
 function render() {
+  // the visible cells only, each kept while it stays visible (a click's cell survives to its dblclick)
   const scroller = $("scroller"), grid = $("grid"), cols = columns();
   const first = Math.floor(scroller.scrollTop / CELL_H) * cols;
   const last = Math.min(state.count, first + (Math.ceil(scroller.clientHeight / CELL_H) + 2) * cols);
+  const old = new Map([...grid.children].map((c) => [c.dataset.key, c]));
   const cells = [];
   for (let i = first; i < last; i++) {
     const row = rowAt(i);
     if (!row) { fetchBlock(Math.floor(i / BLOCK)); continue; }
-    const cell = document.createElement("div");
+    const key = `${i}:${row.id}`;
+    let cell = old.get(key);
+    if (!cell) {
+      cell = document.createElement("div");
+      cell.dataset.key = key;
+      cell.dataset.id = row.id;
+      cell.dataset.index = String(i);
+      const img = document.createElement("img");
+      img.loading = "lazy";
+      img.src = "thumb/" + row.id;
+      img.alt = row.filename;
+      const name = document.createElement("div");
+      name.className = "name";
+      name.textContent = row.filename;
+      const value = document.createElement("div");
+      value.className = "name";
+      value.textContent = state.sort ? `${state.sort}: ${row.value}` : row.bucket;
+      cell.append(img, name, value);
+    }
+    old.delete(key);
     cell.className = "cell" + (row.keep === 1 ? " kept" : row.keep === 0 ? " rejected" : "") +
       (i === state.selected ? " selected" : "");
-    cell.dataset.id = row.id;
-    cell.dataset.index = String(i);
     cell.style.left = (i % cols) * CELL_W + "px";
     cell.style.top = Math.floor(i / cols) * CELL_H + "px";
-    const img = document.createElement("img");
-    img.loading = "lazy";
-    img.src = "thumb/" + row.id;
-    img.alt = row.filename;
-    const name = document.createElement("div");
-    name.className = "name";
-    name.textContent = row.filename;
-    const value = document.createElement("div");
-    value.className = "name";
-    value.textContent = state.sort ? `${state.sort}: ${row.value}` : row.bucket;
-    cell.append(img, name, value);
     cells.push(cell);
   }
-  grid.replaceChildren(...cells);
+  for (const cell of old.values()) cell.remove();
+  for (const cell of cells) if (cell.parentNode !== grid) grid.append(cell);
 }
 
 function select(index) {
@@ -134,13 +144,14 @@ async function decide(keep) {
   const data = await api("api/decide", { ids: [id], keep });
   showCounts(data.counts);
   for (const block of state.blocks.values()) for (const row of block) if (row.id === id) row.keep = keep ? 1 : 0;
-  if (state.detail && state.detail.id === id) await openDetail(id);
+  if (state.detail && state.detail.id === id) await openDetail(id, true);
   else select(state.selected + 1);
   render();
 }
 
-async function openDetail(id) {
+async function openDetail(id, refresh) {
   const s = await api("api/sample/" + id);
+  if (refresh && (!state.detail || state.detail.id !== id)) return;  // closed meanwhile: stay closed
   state.detail = s;
   $("detail").hidden = false;
   $("detail-name").textContent = s.filename;
@@ -171,15 +182,15 @@ function closeDetail() { state.detail = null; $("detail").hidden = true; render(
 async function saveCaption() {
   if (!state.detail) return;
   const data = await api("api/caption", { id: state.detail.id, caption: $("caption-edit").value });
+  await openDetail(state.detail.id, true);
   showCounts(data.counts);
-  await openDetail(state.detail.id);
 }
 
 async function undo() {
   const data = await api("api/undo", {});
   showCounts(data.counts);
   await reload(true);
-  if (state.detail) await openDetail(state.detail.id);
+  if (state.detail) await openDetail(state.detail.id, true);
 }
 
 async function rejectAll() {

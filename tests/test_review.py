@@ -1,0 +1,215 @@
+"""bucketeer review: decisions as an annotations folder (read by plan, stats, scan --captions, report), and
+the page in a real Chromium (Playwright, the system browser): filter, sort, open, keep, reject, edit a
+caption, reload, then plan --where keep; the token and the manifest's rows as the only way in.
+
+One module, one server, one browser: CI runs it in every `make test`, so it stays a few seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from manifests.annotations import read_annotations
+from manifests.errors import UsageError
+from manifests.lock import WriterBusyError
+from manifests.manifest import read_manifest
+from manifests.plan import read_plan_rows
+from manifests.select import evaluate
+from pipeline import PlanJob, ReportJob, run
+from pipeline.review.decisions import DecisionLog
+from pipeline.review.job import ReviewJob, session
+from pipeline.sources.captions import load_captions
+from pipeline.stats import StatsJob
+from pipeline.stats import run as run_stats
+from tests.test_report import chromium_or_skip, scored  # noqa: F401  (scored: a module fixture)
+
+
+def planned(url: str) -> set[int]:
+    rows = read_plan_rows(url, [0]).table().to_pydict()
+    return set(Counter(i for ids in rows["sample_ids"] for i in ids))
+
+
+def plan_kept(manifest: str, decisions: tuple[str, ...], out: str) -> set[int]:
+    run(PlanJob(manifests=(manifest,), out=out, world_size=1, batch_size=1, epochs=1, annotations=decisions,
+                where="keep", progress=False))  # fmt: skip
+    return planned(out)
+
+
+def test_decisions_are_annotations_that_plan_stats_captions_and_report_read(scored, tmp_path, capsys):  # noqa: F811
+    manifest = read_manifest(scored.manifest)
+    ids = manifest.samples.column("sample_id").to_numpy()
+    decisions = str(tmp_path / "ana")
+    with DecisionLog.open(decisions, manifest, "ana") as log:
+        at = log.positions(ids[[0, 1, 2, 3]])
+        log.decide(at[:3], keep=True)
+        log.decide(at[2:4], keep=False)  # sample 2: kept, then rejected
+        log.edit_caption(int(at[0]), "a hand-written caption")
+        log.decide(log.positions(ids[[5]]), keep=True)
+        assert log.undo() == 1  # takes back sample 5's keep only
+        # durable before the call returned: the folder already reads as annotations
+        _, rows, _ = read_annotations(decisions)
+        assert sorted(rows.column("sample_id").to_pylist()) == sorted(int(i) for i in ids[:4])
+        with pytest.raises(WriterBusyError):  # one writer at a time
+            with DecisionLog.open(decisions, manifest, "bo"):
+                pass
+        assert log.positions(np.array([12345], np.uint64))[0] == -1
+    _, rows, _ = read_annotations(decisions)
+    by_id = {r["sample_id"]: r for r in rows.to_pylist()}
+    assert [by_id[int(i)]["keep"] for i in ids[:4]] == [True, True, False, False]
+    assert by_id[int(ids[0])]["caption"] == "a hand-written caption" and by_id[int(ids[1])]["caption"] is None
+    assert {r["reviewer"] for r in by_id.values()} == {"ana"}
+
+    assert plan_kept(scored.manifest, (decisions,), str(tmp_path / "plan")) == {int(ids[0]), int(ids[1])}
+    assert run_stats(StatsJob(manifest=scored.manifest, annotations=(decisions,), where="keep")).selected == 2
+
+    # scan --captions: the edited caption replaces the sample's captions (not added beside them)
+    table = load_captions(decisions)
+    name = manifest.samples.column("filename")[0].as_py()
+    assert table.captions == {name: "a hand-written caption"} and not table.generated
+    assert table.merged(name, "the original", ["the original", "another"]) == ("a hand-written caption", None)
+
+    # a second reviewer into another folder: both given to plan, each sample takes the newest decision
+    second = str(tmp_path / "bo")
+    with DecisionLog.open(second, manifest, "bo") as log:
+        log.decide(log.positions(ids[[1, 6]]), keep=False)  # overrules ana's keep of sample 1
+        log.decide(log.positions(ids[[3]]), keep=True)  # overrules ana's reject of sample 3
+    both = plan_kept(scored.manifest, (decisions, second), str(tmp_path / "plan2"))
+    assert both == {int(ids[0]), int(ids[3])}
+    ev = evaluate([manifest], [decisions, second], "keep IS NOT NULL")
+    assert ev.selections[0].kept == 5  # samples 0, 1, 2, 3, 6
+
+    # resuming a folder loads its decisions; a folder of another task is refused
+    with DecisionLog.open(decisions, manifest, "ana") as log:
+        assert log.counts() == {"kept": 2, "rejected": 2, "edited": 1, "undoable": 0}
+    with pytest.raises(UsageError, match="not review decisions"):
+        with DecisionLog.open(scored.scores, manifest, "ana"):
+            pass
+
+    out = tmp_path / "report.html"
+    run(ReportJob(manifest=scored.manifest, out=str(out), annotations=(decisions,), where="keep", progress=False))
+    assert "keep" in out.read_text()
+
+
+def _get(url: str, headers: dict | None = None) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=10) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+@pytest.mark.slow
+def test_review_page_in_chromium(scored, tmp_path):  # noqa: F811
+    exe = chromium_or_skip()
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright (the dev extra) is not installed")
+    manifest = read_manifest(scored.manifest)
+    decisions = str(tmp_path / "decisions")
+    job = ReviewJob(manifest=scored.manifest, out=decisions, port=0, reviewer="tester",
+                    annotations=(scored.scores, scored.dedup))  # fmt: skip
+    with session(job) as (url, data), sync_api.sync_playwright() as p:
+        base, token = url.split("?token=")
+        # the token: refused without it, by query, cookie or header with it
+        assert _get(base + "api/info")[0] == 403
+        assert _get(base + "api/info", {"X-Bucketeer-Token": "wrong"})[0] == 403
+        status, body = _get(base + "api/info", {"X-Bucketeer-Token": token})
+        assert status == 200 and json.loads(body)["samples"] == 16
+        # only the manifest's rows: a path, an id it does not hold, a static file not in the page's three
+        auth = {"X-Bucketeer-Token": token}
+        for path in ("thumb/..%2F..%2F..%2Fetc%2Fpasswd", "image/%2Fetc%2Fpasswd", "thumb/12345",
+                     "image/-1", "static/..%2Fjob.py", "static/job.py"):  # fmt: skip
+            assert _get(base + path, auth)[0] in (400, 404), path
+        assert "secret" not in _get(base + "api/info", auth)[1].decode().lower()
+
+        browser = p.chromium.launch(executable_path=exe, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", "--no-first-run"])  # fmt: skip
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.goto(url)
+        page.wait_for_function("document.getElementById('count').textContent === '16 samples'")
+        assert page.locator(".cell").count() == 16
+
+        # filter and sort: the page's SQL is plan's; the top cell is the highest aesthetic score
+        page.fill("#where", "aesthetic > 5")
+        page.select_option("#sort", "aesthetic")
+        page.check("#desc")
+        page.click("#apply")
+        expected = int(np.sum(np.array([a for a in scored_aesthetic() if a is not None]) > 5))
+        page.wait_for_function(f"document.getElementById('count').textContent === '{expected} samples'")
+        assert page.locator("#hist .bar").count() > 0
+        top = page.locator(".cell").first.get_attribute("data-id")
+        best = max((a, -i) for i, a in enumerate(scored_aesthetic()) if a is not None)
+        assert int(top) in {scored.ids[i] for i, a in enumerate(scored_aesthetic()) if a == best[0]}
+        assert page.locator(".cell img").first.evaluate("img => img.complete && img.naturalWidth > 0")
+
+        # open a sample, keep it; the next one: reject it by key; edit its caption
+        page.locator(".cell").nth(0).dblclick()
+        page.wait_for_selector("#detail:not([hidden])")
+        page.click("#detail-keep")
+        page.wait_for_function("document.getElementById('detail-state').textContent === 'kept'")
+        page.click("#detail-close")
+        second = page.locator(".cell").nth(1).get_attribute("data-id")
+        page.locator(".cell").nth(1).click()
+        page.keyboard.press("x")
+        page.wait_for_selector(f".cell.rejected[data-id='{second}']")
+        page.locator(".cell").nth(1).dblclick()
+        page.wait_for_selector("#detail:not([hidden])")
+        page.fill("#caption-edit", "an edited caption")
+        page.click("#caption-save")
+        page.wait_for_function("document.getElementById('decided').textContent.includes('edited 1')")
+        page.keyboard.press("Escape")
+        # a keep by key, then undo: not kept
+        third = page.locator(".cell").nth(2).get_attribute("data-id")
+        page.locator(".cell").nth(2).click()
+        page.keyboard.press("k")
+        page.wait_for_selector(f".cell.kept[data-id='{third}']")
+        page.click("#undo")
+        page.wait_for_selector(f".cell[data-id='{third}']:not(.kept)")
+
+        # reload: the decisions are the server's (written), found again
+        page.goto(base)  # no token in the URL: the cookie carries it
+        page.fill("#where", "keep IS NOT NULL")
+        page.click("#apply")
+        page.wait_for_function("document.getElementById('count').textContent === '2 samples'")
+        assert page.locator(".cell.kept").count() == 1 and page.locator(".cell.rejected").count() == 1
+        page.locator(f".cell[data-id='{second}']").dblclick()
+        page.wait_for_function("document.getElementById('caption-edit').value === 'an edited caption'")
+        page.keyboard.press("Escape")
+
+        # reject all that the filter shows, the count confirmed in a dialog
+        low = sum(1 for a in scored_aesthetic() if a is not None and a < 2)
+        page.fill("#where", "aesthetic < 2")
+        page.click("#apply")
+        page.wait_for_function(f"document.getElementById('count').textContent === '{low} samples'")
+        asked = []
+        page.once("dialog", lambda d: (asked.append(d.message), d.accept()))
+        page.click("#reject-all")
+        page.wait_for_function(f"document.querySelectorAll('.cell.rejected').length === {low}")
+        assert asked == [f"Reject all {low} samples the filter shows?"]
+        assert f"rejected {low + 1}" in page.inner_text("#decided")
+
+        # a bad filter is one line on the page, not a broken page
+        page.fill("#where", "no_such_column > 1")
+        page.click("#apply")
+        page.wait_for_selector("#error:not([hidden])")
+        assert "no_such_column" in page.inner_text("#error")
+        browser.close()
+    assert plan_kept(scored.manifest, (decisions,), str(tmp_path / "plan")) == {int(top)}
+    _, rows, _ = read_annotations(decisions)
+    edited = {r["sample_id"]: r["caption"] for r in rows.to_pylist()}
+    assert edited[int(second)] == "an edited caption" and {int(top), int(second)} <= set(edited)
+    low = {scored.ids[i] for i, a in enumerate(scored_aesthetic()) if a is not None and a < 2}
+    assert set(edited) == {int(top), int(second)} | low
+    assert [c for c in edited.values() if c is not None] == ["an edited caption"]
+    assert manifest.samples.num_rows == 16
+
+
+def scored_aesthetic() -> list[float | None]:
+    from tests.test_report import AESTHETIC
+
+    return AESTHETIC
