@@ -126,9 +126,7 @@ def test_review_page_in_chromium(scored, tmp_path):  # noqa: F811
             assert _get(base + path, auth)[0] in (400, 404), path
         assert "secret" not in _get(base + "api/info", auth)[1].decode().lower()
 
-        browser = p.chromium.launch(executable_path=exe, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-            "--disable-sync", "--no-first-run"])  # fmt: skip
+        browser = p.chromium.launch(executable_path=exe, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         page.goto(url)
         page.wait_for_function("document.getElementById('count').textContent === '16 samples'")
@@ -209,7 +207,49 @@ def test_review_page_in_chromium(scored, tmp_path):  # noqa: F811
     assert manifest.samples.num_rows == 16
 
 
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run"]  # fmt: skip
+
+
+def screenshot(demo: str, png: str) -> None:
+    """docs/review.png: the page on the demo's manifest and annotations, sorted by contrast, a sample open.
+
+        PYTHONPATH=$PWD python -m tests.test_review demo-output docs/review.png
+    """
+    import shutil
+    import tempfile
+
+    from playwright.sync_api import sync_playwright
+
+    with tempfile.TemporaryDirectory() as tmp:
+        job = ReviewJob(manifest=f"{demo}/manifest", out=f"{tmp}/decisions", port=0, reviewer="demo",
+                        annotations=(f"{demo}/annotations", f"{demo}/duplicates"))  # fmt: skip
+        with session(job) as (url, data), sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=shutil.which("chromium"), args=CHROMIUM_ARGS)
+            page = browser.new_page(viewport={"width": 1280, "height": 800})
+            page.goto(url)
+            page.wait_for_function("document.getElementById('count').textContent.endsWith('samples')")
+            page.fill("#where", "NOT duplicate")
+            page.select_option("#sort", "contrast")
+            page.check("#desc")
+            page.click("#apply")
+            page.wait_for_timeout(500)
+            for i, key in ((0, "k"), (1, "k"), (2, "x"), (3, "k")):
+                page.locator(".cell").nth(i).click()
+                page.keyboard.press(key)
+                page.wait_for_timeout(200)
+            page.wait_for_function("[...document.querySelectorAll('.cell img')].every(i => i.complete)")
+            page.screenshot(path=png)
+            browser.close()
+
+
 def scored_aesthetic() -> list[float | None]:
     from tests.test_report import AESTHETIC
 
     return AESTHETIC
+
+
+if __name__ == "__main__":
+    import sys
+
+    screenshot(sys.argv[1], sys.argv[2])

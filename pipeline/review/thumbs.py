@@ -4,21 +4,24 @@
     cache.jpeg(position, size=256)      # bytes, or None when the image cannot be read
 
 Only a manifest row (by its position) is ever read: the page sends a sample id, the server finds its row,
-and the row's location (loose file, tar member, parquet cell, video) is read by
+and the row's location (loose file, tar member, parquet cell; S3 by ranged reads) is read by
 :func:`pipeline.report.thumbs.thumbnails`, the report's reader over embed's
-(:func:`pipeline.embed.imaging.fetch_images`). A cached file is named by the sample id, the row's image
-key (size and etag or mtime: :func:`manifests.annotations.image_key`) and the size, so a rescan that saw
-the image change reads it again.
+(:func:`pipeline.embed.imaging.fetch_images`); a video's first frame by PyAV over ranged reads, as the
+report's contact sheets read it (:func:`pipeline.report.video.decode_frames`). A cached file is named by
+the sample id, the row's image key (size and etag or mtime: :func:`manifests.annotations.image_key`) and
+the size, so a rescan that saw the image change reads it again.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import tempfile
 from typing import Any
 
 from manifests.annotations import image_key
 from manifests.manifest import Manifest
+from manifests.storage import open_url
 from pipeline.report.thumbs import thumbnails
 
 __all__ = ["ThumbCache", "THUMB_SIZE", "FULL_SIZE"]
@@ -49,7 +52,10 @@ class ThumbCache:
         except FileNotFoundError:
             pass
         row = self.manifest.samples.slice(int(position), 1).to_pylist()[0]
-        (data,) = thumbnails(self.manifest, [row], self.storage_options, size=size, image_format="JPEG")
+        if (row.get("frames") or 1) > 1:
+            data = self._video_frame(row, size)
+        else:
+            (data,) = thumbnails(self.manifest, [row], self.storage_options, size=size, image_format="JPEG")
         if data is None:
             return None
         fd, tmp = tempfile.mkstemp(dir=self.folder, suffix=".tmp")
@@ -57,3 +63,18 @@ class ThumbCache:
             f.write(data)
         os.replace(tmp, path)  # two requests for one image: either file is whole
         return data
+
+    def _video_frame(self, row: dict, size: int) -> bytes | None:
+        """A video row's first frame (PyAV over ranged reads, as the report's contact sheets read it)."""
+        from pipeline.embed.job import image_column
+        from pipeline.report.video import decode_frames, video_reader
+
+        fs, root = open_url(self.manifest.source, self.storage_options)
+        try:
+            read_range, nbytes = video_reader(fs, root, row, image_column(self.manifest.meta))
+            (image,), _ = decode_frames(read_range, nbytes, (0,), long_side=size)
+        except Exception:  # PyAV's errors by version, a failed read: the page shows "cannot be read"
+            return None
+        buf = io.BytesIO()
+        image.convert("RGB").save(buf, "JPEG", quality=85)
+        return buf.getvalue()
