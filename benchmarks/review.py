@@ -69,7 +69,7 @@ def measure_grid(root: str, rounds: int) -> dict[str, list[float]]:
         out: dict[str, list[float]] = {"first page": [], "filter": [], "sort": []}
         sorts = ["aesthetic", "safety", "watermark", "sharpness", "contrast", "luminance"]
         for i in range(rounds):
-            data._views.clear()
+            data._views.clear()  # the first page as a fresh server answers it
 
             def first_page() -> None:
                 for path in ("", "static/app.js", "api/info", view()):
@@ -125,7 +125,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=1_000_000)
     parser.add_argument("--images", type=int, default=300, help="real images for the thumbnail timing")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     from report_scores import make_inputs
 

@@ -96,6 +96,38 @@ def test_decisions_are_annotations_that_plan_stats_captions_and_report_read(scor
     assert "keep" in out.read_text()
 
 
+def test_views_filter_and_sort_as_polars_does(scored, tmp_path):  # noqa: F811
+    import polars as pl
+
+    from pipeline.review.data import ReviewData
+
+    manifest = read_manifest(scored.manifest)
+    with DecisionLog.open(str(tmp_path / "d"), manifest, "ana") as log:
+        data = ReviewData.load(manifest, (scored.scores, scored.dedup), log)
+        assert "embedding" not in data.columns and {"aesthetic", "duplicate", "keep"} <= set(data.columns)
+        frame = data.frame.with_row_index("at")
+        for where, sort, desc in (("aesthetic > 2", "aesthetic", True), (None, "aesthetic", False),
+                                  ("NOT duplicate", "filename", False), ("width >= 0", None, False)):  # fmt: skip
+            got = data.view(where, sort, desc)
+            want = frame if where is None else frame.filter(pl.sql_expr(where))
+            if sort is not None:  # ties in manifest order, no value last
+                want = want.sort(sort, descending=desc, nulls_last=True, maintain_order=True)
+            assert got.tolist() == want.get_column("at").to_list(), (where, sort, desc)
+            again = data.view(where, sort, desc)
+            assert again is got  # cached
+        assert len(data.view("keep")) == 0
+        log.decide(np.array([3, 1]), keep=True)
+        assert data.view("keep").tolist() == [1, 3]  # the live column follows the decisions
+        assert data.view("keep IS NULL", "keep").tolist() == [i for i in range(16) if i not in (1, 3)]
+        hist = data.histogram(data.view(None, "aesthetic"), "aesthetic")
+        assert sum(hist["counts"]) == 14 and hist["edges"][0] == 0.5 and hist["edges"][-1] == 9.0
+        for bad in ("no_such > 1", "aesthetic +", "aesthetic"):
+            with pytest.raises(UsageError):
+                data.view(bad)
+        with pytest.raises(UsageError, match="no such column"):
+            data.view(None, "nope")
+
+
 def _get(url: str, headers: dict | None = None) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=10) as r:

@@ -35,7 +35,8 @@ __all__ = ["ReviewData", "LIVE_COLUMNS"]
 
 LIVE_COLUMNS = ("keep", "edited")  # the session's decisions, as columns the page filters and sorts by
 _ROW = "_row"
-_VIEWS = 8  # views kept (a page scrolls one view; a few back and forth are cheap)
+_VIEWS = 8  # filters and sorted views kept (a page scrolls one view; a few back and forth are cheap)
+_FLOATABLE = (pl.Float32, pl.Float64, pl.Boolean, pl.Int8, pl.Int16, pl.Int32, pl.UInt8, pl.UInt16, pl.UInt32)
 
 
 def _scalar(t: pa.DataType) -> bool:
@@ -80,6 +81,7 @@ class ReviewData:
 
     def __post_init__(self) -> None:
         self._views: OrderedDict[tuple, np.ndarray] = OrderedDict()
+        self._orders: dict[tuple, np.ndarray] = {}  # (column, descending, version) -> every row sorted
         self._views_lock = threading.Lock()
 
     def _live(self, name: str) -> pl.Series:
@@ -90,38 +92,86 @@ class ReviewData:
         edited[list(self.log.captions)] = True
         return pl.Series("edited", edited)
 
-    def view(self, where: str | None, sort: str | None = None, descending: bool = False) -> np.ndarray:
-        """(k,) int64 manifest rows that ``where`` keeps (None: all), in ``sort`` order (None: manifest order;
-        nulls last). Raises UsageError for bad SQL, an unknown column or a non-boolean filter."""
-        where = (where or "").strip() or None
-        if sort is not None and sort not in self.columns:
-            raise UsageError(f"sort by {sort!r}: no such column; the columns are {', '.join(self.columns)}")
+    def _filtered(self, where: str | None) -> np.ndarray:
+        """(k,) int64 manifest rows that ``where`` keeps, in manifest order (cached)."""
         expr = None if where is None else parse_expression(where, "filter")
         used = [] if expr is None else list(expr.meta.root_names())
         if unknown := [c for c in used if c not in self.columns]:
             raise UsageError(f"filter {where!r} uses {', '.join(unknown)}, which no column is; the columns are "
                              f"{', '.join(self.columns)}")  # fmt: skip
-        needed = list(dict.fromkeys([*used, *([sort] if sort else [])]))
-        live = [c for c in needed if c in LIVE_COLUMNS]
-        key = (where, sort, descending, self.log.version if live else -1)
-        with self._views_lock:
-            if key in self._views:
-                self._views.move_to_end(key)
-                return self._views[key]
-        frame = self.frame.select([_ROW, *(c for c in needed if c not in LIVE_COLUMNS)])  # projection
-        if live:
-            frame = frame.with_columns([self._live(c) for c in live])
-        if expr is not None:
+        live = [c for c in used if c in LIVE_COLUMNS]
+        key = ("filter", where, self.log.version if live else -1)
+        if (rows := self._cached(key)) is not None:
+            return rows
+        if expr is None:
+            rows = np.arange(len(self.log.keep), dtype=np.int64)
+        else:
+            frame = self.frame.select([_ROW, *(c for c in used if c not in LIVE_COLUMNS)])  # projection
+            if live:
+                frame = frame.with_columns([self._live(c) for c in live])
             try:
                 mask = frame.select(expr.alias("_keep")).to_series()
             except Exception as e:  # polars' ComputeError / InvalidOperationError / SchemaError by version
                 raise UsageError(f"filter {where!r} cannot be evaluated ({str(e).splitlines()[0]})") from None
             if mask.dtype not in (pl.Boolean, pl.Null):
                 raise UsageError(f"filter {where!r} gives {mask.dtype} values, not true/false")
-            frame = frame.filter(mask.cast(pl.Boolean).fill_null(False))
-        if sort is not None:
-            frame = frame.sort(sort, descending=descending, nulls_last=True, maintain_order=True)
-        rows = frame.get_column(_ROW).to_numpy()
+            rows = frame.get_column(_ROW).filter(mask.cast(pl.Boolean).fill_null(False)).to_numpy()
+        return self._store(key, rows)
+
+    def view(self, where: str | None, sort: str | None = None, descending: bool = False) -> np.ndarray:
+        """(k,) int64 manifest rows that ``where`` keeps (None: all), in ``sort`` order (None: manifest order;
+        ties in manifest order, no value last). Raises UsageError for bad SQL, an unknown column or a
+        non-boolean filter. A filter, a column's order and a sorted view are cached apart: a new sort filters
+        nothing again, a new filter sorts nothing again (it picks its rows out of the column's order)."""
+        where = (where or "").strip() or None
+        if sort is not None and sort not in self.columns:
+            raise UsageError(f"sort by {sort!r}: no such column; the columns are {', '.join(self.columns)}")
+        rows = self._filtered(where)
+        if sort is None:
+            return rows
+        live = sort in LIVE_COLUMNS or any(c in LIVE_COLUMNS for c in self._used(where))
+        key = ("view", where, sort, descending, self.log.version if live else -1)
+        if (cached := self._cached(key)) is not None:
+            return cached
+        order = self._order(sort, descending)  # (n,) every row, sorted
+        if len(rows) == len(order):
+            return self._store(key, order)
+        kept = np.zeros(len(order), bool)
+        kept[rows] = True
+        return self._store(key, order[kept[order]])  # the filter's rows in the sorted order: O(n), no sort
+
+    def _order(self, sort: str, descending: bool) -> np.ndarray:
+        """(n,) int64 every manifest row sorted by ``sort`` (ties in manifest order, null and NaN last), kept
+        per column and direction (the live columns' until the next decision)."""
+        key = (sort, descending, self.log.version if sort in LIVE_COLUMNS else -1)
+        with self._views_lock:
+            if key in self._orders:
+                return self._orders[key]
+        values = self._live(sort) if sort in LIVE_COLUMNS else self.frame.get_column(sort)
+        if values.dtype in _FLOATABLE:  # numpy's stable sort
+            x = values.cast(pl.Float64).fill_null(np.nan).to_numpy()
+            order = np.argsort(-x if descending else x, kind="stable")
+        else:  # strings, 64-bit integers (ids): polars, order kept among ties
+            order = pl.DataFrame({"v": values}).with_row_index("i").sort(
+                "v", descending=descending, nulls_last=True, maintain_order=True).get_column("i").to_numpy()
+        order = order.astype(np.int64)
+        with self._views_lock:
+            self._orders = {k: v for k, v in self._orders.items() if k[2] == -1}  # stale live orders go
+            self._orders[key] = order
+        return order
+
+    @staticmethod
+    def _used(where: str | None) -> list[str]:
+        return [] if where is None else list(parse_expression(where, "filter").meta.root_names())
+
+    def _cached(self, key: tuple) -> np.ndarray | None:
+        with self._views_lock:
+            if key in self._views:
+                self._views.move_to_end(key)
+                return self._views[key]
+        return None
+
+    def _store(self, key: tuple, rows: np.ndarray) -> np.ndarray:
         with self._views_lock:
             self._views[key] = rows
             while len(self._views) > _VIEWS:
