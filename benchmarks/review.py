@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -126,14 +127,19 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=1_000_000)
     parser.add_argument("--images", type=int, default=300, help="real images for the thumbnail timing")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--data", default=None, help="keep the generated inputs in this folder (and reuse them)")
     args = parser.parse_args()
     from report_scores import make_inputs
 
     print("load before:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
     with tempfile.TemporaryDirectory() as tmp:
-        started = time.perf_counter()
-        make_inputs(f"{tmp}/big", args.samples)
-        print(f"{args.samples:,}-sample manifest + scores + dedup written in {time.perf_counter() - started:.0f} s")
+        tmp = args.data or tmp
+        if not os.path.exists(f"{tmp}/big/dedup/_annotations.json"):
+            started = time.perf_counter()
+            make_inputs(f"{tmp}/big", args.samples)
+            print(f"{args.samples:,}-sample manifest + scores + dedup written in {time.perf_counter() - started:.0f} s")
+        shutil.rmtree(f"{tmp}/big/decisions", ignore_errors=True)
+        shutil.rmtree(f"{tmp}/small", ignore_errors=True)
         grid = measure_grid(f"{tmp}/big", args.rounds)
         pandas = measure_pandas(f"{tmp}/big", args.rounds)
         thumbs = measure_thumbs(f"{tmp}/small", args.images)

@@ -128,6 +128,19 @@ def test_views_filter_and_sort_as_polars_does(scored, tmp_path):  # noqa: F811
             data.view(None, "nope")
 
 
+@pytest.mark.parametrize("descending", [False, True])
+def test_float32_order_is_a_stable_sort_with_no_value_last(descending):
+    from pipeline.review.data import _float32_order
+
+    rng = np.random.default_rng(1)
+    x = rng.choice(np.array([-2.5, -0.0, 0.0, 1e-30, 1.0, 3.5, np.nan, -np.inf, np.inf], np.float32), 5000)
+    x[:100] = rng.standard_normal(100)
+    nan = np.isnan(x)
+    values = np.where(nan, 0, x).astype(np.float64)
+    want = np.lexsort((np.arange(len(x)), -values if descending else values, nan))  # last key first
+    assert _float32_order(x, descending).tolist() == want.tolist()
+
+
 def _get(url: str, headers: dict | None = None) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=10) as r:
@@ -258,18 +271,20 @@ def screenshot(demo: str, png: str) -> None:
                         annotations=(f"{demo}/annotations", f"{demo}/duplicates"))  # fmt: skip
         with session(job) as (url, data), sync_playwright() as p:
             browser = p.chromium.launch(executable_path=shutil.which("chromium"), args=CHROMIUM_ARGS)
-            page = browser.new_page(viewport={"width": 1280, "height": 800})
+            page = browser.new_page(viewport={"width": 1200, "height": 720})
             page.goto(url)
             page.wait_for_function("document.getElementById('count').textContent.endsWith('samples')")
             page.fill("#where", "NOT duplicate")
             page.select_option("#sort", "contrast")
             page.check("#desc")
             page.click("#apply")
-            page.wait_for_timeout(500)
+            page.wait_for_function("document.getElementById('count').textContent.startsWith('192 ')")
             for i, key in ((0, "k"), (1, "k"), (2, "x"), (3, "k")):
-                page.locator(".cell").nth(i).click()
+                cell = page.locator(".cell").nth(i)
+                sid = cell.get_attribute("data-id")
+                cell.click()
                 page.keyboard.press(key)
-                page.wait_for_timeout(200)
+                page.wait_for_selector(f".cell.{'kept' if key == 'k' else 'rejected'}[data-id='{sid}']")
             page.wait_for_function("[...document.querySelectorAll('.cell img')].every(i => i.complete)")
             page.screenshot(path=png)
             browser.close()

@@ -36,7 +36,8 @@ __all__ = ["ReviewData", "LIVE_COLUMNS"]
 LIVE_COLUMNS = ("keep", "edited")  # the session's decisions, as columns the page filters and sorts by
 _ROW = "_row"
 _VIEWS = 8  # filters and sorted views kept (a page scrolls one view; a few back and forth are cheap)
-_FLOATABLE = (pl.Float32, pl.Float64, pl.Boolean, pl.Int8, pl.Int16, pl.Int32, pl.UInt8, pl.UInt16, pl.UInt32)
+_FLOAT32 = (pl.Float32, pl.Boolean, pl.Int8, pl.Int16, pl.UInt8, pl.UInt16)  # exact as float32 (the scores)
+_FLOATABLE = (pl.Float64, pl.Int32, pl.UInt32)  # exact as float64
 
 
 def _scalar(t: pa.DataType) -> bool:
@@ -148,7 +149,9 @@ class ReviewData:
             if key in self._orders:
                 return self._orders[key]
         values = self._live(sort) if sort in LIVE_COLUMNS else self.frame.get_column(sort)
-        if values.dtype in _FLOATABLE:  # numpy's stable sort
+        if values.dtype in _FLOAT32:
+            order = _float32_order(values.cast(pl.Float32).fill_null(np.nan).to_numpy(), descending)
+        elif values.dtype in _FLOATABLE:  # numpy's stable sort
             x = values.cast(pl.Float64).fill_null(np.nan).to_numpy()
             order = np.argsort(-x if descending else x, kind="stable")
         else:  # strings, 64-bit integers (ids): polars, order kept among ties
@@ -227,6 +230,19 @@ class ReviewData:
             out["cluster"] = {"keeper": None if keeper is None else str(keeper),
                               "members": [str(s) for s in members["sample_id"].to_list()]}  # fmt: skip
         return out
+
+
+def _float32_order(x: np.ndarray, descending: bool) -> np.ndarray:
+    """(n,) int64 the order of float32 ``x`` (ties by position, NaN last): one sort of unique uint64 keys
+    (the value's bits made to sort as the value, then the position), ~4x faster than a stable argsort."""
+    bits = (x + np.float32(0)).view(np.uint32)  # -0.0 + 0.0 is 0.0: the two zeros tie
+    high = np.where(bits & np.uint32(0x80000000), ~bits, bits | np.uint32(0x80000000))  # sorts as x does
+    if descending:
+        high = ~high
+    high[np.isnan(x)] = np.uint32(0xFFFFFFFF)  # no value, either way: last
+    key = (high.astype(np.uint64) << np.uint64(32)) | np.arange(len(x), dtype=np.uint64)  # (n,) unique
+    key.sort()
+    return (key & np.uint64(0xFFFFFFFF)).astype(np.int64)
 
 
 def _plain(value: Any) -> Any:

@@ -16,6 +16,13 @@ async function api(path, body) {
   return data;
 }
 
+// decisions and reloads run one at a time, in the order asked: a slow answer never lands after a later one
+let queue = Promise.resolve();
+function serial(fn) {
+  queue = queue.then(fn, fn).catch(() => {});
+  return queue;
+}
+
 function showError(text) { $("error").textContent = text; $("error").hidden = !text; }
 
 function query(offset, histogram) {
@@ -72,6 +79,10 @@ function drawHistogram(h) {
   });
 }
 
+function shown(value) {
+  return typeof value === "number" && !Number.isInteger(value) ? value.toPrecision(4) : String(value);
+}
+
 function rowAt(index) {
   const block = state.blocks.get(Math.floor(index / BLOCK));
   return block ? block[index % BLOCK] : undefined;
@@ -115,7 +126,7 @@ function render() {
       name.textContent = row.filename;
       const value = document.createElement("div");
       value.className = "name";
-      value.textContent = state.sort ? `${state.sort}: ${row.value}` : row.bucket;
+      value.textContent = state.sort ? `${state.sort}: ${shown(row.value)}` : row.bucket;
       cell.append(img, name, value);
     }
     old.delete(key);
@@ -138,14 +149,17 @@ function select(index) {
   render();
 }
 
-async function decide(keep) {
-  const id = state.detail ? state.detail.id : (rowAt(state.selected) || {}).id;
-  if (!id) return;
+function decide(keep) {
+  const id = state.detail ? state.detail.id : (rowAt(state.selected) || {}).id;  // what was shown when asked
+  if (id) serial(() => decideOn(id, keep));
+}
+
+async function decideOn(id, keep) {
   const data = await api("api/decide", { ids: [id], keep });
   showCounts(data.counts);
   for (const block of state.blocks.values()) for (const row of block) if (row.id === id) row.keep = keep ? 1 : 0;
   if (state.detail && state.detail.id === id) await openDetail(id, true);
-  else select(state.selected + 1);
+  else if ((rowAt(state.selected) || {}).id === id) select(state.selected + 1);
   render();
 }
 
@@ -212,7 +226,7 @@ async function start() {
   $("query").addEventListener("submit", (e) => {
     e.preventDefault();
     state.where = $("where").value; state.sort = $("sort").value; state.desc = $("desc").checked;
-    reload(false);
+    serial(() => reload(false));
   });
   $("scroller").addEventListener("scroll", render, { passive: true });
   window.addEventListener("resize", () => reload(true));
@@ -225,9 +239,9 @@ async function start() {
   $("detail-close").onclick = closeDetail;
   $("detail-keep").onclick = () => decide(true);
   $("detail-reject").onclick = () => decide(false);
-  $("caption-save").onclick = saveCaption;
-  $("undo").onclick = undo;
-  $("reject-all").onclick = rejectAll;
+  $("caption-save").onclick = () => serial(saveCaption);
+  $("undo").onclick = () => serial(undo);
+  $("reject-all").onclick = () => serial(rejectAll);
   document.addEventListener("keydown", (e) => {
     if (e.target.tagName === "INPUT" || e.target.tagName === "TEXTAREA" || e.target.tagName === "SELECT") return;
     const cols = columns();
@@ -235,7 +249,7 @@ async function start() {
     if (e.key in moves && !state.detail) { e.preventDefault(); select(state.selected + moves[e.key]); }
     else if (e.key === "k") decide(true);
     else if (e.key === "x") decide(false);
-    else if (e.key === "u" || (e.key === "z" && (e.ctrlKey || e.metaKey))) undo();
+    else if (e.key === "u" || (e.key === "z" && (e.ctrlKey || e.metaKey))) serial(undo);
     else if (e.key === "Enter" && !state.detail) { const row = rowAt(state.selected); if (row) openDetail(row.id); }
     else if (e.key === "e" && state.detail) { e.preventDefault(); $("caption-edit").focus(); }
     else if (e.key === "Escape") closeDetail();
