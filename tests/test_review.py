@@ -8,9 +8,11 @@ One module, one server, one browser: CI runs it in every `make test`, so it stay
 from __future__ import annotations
 
 import json
+import os
 import urllib.error
 import urllib.request
 from collections import Counter
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -149,28 +151,50 @@ def _get(url: str, headers: dict | None = None) -> tuple[int, bytes]:
         return e.code, e.read()
 
 
-@pytest.mark.slow
-def test_review_page_in_chromium(scored, tmp_path):  # noqa: F811
-    exe = chromium_or_skip()
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright (the dev extra) is not installed")
-    manifest = read_manifest(scored.manifest)
-    decisions = str(tmp_path / "decisions")
+@pytest.fixture(scope="module")
+def served(scored, tmp_path_factory):  # noqa: F811
+    """One server for the module: the scored manifest with its scores and clusters, decisions to a fresh folder."""
+    decisions = str(tmp_path_factory.mktemp("review") / "decisions")
     job = ReviewJob(manifest=scored.manifest, out=decisions, port=0, reviewer="tester",
                     annotations=(scored.scores, scored.dedup))  # fmt: skip
-    with session(job) as (url, data), sync_api.sync_playwright() as p:
+    with session(job) as (url, data):
         base, token = url.split("?token=")
-        # the token: refused without it, by query, cookie or header with it
-        assert _get(base + "api/info")[0] == 403
-        assert _get(base + "api/info", {"X-Bucketeer-Token": "wrong"})[0] == 403
-        status, body = _get(base + "api/info", {"X-Bucketeer-Token": token})
-        assert status == 200 and json.loads(body)["samples"] == 16
-        # only the manifest's rows: a path, an id it does not hold, a static file not in the page's three
-        auth = {"X-Bucketeer-Token": token}
-        for path in ("thumb/..%2F..%2F..%2Fetc%2Fpasswd", "image/%2Fetc%2Fpasswd", "thumb/12345",
-                     "image/-1", "static/..%2Fjob.py", "static/job.py"):  # fmt: skip
-            assert _get(base + path, auth)[0] in (400, 404), path
-        assert "secret" not in _get(base + "api/info", auth)[1].decode().lower()
+        yield SimpleNamespace(url=url, base=base, token=token, data=data, decisions=decisions)
 
+
+def test_server_needs_the_token_and_serves_only_manifest_rows(served):
+    base, token = served.base, served.token
+    assert base.startswith("http://127.0.0.1:")
+    for path in ("", "api/info", "thumb/" + str(served.data.manifest.samples.column("sample_id")[0].as_py())):
+        assert _get(base + path)[0] == 403, path  # no token
+        assert _get(base + path, {"X-Bucketeer-Token": "wrong"})[0] == 403
+        assert _get(base + path, {"Cookie": "bucketeer_review=wrong"})[0] == 403
+    status, body = _get(base + "api/info", {"X-Bucketeer-Token": token})
+    assert status == 200 and json.loads(body)["samples"] == 16
+    assert _get(base + "api/info", {"Cookie": f"bucketeer_review={token}"})[0] == 200
+    # only the manifest's rows: a path, an id it does not hold, a static file not in the page's three
+    auth = {"X-Bucketeer-Token": token}
+    for path in ("thumb/..%2F..%2F..%2Fetc%2Fpasswd", "image/%2Fetc%2Fpasswd", "thumb/12345", "image/-1",
+                 "api/sample/..%2F..%2Fetc%2Fpasswd", "static/..%2Fjob.py", "static/job.py", "../etc/passwd"):
+        assert _get(base + path, auth)[0] in (400, 404), path
+    status, jpeg = _get(base + "thumb/" + str(served.data.manifest.samples.column("sample_id")[0].as_py()), auth)
+    assert status == 200 and jpeg[:2] == b"\xff\xd8"
+    page = _get(base + "?token=" + token)[1].decode()
+    assert "<script" in page and "http://" not in page and "https://" not in page  # nothing from the network
+
+
+@pytest.mark.slow
+def test_review_page_in_chromium(served, scored, tmp_path):  # noqa: F811
+    exe = chromium_or_skip()
+    try:
+        from playwright import sync_api
+    except ImportError:
+        if os.environ.get("BUCKETEER_REQUIRE_CHROMIUM") == "1":
+            pytest.fail("BUCKETEER_REQUIRE_CHROMIUM=1 but playwright (the dev extra) is not installed")
+        pytest.skip("playwright (the dev extra) is not installed")
+    manifest = read_manifest(scored.manifest)
+    url, base, decisions = served.url, served.base, served.decisions
+    with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=exe, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         page.goto(url)
