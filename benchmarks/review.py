@@ -15,7 +15,9 @@ clusters); its images do not exist (the grid, filter and sort need none). The se
 - filter: ``api/view?where=aesthetic > T AND NOT duplicate&histogram=1``, a new T each round (never cached);
 - sort: ``api/view?sort=C&desc=1&histogram=1``, a new column each round;
 - thumbnails: a second manifest of real JPEGs (tests/embed_data.py), each read once (cold, encoded and cached
-  on disk), then every one again (warm: served from the cache).
+  on disk), then every one again (warm: served from the cache); then the same with the images and manifest
+  on a local S3-compatible server (moto on 127.0.0.1, ranged GETs). The 1M-row grid is timed on a local
+  folder only (its images need not exist; the manifest's parquet is read once at start either way).
 
 Medians of >= 3 rounds; the machine's load (``uptime``) is printed with them.
 """
@@ -37,7 +39,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-TARGETS = {"first page": 1.0, "filter": 1.0, "sort": 1.0, "warm thumbnail": 0.050}
+TARGETS = {"first page": 1.0, "filter": 1.0, "sort": 1.0, "warm thumbnail": 0.050, "warm thumbnail (S3)": 0.050}
 
 
 def fetch(base: str, token: str, path: str) -> bytes:
@@ -108,18 +110,34 @@ def measure_pandas(root: str, rounds: int) -> tuple[float, list[float]]:
     return load, times
 
 
-def measure_thumbs(root: str, images: int) -> dict[str, list[float]]:
+def measure_thumbs(root: str, images: int, storage_options: dict | None = None) -> dict[str, list[float]]:
+    """Each of ``images`` real JPEGs' thumbnail over HTTP: once cold (read, encoded, cached), once warm.
+    ``root``: a local folder, or an s3:// URL (with ``storage_options``) for images read by ranged GETs."""
     from pipeline.review.job import ReviewJob, session
     from tests.embed_data import make_dataset
 
-    make_dataset(f"{root}/images", f"{root}/manifest", images)
-    job = ReviewJob(manifest=f"{root}/manifest", out=f"{root}/decisions", port=0, reviewer="bench")
+    make_dataset(f"{root}/images", f"{root}/manifest", images, storage_options=storage_options)
+    out = tempfile.mkdtemp(prefix="review-thumbs-")  # decisions (and the thumbnail cache) on this disk
+    job = ReviewJob(manifest=f"{root}/manifest", out=f"{out}/decisions", port=0, reviewer="bench",
+                    storage_options=dict(storage_options or {}))  # fmt: skip
     with session(job) as (url, data):
         base, token = url.split("?token=")
         ids = [str(i) for i in data.manifest.samples.column("sample_id").to_pylist()]
         cold = [timed(lambda: fetch(base, token, f"thumb/{sid}")) for sid in ids]
         warm = [timed(lambda: fetch(base, token, f"thumb/{sid}")) for sid in ids]
+    shutil.rmtree(out, ignore_errors=True)
     return {"cold thumbnail": cold, "warm thumbnail": warm}
+
+
+def measure_s3_thumbs(images: int, log: str) -> dict[str, list[float]]:
+    """:func:`measure_thumbs` with the images and manifest on a local S3-compatible server (moto)."""
+    from pathlib import Path
+
+    from pipeline.demo.local_s3 import DEMO_BUCKET, local_credentials, local_s3_server
+
+    with local_credentials(), local_s3_server(Path(log)) as endpoint:
+        found = measure_thumbs(f"s3://{DEMO_BUCKET}/small", images, {"endpoint_url": endpoint})
+    return {f"{k} (S3)": v for k, v in found.items()}
 
 
 def main() -> None:
@@ -143,6 +161,7 @@ def main() -> None:
         grid = measure_grid(f"{tmp}/big", args.rounds)
         pandas = measure_pandas(f"{tmp}/big", args.rounds)
         thumbs = measure_thumbs(f"{tmp}/small", args.images)
+        thumbs.update(measure_s3_thumbs(args.images, f"{tmp}/moto.log"))
     print("load after: ", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
     print(f"\n{'measure':<16} {'median':>9} {'p95':>9} {'target':>8}  rounds")
     for name, times in {**grid, **thumbs}.items():

@@ -183,6 +183,35 @@ def test_server_needs_the_token_and_serves_only_manifest_rows(served):
     assert "<script" in page and "http://" not in page and "https://" not in page  # nothing from the network
 
 
+@pytest.mark.s3
+def test_review_on_s3_reads_images_by_id_and_writes_decisions_there(s3, bucketeer_home):
+    from tests.embed_data import make_dataset
+
+    secret = "review-test-secret-value"
+    options = {**s3.storage_options, "key": "review-test-key-id", "secret": secret}
+    root = s3.fresh_url("review")
+    make_dataset(f"{root}/images", f"{root}/manifest", 6, storage_options=options)
+    job = ReviewJob(manifest=f"{root}/manifest", out=f"{root}/decisions", port=0, reviewer="s3",
+                    storage_options=options)  # fmt: skip
+    with session(job) as (url, data):
+        base, token = url.split("?token=")
+        auth = {"X-Bucketeer-Token": token}
+        sid = str(data.manifest.samples.column("sample_id")[2].as_py())
+        status, jpeg = _get(base + "thumb/" + sid, auth)
+        assert status == 200 and jpeg[:2] == b"\xff\xd8"
+        assert _get(base + "image/" + sid, auth)[0] == 200
+        request = urllib.request.Request(base + "api/decide", json.dumps({"ids": [sid], "keep": True}).encode(),
+                                         {**auth, "Content-Type": "application/json"})  # fmt: skip
+        assert json.loads(urllib.request.urlopen(request, timeout=10).read())["counts"]["kept"] == 1
+        answers = [_get(base + p, auth)[1].decode() for p in ("api/info", "api/view?sort=width", f"api/sample/{sid}")]
+        for answer in answers:
+            assert secret not in answer and "review-test-key-id" not in answer and s3.endpoint not in answer
+    (cache,) = os.listdir(os.path.join(bucketeer_home, "review"))  # thumbnails of an S3 --out: on this disk
+    assert any(n.endswith("-256.jpg") for n in os.listdir(os.path.join(bucketeer_home, "review", cache)))
+    _, rows, _ = read_annotations(f"{root}/decisions", options)
+    assert rows.column("sample_id").to_pylist() == [int(sid)] and rows.column("keep").to_pylist() == [True]
+
+
 @pytest.mark.slow
 def test_review_page_in_chromium(served, scored, tmp_path):  # noqa: F811
     exe = chromium_or_skip()

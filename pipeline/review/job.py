@@ -6,7 +6,7 @@
 It prints one URL (with the session's token) and serves until Ctrl-C. Decisions go to ``--out``, an
 annotations folder of task ``review`` (:mod:`pipeline.review.decisions`), durable on every decision; the
 manifest, the annotations and the dataset are only read. Thumbnails are cached under ``--out``'s
-``thumbs/`` when ``--out`` is a local folder, else under ``~/.cache/bucketeer/review/``.
+``thumbs/`` when ``--out`` is a local folder, else under ``$BUCKETEER_HOME/review/`` (``~/.cache/bucketeer``).
 """
 
 from __future__ import annotations
@@ -67,12 +67,13 @@ def job_from_args(args: argparse.Namespace) -> ReviewJob:
 
 
 def thumbs_folder(out: str, storage_options: dict[str, Any]) -> str:
-    """Where the session caches images: ``OUT/thumbs`` for a local ``out``, else a folder of the user cache."""
+    """Where the session caches images: ``OUT/thumbs`` for a local ``out``, else ``$BUCKETEER_HOME/review/<hash>``."""
     fs, root = open_url(out, storage_options)
     if "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
         return os.path.join(root, "thumbs")
     name = hashlib.sha256(redact(out).encode()).hexdigest()[:16]
-    return os.path.join(os.path.expanduser("~/.cache/bucketeer/review"), name)
+    home = os.environ.get("BUCKETEER_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "bucketeer")
+    return os.path.join(home, "review", name)
 
 
 @contextlib.contextmanager
