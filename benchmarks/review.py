@@ -163,13 +163,13 @@ def main() -> None:
         thumbs = measure_thumbs(f"{tmp}/small", args.images)
         thumbs.update(measure_s3_thumbs(args.images, f"{tmp}/moto.log"))
     print("load after: ", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
-    print(f"\n{'measure':<16} {'median':>9} {'p95':>9} {'target':>8}  rounds")
+    print(f"\n{'measure':<22} {'median':>9} {'p95':>9} {'target':>8}  rounds")
     for name, times in {**grid, **thumbs}.items():
         p95 = sorted(times)[max(0, int(round(0.95 * len(times))) - 1)]
         target = TARGETS.get(name)
         verdict = "" if target is None else ("ok" if statistics.median(times) <= target else "MISSED")
         shown = "" if target is None else f"{target * 1000:.0f} ms"
-        print(f"{name:<16} {statistics.median(times) * 1000:7.1f} ms {p95 * 1000:7.1f} ms {shown:>8}  "
+        print(f"{name:<22} {statistics.median(times) * 1000:7.1f} ms {p95 * 1000:7.1f} ms {shown:>8}  "
               f"{len(times)} {verdict}")  # fmt: skip
     load, pandas = pandas
     print(f"\npandas notebook (the alternative): read + join once {load:.1f} s, then a new filter + sort in memory "
