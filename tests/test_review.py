@@ -95,7 +95,7 @@ def test_decisions_are_annotations_that_plan_stats_captions_and_report_read(scor
 
     out = tmp_path / "report.html"
     run(ReportJob(manifest=scored.manifest, out=str(out), annotations=(decisions,), where="keep", progress=False))
-    assert "keep" in out.read_text()
+    assert "true 2, false 2, no value 12 (of 16 samples)" in out.read_text()  # the report's counts of `keep`
 
 
 def test_views_filter_and_sort_as_polars_does(scored, tmp_path):  # noqa: F811
@@ -141,6 +141,24 @@ def test_float32_order_is_a_stable_sort_with_no_value_last(descending):
     values = np.where(nan, 0, x).astype(np.float64)
     want = np.lexsort((np.arange(len(x)), -values if descending else values, nan))  # last key first
     assert _float32_order(x, descending).tolist() == want.tolist()
+
+
+def test_review_command_line_refuses_bad_input_in_one_line(scored, tmp_path, capsys):  # noqa: F811
+    from pipeline.cli import main
+
+    out = str(tmp_path / "d")
+    for args, expected in ((["--where", "aesthetic >"], "filter 'aesthetic >' is not a SQL expression"),
+                           (["--where", "nope > 1", "--annotations", scored.scores], "nope, which no column is"),
+                           (["--annotations", str(tmp_path)], "_annotations.json"),
+                           (["--port", "-5"], "--port -5")):  # fmt: skip
+        assert main(["review", scored.manifest, "--out", out, *args]) == 2, args
+        err = capsys.readouterr().err
+        assert expected in err and len(err.strip().splitlines()) == 1, err
+    # another host than this machine's loopback name is served with a warning (127.0.0.2: still loopback here)
+    job = ReviewJob(manifest=scored.manifest, out=out, host="127.0.0.2", port=0)
+    with session(job) as (url, _):
+        assert url.startswith("http://127.0.0.2:")
+    assert "warning: --host 127.0.0.2 serves the dataset's images" in capsys.readouterr().err
 
 
 def _get(url: str, headers: dict | None = None) -> tuple[int, bytes]:

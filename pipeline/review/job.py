@@ -21,6 +21,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from manifests.errors import UsageError
 from manifests.manifest import read_manifest
 from manifests.storage import open_url, parse_storage_options, redact
 
@@ -86,6 +87,8 @@ def session(job: ReviewJob) -> Iterator[tuple[str, Any]]:
     from pipeline.review.server import serving
     from pipeline.review.thumbs import ThumbCache
 
+    if not 0 <= job.port <= 65535:
+        raise UsageError(f"--port {job.port}: give a port from 1 to 65535 (0: any free port)")
     if job.host not in LOCAL_HOSTS:
         print(f"bucketeer review: warning: --host {job.host} serves the dataset's images to whoever reaches this "
               "address and has the URL; use 127.0.0.1 (the default) with an SSH tunnel to share it safely",
