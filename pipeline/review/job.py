@@ -16,6 +16,7 @@ import contextlib
 import getpass
 import hashlib
 import os
+import signal
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -104,8 +105,10 @@ def session(job: ReviewJob) -> Iterator[tuple[str, Any]]:
 
 
 def run(job: ReviewJob, stop: threading.Event | None = None) -> None:
-    """Serve until Ctrl-C (or ``stop`` is set), printing the URL to open."""
+    """Serve until Ctrl-C, SIGTERM or ``stop`` is set, printing the URL to open."""
     stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():  # `kill` stops it as Ctrl-C does: the lock released
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with session(job) as (url, data):
         print(f"bucketeer review: {data.manifest.samples.num_rows:,} samples of {redact(job.manifest)}; "
               f"decisions to {redact(job.out)}", flush=True)  # fmt: skip
