@@ -161,6 +161,29 @@ def test_review_command_line_refuses_bad_input_in_one_line(scored, tmp_path, cap
     assert "warning: --host 127.0.0.2 serves the dataset's images" in capsys.readouterr().err
 
 
+def test_thumbnails_are_cached_by_the_images_source_key(scored, tmp_path):  # noqa: F811
+    import pyarrow as pa
+
+    from manifests.manifest import Manifest
+    from pipeline.review.thumbs import ThumbCache
+
+    manifest = read_manifest(scored.manifest)
+    cache = ThumbCache(manifest, str(tmp_path / "thumbs"))
+    first = cache.jpeg(0, 64)
+    assert first[:2] == b"\xff\xd8" and os.path.exists(cache.path(0, 64)) and cache.jpeg(0, 64) == first
+    assert cache.path(0, 64) != cache.path(0, 256)
+    # a rescan that saw the image change (its size here): another key, so the image is read again
+    samples = manifest.samples
+    at = samples.schema.get_field_index("size")
+    sizes = samples.column("size").to_pylist()
+    changed = samples.set_column(at, "size", pa.array([sizes[0] + 1, *sizes[1:]], pa.int64()))
+    again = ThumbCache(Manifest(url=manifest.url, meta=manifest.meta, samples=changed, errors=manifest.errors),
+                       str(tmp_path / "thumbs"))  # fmt: skip
+    assert again.path(0, 64) != cache.path(0, 64) and again.path(1, 64) == cache.path(1, 64)
+    assert not os.path.exists(again.path(0, 64))
+    assert again.jpeg(0, 64) == first and os.path.exists(again.path(0, 64))
+
+
 def _get(url: str, headers: dict | None = None) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=10) as r:
@@ -306,6 +329,18 @@ def test_review_page_in_chromium(served, scored, tmp_path):  # noqa: F811
         page.wait_for_function(f"document.querySelectorAll('.cell.rejected').length === {low}")
         assert asked == [f"Reject all {low} samples the filter shows?"]
         assert f"rejected {low + 1}" in page.inner_text("#decided")
+
+        # a duplicate's detail: its cluster, and the keeper's image beside its own
+        page.fill("#where", f"sample_id = {scored.ids[2]}")  # clustered with ids[2:6], keeper ids[3]
+        page.click("#apply")
+        page.wait_for_function("document.getElementById('count').textContent === '1 samples'")
+        page.locator(".cell").first.dblclick()
+        page.wait_for_selector("#keeper-figure:not([hidden])")
+        assert page.inner_text("#detail-cluster") == f"4 samples; keeper {scored.ids[3]}"
+        assert page.get_attribute("#keeper-image", "src") == f"image/{scored.ids[3]}"
+        page.wait_for_function("document.getElementById('keeper-image').naturalWidth > 0 && "
+                               "document.getElementById('detail-image').naturalWidth > 0")
+        page.keyboard.press("Escape")
 
         # a bad filter is one line on the page, not a broken page
         page.fill("#where", "no_such_column > 1")
