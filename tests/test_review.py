@@ -7,6 +7,7 @@ One module, one server, one browser: CI runs it in every `make test`, so it stay
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import urllib.error
@@ -182,6 +183,33 @@ def test_thumbnails_are_cached_by_the_images_source_key(scored, tmp_path):  # no
     assert again.path(0, 64) != cache.path(0, 64) and again.path(1, 64) == cache.path(1, 64)
     assert not os.path.exists(again.path(0, 64))
     assert again.jpeg(0, 64) == first and os.path.exists(again.path(0, 64))
+
+
+def test_a_video_rows_thumbnail_is_its_first_frame(tmp_path):
+    pytest.importorskip("av")
+    import pyarrow as pa
+    from PIL import Image
+
+    from manifests.buckets import BucketSpec
+    from manifests.manifest import write_manifest
+    from pipeline.review.thumbs import ThumbCache
+    from tests.factories import video_manifest_tables
+    from tests.test_video_scan import H264, _write
+
+    spec = BucketSpec(area=256 * 256, step=32)
+    samples, errors = video_manifest_tables(6, 0, seed=3, frames=(9, 17), spec=spec, max_frames=40)
+    assert samples.num_rows > 0
+    (tmp_path / "clips" / "clips").mkdir(parents=True)
+    sizes = []
+    for name, frames in zip(samples.column("filename").to_pylist(), samples.column("frames").to_pylist()):
+        _write(tmp_path / "clips" / name, H264, frames, size=(64, 48), seed=frames)
+        sizes.append(os.path.getsize(tmp_path / "clips" / name))
+    samples = samples.set_column(samples.schema.get_field_index("size"), "size", pa.array(sizes, pa.int64()))
+    url = str(tmp_path / "manifest")
+    write_manifest(url, samples, errors, source=str(tmp_path / "clips"), spec=spec, frame_ladder=(9, 17))
+    cache = ThumbCache(read_manifest(url), str(tmp_path / "thumbs"))
+    image = Image.open(io.BytesIO(cache.jpeg(0, 32)))
+    assert image.format == "JPEG" and image.size == (32, 24)  # the clip's frame, long side 32
 
 
 def _get(url: str, headers: dict | None = None) -> tuple[int, bytes]:
