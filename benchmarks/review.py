@@ -14,6 +14,8 @@ clusters); its images do not exist (the grid, filter and sort need none). The se
   view cache emptied before each round (what a browser does when the URL opens);
 - filter: ``api/view?where=aesthetic > T AND NOT duplicate&histogram=1``, a new T each round (never cached);
 - sort: ``api/view?sort=C&desc=1&histogram=1``, a new column each round;
+- in Chromium (Playwright, the system browser), the URL opened until the grid's first cells show, and a jump
+  to the end of the grid until its last cell shows (with the number of cells in the DOM then);
 - thumbnails: a second manifest of real JPEGs (tests/embed_data.py), each read once (cold, encoded and cached
   on disk), then every one again (warm: served from the cache); then the same with the images and manifest
   on a local S3-compatible server (moto on 127.0.0.1, ranged GETs). The 1M-row grid is timed on a local
@@ -39,7 +41,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-TARGETS = {"first page": 1.0, "filter": 1.0, "sort": 1.0, "warm thumbnail": 0.050, "warm thumbnail (S3)": 0.050}
+TARGETS = {"first page": 1.0, "filter": 1.0, "sort": 1.0, "warm thumbnail": 0.050, "warm thumbnail (S3)": 0.050,
+           "browser: URL to grid": 1.0}
 
 
 def fetch(base: str, token: str, path: str) -> bytes:
@@ -81,6 +84,45 @@ def measure_grid(root: str, rounds: int) -> dict[str, list[float]]:
             where = f"aesthetic > {0.3 + 0.1 * i:.2f} AND NOT duplicate"
             out["filter"].append(timed(lambda: fetch(base, token, view(where))))
             out["sort"].append(timed(lambda: fetch(base, token, view(where, sorts[i % len(sorts)]))))
+        out.update(measure_browser(url, rounds, data._views))
+    return out
+
+
+def measure_browser(url: str, rounds: int, views: dict) -> dict[str, list[float]]:
+    """In Chromium (Playwright, the system browser; nothing when either is missing): the URL opened until the
+    grid shows its first cells, and a jump to the end of the grid until its last cell shows; the cells in the
+    page's DOM after the jump (virtual scrolling: the visible rows only, of a million)."""
+    import shutil
+
+    exe = shutil.which("chromium")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        exe = None
+    if exe is None:
+        print("  (no chromium or playwright: the browser timings are left out)")
+        return {}
+    out: dict[str, list[float]] = {"browser: URL to grid": [], "browser: jump to the end": []}
+    args = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", "--no-first-run"]  # fmt: skip
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=exe, args=args)
+        for _ in range(rounds):
+            views.clear()
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            started = time.perf_counter()
+            page.goto(url)
+            page.wait_for_selector(".cell")
+            out["browser: URL to grid"].append(time.perf_counter() - started)
+            count = int(page.inner_text("#count").split()[0].replace(",", ""))
+            started = time.perf_counter()
+            page.evaluate("() => { const s = document.getElementById('scroller'); s.scrollTop = s.scrollHeight; }")
+            page.wait_for_selector(f".cell[data-index='{count - 1}']")
+            out["browser: jump to the end"].append(time.perf_counter() - started)
+            cells = page.locator(".cell").count()
+            page.close()
+        browser.close()
+    print(f"  the page's DOM after the jump: {cells} cells of {count:,} samples")
     return out
 
 
@@ -163,13 +205,13 @@ def main() -> None:
         thumbs = measure_thumbs(f"{tmp}/small", args.images)
         thumbs.update(measure_s3_thumbs(args.images, f"{tmp}/moto.log"))
     print("load after: ", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
-    print(f"\n{'measure':<22} {'median':>9} {'p95':>9} {'target':>8}  rounds")
+    print(f"\n{'measure':<26} {'median':>9} {'p95':>9} {'target':>8}  rounds")
     for name, times in {**grid, **thumbs}.items():
         p95 = sorted(times)[max(0, int(round(0.95 * len(times))) - 1)]
         target = TARGETS.get(name)
         verdict = "" if target is None else ("ok" if statistics.median(times) <= target else "MISSED")
         shown = "" if target is None else f"{target * 1000:.0f} ms"
-        print(f"{name:<22} {statistics.median(times) * 1000:7.1f} ms {p95 * 1000:7.1f} ms {shown:>8}  "
+        print(f"{name:<26} {statistics.median(times) * 1000:7.1f} ms {p95 * 1000:7.1f} ms {shown:>8}  "
               f"{len(times)} {verdict}")  # fmt: skip
     load, pandas = pandas
     print(f"\npandas notebook (the alternative): read + join once {load:.1f} s, then a new filter + sort in memory "

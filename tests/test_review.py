@@ -248,6 +248,14 @@ def test_server_needs_the_token_and_serves_only_manifest_rows(served):
         assert _get(base + path, auth)[0] in (400, 404), path
     status, jpeg = _get(base + "thumb/" + str(served.data.manifest.samples.column("sample_id")[0].as_py()), auth)
     assert status == 200 and jpeg[:2] == b"\xff\xd8"
+    for body in (b"not json", b'{"keep": true}', b'{"ids": ["nope"], "keep": true}', b'{"ids": 5, "keep": 1}'):
+        request = urllib.request.Request(base + "api/decide", body, {**auth, "Content-Type": "application/json"})
+        try:
+            status = urllib.request.urlopen(request, timeout=10).status
+        except urllib.error.HTTPError as e:
+            status = e.code
+        assert status in (400, 404), body
+    assert served.data.log.counts()["kept"] == 0  # nothing was decided by them
     page = _get(base + "?token=" + token)[1].decode()
     assert "<script" in page and "http://" not in page and "https://" not in page  # nothing from the network
 

@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from manifests.errors import UsageError
+from manifests.storage import redact
 from pipeline.review.data import ReviewData
 from pipeline.review.thumbs import FULL_SIZE, THUMB_SIZE, ThumbCache
 
@@ -93,7 +94,7 @@ def build_app(data: ReviewData, thumbs: ThumbCache, token: str, where: str | Non
         return Response(_static(name), media_type=STATIC[name])
 
     def info(request: Request) -> Response:
-        return JSONResponse({"manifest": data.manifest.url, "samples": data.manifest.samples.num_rows,
+        return JSONResponse({"manifest": redact(data.manifest.url), "samples": data.manifest.samples.num_rows,
                              "columns": list(data.columns), "numeric": sorted(data.numeric), "where": where or "",
                              "reviewer": data.log.reviewer, "counts": data.log.counts()})  # fmt: skip
 
@@ -169,8 +170,10 @@ def build_app(data: ReviewData, thumbs: ThumbCache, token: str, where: str | Non
               Route("/thumb/{sid}", image(THUMB_SIZE)), Route("/image/{sid}", image(FULL_SIZE)),
               Route("/api/decide", decide, methods=["POST"]), Route("/api/caption", caption, methods=["POST"]),
               Route("/api/undo", undo, methods=["POST"])]  # fmt: skip
-    app = Starlette(routes=routes, exception_handlers={UsageError: bad_request, LookupError: not_found,
-                                                       KeyError: bad_request})  # fmt: skip
+    # UsageError (a bad filter) and a body that is not the JSON asked for (ValueError, KeyError, TypeError): 400
+    app = Starlette(routes=routes, exception_handlers={UsageError: bad_request, ValueError: bad_request,
+                                                       KeyError: bad_request, TypeError: bad_request,
+                                                       LookupError: not_found})  # fmt: skip
     app.add_middleware(TokenGate, token=token)
     return app
 
