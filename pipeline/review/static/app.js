@@ -136,7 +136,10 @@ function render() {
     cell.style.top = Math.floor(i / cols) * CELL_H + "px";
     cells.push(cell);
   }
-  for (const cell of old.values()) cell.remove();
+  for (const cell of old.values()) {  // scrolled away: its image request is dropped, not left to queue
+    cell.querySelector("img").src = "";
+    cell.remove();
+  }
   for (const cell of cells) if (cell.parentNode !== grid) grid.append(cell);
 }
 
