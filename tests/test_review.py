@@ -156,9 +156,12 @@ def test_review_command_line_refuses_bad_input_in_one_line(scored, tmp_path, cap
         err = capsys.readouterr().err
         assert expected in err and len(err.strip().splitlines()) == 1, err
     # another host than this machine's loopback name is served with a warning (127.0.0.2: still loopback here)
-    job = ReviewJob(manifest=scored.manifest, out=out, host="127.0.0.2", port=0)
+    job = ReviewJob(manifest=scored.manifest, out=out, host="127.0.0.2", port=0, where="aesthetic > 5",
+                    annotations=(scored.scores,))  # fmt: skip
     with session(job) as (url, _):
         assert url.startswith("http://127.0.0.2:")
+        # the page opens with the filter
+        assert '<meta name="bucketeer-where" content="aesthetic &gt; 5">' in _get(url)[1].decode()
     assert "warning: --host 127.0.0.2 serves the dataset's images" in capsys.readouterr().err
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import html
 import importlib.resources
 import secrets
 import socket
@@ -81,7 +82,10 @@ def build_app(data: ReviewData, thumbs: ThumbCache, token: str, where: str | Non
     """The app: the page, its JSON API and the images, behind :class:`TokenGate`."""
 
     def index(request: Request) -> Response:
-        response = Response(_static("index.html"), media_type="text/html; charset=utf-8",
+        page = _static("index.html").replace(b'<meta name="bucketeer-where" content="">',
+                                             f'<meta name="bucketeer-where" content="{html.escape(where or "")}">'
+                                             .encode())  # fmt: skip
+        response = Response(page, media_type="text/html; charset=utf-8",
                             headers={"Cache-Control": "no-store", "Referrer-Policy": "no-referrer"})  # fmt: skip
         if request.query_params.get("token"):
             response.set_cookie(TOKEN_COOKIE, token, httponly=True, samesite="strict")

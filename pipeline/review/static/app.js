@@ -219,12 +219,14 @@ async function rejectAll() {
 }
 
 async function start() {
+  state.where = document.querySelector("meta[name='bucketeer-where']").content;  // the server's --where
+  $("where").value = state.where;
+  const first = serial(() => reload(false));  // the grid's first rows are asked for beside the page's info
   const info = await api("api/info");
   $("manifest").textContent = `${info.manifest} (${info.samples.toLocaleString()} samples)`;
   for (const c of info.columns) {
     const o = document.createElement("option"); o.value = c; o.textContent = c; $("sort").append(o);
   }
-  state.where = info.where; $("where").value = info.where;
   if (location.search.includes("token=")) history.replaceState(null, "", location.pathname);  // the cookie has it
   $("query").addEventListener("submit", (e) => {
     e.preventDefault();
@@ -257,7 +259,7 @@ async function start() {
     else if (e.key === "e" && state.detail) { e.preventDefault(); $("caption-edit").focus(); }
     else if (e.key === "Escape") closeDetail();
   });
-  await reload(false);
+  await first;
 }
 
 start();
