@@ -99,7 +99,8 @@ def session(job: ReviewJob) -> Iterator[tuple[str, Any]]:
         data = ReviewData.load(manifest, job.annotations, log, job.storage_options)
         if job.where:
             data.view(job.where)  # a bad filter is refused here, not on the page
-        thumbs = ThumbCache(manifest, thumbs_folder(job.out, job.storage_options), job.storage_options)
+        thumbs = ThumbCache(manifest, thumbs_folder(job.out, job.storage_options), job.storage_options,
+                            log.image_keys)  # fmt: skip
         with serving(data, thumbs, job.host, job.port, job.where) as url:
             yield url, data
 

@@ -19,6 +19,8 @@ import os
 import tempfile
 from typing import Any
 
+import numpy as np
+
 from manifests.annotations import image_key
 from manifests.manifest import Manifest
 from manifests.storage import open_url
@@ -33,10 +35,12 @@ FULL_SIZE = 2048  # the detail view: "full size" up to this long side (a browser
 class ThumbCache:
     """JPEGs of manifest rows, each encoded once per (sample, image key, size) into ``folder``."""
 
-    def __init__(self, manifest: Manifest, folder: str, storage_options: dict[str, Any] | None = None):
+    def __init__(self, manifest: Manifest, folder: str, storage_options: dict[str, Any] | None = None,
+                 keys: np.ndarray | None = None):  # fmt: skip
+        """``keys``: the rows' image keys when already computed (:attr:`DecisionLog.image_keys`)."""
         self.manifest, self.folder = manifest, folder
         self.storage_options = dict(storage_options or {})
-        self.keys = image_key(manifest.samples)  # (n,) uint64
+        self.keys = image_key(manifest.samples) if keys is None else keys  # (n,) uint64
         self.ids = manifest.samples.column("sample_id").to_numpy()
         os.makedirs(folder, exist_ok=True)
 
