@@ -78,6 +78,21 @@ def _position(data: ReviewData, text: str) -> int:
     return int(position)
 
 
+async def _run(fn, body) -> Response:
+    """``fn(body)`` in the thread pool (a decision writes to storage), as a JSON answer."""
+    from starlette.concurrency import run_in_threadpool
+
+    return JSONResponse(await run_in_threadpool(fn, body))
+
+
+def _bad_request(request: Request, exc: Exception) -> Response:
+    return JSONResponse({"error": str(exc)}, status_code=400)
+
+
+def _not_found(request: Request, exc: Exception) -> Response:
+    return JSONResponse({"error": str(exc.args[0]) if exc.args else "not found"}, status_code=404)
+
+
 def build_app(data: ReviewData, thumbs: ThumbCache, token: str, where: str | None = None) -> Starlette:
     """The app: the page, its JSON API and the images, behind :class:`TokenGate`."""
 
@@ -158,26 +173,15 @@ def build_app(data: ReviewData, thumbs: ThumbCache, token: str, where: str | Non
     async def undo(request: Request) -> Response:
         return await _run(lambda _: {"undone": data.log.undo(), "counts": data.log.counts()}, None)
 
-    async def _run(fn, body) -> Response:
-        from starlette.concurrency import run_in_threadpool
-
-        return JSONResponse(await run_in_threadpool(fn, body))
-
-    def bad_request(request: Request, exc: Exception) -> Response:
-        return JSONResponse({"error": str(exc)}, status_code=400)
-
-    def not_found(request: Request, exc: Exception) -> Response:
-        return JSONResponse({"error": str(exc.args[0]) if exc.args else "not found"}, status_code=404)
-
     routes = [Route("/", index), Route("/static/{name}", static), Route("/api/info", info),
               Route("/api/view", view), Route("/api/sample/{sid}", sample),
               Route("/thumb/{sid}", image(THUMB_SIZE)), Route("/image/{sid}", image(FULL_SIZE)),
               Route("/api/decide", decide, methods=["POST"]), Route("/api/caption", caption, methods=["POST"]),
               Route("/api/undo", undo, methods=["POST"])]  # fmt: skip
     # UsageError (a bad filter) and a body that is not the JSON asked for (ValueError, KeyError, TypeError): 400
-    app = Starlette(routes=routes, exception_handlers={UsageError: bad_request, ValueError: bad_request,
-                                                       KeyError: bad_request, TypeError: bad_request,
-                                                       LookupError: not_found})  # fmt: skip
+    app = Starlette(routes=routes, exception_handlers={UsageError: _bad_request, ValueError: _bad_request,
+                                                       KeyError: _bad_request, TypeError: _bad_request,
+                                                       LookupError: _not_found})  # fmt: skip
     app.add_middleware(TokenGate, token=token)
     return app
 
