@@ -30,6 +30,7 @@ Tasks: each adds its columns to the parts (:data:`TASK_COLUMNS`) and records its
     stats        luminance, contrast, colourfulness, sharpness, border_fraction float32; grayscale bool
     scenes       scenes list<struct<start int32, frames int32, time float64>>   a video's shots (frames from 0)
     motion       motion float32, scene_motion list<float32>   mean |dY| between frames within shots (video, per shot)
+    review       keep bool, caption string, reviewer string  a person's decision (bucketeer review)
 
 ``embedding``'s D is the model's projection width: :data:`TASK_COLUMNS` lists it as a float16 list,
 :func:`embedding_type` gives the stored type. Readers ask for the columns they use
@@ -83,6 +84,9 @@ TASK_COLUMNS: dict[str, list[tuple[str, pa.DataType]]] = {
                                               ("time", pa.float64())])))],
     "motion": [("motion", pa.float32()), ("scene_motion", pa.list_(pa.float32()))],
     # bucketeer dedup (pipeline/dedup): one row per sample of its input annotations
+    # bucketeer review (pipeline/review): a person's decision; caption only when edited (it replaces the sample's
+    # captions in `scan --captions`); written_at is when the decision was made
+    "review": [("keep", pa.bool_()), ("caption", pa.string()), ("reviewer", pa.string())],
     "dedup": [("duplicate", pa.bool_()), ("cluster_id", pa.uint64()), ("keeper_id", pa.uint64()),
               ("similarity", pa.float32())],
 }

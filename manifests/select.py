@@ -22,6 +22,9 @@ samples for which it is TRUE. Say otherwise in the expression: ``duplicate IS NO
 the sample in the count of kept samples but never draws it. How weights become draws is the plan's rule
 (:mod:`manifests.plan.mix`: exact per epoch).
 
+**Several reviewers.** ``bucketeer review`` folders (task ``review``: ``keep``, ``caption``, ``reviewer``) may
+all be given: a column they share is not ambiguous; each sample takes the decision made last among them.
+
 Several manifests: an annotations folder applies to the manifest whose fingerprint it records (with one
 manifest, to that one whatever it records: annotations made before a rescan still join on ``sample_id``).
 """
@@ -35,7 +38,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from manifests.annotations import KEY_COLUMNS, read_annotations, read_annotations_meta
+from manifests.annotations import KEY_COLUMNS, read_annotations, read_annotations_meta, resolve
 from manifests.errors import UsageError
 from manifests.manifest import Manifest
 from manifests.storage import join, open_url, redact
@@ -58,6 +61,15 @@ class AnnotationsSource:
     fingerprint: str
     manifest_fingerprint: str
     columns: tuple[str, ...]
+    tasks: tuple[str, ...] = ()  # the tasks of its _annotations.json
+
+    @property
+    def is_review(self) -> bool:
+        """Whether it holds only a person's decisions (``bucketeer review``)."""
+        return self.tasks == ("review",)
+
+
+Sources = AnnotationsSource | tuple[AnnotationsSource, ...] | None  # where a column comes from (_resolve_columns)
 
 
 @dataclass(frozen=True)
@@ -137,7 +149,8 @@ def annotation_sources(urls: Sequence[str], storage_options: Mapping[str, Any] |
             fs, root = open_url(url, dict(storage_options or {}))
             with fs.open(join(root, "parts", meta.parts[0]), "rb") as f:
                 columns = tuple(n for n in pq.read_schema(f).names if n not in _KEYS)
-        out.append(AnnotationsSource(url, meta.fingerprint, meta.manifest_fingerprint, columns))
+        out.append(AnnotationsSource(url, meta.fingerprint, meta.manifest_fingerprint, columns,
+                                     tuple(t.task for t in meta.tasks)))
     return tuple(out)
 
 
@@ -148,10 +161,11 @@ def _sources_of(manifest: Manifest, annotations: Sequence[AnnotationsSource], se
 
 
 def _resolve_columns(manifest: Manifest, sources: list[AnnotationsSource], used: list[str],
-                     options: str) -> dict[str, AnnotationsSource | None]:  # fmt: skip
-    """Which source each used column comes from (None: the manifest). Raises UsageError for a column no
-    source has (listing the available ones) or two sources have (naming both)."""
-    where: dict[str, AnnotationsSource | None] = {}
+                     options: str) -> dict[str, Sources]:  # fmt: skip
+    """Which source each used column comes from (None: the manifest; a tuple: several review folders, whose
+    newest decision per sample counts). Raises UsageError for a column no source has (listing the available
+    ones) or two sources have (naming both), unless all of them are review folders."""
+    where: dict[str, Sources] = {}
     for column in used:
         found: list[tuple[str, AnnotationsSource | None]] = []
         if column in manifest.samples.column_names:
@@ -161,6 +175,9 @@ def _resolve_columns(manifest: Manifest, sources: list[AnnotationsSource], used:
             available = sorted(set(manifest.samples.column_names) | {c for a in sources for c in a.columns})
             raise UsageError(f"{options} uses column {column!r}, which neither {redact(manifest.url)} nor its "
                              f"--annotations have; available columns: {', '.join(available)}")  # fmt: skip
+        if len(found) > 1 and all(s is not None and s.is_review for _, s in found):
+            where[column] = tuple(s for _, s in found)  # type: ignore[misc]
+            continue
         if len(found) > 1:
             raise UsageError(f"{options}: column {column!r} is in both {found[0][0]} and {found[1][0]}; give only "
                              "one of them to --annotations")  # fmt: skip
@@ -184,20 +201,31 @@ def _aligned(ids: np.ndarray, order: np.ndarray, rows: pa.Table, columns: list[s
     return rows.select(columns).take(pa.array(take, mask=~found))
 
 
-def _frame(manifest: Manifest, columns: dict[str, AnnotationsSource | None],
+def _newest(urls: Sequence[str], columns: list[str], storage_options: Mapping[str, Any] | None) -> pa.Table:
+    """``columns`` of several review folders, one row per sample: the decision made last (by ``written_at``)."""
+    tables = [read_annotations(u, dict(storage_options or {}), columns=columns)[1] for u in urls]
+    keys = ["sample_id", "written_at"]
+    return resolve(pa.concat_tables([t.select([*keys, *columns]) for t in tables], promote_options="permissive"))
+
+
+def _frame(manifest: Manifest, columns: dict[str, Sources],
            storage_options: Mapping[str, Any] | None) -> pl.DataFrame:  # fmt: skip
     """The used columns of every manifest sample (in the manifest's order), annotations' aligned by sample id."""
     import polars as pl
 
     ids = manifest.samples.column("sample_id").to_numpy()
     table = manifest.samples.select([c for c, s in columns.items() if s is None])
-    by_source: dict[str, list[str]] = {}
+    by_source: dict[tuple[str, ...], list[str]] = {}
     for c, s in columns.items():
         if s is not None:
-            by_source.setdefault(s.url, []).append(c)
+            urls = tuple(a.url for a in s) if isinstance(s, tuple) else (s.url,)
+            by_source.setdefault(urls, []).append(c)
     order = np.argsort(ids) if by_source else None  # (n,) once for every annotations folder
-    for url, cols in by_source.items():
-        _, rows, _ = read_annotations(url, dict(storage_options or {}), columns=cols)
+    for urls, cols in by_source.items():
+        if len(urls) == 1:
+            _, rows, _ = read_annotations(urls[0], dict(storage_options or {}), columns=cols)
+        else:
+            rows = _newest(urls, cols, storage_options)
         for name, col in zip(cols, _aligned(ids, order, rows, cols).columns):
             table = table.append_column(name, col)
     return pl.from_arrow(table) if table.num_columns else pl.DataFrame({"_": np.zeros(len(ids), np.int8)})  # type: ignore[return-value]

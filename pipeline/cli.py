@@ -46,6 +46,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "stats": ("pipeline.stats", "print a manifest's counts, buckets and errors; with --where, what a selection "
                                 "keeps"),
     "report": ("pipeline.report", "write an HTML report of a manifest and its cache, plan and annotations"),
+    "review": ("pipeline.review", "serve a local page to look at a manifest with its annotations, filter, sort, "
+                                  "keep or reject and edit captions (decisions as annotations)"),
     "demo": ("pipeline.demo", "run scan, annotate, dedup, embed, plan (without the duplicates), train, verify and "
                               "report on a generated dataset, here"),
 }

@@ -33,7 +33,7 @@ from manifests.storage import is_local, join, open_url
 from pipeline.report.scores import ReportPart
 from pipeline.report.thumbs import GRID_PIXELS, Thumb, ThumbGrid
 
-__all__ = ["SHEET_BUCKETS", "SHEET_VIDEOS", "clip_frame_indices", "decode_frames", "video_part"]
+__all__ = ["SHEET_BUCKETS", "SHEET_VIDEOS", "clip_frame_indices", "decode_frames", "video_part", "video_reader"]
 
 SHEET_BUCKETS = 12  # buckets with a contact sheet: the largest (a page holds a few hundred thumbnails)
 SHEET_VIDEOS = 3  # videos per bucket on its sheet, three frames each
@@ -92,7 +92,7 @@ def _upright(frame, long_side: int):
     return image
 
 
-def _reader(fs, root: str, row: dict, image_column: str | None) -> tuple[Callable[[int, int], bytes], int]:
+def video_reader(fs, root: str, row: dict, image_column: str | None) -> tuple[Callable[[int, int], bytes], int]:
     """``(read_range, size)`` of a row's video: the loose file, its tar member's bytes, or its parquet value."""
     from pipeline.embed.parquet_images import fetch_parquet_images, is_parquet_row
 
@@ -141,7 +141,7 @@ def contact_sheets(manifest: Manifest, storage_options: dict[str, Any] | None = 
         thumbs: list[Thumb] = []
         for row in rows:
             try:
-                read_range, size = _reader(fs, root, row, image_column)
+                read_range, size = video_reader(fs, root, row, image_column)
                 images, read = decode_frames(read_range, size, indices)
                 total += read
                 blobs: list[bytes | None] = [_jpeg(im) for im in images]

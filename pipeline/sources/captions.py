@@ -240,13 +240,18 @@ def load_caption_table(url: str, storage_options: dict[str, Any] | None = None) 
 
 def load_captions(url: str, storage_options: dict[str, Any] | None = None) -> CaptionTable:
     """``--captions URL``: a caption table (:func:`load_caption_table`), or an ANNOTATIONS folder (it holds
-    ``_annotations.json``): its generated captions, keyed by filename, to add to the originals. Raises
+    ``_annotations.json``): its generated captions, keyed by filename, to add to the originals; or, from
+    ``bucketeer review``'s decisions, the edited captions, which replace the sample's captions. Raises
     UsageError for annotations without a caption task."""
     from manifests.annotations import is_annotations, read_annotations
 
     if not is_annotations(url, storage_options):
         return load_caption_table(url, storage_options)
     meta, rows, _ = read_annotations(url, storage_options)
+    if meta.task("review") is not None:  # a person's edited captions replace the sample's captions
+        names = rows.column("filename").to_pylist()
+        texts = [normalise_caption(t) for t in rows.column("caption").to_pylist()]
+        return CaptionTable.of({n: t for n, t in zip(names, texts) if t is not None})
     if meta.task("caption") is None or "caption" not in rows.column_names:
         raise UsageError(f"--captions {redact(url)}: these annotations have no generated captions "
                          f"(tasks: {', '.join(t.task for t in meta.tasks)}); run `bucketeer annotate --task caption`")
