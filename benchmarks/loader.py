@@ -68,6 +68,22 @@ BATCH = 16
 LATENT, TEXT, POOLED = (4, 64, 64), (77, 2048), (1280,)
 BUCKET = "512x512"
 BUCKET_NAME = "bench-loader"
+SHUFFLE = os.environ.get("BENCH_LOADER_SHUFFLE", "full")  # ours' plan --shuffle (main sets it from --shuffle)
+
+
+def ours_plan(shuffle: str) -> str:
+    """ours' plan folder for a ``--shuffle``: each shuffle its own plan of the one cache."""
+    return "plan" if shuffle == "full" else f"plan-{shuffle.replace(':', '-')}"
+
+
+def plan_ours(root: str, n: int, shuffle: str) -> None:
+    """ours' 1-rank plan of batch 16 of the cache at ``root`` (ids 1..n, written in id order)."""
+    from manifests.plan import DatasetSamples, write_plan
+    from manifests.plan.schedule import PlanConfig
+
+    write_plan(f"{root}/{ours_plan(shuffle)}", [DatasetSamples(np.arange(1, n + 1, dtype=np.uint64), [BUCKET] * n,
+                                                               manifest_fingerprint="benchmark")],
+               PlanConfig(world_size=1, batch_size=BATCH, epochs=1, seed=1, shuffle=shuffle))  # fmt: skip
 
 
 def sample_tensors(i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -85,8 +101,6 @@ def sample_tensors(i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def write_ours(root: str, n: int) -> None:
     from manifests.cache import CacheWriter
     from manifests.cache.records import SampleRecord, TextRecord, encode_sample, encode_text
-    from manifests.plan import DatasetSamples, write_plan
-    from manifests.plan.schedule import PlanConfig
 
     layout = {"family": "sdxl", "join": "features", "masked": False, "lengths": [77, 77], "widths": [768, 1280],
               "pooled_dim": 1280, "pooled_source": "clip_g projection"}  # fmt: skip
@@ -109,9 +123,7 @@ def write_ours(root: str, n: int) -> None:
             writer.add_text(key, encode_text(caption))
             writer.add_sample(i + 1, encode_sample(record), key, BUCKET)
     writer.finish()
-    write_plan(f"{root}/plan", [DatasetSamples(np.arange(1, n + 1, dtype=np.uint64), [BUCKET] * n,
-                                               manifest_fingerprint="benchmark")],
-               PlanConfig(world_size=1, batch_size=BATCH, epochs=1, seed=1))  # fmt: skip
+    plan_ours(root, n, "full")
 
 
 def _litdata_item(i: int) -> dict:
@@ -184,7 +196,7 @@ def read_ours(root: str, storage_options: dict | None) -> int:
 
     cfg = TrainConfig()  # the trainer's defaults, passed as train/setup.py passes them
     reader = CacheReader(f"{root}/cache", storage_options)
-    steps = rank_steps(f"{root}/plan", 0, storage_options)
+    steps = rank_steps(f"{root}/{ours_plan(SHUFFLE)}", 0, storage_options)
     loader = BatchLoader(reader, steps, reader.meta.latent, prefetch=cfg.prefetch, read_threads=cfg.read_threads,
                          widen=cfg.loader_float32, read_ahead_mb=cfg.read_ahead_mb)  # fmt: skip
     n = 0
@@ -418,6 +430,7 @@ def main() -> None:
     p.add_argument("--work", default=None, help="folder for the datasets (default: a temporary one)")
     p.add_argument("--decode-scaling", type=int, metavar="K", default=0,
                    help="only measure ours' read+decode in 1 thread, K threads, K processes (local, --sizes' larger)")
+    p.add_argument("--shuffle", default="full", help="ours' plan: --shuffle full (default) or window[:SIZE]")
     p.add_argument("--child", choices=TOOLS, help=argparse.SUPPRESS)
     p.add_argument("--root", help=argparse.SUPPRESS)
     p.add_argument("--endpoint", help=argparse.SUPPRESS)
@@ -427,6 +440,7 @@ def main() -> None:
         return _serve_moto(args.moto_server)
     if args.child:
         return child(args.child, args.root, args.endpoint)
+    os.environ["BENCH_LOADER_SHUFFLE"] = args.shuffle  # the children read ours' plan of this shuffle
 
     sizes = [int(s) for s in args.sizes.split(",")]
     assert len(sizes) == 2 and sizes[0] < sizes[1] and all(s % BATCH == 0 for s in sizes), "two sizes, x16"
@@ -443,6 +457,8 @@ def main() -> None:
                     os.makedirs(f"{work}/n{n}", exist_ok=True)
                     WRITERS[tool](f"{work}/n{n}", n)
                     open(f"{work}/n{n}/.{tool}-done", "w").close()
+                if tool == "ours" and not os.path.exists(f"{work}/n{n}/{ours_plan(args.shuffle)}"):
+                    plan_ours(f"{work}/n{n}", n, args.shuffle)
         print(f"wrote {sizes} samples with {tools} in {time.perf_counter() - t:.0f} s under {work}", flush=True)
         if args.decode_scaling:
             return decode_scaling(f"{work}/n{sizes[0]}", args.decode_scaling)
@@ -455,7 +471,7 @@ def main() -> None:
             fs.mkdir(BUCKET_NAME)
             for n in sizes:
                 for tool in tools:
-                    for name in {"ours": ("cache", "plan")}.get(tool, (tool,)):
+                    for name in {"ours": ("cache", ours_plan(args.shuffle))}.get(tool, (tool,)):
                         fs.put(f"{work}/n{n}/{name}", f"{BUCKET_NAME}/n{n}/", recursive=True)
         results: dict[tuple[str, str, int], list[dict]] = {}
         for r in range(args.rounds):
