@@ -127,13 +127,13 @@ def test_shuffle_option_is_recorded_and_kept_by_extend(manifest_url, tmp_path, c
     assert main(plan_args(manifest_url, window, "--shuffle", "window", "--window", "1")) == 0
     assert read_plan_meta(full).inputs.shuffle is None  # the full shuffle's _plan.json is the one of before
     assert "shuffle" not in json.loads((Path(full) / "_plan.json").read_text())["inputs"]
-    assert read_plan_meta(window).inputs.config.window == 1024  # `window` alone: the default size, recorded
+    assert read_plan_meta(window).inputs.config.window == 256  # `window` alone: the default size, recorded
     assert sum(epoch_ids(full, 0).values()) == sum(epoch_ids(window, 0).values()) != 0
     assert all_files(Path(full))[epoch_part(0)] != all_files(Path(window))[epoch_part(0)]  # another order
     capsys.readouterr()
     assert main(["plan", manifest_url, "--extend", window, "--shuffle", "full"]) == 2  # not the plan's shuffle
-    assert "--shuffle full differs from the plan's window:1024" in capsys.readouterr().err
-    assert main(["plan", manifest_url, "--extend", window, "--shuffle", "window:1024"]) == 0
+    assert "--shuffle full differs from the plan's window:256" in capsys.readouterr().err
+    assert main(["plan", manifest_url, "--extend", window, "--shuffle", "window:256"]) == 0
     assert main(["plan", "--check", window, manifest_url]) == 0
     assert main(plan_args(manifest_url, window, "--shuffle", "window:0")) == 2
     assert "--shuffle must be full, window or window:SIZE" in capsys.readouterr().err

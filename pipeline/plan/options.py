@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--shuffle", default=None, metavar="full|window[:SIZE]",
                         help="full: every epoch a uniform shuffle of each bucket (default); window: windows of SIZE "
-                        "samples in cache order (default 1024), shuffled, samples shuffled within and across "
+                        "samples in cache order (default 256), shuffled, samples shuffled within and across "
                         "neighbouring windows: the trainer reads each window with a few large ranged reads")
     parser.add_argument("--cache", default=None, help="plan only samples with a good record in this cache folder; "
                         "for several manifests one cache each, comma-separated, in the manifests' order")
