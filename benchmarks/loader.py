@@ -329,15 +329,18 @@ def _serve_moto(port: int) -> None:
     serve(["-H", "127.0.0.1", "-p", str(port)])
 
 
-def start_s3() -> tuple[subprocess.Popen, str]:
+def start_s3(log: str | None = None) -> tuple[subprocess.Popen, str]:
+    """moto's server on a free port of 127.0.0.1; ``log``: a file its request log (werkzeug's, one line per
+    request, on stderr) is appended to, which :func:`count_requests` counts."""
     for k, v in (("AWS_ACCESS_KEY_ID", "benchmark"), ("AWS_SECRET_ACCESS_KEY", "benchmark"),
                  ("AWS_DEFAULT_REGION", "us-east-1")):  # fmt: skip
         os.environ.setdefault(k, v)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    err = open(log, "ab") if log else subprocess.DEVNULL
     server = subprocess.Popen([sys.executable, __file__, "--moto-server", str(port)], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+                              stderr=err, start_new_session=True)  # fmt: skip
     deadline = time.time() + 60
     while True:
         try:
@@ -348,6 +351,24 @@ def start_s3() -> tuple[subprocess.Popen, str]:
                 server.kill()
                 raise RuntimeError("the moto S3 server did not start") from None
             time.sleep(0.2)
+
+
+def count_requests(log: str | None) -> tuple[int, int]:
+    """``(object GETs, all requests)`` the moto server has logged so far (0, 0 without a log); werkzeug colours
+    its lines with ANSI codes, taken out first."""
+    import re
+
+    if not log or not os.path.exists(log):
+        return 0, 0
+    gets = total = 0
+    request = re.compile(r'"([A-Z]+) (\S+) HTTP/[0-9.]+" \d{3}')
+    with open(log, errors="replace") as f:
+        for line in f:
+            hit = request.search(re.sub(r"\x1b\[[0-9;]*m", "", line))
+            if hit:
+                total += 1
+                gets += hit.group(1) == "GET" and "?" not in hit.group(2)
+    return gets, total
 
 
 # ---------------------------------------------------------------- threads or processes
@@ -408,16 +429,20 @@ def _process_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run_child(tool: str, root: str, endpoint: str | None, server: subprocess.Popen | None = None) -> dict:
+def run_child(tool: str, root: str, endpoint: str | None, server: subprocess.Popen | None = None,
+              log: str | None = None) -> dict:  # fmt: skip
     """One epoch in a fresh process; ``server_cpu``: what the moto server spent answering it (its own
-    process, not counted in ``cpu``: a real S3 endpoint's cost is not the reader's)."""
+    process, not counted in ``cpu``: a real S3 endpoint's cost is not the reader's); ``gets``, ``requests``:
+    the object GETs and all requests it logged (``log``: its request log)."""
     cmd = [sys.executable, __file__, "--child", tool, "--root", root] + (["--endpoint", endpoint] if endpoint else [])
-    before = _process_cpu(server.pid) if server else 0.0
+    before, (gets, requests) = (_process_cpu(server.pid) if server else 0.0), count_requests(log)
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     if out.returncode:
         raise RuntimeError(f"{tool} {root} {endpoint or 'local'} failed:\n{out.stderr[-3000:]}")
     got = json.loads(out.stdout.strip().splitlines()[-1])
     got["server_cpu"] = (_process_cpu(server.pid) - before) if server else 0.0
+    time.sleep(0.2)  # the server logs a request after answering it
+    got["gets"], got["requests"] = (a - b for a, b in zip(count_requests(log), (gets, requests)))
     return got
 
 
@@ -464,7 +489,7 @@ def main() -> None:
             return decode_scaling(f"{work}/n{sizes[0]}", args.decode_scaling)
         endpoint = None
         if "s3" in stores:
-            server, endpoint = start_s3()
+            server, endpoint = start_s3(f"{work}/moto-requests.log")
             import s3fs
 
             fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint})
@@ -481,24 +506,29 @@ def main() -> None:
                         root = f"s3://{BUCKET_NAME}/n{n}" if store == "s3" else f"{work}/n{n}"
                         if store == "s3" and tool != "ours":
                             root = f"{work}/n{n}"  # the peers take the bucket path apart from their cache dir
-                        got = run_child(tool, root, *((endpoint, server) if store == "s3" else (None, None)))
+                        got = run_child(tool, root, *((endpoint, server, f"{work}/moto-requests.log")
+                                                      if store == "s3" else (None, None, None)))
                         assert got["samples"] >= n - BATCH, (tool, store, n, got)
                         results.setdefault((tool, store, n), []).append(got)
                         print(f"round {r + 1} {store} {tool} n={n}: {got['samples']} samples {got['seconds']:.2f} s "
-                              f"cpu {got['cpu']:.2f} s (load {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
+                              f"cpu {got['cpu']:.2f} s server {got['server_cpu']:.2f} s, {got['gets']} GETs "
+                              f"(load {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
         summary = {}
         for store in stores:
-            rates, cpus, servers = {}, {}, {}
+            rates, cpus, servers, gets = {}, {}, {}, {}
             for tool in tools:
                 pairs = zip(results[(tool, store, sizes[0])], results[(tool, store, sizes[1])])
                 marg = [((b["samples"] - a["samples"]) / (b["seconds"] - a["seconds"]),
                          (b["cpu"] - a["cpu"]) / (b["samples"] - a["samples"]),
-                         (b["server_cpu"] - a["server_cpu"]) / (b["samples"] - a["samples"]))
+                         (b["server_cpu"] - a["server_cpu"]) / (b["samples"] - a["samples"]),
+                         (b["gets"] - a["gets"]) / (b["samples"] - a["samples"]))
                         for a, b in pairs]  # fmt: skip
                 rates[tool] = float(np.median([m[0] for m in marg]))
                 cpus[tool] = float(np.median([m[1] for m in marg]))
                 servers[tool] = float(np.median([m[2] for m in marg]))
-            summary[store] = {"samples_per_s": rates, "cpu_s_per_sample": cpus, "server_cpu_s_per_sample": servers}
+                gets[tool] = float(np.median([m[3] for m in marg]))
+            summary[store] = {"samples_per_s": rates, "cpu_s_per_sample": cpus, "server_cpu_s_per_sample": servers,
+                              "gets_per_sample": gets}  # fmt: skip
         print(json.dumps(summary))
         for store in stores:
             rates, cpus = summary[store]["samples_per_s"], summary[store]["cpu_s_per_sample"]
@@ -511,6 +541,11 @@ def main() -> None:
                 servers = summary[store]["server_cpu_s_per_sample"]  # it shares the 2 cores with the reader
                 print("loader s3 moto-server cpu-s/sample: "
                       + ", ".join(f"{t} {servers[t] * 1000:.2f} ms" for t in tools))
+                print("loader s3 reader + server cpu-s/sample: "
+                      + ", ".join(f"{t} {(cpus[t] + servers[t]) * 1000:.2f} ms" for t in tools))
+                gets = summary[store]["gets_per_sample"]  # S3 GET: $0.0004 per 1,000 requests
+                print("loader s3 GETs/sample (marginal): " + ", ".join(
+                    f"{t} {gets[t]:.4f} (${gets[t] * 0.4:.3f} per 1M samples)" for t in tools))
     finally:
         if server is not None:
             server.kill()
