@@ -46,6 +46,7 @@ ours / theirs, then CPU-seconds per sample of each.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import os
@@ -62,6 +63,8 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+
+from benchmarks.results import Run  # noqa: E402
 
 TOOLS = ("ours", "litdata", "mosaic")
 BATCH = 16
@@ -446,6 +449,33 @@ def run_child(tool: str, root: str, endpoint: str | None, server: subprocess.Pop
     return got
 
 
+def record_round(run, results: dict, r: int, sizes: list[int], tools: list[str], stores: list[str]) -> None:
+    """Round ``r``'s marginal figures into ``run`` (:class:`benchmarks.results.Run`): per store, each tool's
+    samples/s, ours / each peer, CPU-ms per sample (S3: reader + moto server) and GETs per sample."""
+    for store in stores:
+        marg = {}
+        for tool in tools:
+            a, b = results[(tool, store, sizes[0])][r], results[(tool, store, sizes[1])][r]
+            n = b["samples"] - a["samples"]
+            marg[tool] = (n / (b["seconds"] - a["seconds"]),
+                          (b["cpu"] + b["server_cpu"] - a["cpu"] - a["server_cpu"]) / n * 1000,
+                          (b["gets"] - a["gets"]) / n)  # fmt: skip
+        for tool in tools:
+            run.add(f"{store}: {tool} samples/s", marg[tool][0], unit="/s")
+        for tool in [t for t in tools if t != "ours" and "ours" in tools]:
+            run.add(f"{store}: ours / {tool}, samples/s", marg["ours"][0] / marg[tool][0], unit="x", target=">= 1.2")
+        for tool in tools:
+            what = "reader + moto server CPU-ms/sample" if store == "s3" else "CPU-ms/sample"
+            run.add(f"{store}: {tool} {what}", marg[tool][1], unit="ms")
+        if store == "s3":
+            for tool in tools:
+                run.add(f"s3: {tool} GETs/sample", marg[tool][2])
+            peers = [marg[t][1] for t in tools if t != "ours"]
+            if "ours" in tools and peers:
+                run.add("s3: ours CPU-ms/sample (reader + server) / the best peer's", marg["ours"][1] / min(peers),
+                        unit="x", target="<= 1.0")  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="128,384", help="two epoch sizes (samples, multiples of 16)")
@@ -455,6 +485,8 @@ def main() -> None:
     p.add_argument("--work", default=None, help="folder for the datasets (default: a temporary one)")
     p.add_argument("--decode-scaling", type=int, metavar="K", default=0,
                    help="only measure ours' read+decode in 1 thread, K threads, K processes (local, --sizes' larger)")
+    p.add_argument("--results", metavar="NAME", default=None,
+                   help="record every round's figures in benchmarks/results/NAME.json (benchmarks/results.py)")
     p.add_argument("--shuffle", default="full", help="ours' plan: --shuffle full (default) or window[:SIZE]")
     p.add_argument("--child", choices=TOOLS, help=argparse.SUPPRESS)
     p.add_argument("--root", help=argparse.SUPPRESS)
@@ -466,6 +498,8 @@ def main() -> None:
     if args.child:
         return child(args.child, args.root, args.endpoint)
     os.environ["BENCH_LOADER_SHUFFLE"] = args.shuffle  # the children read ours' plan of this shuffle
+    run = Run(args.results, command=" ".join(["python benchmarks/loader.py", *sys.argv[1:]]),
+              tools=["litdata", "mosaicml-streaming"]) if args.results else None  # fmt: skip
 
     sizes = [int(s) for s in args.sizes.split(",")]
     assert len(sizes) == 2 and sizes[0] < sizes[1] and all(s % BATCH == 0 for s in sizes), "two sizes, x16"
@@ -500,19 +534,23 @@ def main() -> None:
                         fs.put(f"{work}/n{n}/{name}", f"{BUCKET_NAME}/n{n}/", recursive=True)
         results: dict[tuple[str, str, int], list[dict]] = {}
         for r in range(args.rounds):
-            for store in stores:
-                for n in sizes:
-                    for tool in tools:
-                        root = f"s3://{BUCKET_NAME}/n{n}" if store == "s3" else f"{work}/n{n}"
-                        if store == "s3" and tool != "ours":
-                            root = f"{work}/n{n}"  # the peers take the bucket path apart from their cache dir
-                        got = run_child(tool, root, *((endpoint, server, f"{work}/moto-requests.log")
-                                                      if store == "s3" else (None, None, None)))
-                        assert got["samples"] >= n - BATCH, (tool, store, n, got)
-                        results.setdefault((tool, store, n), []).append(got)
-                        print(f"round {r + 1} {store} {tool} n={n}: {got['samples']} samples {got['seconds']:.2f} s "
-                              f"cpu {got['cpu']:.2f} s server {got['server_cpu']:.2f} s, {got['gets']} GETs "
-                              f"(load {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
+            with run.round() if run else contextlib.nullcontext():
+                for store in stores:
+                    for n in sizes:
+                        for tool in tools:
+                            root = f"s3://{BUCKET_NAME}/n{n}" if store == "s3" else f"{work}/n{n}"
+                            if store == "s3" and tool != "ours":
+                                root = f"{work}/n{n}"  # the peers take the bucket path apart from their cache dir
+                            got = run_child(tool, root, *((endpoint, server, f"{work}/moto-requests.log")
+                                                          if store == "s3" else (None, None, None)))
+                            assert got["samples"] >= n - BATCH, (tool, store, n, got)
+                            results.setdefault((tool, store, n), []).append(got)
+                            print(f"round {r + 1} {store} {tool} n={n}: {got['samples']} samples "
+                                  f"{got['seconds']:.2f} s cpu {got['cpu']:.2f} s server {got['server_cpu']:.2f} s, "
+                                  f"{got['gets']} GETs "
+                                  f"(load {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
+                if run:
+                    record_round(run, results, r, sizes, tools, stores)
         summary = {}
         for store in stores:
             rates, cpus, servers, gets = {}, {}, {}, {}
@@ -546,6 +584,8 @@ def main() -> None:
                 gets = summary[store]["gets_per_sample"]  # S3 GET: $0.0004 per 1,000 requests
                 print("loader s3 GETs/sample (marginal): " + ", ".join(
                     f"{t} {gets[t]:.4f} (${gets[t] * 0.4:.3f} per 1M samples)" for t in tools))
+        if run:
+            run.save()
     finally:
         if server is not None:
             server.kill()
