@@ -469,7 +469,7 @@ def record_round(run, results: dict, r: int, sizes: list[int], tools: list[str],
             run.add(f"{store}: {tool} {what}", marg[tool][1], unit="ms")
         if store == "s3":
             for tool in tools:
-                run.add(f"s3: {tool} GETs/sample", marg[tool][2])
+                run.add(f"s3: {tool} GETs per 1,000 samples", marg[tool][2] * 1000)
             peers = [marg[t][1] for t in tools if t != "ours"]
             if "ours" in tools and peers:
                 run.add("s3: ours CPU-ms/sample (reader + server) / the best peer's", marg["ours"][1] / min(peers),
