@@ -46,6 +46,7 @@ ours / theirs, then CPU-seconds per sample of each.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import os
@@ -63,11 +64,29 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from benchmarks.results import Run  # noqa: E402
+
 TOOLS = ("ours", "litdata", "mosaic")
 BATCH = 16
 LATENT, TEXT, POOLED = (4, 64, 64), (77, 2048), (1280,)
 BUCKET = "512x512"
 BUCKET_NAME = "bench-loader"
+SHUFFLE = os.environ.get("BENCH_LOADER_SHUFFLE", "full")  # ours' plan --shuffle (main sets it from --shuffle)
+
+
+def ours_plan(shuffle: str) -> str:
+    """ours' plan folder for a ``--shuffle``: each shuffle its own plan of the one cache."""
+    return "plan" if shuffle == "full" else f"plan-{shuffle.replace(':', '-')}"
+
+
+def plan_ours(root: str, n: int, shuffle: str) -> None:
+    """ours' 1-rank plan of batch 16 of the cache at ``root`` (ids 1..n, written in id order)."""
+    from manifests.plan import DatasetSamples, write_plan
+    from manifests.plan.schedule import PlanConfig
+
+    write_plan(f"{root}/{ours_plan(shuffle)}", [DatasetSamples(np.arange(1, n + 1, dtype=np.uint64), [BUCKET] * n,
+                                                               manifest_fingerprint="benchmark")],
+               PlanConfig(world_size=1, batch_size=BATCH, epochs=1, seed=1, shuffle=shuffle))  # fmt: skip
 
 
 def sample_tensors(i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -85,8 +104,6 @@ def sample_tensors(i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def write_ours(root: str, n: int) -> None:
     from manifests.cache import CacheWriter
     from manifests.cache.records import SampleRecord, TextRecord, encode_sample, encode_text
-    from manifests.plan import DatasetSamples, write_plan
-    from manifests.plan.schedule import PlanConfig
 
     layout = {"family": "sdxl", "join": "features", "masked": False, "lengths": [77, 77], "widths": [768, 1280],
               "pooled_dim": 1280, "pooled_source": "clip_g projection"}  # fmt: skip
@@ -109,9 +126,7 @@ def write_ours(root: str, n: int) -> None:
             writer.add_text(key, encode_text(caption))
             writer.add_sample(i + 1, encode_sample(record), key, BUCKET)
     writer.finish()
-    write_plan(f"{root}/plan", [DatasetSamples(np.arange(1, n + 1, dtype=np.uint64), [BUCKET] * n,
-                                               manifest_fingerprint="benchmark")],
-               PlanConfig(world_size=1, batch_size=BATCH, epochs=1, seed=1))  # fmt: skip
+    plan_ours(root, n, "full")
 
 
 def _litdata_item(i: int) -> dict:
@@ -184,7 +199,7 @@ def read_ours(root: str, storage_options: dict | None) -> int:
 
     cfg = TrainConfig()  # the trainer's defaults, passed as train/setup.py passes them
     reader = CacheReader(f"{root}/cache", storage_options)
-    steps = rank_steps(f"{root}/plan", 0, storage_options)
+    steps = rank_steps(f"{root}/{ours_plan(SHUFFLE)}", 0, storage_options)
     loader = BatchLoader(reader, steps, reader.meta.latent, prefetch=cfg.prefetch, read_threads=cfg.read_threads,
                          widen=cfg.loader_float32, read_ahead_mb=cfg.read_ahead_mb)  # fmt: skip
     n = 0
@@ -317,15 +332,18 @@ def _serve_moto(port: int) -> None:
     serve(["-H", "127.0.0.1", "-p", str(port)])
 
 
-def start_s3() -> tuple[subprocess.Popen, str]:
+def start_s3(log: str | None = None) -> tuple[subprocess.Popen, str]:
+    """moto's server on a free port of 127.0.0.1; ``log``: a file its request log (werkzeug's, one line per
+    request, on stderr) is appended to, which :func:`count_requests` counts."""
     for k, v in (("AWS_ACCESS_KEY_ID", "benchmark"), ("AWS_SECRET_ACCESS_KEY", "benchmark"),
                  ("AWS_DEFAULT_REGION", "us-east-1")):  # fmt: skip
         os.environ.setdefault(k, v)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    err = open(log, "ab") if log else subprocess.DEVNULL
     server = subprocess.Popen([sys.executable, __file__, "--moto-server", str(port)], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+                              stderr=err, start_new_session=True)  # fmt: skip
     deadline = time.time() + 60
     while True:
         try:
@@ -336,6 +354,24 @@ def start_s3() -> tuple[subprocess.Popen, str]:
                 server.kill()
                 raise RuntimeError("the moto S3 server did not start") from None
             time.sleep(0.2)
+
+
+def count_requests(log: str | None) -> tuple[int, int]:
+    """``(object GETs, all requests)`` the moto server has logged so far (0, 0 without a log); werkzeug colours
+    its lines with ANSI codes, taken out first."""
+    import re
+
+    if not log or not os.path.exists(log):
+        return 0, 0
+    gets = total = 0
+    request = re.compile(r'"([A-Z]+) (\S+) HTTP/[0-9.]+" \d{3}')
+    with open(log, errors="replace") as f:
+        for line in f:
+            hit = request.search(re.sub(r"\x1b\[[0-9;]*m", "", line))
+            if hit:
+                total += 1
+                gets += hit.group(1) == "GET" and "?" not in hit.group(2)
+    return gets, total
 
 
 # ---------------------------------------------------------------- threads or processes
@@ -396,17 +432,48 @@ def _process_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run_child(tool: str, root: str, endpoint: str | None, server: subprocess.Popen | None = None) -> dict:
+def run_child(tool: str, root: str, endpoint: str | None, server: subprocess.Popen | None = None,
+              log: str | None = None) -> dict:  # fmt: skip
     """One epoch in a fresh process; ``server_cpu``: what the moto server spent answering it (its own
-    process, not counted in ``cpu``: a real S3 endpoint's cost is not the reader's)."""
+    process, not counted in ``cpu``: a real S3 endpoint's cost is not the reader's); ``gets``, ``requests``:
+    the object GETs and all requests it logged (``log``: its request log)."""
     cmd = [sys.executable, __file__, "--child", tool, "--root", root] + (["--endpoint", endpoint] if endpoint else [])
-    before = _process_cpu(server.pid) if server else 0.0
+    before, (gets, requests) = (_process_cpu(server.pid) if server else 0.0), count_requests(log)
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     if out.returncode:
         raise RuntimeError(f"{tool} {root} {endpoint or 'local'} failed:\n{out.stderr[-3000:]}")
     got = json.loads(out.stdout.strip().splitlines()[-1])
     got["server_cpu"] = (_process_cpu(server.pid) - before) if server else 0.0
+    time.sleep(0.2)  # the server logs a request after answering it
+    got["gets"], got["requests"] = (a - b for a, b in zip(count_requests(log), (gets, requests)))
     return got
+
+
+def record_round(run, results: dict, r: int, sizes: list[int], tools: list[str], stores: list[str]) -> None:
+    """Round ``r``'s marginal figures into ``run`` (:class:`benchmarks.results.Run`): per store, each tool's
+    samples/s, ours / each peer, CPU-ms per sample (S3: reader + moto server) and GETs per sample."""
+    for store in stores:
+        marg = {}
+        for tool in tools:
+            a, b = results[(tool, store, sizes[0])][r], results[(tool, store, sizes[1])][r]
+            n = b["samples"] - a["samples"]
+            marg[tool] = (n / (b["seconds"] - a["seconds"]),
+                          (b["cpu"] + b["server_cpu"] - a["cpu"] - a["server_cpu"]) / n * 1000,
+                          (b["gets"] - a["gets"]) / n)  # fmt: skip
+        for tool in tools:
+            run.add(f"{store}: {tool} samples/s", marg[tool][0], unit="/s")
+        for tool in [t for t in tools if t != "ours" and "ours" in tools]:
+            run.add(f"{store}: ours / {tool}, samples/s", marg["ours"][0] / marg[tool][0], unit="x", target=">= 1.2")
+        for tool in tools:
+            what = "reader + moto server CPU-ms/sample" if store == "s3" else "CPU-ms/sample"
+            run.add(f"{store}: {tool} {what}", marg[tool][1], unit="ms")
+        if store == "s3":
+            for tool in tools:
+                run.add(f"s3: {tool} GETs per 1,000 samples", marg[tool][2] * 1000)
+            peers = [marg[t][1] for t in tools if t != "ours"]
+            if "ours" in tools and peers:
+                run.add("s3: ours CPU-ms/sample (reader + server) / the best peer's", marg["ours"][1] / min(peers),
+                        unit="x", target="<= 1.0")  # fmt: skip
 
 
 def main() -> None:
@@ -418,6 +485,9 @@ def main() -> None:
     p.add_argument("--work", default=None, help="folder for the datasets (default: a temporary one)")
     p.add_argument("--decode-scaling", type=int, metavar="K", default=0,
                    help="only measure ours' read+decode in 1 thread, K threads, K processes (local, --sizes' larger)")
+    p.add_argument("--results", metavar="NAME", default=None,
+                   help="record every round's figures in benchmarks/results/NAME.json (benchmarks/results.py)")
+    p.add_argument("--shuffle", default="full", help="ours' plan: --shuffle full (default) or window[:SIZE]")
     p.add_argument("--child", choices=TOOLS, help=argparse.SUPPRESS)
     p.add_argument("--root", help=argparse.SUPPRESS)
     p.add_argument("--endpoint", help=argparse.SUPPRESS)
@@ -427,6 +497,9 @@ def main() -> None:
         return _serve_moto(args.moto_server)
     if args.child:
         return child(args.child, args.root, args.endpoint)
+    os.environ["BENCH_LOADER_SHUFFLE"] = args.shuffle  # the children read ours' plan of this shuffle
+    run = Run(args.results, command=" ".join(["python benchmarks/loader.py", *sys.argv[1:]]),
+              tools=["litdata", "mosaicml-streaming"]) if args.results else None  # fmt: skip
 
     sizes = [int(s) for s in args.sizes.split(",")]
     assert len(sizes) == 2 and sizes[0] < sizes[1] and all(s % BATCH == 0 for s in sizes), "two sizes, x16"
@@ -443,46 +516,57 @@ def main() -> None:
                     os.makedirs(f"{work}/n{n}", exist_ok=True)
                     WRITERS[tool](f"{work}/n{n}", n)
                     open(f"{work}/n{n}/.{tool}-done", "w").close()
+                if tool == "ours" and not os.path.exists(f"{work}/n{n}/{ours_plan(args.shuffle)}"):
+                    plan_ours(f"{work}/n{n}", n, args.shuffle)
         print(f"wrote {sizes} samples with {tools} in {time.perf_counter() - t:.0f} s under {work}", flush=True)
         if args.decode_scaling:
             return decode_scaling(f"{work}/n{sizes[0]}", args.decode_scaling)
         endpoint = None
         if "s3" in stores:
-            server, endpoint = start_s3()
+            server, endpoint = start_s3(f"{work}/moto-requests.log")
             import s3fs
 
             fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint})
             fs.mkdir(BUCKET_NAME)
             for n in sizes:
                 for tool in tools:
-                    for name in {"ours": ("cache", "plan")}.get(tool, (tool,)):
+                    for name in {"ours": ("cache", ours_plan(args.shuffle))}.get(tool, (tool,)):
                         fs.put(f"{work}/n{n}/{name}", f"{BUCKET_NAME}/n{n}/", recursive=True)
         results: dict[tuple[str, str, int], list[dict]] = {}
         for r in range(args.rounds):
-            for store in stores:
-                for n in sizes:
-                    for tool in tools:
-                        root = f"s3://{BUCKET_NAME}/n{n}" if store == "s3" else f"{work}/n{n}"
-                        if store == "s3" and tool != "ours":
-                            root = f"{work}/n{n}"  # the peers take the bucket path apart from their cache dir
-                        got = run_child(tool, root, *((endpoint, server) if store == "s3" else (None, None)))
-                        assert got["samples"] >= n - BATCH, (tool, store, n, got)
-                        results.setdefault((tool, store, n), []).append(got)
-                        print(f"round {r + 1} {store} {tool} n={n}: {got['samples']} samples {got['seconds']:.2f} s "
-                              f"cpu {got['cpu']:.2f} s (load {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
+            with run.round() if run else contextlib.nullcontext():
+                for store in stores:
+                    for n in sizes:
+                        for tool in tools:
+                            root = f"s3://{BUCKET_NAME}/n{n}" if store == "s3" else f"{work}/n{n}"
+                            if store == "s3" and tool != "ours":
+                                root = f"{work}/n{n}"  # the peers take the bucket path apart from their cache dir
+                            got = run_child(tool, root, *((endpoint, server, f"{work}/moto-requests.log")
+                                                          if store == "s3" else (None, None, None)))
+                            assert got["samples"] >= n - BATCH, (tool, store, n, got)
+                            results.setdefault((tool, store, n), []).append(got)
+                            print(f"round {r + 1} {store} {tool} n={n}: {got['samples']} samples "
+                                  f"{got['seconds']:.2f} s cpu {got['cpu']:.2f} s server {got['server_cpu']:.2f} s, "
+                                  f"{got['gets']} GETs "
+                                  f"(load {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
+                if run:
+                    record_round(run, results, r, sizes, tools, stores)
         summary = {}
         for store in stores:
-            rates, cpus, servers = {}, {}, {}
+            rates, cpus, servers, gets = {}, {}, {}, {}
             for tool in tools:
                 pairs = zip(results[(tool, store, sizes[0])], results[(tool, store, sizes[1])])
                 marg = [((b["samples"] - a["samples"]) / (b["seconds"] - a["seconds"]),
                          (b["cpu"] - a["cpu"]) / (b["samples"] - a["samples"]),
-                         (b["server_cpu"] - a["server_cpu"]) / (b["samples"] - a["samples"]))
+                         (b["server_cpu"] - a["server_cpu"]) / (b["samples"] - a["samples"]),
+                         (b["gets"] - a["gets"]) / (b["samples"] - a["samples"]))
                         for a, b in pairs]  # fmt: skip
                 rates[tool] = float(np.median([m[0] for m in marg]))
                 cpus[tool] = float(np.median([m[1] for m in marg]))
                 servers[tool] = float(np.median([m[2] for m in marg]))
-            summary[store] = {"samples_per_s": rates, "cpu_s_per_sample": cpus, "server_cpu_s_per_sample": servers}
+                gets[tool] = float(np.median([m[3] for m in marg]))
+            summary[store] = {"samples_per_s": rates, "cpu_s_per_sample": cpus, "server_cpu_s_per_sample": servers,
+                              "gets_per_sample": gets}  # fmt: skip
         print(json.dumps(summary))
         for store in stores:
             rates, cpus = summary[store]["samples_per_s"], summary[store]["cpu_s_per_sample"]
@@ -495,6 +579,13 @@ def main() -> None:
                 servers = summary[store]["server_cpu_s_per_sample"]  # it shares the 2 cores with the reader
                 print("loader s3 moto-server cpu-s/sample: "
                       + ", ".join(f"{t} {servers[t] * 1000:.2f} ms" for t in tools))
+                print("loader s3 reader + server cpu-s/sample: "
+                      + ", ".join(f"{t} {(cpus[t] + servers[t]) * 1000:.2f} ms" for t in tools))
+                gets = summary[store]["gets_per_sample"]  # S3 GET: $0.0004 per 1,000 requests
+                print("loader s3 GETs/sample (marginal): " + ", ".join(
+                    f"{t} {gets[t]:.4f} (${gets[t] * 0.4:.3f} per 1M samples)" for t in tools))
+        if run:
+            run.save()
     finally:
         if server is not None:
             server.kill()

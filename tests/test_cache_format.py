@@ -306,6 +306,40 @@ def test_reader_with_and_without_merged_reads_agree(tmp_path):
         assert all(np.array_equal(r.latent, written[r.sample_id].latent) for r in got)
 
 
+def test_chunked_reads_agree_fetch_fewer_hold_a_bounded_lru_and_catch_truncation(tmp_path, monkeypatch):
+    """read_in_chunks (window-shuffled plans): the same records as one read per record, fewer reads for a run
+    of neighbours, at most the budget held, and a truncated shard still named."""
+    import manifests.cache.reader as reader_module
+
+    url = str(tmp_path / "cache")
+    written = build_cache(url, n=24, shard_records=12)
+    reads: list[int] = []
+    real = reader_module.read_many
+    monkeypatch.setattr(reader_module, "read_many",
+                        lambda fs, paths, *a: reads.append(len(paths)) or real(fs, paths, *a))  # fmt: skip
+    ids = sorted(written)  # written in id order: neighbours in a shard
+    direct = CacheReader(url, max_gap=None)
+    expected = direct.read(ids)
+    one_each = sum(reads)
+    reads.clear()
+    chunked = CacheReader(url, max_gap=None)
+    shard = max(chunked._shard_end.values())
+    chunked.read_in_chunks(chunk_bytes=shard // 3 + 1, budget_bytes=shard)
+    got = chunked.read(ids[::-1])[::-1]
+    assert [r.sample_id for r in got] == ids and one_each >= len(ids)
+    assert all(np.array_equal(a.latent, b.latent) and a.caption_key == b.caption_key for a, b in zip(got, expected))
+    assert sum(reads) <= 2 * 3 + 1 < one_each  # ~3 chunks per sample shard (+ the texts' shard)
+    assert chunked._chunks_held <= shard and len(chunked._chunks) < 7  # bounded: not every chunk read
+    reads.clear()
+    assert chunked.read(ids[:2])[0].sample_id == ids[0] and sum(reads) == 0  # the last chunk fetched is held
+    shard_path = next(p for p in (tmp_path / "cache" / "shards").iterdir() if p.name.startswith("samples-"))
+    shard_path.write_bytes(shard_path.read_bytes()[: shard_path.stat().st_size // 2])
+    fresh = CacheReader(url)
+    fresh.read_in_chunks(chunk_bytes=shard // 3 + 1)
+    with pytest.raises(CacheError, match="truncated"):
+        fresh.read(ids)
+
+
 def test_the_writer_opens_on_the_index_the_caller_read(tmp_path):
     """embed reads the committed index once (freshness) and opens its writer on that same read."""
     import os

@@ -27,6 +27,7 @@ from pipeline import PlanJob, run
 from pipeline.cli import main
 from tests.factories import manifest_tables
 from tests.test_plan import _rewrite
+from tests.test_plan_properties import SHUFFLES
 
 NAMES = ["64x64", "128x32", "32x128", "96x48"]
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -57,6 +58,7 @@ def expected_per_epoch(rule: MixRule, sizes: list[int]) -> list[int]:
 fractions = st.fractions(min_value=Fraction(1, 10), max_value=Fraction(7, 2), max_denominator=20)
 
 
+@pytest.mark.parametrize("shuffle", SHUFFLES)
 @SETTINGS
 @given(
     sizes=st.lists(st.integers(1, 60), min_size=1, max_size=4),
@@ -71,8 +73,9 @@ fractions = st.fractions(min_value=Fraction(1, 10), max_value=Fraction(7, 2), ma
     shared=st.integers(0, 3),
     max_tokens=st.sampled_from([None, 40, 100]),  # packing mode: per-bucket batches (tokens 16, 16, 16, 18)
 )
-def test_mixture_counts_follow_the_rule_and_ranks_are_disjoint(sizes, kind, values, buckets, world, batch, leftover,
-                                                               grad_accum, epoch, shared, max_tokens):  # fmt: skip
+def test_mixture_counts_follow_the_rule_and_ranks_are_disjoint(shuffle, sizes, kind, values, buckets, world, batch,
+                                                               leftover, grad_accum, epoch, shared,
+                                                               max_tokens):  # fmt: skip
     rule = MixRule(kind, tuple(values[: len(sizes)]))
     if any(k == 0 for k in expected_per_epoch(rule, sizes)):
         with pytest.raises(ValueError, match="0 samples per epoch"):
@@ -85,7 +88,7 @@ def test_mixture_counts_follow_the_rule_and_ranks_are_disjoint(sizes, kind, valu
     share = mix.per_epoch[None, :] * mix.strata / np.maximum(mix.strata.sum(axis=0), 1)[None, :]
     assert np.all(np.abs(mix.slots - share) < 1)  # per bucket: proportional, off by less than one
     config = PlanConfig(world_size=world, batch_size=batch, seed=3, leftover=leftover, grad_accum=grad_accum,
-                        max_tokens=max_tokens)  # fmt: skip
+                        max_tokens=max_tokens, shuffle=shuffle)  # fmt: skip
     try:
         schedule = mix_epoch(mix, config, epoch)
     except ValueError as e:
@@ -132,14 +135,15 @@ def test_mixture_counts_follow_the_rule_and_ranks_are_disjoint(sizes, kind, valu
         assert np.array_equal(again, schedule.captions)
 
 
+@pytest.mark.parametrize("shuffle", SHUFFLES)
 @SETTINGS
 @given(counts=st.lists(st.integers(1, 50), min_size=1, max_size=4), world=st.integers(1, 4),
        epoch=st.integers(0, 3))  # fmt: skip
-def test_one_dataset_repeated_once_is_the_one_manifest_schedule(counts, world, epoch):
+def test_one_dataset_repeated_once_is_the_one_manifest_schedule(shuffle, counts, world, epoch):
     rng = np.random.default_rng(len(counts))
     ids = rng.choice(2**62, size=sum(counts), replace=False).astype(np.uint64)
     buckets = pa.array(np.repeat(np.asarray(NAMES[: len(counts)]), counts).tolist())
-    config = PlanConfig(world_size=world, batch_size=1, seed=1, leftover="pad")
+    config = PlanConfig(shuffle=shuffle, world_size=world, batch_size=1, seed=1, leftover="pad")
     one = plan_epoch(group_samples(ids, buckets), config, epoch)
     mixed = mix_epoch(mix_samples([DatasetSamples(ids, buckets)], MixRule("repeats", (Fraction(1),))), config, epoch)
     assert np.array_equal(one.ids, mixed.ids) and np.array_equal(one.step_buckets, mixed.step_buckets)
@@ -187,10 +191,11 @@ def epoch_pairs(url: str, epoch: int) -> Counter:
     return Counter(p for ids, sets in zip(rows["sample_ids"], rows["dataset"]) for p in zip(sets, ids))
 
 
-def test_cli_mixture_summary_check_extend(manifests, tmp_path, capsys):
+@pytest.mark.parametrize("shuffle", SHUFFLES)
+def test_cli_mixture_summary_check_extend(shuffle, manifests, tmp_path, capsys):
     whole, windowed = str(tmp_path / "whole"), str(tmp_path / "windowed")
     run(PlanJob(manifests=(*manifests,), out=whole, world_size=4, batch_size=2, seed=5, epochs=3,
-                weights="0.6,0.3,0.1", progress=False))  # fmt: skip
+                weights="0.6,0.3,0.1", shuffle=shuffle, progress=False))  # fmt: skip
     out = capsys.readouterr().out
     meta = read_plan_meta(whole)
     info = meta.mix.datasets
@@ -207,8 +212,8 @@ def test_cli_mixture_summary_check_extend(manifests, tmp_path, capsys):
 
     # --window then --extend: the same bytes as planned at once
     run(PlanJob(manifests=(*manifests,), out=windowed, world_size=4, batch_size=2, seed=5, epochs=3,
-                weights="0.6,0.3,0.1", window=1, progress=False))  # fmt: skip
-    run(PlanJob(manifests=(*manifests,), extend=windowed, progress=False))
+                weights="0.6,0.3,0.1", window=1, shuffle=shuffle, progress=False))  # fmt: skip
+    run(PlanJob(shuffle=shuffle, manifests=(*manifests,), extend=windowed, progress=False))
     assert read_plan_meta(windowed).epochs == meta.epochs
     assert main(["plan", manifests[0], manifests[1], "--extend", windowed]) == 2  # other manifests: refused
 
@@ -216,7 +221,8 @@ def test_cli_mixture_summary_check_extend(manifests, tmp_path, capsys):
     from train.data import rank_steps
 
     captioned = str(tmp_path / "captioned")
-    run(PlanJob(manifests=(manifests[1],), out=captioned, world_size=2, batch_size=2, progress=False))
+    run(PlanJob(manifests=(manifests[1],), out=captioned, world_size=2, batch_size=2, shuffle=shuffle,
+                progress=False))
     assert list(read_plan_meta(captioned).columns) == ["caption_index"]
     assert run(PlanJob(manifests=(manifests[1],), check=captioned, progress=False)).exit_code == 0
     table = read_manifest(manifests[1]).samples
@@ -231,16 +237,17 @@ def test_cli_mixture_summary_check_extend(manifests, tmp_path, capsys):
 
     # a one-manifest plan without caption lists stays the plan it always was (no new column or field)
     one = str(tmp_path / "one")
-    run(PlanJob(manifests=(manifests[0],), out=one, world_size=4, batch_size=2, progress=False))
+    run(PlanJob(manifests=(manifests[0],), out=one, world_size=4, batch_size=2, shuffle=shuffle, progress=False))
     assert read_plan_meta(one).mix is None and read_plan_meta(one).columns is None
     assert read_plan_rows(one, [0]).table().column_names == ["epoch", "step", "rank", "bucket", "sample_ids"]
     assert main(["plan", "--check", one, manifests[0], manifests[1]]) == 2  # refused: a one-manifest plan
 
 
-def test_check_catches_a_tampered_mixture(manifests, tmp_path):
+@pytest.mark.parametrize("shuffle", SHUFFLES)
+def test_check_catches_a_tampered_mixture(shuffle, manifests, tmp_path):
     url = tmp_path / "p"
     run(PlanJob(manifests=(*manifests,), out=str(url), world_size=4, batch_size=2, seed=5, epochs=3,
-                repeats="1,2,10", progress=False))  # fmt: skip
+                repeats="1,2,10", shuffle=shuffle, progress=False))  # fmt: skip
     loaded = [read_manifest(m) for m in manifests]
     assert check_plan(str(url), manifests=loaded) == []
 
@@ -259,10 +266,11 @@ def test_check_catches_a_tampered_mixture(manifests, tmp_path):
     assert any("slots per dataset" in p for p in check_plan(str(url)))
 
 
-def test_resume_of_a_mixture_is_exact(manifests, tmp_path):
+@pytest.mark.parametrize("shuffle", SHUFFLES)
+def test_resume_of_a_mixture_is_exact(shuffle, manifests, tmp_path):
     url, out = str(tmp_path / "p"), str(tmp_path / "r")
     run(PlanJob(manifests=(*manifests,), out=url, world_size=4, batch_size=2, seed=5, epochs=3, repeats="0.5,1,3",
-                leftover="pad", progress=False))  # fmt: skip
+                leftover="pad", shuffle=shuffle, progress=False))  # fmt: skip
     meta = read_plan_meta(url)
     step = meta.steps_per_epoch // 3
     resumed = resume_plan(url, out, epoch=1, step=step, world_size=2)

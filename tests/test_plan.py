@@ -34,6 +34,7 @@ from manifests.plan.schedule import cached_mask
 from pipeline import PlanJob, run
 from pipeline.cli import main
 from tests.factories import manifest_tables
+from tests.test_plan_properties import SHUFFLES
 
 
 @pytest.fixture(scope="module")
@@ -73,14 +74,15 @@ def epoch_ids(url: str, epoch: int, storage_options=None, steps: slice = slice(N
     return out
 
 
-def test_plans_checks_and_is_byte_identical(manifest_url, tmp_path, capsys):
+@pytest.mark.parametrize("shuffle", SHUFFLES)
+def test_plans_checks_and_is_byte_identical(shuffle, manifest_url, tmp_path, capsys):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     run(PlanJob(manifests=(manifest_url,), out=a, world_size=4, batch_size=2, seed=5, epochs=3, leftover="pad",
-                grad_accum=2, progress=False))  # fmt: skip
+                grad_accum=2, shuffle=shuffle, progress=False))  # fmt: skip
     out = capsys.readouterr().out
     assert "per epoch" in out and "padded" in out and "fingerprint" in out
     run(PlanJob(manifests=(manifest_url,), out=b, world_size=4, batch_size=2, seed=5, epochs=3, leftover="pad",
-                grad_accum=2, progress=False))  # fmt: skip
+                grad_accum=2, shuffle=shuffle, progress=False))  # fmt: skip
     files_a, files_b = all_files(Path(a)), all_files(Path(b))
     assert files_a == files_b  # same inputs, same bytes (the _plan.json too: no timestamps)
     assert len(files_a) == 1 + 3  # _plan.json + a file per epoch (a row group per rank in it)
@@ -117,6 +119,24 @@ def test_cli_argv_becomes_the_job_and_its_exit_code(manifest_url, tmp_path, caps
     assert main(plan_args(manifest_url, url)) == 0
     assert "fingerprint:" in capsys.readouterr().out
     assert main(["plan", "--check", url, manifest_url]) == 0
+
+
+def test_shuffle_option_is_recorded_and_kept_by_extend(manifest_url, tmp_path, capsys):
+    full, window = str(tmp_path / "full"), str(tmp_path / "window")
+    assert main(plan_args(manifest_url, full)) == 0
+    assert main(plan_args(manifest_url, window, "--shuffle", "window", "--window", "1")) == 0
+    assert read_plan_meta(full).inputs.shuffle is None  # the full shuffle's _plan.json is the one of before
+    assert "shuffle" not in json.loads((Path(full) / "_plan.json").read_text())["inputs"]
+    assert read_plan_meta(window).inputs.config.window == 256  # `window` alone: the default size, recorded
+    assert sum(epoch_ids(full, 0).values()) == sum(epoch_ids(window, 0).values()) != 0
+    assert all_files(Path(full))[epoch_part(0)] != all_files(Path(window))[epoch_part(0)]  # another order
+    capsys.readouterr()
+    assert main(["plan", manifest_url, "--extend", window, "--shuffle", "full"]) == 2  # not the plan's shuffle
+    assert "--shuffle full differs from the plan's window:256" in capsys.readouterr().err
+    assert main(["plan", manifest_url, "--extend", window, "--shuffle", "window:256"]) == 0
+    assert main(["plan", "--check", window, manifest_url]) == 0
+    assert main(plan_args(manifest_url, window, "--shuffle", "window:0")) == 2
+    assert "--shuffle must be full, window or window:SIZE" in capsys.readouterr().err
 
 
 def test_epochs_differ_and_rows_are_sorted(manifest_url, tmp_path):

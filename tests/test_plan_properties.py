@@ -17,6 +17,8 @@ from manifests.plan.rows import rank_table, resplit, schedule_from_rank_tables
 from manifests.plan.schedule import PlanConfig, bucket_batch_sizes, group_samples, latent_tokens, plan_epoch
 
 NAMES = ["1024x1024", "1152x896", "896x1152", "1344x768", "768x1344", "512x2048", "2048x512"]
+# every property below holds under both shuffles (a window smaller than most buckets, not a batch multiple)
+SHUFFLES = ["full", "window:37"]
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -77,6 +79,7 @@ def trainable(counts, config) -> bool:
     return batches >= (config.grad_accum if config.leftover == "drop" else 1)
 
 
+@pytest.mark.parametrize("shuffle", SHUFFLES)
 @SETTINGS
 @given(
     counts=bucket_counts,
@@ -86,9 +89,10 @@ def trainable(counts, config) -> bool:
     grad_accum=st.integers(1, 4),
     seed=st.integers(0, 2**31),
 )
-def test_every_invariant_holds(counts, world, batch, leftover, grad_accum, seed):
+def test_every_invariant_holds(shuffle, counts, world, batch, leftover, grad_accum, seed):
     ids, buckets = make_samples(counts, seed % 1000)
-    config = PlanConfig(world_size=world, batch_size=batch, seed=seed, leftover=leftover, grad_accum=grad_accum)
+    config = PlanConfig(world_size=world, batch_size=batch, seed=seed, leftover=leftover, grad_accum=grad_accum,
+                        shuffle=shuffle)
     samples = group_samples(ids, buckets)
     event(f"trainable: {trainable(counts, config)}")
     if not trainable(counts, config):
@@ -102,6 +106,7 @@ def test_every_invariant_holds(counts, world, batch, leftover, grad_accum, seed)
         check_epoch(ids, buckets, config, schedule)
 
 
+@pytest.mark.parametrize("shuffle", SHUFFLES)
 @settings(max_examples=25, deadline=None)
 @given(
     counts=bucket_counts,
@@ -110,9 +115,9 @@ def test_every_invariant_holds(counts, world, batch, leftover, grad_accum, seed)
     leftover=st.sampled_from(["drop", "pad"]),
     cap=st.one_of(st.none(), st.integers(1, 32)),
 )
-def test_packing_mode(counts, world, max_tokens, leftover, cap):
+def test_packing_mode(shuffle, counts, world, max_tokens, leftover, cap):
     ids, buckets = make_samples(counts)
-    config = PlanConfig(world_size=world, batch_size=cap, max_tokens=max_tokens, leftover=leftover)
+    config = PlanConfig(shuffle=shuffle, world_size=world, batch_size=cap, max_tokens=max_tokens, leftover=leftover)
     names = sorted(set(buckets.tolist()))
     tokens = latent_tokens(names)
     if tokens.max() > max_tokens:
@@ -141,6 +146,7 @@ def test_small_images_get_bigger_batches():
     assert sizes.tolist() == [8, 2, 2]
 
 
+@pytest.mark.parametrize("shuffle", SHUFFLES)
 @SETTINGS
 @given(
     counts=bucket_counts,
@@ -149,9 +155,9 @@ def test_small_images_get_bigger_batches():
     data=st.data(),
     leftover=st.sampled_from(["drop", "pad"]),
 )
-def test_elastic_resume_consumes_every_sample_exactly_once(counts, world, batch, leftover, data):
+def test_elastic_resume_consumes_every_sample_exactly_once(shuffle, counts, world, batch, leftover, data):
     ids, buckets = make_samples(counts)
-    config = PlanConfig(world_size=world, batch_size=batch, leftover=leftover, seed=7)
+    config = PlanConfig(shuffle=shuffle, world_size=world, batch_size=batch, leftover=leftover, seed=7)
     samples = group_samples(ids, buckets)
     if not trainable(counts, config):
         return
@@ -173,7 +179,8 @@ def test_elastic_resume_consumes_every_sample_exactly_once(counts, world, batch,
         assert all(len(b) == global_batch // new_world for b in d["sample_ids"])
     # later epochs: a fresh plan with (N2, B2) has the very same global batches
     fresh = plan_epoch(
-        samples, PlanConfig(world_size=new_world, batch_size=global_batch // new_world, leftover=leftover, seed=7), 4
+        samples, PlanConfig(world_size=new_world, batch_size=global_batch // new_world, leftover=leftover, seed=7,
+                            shuffle=shuffle), 4
     )
     assert np.array_equal(fresh.ids, plan_epoch(samples, config, 4).ids)
     # rows -> global batches -> rows is the identity
@@ -181,9 +188,10 @@ def test_elastic_resume_consumes_every_sample_exactly_once(counts, world, batch,
     assert np.array_equal(back.ids, schedule.ids) and np.array_equal(back.step_sizes, schedule.step_sizes)
 
 
-def test_pure_function_and_epochs_differ():
+@pytest.mark.parametrize("shuffle", SHUFFLES)
+def test_pure_function_and_epochs_differ(shuffle):
     ids, buckets = make_samples([500, 300, 7, 1])
-    config = PlanConfig(world_size=4, batch_size=8, seed=3, leftover="drop")
+    config = PlanConfig(shuffle=shuffle, world_size=4, batch_size=8, seed=3, leftover="drop")
     a = plan_epoch(group_samples(ids, buckets), config, 0)
     order = np.random.default_rng(1).permutation(len(ids))  # another manifest row order
     b = plan_epoch(group_samples(ids[order], buckets[order]), config, 0)
@@ -192,16 +200,19 @@ def test_pure_function_and_epochs_differ():
     assert not np.array_equal(a.ids, c.ids)
     # drop leaves a different subset out each epoch
     assert set(a.ids.tolist()) != set(c.ids.tolist())
-    d = plan_epoch(group_samples(ids, buckets), PlanConfig(world_size=4, batch_size=8, seed=4), 0)
+    d = plan_epoch(group_samples(ids, buckets), PlanConfig(shuffle=shuffle, world_size=4, batch_size=8, seed=4), 0)
     assert not np.array_equal(a.ids, d.ids)
 
 
-def test_grad_accum_counts_whole_global_batches():
+@pytest.mark.parametrize("shuffle", SHUFFLES)
+def test_grad_accum_counts_whole_global_batches(shuffle):
     ids, buckets = make_samples([100, 50])  # global batch 16: 6 + 3 = 9 full batches
-    drop = plan_epoch(group_samples(ids, buckets), PlanConfig(world_size=2, batch_size=8, grad_accum=4), 0)
+    config = PlanConfig(world_size=2, batch_size=8, grad_accum=4, shuffle=shuffle)
+    drop = plan_epoch(group_samples(ids, buckets), config, 0)
     assert drop.steps == 8 and drop.dropped.sum() == 150 - 8 * 16
     pad = plan_epoch(
-        group_samples(ids, buckets), PlanConfig(world_size=2, batch_size=8, grad_accum=4, leftover="pad"), 0
+        group_samples(ids, buckets), PlanConfig(world_size=2, batch_size=8, grad_accum=4, leftover="pad",
+                                                shuffle=shuffle), 0
     )
     # pad: 7 + 4 = 11 batches (10 padded slots), then one more whole batch repeated -> 12
     assert pad.steps == 12 and pad.padded.sum() == 12 * 16 - 150
@@ -221,6 +232,7 @@ def test_bad_inputs_name_the_option():
         plan_epoch(group_samples(ids, buckets), PlanConfig(world_size=2, batch_size=8), 0)
 
 
+@pytest.mark.parametrize("shuffle", SHUFFLES)
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     world=st.one_of(st.integers(1, 16), st.integers(17, 1024), st.just(1024)),
@@ -228,7 +240,7 @@ def test_bad_inputs_name_the_option():
     leftover=st.sampled_from(["drop", "pad"]),
     data=st.data(),
 )
-def test_plan_files_hold_every_invariant_at_up_to_1024_ranks(world, batch, leftover, data):
+def test_plan_files_hold_every_invariant_at_up_to_1024_ranks(shuffle, world, batch, leftover, data):
     """Planned, encoded as one file (a row group per rank) and read back whole and rank by rank."""
     import fsspec
 
@@ -240,7 +252,7 @@ def test_plan_files_hold_every_invariant_at_up_to_1024_ranks(world, batch, lefto
     counts = data.draw(st.lists(st.integers(1, 3 * g), min_size=1, max_size=4))
     counts[0] = max(counts[0], g)  # at least one global batch
     ids, buckets = make_samples(counts, seed=world)
-    config = PlanConfig(world_size=world, batch_size=batch, leftover=leftover, seed=world)
+    config = PlanConfig(shuffle=shuffle, world_size=world, batch_size=batch, leftover=leftover, seed=world)
     schedule = plan_epoch(group_samples(ids, buckets), config, 2)
     check_epoch(ids, buckets, config, schedule)
     file = encode_epoch(schedule, world)
@@ -280,6 +292,7 @@ def selected_mixture(counts, keep_seed: int, weighted: bool, zero_share: float):
     return ids, buckets, keep, weights, plan_samples([kept])
 
 
+@pytest.mark.parametrize("shuffle", SHUFFLES)
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     counts=st.lists(st.one_of(st.just(1), st.integers(2, 40), st.integers(41, 300)), min_size=1, max_size=4),
@@ -291,14 +304,15 @@ def selected_mixture(counts, keep_seed: int, weighted: bool, zero_share: float):
     zero_share=st.sampled_from([0.0, 0.3]),
     data=st.data(),
 )
-def test_every_invariant_holds_under_selection(counts, world, batch, leftover, grad_accum, weighted, zero_share,
-                                               data):  # fmt: skip
+def test_every_invariant_holds_under_selection(shuffle, counts, world, batch, leftover, grad_accum, weighted,
+                                               zero_share, data):  # fmt: skip
     from manifests.errors import UsageError
     from manifests.plan.mix import draw_limits, schedule_epoch
 
     ids, buckets, keep, weights, samples = selected_mixture(counts, data.draw(st.integers(0, 99)), weighted,
                                                             zero_share)  # fmt: skip
-    config = PlanConfig(world_size=world, batch_size=batch, leftover=leftover, grad_accum=grad_accum, seed=2)
+    config = PlanConfig(world_size=world, batch_size=batch, leftover=leftover, grad_accum=grad_accum, seed=2,
+                        shuffle=shuffle)
     try:
         schedule = schedule_epoch(samples, config, 1)
     except UsageError:
@@ -367,6 +381,7 @@ def test_video_tokens_count_latent_frames():
         PlanConfig(world_size=1, batch_size=1, temporal_factor=0)
 
 
+@pytest.mark.parametrize("shuffle", SHUFFLES)
 @SETTINGS
 @given(
     counts=video_counts,
@@ -378,15 +393,15 @@ def test_video_tokens_count_latent_frames():
     grad_accum=st.integers(1, 3),
     seed=st.integers(0, 2**31),
 )
-def test_every_invariant_holds_for_video_buckets(counts, world, batch, max_tokens, temporal, leftover, grad_accum,
-                                                 seed):  # fmt: skip
+def test_every_invariant_holds_for_video_buckets(shuffle, counts, world, batch, max_tokens, temporal, leftover,
+                                                 grad_accum, seed):  # fmt: skip
     """Fixed and token-budget batches over clips of mixed frame counts and 1-frame images: every invariant of
     one epoch (from the rows), steps equal in every epoch, a pure function, other epochs other orders."""
     if batch is None and max_tokens is None:
         batch = 4
     ids, buckets = make_samples(counts, seed % 1000, VIDEO_NAMES)
     config = PlanConfig(world_size=world, batch_size=batch, max_tokens=max_tokens, temporal_factor=temporal,
-                        seed=seed, leftover=leftover, grad_accum=grad_accum)  # fmt: skip
+                        shuffle=shuffle, seed=seed, leftover=leftover, grad_accum=grad_accum)  # fmt: skip
     names = sorted(set(buckets.tolist()))
     tokens = np.asarray([video_tokens(n, temporal) for n in names])
     assert latent_tokens(names, temporal_factor=temporal).tolist() == tokens.tolist()
@@ -419,14 +434,16 @@ def test_every_invariant_holds_for_video_buckets(counts, world, batch, max_token
                        for e in (second, third))  # fmt: skip
 
 
+@pytest.mark.parametrize("shuffle", SHUFFLES)
 @SETTINGS
 @given(counts=video_counts, world=st.integers(1, 8), max_tokens=st.integers(40_000, 200_000), data=st.data(),
        leftover=st.sampled_from(["drop", "pad"]))  # fmt: skip
-def test_video_resume_exact_and_elastic(counts, world, max_tokens, data, leftover):
+def test_video_resume_exact_and_elastic(shuffle, counts, world, max_tokens, data, leftover):
     """A token-budget video plan cut at any step: the same ranks (exact) or any world size that divides every
     global batch (elastic) train the rest, every sample exactly as often as the uninterrupted epoch."""
     ids, buckets = make_samples(counts, 3, VIDEO_NAMES)
-    config = PlanConfig(world_size=world, max_tokens=max_tokens, temporal_factor=4, leftover=leftover, seed=11)
+    config = PlanConfig(world_size=world, max_tokens=max_tokens, temporal_factor=4, leftover=leftover, seed=11,
+                        shuffle=shuffle)
     try:
         schedule = plan_epoch(group_samples(ids, buckets), config, 2)
     except ValueError:
@@ -447,10 +464,11 @@ def test_video_resume_exact_and_elastic(counts, world, max_tokens, data, leftove
         assert [len(b) for b in d["sample_ids"]] == [g // new_world for g in schedule.step_sizes[step:].tolist()]
 
 
+@pytest.mark.parametrize("shuffle", SHUFFLES)
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(counts=st.lists(st.integers(1, 120), min_size=1, max_size=7), world=st.integers(1, 8),
        max_tokens=st.integers(30_000, 300_000), leftover=st.sampled_from(["drop", "pad"]), data=st.data())  # fmt: skip
-def test_written_video_plans_pass_check_and_a_tampered_one_fails(counts, world, max_tokens, leftover, data):
+def test_written_video_plans_pass_check_and_a_tampered_one_fails(shuffle, counts, world, max_tokens, leftover, data):
     """A token-budget plan of video buckets written and committed passes ``check_plan``; the same plan with
     another temporal factor in ``_plan.json``, or a sample moved to a batch of another bucket, does not."""
     import json
@@ -469,7 +487,7 @@ def test_written_video_plans_pass_check_and_a_tampered_one_fails(counts, world, 
 
     ids, buckets = make_samples(counts, 5, VIDEO_NAMES)
     url = f"memory://video-plans/{uuid.uuid4().hex}"
-    config = PlanConfig(world_size=world, max_tokens=max_tokens, leftover=leftover, epochs=2, seed=4)
+    config = PlanConfig(shuffle=shuffle, world_size=world, max_tokens=max_tokens, leftover=leftover, epochs=2, seed=4)
     try:
         meta = write_plan(url, [DatasetSamples(ids, pa.array(buckets), manifest_fingerprint="m")], config)
     except UsageError:

@@ -29,6 +29,7 @@ from pipeline import PlanJob, run
 from pipeline.cli import main
 from tests.factories import manifest_tables
 from tests.test_plan import _rewrite
+from tests.test_plan_properties import SHUFFLES
 
 N = 400
 
@@ -109,11 +110,13 @@ def test_evaluate_joins_manifest_and_annotations_columns(data):
     assert ev.selections[0].kept == int((~data["scored"] | (data["aesthetic"] > 9)).sum())
 
 
-def test_plan_where_keeps_only_selected_samples_and_checks(data, tmp_path, capsys):
+@pytest.mark.parametrize("shuffle", SHUFFLES)
+def test_plan_where_keeps_only_selected_samples_and_checks(shuffle, data, tmp_path, capsys):
     url = str(tmp_path / "plan")
     keep = expected_keep(data)
     result = run(PlanJob(manifests=(data["manifest"],), out=url, world_size=2, batch_size=2, epochs=2,
-                         leftover="pad", annotations=(data["scores"], data["dups"]), where=WHERE, progress=False))
+                         leftover="pad", annotations=(data["scores"], data["dups"]), where=WHERE, shuffle=shuffle,
+                         progress=False))
     meta = result.meta
     assert meta.samples.planned == int(keep.sum())
     assert set(planned(url, 0)) == set(data["ids"][keep].tolist())  # pad: every kept sample, no other
@@ -136,7 +139,7 @@ def test_plan_where_keeps_only_selected_samples_and_checks(data, tmp_path, capsy
 
     tampered = tmp_path / "tampered"
     run(PlanJob(manifests=(data["manifest"],), out=str(tampered), world_size=2, batch_size=2, epochs=2,
-                annotations=(data["scores"], data["dups"]), where=WHERE, progress=False))  # fmt: skip
+                annotations=(data["scores"], data["dups"]), where=WHERE, shuffle=shuffle, progress=False))  # fmt: skip
     _rewrite(tampered / epoch_part(1), 1, smuggle)
     problems = check_plan(str(tampered), manifests=[read_manifest(data["manifest"])],
                           selections=evaluate([read_manifest(data["manifest"])], [data["scores"], data["dups"]],
@@ -282,7 +285,8 @@ def test_report_shows_what_a_where_kept_and_dropped(tmp_path):
     assert len(figures) == len(ids) - kept
 
 
-def test_selection_in_a_mixture_and_extend(data, tmp_path):
+@pytest.mark.parametrize("shuffle", SHUFFLES)
+def test_selection_in_a_mixture_and_extend(shuffle, data, tmp_path):
     """Two manifests, each with its own annotations (matched by the manifest fingerprint they record): each keeps
     what its --where keeps; --window then --extend gives the plan made at once; --check passes."""
     samples, errors = manifest_tables(150, seed=9)
@@ -294,7 +298,7 @@ def test_selection_in_a_mixture_and_extend(data, tmp_path):
     write_annotations(str(tmp_path / "scores2"), m2, "aesthetic", {"aesthetic": pa.array(scores2)}, ids2)
     common = dict(manifests=(data["manifest"], other), world_size=2, batch_size=2, epochs=3, repeats="1,2",
                   annotations=(data["scores"], str(tmp_path / "scores2")), where="aesthetic > 5",
-                  weight_by="aesthetic", progress=False)  # fmt: skip
+                  weight_by="aesthetic", shuffle=shuffle, progress=False)  # fmt: skip
     whole = run(PlanJob(out=str(tmp_path / "whole"), **common)).meta
     kept = [int((data["scored"] & (data["aesthetic"] > 5)).sum()), int((scores2 > 5).sum())]
     assert [d.kept for d in whole.selection.datasets] == kept

@@ -248,3 +248,24 @@ def test_group_reads_and_stored_dtype_batches_equal_lone_float32_steps_on_the_de
                      "pooled", "cond_latents"):  # fmt: skip
             x, y = getattr(a, name), getattr(b, name)
             assert (x is None and y is None) or (x.dtype == y.dtype == torch.float32 and torch.equal(x, y)), name
+
+
+def test_a_window_plan_reads_by_chunks_and_gives_the_batches_of_lone_reads(train_data, tmp_path):
+    """A --shuffle window plan switches the reader to whole-chunk reads; the batches are the plan's rows and
+    their tensors those of one read per record."""
+    from pipeline import PlanJob, run
+
+    plan = str(tmp_path / "window-plan")
+    run(PlanJob(manifests=(train_data.manifest,), out=plan, world_size=2, batch_size=2, epochs=2, seed=3,
+                cache=(train_data.cache,), shuffle="window:8", progress=False))  # fmt: skip
+    for rank in (0, 1):
+        chunked, direct = CacheReader(train_data.cache), CacheReader(train_data.cache, max_gap=None)
+        got = list(BatchLoader(chunked, rank_steps(plan, rank), chunked.meta.latent))
+        assert chunked.chunk_bytes and chunked._chunks  # switched on by the plan's inputs.shuffle
+        steps = list(rank_steps(plan, rank))
+        lone = list(BatchLoader(direct, steps, direct.meta.latent, read_ahead_mb=0))
+        assert direct.chunk_bytes is None and [len(b.sample_ids) for b in got] == [len(s.sample_ids) for s in steps]
+        for a, b in zip(lone, got, strict=True):
+            a, b = a.to("cpu"), b.to("cpu")
+            assert list(a.sample_ids) == list(b.sample_ids) and (a.epoch, a.step) == (b.epoch, b.step)
+            assert torch.equal(a.latents, b.latents) and torch.equal(a.text, b.text)

@@ -105,6 +105,7 @@ class PlanInputs(_PlanRecord):
     latent_factor: int
     patch_size: int
     temporal_factor: int | None = optional()  # video plans only: frames per latent frame (PlanConfig)
+    shuffle: str | None = optional()  # "window:SIZE" plans only (PlanConfig); absent: the full shuffle
     manifest_fingerprint: str | None
     cache_fingerprint: str | None
     mix: MixInputs | None = optional(MixInputs.from_json)

@@ -26,6 +26,16 @@ One epoch, with ``rng = np.random.default_rng([seed, epoch])`` (no global random
    ``r`` holds the ``r``-th id range of every batch: a rank's ids lie close together, which the
    plan file's delta encoding stores in fewer than 8 bytes each (:mod:`manifests.plan.parts`).
 
+Window shuffle (``shuffle="window:W"``, ``bucketeer plan --shuffle window[:W]``): a full shuffle makes the
+trainer read one record per request, scattered over the cache. The window shuffle keeps the steps above and
+changes two: in step 1 each bucket is shuffled by :func:`window_order` (windows of ``W`` samples consecutive
+in (bucket, sample id) order, which is the cache's record order for loose files: embed cuts each bucket's
+rows into shards in that order; the windows' order shuffled; samples shuffled within blocks of about ``W``
+that straddle windows), and in step 3 the buckets' global batches are interleaved at random but each
+bucket's keep their order. So a run of a rank's steps reads a few contiguous ranges of records, which the
+cache reader fetches with few large ranged reads (:func:`manifests.cache.reader.merge_reads`). Every
+invariant and the elastic resume are unchanged (nothing depends on the world shape but the global batch).
+
 Packing mode (``max_tokens``): the per-rank batch of a bucket is ``max_tokens // tokens(bucket)``
 (capped by ``batch_size`` when given), with ``tokens(WxH) = ceil(W/(f*p)) * ceil(H/(f*p))`` for VAE
 factor ``f`` and patch size ``p``: small images get bigger batches, and every rank at a step holds
@@ -48,6 +58,9 @@ from manifests.frames import DEFAULT_TEMPORAL_FACTOR, bucket_dims, latent_frames
 
 __all__ = [
     "LEFTOVER_POLICIES",
+    "SHUFFLES",
+    "DEFAULT_WINDOW",
+    "parse_shuffle",
     "SLOT_COLUMNS",
     "PlanConfig",
     "BucketedSamples",
@@ -58,9 +71,12 @@ __all__ = [
     "bucket_batch_sizes",
     "concat_ranges",
     "plan_epoch",
+    "window_order",
 ]
 
 LEFTOVER_POLICIES = ("drop", "pad")
+SHUFFLES = ("full", "window")
+DEFAULT_WINDOW = 256  # samples per window: ~85 MB of SDXL-512 records, a few windows fit the read-ahead budget
 
 SLOT_COLUMNS = {"dataset": "datasets", "caption_index": "captions"}  # plan column -> EpochSchedule field
 
@@ -82,8 +98,10 @@ class PlanConfig:
     latent_factor: int = 8
     patch_size: int = 2
     temporal_factor: int | None = None  # video buckets only (None: DEFAULT_TEMPORAL_FACTOR); absent from image plans
+    shuffle: str = "full"  # "full", or "window:SIZE" (samples per window): see plan_epoch; absent when full
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "shuffle", parse_shuffle(self.shuffle))
         if self.world_size < 1:
             raise UsageError(f"--world-size must be >= 1 (number of training processes), got {self.world_size}")
         if self.batch_size is None and self.max_tokens is None:
@@ -109,6 +127,11 @@ class PlanConfig:
     def packing(self) -> bool:
         return self.max_tokens is not None
 
+    @property
+    def window(self) -> int | None:
+        """Samples per window of a window shuffle; None for the full shuffle."""
+        return None if self.shuffle == "full" else int(self.shuffle.split(":")[1])
+
     def for_buckets(self, names: Sequence[str]) -> "PlanConfig":
         """This config as a plan of ``names`` records it: the temporal factor filled in (default
         DEFAULT_TEMPORAL_FACTOR) where a bucket is a video one (``WxHxF``, F > 1), else left out."""
@@ -118,15 +141,33 @@ class PlanConfig:
         return replace(self, temporal_factor=None)
 
     def to_json(self) -> dict[str, Any]:
-        """The fields; ``temporal_factor`` only where set (image plans' ``_plan.json`` stays as it was)."""
+        """The fields; ``temporal_factor`` and ``shuffle`` only where set (other plans' ``_plan.json`` stays as
+        it was)."""
         out = asdict(self)
         if out["temporal_factor"] is None:
             del out["temporal_factor"]
+        if out["shuffle"] == "full":  # plans of the full shuffle keep the _plan.json (and fingerprint) they had
+            del out["shuffle"]
         return out
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "PlanConfig":
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+def parse_shuffle(text: str) -> str:
+    """``--shuffle`` in canonical form: ``full``, or ``window:SIZE`` (``window`` alone: DEFAULT_WINDOW samples).
+
+    Raises UsageError naming the option for another value."""
+    kind, _, size = str(text).partition(":")
+    if kind == "full" and not size:
+        return "full"
+    if kind == "window":
+        if not size:
+            return f"window:{DEFAULT_WINDOW}"
+        if size.isdigit() and int(size) >= 1:
+            return f"window:{int(size)}"
+    raise UsageError(f"--shuffle must be full, window or window:SIZE (SIZE: samples per window, >= 1), got {text!r}")
 
 
 @dataclass(frozen=True)
@@ -299,6 +340,25 @@ def _sort_batches(ids: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     return out
 
 
+def window_order(rng: np.random.Generator, order: np.ndarray, window: int) -> np.ndarray:
+    """``order`` (n,) (the samples in storage order) permuted by a window shuffle: (n,) int64.
+
+    Cut into windows of ``window`` consecutive samples; the windows' order shuffled; that sequence cut
+    into blocks of random sizes in ``[window // 2, window + window // 2]`` (whose edges fall inside windows,
+    so a block mixes the ends of neighbouring windows) and the samples shuffled within each block. A sample
+    moves at most ~1.5 windows from its window's new place; a run of a block's samples covers a few
+    contiguous ranges of storage.
+    """
+    n = len(order)
+    wins = -(-n // window)
+    starts = rng.permutation(wins).astype(np.int64) * window  # (wins,) shuffled window starts
+    seq = order[concat_ranges(starts, np.minimum(window, n - starts))]  # (n,) windows in shuffled order
+    low = max(window // 2, 1)
+    sizes = rng.integers(low, window + window // 2 + 1, size=n // low + 1)  # enough blocks to cover n
+    block = np.searchsorted(np.cumsum(sizes), np.arange(n), side="right")  # (n,) block of each place
+    return seq[np.lexsort((rng.random(n), block))].astype(np.int64)
+
+
 def plan_epoch(samples: BucketedSamples, config: PlanConfig, epoch: int) -> EpochSchedule:
     """The global batches of ``epoch``. Raises ValueError when the epoch would have no step."""
     rng = np.random.default_rng([config.seed, epoch])
@@ -310,7 +370,10 @@ def plan_epoch(samples: BucketedSamples, config: PlanConfig, epoch: int) -> Epoc
     # 1. a shuffle per bucket: shuffled[starts[b] + q] is the q-th sample of bucket b this epoch
     shuffled = np.empty(len(samples.ids), dtype=np.int64)  # (n_samples,)
     for b in range(k):  # a loop over buckets (tens), never over samples
-        shuffled[starts[b] : starts[b] + n[b]] = starts[b] + rng.permutation(int(n[b]))
+        part = slice(int(starts[b]), int(starts[b] + n[b]))
+        local = rng.permutation(int(n[b])) if config.window is None else window_order(
+            rng, np.argsort(samples.ids[part], kind="stable"), config.window)
+        shuffled[part] = starts[b] + local
 
     # 2. global batches per bucket
     batches = n // global_size if config.leftover == "drop" else -(-n // global_size)  # (k,)
@@ -331,6 +394,8 @@ def plan_epoch(samples: BucketedSamples, config: PlanConfig, epoch: int) -> Epoc
     batch_index = concat_ranges(np.zeros(k, np.int64), batches)  # (S,) its index within the bucket
     order = rng.permutation(len(batch_bucket))
     batch_bucket, batch_index = batch_bucket[order], batch_index[order]
+    if config.window is not None:  # buckets interleaved, each bucket's batches in its window order
+        batch_index[np.argsort(batch_bucket, kind="stable")] = concat_ranges(np.zeros(k, np.int64), batches)
 
     # 4. steps per epoch: a multiple of grad_accum
     rest = len(batch_bucket) % config.grad_accum

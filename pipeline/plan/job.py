@@ -26,6 +26,7 @@ from manifests.errors import UsageError
 from manifests.throttles import counting_throttles
 from manifests.plan import PlanConfig, PlanMeta
 from manifests.plan.mix import MixRule
+from manifests.plan.schedule import parse_shuffle
 from manifests.storage import redact
 from pipeline.plan.inputs import cache_inputs, load_datasets, read_manifests
 from pipeline.plan.summary import print_summary
@@ -35,7 +36,7 @@ __all__ = ["PlanJob", "PlanResult", "run"]
 # the planning options: --extend takes them from the plan, and refuses one given with another value
 _INPUTS = {"world_size": "--world-size", "batch_size": "--batch-size", "seed": "--seed", "leftover": "--leftover",
            "grad_accum": "--grad-accum", "max_tokens": "--max-tokens", "latent_factor": "--latent-factor",
-           "patch_size": "--patch-size", "temporal_factor": "--temporal-factor"}  # fmt: skip
+           "patch_size": "--patch-size", "temporal_factor": "--temporal-factor", "shuffle": "--shuffle"}  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,6 +68,7 @@ class PlanJob:
     latent_factor: int | None = None
     patch_size: int | None = None
     temporal_factor: int | None = None  # video manifests: frames per latent frame (default: the cache's, else 4)
+    shuffle: str | None = None  # "full" (default) or "window[:SIZE]"
     check: str | None = None
     extend: str | None = None
     resume: str | None = None
@@ -82,6 +84,8 @@ class PlanJob:
         object.__setattr__(self, "manifests", tuple(self.manifests))
         object.__setattr__(self, "cache", tuple(self.cache))
         object.__setattr__(self, "annotations", tuple(self.annotations))
+        if self.shuffle is not None:
+            object.__setattr__(self, "shuffle", parse_shuffle(self.shuffle))
         if (self.check or self.extend or self.resume) and (self.where is not None or self.weight_by is not None):
             raise UsageError("--where / --weight-by make a new plan; --check and --extend take the plan's "
                              "(give its --annotations), --resume needs none")  # fmt: skip
@@ -115,7 +119,8 @@ class PlanJob:
 
     def config(self) -> PlanConfig:
         """The planning options, defaults filled in. Raises UsageError for a value out of range."""
-        keys = ("seed", "epochs", "leftover", "grad_accum", "latent_factor", "patch_size", "temporal_factor")
+        keys = ("seed", "epochs", "leftover", "grad_accum", "latent_factor", "patch_size", "temporal_factor",
+                "shuffle")
         given = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
         return PlanConfig(world_size=self.world_size, batch_size=self.batch_size, max_tokens=self.max_tokens,
                           **given)  # type: ignore[arg-type]
@@ -235,7 +240,7 @@ def _extend(job: PlanJob) -> PlanMeta:
     plan_meta = read_plan_meta(job.extend, job.storage_options)
     inputs = plan_meta.inputs
     for key, option in _INPUTS.items():
-        given, planned = getattr(job, key), getattr(inputs, key)
+        given, planned = getattr(job, key), getattr(inputs.config, key)
         if given is not None and given != planned:
             raise UsageError(f"{option} {given} differs from the plan's {planned}: --extend writes more "
                              f"epochs of {redact(job.extend)} as it was made; leave {option} out")  # fmt: skip

@@ -40,6 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="plan steps per optimizer step (default 1); steps per epoch become a multiple of it (whole "
         "global batches dropped or repeated), and the trainer accumulates gradients over it",
     )
+    parser.add_argument("--shuffle", default=None, metavar="full|window[:SIZE]",
+                        help="full: every epoch a uniform shuffle of each bucket (default); window: windows of SIZE "
+                        "samples in cache order (default 256), shuffled, samples shuffled within and across "
+                        "neighbouring windows: the trainer reads each window with a few large ranged reads")
     parser.add_argument("--cache", default=None, help="plan only samples with a good record in this cache folder; "
                         "for several manifests one cache each, comma-separated, in the manifests' order")
     m = parser.add_argument_group("mixtures (several manifests)", description=RULE_HELP)
@@ -111,8 +115,8 @@ def job_from_args(args: argparse.Namespace) -> PlanJob:
         seed=args.seed, epochs=args.epochs, window=args.window, leftover=args.leftover, grad_accum=args.grad_accum,
         cache=tuple(c.strip() for c in args.cache.split(",")) if args.cache else (), repeats=args.repeats,
         weights=args.weights, max_tokens=args.max_tokens, latent_factor=args.latent_factor,
-        patch_size=args.patch_size, temporal_factor=args.temporal_factor, check=args.check, extend=args.extend,
-        resume=args.resume,
+        patch_size=args.patch_size, temporal_factor=args.temporal_factor, shuffle=args.shuffle, check=args.check,
+        extend=args.extend, resume=args.resume,
         at=_position(args.at) if args.resume and not (args.check or args.extend) else None,
         annotations=tuple(a.strip() for a in args.annotations.split(",")) if args.annotations else (),
         where=args.where, weight_by=args.weight_by,

@@ -18,6 +18,7 @@ import numpy as np
 
 from manifests.cache.meta import LatentInfo
 from manifests.cache import CacheError, CacheReader
+from manifests.cache.reader import CHUNK_BYTES
 from manifests.cache.records import SampleRecord
 from manifests.errors import UsageError
 from manifests.storage import redact
@@ -108,6 +109,11 @@ class BatchLoader:
                                  "caption_dropout: 0, or re-embed an older cache with this bucketeer")  # fmt: skip
             (self.empty_text,) = reader.read_texts([int(key)])
         self._pool: ThreadPoolExecutor | None = None
+        if isinstance(self.steps, RankSteps) and self.steps.meta.inputs.config.window is not None:
+            # a window-shuffled plan's next steps draw on a few runs of contiguous records: fetch them by
+            # whole chunks (one GET per CHUNK_BYTES) and hold as many chunks as the read-ahead budget
+            for each in self.readers:
+                each.read_in_chunks(CHUNK_BYTES, max(self.read_ahead_bytes, 4 * CHUNK_BYTES))
         if not isinstance(self.steps, RankSteps):
             self._check_ids(self.steps)
 
