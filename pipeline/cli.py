@@ -38,7 +38,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("pipeline.plan", "write per-rank plans (one bucket per batch, equal steps, disjoint ranks; mixtures, "
                               "--where, --weight-by); --check, --resume, --extend"),
     "annotate": ("pipeline.annotate", "caption, score (aesthetic, safety, watermark), hash (sha256, pHash), "
-                                      "CLIP-embed and measure images into an annotations folder (Ray job)"),
+                                      "CLIP-embed and measure images, cut videos into scenes and score their "
+                                      "motion, into an annotations folder (Ray job)"),
     "dedup": ("pipeline.dedup", "find exact, perceptual and semantic duplicates in annotations; one keeper per "
                                 "cluster"),
     "verify": ("pipeline.verify", "check every record of a cache: checksum, identity, shapes, finite values"),
