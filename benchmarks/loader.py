@@ -68,6 +68,8 @@ BATCH = 16
 LATENT, TEXT, POOLED = (4, 64, 64), (77, 2048), (1280,)
 BUCKET = "512x512"
 BUCKET_NAME = "bench-loader"
+#: per batch, the consumer's pure-Python loop: ~3 ms on this machine quiet, about the Python of a training step
+STEP_ITERATIONS = 75_000
 
 
 def sample_tensors(i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -114,37 +116,55 @@ def write_ours(root: str, n: int) -> None:
                PlanConfig(world_size=1, batch_size=BATCH, epochs=1, seed=1))  # fmt: skip
 
 
-def _litdata_item(i: int) -> dict:
-    latent, text, pooled = sample_tensors(i)  # bf16 bits: LitData's tensor serializer refuses torch.bfloat16
-    return {"index": i, "latent": latent, "text": text, "pooled": pooled}
+def _litdata_item(i: int, encoding: str) -> dict:
+    """Sample ``i`` as LitData gets it: numpy uint16 arrays, or torch int16 tensors (``encoding="tensor"``).
+
+    Both hold the bf16 bits: LitData's serializers go through ``numpy()``, which has no bfloat16.
+    """
+    import torch
+
+    arrays = dict(zip(("latent", "text", "pooled"), sample_tensors(i)))
+    if encoding == "tensor":
+        arrays = {k: torch.from_numpy(v.view(np.int16)) for k, v in arrays.items()}
+    return {"index": i, **arrays}
 
 
 def _as_bf16(sample: dict) -> dict:
-    """A peer's decoded sample (uint16 bf16 bits) as torch bf16 tensors (zero-copy views)."""
+    """A peer's decoded sample (bf16 bits: numpy uint16, torch int16 or raw bytes) as torch bf16 (zero-copy views)."""
     import torch
 
-    out = {k: torch.from_numpy(np.ascontiguousarray(sample[k]).view(np.int16)).view(torch.bfloat16)
-           for k in ("latent", "text", "pooled")}  # fmt: skip
-    return {"index": sample["index"], **out}
+    def bf16(value, shape):
+        if isinstance(value, torch.Tensor):
+            return value.view(torch.bfloat16)
+        bits = np.frombuffer(value, np.uint16) if isinstance(value, bytes) else np.ascontiguousarray(value)
+        return torch.from_numpy(bits.view(np.int16).reshape(shape)).view(torch.bfloat16)
+
+    return {"index": sample["index"], **{k: bf16(sample[k], s) for k, s in zip(("latent", "text", "pooled"),
+                                                                              (LATENT, TEXT, POOLED))}}
 
 
-def write_litdata(root: str, n: int) -> None:
+def write_litdata(folder: str, n: int, encoding: str, compression: str) -> None:
+    from functools import partial
+
     from litdata import optimize
 
-    optimize(fn=_litdata_item, inputs=list(range(n)), output_dir=f"{root}/litdata", chunk_bytes="64MB",
-             num_workers=1, mode="overwrite")  # fmt: skip
+    optimize(fn=partial(_litdata_item, encoding=encoding), inputs=list(range(n)), output_dir=folder,
+             chunk_bytes="64MB", num_workers=1, mode="overwrite",
+             compression=None if compression == "none" else compression)  # fmt: skip
 
 
-def write_mosaic(root: str, n: int) -> None:
+def write_mosaic(folder: str, n: int, encoding: str, compression: str) -> None:
     _import_streaming()
     from streaming.base import MDSWriter
 
-    columns = {"index": "int", "latent": "ndarray:uint16:4,64,64", "text": "ndarray:uint16:77,2048",
-               "pooled": "ndarray:uint16:1280"}  # fmt: skip
-    with MDSWriter(out=f"{root}/mosaic", columns=columns, size_limit="64mb") as out:
+    shapes = {"latent": LATENT, "text": TEXT, "pooled": POOLED}
+    columns = {"index": "int", **{k: "bytes" if encoding == "bytes" else f"ndarray:uint16:{','.join(map(str, s))}"
+                                  for k, s in shapes.items()}}  # fmt: skip
+    with MDSWriter(out=folder, columns=columns, size_limit="64mb",
+                   compression=None if compression == "none" else compression) as out:  # fmt: skip
         for i in range(n):
-            latent, text, pooled = sample_tensors(i)
-            out.write({"index": i, "latent": latent, "text": text, "pooled": pooled})
+            arrays = dict(zip(shapes, sample_tensors(i)))
+            out.write({"index": i, **{k: v.tobytes() if encoding == "bytes" else v for k, v in arrays.items()}})
 
 
 WRITERS = {"ours": write_ours, "litdata": write_litdata, "mosaic": write_mosaic}
@@ -177,12 +197,28 @@ def _check(index: list[int], latent, text, pooled) -> None:
                 raise AssertionError(f"sample {i}: {name} differs from the source")
 
 
-def read_ours(root: str, storage_options: dict | None) -> int:
+class Consumer:
+    """The training step's Python, the same for every tool: :data:`STEP_ITERATIONS` iterations of a
+    pure-Python loop per batch, in the loop's thread, holding the GIL as a step's Python does (so
+    ours' reader threads compete for it; the peers' worker processes have their own)."""
+
+    def __init__(self) -> None:
+        self.cpu = 0.0  # CPU-seconds the steps took (thread time), taken out of the reader's CPU
+
+    def step(self) -> None:
+        t = time.thread_time()
+        x = 0
+        for i in range(STEP_ITERATIONS):
+            x += i & 7
+        self.cpu += time.thread_time() - t
+
+
+def read_ours(root: str, setting: dict, storage_options: dict | None, step: Consumer) -> int:
     from manifests.cache import CacheReader
     from train.config import TrainConfig
     from train.data import BatchLoader, rank_steps
 
-    cfg = TrainConfig()  # the trainer's defaults, passed as train/setup.py passes them
+    cfg = replace(TrainConfig(), **{k: v for k, v in setting.items() if k in ("read_threads", "prefetch")})
     reader = CacheReader(f"{root}/cache", storage_options)
     steps = rank_steps(f"{root}/plan", 0, storage_options)
     loader = BatchLoader(reader, steps, reader.meta.latent, prefetch=cfg.prefetch, read_threads=cfg.read_threads,
@@ -194,10 +230,11 @@ def read_ours(root: str, storage_options: dict | None) -> int:
             latents = batch.latents / reader.meta.latent.scaling_factor  # the stored latent, unscaled
             _check([i - 1 for i in batch.sample_ids], latents, batch.text, batch.pooled)
         n += len(batch.sample_ids)
+        step.step()
     return n
 
 
-def read_litdata(root: str, storage_options: dict | None) -> int:
+def read_litdata(folder: str, setting: dict, storage_options: dict | None, step: Consumer) -> int:
     import litdata.streaming.downloader as downloader
     from litdata import StreamingDataLoader, StreamingDataset
     from litdata.streaming.resolver import Dir
@@ -208,19 +245,20 @@ def read_litdata(root: str, storage_options: dict | None) -> int:
 
     if storage_options:
         downloader._OBSTORE_CLIENT_OPTIONS = {**downloader._OBSTORE_CLIENT_OPTIONS, "allow_http": "true"}
-        source = Dir(path=tempfile.mkdtemp(prefix="litdata-cache-"), url=f"s3://{BUCKET_NAME}/{_key(root)}/litdata")
+        source = Dir(path=tempfile.mkdtemp(prefix="litdata-cache-"), url=_bucket_url(folder))
         data = Latents(source, shuffle=True, storage_options=_boto_options(storage_options))
     else:
-        data = Latents(f"{root}/litdata", shuffle=True)
+        data = Latents(folder, shuffle=True)
     n = 0
-    for batch in StreamingDataLoader(data, batch_size=BATCH, num_workers=4):
+    for batch in StreamingDataLoader(data, batch_size=BATCH, num_workers=setting["workers"]):
         if n == 0:
             _check(batch["index"].tolist(), batch["latent"], batch["text"], batch["pooled"])
         n += len(batch["index"])
+        step.step()
     return n
 
 
-def read_mosaic(root: str, storage_options: dict | None) -> int:
+def read_mosaic(folder: str, setting: dict, storage_options: dict | None, step: Consumer) -> int:
     _import_streaming()
     from streaming.base import StreamingDataset
     from torch.utils.data import DataLoader
@@ -231,23 +269,26 @@ def read_mosaic(root: str, storage_options: dict | None) -> int:
 
     if storage_options:
         os.environ["S3_ENDPOINT_URL"] = storage_options["endpoint_url"]
-        data = Latents(remote=f"s3://{BUCKET_NAME}/{_key(root)}/mosaic", local=tempfile.mkdtemp(prefix="mds-"),
-                       shuffle=True, batch_size=BATCH)  # fmt: skip
+        data = Latents(remote=_bucket_url(folder), local=tempfile.mkdtemp(prefix="mds-"), shuffle=True,
+                       batch_size=BATCH)  # fmt: skip
     else:
-        data = Latents(local=f"{root}/mosaic", shuffle=True, batch_size=BATCH)
+        data = Latents(local=folder, shuffle=True, batch_size=BATCH)
     n = 0
-    for batch in DataLoader(data, batch_size=BATCH, num_workers=4):
+    for batch in DataLoader(data, batch_size=BATCH, num_workers=setting["workers"]):
         if n == 0:
             _check(batch["index"].tolist(), batch["latent"], batch["text"], batch["pooled"])
         n += len(batch["index"])
+        step.step()
     return n
 
 
 READERS = {"ours": read_ours, "litdata": read_litdata, "mosaic": read_mosaic}
 
 
-def _key(root: str) -> str:
-    return os.path.basename(root.rstrip("/"))
+def _bucket_url(folder: str) -> str:
+    """The bucket path of a peer's local dataset folder ``<work>/n<N>/<name>``: ``s3://bucket/n<N>/<name>``."""
+    parts = folder.rstrip("/").split("/")
+    return f"s3://{BUCKET_NAME}/{parts[-2]}/{parts[-1]}"
 
 
 def _boto_options(options: dict) -> dict:
@@ -260,13 +301,57 @@ def _cpu() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def child(tool: str, root: str, endpoint: str | None) -> None:
-    """One epoch of ``tool`` in this fresh process; prints one JSON line."""
+def child(tool: str, root: str, setting: dict, endpoint: str | None) -> None:
+    """One epoch of ``tool`` with ``setting`` in this fresh process; prints one JSON line (``cpu``: the
+    reading's CPU-seconds, the consumer's steps taken out; ``step_cpu``: theirs)."""
     options = {"endpoint_url": endpoint} if endpoint else None
+    step = Consumer()
     cpu0, t0 = _cpu(), time.perf_counter()
-    n = READERS[tool](root, options)
+    n = READERS[tool](root, setting, options, step)
     seconds, cpu = time.perf_counter() - t0, _cpu() - cpu0
-    print(json.dumps({"samples": n, "seconds": seconds, "cpu": cpu}))
+    print(json.dumps({"samples": n, "seconds": seconds, "cpu": cpu - step.cpu, "step_cpu": step.cpu}))
+
+
+# ---------------------------------------------------------------- settings: each tool's knobs, swept
+
+
+def sweep(tool: str, workers: list[int], compressions: list[str], read_threads: list[int]) -> list[dict]:
+    """The settings of ``tool`` that a run measures: each peer's worker counts in its native tensor
+    encoding uncompressed, then each other compression and its other encoding at the most workers
+    swept (a run on the shared 2-core machine cannot afford the full grid); ours' read threads
+    (with the trainer's prefetch)."""
+    if tool == "ours":
+        return [{"read_threads": t} for t in read_threads]
+    native, other = {"litdata": ("tensor", "numpy"), "mosaic": ("ndarray", "bytes")}[tool]
+    most = max(workers)
+    return ([{"encoding": native, "compression": compressions[0], "workers": w} for w in workers]
+            + [{"encoding": native, "compression": c, "workers": most} for c in compressions[1:]]
+            + [{"encoding": other, "compression": compressions[0], "workers": most}])  # fmt: skip
+
+
+def label(setting: dict) -> str:
+    """A setting as the tables name it: ``tensor zstd 4w``, ``2 threads``."""
+    if "read_threads" in setting:
+        return f"{setting['read_threads']} read threads"
+    return f"{setting['encoding']} {setting['compression']} {setting['workers']}w"
+
+
+def dataset(tool: str, setting: dict) -> str:
+    """The folder (under ``<work>/n<N>``) of the dataset a setting reads: ours' cache + plan are the size's folder."""
+    return "." if tool == "ours" else f"{tool}-{setting['encoding']}-{setting['compression']}"
+
+
+def marginal(small: dict, large: dict) -> dict:
+    """Marginal figures between two epochs of one setting: samples/s and CPU-ms per sample (reader, server)."""
+    extra = large["samples"] - small["samples"]
+    return {"rate": extra / (large["seconds"] - small["seconds"]),
+            "cpu_ms": (large["cpu"] - small["cpu"]) / extra * 1000,
+            "server_ms": (large["server_cpu"] - small["server_cpu"]) / extra * 1000}  # fmt: skip
+
+
+def best(rates: dict[str, list[float]]) -> str:
+    """The setting with the highest median rate over the rounds (ties: the first listed)."""
+    return max(rates, key=lambda k: float(np.median(rates[k])))
 
 
 # ---------------------------------------------------------------- S3: moto with ranged GETs that cost their range
@@ -396,17 +481,49 @@ def _process_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run_child(tool: str, root: str, endpoint: str | None, server: subprocess.Popen | None = None) -> dict:
+def run_child(tool: str, root: str, setting: dict, endpoint: str | None,
+              server: subprocess.Popen | None = None) -> dict:  # fmt: skip
     """One epoch in a fresh process; ``server_cpu``: what the moto server spent answering it (its own
     process, not counted in ``cpu``: a real S3 endpoint's cost is not the reader's)."""
-    cmd = [sys.executable, __file__, "--child", tool, "--root", root] + (["--endpoint", endpoint] if endpoint else [])
+    cmd = [sys.executable, __file__, "--child", tool, "--root", root, "--setting", json.dumps(setting)]
+    cmd += ["--endpoint", endpoint] if endpoint else []
     before = _process_cpu(server.pid) if server else 0.0
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     if out.returncode:
-        raise RuntimeError(f"{tool} {root} {endpoint or 'local'} failed:\n{out.stderr[-3000:]}")
+        raise RuntimeError(f"{tool} {label(setting)} {root} {endpoint or 'local'} failed:\n{out.stderr[-3000:]}")
     got = json.loads(out.stdout.strip().splitlines()[-1])
     got["server_cpu"] = (_process_cpu(server.pid) - before) if server else 0.0
     return got
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def record(run, rounds: list[dict], settings: dict[str, list[dict]], stores: list[str]) -> dict:
+    """Add every round's figures to ``run`` (results.py) once the best setting of each tool is known (by
+    the median over the rounds), each round with the load it was measured under; returns the bests."""
+    tools = list(settings)
+    bests = {store: {tool: best({label(s): [r["figures"][store][tool][label(s)]["rate"] for r in rounds]
+                                 for s in settings[tool]}) for tool in tools} for store in stores}  # fmt: skip
+    for r in rounds:
+        with run.round() as i:
+            for store in stores:
+                figures, top = r["figures"][store], bests[store]
+                for tool in tools:
+                    run.add(f"{store}: {tool} at its best ({top[tool]})", figures[tool][top[tool]]["rate"], "samples/s")
+                for peer in (t for t in tools if t != "ours" and "ours" in tools):
+                    ratio = figures["ours"][top["ours"]]["rate"] / figures[peer][top[peer]]["rate"]
+                    run.add(f"{store}: ours / {peer}, each at its best", ratio, "x", target=">= 1.2")
+                for tool in tools:
+                    run.add(f"{store}: {tool} CPU per sample, reader", figures[tool][top[tool]]["cpu_ms"], "ms")
+                    if store == "s3":
+                        run.add(f"s3: {tool} CPU per sample, moto server", figures[tool][top[tool]]["server_ms"], "ms")
+                for tool in tools:
+                    for s in settings[tool]:
+                        run.add(f"{store} sweep: {tool} {label(s)}", figures[tool][label(s)]["rate"], "samples/s")
+        run.rounds[i].update(r["load"])  # the load measured around the round, not around this bookkeeping
+    return bests
 
 
 def main() -> None:
@@ -415,22 +532,29 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1, help="interleaved rounds; the median is reported")
     p.add_argument("--stores", default="local,s3")
     p.add_argument("--tools", default=",".join(TOOLS))
+    p.add_argument("--workers", default="1,2,4", help="the peers' DataLoader worker counts swept")
+    p.add_argument("--compressions", default="none,zstd", help="the peers' compressions swept")
+    p.add_argument("--read-threads", default="1,2,4", help="ours' read threads swept (prefetch: the trainer's)")
+    p.add_argument("--save", action="store_true", help="write benchmarks/results/loader.json (results.py)")
     p.add_argument("--work", default=None, help="folder for the datasets (default: a temporary one)")
     p.add_argument("--decode-scaling", type=int, metavar="K", default=0,
                    help="only measure ours' read+decode in 1 thread, K threads, K processes (local, --sizes' larger)")
     p.add_argument("--child", choices=TOOLS, help=argparse.SUPPRESS)
     p.add_argument("--root", help=argparse.SUPPRESS)
+    p.add_argument("--setting", help=argparse.SUPPRESS)
     p.add_argument("--endpoint", help=argparse.SUPPRESS)
     p.add_argument("--moto-server", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.moto_server:
         return _serve_moto(args.moto_server)
     if args.child:
-        return child(args.child, args.root, args.endpoint)
+        return child(args.child, args.root, json.loads(args.setting), args.endpoint)
 
     sizes = [int(s) for s in args.sizes.split(",")]
     assert len(sizes) == 2 and sizes[0] < sizes[1] and all(s % BATCH == 0 for s in sizes), "two sizes, x16"
     tools, stores = args.tools.split(","), args.stores.split(",")
+    settings = {t: sweep(t, _ints(args.workers), args.compressions.split(","), _ints(args.read_threads))
+                for t in tools}  # fmt: skip
     work = args.work or tempfile.mkdtemp(prefix="bench-loader-")
     server = None
     if args.decode_scaling:
@@ -439,13 +563,23 @@ def main() -> None:
         t = time.perf_counter()
         for n in sizes:
             for tool in tools:
-                if not os.path.exists(f"{work}/n{n}/.{tool}-done"):
-                    os.makedirs(f"{work}/n{n}", exist_ok=True)
-                    WRITERS[tool](f"{work}/n{n}", n)
-                    open(f"{work}/n{n}/.{tool}-done", "w").close()
+                for s in settings[tool]:
+                    folder = os.path.normpath(f"{work}/n{n}/{dataset(tool, s)}")
+                    if not os.path.exists(f"{folder}/.done-{tool}"):
+                        os.makedirs(folder, exist_ok=True)
+                        if tool == "ours":
+                            write_ours(folder, n)
+                        else:
+                            WRITERS[tool](folder, n, s["encoding"], s["compression"])
+                        open(f"{folder}/.done-{tool}", "w").close()
         print(f"wrote {sizes} samples with {tools} in {time.perf_counter() - t:.0f} s under {work}", flush=True)
         if args.decode_scaling:
             return decode_scaling(f"{work}/n{sizes[0]}", args.decode_scaling)
+        step = Consumer()
+        for _ in range(20):
+            step.step()
+        print(f"consumer: {STEP_ITERATIONS:,} Python iterations per batch, {step.cpu / 20 * 1000:.2f} CPU-ms each "
+              f"(load {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
         endpoint = None
         if "s3" in stores:
             server, endpoint = start_s3()
@@ -455,46 +589,54 @@ def main() -> None:
             fs.mkdir(BUCKET_NAME)
             for n in sizes:
                 for tool in tools:
-                    for name in {"ours": ("cache", "plan")}.get(tool, (tool,)):
+                    names = ("cache", "plan") if tool == "ours" else {dataset(tool, s) for s in settings[tool]}
+                    for name in names:
                         fs.put(f"{work}/n{n}/{name}", f"{BUCKET_NAME}/n{n}/", recursive=True)
-        results: dict[tuple[str, str, int], list[dict]] = {}
+        from benchmarks.results import Run
+
+        command = "python benchmarks/loader.py " + " ".join(a for a in sys.argv[1:] if a != "--save")
+        run = Run("loader", command=command.strip(), tools=["litdata", "mosaicml-streaming"])
+        rounds = []
         for r in range(args.rounds):
+            load = {"load_before": round(os.getloadavg()[0], 2)}
+            raw: dict = {}
             for store in stores:
                 for n in sizes:
                     for tool in tools:
-                        root = f"s3://{BUCKET_NAME}/n{n}" if store == "s3" else f"{work}/n{n}"
-                        if store == "s3" and tool != "ours":
-                            root = f"{work}/n{n}"  # the peers take the bucket path apart from their cache dir
-                        got = run_child(tool, root, *((endpoint, server) if store == "s3" else (None, None)))
-                        assert got["samples"] >= n - BATCH, (tool, store, n, got)
-                        results.setdefault((tool, store, n), []).append(got)
-                        print(f"round {r + 1} {store} {tool} n={n}: {got['samples']} samples {got['seconds']:.2f} s "
-                              f"cpu {got['cpu']:.2f} s (load {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
-        summary = {}
+                        for s in settings[tool]:
+                            folder = os.path.normpath(f"{work}/n{n}/{dataset(tool, s)}")
+                            root = f"s3://{BUCKET_NAME}/n{n}" if store == "s3" and tool == "ours" else folder
+                            got = run_child(tool, root, s, *((endpoint, server) if store == "s3" else (None, None)))
+                            assert got["samples"] >= n - BATCH, (tool, store, n, got)
+                            raw[(store, tool, label(s), n)] = got
+                            print(f"round {r + 1} {store} {tool} {label(s)} n={n}: {got['samples']} samples "
+                                  f"{got['seconds']:.2f} s cpu {got['cpu']:.2f} s (load {os.getloadavg()[0]:.1f})",
+                                  flush=True)  # fmt: skip
+            load["load_after"] = round(os.getloadavg()[0], 2)
+            figures = {store: {tool: {label(s): marginal(raw[(store, tool, label(s), sizes[0])],
+                                                         raw[(store, tool, label(s), sizes[1])])
+                                      for s in settings[tool]} for tool in tools} for store in stores}  # fmt: skip
+            rounds.append({"load": load, "figures": figures})
+            if args.save:  # after every round, so that a run cut short keeps the rounds it finished
+                partial = Run("loader", command=run.command, tools=["litdata", "mosaicml-streaming"])
+                partial.started = run.started
+                record(partial, rounds, settings, stores)
+                partial.save()
+        bests = record(run, rounds, settings, stores)
         for store in stores:
-            rates, cpus, servers = {}, {}, {}
+            print(f"sweep {store} (marginal samples/s per round; reader CPU-ms/sample, median):")
             for tool in tools:
-                pairs = zip(results[(tool, store, sizes[0])], results[(tool, store, sizes[1])])
-                marg = [((b["samples"] - a["samples"]) / (b["seconds"] - a["seconds"]),
-                         (b["cpu"] - a["cpu"]) / (b["samples"] - a["samples"]),
-                         (b["server_cpu"] - a["server_cpu"]) / (b["samples"] - a["samples"]))
-                        for a, b in pairs]  # fmt: skip
-                rates[tool] = float(np.median([m[0] for m in marg]))
-                cpus[tool] = float(np.median([m[1] for m in marg]))
-                servers[tool] = float(np.median([m[2] for m in marg]))
-            summary[store] = {"samples_per_s": rates, "cpu_s_per_sample": cpus, "server_cpu_s_per_sample": servers}
-        print(json.dumps(summary))
+                for s in settings[tool]:
+                    figs = [r["figures"][store][tool][label(s)] for r in rounds]
+                    mark = " <- best" if label(s) == bests[store][tool] else ""
+                    print(f"  {tool:8} {label(s):20} " + " ".join(f"{f['rate']:7,.0f}" for f in figs)
+                          + f"   {np.median([f['cpu_ms'] for f in figs]):.2f} ms{mark}")
         for store in stores:
-            rates, cpus = summary[store]["samples_per_s"], summary[store]["cpu_s_per_sample"]
-            ours = rates.get("ours")
-            parts = [f"{tool} {rates[tool]:,.0f}/s" + (f" ({ours / rates[tool]:.2f}x)" if ours and tool != "ours"
-                                                       else "") for tool in tools]  # fmt: skip
+            top = bests[store]
+            rate = {t: float(np.median([r["figures"][store][t][top[t]]["rate"] for r in rounds])) for t in tools}
+            parts = [f"{t} {rate[t]:,.0f}/s [{top[t]}]" + (f" ({rate['ours'] / rate[t]:.2f}x)"
+                     if "ours" in tools and t != "ours" else "") for t in tools]  # fmt: skip
             print(f"loader {store}: " + ", ".join(parts))
-            print(f"loader {store} cpu-s/sample: " + ", ".join(f"{t} {cpus[t] * 1000:.2f} ms" for t in tools))
-            if store == "s3":  # the moto server's CPU per sample: a real endpoint's, not the reader's, but here
-                servers = summary[store]["server_cpu_s_per_sample"]  # it shares the 2 cores with the reader
-                print("loader s3 moto-server cpu-s/sample: "
-                      + ", ".join(f"{t} {servers[t] * 1000:.2f} ms" for t in tools))
     finally:
         if server is not None:
             server.kill()
