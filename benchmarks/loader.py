@@ -468,6 +468,41 @@ def decode_scaling(root: str, workers: int) -> None:
               f"(load {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
 
 
+# ---------------------------------------------------------------- why LitData's numpy encoding is slow
+
+
+def litdata_decodes(root: str) -> None:
+    """Deserializations per item and CPU-ms per item of one shuffled epoch of LitData, one process,
+    numpy vs tensor encoding, its default ``batch_decode="auto"`` vs ``0`` (decode the requested item only).
+
+    ``auto`` picks a decode window from the leaf types and the mean sample size: tensor leaves count
+    as heavy (8 rows at ~340 kB a sample), numpy leaves do not (16 MB / sample size: ~47 rows); the
+    in-chunk shuffle then asks for items across windows, so a window is decoded again and again,
+    and ``NumpySerializer`` copies every array it decodes."""
+    from collections import Counter
+
+    from litdata import StreamingDataset
+    from litdata.streaming import serializers
+
+    calls: Counter = Counter()
+    for cls in (serializers.NumpySerializer, serializers.NoHeaderNumpySerializer, serializers.TensorSerializer,
+                serializers.NoHeaderTensorSerializer):  # fmt: skip
+        def counted(self, data, plain=cls.deserialize):
+            calls["arrays"] += 1
+            return plain(self, data)
+
+        cls.deserialize = counted
+    for encoding in ("numpy", "tensor"):
+        for decode in ("auto", 0):
+            calls.clear()
+            data = StreamingDataset(f"{root}/litdata-{encoding}-none", shuffle=True, batch_decode=decode)
+            cpu = time.process_time()
+            n = sum(1 for _ in data)
+            cpu = time.process_time() - cpu
+            print(f"litdata {encoding} batch_decode={decode}: {calls['arrays'] / (3 * n):.1f} decodes per array, "
+                  f"{cpu / n * 1000:.2f} CPU-ms per item ({n} items, load {os.getloadavg()[0]:.1f})", flush=True)
+
+
 # ---------------------------------------------------------------- driver
 
 
@@ -539,6 +574,8 @@ def main() -> None:
     p.add_argument("--work", default=None, help="folder for the datasets (default: a temporary one)")
     p.add_argument("--decode-scaling", type=int, metavar="K", default=0,
                    help="only measure ours' read+decode in 1 thread, K threads, K processes (local, --sizes' larger)")
+    p.add_argument("--litdata-decodes", action="store_true",
+                   help="only count LitData's decodes per item, numpy vs tensor (one process, --sizes' smaller)")
     p.add_argument("--child", choices=TOOLS, help=argparse.SUPPRESS)
     p.add_argument("--root", help=argparse.SUPPRESS)
     p.add_argument("--setting", help=argparse.SUPPRESS)
@@ -559,6 +596,9 @@ def main() -> None:
     server = None
     if args.decode_scaling:
         tools, stores, sizes = ["ours"], [], sizes[1:]
+    if args.litdata_decodes:
+        tools, sizes = ["litdata"], sizes[:1]
+        settings["litdata"] = [{"encoding": e, "compression": "none", "workers": 0} for e in ("numpy", "tensor")]
     try:
         t = time.perf_counter()
         for n in sizes:
@@ -573,6 +613,8 @@ def main() -> None:
                             WRITERS[tool](folder, n, s["encoding"], s["compression"])
                         open(f"{folder}/.done-{tool}", "w").close()
         print(f"wrote {sizes} samples with {tools} in {time.perf_counter() - t:.0f} s under {work}", flush=True)
+        if args.litdata_decodes:
+            return litdata_decodes(f"{work}/n{sizes[0]}")
         if args.decode_scaling:
             return decode_scaling(f"{work}/n{sizes[0]}", args.decode_scaling)
         step = Consumer()
