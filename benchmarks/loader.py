@@ -1,30 +1,42 @@
 """The trainer's loader against LitData and Mosaic Streaming: one shuffled epoch of precomputed latents.
 
-    python benchmarks/loader.py                                # smoke: 128 and 384 samples, 1 round (~2 min)
-    python benchmarks/loader.py --sizes 512,2048 --rounds 3    # the comparison of issue 24
+    python benchmarks/loader.py                                # smoke: 128 and 384 samples, 1 round
+    python benchmarks/loader.py --sizes 512,2048 --rounds 3 --save   # the comparison (results/loader.json)
     python benchmarks/loader.py --stores local --tools ours    # one side only
+    python benchmarks/loader.py --litdata-decodes              # why LitData's numpy encoding is slow
     python benchmarks/loader.py --decode-scaling 2             # read+decode: threads vs processes
 
 Needs ``pip install -e .[bench]`` (LitData, Mosaic Streaming; benchmark-only, never runtime deps).
 
 The same N SDXL-512 samples (latent 4x64x64 bf16, text 77x2048 bf16 unique per sample, pooled 1280
-bf16; sample ``i``'s tensors are a pure function of ``i``) are written by each tool's own writer:
+bf16; sample ``i``'s tensors are a pure function of ``i``) are written by each tool's own writer,
+and each tool is compared **at its best**: a sweep of its knobs, the setting with the best median
+marginal rate over the rounds is the one compared (:func:`sweep`, :func:`best`; the whole sweep is
+printed and recorded):
 
 - **ours**: the real cache writer (``CacheWriter``, gzip records, SDXL's text layout: CLIP-L 768 +
   CLIP-G 1280 parts) and a 1-rank plan of batch 16 (``write_plan``), read by ``BatchLoader`` with the
-  trainer's defaults (``TrainConfig``: prefetch, read threads, read-ahead budget);
-- **LitData**: ``litdata.optimize`` (64 MB chunks, no compression: bf16 mantissas are near random and
-  a decompressor only costs CPU) read by ``StreamingDataset(shuffle=True)`` + ``StreamingDataLoader``
-  (batch 16, 4 workers);
-- **Mosaic**: ``MDSWriter`` (uint16 ndarray columns, no compression, 64 MB shards) read by
-  ``StreamingDataset(shuffle=True, batch_size=16)`` + torch ``DataLoader`` (batch 16, 4 workers).
+  trainer's defaults (``TrainConfig``) but ``read_threads`` swept (``--read-threads``);
+- **LitData**: ``litdata.optimize`` (64 MB chunks) of torch int16 tensors holding the bf16 bits (its
+  tensor serializers; ``numpy()`` has no bfloat16), read by ``StreamingDataset(shuffle=True)`` +
+  ``StreamingDataLoader`` (batch 16); swept: workers (``--workers``), then ``compression="zstd"`` and
+  the numpy encoding (uint16 arrays) at the most workers;
+- **Mosaic**: ``MDSWriter`` (``ndarray:uint16:<shape>`` columns, 64 MB shards) read by
+  ``StreamingDataset(shuffle=True, batch_size=16)`` (its default ``py1e`` shuffle) + torch
+  ``DataLoader`` (batch 16); swept: workers, then ``compression="zstd"`` and ``bytes`` columns.
+
+bf16 mantissas are near random, so zstd saves little and costs a decompression: it is swept, not assumed.
 
 Each run is a fresh process that reads one shuffled epoch and checks its first batch against the
-source tensors (bit for bit, after the tool's own decode). Rates are **marginal**: (N2 - N1) /
+source tensors (bit for bit, after the tool's own decode). After every batch the loop runs the same
+**training step's Python** for every tool (:class:`Consumer`: :data:`STEP_ITERATIONS` iterations of a
+pure-Python loop, ~3 ms on this machine quiet), holding the GIL as a step does: ours' reader threads
+compete with it, the peers' worker processes do not. Rates are **marginal**: (N2 - N1) /
 (t(N2) - t(N1)) with t measured from the dataset's construction to the epoch's end, so start-up,
 index loading and worker spawn drop out; the median of ``--rounds`` rounds, the tools interleaved
 within a round. CPU-seconds per sample are marginal too: ``resource.getrusage`` of the reading
-process, self + children (the peers' DataLoader workers are joined at the epoch's end, so counted).
+process, self + children (the peers' DataLoader workers are joined at the epoch's end, so counted),
+less the consumer's steps (their thread time).
 
 Stores: ``local`` (a folder on this disk, page cache warm after the write) and ``s3``: a moto S3
 server on 127.0.0.1 in its own process (its CPU is not counted), each tool's folder uploaded as
@@ -39,8 +51,10 @@ only wheel on the registry is a CUDA build that fails to load with CPU torch; th
 ``streaming.base`` (everything used here) without running ``streaming/__init__.py`` (it registers the
 package's path first), so torchvision is neither needed nor imported.
 
-Last lines, one per store: ``loader <store>: ours N/s, litdata N/s (Rx), mosaic N/s (Rx)``, R =
-ours / theirs, then CPU-seconds per sample of each.
+Last lines: the sweep per store (every round's marginal rate, the median reader CPU-ms per sample,
+the best marked), then one line per store: ``loader <store>: ours N/s [setting], litdata N/s
+[setting] (Rx), mosaic N/s [setting] (Rx)``, R = ours / theirs. ``--save`` writes
+``benchmarks/results/loader.json`` (``benchmarks/results.py``) after every round.
 """
 
 from __future__ import annotations
