@@ -126,7 +126,7 @@ def _fmt(value: float, unit: str) -> str:
 
 
 def render(name: str, folder: Path = RESULTS) -> str:
-    """The Markdown table of ``results/<name>.json``: median (min-max), rounds, target and whether every round met it."""
+    """The Markdown table of ``results/<name>.json``: median (min-max), target, whether every round met it."""
     doc = json.loads((folder / f"{name}.json").read_text())
     loads = [x for r in doc["rounds"] for x in (r["load_before"], r.get("load_after", 0.0))]
     lines = [
