@@ -1,30 +1,42 @@
 """The trainer's loader against LitData and Mosaic Streaming: one shuffled epoch of precomputed latents.
 
-    python benchmarks/loader.py                                # smoke: 128 and 384 samples, 1 round (~2 min)
-    python benchmarks/loader.py --sizes 512,2048 --rounds 3    # the comparison of issue 24
+    python benchmarks/loader.py                                # smoke: 128 and 384 samples, 1 round
+    python benchmarks/loader.py --sizes 512,2048 --rounds 3 --save   # the comparison (results/loader.json)
     python benchmarks/loader.py --stores local --tools ours    # one side only
+    python benchmarks/loader.py --litdata-decodes              # why LitData's numpy encoding is slow
     python benchmarks/loader.py --decode-scaling 2             # read+decode: threads vs processes
 
 Needs ``pip install -e .[bench]`` (LitData, Mosaic Streaming; benchmark-only, never runtime deps).
 
 The same N SDXL-512 samples (latent 4x64x64 bf16, text 77x2048 bf16 unique per sample, pooled 1280
-bf16; sample ``i``'s tensors are a pure function of ``i``) are written by each tool's own writer:
+bf16; sample ``i``'s tensors are a pure function of ``i``) are written by each tool's own writer,
+and each tool is compared **at its best**: a sweep of its knobs, the setting with the best median
+marginal rate over the rounds is the one compared (:func:`sweep`, :func:`best`; the whole sweep is
+printed and recorded):
 
 - **ours**: the real cache writer (``CacheWriter``, gzip records, SDXL's text layout: CLIP-L 768 +
   CLIP-G 1280 parts) and a 1-rank plan of batch 16 (``write_plan``), read by ``BatchLoader`` with the
-  trainer's defaults (``TrainConfig``: prefetch, read threads, read-ahead budget);
-- **LitData**: ``litdata.optimize`` (64 MB chunks, no compression: bf16 mantissas are near random and
-  a decompressor only costs CPU) read by ``StreamingDataset(shuffle=True)`` + ``StreamingDataLoader``
-  (batch 16, 4 workers);
-- **Mosaic**: ``MDSWriter`` (uint16 ndarray columns, no compression, 64 MB shards) read by
-  ``StreamingDataset(shuffle=True, batch_size=16)`` + torch ``DataLoader`` (batch 16, 4 workers).
+  trainer's defaults (``TrainConfig``) but ``read_threads`` swept (``--read-threads``);
+- **LitData**: ``litdata.optimize`` (64 MB chunks) of torch int16 tensors holding the bf16 bits (its
+  tensor serializers; ``numpy()`` has no bfloat16), read by ``StreamingDataset(shuffle=True)`` +
+  ``StreamingDataLoader`` (batch 16); swept: workers (``--workers``), then ``compression="zstd"`` and
+  the numpy encoding (uint16 arrays) at the most workers;
+- **Mosaic**: ``MDSWriter`` (``ndarray:uint16:<shape>`` columns, 64 MB shards) read by
+  ``StreamingDataset(shuffle=True, batch_size=16)`` (its default ``py1e`` shuffle) + torch
+  ``DataLoader`` (batch 16); swept: workers, then ``compression="zstd"`` and ``bytes`` columns.
+
+bf16 mantissas are near random, so zstd saves little and costs a decompression: it is swept, not assumed.
 
 Each run is a fresh process that reads one shuffled epoch and checks its first batch against the
-source tensors (bit for bit, after the tool's own decode). Rates are **marginal**: (N2 - N1) /
+source tensors (bit for bit, after the tool's own decode). After every batch the loop runs the same
+**training step's Python** for every tool (:class:`Consumer`: :data:`STEP_ITERATIONS` iterations of a
+pure-Python loop, ~3 ms on this machine quiet), holding the GIL as a step does: ours' reader threads
+compete with it, the peers' worker processes do not. Rates are **marginal**: (N2 - N1) /
 (t(N2) - t(N1)) with t measured from the dataset's construction to the epoch's end, so start-up,
 index loading and worker spawn drop out; the median of ``--rounds`` rounds, the tools interleaved
 within a round. CPU-seconds per sample are marginal too: ``resource.getrusage`` of the reading
-process, self + children (the peers' DataLoader workers are joined at the epoch's end, so counted).
+process, self + children (the peers' DataLoader workers are joined at the epoch's end, so counted),
+less the consumer's steps (their thread time).
 
 Stores: ``local`` (a folder on this disk, page cache warm after the write) and ``s3``: a moto S3
 server on 127.0.0.1 in its own process (its CPU is not counted), each tool's folder uploaded as
@@ -39,14 +51,15 @@ only wheel on the registry is a CUDA build that fails to load with CPU torch; th
 ``streaming.base`` (everything used here) without running ``streaming/__init__.py`` (it registers the
 package's path first), so torchvision is neither needed nor imported.
 
-Last lines, one per store: ``loader <store>: ours N/s, litdata N/s (Rx), mosaic N/s (Rx)``, R =
-ours / theirs, then CPU-seconds per sample of each.
+Last lines: the sweep per store (every round's marginal rate, the median reader CPU-ms per sample,
+the best marked), then one line per store: ``loader <store>: ours N/s [setting], litdata N/s
+[setting] (Rx), mosaic N/s [setting] (Rx)``, R = ours / theirs. ``--save`` writes
+``benchmarks/results/loader.json`` (``benchmarks/results.py``) after every round.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import inspect
 import json
 import os
@@ -64,29 +77,13 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from benchmarks.results import Run  # noqa: E402
-
 TOOLS = ("ours", "litdata", "mosaic")
 BATCH = 16
 LATENT, TEXT, POOLED = (4, 64, 64), (77, 2048), (1280,)
 BUCKET = "512x512"
 BUCKET_NAME = "bench-loader"
-SHUFFLE = os.environ.get("BENCH_LOADER_SHUFFLE", "full")  # ours' plan --shuffle (main sets it from --shuffle)
-
-
-def ours_plan(shuffle: str) -> str:
-    """ours' plan folder for a ``--shuffle``: each shuffle its own plan of the one cache."""
-    return "plan" if shuffle == "full" else f"plan-{shuffle.replace(':', '-')}"
-
-
-def plan_ours(root: str, n: int, shuffle: str) -> None:
-    """ours' 1-rank plan of batch 16 of the cache at ``root`` (ids 1..n, written in id order)."""
-    from manifests.plan import DatasetSamples, write_plan
-    from manifests.plan.schedule import PlanConfig
-
-    write_plan(f"{root}/{ours_plan(shuffle)}", [DatasetSamples(np.arange(1, n + 1, dtype=np.uint64), [BUCKET] * n,
-                                                               manifest_fingerprint="benchmark")],
-               PlanConfig(world_size=1, batch_size=BATCH, epochs=1, seed=1, shuffle=shuffle))  # fmt: skip
+#: per batch, the consumer's pure-Python loop: ~3 ms on this machine quiet, about the Python of a training step
+STEP_ITERATIONS = 75_000
 
 
 def sample_tensors(i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -104,6 +101,8 @@ def sample_tensors(i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def write_ours(root: str, n: int) -> None:
     from manifests.cache import CacheWriter
     from manifests.cache.records import SampleRecord, TextRecord, encode_sample, encode_text
+    from manifests.plan import DatasetSamples, write_plan
+    from manifests.plan.schedule import PlanConfig
 
     layout = {"family": "sdxl", "join": "features", "masked": False, "lengths": [77, 77], "widths": [768, 1280],
               "pooled_dim": 1280, "pooled_source": "clip_g projection"}  # fmt: skip
@@ -126,40 +125,60 @@ def write_ours(root: str, n: int) -> None:
             writer.add_text(key, encode_text(caption))
             writer.add_sample(i + 1, encode_sample(record), key, BUCKET)
     writer.finish()
-    plan_ours(root, n, "full")
+    write_plan(f"{root}/plan", [DatasetSamples(np.arange(1, n + 1, dtype=np.uint64), [BUCKET] * n,
+                                               manifest_fingerprint="benchmark")],
+               PlanConfig(world_size=1, batch_size=BATCH, epochs=1, seed=1))  # fmt: skip
 
 
-def _litdata_item(i: int) -> dict:
-    latent, text, pooled = sample_tensors(i)  # bf16 bits: LitData's tensor serializer refuses torch.bfloat16
-    return {"index": i, "latent": latent, "text": text, "pooled": pooled}
+def _litdata_item(i: int, encoding: str) -> dict:
+    """Sample ``i`` as LitData gets it: numpy uint16 arrays, or torch int16 tensors (``encoding="tensor"``).
+
+    Both hold the bf16 bits: LitData's serializers go through ``numpy()``, which has no bfloat16.
+    """
+    import torch
+
+    arrays = dict(zip(("latent", "text", "pooled"), sample_tensors(i)))
+    if encoding == "tensor":
+        arrays = {k: torch.from_numpy(v.view(np.int16)) for k, v in arrays.items()}
+    return {"index": i, **arrays}
 
 
 def _as_bf16(sample: dict) -> dict:
-    """A peer's decoded sample (uint16 bf16 bits) as torch bf16 tensors (zero-copy views)."""
+    """A peer's decoded sample (bf16 bits: numpy uint16, torch int16 or raw bytes) as torch bf16 (zero-copy views)."""
     import torch
 
-    out = {k: torch.from_numpy(np.ascontiguousarray(sample[k]).view(np.int16)).view(torch.bfloat16)
-           for k in ("latent", "text", "pooled")}  # fmt: skip
-    return {"index": sample["index"], **out}
+    def bf16(value, shape):
+        if isinstance(value, torch.Tensor):
+            return value.view(torch.bfloat16)
+        bits = np.frombuffer(value, np.uint16) if isinstance(value, bytes) else np.ascontiguousarray(value)
+        return torch.from_numpy(bits.view(np.int16).reshape(shape)).view(torch.bfloat16)
+
+    return {"index": sample["index"], **{k: bf16(sample[k], s) for k, s in zip(("latent", "text", "pooled"),
+                                                                              (LATENT, TEXT, POOLED))}}
 
 
-def write_litdata(root: str, n: int) -> None:
+def write_litdata(folder: str, n: int, encoding: str, compression: str) -> None:
+    from functools import partial
+
     from litdata import optimize
 
-    optimize(fn=_litdata_item, inputs=list(range(n)), output_dir=f"{root}/litdata", chunk_bytes="64MB",
-             num_workers=1, mode="overwrite")  # fmt: skip
+    optimize(fn=partial(_litdata_item, encoding=encoding), inputs=list(range(n)), output_dir=folder,
+             chunk_bytes="64MB", num_workers=1, mode="overwrite",
+             compression=None if compression == "none" else compression)  # fmt: skip
 
 
-def write_mosaic(root: str, n: int) -> None:
+def write_mosaic(folder: str, n: int, encoding: str, compression: str) -> None:
     _import_streaming()
     from streaming.base import MDSWriter
 
-    columns = {"index": "int", "latent": "ndarray:uint16:4,64,64", "text": "ndarray:uint16:77,2048",
-               "pooled": "ndarray:uint16:1280"}  # fmt: skip
-    with MDSWriter(out=f"{root}/mosaic", columns=columns, size_limit="64mb") as out:
+    shapes = {"latent": LATENT, "text": TEXT, "pooled": POOLED}
+    columns = {"index": "int", **{k: "bytes" if encoding == "bytes" else f"ndarray:uint16:{','.join(map(str, s))}"
+                                  for k, s in shapes.items()}}  # fmt: skip
+    with MDSWriter(out=folder, columns=columns, size_limit="64mb",
+                   compression=None if compression == "none" else compression) as out:  # fmt: skip
         for i in range(n):
-            latent, text, pooled = sample_tensors(i)
-            out.write({"index": i, "latent": latent, "text": text, "pooled": pooled})
+            arrays = dict(zip(shapes, sample_tensors(i)))
+            out.write({"index": i, **{k: v.tobytes() if encoding == "bytes" else v for k, v in arrays.items()}})
 
 
 WRITERS = {"ours": write_ours, "litdata": write_litdata, "mosaic": write_mosaic}
@@ -192,14 +211,30 @@ def _check(index: list[int], latent, text, pooled) -> None:
                 raise AssertionError(f"sample {i}: {name} differs from the source")
 
 
-def read_ours(root: str, storage_options: dict | None) -> int:
+class Consumer:
+    """The training step's Python, the same for every tool: :data:`STEP_ITERATIONS` iterations of a
+    pure-Python loop per batch, in the loop's thread, holding the GIL as a step's Python does (so
+    ours' reader threads compete for it; the peers' worker processes have their own)."""
+
+    def __init__(self) -> None:
+        self.cpu = 0.0  # CPU-seconds the steps took (thread time), taken out of the reader's CPU
+
+    def step(self) -> None:
+        t = time.thread_time()
+        x = 0
+        for i in range(STEP_ITERATIONS):
+            x += i & 7
+        self.cpu += time.thread_time() - t
+
+
+def read_ours(root: str, setting: dict, storage_options: dict | None, step: Consumer) -> int:
     from manifests.cache import CacheReader
     from train.config import TrainConfig
     from train.data import BatchLoader, rank_steps
 
-    cfg = TrainConfig()  # the trainer's defaults, passed as train/setup.py passes them
+    cfg = replace(TrainConfig(), **{k: v for k, v in setting.items() if k in ("read_threads", "prefetch")})
     reader = CacheReader(f"{root}/cache", storage_options)
-    steps = rank_steps(f"{root}/{ours_plan(SHUFFLE)}", 0, storage_options)
+    steps = rank_steps(f"{root}/plan", 0, storage_options)
     loader = BatchLoader(reader, steps, reader.meta.latent, prefetch=cfg.prefetch, read_threads=cfg.read_threads,
                          widen=cfg.loader_float32, read_ahead_mb=cfg.read_ahead_mb)  # fmt: skip
     n = 0
@@ -209,10 +244,11 @@ def read_ours(root: str, storage_options: dict | None) -> int:
             latents = batch.latents / reader.meta.latent.scaling_factor  # the stored latent, unscaled
             _check([i - 1 for i in batch.sample_ids], latents, batch.text, batch.pooled)
         n += len(batch.sample_ids)
+        step.step()
     return n
 
 
-def read_litdata(root: str, storage_options: dict | None) -> int:
+def read_litdata(folder: str, setting: dict, storage_options: dict | None, step: Consumer) -> int:
     import litdata.streaming.downloader as downloader
     from litdata import StreamingDataLoader, StreamingDataset
     from litdata.streaming.resolver import Dir
@@ -223,19 +259,20 @@ def read_litdata(root: str, storage_options: dict | None) -> int:
 
     if storage_options:
         downloader._OBSTORE_CLIENT_OPTIONS = {**downloader._OBSTORE_CLIENT_OPTIONS, "allow_http": "true"}
-        source = Dir(path=tempfile.mkdtemp(prefix="litdata-cache-"), url=f"s3://{BUCKET_NAME}/{_key(root)}/litdata")
+        source = Dir(path=tempfile.mkdtemp(prefix="litdata-cache-"), url=_bucket_url(folder))
         data = Latents(source, shuffle=True, storage_options=_boto_options(storage_options))
     else:
-        data = Latents(f"{root}/litdata", shuffle=True)
+        data = Latents(folder, shuffle=True)
     n = 0
-    for batch in StreamingDataLoader(data, batch_size=BATCH, num_workers=4):
+    for batch in StreamingDataLoader(data, batch_size=BATCH, num_workers=setting["workers"]):
         if n == 0:
             _check(batch["index"].tolist(), batch["latent"], batch["text"], batch["pooled"])
         n += len(batch["index"])
+        step.step()
     return n
 
 
-def read_mosaic(root: str, storage_options: dict | None) -> int:
+def read_mosaic(folder: str, setting: dict, storage_options: dict | None, step: Consumer) -> int:
     _import_streaming()
     from streaming.base import StreamingDataset
     from torch.utils.data import DataLoader
@@ -246,23 +283,26 @@ def read_mosaic(root: str, storage_options: dict | None) -> int:
 
     if storage_options:
         os.environ["S3_ENDPOINT_URL"] = storage_options["endpoint_url"]
-        data = Latents(remote=f"s3://{BUCKET_NAME}/{_key(root)}/mosaic", local=tempfile.mkdtemp(prefix="mds-"),
-                       shuffle=True, batch_size=BATCH)  # fmt: skip
+        data = Latents(remote=_bucket_url(folder), local=tempfile.mkdtemp(prefix="mds-"), shuffle=True,
+                       batch_size=BATCH)  # fmt: skip
     else:
-        data = Latents(local=f"{root}/mosaic", shuffle=True, batch_size=BATCH)
+        data = Latents(local=folder, shuffle=True, batch_size=BATCH)
     n = 0
-    for batch in DataLoader(data, batch_size=BATCH, num_workers=4):
+    for batch in DataLoader(data, batch_size=BATCH, num_workers=setting["workers"]):
         if n == 0:
             _check(batch["index"].tolist(), batch["latent"], batch["text"], batch["pooled"])
         n += len(batch["index"])
+        step.step()
     return n
 
 
 READERS = {"ours": read_ours, "litdata": read_litdata, "mosaic": read_mosaic}
 
 
-def _key(root: str) -> str:
-    return os.path.basename(root.rstrip("/"))
+def _bucket_url(folder: str) -> str:
+    """The bucket path of a peer's local dataset folder ``<work>/n<N>/<name>``: ``s3://bucket/n<N>/<name>``."""
+    parts = folder.rstrip("/").split("/")
+    return f"s3://{BUCKET_NAME}/{parts[-2]}/{parts[-1]}"
 
 
 def _boto_options(options: dict) -> dict:
@@ -275,13 +315,57 @@ def _cpu() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def child(tool: str, root: str, endpoint: str | None) -> None:
-    """One epoch of ``tool`` in this fresh process; prints one JSON line."""
+def child(tool: str, root: str, setting: dict, endpoint: str | None) -> None:
+    """One epoch of ``tool`` with ``setting`` in this fresh process; prints one JSON line (``cpu``: the
+    reading's CPU-seconds, the consumer's steps taken out; ``step_cpu``: theirs)."""
     options = {"endpoint_url": endpoint} if endpoint else None
+    step = Consumer()
     cpu0, t0 = _cpu(), time.perf_counter()
-    n = READERS[tool](root, options)
+    n = READERS[tool](root, setting, options, step)
     seconds, cpu = time.perf_counter() - t0, _cpu() - cpu0
-    print(json.dumps({"samples": n, "seconds": seconds, "cpu": cpu}))
+    print(json.dumps({"samples": n, "seconds": seconds, "cpu": cpu - step.cpu, "step_cpu": step.cpu}))
+
+
+# ---------------------------------------------------------------- settings: each tool's knobs, swept
+
+
+def sweep(tool: str, workers: list[int], compressions: list[str], read_threads: list[int]) -> list[dict]:
+    """The settings of ``tool`` that a run measures: each peer's worker counts in its native tensor
+    encoding uncompressed, then each other compression and its other encoding at the most workers
+    swept (a run on the shared 2-core machine cannot afford the full grid); ours' read threads
+    (with the trainer's prefetch)."""
+    if tool == "ours":
+        return [{"read_threads": t} for t in read_threads]
+    native, other = {"litdata": ("tensor", "numpy"), "mosaic": ("ndarray", "bytes")}[tool]
+    most = max(workers)
+    return ([{"encoding": native, "compression": compressions[0], "workers": w} for w in workers]
+            + [{"encoding": native, "compression": c, "workers": most} for c in compressions[1:]]
+            + [{"encoding": other, "compression": compressions[0], "workers": most}])  # fmt: skip
+
+
+def label(setting: dict) -> str:
+    """A setting as the tables name it: ``tensor zstd 4w``, ``2 threads``."""
+    if "read_threads" in setting:
+        return f"{setting['read_threads']} read threads"
+    return f"{setting['encoding']} {setting['compression']} {setting['workers']}w"
+
+
+def dataset(tool: str, setting: dict) -> str:
+    """The folder (under ``<work>/n<N>``) of the dataset a setting reads: ours' cache + plan are the size's folder."""
+    return "." if tool == "ours" else f"{tool}-{setting['encoding']}-{setting['compression']}"
+
+
+def marginal(small: dict, large: dict) -> dict:
+    """Marginal figures between two epochs of one setting: samples/s and CPU-ms per sample (reader, server)."""
+    extra = large["samples"] - small["samples"]
+    return {"rate": extra / (large["seconds"] - small["seconds"]),
+            "cpu_ms": (large["cpu"] - small["cpu"]) / extra * 1000,
+            "server_ms": (large["server_cpu"] - small["server_cpu"]) / extra * 1000}  # fmt: skip
+
+
+def best(rates: dict[str, list[float]]) -> str:
+    """The setting with the highest median rate over the rounds (ties: the first listed)."""
+    return max(rates, key=lambda k: float(np.median(rates[k])))
 
 
 # ---------------------------------------------------------------- S3: moto with ranged GETs that cost their range
@@ -332,18 +416,15 @@ def _serve_moto(port: int) -> None:
     serve(["-H", "127.0.0.1", "-p", str(port)])
 
 
-def start_s3(log: str | None = None) -> tuple[subprocess.Popen, str]:
-    """moto's server on a free port of 127.0.0.1; ``log``: a file its request log (werkzeug's, one line per
-    request, on stderr) is appended to, which :func:`count_requests` counts."""
+def start_s3() -> tuple[subprocess.Popen, str]:
     for k, v in (("AWS_ACCESS_KEY_ID", "benchmark"), ("AWS_SECRET_ACCESS_KEY", "benchmark"),
                  ("AWS_DEFAULT_REGION", "us-east-1")):  # fmt: skip
         os.environ.setdefault(k, v)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    err = open(log, "ab") if log else subprocess.DEVNULL
     server = subprocess.Popen([sys.executable, __file__, "--moto-server", str(port)], stdout=subprocess.DEVNULL,
-                              stderr=err, start_new_session=True)  # fmt: skip
+                              stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
     deadline = time.time() + 60
     while True:
         try:
@@ -354,24 +435,6 @@ def start_s3(log: str | None = None) -> tuple[subprocess.Popen, str]:
                 server.kill()
                 raise RuntimeError("the moto S3 server did not start") from None
             time.sleep(0.2)
-
-
-def count_requests(log: str | None) -> tuple[int, int]:
-    """``(object GETs, all requests)`` the moto server has logged so far (0, 0 without a log); werkzeug colours
-    its lines with ANSI codes, taken out first."""
-    import re
-
-    if not log or not os.path.exists(log):
-        return 0, 0
-    gets = total = 0
-    request = re.compile(r'"([A-Z]+) (\S+) HTTP/[0-9.]+" \d{3}')
-    with open(log, errors="replace") as f:
-        for line in f:
-            hit = request.search(re.sub(r"\x1b\[[0-9;]*m", "", line))
-            if hit:
-                total += 1
-                gets += hit.group(1) == "GET" and "?" not in hit.group(2)
-    return gets, total
 
 
 # ---------------------------------------------------------------- threads or processes
@@ -419,6 +482,41 @@ def decode_scaling(root: str, workers: int) -> None:
               f"(load {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
 
 
+# ---------------------------------------------------------------- why LitData's numpy encoding is slow
+
+
+def litdata_decodes(root: str) -> None:
+    """Deserializations per item and CPU-ms per item of one shuffled epoch of LitData, one process,
+    numpy vs tensor encoding, its default ``batch_decode="auto"`` vs ``0`` (decode the requested item only).
+
+    ``auto`` picks a decode window from the leaf types and the mean sample size: tensor leaves count
+    as heavy (8 rows at ~340 kB a sample), numpy leaves do not (16 MB / sample size: ~47 rows); the
+    in-chunk shuffle then asks for items across windows, so a window is decoded again and again,
+    and ``NumpySerializer`` copies every array it decodes."""
+    from collections import Counter
+
+    from litdata import StreamingDataset
+    from litdata.streaming import serializers
+
+    calls: Counter = Counter()
+    for cls in (serializers.NumpySerializer, serializers.NoHeaderNumpySerializer, serializers.TensorSerializer,
+                serializers.NoHeaderTensorSerializer):  # fmt: skip
+        def counted(self, data, plain=cls.deserialize):
+            calls["arrays"] += 1
+            return plain(self, data)
+
+        cls.deserialize = counted
+    for encoding in ("numpy", "tensor"):
+        for decode in ("auto", 0):
+            calls.clear()
+            data = StreamingDataset(f"{root}/litdata-{encoding}-none", shuffle=True, batch_decode=decode)
+            cpu = time.process_time()
+            n = sum(1 for _ in data)
+            cpu = time.process_time() - cpu
+            print(f"litdata {encoding} batch_decode={decode}: {calls['arrays'] / (3 * n):.1f} decodes per array, "
+                  f"{cpu / n * 1000:.2f} CPU-ms per item ({n} items, load {os.getloadavg()[0]:.1f})", flush=True)
+
+
 # ---------------------------------------------------------------- driver
 
 
@@ -432,48 +530,49 @@ def _process_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run_child(tool: str, root: str, endpoint: str | None, server: subprocess.Popen | None = None,
-              log: str | None = None) -> dict:  # fmt: skip
+def run_child(tool: str, root: str, setting: dict, endpoint: str | None,
+              server: subprocess.Popen | None = None) -> dict:  # fmt: skip
     """One epoch in a fresh process; ``server_cpu``: what the moto server spent answering it (its own
-    process, not counted in ``cpu``: a real S3 endpoint's cost is not the reader's); ``gets``, ``requests``:
-    the object GETs and all requests it logged (``log``: its request log)."""
-    cmd = [sys.executable, __file__, "--child", tool, "--root", root] + (["--endpoint", endpoint] if endpoint else [])
-    before, (gets, requests) = (_process_cpu(server.pid) if server else 0.0), count_requests(log)
+    process, not counted in ``cpu``: a real S3 endpoint's cost is not the reader's)."""
+    cmd = [sys.executable, __file__, "--child", tool, "--root", root, "--setting", json.dumps(setting)]
+    cmd += ["--endpoint", endpoint] if endpoint else []
+    before = _process_cpu(server.pid) if server else 0.0
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     if out.returncode:
-        raise RuntimeError(f"{tool} {root} {endpoint or 'local'} failed:\n{out.stderr[-3000:]}")
+        raise RuntimeError(f"{tool} {label(setting)} {root} {endpoint or 'local'} failed:\n{out.stderr[-3000:]}")
     got = json.loads(out.stdout.strip().splitlines()[-1])
     got["server_cpu"] = (_process_cpu(server.pid) - before) if server else 0.0
-    time.sleep(0.2)  # the server logs a request after answering it
-    got["gets"], got["requests"] = (a - b for a, b in zip(count_requests(log), (gets, requests)))
     return got
 
 
-def record_round(run, results: dict, r: int, sizes: list[int], tools: list[str], stores: list[str]) -> None:
-    """Round ``r``'s marginal figures into ``run`` (:class:`benchmarks.results.Run`): per store, each tool's
-    samples/s, ours / each peer, CPU-ms per sample (S3: reader + moto server) and GETs per sample."""
-    for store in stores:
-        marg = {}
-        for tool in tools:
-            a, b = results[(tool, store, sizes[0])][r], results[(tool, store, sizes[1])][r]
-            n = b["samples"] - a["samples"]
-            marg[tool] = (n / (b["seconds"] - a["seconds"]),
-                          (b["cpu"] + b["server_cpu"] - a["cpu"] - a["server_cpu"]) / n * 1000,
-                          (b["gets"] - a["gets"]) / n)  # fmt: skip
-        for tool in tools:
-            run.add(f"{store}: {tool} samples/s", marg[tool][0], unit="/s")
-        for tool in [t for t in tools if t != "ours" and "ours" in tools]:
-            run.add(f"{store}: ours / {tool}, samples/s", marg["ours"][0] / marg[tool][0], unit="x", target=">= 1.2")
-        for tool in tools:
-            what = "reader + moto server CPU-ms/sample" if store == "s3" else "CPU-ms/sample"
-            run.add(f"{store}: {tool} {what}", marg[tool][1], unit="ms")
-        if store == "s3":
-            for tool in tools:
-                run.add(f"s3: {tool} GETs per 1,000 samples", marg[tool][2] * 1000)
-            peers = [marg[t][1] for t in tools if t != "ours"]
-            if "ours" in tools and peers:
-                run.add("s3: ours CPU-ms/sample (reader + server) / the best peer's", marg["ours"][1] / min(peers),
-                        unit="x", target="<= 1.0")  # fmt: skip
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def record(run, rounds: list[dict], settings: dict[str, list[dict]], stores: list[str]) -> dict:
+    """Add every round's figures to ``run`` (results.py) once the best setting of each tool is known (by
+    the median over the rounds), each round with the load it was measured under; returns the bests."""
+    tools = list(settings)
+    bests = {store: {tool: best({label(s): [r["figures"][store][tool][label(s)]["rate"] for r in rounds]
+                                 for s in settings[tool]}) for tool in tools} for store in stores}  # fmt: skip
+    for r in rounds:
+        with run.round() as i:
+            for store in stores:
+                figures, top = r["figures"][store], bests[store]
+                for tool in tools:
+                    run.add(f"{store}: {tool} at its best ({top[tool]})", figures[tool][top[tool]]["rate"], "samples/s")
+                for peer in (t for t in tools if t != "ours" and "ours" in tools):
+                    ratio = figures["ours"][top["ours"]]["rate"] / figures[peer][top[peer]]["rate"]
+                    run.add(f"{store}: ours / {peer}, each at its best", ratio, "x", target=">= 1.2")
+                for tool in tools:
+                    run.add(f"{store}: {tool} CPU per sample, reader", figures[tool][top[tool]]["cpu_ms"], "ms")
+                    if store == "s3":
+                        run.add(f"s3: {tool} CPU per sample, moto server", figures[tool][top[tool]]["server_ms"], "ms")
+                for tool in tools:
+                    for s in settings[tool]:
+                        run.add(f"{store} sweep: {tool} {label(s)}", figures[tool][label(s)]["rate"], "samples/s")
+        run.rounds[i].update(r["load"])  # the load measured around the round, not around this bookkeeping
+    return bests
 
 
 def main() -> None:
@@ -482,110 +581,118 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1, help="interleaved rounds; the median is reported")
     p.add_argument("--stores", default="local,s3")
     p.add_argument("--tools", default=",".join(TOOLS))
+    p.add_argument("--workers", default="1,2,4", help="the peers' DataLoader worker counts swept")
+    p.add_argument("--compressions", default="none,zstd", help="the peers' compressions swept")
+    p.add_argument("--read-threads", default="1,2,4", help="ours' read threads swept (prefetch: the trainer's)")
+    p.add_argument("--save", action="store_true", help="write benchmarks/results/loader.json (results.py)")
     p.add_argument("--work", default=None, help="folder for the datasets (default: a temporary one)")
     p.add_argument("--decode-scaling", type=int, metavar="K", default=0,
                    help="only measure ours' read+decode in 1 thread, K threads, K processes (local, --sizes' larger)")
-    p.add_argument("--results", metavar="NAME", default=None,
-                   help="record every round's figures in benchmarks/results/NAME.json (benchmarks/results.py)")
-    p.add_argument("--shuffle", default="full", help="ours' plan: --shuffle full (default) or window[:SIZE]")
+    p.add_argument("--litdata-decodes", action="store_true",
+                   help="only count LitData's decodes per item, numpy vs tensor (one process, --sizes' smaller)")
     p.add_argument("--child", choices=TOOLS, help=argparse.SUPPRESS)
     p.add_argument("--root", help=argparse.SUPPRESS)
+    p.add_argument("--setting", help=argparse.SUPPRESS)
     p.add_argument("--endpoint", help=argparse.SUPPRESS)
     p.add_argument("--moto-server", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.moto_server:
         return _serve_moto(args.moto_server)
     if args.child:
-        return child(args.child, args.root, args.endpoint)
-    os.environ["BENCH_LOADER_SHUFFLE"] = args.shuffle  # the children read ours' plan of this shuffle
-    run = Run(args.results, command=" ".join(["python benchmarks/loader.py", *sys.argv[1:]]),
-              tools=["litdata", "mosaicml-streaming"]) if args.results else None  # fmt: skip
+        return child(args.child, args.root, json.loads(args.setting), args.endpoint)
 
     sizes = [int(s) for s in args.sizes.split(",")]
     assert len(sizes) == 2 and sizes[0] < sizes[1] and all(s % BATCH == 0 for s in sizes), "two sizes, x16"
     tools, stores = args.tools.split(","), args.stores.split(",")
+    settings = {t: sweep(t, _ints(args.workers), args.compressions.split(","), _ints(args.read_threads))
+                for t in tools}  # fmt: skip
     work = args.work or tempfile.mkdtemp(prefix="bench-loader-")
     server = None
     if args.decode_scaling:
         tools, stores, sizes = ["ours"], [], sizes[1:]
+    if args.litdata_decodes:
+        tools, sizes = ["litdata"], sizes[:1]
+        settings["litdata"] = [{"encoding": e, "compression": "none", "workers": 0} for e in ("numpy", "tensor")]
     try:
         t = time.perf_counter()
         for n in sizes:
             for tool in tools:
-                if not os.path.exists(f"{work}/n{n}/.{tool}-done"):
-                    os.makedirs(f"{work}/n{n}", exist_ok=True)
-                    WRITERS[tool](f"{work}/n{n}", n)
-                    open(f"{work}/n{n}/.{tool}-done", "w").close()
-                if tool == "ours" and not os.path.exists(f"{work}/n{n}/{ours_plan(args.shuffle)}"):
-                    plan_ours(f"{work}/n{n}", n, args.shuffle)
+                for s in settings[tool]:
+                    folder = os.path.normpath(f"{work}/n{n}/{dataset(tool, s)}")
+                    if not os.path.exists(f"{folder}/.done-{tool}"):
+                        os.makedirs(folder, exist_ok=True)
+                        if tool == "ours":
+                            write_ours(folder, n)
+                        else:
+                            WRITERS[tool](folder, n, s["encoding"], s["compression"])
+                        open(f"{folder}/.done-{tool}", "w").close()
         print(f"wrote {sizes} samples with {tools} in {time.perf_counter() - t:.0f} s under {work}", flush=True)
+        if args.litdata_decodes:
+            return litdata_decodes(f"{work}/n{sizes[0]}")
         if args.decode_scaling:
             return decode_scaling(f"{work}/n{sizes[0]}", args.decode_scaling)
+        step = Consumer()
+        for _ in range(20):
+            step.step()
+        print(f"consumer: {STEP_ITERATIONS:,} Python iterations per batch, {step.cpu / 20 * 1000:.2f} CPU-ms each "
+              f"(load {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
         endpoint = None
         if "s3" in stores:
-            server, endpoint = start_s3(f"{work}/moto-requests.log")
+            server, endpoint = start_s3()
             import s3fs
 
             fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint})
             fs.mkdir(BUCKET_NAME)
             for n in sizes:
                 for tool in tools:
-                    for name in {"ours": ("cache", ours_plan(args.shuffle))}.get(tool, (tool,)):
+                    names = ("cache", "plan") if tool == "ours" else {dataset(tool, s) for s in settings[tool]}
+                    for name in names:
                         fs.put(f"{work}/n{n}/{name}", f"{BUCKET_NAME}/n{n}/", recursive=True)
-        results: dict[tuple[str, str, int], list[dict]] = {}
+        from benchmarks.results import Run
+
+        command = "python benchmarks/loader.py " + " ".join(a for a in sys.argv[1:] if a != "--save")
+        run = Run("loader", command=command.strip(), tools=["litdata", "mosaicml-streaming"])
+        rounds = []
         for r in range(args.rounds):
-            with run.round() if run else contextlib.nullcontext():
-                for store in stores:
-                    for n in sizes:
-                        for tool in tools:
-                            root = f"s3://{BUCKET_NAME}/n{n}" if store == "s3" else f"{work}/n{n}"
-                            if store == "s3" and tool != "ours":
-                                root = f"{work}/n{n}"  # the peers take the bucket path apart from their cache dir
-                            got = run_child(tool, root, *((endpoint, server, f"{work}/moto-requests.log")
-                                                          if store == "s3" else (None, None, None)))
+            load = {"load_before": round(os.getloadavg()[0], 2)}
+            raw: dict = {}
+            for store in stores:
+                for n in sizes:
+                    for tool in tools:
+                        for s in settings[tool]:
+                            folder = os.path.normpath(f"{work}/n{n}/{dataset(tool, s)}")
+                            root = f"s3://{BUCKET_NAME}/n{n}" if store == "s3" and tool == "ours" else folder
+                            got = run_child(tool, root, s, *((endpoint, server) if store == "s3" else (None, None)))
                             assert got["samples"] >= n - BATCH, (tool, store, n, got)
-                            results.setdefault((tool, store, n), []).append(got)
-                            print(f"round {r + 1} {store} {tool} n={n}: {got['samples']} samples "
-                                  f"{got['seconds']:.2f} s cpu {got['cpu']:.2f} s server {got['server_cpu']:.2f} s, "
-                                  f"{got['gets']} GETs "
-                                  f"(load {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
-                if run:
-                    record_round(run, results, r, sizes, tools, stores)
-        summary = {}
+                            raw[(store, tool, label(s), n)] = got
+                            print(f"round {r + 1} {store} {tool} {label(s)} n={n}: {got['samples']} samples "
+                                  f"{got['seconds']:.2f} s cpu {got['cpu']:.2f} s (load {os.getloadavg()[0]:.1f})",
+                                  flush=True)  # fmt: skip
+            load["load_after"] = round(os.getloadavg()[0], 2)
+            figures = {store: {tool: {label(s): marginal(raw[(store, tool, label(s), sizes[0])],
+                                                         raw[(store, tool, label(s), sizes[1])])
+                                      for s in settings[tool]} for tool in tools} for store in stores}  # fmt: skip
+            rounds.append({"load": load, "figures": figures})
+            if args.save:  # after every round, so that a run cut short keeps the rounds it finished
+                partial = Run("loader", command=run.command, tools=["litdata", "mosaicml-streaming"])
+                partial.started = run.started
+                record(partial, rounds, settings, stores)
+                partial.save()
+        bests = record(run, rounds, settings, stores)
         for store in stores:
-            rates, cpus, servers, gets = {}, {}, {}, {}
+            print(f"sweep {store} (marginal samples/s per round; reader CPU-ms/sample, median):")
             for tool in tools:
-                pairs = zip(results[(tool, store, sizes[0])], results[(tool, store, sizes[1])])
-                marg = [((b["samples"] - a["samples"]) / (b["seconds"] - a["seconds"]),
-                         (b["cpu"] - a["cpu"]) / (b["samples"] - a["samples"]),
-                         (b["server_cpu"] - a["server_cpu"]) / (b["samples"] - a["samples"]),
-                         (b["gets"] - a["gets"]) / (b["samples"] - a["samples"]))
-                        for a, b in pairs]  # fmt: skip
-                rates[tool] = float(np.median([m[0] for m in marg]))
-                cpus[tool] = float(np.median([m[1] for m in marg]))
-                servers[tool] = float(np.median([m[2] for m in marg]))
-                gets[tool] = float(np.median([m[3] for m in marg]))
-            summary[store] = {"samples_per_s": rates, "cpu_s_per_sample": cpus, "server_cpu_s_per_sample": servers,
-                              "gets_per_sample": gets}  # fmt: skip
-        print(json.dumps(summary))
+                for s in settings[tool]:
+                    figs = [r["figures"][store][tool][label(s)] for r in rounds]
+                    mark = " <- best" if label(s) == bests[store][tool] else ""
+                    print(f"  {tool:8} {label(s):20} " + " ".join(f"{f['rate']:7,.0f}" for f in figs)
+                          + f"   {np.median([f['cpu_ms'] for f in figs]):.2f} ms{mark}")
         for store in stores:
-            rates, cpus = summary[store]["samples_per_s"], summary[store]["cpu_s_per_sample"]
-            ours = rates.get("ours")
-            parts = [f"{tool} {rates[tool]:,.0f}/s" + (f" ({ours / rates[tool]:.2f}x)" if ours and tool != "ours"
-                                                       else "") for tool in tools]  # fmt: skip
+            top = bests[store]
+            rate = {t: float(np.median([r["figures"][store][t][top[t]]["rate"] for r in rounds])) for t in tools}
+            parts = [f"{t} {rate[t]:,.0f}/s [{top[t]}]" + (f" ({rate['ours'] / rate[t]:.2f}x)"
+                     if "ours" in tools and t != "ours" else "") for t in tools]  # fmt: skip
             print(f"loader {store}: " + ", ".join(parts))
-            print(f"loader {store} cpu-s/sample: " + ", ".join(f"{t} {cpus[t] * 1000:.2f} ms" for t in tools))
-            if store == "s3":  # the moto server's CPU per sample: a real endpoint's, not the reader's, but here
-                servers = summary[store]["server_cpu_s_per_sample"]  # it shares the 2 cores with the reader
-                print("loader s3 moto-server cpu-s/sample: "
-                      + ", ".join(f"{t} {servers[t] * 1000:.2f} ms" for t in tools))
-                print("loader s3 reader + server cpu-s/sample: "
-                      + ", ".join(f"{t} {(cpus[t] + servers[t]) * 1000:.2f} ms" for t in tools))
-                gets = summary[store]["gets_per_sample"]  # S3 GET: $0.0004 per 1,000 requests
-                print("loader s3 GETs/sample (marginal): " + ", ".join(
-                    f"{t} {gets[t]:.4f} (${gets[t] * 0.4:.3f} per 1M samples)" for t in tools))
-        if run:
-            run.save()
     finally:
         if server is not None:
             server.kill()

@@ -1,0 +1,61 @@
+"""benchmarks/loader.py compares each tool at its best: the sweep's settings, the pick of the best and what is recorded.
+
+The peers themselves are not run here (a run takes minutes); the bookkeeping that decides which
+setting of each tool is compared is, on made-up figures.
+"""
+
+import json
+
+from benchmarks import loader, results
+
+
+def test_the_sweep_covers_worker_counts_then_compression_and_the_other_encoding_at_the_most_workers():
+    lit = [loader.label(s) for s in loader.sweep("litdata", [1, 2, 4], ["none", "zstd"], [1])]
+    assert lit == ["tensor none 1w", "tensor none 2w", "tensor none 4w", "tensor zstd 4w", "numpy none 4w"]
+    mds = [loader.label(s) for s in loader.sweep("mosaic", [1, 2], ["none"], [1])]
+    assert mds == ["ndarray none 1w", "ndarray none 2w", "bytes none 2w"]
+    assert [loader.label(s) for s in loader.sweep("ours", [4], ["none"], [1, 2])] == ["1 read threads",
+                                                                                     "2 read threads"]
+    setting = {"encoding": "tensor", "compression": "zstd", "workers": 4}
+    assert loader.dataset("litdata", setting) == "litdata-tensor-zstd"
+    assert loader.dataset("ours", {"read_threads": 2}) == "."
+
+
+def test_marginal_rates_drop_the_fixed_cost():
+    small = {"samples": 256, "seconds": 5.0, "cpu": 3.0, "server_cpu": 0.0}
+    large = {"samples": 1024, "seconds": 6.0, "cpu": 4.536, "server_cpu": 0.768}
+    got = loader.marginal(small, large)
+    assert got["rate"] == 768.0
+    assert abs(got["cpu_ms"] - 2.0) < 1e-9 and abs(got["server_ms"] - 1.0) < 1e-9
+
+
+def test_the_best_setting_is_the_best_median_not_one_lucky_round():
+    assert loader.best({"4w": [100.0, 110.0, 900.0], "2w": [200.0, 210.0, 190.0]}) == "2w"
+    assert loader.best({"a": [5.0], "b": [5.0]}) == "a"
+
+
+def test_every_round_records_each_tool_at_the_setting_best_over_all_rounds(tmp_path):
+    settings = {"ours": [{"read_threads": 1}, {"read_threads": 2}],
+                "litdata": loader.sweep("litdata", [1, 4], ["none"], [1])}
+    rates = [  # per round: ours 1 thread, 2 threads; litdata tensor 1w, tensor 4w, numpy 4w
+        (1000.0, 1200.0, 300.0, 800.0, 200.0),
+        (1100.0, 1000.0, 900.0, 700.0, 250.0),  # a round where the other setting wins
+        (1000.0, 1300.0, 310.0, 750.0, 240.0),
+    ]
+    rounds = []
+    for k, (o1, o2, l1, l4, n4) in enumerate(rates):
+        fig = {"ours": {"1 read threads": o1, "2 read threads": o2},
+               "litdata": {"tensor none 1w": l1, "tensor none 4w": l4, "numpy none 4w": n4}}
+        figures = {"local": {t: {s: {"rate": r, "cpu_ms": 1.0, "server_ms": 0.0} for s, r in v.items()}
+                             for t, v in fig.items()}}
+        rounds.append({"load": {"load_before": 5.0 + k, "load_after": 6.0 + k}, "figures": figures})
+    run = results.Run("loader", command="python benchmarks/loader.py")
+    bests = loader.record(run, rounds, settings, ["local"])
+    assert bests == {"local": {"ours": "2 read threads", "litdata": "tensor none 4w"}}
+    doc = json.loads(run.save(tmp_path).read_text())
+    rows = {r["measure"]: r for r in doc["rows"]}
+    ratio = rows["local: ours / litdata, each at its best"]
+    assert ratio["rounds"] == [1200.0 / 800.0, 1000.0 / 700.0, 1300.0 / 750.0] and ratio["met"] is True
+    assert rows["local: litdata at its best (tensor none 4w)"]["median"] == 750.0
+    assert rows["local sweep: litdata numpy none 4w"]["rounds"] == [200.0, 250.0, 240.0]
+    assert doc["rounds"][1] == {"load_before": 6.0, "load_after": 7.0}  # the load of the measurement, not of now
