@@ -3,6 +3,7 @@
     python benchmarks/loader.py                                # smoke: 128 and 384 samples, 1 round
     python benchmarks/loader.py --sizes 512,2048 --rounds 3 --save   # the comparison (results/loader.json)
     python benchmarks/loader.py --stores local --tools ours    # one side only
+    python benchmarks/loader.py --stores s3 --shuffle window --save loader-window  # ours' windowed plan
     python benchmarks/loader.py --litdata-decodes              # why LitData's numpy encoding is slow
     python benchmarks/loader.py --decode-scaling 2             # read+decode: threads vs processes
 
@@ -53,8 +54,11 @@ package's path first), so torchvision is neither needed nor imported.
 
 Last lines: the sweep per store (every round's marginal rate, the median reader CPU-ms per sample,
 the best marked), then one line per store: ``loader <store>: ours N/s [setting], litdata N/s
-[setting] (Rx), mosaic N/s [setting] (Rx)``, R = ours / theirs. ``--save`` writes
-``benchmarks/results/loader.json`` (``benchmarks/results.py``) after every round.
+[setting] (Rx), mosaic N/s [setting] (Rx)``, R = ours / theirs; on S3 also each tool's reader + moto
+server CPU-ms per sample and its object GETs per sample (counted in moto's request log,
+:func:`count_requests`) with their price at S3's $0.40 per 1M GETs. ``--shuffle full|window[:SIZE]``
+picks ours' plan (one plan folder per shuffle of the one cache, :func:`ours_plan`). ``--save [NAME]``
+writes ``benchmarks/results/NAME.json`` (default ``loader``; ``benchmarks/results.py``) after every round.
 """
 
 from __future__ import annotations
@@ -84,6 +88,23 @@ BUCKET = "512x512"
 BUCKET_NAME = "bench-loader"
 #: per batch, the consumer's pure-Python loop: ~3 ms on this machine quiet, about the Python of a training step
 STEP_ITERATIONS = 75_000
+SHUFFLE = os.environ.get("BENCH_LOADER_SHUFFLE", "full")  # ours' plan --shuffle (main sets it from --shuffle)
+GET_DOLLARS_PER_M = 0.40  # S3 standard: $0.40 per 1M GET requests
+
+
+def ours_plan(shuffle: str) -> str:
+    """ours' plan folder for a ``--shuffle``: each shuffle its own plan of the one cache."""
+    return "plan" if shuffle == "full" else f"plan-{shuffle.replace(':', '-')}"
+
+
+def plan_ours(root: str, n: int, shuffle: str) -> None:
+    """ours' 1-rank plan of batch 16 of the cache at ``root`` (ids 1..n, written in id order)."""
+    from manifests.plan import DatasetSamples, write_plan
+    from manifests.plan.schedule import PlanConfig
+
+    write_plan(f"{root}/{ours_plan(shuffle)}", [DatasetSamples(np.arange(1, n + 1, dtype=np.uint64), [BUCKET] * n,
+                                                               manifest_fingerprint="benchmark")],
+               PlanConfig(world_size=1, batch_size=BATCH, epochs=1, seed=1, shuffle=shuffle))  # fmt: skip
 
 
 def sample_tensors(i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -101,8 +122,6 @@ def sample_tensors(i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def write_ours(root: str, n: int) -> None:
     from manifests.cache import CacheWriter
     from manifests.cache.records import SampleRecord, TextRecord, encode_sample, encode_text
-    from manifests.plan import DatasetSamples, write_plan
-    from manifests.plan.schedule import PlanConfig
 
     layout = {"family": "sdxl", "join": "features", "masked": False, "lengths": [77, 77], "widths": [768, 1280],
               "pooled_dim": 1280, "pooled_source": "clip_g projection"}  # fmt: skip
@@ -125,9 +144,7 @@ def write_ours(root: str, n: int) -> None:
             writer.add_text(key, encode_text(caption))
             writer.add_sample(i + 1, encode_sample(record), key, BUCKET)
     writer.finish()
-    write_plan(f"{root}/plan", [DatasetSamples(np.arange(1, n + 1, dtype=np.uint64), [BUCKET] * n,
-                                               manifest_fingerprint="benchmark")],
-               PlanConfig(world_size=1, batch_size=BATCH, epochs=1, seed=1))  # fmt: skip
+    plan_ours(root, n, "full")
 
 
 def _litdata_item(i: int, encoding: str) -> dict:
@@ -234,7 +251,7 @@ def read_ours(root: str, setting: dict, storage_options: dict | None, step: Cons
 
     cfg = replace(TrainConfig(), **{k: v for k, v in setting.items() if k in ("read_threads", "prefetch")})
     reader = CacheReader(f"{root}/cache", storage_options)
-    steps = rank_steps(f"{root}/plan", 0, storage_options)
+    steps = rank_steps(f"{root}/{ours_plan(SHUFFLE)}", 0, storage_options)
     loader = BatchLoader(reader, steps, reader.meta.latent, prefetch=cfg.prefetch, read_threads=cfg.read_threads,
                          widen=cfg.loader_float32, read_ahead_mb=cfg.read_ahead_mb)  # fmt: skip
     n = 0
@@ -356,11 +373,13 @@ def dataset(tool: str, setting: dict) -> str:
 
 
 def marginal(small: dict, large: dict) -> dict:
-    """Marginal figures between two epochs of one setting: samples/s and CPU-ms per sample (reader, server)."""
+    """Marginal figures between two epochs of one setting: samples/s, CPU-ms per sample (reader, server) and
+    object GETs per 1,000 samples (0 where no request log counted them)."""
     extra = large["samples"] - small["samples"]
     return {"rate": extra / (large["seconds"] - small["seconds"]),
             "cpu_ms": (large["cpu"] - small["cpu"]) / extra * 1000,
-            "server_ms": (large["server_cpu"] - small["server_cpu"]) / extra * 1000}  # fmt: skip
+            "server_ms": (large["server_cpu"] - small["server_cpu"]) / extra * 1000,
+            "gets_k": (large.get("gets", 0) - small.get("gets", 0)) / extra * 1000}  # fmt: skip
 
 
 def best(rates: dict[str, list[float]]) -> str:
@@ -416,15 +435,18 @@ def _serve_moto(port: int) -> None:
     serve(["-H", "127.0.0.1", "-p", str(port)])
 
 
-def start_s3() -> tuple[subprocess.Popen, str]:
+def start_s3(log: str | None = None) -> tuple[subprocess.Popen, str]:
+    """moto's server on a free port of 127.0.0.1; ``log``: a file its request log (werkzeug's, one line per
+    request, on stderr) is appended to, which :func:`count_requests` counts."""
     for k, v in (("AWS_ACCESS_KEY_ID", "benchmark"), ("AWS_SECRET_ACCESS_KEY", "benchmark"),
                  ("AWS_DEFAULT_REGION", "us-east-1")):  # fmt: skip
         os.environ.setdefault(k, v)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    err = open(log, "ab") if log else subprocess.DEVNULL
     server = subprocess.Popen([sys.executable, __file__, "--moto-server", str(port)], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+                              stderr=err, start_new_session=True)  # fmt: skip
     deadline = time.time() + 60
     while True:
         try:
@@ -435,6 +457,24 @@ def start_s3() -> tuple[subprocess.Popen, str]:
                 server.kill()
                 raise RuntimeError("the moto S3 server did not start") from None
             time.sleep(0.2)
+
+
+def count_requests(log: str | None) -> tuple[int, int]:
+    """``(object GETs, all requests)`` the moto server has logged so far (0, 0 without a log); werkzeug colours
+    its lines with ANSI codes, taken out first. A GET with a query string (a listing) is not an object GET."""
+    import re
+
+    if not log or not os.path.exists(log):
+        return 0, 0
+    gets = total = 0
+    request = re.compile(r'"([A-Z]+) (\S+) HTTP/[0-9.]+" \d{3}')
+    with open(log, errors="replace") as f:
+        for line in f:
+            hit = request.search(re.sub(r"\x1b\[[0-9;]*m", "", line))
+            if hit:
+                total += 1
+                gets += hit.group(1) == "GET" and "?" not in hit.group(2)
+    return gets, total
 
 
 # ---------------------------------------------------------------- threads or processes
@@ -531,17 +571,21 @@ def _process_cpu(pid: int) -> float:
 
 
 def run_child(tool: str, root: str, setting: dict, endpoint: str | None,
-              server: subprocess.Popen | None = None) -> dict:  # fmt: skip
+              server: subprocess.Popen | None = None, log: str | None = None) -> dict:  # fmt: skip
     """One epoch in a fresh process; ``server_cpu``: what the moto server spent answering it (its own
-    process, not counted in ``cpu``: a real S3 endpoint's cost is not the reader's)."""
+    process, not counted in ``cpu``: a real S3 endpoint's cost is not the reader's); ``gets``, ``requests``:
+    the object GETs and all requests the server logged meanwhile (``log``: its request log)."""
     cmd = [sys.executable, __file__, "--child", tool, "--root", root, "--setting", json.dumps(setting)]
     cmd += ["--endpoint", endpoint] if endpoint else []
-    before = _process_cpu(server.pid) if server else 0.0
+    before, counted = (_process_cpu(server.pid) if server else 0.0), count_requests(log)
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     if out.returncode:
         raise RuntimeError(f"{tool} {label(setting)} {root} {endpoint or 'local'} failed:\n{out.stderr[-3000:]}")
     got = json.loads(out.stdout.strip().splitlines()[-1])
     got["server_cpu"] = (_process_cpu(server.pid) - before) if server else 0.0
+    if log:
+        time.sleep(0.2)  # the server logs a request after answering it
+    got["gets"], got["requests"] = (a - b for a, b in zip(count_requests(log), counted))
     return got
 
 
@@ -558,19 +602,26 @@ def record(run, rounds: list[dict], settings: dict[str, list[dict]], stores: lis
     for r in rounds:
         with run.round() as i:
             for store in stores:
-                figures, top = r["figures"][store], bests[store]
+                at = {tool: r["figures"][store][tool][bests[store][tool]] for tool in tools}  # each at its best
                 for tool in tools:
-                    run.add(f"{store}: {tool} at its best ({top[tool]})", figures[tool][top[tool]]["rate"], "samples/s")
+                    run.add(f"{store}: {tool} samples/s", at[tool]["rate"], "/s", note=bests[store][tool])
                 for peer in (t for t in tools if t != "ours" and "ours" in tools):
-                    ratio = figures["ours"][top["ours"]]["rate"] / figures[peer][top[peer]]["rate"]
-                    run.add(f"{store}: ours / {peer}, each at its best", ratio, "x", target=">= 1.2")
+                    run.add(f"{store}: ours / {peer}, samples/s", at["ours"]["rate"] / at[peer]["rate"], "x",
+                            target=">= 1.2", note="each at its best")  # fmt: skip
+                cpu = {t: at[t]["cpu_ms"] + at[t]["server_ms"] for t in tools}  # local: no server, 0
                 for tool in tools:
-                    run.add(f"{store}: {tool} CPU per sample, reader", figures[tool][top[tool]]["cpu_ms"], "ms")
-                    if store == "s3":
-                        run.add(f"s3: {tool} CPU per sample, moto server", figures[tool][top[tool]]["server_ms"], "ms")
-                for tool in tools:
+                    what = "reader + moto server CPU-ms/sample" if store == "s3" else "CPU-ms/sample"
+                    run.add(f"{store}: {tool} {what}", cpu[tool], "ms")
+                if store == "s3":
+                    for tool in tools:
+                        run.add(f"s3: {tool} GETs per 1,000 samples", at[tool]["gets_k"])
+                    peers = [cpu[t] for t in tools if t != "ours"]
+                    if "ours" in tools and peers:
+                        run.add("s3: ours CPU-ms/sample (reader + server) / the best peer's", cpu["ours"] / min(peers),
+                                "x", target="<= 1.0")  # fmt: skip
+                for tool in (t for t in tools if len(settings[t]) > 1):
                     for s in settings[tool]:
-                        run.add(f"{store} sweep: {tool} {label(s)}", figures[tool][label(s)]["rate"], "samples/s")
+                        run.add(f"{store} sweep: {tool} {label(s)}", r["figures"][store][tool][label(s)]["rate"], "/s")
         run.rounds[i].update(r["load"])  # the load measured around the round, not around this bookkeeping
     return bests
 
@@ -584,7 +635,9 @@ def main() -> None:
     p.add_argument("--workers", default="1,2,4", help="the peers' DataLoader worker counts swept")
     p.add_argument("--compressions", default="none,zstd", help="the peers' compressions swept")
     p.add_argument("--read-threads", default="1,2,4", help="ours' read threads swept (prefetch: the trainer's)")
-    p.add_argument("--save", action="store_true", help="write benchmarks/results/loader.json (results.py)")
+    p.add_argument("--save", nargs="?", const="loader", default=None, metavar="NAME",
+                   help="record every round in benchmarks/results/NAME.json (results.py; NAME default: loader)")
+    p.add_argument("--shuffle", default="full", help="ours' plan: --shuffle full (default) or window[:SIZE]")
     p.add_argument("--work", default=None, help="folder for the datasets (default: a temporary one)")
     p.add_argument("--decode-scaling", type=int, metavar="K", default=0,
                    help="only measure ours' read+decode in 1 thread, K threads, K processes (local, --sizes' larger)")
@@ -600,6 +653,7 @@ def main() -> None:
         return _serve_moto(args.moto_server)
     if args.child:
         return child(args.child, args.root, json.loads(args.setting), args.endpoint)
+    os.environ["BENCH_LOADER_SHUFFLE"] = args.shuffle  # the children read ours' plan of this shuffle
 
     sizes = [int(s) for s in args.sizes.split(",")]
     assert len(sizes) == 2 and sizes[0] < sizes[1] and all(s % BATCH == 0 for s in sizes), "two sizes, x16"
@@ -626,6 +680,8 @@ def main() -> None:
                         else:
                             WRITERS[tool](folder, n, s["encoding"], s["compression"])
                         open(f"{folder}/.done-{tool}", "w").close()
+                    if tool == "ours" and not os.path.exists(f"{folder}/{ours_plan(args.shuffle)}"):
+                        plan_ours(folder, n, args.shuffle)
         print(f"wrote {sizes} samples with {tools} in {time.perf_counter() - t:.0f} s under {work}", flush=True)
         if args.litdata_decodes:
             return litdata_decodes(f"{work}/n{sizes[0]}")
@@ -636,22 +692,23 @@ def main() -> None:
             step.step()
         print(f"consumer: {STEP_ITERATIONS:,} Python iterations per batch, {step.cpu / 20 * 1000:.2f} CPU-ms each "
               f"(load {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
-        endpoint = None
+        endpoint, log = None, f"{work}/moto-requests.log"
         if "s3" in stores:
-            server, endpoint = start_s3()
+            server, endpoint = start_s3(log)
             import s3fs
 
             fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint})
             fs.mkdir(BUCKET_NAME)
             for n in sizes:
                 for tool in tools:
-                    names = ("cache", "plan") if tool == "ours" else {dataset(tool, s) for s in settings[tool]}
+                    names = ({"cache", ours_plan(args.shuffle)} if tool == "ours"
+                             else {dataset(tool, s) for s in settings[tool]})  # fmt: skip
                     for name in names:
                         fs.put(f"{work}/n{n}/{name}", f"{BUCKET_NAME}/n{n}/", recursive=True)
         from benchmarks.results import Run
 
-        command = "python benchmarks/loader.py " + " ".join(a for a in sys.argv[1:] if a != "--save")
-        run = Run("loader", command=command.strip(), tools=["litdata", "mosaicml-streaming"])
+        command = " ".join(["python benchmarks/loader.py", *sys.argv[1:]])
+        run = Run(args.save or "loader", command=command, tools=["litdata", "mosaicml-streaming"])
         rounds = []
         for r in range(args.rounds):
             load = {"load_before": round(os.getloadavg()[0], 2)}
@@ -662,19 +719,20 @@ def main() -> None:
                         for s in settings[tool]:
                             folder = os.path.normpath(f"{work}/n{n}/{dataset(tool, s)}")
                             root = f"s3://{BUCKET_NAME}/n{n}" if store == "s3" and tool == "ours" else folder
-                            got = run_child(tool, root, s, *((endpoint, server) if store == "s3" else (None, None)))
+                            s3 = (endpoint, server, log) if store == "s3" else (None, None, None)
+                            got = run_child(tool, root, s, *s3)
                             assert got["samples"] >= n - BATCH, (tool, store, n, got)
                             raw[(store, tool, label(s), n)] = got
                             print(f"round {r + 1} {store} {tool} {label(s)} n={n}: {got['samples']} samples "
-                                  f"{got['seconds']:.2f} s cpu {got['cpu']:.2f} s (load {os.getloadavg()[0]:.1f})",
-                                  flush=True)  # fmt: skip
+                                  f"{got['seconds']:.2f} s cpu {got['cpu']:.2f} s server {got['server_cpu']:.2f} s "
+                                  f"{got['gets']} GETs (load {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
             load["load_after"] = round(os.getloadavg()[0], 2)
             figures = {store: {tool: {label(s): marginal(raw[(store, tool, label(s), sizes[0])],
                                                          raw[(store, tool, label(s), sizes[1])])
                                       for s in settings[tool]} for tool in tools} for store in stores}  # fmt: skip
             rounds.append({"load": load, "figures": figures})
             if args.save:  # after every round, so that a run cut short keeps the rounds it finished
-                partial = Run("loader", command=run.command, tools=["litdata", "mosaicml-streaming"])
+                partial = Run(args.save, command=run.command, tools=["litdata", "mosaicml-streaming"])
                 partial.started = run.started
                 record(partial, rounds, settings, stores)
                 partial.save()
@@ -693,6 +751,13 @@ def main() -> None:
             parts = [f"{t} {rate[t]:,.0f}/s [{top[t]}]" + (f" ({rate['ours'] / rate[t]:.2f}x)"
                      if "ours" in tools and t != "ours" else "") for t in tools]  # fmt: skip
             print(f"loader {store}: " + ", ".join(parts))
+            if store == "s3":
+                figs = {t: [r["figures"][store][t][top[t]] for r in rounds] for t in tools}
+                print("loader s3 reader + server CPU-ms/sample: " + ", ".join(
+                    f"{t} {np.median([f['cpu_ms'] + f['server_ms'] for f in figs[t]]):.2f} ms" for t in tools))
+                gets = {t: float(np.median([f["gets_k"] for f in figs[t]])) / 1000 for t in tools}
+                print("loader s3 GETs/sample (marginal): " + ", ".join(
+                    f"{t} {gets[t]:.4f} (${gets[t] * GET_DOLLARS_PER_M:.3f} per 1M samples)" for t in tools))
     finally:
         if server is not None:
             server.kill()

@@ -22,11 +22,23 @@ def test_the_sweep_covers_worker_counts_then_compression_and_the_other_encoding_
 
 
 def test_marginal_rates_drop_the_fixed_cost():
-    small = {"samples": 256, "seconds": 5.0, "cpu": 3.0, "server_cpu": 0.0}
-    large = {"samples": 1024, "seconds": 6.0, "cpu": 4.536, "server_cpu": 0.768}
+    small = {"samples": 256, "seconds": 5.0, "cpu": 3.0, "server_cpu": 0.0, "gets": 40}
+    large = {"samples": 1024, "seconds": 6.0, "cpu": 4.536, "server_cpu": 0.768, "gets": 136}
     got = loader.marginal(small, large)
     assert got["rate"] == 768.0
     assert abs(got["cpu_ms"] - 2.0) < 1e-9 and abs(got["server_ms"] - 1.0) < 1e-9
+    assert got["gets_k"] == 125.0  # 96 GETs for 768 more samples
+
+
+def test_requests_are_counted_from_the_moto_log_object_gets_apart(tmp_path):
+    log = tmp_path / "moto.log"
+    assert loader.count_requests(str(log)) == (0, 0)  # no log yet
+    log.write_text('127.0.0.1 - - [27/Nov 10:00] "\x1b[37mGET /bench-loader/n32/cache/x HTTP/1.1\x1b[0m" 206 -\n'
+                   '127.0.0.1 - - [27/Nov 10:00] "GET /bench-loader?list-type=2&prefix=n32 HTTP/1.1" 200 -\n'
+                   '127.0.0.1 - - [27/Nov 10:00] "HEAD /bench-loader/n32/plan/y HTTP/1.1" 200 -\n'
+                   "a line that is no request\n")  # fmt: skip
+    assert loader.count_requests(str(log)) == (1, 3)
+    assert loader.ours_plan("full") == "plan" and loader.ours_plan("window:4096") == "plan-window-4096"
 
 
 def test_the_best_setting_is_the_best_median_not_one_lucky_round():
@@ -46,16 +58,22 @@ def test_every_round_records_each_tool_at_the_setting_best_over_all_rounds(tmp_p
     for k, (o1, o2, l1, l4, n4) in enumerate(rates):
         fig = {"ours": {"1 read threads": o1, "2 read threads": o2},
                "litdata": {"tensor none 1w": l1, "tensor none 4w": l4, "numpy none 4w": n4}}
-        figures = {"local": {t: {s: {"rate": r, "cpu_ms": 1.0, "server_ms": 0.0} for s, r in v.items()}
-                             for t, v in fig.items()}}
+        figures = {store: {t: {s: {"rate": r, "cpu_ms": 1.0, "server_ms": 0.5, "gets_k": 10.0}
+                               for s, r in v.items()} for t, v in fig.items()} for store in ("local", "s3")}
         rounds.append({"load": {"load_before": 5.0 + k, "load_after": 6.0 + k}, "figures": figures})
     run = results.Run("loader", command="python benchmarks/loader.py")
-    bests = loader.record(run, rounds, settings, ["local"])
-    assert bests == {"local": {"ours": "2 read threads", "litdata": "tensor none 4w"}}
+    bests = loader.record(run, rounds, settings, ["local", "s3"])
+    assert bests["local"] == {"ours": "2 read threads", "litdata": "tensor none 4w"} == bests["s3"]
     doc = json.loads(run.save(tmp_path).read_text())
     rows = {r["measure"]: r for r in doc["rows"]}
-    ratio = rows["local: ours / litdata, each at its best"]
+    ratio = rows["local: ours / litdata, samples/s"]
     assert ratio["rounds"] == [1200.0 / 800.0, 1000.0 / 700.0, 1300.0 / 750.0] and ratio["met"] is True
-    assert rows["local: litdata at its best (tensor none 4w)"]["median"] == 750.0
+    assert ratio["note"] == "each at its best"
+    best = rows["local: litdata samples/s"]
+    assert best["median"] == 750.0 and best["note"] == "tensor none 4w"
+    assert rows["s3: ours reader + moto server CPU-ms/sample"]["median"] == 1.5  # reader 1.0 + server 0.5
+    assert rows["local: ours CPU-ms/sample"]["median"] == 1.5 and "local: ours GETs per 1,000 samples" not in rows
+    assert rows["s3: litdata GETs per 1,000 samples"]["median"] == 10.0
+    assert rows["s3: ours CPU-ms/sample (reader + server) / the best peer's"]["median"] == 1.0
     assert rows["local sweep: litdata numpy none 4w"]["rounds"] == [200.0, 250.0, 240.0]
     assert doc["rounds"][1] == {"load_before": 6.0, "load_after": 7.0}  # the load of the measurement, not of now
