@@ -39,7 +39,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchmarks.results import Run  # noqa: E402
+from benchmarks.results import RESULTS, Run  # noqa: E402
 
 SIZES = {
     "listing": [10_000, 100_000, 1_000_000],
@@ -163,8 +163,8 @@ def plot(path: Path, doc: dict) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for step in SIZES:
         rows = {r["measure"]: r for r in doc["rows"]}
-        points = sorted((int(float(m.split(" at ")[1].split(":")[0].replace(",", ""))), r) for m, r in rows.items()
-                        if m.startswith(step + " at "))  # fmt: skip
+        points = sorted(((int(m.split(" at ")[1].split(":")[0].replace(",", "")), r) for m, r in rows.items()
+                         if m.startswith(step + " at ")), key=lambda p: p[0])  # fmt: skip
         for ax, what in zip(axes, ("CPU us", "peak bytes")):
             xs = [n for n, r in points if r["measure"].endswith(what + " per " + UNIT[step])]
             ys = [r["median"] for n, r in points if r["measure"].endswith(what + " per " + UNIT[step])]
@@ -190,8 +190,11 @@ def main() -> None:
     p.add_argument("--sizes", default="", help="per step, e.g. 'plan=1e6,1e7;phash=1e6' (default: SIZES)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--name", default="growth", help="results/NAME.json (a separate run, e.g. one large size)")
+    p.add_argument("--plot", action="store_true", help="only draw growth.png again from results/growth.json")
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.plot:
+        return plot(HERE / "growth.png", json.loads((RESULTS / "growth.json").read_text()))
     if args.child:
         print(json.dumps(child(args.child[0], int(args.child[1]))))
         return
