@@ -19,7 +19,8 @@ in a fresh child process (so that its peak memory is its own), the steps interle
 Per item: CPU microseconds of the child (user + system: what the load changes least) and wall microseconds of the
 step itself, and the child's peak resident memory above its memory after imports (``VmHWM`` after
 ``clear_refs``), in bytes per item: the inputs the step needs in memory count, as they do in the real job.
-Results: ``benchmarks/results/growth.json`` (:mod:`benchmarks.results`) and ``benchmarks/growth.png``.
+Results: ``benchmarks/results/growth.json`` (:mod:`benchmarks.results`; ``--name growth-X``: a separate run, e.g.
+one large size, saved after every round) and ``benchmarks/growth.png``, which draws every ``growth*.json``.
 """
 
 from __future__ import annotations
@@ -153,8 +154,19 @@ def _label(n: int) -> str:
     return f"{n / 1e6:g}M" if n >= 1_000_000 else f"{n / 1e3:g}k"
 
 
-def plot(path: Path, doc: dict) -> None:
-    """Two panels, CPU microseconds and peak bytes per item against the size, one line per step (log-log x)."""
+def _runs() -> list[dict]:
+    """results/growth.json and the separate large-size runs beside it (``--name growth-...``)."""
+    paths = [RESULTS / "growth.json", *sorted(RESULTS.glob("growth-*.json"))]
+    return [json.loads(p.read_text()) for p in paths if p.exists()]
+
+
+def plot(path: Path, docs: list[dict]) -> None:
+    """Two panels, CPU microseconds and peak bytes per item against the size, one line per step (log-log x).
+
+    The rows of every run are drawn together (a size measured in two runs: the later run's row).
+    """
+    doc = {"rows": [r for d in docs for r in d["rows"]], "rounds": [r for d in docs for r in d["rounds"]],
+           "started": max(d["started"] for d in docs)}  # fmt: skip
     import matplotlib
 
     matplotlib.use("Agg")
@@ -190,11 +202,11 @@ def main() -> None:
     p.add_argument("--sizes", default="", help="per step, e.g. 'plan=1e6,1e7;phash=1e6' (default: SIZES)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--name", default="growth", help="results/NAME.json (a separate run, e.g. one large size)")
-    p.add_argument("--plot", action="store_true", help="only draw growth.png again from results/growth.json")
+    p.add_argument("--plot", action="store_true", help="only draw growth.png again from results/growth*.json")
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.plot:
-        return plot(HERE / "growth.png", json.loads((RESULTS / "growth.json").read_text()))
+        return plot(HERE / "growth.png", _runs())
     if args.child:
         print(json.dumps(child(args.child[0], int(args.child[1]))))
         return
@@ -215,9 +227,9 @@ def main() -> None:
                     run.add(f"{step} at {n:,}: peak bytes per {unit}", got["peak_mib"] * 2**20 / n, "B")
                     print(f"round {r + 1} {step} {_label(n)}: {got['cpu_s']:.1f} CPU-s, {got['wall_s']:.1f} s wall, "
                           f"peak {got['peak_mib']:,.0f} MiB (load {got['load']:.1f})", flush=True)  # fmt: skip
-    path = run.save()
-    if args.name == "growth":
-        plot(HERE / "growth.png", json.loads(path.read_text()))
+        path = run.save()  # after every round: a run stopped early keeps the rounds it finished
+    print(f"wrote {path}")
+    plot(HERE / "growth.png", _runs())
 
 
 if __name__ == "__main__":
