@@ -106,6 +106,7 @@ def _prune(model: Any) -> Any:
 
 FAMILY = Family(name="ltx-2", summary="LTX-2 (video, no audio training): Gemma 3, every layer's states (1024, "
                 "masked, left-padded; real tokens stored), clip latents stored normalised",
-                pipelines=("LTX2Pipeline",), text_encoders=("text_encoder",), text_classes=("Gemma3ForConditionalGeneration",),
+                pipelines=("LTX2Pipeline",), text_encoders=("text_encoder",),
+                text_classes=("Gemma3ForConditionalGeneration",),
                 layout=layout,
                 encode=encode, max_text_tokens=lambda pipeline: TEXT_TOKENS, prune=_prune)  # fmt: skip

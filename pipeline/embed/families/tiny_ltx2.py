@@ -8,7 +8,8 @@
 - ``vae``: ``AutoencoderKLLTX2Video`` with LTX-2's compression (32x spatial: patch 4 then 3 halvings; 8x temporal,
   causal: ``F = 8k + 1`` frames -> ``k + 1`` latent frames), 8 channels, random per-channel
   ``latents_mean``/``latents_std`` buffers (the real ones ship non-trivial statistics).
-- ``audio_vae`` (mel 16 bins, 2 channels: 8 features per audio token), ``vocoder``: tiny, for the pipeline's audio stream.
+- ``audio_vae`` (mel 16 bins, 2 channels: 8 features per audio token), ``vocoder``: tiny, for the pipeline's
+  audio stream.
 - ``transformer``: ``LTX2VideoTransformer3DModel`` (2 layers, video 16 wide, audio 8 wide), and LTX-2's
   ``FlowMatchEulerDiscreteScheduler`` (dynamic exponential shift, 0.95 at 1024 tokens to 2.05 at 4096, terminal
   0.1).
