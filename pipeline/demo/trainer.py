@@ -52,6 +52,8 @@ def family_config(family: str, out: Path, *, plan_steps: int, repa: bool = False
             f"family: {family}\nlr: 1.0e-4\nwarmup_steps: 5\ncaption_dropout: 0.1\nema_decay: 0.99\n"
             + ("expert: high  # the high-noise expert (transformer); expert: low trains transformer_2\n"
                if family == "wan2.2-a14b" else "")
+            + ("validation_frames: 9  # 8k + 1, short: the tiny pipeline runs its audio stream too\n"
+               if family == "ltx-2" else "")
             + f"checkpoint_every: 100\nlog_every: 10\nvalidation_every: {plan_steps}\nvalidation_steps: 4\n"
             "validation_guidance: 3.0\nvalidation_size: 64\n" + (term if repa else "")
         )  # fmt: skip

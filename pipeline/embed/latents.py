@@ -7,7 +7,8 @@ standard deviation: the trainer draws ``mean + std * noise`` and applies what ``
 their latents as the denoiser sees them instead, with nothing left for the trainer to do (``usage`` says so):
 Flux 2's (patchified 2x2 and normalised by its batch-norm statistics: :mod:`pipeline.embed.families.flux2`) and
 Qwen-Image's (normalised per channel as ``QwenImageEditPipeline._encode_vae_image`` does:
-:mod:`pipeline.embed.families.qwen_image`). Which path a VAE takes is its config's ``_class_name``
+:mod:`pipeline.embed.families.qwen_image`), and LTX-2's clips (as ``LTX2Pipeline._normalize_latents`` does:
+:mod:`pipeline.embed.families.ltx2`). Which path a VAE takes is its config's ``_class_name``
 (:data:`VAE_PATHS`).
 """
 
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from pipeline.embed.families import flux2, qwen_image
+from pipeline.embed.families import flux2, ltx2, qwen_image
 from pipeline.embed.loading import EncoderSource, check_local, device_and_dtype, weights_sha256
 
 if TYPE_CHECKING:  # a diffusers model's .config
@@ -81,6 +82,7 @@ class VaeKind:
     shape: Callable[[Any], dict[str, Any]]
     latents: Callable[[Any, Any, bool], dict[str, Any]] = _posterior
     video: bool = False
+    of_model: bool = False  # shape() reads the VAE itself (LTX-2's statistics are buffers), not its config
 
 
 # a VAE config's _class_name -> its path (an unknown or missing one loads as AutoencoderKL, as always)
@@ -91,6 +93,7 @@ VAE_PATHS: dict[str, VaeKind] = {
     # Wan-style, images as 1-frame clips, stored normalised per channel
     "AutoencoderKLQwenImage": VaeKind(qwen_image.vae_description,
                                       lambda vae, x, std: qwen_image.vae_latents(vae, x, std=std)),
+    "AutoencoderKLLTX2Video": VaeKind(ltx2.vae_description, ltx2.vae_latents, video=True, of_model=True),
 }
 VAE_CLASSES = tuple(VAE_PATHS)
 
@@ -128,7 +131,7 @@ class LatentEncoder:
         self.features = None if spec.features is None else spec.features.load(use_gpu=use_gpu, dtype=dtype)
 
     def describe(self) -> dict[str, Any]:
-        shape = self.kind.shape(self.vae.config)
+        shape = self.kind.shape(self.vae if self.kind.of_model else self.vae.config)
         return {
             "id": self.id,
             "subfolder": self.subfolder,

@@ -111,7 +111,7 @@ def cache_info(so: dict, settings: dict, vae: dict, text: dict, validation: list
     captions (the empty caption, ``validation`` prompts)."""
     posterior = vae["latents"] == "posterior"
     video = {k: vae[k] for k in _VIDEO_VAE_KEYS if vae.get(k) is not None}  # AutoencoderKLWan: per-channel
-    usage = ("clip latents (C, F', h, w), F' = (F - 1) // temporal_factor + 1; "
+    usage = (vae.get("usage") or "clip latents (C, F', h, w), F' = (F - 1) // temporal_factor + 1; "
              "z = (latent - latents_mean) / latents_std per channel" if video else
              ("latent = latent + latent_std * noise; " if posterior else "")
              + (vae.get("usage") or ("z = latent, stored normalised (latent.normalised)" if vae.get("normalised") else

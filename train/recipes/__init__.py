@@ -39,7 +39,7 @@ from __future__ import annotations
 from manifests.cache.meta import CacheMeta
 from manifests.errors import UsageError
 from train.config import TrainConfig
-from train.recipes import chroma, flux, flux2, pixart, qwen_image, sd3, sdxl, wan, z_image
+from train.recipes import chroma, flux, flux2, ltx2, pixart, qwen_image, sd3, sdxl, wan, z_image
 from train.recipes.base import Denoiser, PromptEmbeds, Recipe
 
 __all__ = ["RECIPES", "Denoiser", "PromptEmbeds", "Recipe", "recipe_for"]
@@ -50,6 +50,7 @@ RECIPES.update({r.family: r for r in (flux2.RECIPE, flux2.KLEIN_RECIPE, chroma.R
 RECIPES.update({"qwen-image": qwen_image.RECIPE, "z-image": z_image.RECIPE})
 RECIPES["qwen-image-edit"] = qwen_image.EDIT_RECIPE
 RECIPES.update({r.family: r for r in (wan.A14B_RECIPE, wan.TI2V_RECIPE)})  # docs/families-video.md
+RECIPES[ltx2.RECIPE.family] = ltx2.RECIPE  # docs/families-video.md: video stream only, audio fed as noise
 
 
 def recipe_for(cfg: TrainConfig, meta: CacheMeta) -> Recipe:
