@@ -59,9 +59,9 @@ from manifests.errors import MissingError, UsageError
 from manifests.jsonrecord import JsonRecord, each, nested, optional
 from manifests.storage import join, open_url, read_artifact_meta, redact, write_bytes_atomic, write_json_atomic
 
-__all__ = ["ANNOTATIONS_FILE", "FORMAT_VERSION", "TASK_COLUMNS", "SHOT_COLUMNS", "AnnotationsError", "AnnotationsMissingError",
-           "TaskSettings", "AnnotationsCounts", "embedding_type", "AnnotationsMeta", "image_key",
-           "settings_fingerprint", "part_name", "write_part", "read_parts", "resolve", "committed_lookup",
+__all__ = ["ANNOTATIONS_FILE", "FORMAT_VERSION", "TASK_COLUMNS", "SHOT_COLUMNS", "AnnotationsError",
+           "AnnotationsMissingError", "TaskSettings", "AnnotationsCounts", "embedding_type", "AnnotationsMeta",
+           "image_key", "settings_fingerprint", "part_name", "write_part", "read_parts", "resolve", "committed_lookup",
            "read_annotations_meta", "read_annotations", "write_annotations_meta", "is_annotations"]  # fmt: skip
 
 ANNOTATIONS_FILE = "_annotations.json"

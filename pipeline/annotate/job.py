@@ -140,6 +140,9 @@ class AnnotateJob:
         if video and (images := [t for t in self.tasks if t not in VIDEO_TASKS and t not in SHOT_TASKS]):
             raise UsageError(f"--task {','.join(self.tasks)!r}: {','.join(video)} decode videos, {','.join(images)} "
                              "images: run them as two annotate runs into two --out folders")  # fmt: skip
+        if video and "caption" in self.tasks:
+            raise UsageError("--task scenes,caption: captions per shot are not built yet (docs/video-clips.md); "
+                             "leave caption out of the scenes run")  # fmt: skip
         if "motion" in self.tasks and "scenes" not in self.tasks:
             raise UsageError("--task motion is measured within shots: give --task scenes,motion")
         for option, value, allowed in (("--device", self.device, DEVICES), ("--engine", self.engine, ENGINES)):

@@ -26,7 +26,8 @@ from manifests.annotations import TaskSettings
 from pipeline.annotate.engines import CaptionSpec
 from pipeline.annotate.vision import HEAD_TASKS, VisionSpec
 
-__all__ = ["TASKS", "VISION_TASKS", "VIDEO_TASKS", "SHOT_TASKS", "SHOT_FRAMES", "TaskPlan", "describe_tasks", "task_settings"]
+__all__ = ["TASKS", "VISION_TASKS", "VIDEO_TASKS", "SHOT_TASKS", "SHOT_FRAMES", "TaskPlan", "describe_tasks",
+           "task_settings"]  # fmt: skip
 
 VIDEO_TASKS = ("scenes", "motion")
 TASKS = ("caption", "embedding", *HEAD_TASKS, "phash", "sha256", "stats", *VIDEO_TASKS)

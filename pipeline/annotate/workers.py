@@ -174,7 +174,7 @@ class AnnotateWriter:
         (retried by the next run), one that cannot be decoded ``decode_failed``."""
         from pipeline.annotate.scenes import ShotFrames, VideoScenes
 
-        keep = self.embedder is not None or self.captioner is not None
+        keep = self.embedder is not None
         good, found, errors = [], [], []
         for row in rows:
             try:
@@ -202,8 +202,6 @@ class AnnotateWriter:
             cols["scene_motion"] = pa.array([s.motion.tolist() for s in found], pa.list_(pa.float32()))
         if self.embedder is not None:
             cols.update(self._shot_vision(found))
-        if self.captioner is not None:
-            cols.update(self._shot_captions(found))
         return good, cols, errors
 
     def _shot_vision(self, found: list) -> dict[str, pa.Array]:
@@ -243,10 +241,6 @@ class AnnotateWriter:
             cols[f"scene_{task}"] = pa.array([shot[a:b].tolist() for a, b in zip(counts, counts[1:])],
                                              pa.list_(pa.float32()))  # fmt: skip
         return cols
-
-    def _shot_captions(self, found: list) -> dict[str, pa.Array]:
-        """Not built yet: per-shot captions (see docs/video-clips.md)."""
-        raise NotImplementedError
 
     def _scenes(self, row: dict, keep: bool = False):
         """One video row's :class:`~pipeline.annotate.scenes.VideoScenes` (``keep``: with the frames its shots are
