@@ -6,6 +6,7 @@
     bucketeer annotate MANIFEST --out ANNOTATIONS --task embedding,aesthetic,safety,watermark,phash,sha256,stats
                        [--embedding-model ID|PATH|default] [--aesthetic-head FILE|HUB_ID[:FILE]|default] ...
     bucketeer annotate VIDEO_MANIFEST --out SCENES --task scenes,motion   # shots (pipeline/annotate/scenes.py)
+    bucketeer annotate VIDEO_MANIFEST --out SCORED --task scenes,motion,aesthetic,embedding   # scores per shot
     ray job submit --working-dir . -- python -m pipeline.annotate MANIFEST --out s3://bucket/captions --model ID
     bucketeer scan SOURCE --out MANIFEST --captions ANNOTATIONS   # the captions into the manifest's caption lists
 
