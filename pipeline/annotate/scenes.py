@@ -57,7 +57,7 @@ class ShotFrames:
     Feed every frame in order to :meth:`add`, each detector cut to :meth:`cut`, then :meth:`finish`."""
 
     def __init__(self, reservoir: int = RESERVOIR, lookback: int = LOOKBACK):
-        self.kept: dict[int, np.ndarray] = {}  # frame number -> (h, w, 3) uint8 RGB
+        self.kept: dict[int, np.ndarray] = {}  # frame number -> (h, w, 3) uint8, BGR as decoded
         self.pinned: set[int] = set()
         self.recent: deque[tuple[int, np.ndarray]] = deque(maxlen=lookback)
         self.reservoir, self.start, self.stride = reservoir, 0, 1
@@ -68,13 +68,13 @@ class ShotFrames:
             self.kept[n] = frame
             self.pinned.add(n)
 
-    def add(self, n: int, rgb: np.ndarray) -> None:
-        """Frame ``n`` (the next one decoded)."""
-        self.recent.append((n, rgb))
+    def add(self, n: int, bgr: np.ndarray) -> None:
+        """Frame ``n`` (the next one decoded, ``(h, w, 3)`` uint8 BGR: converted only when picked)."""
+        self.recent.append((n, bgr))
         if n == 0:
             self._pin(0)
         if (n - self.start) % self.stride == 0:
-            self.kept[n] = rgb
+            self.kept[n] = bgr
             self._thin()
 
     def _thin(self) -> None:
@@ -99,7 +99,7 @@ class ShotFrames:
             self._pin(self.recent[-1][0])
 
     def pick(self, start: int, frames: int, n: int) -> list[np.ndarray]:
-        """``n`` kept frames of the shot ``[start, start + frames)`` nearest to ``n`` evenly spaced positions
+        """``n`` kept frames (RGB) of the shot ``[start, start + frames)`` nearest to ``n`` evenly spaced positions
         (first and last included; one position, the middle, for ``n`` 1); the nearest kept frames outside it when
         none inside was kept; [] when no frame was."""
         inside = np.array(sorted(i for i in self.kept if start <= i < start + frames))  # (k,)
@@ -108,7 +108,7 @@ class ShotFrames:
         if not len(inside):
             return []
         at = np.linspace(start, start + frames - 1, n) if n > 1 else np.array([start + (frames - 1) / 2])
-        return [self.kept[int(inside[np.abs(inside - a).argmin()])] for a in at]
+        return [np.ascontiguousarray(self.kept[int(inside[np.abs(inside - a).argmin()])][..., ::-1]) for a in at]
 
 
 @dataclass(frozen=True)
@@ -184,7 +184,7 @@ def detect_scenes(file: io.RawIOBase | str, keep: bool = False) -> VideoScenes:
             content_cuts += found[0]
             fade_cuts += found[1]
             if kept is not None:
-                kept.add(n, cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB))
+                kept.add(n, bgr)
                 for c in sorted(found[0] + found[1]):
                     kept.cut(c)
             luma = cv2.cvtColor(bgr, cv2.COLOR_BGR2GRAY)  # (h, w) uint8: Y = 0.299 R + 0.587 G + 0.114 B

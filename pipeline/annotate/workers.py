@@ -186,7 +186,7 @@ class AnnotateWriter:
                         if failed:
                             raise ImageFailure(failed[0]["error"], failed[0]["message"])
                         kept = ShotFrames()
-                        kept.add(0, np.asarray(images[0]))
+                        kept.add(0, np.asarray(images[0])[..., ::-1])  # RGB, kept as the decode's BGR
                     scenes = VideoScenes(starts=one, frames=one + 1, times=np.zeros(1), motion=np.zeros(1, np.float32),
                                          frame_count=1, video_motion=0.0, kept=kept)  # fmt: skip
                 else:
