@@ -19,7 +19,7 @@ from manifests.errors import UsageError  # noqa: E402
 from manifests.manifest import read_manifest  # noqa: E402
 from manifests.plan import read_plan_rows  # noqa: E402
 from pipeline import AnnotateJob, ScanJob, run  # noqa: E402
-from pipeline.annotate.scenes import ShotFrames, detect_scenes  # noqa: E402
+from pipeline.annotate.scenes import LOOKBACK, ShotFrames, detect_scenes, final_cuts  # noqa: E402
 from pipeline.annotate.vision import ImageEmbedder, VisionSpec  # noqa: E402
 from pipeline.plan import PlanJob  # noqa: E402
 from pipeline.rebucket import RebucketJob  # noqa: E402
@@ -38,7 +38,7 @@ def _frames() -> list[np.ndarray]:
 
 
 def test_shot_frames_keep_first_middle_and_last_of_every_segment():
-    kept = ShotFrames(reservoir=4, lookback=8)
+    kept = ShotFrames(3, reservoir=4, lookback=8)
     frames = [np.full((2, 2, 3), i, np.uint8) for i in range(100)]
     for i, f in enumerate(frames):
         kept.add(i, f)
@@ -49,6 +49,27 @@ def test_shot_frames_keep_first_middle_and_last_of_every_segment():
     first, middle, last = (int(f[0, 0, 0]) for f in kept.pick(40, 60, 3))
     assert (first, last) == (40, 99) and abs(middle - 69.5) <= 60 / 4
     assert [int(f[0, 0, 0]) for f in kept.pick(0, 40, 3)][::2] == [0, 39]
+
+
+def test_final_cuts_are_those_no_later_cut_can_change():
+    assert final_cuts([20, 40, 69], [70], 15, 100) == [20, 40, 70]
+    assert final_cuts([20, 40, 69], [70], 15, 80) == [20, 40]  # 69/70's cluster may still grow
+    assert final_cuts([20, 40, 52], [], 15, 60) == [20]  # 40 chains to 52, which is too close to the bound
+
+
+def test_a_long_video_keeps_its_picks_per_shot_not_its_frames(tmp_path):
+    rng = np.random.default_rng(3)
+    frames = [f for k in range(16) for f in [rng.integers(0, 255, (H, W, 3), dtype=np.uint8)] * 40]  # 16 shots
+    _write(tmp_path / "long.mp4", frames)
+    scenes = detect_scenes(str(tmp_path / "long.mp4"), keep=3)
+    assert scenes.starts.tolist() == list(range(0, 640, 40))
+    kept = scenes.kept
+    settled = [i for i in kept.kept if i < kept.settled]
+    assert kept.settled >= len(frames) - 2 * LOOKBACK - 40 and len(settled) == 3 * (kept.settled // 40)
+    pictures = np.stack(frames[::40]).astype(int)  # (16, H, W, 3): every frame of a shot is its picture
+    for k, s in enumerate(scenes.starts):  # each shot's picks are its own picture (after H.264), no other's
+        for p in kept.pick(int(s), 40, 3):
+            assert np.abs(pictures - p.astype(int)).mean(axis=(1, 2, 3)).argmin() == k
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +98,12 @@ def test_each_shot_is_scored_on_its_own_frames(shots):
     video = by_name["three.mp4"]
     assert [s["start"] for s in video["scenes"]] == [0, 30, 60]
     # the embedder on the frames each shot holds (every frame of a shot is the same picture here)
-    scenes = detect_scenes(str(source / "three.mp4"), keep=True)
+    scenes = detect_scenes(str(source / "three.mp4"), keep=3)
     from PIL import Image
 
     embedder = ImageEmbedder(VisionSpec(heads=(("aesthetic", "default"),)))
+    red = scenes.kept.pick(60, 30, 1)[0].reshape(-1, 3).mean(0)  # RGB, as the embedder takes it
+    assert np.abs(red - (200, 30, 30)).max() < 8
     emb, scores = embedder([Image.fromarray(scenes.kept.pick(s, 30, 1)[0]) for s in (0, 30, 60)])
     got = np.asarray(video["scene_aesthetic"])
     assert np.allclose(got, scores["aesthetic"], rtol=0, atol=2e-5)

@@ -174,7 +174,9 @@ class AnnotateWriter:
         (retried by the next run), one that cannot be decoded ``decode_failed``."""
         from pipeline.annotate.scenes import ShotFrames, VideoScenes
 
-        keep = self.embedder is not None
+        from pipeline.annotate.tasks import SHOT_FRAMES
+
+        keep = SHOT_FRAMES if self.embedder is not None else 0
         good, found, errors = [], [], []
         for row in rows:
             try:
@@ -185,7 +187,7 @@ class AnnotateWriter:
                         _, _, images, failed = self._decode([row])
                         if failed:
                             raise ImageFailure(failed[0]["error"], failed[0]["message"])
-                        kept = ShotFrames()
+                        kept = ShotFrames(keep)
                         kept.add(0, np.asarray(images[0])[..., ::-1])  # RGB, kept as the decode's BGR
                     scenes = VideoScenes(starts=one, frames=one + 1, times=np.zeros(1), motion=np.zeros(1, np.float32),
                                          frame_count=1, video_motion=0.0, kept=kept)  # fmt: skip
@@ -242,9 +244,9 @@ class AnnotateWriter:
                                              pa.list_(pa.float32()))  # fmt: skip
         return cols
 
-    def _scenes(self, row: dict, keep: bool = False):
+    def _scenes(self, row: dict, keep: int = 0):
         """One video row's :class:`~pipeline.annotate.scenes.VideoScenes` (``keep``: with the frames its shots are
-        scored from); raises ImageFailure."""
+        scored from, that many a shot); raises ImageFailure."""
         from pipeline.annotate.scenes import detect_scenes
         from pipeline.embed.clips import open_video
         from pipeline.embed.parquet_images import is_parquet_row
