@@ -30,6 +30,8 @@ Tasks: each adds its columns to the parts (:data:`TASK_COLUMNS`) and records its
     stats        luminance, contrast, colourfulness, sharpness, border_fraction float32; grayscale bool
     scenes       scenes list<struct<start int32, frames int32, time float64>>   a video's shots (frames from 0)
     motion       motion float32, scene_motion list<float32>   mean |dY| between frames within shots (video, per shot)
+    with scenes  scene_aesthetic, scene_safety, scene_watermark list<float32>, scene_embedding list<float16 list>,
+                 scene_caption list<string>: the shot tasks per shot; aesthetic, embedding, ... the video's summary
     review       keep bool, caption string, reviewer string  a person's decision (bucketeer review)
 
 ``embedding``'s D is the model's projection width: :data:`TASK_COLUMNS` lists it as a float16 list,
@@ -57,9 +59,9 @@ from manifests.errors import MissingError, UsageError
 from manifests.jsonrecord import JsonRecord, each, nested, optional
 from manifests.storage import join, open_url, read_artifact_meta, redact, write_bytes_atomic, write_json_atomic
 
-__all__ = ["ANNOTATIONS_FILE", "FORMAT_VERSION", "TASK_COLUMNS", "AnnotationsError", "AnnotationsMissingError",
-           "TaskSettings", "AnnotationsCounts", "embedding_type", "AnnotationsMeta", "image_key",
-           "settings_fingerprint", "part_name", "write_part", "read_parts", "resolve", "committed_lookup",
+__all__ = ["ANNOTATIONS_FILE", "FORMAT_VERSION", "TASK_COLUMNS", "SHOT_COLUMNS", "AnnotationsError",
+           "AnnotationsMissingError", "TaskSettings", "AnnotationsCounts", "embedding_type", "AnnotationsMeta",
+           "image_key", "settings_fingerprint", "part_name", "write_part", "read_parts", "resolve", "committed_lookup",
            "read_annotations_meta", "read_annotations", "write_annotations_meta", "is_annotations"]  # fmt: skip
 
 ANNOTATIONS_FILE = "_annotations.json"
@@ -89,6 +91,14 @@ TASK_COLUMNS: dict[str, list[tuple[str, pa.DataType]]] = {
     "review": [("keep", pa.bool_()), ("caption", pa.string()), ("reviewer", pa.string())],
     "dedup": [("duplicate", pa.bool_()), ("cluster_id", pa.uint64()), ("keeper_id", pa.uint64()),
               ("similarity", pa.float32())],
+}
+# the shot tasks of a video run (with ``scenes``): the task's own column is the video's summary, these its shots'
+SHOT_COLUMNS: dict[str, list[tuple[str, pa.DataType]]] = {
+    "caption": [("scene_caption", pa.list_(pa.string()))],
+    "embedding": [("scene_embedding", pa.list_(pa.list_(pa.float16())))],  # stored as list<embedding_type(D)>
+    "aesthetic": [("scene_aesthetic", pa.list_(pa.float32()))],
+    "safety": [("scene_safety", pa.list_(pa.float32()))],
+    "watermark": [("scene_watermark", pa.list_(pa.float32()))],
 }
 ERROR_COLUMNS = [*KEY_COLUMNS, ("error", pa.string()), ("message", pa.string())]
 
@@ -175,8 +185,9 @@ def _schema(columns: list[tuple[str, pa.DataType]], settings: str) -> pa.Schema:
 
 
 def part_schema(tasks: tuple[str, ...]) -> list[tuple[str, pa.DataType]]:
-    """The columns of a part holding ``tasks``."""
-    return [*KEY_COLUMNS, *(c for t in tasks for c in TASK_COLUMNS[t])]
+    """The columns of a part holding ``tasks`` (with ``scenes``: each shot task's :data:`SHOT_COLUMNS` too)."""
+    shots = "scenes" in tasks
+    return [*KEY_COLUMNS, *(c for t in tasks for c in [*TASK_COLUMNS[t], *(SHOT_COLUMNS.get(t, []) * shots)])]
 
 
 def write_part(fs, root: str, kind: str, name: str, table: pa.Table, settings: str) -> None:
@@ -221,7 +232,7 @@ def read_parts(url: str, storage_options: dict | None, kind: str, names: tuple[s
                                    f"this run's {settings}): write these settings to another --out")  # fmt: skip
         tables.append(table.replace_schema_metadata(None))
     if not tables:
-        known = dict([*base, *(c for cs in TASK_COLUMNS.values() for c in cs)])
+        known = dict([*base, *(c for cs in [*TASK_COLUMNS.values(), *SHOT_COLUMNS.values()] for c in cs)])
         wanted = columns or [n for n, _ in base]
         return pa.table({n: pa.array([], known.get(n, pa.null())) for n in wanted})
     return pa.concat_tables(tables, promote_options="permissive")

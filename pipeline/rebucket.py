@@ -28,7 +28,9 @@ from manifests.annotations import read_annotations, read_annotations_meta
 from manifests.errors import UsageError
 from manifests.storage import parse_storage_options, redact
 
-__all__ = ["RebucketJob", "RebucketResult", "add_arguments", "job_from_args", "run", "rebucket_video"]
+__all__ = ["RebucketJob", "RebucketResult", "SHOT_SCORES", "add_arguments", "job_from_args", "run", "rebucket_video"]
+
+SHOT_SCORES = ("motion", "aesthetic", "safety", "watermark")  # per-shot scores --shot-where names (scene_<name>)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,24 +128,25 @@ def _read_scenes(url: str, storage_options: dict[str, Any]) -> pa.Table:
     if meta.task("scenes") is None:
         raise UsageError(f"--scenes {redact(url)} holds {', '.join(t.task for t in meta.tasks)}, no scenes: give the "
                          "--out of bucketeer annotate MANIFEST --task scenes")  # fmt: skip
-    motion = ["scene_motion"] if meta.task("motion") is not None else []
-    _, rows, _ = read_annotations(url, storage_options, columns=["scenes", *motion])
-    return rows.select(["sample_id", "source_key", "scenes", *motion])
+    scores = [f"scene_{t}" for t in SHOT_SCORES if meta.task(t) is not None]
+    _, rows, _ = read_annotations(url, storage_options, columns=["scenes", *scores])
+    return rows.select(["sample_id", "source_key", "scenes", *scores])
 
 
 def _shot_keep(shots: pa.Table, where: str | None) -> dict[int, list[bool]]:
     """``{sample_id: [keep shot i]}`` of ``where`` (``--shot-where``) over every shot's start, frames, time and
-    motion (null without the motion task)."""
+    scores (:data:`SHOT_SCORES`: ``motion``, ``aesthetic``, ...; null where the annotations lack that task)."""
     import polars as pl
 
     from manifests.select import where_mask
 
     lists = shots.column("scenes").to_pylist()
-    motion = shots.column("scene_motion").to_pylist() if "scene_motion" in shots.column_names else [None] * len(lists)
-    flat = [{**s, "motion": (m or [None] * len(one))[i]}
-            for one, m in zip(lists, motion) for i, s in enumerate(one or [])]  # fmt: skip
+    scores = {t: (shots.column(f"scene_{t}").to_pylist() if f"scene_{t}" in shots.column_names else
+                  [None] * len(lists)) for t in SHOT_SCORES}  # fmt: skip
+    flat = [{**s, **{t: (scores[t][v] or [None] * len(one))[i] for t in SHOT_SCORES}}
+            for v, one in enumerate(lists) for i, s in enumerate(one or [])]  # fmt: skip
     frame = pl.DataFrame(flat, schema={"start": pl.Int32, "frames": pl.Int32, "time": pl.Float64,
-                                       "motion": pl.Float32})  # fmt: skip
+                                       **dict.fromkeys(SHOT_SCORES, pl.Float32)})  # fmt: skip
     keep = where_mask(frame, where, "--shot-where").tolist()
     out, at = {}, 0
     for sid, one in zip(shots.column("sample_id").to_pylist(), lists):

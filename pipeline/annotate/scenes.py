@@ -21,21 +21,122 @@ frame's presentation time minus the first frame's, in seconds.
 size, within a shot (the cut itself is never counted): 0 for a still shot, ~1-5 for slow camera moves, tens for
 fast action. A shot's value is the mean over its frame pairs (0 for a 1-frame shot); the video's is the mean over
 all its within-shot pairs.
+
+Per-shot frames (``detect_scenes(file, keep=3)``, for the shot tasks ``aesthetic``/``embedding``/``caption``):
+the cuts are final only once the video ends (the detectors report a cut late, a fade's up to its whole dark part
+later, and :func:`merge_cuts` merges them last), so :class:`ShotFrames` keeps, within the same single decode, a
+bounded set of the decoded 256-pixel frames: the first and last frame of every candidate segment (pinned from a
+ring of the last :data:`LOOKBACK` frames when a detector reports a cut), and in each segment a stride-halving
+reservoir of at most :data:`RESERVOIR` frames (every frame, then every 2nd, 4th, ... as the segment grows). A
+final shot is one or more candidate segments; :meth:`ShotFrames.pick` takes the kept frames nearest to ``n``
+evenly spaced positions of the shot, its first and last frame exactly wherever the cut came within the lookback.
+Every :data:`LOOKBACK` frames the shots whose cuts can no longer change (:func:`final_cuts`) keep only their
+picks, so memory is the ``keep`` picks per shot before, at most ``RESERVOIR + 2`` frames per candidate segment of
+the last few hundred frames, and the ring (~110 kB a 256x144 frame).
 """
 
 from __future__ import annotations
 
 import io
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-__all__ = ["SCENE_SIDE", "SCENE_SETTINGS", "VideoScenes", "detect_scenes", "merge_cuts"]
+__all__ = ["SCENE_SIDE", "SCENE_SETTINGS", "RESERVOIR", "LOOKBACK", "ShotFrames", "VideoScenes", "detect_scenes",
+           "final_cuts", "merge_cuts"]  # fmt: skip
 
 SCENE_SIDE = 256  # the decode's long side: PySceneDetect's own CLI downscales to ~256 px wide by default
 SCENE_SETTINGS = {"detectors": "scenedetect ContentDetector(threshold=27) + ThresholdDetector(threshold=12)",
                   "min_scene_len": 15, "decode_side": SCENE_SIDE, "motion": "mean |dY| within shots, 0..255"}
+RESERVOIR = 16  # kept frames per candidate segment (besides its pinned first and last)
+LOOKBACK = 128  # the ring of recent frames a late-reported cut pins its frames from
+
+
+class ShotFrames:
+    """The bounded set of decoded frames a video's shots are scored and captioned from (module docstring).
+    Feed every frame in order to :meth:`add`, each detector cut to :meth:`cut`, then :meth:`finish`."""
+
+    def __init__(self, picks: int, reservoir: int = RESERVOIR, lookback: int = LOOKBACK):
+        self.kept: dict[int, np.ndarray] = {}  # frame number -> (h, w, 3) uint8, BGR as decoded
+        self.pinned: set[int] = set()
+        self.picks, self.settled = picks, 0  # frames < settled: only the picks of their final shots are kept
+        self.recent: deque[tuple[int, np.ndarray]] = deque(maxlen=lookback)
+        self.reservoir, self.start, self.stride = reservoir, 0, 1
+
+    def _pin(self, n: int) -> None:
+        frame = self.kept.get(n) if n in self.kept else next((f for i, f in self.recent if i == n), None)
+        if frame is not None:
+            self.kept[n] = frame
+            self.pinned.add(n)
+
+    def add(self, n: int, bgr: np.ndarray) -> None:
+        """Frame ``n`` (the next one decoded, ``(h, w, 3)`` uint8 BGR: converted only when picked)."""
+        self.recent.append((n, bgr))
+        if n == 0:
+            self._pin(0)
+        if (n - self.start) % self.stride == 0:
+            self.kept[n] = bgr
+            self._thin()
+
+    def _thin(self) -> None:
+        free = [i for i in self.kept if i >= self.start and i not in self.pinned]
+        while len(free) > self.reservoir:
+            self.stride *= 2
+            for i in [i for i in free if (i - self.start) % self.stride]:
+                del self.kept[i]
+            free = [i for i in free if i in self.kept]
+
+    def cut(self, c: int) -> None:
+        """A detector's cut at frame ``c`` (reported now or up to the lookback late): a new segment starts there."""
+        self._pin(c - 1)
+        self._pin(c)
+        if c > self.start:
+            self.start, self.stride = c, 1
+            self._thin()
+
+    def finish(self) -> None:
+        """The video ended: pin its last frame."""
+        if self.recent:
+            self._pin(self.recent[-1][0])
+
+    def settle(self, start: int, frames: int) -> None:
+        """The shot ``[start, start + frames)`` is final (its cuts can no longer change): keep only its picks."""
+        chosen = set(self._nearest(start, frames, self.picks))
+        for i in [i for i in self.kept if start <= i < start + frames and i not in chosen]:
+            del self.kept[i]
+            self.pinned.discard(i)
+        self.pinned |= chosen
+        self.settled = start + frames
+
+    def _nearest(self, start: int, frames: int, n: int) -> list[int]:
+        inside = np.array(sorted(i for i in self.kept if start <= i < start + frames))  # (k,)
+        if not len(inside):  # a cut reported later than the lookback inside a thinned segment: the nearest kept
+            inside = np.array(sorted(self.kept))
+        if not len(inside):
+            return []
+        at = np.linspace(start, start + frames - 1, n) if n > 1 else np.array([start + (frames - 1) / 2])
+        return [int(inside[np.abs(inside - a).argmin()]) for a in at]
+
+    def pick(self, start: int, frames: int, n: int) -> list[np.ndarray]:
+        """``n`` kept frames (RGB) of the shot ``[start, start + frames)`` nearest to ``n`` evenly spaced positions
+        (first and last included; one position, the middle, for ``n`` 1); the nearest kept frames outside it when
+        none inside was kept; [] when no frame was."""
+        return [np.ascontiguousarray(self.kept[i][..., ::-1]) for i in self._nearest(start, frames, n)]
+
+
+def final_cuts(content: list[int], fades: list[int], min_gap: int, bound: int) -> list[int]:
+    """The merged cuts (:func:`merge_cuts`) that no cut reported later can change: those of the clusters whose
+    every cut is at most ``bound`` (a later cut's frame is past it) and no later cut chains to (``min_gap``)."""
+    raw = sorted(c for c in content + fades if c <= bound)
+    while raw and bound - raw[-1] < min_gap:  # the last cluster may still grow: drop it whole
+        last = raw.pop()
+        while raw and last - raw[-1] < min_gap:
+            last = raw.pop()
+    if not raw:
+        return []
+    return merge_cuts([c for c in content if c <= raw[-1]], [c for c in fades if c <= raw[-1]], min_gap)
 
 
 @dataclass(frozen=True)
@@ -49,6 +150,7 @@ class VideoScenes:
     motion: np.ndarray
     frame_count: int
     video_motion: float
+    kept: ShotFrames | None = None  # with detect_scenes(keep=n): the frames the shot tasks take
 
     def rows(self) -> list[dict[str, Any]]:
         """The shots as the ``scenes`` column's structs: ``{"start", "frames", "time"}``."""
@@ -77,9 +179,10 @@ def _scaled(width: int, height: int) -> tuple[int, int]:
     return max(2, round(width * scale) // 2 * 2), max(2, round(height * scale) // 2 * 2)
 
 
-def detect_scenes(file: io.RawIOBase | str) -> VideoScenes:
+def detect_scenes(file: io.RawIOBase | str, keep: int = 0) -> VideoScenes:
     """Shots and motion of the video ``file`` (a path or a seekable file), from one forward decode (module
-    docstring). PyAV's errors propagate (the caller makes them the video's error row)."""
+    docstring); ``keep``: also keep that many frames per shot to score it from (``VideoScenes.kept``). PyAV's errors
+    propagate (the caller makes them the video's error row)."""
     import av
     import cv2  # PySceneDetect's own dependency
     from scenedetect import ContentDetector, FrameTimecode, ThresholdDetector
@@ -91,6 +194,7 @@ def detect_scenes(file: io.RawIOBase | str) -> VideoScenes:
     diffs: list[float] = []  # diffs[i]: mean |dY| between frame i and i + 1
     times: list[float] = []
     previous = None
+    kept = ShotFrames(keep) if keep else None
     n = 0
     with av.open(file) as container:
         stream = container.streams.video[0]
@@ -103,8 +207,19 @@ def detect_scenes(file: io.RawIOBase | str) -> VideoScenes:
                 size = _scaled(frame.width, frame.height)
             bgr = scaler.reformat(frame, width=size[0], height=size[1], format="bgr24").to_ndarray()  # (h, w, 3)
             timecode = FrameTimecode(n, rate)
-            content_cuts += [c.frame_num for c in content.process_frame(timecode, bgr)]
-            fade_cuts += [c.frame_num for c in fade.process_frame(timecode, bgr)]
+            found = ([c.frame_num for c in content.process_frame(timecode, bgr)],
+                     [c.frame_num for c in fade.process_frame(timecode, bgr)])  # fmt: skip
+            content_cuts += found[0]
+            fade_cuts += found[1]
+            if kept is not None:
+                kept.add(n, bgr)
+                for c in sorted(found[0] + found[1]):
+                    kept.cut(c)
+                if n % LOOKBACK == 0:  # shots final by now keep only their picks: memory ~``keep`` frames a shot
+                    final = [c for c in final_cuts(content_cuts, fade_cuts, min_len, n - LOOKBACK) if c > 0]
+                    for a, b in zip([0, *final], final):
+                        if a >= kept.settled:
+                            kept.settle(a, b - a)
             luma = cv2.cvtColor(bgr, cv2.COLOR_BGR2GRAY)  # (h, w) uint8: Y = 0.299 R + 0.587 G + 0.114 B
             if previous is not None:
                 diffs.append(float(cv2.absdiff(luma, previous).mean()))
@@ -113,8 +228,13 @@ def detect_scenes(file: io.RawIOBase | str) -> VideoScenes:
             n += 1
         if n:
             end = FrameTimecode(n - 1, rate)
-            content_cuts += [c.frame_num for c in content.post_process(end)]
-            fade_cuts += [c.frame_num for c in fade.post_process(end)]
+            late = [c.frame_num for c in content.post_process(end)], [c.frame_num for c in fade.post_process(end)]
+            content_cuts += late[0]
+            fade_cuts += late[1]
+            if kept is not None:
+                for c in sorted(late[0] + late[1]):
+                    kept.cut(c)
+                kept.finish()
     cuts = [c for c in merge_cuts(content_cuts, fade_cuts, min_len) if 0 < c < n]
     starts = np.array([0, *cuts] if n else [], np.int32)  # (s,)
     frames = np.diff(np.append(starts, n)).astype(np.int32)  # (s,)
@@ -124,5 +244,5 @@ def detect_scenes(file: io.RawIOBase | str) -> VideoScenes:
     motion = np.array([d[s : s + f - 1].mean() if f > 1 else 0.0 for s, f in zip(starts, frames)], np.float32)
     t0 = times[0] if times else 0.0
     return VideoScenes(starts=starts, frames=frames, times=np.asarray([times[s] - t0 for s in starts], np.float64),
-                       motion=motion, frame_count=n,
-                       video_motion=float(d[inside].mean()) if inside.any() else 0.0)  # fmt: skip
+                       motion=motion, frame_count=n, video_motion=float(d[inside].mean()) if inside.any() else 0.0,
+                       kept=kept)  # fmt: skip

@@ -7,6 +7,8 @@
     sha256                          the bytes read (no decode)
     scenes motion                   video manifests: one low-resolution PyAV decode per video
                                     (pipeline.annotate.scenes), apart from the image tasks
+    scenes + caption embedding      the shot tasks: with scenes, in the same decode, per shot on frames the decode
+      aesthetic safety watermark    keeps (pipeline.annotate.scenes.ShotFrames); phash, sha256, stats are refused
 
 Every task of a run works from one fetch and one decode of each image (its long side at most
 ``--image-size``), in the same actor. A :class:`TaskPlan` says what the workers run (plain data, it travels
@@ -24,11 +26,14 @@ from manifests.annotations import TaskSettings
 from pipeline.annotate.engines import CaptionSpec
 from pipeline.annotate.vision import HEAD_TASKS, VisionSpec
 
-__all__ = ["TASKS", "VISION_TASKS", "VIDEO_TASKS", "TaskPlan", "describe_tasks", "task_settings"]
+__all__ = ["TASKS", "VISION_TASKS", "VIDEO_TASKS", "SHOT_TASKS", "SHOT_FRAMES", "TaskPlan", "describe_tasks",
+           "task_settings"]  # fmt: skip
 
 VIDEO_TASKS = ("scenes", "motion")
 TASKS = ("caption", "embedding", *HEAD_TASKS, "phash", "sha256", "stats", *VIDEO_TASKS)
 VISION_TASKS = ("embedding", *HEAD_TASKS)
+SHOT_TASKS = ("caption", *VISION_TASKS)  # run per shot in a video run (with scenes)
+SHOT_FRAMES = 3  # the vision tasks' frames of a shot: its first, middle and last
 _ALGORITHMS = {"phash": "imagehash-phash-8x8", "sha256": "sha256", "stats": "stats-v1",
                "scenes": "pyscenedetect-content+threshold", "motion": "frame-difference"}
 
@@ -96,6 +101,10 @@ def task_settings(plan: TaskPlan, described: dict[str, Any]) -> tuple[TaskSettin
             vision, v = plan.vision, described["vision"]
             assert vision is not None
             embedder = {"image_size": plan.image_size, "dim": v["dim"], "class": v["class"]}
+            if plan.video:  # scored on the scene decode's frames, first/middle/last of each shot
+                from pipeline.annotate.scenes import SCENE_SIDE
+
+                embedder.update(image_size=SCENE_SIDE, shot_frames="first, middle, last: mean")
             if task == "embedding":
                 out.append(TaskSettings(task=task, model=vision.model, weight_sha256=v["weight_sha256"],
                                         generation={**embedder, "dtype": "float16", "normalised": "l2"}))  # fmt: skip

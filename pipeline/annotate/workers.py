@@ -168,21 +168,31 @@ class AnnotateWriter:
         return cols
 
     def _video_columns(self, rows: list[dict]) -> tuple[list[dict], dict[str, pa.Array], list[dict]]:
-        """The video tasks (``scenes``, ``motion``) of a unit: ``(good rows, columns, error rows)``; each video
-        decoded once (:func:`pipeline.annotate.scenes.detect_scenes`); an image of the manifest is one 1-frame
-        still shot. A video that cannot be read is ``read_failed`` (retried by the next run), one that cannot be
-        decoded ``decode_failed``."""
-        from pipeline.annotate.scenes import VideoScenes
+        """The video tasks (``scenes``, ``motion``, and the shot tasks) of a unit: ``(good rows, columns, error
+        rows)``; each video decoded once (:func:`pipeline.annotate.scenes.detect_scenes`); an image of the manifest
+        is one 1-frame still shot, scored on its own decode. A video that cannot be read is ``read_failed``
+        (retried by the next run), one that cannot be decoded ``decode_failed``."""
+        from pipeline.annotate.scenes import ShotFrames, VideoScenes
 
+        from pipeline.annotate.tasks import SHOT_FRAMES
+
+        keep = SHOT_FRAMES if self.embedder is not None else 0
         good, found, errors = [], [], []
         for row in rows:
             try:
                 if row["codec"] is None:  # an image: one still shot
                     one = np.array([0], np.int32)
+                    kept = None
+                    if keep:
+                        _, _, images, failed = self._decode([row])
+                        if failed:
+                            raise ImageFailure(failed[0]["error"], failed[0]["message"])
+                        kept = ShotFrames(keep)
+                        kept.add(0, np.asarray(images[0])[..., ::-1])  # RGB, kept as the decode's BGR
                     scenes = VideoScenes(starts=one, frames=one + 1, times=np.zeros(1), motion=np.zeros(1, np.float32),
-                                         frame_count=1, video_motion=0.0)  # fmt: skip
+                                         frame_count=1, video_motion=0.0, kept=kept)  # fmt: skip
                 else:
-                    scenes = self._scenes(row)
+                    scenes = self._scenes(row, keep)
             except ImageFailure as e:
                 errors.append({**row, "error": e.kind, "message": e.message})
                 continue
@@ -192,10 +202,51 @@ class AnnotateWriter:
         if "motion" in self.plan.tasks:
             cols["motion"] = pa.array([s.video_motion for s in found], pa.float32())
             cols["scene_motion"] = pa.array([s.motion.tolist() for s in found], pa.list_(pa.float32()))
+        if self.embedder is not None:
+            cols.update(self._shot_vision(found))
         return good, cols, errors
 
-    def _scenes(self, row: dict):
-        """One video row's :class:`~pipeline.annotate.scenes.VideoScenes`; raises ImageFailure."""
+    def _shot_vision(self, found: list) -> dict[str, pa.Array]:
+        """The vision tasks per shot, on each shot's first, middle and last kept frame (:data:`SHOT_FRAMES`), in
+        batches: a shot's embedding is the L2-normalised mean of its frames', its scores the mean of theirs; the
+        video's (``embedding``, ``aesthetic``, ...) the same over its shots, weighted by their frame counts."""
+        from PIL import Image
+
+        from pipeline.annotate.tasks import SHOT_FRAMES
+
+        frames = [Image.fromarray(f) for s in found for start, n in zip(s.starts, s.frames)
+                  for f in s.kept.pick(int(start), int(n), SHOT_FRAMES)]  # fmt: skip
+        batches = [frames[at : at + self.batch_size] for at in range(0, len(frames), self.batch_size)]
+        done = [self.embedder(b) for b in batches]
+        dim = self.embedder.dim
+        emb = np.concatenate([e for e, _ in done]) if done else np.zeros((0, dim), np.float32)  # (3 * shots, D)
+        shots = emb.reshape(-1, SHOT_FRAMES, dim).mean(1)  # (shots, D)
+        shots /= np.maximum(np.linalg.norm(shots, axis=1, keepdims=True), 1e-12)
+        counts = np.cumsum([0, *(len(s.starts) for s in found)])  # video v's shots: counts[v]:counts[v + 1]
+        weights = [s.frames.astype(np.float64) for s in found]
+        cols: dict[str, pa.Array] = {}
+        if "embedding" in self.plan.tasks:
+            video = np.stack([(w[:, None] * shots[a:b]).sum(0) for w, a, b in zip(weights, counts, counts[1:])]
+                             ) if found else np.zeros((0, dim))  # (v, D)  # fmt: skip
+            video /= np.maximum(np.linalg.norm(video, axis=1, keepdims=True), 1e-12)
+            kind = embedding_type(dim)
+            flat = pa.array(video.astype(np.float16).reshape(-1), pa.float16())
+            cols["embedding"] = pa.FixedSizeListArray.from_arrays(flat, dim).cast(kind)
+            per = pa.FixedSizeListArray.from_arrays(pa.array(shots.astype(np.float16).reshape(-1), pa.float16()),
+                                                    dim).cast(kind)  # fmt: skip
+            cols["scene_embedding"] = pa.ListArray.from_arrays(pa.array(counts, pa.int32()), per)
+        for task in self.embedder.heads:
+            score = np.concatenate([s[task] for _, s in done]) if done else np.zeros(0, np.float32)
+            shot = score.reshape(-1, SHOT_FRAMES).mean(1)  # (shots,)
+            cols[task] = pa.array([float(np.average(shot[a:b], weights=w))
+                                   for w, a, b in zip(weights, counts, counts[1:])], pa.float32())  # fmt: skip
+            cols[f"scene_{task}"] = pa.array([shot[a:b].tolist() for a, b in zip(counts, counts[1:])],
+                                             pa.list_(pa.float32()))  # fmt: skip
+        return cols
+
+    def _scenes(self, row: dict, keep: int = 0):
+        """One video row's :class:`~pipeline.annotate.scenes.VideoScenes` (``keep``: with the frames its shots are
+        scored from, that many a shot); raises ImageFailure."""
         from pipeline.annotate.scenes import detect_scenes
         from pipeline.embed.clips import open_video
         from pipeline.embed.parquet_images import is_parquet_row
@@ -212,7 +263,7 @@ class AnnotateWriter:
             raise read_failure(e, self.storage_options) from None
         with file:
             try:
-                scenes = detect_scenes(file)
+                scenes = detect_scenes(file, keep)
             except (KeyboardInterrupt, SystemExit, MemoryError):
                 raise
             except BaseException as e:  # untrusted bytes: this video's error row, unless storage failed under it
