@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from pipeline.embed.families import flux2, qwen_image
+from pipeline.embed.families import flux2, hunyuan_video15, qwen_image
 from pipeline.embed.loading import EncoderSource, check_local, device_and_dtype, weights_sha256
 
 if TYPE_CHECKING:  # a diffusers model's .config
@@ -91,6 +91,7 @@ VAE_PATHS: dict[str, VaeKind] = {
     # Wan-style, images as 1-frame clips, stored normalised per channel
     "AutoencoderKLQwenImage": VaeKind(qwen_image.vae_description,
                                       lambda vae, x, std: qwen_image.vae_latents(vae, x, std=std)),
+    "AutoencoderKLHunyuanVideo15": VaeKind(hunyuan_video15.vae_description, hunyuan_video15.vae_latents, video=True),  # clips, scaling_factor
 }
 VAE_CLASSES = tuple(VAE_PATHS)
 

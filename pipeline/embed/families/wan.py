@@ -59,3 +59,4 @@ FAMILY = _family("wan", "Wan 2.x (video): UMT5 (512, masked; real tokens stored,
 A14B = _family("wan2.2-a14b", "Wan 2.2 A14B (video, two experts by timestep): UMT5 as wan, Wan 2.1's VAE")
 TI2V = _family("wan2.2-ti2v-5b", "Wan 2.2 TI2V-5B (video): UMT5 as wan, Wan 2.2's VAE (48 channels, 16x)")
 VIDEO_FAMILIES = (FAMILY.name, A14B.name, TI2V.name)  # families whose VAE takes clips
+VIDEO_FAMILIES += ("hunyuanvideo-1.5",)  # pipeline.embed.families.hunyuan_video15: its own VAE takes clips
