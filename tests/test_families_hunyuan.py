@@ -84,8 +84,8 @@ def test_the_transformer_gives_the_same_output_for_zeroed_pad_rows(tiny):
         t = torch.full((3,), 700.0)
 
         def run(a, b):
-            return pipe.transformer(hidden_states=latents, timestep=t, encoder_hidden_states=a, encoder_attention_mask=m,
-                                    encoder_hidden_states_2=b, encoder_attention_mask_2=m2, image_embeds=image,
+            return pipe.transformer(hidden_states=latents, timestep=t, encoder_hidden_states=a,
+                                    encoder_attention_mask=m, encoder_hidden_states_2=b, encoder_attention_mask_2=m2, image_embeds=image,
                                     return_dict=False)[0]  # fmt: skip
 
         assert torch.equal(run(e, e2), run(e * m[..., None], e2 * m2[..., None]))

@@ -91,7 +91,8 @@ VAE_PATHS: dict[str, VaeKind] = {
     # Wan-style, images as 1-frame clips, stored normalised per channel
     "AutoencoderKLQwenImage": VaeKind(qwen_image.vae_description,
                                       lambda vae, x, std: qwen_image.vae_latents(vae, x, std=std)),
-    "AutoencoderKLHunyuanVideo15": VaeKind(hunyuan_video15.vae_description, hunyuan_video15.vae_latents, video=True),  # clips, scaling_factor
+    # clips one at a time, scaled by scaling_factor in the loader
+    "AutoencoderKLHunyuanVideo15": VaeKind(hunyuan_video15.vae_description, hunyuan_video15.vae_latents, video=True),
 }
 VAE_CLASSES = tuple(VAE_PATHS)
 

@@ -43,8 +43,8 @@ def hunyuan_video15():
     text_encoder_2 = T5EncoderModel(T5Config(vocab_size=384, d_model=BYT5_WIDTH, d_kv=8, d_ff=32, num_layers=1,
                                              num_heads=3, feed_forward_proj="gated-gelu"))  # fmt: skip
     transformer = HunyuanVideo15Transformer3DModel(
-        in_channels=2 * LATENT_CHANNELS + 1, out_channels=LATENT_CHANNELS, num_attention_heads=2, attention_head_dim=12,
-        num_layers=2, num_refiner_layers=1, text_embed_dim=HUNYUAN_WIDTH, text_embed_2_dim=BYT5_WIDTH,
+        in_channels=2 * LATENT_CHANNELS + 1, out_channels=LATENT_CHANNELS, num_attention_heads=2,
+        attention_head_dim=12, num_layers=2, num_refiner_layers=1, text_embed_dim=HUNYUAN_WIDTH, text_embed_2_dim=BYT5_WIDTH,
         image_embed_dim=16, rope_axes_dim=(4, 4, 4), target_size=64, task_type="t2v",
     )  # fmt: skip
     vae = AutoencoderKLHunyuanVideo15(latent_channels=LATENT_CHANNELS, block_out_channels=(8, 8, 16, 16, 16),
