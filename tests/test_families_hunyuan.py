@@ -85,8 +85,8 @@ def test_the_transformer_gives_the_same_output_for_zeroed_pad_rows(tiny):
 
         def run(a, b):
             return pipe.transformer(hidden_states=latents, timestep=t, encoder_hidden_states=a,
-                                    encoder_attention_mask=m, encoder_hidden_states_2=b, encoder_attention_mask_2=m2, image_embeds=image,
-                                    return_dict=False)[0]  # fmt: skip
+                                    encoder_attention_mask=m, encoder_hidden_states_2=b, encoder_attention_mask_2=m2,
+                                    image_embeds=image, return_dict=False)[0]  # fmt: skip
 
         assert torch.equal(run(e, e2), run(e * m[..., None], e2 * m2[..., None]))
         assert not torch.equal(e, e * m[..., None])  # the pipeline's pad rows are not zeros

@@ -44,11 +44,12 @@ def hunyuan_video15():
                                              num_heads=3, feed_forward_proj="gated-gelu"))  # fmt: skip
     transformer = HunyuanVideo15Transformer3DModel(
         in_channels=2 * LATENT_CHANNELS + 1, out_channels=LATENT_CHANNELS, num_attention_heads=2,
-        attention_head_dim=12, num_layers=2, num_refiner_layers=1, text_embed_dim=HUNYUAN_WIDTH, text_embed_2_dim=BYT5_WIDTH,
-        image_embed_dim=16, rope_axes_dim=(4, 4, 4), target_size=64, task_type="t2v",
+        attention_head_dim=12, num_layers=2, num_refiner_layers=1, text_embed_dim=HUNYUAN_WIDTH,
+        text_embed_2_dim=BYT5_WIDTH, image_embed_dim=16, rope_axes_dim=(4, 4, 4), target_size=64, task_type="t2v",
     )  # fmt: skip
     vae = AutoencoderKLHunyuanVideo15(latent_channels=LATENT_CHANNELS, block_out_channels=(8, 8, 16, 16, 16),
                                       layers_per_block=1, scaling_factor=1.03682)  # fmt: skip
+    scheduler, guider = FlowMatchEulerDiscreteScheduler(shift=5.0), ClassifierFreeGuidance(guidance_scale=6.0)
     return HunyuanVideo15Pipeline(text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, vae=vae,
-                                  scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), text_encoder_2=text_encoder_2,
-                                  tokenizer_2=tokenizer_2, guider=ClassifierFreeGuidance(guidance_scale=6.0))  # fmt: skip
+                                  scheduler=scheduler, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
+                                  guider=guider)  # fmt: skip
