@@ -19,8 +19,8 @@ so that, for a Flux run (``StableDiffusionXLPipeline`` / ``StableDiffusion3Pipel
 loads the trained adapters at their trained scale. A pipeline without LoRA loaders (``HunyuanVideo15Pipeline`` in
 diffusers 0.42.1) gets the model's own format (``save_lora_adapter``, unprefixed keys), which its component
 loads: ``pipe.transformer.load_lora_adapter("OUTPUT/lora", prefix=None, ...)``. :func:`load_lora` loads the
-file into a bare model, also the model-level files of earlier versions (written by ``save_lora_adapter``); it tells them apart by
-their keys: the pipeline format's all start with the component's name and a dot (``unet.``,
+file into a bare model, also the model-level files (of earlier versions, written by ``save_lora_adapter``); it
+tells them apart by their keys: the pipeline format's all start with the component's name and a dot (``unet.``,
 ``transformer.``), which no parameter name of the model itself does (``down_blocks.…``,
 ``transformer_blocks.…``).
 """
