@@ -64,7 +64,8 @@ def data(tmp_path_factory) -> dict[str, str]:
                        "scaling_factor": scaling, "shift_factor": None, "temporal_factor": 4},
             "text": {"family": FAMILY, "pipeline": "HunyuanVideo15Pipeline", "dtype": "BF16",
                      "layout": layout.to_json(), "empty_caption_key": caption_key(""),
-                     "validation_prompts": [{"prompt": p, "caption_key": caption_key(p)} for p in PROMPTS]}}  # fmt: skip
+                     "validation_prompts": [{"prompt": p, "caption_key": caption_key(p)} for p in PROMPTS]},
+            }  # fmt: skip
     writer = CacheWriter(cache, settings, info=info, shard_records=4)
     rng = np.random.default_rng(39)
     for caption in dict.fromkeys(c or "" for c in (*CAPTIONS, "", *PROMPTS)):
@@ -80,9 +81,9 @@ def data(tmp_path_factory) -> dict[str, str]:
     for r in records:
         writer.add_sample(r.sample_id, encode_sample(r), r.caption_key, r.bucket)
     meta = writer.finish()
-    write_plan(plan, [DatasetSamples(np.asarray([r.sample_id for r in records], np.uint64),
-                                     pa.array([r.bucket for r in records]), cache_fingerprint=meta.fingerprint,
-                                     cache=cache)], PlanConfig(world_size=1, batch_size=2, epochs=2, seed=5))  # fmt: skip
+    samples = DatasetSamples(np.asarray([r.sample_id for r in records], np.uint64),
+                             pa.array([r.bucket for r in records]), cache_fingerprint=meta.fingerprint, cache=cache)
+    write_plan(plan, [samples], PlanConfig(world_size=1, batch_size=2, epochs=2, seed=5))
     return {"model": model, "cache": cache, "plan": plan}
 
 
