@@ -62,8 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--family", choices=FAMILIES, default="pixart",
                         help="model family: sdxl, sd3, flux, flux2, flux2-klein, chroma, qwen-image, qwen-image-edit "
                         "(on generated pairs) or z-image embed and fine-tune a tiny random-weight model of the "
-                        "family's real classes; wan, wan2.2-a14b, wan2.2-ti2v-5b and hunyuanvideo-1.5 do so on generated video "
-                        "clips "
+                        "family's real classes; wan, wan2.2-a14b, wan2.2-ti2v-5b and hunyuanvideo-1.5 do so on "
+                        "generated video clips "
                         "(scan --frames); pixart "
                         "(default) trains the from-scratch transformer")  # fmt: skip
     parser.add_argument("--clips", type=int, default=24,
