@@ -127,3 +127,23 @@ def test_clip_latents_are_the_pipelines_vae_path_and_scaling(tiny):
     assert torch.equal(got, want)  # bit for bit in fp32
     assert (described["class"], described["factor"], described["temporal_factor"], described["scaling_factor"]) == (
         "AutoencoderKLHunyuanVideo15", 16, 4, vae.config.scaling_factor)
+
+
+def test_a_streams_layout_keeps_each_part_and_its_mask_apart():
+    """``join: streams``: parts side by side with one mask column each; :meth:`streams` gives each part back at
+    its own length (padded with zero rows and mask 0, or cut); the JSON round trip and the row check hold."""
+    layout = TextLayout(family=FAMILY, join="streams", masked=True, lengths=(6, 3), widths=(2, 1))
+    assert TextLayout.from_json(layout.to_json()) == layout and (layout.width, layout.length) == (3, 6)
+    a = TextRecord(1, (np.full((4, 2), 1.0, np.float32), np.zeros((0, 1), np.float32)), None, "F32")
+    b = TextRecord(2, (np.full((2, 2), 2.0, np.float32), np.full((3, 1), 3.0, np.float32)), None, "F32")
+    embeds, mask, pooled = layout.prompt_embeds([a, b])
+    assert embeds.shape == (2, 4, 3) and mask.shape == (2, 4, 2) and pooled is None
+    assert mask[:, :, 0].sum(1).tolist() == [4, 2] and mask[:, :, 1].sum(1).tolist() == [0, 3]
+    (e0, m0), (e1, m1) = layout.streams(torch.from_numpy(embeds), torch.from_numpy(mask))
+    assert e0.shape == (2, 6, 2) and e1.shape == (2, 3, 1) and m0.shape == (2, 6) and m1.shape == (2, 3)
+    assert e0[0, :4].eq(1).all() and e0[0, 4:].eq(0).all() and m0[1].tolist() == [1, 1, 0, 0, 0, 0]
+    assert e1[0].eq(0).all() and e1[1].eq(3).all() and m1.sum(1).tolist() == [0, 3]
+    too_long = TextRecord(3, (np.zeros((7, 2), np.float32), np.zeros((0, 1), np.float32)), None, "F32")
+    assert layout.check(too_long) == "text part 0 has 7 rows, the layout says at most 6"
+    with pytest.raises(AssertionError):
+        TextLayout(family=FAMILY, join="streams", masked=False, lengths=(6, 3), widths=(2, 1))
