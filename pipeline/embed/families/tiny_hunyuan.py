@@ -38,7 +38,8 @@ def hunyuan_video15():
     text_encoder = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
         vocab_size=len(tokenizer), hidden_size=HUNYUAN_WIDTH, intermediate_size=64, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, rope_theta=1000000.0,
-        rope_scaling={"type": "mrope", "mrope_section": [1, 2, 2]}))  # fmt: skip
+        rope_scaling={"type": "mrope", "mrope_section": [1, 2, 2]}, bos_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tokenizer.pad_token_id))  # fmt: skip
     tokenizer_2 = ByT5Tokenizer()
     text_encoder_2 = T5EncoderModel(T5Config(vocab_size=384, d_model=BYT5_WIDTH, d_kv=8, d_ff=32, num_layers=1,
                                              num_heads=3, feed_forward_proj="gated-gelu"))  # fmt: skip
