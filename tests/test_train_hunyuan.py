@@ -212,3 +212,18 @@ def test_the_lora_export_loads_with_load_lora_adapter_and_gives_the_trained_outp
     loaded = recipe_outputs(denoiser, pipe.transformer, batch)
     torch.testing.assert_close(loaded, want, rtol=1e-4, atol=1e-5)
     assert (loaded - base).abs().max() > 100 * (loaded - want).abs().max()  # the adapters do act
+
+
+def test_every_trained_parameter_gets_a_gradient(data):
+    """DDP stops on a trained parameter without one: the last block's text outputs, which the model drops, are
+    frozen, and every other parameter of a full fine-tune is reached by the loss."""
+    from train.model import step_generator
+
+    denoiser = _setup(data)
+    batch = _batch(data)
+    denoiser.loss(denoiser.model, batch, step_generator(0, batch.epoch, batch.step, 0)).backward()
+    frozen = sorted(n for n, p in denoiser.model.named_parameters() if not p.requires_grad)
+    assert frozen == [f"transformer_blocks.1.{m}" for m in ("attn.to_add_out.bias", "attn.to_add_out.weight",
+                      "ff_context.net.0.proj.bias", "ff_context.net.0.proj.weight", "ff_context.net.2.bias",
+                      "ff_context.net.2.weight")]  # fmt: skip
+    assert all(p.grad is not None for p in denoiser.model.parameters() if p.requires_grad)

@@ -11,7 +11,9 @@ scheduler's ``shift`` (``timestep_shift: auto``).
 
 LoRA: diffusers 0.42.1's pipeline has no ``load_lora_weights``; the export is written by the transformer's own
 ``save_lora_adapter`` and loads with ``pipe.transformer.load_lora_adapter(folder, prefix=None, ...)`` (the run
-prints the lines). Not yet: ``masked_loss``, ``repa``, image-to-video (refused in one line).
+prints the lines). The last block's text-side output layers (``attn.to_add_out``, ``ff_context``) are frozen: the
+model drops that block's text states, so they get no gradient (a full fine-tune under DDP would stop on them).
+Not yet: ``masked_loss``, ``repa``, image-to-video (refused in one line).
 """
 
 from __future__ import annotations
@@ -56,6 +58,9 @@ def setup(cfg: TrainConfig, meta: CacheMeta) -> Denoiser:
     _refuse(cfg, meta)
     source = pretrained_source(cfg, meta)
     transformer = load_pretrained(HunyuanVideo15Transformer3DModel, source, "transformer")
+    last = transformer.transformer_blocks[-1]  # its text outputs are dropped: no gradient reaches these (DDP
+    for unused in (last.attn.to_add_out, last.ff_context):  # requires every trained parameter to get one)
+        unused.requires_grad_(False)
     layout, channels = meta.text_layout, int(meta.latent.channels)
     config = transformer.config
     check_matches("Qwen2.5-VL text width (text_embed_dim)", config.text_embed_dim, layout.widths[0], source)
