@@ -24,6 +24,7 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "tiny.yaml"
 # families whose default config fine-tunes the cache's --model
 FINE_TUNED = ("sdxl", "sd3", "flux", "wan", "wan2.2-a14b", "wan2.2-ti2v-5b")
 FINE_TUNED += ("ltx-2",)  # train/configs/ltx-2.yaml
+FINE_TUNED += ("hunyuanvideo-1.5",)  # train/configs/hunyuanvideo-1.5.yaml
 LR_SCHEDULES = ("cosine", "linear", "constant")
 WEIGHTING_SCHEMES = ("logit_normal", "uniform", "mode")
 MIXED_PRECISION = ("no", "bf16", "fp16")

@@ -16,9 +16,11 @@ so that, for a Flux run (``StableDiffusionXLPipeline`` / ``StableDiffusion3Pipel
     pipe = FluxPipeline.from_pretrained(BASE)
     pipe.load_lora_weights("OUTPUT/lora")
 
-loads the trained adapters at their trained scale. :func:`load_lora` loads the file into a bare model,
-also the model-level files of earlier versions (written by ``save_lora_adapter``); it tells them apart by
-their keys: the pipeline format's all start with the component's name and a dot (``unet.``,
+loads the trained adapters at their trained scale. A pipeline without LoRA loaders (``HunyuanVideo15Pipeline`` in
+diffusers 0.42.1) gets the model's own format (``save_lora_adapter``, unprefixed keys), which its component
+loads: ``pipe.transformer.load_lora_adapter("OUTPUT/lora", prefix=None, ...)``. :func:`load_lora` loads the
+file into a bare model, also the model-level files (of earlier versions, written by ``save_lora_adapter``); it
+tells them apart by their keys: the pipeline format's all start with the component's name and a dot (``unet.``,
 ``transformer.``), which no parameter name of the model itself does (``down_blocks.…``,
 ``transformer_blocks.…``).
 """
@@ -123,6 +125,10 @@ def save_lora(model: torch.nn.Module, directory: Path, record: LoraRecord) -> No
     from peft.utils import get_peft_model_state_dict
 
     pipeline = getattr(diffusers, record.pipeline)
+    if not hasattr(pipeline, "save_lora_weights"):  # no LoRA loaders (HunyuanVideo15Pipeline): the model's own format
+        model.save_lora_adapter(str(directory), weight_name=LORA_FILE)  # with peft's config as metadata
+        record.write(Path(directory) / RECORD_FILE)
+        return
     layers = get_peft_model_state_dict(model)  # adapter weights, without peft's adapter name in the keys
     metadata = model.peft_config["default"].to_dict()  # rank, alpha, targets: the loaders rebuild the scale from it
     pipeline.save_lora_weights(str(directory), weight_name=LORA_FILE, **{

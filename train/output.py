@@ -197,7 +197,15 @@ def how_to_load(output: OutputDir, *, model_class: str, pipeline: str | None, co
     also = f" (the EMA's: {output.name(f'{kind}_ema')})" if ema else ""
     lines = [f"metrics: {output.name('metrics.jsonl')}; `tensorboard --logdir {output.name('logs')}` plots them"]
     local = "" if output.is_local else " (download the folder first: diffusers reads local folders and hub ids)"
-    if lora:
+    if lora and pipeline is not None and not _has_lora_loaders(pipeline):  # the component loads its own format
+        from train.lora import LORA_FILE
+
+        lines += [f"LoRA adapters in {folder}{also}; load them into the base pipeline's {component}{local}:",
+                  f"    from diffusers import {pipeline}",
+                  f"    pipe = {pipeline}.from_pretrained({redact(str(base))!r})",
+                  f"    pipe.{component}.load_lora_adapter({folder!r}, prefix=None, weight_name={LORA_FILE!r}, "
+                  "use_safetensors=True)"]  # fmt: skip
+    elif lora:
         into = "".join(f", {k}={v!r}" for k, v in (lora_load or {}).items())  # e.g. load_into_transformer_2=True
         lines += [f"LoRA adapters in {folder}{also}; load them into the base pipeline{local}:",
                   f"    from diffusers import {pipeline}",
@@ -213,3 +221,11 @@ def how_to_load(output: OutputDir, *, model_class: str, pipeline: str | None, co
                   "    from diffusers import " + model_class,
                   f"    model = {model_class}.from_pretrained({folder!r})"]  # fmt: skip
     return lines
+
+
+def _has_lora_loaders(pipeline: str) -> bool:
+    """Whether the diffusers pipeline class ``pipeline`` has ``load_lora_weights`` (unknown names: assume so)."""
+    import diffusers
+
+    cls = getattr(diffusers, pipeline, None)
+    return cls is None or hasattr(cls, "load_lora_weights")

@@ -17,6 +17,10 @@ parts are and how they join into what the family's diffusers pipeline returns fr
   there is no attention mask. ``masked = True`` (PixArt, and the generic layout): only the real
   tokens are stored (``rows <= length``); the model takes an attention mask, so the pad rows are
   zeros and the mask is 1 on the stored rows.
+- ``join = "streams"`` (HunyuanVideo 1.5), always masked: each part is its own input to the model, with its own
+  mask (Qwen2.5-VL's states and glyph ByT5's). :meth:`TextLayout.prompt_embeds` puts them side by side on the
+  feature axis as ``features`` does, and the mask has one column per part, ``(B, L, parts)``; a recipe cuts
+  part ``i`` out as ``embeds[..., cols_i][:, :lengths[i]]`` with ``mask[..., i]`` (:meth:`TextLayout.streams`).
 - ``pooled``: ``(pooled_dim,)`` or absent; ``pooled_source`` says where it comes from (SDXL: CLIP-G's
   projection; SD3: CLIP-L's and CLIP-G's projections concatenated; Flux: CLIP-L's pooler output).
 
@@ -36,7 +40,7 @@ from manifests.errors import UsageError
 
 __all__ = ["TextLayout", "JOINS"]
 
-JOINS = ("features", "sequence")
+JOINS = ("features", "sequence", "streams")
 
 
 @dataclass(frozen=True)
@@ -58,18 +62,19 @@ class TextLayout:
     def __post_init__(self) -> None:
         assert self.join in JOINS and len(self.lengths) == len(self.widths) >= 1, self
         assert not (self.masked and self.join == "sequence"), "no family masks a sequence join"
+        assert self.masked or self.join != "streams", "streams are masked, each by its own mask"
         if self.join == "sequence":
             assert sum(self.widths[:-1]) <= self.widths[-1], "sequence join: the last part must be the widest"
 
     @property
     def width(self) -> int:
         """D of the joined embeddings ``(L, D)``: what a model's text input width must be."""
-        return sum(self.widths) if self.join == "features" else self.widths[-1]
+        return self.widths[-1] if self.join == "sequence" else sum(self.widths)
 
     @property
     def length(self) -> int:
         """L of the joined embeddings of one caption (masked layouts: the most it can be)."""
-        if self.join == "features":
+        if self.join != "sequence":
             return max(self.lengths)
         return max(self.lengths[:-1]) + self.lengths[-1]
 
@@ -94,6 +99,8 @@ class TextLayout:
         """One line saying how the parts join, for people reading ``_cache.json``."""
         parts = [f"tokens.{i} ({'<=' if self.masked else ''}{n}, {d})"
                  for i, (n, d) in enumerate(zip(self.lengths, self.widths))]  # fmt: skip
+        if self.join == "streams":
+            return f"prompt_embeds_<i> = {', '.join(parts)}, each zero-padded to its length with its own mask"
         if self.join == "features":
             how = parts[0] if len(parts) == 1 else f"cat([{', '.join(parts)}], dim=-1)"
         else:
@@ -124,7 +131,8 @@ class TextLayout:
 
         Unmasked layouts give exactly the family pipeline's ``encode_prompt`` output, mask all ones.
         Masked layouts pad to ``pad_to`` rows (default: the batch's longest part), zeros past each
-        part's tokens, mask 1 where any part has a token. ``widen=False``: ``embeds`` and ``pooled``
+        part's tokens, mask 1 where any part has a token; ``streams``: the mask is ``(B, L, parts)``, column ``i``
+        1 on part ``i``'s tokens (:meth:`streams` splits them). ``widen=False``: ``embeds`` and ``pooled``
         stay in the records' stored dtype (BF16 as uint16 bits; zero bits are 0.0 in every float
         format), which must then be one for the batch (else AssertionError). Raises ValueError for a
         record that does not fit the layout (see :meth:`check`).
@@ -141,16 +149,20 @@ class TextLayout:
             assert len({r.dtype for r in texts}) == 1, "one stored text dtype per batch, or widen"
             parts = [list(r.tokens) for r in texts]
             out = parts[0][0].dtype
-        if self.join == "features":
+        if self.join != "sequence":
             length = max(max(n) for n in rows) if self.masked else self.length
             length = max(length, pad_to or 0)
             embeds = np.zeros((len(texts), length, self.width), out)  # (B, L, D)
-            mask = np.zeros((len(texts), length), np.float32)  # (B, L)
+            streams = self.join == "streams"
+            mask = np.zeros((len(texts), length, len(self.widths)) if streams else (len(texts), length), np.float32)
             for b, record_parts in enumerate(parts):
                 col = 0
-                for part in record_parts:
+                for i, part in enumerate(record_parts):
                     embeds[b, : len(part), col : col + part.shape[1]] = part
-                    mask[b, : len(part)] = 1.0
+                    if streams:
+                        mask[b, : len(part), i] = 1.0
+                    else:
+                        mask[b, : len(part)] = 1.0
                     col += part.shape[1]
         else:  # sequence: the features of all but the last part, zero-padded to its width, then the last
             head = max(self.lengths[:-1])
@@ -166,3 +178,28 @@ class TextLayout:
         if self.pooled_dim is not None:
             pooled = np.stack([to_float32(r.pooled, r.dtype) if widen else r.pooled for r in texts])  # (B, P)
         return embeds, mask, pooled
+
+    def streams(self, embeds: Any, mask: Any) -> list[tuple[Any, Any]]:
+        """A ``streams`` layout's joined batch (:meth:`prompt_embeds`: ``(B, L, D)``, mask ``(B, L, parts)``; numpy or
+        torch) as one ``(embeds (B, lengths[i], widths[i]), mask (B, lengths[i]))`` per part, each zero-padded (or
+        cut: past a part's length every row is a pad) to its layout length: what the family's pipeline passes."""
+        assert self.join == "streams", self.join
+        out, col = [], 0
+        for i, (length, width) in enumerate(zip(self.lengths, self.widths)):
+            part, keep = embeds[:, :length, col : col + width], mask[:, :length, i]
+            pad = length - part.shape[1]
+            if pad:
+                part = _pad_rows(part, pad)
+                keep = _pad_rows(keep[..., None], pad)[..., 0]
+            out.append((part, keep))
+            col += width
+        return out
+
+
+def _pad_rows(x: Any, n: int) -> Any:
+    """``x`` (B, L, D), numpy or torch, with ``n`` zero rows appended on axis 1."""
+    if isinstance(x, np.ndarray):
+        return np.concatenate([x, np.zeros((x.shape[0], n, x.shape[2]), x.dtype)], axis=1)
+    import torch
+
+    return torch.cat([x, x.new_zeros(x.shape[0], n, x.shape[2])], dim=1)

@@ -39,12 +39,14 @@ FAMILIES += ("qwen-image-edit",)  # (target, reference) pairs: a grey reference 
 FAMILIES += ("wan2.2-a14b", "wan2.2-ti2v-5b")  # video, as wan: docs/families-video.md
 VIDEO = ("wan", "wan2.2-a14b", "wan2.2-ti2v-5b")  # families trained on generated clips
 FAMILIES, VIDEO = FAMILIES + ("ltx-2",), VIDEO + ("ltx-2",)  # video (its audio stream untrained): families-video.md
+FAMILIES, VIDEO = FAMILIES + ("hunyuanvideo-1.5",), VIDEO + ("hunyuanvideo-1.5",)  # docs/families-video.md
 # --family wan: short clips at ~128² (the tiny Wan VAE runs each 17-frame clip in about a second on a CPU), frame
 # buckets 9 and 17 (4k+1, as Wan's causal VAE takes them), sides in steps of 16 (VAE 8 x patch 2); Wan 2.2's
 # TI2V VAE compresses 16x: steps of 32
 VIDEO_RESOLUTION, VIDEO_BUCKET_STEP, VIDEO_FRAMES = 128, 16, "9,17"
 VIDEO_BUCKET_STEPS = {"wan2.2-ti2v-5b": 32}
 VIDEO_BUCKET_STEPS["ltx-2"] = 32  # LTX-2's VAE is 32x; its 8k + 1 frames: 9 and 17 are
+VIDEO_BUCKET_STEPS["hunyuanvideo-1.5"] = 32  # its VAE compresses 16x too
 VALIDATION_PROMPTS = "a red circle on a blue background\na photo of a cat\n"
 
 
@@ -62,7 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--family", choices=FAMILIES, default="pixart",
                         help="model family: sdxl, sd3, flux, flux2, flux2-klein, chroma, qwen-image, qwen-image-edit "
                         "(on generated pairs) or z-image embed and fine-tune a tiny random-weight model of the "
-                        "family's real classes; wan, wan2.2-a14b and wan2.2-ti2v-5b do so on generated video clips "
+                        "family's real classes; wan, wan2.2-a14b, wan2.2-ti2v-5b, ltx-2 and hunyuanvideo-1.5 do so on "
+                        "generated video clips "
                         "(scan --frames); pixart "
                         "(default) trains the from-scratch transformer")  # fmt: skip
     parser.add_argument("--clips", type=int, default=24,

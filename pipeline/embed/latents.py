@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from pipeline.embed.families import flux2, ltx2, qwen_image
+from pipeline.embed.families import flux2, hunyuan_video15, ltx2, qwen_image
 from pipeline.embed.loading import EncoderSource, check_local, device_and_dtype, weights_sha256
 
 if TYPE_CHECKING:  # a diffusers model's .config
@@ -94,6 +94,8 @@ VAE_PATHS: dict[str, VaeKind] = {
     "AutoencoderKLQwenImage": VaeKind(qwen_image.vae_description,
                                       lambda vae, x, std: qwen_image.vae_latents(vae, x, std=std)),
     "AutoencoderKLLTX2Video": VaeKind(ltx2.vae_description, ltx2.vae_latents, video=True, of_model=True),
+    # clips one at a time, scaled by scaling_factor in the loader
+    "AutoencoderKLHunyuanVideo15": VaeKind(hunyuan_video15.vae_description, hunyuan_video15.vae_latents, video=True),
 }
 VAE_CLASSES = tuple(VAE_PATHS)
 

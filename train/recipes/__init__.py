@@ -30,7 +30,8 @@ generic    (as pixart, from scratch)
 Wan 2.2 (``wan2.2-a14b``: one expert per run, on its timesteps; ``wan2.2-ti2v-5b``: per-token timesteps):
 :mod:`train.recipes.wan`. Flux 2, Flux 2 Klein and Chroma: :mod:`train.recipes.flux2` (``Flux2Transformer2DModel``
 on the cache's patchified, batch-norm-normalised latents, Flux 2's empirical shift) and :mod:`train.recipes.chroma`
-(``ChromaTransformer2DModel``, its text mask).
+(``ChromaTransformer2DModel``, its text mask). HunyuanVideo 1.5 (two masked text streams, the zero t2v
+condition): :mod:`train.recipes.hunyuan_video15`.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from __future__ import annotations
 from manifests.cache.meta import CacheMeta
 from manifests.errors import UsageError
 from train.config import TrainConfig
-from train.recipes import chroma, flux, flux2, ltx2, pixart, qwen_image, sd3, sdxl, wan, z_image
+from train.recipes import chroma, flux, flux2, hunyuan_video15, ltx2, pixart, qwen_image, sd3, sdxl, wan, z_image
 from train.recipes.base import Denoiser, PromptEmbeds, Recipe
 
 __all__ = ["RECIPES", "Denoiser", "PromptEmbeds", "Recipe", "recipe_for"]
@@ -51,6 +52,7 @@ RECIPES.update({"qwen-image": qwen_image.RECIPE, "z-image": z_image.RECIPE})
 RECIPES["qwen-image-edit"] = qwen_image.EDIT_RECIPE
 RECIPES.update({r.family: r for r in (wan.A14B_RECIPE, wan.TI2V_RECIPE)})  # docs/families-video.md
 RECIPES[ltx2.RECIPE.family] = ltx2.RECIPE  # docs/families-video.md: video stream only, audio fed as noise
+RECIPES[hunyuan_video15.RECIPE.family] = hunyuan_video15.RECIPE  # docs/families-video.md
 
 
 def recipe_for(cfg: TrainConfig, meta: CacheMeta) -> Recipe:

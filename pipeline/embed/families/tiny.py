@@ -28,6 +28,8 @@ a training step) runs on it in seconds on a CPU:
   ``boundary_ratio``; per-token timesteps and Wan 2.2's 48-channel VAE).
 - ``ltx-2``: :mod:`pipeline.embed.families.tiny_ltx2` (Gemma 3, the text connectors, LTX-2's video and audio
   VAEs, vocoder and audio-video transformer).
+- ``hunyuanvideo-1.5``: :mod:`pipeline.embed.families.tiny_hunyuan` (Qwen2.5-VL text model and glyph ByT5,
+  ``HunyuanVideo15Transformer3DModel``, ``AutoencoderKLHunyuanVideo15``).
 - ``chroma``: ``ChromaPipeline``: the T5 above, a ``ChromaTransformer2DModel``, Flux.1's VAE and scheduler.
 
 The T5 tokenizer is a Unigram model over a few words plus single characters (anything else is
@@ -46,7 +48,7 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
-from pipeline.embed.families import tiny_ltx2, tiny_qwen, tiny_wan22
+from pipeline.embed.families import tiny_hunyuan, tiny_ltx2, tiny_qwen, tiny_wan22
 
 __all__ = ["DEFAULT_NOTICE", "TINY_VERSION", "build_tiny", "ensure_tiny", "tiny_dir", "tiny_pipeline", "save_pipeline",
            "clip_tokenizer", "t5_tokenizer"]  # fmt: skip
@@ -295,6 +297,7 @@ _PIPELINES.update({"wan2.2-a14b": lambda: tiny_wan22.wan22_a14b(*_umt5()),
                    "wan2.2-ti2v-5b": lambda: tiny_wan22.wan22_ti2v(*_umt5())})
 _SEEDS.update({"wan2.2-a14b": 31, "wan2.2-ti2v-5b": 32})
 _PIPELINES["ltx-2"], _SEEDS["ltx-2"] = tiny_ltx2.ltx2, 41
+_PIPELINES["hunyuanvideo-1.5"], _SEEDS["hunyuanvideo-1.5"] = tiny_hunyuan.hunyuan_video15, 33  # tiny_hunyuan.py
 
 
 def tiny_pipeline(family: str, variant: str | None = None) -> object:

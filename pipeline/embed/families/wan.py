@@ -60,3 +60,4 @@ A14B = _family("wan2.2-a14b", "Wan 2.2 A14B (video, two experts by timestep): UM
 TI2V = _family("wan2.2-ti2v-5b", "Wan 2.2 TI2V-5B (video): UMT5 as wan, Wan 2.2's VAE (48 channels, 16x)")
 VIDEO_FAMILIES = (FAMILY.name, A14B.name, TI2V.name)  # families whose VAE takes clips
 VIDEO_FAMILIES += ("ltx-2",)  # pipeline.embed.families.ltx2
+VIDEO_FAMILIES += ("hunyuanvideo-1.5",)  # pipeline.embed.families.hunyuan_video15: its own VAE takes clips
