@@ -294,7 +294,10 @@ class CacheReader:
                 problem = f"the index says sample {record.sample_id}'s record holds its caption's text, but it does not"
             if problem:
                 raise self._not_named(item[-1], item[0], problem)
-            records.append(replace(record, text=record.text if own else texts[int(key)], caption_key=int(key)))
+            if own and record.caption_key == int(key):
+                records.append(record)  # its own caption, inline: nothing to join (a replace costs ~5% of a read)
+            else:
+                records.append(replace(record, text=record.text if own else texts[int(key)], caption_key=int(key)))
         return records
 
     def _listed_keys(self, p: int) -> np.ndarray:
