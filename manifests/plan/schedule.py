@@ -37,7 +37,8 @@ cache reader fetches with few large ranged reads (:func:`manifests.cache.reader.
 ranks, dealing each global batch by id range would give each rank ~1 / world of every chunk it fetches; so a
 bucket's global batches are taken in groups of ``ceil(W / b)`` steps (``b``: per-rank batch) and rank ``r``
 gets the ``r``-th contiguous run of the group's windows (about ``W`` samples, shuffled within the run instead
-of the blocks above; :func:`_rank_runs`), and step 5 sorts each rank's slice instead of the global batch.
+of the blocks above; :func:`manifests.plan.window.rank_runs`), and step 5 sorts each rank's slice instead
+of the global batch.
 Every invariant holds (disjoint ranks, equal steps, exact resume, and an elastic resume trains every sample
 of the epoch exactly once); unlike the full shuffle, the global batches of a window plan depend on the world
 shape, so after an elastic resume later epochs are those of a fresh (N2, B2) plan, not the (N1, B1) ones.
@@ -62,6 +63,7 @@ import pyarrow.compute as pc
 
 from manifests.errors import UsageError
 from manifests.frames import DEFAULT_TEMPORAL_FACTOR, bucket_dims, latent_frames
+from manifests.plan.window import concat_ranges, rank_runs, run_of, window_order
 
 __all__ = [
     "LEFTOVER_POLICIES",
@@ -326,12 +328,6 @@ def bucket_batch_sizes(names: Sequence[str], config: PlanConfig) -> np.ndarray:
     return sizes
 
 
-def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenation of ``arange(s, s + n)`` for each (s, n), vectorised: (sum(lengths),) int64."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    total = int(lengths.sum())
-    ends = np.cumsum(lengths)
-    return np.repeat(np.asarray(starts, dtype=np.int64) - (ends - lengths), lengths) + np.arange(total, dtype=np.int64)
 
 
 def _sort_batches(ids: np.ndarray, sizes: np.ndarray) -> np.ndarray:
@@ -347,56 +343,10 @@ def _sort_batches(ids: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     return out
 
 
-def window_order(rng: np.random.Generator, order: np.ndarray, window: int, runs: np.ndarray | None = None
-                 ) -> np.ndarray:  # fmt: skip
-    """``order`` (n,) (the samples in storage order) permuted by a window shuffle: (n,) int64.
-
-    Cut into windows of ``window`` consecutive samples; the windows' order shuffled; that sequence cut
-    into blocks of random sizes in ``[window // 2, window + window // 2]`` (whose edges fall inside windows,
-    so a block mixes the ends of neighbouring windows) and the samples shuffled within each block. A sample
-    moves at most ~1.5 windows from its window's new place; a run of a block's samples covers a few
-    contiguous ranges of storage. ``runs`` (n,) ascending, given: the blocks are those runs instead (several
-    ranks: each rank's share, :func:`_run_of`).
-    """
-    n = len(order)
-    wins = -(-n // window)
-    starts = rng.permutation(wins).astype(np.int64) * window  # (wins,) shuffled window starts
-    seq = order[concat_ranges(starts, np.minimum(window, n - starts))]  # (n,) windows in shuffled order
-    if runs is not None:
-        return seq[np.lexsort((rng.random(n), runs))].astype(np.int64)
-    low = max(window // 2, 1)
-    sizes = rng.integers(low, window + window // 2 + 1, size=n // low + 1)  # enough blocks to cover n
-    block = np.searchsorted(np.cumsum(sizes), np.arange(n), side="right")  # (n,) block of each place
-    return seq[np.lexsort((rng.random(n), block))].astype(np.int64)
 
 
-def _rank_runs(q: np.ndarray, index: np.ndarray, batches: np.ndarray, size: np.ndarray, world: int,
-               window: int) -> np.ndarray:
-    """Window shuffle: positions ``q`` (sum(sizes),) in a bucket's window order re-dealt so that each rank reads
-    its own contiguous run of it. Per slot: ``index`` its global batch's index in the bucket, ``batches`` the
-    bucket's global batches, ``size`` the global batch size. The bucket's global batches are taken in groups of
-    ``m = ceil(window / b)`` (``b`` the per-rank batch); a group covers ``m * size`` consecutive positions and
-    rank ``r`` gets the ``r``-th ``1 / world`` of them (about a window), ``b`` per step. A bijection within each
-    group, so every position is still dealt once: (sum(sizes),) int64."""
-    b = size // world
-    m = np.maximum(-(-window // b), 1)  # steps per group
-    group, step = index // m, index % m
-    in_group = np.minimum(m, batches - group * m)  # the bucket's last group may be shorter
-    t = q - index * size  # slot within the global batch
-    rank, j = t // b, t % b
-    return group * m * size + rank * in_group * b + step * b + j
 
 
-def _run_of(position: np.ndarray, batches: int, size: int, world: int, window: int) -> np.ndarray:
-    """The run (a rank's share of a group of steps, :func:`_rank_runs`) of each ``position`` of one bucket's
-    sequence of ``batches`` global batches of ``size``: (len(position),) int64, ascending with position;
-    positions past the batches (the dropped leftover) form one run."""
-    b = size // world
-    m = max(-(-window // b), 1)
-    group = np.minimum(position // (m * size), max(-(-batches // m), 1))
-    in_group = np.maximum(np.minimum(m, batches - group * m), 1)
-    rank = np.minimum((position - group * m * size) // (in_group * b), world - 1)
-    return group * world + rank
 
 
 def plan_epoch(samples: BucketedSamples, config: PlanConfig, epoch: int) -> EpochSchedule:
@@ -416,8 +366,8 @@ def plan_epoch(samples: BucketedSamples, config: PlanConfig, epoch: int) -> Epoc
             local = rng.permutation(int(n[b]))
         elif config.world_size == 1:
             local = window_order(rng, np.argsort(samples.ids[part], kind="stable"), config.window)
-        else:  # each rank's run of the windows shuffled within (the runs _rank_runs deals)
-            runs = _run_of(np.arange(n[b]), int(batches[b]), int(global_size[b]), config.world_size, config.window)
+        else:  # each rank's run of the windows shuffled within (the runs rank_runs deals)
+            runs = run_of(np.arange(n[b]), int(batches[b]), int(global_size[b]), config.world_size, config.window)
             local = window_order(rng, np.argsort(samples.ids[part], kind="stable"), config.window, runs)
         shuffled[part] = starts[b] + local
 
@@ -468,7 +418,7 @@ def plan_epoch(samples: BucketedSamples, config: PlanConfig, epoch: int) -> Epoc
     q = concat_ranges(batch_index * sizes, sizes)  # (sum(sizes),) position within the bucket's sequence
     slot_bucket = np.repeat(batch_bucket, sizes)  # (sum(sizes),)
     if config.window is not None and config.world_size > 1:
-        q = _rank_runs(q, np.repeat(batch_index, sizes), batches[slot_bucket], np.repeat(sizes, sizes),
+        q = rank_runs(q, np.repeat(batch_index, sizes), batches[slot_bucket], np.repeat(sizes, sizes),
                        config.world_size, config.window)
     ids = samples.ids[shuffled[starts[slot_bucket] + q % n[slot_bucket]]]
 
