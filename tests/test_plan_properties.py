@@ -177,12 +177,19 @@ def test_elastic_resume_consumes_every_sample_exactly_once(shuffle, counts, worl
         d = t.to_pydict()
         assert d["step"] == list(range(step, schedule.steps))  # original step numbers continue
         assert all(len(b) == global_batch // new_world for b in d["sample_ids"])
-    # later epochs: a fresh plan with (N2, B2) has the very same global batches
+    # later epochs: a fresh plan with (N2, B2) has the very same global batches (the full shuffle); the window
+    # shuffle deals each rank its own run of the windows, so its global batches depend on the world shape, but
+    # the epoch has the same steps per bucket and leaves out as many samples
     fresh = plan_epoch(
         samples, PlanConfig(world_size=new_world, batch_size=global_batch // new_world, leftover=leftover, seed=7,
                             shuffle=shuffle), 4
     )
-    assert np.array_equal(fresh.ids, plan_epoch(samples, config, 4).ids)
+    later = plan_epoch(samples, config, 4)
+    if shuffle == "full" or (world == 1 and new_world == 1):
+        assert np.array_equal(fresh.ids, later.ids)
+    assert np.array_equal(np.bincount(fresh.step_buckets, minlength=len(counts)),
+                          np.bincount(later.step_buckets, minlength=len(counts)))
+    assert np.array_equal(fresh.dropped, later.dropped) and np.array_equal(fresh.padded, later.padded)
     # rows -> global batches -> rows is the identity
     back = schedule_from_rank_tables([rank_table(schedule, world, r) for r in range(world)])
     assert np.array_equal(back.ids, schedule.ids) and np.array_equal(back.step_sizes, schedule.step_sizes)
@@ -202,6 +209,45 @@ def test_pure_function_and_epochs_differ(shuffle):
     assert set(a.ids.tolist()) != set(c.ids.tolist())
     d = plan_epoch(group_samples(ids, buckets), PlanConfig(shuffle=shuffle, world_size=4, batch_size=8, seed=4), 0)
     assert not np.array_equal(a.ids, d.ids)
+
+
+def _chunk_fetches(rank_batches: list, per_chunk: int, held: int) -> int:
+    """Chunk reads of one rank reading its batches in order (record ``i`` of storage in chunk ``i // per_chunk``),
+    through an LRU of ``held`` chunks: what ``CacheReader.read_in_chunks`` fetches."""
+    lru: dict[int, None] = {}
+    fetched = 0
+    for batch in rank_batches:
+        for chunk in np.unique(np.asarray(batch, np.int64) // per_chunk).tolist():
+            if chunk in lru:
+                lru.pop(chunk)
+            else:
+                fetched += 1
+                if len(lru) >= held:
+                    lru.pop(next(iter(lru)))
+            lru[chunk] = None
+    return fetched
+
+
+@pytest.mark.parametrize("world", [2, 8])
+def test_window_shuffle_gives_each_rank_its_own_run_of_the_windows(world):
+    """Under --shuffle window each rank's steps of a group draw on its own contiguous run of about a window
+    (at most a window boundary inside: <= 2 ranges of storage), so its chunk reads per sample are those of a
+    single rank, not ``world`` times more (each rank using 1 / world of every chunk it fetched)."""
+    n, batch, window, per_chunk = 8192, 16, 256, 25  # ids 0..n-1 are storage order
+    samples = group_samples(np.arange(n), ["1024x1024"] * n)
+    per_sample = {}
+    for w in (1, world):
+        config = PlanConfig(world_size=w, batch_size=batch, seed=5, shuffle=f"window:{window}")
+        schedule = plan_epoch(samples, config, 0)
+        ranks = [rank_table(schedule, w, r).column("sample_ids").to_pylist() for r in range(w)]
+        fetched = sum(_chunk_fetches(steps, per_chunk, held=32) for steps in ranks)
+        per_sample[w] = fetched / sum(len(b) for steps in ranks for b in steps)
+    assert per_sample[world] <= 1.1 * per_sample[1] and per_sample[world] < 1.5 / per_chunk, per_sample
+    m = window // batch  # steps per group: each rank's share of a group is one window's worth
+    for steps in ranks:
+        for g in range(0, len(steps) - m + 1, m):
+            run = np.sort(np.concatenate(steps[g:g + m]))
+            assert len(run) == window and np.count_nonzero(np.diff(run) != 1) <= 1  # <= 2 contiguous ranges
 
 
 @pytest.mark.parametrize("shuffle", SHUFFLES)
@@ -269,7 +315,9 @@ def test_plan_files_hold_every_invariant_at_up_to_1024_ranks(shuffle, world, bat
     for rank in ranks:
         expected = rank_table(schedule, world, rank)
         assert some[rank].equals(expected) and whole[rank].equals(expected)
-    for step in range(schedule.steps):  # rank r holds the r-th id range of each global batch
+    # full shuffle: rank r holds the r-th id range of each global batch (a window plan deals each rank its own
+    # run instead: test_window_shuffle_gives_each_rank_its_own_run_of_the_windows)
+    for step in range(schedule.steps if shuffle == "full" else 0):
         lows = [int(whole[r].column("sample_ids")[step].values[0].as_py()) for r in range(min(world, 3))]
         assert lows == sorted(lows)
 

@@ -35,6 +35,7 @@ compressor does not offer); the format is RFC 1952 either way.
 from __future__ import annotations
 
 import json
+import math
 import struct
 import zlib
 from typing import Any, Mapping
@@ -186,7 +187,7 @@ def _dense(tensors: Mapping[str, tuple[np.ndarray, str]]) -> set[str]:
 def _planes(body: memoryview, name: str, tag: str, shape: list[int], where: Any) -> np.ndarray:
     """Reassemble a planar tensor from its high plane and its other planes (one pass each)."""
     dtype = DTYPES[tag]
-    n, k = int(np.prod(shape)) if shape else 1, dtype.itemsize
+    n, k = math.prod(shape), dtype.itemsize  # math.prod: np.prod costs ~10x on a short list
     try:
         hi_at, lo_at = (int(x) for x in where)
     except (TypeError, ValueError):
@@ -234,7 +235,7 @@ def decode_tensors(data: bytes) -> tuple[dict[str, tuple[np.ndarray, str]], dict
         if planar:
             tensors[name] = (_planes(body, name, tag, shape, info["planes"]), tag)
             continue
-        count = int(np.prod(shape)) if shape else 1
+        count = math.prod(shape)
         if not (0 <= start <= end <= len(body)) or end - start != count * DTYPES[tag].itemsize:
             raise RecordError(f"tensor {name!r} offsets {start}..{end} do not match shape {shape} / the payload")
         tensors[name] = (np.frombuffer(body[start:end], dtype=DTYPES[tag]).reshape(shape), tag)

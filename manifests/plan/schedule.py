@@ -33,8 +33,16 @@ in (bucket, sample id) order, which is the cache's record order for loose files:
 rows into shards in that order; the windows' order shuffled; samples shuffled within blocks of about ``W``
 that straddle windows), and in step 3 the buckets' global batches are interleaved at random but each
 bucket's keep their order. So a run of a rank's steps reads a few contiguous ranges of records, which the
-cache reader fetches with few large ranged reads (:func:`manifests.cache.reader.merge_reads`). Every
-invariant and the elastic resume are unchanged (nothing depends on the world shape but the global batch).
+cache reader fetches with few large ranged reads (:func:`manifests.cache.reader.merge_reads`). With several
+ranks, dealing each global batch by id range would give each rank ~1 / world of every chunk it fetches; so a
+bucket's global batches are taken in groups of ``ceil(W / b)`` steps (``b``: per-rank batch) and rank ``r``
+gets the ``r``-th contiguous run of the group's windows (about ``W`` samples, shuffled within the run instead
+of the blocks above; :func:`manifests.plan.window.rank_runs`), and step 5 sorts each rank's slice instead
+of the global batch.
+Every invariant holds (disjoint ranks, equal steps, exact resume, and an elastic resume trains every sample
+of the epoch exactly once); unlike the full shuffle, the global batches of a window plan depend on the world
+shape, so after an elastic resume later epochs are those of a fresh (N2, B2) plan, not the (N1, B1) ones.
+With one rank the order is what it was.
 
 Packing mode (``max_tokens``): the per-rank batch of a bucket is ``max_tokens // tokens(bucket)``
 (capped by ``batch_size`` when given), with ``tokens(WxH) = ceil(W/(f*p)) * ceil(H/(f*p))`` for VAE
@@ -55,6 +63,7 @@ import pyarrow.compute as pc
 
 from manifests.errors import UsageError
 from manifests.frames import DEFAULT_TEMPORAL_FACTOR, bucket_dims, latent_frames
+from manifests.plan.window import concat_ranges, rank_runs, run_of, window_order
 
 __all__ = [
     "LEFTOVER_POLICIES",
@@ -319,12 +328,6 @@ def bucket_batch_sizes(names: Sequence[str], config: PlanConfig) -> np.ndarray:
     return sizes
 
 
-def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenation of ``arange(s, s + n)`` for each (s, n), vectorised: (sum(lengths),) int64."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    total = int(lengths.sum())
-    ends = np.cumsum(lengths)
-    return np.repeat(np.asarray(starts, dtype=np.int64) - (ends - lengths), lengths) + np.arange(total, dtype=np.int64)
 
 
 def _sort_batches(ids: np.ndarray, sizes: np.ndarray) -> np.ndarray:
@@ -340,23 +343,10 @@ def _sort_batches(ids: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     return out
 
 
-def window_order(rng: np.random.Generator, order: np.ndarray, window: int) -> np.ndarray:
-    """``order`` (n,) (the samples in storage order) permuted by a window shuffle: (n,) int64.
 
-    Cut into windows of ``window`` consecutive samples; the windows' order shuffled; that sequence cut
-    into blocks of random sizes in ``[window // 2, window + window // 2]`` (whose edges fall inside windows,
-    so a block mixes the ends of neighbouring windows) and the samples shuffled within each block. A sample
-    moves at most ~1.5 windows from its window's new place; a run of a block's samples covers a few
-    contiguous ranges of storage.
-    """
-    n = len(order)
-    wins = -(-n // window)
-    starts = rng.permutation(wins).astype(np.int64) * window  # (wins,) shuffled window starts
-    seq = order[concat_ranges(starts, np.minimum(window, n - starts))]  # (n,) windows in shuffled order
-    low = max(window // 2, 1)
-    sizes = rng.integers(low, window + window // 2 + 1, size=n // low + 1)  # enough blocks to cover n
-    block = np.searchsorted(np.cumsum(sizes), np.arange(n), side="right")  # (n,) block of each place
-    return seq[np.lexsort((rng.random(n), block))].astype(np.int64)
+
+
+
 
 
 def plan_epoch(samples: BucketedSamples, config: PlanConfig, epoch: int) -> EpochSchedule:
@@ -368,15 +358,20 @@ def plan_epoch(samples: BucketedSamples, config: PlanConfig, epoch: int) -> Epoc
     global_size = bucket_batch_sizes(samples.names, config) * config.world_size  # (k,)
 
     # 1. a shuffle per bucket: shuffled[starts[b] + q] is the q-th sample of bucket b this epoch
+    batches = n // global_size if config.leftover == "drop" else -(-n // global_size)  # (k,) see step 2
     shuffled = np.empty(len(samples.ids), dtype=np.int64)  # (n_samples,)
     for b in range(k):  # a loop over buckets (tens), never over samples
         part = slice(int(starts[b]), int(starts[b] + n[b]))
-        local = rng.permutation(int(n[b])) if config.window is None else window_order(
-            rng, np.argsort(samples.ids[part], kind="stable"), config.window)
+        if config.window is None:
+            local = rng.permutation(int(n[b]))
+        elif config.world_size == 1:
+            local = window_order(rng, np.argsort(samples.ids[part], kind="stable"), config.window)
+        else:  # each rank's run of the windows shuffled within (the runs rank_runs deals)
+            runs = run_of(np.arange(n[b]), int(batches[b]), int(global_size[b]), config.world_size, config.window)
+            local = window_order(rng, np.argsort(samples.ids[part], kind="stable"), config.window, runs)
         shuffled[part] = starts[b] + local
 
     # 2. global batches per bucket
-    batches = n // global_size if config.leftover == "drop" else -(-n // global_size)  # (k,)
     taken = batches * global_size
     padded = np.maximum(taken - n, 0)
     dropped = np.maximum(n - taken, 0)
@@ -422,10 +417,14 @@ def plan_epoch(samples: BucketedSamples, config: PlanConfig, epoch: int) -> Epoc
     sizes = global_size[batch_bucket]  # (S,)
     q = concat_ranges(batch_index * sizes, sizes)  # (sum(sizes),) position within the bucket's sequence
     slot_bucket = np.repeat(batch_bucket, sizes)  # (sum(sizes),)
+    if config.window is not None and config.world_size > 1:
+        q = rank_runs(q, np.repeat(batch_index, sizes), batches[slot_bucket], np.repeat(sizes, sizes),
+                       config.world_size, config.window)
     ids = samples.ids[shuffled[starts[slot_bucket] + q % n[slot_bucket]]]
 
-    # 5. each global batch in ascending id order
-    ids = _sort_batches(ids, sizes)
+    # 5. each global batch in ascending id order (window shuffle: each rank's slice of it)
+    ids = _sort_batches(ids, sizes) if config.window is None else _sort_batches(
+        ids, np.repeat(sizes // config.world_size, config.world_size))
     return EpochSchedule(
         epoch=epoch,
         first_step=0,
