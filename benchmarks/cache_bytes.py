@@ -1,6 +1,6 @@
 """Cache bytes per sample with loss masks and without.
 
-    python benchmarks/cache_bytes.py [--samples 32] [--buckets 512,1024]
+    python benchmarks/cache_bytes.py [--samples 32] [--buckets 512,1024] [--rounds 3]
 
 A sample record as embed writes it (``planar`` layout): latent 4 x h x w bf16 (SDXL's VAE, h = side / 8) and
 the caption's text inline (CLIP-L + CLIP-G 77 tokens, pooled 1280; the common case of a caption of its own),
@@ -15,7 +15,8 @@ latent grid exactly as embed does (:func:`pipeline.embed.masks.to_latent_grid`: 
 Side by side, the alternative a user would otherwise keep: the mask as a PNG file beside the image at full
 resolution (``<stem>.mask.png``, Pillow's default PNG settings), which the trainer would read and downsample
 itself. Each sample's record is encoded twice, with its mask and without (the same latents and text), so
-the mask's bytes are the exact difference. Bytes only: nothing here is timed.
+the mask's bytes are the exact difference. Bytes only: nothing here is timed, so every one of ``--rounds`` rounds
+gives the same bytes; they are saved to ``benchmarks/results/cache_bytes.json`` (:mod:`benchmarks.results`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from PIL import Image
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from benchmarks.results import Run  # noqa: E402
 from manifests.cache.records import SampleRecord, TextRecord, encode_sample  # noqa: E402
 from pipeline.embed.masks import to_latent_grid  # noqa: E402
 
@@ -87,19 +89,36 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=32, help="samples per row (random masks and latents)")
     parser.add_argument("--buckets", default="512,1024", help="square bucket sides in pixels")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds (every one computes the same bytes)")
     args = parser.parse_args()
+    run = Run("cache_bytes", "python benchmarks/cache_bytes.py" + "".join(f" {a}" for a in sys.argv[1:]))
+    for _ in range(args.rounds):
+        with run.round():
+            one_round(run, args.samples, [int(s) for s in args.buckets.split(",")])
+    run.save()
+
+
+def one_round(run: Run, samples: int, sides: list[int]) -> None:
+    """Every (bucket, variants, mask) row once: printed and added to ``run``."""
     print("| bucket | variants | mask | record B/sample | mask B/sample | overhead | the mask as a PNG beside the "
           "image, full resolution |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
-    for side in (int(s) for s in args.buckets.split(",")):
+    for side in sides:
         for flips in (1, 2):
             for mask in ("object", "feathered", "noise"):
                 rng = np.random.default_rng(0)
-                made = [make_record(i, side, flips, mask, rng) for i in range(args.samples)]
+                made = [make_record(i, side, flips, mask, rng) for i in range(samples)]
                 size, base = (float(np.mean([len(m[k]) for m in made])) for k in (0, 1))
                 png = f"{np.mean([len(m[2]) for m in made]):,.0f}" if mask != "noise" else "-"
                 print(f"| {side}x{side} | {flips} | {mask} | {size:,.0f} | {size - base:,.0f} | "
                       f"{100 * (size - base) / base:.2f} % | {png} |")
+                row = f"{side}x{side}, {flips} variant{'s' if flips > 1 else ''}, {mask}"
+                run.add(f"{row}: record per sample", size, "B")
+                run.add(f"{row}: mask per sample", size - base, "B")
+                run.add(f"{row}: overhead", 100 * (size - base) / base, "%")
+                if mask != "noise":
+                    png_bytes = float(np.mean([len(m[2]) for m in made]))
+                    run.add(f"{row}: the mask as a PNG beside the image", png_bytes, "B")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python benchmarks/dedup.py        # brute force at 20k and 50k, ours up to 1M, phash to 4M (~1 h on 2 loaded cores)
     python benchmarks/dedup.py --brute-sizes 20000 --sizes 20000,50000 --phash-sizes 100000
+    python benchmarks/dedup.py --rounds 3   # rounds (default 3), every child in each; results/dedup.json
 
 Data: N synthetic 512-d embeddings, float16 and L2-normalised as the annotations store them, drawn
 around 1,000 topic centres (cosine ~0.5 within a topic, as CLIP embeddings of one kind of picture are),
@@ -30,6 +31,9 @@ manifest and annotations folder: read, search, cluster, write; its CPU seconds a
 
 ``--phash-sizes``: multi-index-hashing near-duplicate search over 64-bit hashes (threshold 4), with
 5% planted near copies, against the numpy all-pairs loop a user would write (only at the smallest size).
+
+Each of ``--rounds`` rounds runs every child again; the medians are published from
+``benchmarks/results/dedup.json`` by :mod:`benchmarks.results`.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+
+from benchmarks.results import Run  # noqa: E402
 
 DIM = 512
 THRESHOLD = 0.95
@@ -249,6 +255,7 @@ def main() -> None:
                         help="sizes for the brute-force memory probe (full index, 2,048 queries)")
     parser.add_argument("--phash-sizes", default="20000,1000000,4000000")
     parser.add_argument("--e2e-sizes", default="1000000", help="sizes for the whole command, --by sha256,phash")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, every child in each; medians published")
     parser.add_argument("--child", nargs=2, metavar=("METHOD", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -256,27 +263,57 @@ def main() -> None:
         child = {"phash": _phash_child, "e2e": _e2e_child}.get(method, lambda n: _child(method, n))
         print(json.dumps(child(n)))
         return
+    run = Run("dedup", "python benchmarks/dedup.py" + "".join(f" {a}" for a in sys.argv[1:]), tools=["faiss-cpu"])
+    for _ in range(args.rounds):
+        with run.round():
+            one_round(run, args)
+    run.save()
+
+
+def one_round(run: Run, args: argparse.Namespace) -> None:
+    """Every child once, printed; CPU, memory, recall and the ratios to brute force added to ``run``."""
     results = []
     for method, sizes in (("brute", args.brute_sizes), ("ours", args.sizes), ("phash", args.phash_sizes),
                           ("flat", args.flat_sizes), ("brute-memory", args.brute_memory_sizes),
                           ("e2e", args.e2e_sizes)):  # fmt: skip
         for n in (int(s) for s in sizes.split(",") if s):
-            results.append(_run_child(["--child", method, str(n)]))
-            print(json.dumps(results[-1]), flush=True)
+            results.append(r := _run_child(["--child", method, str(n)]))
+            print(json.dumps(r), flush=True)
+            what = f"{r['method']} at {n:,}"
+            run.add(f"{what}: CPU", r["cpu_s"], "s")
+            if "peak_rss_mib" in r:
+                run.add(f"{what}: peak RSS", r["peak_rss_mib"], "MiB")
+            if "index_mib" in r:
+                run.add(f"{what}: search (peak RSS - RSS before)", r["index_mib"], "MiB")
+            if "planted_recall" in r and method != "brute-memory":
+                run.add(f"{what}: planted pairs found", r["planted_recall"])
+            if "sampled_recall" in r:
+                run.add(f"{what}: recall vs exact search (2,000 sampled rows)", r["sampled_recall"])
+            if "all_pairs_cpu_s" in r:
+                run.add(f"numpy all-pairs loop at {n:,}: CPU", r["all_pairs_cpu_s"], "s")
+                run.add(f"numpy all-pairs loop / ours at {n:,}: CPU", r["all_pairs_cpu_s"] / max(r["cpu_s"], 0.01),
+                        "x")  # fmt: skip
+            if method == "e2e":
+                run.add(f"{what}: duplicates found / planted", r["duplicates"] / r["planted_duplicates"])
     brute = {r["n"]: r for r in results if r["method"] == "brute"}
     ours = {r["n"]: r for r in results if r["method"] == "ours"}
     for n in sorted(set(brute) & set(ours)):
         found, want = (np.load(f"/tmp/bucketeer_dedup_{m}_{n}.npy") for m in ("ours", "brute"))
         print(f"n={n}: recall vs brute force {np.isin(want, found).mean():.5f} of {len(want)} pairs; "
               f"CPU brute / ours = {brute[n]['cpu_s'] / max(ours[n]['cpu_s'], 1e-9):.1f}")  # fmt: skip
+        run.add(f"ours at {n:,}: recall vs brute force's {len(want):,} pairs", float(np.isin(want, found).mean()))
+        run.add(f"brute force / ours at {n:,}: CPU", brute[n]["cpu_s"] / max(ours[n]["cpu_s"], 0.1), "x")
     if len(brute) >= 2:
         (n1, b1), (n2, b2) = sorted(brute.items())[:2]
         c = (b2["cpu_s"] - b1["cpu_s"]) / (n2**2 - n1**2)
         print(f"brute force, marginal c = {c:.3g} CPU-s per N^2; EXTRAPOLATED at 1M: {c * 1e12:.0f} CPU-s")
+        run.add("brute force at 1,000,000, EXTRAPOLATED as c N² from its two sizes: CPU", c * 1e12, "s")
     if len(ours) >= 2:
         (n1, o1), (n2, o2) = sorted(ours.items())[-2:]
         print(f"ours, marginal {(o2['cpu_s'] - o1['cpu_s']) / (n2 - n1) * 1e6:.1f} CPU-s per million rows "
               f"between {n1} and {n2}")  # fmt: skip
+        run.add(f"ours, marginal between {n1:,} and {n2:,}: CPU per million rows", (o2["cpu_s"] - o1["cpu_s"])
+                / (n2 - n1) * 1e6, "s")  # fmt: skip
 
 
 if __name__ == "__main__":

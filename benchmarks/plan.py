@@ -23,6 +23,9 @@ ready-made Python lists, which favours it; it writes nothing and does not give e
 0.6,0.3,0.1`` (an epoch of as many slots as the three hold together: the 10k dataset repeated 110x)
 against today's one-manifest plan of the same total size, same world shape, each in a fresh
 process: seconds per epoch and peak memory, and their ratio (target <= 1.5x).
+
+The inputs are made once; each of ``--rounds`` rounds (default 3) measures every side again, and the medians are
+published from ``benchmarks/results/plan.json`` (``--mix``: ``plan-mix.json``) by :mod:`benchmarks.results`.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import json
 import os
 import random
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -44,6 +48,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from benchmarks.results import Run  # noqa: E402
 from manifests.buckets import SDXL_BUCKETS  # noqa: E402
 
 
@@ -119,7 +124,7 @@ def child_mix(inputs: str, out: str, world: int, batch: int, buckets: int, epoch
             "bytes": sum(e.bytes for e in meta.epochs)}  # fmt: skip
 
 
-def mix_main(a: argparse.Namespace, shape: list[str]) -> None:
+def mix_main(a: argparse.Namespace, shape: list[str], run: Run) -> None:
     """Mixture vs one manifest of the same total size, same world shape, each in a fresh process."""
     sizes = [int(x) for x in a.mix_sizes.split(",")]
     parts = [make_inputs(n, a.buckets, seed=d + 1) for d, n in enumerate(sizes)]
@@ -131,8 +136,19 @@ def mix_main(a: argparse.Namespace, shape: list[str]) -> None:
                  codes=np.concatenate([codes for _, codes in parts]))  # fmt: skip
         del parts
         epochs = ["--epochs", str(a.epochs)]
-        one = run_child(["--child", "plan", "--inputs", single, "--out", os.path.join(tmp, "one"), *epochs, *shape])
-        mix = run_child(["--child", "mix", "--inputs", mixed, "--out", os.path.join(tmp, "mix"), *epochs, *shape])
+        for r in range(a.rounds):
+            with run.round():
+                one = run_child(["--child", "plan", "--inputs", single, "--out", os.path.join(tmp, f"one{r}"),
+                                 *epochs, *shape])  # fmt: skip
+                mix = run_child(["--child", "mix", "--inputs", mixed, "--out", os.path.join(tmp, f"mix{r}"),
+                                 *epochs, *shape])  # fmt: skip
+                shutil.rmtree(os.path.join(tmp, f"one{r}")), shutil.rmtree(os.path.join(tmp, f"mix{r}"))
+                mix_report(run, a, sizes, one, mix)
+    run.save()
+
+
+def mix_report(run: Run, a: argparse.Namespace, sizes: list[int], one: dict, mix: dict) -> None:
+    """Print one round of ``--mix`` and add its figures to ``run``."""
     total = sum(sizes)
     print(f"mixture of {len(sizes)} manifests ({', '.join(f'{n:,}' for n in sizes)} samples; --weights 0.6,0.3,0.1 "
           f"-> {', '.join(f'{k:,}' for k in mix['per_epoch'])} per epoch) vs one manifest of {total:,}; "
@@ -143,7 +159,14 @@ def mix_main(a: argparse.Namespace, shape: list[str]) -> None:
               f"{r['steps']} steps per epoch")
     print(f"  ratio mixture / one manifest: time {mix['seconds'] / one['seconds']:.2f}x (CPU "
           f"{mix['cpu_s'] / one['cpu_s']:.2f}x), peak memory {mix['maxrss_mib'] / one['maxrss_mib']:.2f}x "
-          "(target <= 1.5x)")
+          "(target <= 1.5x)", flush=True)
+    for name, r in (("one manifest", one), ("mixture", mix)):
+        run.add(f"{name}: wall seconds per epoch", r["seconds"] / a.epochs, "s")
+        run.add(f"{name}: CPU seconds per epoch", r["cpu_s"] / a.epochs, "s")
+        run.add(f"{name}: peak memory", r["maxrss_mib"], "MiB")
+    run.add("mixture / one manifest: wall time", mix["seconds"] / one["seconds"], "x", target="<= 1.5")
+    run.add("mixture / one manifest: CPU time", mix["cpu_s"] / one["cpu_s"], "x", target="<= 1.5")
+    run.add("mixture / one manifest: peak memory", mix["maxrss_mib"] / one["maxrss_mib"], "x", target="<= 1.5")
 
 
 def child_old_layout(inputs: str, world: int, batch: int, buckets: int) -> dict:
@@ -219,6 +242,7 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="where to write the plan (default: a temp folder, removed after)")
     ap.add_argument("--mix", action="store_true", help="benchmark a mixture plan against one manifest")
     ap.add_argument("--mix-sizes", default="10000000,1000000,10000", help="--mix: samples of each manifest")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds, every side in each; the medians are published")
     ap.add_argument("--child", choices=["plan", "old", "rank", "mix"])
     ap.add_argument("--inputs")
     ap.add_argument("--out")
@@ -230,8 +254,9 @@ def main() -> None:
     if a.child == "mix":
         print(json.dumps(child_mix(a.inputs, a.out, a.world_size, a.batch_size, a.buckets, a.epochs)))
         return
+    command = "python benchmarks/plan.py" + "".join(f" {x}" for x in sys.argv[1:])
     if a.mix:
-        mix_main(a, shape)
+        mix_main(a, shape, Run("plan-mix", command))
         return
     if a.child == "old":
         print(json.dumps(child_old_layout(a.inputs, a.world_size, a.batch_size, a.buckets)))
@@ -241,19 +266,30 @@ def main() -> None:
         return
 
     ids, codes = make_inputs(a.samples, a.buckets)
-    with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
-        inputs, out = os.path.join(tmp, "inputs.npz"), os.path.join(tmp, "plan")
-        np.savez(inputs, ids=ids, codes=codes)
-        plan = run_child(["--child", "plan", "--inputs", inputs, "--out", out, "--epochs", str(a.epochs), *shape])
-        files = [os.path.join(d, f) for d, _, fs in os.walk(out) for f in fs]
-        size = sum(os.path.getsize(f) for f in files)
-        plan_json = os.path.getsize(os.path.join(out, "_plan.json"))
-        rank = run_child(["--child", "rank", "--out", out, *shape])
-        old = run_child(["--child", "old", "--inputs", inputs, *shape])
-
     m = min(a.baseline_samples, a.samples)
     names = [f"{w}x{h}" for w, h in SDXL_BUCKETS[: a.buckets]]
     sub_ids, sub_buckets = ids[:m].tolist(), [names[c] for c in codes[:m].tolist()]
+    run = Run("plan", command)
+    with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
+        inputs, out = os.path.join(tmp, "inputs.npz"), os.path.join(tmp, "plan")
+        np.savez(inputs, ids=ids, codes=codes)
+        for _ in range(a.rounds):
+            with run.round():
+                plan = run_child(["--child", "plan", "--inputs", inputs, "--out", out, "--epochs", str(a.epochs),
+                                  *shape])  # fmt: skip
+                files = [os.path.join(d, f) for d, _, fs in os.walk(out) for f in fs]
+                size = sum(os.path.getsize(f) for f in files)
+                plan_json = os.path.getsize(os.path.join(out, "_plan.json"))
+                rank = run_child(["--child", "rank", "--out", out, *shape])
+                old = run_child(["--child", "old", "--inputs", inputs, *shape])
+                shutil.rmtree(out)
+                report(run, a, plan, rank, old, files, size, plan_json, sub_ids, sub_buckets, m)
+    run.save()
+
+
+def report(run: Run, a: argparse.Namespace, plan: dict, rank: dict, old: dict, files: list[str], size: int,
+           plan_json: int, sub_ids: list, sub_buckets: list, m: int) -> None:
+    """Time the Python loop, print one round and add its figures to ``run``."""
     t0 = time.perf_counter()
     python_bucket_sampler(sub_ids, sub_buckets, a.world_size, a.batch_size, 0, 0)
     loop_s = (time.perf_counter() - t0) * a.samples / m
@@ -289,7 +325,27 @@ def main() -> None:
     print(f"  per-sample Python bucket sampler loop   {loop_s:9.2f} s per epoch on every rank "
           f"(measured on {m:,}, x{a.samples / m:g}; no write, no equal steps)")
     print(f"  ratios: objects {a.world_size * a.epochs / len(files):.0f}x fewer, bytes {old_size / size:.2f}x fewer; "
-          f"loop / plan per epoch {loop_s / per_epoch:.1f}x")
+          f"loop / plan per epoch {loop_s / per_epoch:.1f}x", flush=True)
+    run.add("make the plan: wall seconds per epoch", per_epoch, "s", target="<= 5")
+    run.add("make the plan: CPU seconds per epoch", plan["cpu_s"] / a.epochs, "s")
+    run.add("make the plan: peak memory", plan["maxrss_mib"], "MiB")
+    run.add("make the plan: inputs loaded", plan["inputs_rss_mib"], "MiB")
+    run.add("objects written", len(files), target="<= 200")
+    run.add("_plan.json", plan_json, "B")
+    run.add("bytes written", size / 1e9, "GB")
+    run.add("bytes per sample-epoch (per planned sample slot)", size / slots, "B", target="<= 8")
+    run.add("one rank starts (_plan.json + epoch 0's footer and row group)", rank["start_s"], "s", target="<= 2")
+    run.add("one rank: imports", rank["import_s"], "s")
+    run.add("one rank reads one more epoch", rank["epoch_s"], "s")
+    run.add("one rank: peak memory", rank["maxrss_mib"], "MiB", target="<= 200")
+    run.add("one rank: memory after imports", rank["baseline_mib"], "MiB")
+    run.add("previous layout (a file per (epoch, rank)): objects", a.world_size * a.epochs)
+    run.add("previous layout: bytes", old_size / 1e9, "GB")
+    run.add("previous layout: bytes per slot", old["bytes"] / (slots / a.epochs), "B")
+    run.add("previous layout / plan: objects", a.world_size * a.epochs / len(files), "x")
+    run.add("previous layout / plan: bytes", old_size / size, "x")
+    run.add(f"per-sample Python bucket-sampler loop, per epoch ({m:,} measured, extrapolated)", loop_s, "s")
+    run.add("loop / plan, per epoch (wall)", loop_s / per_epoch, "x")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@ the selection the annotations' two columns, evaluate, plan and write every epoch
 
 Reported: wall and CPU seconds (the child's user + system time: the machine is shared, so CPU time is the
 figure to compare), peak memory, their ratios to ``plain`` (target <= 1.5x), and with two sizes the marginal
-CPU seconds per million samples, so that start-up (imports, reading JSON) drops out.
+CPU seconds per million samples, so that start-up (imports, reading JSON) drops out. The inputs are built once;
+each of ``--rounds`` rounds (default 3) runs every child again, and the medians are published from
+``benchmarks/results/plan_select.json`` by :mod:`benchmarks.results`.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import io
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -37,6 +40,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from benchmarks.results import Run  # noqa: E402
 from manifests.buckets import SDXL_BUCKETS  # noqa: E402
 
 WHERE = "aesthetic > 5.5 AND NOT duplicate AND width * height >= 1000000"
@@ -140,6 +144,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="10000000", help="samples per manifest, comma-separated (two: marginal)")
     parser.add_argument("--epochs", default="1,10", help="epochs planned, comma-separated (each measured)")
     parser.add_argument("--kinds", default="plain,where,weighted,evaluate")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, every child in each; medians published")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--paths", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -147,26 +152,49 @@ def main() -> None:
     if a.child:
         print(json.dumps(child(a.child, json.loads(a.paths), a.out, int(a.epochs))))
         return
-    rows = {}
-    for n in (int(s) for s in a.sizes.split(",")):
-        with tempfile.TemporaryDirectory(prefix="bench-plan-select-") as tmp:
+    run = Run("plan_select", "python benchmarks/plan_select.py" + "".join(f" {x}" for x in sys.argv[1:]),
+              tools=["polars"])
+    sizes = [int(s) for s in a.sizes.split(",")]
+    with contextlib.ExitStack() as stack:
+        built = {}
+        for n in sizes:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-plan-select-"))
             t = time.perf_counter()
-            paths = build(tmp, n)
+            built[n] = (tmp, build(tmp, n))
             print(f"# {n:,} samples: inputs built in {time.perf_counter() - t:.1f} s; load {os.getloadavg()}",
                   flush=True)  # fmt: skip
-            for epochs in (int(e) for e in a.epochs.split(",")):
-                for kind in a.kinds.split(","):
-                    if kind == "evaluate" and (n, 0, kind) in rows:
-                        continue  # the same in every epoch count
-                    key = (n, 0 if kind == "evaluate" else epochs, kind)
-                    rows[key] = r = run_child(["--child", kind, "--paths", json.dumps(paths), "--out",
-                                               os.path.join(tmp, f"{kind}-{epochs}"), "--epochs", str(epochs)])
-                    base = rows.get((n, epochs, "plain"))
-                    ratio = "" if base is None or kind == "plain" else (
-                        f"  ratio cpu {r['cpu_s'] / base['cpu_s']:.2f}x, peak {r['peak_mib'] / base['peak_mib']:.2f}x")
-                    print(f"{n:>11,} {key[1]:>3} epochs {kind:>9}: wall {r['wall_s']:8.2f} s  cpu {r['cpu_s']:8.2f} s"
-                          f"  peak {r['peak_mib']:8.1f} MiB  planned {r['planned']:,}{ratio}  "
-                          f"(load {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
+        for _ in range(a.rounds):
+            with run.round():
+                one_round(run, a, built)
+    run.save()
+
+
+def one_round(run: Run, a: argparse.Namespace, built: dict) -> None:
+    """Every (size, epochs, kind) child once; its figures, ratios to ``plain`` and marginal rates added to ``run``."""
+    rows = {}
+    for n, (tmp, paths) in built.items():
+        for epochs in (int(e) for e in a.epochs.split(",")):
+            for kind in a.kinds.split(","):
+                if kind == "evaluate" and (n, 0, kind) in rows:
+                    continue  # the same in every epoch count
+                key = (n, 0 if kind == "evaluate" else epochs, kind)
+                out = os.path.join(tmp, f"{kind}-{epochs}")
+                rows[key] = r = run_child(["--child", kind, "--paths", json.dumps(paths), "--out", out,
+                                           "--epochs", str(epochs)])  # fmt: skip
+                shutil.rmtree(out, ignore_errors=True)
+                base = rows.get((n, epochs, "plain"))
+                ratio = "" if base is None or kind == "plain" else (
+                    f"  ratio cpu {r['cpu_s'] / base['cpu_s']:.2f}x, peak {r['peak_mib'] / base['peak_mib']:.2f}x")
+                print(f"{n:>11,} {key[1]:>3} epochs {kind:>9}: wall {r['wall_s']:8.2f} s  cpu {r['cpu_s']:8.2f} s"
+                      f"  peak {r['peak_mib']:8.1f} MiB  planned {r['planned']:,}{ratio}  "
+                      f"(load {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
+                what = f"{n / 1e6:g}M, " + ("evaluate alone" if kind == "evaluate" else f"{epochs} epochs, {kind}")
+                run.add(f"{what}: CPU", r["cpu_s"], "s")
+                run.add(f"{what}: peak", r["peak_mib"], "MiB")
+                if base is not None and kind in ("where", "weighted"):
+                    target = "<= 1.5" if kind == "where" else ""
+                    run.add(f"{what} / plain: CPU", r["cpu_s"] / base["cpu_s"], "x", target=target)
+                    run.add(f"{what} / plain: peak", r["peak_mib"] / base["peak_mib"], "x", target=target)
     sizes = sorted({n for n, _, _ in rows})
     if len(sizes) == 2:
         lo, hi = sizes
@@ -176,7 +204,10 @@ def main() -> None:
                 rate = (high["cpu_s"] - low["cpu_s"]) / ((hi - lo) / 1e6)
                 mem = (high["peak_mib"] - low["peak_mib"]) / ((hi - lo) / 1e6)
                 print(f"marginal {epochs:>3} epochs {kind:>9}: {rate:.3f} CPU s and {mem:.0f} MiB per million samples")
-    print(json.dumps({f"{n}:{e}:{k}": v for (n, e, k), v in rows.items()}))
+                what = "evaluate alone" if kind == "evaluate" else f"{epochs} epochs, {kind}"
+                run.add(f"marginal, {what}: CPU s per million samples", rate, "s")
+                run.add(f"marginal, {what}: peak MiB per million samples", mem, "MiB")
+
 
 if __name__ == "__main__":
     main()

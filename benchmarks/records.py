@@ -1,6 +1,6 @@
 """Cache record layouts side by side: decode CPU per sample and bytes per sample, for SDXL-512 samples.
 
-    python benchmarks/records.py [--samples 100,300]
+    python benchmarks/records.py [--samples 100,300] [--rounds 3]
 
 A sample as the trainer reads it: latent 4x64x64 bf16, text 77x2048 bf16 (CLIP-L + CLIP-G, padded) and a
 pooled 1280 bf16, its caption its own (most datasets). Values are Normal(0, 1) bf16 (latents x 4): a
@@ -15,7 +15,9 @@ stand-in for real activations, whose exponent bytes are as skewed and mantissa b
 Decode = inflate + parse + reassemble the planes (what ``CacheReader.read`` does per sample besides the
 read), in CPU seconds of this process (``time.process_time``), as a **marginal** rate between two sample
 counts so that start-up and warm-up drop out. A second table compares codings of the high byte plane
-(why Huffman-only): bytes, encode and decode (ISA-L) per sample.
+(why Huffman-only): bytes, encode and decode (ISA-L) per sample. Each of ``--rounds`` rounds measures every
+layout and coding once; the medians are published from ``benchmarks/results/records.json``
+(:mod:`benchmarks.results`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from benchmarks.results import Run  # noqa: E402
 from manifests.cache import codec  # noqa: E402
 from manifests.cache.records import SampleRecord, TextRecord, encode_sample, encode_text  # noqa: E402
 
@@ -87,14 +90,14 @@ def decode_seconds(records: list[list[bytes]], inflate: Callable[[bytes], bytes]
 
 
 def marginal_us(records: list[list[bytes]], inflate: Callable[[bytes], bytes], small: int, large: int,
-                repeat: int = 3) -> float:  # fmt: skip
+                repeat: int = 1) -> float:  # fmt: skip
     """Median over ``repeat`` of (CPU seconds for ``large`` samples - for ``small``) / (large - small), in µs."""
     runs = [(decode_seconds(records, inflate, large) - decode_seconds(records, inflate, small)) / (large - small)
             for _ in range(repeat)]  # fmt: skip
     return float(np.median(runs)) * 1e6
 
 
-def high_plane_codings(samples: list[SampleRecord], n: int) -> None:
+def high_plane_codings(run: Run, samples: list[SampleRecord], n: int) -> None:
     """The high byte plane of each sample through each candidate coding: bytes, encode and decode µs."""
     planes = []
     for s in samples[:n]:
@@ -124,12 +127,17 @@ def high_plane_codings(samples: list[SampleRecord], n: int) -> None:
         for b in blobs:
             inflate(b)
         decode = (time.process_time() - start) / n * 1e6
-        print(f"{'':44s}{name:28s} {np.mean([len(b) for b in blobs]):>13,.0f} {encode:>10.0f} {decode:>10.0f}")
+        size = float(np.mean([len(b) for b in blobs]))
+        print(f"{'':44s}{name:28s} {size:>13,.0f} {encode:>10.0f} {decode:>10.0f}")
+        run.add(f"high plane, {name}: bytes per sample", size, "B")
+        run.add(f"high plane, {name}: encode", encode, "µs")
+        run.add(f"high plane, {name}: decode", decode, "µs")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", default="100,300", help="the two sample counts of the marginal rate")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, every layout in each; medians published")
     args = parser.parse_args()
     small, large = (int(x) for x in args.samples.split(","))
     rng = np.random.default_rng(0)
@@ -141,13 +149,22 @@ def main() -> None:
           f"samples, CPU µs per sample on one thread (load {os.getloadavg()[0]:.1f})")  # fmt: skip
     print(f"{'layout':14s} {'reads/sample':>12s} {'bytes/sample':>13s} {'decode µs/sample':>17s} "
           f"{'vs plain zlib':>14s}")  # fmt: skip
-    base = None
-    for name, (records, inflate) in layouts(samples).items():
-        us = marginal_us(records, inflate, small, large)
-        base = base or us
-        size = np.mean([sum(len(r) for r in rs) for rs in records])
-        print(f"{name:14s} {len(records[0]):>12d} {size:>13,.0f} {us:>17.0f} {base / us:>13.1f}x")
-    high_plane_codings(samples, min(large, 100))
+    built = layouts(samples)
+    run = Run("records", "python benchmarks/records.py" + "".join(f" {a}" for a in sys.argv[1:]), tools=["isal"])
+    for _ in range(args.rounds):
+        with run.round():
+            base = None
+            for name, (records, inflate) in built.items():
+                us = marginal_us(records, inflate, small, large)
+                base = base or us
+                size = float(np.mean([sum(len(r) for r in rs) for rs in records]))
+                print(f"{name:14s} {len(records[0]):>12d} {size:>13,.0f} {us:>17.0f} {base / us:>13.1f}x")
+                run.add(f"{name}: reads per sample", len(records[0]))
+                run.add(f"{name}: bytes per sample", size, "B")
+                run.add(f"{name}: decode per sample", us, "µs")
+                run.add(f"{name}: decode speed vs plain zlib", base / us, "x")
+            high_plane_codings(run, samples, min(large, 100))
+    run.save()
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python benchmarks/report_scores.py                          # 200,000 and 1,000,000 samples
     python benchmarks/report_scores.py --sizes 20000,100000     # quicker
+    python benchmarks/report_scores.py --rounds 3                # rounds (default 3), medians published
 
 Per size: a synthetic manifest, a score folder (the 8 float scores, ``grayscale`` and a 64-d float16
 ``embedding`` the report must not read) and a dedup folder (``duplicate``, ``cluster_id``,
@@ -18,7 +19,9 @@ memory is its own ``VmHWM``):
 The manifest's images do not exist: each shown sample's read fails at once (reading and decoding the
 ~180 thumbnails is a cost that does not grow with the folder). CPU seconds (user + system, of the
 child), wall seconds and peak memory; the marginal CPU seconds per million samples from the two
-sizes (start-up and imports drop out) and their ratio.
+sizes (start-up and imports drop out) and their ratio. The inputs are written once; each of ``--rounds`` rounds
+runs both tools at both sizes, and the medians are published from ``benchmarks/results/report_scores.json``
+(:mod:`benchmarks.results`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+
+from benchmarks.results import Run  # noqa: E402
 
 FLOATS = ("aesthetic", "safety", "watermark", "luminance", "contrast", "colourfulness", "sharpness",
           "border_fraction")  # fmt: skip
@@ -151,28 +156,43 @@ def run_child(measure: str, root: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="200000,1000000", help="two manifest sizes (samples)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, both tools at both sizes in each")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(*args.child)
     sizes = [int(s) for s in args.sizes.split(",")]
-    print(f"load average {os.getloadavg()[0]:.1f} at the start")
-    results: dict[str, list[dict]] = {"bucketeer": [], "pandas": []}
+    if len(sizes) != 2:
+        raise SystemExit("benchmarks/report_scores.py: --sizes takes two sizes, e.g. --sizes 200000,1000000")
+    run = Run("report_scores", "python benchmarks/report_scores.py" + "".join(f" {a}" for a in sys.argv[1:]),
+              tools=["pandas"])
     with tempfile.TemporaryDirectory() as tmp:
         for n in sizes:
-            root = f"{tmp}/n{n}"
-            make_inputs(root, n)
-            for measure in results:
-                r = run_child(measure, root)
-                results[measure].append(r)
-                print(f"{n:>10,} samples  {measure:<9}  {r['cpu']:7.2f} CPU s (measure)  {r['cpu_all']:7.2f} CPU s "
-                      f"(process)  {r['wall']:7.2f} s wall  peak {r['peak_mib']:7.0f} MiB", flush=True)  # fmt: skip
-    if len(sizes) == 2:
-        per_million = {m: (rs[1]["cpu"] - rs[0]["cpu"]) / (sizes[1] - sizes[0]) * 1e6 for m, rs in results.items()}
-        for m, v in per_million.items():
-            print(f"marginal: {m:<9} {v:6.2f} CPU s per million samples")
-        print(f"ratio pandas / bucketeer (marginal CPU): {per_million['pandas'] / per_million['bucketeer']:.2f}x")
-    print(f"load average {os.getloadavg()[0]:.1f} at the end")
+            make_inputs(f"{tmp}/n{n}", n)
+        for _ in range(args.rounds):
+            with run.round():
+                one_round(run, tmp, sizes)
+    run.save()
+
+
+def one_round(run: Run, tmp: str, sizes: list[int]) -> None:
+    """Both tools at both sizes, each in a fresh child; their figures and the marginal ratio added to ``run``."""
+    results: dict[str, list[dict]] = {"bucketeer": [], "pandas": []}
+    for n in sizes:
+        for measure in results:
+            r = run_child(measure, f"{tmp}/n{n}")
+            results[measure].append(r)
+            print(f"{n:>10,} samples  {measure:<9}  {r['cpu']:7.2f} CPU s (measure)  {r['cpu_all']:7.2f} CPU s "
+                  f"(process)  {r['wall']:7.2f} s wall  peak {r['peak_mib']:7.0f} MiB", flush=True)  # fmt: skip
+            run.add(f"{n:,} samples: {measure} CPU", r["cpu"], "s")
+            run.add(f"{n:,} samples: {measure} wall", r["wall"], "s")
+            run.add(f"{n:,} samples: {measure} peak", r["peak_mib"], "MiB")
+    per_million = {m: (rs[1]["cpu"] - rs[0]["cpu"]) / (sizes[1] - sizes[0]) * 1e6 for m, rs in results.items()}
+    for m, v in per_million.items():
+        print(f"marginal: {m:<9} {v:6.2f} CPU s per million samples")
+        run.add(f"marginal: {m}, CPU s per million samples", v, "s")
+    print(f"ratio pandas / bucketeer (marginal CPU): {per_million['pandas'] / per_million['bucketeer']:.2f}x")
+    run.add("pandas / bucketeer, marginal CPU", per_million["pandas"] / per_million["bucketeer"], "x")
 
 
 if __name__ == "__main__":

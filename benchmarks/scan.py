@@ -1,6 +1,6 @@
 """Scan throughput as marginal rates: bucketeer's header-only scan vs ``ray.data.read_images``.
 
-    .venv/bin/python benchmarks/scan.py [--small 2000] [--large 12000] [--latency-ms 20]
+    .venv/bin/python benchmarks/scan.py [--small 2000] [--large 12000] [--latency-ms 20] [--rounds 3]
 
 Generates once (cached in ``--cache-dir``, default ``~/.cache/bucketeer/bench-scan``, about 16 GB
 for 12,000 files) photo-like JPEGs of ~1.3 MB in seven shapes, a fifth of them with a camera-like
@@ -19,7 +19,8 @@ listing set-up and commit costs drop out:
    ``--read-images`` files (a smaller pair: it is ~100x slower).
 
 Prints requests and bytes read per image (their distribution over the large scan) and the ratio of
-the marginal rates.
+the marginal rates. Each of ``--rounds`` rounds (default 3) measures every method again (best of two per size
+within a round); the medians are published from ``benchmarks/results/scan.json`` by :mod:`benchmarks.results`.
 """
 
 from __future__ import annotations
@@ -183,8 +184,8 @@ def main() -> int:
     parser.add_argument("--latency-ms", type=float, default=20.0)
     parser.add_argument("--cache-dir", default="~/.cache/bucketeer/bench-scan")
     parser.add_argument("--cpus", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, every method in each; medians published")
     args = parser.parse_args()
-    ri_small, ri_large = (int(x) for x in args.read_images.split(","))
 
     import ray
 
@@ -198,20 +199,31 @@ def main() -> int:
     # workers import LatencyStorage from benchmarks.scan (an fsspec class cannot be pickled by value)
     ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})  # fmt: skip
-    rows = []
+    from benchmarks.results import Run
+
+    run = Run("scan", "python benchmarks/scan.py" + "".join(f" {a}" for a in sys.argv[1:]), tools=["ray"])
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "manifest"
         run_scan(small, out)  # warm-up: Ray workers start, files enter the page cache
-        rows.append(("bucketeer scan, local, sidecar captions", *marginal(lambda r: run_scan(r, out), small, large)))
-        rows.append(("bucketeer scan, local, caption table", *marginal(
-            lambda r: run_scan(r, out, captions=str(r / "captions.parquet")), small, large)))  # fmt: skip
-        slow = LatencyStorage(args.latency_ms / 1000)
-        rows.append((f"bucketeer scan, +{args.latency_ms:g} ms per request, sidecars", *marginal(
-            lambda r: run_scan(r, out, fs=slow), small, large)))  # fmt: skip
-        rows.append(("ray.data.read_images (decodes every image)",
-                     *marginal(lambda n: run_read_images(large, n), ri_small, ri_large)))  # fmt: skip
+        for _ in range(args.rounds):
+            with run.round():
+                one_round(run, args, small, large, out)
     ray.shutdown()
+    run.save()
+    return 0
 
+
+def one_round(run, args: argparse.Namespace, small: Path, large: Path, out: Path) -> None:
+    """Every method once (best of two per size): printed, and its figures added to ``run``."""
+    ri_small, ri_large = (int(x) for x in args.read_images.split(","))
+    rows = [("bucketeer scan, local, sidecar captions", *marginal(lambda r: run_scan(r, out), small, large))]
+    rows.append(("bucketeer scan, local, caption table", *marginal(
+        lambda r: run_scan(r, out, captions=str(r / "captions.parquet")), small, large)))  # fmt: skip
+    slow = LatencyStorage(args.latency_ms / 1000)
+    rows.append((f"bucketeer scan, +{args.latency_ms:g} ms per request, sidecars", *marginal(
+        lambda r: run_scan(r, out, fs=slow), small, large)))  # fmt: skip
+    rows.append(("ray.data.read_images (decodes every image)",
+                 *marginal(lambda n: run_read_images(large, n), ri_small, ri_large)))  # fmt: skip
     base = rows[-1][1]
     print(f"\nmarginal rates (best of two at {args.small:,} and {args.large:,} files; read_images at "
           f"{ri_small} and {ri_large}), {args.cpus} CPUs\n")  # fmt: skip
@@ -222,13 +234,19 @@ def main() -> int:
         b = large_run["bytes"]
         requests = "-" if large_run["requests"] is None else f"{large_run['requests'] / large_run['files']:.3f}"
         spread = " / ".join(f"{np.percentile(b, q) / 1024:,.0f}" for q in (10, 50, 90, 100))
-        print(f"| {name} | {rate:,.0f} | {rate / base:,.0f}x | {requests} | {spread} KiB |")
-    local, table, slow_rate = rows[0][1], rows[1][2], rows[2][1]
-    print(f"\ntargets: >= 5,000 files/s local: {local:,.0f}; >= 3,000 files/s at +{args.latency_ms:g} ms: "
-          f"{slow_rate:,.0f}; <= 2 requests per image: {rows[0][2]['requests'] / rows[0][2]['files']:.3f}, "
-          f"<= 1.05 with a caption table: {table['requests'] / table['files']:.3f}; median bytes <= 64 KiB: "
-          f"{np.median(rows[0][2]['bytes']) / 1024:.0f} KiB")  # fmt: skip
-    return 0
+        print(f"| {name} | {rate:,.0f} | {rate / base:,.0f}x | {requests} | {spread} KiB |", flush=True)
+        run.add(f"{name}: files/s (marginal)", rate, "/s")
+        run.add(f"{name}: vs read_images", rate / base, "x")
+        if large_run["requests"] is not None:
+            run.add(f"{name}: requests per image", large_run["requests"] / large_run["files"])
+        run.add(f"{name}: median bytes read per image", float(np.median(b)) / 1024, "KiB")
+        run.add(f"{name}: max bytes read per image", float(np.max(b)) / 1024, "KiB")
+    local, table = rows[0][2], rows[1][2]
+    run.add("target: local, sidecars, files/s", rows[0][1], "/s", target=">= 5000")
+    run.add(f"target: +{args.latency_ms:g} ms per request, files/s", rows[2][1], "/s", target=">= 3000")
+    run.add("target: requests per image, sidecars", local["requests"] / local["files"], target="<= 2")
+    run.add("target: requests per image, caption table", table["requests"] / table["files"], target="<= 1.05")
+    run.add("target: median bytes read per image", float(np.median(local["bytes"])) / 1024, "KiB", target="<= 64")
 
 
 if __name__ == "__main__":

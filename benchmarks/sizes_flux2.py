@@ -113,8 +113,9 @@ def family_sizes(f: RealFamily) -> dict[str, Any]:
             "latent": 2 * int(np.prod(f.latent))}  # fmt: skip
 
 
-def print_sizes(rng: np.random.Generator) -> list[dict[str, Any]]:
-    """Print the table (and return its rows): parameters, bytes per caption and per sample, one H100."""
+def print_sizes(rng: np.random.Generator, run: Any = None) -> list[dict[str, Any]]:
+    """Print the table (and return its rows): parameters, bytes per caption and per sample, one H100; each figure
+    is also added to ``run`` (a :class:`benchmarks.results.Run`) when one is given."""
     import warnings
 
     from manifests.cache import TextLayout
@@ -140,9 +141,24 @@ def print_sizes(rng: np.random.Generator) -> list[dict[str, Any]]:
               f"{s['transformer_params'] / 1e9:>10.2f}B {s['vae_params'] / 1e6:>5.0f}M {s['stored']:>13,d} "
               f"{s['gzip']:>12,d} {s['encode_prompt']:>19,d} {s['encode_prompt'] / s['stored']:>5.1f}x "
               f"{s['latent']:>13,d}")  # fmt: skip
+        if run is not None:
+            for key, label, unit in (("text_params", "text encoder, published", "B params"),
+                                     ("text_run_params", "text encoder as embed runs it", "B params"),
+                                     ("transformer_params", "transformer", "B params"),
+                                     ("vae_params", "VAE", "M params")):
+                run.add(f"{f.name}: {label}", s[key] / (1e6 if unit[0] == "M" else 1e9), unit)
+            run.add(f"{f.name}: record (bf16, raw)", s["stored"], "B")
+            run.add(f"{f.name}: gzip(noise)", s["gzip"], "B")
+            run.add(f"{f.name}: encode_prompt output, fp32", s["encode_prompt"], "B")
+            run.add(f"{f.name}: encode_prompt / record", s["encode_prompt"] / s["stored"], "x")
+            run.add(f"{f.name}: latent per sample, 1024², bf16", s["latent"], "B")
     print("\none H100 (80 GB), from the parameter counts (weights only, before activations):")
     for r in rows:
         text, t = r["text_run_bytes"], r["transformer_params"]
+        if run is not None:
+            run.add(f"{r['name']}: embed text phase, bf16", text / GB, "GB")
+            for what, per in (("fp32 weights", 4), ("full fine-tune with AdamW", 16)):
+                run.add(f"{r['name']}: training, transformer {what}", per * t / GB, "GB")
         print(f"  {r['name']:20s} embed text phase {text / GB:5.1f} GB bf16 ({'fits' if text < H100 else 'no'}); "
               f"training: fp32 weights {4 * t / GB:5.1f} GB ({'fits' if 4 * t < H100 else 'does not fit'}), "
               f"full fine-tune with AdamW {16 * t / GB:5.1f} GB ({'fits' if 16 * t < H100 else 'shard: FSDP'})")

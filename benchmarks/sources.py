@@ -1,7 +1,7 @@
 """Scan of WebDataset tar shards and parquet files as marginal rates: bucketeer's scan vs decoding every image.
 
     .venv/bin/python benchmarks/sources.py [--per-shard 500] [--small 2000] [--large 12000] [--latency-ms 20]
-        [--cases tar,parquet]
+        [--cases tar,parquet] [--rounds 3]
 
 Generates once (in ``--cache-dir``, default ``~/.cache/bucketeer/bench-sources``, ~2.4 GB for 12,000
 images) tar shards of ``--per-shard`` samples, each ``key.jpg`` (photo-like JPEGs of ~200 KB in
@@ -28,9 +28,11 @@ a ``url`` column; row groups of 100 rows) and measures, the same way:
 6. a cheaper alternative for reference: the same iteration, but Pillow only opens each image
    (its header and EXIF) without decoding it (measured at the scan's sizes: it is fast).
 
-Each rate is **marginal**: ``(large - small) / (t_large - t_small)``, best of two runs at each size,
-so Ray start-up, listing and the manifest commit drop out. Prints requests and bytes read per image,
-the bytes read as a share of the containers' bytes, and the ratio to the (decoding) alternative.
+Each rate is **marginal**: ``(large - small) / (t_large - t_small)``, one run at each size per round, so Ray
+start-up, listing and the manifest commit drop out. Prints requests and bytes read per image, the bytes read as a
+share of the containers' bytes, and the ratio to the (decoding) alternative. Each of ``--rounds`` rounds (default
+3) measures every method (the alternatives included) again; the medians are published from
+``benchmarks/results/sources.json`` (tar) and ``sources-parquet.json`` by :mod:`benchmarks.results`.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from PIL import Image, ImageChops, ImageOps
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.results import Run  # noqa: E402
 from benchmarks.scan import WORDS, LatencyStorage, marginal  # noqa: E402
 from pipeline.ray_setup import loopback_only  # noqa: E402
 from pipeline.scan import ScanConfig, ScanJob, scan_dataset  # noqa: E402
@@ -238,6 +241,7 @@ def main() -> int:
     parser.add_argument("--exif-every", type=int, default=5,
                         help="every n-th distinct JPEG carries an 8-40 KB EXIF block (0: none); a new --cache-dir")
     parser.add_argument("--cases", default="tar,parquet", help="which sources to measure: tar, parquet or both")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, every method in each; medians published")
     args = parser.parse_args()
     cases = set(args.cases.split(","))
     small_shards, large_shards = args.small // args.per_shard, args.large // args.per_shard
@@ -258,53 +262,80 @@ def main() -> int:
     # workers import LatencyStorage from benchmarks.scan (an fsspec class cannot be pickled by value)
     ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})  # fmt: skip
-    rows, parquet_rows = [], []
+    command = "python benchmarks/sources.py" + "".join(f" {a}" for a in sys.argv[1:])
+    runs = {case: Run(name, command, tools=["ray", "pillow"])
+            for case, name in (("tar", "sources"), ("parquet", "sources-parquet")) if case in cases}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "manifest"
-        if "tar" in cases:
-            small, large = subset(cache, small_shards), subset(cache, large_shards)
-            run_scan(small, out)  # warm-up: Ray workers start, shards enter the page cache
-            rows.append(("bucketeer scan, local shards", *marginal(lambda r: run_scan(r, out), small, large,
-                                                                          count="images")))
-            slow = LatencyStorage(args.latency_ms / 1000)
-            rows.append((f"bucketeer scan, +{args.latency_ms:g} ms per request", *marginal(
-                lambda r: run_scan(r, out, fs=slow), small, large, count="images")))  # fmt: skip
-        if "parquet" in cases:
-            small = subset(cache, small_shards, "parquet", "parquet")
-            large = subset(cache, large_shards, "parquet", "parquet")
-            run_scan(small, out, config=PARQUET_CONFIG)  # warm-up
-            parquet_rows.append(("bucketeer scan --format parquet, local files", *marginal(
-                lambda r: run_scan(r, out, config=PARQUET_CONFIG), small, large, count="images")))  # fmt: skip
+        warm = subset(cache, small_shards) if "tar" in cases else subset(cache, small_shards, "parquet", "parquet")
+        run_scan(warm, out, config=ScanConfig(progress=False) if "tar" in cases else PARQUET_CONFIG)  # warm-up
+        for _ in range(args.rounds):
+            if "tar" in cases:
+                with runs["tar"].round():
+                    tar_round(runs["tar"], args, cache, out)
+            if "parquet" in cases:
+                with runs["parquet"].round():
+                    parquet_round(runs["parquet"], args, cache, out)
     ray.shutdown()
-    print(f"\nmarginal rates (best of two at {args.small:,} and {args.large:,} images; the alternatives at "
+    for run in runs.values():
+        run.save()
+    return 0
+
+
+def tar_round(run: Run, args: argparse.Namespace, cache: Path, out: Path) -> None:
+    """The tar shards, once: the scan (local and at +latency) and the decoding alternative; added to ``run``."""
+    small_shards, large_shards = args.small // args.per_shard, args.large // args.per_shard
+    alt_small, alt_large = (int(x) for x in args.alternative.split(","))
+    small, large = subset(cache, small_shards), subset(cache, large_shards)
+    rows = [("bucketeer scan, local shards", *marginal(lambda r: run_scan(r, out), small, large, 1, "images"))]
+    slow = LatencyStorage(args.latency_ms / 1000)
+    rows.append((f"bucketeer scan, +{args.latency_ms:g} ms per request", *marginal(
+        lambda r: run_scan(r, out, fs=slow), small, large, 1, "images")))  # fmt: skip
+    rows.append(("tarfile stream + Pillow decode of every image (local)",
+                 *marginal(lambda r: run_alternative(r, args.cpus), subset(cache, alt_small),
+                           subset(cache, alt_large), 1, "images")))  # fmt: skip
+    base = rows[-1][1]
+    print(f"\nmarginal rates ({args.small:,} and {args.large:,} images; the alternative at "
           f"{alt_small * args.per_shard:,} and {alt_large * args.per_shard:,}), {args.cpus} CPUs, load average "
           f"{os.getloadavg()[0]:.1f} now\n")  # fmt: skip
-    if "tar" in cases:
-        alt = ("tarfile stream + Pillow decode of every image (local)",
-               *marginal(lambda r: run_alternative(r, args.cpus), subset(cache, alt_small),
-                         subset(cache, alt_large), count="images"))  # fmt: skip
-        rows.append(alt)
-        base = alt[1]
-        print_rows(rows, base, "shard")
-        local, slow_run = rows[0], rows[1]
-        share = 100 * local[2]["bytes"] / local[2]["shard_bytes"]
-        print(f"\ntargets (issue 15): bytes read <= 5% of the shard bytes: {share:.2f}%"
-              f"; >= 20x the alternative: {local[1] / base:,.0f}x local, {slow_run[1] / base:,.0f}x at "
-              f"+{args.latency_ms:g} ms\n")  # fmt: skip
-    if "parquet" in cases:
-        alt_sets = (subset(cache, alt_small, "parquet", "parquet"), subset(cache, alt_large, "parquet", "parquet"))
-        alt = ("pyarrow iterate + Pillow decode of every image (local)",
-               *marginal(lambda r: run_parquet_alternative(r, args.cpus), *alt_sets, count="images"))
-        # fast enough for the scan's own sizes, where start-up vanishes
-        opened = ("pyarrow iterate + Pillow open (header and EXIF only, no decode)",
-                  *marginal(lambda r: run_parquet_alternative(r, args.cpus, decode=False),
-                            subset(cache, small_shards, "parquet", "parquet"),
-                            subset(cache, large_shards, "parquet", "parquet"), count="images"))  # fmt: skip
-        parquet_rows += [alt, opened]
-        print_rows(parquet_rows, alt[1], "parquet file")
-        print(f"\nparquet: {parquet_rows[0][1] / alt[1]:,.1f}x the decoding alternative, "
-              f"{parquet_rows[0][1] / opened[1]:,.1f}x the header-only one")
-    return 0
+    print_rows(rows, base, "shard")
+    add_rows(run, rows, base, "shard")
+    run.add("bucketeer scan, local / alternative", rows[0][1] / base, "x", target=">= 20")
+    run.add(f"bucketeer scan, +{args.latency_ms:g} ms / alternative", rows[1][1] / base, "x", target=">= 20")
+    run.add("bucketeer scan: share of the shard bytes read", 100 * rows[0][2]["bytes"] / rows[0][2]["shard_bytes"],
+            "%", target="<= 5")  # fmt: skip
+
+
+def parquet_round(run: Run, args: argparse.Namespace, cache: Path, out: Path) -> None:
+    """The parquet files, once: the scan and the two alternatives (decode, header-only open); added to ``run``."""
+    small_shards, large_shards = args.small // args.per_shard, args.large // args.per_shard
+    alt_small, alt_large = (int(x) for x in args.alternative.split(","))
+    small = subset(cache, small_shards, "parquet", "parquet")
+    large = subset(cache, large_shards, "parquet", "parquet")
+    rows = [("bucketeer scan --format parquet, local files", *marginal(
+        lambda r: run_scan(r, out, config=PARQUET_CONFIG), small, large, 1, "images"))]  # fmt: skip
+    alt_sets = (subset(cache, alt_small, "parquet", "parquet"), subset(cache, alt_large, "parquet", "parquet"))
+    alt = ("pyarrow iterate + Pillow decode of every image (local)",
+           *marginal(lambda r: run_parquet_alternative(r, args.cpus), *alt_sets, 1, "images"))
+    # fast enough for the scan's own sizes, where start-up vanishes
+    opened = ("pyarrow iterate + Pillow open (header and EXIF only, no decode)",
+              *marginal(lambda r: run_parquet_alternative(r, args.cpus, decode=False), small, large, 1, "images"))
+    rows += [alt, opened]
+    print_rows(rows, alt[1], "parquet file")
+    print(f"\nparquet: {rows[0][1] / alt[1]:,.1f}x the decoding alternative, "
+          f"{rows[0][1] / opened[1]:,.1f}x the header-only one", flush=True)
+    add_rows(run, rows, alt[1], "parquet file")
+    run.add("bucketeer scan --format parquet / header-only open", rows[0][1] / opened[1], "x")
+
+
+def add_rows(run: Run, rows: list[tuple], base: float, what: str) -> None:
+    """Each method's marginal rate, ratio to the alternative, requests and bytes per image and share read."""
+    for name, rate, r in rows:
+        run.add(f"{name}: images/s (marginal)", rate, "/s")
+        run.add(f"{name}: vs the decoding alternative", rate / base, "x")
+        run.add(f"{name}: requests per image", r["requests"] / r["images"])
+        run.add(f"{name}: bytes read per image", r["bytes"] / r["images"] / 1024, "KiB")
+        run.add(f"{name}: share of {what} bytes read", 100 * r["bytes"] / r["shard_bytes"], "%")
 
 
 if __name__ == "__main__":

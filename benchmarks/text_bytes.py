@@ -1,6 +1,10 @@
 """Bytes per caption and per sample of each model family's cache, from the real architectures' sizes.
 
-    python benchmarks/text_bytes.py [--pixart-tokens 40]
+    python benchmarks/text_bytes.py [--pixart-tokens 40] [--rounds 3]
+
+Each table is saved through :mod:`benchmarks.results` (``--rounds`` rounds; the figures are computed, so every
+round gives the same bytes): ``text_bytes.json`` (the families at their default lengths), ``text_bytes-qwen.json``
+(Qwen-Image, Z-Image, Qwen-Image-Edit) and ``text_bytes-flux2.json`` (Flux 2, Flux 2 Klein, Chroma).
 
 No weights are downloaded: the sizes are the published configs' (CLIP ViT-L/14 text: 768 wide,
 projection 768; OpenCLIP bigG text: 1280, projection 1280; T5-v1.1-XXL: 4096) and each family's
@@ -40,6 +44,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from benchmarks.results import Run  # noqa: E402
 from benchmarks.real_configs import FLUX1_VAE, QWEN3_4B, QWEN_IMAGE, QWEN_VL_7B, Z_IMAGE  # noqa: E402
 from manifests.cache import TextLayout  # noqa: E402
 from manifests.cache.records import TextRecord, encode_text  # noqa: E402
@@ -83,11 +88,32 @@ def main() -> None:
     parser.add_argument("--pixart-tokens", type=int, default=40, help="real T5 tokens of a typical PixArt caption")
     parser.add_argument("--qwen-tokens", type=int, default=40, help="tokens of a typical Qwen-Image / Z-Image caption")
     parser.add_argument("--instruction-tokens", type=int, default=20, help="tokens of a typical edit instruction")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds (every one computes the same bytes)")
     args = parser.parse_args()
-    rng = np.random.default_rng(0)
+    command = "python benchmarks/text_bytes.py" + "".join(f" {a}" for a in sys.argv[1:])
+    runs = [Run(name, command, tools=["transformers", "diffusers"])
+            for name in ("text_bytes", "text_bytes-qwen", "text_bytes-flux2")]
+    from sizes_flux2 import print_sizes  # Flux 2, Flux 2 Klein, Chroma: real sizes on the meta device
+
+    for _ in range(args.rounds):
+        with runs[0].round():
+            families(runs[0], args.pixart_tokens)
+        with runs[1].round():
+            qwen_zimage(runs[1], args.qwen_tokens)
+            qwen_image_edit(runs[1], args.instruction_tokens)
+        with runs[2].round():
+            print()
+            print_sizes(np.random.default_rng(0), runs[2])
+    for run in runs:
+        run.save()
+
+
+def families(run: Run, pixart_tokens: int) -> None:
+    """Bytes per caption of each family at its default lengths, against ``encode_prompt``'s fp32 output."""
+    rng = np.random.default_rng(0)  # the same noise every round: the gzip figure is a byte count
     print(f"{'family':44s} {'bucketeer bf16':>15s} {'gzip(noise)':>12s} {'encode_prompt fp32':>19s} {'ratio':>6s} "
           f"{'latent/sample':>14s}")  # fmt: skip
-    for name, layout, tokens, channels in layouts(args.pixart_tokens):
+    for name, layout, tokens, channels in layouts(pixart_tokens):
         stored = sum((tokens if layout.masked else n) * d for n, d in zip(layout.lengths, layout.widths))
         stored = 2 * (stored + (layout.pooled_dim or 0))
         gz = len(encode_text(record(layout, tokens, rng)))
@@ -95,12 +121,11 @@ def main() -> None:
                                                                                   if layout.masked else 0)
         latent = 2 * channels * 128 * 128
         print(f"{name:44s} {stored:>15,d} {gz:>12,d} {joined:>19,d} {joined / stored:>5.1f}x {latent:>14,d}")
-    print()
-    from sizes_flux2 import print_sizes  # Flux 2, Flux 2 Klein, Chroma: real sizes on the meta device
-
-    print_sizes(rng)
-    qwen_zimage(args.qwen_tokens)
-    qwen_image_edit(args.instruction_tokens)
+        run.add(f"{name}: bucketeer record (bf16, raw)", stored, "B")
+        run.add(f"{name}: gzip(noise)", gz, "B")
+        run.add(f"{name}: encode_prompt output, fp32", joined, "B")
+        run.add(f"{name}: encode_prompt / record", joined / stored, "x")
+        run.add(f"{name}: latent per sample, 1024², bf16", latent, "B")
 
 
 def _params(build) -> int:
@@ -111,7 +136,7 @@ def _params(build) -> int:
         return sum(p.numel() for p in build().parameters())
 
 
-def qwen_zimage(caption_tokens: int) -> None:
+def qwen_zimage(run: Run, caption_tokens: int) -> None:
     """Parameter counts and bytes per caption of Qwen-Image and Z-Image at their real sizes (module docstring)."""
     import diffusers
     import transformers
@@ -131,6 +156,9 @@ def qwen_zimage(caption_tokens: int) -> None:
     print(f"\n{'model':56s} {'parameters':>15s} {'bf16 GB':>8s} {'fp32 GB':>8s} {'full FT GB':>11s}")
     for name, n in counts.items():
         print(f"{name:56s} {n:>15,d} {2 * n / 1e9:>8.1f} {4 * n / 1e9:>8.1f} {16 * n / 1e9:>11.1f}")
+        run.add(f"{name}: parameters", n)
+        for what, per in (("bf16", 2), ("fp32", 4), ("full FT (16 B per parameter)", 16)):
+            run.add(f"{name}: {what}", per * n / 1e9, "GB")
     print(f"\n{'family':44s} {'bucketeer bf16':>15s} {'encode_prompt fp32':>19s} {'ratio':>6s} "
           f"{'padded fp32':>12s} {'ratio':>6s} {'latent/sample':>14s}")  # fmt: skip
     rows = [(f"qwen-image ({caption_tokens}-token caption, 1024 max)", caption_tokens + 5, 3584, 1024),
@@ -139,6 +167,12 @@ def qwen_zimage(caption_tokens: int) -> None:
         stored, alone, padded = 2 * n * width, 4 * n * width, 4 * length * width + 4 * length
         print(f"{name:44s} {stored:>15,d} {alone:>19,d} {alone / stored:>5.1f}x {padded:>12,d} "
               f"{padded / stored:>5.1f}x {2 * 16 * 128 * 128:>14,d}")
+        run.add(f"{name}: bucketeer record (bf16, {n} rows x {width})", stored, "B")
+        run.add(f"{name}: encode_prompt fp32", alone, "B")
+        run.add(f"{name}: encode_prompt / record", alone / stored, "x")
+        run.add(f"{name}: padded fp32", padded, "B")
+        run.add(f"{name}: padded / record", padded / stored, "x")
+        run.add(f"{name}: latent per sample, 1024², bf16", 2 * 16 * 128 * 128, "B")
 
 
 def image_tokens(height: int, width: int) -> tuple[int, tuple[int, int]]:
@@ -156,7 +190,7 @@ def image_tokens(height: int, width: int) -> tuple[int, tuple[int, int]]:
     return int(grid.prod()) // 4, (h, w)  # 2x2 patches merged into one token
 
 
-def qwen_image_edit(instruction_tokens: int) -> None:
+def qwen_image_edit(run: Run, instruction_tokens: int) -> None:
     """Bytes per sample of Qwen-Image-Edit at real size (module docstring): the text of (instruction, reference)."""
     print(f"\n{'qwen-image-edit reference (h x w)':44s} {'image tokens':>12s} {'rows':>6s} {'bucketeer bf16':>15s} "
           f"{'encode_prompt fp32':>19s} {'latents bf16':>13s}")  # fmt: skip
@@ -166,6 +200,12 @@ def qwen_image_edit(instruction_tokens: int) -> None:
         latents = 2 * 16 * (height // 8) * (width // 8) + 2 * 16 * (h // 8) * (w // 8)  # target + reference
         print(f"{f'{height}x{width} -> {h}x{w}, {instruction_tokens}-token instruction':44s} {tokens:>12,d} "
               f"{rows:>6,d} {2 * rows * 3584:>15,d} {4 * rows * 3584:>19,d} {latents:>13,d}")
+        name = f"qwen-image-edit {height}x{width} -> {h}x{w}"
+        run.add(f"{name}: image tokens", tokens)
+        run.add(f"{name}: rows", rows)
+        run.add(f"{name}: bucketeer record (bf16)", 2 * rows * 3584, "B")
+        run.add(f"{name}: encode_prompt fp32", 4 * rows * 3584, "B")
+        run.add(f"{name}: latents (target + reference)", latents, "B")
 
 
 if __name__ == "__main__":
