@@ -83,7 +83,7 @@ def rank_main(rounds: int, command: str) -> None:
             gathered = [torch.zeros_like(times) for _ in range(dist.get_world_size())]
             dist.all_gather(gathered, times)
             if rank == 0:
-                print(f"round {r + 1}: parameters | ShardedEMA, 2 ranks (ms CPU per rank per step) | EMA, 1 process (ms)")
+                print(f"round {r + 1}: parameters | ShardedEMA, 2 ranks (CPU-ms per rank per step) | EMA (CPU-ms)")
                 per_rank = [max(g[0, i].item() for g in gathered) for i in range(len(rows))]
                 for (params, _, t_plain), t_sharded in zip(rows, per_rank):
                     print(f"  {params:.1f}M | {t_sharded * 1e3:.1f} | {t_plain * 1e3:.1f}")
