@@ -19,7 +19,10 @@ share of compute per image):
    images decoded beforehand, the same batch size and threads, for the same two sizes.
 Rates are **marginal** over the two sizes ((n2 - n1) / (t2 - t1)), so Ray's start, the model loads and
 the first batch drop out; the ratio end-to-end / model alone is the pipeline's efficiency (target >= 0.9).
-Wall-clock on a shared machine: the load average is printed beside the figures.
+Wall-clock on a shared machine: the load average is printed beside the figures. Each of ``--rounds`` rounds
+(default 3; the datasets, the model and the warm-up made once) measures both sides at both sizes, and every
+round's figures go to ``benchmarks/results/annotate.json`` (``--tasks caption``) or ``annotate-vision.json``
+(other tasks; ``benchmarks/results.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from benchmarks.results import Run  # noqa: E402
 
 MODELS = {"tiny": {"width": 32, "layers": 2, "image": 28}, "small": {"width": 256, "layers": 4, "image": 112}}
 EMBEDDERS = {"tiny": {"width": 32, "layers": 2, "image": 32, "patch": 8},
@@ -162,6 +167,52 @@ def model_alone(root: str, n: int, path: str, args) -> float:
     return time.perf_counter() - start
 
 
+def annotate_round(run: Run, args: argparse.Namespace, base: str, model: str, n1: int, n2: int, r: int) -> None:
+    """Round ``r``: end to end and alone at both sizes, their marginal rates and ratio added to ``run``."""
+    vision = args.tasks != ("caption",)
+    e2e, alone, steady, alone_cpu, writer_cpu = {}, {}, {}, {}, {}
+    for n in (n1, n2):
+        root, manifest = os.path.join(base, f"images-{n}"), os.path.join(base, f"manifest-{n}")
+        e2e[n], steady[n] = end_to_end(manifest, os.path.join(base, f"out-{n}-{r}"), model, args)
+        if vision:
+            alone[n], alone_cpu[n] = tasks_alone(root, n, model, args)
+            writer_cpu[n] = writer_alone(root, manifest, n, model, args)
+        else:
+            alone[n] = model_alone(root, n, model, args)
+        print(f"round {r + 1}, {n} images: end to end {e2e[n]:.1f}s ({'actor CPU s' if vision else 'steady images/s'} "
+              f"{steady[n]:.2f}), model alone {alone[n]:.1f}s; load {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+    pipeline_rate = (n2 - n1) / (e2e[n2] - e2e[n1])
+    model_rate = (n2 - n1) / (alone[n2] - alone[n1])
+    if vision:
+        print(f"tasks {','.join(args.tasks)}, CLIP {args.model} ({EMBEDDERS[args.model]}), batch "
+              f"{args.batch_size}, {args.threads} torch thread(s)")
+    else:
+        print(f"model {args.model} ({MODELS[args.model]}), batch {args.batch_size}, {args.max_new_tokens} new "
+              f"tokens, {args.threads} torch thread(s)")
+    what = "images" if vision else "captions"
+    print(f"marginal {what}/s: end to end {pipeline_rate:.2f}, model alone {model_rate:.2f}: "
+          f"ratio {pipeline_rate / model_rate:.2f} (target >= 0.9); load {os.getloadavg()[0]:.1f}")
+    for n in (n1, n2):
+        run.add(f"{n} images: end to end", e2e[n], "s")
+        run.add(f"{n} images: {'the tasks' if vision else 'the model'} alone", alone[n], "s")
+    label = "the tasks alone" if vision else "the model alone"
+    run.add(f"marginal {what}/s, wall clock: end to end", pipeline_rate, f"{what}/s")
+    run.add(f"marginal {what}/s, wall clock: {label}", model_rate, f"{what}/s")
+    run.add(f"wall clock: end to end / {label}", pipeline_rate / model_rate, "x", ">= 0.9")
+    if vision:  # CPU time: what the load average does not change (steady[n]: the actor's CPU seconds)
+        worker, own = (n2 - n1) / (steady[n2] - steady[n1]), (n2 - n1) / (alone_cpu[n2] - alone_cpu[n1])
+        unit = (n2 - n1) / (writer_cpu[n2] - writer_cpu[n1])
+        print(f"marginal images per CPU second: the Ray actor's process during its units {worker:.2f} (ratio "
+              f"{worker / own:.2f}); AnnotateWriter.unit without Ray (fetch, decode, tasks, parts) {unit:.2f} "
+              f"(ratio {unit / own:.2f}); the tasks alone on pre-decoded images {own:.2f}", flush=True)
+        run.add("images per CPU second: the Ray actor's whole process during its units", worker, "images/CPU-s")
+        run.add("images per CPU second: AnnotateWriter.unit in the driver without Ray (a diagnostic)", unit,
+                "images/CPU-s")  # fmt: skip
+        run.add("images per CPU second: the tasks alone on pre-decoded images", own, "images/CPU-s")
+        run.add("CPU: the Ray actor / the tasks alone", worker / own, "x", ">= 0.9")
+        run.add("CPU: AnnotateWriter.unit without Ray / the tasks alone", unit / own, "x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", default="64,256", help="the two dataset sizes (marginal rate between them)")
@@ -171,7 +222,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads, both sides")
     parser.add_argument("--model", choices=tuple(MODELS), default="small")
     parser.add_argument("--tasks", default="caption", help="annotate's --task (caption, or embedding,phash,...)")
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    command = "python benchmarks/annotate.py" + "".join(f" {a}" for a in sys.argv[1:])
     args.tasks = tuple(args.tasks.split(","))
     vision = args.tasks != ("caption",)
     n1, n2 = (int(x) for x in args.images.split(","))
@@ -195,39 +248,16 @@ def main() -> None:
         else:
             model = str(build_default_model(os.path.join(base, "model"), **MODELS[args.model]))
         ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False)
-        e2e, alone, steady, alone_cpu, writer_cpu = {}, {}, {}, {}, {}
         warm_root, warm_manifest = os.path.join(base, "images-warm"), os.path.join(base, "manifest-warm")
         make_dataset(warm_root, warm_manifest, args.batch_size * 2)  # Ray Data's and the workers' first start
         end_to_end(warm_manifest, os.path.join(base, "out-warm"), model, args)
         for n in (n1, n2):
-            root, manifest = os.path.join(base, f"images-{n}"), os.path.join(base, f"manifest-{n}")
-            make_dataset(root, manifest, n)
-            e2e[n], steady[n] = end_to_end(manifest, os.path.join(base, f"out-{n}"), model, args)
-            if vision:
-                alone[n], alone_cpu[n] = tasks_alone(root, n, model, args)
-                writer_cpu[n] = writer_alone(root, manifest, n, model, args)
-            else:
-                alone[n] = model_alone(root, n, model, args)
-            print(f"{n} images: end to end {e2e[n]:.1f}s ({'actor CPU s' if vision else 'steady images/s'} "
-                  f"{steady[n]:.2f}), "
-                  f"model alone {alone[n]:.1f}s; load {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
-        pipeline_rate = (n2 - n1) / (e2e[n2] - e2e[n1])
-        model_rate = (n2 - n1) / (alone[n2] - alone[n1])
-        if vision:
-            print(f"tasks {','.join(args.tasks)}, CLIP {args.model} ({EMBEDDERS[args.model]}), batch "
-                  f"{args.batch_size}, {args.threads} torch thread(s)")
-        else:
-            print(f"model {args.model} ({MODELS[args.model]}), batch {args.batch_size}, {args.max_new_tokens} new "
-                  f"tokens, {args.threads} torch thread(s)")
-        what = "images" if vision else "captions"
-        print(f"marginal {what}/s: end to end {pipeline_rate:.2f}, model alone {model_rate:.2f}: "
-              f"ratio {pipeline_rate / model_rate:.2f} (target >= 0.9); load {os.getloadavg()[0]:.1f}")
-        if vision:  # CPU time: what the load average does not change (steady[n]: the actor's CPU seconds)
-            worker, own = (n2 - n1) / (steady[n2] - steady[n1]), (n2 - n1) / (alone_cpu[n2] - alone_cpu[n1])
-            unit = (n2 - n1) / (writer_cpu[n2] - writer_cpu[n1])
-            print(f"marginal images per CPU second: the Ray actor's process during its units {worker:.2f} (ratio "
-                  f"{worker / own:.2f}); AnnotateWriter.unit without Ray (fetch, decode, tasks, parts) {unit:.2f} "
-                  f"(ratio {unit / own:.2f}); the tasks alone on pre-decoded images {own:.2f}")
+            make_dataset(os.path.join(base, f"images-{n}"), os.path.join(base, f"manifest-{n}"), n)
+        run = Run("annotate-vision" if vision else "annotate", command, ["ray", "transformers"])
+        for r in range(args.rounds):
+            with run.round():
+                annotate_round(run, args, base, model, n1, n2, r)
+        run.save()
     finally:
         ray.shutdown()
         shutil.rmtree(base, ignore_errors=True)

@@ -1,6 +1,8 @@
 """Embed benchmark: the pipeline against encoder-only compute, the cache against per-file torch.save.
 
-    python benchmarks/embed.py [--images 256] [--size 256]
+    python benchmarks/embed.py [--images 256] [--size 256] [--rounds 3]    # 1-4, then 5 (results/embed*.json)
+    python benchmarks/embed.py --embed-only                                 # 1-4 only
+    python benchmarks/embed.py --commit-only [--commit-rows 1000000]       # 5 only
 
 In one run, with the embedded default (tiny random-weight) encoders on this machine's CPU:
 1. end-to-end images/s of `bucketeer embed` (fetch, decode, resize, VAE, gzip, shard commits; image
@@ -14,6 +16,11 @@ In one run, with the embedded default (tiny random-weight) encoders on this mach
    metadata bytes written, vs the old layout whose ``_cache.json`` listed every shard and was
    rewritten after each one (O(shards^2) bytes).
 SDXL's VAE at 1024^2 in bf16 and the GPU's busy fraction need a GPU: not measured here.
+
+Each of ``--rounds`` rounds runs 1-4 once (a fresh cache, a fresh local Ray; the moto server and the images are
+made once) and writes every round's figures to ``benchmarks/results/embed.json``; 5 runs once per round in a
+fresh child process (its peak RSS is the committer's alone) into ``benchmarks/results/embed-commit.json``
+(``benchmarks/results.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from benchmarks.results import Run  # noqa: E402
 
 
 def make_images(root: str, manifest: str, n: int, size: int) -> None:
@@ -119,9 +128,9 @@ def time_reads(cache: str, per_file: str, ids: list[int], so: dict | None) -> tu
     return t_open, t_shards, time.perf_counter() - t
 
 
-def commit_scale(rows: int, shard_records: int) -> None:
+def commit_scale(rows: int, shard_records: int) -> dict:
     """Commit ``rows`` synthetic sample index rows, one shard of ``shard_records`` at a time (what the
-    embed driver does with its workers' results); print peak RSS and metadata bytes of both layouts."""
+    embed driver does with its workers' results); print and return peak RSS and metadata bytes of both layouts."""
     import json
     import resource
 
@@ -162,6 +171,31 @@ def commit_scale(rows: int, shard_records: int) -> None:
     print(f"index part bytes written (w/ merges): {committer.index_bytes:12,d}  ({parts} part at the end)")
     print(f"old layout, _cache.json bytes       : {old_bytes:12,d}  ratio {old_bytes / committer.metadata_bytes:.0f}x")
     shutil.rmtree(work, ignore_errors=True)
+    return {"seconds": seconds, "peak_mib": peak, "base_mib": base_rss, "meta_bytes": committer.metadata_bytes,
+            "commits": shards + 1, "index_bytes": committer.index_bytes, "old_bytes": old_bytes}
+
+
+def commit_rounds(rows: int, rounds: int) -> None:
+    """:func:`commit_scale` once per round in a fresh child process, into results/embed-commit.json."""
+    import json
+    import subprocess
+
+    run = Run("embed-commit", f"python benchmarks/embed.py --commit-only --commit-rows {rows} --rounds {rounds}")
+    for _ in range(rounds):
+        with run.round():
+            out = subprocess.run([sys.executable, __file__, "--commit-child", "--commit-rows", str(rows)],
+                                 check=True, capture_output=True, text=True).stdout  # fmt: skip
+            print(out.rsplit("\n", 2)[0], flush=True)
+            got = json.loads(out.strip().splitlines()[-1])
+            run.add(f"_cache.json bytes written, {got['commits']:,} commits", got["meta_bytes"], "B")
+            run.add("_cache.json bytes per commit", got["meta_bytes"] / got["commits"], "B")
+            run.add("before (every shard in _cache.json): bytes written", got["old_bytes"], "B")
+            run.add("before / bucketeer, _cache.json bytes", got["old_bytes"] / got["meta_bytes"], "x")
+            run.add("index part bytes written (merges included)", got["index_bytes"] / 1e6, "MB")
+            run.add("driver peak RSS", got["peak_mib"], "MiB", "<= 1024")
+            run.add("driver RSS after imports", got["base_mib"], "MiB")
+            run.add("wall time", got["seconds"], "s")
+    run.save()
 
 
 def main() -> None:
@@ -170,68 +204,36 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--commit-rows", type=int, default=1_000_000, help="index rows of the commit benchmark")
-    ap.add_argument("--commit-only", action="store_true", help="run only the commit benchmark (in this process)")
+    ap.add_argument("--commit-only", action="store_true", help="run only the commit benchmark (5)")
+    ap.add_argument("--embed-only", action="store_true", help="run only 1-4")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--commit-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.commit_only:
-        commit_scale(args.commit_rows, 1024)
-        return
-    # in a child process: its peak RSS is the committer's alone
-    import subprocess
+    if args.commit_child:
+        import json
 
-    subprocess.run([sys.executable, __file__, "--commit-only", "--commit-rows", str(args.commit_rows)], check=True)
+        print(json.dumps(commit_scale(args.commit_rows, 1024)))
+        return
+    if not args.commit_only:
+        embed_rounds(args)
+    if not args.embed_only:
+        commit_rounds(args.commit_rows, args.rounds)
+
+
+def embed_rounds(args: argparse.Namespace) -> None:
+    """1-4, once per round, into results/embed.json."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     work = tempfile.mkdtemp(prefix="bucketeer-bench-")
     os.environ.setdefault("BUCKETEER_HOME", os.path.join(work, "home"))
-    root, manifest, cache = (os.path.join(work, d) for d in ("images", "manifest", "cache"))
+    root, manifest = os.path.join(work, "images"), os.path.join(work, "manifest")
     make_images(root, manifest, args.images, args.size)
 
     from pipeline.ray_setup import loopback_only
 
     loopback_only()  # before ray is imported: the local Ray listens on 127.0.0.1 only
-    import ray
+    import logging
 
-    from manifests.cache import CacheReader, read_cache_meta, read_index
-    from pipeline import EmbedJob, run
-
-    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    # a unit (one encoder call, one shard) per batch: enough results for a steady-state rate
-    result = run(EmbedJob(manifest=manifest, out=cache, batch_size=args.batch_size, shard_records=args.batch_size))
-    ray.shutdown()
-    meta = read_cache_meta(cache)
-    e2e = result.images_per_second
-    threads = max(1, 2 // 2)
-    enc1 = encoder_only(args.size, args.batch_size, threads, 64)
-    enc2 = encoder_only(args.size, args.batch_size, 2, 64)
-    print(f"\n## images/s at {args.size}x{args.size}, default tiny VAE, CPU ({os.cpu_count()} cores, shared machine)")
-    print(f"end-to-end embed (image phase)      : {e2e:8.1f} img/s")
-    print(f"VAE forward only, {threads} thread (= actor) : {enc1:8.1f} img/s   ratio {e2e / enc1:.2f}")
-    print(f"VAE forward only, 2 threads         : {enc2:8.1f} img/s   ratio {e2e / enc2:.2f}")
-
-    index = read_index(cache)
-    samples = index["samples"].to_pylist()
-    lat = meta.latent
-    raw = lat.channels * (args.size // lat.factor) ** 2 * 2
-    ids = [r["sample_id"] for r in samples]
-    rng = np.random.default_rng(1)
-    pick = [int(i) for i in rng.choice(np.asarray(ids, dtype=np.uint64), size=min(256, len(ids)), replace=False)]
-    per_file = os.path.join(work, "per_file")
-    per_file_records(cache, per_file, ids)
-    pf = np.mean([os.path.getsize(os.path.join(per_file, f)) for f in os.listdir(per_file)])
-    print("\n## bytes per sample (latent + geometry)")
-    print(f"cache record (gzip safetensors bf16): {np.mean([r['length'] for r in samples]):8.0f}")
-    print(f"raw bf16 latent                     : {raw:8.0f}")
-    print(f"gzip'd torch.save fp32 per file     : {pf:8.0f}")
-
-    texts = CacheReader(cache).read(pick[:64])
-    uniq = {t.text.caption_key: t.text for t in texts}
-    d = meta.text.encoders[0].hidden_size
-    unpadded = np.mean([t.tokens[0].shape[0] * d * 2 for t in uniq.values()])
-    print(f"\n## text bytes per caption (bf16, D={d}; {len(uniq)} captions sampled)")
-    print(f"unpadded tokens                     : {unpadded:8.0f}   (mean length {unpadded / d / 2:.1f})")
-    print(f"padded to 77 tokens                 : {77 * d * 2:8.0f}   ratio {77 * d * 2 / unpadded:.1f}x")
-    print(f"text records stored / samples       : {meta.counts.texts} / {meta.counts.samples}")
-
-    local = time_reads(cache, per_file, pick, None)
+    import s3fs
     from moto.server import ThreadedMotoServer
 
     with socket.socket() as s:
@@ -240,28 +242,90 @@ def main() -> None:
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    import logging
-
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one access-log line per request otherwise
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
+    flags = "".join(f" {a}" for a in sys.argv[1:] if a != "--embed-only")
+    run = Run("embed", f"python benchmarks/embed.py --embed-only{flags}", ["ray", "moto"])
     try:
-        import s3fs
-
         so = {"endpoint_url": f"http://127.0.0.1:{port}"}
         fs = s3fs.S3FileSystem(client_kwargs=so)
         fs.mkdir("bench")
-        fs.put(cache + "/", "bench/cache", recursive=True)
-        fs.put(per_file + "/", "bench/per_file", recursive=True)
-        remote = time_reads("s3://bench/cache", "s3://bench/per_file", pick, so)
+        for r in range(args.rounds):
+            with run.round():
+                embed_round(run, args, work, manifest, r, fs, so)
     finally:
         server.stop()
-    print(f"\n## read {len(pick)} random records (seconds)")
-    print("                 open index   shards (ranged)   one file per record")
-    print(f"local folder   : {local[0]:9.3f}   {local[1]:14.3f}   {local[2]:19.3f}")
-    print(f"moto S3 (HTTP) : {remote[0]:9.3f}   {remote[1]:14.3f}   {remote[2]:19.3f}")
-    print("\n(H200 figures not measured: no GPU on this machine)")
-    shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+    run.save()
+
+
+def embed_round(run: Run, args: argparse.Namespace, work: str, manifest: str, r: int, fs, so: dict) -> None:
+    """Round ``r`` of 1-4: embed into a fresh cache, the VAE alone, bytes, reads local and from moto."""
+    import ray
+
+    from manifests.cache import CacheReader, read_cache_meta, read_index
+    from pipeline import EmbedJob, run as run_job
+
+    cache = os.path.join(work, f"cache-{r}")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    # a unit (one encoder call, one shard) per batch: enough results for a steady-state rate
+    result = run_job(EmbedJob(manifest=manifest, out=cache, batch_size=args.batch_size,
+                              shard_records=args.batch_size))  # fmt: skip
+    ray.shutdown()
+    meta = read_cache_meta(cache)
+    e2e = result.images_per_second
+    enc1 = encoder_only(args.size, args.batch_size, 1, 64)
+    enc2 = encoder_only(args.size, args.batch_size, 2, 64)
+    print(f"\n## round {r + 1}: images/s at {args.size}x{args.size}, default tiny VAE, CPU ({os.cpu_count()} cores)")
+    print(f"end-to-end embed (image phase)      : {e2e:8.1f} img/s")
+    print(f"VAE forward only, 1 thread (= actor): {enc1:8.1f} img/s   ratio {e2e / enc1:.2f}")
+    print(f"VAE forward only, 2 threads         : {enc2:8.1f} img/s   ratio {e2e / enc2:.2f}")
+    run.add("images/s end to end (embed, image phase)", e2e, "img/s")
+    run.add("images/s, VAE forward alone, 1 thread (the actor's setting)", enc1, "img/s")
+    run.add("end to end / VAE alone, 1 thread", e2e / enc1, "x", ">= 0.9")
+    run.add("images/s, VAE forward alone, 2 threads", enc2, "img/s")
+    run.add("end to end / VAE alone, 2 threads", e2e / enc2, "x")
+
+    index = read_index(cache)
+    samples = index["samples"].to_pylist()
+    lat = meta.latent
+    raw = lat.channels * (args.size // lat.factor) ** 2 * 2
+    ids = [r["sample_id"] for r in samples]
+    rng = np.random.default_rng(1)
+    pick = [int(i) for i in rng.choice(np.asarray(ids, dtype=np.uint64), size=min(256, len(ids)), replace=False)]
+    per_file = os.path.join(work, f"per_file-{r}")
+    per_file_records(cache, per_file, ids)
+    pf = float(np.mean([os.path.getsize(os.path.join(per_file, f)) for f in os.listdir(per_file)]))
+    record = float(np.mean([s["length"] for s in samples]))
+    print(f"bytes per sample: cache record {record:.0f}, raw bf16 latent {raw}, gzip'd torch.save fp32 {pf:.0f}")
+    run.add("bytes per sample: cache record (gzip safetensors bf16)", record, "B")
+    run.add("bytes per sample: raw bf16 latent", raw, "B")
+    run.add("bytes per sample: one gzip'd fp32 torch.save file per image", pf, "B")
+    run.add("cache record / raw bf16 latent", record / raw, "x")
+
+    texts = CacheReader(cache).read(pick[:64])
+    uniq = {t.text.caption_key: t.text for t in texts}
+    d = meta.text.encoders[0].hidden_size
+    unpadded = float(np.mean([t.tokens[0].shape[0] * d * 2 for t in uniq.values()]))
+    print(f"text bytes per caption: unpadded {unpadded:.0f} (mean length {unpadded / d / 2:.1f}), padded to 77 "
+          f"{77 * d * 2}; {len(uniq)} captions sampled")  # fmt: skip
+    run.add(f"text bytes per caption, unpadded (bf16, D={d})", unpadded, "B")
+    run.add("text bytes per caption, padded to 77 tokens", 77 * d * 2, "B")
+    run.add("text: padded / unpadded", 77 * d * 2 / unpadded, "x")
+
+    local = time_reads(cache, per_file, pick, None)
+    fs.put(cache + "/", f"bench/cache-{r}", recursive=True)
+    fs.put(per_file + "/", f"bench/per_file-{r}", recursive=True)
+    remote = time_reads(f"s3://bench/cache-{r}", f"s3://bench/per_file-{r}", pick, so)
+    print(f"read {len(pick)} random records (s): local shards {local[1]:.3f}, per file {local[2]:.3f}; "
+          f"moto S3 shards {remote[1]:.3f}, per object {remote[2]:.3f}", flush=True)  # fmt: skip
+    for where, got in (("local folder", local), ("moto S3 (HTTP)", remote)):
+        run.add(f"read {len(pick)} random records, {where}: shards (ranged reads)", got[1], "s")
+        run.add(f"read {len(pick)} random records, {where}: one file per record", got[2], "s")
+        run.add(f"read {len(pick)} random records, {where}: per file / shards", got[2] / got[1], "x")
+    shutil.rmtree(cache, ignore_errors=True)
+    shutil.rmtree(per_file, ignore_errors=True)
 
 
 if __name__ == "__main__":

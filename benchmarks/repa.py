@@ -18,7 +18,8 @@ keeps the figure meaningful on a shared machine; wall-clock figures would be noi
 features of random values (neither compresses much; real DINOv2 features are layer-normed like these).
 
 No GPU on the machine this was written on: the CUDA row is for a GPU run (``--device cuda``; the code moves the
-models and batch there and uses bf16 autocast for both arms).
+models and batch there and uses bf16 autocast for both arms). Every round's figures go to
+``benchmarks/results/repa.json`` (``benchmarks/results.py``; ``--save NAME`` for another name, e.g. a CUDA run).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from manifests.cache.records import SampleRecord, encode_sample  # noqa: E402
 from pipeline.embed.features import IMAGENET_MEAN, IMAGENET_STD, preprocess  # noqa: E402
 from train.model import build_model, flow_matching_loss, step_generator  # noqa: E402
 from train.repa import Repa, RepaConfig  # noqa: E402
+
+from benchmarks.results import Run  # noqa: E402
 
 # name: (image side px, batch, denoiser model config, DINOv2 config, DINOv2 input side)
 CONFIGS = {
@@ -118,7 +121,7 @@ def record_bytes(name: str) -> tuple[int, int]:
     return len(encode_sample(plain)), len(encode_sample(with_features))
 
 
-def real_sizes() -> None:
+def real_sizes() -> list[tuple[str, list[int]]]:
     """Record bytes at real sizes (random values; encode only): latents of three models beside the 16 x 16 patch
     features of dinov2-small / base / large at 224 px."""
     rng = np.random.default_rng(2)
@@ -126,6 +129,7 @@ def real_sizes() -> None:
           "\n|---|---|---|---|---|")
     shapes = (("256 px, 4x32x32 (SiT/DiT)", (4, 32, 32)), ("1024 px, 4x128x128 (SDXL, PixArt)", (4, 128, 128)),
               ("1024 px, 16x128x128 (SD3, Flux)", (16, 128, 128)))
+    rows = []
     for label, shape in shapes:
         latent = (rng.standard_normal(shape, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
         side = shape[1] * 8
@@ -137,37 +141,53 @@ def real_sizes() -> None:
             features = rng.standard_normal((16, 16, dim)).astype(np.float16)
             sizes.append(len(encode_sample(SampleRecord(**{**plain.__dict__, "features": features}))))
         print(f"| {label} | {sizes[0]:,} | " + " | ".join(f"{n:,} (x{n / sizes[0]:.2f})" for n in sizes[1:]) + " |")
+        rows.append((label, sizes))
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default="tiny,mid")
     parser.add_argument("--steps", default=None, help="two run lengths, e.g. 8,24 (default: tiny 10,40; mid 1,3)")
-    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default: tiny 3, mid 1)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds, every config in each")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--save", default="repa", help="results/NAME.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    run = Run(args.save, "python benchmarks/repa.py" + "".join(f" {a}" for a in sys.argv[1:]), ["transformers"])
     print(f"torch {torch.__version__}, {args.threads} thread(s), device {args.device}, load {os.getloadavg()[0]:.1f}")
-    print("| config | cached: CPU s/step | live DINOv2: CPU s/step | saved by the cache | record bytes w/o -> with "
-          "features |\n|---|---|---|---|---|")
+    configs = {}
     for name in args.configs.split(","):
-        short, long = (int(x) for x in (args.steps or ("10,40" if name == "tiny" else "1,3")).split(","))
-        rounds = args.rounds or (3 if name == "tiny" else 1)
+        steps = tuple(int(x) for x in (args.steps or ("10,40" if name == "tiny" else "1,3")).split(","))
         arms = {"cached": Arm(name, False, args.device), "live": Arm(name, True, args.device)}
         for arm in arms.values():
             arm.step()  # warm-up
-        rates: dict[str, list[float]] = {k: [] for k in arms}
-        for _ in range(rounds):  # interleaved: both arms see the same machine
-            for key, arm in arms.items():
-                a, b = timed(arm, short), timed(arm, long)
-                rates[key].append((b - a) / (long - short))
-        cached, live = (float(np.median(rates[k])) for k in ("cached", "live"))
-        plain, featured = record_bytes(name)
-        print(f"| {name} | {cached:.4f} | {live:.4f} | {1 - cached / live:.0%} of the live step "
-              f"({live / cached:.2f}x) | {plain:,} -> {featured:,} (x{featured / plain:.1f}) |", flush=True)
-    real_sizes()
+        configs[name] = (steps, arms)
+    for r in range(args.rounds):
+        with run.round():  # interleaved: both arms of every config see the same machine
+            print(f"round {r + 1}\n| config | cached: CPU s/step | live DINOv2: CPU s/step | saved by the cache | "
+                  "record bytes w/o -> with features |\n|---|---|---|---|---|")
+            for name, ((short, long), arms) in configs.items():
+                rate = {}
+                for key, arm in arms.items():
+                    a, b = timed(arm, short), timed(arm, long)
+                    rate[key] = (b - a) / (long - short)
+                cached, live = rate["cached"], rate["live"]
+                plain, featured = record_bytes(name)
+                print(f"| {name} | {cached:.4f} | {live:.4f} | {1 - cached / live:.0%} of the live step "
+                      f"({live / cached:.2f}x) | {plain:,} -> {featured:,} (x{featured / plain:.1f}) |", flush=True)
+                run.add(f"{name}: cached features, CPU per step", cached, "s")
+                run.add(f"{name}: DINOv2 live, CPU per step", live, "s")
+                run.add(f"{name}: live / cached", live / cached, "x")
+                run.add(f"{name}: record bytes without features", plain, "B")
+                run.add(f"{name}: record bytes with features", featured, "B")
+            for label, sizes in real_sizes():
+                run.add(f"record bytes, {label}, without features", sizes[0], "B")
+                for model, n in zip(("dinov2-small", "dinov2-base", "dinov2-large"), sizes[1:]):
+                    run.add(f"record bytes, {label}, + {model} features", n, "B")
     print(f"load after: {os.getloadavg()[0]:.1f}")
+    run.save()
 
 
 if __name__ == "__main__":

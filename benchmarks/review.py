@@ -22,7 +22,9 @@ clusters); its images do not exist (the grid, filter and sort need none). The se
   on a local S3-compatible server (moto on 127.0.0.1, ranged GETs). The 1M-row grid is timed on a local
   folder only (its images need not exist; the manifest's parquet is read once at start either way).
 
-Medians of >= 3 rounds; the machine's load (``uptime``) is printed with them.
+Each of ``--rounds`` rounds (default 3) measures everything once, the pandas notebook included, with the server
+of the big manifest started once; every round's figures go to ``benchmarks/results/review.json``
+(``benchmarks/results.py``): a thumbnail round is the median of its ``--images`` requests.
 """
 
 from __future__ import annotations
@@ -38,9 +40,13 @@ import time
 import urllib.parse
 import urllib.request
 
+import numpy as np
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+
+from benchmarks.results import Run  # noqa: E402
 
 TARGETS = {"first page": 1.0, "filter": 1.0, "sort": 1.0, "warm thumbnail": 0.050, "warm thumbnail (S3)": 0.050,
            "browser: URL to grid": 1.0}
@@ -64,35 +70,27 @@ def view(where: str = "", sort: str = "", histogram: bool = True) -> str:
     return "api/view?" + urllib.parse.urlencode(query)
 
 
-def measure_grid(root: str, rounds: int) -> dict[str, list[float]]:
-    from pipeline.review.job import ReviewJob, session
+SORTS = ["aesthetic", "safety", "watermark", "sharpness", "contrast", "luminance"]
 
-    job = ReviewJob(manifest=f"{root}/manifest", out=f"{root}/decisions", port=0, reviewer="bench",
-                    annotations=(f"{root}/scores", f"{root}/dedup"))  # fmt: skip
-    started = time.perf_counter()
-    with session(job) as (url, data):
-        print(f"  server ready in {time.perf_counter() - started:.1f} s (reads the manifest and annotations once)")
-        base, token = url.split("?token=")
-        out: dict[str, list[float]] = {"first page": [], "filter": [], "sort": []}
-        sorts = ["aesthetic", "safety", "watermark", "sharpness", "contrast", "luminance"]
-        for i in range(rounds):
-            data._views.clear()  # the first page as a fresh server answers it
 
-            def first_page() -> None:
-                for path in ("", "static/app.js", "api/info", view()):
-                    fetch(base, token, path)
-            out["first page"].append(timed(first_page))
-            where = f"aesthetic > {0.3 + 0.1 * i:.2f} AND NOT duplicate"
-            out["filter"].append(timed(lambda: fetch(base, token, view(where))))
-            out["sort"].append(timed(lambda: fetch(base, token, view(where, sorts[i % len(sorts)]))))
-        out.update(measure_browser(url, rounds, data._views))
+def measure_grid(base: str, token: str, views: dict, i: int) -> dict[str, float]:
+    """Round ``i`` over HTTP: the first page (the view cache emptied first), a new filter, a new sort (seconds)."""
+    views.clear()  # the first page as a fresh server answers it
+
+    def first_page() -> None:
+        for path in ("", "static/app.js", "api/info", view()):
+            fetch(base, token, path)
+    out = {"first page": timed(first_page)}
+    where = f"aesthetic > {0.3 + 0.1 * i:.2f} AND NOT duplicate"
+    out["filter"] = timed(lambda: fetch(base, token, view(where)))
+    out["sort"] = timed(lambda: fetch(base, token, view(where, SORTS[i % len(SORTS)])))
     return out
 
 
-def measure_browser(url: str, rounds: int, views: dict) -> dict[str, list[float]]:
-    """In Chromium (Playwright, the system browser; nothing when either is missing): the URL opened until the
-    grid shows its first cells, and a jump to the end of the grid until its last cell shows; the cells in the
-    page's DOM after the jump (virtual scrolling: the visible rows only, of a million)."""
+def measure_browser(url: str, views: dict) -> dict[str, float]:
+    """In Chromium (Playwright, the system browser; nothing when either is missing), one page: the URL opened until
+    the grid shows its first cells, and a jump to the end of the grid until its last cell shows (seconds); the cells
+    in the page's DOM after the jump (virtual scrolling: the visible rows only, of a million)."""
     import shutil
 
     exe = shutil.which("chromium")
@@ -103,35 +101,33 @@ def measure_browser(url: str, rounds: int, views: dict) -> dict[str, list[float]
     if exe is None:
         print("  (no chromium or playwright: the browser timings are left out)")
         return {}
-    out: dict[str, list[float]] = {"browser: URL to grid": [], "browser: jump to the end": []}
+    out: dict[str, float] = {}
     args = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
             "--disable-sync", "--no-first-run"]  # fmt: skip
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=exe, args=args)
-        for _ in range(rounds):
-            views.clear()
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.goto(url)
-            page.wait_for_function("performance.getEntriesByName('bucketeer-grid').length > 0")
-            # the page's own clock, from the navigation's start to the grid drawn (app.js marks it): Playwright's
-            # polling for it added 0.5-1 s on the loaded machine, which no user waits
-            drawn = page.evaluate("performance.getEntriesByName('bucketeer-grid')[0].startTime")
-            out["browser: URL to grid"].append(drawn / 1000)
-            count = int(page.inner_text("#count").split()[0].replace(",", ""))
-            started = time.perf_counter()
-            page.evaluate("() => { const s = document.getElementById('scroller'); s.scrollTop = s.scrollHeight; }")
-            page.wait_for_selector(f".cell[data-index='{count - 1}']")
-            out["browser: jump to the end"].append(time.perf_counter() - started)
-            cells = page.locator(".cell").count()
-            page.close()
+        views.clear()
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.goto(url)
+        page.wait_for_function("performance.getEntriesByName('bucketeer-grid').length > 0")
+        # the page's own clock, from the navigation's start to the grid drawn (app.js marks it): Playwright's
+        # polling for it added 0.5-1 s on the loaded machine, which no user waits
+        drawn = page.evaluate("performance.getEntriesByName('bucketeer-grid')[0].startTime")
+        out["browser: URL to grid"] = drawn / 1000
+        count = int(page.inner_text("#count").split()[0].replace(",", ""))
+        started = time.perf_counter()
+        page.evaluate("() => { const s = document.getElementById('scroller'); s.scrollTop = s.scrollHeight; }")
+        page.wait_for_selector(f".cell[data-index='{count - 1}']")
+        out["browser: jump to the end"] = time.perf_counter() - started
+        out["browser: cells in the DOM after the jump"] = page.locator(".cell").count()
+        page.close()
         browser.close()
-    print(f"  the page's DOM after the jump: {cells} cells of {count:,} samples")
     return out
 
 
-def measure_pandas(root: str, rounds: int) -> tuple[float, list[float]]:
-    """A notebook: read the manifest's and the annotations' parts and join them once (seconds returned), then
-    per round a new filter and sort of the frame in memory, the first 200 rows (seconds each)."""
+def measure_pandas(root: str, i: int) -> tuple[float, float]:
+    """A notebook: read the manifest's and the annotations' parts and join them (seconds), then round ``i``'s
+    new filter and sort of the frame in memory, the first 200 rows (seconds)."""
     import glob
 
     import pandas as pd
@@ -145,14 +141,11 @@ def measure_pandas(root: str, rounds: int) -> tuple[float, list[float]]:
                        for p in sorted(glob.glob(f"{root}/dedup/parts/*.parquet"))])  # fmt: skip
     df = samples.merge(scores, on="sample_id", how="left").merge(dedup, on="sample_id", how="left")
     load = time.perf_counter() - started
-    sorts = ["aesthetic", "safety", "watermark", "sharpness", "contrast", "luminance"]
-    times = []
-    for i in range(rounds):
-        def once() -> None:
-            kept = df[(df["aesthetic"] > 0.3 + 0.1 * i) & ~df["duplicate"].fillna(True).astype(bool)]
-            kept.sort_values(sorts[i % len(sorts)], ascending=False).head(200)
-        times.append(timed(once))
-    return load, times
+
+    def once() -> None:
+        kept = df[(df["aesthetic"] > 0.3 + 0.1 * i) & ~df["duplicate"].fillna(True).astype(bool)]
+        kept.sort_values(SORTS[i % len(SORTS)], ascending=False).head(200)
+    return load, timed(once)
 
 
 def measure_thumbs(root: str, images: int, storage_options: dict | None = None) -> dict[str, list[float]]:
@@ -189,38 +182,59 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=1_000_000)
     parser.add_argument("--images", type=int, default=300, help="real images for the thumbnail timing")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--data", default=None, help="keep the generated inputs in this folder (and reuse them)")
     args = parser.parse_args()
     from report_scores import make_inputs
 
+    from pipeline.review.job import ReviewJob, session
+
+    run = Run("review", "python benchmarks/review.py" + "".join(f" {a}" for a in sys.argv[1:]),
+              ["pandas", "playwright", "moto"])  # fmt: skip
     print("load before:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
     with tempfile.TemporaryDirectory() as tmp:
         tmp = args.data or tmp
-        if not os.path.exists(f"{tmp}/big/dedup/_annotations.json"):
+        root = f"{tmp}/big"
+        if not os.path.exists(f"{root}/dedup/_annotations.json"):
             started = time.perf_counter()
-            make_inputs(f"{tmp}/big", args.samples)
+            make_inputs(root, args.samples)
             print(f"{args.samples:,}-sample manifest + scores + dedup written in {time.perf_counter() - started:.0f} s")
-        shutil.rmtree(f"{tmp}/big/decisions", ignore_errors=True)
-        shutil.rmtree(f"{tmp}/small", ignore_errors=True)
-        grid = measure_grid(f"{tmp}/big", args.rounds)
-        pandas = measure_pandas(f"{tmp}/big", args.rounds)
-        thumbs = measure_thumbs(f"{tmp}/small", args.images)
-        thumbs.update(measure_s3_thumbs(args.images, f"{tmp}/moto.log"))
+        shutil.rmtree(f"{root}/decisions", ignore_errors=True)
+        job = ReviewJob(manifest=f"{root}/manifest", out=f"{root}/decisions", port=0, reviewer="bench",
+                        annotations=(f"{root}/scores", f"{root}/dedup"))  # fmt: skip
+        started = time.perf_counter()
+        with session(job) as (url, data):
+            print(f"server ready in {time.perf_counter() - started:.1f} s (reads the manifest and annotations once)")
+            base, token = url.split("?token=")
+            for i in range(args.rounds):
+                with run.round():
+                    shutil.rmtree(f"{tmp}/small", ignore_errors=True)
+                    found = {**measure_grid(base, token, data._views, i), **measure_browser(url, data._views)}
+                    load, in_memory = measure_pandas(root, i)
+                    thumbs = measure_thumbs(f"{tmp}/small", args.images)
+                    thumbs.update(measure_s3_thumbs(args.images, f"{tmp}/moto.log"))
+                    for name, seconds in found.items():
+                        if name.startswith("browser: cells"):
+                            run.add(name, seconds, f"of {args.samples:,}")
+                            continue
+                        target = TARGETS.get(name)
+                        run.add(name, seconds * 1e3, "ms", f"<= {target * 1e3:g}" if target else "")
+                    for name, times in thumbs.items():
+                        target = TARGETS.get(name)
+                        run.add(f"{name}, median of {args.images}", statistics.median(times) * 1e3, "ms",
+                                f"<= {target * 1e3:g}" if target else "")  # fmt: skip
+                        run.add(f"{name}, p95 of {args.images}", float(np.quantile(times, 0.95)) * 1e3, "ms")
+                    run.add("pandas notebook: read + join the parts", load, "s")
+                    run.add("pandas notebook: a new filter + sort in memory", in_memory * 1e3, "ms")
+                    run.add("pandas in memory / review's sort over HTTP", in_memory / found["sort"], "x")
+                    print(f"round {i + 1}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in found.items()
+                                                         if not k.startswith("browser: cells")) +
+                          f"; pandas read + join {load:.1f} s, filter + sort {in_memory * 1e3:.0f} ms; " +
+                          ", ".join(f"{k} median {statistics.median(v) * 1e3:.1f} ms" for k, v in thumbs.items()),
+                          flush=True)  # fmt: skip
     print("load after: ", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
-    print(f"\n{'measure':<26} {'median':>9} {'p95':>9} {'target':>8}  rounds")
-    for name, times in {**grid, **thumbs}.items():
-        p95 = sorted(times)[max(0, int(round(0.95 * len(times))) - 1)]
-        target = TARGETS.get(name)
-        verdict = "" if target is None else ("ok" if statistics.median(times) <= target else "MISSED")
-        shown = "" if target is None else f"{target * 1000:.0f} ms"
-        print(f"{name:<26} {statistics.median(times) * 1000:7.1f} ms {p95 * 1000:7.1f} ms {shown:>8}  "
-              f"{len(times)} {verdict}")  # fmt: skip
-    load, pandas = pandas
-    print(f"\npandas notebook (the alternative): read + join once {load:.1f} s, then a new filter + sort in memory "
-          f"(no page, no histogram, no HTTP) median {statistics.median(pandas) * 1000:.0f} ms; bucketeer review's "
-          f"filter + sort over HTTP median {statistics.median(grid['sort']) * 1000:.0f} ms "
-          f"({statistics.median(pandas) / statistics.median(grid['sort']):.2f}x)")
+    run.save()
+
 
 if __name__ == "__main__":
     main()

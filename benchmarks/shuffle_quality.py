@@ -18,7 +18,9 @@ shuffle, side by side. Per shuffle, over two epochs:
   with ``read_in_chunks`` (aligned ``--chunk-mb`` chunks, an LRU of ``--budget-mb``, what the trainer
   switches on for a window plan), modelled with records of ``--record-kb`` each (SDXL-512: ~330 KB).
 
-Pure numpy, no storage: seconds. Prints one line per shuffle and a JSON summary.
+Pure numpy, no storage: seconds. Prints one line per shuffle and a JSON summary, and writes every round's
+figures to ``benchmarks/results/shuffle_quality.json`` (``benchmarks/results.py``): the figures are a pure
+function of the arguments, so the rounds agree; the rounds record that, and the seconds each plan took.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections import OrderedDict
 
 import numpy as np
@@ -35,6 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from manifests.plan.rows import rank_table  # noqa: E402
 from manifests.plan.schedule import PlanConfig, group_samples, plan_epoch  # noqa: E402
+
+from benchmarks.results import Run  # noqa: E402
 
 
 def chunk_gets(positions: np.ndarray, record: int, chunk: int, budget: int) -> int:
@@ -88,10 +93,24 @@ def main() -> None:
     p.add_argument("--record-kb", type=int, default=330)
     p.add_argument("--chunk-mb", type=int, default=8)
     p.add_argument("--budget-mb", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=3)
     a = p.parse_args()
     shuffles = ["full"] + [f"window:{w}" for w in a.windows.split(",")]
-    out = [measure(a.samples, s, a.world_size, a.batch_size, a.record_kb << 10, a.chunk_mb << 20, a.budget_mb << 20)
-           for s in shuffles]  # fmt: skip
+    run = Run("shuffle_quality", "python benchmarks/shuffle_quality.py" + "".join(f" {x}" for x in sys.argv[1:]))
+    for _ in range(a.rounds):
+        with run.round():
+            out = []
+            for s in shuffles:
+                t = time.process_time()
+                m = measure(a.samples, s, a.world_size, a.batch_size, a.record_kb << 10, a.chunk_mb << 20,
+                            a.budget_mb << 20)  # fmt: skip
+                out.append(m)
+                run.add(f"{s}: displacement, median", m["displacement_median"])
+                run.add(f"{s}: consecutive distance, median", m["consecutive_median"], "records")
+                run.add(f"{s}: batch span, median", m["batch_span_median"])
+                run.add(f"{s}: epoch 0 vs 1 correlation", m["epoch_correlation"])
+                run.add(f"{s}: GETs per sample, chunked reads", m["gets_per_sample_chunked"])
+                run.add(f"{s}: CPU s to plan and measure", time.process_time() - t, "s")
     print(f"{a.samples:,} samples, {a.world_size} ranks x batch {a.batch_size}; rank 0's GETs with records of "
           f"{a.record_kb} KB, {a.chunk_mb} MB chunks, {a.budget_mb} MB held")
     for m in out:
@@ -101,6 +120,7 @@ def main() -> None:
               f"correlation {m['epoch_correlation']:+.3f}, GETs/sample chunked {m['gets_per_sample_chunked']:.3f} "
               f"(one per record: 1)")  # fmt: skip
     print(json.dumps(out))
+    run.save()
 
 
 if __name__ == "__main__":

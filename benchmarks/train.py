@@ -2,7 +2,7 @@
 
     python benchmarks/train.py                        # 1024 records of 512px SD-style latents, local + S3
     python benchmarks/train.py --records 4096 --skip-s3
-    python benchmarks/train.py --read-threads 1,2,4 --repeat 2   # loader variants, interleaved
+    python benchmarks/train.py --read-threads 1,2,4 --rounds 3   # loader variants, interleaved
 
 Builds a synthetic cache with the real writer (``CacheWriter``; 4x64x64 bf16 latents, one unique
 caption of 20x768 bf16 tokens per sample, so no text record is shared) and a 1-rank plan, then:
@@ -17,6 +17,10 @@ caption of 20x768 bf16 tokens per sample, so no text record is shared) and a 1-r
 2. **data-wait**: ``python -m train`` with the default tiny config on a cache shaped like the
    default encoders' output (4x8x8 latents, 77x32 text), from the local folder and from S3;
    the fraction of step time blocked on data, from ``metrics.jsonl``, first window excluded.
+
+Each of ``--rounds`` rounds runs every measure once per ``--read-threads`` variant (variants interleaved) and
+writes its figures to ``benchmarks/results/train.json`` (``benchmarks/results.py``); the caches and the moto
+server are made once.
 
 No GPU on this machine: the model step is a CPU step, so data-wait here is measured against a
 tiny model on 2 shared cores, not against an H200.
@@ -38,6 +42,8 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+
+from benchmarks.results import Run  # noqa: E402
 
 from manifests.cache import CacheWriter  # noqa: E402
 from manifests.cache.records import SampleRecord, TextRecord, encode_sample, encode_text  # noqa: E402
@@ -180,7 +186,7 @@ def main() -> None:
     p.add_argument("--shard-records", type=int, default=1024, help="records per shard of the big cache")
     p.add_argument("--train-steps", type=int, default=160)
     p.add_argument("--read-threads", default="1,2", help="loader variants to compare: batches read at once")
-    p.add_argument("--repeat", type=int, default=2, help="runs of each variant, interleaved")
+    p.add_argument("--rounds", type=int, default=3, help="rounds; the variants interleaved in each")
     p.add_argument("--latency-ms", type=float, default=20.0, help="added per batched read in the latency variant")
     p.add_argument("--skip-s3", action="store_true")
     args = p.parse_args()
@@ -189,14 +195,7 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="bench-train-")
     results: dict = {"config": vars(args)}
     server = None
-
-    def measure(name: str, run) -> None:
-        """``run(read_threads, label)`` for every variant, ``--repeat`` rounds, variants interleaved."""
-        for round_ in range(args.repeat):
-            for threads in variants:
-                label = f"read_threads={threads}"
-                results.setdefault(name, {}).setdefault(label, []).append(run(threads, f"{name}-{threads}-{round_}"))
-
+    bench = Run("train", "python benchmarks/train.py" + "".join(f" {a}" for a in sys.argv[1:]), ["moto"])
     try:
         big, small = os.path.join(tmp, "cache-big"), os.path.join(tmp, "cache-small")
         t0 = time.perf_counter()
@@ -208,13 +207,12 @@ def main() -> None:
         results["record_kB_compressed"] = round(
             sum(os.path.getsize(os.path.join(big, "shards", f)) for f in os.listdir(os.path.join(big, "shards"))
                 if f.startswith("samples")) / args.records / 1e3, 1)  # fmt: skip
-
-        measure("loader_local", lambda t, _: loader_rate(big, os.path.join(tmp, "plan-big"), read_threads=t))
-        measure(f"loader_local_plus_{args.latency_ms:g}ms", lambda t, _: loader_rate(
-            big, os.path.join(tmp, "plan-big"), read_threads=t, latency_s=args.latency_ms / 1000))  # fmt: skip
-        plan_small = os.path.join(tmp, "plan-small")
-        measure("train_local", lambda t, label: data_wait(small, plan_small, os.path.join(tmp, label), args.train_steps,
-                                                          read_threads=t))  # fmt: skip
+        plan_big, plan_small = os.path.join(tmp, "plan-big"), os.path.join(tmp, "plan-small")
+        latency = f"{args.latency_ms:g} ms added per batch read"
+        loaders = {"local cache": lambda t, _: loader_rate(big, plan_big, read_threads=t),
+                   latency: lambda t, _: loader_rate(big, plan_big, read_threads=t, latency_s=args.latency_ms / 1000)}
+        trains = {"local cache": lambda t, label: data_wait(small, plan_small, os.path.join(tmp, label),
+                                                            args.train_steps, read_threads=t)}  # fmt: skip
         if not args.skip_s3:
             import s3fs
 
@@ -222,17 +220,34 @@ def main() -> None:
             fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": so["endpoint_url"]})
             for name in ("cache-big", "plan-big", "cache-small", "plan-small"):
                 fs.put(os.path.join(tmp, name) + "/", f"bench-train/{name}/", recursive=True)
-            measure("loader_s3", lambda t, _: loader_rate("s3://bench-train/cache-big", "s3://bench-train/plan-big",
-                                                          so, read_threads=t))  # fmt: skip
+            loaders["moto S3"] = lambda t, _: loader_rate("s3://bench-train/cache-big", "s3://bench-train/plan-big",
+                                                          so, read_threads=t)  # fmt: skip
             cache_s3, plan_s3 = "s3://bench-train/cache-small", "s3://bench-train/plan-small"
-            measure("train_s3", lambda t, label: data_wait(cache_s3, plan_s3, os.path.join(tmp, label),
-                                                           args.train_steps, so, read_threads=t))  # fmt: skip
+            trains["moto S3"] = lambda t, label: data_wait(cache_s3, plan_s3, os.path.join(tmp, label),
+                                                           args.train_steps, so, read_threads=t)  # fmt: skip
+        for r in range(args.rounds):
+            with bench.round():
+                for where, measure in loaders.items():
+                    for threads in variants:
+                        got = measure(threads, "")
+                        results.setdefault(f"loader {where}", {}).setdefault(threads, []).append(got)
+                        bench.add(f"loader records/s, {where}, {threads} read thread(s)", got["records_per_s"],
+                                  "records/s")  # fmt: skip
+                for where, measure in trains.items():
+                    for threads in variants:
+                        got = measure(threads, f"train-{where.replace(' ', '-')}-{threads}-{r}")
+                        results.setdefault(f"train {where}", {}).setdefault(threads, []).append(got)
+                        bench.add(f"data-wait, {where}, {threads} read thread(s)", 100 * got["data_wait"], "%",
+                                  "<= 5")  # fmt: skip
+                        bench.add(f"step time, {where}, {threads} read thread(s)", got["step_time_ms"], "ms")
+                print(f"round {r + 1} done (load {os.getloadavg()[0]:.1f})", flush=True)
     finally:
         if server is not None:
             server.terminate()  # our own child, by its handle
             server.wait(timeout=30)
         shutil.rmtree(tmp, ignore_errors=True)
     print(json.dumps(results, indent=2))
+    bench.save()
 
 
 if __name__ == "__main__":

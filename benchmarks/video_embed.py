@@ -1,6 +1,6 @@
 """Video embed throughput as marginal rates: ``bucketeer embed`` of a video manifest end to end vs the VAE alone.
 
-    .venv/bin/python benchmarks/video_embed.py [--small 16] [--large 128] [--frames 17] [--size 64] [--threads 1]
+    .venv/bin/python benchmarks/video_embed.py [--small 16] [--large 128] [--frames 17] [--size 64] [--rounds 3]
 
 Writes ``--large`` distinct H.264 clips (``--size`` square, ``--frames`` frames each, a panning gradient
 with grain) with PyAV, then in one run, on this machine's CPU with the tiny random Wan
@@ -14,7 +14,9 @@ with grain) with PyAV, then in one run, on this machine's CPU with the tiny rand
 2. the VAE alone (``AutoencoderKLWan.encode``, the same batch size and torch threads) on the same clips
    already decoded and cropped, timed on ``small`` and ``large`` clips: its marginal clips/s.
 
-The end-to-end rate over the VAE-alone rate is what the pipeline keeps of the encoder's speed.
+The end-to-end rate over the VAE-alone rate is what the pipeline keeps of the encoder's speed. Each of
+``--rounds`` rounds (default 3) measures both, one after the other, and writes its figures to
+``benchmarks/results/video_embed.json`` (``benchmarks/results.py``); the clips and the warm-up are made once.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ sys.path.insert(0, str(REPO))
 from manifests.buckets import BucketSpec  # noqa: E402
 from manifests.frames import FrameLadder  # noqa: E402
 from pipeline.ray_setup import loopback_only  # noqa: E402
+
+from benchmarks.results import Run  # noqa: E402
 
 loopback_only()
 
@@ -120,7 +124,9 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=4, help="clips per VAE pass (a unit: 4 batches)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads, of the embed's VAE actor and alone")
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    run = Run("video_embed", "python benchmarks/video_embed.py" + "".join(f" {a}" for a in sys.argv[1:]), ["ray"])
     import ray
 
     ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False)
@@ -135,21 +141,33 @@ def main() -> None:
                 os.link(p, folders[n] / p.name)
                 os.link(p.with_suffix(".txt"), folders[n] / p.with_suffix(".txt").name)
         folders[args.large] = root / "all"
-        runs = {n: end_to_end(folders[n], root / f"work{n}", args.frames, args.size, args.batch_size, args.threads)
-                for n in (2, args.small, args.large)}  # 2: the warm-up, not reported
-        e2e = {n: runs[n][0] for n in (args.small, args.large)}
+        end_to_end(folders[2], root / "warm", args.frames, args.size, args.batch_size, args.threads)  # not reported
         clips = decoded(paths, args.frames, args.size)
-        alone = {n: vae_alone(clips[:n], args.batch_size, args.threads) for n in (args.small, args.large)}
-    marginal = lambda t: (args.large - args.small) / (t[args.large] - t[args.small])  # noqa: E731
-    print(f"clips {args.size}x{args.size}x{args.frames} (H.264), tiny Wan on CPU, batch {args.batch_size}, "
-          f"{args.threads} torch thread(s); load average {os.getloadavg()[0]:.1f}")
-    print(f"  bucketeer embed end to end: {args.small} clips {e2e[args.small]:.1f}s, {args.large} clips "
-          f"{e2e[args.large]:.1f}s -> marginal {marginal(e2e):.2f} clips/s (steady state of the {args.large}: "
-          f"{runs[args.large][1]:.2f} clips/s)")
-    print(f"  VAE alone on decoded clips:  {args.small} clips {alone[args.small]:.1f}s, {args.large} clips "
-          f"{alone[args.large]:.1f}s -> marginal {marginal(alone):.2f} clips/s")
-    print(f"  end to end / VAE alone: {marginal(e2e) / marginal(alone):.2f}")
+        marginal = lambda t: (args.large - args.small) / (t[args.large] - t[args.small])  # noqa: E731
+        for r in range(args.rounds):
+            with run.round():
+                runs = {n: end_to_end(folders[n], root / f"work{n}-{r}", args.frames, args.size, args.batch_size,
+                                      args.threads) for n in (args.small, args.large)}  # fmt: skip
+                e2e = {n: runs[n][0] for n in (args.small, args.large)}
+                alone = {n: vae_alone(clips[:n], args.batch_size, args.threads) for n in (args.small, args.large)}
+                print(f"round {r + 1}: clips {args.size}x{args.size}x{args.frames} (H.264), tiny Wan on CPU, batch "
+                      f"{args.batch_size}, {args.threads} torch thread(s); load average {os.getloadavg()[0]:.1f}")
+                print(f"  bucketeer embed end to end: {args.small} clips {e2e[args.small]:.1f}s, {args.large} clips "
+                      f"{e2e[args.large]:.1f}s -> marginal {marginal(e2e):.2f} clips/s (steady state of the "
+                      f"{args.large}: {runs[args.large][1]:.2f} clips/s)")
+                print(f"  VAE alone on decoded clips:  {args.small} clips {alone[args.small]:.1f}s, {args.large} "
+                      f"clips {alone[args.large]:.1f}s -> marginal {marginal(alone):.2f} clips/s")
+                print(f"  end to end / VAE alone: {marginal(e2e) / marginal(alone):.2f}", flush=True)
+                for n in (args.small, args.large):
+                    run.add(f"bucketeer embed end to end, {n} clips", e2e[n], "s")
+                    run.add(f"VAE alone on decoded clips, {n} clips", alone[n], "s")
+                run.add("bucketeer embed end to end: marginal rate", marginal(e2e), "clips/s")
+                run.add(f"bucketeer embed: steady state of the {args.large}-clip run (first unit to last)",
+                        runs[args.large][1], "clips/s")  # fmt: skip
+                run.add("VAE alone: marginal rate", marginal(alone), "clips/s")
+                run.add("end to end / VAE alone (marginal)", marginal(e2e) / marginal(alone), "x")
     ray.shutdown()
+    run.save()
 
 
 if __name__ == "__main__":

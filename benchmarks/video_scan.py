@@ -8,8 +8,9 @@ PyAV: H.264 .mp4 (moov at the end, as FFmpeg writes it), .mov (MPEG-4 part 2), .
 .webm, 320x180 to 640x360 (a panning gradient with fresh grain in every frame: 1-10 MB per clip),
 121 to 241 frames (a sample table of that many entries), then hard-links them into folders of
 ``--small`` and ``--large`` files (the header bytes a scan reads are the same whatever the link). In one
-run, page cache warm, each method scans both folders (best of two) and reports the
-**marginal** rate ``(large - small) / (t_large - t_small)``, so that start-up, listing and commit drop out:
+run, page cache warm, each method scans both folders once per round (``--rounds``, default 3, the methods
+interleaved within a round) and reports the **marginal** rate ``(large - small) / (t_large - t_small)``, so that
+start-up, listing and commit drop out:
 
 1. ``bucketeer scan --frames 17,33,49,81`` of the local folder (a warm in-process Ray; wall clock);
 2. :func:`pipeline.sources.video.probe_video` alone, one thread (CPU seconds of this process);
@@ -21,7 +22,8 @@ run, page cache warm, each method scans both folders (best of two) and reports t
 
 ffprobe comes from Debian's ``ffmpeg`` package (``apt-get install -y ffmpeg``); without an ``ffprobe``
 binary on PATH rows 4 and 5 are printed as skipped. Prints bytes read per file, the ratios, and a
-side-by-side table of the rates.
+side-by-side table of the rates; every round's rates and ratios go to ``benchmarks/results/video_scan.json``
+(``benchmarks/results.py``).
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ from manifests.buckets import BucketSpec  # noqa: E402
 from pipeline.ray_setup import loopback_only, ray_session  # noqa: E402
 from pipeline.scan import ScanConfig, ScanJob, scan_dataset  # noqa: E402
 from pipeline.sources.video import probe_video  # noqa: E402
+
+from benchmarks.results import Run  # noqa: E402
 
 loopback_only()
 
@@ -99,10 +103,6 @@ def files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.is_file())
 
 
-def best(fn, repeat: int = 2) -> float:
-    return min(fn() for _ in range(repeat))
-
-
 def timed_scan(folder: Path, out: Path) -> float:
     start = time.perf_counter()
     scan_dataset(ScanJob(source=str(folder), out=str(out), spec=BucketSpec(area=256 * 256, step=16),
@@ -151,12 +151,64 @@ def marginal(n_small: int, t_small: float, n_large: int, t_large: float) -> floa
     return (n_large - n_small) / max(t_large - t_small, 1e-9)
 
 
+def measure_round(run: Run, args: argparse.Namespace, small: Path, large: Path, work: Path, r: int) -> None:
+    """One round: every method on both folders, its marginal rate and ratios added to ``run``."""
+    t_s = timed_scan(small, work / f"ms{r}")
+    t_l = timed_scan(large, work / f"ml{r}")
+    rows = read_manifest(str(work / f"ml{r}")).samples
+    read = rows.column("bytes_read").to_numpy()
+    size = rows.column("size").to_numpy()
+    scan_rate = marginal(args.small, t_s, args.large, t_l)
+    print(f"1. bucketeer scan --frames: {args.small} files {t_s:.2f} s, {args.large} files {t_l:.2f} s (wall) -> "
+          f"marginal {scan_rate:,.0f} files/s; {np.median(read) / 1e3:.1f} KB read per file (median), "
+          f"{100 * read.sum() / size.sum():.1f}% of the bytes")
+    p_s = timed_probe(files(small))[0]
+    p_l, got, total = timed_probe(files(large))
+    probe_rate = marginal(args.small, p_s, args.large, p_l)
+    print(f"2. probe_video, one thread: marginal {probe_rate:,.0f} files/s (CPU), {100 * got / total:.1f}% of bytes")
+    d_files_s, d_files_l = files(small)[: args.decode_small], files(large)[: args.decode_large]
+    d_s, d_l = timed_decode(d_files_s), timed_decode(d_files_l)
+    decode_rate = marginal(args.decode_small, d_s, args.decode_large, d_l)
+    print(f"3. full PyAV decode, one thread: marginal {decode_rate:,.1f} files/s (CPU)")
+    print(f"   probe / decode (one thread each): {probe_rate / decode_rate:,.0f}x")
+    table = [("bucketeer scan --frames (wall, Ray, 2 CPUs)", scan_rate),
+             ("probe_video, one thread (CPU)", probe_rate),
+             ("full PyAV decode, one thread (CPU)", decode_rate)]  # fmt: skip
+    ffprobe = shutil.which("ffprobe")
+    for row, count in ((4, "frames"), (5, "packets")):
+        name = f"ffprobe -count_{count} -threads 1, a process per file (CPU)"
+        if not ffprobe:
+            print(f"{row}. {name}: skipped, no ffprobe binary on PATH (apt-get install -y ffmpeg)")
+            table.append((name, None))
+            continue
+        f_s = timed_ffprobe(d_files_s, ffprobe, count)  # once: CPU seconds, which the load does not inflate
+        f_l = timed_ffprobe(d_files_l, ffprobe, count)
+        rate = marginal(len(d_files_s), f_s, len(d_files_l), f_l)
+        print(f"{row}. {name}: marginal {rate:,.1f} files/s; probe_video is {probe_rate / rate:,.0f}x faster")
+        table.append((name, rate))
+    print(f"\nround {r + 1}, side by side (marginal files/s):")
+    for name, rate in table:
+        print(f"  {name:<58} {'skipped' if rate is None else f'{rate:,.1f}':>10}")
+    run.add("bucketeer scan --frames 17,33,49,81 (wall, warm Ray, 2 CPUs)", scan_rate, "files/s")
+    run.add("probe_video alone, one thread (CPU)", probe_rate, "files/s")
+    run.add("full PyAV decode, one thread (CPU)", decode_rate, "files/s")
+    run.add("bytes read per file, median", float(np.median(read)) / 1e3, "KB")
+    run.add("bytes read, share of the file bytes", 100 * read.sum() / size.sum(), "%")
+    run.add("probe_video / full PyAV decode", probe_rate / decode_rate, "x")
+    for name, rate in table[3:]:
+        if rate is not None:
+            what = name.split(",")[0]
+            run.add(f"{what} (CPU)", rate, "files/s")
+            run.add(f"probe_video / {what}", probe_rate / rate, "x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--small", type=int, default=500)
     parser.add_argument("--large", type=int, default=2000)
     parser.add_argument("--decode-small", type=int, default=20)
     parser.add_argument("--decode-large", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/bucketeer/bench-video"))
     args = parser.parse_args()
     cache = Path(args.cache_dir)
@@ -167,46 +219,14 @@ def main() -> None:
     try:
         small = link_folder(clips, work / "small", args.small)
         large = link_folder(clips, work / "large", args.large)
+        run = Run("video_scan", "python benchmarks/video_scan.py" + "".join(f" {x}" for x in sys.argv[1:]), ["av"])
         with ray_session():
             timed_scan(small, work / "warm")  # Ray's workers started and imported
-            t_s = best(lambda: timed_scan(small, work / "ms"))
-            t_l = best(lambda: timed_scan(large, work / "ml"))
-        rows = read_manifest(str(work / "ml")).samples
-        read = rows.column("bytes_read").to_numpy()
-        size = rows.column("size").to_numpy()
-        scan_rate = marginal(args.small, t_s, args.large, t_l)
-        print(f"1. bucketeer scan --frames: {args.small} files {t_s:.2f} s, {args.large} files {t_l:.2f} s (wall) -> "
-              f"marginal {scan_rate:,.0f} files/s; {np.median(read) / 1e3:.1f} KB read per file (median), "
-              f"{100 * read.sum() / size.sum():.1f}% of the bytes")
-        p_s = best(lambda: timed_probe(files(small))[0])
-        p_l, r, total = timed_probe(files(large))
-        p_l = min(p_l, timed_probe(files(large))[0])
-        probe_rate = marginal(args.small, p_s, args.large, p_l)
-        print(f"2. probe_video, one thread: marginal {probe_rate:,.0f} files/s (CPU), {100 * r / total:.1f}% of bytes")
-        d_files_s, d_files_l = files(small)[: args.decode_small], files(large)[: args.decode_large]
-        d_s, d_l = best(lambda: timed_decode(d_files_s)), best(lambda: timed_decode(d_files_l))
-        decode_rate = marginal(args.decode_small, d_s, args.decode_large, d_l)
-        print(f"3. full PyAV decode, one thread: marginal {decode_rate:,.1f} files/s (CPU)")
-        print(f"   probe / decode (one thread each): {probe_rate / decode_rate:,.0f}x")
-        table = [("bucketeer scan --frames (wall, Ray, 2 CPUs)", scan_rate),
-                 ("probe_video, one thread (CPU)", probe_rate),
-                 ("full PyAV decode, one thread (CPU)", decode_rate)]  # fmt: skip
-        ffprobe = shutil.which("ffprobe")
-        for row, count in ((4, "frames"), (5, "packets")):
-            name = f"ffprobe -count_{count} -threads 1, a process per file (CPU)"
-            if not ffprobe:
-                print(f"{row}. {name}: skipped, no ffprobe binary on PATH (apt-get install -y ffmpeg)")
-                table.append((name, None))
-                continue
-            f_s = timed_ffprobe(d_files_s, ffprobe, count)  # once: CPU seconds, which the load does not inflate
-            f_l = timed_ffprobe(d_files_l, ffprobe, count)
-            rate = marginal(len(d_files_s), f_s, len(d_files_l), f_l)
-            print(f"{row}. {name}: marginal {rate:,.1f} files/s; probe_video is {probe_rate / rate:,.0f}x faster")
-            table.append((name, rate))
-        print("\nside by side (marginal files/s):")
-        for name, rate in table:
-            print(f"  {name:<58} {'skipped' if rate is None else f'{rate:,.1f}':>10}")
+            for r in range(args.rounds):
+                with run.round():
+                    measure_round(run, args, small, large, work, r)
         print(f"load average at end: {os.getloadavg()[0]:.1f}")
+        run.save()
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -18,7 +18,8 @@ runs on both, per round, and its **marginal** rate ``(large - small) / (t_large 
    worker, units of one video; a fresh ``--out`` each time): wall seconds of the job.
 
 Prints videos/s and decoded frames/s of each, the ratios to the CLI (end to end / CLI: the target is >= 0.9),
-whether our cuts equal the CLI's, and the load average (the machine may be shared: say so with the figures).
+whether our cuts equal the CLI's, and the load average (the machine may be shared: say so with the figures);
+every round's rates and ratios go to ``benchmarks/results/video_scenes.json`` (``benchmarks/results.py``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ from manifests.buckets import BucketSpec  # noqa: E402
 from manifests.frames import FrameLadder  # noqa: E402
 from pipeline.annotate.scenes import detect_scenes  # noqa: E402
 from pipeline.ray_setup import loopback_only  # noqa: E402
+
+from benchmarks.results import Run  # noqa: E402
 
 loopback_only()
 
@@ -148,11 +151,24 @@ def main() -> None:
     annotate(args.small, -1)  # warm: Ray Data's first pipeline of the process
     methods = {"cli": lambda n, i: timed(run_cli, sets[n]), "api": lambda n, i: timed(api_cuts, sets[n]),
                "ours": lambda n, i: timed(lambda f: detect_scenes(str(f)), sets[n]), "annotate": annotate}
+    names = {"cli": "scenedetect CLI, a process per file", "api": "PySceneDetect in-process (detect())",
+             "ours": "detect_scenes alone (PyAV 256 px, content+fade+motion)",
+             "annotate": "bucketeer annotate --task scenes, end to end"}
+    bench = Run("video_scenes", "python benchmarks/video_scenes.py" + "".join(f" {a}" for a in sys.argv[1:]),
+                ["av", "scenedetect", "opencv-python-headless", "ray"])  # fmt: skip
     rates: dict[str, list[float]] = {k: [] for k in methods}
     for r in range(args.rounds):
-        for name, method in methods.items():
-            t_small, t_large = method(args.small, r), method(args.large, r)
-            rates[name].append((args.large - args.small) / max(t_large - t_small, 1e-9))
+        with bench.round():
+            for name, method in methods.items():
+                t_small, t_large = method(args.small, r), method(args.large, r)
+                rates[name].append((args.large - args.small) / max(t_large - t_small, 1e-9))
+            for name, label in names.items():
+                bench.add(f"{label}: videos/s", rates[name][-1], "videos/s")
+            cli = rates["cli"][-1]
+            bench.add("annotate end to end / CLI", rates["annotate"][-1] / cli, "x", ">= 0.9")
+            bench.add("PySceneDetect in-process / CLI", rates["api"][-1] / cli, "x")
+            bench.add("detect_scenes alone / PySceneDetect in-process", rates["ours"][-1] / rates["api"][-1], "x")
+            bench.add("videos whose cuts equal PySceneDetect's ContentDetector", agree, f"of {len(files)}")
     ray.shutdown()
     shutil.rmtree(work, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in rates.items()}
@@ -160,13 +176,11 @@ def main() -> None:
     print(f"{len(files)} distinct videos x {FRAMES} frames, {W}x{H} H.264; marginal rates over {args.small} and "
           f"{args.large} files, median of {args.rounds} rounds; {uptime}")
     print(f"cuts equal to PySceneDetect's ContentDetector on {agree} of {len(files)} videos")
-    names = {"cli": "scenedetect CLI, a process per file", "api": "PySceneDetect in-process (detect())",
-             "ours": "detect_scenes alone (PyAV 256 px, content+fade+motion)",
-             "annotate": "bucketeer annotate --task scenes, end to end"}
     print(f"{'method':56} {'videos/s':>9} {'frames/s':>9} {'vs CLI':>7}  rounds (videos/s)")
     for k, name in names.items():
         print(f"{name:56} {med[k]:9.2f} {med[k] * FRAMES:9.0f} {med[k] / med['cli']:7.2f}  "
               f"{', '.join(f'{x:.2f}' for x in rates[k])}")
+    bench.save()
 
 
 if __name__ == "__main__":

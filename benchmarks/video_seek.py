@@ -13,7 +13,8 @@ then times, median of ``--rounds``, one thread, page cache warm, the decode of t
 
 each through a :class:`~pipeline.sources.headers.RangeReader` over the bytes in memory (as over object storage),
 which also counts the bytes each read. Prints seconds, frames decoded and bytes read of each, the ratio, and the
-load average (the machine may be shared: say so with the figures).
+load average (the machine may be shared: say so with the figures). Each round's figures go to
+``benchmarks/results/video_seek.json`` (``benchmarks/results.py``; the two decodes interleaved within a round).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ sys.path.insert(0, str(REPO))
 
 from pipeline.embed import clips  # noqa: E402
 from pipeline.sources.headers import RangeReader  # noqa: E402
+
+from benchmarks.results import Run  # noqa: E402
 
 W, H, CLIP = 640, 360, 17
 
@@ -77,10 +80,17 @@ def main() -> None:
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache/bucketeer/bench-seek"))
     args = p.parse_args()
     data = write_video(Path(args.cache_dir) / f"long-{args.frames}.mp4", args.frames)
+    run = Run("video_seek", "python benchmarks/video_seek.py" + "".join(f" {a}" for a in sys.argv[1:]), ["av"])
     runs = {False: [], True: []}
     for _ in range(args.rounds):
-        for seek in (False, True):
-            runs[seek].append(decode(data, args.start, seek))
+        with run.round():
+            for seek in (False, True):
+                runs[seek].append(decode(data, args.start, seek))
+            before, after = runs[False][-1], runs[True][-1]
+            run.add("forward from frame 0 (before): seconds", before[0], "s")
+            run.add("seek to the keyframe before (after): seconds", after[0], "s")
+            run.add("frames decoded: forward / seek", before[1] / after[1], "x")
+            run.add("speed-up: forward / seek", before[0] / after[0], "x")
     for a, b in zip(runs[False][0][3], runs[True][0][3]):
         np.testing.assert_array_equal(a, b)  # frame-exact
     print(f"{W}x{H} H.264, {args.frames} frames ({len(data) / 1e6:.1f} MB); the {CLIP}-frame clip at frame "
@@ -92,6 +102,7 @@ def main() -> None:
         _, n, read, _ = runs[seek][0]
         print(f"{name:38} {seconds:8.3f} s {n:6d} frames decoded {read / 1e6:8.2f} MB read")
     print(f"speed-up: {med[False] / med[True]:.1f}x")
+    run.save()
 
 
 if __name__ == "__main__":
