@@ -130,7 +130,8 @@ def render(name: str, folder: Path = RESULTS) -> str:
     doc = json.loads((folder / f"{name}.json").read_text())
     loads = [x for r in doc["rounds"] for x in (r["load_before"], r.get("load_after", 0.0))]
     lines = [
-        f"`{doc['command']}` — {len(doc['rounds'])} round{'s' if len(doc['rounds']) != 1 else ''}, {doc['started'][:10]}, 1-minute load "
+        f"`{doc['command']}` — {len(doc['rounds'])} round{'s' * (len(doc['rounds']) != 1)}, {doc['started'][:10]}, "
+        f"1-minute load "
         f"{min(loads):.1f}-{max(loads):.1f} on {doc['machine']['cpus']} cores"
         + ("" if max(loads) <= QUIET_LOAD else " (**not a quiet machine**: figures marked with their load)")
         + "; " + ", ".join(f"{k} {v}" for k, v in doc["versions"].items() if v != "-"),
