@@ -15,14 +15,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 
 from manifests.buckets import BucketSpec
-from manifests.cache import CacheWriter, TextLayout
-from manifests.cache.records import SampleRecord, caption_key, encode_sample, encode_text
-from manifests.plan import DatasetSamples, PlanConfig, write_plan
+from manifests.cache import TextLayout
+from manifests.cache.records import SampleRecord, caption_key
 from tests.test_cache_format import bf16_bits
-from tests.wan_cache import CAPTIONS, PROMPTS, WanData, _text
+from tests.wan_cache import PROMPTS, WanData, write
 
 CLIPS = [("64x64x9", 2), ("64x64x9", 1), ("64x64x9", 1), ("64x64x9", 1), ("96x64x17", 1), ("96x64x17", 1)]
 CHANNELS, SPATIAL, TEMPORAL, TEXT_TOKENS = 8, 32, 8, 1024
@@ -70,18 +68,6 @@ def build(base: Path) -> WanData:
                      "empty_caption_key": caption_key(""),
                      "validation_prompts": [{"prompt": p, "caption_key": caption_key(p)} for p in PROMPTS]},
             }  # fmt: skip
-    writer = CacheWriter(data.cache, settings, info=info, shard_records=4)
     rng = np.random.default_rng(41)
-    for caption in dict.fromkeys(c or "" for c in (*CAPTIONS, "", *PROMPTS)):  # one text record per caption
-        writer.add_text(caption_key(caption), encode_text(_text(caption, width, rng)))
-    writer.commit("texts")
-    records = [_sample(i, bucket, clips, CAPTIONS[i % 3], rng) for i, (bucket, clips) in enumerate(CLIPS)]
-    for r in records:
-        writer.add_sample(r.sample_id, encode_sample(r), r.caption_key, r.bucket)
-    meta = writer.finish()
-    ids = np.asarray([r.sample_id for r in records], np.uint64)
-    buckets = pa.array([r.bucket for r in records])
-    for url, world, batch in ((data.plan, 1, 2), (data.plan2, 2, 1)):  # the project's plan writer over WxHxF
-        write_plan(url, [DatasetSamples(ids, buckets, cache_fingerprint=meta.fingerprint, cache=data.cache)],
-                   PlanConfig(world_size=world, batch_size=batch, epochs=3, seed=5))  # fmt: skip
-    return data
+    return write(data, settings, info, width, rng, CLIPS,
+                 lambda i, bucket, clips, caption: _sample(i, bucket, clips, caption, rng))

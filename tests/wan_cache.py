@@ -98,13 +98,21 @@ def build(base: Path, family: str = "wan") -> WanData:
                      "empty_caption_key": caption_key(""),
                      "validation_prompts": [{"prompt": p, "caption_key": caption_key(p)} for p in PROMPTS]},
             }  # fmt: skip
-    writer = CacheWriter(data.cache, settings, info=info, shard_records=4)
     rng = np.random.default_rng(28)
+    return write(data, settings, info, UMT5_WIDTH, rng, CLIPS,
+                 lambda i, bucket, clips, caption: _sample(i, bucket, clips, caption, mean, std, rng, family))
+
+
+def write(data: WanData, settings: dict, info: dict, width: int, rng: np.random.Generator,
+          videos: list[tuple[str, int]], sample) -> WanData:
+    """The cache (one text record per caption, ``sample(i, bucket, clips, caption)`` per ``(bucket, clips)`` of
+    ``videos``) and its two plans (1 rank x 2, 2 ranks x 1) under ``data``: what a video family's train tests
+    read."""
+    writer = CacheWriter(data.cache, settings, info=info, shard_records=4)
     for caption in dict.fromkeys(c or "" for c in (*CAPTIONS, "", *PROMPTS)):  # one text record per caption
-        writer.add_text(caption_key(caption), encode_text(_text(caption, UMT5_WIDTH, rng)))
+        writer.add_text(caption_key(caption), encode_text(_text(caption, width, rng)))
     writer.commit("texts")
-    records = [_sample(i, bucket, clips, CAPTIONS[i % 3], mean, std, rng, family)
-               for i, (bucket, clips) in enumerate(CLIPS)]  # fmt: skip
+    records = [sample(i, bucket, clips, CAPTIONS[i % 3]) for i, (bucket, clips) in enumerate(videos)]
     for r in records:
         writer.add_sample(r.sample_id, encode_sample(r), r.caption_key, r.bucket)
     meta = writer.finish()
