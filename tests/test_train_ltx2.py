@@ -30,6 +30,10 @@ from tests.train_dataset import printed_code, recipe_outputs, train_quiet, write
 from tests.wan_cache import WanData
 from train.config import TrainConfig
 from train.data import BatchLoader, rank_steps
+from pipeline.embed.families.tiny_ltx2 import connectors_supported
+
+pytestmark = pytest.mark.skipif(not connectors_supported(), reason="LTX-2's tiny pipeline needs the LTX-2 text "
+                                "connectors of a newer diffusers than this one (0.42.1 has them; 0.37 does not)")
 
 
 @pytest.fixture(scope="module")

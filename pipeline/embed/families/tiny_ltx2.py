@@ -19,7 +19,9 @@ Built by :func:`pipeline.embed.families.tiny.build_tiny` (which seeds it).
 
 from __future__ import annotations
 
-__all__ = ["GEMMA_WIDTH", "GEMMA_LAYERS", "ltx2"]
+from manifests.errors import UsageError
+
+__all__ = ["GEMMA_WIDTH", "GEMMA_LAYERS", "connectors_supported", "ltx2"]
 
 GEMMA_WIDTH, GEMMA_LAYERS = 32, 2  # Gemma 3 12B: 3840 wide, 48 layers
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_image>", "<image_soft_token>", "<end_of_image>"]
@@ -57,12 +59,28 @@ def _gemma(tokenizer):
     return Gemma3ForConditionalGeneration(config)
 
 
+def connectors_supported() -> bool:
+    """Whether the installed diffusers' ``LTX2TextConnectors`` has the per-modality configuration this tiny
+    pipeline is built with (0.42.1 has it; 0.37, the floor of the other families, does not)."""
+    import inspect
+
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+
+    return "video_hidden_dim" in inspect.signature(LTX2TextConnectors.__init__).parameters
+
+
 def ltx2():
     """``LTX2Pipeline`` of the module docstring's tiny components (unseeded: the caller seeds)."""
     import torch
     from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler,
                            LTX2Pipeline, LTX2VideoTransformer3DModel)  # fmt: skip
     from diffusers.pipelines.ltx2 import LTX2TextConnectors
+
+    if not connectors_supported():
+        import diffusers
+
+        raise UsageError(f"--family ltx-2 --model default needs a newer diffusers than {diffusers.__version__} "
+                         "(its LTX-2 text connectors were reworked after 0.37): pip install -U diffusers")
     from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
 
     tokenizer = gemma_tokenizer()
