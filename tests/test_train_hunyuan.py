@@ -27,6 +27,7 @@ from manifests.errors import UsageError
 from manifests.plan import DatasetSamples, PlanConfig, write_plan
 from tests.test_cache_format import bf16_bits
 from tests.train_dataset import printed_code, recipe_outputs, train_quiet, write_settings
+from tests.test_train_wan22 import _trained_with_adapters
 from train.config import TrainConfig
 from train.data import BatchLoader, rank_steps
 
@@ -161,22 +162,6 @@ def test_what_the_recipe_does_not_do_is_refused_in_one_line(data):
         _setup(data, expert="high")
     with pytest.raises(UsageError, match="config repa: the hunyuanvideo-1.5 recipe does not have REPA for video"):
         _setup(data, repa={"depth": 1})
-
-
-def _trained_with_adapters(denoiser, cfg: Path, checkpoint: Path) -> Any:
-    """The recipe's model with the adapters of ``checkpoint`` (by parameter name)."""
-    from safetensors.torch import load_file
-
-    from train.config import load_config
-    from train.lora import add_lora
-
-    model = denoiser.model
-    add_lora(model, load_config(cfg), targets=denoiser.lora_targets)
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, tensor in load_file(checkpoint / "adapters.safetensors").items():
-            params[name].copy_(tensor)
-    return model
 
 
 @pytest.mark.slow

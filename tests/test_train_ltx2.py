@@ -25,11 +25,9 @@ from manifests.cache.records import to_float32
 from manifests.errors import UsageError
 from pipeline.embed.families.ltx2 import left_pad
 from tests.ltx2_cache import TEXT_TOKENS, build, latent_shape
-from tests.test_train_wan22 import _trained_with_adapters
+from tests.test_train_wan22 import _batches, _setup, _trained_with_adapters
 from tests.train_dataset import printed_code, recipe_outputs, train_quiet, write_settings
 from tests.wan_cache import WanData
-from train.config import TrainConfig
-from train.data import BatchLoader, rank_steps
 from pipeline.embed.families.tiny_ltx2 import connectors_supported
 
 pytestmark = pytest.mark.skipif(not connectors_supported(), reason="LTX-2's tiny pipeline needs the LTX-2 text "
@@ -39,19 +37,6 @@ pytestmark = pytest.mark.skipif(not connectors_supported(), reason="LTX-2's tiny
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> WanData:
     return build(tmp_path_factory.mktemp("ltx2"))
-
-
-def _batches(data: WanData) -> list:
-    reader = CacheReader(data.cache)
-    return list(BatchLoader(reader, list(rank_steps(data.plan, 0)), reader.meta.latent))
-
-
-def _setup(data: WanData, **config):
-    from train.recipes import recipe_for
-
-    meta = CacheReader(data.cache).meta
-    cfg = TrainConfig(**config)
-    return recipe_for(cfg, meta).setup(cfg, meta)
 
 
 def _by_hand(data: WanData, batch, model, generator) -> torch.Tensor:
