@@ -114,3 +114,64 @@ def test_parquet_video_column(shard_source, ray_local, tmp_path):
     report(ReportJob(manifest=out, out=str(page), progress=False))
     text = page.read_text()
     assert "unreadable" not in text and text.count('class="thumb"') == 3 * 3
+
+
+def test_a_rescan_reuses_the_rows_of_unchanged_containers(shard_source, ray_local, tmp_path):
+    """The video rows of an unchanged shard (or parquet file) are taken from the previous manifest, nothing of the
+    shard read; a changed shard is read again; a changed caption setting reads every shard again."""
+    clips, root = shard_source
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("shard-000.tar", "shard-001.tar"):
+        (source / name).write_bytes((root / name).read_bytes())
+    out, spec = str(tmp_path / "m"), BucketSpec(area=64 * 64, step=16)
+    first = run(ScanJob(source=str(source), out=out, spec=spec, frames=LADDER, config=ScanConfig(progress=False)))
+    before = read_manifest(out)
+    (source / "shard-001.tar").write_bytes(tar_bytes([  # changed: a new caption, big.mp4 only
+        ("big.mp4", (clips / "big.mp4").read_bytes()), ("big.txt", b"a green cone"),
+    ]))  # fmt: skip
+    again = run(ScanJob(source=str(source), out=out, spec=spec, frames=LADDER, config=ScanConfig(progress=False)))
+    after = read_manifest(out)
+    s = again.meta.summary
+    assert (first.meta.summary.shards_reused, s.shards_reused, s.shards_changed, s.shards_new) == (0, 1, 1, 0)
+    rows = {r["filename"]: r for r in after.samples.to_pylist()}
+    old = {r["filename"]: r for r in before.samples.to_pylist()}
+    assert set(rows) == {"shard-000.tar/a.mp4", "shard-000.tar/b.mkv", "shard-001.tar/big.mp4"}
+    for name in ("shard-000.tar/a.mp4", "shard-000.tar/b.mkv"):  # reused: every column but the read counts
+        assert rows[name]["bytes_read"] == 0
+        same = [c for c in after.samples.column_names if c != "bytes_read"]
+        assert {c: rows[name][c] for c in same} == {c: old[name][c] for c in same}, name
+    assert rows["shard-001.tar/big.mp4"]["caption"] == "a green cone" and rows["shard-001.tar/big.mp4"]["bytes_read"]
+    errors = {r["filename"]: r["error"] for r in after.errors.to_pylist()}
+    assert errors == {"shard-000.tar/c.mp4": "not_a_video"}  # kept from shard-000; short.mp4 left shard-001
+    assert s.other["videos"] == 3 + 1 and s.other["video_bytes_read"] < first.meta.summary.other["video_bytes_read"]
+
+    # a different --caption-field: the captions may differ, so every shard is read again
+    third = run(ScanJob(source=str(source), out=out, spec=spec, frames=LADDER,
+                        config=ScanConfig(progress=False, caption_field="text")))  # fmt: skip
+    assert (third.meta.summary.shards_reused, third.meta.summary.shards_changed) == (0, 0)
+    assert third.meta.summary.shards_new == 2
+
+
+def test_a_rescan_reuses_an_unchanged_parquet_files_videos(shard_source, ray_local, tmp_path):
+    """A too_short reject of an unchanged parquet file is bucketed again: a longer frame ladder makes it a sample."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from manifests.frames import FrameLadder
+
+    clips, _ = shard_source
+    root = tmp_path / "pq"
+    root.mkdir()
+    pq.write_table(pa.table({"video": [(clips / n).read_bytes() for n in ("a.mp4", "short.mp4")] + [b"junk"]}),
+                   root / "videos.parquet")  # fmt: skip
+    out, spec = str(tmp_path / "m"), BucketSpec(area=64 * 64, step=16)
+    config = ScanConfig(progress=False, format="parquet", image_column="video")
+    run(ScanJob(source=str(root), out=out, spec=spec, frames=LADDER, config=config))
+    assert {r["error"] for r in read_manifest(out).errors.to_pylist()} == {"too_short", "not_a_video"}
+    again = run(ScanJob(source=str(root), out=out, spec=spec, frames=FrameLadder((5, 9)), config=config))
+    assert again.meta.summary.shards_reused == 1 and again.meta.summary.other["video_bytes_read"] == 0
+    manifest = read_manifest(out)
+    rows = {r["filename"]: r for r in manifest.samples.to_pylist()}
+    assert set(rows) == {"videos.parquet/0", "videos.parquet/1"} and rows["videos.parquet/1"]["frames"] == 5
+    assert {r["filename"]: r["error"] for r in manifest.errors.to_pylist()} == {"videos.parquet/2": "not_a_video"}

@@ -75,7 +75,7 @@ from pipeline.sources.containers import ScanPart, container_part
 from pipeline.sources.headers import FIRST_READ
 from pipeline.sources.listing import Listing, link_error_rows, list_source
 from pipeline.sources.reading import PROBE_SCHEMA, probe_files
-from pipeline.sources.rescan import plan_rescan, reusable_videos
+from pipeline.sources.rescan import plan_rescan, previous_manifest
 from pipeline.sources.tar import SHARD_WINDOW
 from pipeline.sources.tasks import run_tasks
 
@@ -306,8 +306,9 @@ def _video_scan(job: ScanJob, listing: Listing, target: tuple, table: CaptionTab
     with ray_session(job.ray_address):  # one Ray for both parts
         no_masks = MaskFiles({})  # --masks is refused above
         images = one_frame(_loose_part(job, listing, target, table, (None, 0), started, no_masks)) if loose else None
-        reused = reusable_videos(listing, job.out, job.previous, job.storage_options)
-        videos = video_part(listing, target, job.config, job.spec, job.frames, table, job.ray_address, reused)
+        old = previous_manifest(job.out, job.previous, job.storage_options)
+        videos = video_part(listing, target, job.config, job.spec, job.frames, table, job.ray_address, old,
+                            job.previous or job.out)  # fmt: skip
     samples, errors, summary, counts = video_scan_part(images, videos)
     return write_manifest(
         job.out, samples, errors, source=job.source, spec=job.spec, storage_options=job.storage_options,

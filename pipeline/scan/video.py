@@ -15,7 +15,9 @@ reads of their byte range (:mod:`pipeline.sources.video_shards`: ``container``, 
 ``--image-column`` (row group and row in the row, as for images; a parquet value has no byte range, so
 its row group's column chunk is read and each video probed from the bytes in hand). A rescan reuses the
 previous manifest's row of an unchanged loose video (same size and ETag, or mtime: no header read, its
-sidecar read again; :func:`pipeline.sources.rescan.reusable_videos`); videos in containers are probed again.
+sidecar read again; :func:`pipeline.sources.rescan.reusable_videos`), and the video rows of an unchanged tar shard
+or parquet file (same size and ETag, or mtime, and the same ``--caption-field``/``--image-column`` settings:
+:func:`pipeline.sources.containers.shard_plan`, :func:`pipeline.sources.rescan.reusable_container_videos`).
 """
 
 from __future__ import annotations
@@ -34,16 +36,17 @@ from manifests import faults
 from manifests.buckets import BucketSpec
 from manifests.errors import StorageError
 from manifests.frames import FrameLadder, assign_frames, video_bucket_names
-from manifests.manifest import apply_buckets, conform
+from manifests.manifest import Manifest, apply_buckets, conform
 from manifests.manifest_meta import ManifestMeta, ScanSummary
 from manifests.schema import VIDEO_ERRORS_SCHEMA, VIDEO_SAMPLES_SCHEMA, sample_ids
 from manifests.storage import is_local, join, open_url, redact
 from pipeline.scan.config import ScanConfig
 from pipeline.sources.captions import decode_caption, sidecar_stem
-from pipeline.sources.containers import ScanPart
+from pipeline.sources.containers import ScanPart, ShardPlan, container_settings, shard_plan
 from pipeline.sources.headers import StorageFailure
-from pipeline.sources.listing import FileEntry, Listing, WorkItem, work_items, work_table
+from pipeline.sources.listing import Listing, WorkItem, work_items, work_table
 from pipeline.sources.reading import SIDECAR_LIMIT
+from pipeline.sources.rescan import reusable_container_videos, reusable_videos
 from pipeline.sources.captions import CaptionTable
 from pipeline.sources.parquet import VIDEO_PARQUET_ROWS, scan_video_parquet_batch
 from pipeline.sources.shards import shard_work
@@ -114,18 +117,20 @@ def _work(listing: Listing, reused: dict[str, dict]) -> list[WorkItem]:
 
 
 def video_part(listing: Listing, target: tuple, config: ScanConfig, spec: BucketSpec, ladder: FrameLadder,
-               table: CaptionTable | None, ray_address: str | None,
-               reused: dict[str, dict] | None = None) -> ScanPart:  # fmt: skip
-    """The loose videos and the tar shards' video members of ``listing``: probed by Ray tasks (``reused``: the
-    unchanged loose videos' probes from the previous manifest, :func:`pipeline.sources.rescan.reusable_videos`,
-    not read again), bucketed ``WxHxF``; rows and a summary."""
+               table: CaptionTable | None, ray_address: str | None, old: Manifest | None = None,
+               where: str = "") -> ScanPart:  # fmt: skip
+    """The loose videos and the containers' (tar shards', parquet files') videos of ``listing``: probed by Ray
+    tasks, bucketed ``WxHxF``; rows and a summary. ``old``: the previous manifest (read from ``where``), whose
+    rows of unchanged loose videos (:func:`pipeline.sources.rescan.reusable_videos`) and of unchanged containers
+    (:func:`pipeline.sources.rescan.reusable_container_videos`) are taken as they are, nothing of theirs read."""
     clock = time.perf_counter()
-    reused = reused or {}
+    reused = reusable_videos(listing, old)
     probed, ray_seconds = _loose_videos(listing, target, config, ray_address, reused)
     shard_stats: dict[str, Any] = {}
     containers = listing.parquet if config.format == "parquet" else listing.shards
+    plan = shard_plan(containers, old, config, where)
     if containers:
-        in_shards, shard_stats, seconds = _container_videos(containers, target, config, ray_address)
+        in_shards, shard_stats, seconds = _container_videos(plan, old, target, config, ray_address)
         probed, ray_seconds = pa.concat_tables([probed, in_shards], promote_options="default"), ray_seconds + seconds
     if table is not None:
         probed = _table_captions(probed, table)
@@ -149,11 +154,11 @@ def video_part(listing: Listing, target: tuple, config: ScanConfig, spec: Bucket
                "videos_reused": len(reused),
                "ignored": listing.ignored, "ignored_hidden": listing.ignored_hidden,
                "ignored_extensions": dict(listing.ignored_extensions)}  # fmt: skip
-    if containers:
+    if containers:  # the settings: embed and the report read a parquet file's videos from its image_column
         figures.update(shards=len(containers), shard_bytes=sum(s.size for s in containers),
-                       ignored_members=shard_stats.get("ignored_members", {}))  # fmt: skip
-    if config.format == "parquet":  # embed and the report read the videos from this column
-        figures.update(source_format="parquet", image_column=config.image_column, caption_column=config.caption_column)
+                       ignored_members=shard_stats.get("ignored_members", {}), shards_reused=plan.reused,
+                       shards_new=plan.new, shards_changed=plan.changed, shards_deleted=plan.deleted,
+                       **container_settings(config))  # fmt: skip
     listed = len(listing.videos) + len(containers)
     return ScanPart(samples, errors, ScanSummary.from_json(figures), {"listed": listed, "ignored": listing.ignored})
 
@@ -186,11 +191,13 @@ def _loose_videos(listing: Listing, target: tuple, config: ScanConfig, ray_addre
     return probed.rename_columns(["filename" if c == "name" else c for c in probed.column_names]), ray_seconds
 
 
-def _container_videos(shards: list[FileEntry], target: tuple, config: ScanConfig, ray_address: str | None
-                      ) -> tuple[pa.Table, dict[str, Any], float]:  # fmt: skip
-    """The video members of tar shards (:mod:`pipeline.sources.video_shards`), or with ``--format parquet``
-    the videos of the parquet files' ``--image-column`` (:func:`pipeline.sources.parquet.scan_video_parquet_batch`):
-    their rows with ``sample_id``, the summed counts, and the seconds Ray took to start."""
+def _container_videos(plan: ShardPlan, old: Manifest | None, target: tuple, config: ScanConfig,
+                      ray_address: str | None) -> tuple[pa.Table, dict[str, Any], float]:  # fmt: skip
+    """The video members of the tar shards ``plan`` reads (:mod:`pipeline.sources.video_shards`), or with
+    ``--format parquet`` the videos of the parquet files' ``--image-column``
+    (:func:`pipeline.sources.parquet.scan_video_parquet_batch`), and the rows of the containers it keeps from
+    ``old``: their rows with ``sample_id``, the read containers' summed counts, the seconds Ray took to start."""
+    shards = plan.work
     parquet = config.format == "parquet"
     task, schema = (scan_video_parquet_batch, VIDEO_PARQUET_ROWS) if parquet else (scan_video_shard_batch,
                                                                                    VIDEO_SHARD_ROWS)  # fmt: skip
@@ -213,8 +220,10 @@ def _container_videos(shards: list[FileEntry], target: tuple, config: ScanConfig
             stats[name] += found[name]
         for ext, n in found.get("ignored_members", {}).items():
             stats["ignored_members"][ext] = stats["ignored_members"].get(ext, 0) + n
-    rows = pa.concat_tables([r.replace_schema_metadata(None) for r in results]) if results \
-        else schema.empty_table()  # fmt: skip
+    read = [r.replace_schema_metadata(None) for r in results]
+    reused = reusable_container_videos(old, plan.kept, schema)
+    stats["videos"] += int(pc.sum(pc.not_equal(reused.column("filename"), reused.column("container"))).as_py() or 0)
+    rows = pa.concat_tables([reused, *read])
     rows = rows.append_column("sample_id", pa.array(sample_ids(rows.column("filename").to_pylist()), pa.uint64()))
     return rows, stats, ray_seconds
 
@@ -283,7 +292,9 @@ def video_summary_line(meta: ManifestMeta, out: str) -> str:
     videos, images = other.get("videos", 0), (s.samples or 0) - other.get("video_samples", 0)
     read, total = other.get("video_bytes_read", 0), other.get("video_bytes", 0)
     share = f"{100 * read / total:.2f}%" if total else "-"
+    reuse = (f", reused: {other.get('videos_reused', 0)} loose videos, {s.shards_reused} of {s.shards} containers"
+             if other.get("videos_reused") or s.shards_reused else "")  # fmt: skip
     return (f"scan (video, frames {','.join(map(str, meta.frame_ladder or []))}): {videos} videos -> "
             f"{other.get('video_samples', 0)} samples ({other.get('clips', 0)} clips), {images} images as 1-frame "
             f"samples, {s.errors} errors ({kinds}) -> {redact(out)}; video headers: {read / 1e6:.2f} MB read of "
-            f"{total / 1e6:.2f} MB ({share})")
+            f"{total / 1e6:.2f} MB ({share}){reuse}")

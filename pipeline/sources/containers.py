@@ -31,7 +31,7 @@ import pyarrow.compute as pc
 
 from manifests.buckets import BucketSpec
 from manifests.errors import StorageError, UsageError
-from manifests.manifest import apply_buckets, conform
+from manifests.manifest import Manifest, apply_buckets, conform
 from manifests.manifest_meta import ScanSummary
 from manifests.schema import ERRORS_SCHEMA, sample_ids
 from manifests.storage import redact
@@ -43,8 +43,8 @@ from pipeline.sources.tasks import run_tasks
 from pipeline.sources.parquet import PARQUET_ROWS, scan_parquet_batch
 from pipeline.sources.shards import SHARD_ROWS, scan_shard_batch, shard_work
 
-__all__ = ["ScanPart", "ShardPlan", "check_container_source", "compressed_shards_message", "container_part",
-           "plan_shards"]
+__all__ = ["ScanPart", "ShardPlan", "check_container_source", "container_settings", "compressed_shards_message",
+           "container_part", "plan_shards", "shard_plan"]
 
 
 
@@ -96,9 +96,10 @@ class ShardPlan:
     deleted: int = 0
     previous: str | None = None
     deleted_names: list[str] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)  # the unchanged containers, whose rows are reused
 
 
-def _settings(config: Any) -> dict[str, Any]:
+def container_settings(config: Any) -> dict[str, Any]:
     """What a container's rows depend on besides its bytes: a change means every container is read again.
     Recorded in the manifest's summary; embed reads ``image_column`` from it."""
     if _is_parquet(config):
@@ -113,10 +114,14 @@ def plan_shards(
 ) -> ShardPlan:
     """Split ``shards`` into shards to read and rows to reuse from the previous manifest
     (``previous``, else a committed one at ``out``). Raises ManifestError when ``previous`` is unreadable."""
-    old = previous_manifest(out, previous, storage_options)
+    return shard_plan(shards, previous_manifest(out, previous, storage_options), config, previous or out)
+
+
+def shard_plan(shards: list[FileEntry], old: Manifest | None, config: Any, where: str) -> ShardPlan:
+    """:func:`plan_shards` against the previous manifest ``old`` (None: every shard is new), read from ``where``."""
     empty = ShardPlan(list(shards), IMAGE_SCHEMA.empty_table(), ERRORS_SCHEMA.empty_table(), new=len(shards))
     if old is None or old.max_pixels != config.max_pixels or any(
-        getattr(old.meta.summary, k) != v for k, v in _settings(config).items()
+        getattr(old.meta.summary, k) != v for k, v in container_settings(config).items()
     ):
         return empty
     small = pc.equal(old.errors.column("error"), "too_small")
@@ -131,7 +136,7 @@ def plan_shards(
             if name is not None:
                 recorded[name] = (size, etag, mtime)
     failed = set(errors.filter(pc.equal(errors.column("error"), "read_failed")).column("container").to_pylist())
-    plan = ShardPlan([], images, errors, previous=redact(previous or out))
+    plan = ShardPlan([], images, errors, previous=redact(where))
     keep = []
     for shard in shards:
         before = recorded.get(shard.name)
@@ -146,7 +151,7 @@ def plan_shards(
     kept = pa.array(keep, pa.string())
     plan.reused_images = images.filter(pc.fill_null(pc.is_in(images.column("container"), kept), False))
     plan.reused_errors = errors.filter(pc.fill_null(pc.is_in(errors.column("container"), kept), False))
-    plan.reused = len(keep)
+    plan.reused, plan.kept = len(keep), keep
     plan.deleted_names = sorted(set(recorded) - {s.name for s in shards})
     plan.deleted = len(plan.deleted_names)
     return plan
@@ -253,7 +258,7 @@ def _summary(listing, files, plan, stats, samples, errors, listed, seconds, star
     shard_bytes = sum(s.size for s in files if s.name in read_names)
     images_read = max(1, stats["images"])
     return ScanSummary.from_json({
-        **_settings(config),
+        **container_settings(config),
         "listed": listed, "samples": samples.num_rows, "errors": errors.num_rows, "errors_by_kind": kinds,
         "shards": len(files), "shards_read": len(plan.work), "images_read": stats["images"],
         "reused": plan.reused, "new": plan.new, "changed": plan.changed, "deleted": plan.deleted,

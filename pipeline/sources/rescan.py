@@ -23,8 +23,8 @@ from pipeline.sources.captions import CaptionTable
 from pipeline.sources.listing import IMAGE_SCHEMA, FileEntry, Listing, WorkItem, image_sidecars
 
 __all__ = [
-    "RescanPlan", "plan_rescan", "reusable_videos", "VIDEO_PROBED", "previous_manifest", "unchanged", "caption_source",
-    "sidecar_version", "sidecars_version",
+    "RescanPlan", "plan_rescan", "reusable_videos", "reusable_container_videos", "VIDEO_PROBED", "previous_manifest",
+    "unchanged", "caption_source", "sidecar_version", "sidecars_version",
 ]  # fmt: skip
 
 
@@ -165,14 +165,12 @@ VIDEO_PROBED = ("width", "height", "frames", "fps", "duration", "codec", "format
 _VIDEO_CONTENT_ERRORS = ("empty", "not_a_video", "invalid_header")  # the bytes' verdict: the same bytes, the same
 
 
-def reusable_videos(listing: Listing, out: str, previous: str | None,
-                    storage_options: dict[str, Any] | None) -> dict[str, dict[str, Any]]:  # fmt: skip
-    """The previous manifest's loose video rows (``previous``, else the one at ``out``) whose file is listed
+def reusable_videos(listing: Listing, old: Manifest | None) -> dict[str, dict[str, Any]]:
+    """The loose video rows of the previous manifest ``old`` (:func:`previous_manifest`) whose file is listed
     unchanged (same size and ETag, or mtime): ``{filename: {the probe's columns, error, message}}``, so that a
     rescan reads no header of theirs. A sample or a ``too_short``/``too_small`` reject gives its probe (bucketed
     again); a content error (``empty``, ``not_a_video``, ``invalid_header``) stays one; ``read_failed`` is read
-    again. Videos in tar shards and parquet files are probed again (their containers' own reuse is not wired)."""
-    old = previous_manifest(out, previous, storage_options)
+    again. The videos of unchanged tar shards and parquet files: :func:`reusable_container_videos`."""
     if old is None or "codec" not in old.samples.column_names:
         return {}
     entries = {e.name: e for e in listing.videos}
@@ -195,6 +193,32 @@ def reusable_videos(listing: Listing, out: str, previous: str | None,
                                          "error": row["error"] if content_error else None,
                                          "message": row["message"] if content_error else None}  # fmt: skip
     return out_rows
+
+
+def reusable_container_videos(old: Manifest | None, kept: list[str], schema: pa.Schema) -> pa.Table:
+    """The previous manifest's video rows of the containers ``kept`` (unchanged tar shards or parquet files, by
+    :func:`pipeline.sources.containers.shard_plan`) as the probe rows ``schema`` (a container task's output), so
+    that a rescan reads nothing of theirs: a sample or a ``too_short``/``too_small`` reject gives its probe
+    (bucketed again), every other error (content errors, a corrupt container) stays what it was; ``bytes_read`` and
+    ``requests`` are 0."""
+    if old is None or not kept or "codec" not in old.samples.column_names:
+        return schema.empty_table()
+    names = pa.array(kept, pa.string())
+    rows = []
+    for table in (old.samples, old.errors):
+        mine = table.filter(pc.fill_null(pc.is_in(table.column("container"), names), False))
+        if "error" in mine.column_names:
+            rebucketed = pc.fill_null(pc.is_in(mine.column("error"), pa.array(["too_short", "too_small"])), False)
+            for column in ("error", "message"):
+                at = mine.schema.get_field_index(column)
+                mine = mine.set_column(at, column, pc.if_else(rebucketed, pa.nulls(mine.num_rows, pa.string()),
+                                                              mine.column(column)))  # fmt: skip
+        rows.append(conform(mine, schema))
+    reused = pa.concat_tables(rows)
+    for column in [c for c in ("bytes_read", "requests") if c in schema.names]:
+        at = reused.schema.get_field_index(column)
+        reused = reused.set_column(at, column, pa.array([0] * reused.num_rows, schema.field(column).type))
+    return reused
 
 
 def _sidecars(listing: Listing, name: str, table: CaptionTable | None) -> list[FileEntry]:
