@@ -258,6 +258,22 @@ def test_both_gives_each_update_one_expert_at_the_samplers_share(a14b):
     assert {pick_expert(0, 0, u, 1.0) for u in range(50)} == {"transformer"}
 
 
+def test_both_is_refused_where_both_experts_do_not_fit_but_one_does(a14b, monkeypatch):
+    """LoRA holds the frozen experts in float32: both need twice one's 4 bytes per parameter (a GPU of 1.5x)."""
+    from diffusers import WanTransformer3DModel
+
+    from train.recipes.memory import MEMORY_ENV, parameters
+
+    params = parameters(WanTransformer3DModel, a14b.model, "transformer")
+    assert params == parameters(WanTransformer3DModel, a14b.model, "transformer_2")
+    monkeypatch.setenv(MEMORY_ENV, str(6 * params / 1e9))
+    with pytest.raises(UsageError, match=r"wan2.2-a14b: LoRA \(frozen float32 weights\) of its .*-parameter "
+                                         r"WanTransformer3DModel \(transformer \+ transformer_2\) needs .* or train "
+                                         r"transformer and transformer_2 in separate runs"):  # fmt: skip
+        _setup(a14b, expert="both", lora_rank=4)
+    assert _setup(a14b, expert="high", lora_rank=4).component == "transformer"
+
+
 def test_both_trains_each_step_as_that_experts_own_run_would(a14b):
     """Every plan step of one update runs one expert (grad_accum 2: steps 2k and 2k + 1), with the loss its
     one-expert recipe (expert: high / low) gives on the same batch and noise, at timesteps in its range; the

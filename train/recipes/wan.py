@@ -34,6 +34,7 @@ from manifests.cache.meta import CacheMeta
 from manifests.errors import UsageError
 from train.config import TrainConfig
 from train.model import flow_sample, to_weight_dtype
+from train.recipes.memory import check_fits
 from train.shift import timestep_shift
 from train.recipes.base import (Denoiser, PromptEmbeds, Recipe, check_matches, flow_loss, flow_options,
                                 load_pretrained, pretrained_source)  # fmt: skip
@@ -194,6 +195,8 @@ def setup(cfg: TrainConfig, meta: CacheMeta) -> Denoiser:
     boundary, expand = _wan22(source, family)
     low, both = cfg.expert == "low", cfg.expert == "both"
     component = "transformer_2" if low else "transformer"
+    # before any weight is read: both experts' frozen float32 weights are twice one expert's (docs/families-video.md)
+    check_fits(family, WanTransformer3DModel, source, cfg, ("transformer", "transformer_2") if both else component)
     transformer = load_pretrained(WanTransformer3DModel, source, component)
     model: torch.nn.Module = transformer
     if both:  # the low-noise expert beside it: one module, one optimizer, one DDP wrapper
