@@ -103,11 +103,8 @@ class WanExperts(torch.nn.Module):
 
     @property
     def peft_config(self) -> dict[str, Any]:
+        """The adapters' configuration (the same on both): what :func:`train.lora.lora_record` reads."""
         return self.transformer.peft_config
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.transformer.dtype
 
 
 def high_share(scheduler: Any, boundary_timestep: float) -> float:
@@ -128,7 +125,7 @@ def pick_expert(seed: int, epoch: int, update: int, share: float) -> str:
     Why the sampler's share, drawn per step: an expert's quality matters in proportion to the denoising steps it
     runs at inference, so the run gives it that share of its optimizer steps (not the share of the training
     density, which depends on the config's weighting, nor a strict alternation, which would give the low expert,
-    twice as many sampler calls at flow_shift 3, half the updates). A seeded draw rather than a fixed pattern: no
+    about twice the sampler calls at flow_shift 3, half the updates). A seeded draw rather than a fixed pattern: no
     aliasing with the plan's bucket order or with ``checkpoint_every``. Positions, not an RNG stream, so every
     rank and a resumed run pick the same expert without any state.
     """
