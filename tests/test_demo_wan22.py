@@ -2,9 +2,9 @@
 
 The demo path of the Wan 2.2 families is one, with the family's options: this runs it for TI2V-5B (its own VAE,
 bucket sides in steps of 32), on its default 24 clips (fewer leave no bucket a global batch of 8);
-``wan2.2-a14b`` goes through the same code with ``expert: high`` in the written config (checked here without a
-run), and its embed, recipe and LoRA through tests/test_families_video.py and tests/test_train_wan22.py (CI's
-whole run is near its limit: one demo, not two).
+``wan2.2-a14b`` goes through the same code with ``expert: both`` and ``lora_rank`` in the written config (checked
+here without a run), and its embed, recipe and LoRA through tests/test_families_video.py and
+tests/test_train_wan22.py (CI's whole run is near its limit: one demo, not two).
 Its own file so that pytest-xdist (make test: --dist loadfile) runs it beside the other demos.
 """
 
@@ -36,12 +36,12 @@ def test_demo_family_wan22_ti2v_embeds_clips_with_its_vae_and_trains(tmp_path, b
     assert sorted((out / "train" / "validation").glob("step-*/*.mp4")), output[-3000:]
 
 
-def test_the_a14b_demo_trains_the_high_noise_expert(tmp_path):
+def test_the_a14b_demo_trains_lora_on_both_experts(tmp_path):
     from pipeline.demo.trainer import family_config
     from train.config import load_config
 
     _, path = family_config("wan2.2-a14b", tmp_path, plan_steps=4)
     cfg = load_config(path)
-    assert (cfg.family, cfg.expert, cfg.validation_every) == ("wan2.2-a14b", "high", 4)
+    assert (cfg.family, cfg.expert, cfg.lora_rank, cfg.validation_every) == ("wan2.2-a14b", "both", 8, 4)
     _, path = family_config("wan2.2-ti2v-5b", tmp_path, plan_steps=4)
     assert load_config(path).expert is None

@@ -142,14 +142,16 @@ def test_ti2v_feeds_one_timestep_per_latent_token_as_its_pipeline_does(ti2v):
 
 
 def test_what_does_not_fit_the_family_is_refused_in_one_line(a14b, ti2v):
-    with pytest.raises(UsageError, match="family wan2.2-a14b trains one of its two experts per run: set expert"):
+    with pytest.raises(UsageError, match="family wan2.2-a14b trains its experts by timestep: set expert: high"):
         _setup(a14b)
     with pytest.raises(UsageError, match="config expert: high: family wan2.2-ti2v-5b has one transformer"):
         _setup(ti2v, expert="high")
     with pytest.raises(UsageError, match="config: expert must be one of"):
         TrainConfig(expert="middle")
-    with pytest.raises(UsageError, match="expert: both: a run trains one of .* two runs on the same cache and plan"):
-        TrainConfig(expert="both")
+    with pytest.raises(UsageError, match="config expert: both: family wan2.2-ti2v-5b has one transformer"):
+        _setup(ti2v, expert="both", lora_rank=4)
+    with pytest.raises(UsageError, match="config expert: both trains LoRA adapters on both experts; set lora_rank"):
+        _setup(a14b, expert="both")
     with pytest.raises(UsageError, match=r"is a wan2.2-ti2v-5b pipeline .* the cache's family is wan2.2-a14b"):
         _setup(a14b, expert="low", pretrained=ti2v.model)
     with pytest.raises(UsageError, match=r"is a wan2.2-a14b pipeline .* the cache's family is wan2.2-ti2v-5b"):
@@ -233,3 +235,185 @@ def test_a_full_fine_tune_of_the_low_expert_loads_into_the_pipeline_as_printed(a
     pipe = scope["pipe"]
     assert all(torch.equal(p, q) for p, q in zip(pipe.transformer_2.parameters(), trained.parameters()))
     assert pipe.config.boundary_ratio == BOUNDARY
+
+
+# ---------------------------------------------------------------- expert: both (LoRA on each expert, one run)
+
+SPANS = {"transformer": (875.0, 1000.0), "transformer_2": (0.0, 875.0)}  # each expert's timesteps (1000 sigma)
+
+
+def test_both_gives_each_update_one_expert_at_the_samplers_share(a14b):
+    """The high expert's share is that of WanPipeline's 50 sampler steps at t >= 875 (16 of 50 at flow_shift 3);
+    pick_expert draws it per (seed, epoch, update), the same at every call."""
+    from train.recipes.wan import high_share, pick_expert, load_flow_scheduler
+
+    scheduler = load_flow_scheduler(a14b.model)
+    scheduler.set_timesteps(50)
+    assert high_share(scheduler, 875.0) == pytest.approx(int((scheduler.timesteps >= 875).sum()) / 50) == 0.32
+    picks = [pick_expert(0, epoch, update, 0.32) for epoch in range(4) for update in range(1000)]
+    assert picks == [pick_expert(0, epoch, update, 0.32) for epoch in range(4) for update in range(1000)]
+    assert abs(picks.count("transformer") / len(picks) - 0.32) < 0.03  # 4000 draws: 4 standard deviations
+    assert picks != [pick_expert(1, epoch, update, 0.32) for epoch in range(4) for update in range(1000)]
+    assert {pick_expert(0, 0, u, 0.0) for u in range(50)} == {"transformer_2"}
+    assert {pick_expert(0, 0, u, 1.0) for u in range(50)} == {"transformer"}
+
+
+def test_both_is_refused_where_both_experts_do_not_fit_but_one_does(a14b, monkeypatch):
+    """LoRA holds the frozen experts in float32: both need twice one's 4 bytes per parameter (a GPU of 1.5x)."""
+    from diffusers import WanTransformer3DModel
+
+    from train.recipes.memory import MEMORY_ENV, parameters
+
+    params = parameters(WanTransformer3DModel, a14b.model, "transformer")
+    assert params == parameters(WanTransformer3DModel, a14b.model, "transformer_2")
+    monkeypatch.setenv(MEMORY_ENV, str(6 * params / 1e9))
+    with pytest.raises(UsageError, match=r"wan2.2-a14b: LoRA \(frozen float32 weights\) of its .*-parameter "
+                                         r"WanTransformer3DModel \(transformer \+ transformer_2\) needs .* or train "
+                                         r"transformer and transformer_2 in separate runs"):  # fmt: skip
+        _setup(a14b, expert="both", lora_rank=4)
+    assert _setup(a14b, expert="high", lora_rank=4).component == "transformer"
+
+
+def test_both_trains_each_step_as_that_experts_own_run_would(a14b):
+    """Every plan step of one update runs one expert (grad_accum 2: steps 2k and 2k + 1), with the loss its
+    one-expert recipe (expert: high / low) gives on the same batch and noise, at timesteps in its range; the
+    other expert runs no forward."""
+    from train.model import step_generator
+    from train.recipes.wan import pick_expert
+
+    both = _setup(a14b, expert="both", lora_rank=4, grad_accum=2)
+    assert set(both.model.experts) == {"transformer", "transformer_2"}
+    one = {"transformer": _setup(a14b, expert="high"), "transformer_2": _setup(a14b, expert="low")}
+    for name, expert in both.model.experts.items():  # the base weights of each subfolder
+        assert all(torch.equal(p, q) for p, q in zip(expert.parameters(), one[name].model.parameters()))
+    calls: list[tuple[str, torch.Tensor]] = []
+    for name, expert in both.model.experts.items():
+        expert.register_forward_pre_hook(lambda m, a, kw, name=name: calls.append((name, kw["timestep"])),
+                                         with_kwargs=True)  # fmt: skip
+    batch = _batches(a14b)[0]
+    seen = set()
+    for epoch, step in [(e, s) for e in range(3) for s in range(8)]:
+        batch.epoch, batch.step = epoch, step
+        want = pick_expert(0, epoch, step // 2, 0.32)
+        with torch.no_grad():
+            loss = both.loss(both.model, batch, step_generator(0, epoch, step, 0))
+            alone = one[want].loss(one[want].model, batch, step_generator(0, epoch, step, 0))
+        (name, t), = calls
+        calls.clear()
+        lo, hi = SPANS[name]
+        assert name == want and lo <= t.min() and t.max() <= hi, (epoch, step, name, t)
+        assert both.step_record == {"expert": name, "sigma": pytest.approx((t / 1000).tolist())}
+        torch.testing.assert_close(loss, alone, rtol=0, atol=0)
+        seen.add(name)
+    assert seen == {"transformer", "transformer_2"}
+
+
+def _adapters(checkpoint: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(checkpoint / "adapters.safetensors")
+
+
+def _changed(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> set[str]:
+    """The experts (``transformer``, ``transformer_2``) whose adapters differ between two checkpoints."""
+    assert before.keys() == after.keys() and {k.split(".", 1)[0] for k in before} == set(SPANS)
+    return {name.split(".", 1)[0] for name in before if not torch.equal(before[name], after[name])}
+
+
+def _check_steps(out: Path, records: list[dict]) -> None:
+    """Each recorded step's sigmas lie in its expert's range, and between the checkpoints around it only that
+    expert's adapters changed (the other's weights and Adam moments untouched: its gradients stayed None)."""
+    for position, row in enumerate(records, start=1):
+        lo, hi = SPANS[row["expert"]]
+        assert all(lo <= 1000 * s <= hi for s in row["sigma"]), row
+        before = out / "checkpoints" / f"step-{position - 1:08d}"
+        after = _adapters(out / "checkpoints" / f"step-{position:08d}")
+        if before.exists():
+            assert _changed(_adapters(before), after) == {row["expert"]}, (position, row)
+    assert {row["expert"] for row in records} == set(SPANS)
+
+
+@pytest.mark.slow
+def test_both_trains_each_expert_on_its_steps_and_resumes_the_same_sequence(a14b, tmp_path):
+    """6 steps with a checkpoint at each; then the same run stopped at step 3 and resumed: the same experts, the
+    same sigmas, the same adapters (both experts' optimizer moments and the schedule come back)."""
+    cfg = write_settings(tmp_path / "both.json", expert="both", lora_rank=4, lora_alpha=8, lr=1e-2,
+                         keep_checkpoints=10)  # fmt: skip
+    out, cut = tmp_path / "out", tmp_path / "cut"
+    common = ("--plan", a14b.plan, "--cache", a14b.cache, "--config", cfg)
+    result, _ = train_quiet(*common, "--output-dir", out, "--max-steps", 6, "--record-samples", out / "rec")
+    assert result.steps == 6
+    records = [json.loads(line) for line in (out / "rec" / "rank-0.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2, 0, 1, 2]
+    _check_steps(out, records)
+
+    train_quiet(*common, "--output-dir", cut, "--max-steps", 3, "--record-samples", cut / "rec")
+    resumed, _ = train_quiet(*common, "--output-dir", cut, "--max-steps", 6, "--record-samples", cut / "rec",
+                             "--resume")  # fmt: skip
+    assert resumed.steps == 3
+    again = [json.loads(line) for line in (cut / "rec" / "rank-0.jsonl").read_text().splitlines()]
+    assert again == records
+    final, replayed = (_adapters(d / "checkpoints" / "step-00000006") for d in (out, cut))
+    assert all(torch.equal(final[k], replayed[k]) for k in final)
+
+
+@pytest.mark.slow
+def test_both_exports_load_into_both_transformers_and_give_the_trained_outputs(a14b, tmp_path):
+    """OUTPUT/lora loads into transformer, OUTPUT/lora_2 with load_into_transformer_2=True (as the run prints);
+    each transformer then gives the outputs of the trained expert; validation runs the trained pair."""
+    from diffusers import WanPipeline
+
+    from train.config import load_config
+    from train.lora import add_lora
+
+    cfg = write_settings(tmp_path / "both.json", expert="both", lora_rank=4, lora_alpha=8, lr=1e-2,
+                         validation_every=3, validation_steps=2, validation_size=64, validation_frames=5)  # fmt: skip
+    out = tmp_path / "out"
+    result, printed = train_quiet("--plan", a14b.plan, "--cache", a14b.cache, "--config", cfg, "--output-dir", out,
+                                  "--max-steps", 3)  # fmt: skip
+    assert result.steps == 3
+    for folder in ("lora", "lora_2"):
+        record = json.loads((out / folder / "lora.json").read_text())
+        assert (record["family"], record["component"], record["steps"]) == ("wan2.2-a14b", "transformer", 3)
+    assert sorted(p.name for p in (out / "validation" / "step-00000003").iterdir()) == [
+        "00.mp4", "00.png", "01.mp4", "01.png"]
+    code = printed_code(printed, "load them into the base pipeline")
+    assert code.splitlines()[-2:] == [f"pipe.load_lora_weights({str(out / 'lora')!r})",
+                                      f"pipe.load_lora_weights({str(out / 'lora_2')!r}, load_into_transformer_2=True)"]
+
+    both = _setup(a14b, expert="both", lora_rank=4)
+    add_lora(both.model, load_config(cfg), targets=both.lora_targets)
+    params = dict(both.model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in _adapters(out / "checkpoints" / "step-00000003").items():
+            params[name].copy_(tensor)
+    scope: dict[str, Any] = {}
+    exec(code, scope)
+    pipe, batch = scope["pipe"], _batches(a14b)[0]
+    assert isinstance(pipe, WanPipeline)
+    for name, expert in (("transformer", "high"), ("transformer_2", "low")):
+        one = _setup(a14b, expert=expert)
+        base = recipe_outputs(one, one.model, batch)
+        want = recipe_outputs(one, both.model.experts[name], batch)
+        loaded = recipe_outputs(one, getattr(pipe, name), batch)
+        torch.testing.assert_close(loaded, want, rtol=1e-4, atol=1e-5)
+        assert (loaded - base).abs().max() > 100 * (loaded - want).abs().max(), name  # its adapters do act
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_both_on_two_ddp_processes_steps_one_expert_and_leaves_the_other_untouched(a14b, tmp_path):
+    """accelerate launch, 2 processes over gloo: every rank trains the same expert at each step (the other
+    expert's part of the one DDP model sees no forward), and between checkpoints only that expert changes."""
+    from tests.test_train_dist import launch
+
+    cfg = write_settings(tmp_path / "both.json", expert="both", lora_rank=4, lora_alpha=8, lr=1e-2,
+                         keep_checkpoints=10)  # fmt: skip
+    out = tmp_path / "out"
+    launch(2, "--plan", a14b.plan2, "--cache", a14b.cache, "--config", cfg, "--output-dir", out, "--max-steps", 4,
+           "--record-samples", out / "rec")  # fmt: skip
+    ranks = [[json.loads(line) for line in (out / "rec" / f"rank-{r}.jsonl").read_text().splitlines()]
+             for r in range(2)]  # fmt: skip
+    assert len(ranks[0]) == 4 and [r["expert"] for r in ranks[0]] == [r["expert"] for r in ranks[1]]
+    _check_steps(out, ranks[0])
+    _check_steps(out, ranks[1])

@@ -162,15 +162,20 @@ def save_weights(accelerator, model, output: OutputDir, name: str, lora: LoraRec
     family pipeline's ``load_lora_weights`` loads them, :mod:`train.lora`). Call it on every rank (FSDP /
     ZeRO-3 gather the shards of a whole model)."""
     from train.backends import save_model
-    from train.lora import save_lora
+    from train.lora import export_parts, save_lora
 
-    if lora is not None:
+    folders = [name]
+    if lora is not None:  # a model of several experts: one export each (lora, lora_2)
+        parts = export_parts(accelerator.unwrap_model(model), name)
+        folders = [folder for folder, _ in parts]
         if accelerator.is_main_process:
-            save_lora(accelerator.unwrap_model(model), output.local(name), lora)
+            for folder, part in parts:
+                save_lora(part, output.local(folder), lora)
     else:
         save_model(accelerator, model, output.local(name))  # every rank: FSDP / ZeRO-3 gather shards here
     if accelerator.is_main_process:
-        output.upload(name)
+        for folder in folders:
+            output.upload(folder)
 
 
 def resume_elastic(

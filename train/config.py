@@ -31,7 +31,8 @@ MIXED_PRECISION = ("no", "bf16", "fp16")
 # keys whose default is None: their type when given
 OPTIONAL = {"grad_accum": int, "family": str, "pretrained": str, "ema_decay": float, "lora_alpha": float,
             "lora_targets": list, "repa": dict, "masked_loss": dict, "expert": str}
-EXPERTS = ("high", "low")  # Wan 2.2 A14B: transformer (timesteps >= the pipeline's boundary), transformer_2 (below)
+# Wan 2.2 A14B: transformer (timesteps >= the pipeline's boundary), transformer_2 (below), or LoRA on each in one run
+EXPERTS = ("high", "low", "both")
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,8 @@ class TrainConfig:
     lora_alpha: float | None = None  # LoRA scale numerator (default: lora_rank)
     lora_targets: list | None = None  # module names LoRA adapts (default: the recipe's attention projections)
     # Wan 2.2 A14B (two experts): which one a run trains, on its timesteps only; high: transformer, t >= boundary_ratio
-    # * num_train_timesteps; low: transformer_2, below (docs/families-video.md). Other families: leave it out
+    # * num_train_timesteps; low: transformer_2, below; both: LoRA on each, one expert per optimizer step
+    # (docs/families-video.md). Other families: leave it out
     expert: str | None = None
     caption_dropout: float = 0.0  # probability of training a sample on the empty caption (classifier-free guidance)
     # a cache embedded with --latents posterior: train on a fresh draw mean + std * eps from each latent's VAE
@@ -118,9 +120,7 @@ class TrainConfig:
             (0.0 <= self.caption_dropout < 1.0, "caption_dropout must be in [0, 1)"),
             (self.ema_decay is None or 0.0 < self.ema_decay < 1.0, "ema_decay must be in (0, 1), e.g. 0.9999"),
             (self.lora_rank >= 0, "lora_rank must be >= 0 (0: full fine-tuning)"),
-            (self.expert != "both", "expert: both: a run trains one of Wan 2.2 A14B's experts; train both with two "
-             "runs on the same cache and plan, expert: high and expert: low (docs/families-video.md)"),
-            (self.expert in (None, "both", *EXPERTS), f"expert must be one of {EXPERTS} (Wan 2.2 A14B's two experts)"),
+            (self.expert in (None, *EXPERTS), f"expert must be one of {EXPERTS} (Wan 2.2 A14B's two experts)"),
             (self.validation_every >= 0, "validation_every must be >= 0 (0: no validation images)"),
             (self.validation_steps >= 1, "validation_steps must be >= 1"),
             (self.validation_size % 16 == 0, "validation_size must be a multiple of 16 (0: from the cache)"),

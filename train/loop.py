@@ -193,7 +193,8 @@ class Trainer:
             t_data = time.perf_counter()
             batch = batch.to(accelerator.device, non_blocking=True)
             self.last_loss = loss = self.train_step(batch)
-            self.recorder.write(batch.epoch, batch.step, batch.sample_ids, batch.skipped, batch.datasets)
+            self.recorder.write(batch.epoch, batch.step, batch.sample_ids, batch.skipped, batch.datasets,
+                                self.denoiser.step_record)  # fmt: skip
             self.cursor = self.cursor.after(batch.epoch, batch.step, optimizer_steps=self.updates)
             window.add(loss, len(batch.sample_ids), int(batch.latent_positions * self.denoiser.tokens_per_position),
                        t_data - t0, time.perf_counter() - t0)  # fmt: skip
@@ -299,7 +300,8 @@ class Trainer:
             d = self.denoiser
             for line in how_to_load(output, model_class=type(self.unwrapped).__name__, pipeline=d.pipeline_class,
                                     component=d.component, base=d.source, lora=lora is not None,
-                                    ema=self.ema is not None, lora_load=d.lora_load):  # fmt: skip
+                                    ema=self.ema is not None, lora_load=d.lora_load,
+                                    more_lora_loads=d.more_lora_loads):  # fmt: skip
                 accelerator.print(line)
         return TrainResult(stop, cursor.position - self.position.cursor.position, cursor.position, cursor.epoch,
                            cursor.step, self.updates, self.last_loss, skipped, self.job.output_dir,

@@ -38,7 +38,8 @@ from manifests.errors import UsageError
 from manifests.jsonrecord import JsonRecord, optional
 from train.config import TrainConfig
 
-__all__ = ["add_lora", "save_lora", "load_lora", "LoraRecord", "weights_sha256", "register_adapter_checkpoints",
+__all__ = ["add_lora", "save_lora", "export_parts", "export_folder",
+           "load_lora", "LoraRecord", "weights_sha256", "register_adapter_checkpoints",
            "check_resume", "lora_record", "LORA_FILE", "RECORD_FILE", "ADAPTERS_FILE"]  # fmt: skip
 
 LORA_FILE = "pytorch_lora_weights.safetensors"  # the name diffusers' LoRA loaders look for
@@ -134,6 +135,20 @@ def save_lora(model: torch.nn.Module, directory: Path, record: LoraRecord) -> No
     pipeline.save_lora_weights(str(directory), weight_name=LORA_FILE, **{
         f"{record.component}_lora_layers": layers, f"{record.component}_lora_adapter_metadata": metadata})
     record.write(Path(directory) / RECORD_FILE)
+
+
+def export_folder(name: str, index: int) -> str:
+    """The folder of the ``index``-th model of an export called ``name``: ``lora``, then ``lora_2``, ``lora_3``."""
+    return name if index == 0 else f"{name}_{index + 1}"
+
+
+def export_parts(model: torch.nn.Module, name: str) -> list[tuple[str, torch.nn.Module]]:
+    """``(folder, model)`` of each model the export ``name`` writes: ``model`` itself, or for a model that holds
+    several (``experts``: Wan 2.2 A14B's two under ``expert: both``) each of them in :func:`export_folder` order,
+    one diffusers export each (``transformer`` in ``lora``, ``transformer_2`` in ``lora_2``): diffusers'
+    ``save_lora_weights`` writes one component per file, and ``load_lora_weights`` loads a file into one."""
+    experts = getattr(model, "experts", None) or {"model": model}
+    return [(export_folder(name, i), part) for i, part in enumerate(experts.values())]
 
 
 def load_lora(model: torch.nn.Module, directory: str | Path) -> torch.nn.Module:

@@ -66,7 +66,8 @@ class Window:
 
 class SampleRecorder:
     """``DIR/rank-<r>.jsonl``: ``{"epoch", "step", "rank", "sample_ids"}`` per step (+ ``skipped`` if any,
-    + ``datasets``, the dataset of each sample, for a plan over several manifests)."""
+    + ``datasets``, the dataset of each sample, for a plan over several manifests; + what the recipe drew,
+    Wan 2.2 A14B ``expert: both``: ``expert`` and ``sigma``, one per sample)."""
 
     def __init__(self, directory: str | Path | None, rank: int):
         self.file = None
@@ -76,10 +77,12 @@ class SampleRecorder:
         self.rank = rank
 
     def write(self, epoch: int, step: int, sample_ids: list[int], skipped: list[int],
-              datasets: list[int] | None = None) -> None:  # fmt: skip
+              datasets: list[int] | None = None, drawn: dict[str, Any] | None = None) -> None:  # fmt: skip
+        """One step's line; ``drawn``: what the recipe drew for it (:attr:`train.recipes.Denoiser.step_record`)."""
         if self.file is None:
             return
-        row: dict[str, Any] = {"epoch": epoch, "step": step, "rank": self.rank, "sample_ids": sample_ids}
+        row: dict[str, Any] = {"epoch": epoch, "step": step, "rank": self.rank, "sample_ids": sample_ids,
+                               **(drawn or {})}  # fmt: skip
         if skipped:
             row["skipped"] = skipped
         if datasets is not None:

@@ -187,11 +187,13 @@ def check_shared(accelerator, output: OutputDir) -> None:
 
 
 def how_to_load(output: OutputDir, *, model_class: str, pipeline: str | None, component: str, base: str | None,
-                lora: bool, ema: bool, lora_load: dict | None = None) -> list[str]:  # fmt: skip
+                lora: bool, ema: bool, lora_load: dict | None = None,
+                more_lora_loads: tuple[dict, ...] = ()) -> list[str]:  # fmt: skip
     """The lines a finished run ends with: its folders and the diffusers code that loads them (``pipeline``:
     the family's pipeline class, ``component``: the model's name in it, ``base``: the pretrained model;
-    ``lora``: adapters were trained, ``lora_load`` the extra arguments of ``load_lora_weights``; ``ema``: an EMA
-    was kept)."""
+    ``lora``: adapters were trained, ``lora_load`` the extra arguments of ``load_lora_weights``,
+    ``more_lora_loads`` those of the further exports ``lora_2``, ... (:func:`train.lora.export_parts`); ``ema``: an
+    EMA was kept)."""
     kind = "lora" if lora else "model"
     folder = output.name(kind)
     also = f" (the EMA's: {output.name(f'{kind}_ema')})" if ema else ""
@@ -206,11 +208,20 @@ def how_to_load(output: OutputDir, *, model_class: str, pipeline: str | None, co
                   f"    pipe.{component}.load_lora_adapter({folder!r}, prefix=None, weight_name={LORA_FILE!r}, "
                   "use_safetensors=True)"]  # fmt: skip
     elif lora:
-        into = "".join(f", {k}={v!r}" for k, v in (lora_load or {}).items())  # e.g. load_into_transformer_2=True
-        lines += [f"LoRA adapters in {folder}{also}; load them into the base pipeline{local}:",
+        from train.lora import export_folder
+
+        exports = [(output.name(export_folder(kind, i)), load)
+                   for i, load in enumerate((lora_load, *more_lora_loads))]  # fmt: skip
+        if more_lora_loads:
+            ema_names = ", ".join(output.name(export_folder(f"{kind}_ema", i)) for i in range(len(exports)))
+            also = f" (the EMA's: {ema_names})" if ema else ""
+        lines += [f"LoRA adapters in {', '.join(f for f, _ in exports)}{also}; load them into the base "
+                  f"pipeline{local}:",
                   f"    from diffusers import {pipeline}",
-                  f"    pipe = {pipeline}.from_pretrained({redact(str(base))!r})",
-                  f"    pipe.load_lora_weights({folder!r}{into})"]  # fmt: skip
+                  f"    pipe = {pipeline}.from_pretrained({redact(str(base))!r})"]  # fmt: skip
+        for folder, load in exports:
+            into = "".join(f", {k}={v!r}" for k, v in (load or {}).items())  # e.g. load_into_transformer_2=True
+            lines.append(f"    pipe.load_lora_weights({folder!r}{into})")
     elif pipeline is not None and base is not None:
         lines += [f"the trained {component} in {folder}{also}; load it into the base pipeline{local}:",
                   f"    from diffusers import {model_class}, {pipeline}",

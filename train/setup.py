@@ -89,7 +89,7 @@ class Model:
 def setup_launch(job: TrainJob) -> Launch:
     """The plan's accumulation (checked against the configs), the output folder, the Accelerator."""
     from accelerate import Accelerator
-    from accelerate.utils import set_seed
+    from accelerate.utils import DistributedDataParallelKwargs, set_seed
 
     from manifests.plan import read_plan_meta
     from train.backends import check_backend, plan_grad_accum
@@ -106,7 +106,10 @@ def setup_launch(job: TrainJob) -> Launch:
     node = int(os.environ.get("RANK", 0)) - int(os.environ.get("LOCAL_RANK", 0))
     output = open_output(job.output_dir, job.storage_options, node)
     check_writable(output)  # before the Accelerator's TensorBoard folder and any model load
+    # expert: both (Wan 2.2 A14B) runs one of the model's two experts per step: DDP must find the unused one
+    handlers = [DistributedDataParallelKwargs(find_unused_parameters=True)] if cfg.expert == "both" else []
     accelerator = Accelerator(
+        kwargs_handlers=handlers,
         mixed_precision=cfg.mixed_precision,
         gradient_accumulation_steps=grad_accum,
         step_scheduler_with_optimizer=False,  # we step the schedule once per optimizer step, on any world size
@@ -114,6 +117,10 @@ def setup_launch(job: TrainJob) -> Launch:
         project_dir=str(output.local("logs")),
     )
     check_backend(accelerator)
+    if cfg.expert == "both" and accelerator.distributed_type.name in ("FSDP", "DEEPSPEED"):
+        raise UsageError(f"config expert: both runs under DDP only ({accelerator.distributed_type.value} here shards "
+                         "a model whose steps leave half of it unused): use a DDP accelerate config, or train each "
+                         "expert in its own run (expert: high, expert: low)")  # fmt: skip
     check_shared(accelerator, output)
     set_seed(cfg.seed)  # identical initial weights on every rank
     max_steps = _whole_updates(job.max_steps, grad_accum)
@@ -207,7 +214,9 @@ def setup_model(launch: Launch, position: Position, data: Data) -> Model:
     from train.recipes import recipe_for
 
     accelerator, cfg, root_meta, reader = launch.accelerator, launch.cfg, launch.root_meta, data.reader
-    denoiser = recipe_for(cfg, reader.meta).setup(cfg, reader.meta)
+    # the recipe sees the plan's accumulation (wan2.2-a14b expert: both picks one expert per optimizer step)
+    recipe_cfg = replace(cfg, grad_accum=launch.grad_accum)
+    denoiser = recipe_for(cfg, reader.meta).setup(recipe_cfg, reader.meta)
     model = denoiser.model
     lora = _setup_lora(accelerator, cfg, denoiser, data.family) if cfg.lora_rank else None
     trained = [p for p in model.parameters() if p.requires_grad]

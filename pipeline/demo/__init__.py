@@ -8,7 +8,7 @@
     bucketeer demo --family qwen-image-edit  # ... (target, reference) pairs: a grey reference per image
     bucketeer demo --repa                 # DINOv2 features in the cache (embed --features), REPA in training
     bucketeer demo --family wan           # video: generated clips, scan --frames, a tiny random-weight Wan
-    bucketeer demo --family wan2.2-ti2v-5b   # ... Wan 2.2 (48-channel VAE); wan2.2-a14b: its high-noise expert
+    bucketeer demo --family wan2.2-ti2v-5b   # ... Wan 2.2 (48-channel VAE); wan2.2-a14b: LoRA on both experts
     bucketeer demo --family flux2         # a tiny random-weight FLUX.2-dev (flux2-klein, chroma alike)
 
 Each stage is the real job, called the way a user calls it: scan, annotate, dedup, embed, plan, verify
@@ -32,8 +32,9 @@ shows that family's embed and training, without these stages.
 tiny pretrained weights, with caption dropout, an EMA and validation images at the end: the
 settings are in ``train-config.yaml``). ``--family wan`` does the same on ~24 generated short clips
 (H.264 and VP9, one rotated, stills among them, one too short and one broken), scanned with ``--frames
-9,17`` into ``WxHxF`` buckets and trained with the wan recipe; ``--family wan2.2-a14b`` trains the high-noise
-expert (``expert: high``) and ``--family wan2.2-ti2v-5b`` scans with sides in steps of 32 (its VAE is 16x).
+9,17`` into ``WxHxF`` buckets and trained with the wan recipe; ``--family wan2.2-a14b`` trains LoRA on both
+experts in one run (``expert: both``) and ``--family wan2.2-ti2v-5b`` scans with sides in steps of 32 (its VAE
+is 16x).
 ``--family qwen-image-edit`` gives every image a reference (its grey version, ``dataset/_references/``), scans
 the pairs (``--conditioning``), embeds each (caption, reference) with the references at the demo's 256²
 (``--reference-resolution 256``) and fine-tunes without caption dropout or validation images. ``--family

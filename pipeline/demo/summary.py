@@ -44,7 +44,7 @@ def summary_text(figures: dict[str, Any], out: Path, world_size: int) -> str:
         *folders,
         f"  cache     {a['cache']}   (gzip'd latents + text embeddings; _cache.json)",
         f"  plan      {a['plan']}   (rows epoch, step, rank, bucket, sample_ids; _plan.json)",
-        f"  trainer   {a['train']}   (checkpoints, metrics.jsonl, logs/, model/), log {out / 'train.log'}",
+        f"  trainer   {a['train']}   ({_listing(Path(a['train']))}), log {out / 'train.log'}",
         f"  report    {a['report']}   (PNGs in {a['figures']})",
         "",
         "figures",
@@ -71,3 +71,10 @@ def summary_text(figures: dict[str, Any], out: Path, world_size: int) -> str:
         f"open {a['report']} in a browser; figures in {out / 'demo-summary.json'}",
     ]  # fmt: skip
     return "\n".join(lines)
+
+
+def _listing(folder: Path) -> str:
+    """What the trainer wrote (``model/`` or ``lora/``, ``lora_2/`` for both Wan 2.2 A14B experts, ...)."""
+    if not folder.is_dir():
+        return "checkpoints/, metrics.jsonl, logs/, model/ or lora/"
+    return ", ".join(sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir()))

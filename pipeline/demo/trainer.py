@@ -50,8 +50,8 @@ def family_config(family: str, out: Path, *, plan_steps: int, repa: bool = False
             f"# written by bucketeer demo --family {family}: the tiny {family} model fine-tuned on the CPU;\n"
             "# validation images after the last step\n"
             f"family: {family}\nlr: 1.0e-4\nwarmup_steps: 5\ncaption_dropout: 0.1\nema_decay: 0.99\n"
-            + ("expert: high  # the high-noise expert (transformer); expert: low trains transformer_2\n"
-               if family == "wan2.2-a14b" else "")
+            + ("expert: both  # LoRA on both experts, one per optimizer step (expert: high / low: one per run)\n"
+               "lora_rank: 8\n" if family == "wan2.2-a14b" else "")
             + ("validation_frames: 9  # 8k + 1, short: the tiny pipeline runs its audio stream too\n"
                if family == "ltx-2" else "")
             + f"checkpoint_every: 100\nlog_every: 10\nvalidation_every: {plan_steps}\nvalidation_steps: 4\n"

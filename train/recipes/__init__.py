@@ -27,11 +27,11 @@ z-image    ``ZImageTransformer2DModel``        rectified flow on per-image lists
 generic    (as pixart, from scratch)
 =========  ==================================  ===========================================================
 
-Wan 2.2 (``wan2.2-a14b``: one expert per run, on its timesteps; ``wan2.2-ti2v-5b``: per-token timesteps):
-:mod:`train.recipes.wan`. Flux 2, Flux 2 Klein and Chroma: :mod:`train.recipes.flux2` (``Flux2Transformer2DModel``
-on the cache's patchified, batch-norm-normalised latents, Flux 2's empirical shift) and :mod:`train.recipes.chroma`
-(``ChromaTransformer2DModel``, its text mask). HunyuanVideo 1.5 (two masked text streams, the zero t2v
-condition): :mod:`train.recipes.hunyuan_video15`.
+Wan 2.2 (``wan2.2-a14b``: one expert per run or LoRA on both, each on its timesteps; ``wan2.2-ti2v-5b``: per-token
+timesteps): :mod:`train.recipes.wan`. Flux 2, Flux 2 Klein and Chroma: :mod:`train.recipes.flux2`
+(``Flux2Transformer2DModel`` on the cache's patchified, batch-norm-normalised latents, Flux 2's empirical shift) and
+:mod:`train.recipes.chroma` (``ChromaTransformer2DModel``, its text mask). HunyuanVideo 1.5 (two masked text
+streams, the zero t2v condition): :mod:`train.recipes.hunyuan_video15`.
 """
 
 from __future__ import annotations

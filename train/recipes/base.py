@@ -43,7 +43,11 @@ class Denoiser:
     ``load_lora_weights`` reads the LoRA export; None: no LoRA loaders), ``component``: the model's
     name in it; ``lora_load``: the extra ``load_lora_weights`` arguments that load the export into it, and
     ``lora_component`` the key prefix its export then has (Wan 2.2's low-noise expert ``transformer_2``:
-    ``load_into_transformer_2=True``, keys ``transformer.``; None: ``component``).
+    ``load_into_transformer_2=True``, keys ``transformer.``; None: ``component``). ``more_lora_loads``: for a
+    model that holds several (``experts``, Wan 2.2 A14B's ``expert: both``), the ``load_lora_weights`` arguments of
+    the further experts' exports (``OUTPUT/lora_2``, ...). ``step_record``: what the last loss call drew that the
+    run's ``--record-samples`` lines keep (``expert: both``: the expert and each sample's sigma); the recipe
+    updates it.
     """
 
     model: torch.nn.Module
@@ -57,6 +61,8 @@ class Denoiser:
     component: str = "transformer"
     lora_load: dict[str, Any] = field(default_factory=dict)
     lora_component: str | None = None
+    more_lora_loads: tuple[dict[str, Any], ...] = ()
+    step_record: dict[str, Any] = field(default_factory=dict)
 
     @property
     def lora(self) -> bool:

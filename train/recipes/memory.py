@@ -51,13 +51,16 @@ def state_bytes(params: int, cfg: TrainConfig) -> int:
     return params * per // max(1, shards)
 
 
-def check_fits(family: str, cls: type, source: str, cfg: TrainConfig, subfolder: str = "transformer") -> None:
-    """UsageError (one line) when the training state of ``source``'s model cannot fit this GPU's memory."""
+def check_fits(family: str, cls: type, source: str, cfg: TrainConfig,
+               subfolder: str | tuple[str, ...] = "transformer") -> None:  # fmt: skip
+    """UsageError (one line) when the training state of ``source``'s model cannot fit this GPU's memory;
+    ``subfolder``: the model's, or a tuple of several trained together (Wan 2.2 A14B's two experts)."""
     memory = device_memory()
     if memory is None:
         return
+    folders = (subfolder,) if isinstance(subfolder, str) else subfolder
     try:
-        params = parameters(cls, source, subfolder)
+        params = sum(parameters(cls, source, folder) for folder in folders)
     except (OSError, EnvironmentError):
         return  # no config to size it by: loading the model says what is missing
     need = state_bytes(params, cfg)
@@ -68,6 +71,9 @@ def check_fits(family: str, cls: type, source: str, cfg: TrainConfig, subfolder:
     hint = (f"shard it with FSDP over >= {-(-need // memory)} GPUs (accelerate config)"
             + ("" if cfg.lora_rank or lora > memory else
                f", or train LoRA (lora_rank: 16; {lora / 1e9:.1f} GB of frozen weights)"))
-    raise UsageError(f"{family}: {what} of its {params / 1e9:.2f}B-parameter {cls.__name__} needs {need / 1e9:.1f} GB "
+    if len(folders) > 1:  # expert: both holds both experts: one each per run fits where both do not
+        hint += f", or train {' and '.join(folders)} in separate runs (expert: high, expert: low)"
+    model = cls.__name__ + (f" ({' + '.join(folders)})" if len(folders) > 1 else "")
+    raise UsageError(f"{family}: {what} of its {params / 1e9:.2f}B-parameter {model} needs {need / 1e9:.1f} GB "
                      f"per GPU before activations; this GPU has {memory / 1e9:.1f} GB: {hint}")  # fmt: skip
 
