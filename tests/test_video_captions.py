@@ -147,3 +147,21 @@ def test_an_image_only_captioner_is_refused_for_shots(captioned, tmp_path):
     llava = str(ensure_default_model())
     with pytest.raises(UsageError, match="--model .*takes images only"):
         run(AnnotateJob(manifest=manifest, out=str(tmp_path / "x"), tasks=TASKS, model=llava, device="cpu"))
+
+
+@pytest.mark.ray
+def test_a_rescan_takes_each_videos_caption_from_its_shots(captioned, tmp_path):
+    """``scan --captions CAPTIONED``: the video's caption (its longest shot's) is what embed encodes for it."""
+    source, _, out, _ = captioned
+    rescan = str(tmp_path / "m2")
+    run(ScanJob(source=str(source), out=rescan, spec=BucketSpec(area=W * H, step=16), frames=LADDER, captions=out,
+                config=ScanConfig(progress=False)))  # fmt: skip
+    from manifests.manifest import read_manifest
+
+    _, rows, _ = read_annotations(out, columns=["caption"])
+    generated = dict(zip(rows.column("filename").to_pylist(), rows.column("caption").to_pylist()))
+    samples = read_manifest(rescan).samples.to_pylist()
+    got = {r["filename"]: r["caption"] for r in samples}
+    from pipeline.sources.captions import normalise_caption
+
+    assert got["three.mp4"] == normalise_caption(generated["three.mp4"])
