@@ -168,8 +168,6 @@ def test_shot_where_aesthetic_selects_clips_and_where_selects_videos(shots, tmp_
 def test_shot_tasks_need_scenes_and_image_tasks_are_refused():
     with pytest.raises(UsageError, match="two annotate runs"):
         AnnotateJob(manifest="m", out="a", tasks=("scenes", "aesthetic", "phash"))
-    with pytest.raises(UsageError, match="not built yet"):
-        AnnotateJob(manifest="m", out="a", tasks=("scenes", "caption"))
     AnnotateJob(manifest="m", out="a", tasks=("scenes", "aesthetic", "embedding"))  # accepted
 
 

@@ -19,14 +19,31 @@ from pathlib import Path
 
 from pipeline.embed.families.tiny import build_once
 
-__all__ = ["DEFAULT_VERSION", "DEFAULT_CAPTION_NOTICE", "MAX_HEAD_DIM", "attention_heads", "build_default_model",
-           "default_model_dir", "ensure_default_model"]  # fmt: skip
+__all__ = ["DEFAULT_VERSION", "DEFAULT_VIDEO_VERSION", "DEFAULT_CAPTION_NOTICE", "DEFAULT_VIDEO_NOTICE", "MAX_HEAD_DIM",
+           "attention_heads", "build_default_model", "build_default_video_model", "default_model_dir",
+           "ensure_default_model", "ensure_default_video_model"]  # fmt: skip
 
 DEFAULT_VERSION = "llava-tiny-v1"
+DEFAULT_VIDEO_VERSION = "qwen2.5-vl-tiny-video-v1"
 DEFAULT_CAPTION_NOTICE = (
     "bucketeer annotate: using the embedded DEFAULT captioner (a tiny random-weight Llava): its captions are "
     "NOISE, for trying the pipeline only. Pass --model with a real captioner (docs/annotate.md)."
 )
+DEFAULT_VIDEO_NOTICE = (
+    "bucketeer annotate: captioning shots with the embedded DEFAULT video captioner (a tiny random-weight "
+    "Qwen2.5-VL): its captions are NOISE, for trying the pipeline only. Pass --model with a real video captioner "
+    "such as Qwen2.5-VL (docs/video-clips.md)."
+)
+# Qwen2-VL's chat template for one user turn of images, videos and text (the hub models' own renders the same)
+_QWEN_VL_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for c in message['content'] %}"
+    "{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>{% else %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# the default video captioner's video processor: few pixels a frame (its grids stay small on a CPU)
+DEFAULT_VIDEO_PIXELS = {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 16}
 _CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
@@ -99,12 +116,52 @@ def build_default_model(folder: str | os.PathLike, *, width: int = 32, layers: i
     return target
 
 
-def default_model_dir(home: str | None = None) -> Path:
+def build_default_video_model(folder: str | os.PathLike) -> Path:
+    """Write the tiny video captioner to ``folder``: the tiny Qwen2.5-VL of
+    :func:`pipeline.embed.families.tiny_qwen.qwen_vl` (seeded), its tokenizer with Qwen2-VL's chat template, and
+    Qwen2.5-VL's image and video processor configs (patch 14, merge 2, temporal patch 2) at
+    :data:`DEFAULT_VIDEO_PIXELS`. The video processor's config is written as JSON: building its class needs
+    torchvision, loading the folder does not (:func:`pipeline.annotate.engines.load_processor`)."""
+    import json
+
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from pipeline.embed.families.tiny_qwen import qwen_tokenizer, qwen_vl
+    from pipeline.embed.processors import qwen2vl_image_processor_class
+
+    hf_logging.set_verbosity_error()
+    tokenizer = qwen_tokenizer(_QWEN_VL_TEMPLATE)
+    torch.manual_seed(39)
+    model = qwen_vl(tokenizer)
+    ids = {s: tokenizer.convert_tokens_to_ids(s) for s in ("<|im_end|>", "<|endoftext|>")}
+    model.generation_config.eos_token_id = ids["<|im_end|>"]
+    model.generation_config.pad_token_id = ids["<|endoftext|>"]
+    target = Path(folder)
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    shape = {"patch_size": 14, "merge_size": 2, "temporal_patch_size": 2}
+    qwen2vl_image_processor_class()(size=dict(DEFAULT_VIDEO_PIXELS), **shape).save_pretrained(target)
+    video = {"video_processor_type": "Qwen2VLVideoProcessor", "size": dict(DEFAULT_VIDEO_PIXELS), **shape,
+             "do_sample_frames": False, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+             "image_std": [0.26862954, 0.26130258, 0.27577711], "processor_class": "Qwen2_5_VLProcessor"}
+    (target / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2) + "\n")
+    (target / "chat_template.jinja").write_text(_QWEN_VL_TEMPLATE)
+    (target / "README.txt").write_text(DEFAULT_VIDEO_NOTICE + "\n")
+    return target
+
+
+def default_model_dir(home: str | None = None, version: str = DEFAULT_VERSION) -> Path:
     """``<home>/default-annotators/<version>``; home defaults to ``$BUCKETEER_HOME`` or ``~/.cache/bucketeer``."""
     home = home or os.environ.get("BUCKETEER_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "bucketeer")
-    return Path(home) / "default-annotators" / DEFAULT_VERSION
+    return Path(home) / "default-annotators" / version
 
 
 def ensure_default_model(home: str | None = None) -> Path:
     """Build the default captioner once (aside, then renamed into place); its folder."""
     return build_once(default_model_dir(home), build_default_model)
+
+
+def ensure_default_video_model(home: str | None = None) -> Path:
+    """Build the default video captioner once (:func:`build_default_video_model`); its folder."""
+    return build_once(default_model_dir(home, DEFAULT_VIDEO_VERSION), build_default_video_model)

@@ -19,10 +19,13 @@ from typing import Any
 
 from manifests.errors import UsageError
 
-__all__ = ["ENGINES", "CaptionSpec", "TransformersCaptioner", "describe_model", "vllm_available"]
+__all__ = ["ENGINES", "QWEN_VL_TYPES", "CaptionSpec", "TransformersCaptioner", "describe_model", "load_captioner",
+           "load_processor", "vllm_available"]
 
 ENGINES = ("auto", "transformers", "vllm")
 DEFAULT_PROMPT = "Describe this image in one detailed sentence: the subject, the setting, the style."
+DEFAULT_VIDEO_PROMPT = ("Describe this video clip in one detailed sentence: the subject, what happens, the setting, "
+                        "the camera.")  # a video run's --prompt when none is given
 
 
 @dataclass(frozen=True)
@@ -37,17 +40,24 @@ class CaptionSpec:
     prompt: str = DEFAULT_PROMPT
     max_new_tokens: int = 64
     image_size: int = 768
+    shot_frames: int = 0  # a video run's frames per shot, given as video input (0: an image run)
 
     @property
     def is_default(self) -> bool:
         return self.model == "default"
 
-    def path(self) -> str:
-        """What ``from_pretrained`` loads: the model, or the default model's folder (built here once)."""
-        if self.is_default:
-            from pipeline.annotate.default_model import ensure_default_model
+    @property
+    def video(self) -> bool:
+        """Whether this captions shots (frames as video input) rather than images."""
+        return self.shot_frames > 0
 
-            return str(ensure_default_model(self.home))
+    def path(self) -> str:
+        """What ``from_pretrained`` loads: the model, or the default model's folder (built here once): the tiny
+        Llava for images, the tiny Qwen2.5-VL for shots."""
+        if self.is_default:
+            from pipeline.annotate.default_model import ensure_default_model, ensure_default_video_model
+
+            return str((ensure_default_video_model if self.video else ensure_default_model)(self.home))
         return self.model
 
     def generation(self) -> dict[str, Any]:
@@ -69,15 +79,34 @@ def _quiet() -> None:
     hf_logging.disable_progress_bar()
 
 
-def _load(spec: CaptionSpec, device: str):
+QWEN_VL_TYPES = ("qwen2_vl", "qwen2_5_vl")  # the models whose video input is built here without torchvision
+
+
+def load_processor(path: str):
+    """``AutoProcessor.from_pretrained(path)``; for a Qwen2-VL or Qwen2.5-VL folder where that needs torchvision
+    (its video processor) and it is absent, the same processor without a video processor
+    (:func:`pipeline.embed.processors.load_qwen2vl_processor`). Raises what ``from_pretrained`` raises."""
+    from transformers import AutoConfig, AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(path)
+    except ImportError:
+        if AutoConfig.from_pretrained(path).model_type not in QWEN_VL_TYPES:
+            raise
+        from pipeline.embed.processors import load_qwen2vl_processor
+
+        return load_qwen2vl_processor(path, subfolder="")
+
+
+def load_captioner(spec: CaptionSpec, device: str):
     """``(processor, model)`` of ``spec`` on ``device``; UsageError in one line when it cannot load."""
     import torch
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
 
     _quiet()
     try:
         path = spec.path()
-        processor = AutoProcessor.from_pretrained(path)
+        processor = load_processor(path)
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(device).eval()
     except (OSError, ValueError, KeyError, ImportError) as e:
@@ -127,15 +156,16 @@ def weight_files_sha256(path: str) -> str:
 def describe_model(spec: CaptionSpec) -> dict[str, Any]:
     """Check ``spec``'s model without loading its weights (a bad id or folder fails here, before any work):
     its config is an image-text-to-text architecture and its processor loads; its class and the sha256 of
-    its weight files (:func:`weight_files_sha256`)."""
-    from transformers import AutoConfig, AutoProcessor
+    its weight files (:func:`weight_files_sha256`). A video run's model must take video input: a Qwen2-VL or
+    Qwen2.5-VL, or any whose processor has a video processor (UsageError naming ``--model`` otherwise)."""
+    from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
     _quiet()
     try:
         path = spec.path()
         config = AutoConfig.from_pretrained(path)
-        AutoProcessor.from_pretrained(path)
+        processor = load_processor(path)
         digest = weight_files_sha256(path)
     except (OSError, ValueError, KeyError, ImportError) as e:
         raise _unloadable(spec, e) from None
@@ -143,6 +173,10 @@ def describe_model(spec: CaptionSpec) -> dict[str, Any]:
     if name is None:
         raise UsageError(f"--model {spec.model}: a {config.model_type!r} model is not an image-text-to-text model "
                          "(AutoModelForImageTextToText has no class for it); pick a vision-language model")
+    if spec.video and config.model_type not in QWEN_VL_TYPES and getattr(processor, "video_processor", None) is None:
+        raise UsageError(f"--model {spec.model}: a {config.model_type!r} model takes images only (its processor has no "
+                         "video processor); shots are captioned from their frames as video input: give a video model "
+                         "such as Qwen2.5-VL (docs/video-clips.md)")  # fmt: skip
     return {"class": name, "weight_sha256": digest}
 
 
@@ -156,7 +190,7 @@ class TransformersCaptioner:
             torch.set_num_threads(threads)
         self.device = "cuda" if device == "cuda" and torch.cuda.is_available() else "cpu"
         self.spec = spec
-        self.processor, self.model = _load(spec, self.device)
+        self.processor, self.model = load_captioner(spec, self.device)
         self.processor.tokenizer.padding_side = "left"  # generation continues every row from its end
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": spec.prompt}]}]
         self.text = self.processor.apply_chat_template(messages, add_generation_prompt=True)

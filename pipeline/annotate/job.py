@@ -7,6 +7,7 @@
                        [--embedding-model ID|PATH|default] [--aesthetic-head FILE|HUB_ID[:FILE]|default] ...
     bucketeer annotate VIDEO_MANIFEST --out SCENES --task scenes,motion   # shots (pipeline/annotate/scenes.py)
     bucketeer annotate VIDEO_MANIFEST --out SCORED --task scenes,motion,aesthetic,embedding   # scores per shot
+    bucketeer annotate VIDEO_MANIFEST --out CAPTIONED --task scenes,caption [--shot-frames 8]   # a caption per shot
     ray job submit --working-dir . -- python -m pipeline.annotate MANIFEST --out s3://bucket/captions --model ID
     bucketeer scan SOURCE --out MANIFEST --captions ANNOTATIONS   # the captions into the manifest's caption lists
 
@@ -53,7 +54,7 @@ from manifests.progress import Progress
 from manifests.throttles import ThrottleTally, counting_throttles, job_throttles
 from manifests.schema import MAX_PIXELS
 from manifests.storage import parse_storage_options, redact
-from pipeline.annotate.engines import DEFAULT_PROMPT, ENGINES, CaptionSpec, vllm_available
+from pipeline.annotate.engines import DEFAULT_PROMPT, DEFAULT_VIDEO_PROMPT, ENGINES, CaptionSpec, vllm_available
 from pipeline.annotate.tasks import SHOT_TASKS, TASKS, VIDEO_TASKS, VISION_TASKS, TaskPlan, task_settings
 from pipeline.annotate.vision import HEAD_TASKS, VisionSpec
 from pipeline.embed.dataflow import DEVICES
@@ -73,6 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "AutoProcessor, or by vLLM); 'default': a tiny random-weight one whose captions are noise")
     g.add_argument("--prompt", default=DEFAULT_PROMPT, help="the instruction given with each image")
     g.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="most tokens generated per caption")
+    g.add_argument("--shot-frames", type=int, default=8, metavar="N",
+                   help="video runs (--task scenes,caption): evenly spaced frames of each shot given to the model as "
+                        "its video input; even, at least 2")
     g.add_argument("--image-size", type=int, default=768, metavar="PX",
                    help="images are downscaled to at most this many pixels on their long side before the model's "
                         "own processor sees them (every task: one decode; stats and phash see this size)")
@@ -117,6 +121,7 @@ class AnnotateJob:
     model: str = "default"
     prompt: str = DEFAULT_PROMPT
     max_new_tokens: int = 64
+    shot_frames: int = 8
     image_size: int = 768
     embedding_model: str = "default"
     aesthetic_head: str = "default"
@@ -141,9 +146,9 @@ class AnnotateJob:
         if video and (images := [t for t in self.tasks if t not in VIDEO_TASKS and t not in SHOT_TASKS]):
             raise UsageError(f"--task {','.join(self.tasks)!r}: {','.join(video)} decode videos, {','.join(images)} "
                              "images: run them as two annotate runs into two --out folders")  # fmt: skip
-        if video and "caption" in self.tasks:
-            raise UsageError("--task scenes,caption: captions per shot are not built yet (docs/video-clips.md); "
-                             "leave caption out of the scenes run")  # fmt: skip
+        if self.shot_frames < 2 or self.shot_frames % 2:
+            raise UsageError(f"--shot-frames {self.shot_frames}: give an even number of frames, at least 2 (video "
+                             "models take frames in pairs: Qwen2-VL's temporal patch is 2)")  # fmt: skip
         if "motion" in self.tasks and "scenes" not in self.tasks:
             raise UsageError("--task motion is measured within shots: give --task scenes,motion")
         for option, value, allowed in (("--device", self.device, DEVICES), ("--engine", self.engine, ENGINES)):
@@ -187,7 +192,8 @@ def job_from_args(args: argparse.Namespace) -> AnnotateJob:
     """The :class:`AnnotateJob` of parsed ``bucketeer annotate`` options (UsageError for a bad combination)."""
     return AnnotateJob(
         manifest=args.manifest, out=args.out, tasks=tuple(t.strip() for t in args.task.split(",") if t.strip()),
-        model=args.model, prompt=args.prompt, max_new_tokens=args.max_new_tokens, image_size=args.image_size,
+        model=args.model, prompt=args.prompt, max_new_tokens=args.max_new_tokens, shot_frames=args.shot_frames,
+        image_size=args.image_size,
         embedding_model=args.embedding_model, aesthetic_head=args.aesthetic_head, safety_head=args.safety_head,
         watermark_head=args.watermark_head,
         device=args.device, engine=args.engine, max_model_len=args.max_model_len, batch_size=args.batch_size,
@@ -237,8 +243,11 @@ def _find_work(job: AnnotateJob, manifest, lookup) -> _Work:
 def _plan(job: AnnotateJob) -> TaskPlan:
     """The tasks' specs, the models as the user named them; default models are built by whoever loads them."""
     home = os.environ.get("BUCKETEER_HOME")
-    caption = (CaptionSpec(model=job.model, home=home, prompt=job.prompt, max_new_tokens=job.max_new_tokens,
-                           image_size=job.image_size) if "caption" in job.tasks else None)  # fmt: skip
+    video = any(t in VIDEO_TASKS for t in job.tasks)
+    prompt = DEFAULT_VIDEO_PROMPT if video and job.prompt == DEFAULT_PROMPT else job.prompt
+    caption = (CaptionSpec(model=job.model, home=home, prompt=prompt, max_new_tokens=job.max_new_tokens,
+                           image_size=job.image_size, shot_frames=job.shot_frames if video else 0)
+               if "caption" in job.tasks else None)  # fmt: skip
     heads = tuple((t, getattr(job, f"{t}_head")) for t in job.tasks if t in HEAD_TASKS)
     vision = (VisionSpec(model=job.embedding_model, heads=heads, home=home)
               if any(t in VISION_TASKS for t in job.tasks) else None)  # fmt: skip
@@ -313,7 +322,7 @@ def _pick_engine(job: AnnotateJob, placement) -> str:
 
 
 def _annotate(job: AnnotateJob) -> AnnotateResult:
-    from pipeline.annotate.default_model import DEFAULT_CAPTION_NOTICE
+    from pipeline.annotate.default_model import DEFAULT_CAPTION_NOTICE, DEFAULT_VIDEO_NOTICE
     so = dict(job.storage_options)
     start = time.time()
     manifest = read_manifest_meta(job.manifest, so)
@@ -327,7 +336,7 @@ def _annotate(job: AnnotateJob) -> AnnotateResult:
         raise UsageError(f"--task {','.join(job.tasks)}: {redact(job.manifest)} is a video manifest, whose "
                          f"{','.join(shots)} are per shot: give --task scenes,{','.join(job.tasks)}")  # fmt: skip
     if plan.caption and plan.caption.is_default:
-        print(DEFAULT_CAPTION_NOTICE, file=sys.stderr, flush=True)
+        print(DEFAULT_VIDEO_NOTICE if plan.caption.video else DEFAULT_CAPTION_NOTICE, file=sys.stderr, flush=True)
     if plan.vision and (defaults := [t for t in plan.tasks if t in VISION_TASKS and (
             job.embedding_model if t == "embedding" else getattr(job, f"{t}_head")) == "default"]):  # fmt: skip
         print(f"bucketeer annotate: {', '.join(defaults)} from the embedded DEFAULT random-weight models: their "

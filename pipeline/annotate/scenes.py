@@ -58,10 +58,13 @@ class ShotFrames:
     """The bounded set of decoded frames a video's shots are scored and captioned from (module docstring).
     Feed every frame in order to :meth:`add`, each detector cut to :meth:`cut`, then :meth:`finish`."""
 
-    def __init__(self, picks: int, reservoir: int = RESERVOIR, lookback: int = LOOKBACK):
+    def __init__(self, picks: int | tuple[int, ...], reservoir: int = RESERVOIR, lookback: int = LOOKBACK):
         self.kept: dict[int, np.ndarray] = {}  # frame number -> (h, w, 3) uint8, BGR as decoded
         self.pinned: set[int] = set()
-        self.picks, self.settled = picks, 0  # frames < settled: only the picks of their final shots are kept
+        # picks: frames a shot keeps once final, or several counts (one per task: the vision tasks' 3, the
+        # captioner's --shot-frames), each pick(start, frames, n) of them served from the union
+        self.picks = picks if isinstance(picks, tuple) else (picks,)
+        self.settled = 0  # frames < settled: only the picks of their final shots are kept
         self.recent: deque[tuple[int, np.ndarray]] = deque(maxlen=lookback)
         self.reservoir, self.start, self.stride = reservoir, 0, 1
 
@@ -103,7 +106,7 @@ class ShotFrames:
 
     def settle(self, start: int, frames: int) -> None:
         """The shot ``[start, start + frames)`` is final (its cuts can no longer change): keep only its picks."""
-        chosen = set(self._nearest(start, frames, self.picks))
+        chosen = {i for n in self.picks for i in self._nearest(start, frames, n)}
         for i in [i for i in self.kept if start <= i < start + frames and i not in chosen]:
             del self.kept[i]
             self.pinned.discard(i)
@@ -151,6 +154,7 @@ class VideoScenes:
     frame_count: int
     video_motion: float
     kept: ShotFrames | None = None  # with detect_scenes(keep=n): the frames the shot tasks take
+    rate: float = 24.0  # the stream's frames per second (its average rate)
 
     def rows(self) -> list[dict[str, Any]]:
         """The shots as the ``scenes`` column's structs: ``{"start", "frames", "time"}``."""
@@ -179,9 +183,10 @@ def _scaled(width: int, height: int) -> tuple[int, int]:
     return max(2, round(width * scale) // 2 * 2), max(2, round(height * scale) // 2 * 2)
 
 
-def detect_scenes(file: io.RawIOBase | str, keep: int = 0) -> VideoScenes:
+def detect_scenes(file: io.RawIOBase | str, keep: int | tuple[int, ...] = 0) -> VideoScenes:
     """Shots and motion of the video ``file`` (a path or a seekable file), from one forward decode (module
-    docstring); ``keep``: also keep that many frames per shot to score it from (``VideoScenes.kept``). PyAV's errors
+    docstring); ``keep``: also keep that many frames per shot (or each of several counts, :class:`ShotFrames`) to
+    score it from (``VideoScenes.kept``). PyAV's errors
     propagate (the caller makes them the video's error row)."""
     import av
     import cv2  # PySceneDetect's own dependency
@@ -245,4 +250,4 @@ def detect_scenes(file: io.RawIOBase | str, keep: int = 0) -> VideoScenes:
     t0 = times[0] if times else 0.0
     return VideoScenes(starts=starts, frames=frames, times=np.asarray([times[s] - t0 for s in starts], np.float64),
                        motion=motion, frame_count=n, video_motion=float(d[inside].mean()) if inside.any() else 0.0,
-                       kept=kept)  # fmt: skip
+                       kept=kept, rate=rate)  # fmt: skip

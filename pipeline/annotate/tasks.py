@@ -8,7 +8,8 @@
     scenes motion                   video manifests: one low-resolution PyAV decode per video
                                     (pipeline.annotate.scenes), apart from the image tasks
     scenes + caption embedding      the shot tasks: with scenes, in the same decode, per shot on frames the decode
-      aesthetic safety watermark    keeps (pipeline.annotate.scenes.ShotFrames); phash, sha256, stats are refused
+      aesthetic safety watermark    keeps (pipeline.annotate.scenes.ShotFrames); phash, sha256, stats are refused;
+                                    caption takes --shot-frames frames as video (pipeline.annotate.video_captions)
 
 Every task of a run works from one fetch and one decode of each image (its long side at most
 ``--image-size``), in the same actor. A :class:`TaskPlan` says what the workers run (plain data, it travels
@@ -94,9 +95,14 @@ def task_settings(plan: TaskPlan, described: dict[str, Any]) -> tuple[TaskSettin
             spec = plan.caption
             assert spec is not None
             digest = described["caption"]["weight_sha256"]
+            generation = spec.generation()
+            if spec.video:  # each shot's frames as video input, from the scene decode
+                from pipeline.annotate.scenes import SCENE_SIDE
+
+                generation.update(image_size=SCENE_SIDE, shot_frames=spec.shot_frames, input="video")
             out.append(TaskSettings(task="caption", model=spec.model, weight_sha256=digest,
                                     prompt=spec.prompt, max_new_tokens=spec.max_new_tokens,
-                                    generation=spec.generation()))  # fmt: skip
+                                    generation=generation))  # fmt: skip
         elif task in VISION_TASKS:
             vision, v = plan.vision, described["vision"]
             assert vision is not None

@@ -115,7 +115,13 @@ class AnnotateWriter:
             import torch
 
             torch.set_num_threads(threads)
-        self.captioner = TransformersCaptioner(plan.caption, device, threads) if plan.caption else None
+        self.captioner = None
+        if plan.caption and plan.caption.video:  # shots: their frames as video input
+            from pipeline.annotate.video_captions import ShotCaptioner
+
+            self.captioner = ShotCaptioner(plan.caption, device)
+        elif plan.caption:
+            self.captioner = TransformersCaptioner(plan.caption, device, threads)
         self.embedder = None
         if plan.vision:
             from pipeline.annotate.vision import ImageEmbedder
@@ -176,21 +182,22 @@ class AnnotateWriter:
 
         from pipeline.annotate.tasks import SHOT_FRAMES
 
-        keep = SHOT_FRAMES if self.embedder is not None else 0
+        caption = self.plan.caption.shot_frames if self.captioner is not None else 0
+        keep = tuple(n for n in (SHOT_FRAMES if self.embedder is not None else 0, caption) if n)
         good, found, errors = [], [], []
         for row in rows:
             try:
                 if row["codec"] is None:  # an image: one still shot
                     one = np.array([0], np.int32)
                     kept = None
-                    if keep:
+                    if keep:  # as its own 1-frame shot: the frame given as a still video (repeated) to a captioner
                         _, _, images, failed = self._decode([row])
                         if failed:
                             raise ImageFailure(failed[0]["error"], failed[0]["message"])
                         kept = ShotFrames(keep)
                         kept.add(0, np.asarray(images[0])[..., ::-1])  # RGB, kept as the decode's BGR
                     scenes = VideoScenes(starts=one, frames=one + 1, times=np.zeros(1), motion=np.zeros(1, np.float32),
-                                         frame_count=1, video_motion=0.0, kept=kept)  # fmt: skip
+                                         frame_count=1, video_motion=0.0, kept=kept, rate=1.0)  # fmt: skip
                 else:
                     scenes = self._scenes(row, keep)
             except ImageFailure as e:
@@ -204,7 +211,30 @@ class AnnotateWriter:
             cols["scene_motion"] = pa.array([s.motion.tolist() for s in found], pa.list_(pa.float32()))
         if self.embedder is not None:
             cols.update(self._shot_vision(found))
+        if self.captioner is not None:
+            cols.update(self._shot_captions(found))
         return good, cols, errors
+
+    def _shot_captions(self, found: list) -> dict[str, pa.Array]:
+        """A caption per shot (:class:`~pipeline.annotate.video_captions.ShotCaptioner` on its ``--shot-frames``
+        kept frames, in batches of shots): ``scene_caption``; the video's ``caption`` is its longest shot's (the
+        first of the longest), ``generated_tokens`` the sum over its shots."""
+        n = self.plan.caption.shot_frames
+        shots, fps = [], []
+        for s in found:
+            for start, frames in zip(s.starts, s.frames):
+                shots.append(s.kept.pick(int(start), int(frames), n))
+                # the picked frames' own rate: n frames over the shot's duration (a 1-frame still: the stream's)
+                fps.append(s.rate * n / int(frames) if frames > 1 else s.rate)
+        batches = [range(at, min(at + self.batch_size, len(shots))) for at in range(0, len(shots), self.batch_size)]
+        done = [c for b in batches for c in self.captioner.caption([shots[i] for i in b], [fps[i] for i in b])]
+        counts = np.cumsum([0, *(len(s.starts) for s in found)])  # video v's shots: counts[v]:counts[v + 1]
+        per = [[c for c, _ in done[a:b]] for a, b in zip(counts, counts[1:])]
+        longest = [int(np.argmax(s.frames)) for s in found]
+        return {"caption": pa.array([p[i] for p, i in zip(per, longest)], pa.string()),
+                "generated_tokens": pa.array([sum(k for _, k in done[a:b]) for a, b in zip(counts, counts[1:])],
+                                             pa.int32()),
+                "scene_caption": pa.array(per, pa.list_(pa.string()))}  # fmt: skip
 
     def _shot_vision(self, found: list) -> dict[str, pa.Array]:
         """The vision tasks per shot, on each shot's first, middle and last kept frame (:data:`SHOT_FRAMES`), in

@@ -20,7 +20,7 @@ Qwen-Image's prefix is 34 tokens, the pipeline's ``prompt_template_encode_start_
 
 from __future__ import annotations
 
-__all__ = ["QWEN_WIDTH", "QWEN3_WIDTH", "qwen_tokenizer", "qwen_image", "save_qwen_image_edit", "z_image"]
+__all__ = ["QWEN_WIDTH", "QWEN3_WIDTH", "qwen_tokenizer", "qwen_vl", "qwen_image", "save_qwen_image_edit", "z_image"]
 
 QWEN_WIDTH = 40  # Qwen2.5-VL's hidden size (3584 in the 7B)
 QWEN3_WIDTH = 48  # Qwen3's hidden size (2560 in the 4B)
@@ -65,7 +65,7 @@ def qwen_tokenizer(chat_template: str | None = None):
     return tokenizer
 
 
-def _qwen_vl(tokenizer):
+def qwen_vl(tokenizer):
     """A 2-layer ``Qwen2_5_VLForConditionalGeneration`` (M-RoPE sections 1/2/2, a 2-block vision tower)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
@@ -100,7 +100,7 @@ def qwen_image(cls: str = "QwenImagePipeline", **extra):
     scheduler = FlowMatchEulerDiscreteScheduler(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192,
                                                 max_shift=0.9, shift=1.0, shift_terminal=0.02,
                                                 time_shift_type="exponential", use_dynamic_shifting=True)  # fmt: skip
-    return getattr(diffusers, cls)(scheduler=scheduler, vae=vae, text_encoder=_qwen_vl(tokenizer), tokenizer=tokenizer,
+    return getattr(diffusers, cls)(scheduler=scheduler, vae=vae, text_encoder=qwen_vl(tokenizer), tokenizer=tokenizer,
                                    transformer=transformer, **extra)  # fmt: skip
 
 
