@@ -26,7 +26,8 @@ from manifests.manifest import read_manifest  # noqa: E402
 from pipeline import AnnotateJob, ScanJob, run  # noqa: E402
 from pipeline.annotate import transnet  # noqa: E402
 from pipeline.annotate.scenes import detect_scenes  # noqa: E402
-from pipeline.annotate.transnet import TransNetCuts, describe_transnet, load_transnet, network_frame  # noqa: E402
+from pipeline.annotate.transnet import (TransNetCuts, TransNetFailure, describe_transnet, load_transnet,  # noqa: E402
+                                        network_frame)  # fmt: skip
 from pipeline.annotate.vision import file_sha256  # noqa: E402
 from pipeline.rebucket import RebucketJob  # noqa: E402
 from pipeline.scan import ScanConfig  # noqa: E402
@@ -171,6 +172,18 @@ def test_scene_weights_are_state_dicts_read_safely(tmp_path, model):
         describe_transnet(str(tmp_path / "other.pth"))
     with pytest.raises(UsageError, match="no such file"):
         describe_transnet(str(tmp_path / "missing.pth"))
+
+
+def test_a_network_failure_is_not_the_videos_error_row(model, monkeypatch):
+    """Out of memory or a broken device raise TransNetFailure, which the worker lets fail the unit (Ray Data
+    retries it) instead of writing the video's ``decode_failed`` row."""
+
+    def broken(x):
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(model, "network", broken)
+    with pytest.raises(TransNetFailure, match="out of memory"):
+        model.predict(np.zeros((1, 100, 27, 48, 3), np.uint8))
 
 
 def test_scene_options_are_checked():

@@ -11,6 +11,10 @@ PySceneDetect's detectors through their frame API (no second decode, no OpenCV v
 - ``ThresholdDetector`` (threshold 12: every channel's mean below it is "faded out") finds fades through black,
   one cut in the middle of the dark part.
 
+The detector is one object per video behind a small protocol (:class:`CutDetector`: fed every frame, it reports
+cuts): :class:`PySceneDetectCuts` (the default) or TransNetV2's (``--scene-detector transnetv2``,
+:class:`pipeline.annotate.transnet.TransNetCuts`, which scales the same decoded frames to 48x27 for its network).
+
 A fade also moves the content score (hue jumps once the picture is nearly black), so the two lists are merged: cuts
 closer than ``min_scene_len`` frames are one cut, the fade's (ThresholdDetector) where it has one, else the first.
 A fade to black and back is thus one cut, never several. Shots are ``[cut_i, cut_{i+1})``; frames are counted from

@@ -34,7 +34,7 @@ import numpy as np
 from manifests.errors import UsageError
 
 __all__ = ["INPUT", "WINDOW", "CONTEXT", "STEP", "THRESHOLD", "TRANSNET_SETTINGS", "TransNet", "TransNetCuts",
-           "describe_transnet", "load_transnet", "network_frame", "require_transnet"]  # fmt: skip
+           "TransNetFailure", "describe_transnet", "load_transnet", "network_frame", "require_transnet"]  # fmt: skip
 
 INPUT = (48, 27)  # (width, height) of the network's frames
 WINDOW, CONTEXT, STEP = 100, 25, 50  # frames a window holds, its context each side, windows start every STEP
@@ -117,6 +117,10 @@ def describe_transnet(weights: str | None) -> dict[str, str]:
     return {"weight_sha256": digest, "weights": source}
 
 
+class TransNetFailure(RuntimeError):
+    """The network failed on a window (not the video): the unit fails, and Ray Data retries it."""
+
+
 class TransNet:
     """The network with its weights on ``device`` (``cuda`` where asked and present, else ``cpu``), loaded once
     per actor; :meth:`predict` runs windows, ``batch`` of them per forward."""
@@ -134,10 +138,13 @@ class TransNet:
         ``(k, WINDOW, 27, 48, 3)`` uint8 RGB -> ``(k, STEP)`` float32."""
         import torch
 
-        with torch.inference_mode():
-            x = torch.from_numpy(windows).to(self.device)
-            one_hot, _ = self.network(x)  # (k, WINDOW, 1) logits
-            return torch.sigmoid(one_hot[:, CONTEXT : CONTEXT + STEP, 0]).float().cpu().numpy()
+        try:
+            with torch.inference_mode():
+                x = torch.from_numpy(windows).to(self.device)
+                one_hot, _ = self.network(x)  # (k, WINDOW, 1) logits
+                return torch.sigmoid(one_hot[:, CONTEXT : CONTEXT + STEP, 0]).float().cpu().numpy()
+        except Exception as e:  # out of memory, a broken device: not the video's fault, so never its error row
+            raise TransNetFailure(f"TransNetV2 on {self.device}: {type(e).__name__}: {e}") from e
 
 
 def network_frame(scaler, frame) -> np.ndarray:

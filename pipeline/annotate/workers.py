@@ -254,7 +254,7 @@ class AnnotateWriter:
         """One video row's :class:`~pipeline.annotate.scenes.VideoScenes` (``keep``: with the frames its shots are
         scored from, that many a shot); raises ImageFailure."""
         from pipeline.annotate.scenes import detect_scenes
-        from pipeline.annotate.transnet import TransNetCuts
+        from pipeline.annotate.transnet import TransNetCuts, TransNetFailure
         from pipeline.embed.clips import open_video
         from pipeline.embed.parquet_images import is_parquet_row
 
@@ -271,7 +271,7 @@ class AnnotateWriter:
         with file:
             try:
                 scenes = detect_scenes(file, keep, TransNetCuts(self.transnet) if self.transnet else None)
-            except (KeyboardInterrupt, SystemExit, MemoryError):
+            except (KeyboardInterrupt, SystemExit, MemoryError, TransNetFailure):
                 raise
             except BaseException as e:  # untrusted bytes: this video's error row, unless storage failed under it
                 failure = getattr(file, "failure", None)
