@@ -134,14 +134,19 @@ def test_network_frames_are_ffmpegs_bicubic_48x27(folder):
 
 @pytest.mark.slow
 def test_a_fade_through_black_is_one_cut(tmp_path, model):
-    """test_video_scenes.py's video: TransNetV2 gives the red -> noise cut at 20 and one cut inside the fade (it
-    scores the still noise -> flat green cut at 40 ~0.3: a cut between two synthetic stills it does not call)."""
+    """test_video_scenes.py's video: TransNetV2 gives the red -> noise cut at 20 (1.0) and at most one cut in the
+    fade (here one at 71, the fade-in, scored 0.56: near the threshold, so a CPU of other rounding may score it
+    under). It scores the still noise -> flat green cut at 40 ~0.3: a cut between two synthetic stills it does not
+    call (PySceneDetect does)."""
     _write(tmp_path / "cuts.mp4", _shots())
-    scenes = detect_scenes(str(tmp_path / "cuts.mp4"), detector=TransNetCuts(model))
+    detector = TransNetCuts(model)
+    scenes = detect_scenes(str(tmp_path / "cuts.mp4"), detector=detector)
     starts = scenes.starts.tolist()
     assert starts[:2] == [0, 20], starts
-    in_fade = [c for c in starts if FADE[0] - 6 <= c <= FADE[1] + 6]  # the fade: frames 54..77
-    assert len(in_fade) == 1, starts
+    fade = range(FADE[0] - 6, FADE[1] + 6)  # frames 54..77: out to black and in again
+    assert len([c for c in starts if c in fade]) <= 1 and all(c in fade for c in starts[2:]), starts
+    above = np.flatnonzero(np.asarray(detector.predictions) > 0.5)
+    assert all(i == 19 or i in fade for i in above), above  # the fade is one run above the threshold at most
     assert scenes.frames.sum() == 96
 
 
