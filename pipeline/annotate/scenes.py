@@ -11,6 +11,10 @@ PySceneDetect's detectors through their frame API (no second decode, no OpenCV v
 - ``ThresholdDetector`` (threshold 12: every channel's mean below it is "faded out") finds fades through black,
   one cut in the middle of the dark part.
 
+The detector is one object per video behind a small protocol (:class:`CutDetector`: fed every frame, it reports
+cuts): :class:`PySceneDetectCuts` (the default) or TransNetV2's (``--scene-detector transnetv2``,
+:class:`pipeline.annotate.transnet.TransNetCuts`, which scales the same decoded frames to 48x27 for its network).
+
 A fade also moves the content score (hue jumps once the picture is nearly black), so the two lists are merged: cuts
 closer than ``min_scene_len`` frames are one cut, the fade's (ThresholdDetector) where it has one, else the first.
 A fade to black and back is thus one cut, never several. Shots are ``[cut_i, cut_{i+1})``; frames are counted from
@@ -40,18 +44,34 @@ from __future__ import annotations
 import io
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-__all__ = ["SCENE_SIDE", "SCENE_SETTINGS", "RESERVOIR", "LOOKBACK", "ShotFrames", "VideoScenes", "detect_scenes",
-           "final_cuts", "merge_cuts"]  # fmt: skip
+__all__ = ["SCENE_SIDE", "SCENE_SETTINGS", "SCENE_DETECTORS", "RESERVOIR", "LOOKBACK", "CutDetector",
+           "PySceneDetectCuts", "SceneSpec", "ShotFrames", "VideoScenes", "detect_scenes", "final_cuts",
+           "merge_cuts"]  # fmt: skip
 
 SCENE_SIDE = 256  # the decode's long side: PySceneDetect's own CLI downscales to ~256 px wide by default
+SCENE_DETECTORS = ("pyscenedetect", "transnetv2")  # --scene-detector: PySceneDetectCuts, transnet.TransNetCuts
 SCENE_SETTINGS = {"detectors": "scenedetect ContentDetector(threshold=27) + ThresholdDetector(threshold=12)",
                   "min_scene_len": 15, "decode_side": SCENE_SIDE, "motion": "mean |dY| within shots, 0..255"}
 RESERVOIR = 16  # kept frames per candidate segment (besides its pinned first and last)
 LOOKBACK = 128  # the ring of recent frames a late-reported cut pins its frames from
+
+
+@dataclass(frozen=True)
+class SceneSpec:
+    """The shot detector of a video run (``--scene-detector``, :data:`SCENE_DETECTORS`) and, for TransNetV2, its
+    ``--scene-weights`` (None: the package's own)."""
+
+    detector: str = "pyscenedetect"
+    weights: str | None = None
+
+    @property
+    def network(self) -> bool:
+        """Whether the shots come from TransNetV2 (:mod:`pipeline.annotate.transnet`)."""
+        return self.detector == "transnetv2"
 
 
 class ShotFrames:
@@ -183,45 +203,105 @@ def _scaled(width: int, height: int) -> tuple[int, int]:
     return max(2, round(width * scale) // 2 * 2), max(2, round(height * scale) // 2 * 2)
 
 
-def detect_scenes(file: io.RawIOBase | str, keep: int | tuple[int, ...] = 0) -> VideoScenes:
+class CutDetector(Protocol):
+    """One video's shot-boundary detector, fed every decoded frame in order by :func:`detect_scenes`. ``lag``:
+    the most frames decoded after a cut's frame before :meth:`add` reports it (beyond :data:`LOOKBACK`)."""
+
+    lag: int
+
+    def add(self, n: int, frame: Any, bgr: np.ndarray) -> list[int]:
+        """Frame ``n`` (the PyAV frame and its 256-pixel BGR ``(h, w, 3)``): cut frames found now (maybe earlier)."""
+
+    def finish(self) -> list[int]:
+        """The video ended: the cuts found at its end."""
+
+    def final(self, bound: int) -> list[int]:
+        """The cuts up to ``bound`` that no later report can change (:meth:`cuts` will hold them)."""
+
+    def cuts(self) -> list[int]:
+        """Every cut of the video, after :meth:`finish`."""
+
+
+class PySceneDetectCuts:
+    """``ContentDetector`` + ``ThresholdDetector`` on the 256-pixel frames, merged (:func:`merge_cuts`): the
+    :class:`CutDetector` of ``--scene-detector pyscenedetect`` (module docstring)."""
+
+    lag = 0
+
+    def __init__(self) -> None:
+        from scenedetect import ContentDetector, ThresholdDetector
+
+        self.min_len = SCENE_SETTINGS["min_scene_len"]
+        self.content, self.fade = ContentDetector(threshold=27.0, min_scene_len=self.min_len), ThresholdDetector(
+            12, self.min_len)  # fmt: skip
+        self.content_cuts: list[int] = []
+        self.fade_cuts: list[int] = []
+        self.rate, self.last = 24.0, -1  # rate: the stream's frames/s (detect_scenes sets it), for the timecodes
+
+    def add(self, n: int, frame: Any, bgr: np.ndarray) -> list[int]:
+        from scenedetect import FrameTimecode
+
+        timecode = FrameTimecode(n, self.rate)
+        found = [c.frame_num for c in self.content.process_frame(timecode, bgr)], [
+            c.frame_num for c in self.fade.process_frame(timecode, bgr)]  # fmt: skip
+        self.content_cuts += found[0]
+        self.fade_cuts += found[1]
+        self.last = n
+        return sorted(found[0] + found[1])
+
+    def finish(self) -> list[int]:
+        from scenedetect import FrameTimecode
+
+        if self.last < 0:
+            return []
+        end = FrameTimecode(self.last, self.rate)
+        late = [c.frame_num for c in self.content.post_process(end)], [c.frame_num for c in self.fade.post_process(end)]
+        self.content_cuts += late[0]
+        self.fade_cuts += late[1]
+        return sorted(late[0] + late[1])
+
+    def final(self, bound: int) -> list[int]:
+        return final_cuts(self.content_cuts, self.fade_cuts, self.min_len, bound)
+
+    def cuts(self) -> list[int]:
+        return merge_cuts(self.content_cuts, self.fade_cuts, self.min_len)
+
+
+def detect_scenes(file: io.RawIOBase | str, keep: int | tuple[int, ...] = 0,
+                  detector: CutDetector | None = None) -> VideoScenes:  # fmt: skip
     """Shots and motion of the video ``file`` (a path or a seekable file), from one forward decode (module
     docstring); ``keep``: also keep that many frames per shot (or each of several counts, :class:`ShotFrames`) to
-    score it from (``VideoScenes.kept``). PyAV's errors
-    propagate (the caller makes them the video's error row)."""
+    score it from (``VideoScenes.kept``);
+    ``detector``: a new one per video (default :class:`PySceneDetectCuts`; :class:`pipeline.annotate.transnet.
+    TransNetCuts` for TransNetV2). PyAV's errors propagate (the caller makes them the video's error row)."""
     import av
     import cv2  # PySceneDetect's own dependency
-    from scenedetect import ContentDetector, FrameTimecode, ThresholdDetector
 
-    min_len = SCENE_SETTINGS["min_scene_len"]
-    content, fade = ContentDetector(threshold=27.0, min_scene_len=min_len), ThresholdDetector(12, min_len)
-    content_cuts: list[int] = []
-    fade_cuts: list[int] = []
+    detector = detector if detector is not None else PySceneDetectCuts()
     diffs: list[float] = []  # diffs[i]: mean |dY| between frame i and i + 1
     times: list[float] = []
     previous = None
-    kept = ShotFrames(keep) if keep else None
+    kept = ShotFrames(keep, lookback=LOOKBACK + detector.lag) if keep else None
     n = 0
     with av.open(file) as container:
         stream = container.streams.video[0]
         stream.thread_type = "AUTO"
         rate = float(stream.average_rate or stream.guessed_rate or 24)
+        if isinstance(detector, PySceneDetectCuts):
+            detector.rate = rate
         size = None
         scaler = av.video.reformatter.VideoReformatter()  # one scaler for every frame (FFmpeg's context cached)
         for frame in container.decode(stream):
             if size is None:
                 size = _scaled(frame.width, frame.height)
             bgr = scaler.reformat(frame, width=size[0], height=size[1], format="bgr24").to_ndarray()  # (h, w, 3)
-            timecode = FrameTimecode(n, rate)
-            found = ([c.frame_num for c in content.process_frame(timecode, bgr)],
-                     [c.frame_num for c in fade.process_frame(timecode, bgr)])  # fmt: skip
-            content_cuts += found[0]
-            fade_cuts += found[1]
+            found = detector.add(n, frame, bgr)
             if kept is not None:
                 kept.add(n, bgr)
-                for c in sorted(found[0] + found[1]):
+                for c in found:
                     kept.cut(c)
                 if n % LOOKBACK == 0:  # shots final by now keep only their picks: memory ~``keep`` frames a shot
-                    final = [c for c in final_cuts(content_cuts, fade_cuts, min_len, n - LOOKBACK) if c > 0]
+                    final = [c for c in detector.final(n - LOOKBACK - detector.lag) if c > 0]
                     for a, b in zip([0, *final], final):
                         if a >= kept.settled:
                             kept.settle(a, b - a)
@@ -232,15 +312,12 @@ def detect_scenes(file: io.RawIOBase | str, keep: int | tuple[int, ...] = 0) -> 
             times.append(float(frame.time) if frame.time is not None else n / rate)
             n += 1
         if n:
-            end = FrameTimecode(n - 1, rate)
-            late = [c.frame_num for c in content.post_process(end)], [c.frame_num for c in fade.post_process(end)]
-            content_cuts += late[0]
-            fade_cuts += late[1]
+            late = detector.finish()
             if kept is not None:
-                for c in sorted(late[0] + late[1]):
+                for c in late:
                     kept.cut(c)
                 kept.finish()
-    cuts = [c for c in merge_cuts(content_cuts, fade_cuts, min_len) if 0 < c < n]
+    cuts = [c for c in detector.cuts() if 0 < c < n]
     starts = np.array([0, *cuts] if n else [], np.int32)  # (s,)
     frames = np.diff(np.append(starts, n)).astype(np.int32)  # (s,)
     d = np.asarray(diffs, np.float64)  # (n - 1,)

@@ -25,6 +25,7 @@ from typing import Any
 
 from manifests.annotations import TaskSettings
 from pipeline.annotate.engines import CaptionSpec
+from pipeline.annotate.scenes import SceneSpec
 from pipeline.annotate.vision import HEAD_TASKS, VisionSpec
 
 __all__ = ["TASKS", "VISION_TASKS", "VIDEO_TASKS", "SHOT_TASKS", "SHOT_FRAMES", "TaskPlan", "describe_tasks",
@@ -42,12 +43,14 @@ _ALGORITHMS = {"phash": "imagehash-phash-8x8", "sha256": "sha256", "stats": "sta
 @dataclass(frozen=True)
 class TaskPlan:
     """The tasks of one run, in the order asked; ``caption``/``vision`` the specs of those that need a model
-    (None when no such task is asked); ``image_size``: the decode's long side, in pixels."""
+    (None when no such task is asked); ``image_size``: the decode's long side, in pixels; ``scenes``: the shot
+    detector of a video run."""
 
     tasks: tuple[str, ...]
     caption: CaptionSpec | None
     vision: VisionSpec | None
     image_size: int
+    scenes: SceneSpec = SceneSpec()
 
     @property
     def decodes(self) -> bool:
@@ -68,7 +71,9 @@ class TaskPlan:
             heads = [t for t, _ in self.vision.heads]
             named = ("embedding" if "embedding" in self.tasks else "") + (f"+{'+'.join(heads)}" if heads else "")
             parts.append(f"{named.lstrip('+')} with CLIP {self.vision.model}")
-        parts += [t for t in self.tasks if t in _ALGORITHMS]
+        parts += [t for t in self.tasks if t in _ALGORITHMS and not (t == "scenes" and self.scenes.network)]
+        if "scenes" in self.tasks and self.scenes.network:
+            parts.insert(0, f"scenes with TransNetV2 {self.scenes.weights or '(the package weights)'}")
         return ", ".join(parts)
 
 
@@ -79,6 +84,10 @@ def describe_tasks(plan: TaskPlan) -> dict[str, Any]:
     from pipeline.annotate.vision import describe_vision
 
     out: dict[str, Any] = {}
+    if "scenes" in plan.tasks and plan.scenes.network:
+        from pipeline.annotate.transnet import describe_transnet
+
+        out["scenes"] = describe_transnet(plan.scenes.weights)
     if plan.caption:
         out["caption"] = describe_model(plan.caption)
     if plan.vision:
@@ -119,6 +128,15 @@ def task_settings(plan: TaskPlan, described: dict[str, Any]) -> tuple[TaskSettin
                 out.append(TaskSettings(task=task, model=source, weight_sha256=v["heads"][task],
                                         generation={**embedder, "embedding_model": vision.model,
                                                     "embedding_sha256": v["weight_sha256"]}))  # fmt: skip
+        elif task in VIDEO_TASKS and plan.scenes.network:  # motion too: within the network's shots
+            from pipeline.annotate.scenes import SCENE_SETTINGS
+            from pipeline.annotate.transnet import TRANSNET_SETTINGS
+
+            net = described["scenes"]
+            generation = {**TRANSNET_SETTINGS, "weights": net["weights"], "decode_side": SCENE_SETTINGS["decode_side"],
+                          "motion": SCENE_SETTINGS["motion"]}  # fmt: skip
+            out.append(TaskSettings(task=task, model="transnetv2" if task == "scenes" else _ALGORITHMS[task],
+                                    weight_sha256=net["weight_sha256"], generation=generation))  # fmt: skip
         elif task in VIDEO_TASKS:
             from pipeline.annotate.scenes import SCENE_SETTINGS
 

@@ -165,7 +165,8 @@ def load_head(task: str, path: str, source: str = "") -> Head:
     return Head(task, layers, activation, task in _SIGMOID or output == "sigmoid")
 
 
-def _file_sha256(path: str) -> str:
+def file_sha256(path: str) -> str:
+    """The sha256 (hex) of the local file ``path``, read in 16 MiB blocks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 24), b""):
@@ -207,7 +208,7 @@ def describe_vision(spec: VisionSpec) -> dict:
         if head.dim != dim:
             raise UsageError(f"--{task}-head {source}: takes {head.dim}-wide embeddings, --embedding-model "
                              f"{spec.model} gives {dim}: pass a head trained on that model's embeddings")  # fmt: skip
-        heads[task] = _file_sha256(path)
+        heads[task] = file_sha256(path)
     return {"dim": dim, "class": "CLIPVisionModelWithProjection", "weight_sha256": digest, "heads": heads}
 
 

@@ -111,7 +111,8 @@ class AnnotateWriter:
 
     def __init__(self, *, plan: TaskPlan, device: str, threads: int, out: str, storage_options: dict | None,
                  source: str, max_pixels: int, image_column: str | None, settings: str, batch_size: int):  # fmt: skip
-        if threads and (plan.caption or plan.vision):  # the model-free tasks need no torch (seconds to import)
+        network = plan.video and plan.scenes.network
+        if threads and (plan.caption or plan.vision or network):  # the model-free tasks need no torch (seconds)
             import torch
 
             torch.set_num_threads(threads)
@@ -127,7 +128,12 @@ class AnnotateWriter:
             from pipeline.annotate.vision import ImageEmbedder
 
             self.embedder = ImageEmbedder(plan.vision, device)
-        self.device = next((m.device for m in (self.captioner, self.embedder) if m is not None), "cpu")
+        self.transnet = None
+        if network:
+            from pipeline.annotate.transnet import load_transnet
+
+            self.transnet = load_transnet(plan.scenes.weights, device)
+        self.device = next((m.device for m in (self.captioner, self.embedder, self.transnet) if m is not None), "cpu")
         self.plan, self.out, self.storage_options = plan, out, storage_options
         self.source, self.max_pixels, self.image_column = source, max_pixels, image_column
         self.settings, self.batch_size = settings, batch_size
@@ -278,6 +284,7 @@ class AnnotateWriter:
         """One video row's :class:`~pipeline.annotate.scenes.VideoScenes` (``keep``: with the frames its shots are
         scored from, that many a shot); raises ImageFailure."""
         from pipeline.annotate.scenes import detect_scenes
+        from pipeline.annotate.transnet import TransNetCuts, TransNetFailure
         from pipeline.embed.clips import open_video
         from pipeline.embed.parquet_images import is_parquet_row
 
@@ -293,8 +300,8 @@ class AnnotateWriter:
             raise read_failure(e, self.storage_options) from None
         with file:
             try:
-                scenes = detect_scenes(file, keep)
-            except (KeyboardInterrupt, SystemExit, MemoryError):
+                scenes = detect_scenes(file, keep, TransNetCuts(self.transnet) if self.transnet else None)
+            except (KeyboardInterrupt, SystemExit, MemoryError, TransNetFailure):
                 raise
             except BaseException as e:  # untrusted bytes: this video's error row, unless storage failed under it
                 failure = getattr(file, "failure", None)
