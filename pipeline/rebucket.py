@@ -129,7 +129,7 @@ def _read_scenes(url: str, storage_options: dict[str, Any]) -> pa.Table:
         raise UsageError(f"--scenes {redact(url)} holds {', '.join(t.task for t in meta.tasks)}, no scenes: give the "
                          "--out of bucketeer annotate MANIFEST --task scenes")  # fmt: skip
     scores = [f"scene_{t}" for t in SHOT_SCORES if meta.task(t) is not None]
-    scores += ["scene_caption"] if meta.task("caption") is not None else []  # shot captions: each clip trains on its own
+    scores += ["scene_caption"] if meta.task("caption") is not None else []  # shot captions: each clip its own
     _, rows, _ = read_annotations(url, storage_options, columns=["scenes", *scores])
     return rows.select(["sample_id", "source_key", "scenes", *scores])
 

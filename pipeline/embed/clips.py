@@ -40,8 +40,8 @@ from pipeline.embed.parquet_images import is_parquet_row
 from pipeline.embed.imaging import ImageFailure, cover_and_crop, crop_resized, prepare_views, read_failure
 from pipeline.embed.samples import sample_record
 
-__all__ = ["MAX_CLIPS", "SEEK_GAP", "open_video", "clip_picks", "clip_records", "clip_starts", "clip_variants", "decode_clip_frames",
-           "prepare_clips", "refuse_for_video"]
+__all__ = ["MAX_CLIPS", "SEEK_GAP", "open_video", "clip_picks", "clip_records", "clip_starts", "clip_variants",
+           "decode_clip_frames", "prepare_clips", "refuse_for_video"]
 
 MAX_CLIPS = 4  # --max-clips default: record bytes grow with the clips kept
 _FIRST_READ = 256 * 1024  # ranged reads while decoding: sequential misses double from here

@@ -37,7 +37,7 @@ _PREPARED_ROWS = pa.schema([("sample_id", pa.uint64()), ("caption_key", pa.uint6
                             ("has_mask", pa.bool_()),  # its mask is in the unit's mask_pixels (else all 255 there)
                             ("text_inline", pa.bool_()), ("caption", pa.string()),
                             ("clip_starts", pa.list_(pa.int32())),  # video: its clips' first frames
-                            ("clip_captions", pa.list_(pa.int32()))])  # and their captions (shots captioned)  # fmt: skip
+                            ("clip_captions", pa.list_(pa.int32()))])  # their captions (shots captioned)  # fmt: skip
 
 
 def prepare_batch(

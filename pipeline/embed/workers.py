@@ -75,7 +75,7 @@ UNIT_ROWS = pa.schema([("sample_id", pa.uint64()), ("filename", pa.string()), ("
                        ("text_inline", pa.bool_()), ("caption", pa.string()),
                        ("clips", pa.int32()),  # a video's clips (manifests.frames), null for an image
                        ("clip_starts", pa.list_(pa.int32())),  # clips cut at scene changes, else null
-                       ("clip_captions", pa.list_(pa.int32()))])  # each clip's caption (its shot's), else null  # fmt: skip
+                       ("clip_captions", pa.list_(pa.int32()))])  # each clip's shot's caption, else null  # fmt: skip
 _LOCATION = ("container", "container_size", "member_offset", "row_group", "row_index", "size")
 VISIBLE_MARKER = "_embed-running"  # written by the driver into a local --out; every worker must see it
 
