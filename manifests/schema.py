@@ -109,6 +109,9 @@ VIDEO_FIELDS = (
     # each clip's first frame when the clips were cut inside shots (bucketeer rebucket --scenes); null: clip i
     # starts at frame i * F (fixed strides)
     pa.field("clip_starts", pa.list_(pa.int32())),
+    # with clip_starts, when the shots were captioned (annotate --task scenes,caption): each clip's index into the
+    # row's captions (caption when it has one), the caption of the shot it lies in; null otherwise
+    pa.field("clip_captions", pa.list_(pa.int32())),
 )
 VIDEO_COLUMNS = tuple(f.name for f in VIDEO_FIELDS)
 

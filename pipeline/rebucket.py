@@ -112,7 +112,7 @@ def rebucket_video(manifest: Manifest, spec: BucketSpec) -> tuple[pa.Table, pa.T
     from pipeline.scan.video import bucket_videos, one_frame_samples
 
     redo = pc.is_in(manifest.errors.column("error"), pa.array(["too_small", "too_short"]))
-    cut = ("bucket", "clips", "clip_starts")
+    cut = ("bucket", "clips", "clip_starts", "clip_captions")
     unbucketed = pa.schema([f for f in VIDEO_SAMPLES_SCHEMA if f.name not in cut])  # as probed
     rows = pa.concat_tables([conform(t, unbucketed) for t in (manifest.samples, manifest.errors.filter(redo))])
     image = pc.is_null(rows.column("codec")).combine_chunks()  # a scanned video always has its codec; an image none
@@ -129,6 +129,7 @@ def _read_scenes(url: str, storage_options: dict[str, Any]) -> pa.Table:
         raise UsageError(f"--scenes {redact(url)} holds {', '.join(t.task for t in meta.tasks)}, no scenes: give the "
                          "--out of bucketeer annotate MANIFEST --task scenes")  # fmt: skip
     scores = [f"scene_{t}" for t in SHOT_SCORES if meta.task(t) is not None]
+    scores += ["scene_caption"] if meta.task("caption") is not None else []  # shot captions: each clip its own
     _, rows, _ = read_annotations(url, storage_options, columns=["scenes", *scores])
     return rows.select(["sample_id", "source_key", "scenes", *scores])
 
@@ -155,12 +156,29 @@ def _shot_keep(shots: pa.Table, where: str | None) -> dict[int, list[bool]]:
     return out
 
 
+def _shot_captions(clips: list[int], said: list[str | None], texts: dict) -> tuple[dict, list[int]]:
+    """A video's ``{caption, captions}`` from its kept shots' captions ``said`` (``clips``: how many clips each
+    shot gives) and each clip's index into them: the distinct captions of the shots that give clips, in shot
+    order (a shot without a caption keeps the video's own), ``caption`` the first, ``captions`` null for one."""
+    own = texts["caption"]
+    distinct: dict[str | None, int] = {}
+    on = []
+    for n, c in zip(clips, said):
+        text = c if c else own
+        if n:
+            on += [distinct.setdefault(text, len(distinct))] * n
+    listed = list(distinct)
+    return {"caption": listed[0], "captions": listed if len(listed) > 1 else None}, on
+
+
 def cut_at_scenes(samples: pa.Table, shots: pa.Table, ladder: FrameLadder,
                   shot_where: str | None = None) -> tuple[pa.Table, pa.Table]:  # fmt: skip
     """A video manifest's ``samples`` with each video's clips cut inside its shots (``shots``: ``sample_id``,
     ``source_key`` (the image key annotated), ``scenes``, optionally ``scene_motion``), only from the shots
     ``shot_where`` keeps (all with None), by :func:`manifests.frames.scene_clips`: bucket
-    ``WxHxF`` with F the longest rung that fits its longest shot, ``clips`` and ``clip_starts``. Returns
+    ``WxHxF`` with F the longest rung that fits its longest shot, ``clips`` and ``clip_starts``. With
+    ``scene_caption`` (shots captioned) a video's captions become its clips' shots' (:func:`_shot_captions`) and
+    ``clip_captions`` each clip's index into them. Returns
     ``(samples, errors)``: a video without an up-to-date scenes row is ``no_scenes``, one without a shot as long
     as the shortest rung ``too_short``; images (``WxHx1``) stay as they are."""
     from manifests.annotations import image_key
@@ -168,9 +186,14 @@ def cut_at_scenes(samples: pa.Table, shots: pa.Table, ladder: FrameLadder,
 
     found = dict(zip(shots.column("sample_id").to_pylist(), zip(shots.column("source_key").to_pylist(),
                                                                 shots.column("scenes").to_pylist())))  # fmt: skip
+    captioned = dict(zip(shots.column("sample_id").to_pylist(), shots.column("scene_caption").to_pylist())) \
+        if "scene_caption" in shots.column_names else {}  # fmt: skip
     keys = image_key(samples).tolist()
     kept = _shot_keep(shots, shot_where)
     buckets, clips, starts, reasons = [], [], [], []
+    texts = samples.select(["caption", "captions"]).to_pylist()
+    on = samples.column("clip_captions").to_pylist() if "clip_captions" in samples.column_names else \
+        [None] * samples.num_rows  # fmt: skip
     for i, row in enumerate(samples.select(["sample_id", "bucket", "codec", "clips"]).to_pylist()):
         reason, bucket, n, at = None, row["bucket"], row["clips"], None
         if row["codec"] is not None:
@@ -188,6 +211,10 @@ def cut_at_scenes(samples: pa.Table, shots: pa.Table, ladder: FrameLadder,
                               f"fewer than the shortest frame bucket ({ladder.frames[0]}; --frames)")  # fmt: skip
                 else:
                     bucket, n = f"{bucket.rsplit('x', 1)[0]}x{f}", len(at)
+                    said = captioned.get(row["sample_id"])
+                    if said is not None:
+                        said = [c for c, keep in zip(said, kept[row["sample_id"]]) if keep]
+                        texts[i], on[i] = _shot_captions([s["frames"] // f for s in chosen], said, texts[i])
         buckets.append(bucket)
         clips.append(n)
         starts.append(at)
@@ -196,6 +223,10 @@ def cut_at_scenes(samples: pa.Table, shots: pa.Table, ladder: FrameLadder,
     samples = samples.set_column(samples.schema.get_field_index("clips"), "clips", pa.array(clips, pa.int32()))
     samples = samples.set_column(samples.schema.get_field_index("clip_starts"), "clip_starts",
                                  pa.array(starts, pa.list_(pa.int32())))  # fmt: skip
+    for name, values, kind in (("caption", [t["caption"] for t in texts], pa.string()),
+                               ("captions", [t["captions"] for t in texts], pa.list_(pa.string())),
+                               ("clip_captions", on, pa.list_(pa.int32()))):  # fmt: skip
+        samples = samples.set_column(samples.schema.get_field_index(name), name, pa.array(values, kind))
     bad = pa.array([r is not None for r in reasons])
     rejects = samples.filter(bad).drop_columns(["bucket"])
     rejects = rejects.append_column("error", pa.array([r[0] for r in reasons if r], pa.string()))

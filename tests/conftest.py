@@ -30,7 +30,7 @@ LONGEST_FILES = ("test_demo_flux2.py", "test_demo_qwen.py", "test_demo.py", "tes
                  "test_train_qwen_edit.py", "test_demo_wan.py", "test_demo_wan22.py", "test_demo_ltx2.py",
                  "test_demo_hunyuan.py", "test_train_hunyuan.py", "test_train_wan22.py",
                  "test_video_scenes.py", "test_video_shots.py", "test_video_captions.py", "test_video_transnet.py",
-                 "test_train_ltx2.py", "test_gpu_check.py",
+                 "test_clip_captions.py", "test_train_ltx2.py", "test_gpu_check.py",
                  "test_embed_cluster.py", "test_train_dist.py", "test_train_data.py", "test_sources_tar.py",
                  "test_infra.py", "test_plan.py", "test_captions_list.py", "test_embed_faults.py",
                  "test_train_multinode.py", "test_sources_parquet.py", "test_pairs.py", "test_scan.py")  # fmt: skip

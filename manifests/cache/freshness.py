@@ -87,15 +87,17 @@ def _chunk_keys(rows: pa.Table) -> np.ndarray:
 
 
 def _with_clip_starts(keys: np.ndarray, rows: pa.Table) -> np.ndarray:
-    """Video rows whose clips were cut at scene changes (``clip_starts``) hash the starts in too, so clips cut
-    anew re-embed their video; rows without them keep their key."""
+    """Video rows whose clips were cut at scene changes (``clip_starts``) hash the starts in too, and each clip's
+    caption index (``clip_captions``, shots captioned) when they have them, so clips cut or captioned anew
+    re-embed their video; rows without them keep their key (a row without ``clip_captions`` its key of before)."""
     starts = _column(rows, "clip_starts", pa.list_(pa.int32()))
     if starts.null_count == rows.num_rows:
         return keys
+    on = _column(rows, "clip_captions", pa.list_(pa.int32())).to_pylist()
     keys = keys.copy()
     for i, at in enumerate(starts.to_pylist()):
         if at is not None:
-            text = json.dumps(["clip_starts", int(keys[i]), at])
+            text = json.dumps(["clip_starts", int(keys[i]), at, *([] if on[i] is None else [on[i]])])
             keys[i] = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
     return keys
 

@@ -141,6 +141,9 @@ class SampleRecord:
     temporal_factor + 1 (``_cache.json`` latent), ``variant_latents`` ``(V-1, C, F', h, w)``; each variant is a
     clip (or a clip mirrored, with ``--flip``) and ``clip_starts`` (V,) int32 gives the first frame of each
     variant's clip in the video (0 for an image of a video manifest, a 1-frame clip). None in image caches.
+    ``variant_captions`` (V,) int32: each variant's index into the sample's captions (``caption_keys``, or the one
+    ``caption_key``): the caption of the shot its clip lies in (``rebucket --scenes`` of captioned shots); the
+    trainer takes that caption with the variant (:func:`train.data.draws.variant_text_keys`). None otherwise.
     """
 
     sample_id: int
@@ -165,6 +168,7 @@ class SampleRecord:
     mask: np.ndarray | None = None
     variant_masks: np.ndarray | None = None
     clip_starts: np.ndarray | None = None
+    variant_captions: np.ndarray | None = None
 
     @property
     def variants(self) -> int:
@@ -177,7 +181,8 @@ class SampleRecord:
             raise IndexError(f"sample {self.sample_id} has {self.variants} variants, not {v + 1}")
         one = {"variant_latents": None, "variant_cond_latents": None, "variant_crops": None, "variant_flips": None,
                "variant_features": None, "variant_masks": None,
-               "clip_starts": None if self.clip_starts is None else self.clip_starts[v : v + 1]}  # fmt: skip
+               "clip_starts": None if self.clip_starts is None else self.clip_starts[v : v + 1],
+               "variant_captions": None if self.variant_captions is None else self.variant_captions[v : v + 1]}
         if v == 0:
             return replace(self, **one)
         cond = None if self.variant_cond_latents is None else self.variant_cond_latents[v - 1]
@@ -258,6 +263,8 @@ def encode_sample(record: SampleRecord, inline_text: bool = False, layout: str =
             tensors[name] = (np.asarray(getattr(record, name), "u1"), "U8")
     if record.clip_starts is not None:  # video: each variant's first frame in its video
         tensors["clip_starts"] = (np.asarray(record.clip_starts, "<i4"), "I32")
+    if record.variant_captions is not None:  # each variant's caption index (its shot's); old readers skip it
+        tensors["variant_captions"] = (np.asarray(record.variant_captions, "<i4"), "I32")
     if inline_text:
         text = record.text
         assert text is not None and text.caption_key == record.caption_key, "inline text: the sample's own caption's"
@@ -349,6 +356,11 @@ def _variants(tensors: dict[str, tuple[np.ndarray, str]], latent: np.ndarray, ta
         if t != "I32" or starts.shape != (len(out.get("variant_latents", ())) + 1,):
             raise ValueError("clip_starts")
         out["clip_starts"] = starts
+    if "variant_captions" in tensors:  # (V,) int32, one per variant, within the sample's captions
+        on, t = tensors["variant_captions"]
+        if t != "I32" or on.shape != (len(out.get("variant_latents", ())) + 1,) or (on < 0).any():
+            raise ValueError("variant_captions")
+        out["variant_captions"] = on
     return out
 
 

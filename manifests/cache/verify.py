@@ -109,6 +109,10 @@ def _check_sample(blob: bytes, row: dict, meta: CacheMeta) -> str | None:
         if record.variants % flips or not flips <= record.variants <= most or record.clip_starts is None:
             return (f"{record.variants} variants (clip starts {record.clip_starts}), the cache's settings "
                     f"(--max-clips/--flip) allow {flips} to {most} in steps of {flips}")  # fmt: skip
+        captions = len(record.caption_keys or (record.caption_key,))
+        if record.variant_captions is not None and int(record.variant_captions.max()) >= captions:
+            return (f"clip caption indices {record.variant_captions.tolist()} beyond its {captions} captions "
+                    "(each clip's shot caption)")  # fmt: skip
     elif record.variants != want:
         return f"{record.variants} variants, the cache's settings (--crops/--flip) say {want}"
     if (record.cond_latent is not None) != (meta.settings.conditioning is not None):

@@ -40,22 +40,27 @@ from pipeline.embed.parquet_images import is_parquet_row
 from pipeline.embed.imaging import ImageFailure, cover_and_crop, crop_resized, prepare_views, read_failure
 from pipeline.embed.samples import sample_record
 
-__all__ = ["MAX_CLIPS", "SEEK_GAP", "open_video", "clip_records", "clip_starts", "clip_variants", "decode_clip_frames",
-           "prepare_clips", "refuse_for_video"]
+__all__ = ["MAX_CLIPS", "SEEK_GAP", "open_video", "clip_picks", "clip_records", "clip_starts", "clip_variants",
+           "decode_clip_frames", "prepare_clips", "refuse_for_video"]
 
 MAX_CLIPS = 4  # --max-clips default: record bytes grow with the clips kept
 _FIRST_READ = 256 * 1024  # ranged reads while decoding: sequential misses double from here
 _MAX_FETCH = 8 * 1024 * 1024  # ... up to this
 
 
-def clip_starts(clips: int, frames: int, max_clips: int, starts: list[int] | None = None) -> list[int]:
-    """The first frame of each clip embedded from a video of ``clips`` clips of ``frames`` frames: at most
-    ``max_clips`` of them, evenly spaced over the video (the first and, with 2 or more, the last). ``starts``: the
-    row's ``clip_starts`` (clips cut inside shots, :func:`manifests.frames.scene_clips`), else clip i starts at
-    ``i * frames``."""
+def clip_picks(clips: int, max_clips: int, starts: list[int] | None = None) -> list[int]:
+    """Which clips of a video of ``clips`` clips (``starts``: its ``clip_starts``, when cut inside shots) are
+    embedded: at most ``max_clips`` indices, evenly spaced over the video (the first and, with 2 or more, the
+    last)."""
     k = max(1, len(starts) if starts else int(clips))
-    chosen = np.unique(np.linspace(0, k - 1, min(k, max_clips)).round().astype(int))
-    return [int(starts[i]) if starts else int(i) * frames for i in chosen]
+    return [int(i) for i in np.unique(np.linspace(0, k - 1, min(k, max_clips)).round().astype(int))]
+
+
+def clip_starts(clips: int, frames: int, max_clips: int, starts: list[int] | None = None) -> list[int]:
+    """The first frame of each clip embedded from a video of ``clips`` clips of ``frames`` frames
+    (:func:`clip_picks`). ``starts``: the row's ``clip_starts`` (clips cut inside shots,
+    :func:`manifests.frames.scene_clips`), else clip i starts at ``i * frames``."""
+    return [int(starts[i]) if starts else i * frames for i in clip_picks(clips, max_clips, starts)]
 
 
 def clip_variants(clips: np.ndarray, flips: int) -> np.ndarray:
@@ -184,6 +189,9 @@ def _video_views(fs, root: str, row: dict, bucket: tuple[int, int], frames: int,
     """One video row -> ``uint8 (n, F, H, W, 3)`` clips and its geometry; raises ImageFailure. ``blob``: the
     video's bytes (or the exception reading them) when they were read whole (a parquet value), else None."""
     starts = clip_starts(row.get("clips") or 1, frames, max_clips, row.get("clip_starts"))
+    on = row.get("clip_captions")  # each clip's caption index (shots captioned): the picked clips' go with them
+    captions = None if on is None else [int(on[i]) for i in clip_picks(row.get("clips") or 1, max_clips,
+                                                                         row.get("clip_starts"))]  # fmt: skip
     bh, bw = bucket
     out = np.zeros((len(starts), frames, bh, bw, 3), np.uint8)
     seen = np.zeros((len(starts), frames), bool)
@@ -217,7 +225,7 @@ def _video_views(fs, root: str, row: dict, bucket: tuple[int, int], frames: int,
     if not seen.all():
         raise ImageFailure("truncated", f"decoded {decoded} frames, fewer than its clips need "
                            f"(starts {starts}, {frames} frames each): rescan it")  # fmt: skip
-    return out, {**geometry, "clip_starts": starts}
+    return out, {**geometry, "clip_starts": starts, "clip_captions": captions}
 
 
 def prepare_clips(fs, root: str, bucket: str, rows: list[dict], crop: str, seed: int, max_pixels: int,
@@ -260,7 +268,8 @@ def clip_records(item: dict, rows: list[dict], encode: Callable[[np.ndarray], np
                  batch_size: int, dtype: str) -> list[tuple[dict, Any]]:
     """A prepared video unit (``pixels`` of :func:`prepare_clips`, its good ``rows``) -> ``(row, SampleRecord)``
     each: every clip (x2 mirrored with ``flips`` 2) through ``encode`` (``(b, F, H, W, 3)`` uint8 -> ``(b, C, F',
-    h, w)`` in ``dtype``), ``batch_size`` clips a pass; a row's clips are the variants of its record."""
+    h, w)`` in ``dtype``), ``batch_size`` clips a pass; a row's clips are the variants of its record (with
+    ``clip_captions``, each variant's caption index: ``variant_captions``)."""
     bw, bh, frames = parse_video_bucket(item["bucket"])
     pixels = np.frombuffer(item["pixels"], np.uint8).reshape(-1, frames, bh, bw, 3)  # (clips, F, H, W, 3)
     views = clip_variants(pixels, flips)  # (clips * flips, F, H, W, 3): clip-major
@@ -271,7 +280,7 @@ def clip_records(item: dict, rows: list[dict], encode: Callable[[np.ndarray], np
     for r in rows:
         v = len(r["clip_starts"]) * flips
         out.append((r, sample_record(r, item["bucket"], dtype, latents[at : at + v], None, None, flips,
-                                     clip_starts=r["clip_starts"])))  # fmt: skip
+                                     clip_starts=r["clip_starts"], clip_captions=r.get("clip_captions"))))  # fmt: skip
         at += v
     return out
 

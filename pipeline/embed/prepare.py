@@ -36,7 +36,8 @@ _PREPARED_ROWS = pa.schema([("sample_id", pa.uint64()), ("caption_key", pa.uint6
                             ("crops", pa.list_(pa.int32())),  # every crop's (top, left), flat
                             ("has_mask", pa.bool_()),  # its mask is in the unit's mask_pixels (else all 255 there)
                             ("text_inline", pa.bool_()), ("caption", pa.string()),
-                            ("clip_starts", pa.list_(pa.int32()))])  # video: its clips' first frames  # fmt: skip
+                            ("clip_starts", pa.list_(pa.int32())),  # video: its clips' first frames
+                            ("clip_captions", pa.list_(pa.int32()))])  # their captions (shots captioned)  # fmt: skip
 
 
 def prepare_batch(
@@ -147,6 +148,7 @@ def prepare_unit(batch: pa.Table, source: str, storage_options: dict | None, cro
             "text_inline": [r["text_inline"] for r in prepared["rows"]],
             "caption": [r["caption"] for r in prepared["rows"]],
             "clip_starts": [r.get("clip_starts") for r in prepared["rows"]],
+            "clip_captions": [r.get("clip_captions") for r in prepared["rows"]],
         }, schema=_PREPARED_ROWS)  # fmt: skip
         errors = pa.Table.from_pylist([{"sample_id": sid, "filename": name, "error": kind, "message": message,
                                         "source_key": keys[sid]} for sid, name, kind, message in prepared["errors"]],

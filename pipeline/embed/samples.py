@@ -26,14 +26,16 @@ def variant_pixels(pixels: np.ndarray, flips: int) -> np.ndarray:
 
 def sample_record(row: dict, bucket: str, dtype: str, latents: np.ndarray, conds: np.ndarray | None,
                   std: np.ndarray | None, flips: int, masks: np.ndarray | None = None, *,
-                  features: np.ndarray | None = None, clip_starts: list[int] | None = None) -> SampleRecord:
+                  features: np.ndarray | None = None, clip_starts: list[int] | None = None,
+                  clip_captions: list[int] | None = None) -> SampleRecord:
     """One sample's record from its ``(V, C, h, w)`` variant latents (and its conditioning image's, and its
     variants' ``(V, gh, gw, D)`` float16 DINOv2 ``features``):
     variant 0 in ``latent``, the others in ``variant_latents``; a mirrored variant's crop box is
     mirrored as SDXL expects (``left -> resized_w - left - target_w``). ``masks``: ``(V, h, w)`` uint8
     loss masks of the variants at the latent grid (:func:`pipeline.embed.masks.to_latent_grid`), or None.
     Video (bucket ``WxHxF``): ``latents`` ``(V, C, F', h, w)``, the row's crops are its clips' (one box each)
-    and ``clip_starts`` their first frames; variant ``v`` is clip ``v // flips``."""
+    and ``clip_starts`` their first frames, ``clip_captions`` their caption indices (their shots', or None);
+    variant ``v`` is clip ``v // flips``."""
     bw, bh = parse_video_bucket(bucket)[:2] if bucket.lower().count("x") == 2 else parse_bucket(bucket)
     crops = np.asarray(row["crops"], np.int32).reshape(-1, 2)  # (K, 2) (top, left)
     boxes = np.repeat(crops, flips, axis=0)  # (V, 2)
@@ -53,4 +55,5 @@ def sample_record(row: dict, bucket: str, dtype: str, latents: np.ndarray, conds
         variant_features=features[1:] if several and features is not None else None,
         mask=None if masks is None else masks[0], variant_masks=masks[1:] if several and masks is not None else None,
         clip_starts=None if clip_starts is None else np.repeat(np.asarray(clip_starts, np.int32), flips),
+        variant_captions=None if clip_captions is None else np.repeat(np.asarray(clip_captions, np.int32), flips),
     )  # fmt: skip

@@ -41,7 +41,7 @@ __all__ = ["MANIFEST_COLUMNS", "PROBE_FILES", "UNIT_PIXEL_BYTES", "GroupWork", "
 # what a row's freshness, caption and probe need: the source-key columns, the caption and where the image is
 MANIFEST_COLUMNS = ["sample_id", "filename", "caption", "captions", "bucket", "size", "etag", "mtime", "container",
                     "container_size", "member_offset", "row_group", "row_index", *CONDITIONING_COLUMNS,
-                    *MASK_COLUMNS, "clips", "clip_starts"]  # a video's (null in an image manifest)
+                    *MASK_COLUMNS, "clips", "clip_starts", "clip_captions"]  # a video's (null in an image manifest)
 PROBE_FILES = 8  # images read up front to tell an unusable storage from a few bad files
 UNIT_PIXEL_BYTES = 128 << 20  # pixels of one unit in flight: 42 images at 1024x1024, 682 at 256x256
 

@@ -74,7 +74,8 @@ UNIT_ROWS = pa.schema([("sample_id", pa.uint64()), ("filename", pa.string()), ("
                        # the caption no other row has: its text goes into the sample's record (caption: its text)
                        ("text_inline", pa.bool_()), ("caption", pa.string()),
                        ("clips", pa.int32()),  # a video's clips (manifests.frames), null for an image
-                       ("clip_starts", pa.list_(pa.int32()))])  # clips cut at scene changes, else null  # fmt: skip
+                       ("clip_starts", pa.list_(pa.int32())),  # clips cut at scene changes, else null
+                       ("clip_captions", pa.list_(pa.int32()))])  # each clip's shot's caption, else null  # fmt: skip
 _LOCATION = ("container", "container_size", "member_offset", "row_group", "row_index", "size")
 VISIBLE_MARKER = "_embed-running"  # written by the driver into a local --out; every worker must see it
 
@@ -112,7 +113,7 @@ def plan_units(batch: pa.Table, manifest: str, storage_options: dict | None, bat
                          "caption_keys": sample_caption_keys(rows), "source_key": source_key(rows),
                          "conditioning": rows.column("conditioning"),
                          **{name: rows.column(name) for name in (*_LOCATION, *MASK_COLUMNS, "bucket", "clips",
-                                                                   "clip_starts")}})
+                                                                   "clip_starts", "clip_captions")}})
         for i, unit in enumerate(cut_units(rows, batch_size, shard_records, max_clips)):
             name = f"{work.group.part}#{work.group.index}.{i}"
             yield pa.table({"unit": [name], "bucket": [unit.column("bucket")[0].as_py()],

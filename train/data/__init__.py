@@ -30,7 +30,8 @@ conditioning image.
 
 Caption lists: a sample embedded with several captions trains on the one the plan chose for it this
 epoch (``PlanStep.caption_index``; a plan without that column means caption 0); caption dropout still
-replaces the chosen one.
+replaces the chosen one. A video clip cut inside a captioned shot (its record's ``variant_captions``) trains on
+its own shot's caption instead, whatever the plan chose (:func:`~train.data.draws.variant_text_keys`).
 
 Posterior sampling: a cache embedded with ``--latents posterior`` stores each latent's posterior
 ``latent_std``; the loader trains on a fresh draw ``mean + std * eps`` every epoch (config

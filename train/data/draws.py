@@ -16,7 +16,7 @@ import numpy as np
 from manifests.cache.records import SampleRecord, to_float32
 from manifests.draws import SALT_VARIANT, uniforms
 
-__all__ = ["caption_dropout_mask", "variant_choice", "posterior_noise", "draw_posterior"]
+__all__ = ["caption_dropout_mask", "variant_choice", "variant_text_keys", "posterior_noise", "draw_posterior"]
 
 _POSTERIOR_SALT = 0x706F7374  # "post": keeps the posterior's stream apart from every other per-sample draw
 
@@ -40,6 +40,22 @@ def variant_choice(seed: int, epoch: int, sample_ids: Sequence[int], variants: S
     counts = np.broadcast_to(np.asarray(variants, np.int64), (len(sample_ids),))
     salt = np.uint64(SALT_VARIANT) + (np.zeros(1, np.uint64) if datasets is None else np.asarray(datasets, np.uint64))
     return np.minimum((uniforms(seed, epoch, sample_ids, salt) * counts).astype(np.int64), counts - 1)
+
+
+def variant_text_keys(records: Sequence[SampleRecord]) -> list[int | None]:
+    """The caption key each one-variant record (:meth:`SampleRecord.variant`) trains on when its variant carries
+    its own caption (``variant_captions``: a clip's shot's, whatever caption the plan chose), else None (the
+    plan's). Raises ValueError for an index beyond the record's captions."""
+    out: list[int | None] = []
+    for r in records:
+        if r.variant_captions is None:
+            out.append(None)
+            continue
+        keys, at = r.caption_keys or (r.caption_key,), int(r.variant_captions[0])
+        if not 0 <= at < len(keys):
+            raise ValueError(f"sample {r.sample_id}: its clip's caption is number {at}, but it has {len(keys)}")
+        out.append(int(keys[at]))
+    return out
 
 
 def posterior_noise(seed: int, epoch: int, sample_id: int, shape: tuple[int, ...], dataset: int = 0) -> np.ndarray:

@@ -23,7 +23,7 @@ from manifests.cache.records import SampleRecord
 from manifests.errors import UsageError
 from manifests.storage import redact
 from train.data.batch import Batch, collate, latent_normaliser
-from train.data.draws import caption_dropout_mask, draw_posterior, variant_choice
+from train.data.draws import caption_dropout_mask, draw_posterior, variant_choice, variant_text_keys
 from train.data.steps import PlanStep, RankSteps
 
 __all__ = ["BadRecordError", "BatchLoader", "READ_AHEAD_MB"]
@@ -206,7 +206,7 @@ class BatchLoader:
                                      "Run `bucketeer verify`.") from None  # fmt: skip
         chosen = variant_choice(self.seed, step.epoch, [r.sample_id for r in records], [r.variants for r in records],
                                 None if step.dataset is None else sets)  # fmt: skip
-        records = [r.variant(int(v)) for r, v in zip(records, chosen)]
+        records = self._variant_texts([r.variant(int(v)) for r, v in zip(records, chosen)], sets)
         if self.posterior_sampling:
             records = draw_posterior(records, self.seed, step.epoch, None if step.dataset is None else sets)
         dropped: list[int] = []
@@ -220,6 +220,24 @@ class BatchLoader:
         batch.skipped, batch.dropped, batch.variants = skipped, dropped, chosen.tolist()
         batch.datasets = None if step.dataset is None else [int(d) for d in sets]
         return batch.pin_memory() if self.pin_memory else batch
+
+    def _variant_texts(self, records: list[SampleRecord], sets: list[int]) -> list[SampleRecord]:
+        """``records`` (one variant each) whose variant carries its own caption (a clip's shot's,
+        :func:`variant_text_keys`) with that caption's text in place of the plan's; the others as they are.
+        Raises CacheError for a caption index beyond the sample's captions or a missing text record."""
+        try:
+            wanted = variant_text_keys(records)
+        except ValueError as e:
+            raise CacheError(f"{e}: the record and the cache index disagree; run `bucketeer verify`") from None
+        swap = [i for i, (r, k) in enumerate(zip(records, wanted)) if k is not None and k != r.caption_key]
+        if not swap:
+            return records
+        out = list(records)
+        for d in dict.fromkeys(sets[i] if sets else 0 for i in swap):
+            mine = [i for i in swap if (sets[i] if sets else 0) == d]
+            for i, text in zip(mine, self.readers[d].read_texts([wanted[i] for i in mine])):
+                out[i] = replace(out[i], text=text, caption_key=wanted[i])
+        return out
 
     def _fetch(self, sample_ids: Sequence[int], sets: list[int],
                caption_index: np.ndarray | None) -> list[SampleRecord]:  # fmt: skip
