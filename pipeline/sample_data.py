@@ -161,21 +161,50 @@ CLIP_SHAPES = ((128, 128, 17), (160, 96, 40), (96, 160, 21), (128, 128, 9), (160
 
 def _write_clip(path: Path, rng: np.random.Generator, w: int, h: int, frames: int, *, codec: str,
                 rotate: int | None = None) -> None:  # fmt: skip
+    _write_frames(path, _panning(rng, w, h, frames), codec=codec, rotate=rotate)
+
+
+def _panning(rng: np.random.Generator, w: int, h: int, frames: int) -> list[np.ndarray]:
+    """``frames`` (h, w, 3) uint8 frames panning across a random picture twice as wide."""
+    field = np.asarray(_picture(rng, 2 * w, h), np.uint8)  # (h, 2w, 3)
+    return [np.ascontiguousarray(field[:, (i * w) // max(frames, 1):][:, :w]) for i in range(frames)]
+
+
+def _write_frames(path: Path, frames: list[np.ndarray], *, codec: str, rotate: int | None = None) -> None:
+    """Encode RGB ``frames`` (h, w, 3) to ``path`` at 24 frames/s with PyAV."""
     import av
 
-    field = np.asarray(_picture(rng, 2 * w, h), np.uint8)  # (h, 2w, 3): the clip pans across it
+    h, w = frames[0].shape[:2]
     with av.open(str(path), "w") as container:
         stream = container.add_stream(codec, rate=24)
         stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
         if rotate is not None:
             stream.set_display_rotation(rotate)
-        for i in range(frames):
-            x = (i * w) // max(frames, 1)
-            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(field[:, x:x + w]), format="rgb24")
-            for packet in stream.encode(frame):
+        for rgb in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")):
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
+
+
+CUT_AT = 20  # the planted cut clip: two panning shots of this many frames each
+
+
+def add_video_cases(folder: str | Path, seed: int = 0) -> dict[str, Any]:
+    """Plant what video curation finds under ``folder``/cases: ``cut.mp4``, two panning shots of :data:`CUT_AT`
+    frames with a hard cut between them (a clip at fixed strides would span it), and ``still.mp4``, 17 frames of one
+    picture (no motion); each with a caption sidecar. Returns ``{"cut": CUT_AT, "still": 1}``."""
+    import av
+
+    root = Path(folder) / "cases"
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed + 1)
+    h264 = "libx264" if "libx264" in av.codecs_available else "mpeg4"
+    _write_frames(root / "cut.mp4", _panning(rng, 128, 128, CUT_AT) + _panning(rng, 128, 128, CUT_AT), codec=h264)
+    (root / "cut.txt").write_text("a street, then a beach\n")
+    _write_frames(root / "still.mp4", [np.asarray(_picture(rng, 128, 128), np.uint8)] * 17, codec=h264)
+    (root / "still.txt").write_text("a painting on a wall, nothing moves\n")
+    return {"cut": CUT_AT, "still": 1}
 
 
 def make_sample_clips(folder: str | Path, n: int = 24, seed: int = 0) -> dict[str, Any]:

@@ -24,7 +24,7 @@ BUCKET_STEP = 32  # at 256² a step of 64 leaves 3 buckets for 9 aspect ratios; 
 BATCH_SIZE = 4  # per rank: a global batch of 8
 EPOCHS = 2  # ~23 steps per epoch on 200 images: a few dozen steps in all
 MARKER = ".bucketeer-demo"  # marks an --out-dir this demo made (and may clear)
-OWNED = ("manifest", "annotations", "duplicates", "cache", "plan", "train", "report.html", "report_figures",
+OWNED = ("manifest", "annotations", "duplicates", "clips", "cache", "plan", "train", "report.html", "report_figures",
          "train.log", "s3-server.log", "demo-summary.json", "train-config.yaml", "validation-prompts.txt")
 # What a user decides before training, on the cheap annotations (no model): the duplicates out (one keeper per
 # cluster) and the blank frames (contrast 0; a photo's is 0.1 or more). The annotations are taken at 256 pixels
@@ -32,6 +32,11 @@ OWNED = ("manifest", "annotations", "duplicates", "cache", "plan", "train", "rep
 ANNOTATE_TASKS, ANNOTATE_IMAGE_SIZE = "sha256,phash,stats", 256
 WHERE = "NOT duplicate AND contrast > 0.02"
 CURATION_FROM = 40  # --images from which some of them are planted duplicates and blank frames (9)
+# A video demo prepares its clips as people do (docs/video-clips.md): shots (a clip with a known hard cut is
+# planted), motion and a caption per shot in one decode of each video (the tiny random Qwen2.5-VL video captioner:
+# its captions are noise), clips cut inside the shots with each clip's own shot's caption (rebucket --scenes), and a
+# planted still clip left out by the plan's --where (the stills, images of the manifest, are 1-frame samples)
+VIDEO_ANNOTATE_TASKS, VIDEO_WHERE = "scenes,motion,caption", "motion > 0.5 OR frames = 1"
 FAMILIES = ("pixart", "sdxl", "sd3", "flux", "wan")
 FAMILIES += ("qwen-image", "z-image")  # tiny Qwen2.5-VL / Qwen3 text encoders (pipeline.embed.families.tiny_qwen)
 FAMILIES += ("flux2", "flux2-klein", "chroma")  # docs/families-flux2-chroma.md
@@ -122,11 +127,12 @@ class DemoResult:
 class Target:
     """Where the artifacts of one demo run live: local paths, or s3:// URLs plus the endpoint."""
 
-    NAMES: ClassVar[tuple[str, ...]] = ("dataset", "manifest", "annotations", "duplicates", "cache", "plan")
+    NAMES: ClassVar[tuple[str, ...]] = ("dataset", "manifest", "annotations", "duplicates", "clips", "cache", "plan")
     dataset: str
     manifest: str
     annotations: str
     duplicates: str
+    clips: str  # a video demo's manifest with its clips cut inside shots (rebucket --scenes)
     cache: str
     plan: str
     storage_options: dict[str, Any]
@@ -154,11 +160,12 @@ class Stages:
 def run(job: DemoJob) -> DemoResult:
     out = _prepare_out_dir(job.out_dir)
     s3_server, s3_upload = (["s3 server"], ["s3 upload"]) if job.s3 else ([], [])
-    curation = ["annotate", "dedup"] if _curates(job) else []
+    curation = ["annotate", "dedup"] if _curates(job) else ["annotate", "rebucket"] if job.family in VIDEO else []
     stages = Stages(["generate", *s3_server, "ray", *s3_upload, "scan", *curation, "embed", "plan", "train", "verify",
                      "report"])  # fmt: skip
     started = time.perf_counter()
-    what = (f"{job.clips} short clips in 3 aspect ratios, stills, captions, a broken file" if job.family in VIDEO
+    what = (f"{job.clips} short clips in 3 aspect ratios, a clip with a hard cut, a still clip, stills, captions, a "
+            "broken file" if job.family in VIDEO
             else f"{job.images} images in several aspect ratios, captions, 3 broken files"
             + (", duplicates, blank frames" if _curates(job) else ""))  # fmt: skip
     with stages.stage("generate", what):
@@ -204,11 +211,13 @@ def _generate(job: DemoJob, folder: Path) -> str:
     if job.family in VIDEO:
         try:
             made = sample_data.make_sample_clips(folder, n=job.clips, seed=job.seed)
+            cases = sample_data.add_video_cases(folder, seed=job.seed)
         except ImportError:
             raise UsageError(f"bucketeer demo --family {job.family} writes and reads clips with PyAV: "
                              "pip install 'bucketeer[video]'") from None  # fmt: skip
         return (f"{made['clips']} clips {made['codecs']} ({made['rotated']} rotated), {made['captioned']} captions, "
-                f"{made['images']} stills, {made['short']} too short, {made['broken']} broken -> {folder}")
+                f"{made['images']} stills, {made['short']} too short, {made['broken']} broken; planted: a clip with a "
+                f"hard cut at frame {cases['cut']}, a still clip -> {folder}")
     planted = {"duplicates": 6, "blanks": 3} if _curates(job) and job.images >= CURATION_FROM else {}
     made = sample_data.make_sample_dataset(folder, n=job.images - sum(planted.values()), seed=job.seed)
     line = (f"{made['images']} images {made['formats']}, {made['captioned']} captions, "
@@ -258,7 +267,18 @@ def run_stages(stages: Stages, target: Target, out: Path, seed: int, family: str
                           *opts)  # fmt: skip
     annotate = dedup = None
     selection: list[str] = []
-    if "annotate" in stages.names:
+    manifest = target.manifest  # what embed, plan and the report take
+    if "rebucket" in stages.names:  # a video demo (see VIDEO_WHERE)
+        with stages.stage("annotate", f"{VIDEO_ANNOTATE_TASKS} of every video -> {target.annotations} (Ray job, one "
+                          "decode per video, a tiny random video captioner)"):  # fmt: skip
+            annotate = _bucketeer("annotate", target.manifest, "--out", target.annotations, "--task",
+                                  VIDEO_ANNOTATE_TASKS, "--model", "default", *opts)  # fmt: skip
+        with stages.stage("rebucket", f"clips inside the shots, each with its shot's caption -> {target.clips}"):
+            _bucketeer("rebucket", target.manifest, "--out", target.clips, "--scenes", target.annotations,
+                       *_scan_options(family, target.dataset)[:4], *opts)  # fmt: skip
+        manifest = target.clips
+        selection = ["--annotations", target.annotations, "--where", VIDEO_WHERE]
+    elif "annotate" in stages.names:
         with stages.stage("annotate", f"{ANNOTATE_TASKS} of every image -> {target.annotations} (Ray job, no model)"):
             annotate = _bucketeer("annotate", target.manifest, "--out", target.annotations, "--task", ANNOTATE_TASKS,
                                   "--image-size", str(ANNOTATE_IMAGE_SIZE), *opts)  # fmt: skip
@@ -267,11 +287,11 @@ def run_stages(stages: Stages, target: Target, out: Path, seed: int, family: str
         selection = ["--annotations", f"{target.annotations},{target.duplicates}", "--where", WHERE]
     models = "embedded default encoders" if family == "pixart" else f"a tiny random-weight {family} model"
     with stages.stage("embed", f"{target.manifest} -> {target.cache} (Ray job, {models})"):
-        embed = _bucketeer("embed", target.manifest, "--out", target.cache, *_family_options(family, out), *features,
+        embed = _bucketeer("embed", manifest, "--out", target.cache, *_family_options(family, out), *features,
                            *opts)  # fmt: skip
-    keeps = f", keeping {WHERE}" if selection else ""
+    keeps = f", keeping {selection[-1]}" if selection else ""
     with stages.stage("plan", f"{WORLD_SIZE} ranks x batch {BATCH_SIZE}, {EPOCHS} epochs{keeps} -> {target.plan}"):
-        plan = _bucketeer("plan", target.manifest, "--out", target.plan, "--world-size", str(WORLD_SIZE),
+        plan = _bucketeer("plan", manifest, "--out", target.plan, "--world-size", str(WORLD_SIZE),
                           "--batch-size", str(BATCH_SIZE), "--seed", str(seed), "--epochs", str(EPOCHS), "--cache",
                           target.cache, *selection, *opts)  # fmt: skip
     with stages.stage("train", f"accelerate launch, {WORLD_SIZE} processes on the CPU -> {out / 'train'}"):
@@ -281,7 +301,7 @@ def run_stages(stages: Stages, target: Target, out: Path, seed: int, family: str
     with stages.stage("verify", f"every record of {target.cache}"):
         _bucketeer("verify", target.cache, *opts)
     with stages.stage("report", f"{out / 'report.html'} and PNG figures"):
-        _bucketeer("report", target.manifest, "--plan", target.plan, "--cache", target.cache, *selection[:2],
+        _bucketeer("report", manifest, "--plan", target.plan, "--cache", target.cache, *selection[:2],
                    "--out", str(out / "report.html"), *opts)  # fmt: skip
     return StageResults(scan, annotate, dedup, embed, plan)
 
@@ -308,16 +328,20 @@ def demo_figures(results: StageResults, *, target: Target, out: Path) -> dict[st
                       "figures": str(out / "report_figures")},
     }  # fmt: skip
     a, d = results.annotate, results.dedup
-    if a is not None and d is not None:
+    if a is not None:
         figures["annotate"] = {"tasks": [t.task for t in a.meta.tasks], "annotated": a.meta.counts.annotated,
                                "errors": a.meta.counts.errors, "images_per_s": a.images_per_second}  # fmt: skip
-        figures["dedup"] = {"samples": d.samples, "clusters": d.clusters, "duplicates": d.duplicates,
-                            "edges": dict(d.edges)}  # fmt: skip
+        if d is not None:
+            figures["dedup"] = {"samples": d.samples, "clusters": d.clusters, "duplicates": d.duplicates,
+                                "edges": dict(d.edges)}  # fmt: skip
+            figures["artifacts"].update(duplicates=target.duplicates)
+        else:  # a video demo: its clips cut inside the shots
+            figures["artifacts"].update(clips=target.clips)
         kept = p.selection.datasets[0] if p.selection else None
         figures["plan"]["where"] = p.selection.where if p.selection else None
         figures["plan"]["kept"] = kept.kept if kept else None
         figures["plan"]["dropped_by_where"] = kept.dropped if kept else None
-        figures["artifacts"].update(annotations=target.annotations, duplicates=target.duplicates)
+        figures["artifacts"].update(annotations=target.annotations)
     return figures
 
 

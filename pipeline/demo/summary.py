@@ -14,8 +14,23 @@ def summary_text(figures: dict[str, Any], out: Path, world_size: int) -> str:
     rate = f"{e['images_per_s']:.1f} images/s" if e["images_per_s"] else "images/s n/a"
     opts = " --storage-options '{\"endpoint_url\": \"https://<account>.r2.cloudflarestorage.com\"}'"
     job = "ray job submit --runtime-env infra/ray/runtime_env.yaml --working-dir . -- python -m pipeline."
-    curated = "annotate" in figures
-    if curated:
+    clips = "clips" if "clips" in a else "manifest"  # the manifest embed and plan take
+    if "annotate" in figures and "dedup" not in figures:  # a video demo: shots, motion and captions, clips in shots
+        an = figures["annotate"]
+        curation = [
+            f"  annotate  {an['annotated']} videos and stills: {', '.join(an['tasks'])} (one decode each); "
+            f"{an['errors']} errors",
+            f"  rebucket  clips cut inside the shots, each with its own shot's caption -> {a['clips']}",
+            f"  select    --where \"{p['where']}\": {p['kept']} kept, {p['dropped_by_where']} dropped",
+        ]
+        folders = [f"  annotations {a['annotations']}   (scenes, motion, scene_caption per video; _annotations.json)",
+                   f"  clips     {a['clips']}   (the manifest with clip_starts and clip_captions)"]
+        select = f" --annotations s3://my-bucket/annotations --where \"{p['where']}\""
+        cluster = [f"  {job}annotate s3://my-bucket/manifest --out s3://my-bucket/annotations --task "
+                   f"scenes,motion,caption --model Qwen/Qwen2.5-VL-7B-Instruct --device cuda{opts}",
+                   f"  bucketeer rebucket s3://my-bucket/manifest --out s3://my-bucket/clips --scenes "
+                   f"s3://my-bucket/annotations{opts}"]
+    elif "annotate" in figures:
         an, du = figures["annotate"], figures["dedup"]
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(du["edges"].items()))
         curation = [
@@ -62,8 +77,8 @@ def summary_text(figures: dict[str, Any], out: Path, world_size: int) -> str:
         "the same on a cluster (credentials from AWS_* variables; see README.md, docs/ and infra/README.md)",
         f"  {job}scan s3://my-bucket/dataset --out s3://my-bucket/manifest{opts}",
         *cluster,
-        f"  {job}embed s3://my-bucket/manifest --out s3://my-bucket/cache{opts}",
-        "  bucketeer plan s3://my-bucket/manifest --out s3://my-bucket/plan --world-size 8 --batch-size 4 "
+        f"  {job}embed s3://my-bucket/{clips} --out s3://my-bucket/cache{opts}",
+        f"  bucketeer plan s3://my-bucket/{clips} --out s3://my-bucket/plan --world-size 8 --batch-size 4 "
         f"--epochs 10 --cache s3://my-bucket/cache{select}{opts}",
         "  accelerate launch --config_file infra/accelerate/ddp-1x8.yaml -m train --plan s3://my-bucket/plan "
         f"--cache s3://my-bucket/cache{opts}",
