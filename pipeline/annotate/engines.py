@@ -90,7 +90,7 @@ def load_processor(path: str):
 
     try:
         return AutoProcessor.from_pretrained(path)
-    except ImportError:
+    except (ImportError, TypeError):  # transformers 5.0 (the floor) fails on the video processor with a TypeError
         if AutoConfig.from_pretrained(path).model_type not in QWEN_VL_TYPES:
             raise
         from pipeline.embed.processors import load_qwen2vl_processor

@@ -29,6 +29,7 @@ it, which one frame cannot. ``--model default`` in a video run is a tiny random 
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from dataclasses import dataclass
@@ -81,7 +82,10 @@ def video_patches(frames: list[np.ndarray], grid: VideoGrid) -> tuple[np.ndarray
     """One video's ``(patches, (t, h, w))`` as ``Qwen2VLVideoProcessor`` computes them (module docstring):
     ``frames`` RGB uint8 ``(H, W, 3)``, all one size; ``patches`` float32 ``(t * h * w, 3 * T * P * P)``."""
     from PIL import Image
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+    try:  # transformers 5.2x: the PIL backend's module (its torchvision one needs torchvision)
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+    except ImportError:  # 5.0, the floor: the slow processor's module, on PIL and numpy
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
     p, m, tp = grid.patch_size, grid.merge_size, grid.temporal_patch_size
     height, width = frames[0].shape[:2]
@@ -101,7 +105,8 @@ def video_patches(frames: list[np.ndarray], grid: VideoGrid) -> tuple[np.ndarray
 def video_inputs(processor: Any, grid: VideoGrid, texts: list[str], videos: list[list[np.ndarray]],
                  fps: list[float], second_per_grid: bool) -> dict[str, Any]:  # fmt: skip
     """The model inputs of ``texts`` (each with one video token) and ``videos`` (RGB frames) for a Qwen2-VL
-    family model without a video processor: the tokens (left padded), ``mm_token_type_ids`` (2 on video tokens),
+    family model without a video processor: the tokens (left padded), ``mm_token_type_ids`` (2 on video tokens;
+    transformers releases whose models take them, 5.2x: :class:`ShotCaptioner` drops them for older ones),
     ``pixel_values_videos``, ``video_grid_thw`` and, with ``second_per_grid``, Qwen2.5-VL's ``second_per_grid_ts``
     (``temporal_patch_size / fps``)."""
     import torch
@@ -135,6 +140,7 @@ class ShotCaptioner:
         model_type = self.model.config.model_type
         self.grid = None if self.native else VideoGrid.of(spec.path(), self.processor.image_processor)
         self.second_per_grid = model_type == "qwen2_5_vl"
+        self.token_types = "mm_token_type_ids" in inspect.signature(self.model.forward).parameters  # 5.0: absent
         assert self.native or model_type in QWEN_VL_TYPES  # describe_model refused the others
         eos = self.model.generation_config.eos_token_id
         self.eos = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
@@ -142,7 +148,8 @@ class ShotCaptioner:
     def _inputs(self, shots: list[list[np.ndarray]], fps: list[float]) -> dict[str, Any]:
         texts = [self.text] * len(shots)
         if not self.native:
-            return video_inputs(self.processor, self.grid, texts, shots, fps, self.second_per_grid)
+            inputs = video_inputs(self.processor, self.grid, texts, shots, fps, self.second_per_grid)
+            return inputs if self.token_types else {k: v for k, v in inputs.items() if k != "mm_token_type_ids"}
         from PIL import Image
         from transformers.video_utils import VideoMetadata
 

@@ -72,6 +72,6 @@ def load_qwen2vl_processor(path: str, subfolder: str = "processor") -> Any:
 
     try:
         return Qwen2VLProcessor.from_pretrained(path, subfolder=subfolder)
-    except ImportError:  # transformers 5.x: Qwen2VLVideoProcessor requires torchvision
+    except (ImportError, TypeError):  # 5.x: Qwen2VLVideoProcessor requires torchvision (5.0: a TypeError)
         return _image_text_processor()(image_processor=load_image_processor(path, subfolder=subfolder),
                                        tokenizer=AutoTokenizer.from_pretrained(path, subfolder=subfolder))
