@@ -19,8 +19,8 @@ from typing import Any
 
 from manifests.errors import UsageError
 
-__all__ = ["ENGINES", "QWEN_VL_TYPES", "CaptionSpec", "TransformersCaptioner", "describe_model", "load_captioner",
-           "load_processor", "vllm_available"]
+__all__ = ["ENGINES", "QWEN_VL_TYPES", "CaptionSpec", "TransformersCaptioner", "describe_model", "eos_ids",
+           "generate_captions", "load_captioner", "load_processor", "vllm_available"]
 
 ENGINES = ("auto", "transformers", "vllm")
 DEFAULT_PROMPT = "Describe this image in one detailed sentence: the subject, the setting, the style."
@@ -180,6 +180,27 @@ def describe_model(spec: CaptionSpec) -> dict[str, Any]:
     return {"class": name, "weight_sha256": digest}
 
 
+def eos_ids(model: Any) -> set[int]:
+    """The token ids that end a generation of ``model`` (its generation config's ``eos_token_id``, one or many)."""
+    eos = model.generation_config.eos_token_id
+    return set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+
+
+def generate_captions(model: Any, processor: Any, inputs: Any, max_new_tokens: int,
+                      eos: set[int]) -> list[tuple[str, int]]:  # fmt: skip
+    """One batched greedy ``generate`` on ``inputs`` (left padded, on the model's device): ``(caption, generated
+    tokens)`` per row, the caption's special tokens dropped and whitespace collapsed, the tokens counted up to and
+    including the first of ``eos``."""
+    import torch
+
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    new = out[:, inputs["input_ids"].shape[1]:].cpu().tolist()  # (B, new tokens)
+    counts = [next((i + 1 for i, t in enumerate(row) if t in eos), len(row)) for row in new]
+    texts = processor.batch_decode([row[:n] for row, n in zip(new, counts)], skip_special_tokens=True)
+    return [(" ".join(t.split()), n) for t, n in zip(texts, counts)]
+
+
 class TransformersCaptioner:
     """Captions batches of PIL images with ``spec``'s model on ``device`` (``cuda`` or ``cpu``)."""
 
@@ -194,18 +215,9 @@ class TransformersCaptioner:
         self.processor.tokenizer.padding_side = "left"  # generation continues every row from its end
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": spec.prompt}]}]
         self.text = self.processor.apply_chat_template(messages, add_generation_prompt=True)
-        eos = self.model.generation_config.eos_token_id
-        self.eos = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+        self.eos = eos_ids(self.model)
 
     def caption(self, images: list) -> list[tuple[str, int]]:
         """``(caption, generated tokens)`` per image (PIL, RGB), in order; one batched ``generate``."""
-        import torch
-
         inputs = self.processor(images=images, text=[self.text] * len(images), return_tensors="pt", padding=True)
-        inputs = inputs.to(self.device)
-        with torch.inference_mode():
-            out = self.model.generate(**inputs, max_new_tokens=self.spec.max_new_tokens, do_sample=False)
-        new = out[:, inputs["input_ids"].shape[1]:].cpu().tolist()  # (B, new tokens)
-        counts = [next((i + 1 for i, t in enumerate(row) if t in self.eos), len(row)) for row in new]
-        texts = self.processor.batch_decode([row[:n] for row, n in zip(new, counts)], skip_special_tokens=True)
-        return [(" ".join(t.split()), n) for t, n in zip(texts, counts)]
+        return generate_captions(self.model, self.processor, inputs.to(self.device), self.spec.max_new_tokens, self.eos)

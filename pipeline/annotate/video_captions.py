@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.annotate.engines import QWEN_VL_TYPES, CaptionSpec, load_captioner
+from pipeline.annotate.engines import QWEN_VL_TYPES, CaptionSpec, eos_ids, generate_captions, load_captioner
 
 __all__ = ["VideoGrid", "video_patches", "video_inputs", "ShotCaptioner"]
 
@@ -142,8 +142,7 @@ class ShotCaptioner:
         self.second_per_grid = model_type == "qwen2_5_vl"
         self.token_types = "mm_token_type_ids" in inspect.signature(self.model.forward).parameters  # 5.0: absent
         assert self.native or model_type in QWEN_VL_TYPES  # describe_model refused the others
-        eos = self.model.generation_config.eos_token_id
-        self.eos = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+        self.eos = eos_ids(self.model)
 
     def _inputs(self, shots: list[list[np.ndarray]], fps: list[float]) -> dict[str, Any]:
         texts = [self.text] * len(shots)
@@ -162,12 +161,5 @@ class ShotCaptioner:
     def caption(self, shots: list[list[np.ndarray]], fps: list[float]) -> list[tuple[str, int]]:
         """``(caption, generated tokens)`` per shot, in order: ``shots`` each ``--shot-frames`` RGB uint8 frames,
         ``fps`` the rate of each shot's picked frames (frames per second); one batched greedy ``generate``."""
-        import torch
-
         inputs = {k: v.to(self.device) if hasattr(v, "to") else v for k, v in self._inputs(shots, fps).items()}
-        with torch.inference_mode():
-            out = self.model.generate(**inputs, max_new_tokens=self.spec.max_new_tokens, do_sample=False)
-        new = out[:, inputs["input_ids"].shape[1]:].cpu().tolist()  # (B, new tokens)
-        counts = [next((i + 1 for i, t in enumerate(row) if t in self.eos), len(row)) for row in new]
-        texts = self.processor.batch_decode([row[:n] for row, n in zip(new, counts)], skip_special_tokens=True)
-        return [(" ".join(t.split()), n) for t, n in zip(texts, counts)]
+        return generate_captions(self.model, self.processor, inputs, self.spec.max_new_tokens, self.eos)
