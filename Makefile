@@ -1,6 +1,7 @@
 # Set-up and the two front-door commands. Works on a machine with only Python 3.11, pip and gcc.
 #   make demo   # create .venv, install, run the end-to-end demo on this machine (make demo DEMO_ARGS=--repa: with REPA)
-#   make test   # create .venv, install, run every test (unit, S3, Ray, multi-process)
+#   make test   # create .venv, install, run the tests CI runs (unit, S3, Ray, multi-process): all but `full`
+#   make test-full     # every test, the `full` long tail included (each family's demo, simulated clusters)
 #   make test-floors   # create .venv-floors with every core dependency at its pyproject floor, run the fast tests
 #   make gpu-check     # on a GPU machine, offline, with its own python3 (CUDA torch) + .gpu-wheels: every GPU measure
 #                      # on random weights at real sizes, one table (without CUDA: the venv's, one line, exit 0)
@@ -15,6 +16,10 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# `make test` leaves out the tests marked `full` (pyproject.toml: each further family's demo and training, the
+# simulated clusters, kill-and-resume and throttling of stages a CI test already runs end to end): ~20 min on 2
+# cores instead of ~60. `make test-full` runs all of them. PYTEST_ARGS="-m ..." replaces this selection.
+TEST_MARKERS ?= not full
 # test files spread over 2 worker processes (pytest-xdist; a file stays on one worker, so its session and
 # module fixtures are built once): most tests wait on subprocesses, Ray and sockets, not on a core.
 # TEST_WORKERS=0 runs them in this process, one after another. --no-loadscope-reorder: files go out in collection
@@ -29,7 +34,7 @@ FLOORS_VENV ?= .venv-floors
 FLOORS_PY := $(FLOORS_VENV)/bin/python
 FLOORS_PYTEST_ARGS ?= -m "not slow"
 
-.PHONY: install demo test test-floors bench bench-deps gpu-check gpu-wheels gpu-rehearsal test-gpu install-vllm clean
+.PHONY: install demo test test-full test-floors bench bench-deps gpu-check gpu-wheels gpu-rehearsal test-gpu install-vllm clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +49,9 @@ demo: install
 	$(VENV)/bin/bucketeer demo $(DEMO_ARGS)
 
 test: install
+	$(PY) -m pytest $(XDIST) -m "$(TEST_MARKERS)" $(PYTEST_ARGS)
+
+test-full: install
 	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 # "s3fs[boto3]" adds no package: it makes aiobotocore pin boto3 (which moto needs) to its botocore range

@@ -22,19 +22,22 @@ from pipeline.ray_setup import loopback_only  # noqa: E402
 loopback_only()
 
 
-# The longest test files, longest first (from `pytest --durations`). `make test` runs files on pytest-xdist
-# workers with --dist loadfile --no-loadscope-reorder, which hands files out in collection order: started first,
-# the long files run beside the many short ones instead of alone at the end. Order within a file is kept.
-LONGEST_FILES = ("test_demo_flux2.py", "test_demo_qwen.py", "test_demo.py", "test_e2e.py", "test_demo_family.py",
-                 "test_embed.py", "test_train_families.py", "test_train_flux2.py", "test_train_qwen.py",
-                 "test_train_qwen_edit.py", "test_demo_wan.py", "test_demo_wan22.py", "test_demo_ltx2.py",
-                 "test_demo_hunyuan.py", "test_train_hunyuan.py", "test_train_wan22.py",
-                 "test_video_scenes.py", "test_video_shots.py", "test_video_captions.py", "test_video_transnet.py",
-                 "test_clip_captions.py", "test_train_ltx2.py", "test_gpu_check.py",
-                 "test_embed_cluster.py", "test_train_dist.py", "test_train_data.py", "test_sources_tar.py",
-                 "test_infra.py", "test_plan.py", "test_captions_list.py", "test_embed_faults.py",
-                 "test_train_multinode.py", "test_sources_parquet.py", "test_pairs.py", "test_scan.py")  # fmt: skip
-LONGEST_FILES += ("test_annotate.py", "test_annotate_cluster.py")  # VLM captioning: minutes of Ray work each
+# The longest test files, longest first (from `pytest --durations`, 2026-11-27). `make test` runs files on
+# pytest-xdist workers with --dist loadfile --no-loadscope-reorder, which hands files out in collection order:
+# started first, the long files run beside the many short ones instead of alone at the end. Order within a file is
+# kept. First the files of `make test` (CI), then those whose long tests are all `full` (`make test-full`).
+LONGEST_FILES = ("test_embed.py", "test_demo.py", "test_e2e.py", "test_python_api.py", "test_train_dist.py",
+                 "test_annotate.py", "test_families.py", "test_encoders.py", "test_masks.py", "test_families_qwen.py",
+                 "test_record_identity.py", "test_infra.py", "test_report.py", "test_cache_meta.py", "test_scan.py",
+                 "test_repa.py", "test_clip_captions.py", "test_storage_faults.py", "test_train_data.py",
+                 "test_train_ema_sharded.py", "test_annotate_tasks.py", "test_plan_properties.py", "test_scan_s3.py",
+                 "test_captions_list.py")  # fmt: skip
+LONGEST_FILES += ("test_demo_flux2.py", "test_demo_qwen.py", "test_embed_cluster.py", "test_demo_hunyuan.py",
+                  "test_embed_fewcpu.py", "test_train_families.py", "test_summary_counts.py", "test_demo_wan22.py",
+                  "test_demo_wan.py", "test_demo_ltx2.py", "test_train_multinode.py", "test_video_embed.py",
+                  "test_demo_family.py", "test_annotate_cluster.py", "test_sources_tar.py", "test_gpu_check.py",
+                  "test_train_qwen.py", "test_families_qwen_edit.py", "test_embed_faults.py",
+                  "test_plan.py")  # fmt: skip
 
 
 def pytest_collection_modifyitems(config, items) -> None:

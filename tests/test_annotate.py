@@ -136,6 +136,7 @@ def test_parquet_source(tmp_path, ray_local):
     _check_once(out, manifest)
 
 
+@pytest.mark.slow
 def test_rescan_captions_only_the_new_images_and_merges_into_caption_lists(captioned, tmp_path):
     root, manifest, out = tmp_path / "images", str(tmp_path / "manifest"), str(tmp_path / "captions")
     shutil.copytree(captioned.root, root)
@@ -177,6 +178,7 @@ MULTI = ("caption", "embedding", "aesthetic", "phash", "sha256", "stats")  # one
 
 
 @pytest.mark.slow  # a subprocess driver
+@pytest.mark.full
 def test_kill_and_rerun_completes_with_nothing_twice(captioned, tmp_path, ray_local):
     """Several tasks in one pass (captions as the caption-only run's), killed with SIGKILL and run again."""
     out = str(tmp_path / "captions")

@@ -22,7 +22,7 @@ from tests.embed_data import make_dataset
 from tests.test_annotate import _check_once
 from tests.test_embed_cluster import EmbedProcess, simulated_cluster
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.usefixtures("bucketeer_home")]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.usefixtures("bucketeer_home"), pytest.mark.full]
 
 PAUSE = 8.0  # seconds each annotate worker holds its first unit after writing its part
 

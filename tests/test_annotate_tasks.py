@@ -114,6 +114,7 @@ def _by_name(annotated: Annotated, columns: list[str] | None = None) -> dict[str
     return {r["filename"]: r for r in rows.to_pylist()}
 
 
+@pytest.mark.slow
 def test_columns_types_and_settings(annotated):
     meta, rows, _ = read_annotations(annotated.out)
     types = dict(zip(rows.schema.names, rows.schema.types))

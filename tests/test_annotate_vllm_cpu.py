@@ -163,6 +163,7 @@ def _postprocess_stage(postprocess):
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.usefixtures("bucketeer_home")
+@pytest.mark.full
 def test_a_broken_image_under_vllm_is_one_error_row_as_the_transformers_engine_writes_it(
         tmp_path, ray_local, monkeypatch):  # fmt: skip
     """One unit per image (``--unit-rows 1``), so that the broken file's unit reaches the engine with no row."""

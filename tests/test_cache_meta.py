@@ -79,6 +79,7 @@ def test_embed_job_from_args_and_its_checks(tmp_path: Path) -> None:
 
 @pytest.mark.ray
 @pytest.mark.usefixtures("bucketeer_home")
+@pytest.mark.slow
 def test_embed_job_result_matches_the_written_meta(tmp_path: Path, ray_local) -> None:
     manifest, out = str(tmp_path / "manifest"), str(tmp_path / "cache")
     make_dataset(str(tmp_path / "data"), manifest, 4)

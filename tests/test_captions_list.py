@@ -91,6 +91,7 @@ def test_numbering_rule_and_list_cleaning():
     assert caption_list(["only"]) == ("only", None, 0) and caption_list([]) == (None, None, 0)
 
 
+@pytest.mark.slow
 def test_sidecars_and_table_lists_reach_the_manifest(captioned):
     rows = _rows(captioned.manifest)
     got = {name: (r["caption"], r["captions"]) for name, r in rows.items()}
@@ -140,6 +141,7 @@ def test_the_trainer_takes_the_caption_the_plan_chose(captioned):
 
 
 @pytest.mark.slow  # a second scan and embed
+@pytest.mark.full
 def test_changing_the_second_caption_rescans_and_reembeds_that_sample_only(captioned, tmp_path, capsys):
     # copies of the source, manifest and cache, so that the module's stay as built
     root, manifest, cache = tmp_path / "images", str(tmp_path / "manifest"), str(tmp_path / "cache")

@@ -82,6 +82,7 @@ def cut(ray_local, tmp_path_factory):
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_rebucket_gives_each_clip_its_shots_caption(cut):
     plain, rows, _ = cut
     video = rows["two.mp4"]

@@ -140,6 +140,7 @@ def test_documented_commands_on_the_demo_output_run(demo):
 @pytest.mark.s3
 @pytest.mark.ray
 @pytest.mark.dist
+@pytest.mark.full
 def test_demo_s3_mode_uses_s3_urls_and_stops_its_server(tmp_path, bucketeer_home):
     output, _ = run_demo(tmp_path, "--s3", "--images", "60", "--out-dir", str(tmp_path / "out"))
     started = re.search(r"local S3-compatible server on http://127\.0\.0\.1:(\d+) \(pid (\d+)\)", output)

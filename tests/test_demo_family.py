@@ -15,6 +15,7 @@ from tests.test_demo import run_demo
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.dist
+@pytest.mark.full
 def test_demo_family_sdxl_fine_tunes_and_writes_validation_images(tmp_path, bucketeer_home):
     out = tmp_path / "out"
     output, _ = run_demo(tmp_path, "--family", "sdxl", "--images", "40", "--out-dir", str(out))

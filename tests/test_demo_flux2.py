@@ -21,6 +21,7 @@ from tests.test_demo import run_demo
 @pytest.mark.ray
 @pytest.mark.dist
 @pytest.mark.parametrize("family", ["flux2", "flux2-klein", "chroma"])
+@pytest.mark.full
 def test_demo_family_trains_end_to_end(tmp_path, bucketeer_home, family):
     out = tmp_path / "out"
     output, _ = run_demo(tmp_path, "--family", family, "--images", "40", "--out-dir", str(out))

@@ -18,6 +18,7 @@ from tests.test_demo import run_demo  # noqa: E402
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.dist
+@pytest.mark.full
 def test_demo_family_hunyuan_embeds_clips_with_both_text_streams_and_trains(tmp_path, bucketeer_home):
     out = tmp_path / "out"
     output, seconds = run_demo(tmp_path, "--family", "hunyuanvideo-1.5", "--out-dir", str(out))

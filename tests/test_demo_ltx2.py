@@ -19,6 +19,7 @@ from tests.test_demo import run_demo  # noqa: E402
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.dist
+@pytest.mark.full
 def test_demo_family_ltx2_embeds_clips_with_its_vae_and_trains(tmp_path, bucketeer_home):
     out = tmp_path / "out"
     output, seconds = run_demo(tmp_path, "--family", "ltx-2", "--out-dir", str(out))

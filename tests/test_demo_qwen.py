@@ -18,6 +18,7 @@ from tests.test_demo import run_demo
 @pytest.mark.ray
 @pytest.mark.dist
 @pytest.mark.parametrize("family", ["qwen-image", "z-image"])
+@pytest.mark.full
 def test_demo_family_embeds_and_fine_tunes(tmp_path, bucketeer_home, family):
     out = tmp_path / "out"
     output, _ = run_demo(tmp_path, "--family", family, "--images", "40", "--out-dir", str(out))
@@ -34,6 +35,7 @@ def test_demo_family_embeds_and_fine_tunes(tmp_path, bucketeer_home, family):
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.dist
+@pytest.mark.full
 def test_demo_qwen_image_edit_embeds_pairs_and_fine_tunes(tmp_path, bucketeer_home):
     from manifests.cache import CacheReader
 

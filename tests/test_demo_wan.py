@@ -19,6 +19,7 @@ from tests.test_demo import run_demo  # noqa: E402
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.dist
+@pytest.mark.full
 def test_demo_family_wan_embeds_clips_and_trains(tmp_path, bucketeer_home):
     out = tmp_path / "out"
     output, _ = run_demo(tmp_path, "--family", "wan", "--out-dir", str(out))

@@ -22,6 +22,7 @@ from tests.test_demo import run_demo  # noqa: E402
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.dist
+@pytest.mark.full
 def test_demo_family_wan22_ti2v_embeds_clips_with_its_vae_and_trains(tmp_path, bucketeer_home):
     out = tmp_path / "out"
     output, seconds = run_demo(tmp_path, "--family", "wan2.2-ti2v-5b", "--out-dir", str(out))

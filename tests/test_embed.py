@@ -30,6 +30,7 @@ from tests.test_progress import assert_progress
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("bucketeer_home")]
 
 
+@pytest.mark.slow
 def test_embed_local_round_trip_errors_and_rerun(tmp_path, ray_local, monkeypatch, capsys):
     root, manifest, out = str(tmp_path / "data"), str(tmp_path / "manifest"), str(tmp_path / "cache")
     names = make_dataset(root, manifest, 12, broken=["zz_broken.jpg"])
@@ -120,6 +121,7 @@ def _planned_ids(plan: str) -> set[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_changed_image_and_caption_are_reembedded(tmp_path, ray_local, capsys):
     root, old_manifest, out = str(tmp_path / "data"), str(tmp_path / "m1"), str(tmp_path / "cache")
     make_dataset(root, old_manifest, 8)
@@ -179,6 +181,7 @@ def test_changed_image_and_caption_are_reembedded(tmp_path, ray_local, capsys):
     assert available_sample_ids(out, manifest=read_manifest(old_manifest)).tolist() == fresh
 
 
+@pytest.mark.slow
 def test_changed_settings_are_refused(tmp_path, ray_local, capsys):
     root, manifest, out = str(tmp_path / "data"), str(tmp_path / "manifest"), str(tmp_path / "cache")
     make_dataset(root, manifest, 4)
@@ -196,6 +199,7 @@ def test_changed_settings_are_refused(tmp_path, ray_local, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_kill_and_resume_equals_clean_run(tmp_path, ray_local):
     root, manifest = str(tmp_path / "data"), str(tmp_path / "manifest")
     clean, resumed = str(tmp_path / "clean"), str(tmp_path / "resumed")
@@ -235,6 +239,7 @@ def test_kill_and_resume_equals_clean_run(tmp_path, ray_local):
 
 
 @pytest.mark.s3
+@pytest.mark.slow
 def test_embed_on_s3(s3, ray_local, s3_client):
     root, manifest, out = s3.fresh_url("data"), s3.fresh_url("manifest"), s3.fresh_url("cache")
     so = {**s3.storage_options, "bucketeer_client": s3_client}  # Ray's workers open their storage with it too

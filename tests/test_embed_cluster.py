@@ -31,7 +31,7 @@ from manifests.manifest import read_manifest
 from manifests.progress import INTERVAL_ENV
 from tests.embed_data import make_dataset
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.usefixtures("bucketeer_home")]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.usefixtures("bucketeer_home"), pytest.mark.full]
 
 
 @contextlib.contextmanager

@@ -131,6 +131,7 @@ def test_check_source_refuses_storage_that_reads_nothing(tmp_path):
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.usefixtures("bucketeer_home")
+@pytest.mark.full
 def test_read_failures_are_retried_on_the_next_run_decode_errors_are_not(tmp_path, ray_local, capsys):
     root, manifest, out = tmp_path / "data", str(tmp_path / "manifest"), str(tmp_path / "cache")
     make_dataset(str(root), manifest, 6)

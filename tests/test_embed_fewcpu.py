@@ -23,7 +23,7 @@ import pytest
 from tests.embed_data import make_dataset
 from tests.test_embed_cluster import EmbedProcess, assert_every_sample_once, simulated_cluster
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.usefixtures("bucketeer_home")]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.usefixtures("bucketeer_home"), pytest.mark.full]
 
 
 @contextlib.contextmanager

@@ -25,6 +25,7 @@ pytestmark = pytest.mark.usefixtures("bucketeer_home")
 
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.full
 def test_local_and_ray_write_the_same_records(tmp_path, ray_local):
     root, manifest = str(tmp_path / "images"), str(tmp_path / "manifest")
     names = make_dataset(root, manifest, 12, broken=("bad.jpg",), unique_from=9)

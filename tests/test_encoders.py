@@ -198,6 +198,7 @@ def sdxl_cache(repos, tmp_path_factory, ray_local):
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_embed_with_the_sdxl_pair_and_a_vae_subfolder(sdxl_cache):
     from transformers import AutoTokenizer
 

@@ -262,6 +262,7 @@ def pixart_cache(tiny, tmp_path_factory, ray_local):
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_embed_a_family_from_one_model_folder(tiny, pixart_cache, capsys):
     manifest, out, options = pixart_cache
     meta = read_cache_meta(out)

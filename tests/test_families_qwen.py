@@ -155,6 +155,7 @@ def test_z_image_latents_are_the_posterior_mean_scaled_as_the_pipeline_scales(ti
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_embed_job_writes_the_qwen_image_cache(tiny, tmp_path, ray_local):
     manifest, out = str(tmp_path / "manifest"), str(tmp_path / "cache")
     make_dataset(str(tmp_path / "data"), manifest, 4)

@@ -94,6 +94,7 @@ def _recorded_call(pipe, crop: np.ndarray, instruction: str) -> dict[str, torch.
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_text_and_reference_latent_are_what_the_pipeline_computes(tiny):
     vae, text = _encoders(tiny)
     pipe = _pipeline(tiny, text.models[0].processor)
@@ -195,6 +196,7 @@ def one_thread():
 
 @pytest.mark.slow
 @pytest.mark.ray
+@pytest.mark.full
 def test_embed_stores_each_samples_text_of_its_instruction_and_reference(tiny, paired, one_thread):
     base, manifest, cache, result = paired
     meta = read_cache_meta(cache)
@@ -232,6 +234,7 @@ def test_embed_stores_each_samples_text_of_its_instruction_and_reference(tiny, p
 
 @pytest.mark.slow
 @pytest.mark.ray
+@pytest.mark.full
 def test_a_rerun_embeds_nothing_and_a_changed_reference_re_embeds_its_sample(tiny, paired, tmp_path):
     import shutil
 

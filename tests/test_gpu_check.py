@@ -30,6 +30,7 @@ def test_without_cuda_it_prints_one_line_and_exits_0():
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_smoke_runs_every_section_on_the_cpu_without_ray_polars_or_s3fs(tmp_path):
     """Every section's code on tiny models (one family: the other differs in configs only, checked below) in a
     process where Ray, polars, s3fs and vLLM do not import, as on the GPU machine: every row but the Ray and vLLM
@@ -67,6 +68,7 @@ def test_smoke_runs_every_section_on_the_cpu_without_ray_polars_or_s3fs(tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_smoke_runs_the_encoder_families_rows_without_ray_polars_or_s3fs(tmp_path):
     """The rows of the families measured by their encoders alone (a 2D and a 3D VAE; a text encoder with and
     without a reference image), on their tiny pipelines without a denoiser, where Ray, polars, s3fs and vLLM do
@@ -148,6 +150,7 @@ def test_the_encoder_families_real_size_models_have_the_published_sizes_and_the_
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_the_real_size_folders_path_on_shrunk_language_models(tmp_path, monkeypatch):
     """What ``gpu_check.py`` runs on a GPU for each encoder family, on the CPU: the folder built from the published
     configs (the VAEs at real size; the language models' widths and depths shrunk, their structure kept) in bf16

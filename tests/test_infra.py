@@ -346,6 +346,7 @@ def test_local_s3_endpoint_starts_serves_and_stops(tmp_path):
 
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.full
 def test_local_ray_head_takes_authenticated_jobs_and_stops(tmp_path):
     import psutil
 

@@ -243,6 +243,7 @@ def masked(tmp_path_factory, ray_local, bucketeer_home):
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_scan_records_masks_and_never_lists_mask_files_as_samples(masked):
     from manifests.manifest import read_manifest
 

@@ -20,7 +20,7 @@ from tests.test_train import records, write_config
 from tests.test_train_dist import launch
 from tests.train_dataset import SPEC, train_data  # noqa: F401  (session fixture)
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.ray]
+pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.ray, pytest.mark.full]
 
 SUBSETS = (range(0, 24), range(16, 32), range(28, 40))  # rows of the session manifest; 16..23 and 28..31 shared
 

@@ -145,6 +145,7 @@ def _vae(manifest: str, cache: str):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_conditioning_and_variant_latents(pairs, paired_cache):
     base, ds, cond, _, _ = pairs
     manifest, cache = paired_cache
@@ -191,6 +192,7 @@ def test_conditioning_and_variant_latents(pairs, paired_cache):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_changed_conditioning_image_re_embeds(pairs, paired_cache, tmp_path):
     from manifests.cache.freshness import source_key
 
@@ -204,6 +206,7 @@ def test_changed_conditioning_image_re_embeds(pairs, paired_cache, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_trainer_batches_carry_the_chosen_variant(paired_cache):
     from train.data import BatchLoader, PlanStep, variant_choice
 

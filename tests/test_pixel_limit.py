@@ -32,6 +32,7 @@ def solid_jpeg(width: int, height: int) -> bytes:
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.usefixtures("bucketeer_home")
+@pytest.mark.full
 def test_the_manifests_limit_governs_scan_and_embed(tmp_path, ray_local):
     data, manifest, cache = tmp_path / "data", str(tmp_path / "manifest"), str(tmp_path / "cache")
     data.mkdir()

@@ -441,6 +441,7 @@ def _all_planned(url: str) -> tuple[set[int], list[tuple[str, int]]]:
 
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.full
 def test_plan_with_a_real_cache_end_to_end(embedded, tmp_path, capsys):
     from manifests.cache import CacheReader, available_sample_ids, read_cache_meta, read_index
 

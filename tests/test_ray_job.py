@@ -21,7 +21,7 @@ from manifests.manifest import read_manifest
 from tests.conftest import free_port
 from tests.corpus import make_corpus
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.full]
 REPO = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).with_name("ray"))
 

@@ -54,6 +54,7 @@ def test_stderr_is_restored_after_an_error(capfd):
 
 @pytest.mark.slow
 @pytest.mark.ray
+@pytest.mark.full
 def test_a_real_ray_data_actor_pool_prints_no_core_worker_line(tmp_path, bucketeer_home):
     # a fresh process: Ray core prints the line once per process, so a process that made an actor pool before
     # would pass for the wrong reason. The debug line proves Ray did print it, into the filter.

@@ -79,6 +79,7 @@ def _reader_refuses(cache: str, sample_ids: list[int], *expected: str) -> None:
 LOCATION = ("shard", "offset", "length", "crc32")  # where a row says its record is
 
 
+@pytest.mark.slow
 def test_swapped_sample_rows_are_caught(built, tmp_path, capsys):
     cache = _copy(built.cache, tmp_path)
     rows = read_index(cache)["samples"].to_pylist()

@@ -49,6 +49,7 @@ def _dinov2(pixels: np.ndarray, model, size: tuple[int, int]) -> np.ndarray:
     return tokens.reshape(gh, gw, -1).to(torch.float16).numpy()
 
 
+@pytest.mark.slow
 def test_features_are_dinov2_of_each_variants_crop(features_cache):
     from transformers import Dinov2Model
 

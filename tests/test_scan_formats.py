@@ -94,6 +94,7 @@ def test_modern_formats_scan_and_decode_as_embed_does(modern, ext):
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.usefixtures("bucketeer_home")
+@pytest.mark.full
 def test_modern_formats_embed(modern, tmp_path):
     files, manifest = modern
     embed_cache(manifest, str(tmp_path / "cache"))

@@ -186,6 +186,7 @@ def test_a_caption_table_keyed_by_member_captions_tar_shards(tmp_path, ray_local
 @pytest.mark.ray
 @pytest.mark.slow  # ~15-30 s: embed's text and VAE actors start
 @pytest.mark.usefixtures("bucketeer_home")
+@pytest.mark.full
 def test_parquet_on_s3_scan_then_embed_and_verify(s3, ray_local, tmp_path, capsys):
     from tests.embed_data import embed_cache
 

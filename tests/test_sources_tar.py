@@ -209,6 +209,7 @@ def test_compressed_shards_alone_or_with_format_tar_are_refused_with_what_to_do(
 @pytest.mark.ray
 @pytest.mark.slow  # ~20-35 s: embed's text and VAE actors start, two training steps
 @pytest.mark.usefixtures("bucketeer_home")
+@pytest.mark.full
 def test_shards_on_s3_scan_then_embed_verify_plan_and_train(s3, ray_local, tmp_path, capsys):
     from tests.embed_data import embed_cache
 

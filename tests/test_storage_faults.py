@@ -180,6 +180,7 @@ def _throttled_since(proxy: FaultProxy, start: float) -> int:
 
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.full
 def test_a_throttled_store_slows_scan_embed_and_loader_and_each_sample_arrives_once(
     s3, proxy, ray_local, bucketeer_home, tmp_path, s3_client, monkeypatch, capsys
 ):  # fmt: skip

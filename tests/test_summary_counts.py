@@ -33,7 +33,7 @@ from pipeline.scan import ScanConfig, ScanJob, run
 from manifests.buckets import BucketSpec
 from tests.embed_data import embed_cache, jpeg
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.usefixtures("bucketeer_home")]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.usefixtures("bucketeer_home"), pytest.mark.full]
 
 KINDS = ("loose", "img2dataset", "webdataset", "parquet")
 SPEC = BucketSpec(area=64 * 64, step=32, min_side=16)  # sample 10 (8 x 8) is too_small

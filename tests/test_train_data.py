@@ -39,6 +39,7 @@ def corrupt_copy(cache: str, dest, sample: int) -> str:
     return row["shard"]
 
 
+@pytest.mark.slow
 def test_rank_steps_are_exactly_the_plan_rows_from_the_cursor(train_data):
     for rank in (0, 1):
         rows = read_rank_plan(train_data.plan2, rank).to_pylist()

@@ -197,6 +197,7 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(straight, killed, trai
     assert_same_run(straight, out)
 
 
+@pytest.mark.full
 def test_sigterm_checkpoints_at_the_next_optimizer_step_and_the_resume_completes_the_run(
     straight, train_data, config, tmp_path
 ):

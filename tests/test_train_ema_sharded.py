@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_a_sharded_ema_equals_the_unsharded_one_and_resumes_on_any_world_size(tmp_path):
     from safetensors.torch import load_file
 

@@ -81,6 +81,7 @@ def first_batch(cache: str, plan: str, **loader):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.full
 def test_one_training_step_per_family(families, family):
     from train.model import step_generator
     from train.recipes import recipe_for
@@ -103,6 +104,7 @@ def test_one_training_step_per_family(families, family):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.full
 def test_a_bf16_model_without_autocast_trains_on_the_float32_batches(families, family):
     """DeepSpeed with mixed_precision bf16 casts the weights to bf16 and autocasts nothing (accelerate turns its
     native autocast off under DeepSpeed): the loader's float32 batch must reach the model in the weights' dtype."""
@@ -120,6 +122,7 @@ def test_a_bf16_model_without_autocast_trains_on_the_float32_batches(families, f
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_sdxl_time_ids_equal_the_pipelines(families):
     from diffusers import StableDiffusionXLPipeline
 
@@ -144,6 +147,7 @@ def reader_layout(reader: CacheReader):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_the_config_family_must_be_the_caches(families):
     from train.recipes import recipe_for
 
@@ -165,6 +169,7 @@ def test_caption_dropout_is_a_pure_function_of_seed_epoch_and_sample():
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_caption_dropout_trains_on_the_empty_captions_record(families):
     reader = CacheReader(families["sd3"]["cache"])
     (empty,) = reader.read_texts([reader.meta.text.empty_caption_key])
@@ -181,6 +186,7 @@ def write(path: Path, **settings) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_ema_and_caption_dropout_resume_exactly_and_validation_images_are_written(run, families, tmp_path):
     from PIL import Image
     from safetensors.torch import load_file
@@ -287,6 +293,7 @@ def _base_model(family: str, families) -> torch.nn.Module:
 @pytest.mark.slow
 @pytest.mark.parametrize("alpha", sorted(ALPHAS))
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.full
 def test_the_lora_export_loads_into_the_familys_pipeline_with_the_printed_code(lora_runs, families, family, alpha):
     run = lora_runs[family, alpha]
     out = run["out"]
@@ -310,6 +317,7 @@ def test_the_lora_export_loads_into_the_familys_pipeline_with_the_printed_code(l
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.full
 def test_a_lora_checkpoint_holds_the_adapters_only_and_resumes_exactly(lora_runs, families, family):
     from safetensors.torch import load_file
 
@@ -329,6 +337,7 @@ def test_a_lora_checkpoint_holds_the_adapters_only_and_resumes_exactly(lora_runs
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_a_lora_resume_refuses_another_base_model_in_one_line(lora_runs, families, tmp_path, capsys):
     from diffusers import FluxTransformer2DModel
 
@@ -355,6 +364,7 @@ def test_a_lora_resume_refuses_another_base_model_in_one_line(lora_runs, familie
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_a_whole_model_lora_checkpoint_of_an_earlier_version_still_resumes(lora_runs, families, tmp_path, capsys):
     from safetensors.torch import save_file
 
@@ -371,6 +381,7 @@ def test_a_whole_model_lora_checkpoint_of_an_earlier_version_still_resumes(lora_
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_load_lora_reads_the_export_and_the_model_level_files_of_earlier_versions(lora_runs, families, tmp_path):
     from train.lora import load_lora
 
@@ -384,6 +395,7 @@ def test_load_lora_reads_the_export_and_the_model_level_files_of_earlier_version
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_a_short_runs_last_step_is_in_metrics_and_tensorboard(lora_runs):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -396,6 +408,7 @@ def test_a_short_runs_last_step_is_in_metrics_and_tensorboard(lora_runs):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.full
 def test_a_full_fine_tunes_model_and_ema_load_as_the_pipelines_denoiser_and_generate(families, family, tmp_path):
     f = families[family]
     out = tmp_path / "out"
@@ -417,6 +430,7 @@ def test_a_full_fine_tunes_model_and_ema_load_as_the_pipelines_denoiser_and_gene
 
 @pytest.mark.slow
 @pytest.mark.dist
+@pytest.mark.full
 def test_two_processes_train_flux_lora_and_resume_elastically_on_one(families, tmp_path):
     from tests.train_dataset import train_here
 

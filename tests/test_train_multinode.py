@@ -27,7 +27,7 @@ from tests.test_train import records, write_config
 from tests.test_train_dist import PAUSED, ROOT, command, environment, kill_tree, rows
 from tests.train_dataset import train_data, train_here  # noqa: F401  (train_data: session fixture)
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.ray, pytest.mark.s3]
+pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.ray, pytest.mark.s3, pytest.mark.full]
 
 
 def start_nodes(base: Path, port: int, *argv, env: dict[str, str] | None = None) -> list[subprocess.Popen]:

@@ -97,6 +97,7 @@ def _by_hand(family: str, model: torch.nn.Module, batch: Any, scheduler_config: 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.full
 def test_the_loss_is_the_pipelines_forward_by_hand(families, family):
     from train.model import step_generator
     from train.recipes import recipe_for
@@ -182,6 +183,7 @@ def _trained(family: str, families, run: dict[str, Any]) -> torch.nn.Module:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.full
 def test_the_lora_export_loads_into_the_pipeline_and_gives_the_trained_outputs(lora_runs, families, family):
     run = lora_runs[family]
     code = printed_code(run["printed"], "LoRA adapters in")
@@ -200,6 +202,7 @@ def test_the_lora_export_loads_into_the_pipeline_and_gives_the_trained_outputs(l
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.full
 def test_a_lora_run_resumes_exactly(lora_runs, family):
     run = lora_runs[family]
     assert_same_files(run["out"], run["resumed"], ("lora/pytorch_lora_weights.safetensors",
@@ -209,6 +212,7 @@ def test_a_lora_run_resumes_exactly(lora_runs, family):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.full
 def test_a_full_fine_tune_loads_into_the_pipeline_and_generates(families, family, tmp_path):
     f = families[family]
     out = tmp_path / "out"

@@ -89,6 +89,7 @@ def _by_hand(model: torch.nn.Module, batch: Any, scheduler: dict, seed: tuple, r
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_the_loss_is_the_edit_pipelines_forward_by_hand(edit):
     from train.model import step_generator
     from train.recipes import recipe_for
@@ -115,6 +116,7 @@ def test_the_loss_is_the_edit_pipelines_forward_by_hand(edit):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_caption_dropout_and_validation_are_refused_in_one_line(edit, tmp_path):
     common = ["--plan", edit["plan"], "--cache", edit["cache"], "--output-dir", tmp_path / "o", "--max-steps", 1]
     for setting, says in (({"caption_dropout": 0.1}, "empty instruction's embedding depends on each reference"),
@@ -174,6 +176,7 @@ def _run_printed(printed: str, after: str, base: str) -> Any:
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_the_lora_export_loads_into_the_edit_pipeline_and_gives_the_trained_outputs(lora_runs, edit):
     from safetensors.torch import load_file
 
@@ -195,6 +198,7 @@ def test_the_lora_export_loads_into_the_edit_pipeline_and_gives_the_trained_outp
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_a_lora_run_resumes_exactly(lora_runs):
     assert_same_files(lora_runs["out"], lora_runs["resumed"], ("lora/pytorch_lora_weights.safetensors",
                                                                "lora_ema/pytorch_lora_weights.safetensors",
@@ -202,6 +206,7 @@ def test_a_lora_run_resumes_exactly(lora_runs):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_a_full_fine_tune_loads_into_the_edit_pipeline_and_edits(edit, tmp_path):
     from PIL import Image
 

@@ -229,6 +229,7 @@ def test_an_image_cache_odd_latents_and_bad_validation_frames_are_refused(wan):
 
 @pytest.mark.slow
 @pytest.mark.dist
+@pytest.mark.full
 def test_two_processes_train_wan_and_resume_elastically_on_one(wan, tmp_path):
     import subprocess
 

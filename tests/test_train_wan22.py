@@ -402,6 +402,7 @@ def test_both_exports_load_into_both_transformers_and_give_the_trained_outputs(a
 
 @pytest.mark.slow
 @pytest.mark.dist
+@pytest.mark.full
 def test_both_on_two_ddp_processes_steps_one_expert_and_leaves_the_other_untouched(a14b, tmp_path):
     """accelerate launch, 2 processes over gloo: every rank trains the same expert at each step (the other
     expert's part of the one DDP model sees no forward), and between checkpoints only that expert changes."""

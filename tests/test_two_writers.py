@@ -55,6 +55,7 @@ def test_a_second_rebucket_into_one_out_is_refused_and_deletes_nothing(tmp_path:
 
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.full
 def test_a_second_embed_is_refused_and_a_killed_ones_lock_is_taken_over(tmp_path, bucketeer_home, capsys) -> None:
     manifest, cache = str(tmp_path / "m"), str(tmp_path / "cache")
     make_dataset(str(tmp_path / "data"), manifest, n=6)

@@ -108,6 +108,7 @@ def test_decode_stops_after_the_last_clip(folder):
 
 
 @pytest.mark.slow  # an embed through Ray Data with the tiny Wan: ~1 minute on 2 busy cores
+@pytest.mark.full
 def test_video_latents_equal_the_vae_on_the_decoded_clip(embedded, folder):
     manifest, cache, result = embedded
     rows = {r["filename"]: r for r in read_manifest(manifest).samples.to_pylist()}
@@ -139,6 +140,7 @@ def test_video_latents_equal_the_vae_on_the_decoded_clip(embedded, folder):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_an_image_is_a_one_frame_clip(embedded, folder):
     manifest, cache, _ = embedded
     row = next(r for r in read_manifest(manifest).samples.to_pylist() if r["filename"] == "still.png")
@@ -152,6 +154,7 @@ def test_an_image_is_a_one_frame_clip(embedded, folder):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_verify_and_rerun_add_nothing(embedded, capsys):
     manifest, cache, result = embedded
     assert result.errors == 0 and result.embedded == len(read_manifest(manifest).samples)
@@ -162,6 +165,7 @@ def test_verify_and_rerun_add_nothing(embedded, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_an_undecodable_video_is_an_error_row(tmp_path, ray_local):
     _write(tmp_path / "ok.mp4", H264, 9, size=(64, 64))
     manifest, cache = str(tmp_path / "m"), str(tmp_path / "c")
@@ -208,6 +212,7 @@ def test_ranged_reads_stop_after_the_clip_and_match_a_local_decode(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["tar", "parquet"])
+@pytest.mark.full
 def test_videos_in_tar_shards_and_parquet_columns(folder, ray_local, tmp_path, where):
     """A tar member's clip is decoded from ranged reads of its byte range, a parquet value from its bytes: the
     latents equal the VAE on the loose file's decoded clip."""

@@ -134,6 +134,7 @@ def test_annotate_writes_shots_and_motion_and_resumes(cut):
 
 @pytest.mark.ray
 @pytest.mark.slow  # an embed through Ray Data with the tiny Wan: ~30 s on 2 busy cores
+@pytest.mark.full
 def test_rebucketed_clips_never_cross_a_cut_in_plan_or_embed(cut, tmp_path):
     manifest, scenes, manifest_cut, _ = cut
     _, shots, _ = read_annotations(scenes, columns=["scenes"])
