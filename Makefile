@@ -16,9 +16,8 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
-# `make test` leaves out the tests marked `full` (pyproject.toml: each further family's demo and training, the
-# simulated clusters, kill-and-resume and throttling of stages a CI test already runs end to end): 20 min on 2
-# cores instead of 56. `make test-full` runs all of them. PYTEST_ARGS="-m ..." replaces this selection.
+# `make test` (CI) leaves out the tests marked `full` (the marker's meaning: pyproject.toml): 20 min on 2 cores
+# instead of 56. `make test-full` runs all of them. PYTEST_ARGS="-m ..." replaces this selection.
 TEST_MARKERS ?= not full
 # test files spread over 2 worker processes (pytest-xdist; a file stays on one worker, so its session and
 # module fixtures are built once): most tests wait on subprocesses, Ray and sockets, not on a core.
