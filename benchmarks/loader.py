@@ -6,6 +6,7 @@
     python benchmarks/loader.py --stores s3 --shuffle window --save loader-window  # ours' windowed plan
     python benchmarks/loader.py --litdata-decodes              # why LitData's numpy encoding is slow
     python benchmarks/loader.py --decode-scaling 2             # read+decode: threads vs processes
+    python benchmarks/loader.py --stores local --ours-processes 2   # ours in 2 worker processes too
 
 Needs ``pip install -e .[bench]`` (LitData, Mosaic Streaming; benchmark-only, never runtime deps).
 
@@ -17,7 +18,8 @@ printed and recorded):
 
 - **ours**: the real cache writer (``CacheWriter``, gzip records, SDXL's text layout: CLIP-L 768 +
   CLIP-G 1280 parts) and a 1-rank plan of batch 16 (``write_plan``), read by ``BatchLoader`` with the
-  trainer's defaults (``TrainConfig``) but ``read_threads`` swept (``--read-threads``);
+  trainer's defaults (``TrainConfig``) but ``read_threads`` swept (``--read-threads``); with
+  ``--ours-processes K``, also in K worker processes (:class:`OursInProcesses`: the alternative to its threads);
 - **LitData**: ``litdata.optimize`` (64 MB chunks) of torch int16 tensors holding the bf16 bits (its
   tensor serializers; ``numpy()`` has no bfloat16), read by ``StreamingDataset(shuffle=True)`` +
   ``StreamingDataLoader`` (batch 16); swept: workers (``--workers``), then ``compression="zstd"`` and
@@ -65,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import itertools
 import json
 import os
 import resource
@@ -77,6 +80,7 @@ import time
 from dataclasses import replace
 
 import numpy as np
+from torch.utils.data import IterableDataset
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -244,7 +248,9 @@ class Consumer:
         self.cpu += time.thread_time() - t
 
 
-def read_ours(root: str, setting: dict, storage_options: dict | None, step: Consumer) -> int:
+def _ours_loader(root: str, setting: dict, storage_options: dict | None, share: tuple[int, int] | None = None):
+    """``(reader, BatchLoader)`` of ours' plan with the trainer's defaults; ``share=(w, k)``: only the
+    groups of :data:`PROCESS_GROUP` consecutive steps numbered w, w + k, w + 2k, ..."""
     from manifests.cache import CacheReader
     from train.config import TrainConfig
     from train.data import BatchLoader, rank_steps
@@ -252,16 +258,64 @@ def read_ours(root: str, setting: dict, storage_options: dict | None, step: Cons
     cfg = replace(TrainConfig(), **{k: v for k, v in setting.items() if k in ("read_threads", "prefetch")})
     reader = CacheReader(f"{root}/cache", storage_options)
     steps = rank_steps(f"{root}/{ours_plan(SHUFFLE)}", 0, storage_options)
-    loader = BatchLoader(reader, steps, reader.meta.latent, prefetch=cfg.prefetch, read_threads=cfg.read_threads,
-                         widen=cfg.loader_float32, read_ahead_mb=cfg.read_ahead_mb)  # fmt: skip
-    n = 0
+    if share is not None:
+        w, k = share
+        steps = [s for i, s in enumerate(s for epoch in steps.epochs() for s in epoch) if (i // PROCESS_GROUP) % k == w]
+    return reader, BatchLoader(reader, steps, reader.meta.latent, prefetch=cfg.prefetch, read_threads=cfg.read_threads,
+                               widen=cfg.loader_float32, read_ahead_mb=cfg.read_ahead_mb)  # fmt: skip
+
+
+#: steps per item that a worker process of ours' process alternative hands over
+PROCESS_GROUP = 4
+
+
+class OursInProcesses(IterableDataset):
+    """The process alternative to ours' read threads, measured beside them (``--ours-processes``), not the
+    trainer's loader: each of K spawned DataLoader worker processes runs its own ``BatchLoader`` (its own
+    cache reader) over its share of the plan, groups of :data:`PROCESS_GROUP` consecutive steps numbered
+    w, w + K, ...; the DataLoader takes one group from each worker in turn, so the batches arrive in
+    plan order, their tensors passed through shared memory."""
+
+    def __init__(self, root: str, setting: dict, storage_options: dict | None) -> None:
+        self.root, self.setting, self.storage_options = root, setting, storage_options
+
+    def __iter__(self):
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        share = (info.id, info.num_workers) if info else (0, 1)
+        batches = iter(_ours_loader(self.root, self.setting, self.storage_options, share)[1])
+        while group := list(itertools.islice(batches, PROCESS_GROUP)):
+            yield group
+
+
+def read_ours(root: str, setting: dict, storage_options: dict | None, step: Consumer) -> int:
+    if setting.get("processes"):
+        from torch.utils.data import DataLoader
+
+        from manifests.cache import CacheReader
+
+        reader = CacheReader(f"{root}/cache", storage_options)  # the latent's scaling, for the check
+        groups = DataLoader(OursInProcesses(root, setting, storage_options), batch_size=None,
+                            num_workers=setting["processes"], multiprocessing_context="spawn")  # fmt: skip
+        loader = (batch for group in groups for batch in group)
+    else:
+        reader, loader = _ours_loader(root, setting, storage_options)
+    n, order = 0, []
     for batch in loader:
         if n == 0:
             batch = batch.to("cpu")  # what the trainer's device gets: widened, scaled
             latents = batch.latents / reader.meta.latent.scaling_factor  # the stored latent, unscaled
             _check([i - 1 for i in batch.sample_ids], latents, batch.text, batch.pooled)
         n += len(batch.sample_ids)
+        order.append(tuple(batch.sample_ids))
         step.step()
+    if setting.get("processes"):  # the processes' batches came back in plan order
+        from train.data import rank_steps
+
+        planned = [s.sample_ids for e in rank_steps(f"{root}/{ours_plan(SHUFFLE)}", 0, storage_options).epochs()
+                   for s in e]  # fmt: skip
+        assert order == [tuple(ids) for ids in planned], "the worker processes' batches are out of plan order"
     return n
 
 
@@ -351,13 +405,16 @@ def child(tool: str, root: str, setting: dict, endpoint: str | None) -> None:
 # ---------------------------------------------------------------- settings: each tool's knobs, swept
 
 
-def sweep(tool: str, workers: list[int], compressions: list[str], read_threads: list[int]) -> list[dict]:
+def sweep(tool: str, workers: list[int], compressions: list[str], read_threads: list[int],
+          processes: list[int] = ()) -> list[dict]:  # fmt: skip
     """The settings of ``tool`` that a run measures: each peer's worker counts in its native tensor
     encoding uncompressed, then each other compression and its other encoding at the most workers
     swept (a run on the shared 2-core machine cannot afford the full grid); ours' read threads
-    (with the trainer's prefetch)."""
+    (with the trainer's prefetch), then ``processes`` worker processes of 1 read thread each
+    (:class:`OursInProcesses`)."""
     if tool == "ours":
-        return [{"read_threads": t} for t in read_threads]
+        return [{"read_threads": t} for t in read_threads] + [{"read_threads": 1, "processes": k}
+                                                              for k in processes if k]  # fmt: skip
     native, other = {"litdata": ("tensor", "numpy"), "mosaic": ("ndarray", "bytes")}[tool]
     most = max(workers)
     return ([{"encoding": native, "compression": compressions[0], "workers": w} for w in workers]
@@ -367,6 +424,8 @@ def sweep(tool: str, workers: list[int], compressions: list[str], read_threads: 
 
 def label(setting: dict) -> str:
     """A setting as the tables name it: ``tensor zstd 4w``, ``2 threads``."""
+    if setting.get("processes"):
+        return f"{setting['processes']} processes x {setting['read_threads']} read threads"
     if "read_threads" in setting:
         return f"{setting['read_threads']} read threads"
     return f"{setting['encoding']} {setting['compression']} {setting['workers']}w"
@@ -640,6 +699,7 @@ def main() -> None:
     p.add_argument("--workers", default="1,2,4", help="the peers' DataLoader worker counts swept")
     p.add_argument("--compressions", default="none,zstd", help="the peers' compressions swept")
     p.add_argument("--read-threads", default="1,2,4", help="ours' read threads swept (prefetch: the trainer's)")
+    p.add_argument("--ours-processes", default="", help="also ours in K DataLoader worker processes (e.g. 2,4)")
     p.add_argument("--save", nargs="?", const="loader", default=None, metavar="NAME",
                    help="record every round in benchmarks/results/NAME.json (results.py; NAME default: loader)")
     p.add_argument("--shuffle", default="full", help="ours' plan: --shuffle full (default) or window[:SIZE]")
@@ -663,7 +723,8 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     assert len(sizes) == 2 and sizes[0] < sizes[1] and all(s % BATCH == 0 for s in sizes), "two sizes, x16"
     tools, stores = args.tools.split(","), args.stores.split(",")
-    settings = {t: sweep(t, _ints(args.workers), args.compressions.split(","), _ints(args.read_threads))
+    processes = _ints(args.ours_processes) if args.ours_processes else []
+    settings = {t: sweep(t, _ints(args.workers), args.compressions.split(","), _ints(args.read_threads), processes)
                 for t in tools}  # fmt: skip
     work = args.work or tempfile.mkdtemp(prefix="bench-loader-")
     server = None

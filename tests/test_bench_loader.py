@@ -16,6 +16,9 @@ def test_the_sweep_covers_worker_counts_then_compression_and_the_other_encoding_
     assert mds == ["ndarray none 1w", "ndarray none 2w", "bytes none 2w"]
     assert [loader.label(s) for s in loader.sweep("ours", [4], ["none"], [1, 2])] == ["1 read threads",
                                                                                      "2 read threads"]
+    ours = loader.sweep("ours", [4], ["none"], [2], processes=[2, 4])
+    assert [loader.label(s) for s in ours] == ["2 read threads", "2 processes x 1 read threads",
+                                               "4 processes x 1 read threads"]
     setting = {"encoding": "tensor", "compression": "zstd", "workers": 4}
     assert loader.dataset("litdata", setting) == "litdata-tensor-zstd"
     assert loader.dataset("ours", {"read_threads": 2}) == "."
