@@ -96,6 +96,26 @@ def test_gzip_backends_read_each_other():
     assert cf.gzip_decompress(isal.igzip.compress(payload)) == payload
 
 
+def test_gzip_decompress_reads_every_member_and_refuses_any_damage():
+    """A planar record is several gzip members: all are read, in order; a cut inside or after any member, a
+    flipped trailer CRC and bytes after the last member are RecordErrors, as gzip.decompress refuses them."""
+    members = [gzip.compress(bytes([k]) * (70_000 + k), mtime=0) for k in range(3)]  # > one 64 KiB stored block
+    data = b"".join(members)
+    assert cf.gzip_decompress(data) == gzip.decompress(data)
+    assert cf.gzip_decompress(memoryview(data)) == gzip.decompress(data)  # chunked reads hand over views
+    assert cf.gzip_decompress(b"") == b""
+    for cut in (5, len(members[0]) - 1, len(members[0]) + 12, len(data) - 4):
+        with pytest.raises(cf.RecordError, match="gzip"):
+            cf.gzip_decompress(data[:cut])
+    bad_crc = bytearray(data)
+    bad_crc[len(members[0]) - 8] ^= 1  # the first member's CRC-32
+    for damaged in (bytes(bad_crc), data + b"garbage!"):
+        with pytest.raises(cf.RecordError, match="gzip"):
+            cf.gzip_decompress(damaged)
+        with pytest.raises((OSError, EOFError)):
+            gzip.decompress(damaged)
+
+
 def test_corrupt_records_raise_record_error():
     blob = cf.encode_sample(sample(1, "x"))
     with pytest.raises(cf.RecordError):
