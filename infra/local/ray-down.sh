@@ -7,7 +7,9 @@ set -euo pipefail
 
 DIR="${BUCKETEER_LOCAL_DIR:-/tmp/bucketeer-local}"
 PID_FILE="$DIR/ray.pid"
-TIMEOUT="${RAY_STOP_TIMEOUT:-30}"
+# Ray's own shutdown on SIGTERM waits on its processes one after another (and, from 2.5x, a node drain whose GCS
+# the same signal stops): ~30 s on a local head that holds nothing worth the wait, so 10 s, then SIGKILL
+TIMEOUT="${RAY_STOP_TIMEOUT:-10}"
 
 if [[ ! -f "$PID_FILE" ]]; then
     echo "ray-down: no $PID_FILE; nothing to stop"
