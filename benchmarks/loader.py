@@ -36,12 +36,13 @@ source tensors (bit for bit, after the tool's own decode). After every batch the
 pure-Python loop, ~3 ms on this machine quiet), holding the GIL as a step does: ours' reader threads
 compete with it, the peers' worker processes do not. Rates are **marginal**: (N2 - N1) /
 (t(N2) - t(N1)) with t measured from the dataset's construction to the epoch's end, so start-up,
-index loading and worker spawn drop out; the median of ``--rounds`` rounds, the tools interleaved
-within a round. CPU-seconds per sample are marginal too: ``resource.getrusage`` of the reading
-process, self + children (the peers' DataLoader workers are joined at the epoch's end, so counted),
-less the consumer's steps (their thread time).
+index loading and worker spawn drop out (the tool's modules are imported before the clock starts:
+:data:`IMPORTS`; locally its files are read once before the pass, :func:`warm`); the median of
+``--rounds`` rounds, the tools interleaved within a round. CPU-seconds per sample are marginal too:
+``resource.getrusage`` of the reading process, self + children (the peers' DataLoader workers are joined at
+the epoch's end, so counted), less the consumer's steps (their thread time).
 
-Stores: ``local`` (a folder on this disk, page cache warm after the write) and ``s3``: a moto S3
+Stores: ``local`` (a folder on this disk, its page cache warmed before each pass: :func:`warm`) and ``s3``: a moto S3
 server on 127.0.0.1 in its own process (its CPU is not counted), each tool's folder uploaded as
 written. moto's server copies the whole object for every GET, ranged or not, which makes a ranged
 read of a 64 MB shard cost as much as a full one; the server here runs with a patch
@@ -66,6 +67,7 @@ writes ``benchmarks/results/NAME.json`` (default ``loader``; ``benchmarks/result
 from __future__ import annotations
 
 import argparse
+import importlib
 import inspect
 import itertools
 import json
@@ -386,11 +388,22 @@ def _cpu() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+#: the modules each tool's reader imports, imported before a pass's clock starts (:func:`child`): 0.4-1.2 s
+#: each here, that time swings with the page cache by more than the reading between the two sizes takes
+IMPORTS = {"ours": ("manifests.cache", "manifests.plan", "train.config", "train.data"),
+           "litdata": ("litdata", "litdata.streaming.downloader", "litdata.streaming.resolver"),
+           "mosaic": ("streaming.base",)}  # fmt: skip
+
+
 def child(tool: str, root: str, setting: dict, endpoint: str | None) -> None:
     """One epoch of ``tool`` with ``setting`` in this fresh process; prints one JSON line (``cpu``: the
     reading's CPU-seconds, the consumer's steps taken out; ``step_cpu``: theirs)."""
     options = {"endpoint_url": endpoint} if endpoint else None
     step = Consumer()
+    if tool == "mosaic":
+        _import_streaming()
+    for module in IMPORTS[tool]:  # before the clock: see IMPORTS
+        importlib.import_module(module)
     # the peers' download caches (a dataset's size per pass) go in a folder of this pass, removed after it
     tempfile.tempdir = tempfile.mkdtemp(prefix="bench-loader-pass-")
     try:
@@ -634,6 +647,22 @@ def _process_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def warm(tool: str, folder: str) -> int:
+    """Read the local files a pass of ``tool`` reads (under ``folder``) once, before its clock: its reads then
+    come from the page cache in every round. This machine evicts files left idle for seconds even with half its
+    memory free (a DAMON reclaim thread runs): a pass timed disk reads in one round and not in the next, wall
+    several times its CPU. Every tool's files, before every local pass; returns the bytes read."""
+    tops = [f"{folder}/cache", f"{folder}/{ours_plan(SHUFFLE)}"] if tool == "ours" else [folder]
+    total = 0
+    for top in tops:
+        for where, _, files in os.walk(top):
+            for name in files:
+                with open(os.path.join(where, name), "rb", buffering=0) as f:
+                    while chunk := f.read(1 << 24):
+                        total += len(chunk)
+    return total
+
+
 def run_child(tool: str, root: str, setting: dict, endpoint: str | None,
               server: subprocess.Popen | None = None, log: str | None = None) -> dict:  # fmt: skip
     """One epoch in a fresh process; ``server_cpu``: what the moto server spent answering it (its own
@@ -786,6 +815,8 @@ def main() -> None:
                             folder = os.path.normpath(f"{work}/n{n}/{dataset(tool, s)}")
                             root = f"s3://{BUCKET_NAME}/n{n}" if store == "s3" and tool == "ours" else folder
                             s3 = (endpoint, server, log) if store == "s3" else (None, None, None)
+                            if store == "local":
+                                warm(tool, folder)
                             got = run_child(tool, root, s, *s3)
                             if got["samples"] < n - BATCH:  # a peer's pass that stopped short: once more, said
                                 print(f"round {r + 1} {store} {tool} {label(s)} n={n}: only {got['samples']} "

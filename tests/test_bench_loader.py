@@ -80,3 +80,17 @@ def test_every_round_records_each_tool_at_the_setting_best_over_all_rounds(tmp_p
     assert rows["s3: ours CPU-ms/sample (reader + server) / the best peer's"]["median"] == 1.0
     assert rows["local sweep: litdata numpy none 4w"]["rounds"] == [200.0, 250.0, 240.0]
     assert doc["rounds"][1] == {"load_before": 6.0, "load_after": 7.0}  # the load of the measurement, not of now
+
+
+def test_warm_reads_exactly_the_files_of_the_pass(tmp_path):
+    """Before a local pass its own files are read (ours: the cache and the plan of the size's folder, not the
+    peers' datasets beside them; a peer: its dataset folder), so its clock times reads from the page cache."""
+    size = tmp_path / "n1024"
+    sizes = {"cache/shards/a.bin": 3000, "cache/_cache.json": 10, "plan/p.json": 7, "litdata-tensor-none/0.bin": 500,
+             "mosaic-ndarray-none/shard.mds": 900}  # fmt: skip
+    for name, n in sizes.items():
+        (size / name).parent.mkdir(parents=True, exist_ok=True)
+        (size / name).write_bytes(b"x" * n)
+    assert loader.warm("ours", str(size)) == 3000 + 10 + 7
+    assert loader.warm("litdata", str(size / "litdata-tensor-none")) == 500
+    assert loader.warm("mosaic", str(size / "mosaic-ndarray-none")) == 900
