@@ -75,9 +75,13 @@ bench-deps: install
 	$(PY) -m pip install -q --no-deps "litdata==0.2.76" "mosaicml-streaming==0.13.0"
 
 # every benchmark (each writes benchmarks/results/<name>.json where it has been moved to the one method of
-# benchmarks/results.py), then the published tables regenerated from those files
+# benchmarks/results.py), then the published tables regenerated from those files. The loader comparison runs
+# with the published tables' commands (its defaults are a 1-round smoke run that saves nothing).
 bench: install bench-deps
-	for b in benchmarks/*.py; do case $$b in */results.py) ;; *) $(PY) $$b || exit 1;; esac; done
+	for b in benchmarks/*.py; do case $$b in */results.py|*/loader.py) ;; *) $(PY) $$b || exit 1;; esac; done
+	$(PY) benchmarks/loader.py --stores local --sizes 1024,4096 --rounds 3 --ours-processes 2 --save loader-local
+	$(PY) benchmarks/loader.py --stores s3 --sizes 1024,4096 --rounds 3 --workers 4 --compressions none \
+		--read-threads 2 --shuffle window --save loader-window
 	$(PY) -m benchmarks.results --write
 
 # The GPU check runs on the GPU machine's own python3 when it has CUDA torch (no venv, no download: that machine
