@@ -326,6 +326,68 @@ def test_reader_with_and_without_merged_reads_agree(tmp_path):
         assert all(np.array_equal(r.latent, written[r.sample_id].latent) for r in got)
 
 
+def test_local_files_read_ranges_hold_a_bounded_set_and_never_close_one_in_use(tmp_path):
+    """LocalFiles (the local reader's pread path): a range's bytes, to the end for None, short past the end,
+    the error of a missing file returned, not raised; at most ``keep`` descriptors held, none closed under a
+    read: threads reading 12 files through keep=2 each get their own file's bytes."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    from manifests.storage import LocalFiles
+
+    paths = []
+    for i in range(12):
+        paths.append(str(tmp_path / f"f{i}"))
+        with open(paths[-1], "wb") as f:
+            f.write(bytes([i]) * 1000 + bytes(range(256)))
+    files = LocalFiles(keep=2)
+    data = open(paths[3], "rb").read()
+    assert files.read(paths[3], 10, 20) == data[10:20]
+    assert files.read(paths[3], 1000, None) == bytes(range(256))
+    assert files.read(paths[3], 1200, 5000) == data[1200:]  # short at the end of the file, as a ranged GET
+    assert isinstance(files.read(str(tmp_path / "nope"), 0, 5), FileNotFoundError)
+    held = lambda: len(os.listdir("/proc/self/fd"))  # noqa: E731
+
+    def check(k: int) -> bool:
+        i = k % 12
+        return files.read(paths[i], 990 + k % 7, 1010) == bytes([i]) * (10 - k % 7) + bytes(range(10))
+
+    before = held()
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(check, range(3000)))
+    assert len(files._held) <= 2 + 4 and held() <= before + 4  # keep, plus at most one per reading thread
+    files.close()
+    assert not files._held and held() <= before - 1
+
+
+def test_a_local_cache_is_read_by_positional_reads_on_held_files(tmp_path, monkeypatch):
+    """The reader of a local cache reads records with pread on descriptors it holds (not fsspec's open per
+    range), one descriptor per shard however many reads; a pickled copy opens its own; a truncated or
+    missing shard is still named."""
+    import pickle
+
+    url = str(tmp_path / "cache")
+    written = build_cache(url, n=12, shard_records=4)
+    reader = CacheReader(url, max_gap=None)
+    monkeypatch.setattr(type(reader.fs), "open", lambda *a, **k: pytest.fail("a record read opened a file"))
+    ids = sorted(written) * 3
+    got = reader.read(ids)
+    assert [r.sample_id for r in got] == ids
+    assert all(np.array_equal(r.latent, written[r.sample_id].latent) for r in got)
+    assert len(reader._files._held) == 4  # 3 sample shards + the text shard, each opened once
+    copy = pickle.loads(pickle.dumps(reader))
+    assert copy._files is not reader._files and not copy._files._held
+    assert copy.read(ids[:2])[1].sample_id == ids[1]
+    monkeypatch.undo()
+    shard = sorted(p for p in (tmp_path / "cache" / "shards").iterdir() if p.name.startswith("samples-"))[-1]
+    shard.write_bytes(shard.read_bytes()[:10])
+    with pytest.raises(CacheError, match="truncated"):
+        CacheReader(url).read(ids)
+    shard.unlink()
+    with pytest.raises(CacheError, match="missing"):
+        CacheReader(url).read(ids)
+
+
 def test_chunked_reads_agree_fetch_fewer_hold_a_bounded_lru_and_catch_truncation(tmp_path, monkeypatch):
     """read_in_chunks (window-shuffled plans): the same records as one read per record, fewer reads for a run
     of neighbours, at most the budget held, and a truncated shard still named."""
@@ -336,7 +398,7 @@ def test_chunked_reads_agree_fetch_fewer_hold_a_bounded_lru_and_catch_truncation
     reads: list[int] = []
     real = reader_module.read_many
     monkeypatch.setattr(reader_module, "read_many",
-                        lambda fs, paths, *a: reads.append(len(paths)) or real(fs, paths, *a))  # fmt: skip
+                        lambda fs, paths, *a, **k: reads.append(len(paths)) or real(fs, paths, *a, **k))  # fmt: skip
     ids = sorted(written)  # written in id order: neighbours in a shard
     direct = CacheReader(url, max_gap=None)
     expected = direct.read(ids)

@@ -33,7 +33,7 @@ from manifests.cache.records import (
     sample_mismatch,
     text_mismatch,
 )
-from manifests.storage import join, open_url, read_many, redact, storage_error
+from manifests.storage import LocalFiles, join, open_url, read_many, redact, storage_error
 
 __all__ = ["CacheReader", "merge_reads", "MAX_GAP", "MAX_BLOCK", "CHUNK_BYTES"]
 
@@ -88,6 +88,7 @@ class CacheReader:
         self.url = url
         self.max_gap = max_gap  # merge reads of records this close in a shard; None: one read per record
         self.fs, self.root = open_url(url, storage_options)
+        self._files = LocalFiles() if LocalFiles.usable(self.fs) else None  # local shards: held open, pread
         self.meta: CacheMeta = read_meta(self.fs, self.root, url)
         tables = read_index(url, storage_options, self.meta)
         samples = tables["samples"].sort_by("sample_id")
@@ -135,13 +136,14 @@ class CacheReader:
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        del state["_text_lock"]  # locks do not pickle; a copy gets its own
+        del state["_text_lock"], state["_files"]  # locks and descriptors do not pickle; a copy gets its own
         state.update(_chunks=OrderedDict(), _chunks_held=0)  # nor are held chunks worth shipping
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._text_lock = threading.Lock()
+        self._files = LocalFiles() if LocalFiles.usable(self.fs) else None
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -173,7 +175,7 @@ class CacheReader:
             got = self._read_chunked([(s, o, o + n) for s, o, n, *_ in items])
         else:
             reads, where = merge_reads([(join(self.root, s), o, o + n) for s, o, n, *_ in items], self.max_gap)
-            blocks = read_many(self.fs, *(list(c) for c in zip(*reads)))
+            blocks = read_many(self.fs, *(list(c) for c in zip(*reads)), files=self._files)
             got = [(reads[k][0], blocks[k] if isinstance(blocks[k], Exception) else blocks[k][at : at + n])
                    for (_, _, n, *_), (k, at) in zip(items, where)]  # fmt: skip
         out = []
@@ -208,7 +210,7 @@ class CacheReader:
         chunk_ranges = [(join(self.root, s), c * size, min((c + 1) * size, max(self._shard_end.get(s, 0), c * size)))
                         for s, c in need]  # fmt: skip
         reads, where = merge_reads(chunk_ranges, 0)
-        blocks = read_many(self.fs, *(list(c) for c in zip(*reads))) if reads else []
+        blocks = read_many(self.fs, *(list(c) for c in zip(*reads)), files=self._files) if reads else []
         for key, (path, a, b), (k, at) in zip(need, chunk_ranges, where):
             block = blocks[k]  # a view of a merged read: no chunk is copied out of it
             held[key] = block if isinstance(block, Exception) else memoryview(block)[at : at + b - a]
