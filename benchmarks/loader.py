@@ -6,6 +6,7 @@
     python benchmarks/loader.py --stores s3 --shuffle window --save loader-window  # ours' windowed plan
     python benchmarks/loader.py --litdata-decodes              # why LitData's numpy encoding is slow
     python benchmarks/loader.py --decode-scaling 2             # read+decode: threads vs processes
+    python benchmarks/loader.py --local-reads 6 --sizes 1024,4096   # local shards: fsspec vs pread, alternated
     python benchmarks/loader.py --stores local --ours-processes 2   # ours in 2 worker processes too
 
 Needs ``pip install -e .[bench]`` (LitData, Mosaic Streaming; benchmark-only, never runtime deps).
@@ -599,6 +600,33 @@ def decode_scaling(root: str, workers: int) -> None:
               f"(load {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
 
 
+def local_reads(root: str, rounds: int) -> None:
+    """ours' loader (2 read threads, the step after every batch) on a local cache, its two read paths alternated
+    in one process, ``rounds`` rounds, each pass's files warmed: local shards through fsspec's
+    ``LocalFileSystem`` (an open, stats, a seek, a read and a close per range) against ``os.pread`` on held
+    descriptors (:class:`manifests.localfiles.LocalFiles`, the trainer's). Whole-epoch rates (the same start-up in
+    both), reader CPU per sample less the step's, the median of the rounds."""
+    from manifests.localfiles import LocalFiles
+
+    rates: dict[str, list[tuple[float, float]]] = {"fsspec": [], "pread": []}
+    for r in range(rounds):
+        for path in rates:
+            LocalFiles.available = path == "pread"  # False: the reader reads through fsspec
+            warm("ours", root)
+            step, cpu0, t0 = Consumer(), _cpu(), time.perf_counter()
+            try:
+                n = read_ours(root, {"read_threads": 2}, None, step)
+            finally:
+                LocalFiles.available = True
+            seconds, cpu = time.perf_counter() - t0, _cpu() - cpu0 - step.cpu
+            rates[path].append((n / seconds, cpu / n * 1000))
+            print(f"round {r + 1} local reads {path}: {n / seconds:,.0f} samples/s, {cpu / n * 1000:.3f} reader "
+                  f"CPU-ms/sample (load {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
+    for path, got in rates.items():
+        print(f"local reads {path}: median {np.median([g[0] for g in got]):,.0f} samples/s, "
+              f"{np.median([g[1] for g in got]):.3f} reader CPU-ms/sample over {rounds} rounds")  # fmt: skip
+
+
 # ---------------------------------------------------------------- why LitData's numpy encoding is slow
 
 
@@ -735,6 +763,8 @@ def main() -> None:
     p.add_argument("--work", default=None, help="folder for the datasets (default: a temporary one)")
     p.add_argument("--decode-scaling", type=int, metavar="K", default=0,
                    help="only measure ours' read+decode in 1 thread, K threads, K processes (local, --sizes' larger)")
+    p.add_argument("--local-reads", type=int, metavar="ROUNDS", default=0,
+                   help="only compare ours' two local read paths (fsspec vs pread), alternated, on --sizes' larger")
     p.add_argument("--litdata-decodes", action="store_true",
                    help="only count LitData's decodes per item, numpy vs tensor (one process, --sizes' smaller)")
     p.add_argument("--child", choices=TOOLS, help=argparse.SUPPRESS)
@@ -759,6 +789,8 @@ def main() -> None:
     server = None
     if args.decode_scaling:
         tools, stores, sizes = ["ours"], [], sizes[1:]
+    if args.local_reads:
+        tools, stores, sizes = ["ours"], [], sizes[1:]
     if args.litdata_decodes:
         tools, sizes = ["litdata"], sizes[:1]
         settings["litdata"] = [{"encoding": e, "compression": "none", "workers": 0} for e in ("numpy", "tensor")]
@@ -782,6 +814,8 @@ def main() -> None:
             return litdata_decodes(f"{work}/n{sizes[0]}")
         if args.decode_scaling:
             return decode_scaling(f"{work}/n{sizes[0]}", args.decode_scaling)
+        if args.local_reads:
+            return local_reads(f"{work}/n{sizes[0]}", args.local_reads)
         step = Consumer()
         for _ in range(20):
             step.step()

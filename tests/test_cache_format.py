@@ -333,7 +333,7 @@ def test_local_files_read_ranges_hold_a_bounded_set_and_never_close_one_in_use(t
     import os
     from concurrent.futures import ThreadPoolExecutor
 
-    from manifests.storage import LocalFiles
+    from manifests.localfiles import LocalFiles
 
     paths = []
     for i in range(12):

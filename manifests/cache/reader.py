@@ -33,7 +33,8 @@ from manifests.cache.records import (
     sample_mismatch,
     text_mismatch,
 )
-from manifests.storage import LocalFiles, join, open_url, read_many, redact, storage_error
+from manifests.localfiles import LocalFiles
+from manifests.storage import is_local, join, open_url, read_many, redact, storage_error
 
 __all__ = ["CacheReader", "merge_reads", "MAX_GAP", "MAX_BLOCK", "CHUNK_BYTES"]
 
@@ -88,7 +89,7 @@ class CacheReader:
         self.url = url
         self.max_gap = max_gap  # merge reads of records this close in a shard; None: one read per record
         self.fs, self.root = open_url(url, storage_options)
-        self._files = LocalFiles() if LocalFiles.usable(self.fs) else None  # local shards: held open, pread
+        self._files = LocalFiles() if LocalFiles.available and is_local(self.fs) else None  # local: held, pread
         self.meta: CacheMeta = read_meta(self.fs, self.root, url)
         tables = read_index(url, storage_options, self.meta)
         samples = tables["samples"].sort_by("sample_id")
@@ -143,7 +144,7 @@ class CacheReader:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._text_lock = threading.Lock()
-        self._files = LocalFiles() if LocalFiles.usable(self.fs) else None
+        self._files = LocalFiles() if LocalFiles.available and is_local(self.fs) else None
 
     def __len__(self) -> int:
         return len(self._ids)
