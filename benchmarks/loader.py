@@ -676,19 +676,12 @@ def _process_cpu(pid: int) -> float:
 
 
 def warm(tool: str, folder: str) -> int:
-    """Read the local files a pass of ``tool`` reads (under ``folder``) once, before its clock: its reads then
-    come from the page cache in every round. This machine evicts files left idle for seconds even with half its
-    memory free (a DAMON reclaim thread runs): a pass timed disk reads in one round and not in the next, wall
-    several times its CPU. Every tool's files, before every local pass; returns the bytes read."""
+    """Read the local files a pass of ``tool`` reads (under ``folder``) once, before its clock
+    (:func:`benchmarks.results.warm`): ours' cache and plan, a peer's dataset folder; returns the bytes read."""
+    from benchmarks.results import warm as warm_folder
+
     tops = [f"{folder}/cache", f"{folder}/{ours_plan(SHUFFLE)}"] if tool == "ours" else [folder]
-    total = 0
-    for top in tops:
-        for where, _, files in os.walk(top):
-            for name in files:
-                with open(os.path.join(where, name), "rb", buffering=0) as f:
-                    while chunk := f.read(1 << 24):
-                        total += len(chunk)
-    return total
+    return sum(warm_folder(top) for top in tops)
 
 
 def run_child(tool: str, root: str, setting: dict, endpoint: str | None,

@@ -29,10 +29,11 @@ a ``url`` column; row groups of 100 rows) and measures, the same way:
    (its header and EXIF) without decoding it (measured at the scan's sizes: it is fast).
 
 Each rate is **marginal**: ``(large - small) / (t_large - t_small)``, one run at each size per round, so Ray
-start-up, listing and the manifest commit drop out. Prints requests and bytes read per image, the bytes read as a
-share of the containers' bytes, and the ratio to the (decoding) alternative. Each of ``--rounds`` rounds (default
-3) measures every method (the alternatives included) again; the medians are published from
-``benchmarks/results/sources.json`` (tar) and ``sources-parquet.json`` by :mod:`benchmarks.results`.
+start-up, listing and the manifest commit drop out; before each run its folder's files are read once
+(:func:`benchmarks.results.warm`), so no pass times this machine's disk. Prints requests and bytes read per
+image, the bytes read as a share of the containers' bytes, and the ratio to the (decoding) alternative. Each
+of ``--rounds`` rounds (default 3) measures every method (the alternatives included) again; the medians are
+published from ``benchmarks/results/sources.json`` (tar) and ``sources-parquet.json`` by :mod:`benchmarks.results`.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from PIL import Image, ImageChops, ImageOps
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.results import Run  # noqa: E402
+from benchmarks.results import Run, warm  # noqa: E402
 from benchmarks.scan import WORDS, LatencyStorage, marginal  # noqa: E402
 from pipeline.ray_setup import loopback_only  # noqa: E402
 from pipeline.scan import ScanConfig, ScanJob, scan_dataset  # noqa: E402
@@ -282,17 +283,22 @@ def main() -> int:
     return 0
 
 
+def warmed(run):
+    """``run`` with the folder it is given read into the page cache first (:func:`benchmarks.results.warm`)."""
+    return lambda root: (warm(root), run(root))[1]
+
+
 def tar_round(run: Run, args: argparse.Namespace, cache: Path, out: Path) -> None:
     """The tar shards, once: the scan (local and at +latency) and the decoding alternative; added to ``run``."""
     small_shards, large_shards = args.small // args.per_shard, args.large // args.per_shard
     alt_small, alt_large = (int(x) for x in args.alternative.split(","))
     small, large = subset(cache, small_shards), subset(cache, large_shards)
-    rows = [("bucketeer scan, local shards", *marginal(lambda r: run_scan(r, out), small, large, 1, "images"))]
+    rows = [("bucketeer scan, local shards", *marginal(warmed(lambda r: run_scan(r, out)), small, large, 1, "images"))]
     slow = LatencyStorage(args.latency_ms / 1000)
     rows.append((f"bucketeer scan, +{args.latency_ms:g} ms per request", *marginal(
-        lambda r: run_scan(r, out, fs=slow), small, large, 1, "images")))  # fmt: skip
+        warmed(lambda r: run_scan(r, out, fs=slow)), small, large, 1, "images")))  # fmt: skip
     rows.append(("tarfile stream + Pillow decode of every image (local)",
-                 *marginal(lambda r: run_alternative(r, args.cpus), subset(cache, alt_small),
+                 *marginal(warmed(lambda r: run_alternative(r, args.cpus)), subset(cache, alt_small),
                            subset(cache, alt_large), 1, "images")))  # fmt: skip
     base = rows[-1][1]
     print(f"\nmarginal rates ({args.small:,} and {args.large:,} images; the alternative at "
@@ -313,13 +319,14 @@ def parquet_round(run: Run, args: argparse.Namespace, cache: Path, out: Path) ->
     small = subset(cache, small_shards, "parquet", "parquet")
     large = subset(cache, large_shards, "parquet", "parquet")
     rows = [("bucketeer scan --format parquet, local files", *marginal(
-        lambda r: run_scan(r, out, config=PARQUET_CONFIG), small, large, 1, "images"))]  # fmt: skip
+        warmed(lambda r: run_scan(r, out, config=PARQUET_CONFIG)), small, large, 1, "images"))]  # fmt: skip
     alt_sets = (subset(cache, alt_small, "parquet", "parquet"), subset(cache, alt_large, "parquet", "parquet"))
     alt = ("pyarrow iterate + Pillow decode of every image (local)",
-           *marginal(lambda r: run_parquet_alternative(r, args.cpus), *alt_sets, 1, "images"))
+           *marginal(warmed(lambda r: run_parquet_alternative(r, args.cpus)), *alt_sets, 1, "images"))
     # fast enough for the scan's own sizes, where start-up vanishes
     opened = ("pyarrow iterate + Pillow open (header and EXIF only, no decode)",
-              *marginal(lambda r: run_parquet_alternative(r, args.cpus, decode=False), small, large, 1, "images"))
+              *marginal(warmed(lambda r: run_parquet_alternative(r, args.cpus, decode=False)), small, large, 1,
+                        "images"))
     rows += [alt, opened]
     print_rows(rows, alt[1], "parquet file")
     print(f"\nparquet: {rows[0][1] / alt[1]:,.1f}x the decoding alternative, "
