@@ -780,9 +780,7 @@ def main() -> None:
                 for t in tools}  # fmt: skip
     work = args.work or tempfile.mkdtemp(prefix="bench-loader-")
     server = None
-    if args.decode_scaling:
-        tools, stores, sizes = ["ours"], [], sizes[1:]
-    if args.local_reads:
+    if args.decode_scaling or args.local_reads:
         tools, stores, sizes = ["ours"], [], sizes[1:]
     if args.litdata_decodes:
         tools, sizes = ["litdata"], sizes[:1]

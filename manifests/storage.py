@@ -271,8 +271,8 @@ def read_many(
     """Read many objects or byte ranges ``[start, end)``, many in flight; per item its bytes or
     the exception its read ended with (the filesystem's own, e.g. ``PermissionError``), in order.
 
-    ``files`` (a :class:`manifests.localfiles.LocalFiles`): on the local disk, read through its held descriptors (one
-    ``pread`` per range, in this thread; a local error is not retried). Elsewhere it is ignored.
+    ``files`` (a :class:`manifests.localfiles.LocalFiles`, for a local ``fs`` only): read through its held
+    descriptors instead (one ``pread`` per range, in this thread; a local error is not retried).
 
     ``starts`` default to 0 and ``ends`` to None (the whole object): a ranged GET each, never a
     HEAD first. All reads go out as one concurrent ``cat_ranges``; the ones that failed are
@@ -284,8 +284,8 @@ def read_many(
         return []
     starts = list(starts) if starts is not None else [0] * len(paths)
     ends = list(ends) if ends is not None else [None] * len(paths)
-    if files is not None and is_local(fs):
-        return [files.read(fs._strip_protocol(p), s or 0, e) for p, s, e in zip(paths, starts, ends)]
+    if files is not None:
+        return [files.read(p, s or 0, e) for p, s, e in zip(paths, starts, ends)]
     results = list(with_retries(lambda: fs.cat_ranges(list(paths), starts, ends, on_error="return")))
     failed = [i for i, r in enumerate(results) if isinstance(r, BaseException)]
     if not failed:

@@ -89,7 +89,7 @@ class CacheReader:
         self.url = url
         self.max_gap = max_gap  # merge reads of records this close in a shard; None: one read per record
         self.fs, self.root = open_url(url, storage_options)
-        self._files = LocalFiles() if LocalFiles.available and is_local(self.fs) else None  # local: held, pread
+        self._files = self._local_files()  # a local cache: shard files held open, read by pread
         self.meta: CacheMeta = read_meta(self.fs, self.root, url)
         tables = read_index(url, storage_options, self.meta)
         samples = tables["samples"].sort_by("sample_id")
@@ -144,7 +144,11 @@ class CacheReader:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._text_lock = threading.Lock()
-        self._files = LocalFiles() if LocalFiles.available and is_local(self.fs) else None
+        self._files = self._local_files()
+
+    def _local_files(self) -> LocalFiles | None:
+        """Held shard files for a local cache (one ``pread`` per range), None elsewhere (or without ``os.pread``)."""
+        return LocalFiles() if LocalFiles.available and is_local(self.fs) else None
 
     def __len__(self) -> int:
         return len(self._ids)
