@@ -109,7 +109,9 @@ def test_resume_continues_with_the_batches_and_weights_of_an_uninterrupted_run(r
     common = ["--plan", train_data.plan1, "--cache", train_data.cache, "--config", cfg]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert run(*common, "--output-dir", straight, "--record-samples", straight / "rec", "--max-steps", 13).steps == 13
-    assert run(*common, "--output-dir", resumed, "--record-samples", resumed / "rec", "--max-steps", 7).steps == 7
+    in_processes = write_config(tmp_path / "p.yaml", checkpoint_every=5, read_processes=2)  # the same batches
+    assert run(*common[:-1], in_processes, "--output-dir", resumed, "--record-samples", resumed / "rec",
+               "--max-steps", 7).steps == 7  # fmt: skip
     cursor = json.loads((resumed / "checkpoints" / "step-00000007" / "cursor.json").read_text())
     assert (cursor["epoch"], cursor["step"]) == (0, 7)
     result = run(*common, "--output-dir", resumed, "--record-samples", resumed / "rec", "--max-steps", 13, "--resume")

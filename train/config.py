@@ -65,6 +65,9 @@ class TrainConfig:
     log_every: int = 10  # plan steps
     prefetch: int = 4  # batches read ahead of the model
     read_threads: int = 2  # of those, batches being read at once (concurrent ranged reads + decode)
+    # > 0: read and decode in this many spawned processes instead of read_threads threads, out of the training
+    # step's GIL (batches come back through shared memory, one copy); worth it when the step's Python is busy
+    read_processes: int = 0
     # records read ahead of the model, per rank, in MB: the loader reads groups of steps at once so that ranges
     # close in a shard merge into one request across steps (at least `prefetch` steps ahead whatever the budget)
     read_ahead_mb: float = 256
@@ -114,6 +117,7 @@ class TrainConfig:
             (self.log_every >= 1, "log_every must be >= 1"),
             (self.prefetch >= 1, "prefetch must be >= 1"),
             (1 <= self.read_threads <= self.prefetch, "read_threads must be between 1 and prefetch"),
+            (self.read_processes >= 0, "read_processes must be >= 0 (0: read on read_threads threads)"),
             (self.read_ahead_mb >= 0, "read_ahead_mb must be >= 0 (0: read prefetch steps ahead)"),
             (self.max_grad_norm > 0, "max_grad_norm must be > 0"),
             (len(self.adam_betas) == 2, "adam_betas must be two numbers, e.g. [0.9, 0.999]"),

@@ -197,7 +197,7 @@ def setup_data(job: TrainJob, launch: Launch, position: Position) -> Data:
                          log=lambda line: print(redact(line), file=sys.stderr, flush=True),
                          caption_dropout=cfg.caption_dropout, seed=cfg.seed,
                          posterior_sampling=cfg.posterior_sampling, widen=cfg.loader_float32,
-                         read_ahead_mb=cfg.read_ahead_mb)  # fmt: skip
+                         read_ahead_mb=cfg.read_ahead_mb, read_processes=cfg.read_processes)  # fmt: skip
     return Data(reader, steps, loader, reader.meta.family or "generic")
 
 

@@ -6,11 +6,13 @@ epoch of this rank's rows, the next epoch read while this one trains), and asks 
 :class:`Batch`, in plan order, on this rank only. The loader is deliberately NOT a DataLoader
 handed to ``accelerator.prepare()``: prepare would re-shard it across ranks (BatchSamplerShard /
 IterableDatasetShard), i.e. shard a plan that is already sharded, and it fails on
-``batch_size=None``. Reading ahead happens on a few threads of this process rather than in
-DataLoader worker processes: fsspec's S3 clients are not fork-safe and each worker would hold its
-own copy of the cache index. ``read_threads`` batches are read at once (the reader is
-thread-safe): on an object store a batch read is one round of concurrent ranged GETs, so its
-latency, not bandwidth, bounds a single reader; the batches are still handed out in plan order.
+``batch_size=None``. Reading ahead happens on ``read_threads`` threads of this process by default
+(the reader is thread-safe): on an object store a batch read is one round of concurrent ranged GETs,
+so its latency, not bandwidth, bounds a single reader; the batches are still handed out in plan order.
+Those threads share the GIL with the training step's Python; ``read_processes=K`` reads in K processes
+started from multiprocessing's fork server instead (:mod:`train.data.processes`: no fork of a live S3
+client; each holds its own copy of the cache index; a batch comes back through shared memory, copied
+once), with the same batches, errors and log lines.
 
 A record that is missing, truncated or fails its checksum stops the run with an error naming the
 sample, the shard and the fix (``bucketeer verify``), unless ``skip_bad_records`` is set: then the

@@ -12,7 +12,7 @@ import itertools
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -23,6 +23,7 @@ from manifests.cache.records import SampleRecord
 from manifests.errors import UsageError
 from manifests.storage import redact
 from train.data.batch import Batch, collate, latent_normaliser
+from train.data.processes import ProcessReads
 from train.data.draws import caption_dropout_mask, draw_posterior, variant_choice, variant_text_keys
 from train.data.steps import PlanStep, RankSteps
 
@@ -55,6 +56,9 @@ class BatchLoader:
     scaling); raises UsageError otherwise.
     ``posterior_sampling``: train on a fresh draw from each latent's VAE posterior (:func:`draw_posterior`)
     when the cache stores ``latent_std``; False, or a cache of means, trains on the mean.
+    ``read_processes``: K > 0 reads and decodes in K spawned processes instead of ``read_threads``
+    threads (:mod:`train.data.processes`: out of the training step's GIL; each batch is copied once out of
+    shared memory); the batches, errors and log lines are the same.
     """
 
     def __init__(
@@ -74,10 +78,11 @@ class BatchLoader:
         posterior_sampling: bool = True,
         widen: bool = True,
         read_ahead_mb: float = READ_AHEAD_MB,
+        read_processes: int = 0,
     ):
-        if prefetch < 1 or read_threads < 1 or read_ahead_mb < 0:
+        if prefetch < 1 or read_threads < 1 or read_ahead_mb < 0 or read_processes < 0:
             raise UsageError(f"prefetch ({prefetch}) and read_threads ({read_threads}) must be >= 1, read_ahead_mb "
-                             f"({read_ahead_mb}) >= 0")  # fmt: skip
+                             f"({read_ahead_mb}) and read_processes ({read_processes}) >= 0")  # fmt: skip
         self.readers = [reader] if isinstance(reader, CacheReader) else list(reader)
         self.reader = reader = self.readers[0]
         self.steps = steps if isinstance(steps, RankSteps) else list(steps)
@@ -99,6 +104,8 @@ class BatchLoader:
         self.posterior_sampling = posterior_sampling
         self.widen = widen
         self.read_ahead_bytes = int(read_ahead_mb * (1 << 20))
+        self.read_processes = read_processes
+        self.latent_info = latent_info
         self.empty_text = None
         if caption_dropout > 0:
             key = reader.meta.text.empty_caption_key if reader.meta.text else None
@@ -108,12 +115,14 @@ class BatchLoader:
                                  "none: its empty instruction's embedding depends on each reference image); set "
                                  "caption_dropout: 0, or re-embed an older cache with this bucketeer")  # fmt: skip
             (self.empty_text,) = reader.read_texts([int(key)])
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: ThreadPoolExecutor | ProcessReads | None = None
+        self._chunks: tuple[int, int] | None = None
         if isinstance(self.steps, RankSteps) and self.steps.meta.inputs.config.window is not None:
             # a window-shuffled plan's next steps draw on a few runs of contiguous records: fetch them by
             # whole chunks (one GET per CHUNK_BYTES) and hold as many chunks as the read-ahead budget
+            self._chunks = (CHUNK_BYTES, max(self.read_ahead_bytes, 4 * CHUNK_BYTES))
             for each in self.readers:
-                each.read_in_chunks(CHUNK_BYTES, max(self.read_ahead_bytes, 4 * CHUNK_BYTES))
+                each.read_in_chunks(*self._chunks)
         if not isinstance(self.steps, RankSteps):
             self._check_ids(self.steps)
 
@@ -256,7 +265,8 @@ class BatchLoader:
 
     def read_ahead(self) -> tuple[int, int]:
         """``(steps ahead, steps per group read)``: as many steps as ``read_ahead_mb`` holds (at least
-        ``prefetch``, at most :data:`MAX_AHEAD_STEPS`), in groups of about a ``read_threads + 1``-th."""
+        ``prefetch``, at most :data:`MAX_AHEAD_STEPS`), in groups of about a ``readers + 1``-th (``readers``:
+        the read processes, else threads)."""
         sizes = self.reader.meta.bytes
         per_sample = (sizes.per_sample or 0) + (sizes.per_caption or 0) if sizes else 0
         if isinstance(self.steps, RankSteps):
@@ -265,14 +275,15 @@ class BatchLoader:
             batch = len(self.steps[0].sample_ids) if self.steps else 1
         per_step = 2 * batch * (per_sample or 1 << 20)  # fetched bytes and decoded arrays, held at once
         steps = min(max(self.prefetch, self.read_ahead_bytes // per_step), MAX_AHEAD_STEPS)
-        return steps, max(1, min(steps // (self.read_threads + 1), MAX_GROUP_STEPS))
+        readers = self.read_processes or self.read_threads
+        return steps, max(1, min(steps // (readers + 1), MAX_GROUP_STEPS))
 
     def __iter__(self) -> Iterator[Batch]:
         assert self._pool is None, "a BatchLoader is iterated once"
-        self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix=f"bucketeer-read-{self.rank}")
+        submit = self._start()
         todo = iter(self._planned())
         steps_ahead, group = self.read_ahead()
-        ahead: deque[tuple[int, Future[list[Batch | BaseException]]]] = deque()  # groups in plan order
+        ahead: deque[tuple[int, Any]] = deque()  # groups in plan order: (steps, a Future or a pending group)
         size, queued = 1, 0  # the first groups grow 1, 2, 4... steps: the first batch waits for one step only
 
         def read_next() -> None:
@@ -288,7 +299,7 @@ class BatchLoader:
                     return
                 if not steps:
                     return
-                ahead.append((len(steps), self._pool.submit(self._read_group, steps)))
+                ahead.append((len(steps), submit(steps)))
                 queued += len(steps)
                 size = min(2 * size, group)
 
@@ -306,6 +317,19 @@ class BatchLoader:
         finally:
             self.close()
 
+    def _start(self) -> Callable[[list[PlanStep]], Any]:
+        """Start the readers; returns how to hand them a group of steps (its result(): the group's items)."""
+        if not self.read_processes:
+            pool = self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix=f"bucketeer-read-{self.rank}")
+            return lambda steps: pool.submit(self._read_group, steps)
+        kwargs = dict(rank=self.rank, prefetch=self.prefetch, skip_bad_records=self.skip_bad_records,
+                      caption_dropout=self.caption_dropout, seed=self.seed, posterior_sampling=self.posterior_sampling,
+                      widen=self.widen, read_ahead_mb=self.read_ahead_bytes / (1 << 20))  # fmt: skip
+        procs = self._pool = ProcessReads(self.read_processes, type(self), self.readers, self.latent_info, kwargs,
+                                          self._chunks, self.pin_memory, self.log,
+                                          f"bucketeer-read-{self.rank}")  # fmt: skip
+        return procs.submit
+
     def _planned(self) -> Iterator[PlanStep]:
         if not isinstance(self.steps, RankSteps):
             yield from self.steps
@@ -316,5 +340,7 @@ class BatchLoader:
 
     def close(self) -> None:
         """Drop the reads not started, wait for the running ones, stop the threads (safe to call twice)."""
-        if self._pool is not None:
+        if isinstance(self._pool, ThreadPoolExecutor):
             self._pool.shutdown(wait=True, cancel_futures=True)
+        elif self._pool is not None:
+            self._pool.close()
