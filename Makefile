@@ -79,9 +79,9 @@ bench-deps: install
 # with the published tables' commands (its defaults are a 1-round smoke run that saves nothing).
 bench: install bench-deps
 	for b in benchmarks/*.py; do case $$b in */results.py|*/loader.py) ;; *) $(PY) $$b || exit 1;; esac; done
-	$(PY) benchmarks/loader.py --stores local --sizes 1024,4096 --rounds 3 --ours-processes 2 --save loader-local
-	$(PY) benchmarks/loader.py --stores s3 --sizes 1024,4096 --rounds 3 --workers 4 --compressions none \
-		--read-threads 2 --shuffle window --save loader-window
+	$(PY) benchmarks/loader.py --stores local --sizes 1024,4096 --rounds 3 --repeats 2 --ours-processes 2 --save loader-local
+	$(PY) benchmarks/loader.py --stores s3 --sizes 1024,4096 --rounds 3 --repeats 2 --workers 4 --compressions none \
+		--read-threads 2 --ours-processes 2 --shuffle window --save loader-window
 	$(PY) -m benchmarks.results --write
 
 # The GPU check runs on the GPU machine's own python3 when it has CUDA torch (no venv, no download: that machine

@@ -7,7 +7,7 @@
     python benchmarks/loader.py --litdata-decodes              # why LitData's numpy encoding is slow
     python benchmarks/loader.py --decode-scaling 2             # read+decode: threads vs processes
     python benchmarks/loader.py --local-reads 6 --sizes 1024,4096   # local shards: fsspec vs pread, alternated
-    python benchmarks/loader.py --stores local --ours-processes 2   # ours in 2 worker processes too
+    python benchmarks/loader.py --stores local --ours-processes 2   # ours' read processes too (read_processes)
 
 Needs ``pip install -e .[bench]`` (LitData, Mosaic Streaming; benchmark-only, never runtime deps).
 
@@ -20,7 +20,8 @@ printed and recorded):
 - **ours**: the real cache writer (``CacheWriter``, gzip records, SDXL's text layout: CLIP-L 768 +
   CLIP-G 1280 parts) and a 1-rank plan of batch 16 (``write_plan``), read by ``BatchLoader`` with the
   trainer's defaults (``TrainConfig``) but ``read_threads`` swept (``--read-threads``); with
-  ``--ours-processes K``, also in K worker processes (:class:`OursInProcesses`: the alternative to its threads);
+  ``--ours-processes K``, also with the trainer's ``read_processes: K`` (K spawned read processes instead of
+  threads, batches handed over through shared memory: :mod:`train.data.processes`);
 - **LitData**: ``litdata.optimize`` (64 MB chunks) of torch int16 tensors holding the bf16 bits (its
   tensor serializers; ``numpy()`` has no bfloat16), read by ``StreamingDataset(shuffle=True)`` +
   ``StreamingDataLoader`` (batch 16); swept: workers (``--workers``), then ``compression="zstd"`` and
@@ -35,13 +36,17 @@ Each run is a fresh process that reads one shuffled epoch and checks its first b
 source tensors (bit for bit, after the tool's own decode). After every batch the loop runs the same
 **training step's Python** for every tool (:class:`Consumer`: :data:`STEP_ITERATIONS` iterations of a
 pure-Python loop, ~3 ms on this machine quiet), holding the GIL as a step does: ours' reader threads
-compete with it, the peers' worker processes do not. Rates are **marginal**: (N2 - N1) /
+compete with it, its read processes and the peers' worker processes do not. Rates are **marginal**: (N2 - N1) /
 (t(N2) - t(N1)) with t measured from the dataset's construction to the epoch's end, so start-up,
 index loading and worker spawn drop out (the tool's modules are imported before the clock starts:
 :data:`IMPORTS`; locally its files are read once before the pass, :func:`warm`); the median of
-``--rounds`` rounds, the tools interleaved within a round. CPU-seconds per sample are marginal too:
-``resource.getrusage`` of the reading process, self + children (the peers' DataLoader workers are joined at
-the epoch's end, so counted), less the consumer's steps (their thread time).
+``--rounds`` rounds, the tools interleaved within a round. With ``--repeats R`` each pass runs R times back
+to back and the fastest counts (:func:`fastest`, timeit's rule, for every tool alike): this 2-core VM's
+CPU speed itself swings by a third over seconds (a fixed Python loop took 0.75-1.35 s in 8 runs, CPU time
+equal to wall), and one pass landing in a slow spell otherwise decides a round's ratio. CPU-seconds per
+sample are marginal too: ``resource.getrusage`` of the reading process, self + children (the peers'
+DataLoader workers are joined at the epoch's end, so counted), plus multiprocessing's fork server and the
+children it reaped (ours' read processes are forked from it), less the consumer's steps (their thread time).
 
 Stores: ``local`` (a folder on this disk, its page cache warmed before each pass: :func:`warm`) and ``s3``: a moto S3
 server on 127.0.0.1 in its own process (its CPU is not counted), each tool's folder uploaded as
@@ -70,7 +75,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
-import itertools
 import json
 import os
 import resource
@@ -83,7 +87,6 @@ import time
 from dataclasses import replace
 
 import numpy as np
-from torch.utils.data import IterableDataset
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -251,74 +254,32 @@ class Consumer:
         self.cpu += time.thread_time() - t
 
 
-def _ours_loader(root: str, setting: dict, storage_options: dict | None, share: tuple[int, int] | None = None):
-    """``(reader, BatchLoader)`` of ours' plan with the trainer's defaults; ``share=(w, k)``: only the
-    groups of :data:`PROCESS_GROUP` consecutive steps numbered w, w + k, w + 2k, ..."""
+def _ours_loader(root: str, setting: dict, storage_options: dict | None):
+    """``(reader, BatchLoader)`` of ours' plan with the trainer's defaults but ``setting``'s read threads or
+    read processes."""
     from manifests.cache import CacheReader
     from train.config import TrainConfig
     from train.data import BatchLoader, rank_steps
 
-    cfg = replace(TrainConfig(), **{k: v for k, v in setting.items() if k in ("read_threads", "prefetch")})
+    knobs = ("read_threads", "prefetch", "read_processes")
+    cfg = replace(TrainConfig(), **{k: v for k, v in setting.items() if k in knobs})
     reader = CacheReader(f"{root}/cache", storage_options)
     steps = rank_steps(f"{root}/{ours_plan(SHUFFLE)}", 0, storage_options)
-    if share is not None:
-        w, k = share
-        steps = [s for i, s in enumerate(s for epoch in steps.epochs() for s in epoch) if (i // PROCESS_GROUP) % k == w]
     return reader, BatchLoader(reader, steps, reader.meta.latent, prefetch=cfg.prefetch, read_threads=cfg.read_threads,
-                               widen=cfg.loader_float32, read_ahead_mb=cfg.read_ahead_mb)  # fmt: skip
-
-
-#: steps per item that a worker process of ours' process alternative hands over
-PROCESS_GROUP = 4
-
-
-class OursInProcesses(IterableDataset):
-    """The process alternative to ours' read threads, measured beside them (``--ours-processes``), not the
-    trainer's loader: each of K spawned DataLoader worker processes runs its own ``BatchLoader`` (its own
-    cache reader) over its share of the plan, groups of :data:`PROCESS_GROUP` consecutive steps numbered
-    w, w + K, ...; the DataLoader takes one group from each worker in turn, so the batches arrive in
-    plan order, their tensors passed through shared memory."""
-
-    def __init__(self, root: str, setting: dict, storage_options: dict | None) -> None:
-        self.root, self.setting, self.storage_options = root, setting, storage_options
-
-    def __iter__(self):
-        from torch.utils.data import get_worker_info
-
-        info = get_worker_info()
-        share = (info.id, info.num_workers) if info else (0, 1)
-        batches = iter(_ours_loader(self.root, self.setting, self.storage_options, share)[1])
-        while group := list(itertools.islice(batches, PROCESS_GROUP)):
-            yield group
+                               widen=cfg.loader_float32, read_ahead_mb=cfg.read_ahead_mb,
+                               read_processes=cfg.read_processes)  # fmt: skip
 
 
 def read_ours(root: str, setting: dict, storage_options: dict | None, step: Consumer) -> int:
-    if setting.get("processes"):
-        from torch.utils.data import DataLoader
-
-        from manifests.cache import CacheReader
-
-        reader = CacheReader(f"{root}/cache", storage_options)  # the latent's scaling, for the check
-        groups = DataLoader(OursInProcesses(root, setting, storage_options), batch_size=None,
-                            num_workers=setting["processes"], multiprocessing_context="spawn")  # fmt: skip
-        loader = (batch for group in groups for batch in group)
-    else:
-        reader, loader = _ours_loader(root, setting, storage_options)
-    n, order = 0, []
+    reader, loader = _ours_loader(root, setting, storage_options)
+    n = 0
     for batch in loader:
         if n == 0:
             batch = batch.to("cpu")  # what the trainer's device gets: widened, scaled
             latents = batch.latents / reader.meta.latent.scaling_factor  # the stored latent, unscaled
             _check([i - 1 for i in batch.sample_ids], latents, batch.text, batch.pooled)
         n += len(batch.sample_ids)
-        order.append(tuple(batch.sample_ids))
         step.step()
-    if setting.get("processes"):  # the processes' batches came back in plan order
-        from train.data import rank_steps
-
-        planned = [s.sample_ids for e in rank_steps(f"{root}/{ours_plan(SHUFFLE)}", 0, storage_options).epochs()
-                   for s in e]  # fmt: skip
-        assert order == [tuple(ids) for ids in planned], "the worker processes' batches are out of plan order"
     return n
 
 
@@ -385,8 +346,13 @@ def _boto_options(options: dict) -> dict:
 
 
 def _cpu() -> float:
+    """CPU-seconds of this process and its children, and of multiprocessing's fork server with the children it
+    forked (ours' read processes: their parent is the fork server, not this process; reaped when they end)."""
+    from multiprocessing import forkserver
+
     own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+    server = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime + (_process_cpu(server, True) if server else 0)
 
 
 #: the modules each tool's reader imports, imported before a pass's clock starts (:func:`child`): 0.4-1.2 s
@@ -424,11 +390,9 @@ def sweep(tool: str, workers: list[int], compressions: list[str], read_threads: 
     """The settings of ``tool`` that a run measures: each peer's worker counts in its native tensor
     encoding uncompressed, then each other compression and its other encoding at the most workers
     swept (a run on the shared 2-core machine cannot afford the full grid); ours' read threads
-    (with the trainer's prefetch), then ``processes`` worker processes of 1 read thread each
-    (:class:`OursInProcesses`)."""
+    (with the trainer's prefetch), then ``processes`` read processes (``read_processes``)."""
     if tool == "ours":
-        return [{"read_threads": t} for t in read_threads] + [{"read_threads": 1, "processes": k}
-                                                              for k in processes if k]  # fmt: skip
+        return [{"read_threads": t} for t in read_threads] + [{"read_processes": k} for k in processes if k]
     native, other = {"litdata": ("tensor", "numpy"), "mosaic": ("ndarray", "bytes")}[tool]
     most = max(workers)
     return ([{"encoding": native, "compression": compressions[0], "workers": w} for w in workers]
@@ -438,8 +402,8 @@ def sweep(tool: str, workers: list[int], compressions: list[str], read_threads: 
 
 def label(setting: dict) -> str:
     """A setting as the tables name it: ``tensor zstd 4w``, ``2 threads``."""
-    if setting.get("processes"):
-        return f"{setting['processes']} processes x {setting['read_threads']} read threads"
+    if setting.get("read_processes"):
+        return f"{setting['read_processes']} read processes"
     if "read_threads" in setting:
         return f"{setting['read_threads']} read threads"
     return f"{setting['encoding']} {setting['compression']} {setting['workers']}w"
@@ -458,6 +422,12 @@ def marginal(small: dict, large: dict) -> dict:
             "cpu_ms": (large["cpu"] - small["cpu"]) / extra * 1000,
             "server_ms": (large["server_cpu"] - small["server_cpu"]) / extra * 1000,
             "gets_k": (large.get("gets", 0) - small.get("gets", 0)) / extra * 1000}  # fmt: skip
+
+
+def fastest(passes: list[dict]) -> dict:
+    """The pass (one run of a setting at one size) that took the least wall time, with its own CPU and request
+    counts: of ``--repeats`` back-to-back runs, the slower ones measured the machine's interference."""
+    return min(passes, key=lambda p: p["seconds"])
 
 
 def best(rates: dict[str, list[float]]) -> str:
@@ -665,14 +635,15 @@ def litdata_decodes(root: str) -> None:
 # ---------------------------------------------------------------- driver
 
 
-def _process_cpu(pid: int) -> float:
-    """CPU-seconds (user + system) a live process has used, from ``/proc`` (0.0 where there is none)."""
+def _process_cpu(pid: int, children: bool = False) -> float:
+    """CPU-seconds (user + system) a live process has used, from ``/proc`` (0.0 where there is none);
+    ``children``: with those of its children it has reaped."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return sum(int(x) for x in fields[11 : 15 if children else 13]) / os.sysconf("SC_CLK_TCK")
 
 
 def warm(tool: str, folder: str) -> int:
@@ -744,12 +715,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="128,384", help="two epoch sizes (samples, multiples of 16)")
     p.add_argument("--rounds", type=int, default=1, help="interleaved rounds; the median is reported")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of each pass, back to back, the fastest kept (every tool alike; default 1)")
     p.add_argument("--stores", default="local,s3")
     p.add_argument("--tools", default=",".join(TOOLS))
     p.add_argument("--workers", default="1,2,4", help="the peers' DataLoader worker counts swept")
     p.add_argument("--compressions", default="none,zstd", help="the peers' compressions swept")
     p.add_argument("--read-threads", default="1,2,4", help="ours' read threads swept (prefetch: the trainer's)")
-    p.add_argument("--ours-processes", default="", help="also ours in K DataLoader worker processes (e.g. 2,4)")
+    p.add_argument("--ours-processes", default="", help="also ours with K read processes (read_processes; e.g. 2,4)")
     p.add_argument("--save", nargs="?", const="loader", default=None, metavar="NAME",
                    help="record every round in benchmarks/results/NAME.json (results.py; NAME default: loader)")
     p.add_argument("--shuffle", default="full", help="ours' plan: --shuffle full (default) or window[:SIZE]")
@@ -840,18 +813,21 @@ def main() -> None:
                             folder = os.path.normpath(f"{work}/n{n}/{dataset(tool, s)}")
                             root = f"s3://{BUCKET_NAME}/n{n}" if store == "s3" and tool == "ours" else folder
                             s3 = (endpoint, server, log) if store == "s3" else (None, None, None)
-                            if store == "local":
-                                warm(tool, folder)
-                            got = run_child(tool, root, s, *s3)
-                            if got["samples"] < n - BATCH:  # a peer's pass that stopped short: once more, said
-                                print(f"round {r + 1} {store} {tool} {label(s)} n={n}: only {got['samples']} "
-                                      "samples came back; run again", flush=True)  # fmt: skip
+                            passes = []
+                            for _ in range(args.repeats):
+                                if store == "local":
+                                    warm(tool, folder)
                                 got = run_child(tool, root, s, *s3)
-                            assert got["samples"] >= n - BATCH, (tool, store, n, got)
-                            raw[(store, tool, label(s), n)] = got
-                            print(f"round {r + 1} {store} {tool} {label(s)} n={n}: {got['samples']} samples "
-                                  f"{got['seconds']:.2f} s cpu {got['cpu']:.2f} s server {got['server_cpu']:.2f} s "
-                                  f"{got['gets']} GETs (load {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
+                                if got["samples"] < n - BATCH:  # a peer's pass that stopped short: once more, said
+                                    print(f"round {r + 1} {store} {tool} {label(s)} n={n}: only {got['samples']} "
+                                          "samples came back; run again", flush=True)  # fmt: skip
+                                    got = run_child(tool, root, s, *s3)
+                                assert got["samples"] >= n - BATCH, (tool, store, n, got)
+                                passes.append(got)
+                                print(f"round {r + 1} {store} {tool} {label(s)} n={n}: {got['samples']} samples "
+                                      f"{got['seconds']:.2f} s cpu {got['cpu']:.2f} s server {got['server_cpu']:.2f} s "
+                                      f"{got['gets']} GETs (load {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
+                            raw[(store, tool, label(s), n)] = fastest(passes)
             load["load_after"] = round(os.getloadavg()[0], 2)
             figures = {store: {tool: {label(s): marginal(raw[(store, tool, label(s), sizes[0])],
                                                          raw[(store, tool, label(s), sizes[1])])

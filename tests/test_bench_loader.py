@@ -17,8 +17,8 @@ def test_the_sweep_covers_worker_counts_then_compression_and_the_other_encoding_
     assert [loader.label(s) for s in loader.sweep("ours", [4], ["none"], [1, 2])] == ["1 read threads",
                                                                                      "2 read threads"]
     ours = loader.sweep("ours", [4], ["none"], [2], processes=[2, 4])
-    assert [loader.label(s) for s in ours] == ["2 read threads", "2 processes x 1 read threads",
-                                               "4 processes x 1 read threads"]
+    assert [loader.label(s) for s in ours] == ["2 read threads", "2 read processes", "4 read processes"]
+    assert ours[1] == {"read_processes": 2}  # the trainer's config key, passed to its BatchLoader as it is
     setting = {"encoding": "tensor", "compression": "zstd", "workers": 4}
     assert loader.dataset("litdata", setting) == "litdata-tensor-zstd"
     assert loader.dataset("ours", {"read_threads": 2}) == "."
@@ -94,3 +94,10 @@ def test_warm_reads_exactly_the_files_of_the_pass(tmp_path):
     assert loader.warm("ours", str(size)) == 3000 + 10 + 7
     assert loader.warm("litdata", str(size / "litdata-tensor-none")) == 500
     assert loader.warm("mosaic", str(size / "mosaic-ndarray-none")) == 900
+
+
+def test_of_repeated_passes_the_fastest_counts_with_its_own_cpu_and_requests():
+    slow = {"samples": 1024, "seconds": 4.0, "cpu": 5.0, "server_cpu": 0.5, "gets": 40}
+    quick = {"samples": 1024, "seconds": 3.0, "cpu": 4.5, "server_cpu": 0.4, "gets": 38}
+    assert loader.fastest([slow, quick]) is quick and loader.fastest([quick, slow]) is quick
+    assert loader.fastest([slow]) is slow
