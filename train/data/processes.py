@@ -3,7 +3,7 @@
 :class:`~train.data.loader.BatchLoader` reads ahead on threads of the training process by default. Those
 threads share one GIL with the training step's Python, so a loader that decodes (gzip, byte planes, collate)
 while the step launches kernels gets about one and a half cores out of two. With ``read_processes=K``, K
-spawned processes each run their own loader over the groups of steps they are handed (group g goes to
+processes (:func:`_context`) each run their own loader over the groups of steps they are handed (group g goes to
 process g mod K, so the batches come back in plan order) and write each batch's tensors into one of
 :data:`SLOTS` shared-memory slots of theirs. The training process copies a batch out of its slot (into
 pinned memory when ``pin_memory``: the copy the pinning costs anyway), hands the slot back and yields the
@@ -11,9 +11,11 @@ copy: what it yields owns its memory, whatever the consumer keeps.
 
 Messages between the processes are pickled over pipes (steps, batch skeletons, errors): none of it is
 read back from storage. A worker builds its cache readers from the training process's readers (they
-pickle without their open files or held chunks, :class:`~manifests.cache.CacheReader`), with spawn, not
-fork: an S3 client is not fork-safe. A worker that dies stops the run with an error naming it; its
-segments are unlinked by multiprocessing's resource tracker.
+pickle without their open files or held chunks, :class:`~manifests.cache.CacheReader`); it is forked from
+multiprocessing's fork server, never from the training process: an S3 client is not fork-safe. Like a
+DataLoader's workers, it imports the main module (a script needs its ``__main__`` guard). A worker that
+dies stops the run with an error naming it, and the training process unlinks the slots it had mapped
+(any other segment of it is unlinked by multiprocessing's resource tracker when the run ends).
 """
 
 from __future__ import annotations
@@ -92,10 +94,10 @@ class _Slots:
 
 def _work(conn: Connection, make: Any, readers: list, latent_info: Any, kwargs: dict,
           chunks: tuple[int, int] | None) -> None:  # fmt: skip
-    """A worker process: ``make`` (the BatchLoader class) a loader of ``readers`` and read the groups of steps
-    ``conn`` hands over, send back each step's batch (in a
-    slot) or error, in order, with the lines the loader logged meanwhile; ``None`` ends it. ``("free", slot)``:
-    the training process copied that slot out."""
+    """A worker process: build a loader of ``readers`` with ``make`` (the BatchLoader class), read the groups
+    of steps ``conn`` hands over and send back each step's batch (in a slot) or error, in order, with the
+    lines the loader logged meanwhile; ``None`` ends it. ``("free", slot)``: the training process copied
+    that slot out."""
     torch.set_num_threads(1)
     slots, free, waiting, lines = _Slots(), list(range(SLOTS)), [], []
     try:
@@ -166,8 +168,8 @@ def _context() -> Any:
 
 
 class ProcessReads:
-    """``processes`` workers reading groups of steps for ``loader``'s class (a
-    :class:`~train.data.loader.BatchLoader`: its ``_read_group``, with ``kwargs``);
+    """``processes`` workers reading groups of steps with loaders built by ``make`` (the
+    :class:`~train.data.loader.BatchLoader` class: its ``_read_group``, with ``kwargs``);
     :meth:`submit` hands the next group to the next worker in turn (the loader takes the results in the
     order it submitted them: plan order)."""
 
