@@ -20,8 +20,8 @@ printed and recorded):
 - **ours**: the real cache writer (``CacheWriter``, gzip records, SDXL's text layout: CLIP-L 768 +
   CLIP-G 1280 parts) and a 1-rank plan of batch 16 (``write_plan``), read by ``BatchLoader`` with the
   trainer's defaults (``TrainConfig``) but ``read_threads`` swept (``--read-threads``); with
-  ``--ours-processes K``, also with the trainer's ``read_processes: K`` (K spawned read processes instead of
-  threads, batches handed over through shared memory: :mod:`train.data.processes`);
+  ``--ours-processes K``, also with the trainer's ``read_processes: K`` (K read processes forked from a fork
+  server instead of threads, batches handed over through shared memory: :mod:`train.data.processes`);
 - **LitData**: ``litdata.optimize`` (64 MB chunks) of torch int16 tensors holding the bf16 bits (its
   tensor serializers; ``numpy()`` has no bfloat16), read by ``StreamingDataset(shuffle=True)`` +
   ``StreamingDataLoader`` (batch 16); swept: workers (``--workers``), then ``compression="zstd"`` and

@@ -65,8 +65,9 @@ class TrainConfig:
     log_every: int = 10  # plan steps
     prefetch: int = 4  # batches read ahead of the model
     read_threads: int = 2  # of those, batches being read at once (concurrent ranged reads + decode)
-    # > 0: read and decode in this many spawned processes instead of read_threads threads, out of the training
-    # step's GIL (batches come back through shared memory, one copy); worth it when the step's Python is busy
+    # > 0: read and decode in this many processes (forked from a fork server) instead of read_threads threads,
+    # out of the training step's GIL (batches come back through shared memory, one copy); worth it when the
+    # step's Python is busy
     read_processes: int = 0
     # records read ahead of the model, per rank, in MB: the loader reads groups of steps at once so that ranges
     # close in a shard merge into one request across steps (at least `prefetch` steps ahead whatever the budget)

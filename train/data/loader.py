@@ -56,9 +56,9 @@ class BatchLoader:
     scaling); raises UsageError otherwise.
     ``posterior_sampling``: train on a fresh draw from each latent's VAE posterior (:func:`draw_posterior`)
     when the cache stores ``latent_std``; False, or a cache of means, trains on the mean.
-    ``read_processes``: K > 0 reads and decodes in K spawned processes instead of ``read_threads``
-    threads (:mod:`train.data.processes`: out of the training step's GIL; each batch is copied once out of
-    shared memory); the batches, errors and log lines are the same.
+    ``read_processes``: K > 0 reads and decodes in K processes (forked from a fork server) instead of
+    ``read_threads`` threads (:mod:`train.data.processes`: out of the training step's GIL; each batch is
+    copied once out of shared memory); the batches, errors and log lines are the same.
     """
 
     def __init__(
