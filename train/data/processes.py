@@ -14,13 +14,14 @@ read back from storage. A worker builds its cache readers from the training proc
 pickle without their open files or held chunks, :class:`~manifests.cache.CacheReader`); it is forked from
 multiprocessing's fork server, never from the training process: an S3 client is not fork-safe. Like a
 DataLoader's workers, it imports the main module (a script needs its ``__main__`` guard). A worker that
-dies stops the run with an error naming it, and the training process unlinks the slots it had mapped
-(any other segment of it is unlinked by multiprocessing's resource tracker when the run ends).
+dies stops the run with an error naming it, and the training process unlinks its slots' segments (named by
+loader, worker, slot and generation: :func:`segment_name`), which the dead worker cannot.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import secrets
 from dataclasses import fields
 from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
@@ -54,12 +55,20 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
+def segment_name(prefix: str, slot: int, generation: int) -> str:
+    """The shared-memory name of a worker's ``slot`` the ``generation``-th time it was made (``prefix``: the
+    loader's token and the worker's number), so the training process can unlink a dead worker's segments."""
+    return f"{prefix}{slot}g{generation}"
+
+
 class _Slots:
     """A worker's slots: each one shared-memory segment, replaced by a larger one when a batch outgrows it."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
         self.segments: list[SharedMemory | None] = [None] * SLOTS
         self.views: list[torch.Tensor | None] = [None] * SLOTS
+        self.generations = [0] * SLOTS
 
     def put(self, slot: int, batch: Batch) -> tuple[str | None, dict]:
         """Write ``batch``'s tensors into ``slot``; ``(new segment name or None, skeleton)``: the skeleton is
@@ -72,7 +81,9 @@ class _Slots:
             if seg is not None:
                 seg.close()
                 seg.unlink()
-            seg = self.segments[slot] = SharedMemory(create=True, size=max(size + size // 4, ALIGN))
+            name = segment_name(self.prefix, slot, self.generations[slot])
+            self.generations[slot] += 1
+            seg = self.segments[slot] = SharedMemory(name, create=True, size=max(size + size // 4, ALIGN))
             self.views[slot] = torch.frombuffer(seg.buf, dtype=torch.uint8)
             renamed = seg.name
         view = self.views[slot]
@@ -92,14 +103,14 @@ class _Slots:
         self.segments = [None] * SLOTS
 
 
-def _work(conn: Connection, make: Any, readers: list, latent_info: Any, kwargs: dict,
+def _work(conn: Connection, prefix: str, make: Any, readers: list, latent_info: Any, kwargs: dict,
           chunks: tuple[int, int] | None) -> None:  # fmt: skip
     """A worker process: build a loader of ``readers`` with ``make`` (the BatchLoader class), read the groups
     of steps ``conn`` hands over and send back each step's batch (in a slot) or error, in order, with the
     lines the loader logged meanwhile; ``None`` ends it. ``("free", slot)``: the training process copied
     that slot out."""
     torch.set_num_threads(1)
-    slots, free, waiting, lines = _Slots(), list(range(SLOTS)), [], []
+    slots, free, waiting, lines = _Slots(prefix), list(range(SLOTS)), [], []
     try:
         try:
             loader = make(readers, [], latent_info, log=lines.append, **kwargs)
@@ -182,9 +193,12 @@ class ProcessReads:
         self.procs: list[Any] = []
         self.maps: dict[tuple[int, int], tuple[SharedMemory, np.ndarray]] = {}
         self.turn = 0
+        self.token = f"bkt{secrets.token_hex(4)}_"  # this loader's segments: bkt<token>_<worker>s<slot>g<generation>
+        self.made: dict[tuple[int, int], int] = {}  # (worker, slot): the generation of the segment mapped last
         for k in range(processes):
             mine, theirs = ctx.Pipe()
-            proc = ctx.Process(target=_work, args=(theirs, make, readers, latent_info, kwargs, chunks),
+            prefix = f"{self.token}{k}s"
+            proc = ctx.Process(target=_work, args=(theirs, prefix, make, readers, latent_info, kwargs, chunks),
                                name=f"{name}-{k}", daemon=True)  # fmt: skip
             try:
                 proc.start()
@@ -209,13 +223,17 @@ class ProcessReads:
     def _died(self, worker: int) -> RuntimeError:
         proc = self.procs[worker]
         proc.join(timeout=5)
-        for key in [k for k in self.maps if k[0] == worker]:  # its segments: unlinked here, it cannot
-            seg = self.maps[key][0]
+        for key in [k for k in self.maps if k[0] == worker]:
             self._drop(key)
-            try:
+        for slot in range(SLOTS):  # its segments, unlinked here (it cannot): the last one mapped, and one it
+            last = self.made.get((worker, slot), -1)  # may have made since without saying so
+            for generation in range(max(last, 0), last + 2):
+                try:
+                    seg = SharedMemory(segment_name(f"{self.token}{worker}s", slot, generation))
+                except FileNotFoundError:
+                    continue
+                seg.close()
                 seg.unlink()
-            except FileNotFoundError:
-                pass
         return RuntimeError(f"read process {proc.name} (pid {proc.pid}) exited with code {proc.exitcode} before "
                             "handing over its batches (killed, or out of memory?); resume from the last "
                             "checkpoint")  # fmt: skip
@@ -233,6 +251,7 @@ class ProcessReads:
         if renamed is not None:
             self._drop((worker, slot))
             seg = SharedMemory(name=renamed)
+            self.made[(worker, slot)] = int(renamed.rsplit("g", 1)[1])
             self.maps[(worker, slot)] = (seg, np.frombuffer(seg.buf, np.uint8))
         view = self.maps[(worker, slot)][1]
         tensors = {}
