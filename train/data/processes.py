@@ -9,10 +9,11 @@ process g mod K, so the batches come back in plan order) and write each batch's 
 pinned memory when ``pin_memory``: the copy the pinning costs anyway), hands the slot back and yields the
 copy: what it yields owns its memory, whatever the consumer keeps.
 
-Messages between the processes are pickled over pipes (steps, batch skeletons, errors): none of it is
-read back from storage. A worker builds its cache readers from the training process's readers (they
-pickle without their open files or held chunks, :class:`~manifests.cache.CacheReader`); it is forked from
-multiprocessing's fork server, never from the training process: an S3 client is not fork-safe. Like a
+Messages between the processes are pickled over pipes (steps, batch skeletons, errors): only between the
+training process and the workers it started, none of it read back from storage. A worker builds its cache
+readers from the training process's readers (they pickle without their open files or held chunks,
+:class:`~manifests.cache.CacheReader`); it is forked from multiprocessing's fork server, never from the
+training process: an S3 client is not fork-safe. Like a
 DataLoader's workers, it imports the main module (a script needs its ``__main__`` guard). A worker that
 dies stops the run with an error naming it, and the training process unlinks its slots' segments (named by
 loader, worker, slot and generation: :func:`segment_name`), which the dead worker cannot.
@@ -130,7 +131,10 @@ def _work(conn: Connection, prefix: str, make: Any, readers: list, latent_info: 
             for item in loader._read_group(msg[1]) if failed is None else [failed] * len(msg[1]):
                 said, lines[:] = lines[:], []
                 if isinstance(item, BaseException):
-                    conn.send(("error", said, _portable(item)))
+                    try:
+                        conn.send(("error", said, _portable(item)))
+                    except Exception:  # an attribute of it that does not pickle
+                        conn.send(("error", said, RuntimeError(f"{type(item).__name__}: {item}")))
                     continue
                 while not free:  # the training process has both slots: wait for one, keeping any new work
                     got = conn.recv()
@@ -147,11 +151,10 @@ def _work(conn: Connection, prefix: str, make: Any, readers: list, latent_info: 
 
 
 def _portable(e: BaseException) -> BaseException:
-    """``e`` if it pickles (its type and message survive the pipe), else a RuntimeError with its text."""
-    import pickle
-
+    """``e`` if it can be rebuilt from its arguments on the other end (as unpickling an exception does: its type
+    called with ``e.args``), else a RuntimeError with its text. Nothing is unpickled here."""
     try:
-        pickle.loads(pickle.dumps(e))
+        type(e)(*e.args)
         return e
     except Exception:
         return RuntimeError(f"{type(e).__name__}: {e}")
