@@ -116,13 +116,11 @@ class BatchLoader:
                                  "caption_dropout: 0, or re-embed an older cache with this bucketeer")  # fmt: skip
             (self.empty_text,) = reader.read_texts([int(key)])
         self._pool: ThreadPoolExecutor | ProcessReads | None = None
-        self._chunks: tuple[int, int] | None = None
         if isinstance(self.steps, RankSteps) and self.steps.meta.inputs.config.window is not None:
             # a window-shuffled plan's next steps draw on a few runs of contiguous records: fetch them by
             # whole chunks (one GET per CHUNK_BYTES) and hold as many chunks as the read-ahead budget
-            self._chunks = (CHUNK_BYTES, max(self.read_ahead_bytes, 4 * CHUNK_BYTES))
-            for each in self.readers:
-                each.read_in_chunks(*self._chunks)
+            for each in self.readers:  # (read processes get them so set: the setting pickles with a reader)
+                each.read_in_chunks(CHUNK_BYTES, max(self.read_ahead_bytes, 4 * CHUNK_BYTES))
         if not isinstance(self.steps, RankSteps):
             self._check_ids(self.steps)
 
@@ -326,8 +324,7 @@ class BatchLoader:
                       caption_dropout=self.caption_dropout, seed=self.seed, posterior_sampling=self.posterior_sampling,
                       widen=self.widen, read_ahead_mb=self.read_ahead_bytes / (1 << 20))  # fmt: skip
         procs = self._pool = ProcessReads(self.read_processes, type(self), self.readers, self.latent_info, kwargs,
-                                          self._chunks, self.pin_memory, self.log,
-                                          f"bucketeer-read-{self.rank}")  # fmt: skip
+                                          self.pin_memory, self.log, f"bucketeer-read-{self.rank}")  # fmt: skip
         return procs.submit
 
     def _planned(self) -> Iterator[PlanStep]:

@@ -104,8 +104,7 @@ class _Slots:
         self.segments = [None] * SLOTS
 
 
-def _work(conn: Connection, prefix: str, make: Any, readers: list, latent_info: Any, kwargs: dict,
-          chunks: tuple[int, int] | None) -> None:  # fmt: skip
+def _work(conn: Connection, prefix: str, make: Any, readers: list, latent_info: Any, kwargs: dict) -> None:
     """A worker process: build a loader of ``readers`` with ``make`` (the BatchLoader class), read the groups
     of steps ``conn`` hands over and send back each step's batch (in a slot) or error, in order, with the
     lines the loader logged meanwhile; ``None`` ends it. ``("free", slot)``: the training process copied
@@ -114,10 +113,7 @@ def _work(conn: Connection, prefix: str, make: Any, readers: list, latent_info: 
     slots, free, waiting, lines = _Slots(prefix), list(range(SLOTS)), [], []
     try:
         try:
-            loader = make(readers, [], latent_info, log=lines.append, **kwargs)
-            if chunks is not None:
-                for reader in loader.readers:
-                    reader.read_in_chunks(*chunks)
+            loader = make(readers, [], latent_info, log=lines.append, **kwargs)  # readers: chunked reads as set
             failed = None
         except Exception as e:  # e.g. the empty caption's record unreadable: each step gets the error
             failed = _portable(e)
@@ -188,8 +184,7 @@ class ProcessReads:
     order it submitted them: plan order)."""
 
     def __init__(self, processes: int, make: Any, readers: list, latent_info: Any, kwargs: dict,
-                 chunks: tuple[int, int] | None = None, pin_memory: bool = False, log: Any = print,
-                 name: str = "bucketeer-read") -> None:  # fmt: skip
+                 pin_memory: bool = False, log: Any = print, name: str = "bucketeer-read") -> None:  # fmt: skip
         ctx = _context()
         self.pin_memory, self.log = pin_memory, log
         self.conns: list[Connection] = []
@@ -201,7 +196,7 @@ class ProcessReads:
         for k in range(processes):
             mine, theirs = ctx.Pipe()
             prefix = f"{self.token}{k}s"
-            proc = ctx.Process(target=_work, args=(theirs, prefix, make, readers, latent_info, kwargs, chunks),
+            proc = ctx.Process(target=_work, args=(theirs, prefix, make, readers, latent_info, kwargs),
                                name=f"{name}-{k}", daemon=True)  # fmt: skip
             try:
                 proc.start()
