@@ -17,7 +17,13 @@ and Ray's start drop out; each client goes through bucketeer's storage layer exa
    runs (:class:`TreeCPU`; ``getrusage(RUSAGE_CHILDREN)`` misses Ray's workers). Ray's daemons cost CPU
    per second of wall time, not per file: with moto as the bottleneck they are reported apart;
 5. ``reader``: :class:`manifests.cache.reader.CacheReader` reading random samples in batches of 16,
-   one ranged GET per record (``max_gap=None``), decode included (the same for both clients).
+   one ranged GET per record (``max_gap=None``), decode included (the same for both clients);
+6. ``bodies``: 8 MiB ranged GETs (the chunks a window-shuffled plan's reader fetches), two in flight, through
+   :func:`manifests.storage.read_many`: CPU-ms per MiB of body for s3fs, obstore copying each body into bytes
+   (``read_many``'s default), obstore handing its buffer over (``views=True``, the cache reader's chunks), and
+   obstore reading the body as a stream judged by the rate floor (a floor window under obstore's 30 s limit on
+   a whole request; every GET before the window's default was set against that limit). Recorded in
+   ``benchmarks/results/storage-bodies.json``.
 
 moto starts once and every part's objects are uploaded once; each round measures both clients on them, and
 ``benchmarks/results/storage.json`` is written after every round (a run cut short keeps its finished rounds); a
@@ -291,19 +297,64 @@ def bench_reader(run: Run, endpoint: str, small: int, large: int) -> None:
     line(run, "cache reader (CacheReader.read, random batches of 16)", "CPU-ms/sample", figures)
 
 
+BODY = 8 << 20  # bytes: the cache reader's chunk (manifests.cache.reader.CHUNK_BYTES)
+BODY_OBJECT = 64 << 20  # bytes per object read in bodies
+
+
+def setup_bodies(endpoint: str, large: int) -> None:
+    upload(endpoint, {f"bodies/{i}.bin": os.urandom(BODY_OBJECT) for i in range(large)})
+
+
+def bench_bodies(run: Run, endpoint: str, small: int, large: int) -> None:
+    """CPU-ms per MiB of 8 MiB ranged GET bodies, each way a body can come (see the module docstring)."""
+    ways = {"s3fs": ("s3fs", False, None), "obstore, bytes": ("obstore", False, None),
+            "obstore, views": ("obstore", True, None),
+            "obstore, streamed (floor window 10 s)": ("obstore", False, "10")}  # fmt: skip
+    figures = {}
+    for way, (client, views, window) in ways.items():
+        if window:
+            os.environ["BUCKETEER_STORAGE_RATE_WINDOW"] = window
+        try:
+            fs, _ = open_url(f"s3://{BUCKET}", options(endpoint, client))
+            per = BODY_OBJECT // BODY
+
+            def read(n: int) -> None:  # the first n objects, two bodies in flight, each dropped once read
+                for i in range(n * per // 2):
+                    at = [(2 * i + k) % per * BODY for k in range(2)]
+                    obj = (2 * i) // per
+                    read_many(fs, [f"{BUCKET}/bodies/{obj}.bin"] * 2, at, [a + BODY for a in at], views=views)
+
+            read(1)  # warm: connections, credentials
+            figures[way] = marginal({n: cpu(lambda: read(n)) for n in (small, large)}) / (BODY_OBJECT >> 20) * 1e3
+        finally:
+            os.environ.pop("BUCKETEER_STORAGE_RATE_WINDOW", None)
+    base = figures["obstore, views"]
+    for way, value in figures.items():
+        print(f"storage 8 MiB bodies: {way} {value:.3f} CPU-ms/MiB ({value / base:.1f}x obstore views)", flush=True)
+        run.add(f"8 MiB GET bodies: {way}", value, "CPU-ms/MiB")
+    run.add("8 MiB GET bodies: obstore bytes / views", figures["obstore, bytes"] / base, "x")
+    run.add("8 MiB GET bodies: obstore streamed / views", figures["obstore, streamed (floor window 10 s)"] / base, "x")
+    run.add("8 MiB GET bodies: s3fs / obstore views", figures["s3fs"] / base, "x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--small", type=int, default=1500)
     parser.add_argument("--large", type=int, default=3000)
     parser.add_argument("--scan-small", type=int, default=1000)
     parser.add_argument("--scan-large", type=int, default=4000)
-    parser.add_argument("--parts", default="requests,reader,scan", help="comma-separated: requests, reader, scan")
+    parser.add_argument("--parts", default="requests,reader,scan,bodies",
+                        help="comma-separated: requests, reader, scan, bodies")
+    parser.add_argument("--bodies-small", type=int, default=2, help="64 MiB objects read in bodies' smaller pass")
+    parser.add_argument("--bodies-large", type=int, default=10, help="... and in its larger one")
     parser.add_argument("--rounds", type=int, default=3, help="rounds (each measures both clients); the median")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
-    name = "storage" if parts == {"requests", "reader", "scan"} else "storage-" + "-".join(sorted(parts))
-    run = Run(name, "python benchmarks/storage.py" + "".join(f" {a}" for a in sys.argv[1:]),
-              tools=["s3fs", "obstore", "moto", "ray"])  # fmt: skip
+    rest = parts - {"bodies"}  # bodies are recorded apart, in storage-bodies.json
+    name = "storage" if rest == {"requests", "reader", "scan"} else "storage-" + "-".join(sorted(rest))
+    command = "python benchmarks/storage.py" + "".join(f" {a}" for a in sys.argv[1:])
+    run = Run(name, command, tools=["s3fs", "obstore", "moto", "ray"])
+    bodies = Run("storage-bodies", command, tools=["s3fs", "obstore", "moto"])
     moto, endpoint = start_moto()
     print(f"moto at {endpoint}; load average {os.getloadavg()[0]:.2f}", flush=True)
     try:
@@ -316,19 +367,27 @@ def main() -> None:
             setup_reader(endpoint, args.large // 3)
         if "scan" in parts:
             setup_scan(endpoint, args.scan_small, args.scan_large)
+        if "bodies" in parts:
+            setup_bodies(endpoint, args.bodies_large)
         with tempfile.TemporaryDirectory() as tmp:
             for r in range(args.rounds):
-                with run.round():
-                    print(f"round {r + 1}: load average {os.getloadavg()[0]:.2f}", flush=True)
-                    if "requests" in parts:
-                        bench_requests(run, endpoint, args.small, args.large)
-                    if "reader" in parts:
-                        bench_reader(run, endpoint, args.small // 3, args.large // 3)
-                    if "scan" in parts:
-                        bench_scan(run, endpoint, args.scan_small, args.scan_large, Path(tmp) / "scans")
+                if rest:
+                    with run.round():
+                        print(f"round {r + 1}: load average {os.getloadavg()[0]:.2f}", flush=True)
+                        if "requests" in parts:
+                            bench_requests(run, endpoint, args.small, args.large)
+                        if "reader" in parts:
+                            bench_reader(run, endpoint, args.small // 3, args.large // 3)
+                        if "scan" in parts:
+                            bench_scan(run, endpoint, args.scan_small, args.scan_large, Path(tmp) / "scans")
+                if "bodies" in parts:
+                    with bodies.round():
+                        print(f"round {r + 1} bodies: load average {os.getloadavg()[0]:.2f}", flush=True)
+                        bench_bodies(bodies, endpoint, args.bodies_small, args.bodies_large)
                 if moto.poll() is not None:
                     raise RuntimeError(f"the moto server exited (code {moto.returncode}) during round {r + 1}")
-                run.save()  # after every round: a run cut short keeps the rounds it finished
+                for done in [run] * bool(rest) + [bodies] * ("bodies" in parts):
+                    done.save()  # after every round: a run cut short keeps the rounds it finished
         # a partial run (--parts) is saved under its own name: it does not replace the whole one
     finally:
         moto.kill()

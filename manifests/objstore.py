@@ -24,8 +24,12 @@ requests; ``client_kwargs.region_name``, else botocore's configured region, else
 endpoint is given (AWS itself without a known region stays on s3fs, which finds a bucket's region).
 Timeouts: the same ``connect_timeout`` / ``read_timeout`` that ``open_url`` puts in ``config_kwargs``
 (``$BUCKETEER_STORAGE_CONNECT_TIMEOUT`` / ``_READ_TIMEOUT``; obstore's own limit of 30 s on a whole request
-stays), and GET bodies are held to the rate floor of :func:`manifests.s3.rate_floor` as s3fs's are: read as a
-stream, judged after each chunk (a stall between chunks is the read timeout's). obstore's own retries are off
+stays), and GET bodies are held to the rate floor of :func:`manifests.s3.rate_floor` as s3fs's are where the
+floor can fail an answer before that limit does (a window under 30 s): read as a stream, judged after each
+chunk (a stall between chunks is the read timeout's). With the default 30 s window the floor could only fire
+once the limit has, so a body comes in one call: a stream cost 2.1-2.4x the client CPU per byte of 8 MiB
+bodies (``benchmarks/storage.py --parts bodies``). :func:`manifests.storage.read_many` can take those bodies
+without a copy (``views``): a copy cost another 1.06-1.25x. obstore's own retries are off
 (``max_retries=0``): :mod:`manifests.retry` is the only retry layer, and obstore's errors are turned
 into the builtin ones s3fs raises (:func:`translate`), so the retry layer and the error messages
 treat both clients alike.
@@ -60,6 +64,7 @@ _CLIENT_KEYS = frozenset({"endpoint_url", "region_name", "aws_access_key_id", "a
 _CONFIG_KEYS = frozenset({"connect_timeout", "read_timeout", "retries", "max_pool_connections"})
 _PART = 5 << 20
 _FLOOR_CHUNK = 1  # a GET held to the rate floor takes its body as it comes, so a drip is judged as it drips
+_WHOLE_REQUEST = 30.0  # s: obstore's limit on a whole request (its ClientConfig ``timeout``, left at its default)
 _XML_CODE = re.compile(r"<Code>([^<]{1,100})</Code>")
 _XML_MESSAGE = re.compile(r"<Message>([^<]{1,300})</Message>")
 _STATUS = re.compile(r"status code: (\d{3})")
@@ -225,6 +230,13 @@ def _put_parts(size: int) -> dict[str, Any]:
     return {"use_multipart": size > _PART, "chunk_size": _PART}
 
 
+def _floor_can_fire(rate: float, window: float) -> bool:
+    """Whether the rate floor (:func:`manifests.s3.rate_floor`) could fail an answer before obstore's own limit on a
+    whole request does: a floor at all, judged over windows shorter than the limit. If not, a body is read in one
+    call, not as a stream."""
+    return rate > 0 and window < _WHOLE_REQUEST
+
+
 def _usable() -> bool:
     return not _RUNTIME_PID or _RUNTIME_PID[0] == os.getpid()
 
@@ -232,6 +244,8 @@ def _usable() -> bool:
 class ObstoreS3FileSystem(SingleAttemptS3FileSystem):
     """s3fs whose GETs, PUTs and listing pages go through obstore (see the module docstring); picklable
     as any fsspec filesystem (rebuilt from its options, its obstore stores built anew per process)."""
+
+    hands_views = True  # ``_cat_ranges(views=True)``: bodies as memoryviews of obstore's buffers (read_many)
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -280,6 +294,12 @@ class ObstoreS3FileSystem(SingleAttemptS3FileSystem):
 
     async def _cat_file(self, path: str, version_id: str | None = None, start: int | None = None,
                         end: int | None = None) -> bytes:  # fmt: skip
+        return await self._get(path, version_id, start, end, bytes)  # type: ignore[return-value]
+
+    async def _get(self, path: str, version_id: str | None, start: int | None, end: int | None,
+                   whole: type[bytes] | type[memoryview]) -> bytes | memoryview:  # fmt: skip
+        """``_cat_file``'s read; a body read in one call comes back as ``whole(body)``: ``bytes`` (a copy) or a
+        read-only ``memoryview`` of obstore's buffer (none); a streamed one (the rate floor) as bytes."""
         target = None if version_id else self._target(path)
         options = self._options(start, end)
         if target is None or options is None:
@@ -290,11 +310,11 @@ class ObstoreS3FileSystem(SingleAttemptS3FileSystem):
 
         rate, window = rate_floor()
         try:
-            if rate <= 0 and isinstance(options.get("range"), tuple):  # one call, not two: the common ranged read
-                return bytes(await obstore.get_range_async(target[0], target[1], start=start, end=end))
+            if not _floor_can_fire(rate, window) and isinstance(options.get("range"), tuple):  # one call, not two
+                return whole(await obstore.get_range_async(target[0], target[1], start=start, end=end))
             result = await obstore.get_async(target[0], target[1], options=options)
-            if rate <= 0:
-                return bytes(await result.bytes_async())
+            if not _floor_can_fire(rate, window):
+                return whole(await result.bytes_async())
             floor, chunks, received = RateFloor(self._where(path), rate, window), [], 0
             async for chunk in result.stream(min_chunk_size=_FLOOR_CHUNK):
                 chunks.append(chunk)
@@ -307,9 +327,11 @@ class ObstoreS3FileSystem(SingleAttemptS3FileSystem):
             raise translate(e, path) from None
 
     async def _cat_ranges(self, paths: list[str], starts: Any, ends: Any, max_gap: int | None = None,
-                          batch_size: int | None = None, on_error: str = "return", **kwargs: Any) -> list:  # fmt: skip
+                          batch_size: int | None = None, on_error: str = "return", views: bool = False,
+                          **kwargs: Any) -> list:  # fmt: skip
         """Many reads at once, at most ``batch_size`` (default 64) in flight: one gather with a semaphore, a
-        third less CPU per read than fsspec's chunked gather (``benchmarks/storage.py``)."""
+        third less CPU per read than fsspec's chunked gather (``benchmarks/storage.py``). ``views``: a body
+        read in one call comes back as a read-only memoryview of obstore's buffer, not copied into bytes."""
         if max_gap is not None or kwargs:
             return await super()._cat_ranges(paths, starts, ends, max_gap=max_gap, batch_size=batch_size,
                                              on_error=on_error, **kwargs)  # fmt: skip
@@ -320,7 +342,7 @@ class ObstoreS3FileSystem(SingleAttemptS3FileSystem):
         async def read(path: str, start: int | None, end: int | None) -> Any:
             async with slots:
                 try:
-                    return await self._cat_file(path, start=start, end=end)
+                    return await self._get(path, None, start, end, memoryview if views else bytes)
                 except Exception as e:
                     if on_error == "return":
                         return e
@@ -339,10 +361,10 @@ class ObstoreS3FileSystem(SingleAttemptS3FileSystem):
 
         rate, window = rate_floor()
         try:
-            if rate <= 0 and isinstance(options.get("range"), tuple):
+            if not _floor_can_fire(rate, window) and isinstance(options.get("range"), tuple):
                 return bytes(obstore.get_range(target[0], target[1], start=start, end=end))
             result = obstore.get(target[0], target[1], options=options)
-            if rate <= 0:
+            if not _floor_can_fire(rate, window):
                 return bytes(result.bytes())
             floor, chunks, received = RateFloor(self._where(path), rate, window), [], 0
             for chunk in result.stream(min_chunk_size=_FLOOR_CHUNK):

@@ -82,3 +82,53 @@ def test_a_forked_child_reads_through_s3fs(s3):
             os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_read_many_hands_obstores_buffers_over_only_where_asked_and_no_floor_could_fire(s3, monkeypatch):
+    """``views``: the body as a read-only memoryview of obstore's buffer (no copy), where the rate floor could
+    not fail the answer before obstore's 30 s limit on a whole request; a streamed body (a shorter floor
+    window) and s3fs's come as bytes; the bytes are the same every way."""
+    url = s3.fresh_url("views")
+    body = os.urandom((3 << 20) + 17)
+    s3.fs.pipe_file(f"{url}/blob", body)
+    fs, root = open_url(url, s3.storage_options)
+    spans = [(0, 1 << 20), (1 << 20, len(body)), (5, 5), (len(body) - 9, len(body))]
+    paths, starts, ends = [f"{root}/blob"] * len(spans), [a for a, _ in spans], [b for _, b in spans]
+    want = [body[a:b] for a, b in spans]
+    got = read_many(fs, paths, starts, ends, views=True)
+    assert [bytes(g) for g in got] == want
+    assert [type(g) for g in got] == [memoryview, memoryview, bytes, memoryview] and got[0].readonly
+    copied = read_many(fs, paths, starts, ends)
+    assert copied == want and all(type(g) is bytes for g in copied)
+    monkeypatch.setenv("BUCKETEER_STORAGE_RATE_WINDOW", "5")  # the floor can fire first: each body streamed, judged
+    streamed = read_many(fs, paths, starts, ends, views=True)
+    assert streamed == want and all(type(g) is bytes for g in streamed)
+    monkeypatch.delenv("BUCKETEER_STORAGE_RATE_WINDOW")
+    plain, root = open_url(url, {**s3.storage_options, "bucketeer_client": "fsspec"})
+    assert not isinstance(plain, ObstoreS3FileSystem)
+    a, b = starts[:2] + starts[3:], ends[:2] + ends[3:]  # not the empty range: s3fs answers it with the whole object
+    assert read_many(plain, paths[:3], a, b, views=True) == want[:2] + want[3:]
+
+
+def test_a_chunked_cache_read_from_s3_gives_the_local_caches_records(s3, s3_client, tmp_path):
+    """The cache reader's chunk LRU (window-shuffled plans) over S3, chunks held as obstore's buffers: every
+    record, and a record straddling two chunks, as the same cache read from a local folder gives it."""
+    import numpy as np
+
+    from manifests.cache import CacheReader
+    from tests.test_cache_format import build_cache
+
+    local = str(tmp_path / "cache")
+    written = build_cache(local, n=24, shard_records=12)
+    url = s3.fresh_url("chunked")
+    s3.fs.put(local, url, recursive=True)
+    ids = sorted(written)
+    expected = CacheReader(local).read(ids)
+    reader = CacheReader(url, s3.storage_options)
+    shard = max(reader._shard_end.values())
+    reader.read_in_chunks(chunk_bytes=shard // 3 + 1, budget_bytes=shard)  # records straddle chunk edges
+    for got in (reader.read(ids[::-1])[::-1], reader.read(ids)):  # fetched, then partly held
+        assert [r.sample_id for r in got] == ids
+        for a, b in zip(got, expected):
+            assert np.array_equal(a.latent, b.latent) and a.caption_key == b.caption_key
+            assert all(np.array_equal(x, y) for x, y in zip(a.text.tokens, b.text.tokens))
