@@ -74,14 +74,12 @@ bench-deps: install
 	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) -m pip install -q --no-deps "litdata==0.2.76" "mosaicml-streaming==0.13.0"
 
-# every benchmark (each writes benchmarks/results/<name>.json where it has been moved to the one method of
-# benchmarks/results.py), then the published tables regenerated from those files. The loader comparison runs
-# with the published tables' commands (its defaults are a 1-round smoke run that saves nothing).
+# every published table's benchmark, with the command its results file records (python -m benchmarks.results
+# --commands; each writes benchmarks/results/<name>.json), then the tables regenerated from those files. Hours on
+# 2 cores; the loader's datasets go under the --work folders its commands name.
 bench: install bench-deps
-	for b in benchmarks/*.py; do case $$b in */results.py|*/loader.py) ;; *) $(PY) $$b || exit 1;; esac; done
-	$(PY) benchmarks/loader.py --stores local --sizes 1024,4096 --rounds 3 --repeats 2 --ours-processes 2 --save loader-local
-	$(PY) benchmarks/loader.py --stores s3 --sizes 1024,4096 --rounds 3 --repeats 2 --workers 4 --compressions none \
-		--read-threads 2 --ours-processes 2 --shuffle window --save loader-window
+	$(PY) -m benchmarks.results --commands | while IFS= read -r cmd; do \
+		echo "== $$cmd"; sh -c "$(PY) $${cmd#python }" || exit 1; done
 	$(PY) -m benchmarks.results --write
 
 # The GPU check runs on the GPU machine's own python3 when it has CUDA torch (no venv, no download: that machine

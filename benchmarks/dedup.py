@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -263,7 +264,7 @@ def main() -> None:
         child = {"phash": _phash_child, "e2e": _e2e_child}.get(method, lambda n: _child(method, n))
         print(json.dumps(child(n)))
         return
-    run = Run("dedup", "python benchmarks/dedup.py" + "".join(f" {a}" for a in sys.argv[1:]), tools=["faiss-cpu"])
+    run = Run("dedup", shlex.join(["python", "benchmarks/dedup.py", *sys.argv[1:]]), tools=["faiss-cpu"])  # '' kept
     for _ in range(args.rounds):
         with run.round():
             one_round(run, args)

@@ -172,10 +172,22 @@ def regenerate(text: str, folder: Path = RESULTS) -> str:
     return _BLOCK.sub(lambda m: m.group(1) + render(m.group(2), folder) + m.group(4), text)
 
 
+def commands(folder: Path = RESULTS) -> list[str]:
+    """The command each results block of the documents was taken with, each once, in the documents' order:
+    what ``make bench`` runs again."""
+    names = [name for doc in DOCUMENTS for name, _ in blocks(doc.read_text())]
+    return list(dict.fromkeys(json.loads((folder / f"{name}.json").read_text())["command"] for name in names))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--write", action="store_true", help="rewrite the results blocks of the documents in place")
+    p.add_argument("--commands", action="store_true",
+                   help="only print the command of every published table, each once (make bench runs them)")
     args = p.parse_args(argv)
+    if args.commands:
+        print("\n".join(commands()))
+        return 0
     stale = []
     for doc in DOCUMENTS:
         text = doc.read_text()

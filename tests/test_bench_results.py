@@ -49,3 +49,22 @@ def test_add_outside_a_round_and_a_malformed_target_are_refused():
     with run.round():
         with pytest.raises(ValueError, match="'>= X'"):
             run.add("m", 1.0, target="at least 1")
+
+
+def test_make_bench_runs_the_command_of_every_published_table_as_recorded():
+    """``make bench`` re-runs what the tables show: each results block's recorded command, once, of a script
+    that exists, every argument surviving the shell (an empty value quoted, not lost)."""
+    import shlex
+    from pathlib import Path
+
+    root = Path(results.__file__).resolve().parents[1]
+    published = [name for doc in results.DOCUMENTS for name, _ in results.blocks(doc.read_text())]
+    recorded = {json.loads((results.RESULTS / f"{n}.json").read_text())["command"] for n in published}
+    got = results.commands()
+    assert sorted(got) == sorted(recorded) and len(got) == len(set(got))
+    for command in got:
+        argv = shlex.split(command)
+        assert argv[0] == "python" and (root / argv[1]).is_file(), command
+        assert shlex.join(argv) == command, f"not what the shell would run as shown: {command}"
+    bench = (root / "Makefile").read_text().split("\nbench:", 1)[1].split("\n\n", 1)[0]
+    assert "benchmarks.results --commands" in bench and "benchmarks.results --write" in bench
