@@ -27,9 +27,8 @@ Timeouts: the same ``connect_timeout`` / ``read_timeout`` that ``open_url`` puts
 stays), and GET bodies are held to the rate floor of :func:`manifests.s3.rate_floor` as s3fs's are where the
 floor can fail an answer before that limit does (a window under 30 s): read as a stream, judged after each
 chunk (a stall between chunks is the read timeout's). With the default 30 s window the floor could only fire
-once the limit has, so a body comes in one call: a stream cost 2.1-2.4x the client CPU per byte of 8 MiB
-bodies (``benchmarks/storage.py --parts bodies``). :func:`manifests.storage.read_many` can take those bodies
-without a copy (``views``): a copy cost another 1.06-1.25x. obstore's own retries are off
+once the limit has, so a body comes in one call: a stream cost 1.9-2.3x the client CPU per byte of 8 MiB
+bodies, and 6x per 64 KiB GET (``benchmarks/storage.py``). obstore's own retries are off
 (``max_retries=0``): :mod:`manifests.retry` is the only retry layer, and obstore's errors are turned
 into the builtin ones s3fs raises (:func:`translate`), so the retry layer and the error messages
 treat both clients alike.
@@ -245,8 +244,6 @@ class ObstoreS3FileSystem(SingleAttemptS3FileSystem):
     """s3fs whose GETs, PUTs and listing pages go through obstore (see the module docstring); picklable
     as any fsspec filesystem (rebuilt from its options, its obstore stores built anew per process)."""
 
-    hands_views = True  # ``_cat_ranges(views=True)``: bodies as memoryviews of obstore's buffers (read_many)
-
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._stores: dict[tuple[int, str], Any] = {}
@@ -294,12 +291,6 @@ class ObstoreS3FileSystem(SingleAttemptS3FileSystem):
 
     async def _cat_file(self, path: str, version_id: str | None = None, start: int | None = None,
                         end: int | None = None) -> bytes:  # fmt: skip
-        return await self._get(path, version_id, start, end, bytes)  # type: ignore[return-value]
-
-    async def _get(self, path: str, version_id: str | None, start: int | None, end: int | None,
-                   whole: type[bytes] | type[memoryview]) -> bytes | memoryview:  # fmt: skip
-        """``_cat_file``'s read; a body read in one call comes back as ``whole(body)``: ``bytes`` (a copy) or a
-        read-only ``memoryview`` of obstore's buffer (none); a streamed one (the rate floor) as bytes."""
         target = None if version_id else self._target(path)
         options = self._options(start, end)
         if target is None or options is None:
@@ -311,10 +302,10 @@ class ObstoreS3FileSystem(SingleAttemptS3FileSystem):
         rate, window = rate_floor()
         try:
             if not _floor_can_fire(rate, window) and isinstance(options.get("range"), tuple):  # one call, not two
-                return whole(await obstore.get_range_async(target[0], target[1], start=start, end=end))
+                return bytes(await obstore.get_range_async(target[0], target[1], start=start, end=end))
             result = await obstore.get_async(target[0], target[1], options=options)
             if not _floor_can_fire(rate, window):
-                return whole(await result.bytes_async())
+                return bytes(await result.bytes_async())
             floor, chunks, received = RateFloor(self._where(path), rate, window), [], 0
             async for chunk in result.stream(min_chunk_size=_FLOOR_CHUNK):
                 chunks.append(chunk)
@@ -327,11 +318,9 @@ class ObstoreS3FileSystem(SingleAttemptS3FileSystem):
             raise translate(e, path) from None
 
     async def _cat_ranges(self, paths: list[str], starts: Any, ends: Any, max_gap: int | None = None,
-                          batch_size: int | None = None, on_error: str = "return", views: bool = False,
-                          **kwargs: Any) -> list:  # fmt: skip
+                          batch_size: int | None = None, on_error: str = "return", **kwargs: Any) -> list:  # fmt: skip
         """Many reads at once, at most ``batch_size`` (default 64) in flight: one gather with a semaphore, a
-        third less CPU per read than fsspec's chunked gather (``benchmarks/storage.py``). ``views``: a body
-        read in one call comes back as a read-only memoryview of obstore's buffer, not copied into bytes."""
+        third less CPU per read than fsspec's chunked gather (``benchmarks/storage.py``)."""
         if max_gap is not None or kwargs:
             return await super()._cat_ranges(paths, starts, ends, max_gap=max_gap, batch_size=batch_size,
                                              on_error=on_error, **kwargs)  # fmt: skip
@@ -342,7 +331,7 @@ class ObstoreS3FileSystem(SingleAttemptS3FileSystem):
         async def read(path: str, start: int | None, end: int | None) -> Any:
             async with slots:
                 try:
-                    return await self._get(path, None, start, end, memoryview if views else bytes)
+                    return await self._cat_file(path, start=start, end=end)
                 except Exception as e:
                     if on_error == "return":
                         return e

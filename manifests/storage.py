@@ -264,11 +264,12 @@ def read_many(
     paths: Sequence[str],
     starts: Sequence[int | None] | None = None,
     ends: Sequence[int | None] | None = None,
-    *, threads: int = 16, files: Any = None, views: bool = False,
-) -> list[bytes | memoryview | Exception]:  # fmt: skip
+    *,
+    threads: int = 16,
+    files: Any = None,
+) -> list[bytes | Exception]:
     """Read many objects or byte ranges ``[start, end)``, many in flight; per item its bytes or
     the exception its read ended with (the filesystem's own, e.g. ``PermissionError``), in order.
-    ``views``: a read-only memoryview where the client hands its buffer over uncopied (obstore) will do.
 
     ``files`` (a :class:`manifests.localfiles.LocalFiles`, for a local ``fs`` only): read through its held
     descriptors instead (one ``pread`` per range, in this thread; a local error is not retried).
@@ -285,8 +286,7 @@ def read_many(
     ends = list(ends) if ends is not None else [None] * len(paths)
     if files is not None:
         return [files.read(p, s or 0, e) for p, s, e in zip(paths, starts, ends)]
-    extra = {"views": True} if views and getattr(fs, "hands_views", False) else {}  # ObstoreS3FileSystem
-    results = list(with_retries(lambda: fs.cat_ranges(list(paths), starts, ends, on_error="return", **extra)))
+    results = list(with_retries(lambda: fs.cat_ranges(list(paths), starts, ends, on_error="return")))
     failed = [i for i, r in enumerate(results) if isinstance(r, BaseException)]
     if not failed:
         return results

@@ -215,8 +215,7 @@ class CacheReader:
         chunk_ranges = [(join(self.root, s), c * size, min((c + 1) * size, max(self._shard_end.get(s, 0), c * size)))
                         for s, c in need]  # fmt: skip
         reads, where = merge_reads(chunk_ranges, 0)
-        # views: a chunk is kept as obstore's buffer, not copied into bytes (see read_many)
-        blocks = read_many(self.fs, *(list(c) for c in zip(*reads)), files=self._files, views=True) if reads else []
+        blocks = read_many(self.fs, *(list(c) for c in zip(*reads)), files=self._files) if reads else []
         for key, (path, a, b), (k, at) in zip(need, chunk_ranges, where):
             block = blocks[k]  # a view of a merged read: no chunk is copied out of it
             held[key] = block if isinstance(block, Exception) else memoryview(block)[at : at + b - a]
