@@ -22,7 +22,8 @@ and Ray's start drop out; each client goes through bucketeer's storage layer exa
    :func:`manifests.storage.read_many`: CPU-ms per MiB of body for s3fs, for obstore reading each body in one
    call (the default since the floor's 30 s window is set against obstore's own 30 s limit on a whole
    request), and for obstore reading it as a stream judged by the rate floor (a floor window under that limit;
-   every obstore GET before). Recorded in ``benchmarks/results/storage-bodies.json``.
+   every obstore GET before); then obstore's two ways for 1,280 and 3,840 ranged GETs of 64 KiB (of 1 MiB
+   objects), 64 at once. Recorded in ``benchmarks/results/storage-bodies.json``.
 
 moto starts once and every part's objects are uploaded once; each round measures both clients on them, and
 ``benchmarks/results/storage.json`` is written after every round (a run cut short keeps its finished rounds); a
@@ -302,6 +303,7 @@ BODY_OBJECT = 64 << 20  # bytes per object read in bodies
 
 def setup_bodies(endpoint: str, large: int) -> None:
     upload(endpoint, {f"bodies/{i}.bin": os.urandom(BODY_OBJECT) for i in range(large)})
+    upload(endpoint, {f"bodies/small-{i}.bin": os.urandom(1 << 20) for i in range(64)})  # moto copies an object per GET
 
 
 def bench_bodies(run: Run, endpoint: str, small: int, large: int) -> None:
@@ -334,6 +336,27 @@ def bench_bodies(run: Run, endpoint: str, small: int, large: int) -> None:
     run.add("8 MiB GET bodies: obstore streamed / one call", figures["obstore, streamed (floor window 10 s)"] / base,
             "x")  # fmt: skip
     run.add("8 MiB GET bodies: s3fs / obstore one call", figures["s3fs"] / base, "x")
+    small_gets = {}  # the same two ways for 64 KiB ranged GETs, 64 at once (the embed job's, a full shuffle's)
+    for way, window in (("one call", None), ("streamed (floor window 10 s)", "10")):
+        if window:
+            os.environ["BUCKETEER_STORAGE_RATE_WINDOW"] = window
+        try:
+            fs, _ = open_url(f"s3://{BUCKET}", options(endpoint, "obstore"))
+
+            def gets(n: int) -> None:  # 64 KiB ranges of 1 MiB objects
+                for i in range(0, n, 64):
+                    at = [(j * 7 % 16) << 16 for j in range(i, i + 64)]
+                    paths = [f"{BUCKET}/bodies/small-{j}.bin" for j in range(64)]
+                    read_many(fs, paths, at, [a + (64 << 10) for a in at])
+
+            gets(64)
+            small_gets[way] = marginal({n: cpu(lambda: gets(n)) for n in (64 * 20, 64 * 60)}) * 1e3
+        finally:
+            os.environ.pop("BUCKETEER_STORAGE_RATE_WINDOW", None)
+        print(f"storage 64 KiB GETs: obstore {way} {small_gets[way]:.3f} CPU-ms/request", flush=True)
+        run.add(f"64 KiB GETs: obstore, {way}", small_gets[way], "CPU-ms/request")
+    run.add("64 KiB GETs: obstore streamed / one call", small_gets["streamed (floor window 10 s)"]
+            / small_gets["one call"], "x")  # fmt: skip
 
 
 def main() -> None:
