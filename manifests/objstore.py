@@ -27,8 +27,8 @@ Timeouts: the same ``connect_timeout`` / ``read_timeout`` that ``open_url`` puts
 stays), and GET bodies are held to the rate floor of :func:`manifests.s3.rate_floor` as s3fs's are where the
 floor can fail an answer before that limit does (a window under 30 s): read as a stream, judged after each
 chunk (a stall between chunks is the read timeout's). With the default 30 s window the floor could only fire
-once the limit has, so a body comes in one call: a stream cost 2.0-2.6x the client CPU of 8 MiB bodies and
-1.8-2.6x per 64 KiB GET (``benchmarks/storage.py --parts bodies``). obstore's own retries are off
+once the limit has, so a body comes in one call: a stream cost 1.85-2.2x the client CPU of 8 MiB bodies and
+2.4-2.7x per 64 KiB GET (``benchmarks/storage.py --parts bodies``). obstore's own retries are off
 (``max_retries=0``): :mod:`manifests.retry` is the only retry layer, and obstore's errors are turned
 into the builtin ones s3fs raises (:func:`translate`), so the retry layer and the error messages
 treat both clients alike.
