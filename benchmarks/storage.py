@@ -1,6 +1,6 @@
 """Client CPU per object-store request, s3fs vs obstore, against moto on 127.0.0.1 (real HTTP, real signing).
 
-    .venv/bin/python benchmarks/storage.py [--small 1500] [--large 3000] [--scan-small 1000] [--scan-large 4000]
+    .venv/bin/python benchmarks/storage.py [--small 1500] [--large 3000] [--scan-small 2000] [--scan-large 12000]
 
 A moto server runs in its own process (its CPU is not counted). Every figure is the **marginal** client
 CPU from two sizes, ``(cpu_large - cpu_small) / (large - small)``, so that start-up, connection set-up
@@ -9,7 +9,8 @@ and Ray's start drop out; each client goes through bucketeer's storage layer exa
 
 1. ``get``: 64 KiB ranged GETs through :func:`manifests.storage.read_many` (the embed job's and the
    cache reader's path), CPU of this process, all threads (``time.process_time``);
-2. ``list``: :func:`pipeline.sources.listing.list_source` of a prefix of ``small`` and of ``large`` keys;
+2. ``list``: :func:`pipeline.sources.listing.list_source` of a prefix of ``small`` and of ``large`` keys, each
+   listed :data:`LISTINGS` times;
 3. ``put``: 64 KiB :func:`manifests.storage.write_bytes_atomic` calls (one PUT each; shards and artifacts);
 4. ``scan``: ``bucketeer scan s3://...`` of ``--scan-small`` and ``--scan-large`` small JPEGs, each with a
    ``.txt`` caption (2 GETs per file), in a child process with its own local Ray. Its CPU is the whole
@@ -36,6 +37,7 @@ also pays a TCP connect on both clients; a real S3 or R2 endpoint keeps connecti
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
@@ -121,6 +123,7 @@ def line(run: Run, what: str, unit: str, figures: dict[str, float], target: str 
 
 
 BLOB = os.urandom(64 << 10)
+LISTINGS = 8  # each prefix listed this many times: 1,500 keys between the sizes are ~0.1 CPU-s, within the noise
 
 
 def setup_requests(endpoint: str, small: int, large: int) -> None:
@@ -136,7 +139,8 @@ def bench_requests(run: Run, endpoint: str, small: int, large: int) -> None:
         read_many(fs, paths[:64], [0] * 64, [len(blob)] * 64)  # warm: connections, credentials
         gets[client] = marginal({n: cpu(lambda: read_many(fs, paths[:n], [0] * n, [len(blob)] * n))
                                  for n in (small, large)})  # fmt: skip
-        lists[client] = marginal({n: cpu(lambda: list_source(fs, f"{BUCKET}/objs-{n}")) for n in (small, large)})
+        lists[client] = marginal({n: cpu(lambda: [list_source(fs, f"{BUCKET}/objs-{n}") for _ in range(LISTINGS)])
+                                  for n in (small, large)}) / LISTINGS  # fmt: skip
         few, more = small // 4, large // 4
         puts[client] = marginal({n: cpu(lambda: [write_bytes_atomic(fs, f"{BUCKET}/put-{client}/{n}-{i}", blob)
                                                  for i in range(n)]) for n in (few, more)})  # fmt: skip
@@ -306,65 +310,66 @@ def setup_bodies(endpoint: str, large: int) -> None:
     upload(endpoint, {f"bodies/small-{i}.bin": os.urandom(1 << 20) for i in range(64)})  # moto copies an object per GET
 
 
+@contextlib.contextmanager
+def _floor_window(window: str | None):
+    """``$BUCKETEER_STORAGE_RATE_WINDOW`` set to ``window`` inside (None: the default, one-call GETs)."""
+    if window:
+        os.environ["BUCKETEER_STORAGE_RATE_WINDOW"] = window
+    try:
+        yield
+    finally:
+        os.environ.pop("BUCKETEER_STORAGE_RATE_WINDOW", None)
+
+
 def bench_bodies(run: Run, endpoint: str, small: int, large: int) -> None:
-    """CPU-ms per MiB of 8 MiB ranged GET bodies, each way a body can come (see the module docstring)."""
-    ways = {"s3fs": ("s3fs", None), "obstore, one call": ("obstore", None),
-            "obstore, streamed (floor window 10 s)": ("obstore", "10")}  # fmt: skip
+    """CPU-ms per MiB of 8 MiB ranged GET bodies, each way a body can come, then per 64 KiB GET (see the module
+    docstring)."""
+    streamed = "streamed (floor window 10 s)"
+    ways = {"s3fs": ("s3fs", None), "obstore, one call": ("obstore", None), f"obstore, {streamed}": ("obstore", "10")}
     figures = {}
+    per = BODY_OBJECT // BODY
     for way, (client, window) in ways.items():
-        if window:
-            os.environ["BUCKETEER_STORAGE_RATE_WINDOW"] = window
-        try:
+        with _floor_window(window):
             fs, _ = open_url(f"s3://{BUCKET}", options(endpoint, client))
-            per = BODY_OBJECT // BODY
 
             def read(n: int) -> None:  # the first n objects, two bodies in flight, each dropped once read
                 for i in range(n * per // 2):
                     at = [(2 * i + k) % per * BODY for k in range(2)]
-                    obj = (2 * i) // per
-                    read_many(fs, [f"{BUCKET}/bodies/{obj}.bin"] * 2, at, [a + BODY for a in at])
+                    read_many(fs, [f"{BUCKET}/bodies/{2 * i // per}.bin"] * 2, at, [a + BODY for a in at])
 
             read(1)  # warm: connections, credentials
             figures[way] = marginal({n: cpu(lambda: read(n)) for n in (small, large)}) / (BODY_OBJECT >> 20) * 1e3
-        finally:
-            os.environ.pop("BUCKETEER_STORAGE_RATE_WINDOW", None)
     base = figures["obstore, one call"]
     for way, value in figures.items():
         print(f"storage 8 MiB bodies: {way} {value:.3f} CPU-ms/MiB ({value / base:.1f}x obstore in one call)",
               flush=True)  # fmt: skip
         run.add(f"8 MiB GET bodies: {way}", value, "CPU-ms/MiB")
-    run.add("8 MiB GET bodies: obstore streamed / one call", figures["obstore, streamed (floor window 10 s)"] / base,
-            "x")  # fmt: skip
+    run.add("8 MiB GET bodies: obstore streamed / one call", figures[f"obstore, {streamed}"] / base, "x")
     run.add("8 MiB GET bodies: s3fs / obstore one call", figures["s3fs"] / base, "x")
     small_gets = {}  # the same two ways for 64 KiB ranged GETs, 64 at once (the embed job's, a full shuffle's)
-    for way, window in (("one call", None), ("streamed (floor window 10 s)", "10")):
-        if window:
-            os.environ["BUCKETEER_STORAGE_RATE_WINDOW"] = window
-        try:
+    paths = [f"{BUCKET}/bodies/small-{j}.bin" for j in range(64)]
+    for way, window in (("one call", None), (streamed, "10")):
+        with _floor_window(window):
             fs, _ = open_url(f"s3://{BUCKET}", options(endpoint, "obstore"))
 
             def gets(n: int) -> None:  # 64 KiB ranges of 1 MiB objects
                 for i in range(0, n, 64):
                     at = [(j * 7 % 16) << 16 for j in range(i, i + 64)]
-                    paths = [f"{BUCKET}/bodies/small-{j}.bin" for j in range(64)]
                     read_many(fs, paths, at, [a + (64 << 10) for a in at])
 
             gets(64)
             small_gets[way] = marginal({n: cpu(lambda: gets(n)) for n in (64 * 20, 64 * 60)}) * 1e3
-        finally:
-            os.environ.pop("BUCKETEER_STORAGE_RATE_WINDOW", None)
         print(f"storage 64 KiB GETs: obstore {way} {small_gets[way]:.3f} CPU-ms/request", flush=True)
         run.add(f"64 KiB GETs: obstore, {way}", small_gets[way], "CPU-ms/request")
-    run.add("64 KiB GETs: obstore streamed / one call", small_gets["streamed (floor window 10 s)"]
-            / small_gets["one call"], "x")  # fmt: skip
+    run.add("64 KiB GETs: obstore streamed / one call", small_gets[streamed] / small_gets["one call"], "x")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--small", type=int, default=1500)
     parser.add_argument("--large", type=int, default=3000)
-    parser.add_argument("--scan-small", type=int, default=1000)
-    parser.add_argument("--scan-large", type=int, default=4000)
+    parser.add_argument("--scan-small", type=int, default=2000)
+    parser.add_argument("--scan-large", type=int, default=12000)
     parser.add_argument("--parts", default="requests,reader,scan,bodies",
                         help="comma-separated: requests, reader, scan, bodies")
     parser.add_argument("--bodies-small", type=int, default=2, help="64 MiB objects read in bodies' smaller pass")
