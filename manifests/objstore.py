@@ -300,11 +300,12 @@ class ObstoreS3FileSystem(SingleAttemptS3FileSystem):
         import obstore
 
         rate, window = rate_floor()
+        one_call = not _floor_can_fire(rate, window)
         try:
-            if not _floor_can_fire(rate, window) and isinstance(options.get("range"), tuple):  # one call, not two
+            if one_call and isinstance(options.get("range"), tuple):  # one request, not two: the common ranged read
                 return bytes(await obstore.get_range_async(target[0], target[1], start=start, end=end))
             result = await obstore.get_async(target[0], target[1], options=options)
-            if not _floor_can_fire(rate, window):
+            if one_call:
                 return bytes(await result.bytes_async())
             floor, chunks, received = RateFloor(self._where(path), rate, window), [], 0
             async for chunk in result.stream(min_chunk_size=_FLOOR_CHUNK):
@@ -349,11 +350,12 @@ class ObstoreS3FileSystem(SingleAttemptS3FileSystem):
         import obstore
 
         rate, window = rate_floor()
+        one_call = not _floor_can_fire(rate, window)
         try:
-            if not _floor_can_fire(rate, window) and isinstance(options.get("range"), tuple):
+            if one_call and isinstance(options.get("range"), tuple):
                 return bytes(obstore.get_range(target[0], target[1], start=start, end=end))
             result = obstore.get(target[0], target[1], options=options)
-            if not _floor_can_fire(rate, window):
+            if one_call:
                 return bytes(result.bytes())
             floor, chunks, received = RateFloor(self._where(path), rate, window), [], 0
             for chunk in result.stream(min_chunk_size=_FLOOR_CHUNK):

@@ -97,10 +97,18 @@ def test_a_body_is_streamed_only_where_the_rate_floor_could_fail_it_before_obsto
     paths, starts, ends = [f"{root}/blob"] * len(spans), [a for a, _ in spans], [b for _, b in spans]
     want = [body[a:b] for a, b in spans]
     calls = {"get_range_async": 0, "get_async": 0}
-    for name in calls:  # spies: the real calls, to the real server, counted
+
+    def spy(name: str):  # the real call, to the real server, counted
         real = getattr(obstore, name)
-        monkeypatch.setattr(obstore, name, lambda *a, _real=real, _name=name, **k: calls.__setitem__(
-            _name, calls[_name] + 1) or _real(*a, **k))  # fmt: skip
+
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+
+        return counted
+
+    for name in calls:
+        monkeypatch.setattr(obstore, name, spy(name))
     assert read_many(fs, paths, starts, ends) == want
     assert calls == {"get_range_async": 3, "get_async": 0}
     monkeypatch.setenv("BUCKETEER_STORAGE_RATE_WINDOW", "5")  # the floor can fire first: streamed, judged
