@@ -5,11 +5,12 @@
                           weight_by="aesthetic")
     evaluation.selections[0].table()          # sample_id, bucket, keep, weight: one row per manifest sample
 
-The expressions are polars SQL (:func:`polars.sql_expr`), e.g. ``aesthetic > 5.5 AND NOT duplicate AND width
->= 768``. Only the columns they name are read (old polars cannot read float16 list columns such as
-``embedding``); a column is found in the manifest's samples or in one annotations folder's task columns
-(never their key columns ``filename``, ``source_key``, ``written_at``): a column no source has is an error
-listing the available ones, and a column two sources have is an error naming both.
+The expressions are bucketeer's filter language (:mod:`manifests.filters`: SQL's conditions over columns, with
+no subquery and no table function), e.g. ``aesthetic > 5.5 AND NOT duplicate AND width >= 768``. Only the
+columns they name are read (old polars cannot read float16 list columns such as ``embedding``); a column is
+found in the manifest's samples or in one annotations folder's task columns (never their key columns
+``filename``, ``source_key``, ``written_at``): a column no source has is an error listing the available ones,
+and a column two sources have is an error naming both.
 
 **Missing annotations are NULL.** A sample without an annotations row (an annotation error, or a sample
 annotated nowhere, e.g. added by a rescan since) has NULL in that folder's columns. SQL comparisons with
@@ -40,13 +41,14 @@ import pyarrow.parquet as pq
 
 from manifests.annotations import KEY_COLUMNS, read_annotations, read_annotations_meta, resolve
 from manifests.errors import UsageError
+from manifests.filters import parse_filter
 from manifests.manifest import Manifest
 from manifests.storage import join, open_url, redact
 
 if TYPE_CHECKING:  # polars is imported where a selection runs: the trainer reads plans without it
     import polars as pl
 
-__all__ = ["AnnotationsSource", "Selection", "Evaluation", "parse_expression", "annotation_sources", "evaluate",
+__all__ = ["AnnotationsSource", "Selection", "Evaluation", "annotation_sources", "evaluate",
            "read_columns", "where_mask"]
 
 _KEYS = {n for n, _ in KEY_COLUMNS}
@@ -119,22 +121,6 @@ class Evaluation:
     annotations: tuple[AnnotationsSource, ...]
     columns: tuple[str, ...]
     selections: tuple[Selection, ...]
-
-
-def parse_expression(text: str, option: str) -> pl.Expr:
-    """``text`` as a polars SQL expression. Raises UsageError naming ``option`` for one polars cannot read."""
-    import polars as pl
-
-    if not text or not text.strip():
-        raise UsageError(f"{option} is empty: give a SQL expression, e.g. \"aesthetic > 5.5 AND NOT duplicate\"")
-    try:
-        return pl.sql_expr(text)
-    except Exception as e:  # polars raises SQLSyntaxError / SQLInterfaceError / ComputeError by version
-        raise UsageError(f"{option} {text!r} is not a SQL expression polars reads ({_first_line(e)})") from None
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def annotation_sources(urls: Sequence[str], storage_options: Mapping[str, Any] | None = None
@@ -231,36 +217,19 @@ def _frame(manifest: Manifest, columns: dict[str, Sources],
     return pl.from_arrow(table) if table.num_columns else pl.DataFrame({"_": np.zeros(len(ids), np.int8)})  # type: ignore[return-value]
 
 
-def _compute(frame: pl.DataFrame, expr: pl.Expr, option: str, text: str) -> pl.Series:
-    import polars as pl
-
-    try:
-        out = frame.select(expr.alias("_value")).to_series()
-    except Exception as e:  # polars' ComputeError / InvalidOperationError / SchemaError by version
-        raise UsageError(f"{option} {text!r} cannot be evaluated ({_first_line(e)})") from None
-    if len(out) == 1 and frame.height != 1:  # a constant expression
-        out = pl.Series("_value", [out[0]] * frame.height, dtype=out.dtype)
-    return out
-
-
 def where_mask(frame: pl.DataFrame, where: str | None, option: str = "--where") -> np.ndarray:
-    """(rows,) bool: the rows of ``frame`` for which the SQL condition ``where`` is TRUE (NULL: dropped); all
-    with None. Raises UsageError naming ``option`` for a condition that cannot be read or gives no true/false."""
-    import polars as pl
-
+    """(rows,) bool: the rows of ``frame`` for which the condition ``where`` is TRUE (NULL: dropped); all with
+    None. Raises UsageError naming ``option`` for a filter the language refuses (:mod:`manifests.filters`), a
+    column ``frame`` lacks, or a condition that cannot be evaluated or gives no true/false."""
     if where is None:
         return np.ones(frame.height, bool)
-    values = _compute(frame, parse_expression(where, option), option, where)
-    if values.dtype != pl.Boolean and values.dtype != pl.Null:
-        raise UsageError(f"{option} {where!r} gives {values.dtype} values, not true/false: write a condition, e.g. "
-                         "\"aesthetic > 5.5\"")  # fmt: skip
-    return values.cast(pl.Boolean).fill_null(False).to_numpy().astype(bool)
+    return parse_filter(where, option).mask(frame)
 
 
 def _weights(frame: pl.DataFrame, weight_by: str, keep: np.ndarray, ids: np.ndarray, source: str) -> np.ndarray:
     import polars as pl
 
-    values = _compute(frame, parse_expression(weight_by, "--weight-by"), "--weight-by", weight_by)
+    values = parse_filter(weight_by, "--weight-by").values(frame)
     if not (values.dtype.is_numeric() or values.dtype == pl.Boolean):
         raise UsageError(f"--weight-by {weight_by!r} gives {values.dtype} values, not numbers")
     w = values.cast(pl.Float64).to_numpy().astype(np.float64)  # nulls become NaN
@@ -279,7 +248,7 @@ def _used(where: str | None, weight_by: str | None) -> list[str]:
     names: list[str] = []
     for text, option in ((where, "--where"), (weight_by, "--weight-by")):
         if text is not None:
-            names += [n for n in parse_expression(text, option).meta.root_names() if n not in names]
+            names += [n for n in parse_filter(text, option).columns if n not in names]
     return names
 
 

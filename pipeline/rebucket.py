@@ -43,7 +43,7 @@ class RebucketJob:
     spec: BucketSpec = field(default_factory=BucketSpec)
     storage_options: dict[str, Any] = field(default_factory=dict)  # fsspec options, e.g. an endpoint_url
     scenes: str | None = None  # annotations of --task scenes: clips cut inside shots (video manifests)
-    shot_where: str | None = None  # with scenes: only shots for which this SQL condition holds give clips
+    shot_where: str | None = None  # with scenes: only shots for which this condition holds give clips
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,8 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="video manifests: cut clips inside the shots of these annotations (bucketeer annotate "
                         "--task scenes), never across a cut, instead of at fixed strides")
     parser.add_argument("--shot-where", default=None, metavar="SQL",
-                        help="with --scenes: cut clips only from the shots this polars SQL condition holds for, over "
-                        "each shot's start, frames, time and (annotate --task scenes,motion) motion, e.g. "
+                        help="with --scenes: cut clips only from the shots this condition (as plan --where) holds for, "
+                        "over each shot's start, frames, time and (annotate --task scenes,motion) motion, e.g. "
                         "\"motion > 0.5 AND frames >= 33\"")
     add_bucket_arguments(parser)
 

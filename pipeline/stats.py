@@ -143,9 +143,9 @@ def _print_selection(job: StatsJob, manifest: Any, result: StatsResult, sel: Any
 
 def sel_columns(where: str | None) -> list[str]:
     """The columns a ``--where`` expression reads."""
-    from manifests.select import parse_expression
+    from manifests.filters import parse_filter
 
-    return [] if where is None else list(parse_expression(where, "--where").meta.root_names())
+    return [] if where is None else list(parse_filter(where, "--where").columns)
 
 
 def _histogram(column: str, values: np.ndarray, keep: np.ndarray) -> None:

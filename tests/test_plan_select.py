@@ -223,7 +223,8 @@ def test_bad_selection_is_one_clear_line(data, tmp_path, capsys):
     base = ["plan", data["manifest"], "--out", str(tmp_path / "p"), "--world-size", "1", "--batch-size", "1",
             "--annotations", data["scores"]]  # fmt: skip
     for extra, words in (
-        (["--where", "aesthetic >> AND"], "is not a SQL expression"),
+        (["--where", "aesthetic >> AND"], "'>' is not expected here"),
+        (["--where", "width IN (SELECT nope FROM read_csv('/etc/passwd'))"], "a subquery (SELECT) is not allowed"),
         (["--where", "beauty > 5"], "available columns: aesthetic"),
         (["--where", "aesthetic + 1"], "not true/false"),
         (["--where", "aesthetic > 5", "--weight-by", "aesthetic - 7"], "negative weight"),

@@ -148,7 +148,7 @@ def test_review_command_line_refuses_bad_input_in_one_line(scored, tmp_path, cap
     from pipeline.cli import main
 
     out = str(tmp_path / "d")
-    for args, expected in ((["--where", "aesthetic >"], "filter 'aesthetic >' is not a SQL expression"),
+    for args, expected in ((["--where", "aesthetic >"], "filter 'aesthetic >': it ends where a value is expected"),
                            (["--where", "nope > 1", "--annotations", scored.scores], "nope, which no column is"),
                            (["--annotations", str(tmp_path)], "_annotations.json"),
                            (["--port", "-5"], "--port -5")):  # fmt: skip

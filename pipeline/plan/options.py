@@ -56,13 +56,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s = parser.add_argument_group("selection (annotations)", description=(
         "Keep the samples a SQL condition over the manifest's and the annotations' columns holds for (joined on "
         "sample_id; a sample without an annotations row has NULL there, so a comparison drops it), and draw them "
-        "by weight. Recorded in _plan.json and re-checked by --check. See manifests/select.py."))
+        "by weight. Recorded in _plan.json and re-checked by --check. See manifests/select.py and "
+        "manifests/filters.py."))
     s.add_argument("--annotations", default=None, metavar="A[,B...]",
                    help="annotations folders (bucketeer annotate, bucketeer dedup) whose columns --where and "
                    "--weight-by read, comma-separated")
     s.add_argument("--where", default=None, metavar="SQL",
-                   help="keep only samples for which this polars SQL condition is true, e.g. "
-                   "\"aesthetic > 5.5 AND NOT duplicate AND width >= 768\"")
+                   help="keep only samples for which this condition is true (SQL's conditions: bucketeer's filter "
+                   "language, docs/annotate.md), e.g. \"aesthetic > 5.5 AND NOT duplicate AND width >= 768\"")
     s.add_argument("--weight-by", default=None, metavar="EXPR",
                    help="draw each kept sample in proportion to this non-negative number (e.g. aesthetic): per "
                    "epoch floor or ceil of its expected draws, exactly as many draws as samples kept")

@@ -7,8 +7,8 @@ a page of rows, a histogram, one sample's detail.
 
 The frame holds every scalar column of the manifest and of the annotations (never the embeddings), read
 once at start (:func:`manifests.select.read_columns`, the join ``plan --where`` uses), plus the session's
-live ``keep`` (:class:`pipeline.review.decisions.DecisionLog`). A filter is the SQL of ``plan --where``
-(:func:`manifests.select.parse_expression`): only the columns it and the sort name are touched. Sample ids
+live ``keep`` (:class:`pipeline.review.decisions.DecisionLog`). A filter is the language of ``plan --where``
+(:func:`manifests.filters.parse_filter`): only the columns it and the sort name are touched. Sample ids
 travel as decimal strings (a uint64 does not fit a JavaScript number).
 """
 
@@ -26,7 +26,8 @@ import pyarrow as pa
 from manifests.annotations import read_annotations_meta
 from manifests.errors import UsageError
 from manifests.manifest import Manifest
-from manifests.select import annotation_sources, parse_expression, read_columns
+from manifests.filters import parse_filter
+from manifests.select import annotation_sources, read_columns
 from manifests.storage import redact
 from pipeline.report.annotations import part_columns
 from pipeline.review.decisions import KEEP, UNDECIDED, DecisionLog
@@ -97,28 +98,23 @@ class ReviewData:
 
     def _filtered(self, where: str | None) -> np.ndarray:
         """(k,) int64 manifest rows that ``where`` keeps, in manifest order (cached)."""
-        expr = None if where is None else parse_expression(where, "filter")
-        used = [] if expr is None else list(expr.meta.root_names())
+        parsed = None if where is None else parse_filter(where, "filter")
+        used = [] if parsed is None else list(parsed.columns)
         if unknown := [c for c in used if c not in self.columns]:
-            raise UsageError(f"filter {where!r} uses {', '.join(unknown)}, which no column is; the columns are "
+            raise UsageError(f"the filter uses {', '.join(map(repr, unknown))}, which no column is; the columns are "
                              f"{', '.join(self.columns)}")  # fmt: skip
         live = [c for c in used if c in LIVE_COLUMNS]
         key = ("filter", where, self.log.version if live else -1)
         if (rows := self._cached(key)) is not None:
             return rows
-        if expr is None:
+        if parsed is None:
             rows = np.arange(len(self.log.keep), dtype=np.int64)
         else:
             frame = self.frame.select([_ROW, *(c for c in used if c not in LIVE_COLUMNS)])  # projection
             if live:
                 frame = frame.with_columns([self._live(c) for c in live])
-            try:
-                mask = frame.select(expr.alias("_keep")).to_series()
-            except Exception as e:  # polars' ComputeError / InvalidOperationError / SchemaError by version
-                raise UsageError(f"filter {where!r} cannot be evaluated ({str(e).splitlines()[0]})") from None
-            if mask.dtype not in (pl.Boolean, pl.Null):
-                raise UsageError(f"filter {where!r} gives {mask.dtype} values, not true/false")
-            rows = frame.get_column(_ROW).filter(mask.cast(pl.Boolean).fill_null(False)).to_numpy()
+            mask = parsed.mask(frame)
+            rows = frame.get_column(_ROW).to_numpy()[mask]
         return self._store(key, rows)
 
     def view(self, where: str | None, sort: str | None = None, descending: bool = False) -> np.ndarray:
@@ -167,7 +163,7 @@ class ReviewData:
 
     @staticmethod
     def _used(where: str | None) -> list[str]:
-        return [] if where is None else list(parse_expression(where, "filter").meta.root_names())
+        return [] if where is None else list(parse_filter(where, "filter").columns)
 
     def _cached(self, key: tuple) -> np.ndarray | None:
         with self._views_lock:

@@ -1,0 +1,117 @@
+"""A filter's tree as a polars expression, with SQL's NULL rules: the only place a filter meets polars, and it
+meets it as expressions, never as SQL text."""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Callable
+
+from manifests.filters.grammar import Node
+
+if TYPE_CHECKING:  # polars is imported where a filter is built: the trainer reads plans without it
+    import polars as pl
+
+__all__ = ["build"]
+
+
+def _like(pattern: str, case_insensitive: bool) -> str:
+    """A LIKE pattern as an anchored regex: % any characters, _ one, newlines included, the rest literal."""
+    body = "".join(".*" if c == "%" else "." if c == "_" else re.escape(c) for c in pattern)
+    return f"(?{'i' if case_insensitive else ''}s)^{body}$"
+
+
+def _remainder(x: pl.Expr, y: pl.Expr) -> pl.Expr:
+    """SQL's ``x % y``: the sign of ``x`` (-7 % 2 is -1), where polars' ``%`` takes the sign of ``y`` (1)."""
+    import polars as pl
+
+    r = x % y
+    return pl.when((r != 0) & ((x < 0) != (y < 0))).then(r - y).otherwise(r)
+
+
+def _call(fn: str, a: list[pl.Expr], nodes: tuple[Node, ...]) -> pl.Expr:
+    import polars as pl
+
+    unary: dict[str, Callable[[pl.Expr], pl.Expr]] = {
+        "abs": lambda x: x.abs(), "sign": lambda x: x.sign(), "sqrt": lambda x: x.sqrt(),
+        "cbrt": lambda x: x.cbrt(), "exp": lambda x: x.exp(), "ln": lambda x: x.log(), "log10": lambda x: x.log10(),
+        "log2": lambda x: x.log(2), "floor": lambda x: x.floor(), "ceil": lambda x: x.ceil(),
+        "ceiling": lambda x: x.ceil(), "lower": lambda x: x.str.to_lowercase(), "upper": lambda x: x.str.to_uppercase(),
+        "length": lambda x: x.str.len_chars(), "char_length": lambda x: x.str.len_chars(),
+        "octet_length": lambda x: x.str.len_bytes(),
+    }  # fmt: skip
+    if fn in unary:
+        return unary[fn](a[0])
+    if fn in ("power", "pow"):
+        return a[0].pow(a[1])
+    if fn == "mod":
+        return _remainder(a[0], a[1])
+    if fn == "round":
+        return a[0].round(nodes[1].value if len(nodes) == 2 else 0)
+    if fn in ("greatest", "least"):
+        return (pl.max_horizontal if fn == "greatest" else pl.min_horizontal)(a)
+    if fn in ("coalesce", "ifnull"):
+        return pl.coalesce(a)
+    if fn == "nullif":
+        return pl.when(a[0] == a[1]).then(None).otherwise(a[0])
+    pattern = nodes[1].value
+    if fn == "starts_with":
+        return a[0].str.starts_with(pattern)
+    if fn == "ends_with":
+        return a[0].str.ends_with(pattern)
+    return a[0].str.contains(pattern)  # regexp_like: Rust's regex, linear in the text
+
+
+def _balanced(items: list[pl.Expr], op: Callable[[pl.Expr, pl.Expr], pl.Expr]) -> pl.Expr:
+    """``op`` over ``items`` as a balanced tree (a long IN list nests log2(n) deep, not n)."""
+    while len(items) > 1:
+        items = [op(x, y) for x, y in zip(items[::2], items[1::2])] + items[len(items) - len(items) % 2:]
+    return items[0]
+
+
+def build(node: Node) -> pl.Expr:
+    """The polars expression of ``node``, with SQL's NULL semantics."""
+    import polars as pl
+
+    if node.kind == "column":
+        return pl.col(node.value)
+    if node.kind == "literal":
+        return pl.lit(node.value)
+    a = [build(n) for n in node.args]
+    if node.kind == "unary":
+        return {"not": lambda: ~a[0], "-": lambda: -a[0], "+": lambda: a[0]}[node.value]()
+    if node.kind == "binary":
+        x, y = a
+        ops: dict[str, Callable[[], pl.Expr]] = {
+            "and": lambda: x & y, "or": lambda: x | y, "eq": lambda: x == y, "ne": lambda: x != y,
+            "lt": lambda: x < y, "le": lambda: x <= y, "gt": lambda: x > y, "ge": lambda: x >= y,
+            "+": lambda: x + y, "-": lambda: x - y, "*": lambda: x * y, "/": lambda: x / y,
+            "%": lambda: _remainder(x, y), "||": lambda: pl.concat_str([x, y]),
+        }  # fmt: skip
+        return ops[node.value]()
+    if node.kind == "is":
+        what, negated = node.value
+        out = {"null": lambda: a[0].is_null(), "true": lambda: a[0].fill_null(False),
+               "false": lambda: (~a[0]).fill_null(False),
+               "distinct": lambda: a[0].ne_missing(a[1])}[what]()  # fmt: skip
+        return ~out if negated else out
+    if node.kind == "between":
+        out = (a[0] >= a[1]) & (a[0] <= a[2])
+        return ~out if node.value else out
+    if node.kind == "in":  # SQL's definition: x = v1 OR x = v2 ..., NULL where nothing matches and a side is NULL
+        out = _balanced([a[0] == v for v in a[1:]], lambda x, y: x | y)
+        return ~out if node.value else out
+    if node.kind == "like":
+        case_insensitive, negated = node.value
+        out = a[0].str.contains(_like(node.args[1].value, case_insensitive))
+        return ~out if negated else out
+    if node.kind == "call":
+        return _call(node.value, a, node.args)
+    if node.kind == "case":
+        arms, chain = a[1:-1], pl  # CASE x WHEN v: x = v (NULL never matches); a missing ELSE is NULL
+        for when, then in zip(arms[::2], arms[1::2]):
+            chain = chain.when(a[0] == when if node.value else when).then(then)  # type: ignore[assignment]
+        return chain.otherwise(a[-1])  # type: ignore[attr-defined]
+    if node.kind == "cast":
+        dtype, strict = node.value
+        return a[0].cast(getattr(pl, dtype), strict=strict)
+    raise AssertionError(f"unknown node kind {node.kind}")
