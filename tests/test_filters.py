@@ -25,6 +25,7 @@ from manifests.select import where_mask
 from tests.test_report import scored  # noqa: F401  (a module fixture)
 from tests.test_review import _get
 
+EXAMPLES = int(os.environ.get("FILTER_EXAMPLES", 300))  # random filters per property (FILTER_EXAMPLES=5000: longer)
 SECRET = "root:SECRET-LINE-of-a-file-no-filter-may-read"
 
 
@@ -107,7 +108,7 @@ def _sql(text: str) -> pl.Series:
 
 
 @pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisWarning")  # the strategies' long repr
-@settings(max_examples=int(os.environ.get("FILTER_EXAMPLES", 300)), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_bool(3))
 def test_random_filters_keep_the_rows_polars_sql_kept(text):
     try:
@@ -123,7 +124,7 @@ def test_random_filters_keep_the_rows_polars_sql_kept(text):
 
 
 @pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisWarning")
-@settings(max_examples=int(os.environ.get("FILTER_EXAMPLES", 200)), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_num(3))
 def test_random_weights_have_the_values_polars_sql_gave(text):
     try:
@@ -311,3 +312,23 @@ def test_the_padding_filter_is_refused_in_under_a_second_with_memory_flat(page):
     assert time.perf_counter() - started < 1.0
     assert status == 400 and "function lpad() is not allowed" in body, body
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 50 * 1024
+
+
+def test_a_long_in_list_is_one_lookup_with_the_rows_of_the_equalities():
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 2**61, 200, dtype=np.uint64) + np.uint64(2**61)
+    frame = pl.DataFrame({"sample_id": pl.Series(ids, dtype=pl.UInt64).scatter([5, 6], None),
+                          "n": pl.Series(rng.integers(-50, 50, 200), dtype=pl.Int16),
+                          "bucket": pl.Series([f"{w}x1024" for w in rng.integers(0, 40, 200) * 64])})  # fmt: skip
+    for text, lookup in ((f"sample_id IN ({', '.join(str(int(i)) for i in ids[:30])})", True),
+                         ("sample_id IN (1, 2)", False),  # short: the equalities
+                         ("n IN (" + ", ".join(map(str, range(-60, 60, 7))) + ", 100000)", True),  # beyond Int16
+                         ("n NOT IN (" + ", ".join(map(str, range(-60, 60, 7))) + ")", True),
+                         ("bucket IN (" + ", ".join(f"'{w * 64}x1024'" for w in range(0, 40, 3)) + ")", True),
+                         ("n IN (1, 2, 3, 4, 5, 6, 7, 8, 9.5)", False)):  # fmt: skip
+        parsed = parse_filter(text)
+        assert ("is_in" in str(parsed.expr(frame.schema))) == lookup, text
+        want = frame.select(parsed.expr().alias("v")).to_series()  # no schema: always the equalities
+        assert parsed.values(frame).to_list() == want.to_list(), text
+    kept = parse_filter(f"sample_id IN ({', '.join(str(int(i)) for i in ids[:30])})").mask(frame)
+    assert kept.tolist() == [i < 30 and i not in (5, 6) for i in range(200)]

@@ -29,7 +29,7 @@ repetition), so evaluation costs at most that many passes over the columns it na
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
@@ -54,9 +54,9 @@ class Filter:
     tree: Node
     columns: tuple[str, ...]
 
-    def expr(self) -> pl.Expr:
-        """The polars expression the tree builds (no SQL engine involved)."""
-        return build(self.tree)
+    def expr(self, schema: Mapping[str, Any] | None = None) -> pl.Expr:
+        """The polars expression the tree builds (no SQL engine involved); ``schema``: the frame's, where known."""
+        return build(self.tree, schema)
 
     def values(self, frame: pl.DataFrame) -> pl.Series:
         """The filter's value for every row of ``frame`` (a constant broadcast to the rows). Raises UsageError
@@ -67,7 +67,7 @@ class Filter:
             raise UsageError(f"{self.option} {shown(self.text)} uses {', '.join(map(repr, missing))}, which no "
                              f"column is; the columns are {', '.join(frame.columns)}")  # fmt: skip
         try:
-            out = frame.select(self.expr().alias("_value")).to_series()
+            out = frame.select(self.expr(frame.schema).alias("_value")).to_series()
         except (Exception, pl.exceptions.PanicException) as e:  # ComputeError, SchemaError, ...; a Rust panic (old
             # polars, on some mixes of types) is a BaseException
             line = (str(e).strip().splitlines() or [type(e).__name__])[0]

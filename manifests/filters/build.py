@@ -4,7 +4,9 @@ meets it as expressions, never as SQL text."""
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+import numpy as np
 
 from manifests.filters.grammar import Node
 
@@ -13,11 +15,22 @@ if TYPE_CHECKING:  # polars is imported where a filter is built: the trainer rea
 
 __all__ = ["build"]
 
+_INTEGERS = {f"{sign}Int{bits}" for sign in ("", "U") for bits in (8, 16, 32, 64)}
 
-def _like(pattern: str, case_insensitive: bool) -> str:
-    """A LIKE pattern as an anchored regex: % any characters, _ one, newlines included, the rest literal."""
-    body = "".join(".*" if c == "%" else "." if c == "_" else re.escape(c) for c in pattern)
-    return f"(?{'i' if case_insensitive else ''}s)^{body}$"
+
+def _like(text: pl.Expr, pattern: str, case_insensitive: bool) -> pl.Expr:
+    """``text LIKE pattern``: ``%`` any characters and ``_`` one (newlines included), the rest literal. A pattern
+    whose only wildcards are ``%`` at its ends is a plain search (``'%cat%'``: contains ``cat``)."""
+    core = pattern.strip("%")
+    head, tail = pattern.startswith("%"), pattern.endswith("%") and core != ""
+    if not case_insensitive and "%" not in core and "_" not in core:
+        if head and tail:
+            return text.str.contains(core, literal=True)
+        if head or tail:
+            return text.str.ends_with(core) if head else text.str.starts_with(core)
+        return text == core if core or not pattern else text.is_not_null()
+    body = "".join(".*" if c == "%" else "." if c == "_" else re.escape(c) for c in core)
+    return text.str.contains(f"(?{'i' if case_insensitive else ''}s){'' if head else '^'}{body}{'' if tail else '$'}")
 
 
 def _remainder(x: pl.Expr, y: pl.Expr) -> pl.Expr:
@@ -68,15 +81,36 @@ def _balanced(items: list[pl.Expr], op: Callable[[pl.Expr, pl.Expr], pl.Expr]) -
     return items[0]
 
 
-def build(node: Node) -> pl.Expr:
-    """The polars expression of ``node``, with SQL's NULL semantics."""
+def _lookup(node: Node, x: pl.Expr, schema: Mapping[str, Any] | None) -> pl.Expr | None:
+    """``x IN (...)`` as one hash lookup (``is_in``) where that is what the OR of equalities gives: a list of more
+    than 8 values, none NULL, over a text column with text values or an integer column with whole numbers (those
+    outside the column's range cannot match). None where it is not: the caller writes the equalities."""
+    import polars as pl
+
+    column, values = node.args[0], [n.value for n in node.args[1:]]
+    if len(values) <= 8 or column.kind != "column" or schema is None or column.value not in schema:
+        return None
+    dtype = schema[column.value]
+    if dtype == pl.String and all(isinstance(v, str) for v in values):
+        found = x.is_in(values)  # a list, not a Series: polars 2 deprecates is_in with a Series of x's type
+    elif str(dtype) in _INTEGERS and all(type(v) is int for v in values):
+        bounds = np.iinfo(str(dtype).lower())
+        found = x.is_in([v for v in values if bounds.min <= v <= bounds.max])  # every one < 2**63: the parser's
+    else:
+        return None
+    return pl.when(x.is_null()).then(None).otherwise(found)
+
+
+def build(node: Node, schema: Mapping[str, Any] | None = None) -> pl.Expr:
+    """The polars expression of ``node``, with SQL's NULL semantics. ``schema`` (column -> polars dtype), where
+    known, lets a long ``IN`` list over a text or integer column be one hash lookup."""
     import polars as pl
 
     if node.kind == "column":
         return pl.col(node.value)
     if node.kind == "literal":
         return pl.lit(node.value)
-    a = [build(n) for n in node.args]
+    a = [build(n, schema) for n in node.args]
     if node.kind == "unary":
         return {"not": lambda: ~a[0], "-": lambda: -a[0], "+": lambda: a[0]}[node.value]()
     if node.kind == "binary":
@@ -98,11 +132,13 @@ def build(node: Node) -> pl.Expr:
         out = (a[0] >= a[1]) & (a[0] <= a[2])
         return ~out if node.value else out
     if node.kind == "in":  # SQL's definition: x = v1 OR x = v2 ..., NULL where nothing matches and a side is NULL
-        out = _balanced([a[0] == v for v in a[1:]], lambda x, y: x | y)
+        out = _lookup(node, a[0], schema)
+        if out is None:
+            out = _balanced([a[0] == v for v in a[1:]], lambda x, y: x | y)
         return ~out if node.value else out
     if node.kind == "like":
         case_insensitive, negated = node.value
-        out = a[0].str.contains(_like(node.args[1].value, case_insensitive))
+        out = _like(a[0], node.args[1].value, case_insensitive)
         return ~out if negated else out
     if node.kind == "call":
         return _call(node.value, a, node.args)
