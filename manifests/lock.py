@@ -4,9 +4,15 @@ Two scans (or rebuckets, embeds, plans) started on one ``--out`` would each dele
 and commit a root JSON naming parts that no longer exist. So every job that writes an artifact holds
 its writer lock for the whole run (:func:`writer_lock`):
 
-- **Taken** by an exclusive create: ``O_CREAT | O_EXCL`` on a local disk, a PUT with
-  ``If-None-Match: *`` on S3 (which AWS S3, R2 and moto honour: a second PUT fails with 412). Exactly one
-  of two writers started at once gets it.
+- **Taken** by an exclusive create of a whole file: on a local disk the lock is written and synced to a
+  ``_writer.json.tmp-*`` sibling first and then published with ``link``, which fails when the lock exists
+  (where a filesystem has no hard links: ``O_CREAT | O_EXCL``, and a lock that could not be written whole
+  is removed by the run that made it); on S3 a PUT with ``If-None-Match: *`` (which AWS S3, R2 and moto
+  honour: a second PUT fails with 412), atomic by itself. Exactly one of two writers started at once gets
+  it, and a full disk or a failed write leaves no lock behind.
+- **Our own PUT, answered late**: when a lock PUT reached the store but its answer was lost, the retry is
+  refused (412) by the lock it made; the writer reads its own token there and holds the lock. A run that
+  fails while taking the lock removes a lock of its own token before it stops.
 - **Refused**: the second writer gets one line naming the first (host, pid, start time, command), exit 2.
 - **Alive**: the holder rewrites it every :data:`HEARTBEAT_SECONDS` (``heartbeat_at``).
 - **Taken over** with a one-line notice when its owner is gone: a process of this host that no longer
@@ -21,6 +27,10 @@ its writer lock for the whole run (:func:`writer_lock`):
   server sets both). A host whose clock runs 10 minutes fast does not steal a live lock, nor does one
   10 minutes slow keep a dead one 10 minutes longer; ``heartbeat_at`` in the file (this host's clock,
   :data:`_clock`) is for people reading it.
+- **Torn** (an empty or unreadable ``_writer.json``: written by an older bucketeer that created it before
+  writing it, or by another tool): taken over with a notice once it is :data:`TORN_SECONDS` old by the
+  store's clock (a writer fills its lock within milliseconds), refused before then with one line saying
+  when it will be taken over.
 - **Released** at the end of the run (also on an exception); a release deletes only the writer's own lock.
 
 A writer that took the lock also removes what a killed writer left on a local disk: the zero-byte or
@@ -35,6 +45,7 @@ import email.utils
 import errno
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -54,8 +65,10 @@ log = logging.getLogger("bucketeer.lock")
 LOCK_FILE = "_writer.json"
 HEARTBEAT_SECONDS = 30.0
 STALE_SECONDS = 300.0  # a heartbeat older than this: the writer is gone (any host)
+TORN_SECONDS = 10.0  # an empty or unreadable lock older than this was never going to be written: taken over
 STALE_ENV = "BUCKETEER_LOCK_STALE_SECONDS"
 HEARTBEAT_ENV = "BUCKETEER_LOCK_HEARTBEAT_SECONDS"
+_NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS}  # a filesystem without links
 _clock = time.time  # this host's clock: only what the file says for people (tests set it 10 minutes off)
 
 
@@ -84,12 +97,24 @@ class Writer:
     def to_bytes(self) -> bytes:
         return (json.dumps(asdict(self), indent=2, sort_keys=True) + "\n").encode()
 
+    @property
+    def torn(self) -> bool:
+        """Whether this stands for a lock file that is empty or unreadable (no writer can be named)."""
+        return not self.token
+
     def describe(self) -> str:
+        if self.torn:
+            return f"a torn lock (an empty or unreadable {LOCK_FILE}, never written whole)"
         return f"`bucketeer {self.command}` on host {self.host}, pid {self.pid}, started {self.started_at}"
 
     def gone(self, age: float, stale_seconds: float) -> str | None:
         """Why this writer is gone (a line for the take-over notice), or None while it may still run.
         ``age``: seconds since its lock was last written, by the store's clock (:meth:`_Lock.read`)."""
+        if self.torn:
+            if age > min(TORN_SECONDS, stale_seconds):
+                return (f"it is {age:.0f} s old and was never written whole (a run that failed while writing it, "
+                        "e.g. on a full disk)")  # fmt: skip
+            return None
         if self.host == socket.gethostname():
             started = _process_started(self.pid)
             if started is None:
@@ -141,24 +166,53 @@ class _Lock:
     def create(self, data: bytes) -> bool:
         """Create the lock file if there is none; False when there is one."""
         if self.local:
-            def create_local() -> bool:
-                self.fs.makedirs(self.root, exist_ok=True)
-                try:
-                    fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-                except FileExistsError:
-                    return False
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                return True
-
-            return call_storage(self.fs, "locking", self.path, create_local)
+            return call_storage(self.fs, "locking", self.path, lambda: self._create_local(data))
 
         def create_remote() -> bool:
             return self._put(data, IfNoneMatch="*")
 
         return call_storage(self.fs, "locking", self.path, create_remote)
+
+    def _create_local(self, data: bytes) -> bool:
+        """Write the lock whole to a temporary sibling, then publish it with ``link`` (no-replace): a lock is
+        visible whole or not at all. A failed write (ENOSPC) leaves neither file."""
+        self.fs.makedirs(self.root, exist_ok=True)
+        tmp = f"{self.path}.tmp-{uuid.uuid4().hex}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.link(tmp, self.path)
+            return True
+        except FileExistsError:
+            return False
+        except FileNotFoundError:  # our temporary was removed by the holder's clean-up (remove_temporaries)
+            return False
+        except OSError as e:
+            if e.errno not in _NO_LINKS:
+                raise
+        finally:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+        return self._create_exclusive(data)
+
+    def _create_exclusive(self, data: bytes) -> bool:
+        """``O_EXCL`` create and write, for a filesystem without hard links; a lock not written whole is removed."""
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(self.path)
+            raise
+        return True
 
     def read(self) -> tuple[Writer | None, str | None, float]:
         """The current holder, a version tag for a conditional take-over, and the seconds since the lock was
@@ -229,9 +283,14 @@ class _Lock:
         """Rewrite our own lock (its heartbeat); on S3 only if it is still the version we read."""
         if self.local:
             tmp = f"{self.path}.tmp-{uuid.uuid4().hex}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, self.path)
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, self.path)
+            except BaseException:  # a full disk: the old heartbeat stays, whole
+                with contextlib.suppress(OSError):
+                    os.remove(tmp)
+                raise
         else:
             self._put(data, **({"IfMatch": etag} if etag else {}))
 
@@ -284,24 +343,14 @@ def writer_lock(url: str, storage_options: Mapping[str, Any] | None, command: st
                 process_started=_process_started(os.getpid()),
                 started_at=_dt.datetime.fromtimestamp(_clock(), _dt.timezone.utc).isoformat(timespec="seconds"),
                 heartbeat_at=_clock())  # fmt: skip
-    for _ in range(5):  # each round: create, or judge the holder and maybe take it over
-        if lock.create(me.to_bytes()):
-            break
-        holder, etag, age = lock.read()
-        if holder is None:  # released between our create and our read: try again
-            continue
-        why = holder.gone(age, stale_seconds)
-        if why is None:
-            raise WriterBusyError(f"{redact(url)} is being written by {holder.describe()}; wait for it to finish, "
-                                  f"or stop it (a lock whose writer is gone is taken over: {LOCK_FILE})")  # fmt: skip
-        if lock.replace(holder, etag, me.to_bytes()):
-            print(f"bucketeer {command}: note: took over the lock of {redact(url)} from {holder.describe()}: {why}",
-                  flush=True)  # fmt: skip
-            break
-    else:
-        holder, _, _ = lock.read()
-        raise WriterBusyError(f"{redact(url)} is being written by {holder.describe() if holder else 'another writer'}"
-                              "; wait for it to finish")  # fmt: skip
+    try:
+        _take(lock, me, url, command, stale_seconds)
+    except BaseException:  # a PUT that reached the store before its answer failed: no lock of ours stays behind
+        with contextlib.suppress(Exception):
+            holder, _, _ = lock.read()
+            if holder is not None and holder.token == me.token:
+                lock.remove()
+        raise
     faults.hit("lock.taken")
     removed = lock.remove_temporaries()
     if removed:
@@ -320,6 +369,35 @@ def writer_lock(url: str, storage_options: Mapping[str, Any] | None, command: st
         if created:
             with contextlib.suppress(OSError):
                 os.rmdir(root)
+
+
+def _take(lock: _Lock, me: Writer, url: str, command: str, stale_seconds: float) -> None:
+    """Create the lock, or judge its holder and take it over when it is gone. Raises WriterBusyError."""
+    for _ in range(5):  # each round: create, or judge the holder and maybe take it over
+        if lock.create(me.to_bytes()):
+            return
+        holder, etag, age = lock.read()
+        if holder is None:  # released between our create and our read: try again
+            continue
+        if holder.token == me.token:  # our own PUT stored it; its answer was lost and the retry refused
+            return
+        why = holder.gone(age, stale_seconds)
+        if why is None and holder.torn:
+            wait = max(1, math.ceil(min(TORN_SECONDS, stale_seconds) - age))
+            raise WriterBusyError(f"{redact(url)} has a torn writer lock ({LOCK_FILE} is empty or unreadable, "
+                                  f"{age:.0f} s old): a writer is creating it now, or one failed while writing it; "
+                                  f"it is taken over when {min(TORN_SECONDS, stale_seconds):.0f} s old: run again "
+                                  f"in {wait} s")  # fmt: skip
+        if why is None:
+            raise WriterBusyError(f"{redact(url)} is being written by {holder.describe()}; wait for it to finish, "
+                                  f"or stop it (a lock whose writer is gone is taken over: {LOCK_FILE})")  # fmt: skip
+        if lock.replace(holder, etag, me.to_bytes()):
+            print(f"bucketeer {command}: note: took over the lock of {redact(url)} from {holder.describe()}: {why}",
+                  flush=True)  # fmt: skip
+            return
+    holder, _, _ = lock.read()
+    raise WriterBusyError(f"{redact(url)} is being written by {holder.describe() if holder else 'another writer'}"
+                          "; wait for it to finish")  # fmt: skip
 
 
 def _heartbeat(lock: _Lock, me: Writer, stop: threading.Event) -> None:

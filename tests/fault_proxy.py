@@ -8,6 +8,7 @@ the requests for a while, or trickles its answers a byte at a time.
     proxy.throttle(share=1.0, seconds=2, status=429, retry_after=1)
     proxy.throttle(share=0.5, requests=100, match=reads)      # every 2nd of the next 100 GETs and HEADs
     proxy.trickle(interval=0.3)                               # response bodies: one byte every 0.3 s
+    proxy.lose_answers(1, match=lambda m, p: m == "PUT")      # the next PUT is done upstream, its answer lost
     options = {"endpoint_url": proxy.endpoint}
 
 ``log`` records every request it answered as a :class:`Seen` (time, method, path, status, throttled), so a
@@ -74,6 +75,7 @@ class FaultProxy(ThreadingHTTPServer):
         self._throttle: _Throttle | None = None
         self._counter = 0
         self._trickle: tuple[float, float, bool] | None = None  # interval, until, headers too
+        self._lose: tuple[int, Callable[[str, str], bool] | None] = (0, None)  # answers still to lose, which
         threading.Thread(target=self.serve_forever, daemon=True, name="fault-proxy").start()
 
     def handle_error(self, request, client_address) -> None:  # a client that gave up on a trickle: quiet
@@ -103,10 +105,24 @@ class FaultProxy(ThreadingHTTPServer):
         self._trickle = (interval, start + seconds, headers)
         return start
 
+    def lose_answers(self, requests: int = 1, match: Callable[[str, str], bool] | None = None) -> None:
+        """Forward the next ``requests`` requests that ``match(method, path)`` picks (default: all) to the store,
+        then close the client's connection without an answer: the store did the work, its answer was lost."""
+        with self.lock:
+            self._lose = (requests, match)
+
+    def _losing(self, method: str, path: str) -> bool:
+        with self.lock:
+            left, match = self._lose
+            if left <= 0 or (match is not None and not match(method, path)):
+                return False
+            self._lose = (left - 1, match)
+            return True
+
     def heal(self) -> None:
         """Stop every fault now."""
         with self.lock:
-            self._throttle, self._trickle = None, None
+            self._throttle, self._trickle, self._lose = None, None, (0, None)
 
     def close(self) -> None:
         self.heal()
@@ -191,6 +207,9 @@ class _Handler(BaseHTTPRequestHandler):
         finally:
             upstream.close()
         self.server._record(self.command, self.path, status, False)
+        if self.server._losing(self.command, self.path):
+            self.close_connection = True  # the store did it; the client hears nothing
+            return
         self._send(status, out, data)
 
     def _send(self, status: int, headers: list[tuple[str, str]], data: bytes) -> None:
