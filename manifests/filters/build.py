@@ -93,9 +93,9 @@ def _lookup(node: Node, x: pl.Expr, schema: Mapping[str, Any] | None) -> pl.Expr
     dtype = schema[column.value]
     if dtype == pl.String and all(isinstance(v, str) for v in values):
         found = x.is_in(values)  # a list, not a Series: polars 2 deprecates is_in with a Series of x's type
-    elif str(dtype) in _INTEGERS and all(type(v) is int for v in values):
+    elif str(dtype) in _INTEGERS and all(type(v) is int and v < 2**63 for v in values):  # old polars: int64 lists
         bounds = np.iinfo(str(dtype).lower())
-        found = x.is_in([v for v in values if bounds.min <= v <= bounds.max])  # every one < 2**63: the parser's
+        found = x.is_in([v for v in values if bounds.min <= v <= bounds.max])
     else:
         return None
     return pl.when(x.is_null()).then(None).otherwise(found)

@@ -340,8 +340,8 @@ class _Parser:
 def _number(t: str, parser: _Parser) -> int | float:
     if re.fullmatch(r"\d+", t):
         value = int(t)
-        if value >= 2**63:
-            parser.fail(f"the number {t} is too large (at most {2**63 - 1})")
+        if value >= 2**64:  # a sample id is a uint64
+            parser.fail(f"the number {t} is too large (at most {2**64 - 1})")
         return value
     return float(t)
 
