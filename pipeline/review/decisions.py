@@ -114,8 +114,11 @@ class DecisionLog:
         self._parts = list(meta.parts)
 
     def decide(self, positions: np.ndarray, keep: bool) -> int:
-        """Keep or reject the manifest rows ``positions``; written before it returns. Returns how many."""
+        """Keep or reject the manifest rows ``positions``; written before it returns. Returns how many (none:
+        nothing is written and no undo step is added)."""
         positions = np.unique(np.asarray(positions, np.int64))
+        if not len(positions):
+            return 0
         with self._lock:
             self._history.append(self._before(positions))
             self.keep[positions] = KEEP if keep else REJECT

@@ -3,11 +3,26 @@
     with serving(data, thumbs, host="127.0.0.1", port=0) as url:   # http://127.0.0.1:PORT/?token=...
         ...
 
-Every request needs the session's token: the printed URL carries it (``?token=``), the page's first load
-sets it as an HttpOnly SameSite=Strict cookie, and a script may send it as the ``X-Bucketeer-Token`` header;
-without it the answer is 403. Images are asked for by sample id and found among the manifest's rows; an id
-the manifest does not hold is 404, and no part of a request becomes a path. The page itself is three
-fixed files of package data (:data:`STATIC`). Answers carry no storage options and no credentials.
+Every request needs the session's token: the printed URL carries it (``?token=``), the page keeps it in
+``sessionStorage`` and sends it as the ``X-Bucketeer-Token`` header, and its first load also sets it as an
+HttpOnly SameSite=Strict cookie named for the port (``bucketeer_review_<port>``: another local service or a
+second review on another port never receives or overwrites it) so that ``<img>`` tags can load. Without the
+token the answer is 403. Beyond the token (:class:`Gate`):
+
+- **Changes need the header.** A POST (a decision, a caption, an undo) is taken only with the token in the
+  header, ``Content-Type: application/json`` and no foreign ``Origin``: the cookie alone never changes
+  anything. SameSite does not separate ports, so a page on another port of 127.0.0.1 sends the cookie; it
+  cannot send the header or that content type without a CORS preflight, which is never answered.
+- **Only this server's names.** The ``Host`` must be 127.0.0.1, localhost, ::1 or the ``--host`` given, with
+  the bound port (a DNS-rebinding page's ``Host`` is its own name); a request another site's page made
+  (``Origin`` not this server, ``Sec-Fetch-Site: cross-site`` or ``same-site``) is refused.
+- **Every answer** carries ``Content-Security-Policy: default-src 'self'; frame-ancestors 'none'``,
+  ``X-Content-Type-Options: nosniff`` and ``Referrer-Policy: no-referrer``.
+- **Bodies are checked**: JSON of at most :data:`BODY_LIMIT` bytes, each field of its type (400 otherwise).
+
+Images are asked for by sample id and found among the manifest's rows; an id the manifest does not hold is
+404, and no part of a request becomes a path. The page itself is three fixed files of package data
+(:data:`STATIC`). Answers carry no storage options and no credentials. docs/review.md states the threat model.
 """
 
 from __future__ import annotations
@@ -16,11 +31,12 @@ import contextlib
 import hmac
 import html
 import importlib.resources
+import json
 import secrets
 import socket
 import threading
 import time
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 from starlette.applications import Starlette
@@ -31,37 +47,119 @@ from starlette.routing import Route
 from manifests.errors import UsageError
 from manifests.storage import redact
 from pipeline.review.data import ReviewData
-from pipeline.review.thumbs import FULL_SIZE, THUMB_SIZE, ThumbCache
+from pipeline.review.thumbs import FULL_SIZE, THUMB_SIZE, PreviewRefused, ThumbCache
 
-__all__ = ["TOKEN_COOKIE", "TOKEN_HEADER", "STATIC", "build_app", "serving"]
+__all__ = ["TOKEN_COOKIE", "TOKEN_HEADER", "STATIC", "SECURITY_HEADERS", "BODY_LIMIT", "cookie_name", "build_app",
+           "serving"]
 
-TOKEN_COOKIE = "bucketeer_review"
+TOKEN_COOKIE = "bucketeer_review"  # + "_<port>": :func:`cookie_name`
 TOKEN_HEADER = "x-bucketeer-token"
 STATIC = {"app.js": "text/javascript", "app.css": "text/css"}  # the only files served besides index.html
 PAGE_LIMIT = 1000  # rows per /api/view answer at most
+BODY_LIMIT = 1 << 20  # bytes of a POST's JSON body (a caption, or the ids of one page of decisions)
+TEXT_LIMIT = 10_000  # characters of a filter or caption in a body
+LOCAL_NAMES = ("127.0.0.1", "localhost", "::1")
+SECURITY_HEADERS = [
+    (b"content-security-policy", b"default-src 'self'; img-src 'self' data:; frame-ancestors 'none'"),
+    (b"x-content-type-options", b"nosniff"),
+    (b"referrer-policy", b"no-referrer"),
+]
+
+
+def cookie_name(port: int) -> str:
+    """The token cookie of the server on ``port``: cookies ignore ports, so each server names its own."""
+    return f"{TOKEN_COOKIE}_{port}"
 
 
 def _static(name: str) -> bytes:
     return importlib.resources.files("pipeline.review").joinpath("static", name).read_bytes()
 
 
-class TokenGate:
-    """ASGI middleware: 403 for a request without the token (query, cookie or header)."""
+class Gate:
+    """ASGI middleware: the Host check, the token (header, query or this port's cookie), the header-only rule
+    for changes, the refusal of requests other sites' pages make, and the security headers on every answer."""
 
-    def __init__(self, app, token: str):
-        self.app, self.token = app, token
+    def __init__(self, app, token: str, host: str, port: int):
+        self.app, self.token, self.port = app, token.encode(), port
+        self.hosts = {h.strip("[]").lower() for h in (*LOCAL_NAMES, host, *_machine_names(host))}
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and not self._allowed(Request(scope)):
-            await PlainTextResponse("403: open the URL bucketeer review printed (it carries the token)",
-                                    status_code=403)(scope, receive, send)  # fmt: skip
-            return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
 
-    def _allowed(self, request: Request) -> bool:
-        given = [request.query_params.get("token"), request.cookies.get(TOKEN_COOKIE),
-                 request.headers.get(TOKEN_HEADER)]
-        return any(g is not None and hmac.compare_digest(g.encode(), self.token.encode()) for g in given)
+        async def send_secured(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *SECURITY_HEADERS]}
+            await send(message)
+
+        refusal = self._refusal(Request(scope))
+        if refusal is not None:
+            status, text = refusal
+            return await PlainTextResponse(text, status_code=status)(scope, receive, send_secured)
+        await self.app(scope, receive, send_secured)
+
+    def _refusal(self, request: Request) -> tuple[int, str] | None:
+        """``(status, text)`` of a refused request, None for an allowed one."""
+        host = request.headers.get("host", "")
+        name, _, port = host.rpartition(":") if not host.endswith("]") else (host, "", "")
+        if name.strip("[]").lower() not in self.hosts or (port and port != str(self.port)):
+            return 421, f"421: this server answers to 127.0.0.1:{self.port} or localhost:{self.port} only"
+        origin = request.headers.get("origin")
+        if (origin is not None and origin != f"http://{host}") or \
+                request.headers.get("sec-fetch-site") in ("cross-site", "same-site"):
+            return 403, "403: a request from another site's page"
+        header = request.headers.get(TOKEN_HEADER)
+        if request.method not in ("GET", "HEAD"):
+            if header is None or not hmac.compare_digest(header.encode(), self.token):
+                return 403, f"403: a change needs the token in the {TOKEN_HEADER} header"
+            if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
+                return 415, "415: send the body as application/json"
+            return None
+        given = [header, request.query_params.get("token"), request.cookies.get(cookie_name(self.port))]
+        if not any(g is not None and hmac.compare_digest(g.encode(), self.token) for g in given):
+            return 403, "403: open the URL bucketeer review printed (it carries the token)"
+        return None
+
+
+def _machine_names(host: str) -> list[str]:
+    """Bound to every address (``--host 0.0.0.0`` or ``::``): this machine's names and addresses, the names a
+    person on the network reaches it by. None for one address (it is its own name)."""
+    if host not in ("0.0.0.0", "::", ""):
+        return []
+    names = [socket.gethostname(), socket.getfqdn()]
+    with contextlib.suppress(OSError):
+        names += socket.gethostbyname_ex(socket.gethostname())[2]
+    return names
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    """The request's JSON object, at most :data:`BODY_LIMIT` bytes; UsageError (400) for anything else."""
+    raw = await request.body()
+    if len(raw) > BODY_LIMIT:
+        raise UsageError(f"the body is {len(raw)} bytes; at most {BODY_LIMIT}")
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise UsageError("the body is not JSON") from None
+    if not isinstance(body, dict):
+        raise UsageError("the body is not a JSON object")
+    return body
+
+
+def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], required: bool = True) -> Any:
+    """``body[name]`` if it is of ``kind`` (never a bool for an int); UsageError (400) naming the field otherwise."""
+    if name not in body:
+        if required:
+            raise UsageError(f"the body has no {name!r}")
+        return None
+    value = body[name]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        wanted = " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
+        raise UsageError(f"{name!r} must be {wanted}, not {type(value).__name__}")
+    if isinstance(value, str) and len(value) > TEXT_LIMIT:
+        raise UsageError(f"{name!r} is {len(value)} characters; at most {TEXT_LIMIT}")
+    return value
 
 
 def _position(data: ReviewData, text: str) -> int:
@@ -93,17 +191,18 @@ def _not_found(request: Request, exc: Exception) -> Response:
     return JSONResponse({"error": str(exc.args[0]) if exc.args else "not found"}, status_code=404)
 
 
-def build_app(data: ReviewData, thumbs: ThumbCache, token: str, where: str | None = None) -> Starlette:
-    """The app: the page, its JSON API and the images, behind :class:`TokenGate`."""
+def build_app(data: ReviewData, thumbs: ThumbCache, token: str, where: str | None = None, host: str = "127.0.0.1",
+              port: int = 0) -> Starlette:  # fmt: skip
+    """The app: the page, its JSON API and the images, behind :class:`Gate` (``host``, ``port``: where it is
+    served, the only names and port it answers to)."""
 
     def index(request: Request) -> Response:
         page = _static("index.html").replace(b'<meta name="bucketeer-where" content="">',
                                              f'<meta name="bucketeer-where" content="{html.escape(where or "")}">'
                                              .encode())  # fmt: skip
-        response = Response(page, media_type="text/html; charset=utf-8",
-                            headers={"Cache-Control": "no-store", "Referrer-Policy": "no-referrer"})  # fmt: skip
-        if request.query_params.get("token"):
-            response.set_cookie(TOKEN_COOKIE, token, httponly=True, samesite="strict")
+        response = Response(page, media_type="text/html; charset=utf-8", headers={"Cache-Control": "no-store"})
+        if request.query_params.get("token"):  # for the <img> tags; the page sends the header for everything else
+            response.set_cookie(cookie_name(port), token, httponly=True, samesite="strict")
         return response
 
     def static(request: Request) -> Response:
@@ -139,34 +238,40 @@ def build_app(data: ReviewData, thumbs: ThumbCache, token: str, where: str | Non
 
     def image(size: int):
         def endpoint(request: Request) -> Response:
-            jpeg = thumbs.jpeg(_position(data, request.path_params["sid"]), size)
+            try:
+                jpeg = thumbs.jpeg(_position(data, request.path_params["sid"]), size)
+            except PreviewRefused as e:
+                return PlainTextResponse(str(e), status_code=422)
             if jpeg is None:
                 return PlainTextResponse("the image cannot be read", status_code=422)
             return Response(jpeg, media_type="image/jpeg", headers={"Cache-Control": "private, max-age=3600"})
         return endpoint
 
     async def decide(request: Request) -> Response:
-        body = await request.json()
-        return await _run(_decide, body)
+        return await _run(_decide, await _body(request))
 
     def _decide(body: dict) -> dict:
-        keep = bool(body["keep"])
+        keep = _field(body, "keep", bool)
         if "where" in body:  # "reject all that the filter shows": the count the person confirmed must match
-            rows = data.view(body.get("where"), None)
-            if int(body.get("expected", -1)) != len(rows):
-                raise UsageError(f"the filter now shows {len(rows)} samples, not the {body.get('expected')} "
-                                 "confirmed: look again")  # fmt: skip
-            n = data.log.decide(rows, keep)
+            where, expected = _field(body, "where", (str, type(None))), _field(body, "expected", int)
+            rows = data.view(where, None)
+            if expected != len(rows):
+                raise UsageError(f"the filter now shows {len(rows)} samples, not the {expected} confirmed: look "
+                                 "again")  # fmt: skip
         else:
-            n = data.log.decide(np.array([_position(data, s) for s in body["ids"]], np.int64), keep)
+            ids = _field(body, "ids", list)
+            if not all(isinstance(i, (str, int)) and not isinstance(i, bool) for i in ids):
+                raise UsageError("'ids' must be a list of sample ids (decimal strings)")
+            rows = np.array([_position(data, str(i)) for i in ids], np.int64)
+        n = data.log.decide(rows, keep)  # none: nothing written, no undo step
         return {"changed": n, "counts": data.log.counts()}
 
     async def caption(request: Request) -> Response:
-        body = await request.json()
+        body = await _body(request)
 
         def edit(body: dict) -> dict:
-            text = body.get("caption")
-            data.log.edit_caption(_position(data, str(body["id"])), text.strip() if text and text.strip() else None)
+            sid, text = _field(body, "id", (str, int)), _field(body, "caption", (str, type(None)))
+            data.log.edit_caption(_position(data, str(sid)), text.strip() if text and text.strip() else None)
             return {"counts": data.log.counts()}
         return await _run(edit, body)
 
@@ -182,7 +287,7 @@ def build_app(data: ReviewData, thumbs: ThumbCache, token: str, where: str | Non
     app = Starlette(routes=routes, exception_handlers={UsageError: _bad_request, ValueError: _bad_request,
                                                        KeyError: _bad_request, TypeError: _bad_request,
                                                        LookupError: _not_found})  # fmt: skip
-    app.add_middleware(TokenGate, token=token)
+    app.add_middleware(Gate, token=token, host=host, port=port)
     return app
 
 
@@ -202,8 +307,8 @@ def serving(data: ReviewData, thumbs: ThumbCache, host: str = "127.0.0.1", port:
         sock.close()
         raise UsageError(f"--host {host} --port {port}: cannot listen there ({e.strerror}); pick another --port")
     bound = sock.getsockname()[1]
-    config = uvicorn.Config(build_app(data, thumbs, token, where), log_level="warning", access_log=False,
-                            lifespan="off")  # fmt: skip
+    config = uvicorn.Config(build_app(data, thumbs, token, where, host, bound), log_level="warning",
+                            access_log=False, lifespan="off")  # fmt: skip
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="bucketeer-review")
     thread.start()

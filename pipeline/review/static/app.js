@@ -6,9 +6,15 @@ const $ = (id) => document.getElementById(id);
 const state = { where: "", sort: "", desc: false, count: 0, blocks: new Map(), pending: new Set(), selected: 0,
                 generation: 0, detail: null };
 
+// the token travels as a header, kept in this tab's sessionStorage: a change is never made with the cookie
+// alone (which only lets <img> tags load), so a page on another port of 127.0.0.1 cannot make one
+const TOKEN = new URLSearchParams(location.search).get("token") || sessionStorage.getItem("bucketeer-token") || "";
+sessionStorage.setItem("bucketeer-token", TOKEN);
+
 async function api(path, body) {
-  const init = body === undefined ? {} : { method: "POST", headers: { "Content-Type": "application/json" },
-                                           body: JSON.stringify(body) };
+  const headers = { "X-Bucketeer-Token": TOKEN };
+  const init = body === undefined ? { headers } : { method: "POST", body: JSON.stringify(body),
+                                                    headers: { ...headers, "Content-Type": "application/json" } };
   const response = await fetch(path, init);
   const data = await response.json().catch(() => ({ error: response.statusText }));
   if (!response.ok) { showError(data.error || response.statusText); throw new Error(data.error); }
@@ -228,7 +234,7 @@ async function start() {
   for (const c of info.columns) {
     const o = document.createElement("option"); o.value = c; o.textContent = c; $("sort").append(o);
   }
-  if (location.search.includes("token=")) history.replaceState(null, "", location.pathname);  // the cookie has it
+  if (location.search.includes("token=")) history.replaceState(null, "", location.pathname);  // sessionStorage has it
   $("query").addEventListener("submit", (e) => {
     e.preventDefault();
     state.where = $("where").value; state.sort = $("sort").value; state.desc = $("desc").checked;
