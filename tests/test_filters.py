@@ -51,7 +51,8 @@ FRAME = _frame()
 # -- random valid filters, as text, fully parenthesised: the same rows and values as polars' SQL gave ----------------
 
 def _num(depth: int) -> st.SearchStrategy[str]:
-    leaf = st.sampled_from(["i", "j", "x", "3", "(-2)", "0", "0.5", "(-1.25)", "LENGTH(s)"])
+    # LENGTH is signed here, unsigned in polars' SQL (where LENGTH(s) - 5 wraps): compared through a cast
+    leaf = st.sampled_from(["i", "j", "x", "3", "(-2)", "0", "0.5", "(-1.25)", "CAST(LENGTH(s) AS BIGINT)"])
     if depth == 0:
         return leaf
     sub, cond, text = _num(depth - 1), _bool(depth - 1), _str(depth - 1)
@@ -61,7 +62,7 @@ def _num(depth: int) -> st.SearchStrategy[str]:
         st.tuples(st.sampled_from(["ABS", "COALESCE", "GREATEST", "LEAST"]), sub, sub).map(
             lambda t: f"{t[0]}({t[1]})" if t[0] == "ABS" else f"{t[0]}({t[1]}, {t[2]})"),
         st.tuples(cond, sub, sub).map(lambda t: f"(CASE WHEN {t[0]} THEN {t[1]} ELSE {t[2]} END)"),
-        text.map(lambda s: f"LENGTH({s})"),
+        text.map(lambda s: f"CAST(LENGTH({s}) AS BIGINT)"),
     )
 
 
@@ -150,7 +151,7 @@ def test_precedence_and_forms_read_as_polars_sql_read_them(text):
     assert parse_filter(text).mask(FRAME).tolist() == np.broadcast_to(want, (FRAME.height,)).tolist()
 
 
-def test_sql_null_rules_and_remainder_sign_are_the_documented_ones():
+def test_sql_null_rules_remainder_sign_and_64_bit_arithmetic_are_the_documented_ones():
     frame = pl.DataFrame({"d": [True, False, None], "a": [-7, 7, None], "c": ["a\ncat", "cat", None]})
 
     def kept(text: str) -> list[int]:
@@ -167,6 +168,13 @@ def test_sql_null_rules_and_remainder_sign_are_the_documented_ones():
     # LIKE's % crosses newlines; ILIKE ignores case; a pattern's regex characters are literal
     assert kept("c LIKE '%cat'") == [0, 1] and kept("c ILIKE 'A%'") == [0] and kept("c LIKE 'c.t'") == []
     assert kept("c LIKE 'c_t'") == [1]
+    # integer arithmetic in 64 bits (polars' SQL wrapped int32 width * height past 2**31), LENGTH signed
+    sizes = pl.DataFrame({"width": pl.Series([60000, 1000], dtype=pl.Int32), "height": pl.Series([60000, 1000],
+                          dtype=pl.Int32), "n": pl.Series([3, 1], dtype=pl.UInt8), "c": ["ab", "abcdefg"]})  # fmt: skip
+    assert parse_filter("width * height").values(sizes).to_list() == [3_600_000_000, 1_000_000]
+    assert parse_filter("width * height >= 1000000").mask(sizes).tolist() == [True, True]
+    assert parse_filter("n - 5").values(sizes).to_list() == [-2, -4]
+    assert parse_filter("LENGTH(c) - 5").values(sizes).to_list() == [-3, 2]
 
 
 # -- refused: every reading function and subquery form, bounds, and one line naming the construct ------------------

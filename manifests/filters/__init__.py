@@ -18,7 +18,9 @@ What a filter may contain (anything else is refused in one line naming the const
 
 Semantics are SQL's: comparisons with NULL are NULL, ``AND``/``OR`` are three-valued, ``IS [NOT] TRUE`` and
 ``IS [NOT] FALSE`` are never NULL (``duplicate IS NOT TRUE`` keeps a sample with no annotations row), ``/`` is
-true division, ``LIKE``'s ``%`` and ``_`` match any characters and one character (newlines included).
+true division, ``%`` has the dividend's sign, arithmetic on an integer column of 32 bits or fewer is done in 64
+(``width * height`` never wraps), ``LIKE``'s ``%`` and ``_`` match any characters and one character (newlines
+included), and ``LENGTH`` is signed.
 
 Work is bounded by the text: at most :data:`MAX_LENGTH` characters, :data:`MAX_NODES` tree nodes nested at most
 :data:`MAX_DEPTH` deep, and :data:`MAX_TEXT_OPS` operations on text. Every operation is linear in the rows

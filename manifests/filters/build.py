@@ -16,6 +16,8 @@ if TYPE_CHECKING:  # polars is imported where a filter is built: the trainer rea
 __all__ = ["build"]
 
 _INTEGERS = {f"{sign}Int{bits}" for sign in ("", "U") for bits in (8, 16, 32, 64)}
+_NARROW = _INTEGERS - {"Int64", "UInt64"}  # integer columns whose arithmetic is done in Int64
+_ARITHMETIC = {"+", "-", "*", "/", "%"}
 
 
 def _like(text: pl.Expr, pattern: str, case_insensitive: bool) -> pl.Expr:
@@ -49,8 +51,8 @@ def _call(fn: str, a: list[pl.Expr], nodes: tuple[Node, ...]) -> pl.Expr:
         "cbrt": lambda x: x.cbrt(), "exp": lambda x: x.exp(), "ln": lambda x: x.log(), "log10": lambda x: x.log10(),
         "log2": lambda x: x.log(2), "floor": lambda x: x.floor(), "ceil": lambda x: x.ceil(),
         "ceiling": lambda x: x.ceil(), "lower": lambda x: x.str.to_lowercase(), "upper": lambda x: x.str.to_uppercase(),
-        "length": lambda x: x.str.len_chars(), "char_length": lambda x: x.str.len_chars(),
-        "octet_length": lambda x: x.str.len_bytes(),
+        "length": lambda x: x.str.len_chars().cast(pl.Int64), "char_length": lambda x: x.str.len_chars().cast(pl.Int64),
+        "octet_length": lambda x: x.str.len_bytes().cast(pl.Int64),  # signed: LENGTH(s) - 5 may be negative
     }  # fmt: skip
     if fn in unary:
         return unary[fn](a[0])
@@ -101,9 +103,19 @@ def _lookup(node: Node, x: pl.Expr, schema: Mapping[str, Any] | None) -> pl.Expr
     return pl.when(x.is_null()).then(None).otherwise(found)
 
 
+def _widened(expr: pl.Expr, node: Node, schema: Mapping[str, Any] | None) -> pl.Expr:
+    """``expr`` as Int64 when ``node`` is a column of a narrower integer type (``schema``'s)."""
+    import polars as pl
+
+    if node.kind == "column" and schema is not None and str(schema.get(node.value)) in _NARROW:
+        return expr.cast(pl.Int64)
+    return expr
+
+
 def build(node: Node, schema: Mapping[str, Any] | None = None) -> pl.Expr:
     """The polars expression of ``node``, with SQL's NULL semantics. ``schema`` (column -> polars dtype), where
-    known, lets a long ``IN`` list over a text or integer column be one hash lookup."""
+    known, lets a long ``IN`` list over a text or integer column be one hash lookup, and makes arithmetic on an
+    integer column of 32 bits or fewer 64-bit (``width * height`` of int32 columns wraps past 2**31 otherwise)."""
     import polars as pl
 
     if node.kind == "column":
@@ -111,6 +123,8 @@ def build(node: Node, schema: Mapping[str, Any] | None = None) -> pl.Expr:
     if node.kind == "literal":
         return pl.lit(node.value)
     a = [build(n, schema) for n in node.args]
+    if (node.kind == "binary" and node.value in _ARITHMETIC) or (node.kind == "unary" and node.value == "-"):
+        a = [_widened(e, n, schema) for e, n in zip(a, node.args)]
     if node.kind == "unary":
         return {"not": lambda: ~a[0], "-": lambda: -a[0], "+": lambda: a[0]}[node.value]()
     if node.kind == "binary":
