@@ -63,6 +63,11 @@ def test_a_cookie_only_post_from_another_ports_page_changes_nothing(served):  # 
     # a GET another site's page makes (an <img> or a fetch from another port) is refused too, cookie or not
     assert _call(served.base + "api/info", None, {**cookie, "Sec-Fetch-Site": "same-site"})[0] == 403
     assert _call(served.base + "api/info", None, {**cookie, **other})[0] == 403
+    # following the printed link from another page (a notebook's output) opens the page: a navigation
+    navigate = {"Sec-Fetch-Site": "same-site", "Sec-Fetch-Mode": "navigate"}
+    assert _call(served.url, None, navigate)[0] == 200
+    json_type = {"Content-Type": "application/json"}
+    assert _call(served.base + "api/decide", b"{}", {**cookie, **navigate, **json_type})[0] == 403
     # the page itself: the header, JSON, its own Origin (or none)
     own = {"X-Bucketeer-Token": token, "Content-Type": "application/json", "Origin": f"http://127.0.0.1:{port}"}
     status, _, answer = _call(served.base + "api/decide", json.dumps({"ids": [sid], "keep": False}).encode(), own)

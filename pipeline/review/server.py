@@ -105,8 +105,10 @@ class Gate:
         if name.strip("[]").lower() not in self.hosts or (port and port != str(self.port)):
             return 421, f"421: this server answers to 127.0.0.1:{self.port} or localhost:{self.port} only"
         origin = request.headers.get("origin")
+        # a link followed from another page (a notebook's output) is a navigation, which may open the page
+        navigation = request.method == "GET" and request.headers.get("sec-fetch-mode") == "navigate"
         if (origin is not None and origin != f"http://{host}") or \
-                request.headers.get("sec-fetch-site") in ("cross-site", "same-site"):
+                (request.headers.get("sec-fetch-site") in ("cross-site", "same-site") and not navigation):
             return 403, "403: a request from another site's page"
         header = request.headers.get(TOKEN_HEADER)
         if request.method not in ("GET", "HEAD"):
