@@ -27,6 +27,7 @@ from manifests.select import evaluate
 from pipeline import PlanJob, ReportJob, run
 from pipeline.review.decisions import DecisionLog
 from pipeline.review.job import ReviewJob, session
+from pipeline.review.server import image_pass
 from pipeline.sources.captions import load_captions
 from pipeline.stats import StatsJob
 from pipeline.stats import run as run_stats
@@ -243,9 +244,13 @@ def test_server_needs_the_token_and_serves_only_manifest_rows(served):
         assert _get(base + path, {"Cookie": "bucketeer_review=wrong"})[0] == 403
     status, body = _get(base + "api/info", {"X-Bucketeer-Token": token})
     assert status == 200 and json.loads(body)["samples"] == 16
-    port = int(base.rstrip("/").rsplit(":", 1)[1])
-    assert _get(base + "api/info", {"Cookie": f"bucketeer_review_{port}={token}"})[0] == 200  # this port's cookie
-    assert _get(base + "api/info", {"Cookie": f"bucketeer_review_{port + 1}={token}"})[0] == 403
+    # this port's cookie holds the image pass, which opens the page and the images only (never the token)
+    port, sid = int(base.rstrip("/").rsplit(":", 1)[1]), served.data.manifest.samples.column("sample_id")[0].as_py()
+    cookie = {"Cookie": f"bucketeer_review_{port}={image_pass(token)}"}
+    assert _get(base + f"thumb/{sid}", cookie)[0] == 200 and _get(base, cookie)[0] == 200
+    assert _get(base + "api/info", cookie)[0] == 403 and _get(base + f"api/sample/{sid}", cookie)[0] == 403
+    assert _get(base + f"thumb/{sid}", {"Cookie": f"bucketeer_review_{port + 1}={image_pass(token)}"})[0] == 403
+    assert _get(base + f"thumb/{sid}", {"Cookie": f"bucketeer_review_{port}={token}"})[0] == 403  # the token: no
     # only the manifest's rows: a path, an id it does not hold, a static file not in the page's three
     auth = {"X-Bucketeer-Token": token}
     for path in ("thumb/..%2F..%2F..%2Fetc%2Fpasswd", "image/%2Fetc%2Fpasswd", "thumb/12345", "image/-1",

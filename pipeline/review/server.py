@@ -4,10 +4,12 @@
         ...
 
 Every request needs the session's token: the printed URL carries it (``?token=``), the page keeps it in
-``sessionStorage`` and sends it as the ``X-Bucketeer-Token`` header, and its first load also sets it as an
-HttpOnly SameSite=Strict cookie named for the port (``bucketeer_review_<port>``: another local service or a
-second review on another port never receives or overwrites it) so that ``<img>`` tags can load. Without the
-token the answer is 403. Beyond the token (:class:`Gate`):
+``sessionStorage`` and sends it as the ``X-Bucketeer-Token`` header. So that ``<img>`` tags (and a reload)
+can load, the first load also sets an HttpOnly SameSite=Strict cookie named for the port
+(``bucketeer_review_<port>``: a second review on another port never overwrites it). Cookies ignore ports, so
+every other service on 127.0.0.1 receives it too: it holds not the token but an *image pass* derived from it
+(:func:`image_pass`), which opens only the page, its static files and the images, never the JSON API and
+never a change. Without the token (or the pass, there) the answer is 403. Beyond the token (:class:`Gate`):
 
 - **Changes need the header.** A POST (a decision, a caption, an undo) is taken only with the token in the
   header, ``Content-Type: application/json`` and no foreign ``Origin``: the cookie alone never changes
@@ -49,16 +51,17 @@ from manifests.storage import redact
 from pipeline.review.data import ReviewData
 from pipeline.review.thumbs import FULL_SIZE, THUMB_SIZE, PreviewRefused, ThumbCache
 
-__all__ = ["TOKEN_COOKIE", "TOKEN_HEADER", "STATIC", "SECURITY_HEADERS", "BODY_LIMIT", "cookie_name", "build_app",
-           "serving"]
+__all__ = ["TOKEN_COOKIE", "TOKEN_HEADER", "STATIC", "SECURITY_HEADERS", "BODY_LIMIT", "cookie_name", "image_pass",
+           "build_app", "serving"]
 
-TOKEN_COOKIE = "bucketeer_review"  # + "_<port>": :func:`cookie_name`
+TOKEN_COOKIE = "bucketeer_review"  # + "_<port>": :func:`cookie_name`; it holds the :func:`image_pass`
 TOKEN_HEADER = "x-bucketeer-token"
 STATIC = {"app.js": "text/javascript", "app.css": "text/css"}  # the only files served besides index.html
 PAGE_LIMIT = 1000  # rows per /api/view answer at most
 BODY_LIMIT = 1 << 20  # bytes of a POST's JSON body (a caption, or the ids of one page of decisions)
 TEXT_LIMIT = 10_000  # characters of a filter or caption in a body
 LOCAL_NAMES = ("127.0.0.1", "localhost", "::1")
+PASS_PATHS = ("/static/", "/thumb/", "/image/")  # with "/": what the cookie's image pass opens (GET only)
 SECURITY_HEADERS = [
     (b"content-security-policy", b"default-src 'self'; img-src 'self' data:; frame-ancestors 'none'"),
     (b"x-content-type-options", b"nosniff"),
@@ -67,8 +70,14 @@ SECURITY_HEADERS = [
 
 
 def cookie_name(port: int) -> str:
-    """The token cookie of the server on ``port``: cookies ignore ports, so each server names its own."""
+    """The cookie of the server on ``port``: cookies ignore ports, so each server names its own."""
     return f"{TOKEN_COOKIE}_{port}"
+
+
+def image_pass(token: str) -> str:
+    """The cookie's value: derived from the token, but not it (every service on 127.0.0.1 receives the cookie,
+    and the pass it holds opens only the page and the images: :data:`PASS_PATHS`)."""
+    return hmac.new(token.encode(), b"bucketeer review: images", "sha256").hexdigest()
 
 
 def _static(name: str) -> bytes:
@@ -76,11 +85,12 @@ def _static(name: str) -> bytes:
 
 
 class Gate:
-    """ASGI middleware: the Host check, the token (header, query or this port's cookie), the header-only rule
-    for changes, the refusal of requests other sites' pages make, and the security headers on every answer."""
+    """ASGI middleware: the Host check, the token (header or query; this port's cookie holds only the image
+    pass), the header-only rule for changes, the refusal of requests other sites' pages make, and the security
+    headers on every answer."""
 
     def __init__(self, app, token: str, host: str, port: int):
-        self.app, self.token, self.port = app, token.encode(), port
+        self.app, self.token, self.port, self.image_pass = app, token.encode(), port, image_pass(token).encode()
         self.hosts = {h.strip("[]").lower() for h in (*LOCAL_NAMES, host, *_machine_names(host))}
 
     async def __call__(self, scope, receive, send):
@@ -117,10 +127,14 @@ class Gate:
             if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
                 return 415, "415: send the body as application/json"
             return None
-        given = [header, request.query_params.get("token"), request.cookies.get(cookie_name(self.port))]
-        if not any(g is not None and hmac.compare_digest(g.encode(), self.token) for g in given):
-            return 403, "403: open the URL bucketeer review printed (it carries the token)"
-        return None
+        given = [header, request.query_params.get("token")]
+        if any(g is not None and hmac.compare_digest(g.encode(), self.token) for g in given):
+            return None
+        cookie, path = request.cookies.get(cookie_name(self.port)), request.scope["path"]
+        if cookie is not None and (path == "/" or path.startswith(PASS_PATHS)) and \
+                hmac.compare_digest(cookie.encode(), self.image_pass):
+            return None
+        return 403, "403: open the URL bucketeer review printed (it carries the token)"
 
 
 def _machine_names(host: str) -> list[str]:
@@ -204,7 +218,7 @@ def build_app(data: ReviewData, thumbs: ThumbCache, token: str, where: str | Non
                                              .encode())  # fmt: skip
         response = Response(page, media_type="text/html; charset=utf-8", headers={"Cache-Control": "no-store"})
         if request.query_params.get("token"):  # for the <img> tags; the page sends the header for everything else
-            response.set_cookie(cookie_name(port), token, httponly=True, samesite="strict")
+            response.set_cookie(cookie_name(port), image_pass(token), httponly=True, samesite="strict", path="/")
         return response
 
     def static(request: Request) -> Response:

@@ -14,7 +14,8 @@ the size, so a rescan that saw the image change reads it again.
 Decodes are bounded: a JPEG is decoded at a reduced scale (Pillow's draft mode, never more than twice the
 size asked for), any other format whole, so one larger than :data:`PREVIEW_PIXELS` is refused
 (:class:`PreviewRefused`, a 422 with its reason) before a byte is read; and at most :data:`DECODES` rows are
-read and decoded at once, whatever the number of requests (a 6000x6000 RGBA PNG decoded whole is ~625 MB).
+read and decoded at once, whatever the number of requests (a 6000x6000 RGBA PNG decoded whole for a
+thumbnail peaks at ~690 MiB; one of 16 MP at ~300 MiB).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ __all__ = ["ThumbCache", "PreviewRefused", "THUMB_SIZE", "FULL_SIZE", "PREVIEW_P
 
 THUMB_SIZE = 256  # the grid's cells (long side, pixels)
 FULL_SIZE = 2048  # the detail view: "full size" up to this long side (a browser shows no larger on a screen)
-PREVIEW_PIXELS = 16_000_000  # a non-JPEG image decoded whole for a preview: at most 16 MP (~200 MB at its peak)
+PREVIEW_PIXELS = 16_000_000  # a non-JPEG image decoded whole for a preview: 16 MP of RGBA peak at ~300 MiB
 DECODES = 2  # rows read and decoded at once, over every request
 _DRAFTED = {"JPEG", "MPO"}  # formats Pillow decodes at a reduced scale (draft mode)
 

@@ -6,17 +6,21 @@ const $ = (id) => document.getElementById(id);
 const state = { where: "", sort: "", desc: false, count: 0, blocks: new Map(), pending: new Set(), selected: 0,
                 generation: 0, detail: null };
 
-// the token travels as a header, kept in this tab's sessionStorage: a change is never made with the cookie
-// alone (which only lets <img> tags load), so a page on another port of 127.0.0.1 cannot make one
+// the token travels as a header, kept in this tab's sessionStorage and taken out of the address bar (history,
+// bookmarks, a shared screen): the cookie holds only an image pass (it lets <img> tags and a reload load), so
+// a page on another port of 127.0.0.1, which the browser sends that cookie from, can change nothing
 const TOKEN = new URLSearchParams(location.search).get("token") || sessionStorage.getItem("bucketeer-token") || "";
 sessionStorage.setItem("bucketeer-token", TOKEN);
+if (location.search.includes("token=")) history.replaceState(null, "", location.pathname);
 
 async function api(path, body) {
   const headers = { "X-Bucketeer-Token": TOKEN };
   const init = body === undefined ? { headers } : { method: "POST", body: JSON.stringify(body),
                                                     headers: { ...headers, "Content-Type": "application/json" } };
   const response = await fetch(path, init);
-  const data = await response.json().catch(() => ({ error: response.statusText }));
+  const text = await response.text();
+  let data;
+  try { data = JSON.parse(text); } catch { data = { error: text || response.statusText }; }  // the gate's refusals
   if (!response.ok) { showError(data.error || response.statusText); throw new Error(data.error); }
   showError("");
   return data;
@@ -234,7 +238,6 @@ async function start() {
   for (const c of info.columns) {
     const o = document.createElement("option"); o.value = c; o.textContent = c; $("sort").append(o);
   }
-  if (location.search.includes("token=")) history.replaceState(null, "", location.pathname);  // sessionStorage has it
   $("query").addEventListener("submit", (e) => {
     e.preventDefault();
     state.where = $("where").value; state.sort = $("sort").value; state.desc = $("desc").checked;
