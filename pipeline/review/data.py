@@ -182,8 +182,9 @@ class ReviewData:
     def page(self, rows: np.ndarray, offset: int, limit: int, sort: str | None) -> list[dict[str, Any]]:
         """The grid's cells of ``rows[offset:offset + limit]``: id, filename, bucket, decision, sorted value."""
         at = rows[max(0, offset):max(0, offset) + max(0, limit)]
-        picked = self.frame.select(["sample_id", "filename", "bucket", *([sort] if sort and sort in
-                                                                          self.frame.columns else [])])[at]
+        cells = ["sample_id", "filename", "bucket"]  # a sort by one of these is read once (polars refuses a twice)
+        picked = self.frame.select([*cells, *([sort] if sort and sort in self.frame.columns and sort not in cells
+                                              else [])])[at]  # fmt: skip
         values = picked.get_column(sort).to_list() if sort and sort in picked.columns else None
         if sort in LIVE_COLUMNS:
             values = self._live(sort)[at].to_list()
