@@ -1,6 +1,7 @@
 """An HTTP proxy on 127.0.0.1 in front of the test S3 server (moto) that misbehaves on demand, the way a
 store under load does: it throttles (S3's ``503 SlowDown``, R2's ``429`` with ``Retry-After``) a share of
-the requests for a while, or trickles its answers a byte at a time.
+the requests for a while, trickles its answers a byte at a time, drops a request's connection, or loses an
+answer after the store acted on it.
 
     proxy = FaultProxy(s3.endpoint)                           # forwards every request as it is
     proxy = FaultProxy(s3.endpoint, latency=0.02)             # ... 20 ms later, as a store across a network
@@ -9,6 +10,7 @@ the requests for a while, or trickles its answers a byte at a time.
     proxy.throttle(share=0.5, requests=100, match=reads)      # every 2nd of the next 100 GETs and HEADs
     proxy.trickle(interval=0.3)                               # response bodies: one byte every 0.3 s
     proxy.lose_answers(1, match=lambda m, p: m == "PUT")      # the next PUT is done upstream, its answer lost
+    proxy.drop_requests(1, match=lambda m, p: m == "PUT")     # the next PUT's connection drops: never sent on
     options = {"endpoint_url": proxy.endpoint}
 
 ``log`` records every request it answered as a :class:`Seen` (time, method, path, status, throttled), so a
@@ -76,6 +78,7 @@ class FaultProxy(ThreadingHTTPServer):
         self._counter = 0
         self._trickle: tuple[float, float, bool] | None = None  # interval, until, headers too
         self._lose: tuple[int, Callable[[str, str], bool] | None] = (0, None)  # answers still to lose, which
+        self._drop: tuple[int, Callable[[str, str], bool] | None] = (0, None)  # requests still to drop, which
         threading.Thread(target=self.serve_forever, daemon=True, name="fault-proxy").start()
 
     def handle_error(self, request, client_address) -> None:  # a client that gave up on a trickle: quiet
@@ -111,18 +114,31 @@ class FaultProxy(ThreadingHTTPServer):
         with self.lock:
             self._lose = (requests, match)
 
-    def _losing(self, method: str, path: str) -> bool:
+    def drop_requests(self, requests: int = 1, match: Callable[[str, str], bool] | None = None) -> None:
+        """Read the next ``requests`` requests that ``match(method, path)`` picks (default: all), then close the
+        client's connection without forwarding them: the connection dropped mid-request, the store saw nothing.
+        Each is logged with status 0."""
         with self.lock:
-            left, match = self._lose
+            self._drop = (requests, match)
+
+    def _losing(self, method: str, path: str) -> bool:
+        return self._count_down("_lose", method, path)
+
+    def _dropping(self, method: str, path: str) -> bool:
+        return self._count_down("_drop", method, path)
+
+    def _count_down(self, fault: str, method: str, path: str) -> bool:
+        with self.lock:
+            left, match = getattr(self, fault)
             if left <= 0 or (match is not None and not match(method, path)):
                 return False
-            self._lose = (left - 1, match)
+            setattr(self, fault, (left - 1, match))
             return True
 
     def heal(self) -> None:
         """Stop every fault now."""
         with self.lock:
-            self._throttle, self._trickle, self._lose = None, None, (0, None)
+            self._throttle, self._trickle, self._lose, self._drop = None, None, (0, None), (0, None)
 
     def close(self) -> None:
         self.heal()
@@ -179,6 +195,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _forward(self) -> None:
         body = self._body()
+        if self.server._dropping(self.command, self.path):
+            self.server._record(self.command, self.path, 0, False)
+            self.close_connection = True  # the client hears nothing; the store never saw the request
+            return
         if self.server.latency:
             time.sleep(self.server.latency)
         throttled = self.server._decide(self.command, self.path)

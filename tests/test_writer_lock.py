@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from manifests.lock import LOCK_FILE, WriterBusyError, writer_lock
+from manifests.lock import LOCK_FILE, Writer, WriterBusyError, writer_lock
 
 HOLDER = textwrap.dedent("""
     import sys, time
@@ -91,15 +92,67 @@ def test_another_hosts_lock_is_refused_while_it_beats_and_taken_over_when_stale(
     out = tmp_path / "out"
     out.mkdir()
     _write_local_lock(out, written_ago=5)
-    with pytest.raises(WriterBusyError, match="being written by `bucketeer embed` on host gpu-node-7, pid 4242"):
+    with pytest.raises(WriterBusyError, match="being written by `bucketeer embed` on host gpu-node-7, pid 4242") as e:
         with writer_lock(str(out), None, "embed"):
             pass
+    assert re.search(
+        r"its last heartbeat was [4-7] s ago by the store's clock; if its writer is gone, _writer.json "
+        r"is taken over when that reaches 300 s: run again in 29[3-6] s\)$",
+        str(e.value),
+    ), str(e.value)
     monkeypatch.setenv("BUCKETEER_LOCK_STALE_SECONDS", "60")
     _write_local_lock(out, written_ago=61)
     with writer_lock(str(out), None, "embed"):
         pass
     assert "last heartbeat was 61 s ago by the store's clock" in capsys.readouterr().out
     assert not [p for p in out.iterdir() if ".clock-" in p.name], "the clock probe is removed"
+
+
+def test_of_two_writers_that_find_one_dead_lock_the_later_one_gives_back_what_the_first_published(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The local take-over renames the dead lock aside. Here B judges the dead lock, then A takes it over and
+    publishes its own before B renames: B renamed A's live lock, so it must see that and give it back."""
+    out = tmp_path / "out"
+    out.mkdir()
+    monkeypatch.setenv("BUCKETEER_LOCK_STALE_SECONDS", "60")
+    _write_local_lock(out, written_ago=61)
+    b_judged, a_holds, b_done = threading.Event(), threading.Event(), threading.Event()
+    judge = Writer.gone
+
+    def gone(self: Writer, age: float, stale_seconds: float) -> str | None:
+        why = judge(self, age, stale_seconds)
+        if threading.current_thread().name == "B" and not a_holds.is_set():
+            b_judged.set()
+            a_holds.wait(10)  # B has judged the dead lock; A takes it over before B acts on that
+        return why
+
+    monkeypatch.setattr(Writer, "gone", gone)
+    seen: dict[str, object] = {}
+
+    def a() -> None:
+        b_judged.wait(10)
+        with writer_lock(str(out), None, "embed") as me:
+            a_holds.set()
+            b_done.wait(10)
+            seen["a kept its lock"] = json.loads((out / LOCK_FILE).read_text())["token"] == me.token
+
+    def b() -> None:
+        try:
+            with writer_lock(str(out), None, "scan"):
+                seen["b"] = "held"
+        except WriterBusyError as e:
+            seen["b"] = str(e)
+        b_done.set()
+
+    threads = [threading.Thread(target=a, name="A"), threading.Thread(target=b, name="B")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert seen["a kept its lock"] is True
+    assert "is being written by `bucketeer embed`" in str(seen["b"]) and "running on this host" in str(seen["b"])
+    assert not [p.name for p in out.iterdir() if p.name.startswith(LOCK_FILE)], "released, nothing set aside"
 
 
 def test_the_holder_renews_its_heartbeat(tmp_path: Path, monkeypatch) -> None:

@@ -7,10 +7,15 @@ not refused by it."""
 from __future__ import annotations
 
 import errno
+import json
 import os
+import re
+import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -22,10 +27,12 @@ from tests.fault_proxy import FaultProxy
 
 @pytest.fixture
 def small_disk(tmp_path: Path):
-    """A 2 MiB tmpfs mounted for this test (root can mount one, as CI and the development machines run)."""
+    """A 2 MiB tmpfs with room for 64 files, mounted for this test (root can mount one, as CI and the development
+    machines run); a simulated ENOSPC would not show what a real full filesystem refuses (a new empty file?)."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True, text=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,nr_inodes=64", "tmpfs", str(disk)],
+                          capture_output=True, text=True)  # fmt: skip
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}): a full disk needs one")
     try:
@@ -46,6 +53,18 @@ def _fill(disk: Path) -> Path:
     return filler
 
 
+def _fill_inodes(disk: Path) -> list[Path]:
+    """Create empty files on ``disk`` until it has no room for another one; returns them."""
+    made: list[Path] = []
+    try:
+        while True:
+            made.append(disk / f"empty-{len(made)}")
+            made[-1].touch()
+    except OSError as e:
+        assert e.errno == errno.ENOSPC
+    return made[:-1]
+
+
 def _left(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.rglob("*") if p.name.startswith(LOCK_FILE))
 
@@ -64,6 +83,16 @@ def test_a_full_disk_leaves_no_lock_and_the_next_run_starts_at_once(small_disk: 
         assert me.command == "scan" and (out / LOCK_FILE).read_bytes().startswith(b"{")
     assert time.monotonic() - started < 5 and "took over" not in capsys.readouterr().out
     assert _left(out) == []
+
+
+def test_a_run_whose_disk_fills_up_releases_its_lock_and_its_own_error_is_the_one_raised(small_disk: Path) -> None:
+    out = small_disk / "out"
+    with pytest.raises(RuntimeError, match="the job's own failure"):  # not a StorageError from the release
+        with writer_lock(str(out), None, "scan"):
+            _fill(small_disk)
+            _fill_inodes(small_disk)  # not even an empty file fits: the release must write nothing
+            raise RuntimeError("the job's own failure")
+    assert not out.exists() or _left(out) == [], "the lock is released on a full disk"
 
 
 @pytest.mark.ray
@@ -106,17 +135,26 @@ def test_a_torn_lock_is_named_and_taken_over_once_it_is_old(tmp_path: Path, caps
     assert "took over the lock" in notice and "a torn lock" in notice and "never written whole" in notice, notice
 
 
+def _lock_put(method: str, path: str) -> bool:
+    return method == "PUT" and path.split("?")[0].endswith(LOCK_FILE)
+
+
 @pytest.mark.s3
-def test_on_s3_a_lock_put_whose_answer_was_lost_is_held_not_refused(s3, capsys) -> None:
+@pytest.mark.parametrize("fault", ["answer lost after the store kept it", "connection dropped, never stored"])
+def test_on_s3_an_interrupted_lock_put_is_held_not_refused(s3, capsys, fault) -> None:
     proxy = FaultProxy(s3.endpoint)
     try:
         url = s3.fresh_url("lost")
         options = {"endpoint_url": proxy.endpoint}
-        proxy.lose_answers(1, match=lambda method, path: method == "PUT" and LOCK_FILE in path)
+        if fault.startswith("answer lost"):
+            proxy.lose_answers(1, match=_lock_put)
+        else:
+            proxy.drop_requests(1, match=_lock_put)
         started = time.monotonic()
         with writer_lock(url, options, "scan") as me:
-            puts = [s for s in proxy.seen() if s.method == "PUT" and LOCK_FILE in s.path]
-            assert len(puts) >= 2, "the lost answer was retried"
+            puts = [s for s in proxy.seen() if _lock_put(s.method, s.path)]
+            assert len(puts) == 2, "the interrupted PUT was retried once"
+            assert puts[1].status == (412 if fault.startswith("answer lost") else 200), puts
             assert me.token.encode() in s3.fs.cat_file(f"{url}/{LOCK_FILE}")
         assert time.monotonic() - started < 30
         assert not s3.fs.exists(f"{url}/{LOCK_FILE}"), "released at the end"
@@ -136,4 +174,55 @@ def test_on_s3_a_torn_lock_object_is_taken_over_once_old(s3, monkeypatch, capsys
     with writer_lock(url, s3.storage_options, "scan"):
         pass
     assert "a torn lock" in capsys.readouterr().out
+    assert not s3.fs.exists(f"{url}/{LOCK_FILE}")
+
+
+DIES = """
+import sys
+from manifests.lock import writer_lock
+from manifests.errors import BucketeerError
+try:
+    with writer_lock(sys.argv[1], {"endpoint_url": sys.argv[2]}, "scan"):
+        print("held", flush=True)
+except BucketeerError as e:
+    print(f"failed: {e}", flush=True)
+    sys.exit(2)
+"""
+
+
+@pytest.mark.s3
+def test_on_s3_a_run_whose_store_went_away_after_its_lock_put_does_not_block_the_next(s3, monkeypatch, capsys):
+    """The lock PUT is stored, and then the store answers nothing more (its retry, the removal of its own lock):
+    the run fails in one line and its whole lock stays. From this host the next run takes it over at once (its
+    process is gone); from another host the refusal says when it will be taken over."""
+    proxy = FaultProxy(s3.endpoint)
+    try:
+        url = s3.fresh_url("gone")
+        proxy.lose_answers(1000)
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+               "BUCKETEER_STORAGE_ATTEMPTS": "2", "BUCKETEER_STORAGE_RETRY_DELAY": "0.01"}  # fmt: skip
+        dead = subprocess.run([sys.executable, "-c", DIES, url, proxy.endpoint], capture_output=True, text=True,
+                              env=env, timeout=120)  # fmt: skip
+    finally:
+        proxy.close()
+    assert dead.returncode == 2 and dead.stdout.startswith("failed: ") and len(dead.stdout.splitlines()) == 1, dead
+    left = json.loads(s3.fs.cat_file(f"{url}/{LOCK_FILE}"))
+    assert left["pid"] != os.getpid() and left["host"] == socket.gethostname()
+
+    with monkeypatch.context() as m:  # the next run, on another host
+        m.setattr(lock_module, "socket", SimpleNamespace(gethostname=lambda: "login-node"))
+        with pytest.raises(WriterBusyError) as e:
+            with writer_lock(url, s3.storage_options, "scan"):
+                pass
+        assert re.search(rf"being written by `bucketeer scan` on host {re.escape(socket.gethostname())}, pid "
+                         rf"{left['pid']}, .*its last heartbeat was \d+ s ago by the store's clock; if its writer is "
+                         r"gone, _writer.json is taken over when that reaches 300 s: run again in \d+ s\)$",
+                         str(e.value)), str(e.value)  # fmt: skip
+
+    started = time.monotonic()
+    with writer_lock(url, s3.storage_options, "scan"):
+        pass
+    assert time.monotonic() - started < 10
+    notice = capsys.readouterr().out
+    assert f"pid {left['pid']}" in notice and "no longer exists" in notice, notice
     assert not s3.fs.exists(f"{url}/{LOCK_FILE}")
