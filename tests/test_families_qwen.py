@@ -51,7 +51,8 @@ def _text(family: str, model: str, **options):
 def _reference(family: str, pipe, caption: str, **length) -> torch.Tensor:
     """The pipeline's ``encode_prompt([caption])``: ``(L, D)``, its mask's rows (a one-prompt batch has no pad)."""
     with torch.no_grad():
-        if family == "qwen-image":
+        if family == "qwen-image":  # as __call__ calls it: its max_sequence_length is 512 unless told otherwise
+            length = {"max_sequence_length": qwen_image.CALL_TOKENS, **length}
             embeds, mask = pipe.encode_prompt([caption], device="cpu", **length)
             # all ones (a one-prompt batch): diffusers 0.37+ drops it, 0.36 returns it
             assert mask is None or bool(mask.all()) and mask.shape == embeds.shape[:2]
@@ -68,7 +69,7 @@ def test_cached_text_equals_the_pipelines_encode_prompt(tiny, family):
     layout = TextLayout.from_json(encoders.describe()["layout"])
     width = QWEN_WIDTH if family == "qwen-image" else QWEN3_WIDTH
     assert (layout.masked, layout.lengths, layout.widths, layout.pooled_dim) == (True, (
-        1024 if family == "qwen-image" else 512,), (width,), None)  # fmt: skip
+        512,), (width,), None)  # fmt: skip # Qwen-Image: __call__'s 512, not encode_prompt's 1024
     pipe = DiffusionPipeline.from_pretrained(tiny[family])
     if family == "qwen-image":  # the template and the prefix dropped are the pipeline's
         assert (pipe.prompt_template_encode, pipe.prompt_template_encode_start_idx) == (qwen_image.TEMPLATE,
@@ -89,7 +90,7 @@ def test_cached_text_equals_the_pipelines_encode_prompt(tiny, family):
     assert torch.equal(alone, encoded[3][0][0])
 
 
-@pytest.mark.parametrize("family, tokens", [("qwen-image", 512), ("z-image", 64)])
+@pytest.mark.parametrize("family, tokens", [("qwen-image", 1024), ("qwen-image", 100), ("z-image", 64)])
 def test_max_text_tokens_is_the_pipelines_max_sequence_length(tiny, family, tokens):
     from diffusers import DiffusionPipeline
 
@@ -98,7 +99,8 @@ def test_max_text_tokens_is_the_pipelines_max_sequence_length(tiny, family, toke
     pipe = DiffusionPipeline.from_pretrained(tiny[family])
     for caption, ((part,), _) in zip(CAPTIONS, encoders.encode(list(CAPTIONS))):
         assert torch.equal(part, _reference(family, pipe, caption, max_sequence_length=tokens))
-    with pytest.raises(UsageError, match="it can only be lowered"):
+    refusal = "the default is 512" if family == "qwen-image" else "it can only be lowered"
+    with pytest.raises(UsageError, match=f"--max-text-tokens 4096 is above {family}'s .*{refusal}"):
         _text(family, tiny[family], max_tokens=4096)
 
 
@@ -161,7 +163,7 @@ def test_embed_job_writes_the_qwen_image_cache(tiny, tmp_path, ray_local):
     make_dataset(str(tmp_path / "data"), manifest, 4)
     embed_cache(manifest, out, family="qwen-image", model=tiny["qwen-image"], dtype="fp32")
     meta = read_cache_meta(out)
-    assert meta.family == "qwen-image" and meta.text_layout.lengths == (1024,)
+    assert meta.family == "qwen-image" and meta.text_layout.lengths == (512,)
     assert (meta.latent.scaling_factor, meta.latent.shift_factor, meta.latent.latents_mean) == (1.0, None, None)
     assert "stored normalised" in meta.latent.usage and meta.latent._extra["normalised"]["how"]
     assert meta.settings.hashed["vae"]["normalised"] == meta.latent._extra["normalised"]

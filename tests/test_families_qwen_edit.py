@@ -214,8 +214,8 @@ def test_embed_stores_each_samples_text_of_its_instruction_and_reference(tiny, p
         bw, bh = parse_bucket(row["bucket"])
         (view,) = prepare_views(Path(base, "ds", name).read_bytes(), (bh, bw))
         (crop,) = prepare_views(Path(base, "cond", name).read_bytes(), (bh, bw), at=[view.crop_top_left],
-                                size=view.original_size)  # fmt: skip
-        reference = edit.reference_pixels(crop.pixels, REFERENCE**2)
+                                size=view.original_size, out=edit.reference_size(bh, bw, REFERENCE**2))  # fmt: skip
+        reference = crop.pixels  # the crop's region, resized once from the full image
         assert reference.shape[:2] == edit.reference_size(bh, bw, REFERENCE**2)
         ((want,), _), = text.encode([row["caption"] or ""], images=[reference])
         assert record.text is not None and np.array_equal(record.text.tokens[0], want.numpy()), name

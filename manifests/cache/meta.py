@@ -112,6 +112,7 @@ class TextEncoderSettings(JsonRecord):
     weights_sha256: str | None = None
     max_length: int | None = None
     hidden_size: int | None = None
+    processor: dict[str, str] | None = None  # a multimodal family's: class, image_processor, backend
 
 
 @dataclass(frozen=True, kw_only=True)

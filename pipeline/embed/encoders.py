@@ -20,6 +20,7 @@ The latent side (each VAE's path, ``--latents``) is :mod:`pipeline.embed.latents
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from dataclasses import dataclass, replace
@@ -34,7 +35,7 @@ from pipeline.embed.families import Family, TextModel, family_of_pipeline, get_f
 from pipeline.embed.families.tiny import DEFAULT_NOTICE
 from pipeline.embed.latents import LatentSpec
 from pipeline.embed.loading import DEFAULT_ID, LATENTS, EncoderSource, check_local, device_and_dtype, weights_sha256
-from pipeline.embed.processors import load_qwen2vl_processor
+from pipeline.embed.processors import load_qwen2vl_processor, processor_identity
 
 __all__ = ["DEFAULT_NOTICE", "TextEncoders", "TextSpec", "TEXT_MODELS", "encoder_specs"]
 
@@ -53,9 +54,11 @@ class TextSpec:
     max_tokens: int | None = None
     layer: str | None = None
 
-    def load(self, *, use_gpu: bool = False, dtype: str = "BF16", device_memory: int | None = None) -> "TextEncoders":
-        """The encoders, loaded (``device_memory``: free bytes to check them against instead of the device's)."""
-        return TextEncoders(self, use_gpu=use_gpu, dtype=dtype, device_memory=device_memory)
+    def load(self, *, use_gpu: bool = False, dtype: str = "BF16", device_memory: int | None = None,
+             compute: str | None = None) -> "TextEncoders":  # fmt: skip
+        """The encoders, loaded (``device_memory``: free bytes to check them against instead of the device's;
+        ``compute``: :func:`~pipeline.embed.loading.device_and_dtype`'s)."""
+        return TextEncoders(self, use_gpu=use_gpu, dtype=dtype, device_memory=device_memory, compute=compute)
 
 
 def encoder_specs(
@@ -138,12 +141,27 @@ def _text_class(path: str, subfolder: str, class_name: str | None) -> tuple[str,
     return class_name, config
 
 
-def _load_text_model(path: str, subfolder: str, class_name: str, what: str):
-    """``class_name`` from ``path``/``subfolder``; refuses a checkpoint that lacks weights of that class (e.g.
-    a CLIP without the projection SD3 pools)."""
+def _load_tokenizer(path: str, subfolder: str) -> Any:
+    """The tokenizer in ``path``/``subfolder`` as the pipeline loads it: the class its ``model_index.json`` names
+    there (a folder without a tokenizer_config.json, as LTX-2's Gemma one, gets no special tokens from
+    ``AutoTokenizer``), ``AutoTokenizer`` for a bare repo or where it names a processor (FLUX.2-dev's
+    ``PixtralProcessor``, which needs torchvision: its tokenizer renders text-only chats the same,
+    tests/test_qwen2vl_vision.py)."""
     import transformers
 
-    model, loading = getattr(transformers, class_name).from_pretrained(path, subfolder=subfolder,
+    index = Path(path, "model_index.json") if subfolder and os.path.isdir(path) else None
+    named = json.loads(index.read_text()).get(subfolder) if index is not None and index.is_file() else None
+    name = named[1] if isinstance(named, list) and len(named) == 2 and isinstance(named[1], str) else ""
+    cls = getattr(transformers, name, None) if name.endswith(("Tokenizer", "TokenizerFast")) else None
+    return (cls or transformers.AutoTokenizer).from_pretrained(path, subfolder=subfolder)
+
+
+def _load_text_model(path: str, subfolder: str, class_name: str, what: str, dtype: Any = None):
+    """``class_name`` from ``path``/``subfolder`` (``dtype``: loaded in that dtype; None: as the checkpoint holds
+    it); refuses a checkpoint that lacks weights of that class (e.g. a CLIP without the projection SD3 pools)."""
+    import transformers
+
+    model, loading = getattr(transformers, class_name).from_pretrained(path, subfolder=subfolder, dtype=dtype,
                                                                        output_loading_info=True)  # fmt: skip
     missing = sorted(loading.get("missing_keys") or [])
     if missing:
@@ -193,11 +211,9 @@ class TextEncoders:
     """
 
     def __init__(self, spec: TextSpec, *, use_gpu: bool = False, dtype: str = "BF16",
-                 device_memory: int | None = None):  # fmt: skip
-        from transformers import AutoTokenizer
-
+                 device_memory: int | None = None, compute: str | None = None):  # fmt: skip
         self.family = get_family(spec.family)
-        self.device, self.compute_dtype = device_and_dtype(use_gpu, dtype)
+        self.device, self.compute_dtype = device_and_dtype(use_gpu, dtype, compute)
         index = _pipeline_index(spec.model)
         self.pipeline = index.get("_class_name")
         _check_pipeline(self.family, index, spec.model)
@@ -217,7 +233,7 @@ class TextEncoders:
             check_local(path, tok_sub, "--text-encoder", "tokenizer", ("tokenizer_config.json", "tokenizer.json"),
                          " The tokenizer is read from the tokenizer* folder matching --text-encoder-subfolder "
                          "(text_encoder_2 -> tokenizer_2), or from beside config.json without one.")
-            tokenizer = AutoTokenizer.from_pretrained(path, subfolder=tok_sub)
+            tokenizer = _load_tokenizer(path, tok_sub)
             # a multimodal family's processor: the pipeline's folder beside the text encoder's (a bare repo: its root)
             processor = load_qwen2vl_processor(path, self.family.processor if subfolder else "") \
                 if self.family.processor else None  # fmt: skip
@@ -225,22 +241,35 @@ class TextEncoders:
             loaded = type(model).__name__
             if self.family.prune is not None:  # only what encode runs is hashed and moved (an LLM's first layers)
                 model = self.family.prune(model)
-            weights = weights_sha256(model)
-            model.to(device=self.device, dtype=self.compute_dtype)
+            weights = weights_sha256(model)  # of the weights as the checkpoint holds them, whatever runs them
+            if next(model.parameters()).dtype != self.compute_dtype:
+                # loaded again in the compute dtype, as the pipeline loads it (from_pretrained(dtype=)): a cast would
+                # also cast the buffers from_pretrained builds in fp32 (RoPE's inv_freq) or in the dtype (Gemma's
+                # embed_scale), and every LLM family's bf16 text would differ from the pipeline's
+                del model
+                gc.collect()
+                model = _load_text_model(path, subfolder or "", class_name, "--text-encoder",
+                                         dtype=self.compute_dtype).eval()  # fmt: skip
+                if self.family.prune is not None:
+                    model = self.family.prune(model)
+            model.to(device=self.device)
             config = model.config.get_text_config()  # a multimodal model's (Qwen2.5-VL) is nested
             limit = getattr(config, "max_position_embeddings", None) or 512
             info = {"id": source.ident, "subfolder": subfolder, "class": loaded,
                     "weights_sha256": weights, "max_length": min(int(tokenizer.model_max_length), int(limit)),
-                    "hidden_size": int(getattr(config, "hidden_size", None) or config.d_model)}
+                    "hidden_size": int(getattr(config, "hidden_size", None) or config.d_model),
+                    **({"processor": processor_identity(processor)} if processor is not None else {})}
             self.models.append(TextModel(tokenizer, model, self.device, info, processor))  # fmt: skip
         self.options = replace(spec, max_tokens=self._max_tokens(spec.max_tokens))
         self.layout = self.family.layout(self.models, self.options)
 
     def _max_tokens(self, asked: int | None) -> int | None:
         default = self.family.max_text_tokens(self.pipeline)
-        if default is not None and asked is not None and asked > default:
-            raise UsageError(f"--max-text-tokens {asked} is above {self.family.name}'s {default} "
-                             f"({self.pipeline or 'its pipeline'}'s max_sequence_length); it can only be lowered")
+        limit = self.family.text_tokens_limit or default
+        if limit is not None and asked is not None and asked > limit:
+            raise UsageError(f"--max-text-tokens {asked} is above {self.family.name}'s {limit} "
+                             f"({self.pipeline or 'its pipeline'}'s longest max_sequence_length); "
+                             + ("it can only be lowered" if limit == default else f"the default is {default}"))
         return asked or default
 
     def describe(self) -> dict[str, Any]:

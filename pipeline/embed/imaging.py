@@ -127,6 +127,7 @@ def prepare_views(
     at: list[tuple[int, int]] | None = None,
     size: tuple[int, int] | None = None,
     name: str | None = None,
+    out: tuple[int, int] | None = None,
 ) -> list[Prepared]:
     """Decode ``data`` once and return crops of ``bucket`` ``(h, w)`` from it resized to cover the bucket.
 
@@ -136,7 +137,9 @@ def prepare_views(
     ``index`` 0..K-1: reproducible from ``(seed, sample_id)``). ``at``: the crops' ``(top, left)``
     given instead (a conditioning image gets its target's), with ``size`` the ``(h, w)`` the image
     must show (display orientation; ImageFailure ``conditioning_mismatch`` otherwise). ``name``: the
-    file's name, which picks the plugin of a format without a magic number (TGA, IM, PCD).
+    file's name, which picks the plugin of a format without a magic number (TGA, IM, PCD). ``out``: each crop's
+    pixels resized to ``(h, w)`` instead of the bucket's, in the same single pass from the full-resolution decode
+    (no reduced JPEG decode): a reference as an edit pipeline resizes its input image once.
     """
     img = _open(data, max_pixels, name)
     try:
@@ -161,7 +164,8 @@ def prepare_views(
             # the size passed the manifest's limit: Pillow's warning above half its threshold says nothing new
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             # JPEG: decode at 1/2, 1/4 or 1/8 scale when that still covers the resized size (much faster)
-            img.draft("RGB", (resized[0], resized[1]) if swap else (resized[1], resized[0]))
+            if out is None:
+                img.draft("RGB", (resized[0], resized[1]) if swap else (resized[1], resized[0]))
             img = ImageOps.exif_transpose(img) if orientation != 1 else img
             img = _to_rgb(img)
     except Image.DecompressionBombError as e:
@@ -171,24 +175,27 @@ def prepare_views(
         raise ImageFailure(kind, f"decode failed: {e}") from None
     except (ValueError, SyntaxError) as e:
         raise ImageFailure("decode_failed", f"decode failed: {e}") from None
-    return [Prepared(pixels=crop_resized(img, resized, (top, left), bucket), original_size=original,
+    return [Prepared(pixels=crop_resized(img, resized, (top, left), bucket, out), original_size=original,
                      resized_size=resized, crop_top_left=(top, left)) for top, left in tops_lefts]
 
 
 def crop_resized(img: Image.Image, resized: tuple[int, int], top_left: tuple[int, int],
-                 bucket: tuple[int, int]) -> np.ndarray:
+                 bucket: tuple[int, int], out: tuple[int, int] | None = None) -> np.ndarray:
     """The ``bucket`` ``(h, w)`` crop at ``top_left`` of ``img`` resized to ``resized`` ``(h, w)``: uint8
-    ``(h, w, 3)``. The crop region is resampled straight from ``img`` (one Lanczos pass, whatever size
-    ``img`` has: a draft-reduced JPEG, a video frame), never the whole resized image."""
+    ``(h, w, 3)`` (``out`` ``(h, w)``: that region at this size instead). The crop region is resampled straight
+    from ``img`` (one Lanczos pass, whatever size ``img`` has: a draft-reduced JPEG, a video frame), never the
+    whole resized image."""
     sx, sy = img.width / resized[1], img.height / resized[0]
     (bh, bw), (top, left) = bucket, top_left
+    oh, ow = out or bucket
     box = (left * sx, top * sy, (left + bw) * sx, (top + bh) * sy)
-    return np.asarray(img.resize((bw, bh), Image.Resampling.LANCZOS, box=box), dtype=np.uint8)  # (bh, bw, 3)
+    return np.asarray(img.resize((ow, oh), Image.Resampling.LANCZOS, box=box), dtype=np.uint8)  # (oh, ow, 3)
 
 
 def conditioning_views(row: dict, blob, views: list, bucket: tuple[int, int], max_pixels: int,
-                       storage_options: dict | None) -> np.ndarray:
-    """The conditioning image of ``row`` cropped exactly like its target's ``views``: (K, H, W, 3) uint8.
+                       storage_options: dict | None, out: tuple[int, int] | None = None) -> np.ndarray:
+    """The conditioning image of ``row`` cropped exactly like its target's ``views``: (K, H, W, 3) uint8
+    (``out``: each crop's region resized once from the full-resolution image to ``(h, w)``: (K, h, w, 3)).
 
     Raises ImageFailure naming the conditioning image (a missing one is ``conditioning_missing``)."""
     path = row["conditioning"]
@@ -200,7 +207,7 @@ def conditioning_views(row: dict, blob, views: list, bucket: tuple[int, int], ma
                 raise ImageFailure("conditioning_missing", f"not found: {redact(str(blob), storage_options)}")
             raise read_failure(blob, storage_options)
         cond = prepare_views(blob, bucket, max_pixels=max_pixels, at=[v.crop_top_left for v in views],
-                             size=views[0].original_size, name=path)  # fmt: skip
+                             size=views[0].original_size, name=path, out=out)  # fmt: skip
     except ImageFailure as e:
         raise ImageFailure(e.kind, f"conditioning image {path}: {e.message}") from None
     return np.stack([c.pixels for c in cond])  # (K, H, W, 3)

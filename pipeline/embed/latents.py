@@ -37,8 +37,9 @@ class LatentSpec:
     latents: str = "mean"
     features: Any = None
 
-    def load(self, *, use_gpu: bool = False, dtype: str = "BF16") -> "LatentEncoder":
-        return LatentEncoder(self, use_gpu=use_gpu, dtype=dtype)
+    def load(self, *, use_gpu: bool = False, dtype: str = "BF16", compute: str | None = None) -> "LatentEncoder":
+        """The VAE, loaded (``compute``: :func:`~pipeline.embed.loading.device_and_dtype`'s)."""
+        return LatentEncoder(self, use_gpu=use_gpu, dtype=dtype, compute=compute)
 
 
 def _kl_shape(cfg: FrozenDict) -> dict[str, Any]:
@@ -117,11 +118,11 @@ class LatentEncoder:
     folder's config names it) takes clips ``(B, F, H, W, 3)`` -> ``(B, C, F', H/f, W/f)``, F' = (F - 1) //
     temporal_factor + 1 (an image is a 1-frame clip). Flux 2 and Qwen-Image VAEs: see the module docstring."""
 
-    def __init__(self, spec: LatentSpec, *, use_gpu: bool = False, dtype: str = "BF16"):
+    def __init__(self, spec: LatentSpec, *, use_gpu: bool = False, dtype: str = "BF16", compute: str | None = None):
         path, subfolder = spec.source.resolve("vae")
         self.id, self.latents = spec.source.ident, spec.latents
         check_local(path, subfolder, "--vae", "vae", ("config.json",))
-        self.device, self.compute_dtype = device_and_dtype(use_gpu, dtype)
+        self.device, self.compute_dtype = device_and_dtype(use_gpu, dtype, compute)
         self.vae = _vae_class(path, subfolder).from_pretrained(path, subfolder=subfolder).eval()
         self.kind = VAE_PATHS[type(self.vae).__name__]
         self.video = self.kind.video

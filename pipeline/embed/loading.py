@@ -106,11 +106,15 @@ def quiet_loading() -> None:
     transformers.utils.logging.set_verbosity_error()
 
 
-def device_and_dtype(use_gpu: bool, dtype: str):
+def device_and_dtype(use_gpu: bool, dtype: str, compute: str | None = None):
     """``(device, compute dtype)`` of an encoder: CUDA in bf16 (or fp32) when asked and there, else the CPU in
-    fp32."""
+    fp32. ``compute`` ``"BF16"``/``"F32"``: that compute dtype wherever it runs (the GPU's bf16 path on a CPU, which
+    the tests compare with the pipelines run in bf16)."""
     import torch
 
+    if compute is not None:
+        device = torch.device("cuda") if use_gpu and torch.cuda.is_available() else torch.device("cpu")
+        return device, {"BF16": torch.bfloat16, "F32": torch.float32}[compute]
     if use_gpu and torch.cuda.is_available():
         # fp16 VAEs overflow (SDXL's VAE NaNs in fp16): compute in bf16 or fp32, store in `dtype`
         return torch.device("cuda"), torch.bfloat16 if dtype == "BF16" else torch.float32

@@ -66,7 +66,8 @@ def prepare_batch(
     (:func:`~pipeline.embed.imaging.prepare_views`). ``conditioning``: the root of the rows' ``conditioning``
     paths: each is cropped exactly like its target (same resized size, same boxes), and a pair that cannot be is
     the sample's error row; ``reference`` (an area in pixels, a ``reference`` family's): each crop is then resized as
-    that family's pipeline resizes its reference (:func:`~pipeline.embed.families.qwen_image_edit.reference_pixels`),
+    that family's pipeline resizes its reference: the crop's region of the full-resolution conditioning image, resized
+    once (Lanczos) to :func:`~pipeline.embed.families.qwen_image_edit.reference_size`,
     so ``cond_pixels`` are ``(B * K, h, w, 3)`` at that size. Transient storage errors are retried per file
     (:func:`pipeline.embed.imaging.fetch_all`); a read that still fails is a ``read_failed`` error row
     (credentials redacted), which the next run retries. ``fs`` replaces the filesystem of ``source`` (it must be
@@ -92,9 +93,8 @@ def prepare_batch(
             views = prepare_views(blob, (bh, bw), crop=crop, seed=seed, sample_id=row["sample_id"],
                                   max_pixels=max_pixels, crops=crops, name=row["filename"])  # fmt: skip
             if paired:
-                cond = conditioning_views(row, cond_blobs[i], views, (bh, bw), max_pixels, storage_options)
-                if reference:
-                    cond = [qwen_image_edit.reference_pixels(c, reference) for c in cond]
+                out = qwen_image_edit.reference_size(bh, bw, reference) if reference else None
+                cond = conditioning_views(row, cond_blobs[i], views, (bh, bw), max_pixels, storage_options, out)
             if row.get("mask"):
                 mask = row_mask(row, mask_blobs.get(i, blob), views, (bh, bw), max_pixels, storage_options)
         except ImageFailure as e:

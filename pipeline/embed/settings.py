@@ -91,7 +91,8 @@ def full_settings(request: dict, vae: dict, text: dict) -> dict[str, Any]:
                        **({"normalised": vae["normalised"]} if vae.get("normalised") else {})}  # Qwen-Image's VAE
     settings["text"] = {**request["text"], "pipeline": text["pipeline"], "pooled_dim": text["pooled_dim"],
                         "layout": text["layout"], "encoders": [
-        {**r, **{k: e[k] for k in ("class", "weights_sha256", "max_length", "hidden_size")}}
+        {**r, **{k: e[k] for k in ("class", "weights_sha256", "max_length", "hidden_size")},
+         **({"processor": e["processor"]} if e.get("processor") else {})}  # a multimodal family's resize code
         for r, e in zip(request["text"]["encoders"], text["encoders"])]}  # fmt: skip
     if "features" in request:
         settings["features"] = {**request["features"], **vae["features"]}

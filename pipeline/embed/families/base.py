@@ -61,7 +61,8 @@ class Family:
     model). ``text_encoders``: the diffusers subfolders of its text encoders, in the pipeline's order,
     ``text_classes`` the transformers class each loads as (None: the one its config names).
     ``max_text_tokens(pipeline)``: the default T5 length for a pipeline class (None: no T5, CLIP's
-    77 positions are fixed). ``vae``: the subfolder of its VAE. ``prune(model)``: the part of a loaded text
+    77 positions are fixed); ``text_tokens_limit``: the most ``--max-text-tokens`` may ask (None: that
+    default). ``vae``: the subfolder of its VAE. ``prune(model)``: the part of a loaded text
     encoder that ``encode`` runs (None: all of it), taken before the weights are hashed and moved to the device.
     ``reference``: its text is a function of the caption and the sample's reference image (the paired
     conditioning image, ``scan --conditioning``): ``encode`` takes ``images=`` too, and the image workers encode
@@ -79,6 +80,7 @@ class Family:
     layout: Callable[[list[TextModel], TextOptions], TextLayout]
     encode: Callable[[list[TextModel], list[str], TextOptions], PromptParts]
     max_text_tokens: Callable[[str | None], int | None] = lambda pipeline: None
+    text_tokens_limit: int | None = None
     vae: str = "vae"
     prune: Callable[[Any], Any] | None = None
     reference: bool = False

@@ -6,8 +6,10 @@ turn, then the assistant turn's opening), tokenized up to ``tokenizer_max_length
 and run through Qwen2.5-VL with the attention mask and ``output_hidden_states=True``; ``hidden_states[-1]`` of
 the real tokens is kept, minus the first ``prompt_template_encode_start_idx`` (34) rows: the system prefix
 and the user turn's opening. What remains is the caption's tokens and the template's 5 closing tokens
-(``<|im_end|>``, ``\\n``, ``<|im_start|>``, ``assistant``, ``\\n``), cut to ``max_sequence_length`` (1024, the
-most ``check_inputs`` allows; ``__call__`` defaults to 512: ``--max-text-tokens 512``). The transformer takes
+(``<|im_end|>``, ``\\n``, ``<|im_start|>``, ``assistant``, ``\\n``), cut to ``max_sequence_length``: **512 by
+default, what ``QwenImagePipeline.__call__`` cuts at unless told otherwise**, so a long caption trains on the rows a
+default inference call gives (``encode_prompt``'s own default, 1024, is the most ``check_inputs`` allows:
+``--max-text-tokens 1024`` for who runs inference with ``max_sequence_length=1024``). The transformer takes
 those rows with a mask, so only they are stored; the trainer pads with zeros and masks (the pipeline's
 ``prompt_embeds_mask``). Qwen2.5-VL is causal, so the first ``n`` rows of a longer caption are those of its
 ``n``-token cut: lowering the length cuts, it does not change, the rows kept.
@@ -27,9 +29,12 @@ from typing import Any
 from manifests.cache.text_layout import TextLayout
 from pipeline.embed.families.base import Family, PromptParts, TextModel, TextOptions
 
-__all__ = ["FAMILY", "TEMPLATE", "DROP", "TOKENS", "NORMALISED", "encode_groups", "vae_description", "vae_latents"]
+__all__ = ["FAMILY", "TEMPLATE", "DROP", "TOKENS", "CALL_TOKENS", "NORMALISED", "encode_groups", "vae_description",
+           "vae_latents"]
 
-TOKENS = 1024  # QwenImagePipeline.tokenizer_max_length: encode_prompt's max_sequence_length, check_inputs' most
+# QwenImagePipeline.tokenizer_max_length: encode_prompt's max_sequence_length, check_inputs' most
+TOKENS = 1024
+CALL_TOKENS = 512  # QwenImagePipeline.__call__'s max_sequence_length: what a default inference call keeps
 DROP = 34  # QwenImagePipeline.prompt_template_encode_start_idx: the template's tokens before the caption
 TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
             "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
@@ -115,11 +120,13 @@ def encode(models: list[TextModel], captions: list[str], options: TextOptions) -
 
 FAMILY = Family(
     name="qwen-image",
-    summary="Qwen-Image: Qwen2.5-VL last hidden states of the caption in its template (1024, masked; prefix dropped)",
+    summary="Qwen-Image: Qwen2.5-VL last hidden states of the caption in its template (512 as __call__ cuts, up to "
+            "1024; masked; prefix dropped)",
     pipelines=("QwenImagePipeline",),
     text_encoders=("text_encoder",),
     text_classes=("Qwen2_5_VLModel",),
     layout=layout,
     encode=encode,
-    max_text_tokens=lambda pipeline: TOKENS,
+    max_text_tokens=lambda pipeline: CALL_TOKENS,
+    text_tokens_limit=TOKENS,
 )

@@ -11,13 +11,15 @@ closing tokens) is what the transformer sees; the edit pipeline cuts nothing (``
 applied), so neither does the cache.
 
 **The reference.** A sample's reference is its paired conditioning image (``scan --conditioning``), cropped like
-its target (the bucket's crop: :func:`pipeline.embed.imaging.conditioning_views`). The cache stores what
-``QwenImageEditPipeline.__call__`` makes of that crop when handed it as ``image``: resized with Lanczos
-(``image_processor.resize``) to ``calculate_dimensions(1024 * 1024, width / height)`` (the bucket's aspect at
-about a megapixel, sides multiples of 32; a 1024² or 1152x896 bucket is left as it is) by :func:`reference_pixels`;
-that one image is what Qwen2.5-VL sees (through the processor) and what the VAE encodes into the record's
-``cond_latent`` (the normalised posterior mode, ``_encode_vae_image``). So ``cond_latent`` is at the reference's
-grid, which differs from the target's for buckets far from a megapixel, as in the pipeline's ``img_shapes``.
+its target (the bucket's crop box: :func:`pipeline.embed.imaging.conditioning_views`) and resized **once**, from the
+full-resolution decode, to ``calculate_dimensions(1024 * 1024, width / height)`` (the bucket's aspect at about a
+megapixel, sides multiples of 32) with Lanczos: what ``QwenImageEditPipeline.__call__`` does to the image it is
+handed (``image_processor.resize``), applied to the crop's region (:func:`reference_size`; one ``Image.resize`` with
+the crop as its ``box``). A reference cut at the bucket's size first and resized again would be softer than what
+inference sees wherever the bucket is under a megapixel. That one image is what Qwen2.5-VL sees (through the
+processor) and what the VAE encodes into the record's ``cond_latent`` (the normalised posterior mode,
+``_encode_vae_image``). So ``cond_latent`` is at the reference's grid, which differs from the target's for buckets
+far from a megapixel, as in the pipeline's ``img_shapes``.
 
 **The key.** A record's text is keyed by :func:`reference_key` (a hash of the instruction and the reference's
 pixels), never by the caption alone: two samples with the same instruction and other references get their own
@@ -27,10 +29,13 @@ embeddings. Each sample's text is encoded on the image worker, one sample per fo
 the reference is decoded and cropped, on the workers, and such repeats are rare in edit datasets.
 
 **The processor.** Loaded as the pipeline loads it, ``Qwen2VLProcessor.from_pretrained(model, subfolder=
-"processor")``, where transformers 5.x without torchvision cannot build that class (its video processor needs
-torchvision): :func:`pipeline.embed.processors.load_qwen2vl_processor` then builds the same processor without a
-video processor from the folder's image processor (its PIL twin, ``Qwen2VLImageProcessorPil``) and tokenizer. The
-tests pass that object to the pipeline too, so exactness is against its own ``encode_prompt`` with that processor.
+"processor")``, which needs torchvision: its image processor is the torchvision backend (uint8 antialiased bicubic
+resize to ``smart_resize``'s 28-pixel grid, float32 normalisation). Without torchvision,
+:func:`pipeline.embed.processors.load_qwen2vl_processor` builds the same processor around
+:func:`~pipeline.embed.processors.torch_qwen2vl_image_processor`, which computes what the torchvision backend computes
+with torch alone (equal bit for bit: ``tests/test_qwen2vl_vision.py`` runs both where torchvision is installed),
+never the PIL twin (whose bicubic differs). The encoder fingerprint records the processor's class and backend
+(``settings.text.encoders[0].processor``), so caches made through other resize code never mix.
 """
 
 from __future__ import annotations
@@ -68,13 +73,15 @@ def reference_size(height: int, width: int, area: int = REFERENCE_AREA) -> tuple
 
 def conditioning_setting(area: int) -> str:
     """What ``_cache.json`` ``settings.conditioning`` says of the references of a cache made at ``area`` pixels."""
-    return (f"the reference: the image's crop resized (Lanczos) to calculate_dimensions({area}, w / h) as "
-            "QwenImageEditPipeline does; its latent is cond_latent and the text saw it")  # fmt: skip
+    return (f"the reference: the crop's region of the full-resolution image, resized once (Lanczos) to "
+            f"calculate_dimensions({area}, w / h) as QwenImageEditPipeline does; its latent is cond_latent and the "
+            "text saw it")  # fmt: skip
 
 
 def reference_pixels(crop: np.ndarray, area: int = REFERENCE_AREA) -> np.ndarray:
-    """A reference crop ``(H, W, 3)`` uint8 as the pipeline resizes it (``image_processor.resize``: Lanczos) to
-    :func:`reference_size`."""
+    """An image ``(H, W, 3)`` uint8 as the pipeline resizes the image it is handed (``image_processor.resize``:
+    Lanczos) to :func:`reference_size` (embed resizes the crop's region of the full image in the same one pass:
+    :func:`pipeline.embed.imaging.conditioning_views` with ``out``)."""
     from PIL import Image
 
     h, w = reference_size(*crop.shape[:2], area)
