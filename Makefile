@@ -1,6 +1,6 @@
 # Set-up and the two front-door commands. Works on a machine with only Python 3.11, pip and gcc.
 #   make demo   # create .venv, install, run the end-to-end demo on this machine (make demo DEMO_ARGS=--repa: with REPA)
-#   make test   # create .venv, install, run the tests CI runs (unit, S3, Ray, multi-process): all but `full`
+#   make test   # create .venv (+ .venv-vision: torchvision), install, run the tests CI runs: all but `full`
 #   make test-full     # every test, the `full` long tail included (each family's demo, simulated clusters)
 #   make test-floors   # create .venv-floors with every core dependency at its pyproject floor, run the fast tests
 #   make gpu-check     # on a GPU machine, offline, with its own python3 (CUDA torch) + .gpu-wheels: every GPU measure
@@ -32,6 +32,15 @@ XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 FLOORS_VENV ?= .venv-floors
 FLOORS_PY := $(FLOORS_VENV)/bin/python
 FLOORS_PYTEST_ARGS ?= -m "not slow"
+# `make test` also builds .venv-vision: torch with torchvision, which cannot sit beside the CPU torch (its operators
+# are built for another torch), plus the main venv's own transformers, diffusers and the few packages bucketeer's
+# encoders import. In it tests/vision_check.py runs what only a torchvision-equipped pipeline computes (FLUX.2-dev's
+# PixtralProcessor, Qwen-Image-Edit's Qwen2VLProcessor) beside bucketeer's code (tests/test_qwen2vl_vision.py).
+# x86_64: pip takes torch 2.14.1 + torchvision 0.29.1 (a CUDA build that runs on the CPU); VISION=0 leaves it out.
+VISION ?= 1
+VISION_VENV ?= .venv-vision
+VISION_SPEC ?= $(if $(filter aarch64 arm64,$(shell uname -m)),torch==2.9.1 torchvision==0.24.1,torch==2.14.1 torchvision==0.29.1)
+VISION_PACKAGES := transformers diffusers tokenizers huggingface_hub safetensors numpy pillow pyarrow fsspec isal jinja2
 
 .PHONY: install demo test test-full test-floors bench bench-deps gpu-check gpu-wheels gpu-rehearsal test-gpu install-vllm clean
 
@@ -47,11 +56,22 @@ install: $(VENV)/.installed
 demo: install
 	$(VENV)/bin/bucketeer demo $(DEMO_ARGS)
 
-test: install
-	$(PY) -m pytest $(XDIST) -m "$(TEST_MARKERS)" $(PYTEST_ARGS)
+$(VISION_VENV)/.installed: $(VENV)/.installed
+	rm -rf $(VISION_VENV)
+	$(PYTHON) -m venv $(VISION_VENV)
+	$(VISION_VENV)/bin/python -m pip install -q --upgrade pip
+	$(PY) -m pip freeze | grep -iE '^($(subst $() ,|,$(VISION_PACKAGES)))==' > $(VISION_VENV)/constraints.txt
+	$(VISION_VENV)/bin/python -m pip install -q --no-compile $(VISION_SPEC) -c $(VISION_VENV)/constraints.txt \
+		$(VISION_PACKAGES)
+	touch $@
 
-test-full: install
-	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
+test: install $(if $(filter 1,$(VISION)),$(VISION_VENV)/.installed)
+	$(if $(filter 1,$(VISION)),BUCKETEER_VISION_PYTHON=$(abspath $(VISION_VENV))/bin/python) \
+		$(PY) -m pytest $(XDIST) -m "$(TEST_MARKERS)" $(PYTEST_ARGS)
+
+test-full: install $(if $(filter 1,$(VISION)),$(VISION_VENV)/.installed)
+	$(if $(filter 1,$(VISION)),BUCKETEER_VISION_PYTHON=$(abspath $(VISION_VENV))/bin/python) \
+		$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 # "s3fs[boto3]" adds no package: it makes aiobotocore pin boto3 (which moto needs) to its botocore range
 # up front; without it pip backtracks through hundreds of boto3 releases to find that range at old s3fs.
@@ -123,4 +143,4 @@ install-vllm: install
 	$(PY) -m pip install -q -e ".[vllm]"
 
 clean:
-	rm -rf $(VENV) $(FLOORS_VENV) $(GPU_REHEARSAL_VENV) .gpu-site .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(FLOORS_VENV) $(VISION_VENV) $(GPU_REHEARSAL_VENV) .gpu-site .pytest_cache build *.egg-info
