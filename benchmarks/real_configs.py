@@ -42,7 +42,7 @@ QWEN3_8B = {**_QWEN3, "hidden_size": 4096, "intermediate_size": 12288, "tie_word
 QWEN_VL_7B = {"text_config": {"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
                               "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
                               "max_position_embeddings": 128000, "tie_word_embeddings": False,
-                              "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}},
+                              "rope_scaling": {"type": "default", "mrope_section": [16, 24, 24]}},
               "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
                                 "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2,
                                 "temporal_patch_size": 2, "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31]},

@@ -100,6 +100,26 @@ def _clip(frames: int, h: int, w: int, seed: int) -> np.ndarray:
     return up.permute(0, 2, 3, 1).round().clamp(0, 255).to(torch.uint8).numpy()
 
 
+def test_bf16_clip_latents_are_the_pipelines_bf16_vae_path(tiny):
+    """The GPU's path (``compute="BF16"`` on this CPU): the stored posterior mode equals the one of the VAE loaded in
+    bf16 (``torch_dtype``), clip by clip as the pipeline encodes, bit for bit (the trainer scales, in fp32)."""
+    from diffusers import AutoencoderKLHunyuanVideo15
+    from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5_image2video import retrieve_latents
+    from diffusers.video_processor import VideoProcessor
+    from PIL import Image
+
+    encoder = _specs(tiny)[0].load(dtype="BF16", compute="BF16")
+    clips = np.stack([_clip(5, 32, 48, seed) for seed in (1, 2)])  # (B, F, H, W, 3)
+    got = encoder.encode(clips)["latent"]
+    vae = AutoencoderKLHunyuanVideo15.from_pretrained(tiny, subfolder="vae", torch_dtype=torch.bfloat16).eval()
+    processor = VideoProcessor(vae_scale_factor=vae.config.spatial_compression_ratio)
+    video = torch.cat([processor.preprocess_video([Image.fromarray(f) for f in c], height=32, width=48)
+                       for c in clips]).to(torch.bfloat16)  # fmt: skip
+    with torch.no_grad():
+        want = torch.cat([retrieve_latents(vae.encode(v[None]), sample_mode="argmax") for v in video])
+    assert got.shape == want.shape and torch.equal(got.float(), want.float())
+
+
 def test_clip_latents_are_the_pipelines_vae_path_and_scaling(tiny):
     from diffusers import AutoencoderKLHunyuanVideo15
     from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5_image2video import retrieve_latents

@@ -63,19 +63,31 @@ def test_cached_text_is_encode_prompts_real_rows_and_the_connectors_give_the_sam
             assert torch.equal(video, want_video) and torch.equal(audio, want_audio) and torch.equal(attn, want_attn)
 
 
-def _pipeline_latents(model: str, clips: np.ndarray) -> torch.Tensor:
-    """The pipeline's VAE path: pixels by its ``VideoProcessor``, the posterior mean, ``_normalize_latents``."""
+def _pipeline_latents(model: str, clips: np.ndarray, dtype=torch.float32) -> torch.Tensor:
+    """The pipeline's VAE path: pixels by its ``VideoProcessor``, the posterior mean, ``_normalize_latents``; the
+    VAE loaded and run in ``dtype``."""
     from diffusers import AutoencoderKLLTX2Video, LTX2Pipeline
     from diffusers.video_processor import VideoProcessor
     from PIL import Image
 
-    vae = AutoencoderKLLTX2Video.from_pretrained(model, subfolder="vae").eval()
+    vae = AutoencoderKLLTX2Video.from_pretrained(model, subfolder="vae", torch_dtype=dtype).eval()
     processor = VideoProcessor(vae_scale_factor=vae.spatial_compression_ratio)
     _, _, h, w, _ = clips.shape
     video = torch.cat([processor.preprocess_video([Image.fromarray(f) for f in c], height=h, width=w) for c in clips])
     with torch.no_grad():
-        z = vae.encode(video).latent_dist.mean
+        z = vae.encode(video.to(dtype)).latent_dist.mean
     return LTX2Pipeline._normalize_latents(z, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+
+
+def test_bf16_clip_latents_are_within_one_ulp_of_the_pipelines_bf16_vae_path(tiny):
+    """The GPU's path (``compute="BF16"`` on this CPU) against the pipeline's with its VAE loaded in bf16: the
+    pipeline normalises in bf16, bucketeer in fp32 and rounds once, so they agree within one bf16 ulp (2^-7
+    relative)."""
+    encoder = _specs("ltx-2", tiny)[0].load(dtype="BF16", compute="BF16")
+    clips = np.stack([_clip(17, 64, 96, seed) for seed in (1, 2)])
+    got = encoder.encode(clips)["latent"].float()
+    want = _pipeline_latents(tiny, clips, torch.bfloat16).float()
+    assert got.shape == want.shape and bool(((got - want).abs() <= 2**-7 * want.abs()).all())
 
 
 def test_clip_latents_are_the_pipelines_vae_path_and_normalisation(tiny):

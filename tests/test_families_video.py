@@ -77,23 +77,37 @@ def _clip(frames: int, h: int, w: int, seed: int) -> np.ndarray:
     return up.permute(0, 2, 3, 1).round().clamp(0, 255).to(torch.uint8).numpy()
 
 
-def _pipeline_latents(model: str, clips: np.ndarray) -> torch.Tensor:
-    """The pipelines' VAE path: pixels by its ``VideoProcessor``, the posterior's mode, normalised per channel."""
+def _pipeline_latents(model: str, clips: np.ndarray, dtype=torch.float32, normalise: bool = True) -> torch.Tensor:
+    """The pipelines' VAE path: pixels by its ``VideoProcessor``, the posterior's mode, normalised per channel
+    (``normalise``); the VAE loaded and run in ``dtype`` as ``from_pretrained(torch_dtype=)`` loads it."""
     from diffusers import AutoencoderKLWan
     from diffusers.pipelines.wan.pipeline_wan_video2video import retrieve_latents
     from diffusers.video_processor import VideoProcessor
     from PIL import Image
 
-    vae = AutoencoderKLWan.from_pretrained(model, subfolder="vae").eval()
+    vae = AutoencoderKLWan.from_pretrained(model, subfolder="vae", torch_dtype=dtype).eval()
     processor = VideoProcessor(vae_scale_factor=vae.config.scale_factor_spatial)
     _, _, h, w, _ = clips.shape
     video = torch.cat([processor.preprocess_video([Image.fromarray(f) for f in c], height=h, width=w) for c in clips])
     c = vae.config.z_dim
     with torch.no_grad():
-        z = retrieve_latents(vae.encode(video), sample_mode="argmax")
+        z = retrieve_latents(vae.encode(video.to(dtype)), sample_mode="argmax")
+    if not normalise:
+        return z
     mean = torch.tensor(vae.config.latents_mean).view(1, c, 1, 1, 1)
     inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, c, 1, 1, 1)
     return (z - mean) * inv_std
+
+
+@pytest.mark.parametrize("family", ["wan2.2-a14b", "wan2.2-ti2v-5b"])
+def test_bf16_clip_latents_are_the_pipelines_bf16_vae_path(tiny, family):
+    """The GPU's path (VAE and pixels in bf16; ``compute="BF16"`` on this CPU): the stored posterior mode equals the
+    pipeline's with the VAE loaded in bf16, bit for bit (the trainer normalises per channel, in fp32)."""
+    encoder = _specs(family, tiny[family])[0].load(dtype="BF16", compute="BF16")
+    clips = np.stack([_clip(9, 32, 48, seed) for seed in (1, 2)])  # (B, F, H, W, 3)
+    got = encoder.encode(clips)["latent"]
+    want = _pipeline_latents(tiny[family], clips, torch.bfloat16, normalise=False)
+    assert got.shape == want.shape and torch.equal(got.float(), want.float())
 
 
 @pytest.mark.parametrize("family, shape", [("wan2.2-a14b", (16, 3, 4, 6)), ("wan2.2-ti2v-5b", (48, 3, 2, 3))])
