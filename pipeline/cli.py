@@ -42,6 +42,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                                       "motion, into an annotations folder (Ray job)"),
     "dedup": ("pipeline.dedup", "find exact, perceptual and semantic duplicates in annotations; one keeper per "
                                 "cluster"),
+    "estimate": ("pipeline.estimate", "the bill before an embed run: samples, captions, bytes written and read, "
+                                      "device-hours and money, from the manifest and the model's configs alone"),
     "verify": ("pipeline.verify", "check every record of a cache: checksum, identity, shapes, finite values"),
     "rebucket": ("pipeline.rebucket", "re-assign buckets from stored sizes into a new manifest (no image I/O)"),
     "stats": ("pipeline.stats", "print a manifest's counts, buckets and errors; with --where, what a selection "

@@ -137,10 +137,13 @@ def _cell(action: argparse.Action) -> tuple[str, str, str]:
 
 def reference_markdown() -> str:
     """The option reference's tables (the end of docs/configuration.md), generated from the parsers."""
-    out = []
+    out, first = [], {}  # an option another command shares (estimate takes embed's) points to where it is explained
     for command, parser in command_parsers().items():
         out += [f"### `{command}`", "", "| option | default | meaning |", "|---|---|---|"]
-        out += [f"| {n} | {d} | {t} |" for n, d, t in map(_cell, _options(parser))]
+        for action in _options(parser):
+            n, d, t = _cell(action)
+            t = f"as in `{first[n, d, t]}`" if first.setdefault((n, d, t), command) != command else t
+            out.append(f"| {n} | {d} | {t} |")
         out.append("")
     return "\n".join(out)
 

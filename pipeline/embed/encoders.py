@@ -55,10 +55,12 @@ class TextSpec:
     layer: str | None = None
 
     def load(self, *, use_gpu: bool = False, dtype: str = "BF16", device_memory: int | None = None,
-             compute: str | None = None) -> "TextEncoders":  # fmt: skip
+             compute: str | None = None, weights: bool = True) -> "TextEncoders":  # fmt: skip
         """The encoders, loaded (``device_memory``: free bytes to check them against instead of the device's;
-        ``compute``: :func:`~pipeline.embed.loading.device_and_dtype`'s)."""
-        return TextEncoders(self, use_gpu=use_gpu, dtype=dtype, device_memory=device_memory, compute=compute)
+        ``compute``: :func:`~pipeline.embed.loading.device_and_dtype`'s; ``weights=False``: none read, for
+        :meth:`TextEncoders.rows`)."""
+        return TextEncoders(self, use_gpu=use_gpu, dtype=dtype, device_memory=device_memory, compute=compute,
+                            weights=weights)
 
 
 def encoder_specs(
@@ -141,6 +143,35 @@ def _text_class(path: str, subfolder: str, class_name: str | None) -> tuple[str,
     return class_name, config
 
 
+def shapes_only(class_name: str, config: Any) -> Any:
+    """A module standing for a text encoder of ``class_name`` with ``config`` (its text config) and no weights: its
+    forward returns zeros ``(B, L, 1)`` as ``last_hidden_state``, every hidden state, ``pooler_output`` and
+    ``text_embeds``, so a family's ``encode`` runs its own tokenization, template and masks and yields each caption's
+    row counts (:meth:`TextEncoders.rows`). Its class is named as the one it stands for, which layouts read."""
+    import torch
+    from transformers.utils import ModelOutput
+
+    @dataclass
+    class Zeros(ModelOutput):
+        last_hidden_state: Any = None
+        pooler_output: Any = None
+        text_embeds: Any = None
+        hidden_states: Any = None
+
+    def forward(self, input_ids: Any = None, attention_mask: Any = None, **kwargs: Any) -> Any:
+        zeros = torch.zeros(*input_ids.shape, 1)  # (B, L, 1)
+        layers = int(getattr(self.config, "num_hidden_layers", None) or getattr(self.config, "num_layers", 1))
+        return Zeros(last_hidden_state=zeros, pooler_output=zeros[:, 0], text_embeds=zeros[:, 0],
+                     hidden_states=(zeros,) * (layers + 1))  # fmt: skip
+
+    def init(self, config: Any) -> None:
+        torch.nn.Module.__init__(self)
+        self.config = config
+
+    cls = type(class_name, (torch.nn.Module,), {"__init__": init, "forward": forward})
+    return cls(config)
+
+
 def _load_tokenizer(path: str, subfolder: str) -> Any:
     """The tokenizer in ``path``/``subfolder`` as the pipeline loads it: the class its ``model_index.json`` names
     there (a folder without a tokenizer_config.json, as LTX-2's Gemma one, gets no special tokens from
@@ -211,7 +242,9 @@ class TextEncoders:
     """
 
     def __init__(self, spec: TextSpec, *, use_gpu: bool = False, dtype: str = "BF16",
-                 device_memory: int | None = None, compute: str | None = None):  # fmt: skip
+                 device_memory: int | None = None, compute: str | None = None, weights: bool = True):  # fmt: skip
+        """``weights=False``: tokenizers, processors and configs only, each model replaced by
+        :func:`shapes_only` (no weight read): what :meth:`rows` needs to count each caption's rows."""
         self.family = get_family(spec.family)
         self.device, self.compute_dtype = device_and_dtype(use_gpu, dtype, compute)
         index = _pipeline_index(spec.model)
@@ -223,11 +256,12 @@ class TextEncoders:
             path, subfolder = source.resolve("text_encoder")
             check_local(path, subfolder, "--text-encoder", "text_encoder", ("config.json",))
             found.append((source, path, subfolder, *_text_class(path, subfolder or "", class_name)))
-        memory.check_text_encoders(self.family, [(s.ident, cls, config) for s, _, _, cls, config in found],
-                                   self.compute_dtype, memory.free_bytes(self.device) if device_memory is None
-                                   else device_memory)  # fmt: skip
+        if weights:
+            memory.check_text_encoders(self.family, [(s.ident, cls, config) for s, _, _, cls, config in found],
+                                       self.compute_dtype, memory.free_bytes(self.device) if device_memory is None
+                                       else device_memory)  # fmt: skip
         self.models: list[TextModel] = []
-        for source, path, subfolder, class_name, _ in found:
+        for source, path, subfolder, class_name, full_config in found:
             # a pipeline repo keeps text_encoder_2's tokenizer in tokenizer_2; a bare model repo, beside it
             tok_sub = subfolder.replace("text_encoder", "tokenizer") if subfolder else ""
             check_local(path, tok_sub, "--text-encoder", "tokenizer", ("tokenizer_config.json", "tokenizer.json"),
@@ -237,6 +271,11 @@ class TextEncoders:
             # a multimodal family's processor: the pipeline's folder beside the text encoder's (a bare repo: its root)
             processor = load_qwen2vl_processor(path, self.family.processor if subfolder else "") \
                 if self.family.processor else None  # fmt: skip
+            if not weights:
+                model = shapes_only(class_name, full_config.get_text_config())
+                info = {"id": source.ident, "subfolder": subfolder, "class": class_name}
+                self.models.append(TextModel(tokenizer, model, self.device, info, processor))
+                continue
             model = _load_text_model(path, subfolder or "", class_name, "--text-encoder").eval()
             loaded = type(model).__name__
             if self.family.prune is not None:  # only what encode runs is hashed and moved (an LLM's first layers)
@@ -262,6 +301,20 @@ class TextEncoders:
             self.models.append(TextModel(tokenizer, model, self.device, info, processor))  # fmt: skip
         self.options = replace(spec, max_tokens=self._max_tokens(spec.max_tokens))
         self.layout = self.family.layout(self.models, self.options)
+
+    def rows(self, captions: list[str], images: list[np.ndarray] | None = None) -> list[tuple[int, ...]]:
+        """Per caption, the rows its record holds of each part: the layout's lengths, or (a masked layout) the real
+        tokens the family's own tokenization and template give it (``images``: a reference family's)."""
+        import torch
+
+        if not self.layout.masked:
+            return [tuple(self.layout.lengths)] * len(captions)
+        with torch.inference_mode():
+            extra = {} if images is None else {"images": images}
+            prompt = self.family.encode(self.models, list(captions), self.options, **extra)
+        counts = [r.tolist() for r in prompt.rows] if prompt.rows is not None else \
+            [[p.shape[1]] * len(captions) for p in prompt.parts]  # fmt: skip
+        return [tuple(int(c[i]) for c in counts) for i in range(len(captions))]
 
     def _max_tokens(self, asked: int | None) -> int | None:
         default = self.family.max_text_tokens(self.pipeline)

@@ -299,7 +299,7 @@ def _specs(job: EmbedJob):
     return latent, text
 
 
-def _request(job: EmbedJob, manifest: ManifestMeta) -> dict[str, Any]:
+def request_settings_of(job: EmbedJob, manifest: ManifestMeta) -> dict[str, Any]:
     latent, text = _specs(job)
     return request_settings(latent, text, dtype=STORAGE_DTYPES[job.dtype], bucket_spec=manifest.bucket_spec.to_json(),
                             crop=job.crop, seed=job.seed, crops=job.crops, flip=job.flip,
@@ -348,7 +348,7 @@ def _embed(job: EmbedJob) -> EmbedResult:
         refuse_for_video(job, manifest)
     source = job.source or manifest.source
     reference = FAMILIES[job.family].reference  # its text: of each sample's instruction and reference image
-    request = _request(job, manifest)
+    request = request_settings_of(job, manifest)
     # one look at the committed index decides the work: stale rows (changed image bytes, caption or
     # bucket since they were embedded), read failures and missing ones are embedded; fresh records
     # and error rows about the image itself stay

@@ -42,6 +42,20 @@ class LatentSpec:
         return LatentEncoder(self, use_gpu=use_gpu, dtype=dtype, compute=compute)
 
 
+def latent_shape(spec: LatentSpec) -> dict[str, Any]:
+    """What :meth:`LatentEncoder.describe` says of the latents' shape (``factor``, ``channels``, ...), from the VAE's
+    config alone, built on the meta device (no weight read): what ``bucketeer estimate`` counts bytes with."""
+    import torch
+
+    path, subfolder = spec.source.resolve("vae")
+    check_local(path, subfolder, "--vae", "vae", ("config.json",))
+    cls = _vae_class(path, subfolder)
+    kind = VAE_PATHS[cls.__name__]
+    with torch.device("meta"):
+        vae = cls.from_config(cls.load_config(path, subfolder=subfolder))
+    return kind.shape(vae if kind.of_model else vae.config)
+
+
 def _kl_shape(cfg: FrozenDict) -> dict[str, Any]:
     return {"factor": 2 ** (len(cfg.block_out_channels) - 1), "channels": int(cfg.latent_channels),
             "scaling_factor": float(cfg.scaling_factor),

@@ -1,0 +1,305 @@
+"""The bill before a run: what ``bucketeer embed`` will do and what it will cost, before any model loads.
+
+    bucketeer estimate MANIFEST --out CACHE --family F --model ID|PATH [embed's options] [--gpu h100] [--gpus 8]
+        [--price-gpu-hour 2.50] [--price-gb-month 0.015] [--price-egress-gb 0.09] [--json]
+
+It takes ``embed``'s own options (the same parser) and decides the work exactly as ``embed`` decides it
+(:func:`pipeline.embed.work.find_work`, against ``--out``'s committed index when there is one: a rerun's bill counts
+only what changed). Then, with no weight read and no image fetched:
+
+- **counts**: samples, rows to embed, captions to encode (each distinct one once; the empty caption and
+  ``--validation-prompts`` among them), variants per sample (``--crops`` x ``--flip``);
+- **bytes written**, exact from the family's record layout (before gzip, which the embed summary reports after):
+  the text rows each caption gets (its tokenizer and template run on it, the text encoders replaced by a model of
+  no weights that returns zeros of the real shapes: :class:`pipeline.embed.encoders.TextEncoders` with
+  ``weights=False``), and each sample's latents at its bucket's grid (the VAE's config: channels, factor);
+- **reads**: requests (one per image, per conditioning image) and bytes (the manifest's file sizes);
+- **time and GPU-hours** on ``--gpus`` of ``--gpu``, from the rates ``make gpu-check`` measured and this project
+  ships (``pipeline/rates.json``, each naming its machine and date), scaled by pixels; a rate never measured for
+  that device, family and model size is said to be missing, not guessed;
+- **money**, from the prices given.
+
+Video manifests are not estimated yet (their clips per video depend on each video's length): refused in one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from manifests.errors import UsageError
+
+__all__ = ["EstimateJob", "Bill", "add_arguments", "job_from_args", "run", "rates", "DEVICES"]
+
+RATES = Path(__file__).with_name("rates.json")
+DEVICES = ("h100", "h200", "a100", "l40s", "cpu")
+CHUNK = 256  # captions per dry-run batch
+
+
+@dataclass(frozen=True)
+class EstimateJob:
+    """An embed job to estimate, on ``gpus`` devices of kind ``gpu``, with optional prices (None: not priced)."""
+
+    embed: Any  # pipeline.embed.job.EmbedJob
+    gpu: str = "h100"
+    gpus: int = 1
+    price_gpu_hour: float | None = None
+    price_gb_month: float | None = None
+    price_egress_gb: float | None = None
+    as_json: bool = False
+
+    def __post_init__(self) -> None:
+        if self.gpu not in DEVICES:
+            raise UsageError(f"--gpu {self.gpu!r}: one of {', '.join(DEVICES)}")
+        if self.gpus < 1:
+            raise UsageError(f"--gpus must be >= 1, got {self.gpus}")
+        for name in ("price_gpu_hour", "price_gb_month", "price_egress_gb"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise UsageError(f"--{name.replace('_', '-')} must be a number >= 0, got {value}")
+
+
+@dataclass
+class Bill:
+    """What :func:`run` found: counts, bytes, reads, time (None: no rate) and money (None: no price)."""
+
+    samples: int = 0
+    to_embed: int = 0
+    captions: int = 0  # text records (or inline texts) to encode
+    variants: int = 1
+    text_bytes: int = 0
+    latent_bytes: int = 0
+    requests: int = 0
+    read_bytes: int = 0
+    pixels: int = 0  # of the crops the VAE encodes, all variants
+    seconds: float | None = None  # wall time on the job's devices
+    gpu_hours: float | None = None
+    rate: str = ""  # which measured rate, or why there is none
+    money: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from pipeline.embed.job import add_arguments as embed_arguments
+
+    embed_arguments(parser)
+    g = parser.add_argument_group("estimate")
+    g.add_argument("--gpu", choices=DEVICES, default="h100", help="the device kind to price the run on")
+    g.add_argument("--gpus", type=int, default=1, help="how many of them the run uses")
+    g.add_argument("--price-gpu-hour", type=float, default=None, metavar="USD", help="price of one device-hour")
+    g.add_argument("--price-gb-month", type=float, default=None, metavar="USD", help="storage, per GB and month")
+    g.add_argument("--price-egress-gb", type=float, default=None, metavar="USD", help="reads, per GB out of the store")
+    g.add_argument("--json", dest="as_json", action="store_true", help="print the bill as one JSON object")
+
+
+def job_from_args(args: argparse.Namespace) -> EstimateJob:
+    from pipeline.embed.job import job_from_args as embed_job
+
+    return EstimateJob(embed=embed_job(args), gpu=args.gpu, gpus=args.gpus, price_gpu_hour=args.price_gpu_hour,
+                       price_gb_month=args.price_gb_month, price_egress_gb=args.price_egress_gb,
+                       as_json=args.as_json)  # fmt: skip
+
+
+def rates() -> dict[str, Any]:
+    """The shipped rates (``pipeline/rates.json``)."""
+    return json.loads(RATES.read_text())
+
+
+def _rate(job: EstimateJob, family: str, default_model: bool) -> tuple[dict[str, Any] | None, str]:
+    """``(rate or None, what it is or why there is none)`` for the job's device, family and model size."""
+    device = rates().get(job.gpu, {})
+    size = "default" if default_model else "real"
+    found = device.get("families", {}).get(family, {}).get(size)
+    if found is None:
+        return None, (f"no rate measured for {family} ({'the tiny default model' if default_model else 'real size'})"
+                      f" on {job.gpu}: time and GPU-hours missing")  # fmt: skip
+    return found, f"{job.gpu} {device.get('machine', '')}, {device.get('measured', '')}: {device.get('command', '')}"
+
+
+def _work(job: Any) -> tuple[Any, Any, dict, Any]:
+    """``(manifest meta, work, prompts, committed)``: embed's own decision of what to do (job.py ``_embed``)."""
+    from manifests.cache import IndexLookup, index_lookup
+    from manifests.manifest import read_manifest_meta
+    from pipeline.embed.families import FAMILIES
+    from pipeline.embed.prompts import committed_prompts, missing_texts, prompt_texts, read_validation_prompts
+    from pipeline.embed.job import request_settings_of
+    from pipeline.embed.settings import check_early
+    from pipeline.embed.work import find_work
+
+    so = dict(job.storage_options)
+    meta = read_manifest_meta(job.manifest, so)
+    if meta.frame_ladder is not None:
+        raise UsageError(f"{job.manifest} is a video manifest: bucketeer estimate prices image manifests only (a "
+                         "video's clips depend on its length); see docs/embed.md")  # fmt: skip
+    committed = check_early(job.out, so, request_settings_of(job, meta))
+    lookup, done = index_lookup(job.out, so, committed) if committed else (IndexLookup.empty(), [])
+    reference = FAMILIES[job.family].reference
+    validation = committed_prompts(committed) if job.validation_prompts is None else \
+        read_validation_prompts(job.validation_prompts, so)  # fmt: skip
+    prompts = {} if reference else missing_texts(prompt_texts(validation), done)
+    done = np.concatenate([np.asarray(done, np.uint64), np.fromiter(prompts, np.uint64, len(prompts))])
+    work = find_work(job.manifest, meta, so, lookup, done, per_sample_text=job.family if reference else None)
+    return meta, work, prompts, committed
+
+
+def _rows(job: Any, meta: Any, work: Any) -> tuple[list[dict], list[str]]:
+    """``(rows to embed, caption texts to encode)``, read back from the manifest's row groups."""
+    from manifests.manifest import read_row_group
+    from pipeline.embed.work import MANIFEST_COLUMNS, flat_captions
+
+    so = dict(job.storage_options)
+    rows, texts = [], []
+    groups = {id(w.group): w.group for w in [*work.images, *work.captions]}
+    tables = {k: read_row_group(job.manifest, g, MANIFEST_COLUMNS, so) for k, g in groups.items()}
+    for w in work.images:
+        table = tables[id(w.group)]
+        picked = table.take(list(map(int, w.rows))).to_pylist()
+        rows += picked
+        if w.inline is not None:  # a row's only caption, encoded into its own record
+            flat, owner = flat_captions(table)
+            first = {int(o): i for i, o in reversed(list(enumerate(owner)))}
+            texts += [flat[first[int(r)]].as_py() or "" for r, keep in zip(w.rows, w.inline) if keep]
+    for w in work.captions:
+        flat, _ = flat_captions(tables[id(w.group)])
+        texts += [flat[int(i)].as_py() or "" for i in w.rows]
+    return rows, texts
+
+
+def _text_bytes(job: Any, texts: list[str], rows: list[dict], element: int) -> int:
+    """Bytes of the text records of ``texts`` (a reference family: of each row's instruction and reference)."""
+    from pipeline.embed.families import FAMILIES
+    from pipeline.embed.families import qwen_image_edit as edit
+    from pipeline.embed.job import _specs
+    from manifests.buckets import parse_bucket
+
+    _, spec = _specs(job)
+    encoders = spec.load(weights=False)
+    layout = encoders.layout
+    widths, pooled = list(layout.widths), int(layout.pooled_dim or 0)
+    if FAMILIES[job.family].reference:  # one text per sample, of its instruction and reference's size
+        area = edit.reference_area(job)
+        total = 0
+        for row in rows:
+            bw, bh = parse_bucket(row["bucket"])
+            h, w = edit.reference_size(bh, bw, area)
+            (counts,) = encoders.rows([row.get("caption") or ""], images=[np.zeros((h, w, 3), np.uint8)])
+            total += sum(n * d for n, d in zip(counts, widths))
+        return total * element
+    total = 0
+    for start in range(0, len(texts), CHUNK):
+        for counts in encoders.rows(texts[start : start + CHUNK]):
+            total += sum(n * d for n, d in zip(counts, widths)) + pooled
+    return total * element
+
+
+def _latent_bytes(job: Any, rows: list[dict], element: int) -> tuple[int, int]:
+    """``(bytes of the latents of rows, pixels the VAE encodes)`` at each row's bucket grid."""
+    from manifests.buckets import parse_bucket
+    from pipeline.embed.families import qwen_image_edit as edit
+    from pipeline.embed.job import _specs
+    from pipeline.embed.latents import latent_shape
+
+    latent, _ = _specs(job)
+    shape = latent_shape(latent)  # {"factor", "channels"}
+    f, c = shape["factor"], shape["channels"]
+    variants = job.crops * (2 if job.flip else 1)
+    per_value = (2 if job.latents == "posterior" else 1) * element
+    area = edit.reference_area(job)
+    total = pixels = 0
+    for row in rows:
+        bw, bh = parse_bucket(row["bucket"])
+        total += variants * c * (bh // f) * (bw // f) * per_value
+        pixels += variants * bh * bw
+        if row.get("conditioning"):
+            h, w = edit.reference_size(bh, bw, area) if area else (bh, bw)
+            total += variants * c * (h // f) * (w // f) * element  # the conditioning latent: its mean
+            pixels += variants * h * w
+    return total, pixels
+
+
+ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def _is_default(e: Any) -> bool:
+    """Whether the job's encoders are the tiny random-weight defaults (``--model default``, a folder they were
+    built in, or no encoder option at all), whose rates are not a real model's."""
+    from pipeline.embed.encoders import DEFAULT_NOTICE
+    from pipeline.embed.loading import DEFAULT_ID
+
+    if e.model is None:
+        return e.vae in (None, DEFAULT_ID) and all(t == DEFAULT_ID for t in e.text_encoders or (DEFAULT_ID,))
+    notice = Path(e.model, "README.txt")
+    return e.model == DEFAULT_ID or notice.is_file() and notice.read_text().strip() == DEFAULT_NOTICE
+
+
+def estimate(job: EstimateJob) -> Bill:
+    """The :class:`Bill` of ``job`` (nothing loaded but tokenizers and configs; nothing fetched but the manifest)."""
+    from pipeline.embed.families import FAMILIES
+
+    e = job.embed
+    if e.features:
+        raise UsageError("--features: bucketeer estimate does not count DINOv2 features yet; estimate without it")
+    meta, work, prompts, _ = _work(e)
+    rows, texts = _rows(e, meta, work)
+    texts += list(prompts.values())
+    reference = FAMILIES[e.family].reference  # one text per sample, of its instruction and reference
+    element = ELEMENT_BYTES[e.dtype]
+    bill = Bill(samples=work.samples, to_embed=len(rows), captions=len(rows) if reference else len(texts),
+                variants=e.crops * (2 if e.flip else 1))  # fmt: skip
+    bill.text_bytes = _text_bytes(e, texts, rows, element) if bill.captions else 0
+    bill.latent_bytes, bill.pixels = _latent_bytes(e, rows, element)
+    bill.requests = len(rows) + sum(1 for r in rows if r.get("conditioning"))
+    bill.read_bytes = int(sum(int(r.get("size") or 0) for r in rows))
+    rate, bill.rate = _rate(job, e.family, _is_default(e))
+    if rate is not None:
+        one = bill.pixels / (rate["images_per_second"] * rate["pixels"])  # one device's seconds
+        one += bill.captions / rate["captions_per_second"] if bill.captions else 0.0
+        bill.seconds, bill.gpu_hours = one / job.gpus, one / 3600
+    if job.price_gpu_hour is not None and bill.gpu_hours is not None:
+        bill.money["compute"] = bill.gpu_hours * job.price_gpu_hour
+    if job.price_gb_month is not None:
+        bill.money["storage_per_month"] = (bill.text_bytes + bill.latent_bytes) / 1e9 * job.price_gb_month
+    if job.price_egress_gb is not None:
+        bill.money["reads"] = bill.read_bytes / 1e9 * job.price_egress_gb
+    return bill
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def run(job: EstimateJob) -> Bill:
+    """Print the bill of ``job`` (``--json``: one JSON object) and return it."""
+    bill = estimate(job)
+    if job.as_json:
+        print(json.dumps(bill.to_json()))
+        return bill
+    e = job.embed
+    lines = [f"bucketeer estimate: embed {e.manifest} -> {e.out} --family {e.family} ({e.dtype})",
+             f"  samples {bill.samples:,}; to embed {bill.to_embed:,} (x{bill.variants} variants); captions to "
+             f"encode {bill.captions:,}",
+             f"  written (before gzip): latents {_human(bill.latent_bytes)}, text {_human(bill.text_bytes)}",
+             f"  read: {bill.requests:,} requests, {_human(bill.read_bytes)}"]  # fmt: skip
+    if bill.seconds is None:
+        lines.append(f"  time: {bill.rate}")
+    else:
+        lines.append(f"  time on {job.gpus} x {job.gpu}: {bill.seconds / 3600:,.2f} h ({bill.gpu_hours:,.2f} "
+                     f"device-hours; rate: {bill.rate})")  # fmt: skip
+    for name, value in bill.money.items():
+        lines.append(f"  {name.replace('_', ' ')}: ${value:,.2f}")
+    print("\n".join(lines), file=sys.stdout, flush=True)
+    return bill
