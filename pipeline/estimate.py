@@ -15,7 +15,8 @@ only what changed). Then, with no weight read and no image fetched:
   ``weights=False``), and each sample's latents at its bucket's grid (the VAE's config: channels, factor);
 - **reads**: requests (one per image, per conditioning image) and bytes (the manifest's file sizes);
 - **time and GPU-hours** on ``--gpus`` of ``--gpu``, from the rates ``make gpu-check`` measured and this project
-  ships (``pipeline/rates.json``, each naming its machine and date), scaled by pixels; a rate never measured for
+  ships (``pipeline/rates.json``, each naming its machine and date), by pixels per image (:func:`images_per_second`);
+  a rate never measured for
   that device, family and model size is said to be missing, not guessed;
 - **money**, from the prices given.
 
@@ -202,6 +203,21 @@ def _text_bytes(job: Any, texts: list[str], rows: list[dict], element: int) -> i
     return total * element
 
 
+def images_per_second(rate: dict[str, Any], pixels: int) -> float:
+    """The rate's images/s at ``pixels`` per image: its measured ``images`` points ``[[pixels, images/s], ...]``,
+    a power law between the two nearest (the VAE's cost grows faster than its pixels: attention), time linear in
+    pixels from a single point."""
+    points = sorted((float(p), float(r)) for p, r in rate["images"])
+    if len(points) == 1:
+        (p0, r0), = points
+        return r0 * p0 / pixels
+    lower = [q for q in points if q[0] <= pixels]
+    (p0, r0), (p1, r1) = (points[:2] if not lower else points[-2:] if lower[-1] == points[-1] else
+                          (lower[-1], points[points.index(lower[-1]) + 1]))  # fmt: skip
+    slope = math.log(r1 / r0) / math.log(p1 / p0)
+    return r0 * (pixels / p0) ** slope
+
+
 def _latent_bytes(job: Any, rows: list[dict], element: int) -> tuple[int, int]:
     """``(bytes of the latents of rows, pixels the VAE encodes)`` at each row's bucket grid."""
     from manifests.buckets import parse_bucket
@@ -242,6 +258,19 @@ def _is_default(e: Any) -> bool:
     return e.model == DEFAULT_ID or notice.is_file() and notice.read_text().strip() == DEFAULT_NOTICE
 
 
+def device_seconds(rate: dict[str, Any], rows: list[dict], captions: int, variants: int) -> float:
+    """One device's seconds for ``rows`` (each at its bucket's pixels, ``variants`` crops each) and ``captions``
+    (``captions_per_second``; a rate without one counts each image's own caption in its images/s)."""
+    from manifests.buckets import parse_bucket
+
+    areas: dict[int, int] = {}
+    for row in rows:
+        bw, bh = parse_bucket(row["bucket"])
+        areas[bw * bh] = areas.get(bw * bh, 0) + variants
+    seconds = sum(n / images_per_second(rate, p) for p, n in areas.items())
+    return seconds + (captions / rate["captions_per_second"] if captions and rate.get("captions_per_second") else 0.0)
+
+
 def estimate(job: EstimateJob) -> Bill:
     """The :class:`Bill` of ``job`` (nothing loaded but tokenizers and configs; nothing fetched but the manifest)."""
     from pipeline.embed.families import FAMILIES
@@ -262,8 +291,7 @@ def estimate(job: EstimateJob) -> Bill:
     bill.read_bytes = int(sum(int(r.get("size") or 0) for r in rows))
     rate, bill.rate = _rate(job, e.family, _is_default(e))
     if rate is not None:
-        one = bill.pixels / (rate["images_per_second"] * rate["pixels"])  # one device's seconds
-        one += bill.captions / rate["captions_per_second"] if bill.captions else 0.0
+        one = device_seconds(rate, rows, bill.captions, bill.variants)
         bill.seconds, bill.gpu_hours = one / job.gpus, one / 3600
     if job.price_gpu_hour is not None and bill.gpu_hours is not None:
         bill.money["compute"] = bill.gpu_hours * job.price_gpu_hour

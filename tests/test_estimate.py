@@ -74,7 +74,8 @@ def test_time_is_missing_where_no_rate_was_measured_and_computed_from_the_rate_w
     bill = estimate(EstimateJob(embed=_job(manifest, str(tmp_path / "b"), "sdxl", model=str(folder)), gpu="h100",
                                 gpus=4, price_gpu_hour=2.0, price_gb_month=0.02, price_egress_gb=0.09))  # fmt: skip
     rate = rates()["h100"]["families"]["sdxl"]["real"]
-    one = bill.pixels / (rate["images_per_second"] * rate["pixels"]) + bill.captions / rate["captions_per_second"]
+    (pixels, per_second), = rate["images"]  # one point at 1024²: time linear in pixels from it
+    one = bill.pixels / (per_second * pixels) + bill.captions / rate["captions_per_second"]
     assert bill.seconds == pytest.approx(one / 4) and bill.gpu_hours == pytest.approx(one / 3600)
     assert "2026-11-27" in bill.rate and "H100" in bill.rate
     assert bill.money["compute"] == pytest.approx(bill.gpu_hours * 2.0)
@@ -82,12 +83,22 @@ def test_time_is_missing_where_no_rate_was_measured_and_computed_from_the_rate_w
     assert bill.money["reads"] == pytest.approx(bill.read_bytes / 1e9 * 0.09)
 
 
+def test_images_per_second_follows_a_power_law_between_measured_points():
+    from pipeline.estimate import images_per_second
+
+    rate = {"images": [[65536, 64.0], [262144, 8.0]]}  # 4x the pixels, 8x the time: exponent -1.5
+    assert images_per_second(rate, 65536) == pytest.approx(64.0)
+    assert images_per_second(rate, 131072) == pytest.approx(64.0 * 2**-1.5)
+    assert images_per_second(rate, 1048576) == pytest.approx(8.0 * 4**-1.5)  # beyond: the nearest two
+    assert images_per_second({"images": [[1048576, 20.0]]}, 262144) == pytest.approx(80.0)  # one point: linear
+
+
 def test_the_command_prints_the_bill_and_refuses_what_it_cannot_count(manifest, tmp_path):
     args = [sys.executable, "-m", "pipeline.cli", "estimate", manifest, "--out", str(tmp_path / "c"), "--family",
-            "pixart", "--model", "default", "--gpu", "cpu"]  # fmt: skip
+            "pixart", "--model", "default", "--gpu", "a100"]  # fmt: skip
     done = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert "to embed 12" in done.stdout and "time: no rate measured for pixart" in done.stdout
+    assert "to embed 12" in done.stdout and "time: no rate measured for pixart" in done.stdout  # none on an A100
     as_json = subprocess.run([*args, "--json"], capture_output=True, text=True, timeout=300)
     assert json.loads(as_json.stdout)["to_embed"] == 12
     refused = subprocess.run([*args, "--features", "dinov2"], capture_output=True, text=True, timeout=300)
