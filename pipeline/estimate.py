@@ -187,14 +187,22 @@ def _text_bytes(job: Any, texts: list[str], rows: list[dict], element: int) -> i
     encoders = spec.load(weights=False)
     layout = encoders.layout
     widths, pooled = list(layout.widths), int(layout.pooled_dim or 0)
-    if FAMILIES[job.family].reference:  # one text per sample, of its instruction and reference's size
-        area = edit.reference_area(job)
+    if FAMILIES[job.family].reference:  # one text per sample: its instruction's rows plus its reference's tokens
+        area, small = edit.reference_area(job), np.zeros((56, 56, 3), np.uint8)
+
+        def rows_of(caption: str, image: np.ndarray) -> int:
+            (counts,) = encoders.rows([caption], images=[image])
+            return sum(n * d for n, d in zip(counts, widths))
+
+        empty = rows_of("", small)
+        per_size: dict[tuple[int, int], int] = {}  # a reference's tokens depend on its size alone: one run per size
         total = 0
         for row in rows:
             bw, bh = parse_bucket(row["bucket"])
-            h, w = edit.reference_size(bh, bw, area)
-            (counts,) = encoders.rows([row.get("caption") or ""], images=[np.zeros((h, w, 3), np.uint8)])
-            total += sum(n * d for n, d in zip(counts, widths))
+            size = edit.reference_size(bh, bw, area)
+            if size not in per_size:
+                per_size[size] = rows_of("", np.zeros((*size, 3), np.uint8)) - empty
+            total += per_size[size] + rows_of(row.get("caption") or "", small)
         return total * element
     total = 0
     for start in range(0, len(texts), CHUNK):

@@ -105,3 +105,21 @@ def test_the_command_prints_the_bill_and_refuses_what_it_cannot_count(manifest, 
     assert refused.returncode == 2 and "does not count DINOv2 features yet" in refused.stderr
     with pytest.raises(UsageError, match="--gpus must be >= 1"):
         EstimateJob(embed=None, gpus=0)
+
+
+@pytest.mark.slow
+def test_the_bill_of_an_edit_family_counts_each_samples_text_of_its_reference(tmp_path):
+    """Qwen-Image-Edit: a text per sample (its instruction with its reference image's tokens, inline in its record)
+    and a reference latent beside each target's; equal to what embed writes."""
+    from tests.test_families_qwen_edit import make_edit_pairs
+
+    manifest = make_edit_pairs(tmp_path)
+    job = _job(manifest, str(tmp_path / "cache"), "qwen-image-edit", reference_resolution=64)
+    bill = estimate(EstimateJob(embed=job, gpu="cpu"))
+    run(job)
+    reader = CacheReader(job.out)
+    records = reader.read(reader.sample_ids.tolist())
+    latent = sum(r.latent.nbytes + r.cond_latent.nbytes for r in records)
+    text = sum(sum(t.nbytes for t in r.text.tokens) for r in records)
+    assert (bill.to_embed, bill.captions, bill.requests) == (6, 6, 12)
+    assert (bill.latent_bytes, bill.text_bytes) == (latent, text)
