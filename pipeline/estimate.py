@@ -30,6 +30,7 @@ import dataclasses
 import json
 import math
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -153,62 +154,100 @@ def _work(job: Any) -> tuple[Any, Any, dict, Any]:
     return meta, work, prompts, committed
 
 
-def _rows(job: Any, meta: Any, work: Any) -> tuple[list[dict], list[str]]:
-    """``(rows to embed, caption texts to encode)``, read back from the manifest's row groups."""
+@dataclass
+class Tally:
+    """What the rows to embed add up to, per bucket (``rows``, and ``conditioned``: those with a conditioning image),
+    the bytes they read, and the captions encoded with their text elements (rows x widths, + pooled)."""
+
+    rows: Counter = field(default_factory=Counter)
+    conditioned: Counter = field(default_factory=Counter)
+    read_bytes: int = 0
+    captions: int = 0
+    text_elements: int = 0
+
+
+def _texts_of(table: Any, w: Any, inline: bool) -> list[str]:
+    """The caption texts a row group's work encodes: ``w.rows`` positions of its flat captions (the captions
+    phase), or (``inline``) the only caption of each row marked inline."""
+    from pipeline.embed.work import flat_captions
+
+    flat, owner = flat_captions(table)
+    if not inline:
+        return [flat[int(i)].as_py() or "" for i in w.rows]
+    first = np.searchsorted(owner, np.asarray(w.rows, owner.dtype))  # owner is sorted: each row's first caption
+    return [flat[int(i)].as_py() or "" for i, keep in zip(first, w.inline) if keep]
+
+
+def _tally(job: Any, work: Any, prompts: dict) -> Tally:
+    """One pass over the row groups with work (one at a time: nothing per row is kept), counting rows per bucket and
+    the text elements of every caption to encode through the family's own tokenization
+    (:meth:`pipeline.embed.encoders.TextEncoders.rows` without weights)."""
+    from manifests.buckets import parse_bucket
     from manifests.manifest import read_row_group
-    from pipeline.embed.work import MANIFEST_COLUMNS, flat_captions
-
-    so = dict(job.storage_options)
-    rows, texts = [], []
-    groups = {id(w.group): w.group for w in [*work.images, *work.captions]}
-    tables = {k: read_row_group(job.manifest, g, MANIFEST_COLUMNS, so) for k, g in groups.items()}
-    for w in work.images:
-        table = tables[id(w.group)]
-        picked = table.take(list(map(int, w.rows))).to_pylist()
-        rows += picked
-        if w.inline is not None:  # a row's only caption, encoded into its own record
-            flat, owner = flat_captions(table)
-            first = {int(o): i for i, o in reversed(list(enumerate(owner)))}
-            texts += [flat[first[int(r)]].as_py() or "" for r, keep in zip(w.rows, w.inline) if keep]
-    for w in work.captions:
-        flat, _ = flat_captions(tables[id(w.group)])
-        texts += [flat[int(i)].as_py() or "" for i in w.rows]
-    return rows, texts
-
-
-def _text_bytes(job: Any, texts: list[str], rows: list[dict], element: int) -> int:
-    """Bytes of the text records of ``texts`` (a reference family: of each row's instruction and reference)."""
     from pipeline.embed.families import FAMILIES
     from pipeline.embed.families import qwen_image_edit as edit
     from pipeline.embed.job import _specs
-    from manifests.buckets import parse_bucket
+    from pipeline.embed.work import MANIFEST_COLUMNS
 
+    so = dict(job.storage_options)
     _, spec = _specs(job)
     encoders = spec.load(weights=False)
-    layout = encoders.layout
-    widths, pooled = list(layout.widths), int(layout.pooled_dim or 0)
-    if FAMILIES[job.family].reference:  # one text per sample: its instruction's rows plus its reference's tokens
-        area, small = edit.reference_area(job), np.zeros((56, 56, 3), np.uint8)
+    widths, pooled = list(encoders.layout.widths), int(encoders.layout.pooled_dim or 0)
+    reference = FAMILIES[job.family].reference  # one text per sample: its instruction and its reference's tokens
+    area, small, per_size = edit.reference_area(job), np.zeros((56, 56, 3), np.uint8), {}
 
-        def rows_of(caption: str, image: np.ndarray) -> int:
-            (counts,) = encoders.rows([caption], images=[image])
-            return sum(n * d for n, d in zip(counts, widths))
-
-        empty = rows_of("", small)
-        per_size: dict[tuple[int, int], int] = {}  # a reference's tokens depend on its size alone: one run per size
+    def elements(texts: list[str], images: list[np.ndarray] | None = None) -> int:
         total = 0
-        for row in rows:
-            bw, bh = parse_bucket(row["bucket"])
-            size = edit.reference_size(bh, bw, area)
-            if size not in per_size:
-                per_size[size] = rows_of("", np.zeros((*size, 3), np.uint8)) - empty
-            total += per_size[size] + rows_of(row.get("caption") or "", small)
-        return total * element
-    total = 0
-    for start in range(0, len(texts), CHUNK):
-        for counts in encoders.rows(texts[start : start + CHUNK]):
-            total += sum(n * d for n, d in zip(counts, widths)) + pooled
-    return total * element
+        for start in range(0, len(texts), CHUNK):
+            some = None if images is None else images[start : start + CHUNK]
+            for counts in encoders.rows(texts[start : start + CHUNK], images=some):
+                total += sum(n * d for n, d in zip(counts, widths)) + pooled
+        return total
+
+    def reference_tokens(bucket: str) -> int:  # a reference's tokens depend on its size alone: one run per size
+        bw, bh = parse_bucket(bucket)
+        size = edit.reference_size(bh, bw, area)
+        if size not in per_size:
+            per_size[size] = elements([""], [np.zeros((*size, 3), np.uint8)]) - elements([""], [small])
+        return per_size[size]
+
+    tally = Tally()
+    groups: dict[int, list] = {}  # a row group's images work and captions work (one GroupWork each, or None)
+    for k, works in enumerate((work.images, work.captions)):
+        for w in works:
+            groups.setdefault(id(w.group), [w.group, None, None])[k + 1] = w
+    for group, images, captions in groups.values():
+        whole = read_row_group(job.manifest, group, MANIFEST_COLUMNS, so)  # each row group read once
+        if images is not None:
+            table = whole.take(pa_indices(images.rows))
+            buckets = table.column("bucket").to_pylist()
+            tally.rows.update(buckets)
+            if "conditioning" in table.column_names:
+                has = np.asarray(table.column("conditioning").is_valid())
+                tally.conditioned.update(b for b, c in zip(buckets, has) if c)
+            tally.read_bytes += int(np.asarray(table.column("size").fill_null(0)).sum())
+            if reference:
+                texts = [c or "" for c in table.column("caption").to_pylist()]
+                tally.captions += len(texts)
+                tally.text_elements += elements(texts, [small] * len(texts)) + sum(map(reference_tokens, buckets))
+            elif images.inline is not None:
+                texts = _texts_of(whole, images, inline=True)
+                tally.captions += len(texts)
+                tally.text_elements += elements(texts)
+        if captions is not None:
+            texts = _texts_of(whole, captions, inline=False)
+            tally.captions += len(texts)
+            tally.text_elements += elements(texts)
+    if not reference and prompts:  # the empty caption and validation prompts, once each
+        tally.captions += len(prompts)
+        tally.text_elements += elements(list(prompts.values()))
+    return tally
+
+
+def pa_indices(rows: Any) -> Any:
+    import pyarrow as pa
+
+    return pa.array(np.asarray(rows, np.int64))
 
 
 def images_per_second(rate: dict[str, Any], pixels: int) -> float:
@@ -226,28 +265,30 @@ def images_per_second(rate: dict[str, Any], pixels: int) -> float:
     return r0 * (pixels / p0) ** slope
 
 
-def _latent_bytes(job: Any, rows: list[dict], element: int) -> tuple[int, int]:
-    """``(bytes of the latents of rows, pixels the VAE encodes)`` at each row's bucket grid."""
+def _latent_bytes(job: Any, tally: Tally, element: int) -> tuple[int, int]:
+    """``(bytes of the latents, pixels the VAE encodes)`` of the tallied rows, at each bucket's grid (a conditioning
+    image's latent beside its target's: at the reference's size for a reference family)."""
     from manifests.buckets import parse_bucket
     from pipeline.embed.families import qwen_image_edit as edit
     from pipeline.embed.job import _specs
     from pipeline.embed.latents import latent_shape
 
     latent, _ = _specs(job)
-    shape = latent_shape(latent)  # {"factor", "channels"}
+    shape = latent_shape(latent)  # {"factor", "channels", ...}
     f, c = shape["factor"], shape["channels"]
     variants = job.crops * (2 if job.flip else 1)
     per_value = (2 if job.latents == "posterior" else 1) * element
     area = edit.reference_area(job)
     total = pixels = 0
-    for row in rows:
-        bw, bh = parse_bucket(row["bucket"])
-        total += variants * c * (bh // f) * (bw // f) * per_value
-        pixels += variants * bh * bw
-        if row.get("conditioning"):
-            h, w = edit.reference_size(bh, bw, area) if area else (bh, bw)
-            total += variants * c * (h // f) * (w // f) * element  # the conditioning latent: its mean
-            pixels += variants * h * w
+    for bucket, n in tally.rows.items():
+        bw, bh = parse_bucket(bucket)
+        total += n * variants * c * (bh // f) * (bw // f) * per_value
+        pixels += n * variants * bh * bw
+    for bucket, n in tally.conditioned.items():
+        bw, bh = parse_bucket(bucket)
+        h, w = edit.reference_size(bh, bw, area) if area else (bh, bw)
+        total += n * variants * c * (h // f) * (w // f) * element  # the conditioning latent: its mean
+        pixels += n * variants * h * w
     return total, pixels
 
 
@@ -266,40 +307,33 @@ def _is_default(e: Any) -> bool:
     return e.model == DEFAULT_ID or notice.is_file() and notice.read_text().strip() == DEFAULT_NOTICE
 
 
-def device_seconds(rate: dict[str, Any], rows: list[dict], captions: int, variants: int) -> float:
-    """One device's seconds for ``rows`` (each at its bucket's pixels, ``variants`` crops each) and ``captions``
-    (``captions_per_second``; a rate without one counts each image's own caption in its images/s)."""
+def device_seconds(rate: dict[str, Any], buckets: Counter, captions: int, variants: int) -> float:
+    """One device's seconds for ``buckets`` (rows per bucket, each at its pixels, ``variants`` crops each) and
+    ``captions`` (``captions_per_second``; a rate without one counts each image's own caption in its images/s)."""
     from manifests.buckets import parse_bucket
 
-    areas: dict[int, int] = {}
-    for row in rows:
-        bw, bh = parse_bucket(row["bucket"])
-        areas[bw * bh] = areas.get(bw * bh, 0) + variants
-    seconds = sum(n / images_per_second(rate, p) for p, n in areas.items())
+    seconds = 0.0
+    for bucket, n in buckets.items():
+        bw, bh = parse_bucket(bucket)
+        seconds += n * variants / images_per_second(rate, bw * bh)
     return seconds + (captions / rate["captions_per_second"] if captions and rate.get("captions_per_second") else 0.0)
 
 
 def estimate(job: EstimateJob) -> Bill:
     """The :class:`Bill` of ``job`` (nothing loaded but tokenizers and configs; nothing fetched but the manifest)."""
-    from pipeline.embed.families import FAMILIES
-
     e = job.embed
     if e.features:
         raise UsageError("--features: bucketeer estimate does not count DINOv2 features yet; estimate without it")
-    meta, work, prompts, _ = _work(e)
-    rows, texts = _rows(e, meta, work)
-    texts += list(prompts.values())
-    reference = FAMILIES[e.family].reference  # one text per sample, of its instruction and reference
+    _, work, prompts, _ = _work(e)
+    tally = _tally(e, work, prompts)
     element = ELEMENT_BYTES[e.dtype]
-    bill = Bill(samples=work.samples, to_embed=len(rows), captions=len(rows) if reference else len(texts),
-                variants=e.crops * (2 if e.flip else 1))  # fmt: skip
-    bill.text_bytes = _text_bytes(e, texts, rows, element) if bill.captions else 0
-    bill.latent_bytes, bill.pixels = _latent_bytes(e, rows, element)
-    bill.requests = len(rows) + sum(1 for r in rows if r.get("conditioning"))
-    bill.read_bytes = int(sum(int(r.get("size") or 0) for r in rows))
+    bill = Bill(samples=work.samples, to_embed=sum(tally.rows.values()), captions=tally.captions,
+                variants=e.crops * (2 if e.flip else 1), text_bytes=tally.text_elements * element,
+                requests=sum(tally.rows.values()) + sum(tally.conditioned.values()), read_bytes=tally.read_bytes)
+    bill.latent_bytes, bill.pixels = _latent_bytes(e, tally, element)
     rate, bill.rate = _rate(job, e.family, _is_default(e))
     if rate is not None:
-        one = device_seconds(rate, rows, bill.captions, bill.variants)
+        one = device_seconds(rate, tally.rows, bill.captions, bill.variants)
         bill.seconds, bill.gpu_hours = one / job.gpus, one / 3600
     if job.price_gpu_hour is not None and bill.gpu_hours is not None:
         bill.money["compute"] = bill.gpu_hours * job.price_gpu_hour
