@@ -25,7 +25,7 @@ FAMILIES = ["sdxl", "pixart", "qwen-image", "flux2-klein"]
 
 
 @pytest.fixture(scope="module")
-def manifest(tmp_path_factory) -> str:
+def manifest(tmp_path_factory, bucketeer_home) -> str:  # the default encoders in this session's home, not ~/.cache
     base = tmp_path_factory.mktemp("estimate")
     make_dataset(str(base / "ds"), str(base / "manifest"), n=12, unique_from=9)
     return str(base / "manifest")
@@ -108,7 +108,7 @@ def test_the_command_prints_the_bill_and_refuses_what_it_cannot_count(manifest, 
 
 
 @pytest.mark.slow
-def test_the_bill_of_an_edit_family_counts_each_samples_text_of_its_reference(tmp_path):
+def test_the_bill_of_an_edit_family_counts_each_samples_text_of_its_reference(tmp_path, bucketeer_home):
     """Qwen-Image-Edit: a text per sample (its instruction with its reference image's tokens, inline in its record)
     and a reference latent beside each target's; equal to what embed writes."""
     from tests.test_families_qwen_edit import make_edit_pairs
