@@ -96,6 +96,12 @@ def test_token_ids_and_cached_text_equal_the_pipelines_with_the_real_tokenizers(
             assert t.shape == p.shape and torch.equal(t, p.float()), (family, caption[:40])  # fp32, bit for bit
         assert (pooled is None) == (ref_pooled is None)
         assert pooled is None or torch.equal(pooled, ref_pooled.float()), (family, caption[:40])
+    # what `bucketeer estimate` counts, with no weight read: the same rows per caption and part
+    _, spec = encoder_specs(family=family, model=real_folders(family), vae=None, vae_subfolder=None,
+                            text_encoders=None, text_subfolders=None)  # fmt: skip
+    shapes = spec.load(weights=False)
+    assert shapes.layout == encoders.layout
+    assert shapes.rows(HARD_CAPTIONS) == [tuple(t.shape[0] for t in tokens) for tokens, _ in encoded]
 
 
 @pytest.mark.slow
