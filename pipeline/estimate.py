@@ -128,30 +128,17 @@ def _rate(job: EstimateJob, family: str, default_model: bool) -> tuple[dict[str,
     return found, f"{job.gpu} {device.get('machine', '')}, {device.get('measured', '')}: {device.get('command', '')}"
 
 
-def _work(job: Any) -> tuple[Any, Any, dict, Any]:
-    """``(manifest meta, work, prompts, committed)``: embed's own decision of what to do (job.py ``_embed``)."""
-    from manifests.cache import IndexLookup, index_lookup
+def _work(job: Any) -> tuple[Any, dict]:
+    """``(work, prompts)``: what ``embed`` would do, decided as it decides (:func:`pipeline.embed.job.decide_work`)."""
     from manifests.manifest import read_manifest_meta
-    from pipeline.embed.families import FAMILIES
-    from pipeline.embed.prompts import committed_prompts, missing_texts, prompt_texts, read_validation_prompts
-    from pipeline.embed.job import request_settings_of
-    from pipeline.embed.settings import check_early
-    from pipeline.embed.work import find_work
+    from pipeline.embed.job import decide_work, request_settings_of
 
-    so = dict(job.storage_options)
-    meta = read_manifest_meta(job.manifest, so)
+    meta = read_manifest_meta(job.manifest, dict(job.storage_options))
     if meta.frame_ladder is not None:
         raise UsageError(f"{job.manifest} is a video manifest: bucketeer estimate prices image manifests only (a "
                          "video's clips depend on its length); see docs/embed.md")  # fmt: skip
-    committed = check_early(job.out, so, request_settings_of(job, meta))
-    lookup, done = index_lookup(job.out, so, committed) if committed else (IndexLookup.empty(), [])
-    reference = FAMILIES[job.family].reference
-    validation = committed_prompts(committed) if job.validation_prompts is None else \
-        read_validation_prompts(job.validation_prompts, so)  # fmt: skip
-    prompts = {} if reference else missing_texts(prompt_texts(validation), done)
-    done = np.concatenate([np.asarray(done, np.uint64), np.fromiter(prompts, np.uint64, len(prompts))])
-    work = find_work(job.manifest, meta, so, lookup, done, per_sample_text=job.family if reference else None)
-    return meta, work, prompts, committed
+    _, work, prompts, _ = decide_work(job, meta, request_settings_of(job, meta))
+    return work, prompts
 
 
 @dataclass
@@ -219,7 +206,7 @@ def _tally(job: Any, work: Any, prompts: dict) -> Tally:
     for group, images, captions in groups.values():
         whole = read_row_group(job.manifest, group, MANIFEST_COLUMNS, so)  # each row group read once
         if images is not None:
-            table = whole.take(pa_indices(images.rows))
+            table = whole.take(_indices(images.rows))
             buckets = table.column("bucket").to_pylist()
             tally.rows.update(buckets)
             if "conditioning" in table.column_names:
@@ -244,7 +231,8 @@ def _tally(job: Any, work: Any, prompts: dict) -> Tally:
     return tally
 
 
-def pa_indices(rows: Any) -> Any:
+def _indices(rows: Any) -> Any:
+    """Row positions as the pyarrow array ``Table.take`` wants."""
     import pyarrow as pa
 
     return pa.array(np.asarray(rows, np.int64))
@@ -324,7 +312,7 @@ def estimate(job: EstimateJob) -> Bill:
     e = job.embed
     if e.features:
         raise UsageError("--features: bucketeer estimate does not count DINOv2 features yet; estimate without it")
-    _, work, prompts, _ = _work(e)
+    work, prompts = _work(e)
     tally = _tally(e, work, prompts)
     element = ELEMENT_BYTES[e.dtype]
     bill = Bill(samples=work.samples, to_embed=sum(tally.rows.values()), captions=tally.captions,

@@ -51,13 +51,9 @@ def read(pointer: Path) -> bytes:
     return data
 
 
-def materialize(family: str, dest: Path, subfolders: tuple[str, ...] | None = None) -> Path:
-    """Write ``family``'s fixture files under ``dest`` as the checkpoint lays them out (only ``subfolders``' where
-    given; ``""`` for the top level); returns ``dest``."""
+def materialize(family: str, dest: Path) -> Path:
+    """Write ``family``'s fixture files under ``dest`` as the checkpoint lays them out; returns ``dest``."""
     for rel, src in files(family).items():
-        top = rel.split("/", 1)[0] if "/" in rel else ""
-        if subfolders is not None and top not in subfolders:
-            continue
         target = dest / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         if src.suffix == ".blob":

@@ -337,22 +337,15 @@ def run(job: EmbedJob) -> EmbedResult:
         return _embed(job)
 
 
-def _embed(job: EmbedJob) -> EmbedResult:
-    from pipeline.embed.encoders import DEFAULT_NOTICE
+def decide_work(job: EmbedJob, manifest: ManifestMeta, request: dict[str, Any]):
+    """``(committed meta or None, work, prompts, validation prompts)``: what a run of ``job`` embeds, decided by one
+    look at ``--out``'s committed index (UsageError/CacheError where its settings differ from ``request``). Stale
+    rows (changed image bytes, caption or bucket since they were embedded), read failures and missing ones are
+    embedded; fresh records and error rows about the image itself stay. ``bucketeer estimate`` prices this work."""
     from pipeline.embed.work import find_work
-    from pipeline.embed.workers import check_source, describe_encoder
 
     so = dict(job.storage_options)
-    manifest = read_manifest_meta(job.manifest, so)
-    if manifest.frame_ladder is not None:
-        refuse_for_video(job, manifest)
-    source = job.source or manifest.source
     reference = FAMILIES[job.family].reference  # its text: of each sample's instruction and reference image
-    request = request_settings_of(job, manifest)
-    # one look at the committed index decides the work: stale rows (changed image bytes, caption or
-    # bucket since they were embedded), read failures and missing ones are embedded; fresh records
-    # and error rows about the image itself stay
-    start = time.time()
     committed = check_early(job.out, so, request)
     lookup, done_texts = index_lookup(job.out, so, committed) if committed else (IndexLookup.empty(), [])
     # besides the captions: the empty caption (caption dropout) and the validation prompts, once each;
@@ -363,7 +356,21 @@ def _embed(job: EmbedJob) -> EmbedResult:
     prompts = {} if reference else missing_texts(prompt_texts(validation), done_texts)
     done_texts = np.concatenate([np.asarray(done_texts, np.uint64), np.fromiter(prompts, np.uint64, len(prompts))])
     work = find_work(job.manifest, manifest, so, lookup, done_texts, per_sample_text=job.family if reference else None)
-    del lookup, done_texts
+    return committed, work, prompts, validation
+
+
+def _embed(job: EmbedJob) -> EmbedResult:
+    from pipeline.embed.encoders import DEFAULT_NOTICE
+    from pipeline.embed.workers import check_source, describe_encoder
+
+    so = dict(job.storage_options)
+    manifest = read_manifest_meta(job.manifest, so)
+    if manifest.frame_ladder is not None:
+        refuse_for_video(job, manifest)
+    source = job.source or manifest.source
+    request = request_settings_of(job, manifest)
+    start = time.time()
+    committed, work, prompts, validation = decide_work(job, manifest, request)
     if not work.todo and not prompts and validation == committed_prompts(committed):
         print(f"bucketeer embed: {redact(job.out)} already holds every sample of the manifest, all up to date; "
               "nothing to embed")  # fmt: skip
