@@ -47,9 +47,10 @@ def run(job: Any) -> Any:
     """Run ``job`` (any of the ``*Job`` types above) and return its result; raises what the command
     would report: :class:`manifests.errors.BucketeerError` for what the user must fix."""
     name = type(job).__name__
-    if not name.endswith("Job") or API.get(name) != type(job).__module__:
+    module = importlib.import_module(API[name]) if name.endswith("Job") and name in API else None
+    if module is None or getattr(module, name) is not type(job):  # the job class that module runs (or re-exports)
         raise TypeError(f"run() takes a bucketeer job ({', '.join(n for n in API if n.endswith('Job'))}), not {name}")
-    return importlib.import_module(API[name]).run(job)
+    return module.run(job)
 
 
 def __getattr__(name: str) -> Any:

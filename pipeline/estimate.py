@@ -19,6 +19,9 @@ only what changed). Then, with no weight read and no image fetched:
   a rate never measured for
   that device, family and model size is said to be missing, not guessed;
 - **money**, from the prices given.
+- with ``--reuse``: the samples and captions another cache holds, found as ``embed`` finds them (each image of the
+  work read and hashed: the one thing the bill then fetches; the VAE loaded on the CPU to compare its weights), and
+  left out of the time (their records are copied, not encoded; the bytes written stay).
 
 Video manifests are not estimated yet (their clips per video depend on each video's length): refused in one line.
 """
@@ -82,6 +85,9 @@ class Bill:
     requests: int = 0
     read_bytes: int = 0
     pixels: int = 0  # of the crops the VAE encodes, all variants
+    taken: int = 0  # --reuse: samples whose record another cache holds (copied, not encoded)
+    texts_taken: int = 0  # --reuse: captions whose text record another cache holds
+    hashed_bytes: int = 0  # --reuse: image bytes read to find the samples another cache holds
     seconds: float | None = None  # wall time on the job's devices
     gpu_hours: float | None = None
     rate: str = ""  # which measured rate, or why there is none
@@ -151,6 +157,9 @@ class Tally:
     read_bytes: int = 0
     captions: int = 0
     text_elements: int = 0
+    taken: Counter = field(default_factory=Counter)  # --reuse: rows per bucket whose record another cache holds
+    texts_taken: int = 0  # --reuse: captions whose text record another cache holds
+    hashed_bytes: int = 0  # --reuse: image bytes read to hash them
 
 
 def _texts_of(table: Any, w: Any, inline: bool) -> list[str]:
@@ -163,6 +172,48 @@ def _texts_of(table: Any, w: Any, inline: bool) -> list[str]:
         return [flat[int(i)].as_py() or "" for i in w.rows]
     first = np.searchsorted(owner, np.asarray(w.rows, owner.dtype))  # owner is sorted: each row's first caption
     return [flat[int(i)].as_py() or "" for i, keep in zip(first, w.inline) if keep]
+
+
+def _reuse_table(job: Any):
+    """``embed --reuse``'s table, as embed builds it (the VAE loaded on the CPU once, to compare its weights)."""
+    from manifests.manifest import read_manifest_meta
+    from pipeline.embed.families import FAMILIES
+    from pipeline.embed.job import _factories, request_settings_of
+    from pipeline.embed.loading import STORAGE_DTYPES
+    from pipeline.embed.reuse import build_reuse
+    from pipeline.embed.settings import vae_settings
+    from pipeline.embed.workers import describe_encoder
+
+    request = request_settings_of(job, read_manifest_meta(job.manifest, dict(job.storage_options)))
+    vae = describe_encoder(_factories(job, STORAGE_DTYPES[job.dtype])[0])
+    table, _ = build_reuse(job.reuse, dict(job.storage_options), vae_settings(request, vae), request,
+                           FAMILIES[job.family].reference)  # fmt: skip
+    return table
+
+
+def _taken(job: Any, table: Any, reuse: Any, source: str, image_column: str | None) -> tuple[Counter, int]:
+    """``(rows per bucket whose record the --reuse caches hold, bytes read)``: each image of ``table`` (manifest rows
+    to embed) read and hashed, its key looked up as embed's decode tasks look it up."""
+    from manifests.storage import open_url
+    from pipeline.embed.imaging import fetch_images
+    from pipeline.embed.reuse import content_hash, expected_latent_key
+
+    fs, root = open_url(source, dict(job.storage_options))
+    rows = table.to_pylist()
+    blobs = fetch_images(fs, root, rows, image_column=image_column)
+    found: Counter = Counter()
+    read = 0
+    for row, blob in zip(rows, blobs):
+        if isinstance(blob, BaseException) or not blob:
+            continue
+        read += len(blob)
+        if row.get("mask") or row.get("conditioning") or not row.get("width") or not row.get("height"):
+            continue
+        key = expected_latent_key(content_hash(blob), row["bucket"], row["height"], row["width"], row["sample_id"],
+                                  crop=job.crop, seed=job.seed, crops=job.crops, flip=job.flip)  # fmt: skip
+        if reuse.has_latents(np.array([key], np.uint64))[0]:
+            found[row["bucket"]] += 1
+    return found, read
 
 
 def _tally(job: Any, work: Any, prompts: dict) -> Tally:
@@ -198,6 +249,22 @@ def _tally(job: Any, work: Any, prompts: dict) -> Tally:
             per_size[size] = elements([""], [np.zeros((*size, 3), np.uint8)]) - elements([""], [small])
         return per_size[size]
 
+    reuse = _reuse_table(job) if job.reuse else None
+    if reuse is not None:
+        from manifests.cache.records import caption_key
+        from manifests.manifest import read_manifest_meta
+        from pipeline.embed.job import image_column
+
+        manifest = read_manifest_meta(job.manifest, so)
+        source, column = job.source or manifest.source, image_column(manifest)
+
+    def take(texts: list[str]) -> list[str]:  # --reuse: the texts no other cache holds (those are encoded)
+        if reuse is None or not reuse.texts:
+            return texts
+        held = reuse.has_texts(np.fromiter((caption_key(t) for t in texts), np.uint64, len(texts)))
+        tally.texts_taken += int(held.sum())
+        return [t for t, h in zip(texts, held) if not h]
+
     tally = Tally()
     groups: dict[int, list] = {}  # a row group's images work and captions work (one GroupWork each, or None)
     for k, works in enumerate((work.images, work.captions)):
@@ -213,6 +280,10 @@ def _tally(job: Any, work: Any, prompts: dict) -> Tally:
                 has = np.asarray(table.column("conditioning").is_valid())
                 tally.conditioned.update(b for b, c in zip(buckets, has) if c)
             tally.read_bytes += int(np.asarray(table.column("size").fill_null(0)).sum())
+            if reuse is not None and reuse.latents:
+                found, hashed = _taken(job, table, reuse, source, column)
+                tally.taken.update(found)
+                tally.hashed_bytes += hashed
             if reference:
                 texts = [c or "" for c in table.column("caption").to_pylist()]
                 tally.captions += len(texts)
@@ -221,13 +292,16 @@ def _tally(job: Any, work: Any, prompts: dict) -> Tally:
                 texts = _texts_of(whole, images, inline=True)
                 tally.captions += len(texts)
                 tally.text_elements += elements(texts)
+                take(texts)
         if captions is not None:
             texts = _texts_of(whole, captions, inline=False)
             tally.captions += len(texts)
             tally.text_elements += elements(texts)
+            take(texts)
     if not reference and prompts:  # the empty caption and validation prompts, once each
         tally.captions += len(prompts)
         tally.text_elements += elements(list(prompts.values()))
+        take(list(prompts.values()))
     return tally
 
 
@@ -319,9 +393,10 @@ def estimate(job: EstimateJob) -> Bill:
                 variants=e.crops * (2 if e.flip else 1), text_bytes=tally.text_elements * element,
                 requests=sum(tally.rows.values()) + sum(tally.conditioned.values()), read_bytes=tally.read_bytes)
     bill.latent_bytes, bill.pixels = _latent_bytes(e, tally, element)
+    bill.taken, bill.texts_taken, bill.hashed_bytes = sum(tally.taken.values()), tally.texts_taken, tally.hashed_bytes
     rate, bill.rate = _rate(job, e.family, _is_default(e))
-    if rate is not None:
-        one = device_seconds(rate, tally.rows, bill.captions, bill.variants)
+    if rate is not None:  # what --reuse takes costs no device time: the rest is encoded
+        one = device_seconds(rate, tally.rows - tally.taken, bill.captions - bill.texts_taken, bill.variants)
         bill.seconds, bill.gpu_hours = one / job.gpus, one / 3600
     if job.price_gpu_hour is not None and bill.gpu_hours is not None:
         bill.money["compute"] = bill.gpu_hours * job.price_gpu_hour
@@ -352,6 +427,11 @@ def run(job: EstimateJob) -> Bill:
              f"encode {bill.captions:,}",
              f"  written (before gzip): latents {_human(bill.latent_bytes)}, text {_human(bill.text_bytes)}",
              f"  read: {bill.requests:,} requests, {_human(bill.read_bytes)}"]  # fmt: skip
+    if e.reuse:
+        lines.append(f"  --reuse: {bill.taken:,} samples and {bill.texts_taken:,} captions taken from "
+                     f"{', '.join(e.reuse)} (copied, not encoded): {bill.to_embed - bill.taken:,} images and "
+                     f"{bill.captions - bill.texts_taken:,} captions to encode; {_human(bill.hashed_bytes)} of images "
+                     "read to hash them")  # fmt: skip
     if bill.seconds is None:
         lines.append(f"  time: {bill.rate}")
     else:

@@ -5,9 +5,10 @@ One module a job: :mod:`~manifests.cache.meta` (``_cache.json`` as a typed :clas
 what every other module shares), :mod:`~manifests.cache.records` (the record codec),
 :mod:`~manifests.cache.text_layout` (how a text record's parts make a model family's prompt embeddings),
 :mod:`~manifests.cache.freshness` (is a record still what the manifest row would give),
+:mod:`~manifests.cache.identity` (a latent's identity by the image's content and geometry: ``embed --reuse``),
 :mod:`~manifests.cache.writer`, :mod:`~manifests.cache.reader` and :mod:`~manifests.cache.verify`.
-The names below are the public API; each module imports only from ``meta``, ``layout``, ``records``
-and ``text_layout``.
+The names below are the public API; each module imports only from ``meta``, ``layout``, ``records``,
+``identity`` and ``text_layout``.
 """
 
 from manifests.cache.freshness import Freshness, IndexLookup, source_key

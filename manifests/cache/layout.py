@@ -14,6 +14,7 @@ nothing is ever listed)::
                                          caption's), caption_keys (all, for a sample with several captions;
                                          null otherwise and in older caches), bucket, source_key, generation,
                                          text_inline (the record holds its caption's text: null/False in
+                                         older caches), latent_key (the latent's content identity: null in
                                          older caches)
     index/texts-<sha>.parquet            caption_key, shard, offset, length, crc32 (of a text record, or
                                          of the sample record that holds the caption's text inline)
@@ -114,6 +115,9 @@ SAMPLE_INDEX_SCHEMA = pa.schema(
         pa.field("generation", pa.int64()),  # the _cache.json commit that wrote it; the newest wins
         # the record holds its caption's text too (a caption only this sample has): one read; null: False
         pa.field("text_inline", pa.bool_()),
+        # the latent's identity: hash of the image's sha256, bucket and geometry (pipeline.embed.reuse.latent_key);
+        # what `embed --reuse` looks records up by. null: written before it existed (never taken)
+        pa.field("latent_key", pa.uint64()),
     ]
 )
 TEXT_INDEX_SCHEMA = pa.schema(
@@ -192,7 +196,7 @@ def _conform_part(table: pa.Table, kind: str, names: Sequence[str] | None = None
     schema = INDEX_SCHEMAS[kind]
     if names is not None:
         schema = pa.schema([schema.field(n) for n in names])
-    for name in ("source_key", "generation", "caption_keys", "text_inline"):  # parts older than these columns
+    for name in ("source_key", "generation", "caption_keys", "text_inline", "latent_key"):  # parts older than these
         if name in schema.names and name not in table.column_names:
             table = table.append_column(name, pa.nulls(table.num_rows, schema.field(name).type))
     return table.select(schema.names).cast(schema)

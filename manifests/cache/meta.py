@@ -344,6 +344,12 @@ class EmbedSummary(JsonRecord):
     shards: int | None = None
     redone: int | None = None
     throttled: int | None = None  # storage answers that asked for fewer requests (503 SlowDown, 429), all retried
+    # embed --reuse: records copied from other caches instead of encoded (of ``embedded`` and ``new_captions``),
+    # records found there that failed a check (encoded instead), and those caches
+    reused_samples: int | None = optional()
+    reused_texts: int | None = optional()
+    refused: int | None = optional()
+    reused_from: tuple[str, ...] | None = optional()
 
 
 # ---------------------------------------------------------------- the file

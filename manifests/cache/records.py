@@ -131,8 +131,11 @@ class SampleRecord:
     :meth:`variant` gives one variant as a plain record. ``features`` (gh, gw, D) float16 (``F16``, whatever
     ``dtype`` says): DINOv2 patch tokens of variant 0's pixels (``embed --features``, REPA; how they were made is
     ``_cache.json`` ``features``), ``variant_features`` (V-1, gh, gw, D) the other variants'.
-    ``caption_keys``: every caption's key of a
-    sample embedded with several (the first is ``caption_key``), as the index lists them; None otherwise.
+    ``content``: the sha256 (hex) of the image bytes the latents were made from (None in records written before it);
+    with the bucket and the geometry it is the latent's identity (:func:`manifests.cache.identity.latent_key`), by
+    which ``embed --reuse`` takes the record for the same image in another dataset.
+    ``caption_keys``: every caption's key of a sample embedded with several (the first is ``caption_key``), as the
+    index lists them; None otherwise.
     ``mask`` (h, w) uint8 0..255: the sample's loss mask (``scan --masks``) at the latent grid, cropped and
     flipped like variant 0 and area-averaged over each latent pixel (255 = inside); ``variant_masks``
     (V-1, h, w) the other variants'. None for a sample without a mask (it trains unmasked).
@@ -169,6 +172,7 @@ class SampleRecord:
     variant_masks: np.ndarray | None = None
     clip_starts: np.ndarray | None = None
     variant_captions: np.ndarray | None = None
+    content: str | None = None  # sha256 (hex) of the image's bytes: with the geometry, the latent's identity
 
     @property
     def variants(self) -> int:
@@ -244,6 +248,8 @@ def encode_sample(record: SampleRecord, inline_text: bool = False, layout: str =
         "target_size": "%d,%d" % record.target_size,
         "caption_key": str(record.caption_key),
     }
+    if record.content is not None:  # the image's identity (embed --reuse checks it on a record it takes)
+        meta["content"] = record.content
     if record.caption_keys:  # the sample's identity covers every caption a plan may choose
         meta["caption_keys"] = ",".join(str(int(k)) for k in record.caption_keys)
     tensors = {"latent": (record.latent, record.dtype)}
@@ -298,6 +304,7 @@ def decode_sample(data: bytes) -> SampleRecord:
             latent_std=None if std is None else std[0],
             caption_keys=tuple(int(k) for k in meta["caption_keys"].split(",")) if meta.get("caption_keys") else None,
             text=_inline_text(tensors, meta),
+            content=meta.get("content"),
             **extra,
         )
     except (KeyError, ValueError):

@@ -11,7 +11,8 @@ that record). A bad text record makes every sample with that caption (any of its
 Records of both layouts (``plain``, ``planar``: :mod:`manifests.cache.codec`) are checked alike.
 
 Every record is also compared with the index row that named it (:func:`sample_mismatch`,
-:func:`text_mismatch`: its sample id and caption keys, a text record's caption key). A record that
+:func:`text_mismatch`: its sample id and caption keys, a text record's caption key; the latent key, of the
+image's content and geometry, that ``embed --reuse`` looks records up by). A record that
 is not the one its row names is not a bad record to re-embed but an index that no longer matches
 its shards (rows swapped or edited): all the mismatches are counted and :func:`verify_cache` raises
 one CacheError (one line, exit 2) naming the first, after checking the rest.
@@ -36,6 +37,7 @@ from manifests.cache.records import (
     text_mismatch,
     to_float32,
 )
+from manifests.cache.identity import record_latent_key
 from manifests.cache.text_layout import TextLayout
 from manifests.progress import Progress
 from manifests.storage import join, open_url, read_bytes, redact
@@ -86,6 +88,9 @@ def _check_sample(blob: bytes, row: dict, meta: CacheMeta) -> str | None:
         raise _NotNamed(problem)
     if row.get("text_inline") and record.text is None:
         raise _NotNamed(f"the index says sample {record.sample_id}'s record holds its caption's text, but it does not")
+    if row.get("latent_key") is not None and record_latent_key(record) != int(row["latent_key"]):
+        raise _NotNamed(f"the index gives sample {record.sample_id} latent key {int(row['latent_key'])}, but its "
+                        "record's image content and geometry give another")  # fmt: skip
     latent = meta.latent or LatentInfo()
     bucket = row["bucket"]
     video = meta.settings.video is not None

@@ -49,6 +49,7 @@ from typing import Any, Callable, Iterator
 from manifests.errors import UsageError
 from pipeline.embed.work import UNIT_PIXEL_BYTES, EmbedWork
 from pipeline.embed.prepare import prepare_unit
+from pipeline.embed.reuse import ReuseTable
 from pipeline.embed.workers import LatentWriter, TextWriter, plan_units, prompt_rows, read_captions
 from pipeline.ray_output import ray_false_alarms_dropped
 
@@ -248,9 +249,11 @@ def _items(work: list) -> Any:
 
 
 def caption_pipeline(work: EmbedWork, prompts: dict[int, str], manifest: str, storage_options: dict | None,
-                     make_text: Callable, dtype: str, out: str, text_batch_size: int, placement: Placement):
+                     make_text: Callable, dtype: str, out: str, text_batch_size: int, placement: Placement,
+                     reuse: ReuseTable | None = None):  # fmt: skip
     """The captions pipeline: one text shard per ``text_batch_size`` new captions; ``prompts``
-    (caption key -> text: the empty caption, validation prompts) are encoded with them."""
+    (caption key -> text: the empty caption, validation prompts) are encoded with them; ``reuse``: the text records
+    other caches hold, taken instead of encoded (``embed --reuse``)."""
     import ray.data
 
     captions = []
@@ -266,7 +269,8 @@ def caption_pipeline(work: EmbedWork, prompts: dict[int, str], manifest: str, st
         .map_batches(TextWriter, batch_size=text_batch_size, batch_format="pyarrow",
                      compute=placement.pool(texts),
                      fn_constructor_kwargs={"make_encoder": make_text, "dtype": dtype, "cache": out,
-                                            "storage_options": storage_options, "threads": placement.threads},
+                                            "storage_options": storage_options, "threads": placement.threads,
+                                            "reuse": reuse},
                      **placement.actor_options())
     )  # fmt: skip
 
@@ -277,7 +281,8 @@ def image_pipeline(work: EmbedWork, manifest: str, source: str, storage_options:
     """The images pipeline: one shard per unit. ``options``: batch_size, shard_records, crop, seed, max_pixels,
     crops, flip, conditioning (the root of the manifest's conditioning images, or None), image_column (a
     parquet-sourced manifest's, else None), text_batch_size, max_clips (a video manifest's, else None), reference
-    (the reference area of a family whose text sees each sample's reference image, else None).
+    (the reference area of a family whose text sees each sample's reference image, else None), reuse (``embed
+    --reuse``: the :class:`~pipeline.embed.reuse.ReuseTable` of the records other caches hold, else None).
     ``make_text``: the text encoders, for the captions
     that only one sample has (their text goes into its record: ``work.images[i].inline``)."""
     units = (
@@ -295,7 +300,8 @@ def image_pipeline(work: EmbedWork, manifest: str, source: str, storage_options:
                                 "seed": options["seed"], "max_pixels": options["max_pixels"],
                                 "crops": options["crops"], "conditioning": options["conditioning"],
                                 "image_column": options.get("image_column"), "reference": options.get("reference"),
-                                "max_clips": options.get("max_clips") or 1})
+                                "max_clips": options.get("max_clips") or 1, "flip": options["flip"],
+                                "reuse": options.get("reuse"), "dtype": dtype})
         .map_batches(LatentWriter, batch_size=1, batch_format="pyarrow",
                      compute=placement.pool(-(-work.todo // options["batch_size"])),
                      fn_constructor_kwargs={"make_encoder": make_vae, "dtype": dtype, "cache": out,
@@ -303,7 +309,7 @@ def image_pipeline(work: EmbedWork, manifest: str, source: str, storage_options:
                                             "threads": placement.threads, "crops": options["crops"],
                                             "flip": options["flip"], "make_text": make_text,
                                             "text_batch_size": options.get("text_batch_size", 128),
-                                            "reference": options.get("reference")},
+                                            "reference": options.get("reference"), "reuse": options.get("reuse")},
                      **placement.actor_options())
     )  # fmt: skip
 

@@ -21,6 +21,7 @@ from manifests.progress import Progress
 from manifests.throttles import ThrottleTally, job_throttles
 from manifests.storage import call_storage, is_local, join, open_url
 from pipeline.embed.dataflow import Placement
+from pipeline.embed.reuse import ReuseTable
 from pipeline.embed.settings import cache_info, committed_text, full_settings, refuse
 from pipeline.embed.work import EmbedWork
 
@@ -33,9 +34,11 @@ class EmbedDriver:
     workers' descriptions it checks, and the counts it reports."""
 
     def __init__(self, manifest: str, out: str, so: dict, request: dict, committed: CacheMeta | None, vae: dict,
-                 placement: Placement, validation: list[dict], commit_seconds: float):
+                 placement: Placement, validation: list[dict], commit_seconds: float, reuse: ReuseTable | None = None):
         self.manifest, self.out, self.so, self.request, self.committed, self.vae, self.placement = (
             manifest, out, so, request, committed, vae, placement)  # fmt: skip
+        self.reuse = reuse  # embed --reuse: the records other caches hold, taken instead of encoded
+        self.taken = {"samples": 0, "texts": 0, "refused": 0}  # records taken from --reuse caches (refused: not)
         self.commit_seconds = commit_seconds
         self.validation = validation  # listed in _cache.json: the prompts of this run, else the committed ones
         self.committer: CacheCommitter | None = None
@@ -113,7 +116,7 @@ class EmbedDriver:
                 self._open(committed_text(self.committed))
             return  # else a family whose image workers encode every text: their first result describes it
         args = (work, prompts, self.manifest, self.so, make_text, self.request["dtype"], self.out, batch_size,
-                self.placement)  # fmt: skip
+                self.placement, self.reuse)  # fmt: skip
         if self.placement.executor == "local":
             from pipeline.embed.local import caption_results
 
@@ -129,6 +132,7 @@ class EmbedDriver:
                 if self.committer is None:
                     self._open(worker["encoder"])
                 rows = from_ipc(row["texts"])
+                self.taken["texts"] += int(row.get("taken") or 0)
                 self.committer.add("texts", rows)
                 self._count("texts", rows)
                 written += row["shard_bytes"]
@@ -172,6 +176,8 @@ class EmbedDriver:
                                                            dtype=worker["encoder"].get("compute_dtype")))  # fmt: skip
                 self.nodes.add(worker["node"])
                 samples, errors = from_ipc(row["samples"]), from_ipc(row["errors"])
+                for kind, column in (("samples", "taken"), ("texts", "texts_taken"), ("refused", "refused")):
+                    self.taken[kind] += int(row.get(column) or 0)
                 self.embedded += self.committer.add("samples", samples)
                 self._count("samples", samples)
                 self.errors += self.committer.add("errors", errors)

@@ -24,6 +24,7 @@ from pipeline.embed.families import qwen_image_edit
 from pipeline.embed.imaging import ImageFailure, conditioning_views, fetch_images, open_source, prepare_views, \
     read_failure
 from pipeline.embed.masks import fetch_masks, row_mask
+from pipeline.embed.reuse import ReuseTable, take_latents
 from pipeline.embed.workers import from_ipc, to_ipc
 
 __all__ = ["prepare_batch", "prepare_unit"]
@@ -37,7 +38,14 @@ _PREPARED_ROWS = pa.schema([("sample_id", pa.uint64()), ("caption_key", pa.uint6
                             ("has_mask", pa.bool_()),  # its mask is in the unit's mask_pixels (else all 255 there)
                             ("text_inline", pa.bool_()), ("caption", pa.string()),
                             ("clip_starts", pa.list_(pa.int32())),  # video: its clips' first frames
-                            ("clip_captions", pa.list_(pa.int32()))])  # their captions (shots captioned)  # fmt: skip
+                            ("clip_captions", pa.list_(pa.int32())),  # their captions (shots captioned)
+                            ("content", pa.string())])  # sha256 of the image's bytes (null: a video's)  # fmt: skip
+# the rows of a prepared unit that take another cache's record (embed --reuse) instead of pixels
+_TAKEN_ROWS = pa.schema([("sample_id", pa.uint64()), ("caption_key", pa.uint64()),
+                         ("caption_keys", pa.list_(pa.uint64())), ("source_key", pa.uint64()),
+                         ("text_inline", pa.bool_()), ("caption", pa.string()),
+                         ("record", pa.binary()), ("source", pa.int32())])  # fmt: skip
+_TAKEN_COLUMNS = ("sample_id", "caption_key", "caption_keys", "source_key", "text_inline", "caption")
 
 
 def prepare_batch(
@@ -55,6 +63,9 @@ def prepare_batch(
     image_column: str | None = None,
     max_clips: int = MAX_CLIPS,
     reference: int | None = None,
+    flip: bool = False,
+    reuse: ReuseTable | None = None,
+    dtype: str = "BF16",
 ) -> dict[str, Any]:
     """Fetch, decode and crop ``rows`` (``sample_id``, ``filename``, ``caption_key``) to ``bucket``.
 
@@ -73,6 +84,10 @@ def prepare_batch(
     (credentials redacted), which the next run retries. ``fs`` replaces the filesystem of ``source`` (it must be
     picklable for Ray); ``image_column``: a parquet-sourced manifest's (:func:`pipeline.embed.imaging.fetch_images`).
     A video bucket ``WxHxF`` is :func:`pipeline.embed.clips.prepare_clips`' (``max_clips`` clips per video).
+    Every good image row gets ``content``, the sha256 of its bytes. ``reuse`` (``embed --reuse``): a row whose
+    record another cache holds (:func:`pipeline.embed.reuse.take_latents`: same content, geometry and latent settings,
+    the ``flip`` and ``dtype`` of this run) is not decoded; it comes back in ``taken`` as ``(row, record bytes,
+    source)``, and ``refused`` counts records found that failed a check.
     """
     fs, root = open_source(source, storage_options, fs)
     if is_video_bucket(bucket):
@@ -80,6 +95,8 @@ def prepare_batch(
                              lambda some: fetch_images(fs, root, some, image_column=image_column))  # fmt: skip
     bw, bh = parse_bucket(bucket)
     blobs = fetch_images(fs, root, rows, image_column=image_column)
+    contents, taken, refused = take_latents(reuse or ReuseTable(), bucket, rows, blobs, crop=crop, seed=seed,
+                                            crops=crops, flip=flip, max_pixels=max_pixels, dtype=dtype)  # fmt: skip
     paired = conditioning is not None and any(r.get("conditioning") for r in rows)
     if paired:
         cfs, croot = (fs, root) if conditioning == source else open_url(conditioning, storage_options)
@@ -87,6 +104,8 @@ def prepare_batch(
     masked, mask_blobs = any(r.get("mask") for r in rows), fetch_masks(fs, root, rows)
     good, pixels, cond_pixels, mask_pixels, errors = [], [], [], [], []
     for i, (row, blob) in enumerate(zip(rows, blobs)):
+        if i in taken:
+            continue
         try:
             if isinstance(blob, BaseException):
                 raise read_failure(blob, storage_options)
@@ -112,20 +131,22 @@ def prepare_batch(
         p = views[0]
         good.append({**row, "original_size": p.original_size, "resized_size": p.resized_size,
                      "crop_top_left": p.crop_top_left, "crops": [x for v in views for x in v.crop_top_left],
-                     "has_mask": bool(row.get("mask"))})  # fmt: skip
+                     "has_mask": bool(row.get("mask")), "content": contents[i]})  # fmt: skip
     stacked = np.stack(pixels) if pixels else np.zeros((0, bh, bw, 3), np.uint8)  # (B * K, H, W, 3)
     conds = (np.stack(cond_pixels) if cond_pixels else np.zeros((0, bh, bw, 3), np.uint8)) if paired else None
     masks = (np.stack(mask_pixels) if mask_pixels else np.zeros((0, bh, bw), np.uint8)) if masked else None
     return {"bucket": bucket, "pixels": stacked, "cond_pixels": conds, "mask_pixels": masks, "rows": good,
-            "errors": errors}  # fmt: skip
+            "errors": errors, "taken": [(rows[i], *taken[i]) for i in sorted(taken)], "refused": refused}  # fmt: skip
 
 
 def prepare_unit(batch: pa.Table, source: str, storage_options: dict | None, crop: str, seed: int,
                  max_pixels: int, crops: int = 1, conditioning: str | None = None,
-                 image_column: str | None = None, max_clips: int = MAX_CLIPS, reference: int | None = None) -> pa.Table:
+                 image_column: str | None = None, max_clips: int = MAX_CLIPS, reference: int | None = None,
+                 flip: bool = False, reuse: ReuseTable | None = None, dtype: str = "BF16") -> pa.Table:
     """Ray Data ``map_batches`` (batch size 1): a unit -> its pixels (``uint8 (B * K, H, W, 3)`` bytes;
     ``cond_pixels`` the same for the conditioning images, empty without), the geometry of its good
-    rows and its error rows (IPC bytes), via :func:`prepare_batch`."""
+    rows, its error rows and the rows that take another cache's record (``taken``, ``refused``; IPC bytes), via
+    :func:`prepare_batch`."""
     out = []
     for item in batch.to_pylist():
         before = throttle_mark()
@@ -133,7 +154,8 @@ def prepare_unit(batch: pa.Table, source: str, storage_options: dict | None, cro
         keys = {r["sample_id"]: r["source_key"] for r in rows}
         prepared = prepare_batch(source, storage_options, item["bucket"], rows, crop, seed, max_pixels, crops=crops,
                                  conditioning=conditioning, image_column=image_column,
-                                 max_clips=max_clips, reference=reference)  # fmt: skip
+                                 max_clips=max_clips, reference=reference, flip=flip, reuse=reuse,
+                                 dtype=dtype)  # fmt: skip
         good = pa.table({
             "sample_id": [r["sample_id"] for r in prepared["rows"]],
             "caption_key": [r["caption_key"] for r in prepared["rows"]],
@@ -149,7 +171,10 @@ def prepare_unit(batch: pa.Table, source: str, storage_options: dict | None, cro
             "caption": [r["caption"] for r in prepared["rows"]],
             "clip_starts": [r.get("clip_starts") for r in prepared["rows"]],
             "clip_captions": [r.get("clip_captions") for r in prepared["rows"]],
+            "content": [r.get("content") for r in prepared["rows"]],
         }, schema=_PREPARED_ROWS)  # fmt: skip
+        taken = pa.Table.from_pylist([{**{k: row.get(k) for k in _TAKEN_COLUMNS}, "record": data, "source": s}
+                                      for row, data, s in prepared.get("taken", ())], schema=_TAKEN_ROWS)
         errors = pa.Table.from_pylist([{"sample_id": sid, "filename": name, "error": kind, "message": message,
                                         "source_key": keys[sid]} for sid, name, kind, message in prepared["errors"]],
                                       schema=CACHE_ERRORS_SCHEMA)  # fmt: skip
@@ -157,8 +182,10 @@ def prepare_unit(batch: pa.Table, source: str, storage_options: dict | None, cro
         out.append({"unit": item["unit"], "bucket": item["bucket"], "pixels": prepared["pixels"].tobytes(),
                     "cond_pixels": b"" if cond is None else cond.tobytes(),
                     "mask_pixels": b"" if masks is None else masks.tobytes(), "rows": to_ipc(good),
-                    "errors": to_ipc(errors), "throttled": carry_spans(item.get("throttled"), before)})  # fmt: skip
+                    "errors": to_ipc(errors), "taken": to_ipc(taken), "refused": prepared.get("refused", 0),
+                    "throttled": carry_spans(item.get("throttled"), before)})  # fmt: skip
     return pa.Table.from_pylist(out, schema=pa.schema([("unit", pa.string()), ("bucket", pa.string()),
                                                       ("pixels", pa.large_binary()), ("cond_pixels", pa.large_binary()),
                                                       ("mask_pixels", pa.large_binary()), ("rows", pa.binary()),
-                                                      ("errors", pa.binary()), ("throttled", SPANS)]))  # fmt: skip
+                                                      ("errors", pa.binary()), ("taken", pa.large_binary()),
+                                                      ("refused", pa.int64()), ("throttled", SPANS)]))  # fmt: skip

@@ -56,4 +56,5 @@ def sample_record(row: dict, bucket: str, dtype: str, latents: np.ndarray, conds
         mask=None if masks is None else masks[0], variant_masks=masks[1:] if several and masks is not None else None,
         clip_starts=None if clip_starts is None else np.repeat(np.asarray(clip_starts, np.int32), flips),
         variant_captions=None if clip_captions is None else np.repeat(np.asarray(clip_captions, np.int32), flips),
+        content=row.get("content"),  # the image's sha256: with the geometry, the latent's identity (embed --reuse)
     )  # fmt: skip

@@ -27,7 +27,8 @@ MASKS_SETTING = "uint8 0..255 at the latent grid: cropped and flipped like the i
 # what ``_cache.json`` settings ``video.clips`` says: which clips of a video its record holds
 VIDEO_CLIPS = "up to max_clips of the video's non-overlapping clips, evenly spaced; one variant each (x2 with flip)"
 
-__all__ = ["MASKS_SETTING", "VIDEO_CLIPS", "request_settings", "check_early", "full_settings", "committed_text",
+__all__ = ["MASKS_SETTING", "VIDEO_CLIPS", "request_settings", "check_early", "vae_settings", "full_settings",
+           "committed_text",
            "cache_info", "refuse"]
 
 _VAE_KEYS = ("class", "weights_sha256", "factor", "channels", "scaling_factor", "shift_factor")
@@ -83,19 +84,26 @@ def check_early(url: str, storage_options: dict, request: dict) -> CacheMeta | N
     return meta
 
 
-def full_settings(request: dict, vae: dict, text: dict) -> dict[str, Any]:
-    """The fingerprinted settings: ``request`` with the VAE's and text encoders' ``describe()``."""
+def vae_settings(request: dict, vae: dict) -> dict[str, Any]:
+    """``request`` with the VAE's ``describe()`` (and the features model's): every setting that makes a latent is
+    then as ``_cache.json`` hashes it (what ``embed --reuse`` compares)."""
     settings = {**request}
     settings["vae"] = {**request["vae"], **{k: vae[k] for k in _VAE_KEYS},
                        **{k: vae[k] for k in _VIDEO_VAE_KEYS if vae.get(k) is not None},  # video VAEs only
                        **({"normalised": vae["normalised"]} if vae.get("normalised") else {})}  # Qwen-Image's VAE
+    if "features" in request:
+        settings["features"] = {**request["features"], **vae["features"]}
+    return settings
+
+
+def full_settings(request: dict, vae: dict, text: dict) -> dict[str, Any]:
+    """The fingerprinted settings: ``request`` with the VAE's and text encoders' ``describe()``."""
+    settings = vae_settings(request, vae)
     settings["text"] = {**request["text"], "pipeline": text["pipeline"], "pooled_dim": text["pooled_dim"],
                         "layout": text["layout"], "encoders": [
         {**r, **{k: e[k] for k in ("class", "weights_sha256", "max_length", "hidden_size")},
          **({"processor": e["processor"]} if e.get("processor") else {})}  # a multimodal family's resize code
         for r, e in zip(request["text"]["encoders"], text["encoders"])]}  # fmt: skip
-    if "features" in request:
-        settings["features"] = {**request["features"], **vae["features"]}
     return settings
 
 

@@ -38,10 +38,12 @@ from manifests.schema import CONDITIONING_COLUMNS, LOCATION_COLUMNS, MASK_COLUMN
 __all__ = ["MANIFEST_COLUMNS", "PROBE_FILES", "UNIT_PIXEL_BYTES", "GroupWork", "EmbedWork", "find_work",
            "caption_keys", "flat_captions", "sample_caption_keys", "unit_size", "cut_units"]  # fmt: skip
 
-# what a row's freshness, caption and probe need: the source-key columns, the caption and where the image is
-MANIFEST_COLUMNS = ["sample_id", "filename", "caption", "captions", "bucket", "size", "etag", "mtime", "container",
-                    "container_size", "member_offset", "row_group", "row_index", *CONDITIONING_COLUMNS,
-                    *MASK_COLUMNS, "clips", "clip_starts", "clip_captions"]  # a video's (null in an image manifest)
+# what a row's freshness, caption and probe need: the source-key columns, the caption and where the image is; its
+# display size (the latent key embed --reuse looks up)
+MANIFEST_COLUMNS = ["sample_id", "filename", "caption", "captions", "bucket", "width", "height", "size", "etag",
+                    "mtime", "container", "container_size", "member_offset", "row_group", "row_index",
+                    *CONDITIONING_COLUMNS, *MASK_COLUMNS,
+                    "clips", "clip_starts", "clip_captions"]  # a video's (null in an image manifest)
 PROBE_FILES = 8  # images read up front to tell an unusable storage from a few bad files
 UNIT_PIXEL_BYTES = 128 << 20  # pixels of one unit in flight: 42 images at 1024x1024, 682 at 256x256
 

@@ -31,6 +31,7 @@ import os
 import socket
 import threading
 from dataclasses import replace
+from itertools import chain
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -42,6 +43,7 @@ from manifests.buckets import parse_bucket
 from manifests.cache import ShardWriter
 from manifests.cache.layout import INDEX_SCHEMAS
 from manifests.cache.freshness import source_key
+from manifests.cache.identity import record_latent_key
 from manifests.cache.records import TextRecord, encode_sample, encode_text
 from manifests.errors import BucketeerError, UsageError
 from manifests.frames import is_video_bucket
@@ -54,6 +56,7 @@ from pipeline.embed.loading import Encoder, quiet_loading, to_storage
 from pipeline.embed.families import qwen_image_edit
 from pipeline.embed.imaging import check_source
 from pipeline.embed.masks import variant_masks
+from pipeline.embed.reuse import ReuseTable, check_text_weights, retarget
 from pipeline.embed.samples import sample_record, variant_pixels
 from pipeline.embed.work import MANIFEST_COLUMNS, GroupWork, caption_keys, cut_units, flat_captions, \
     sample_caption_keys
@@ -68,7 +71,7 @@ UNIT_ROWS = pa.schema([("sample_id", pa.uint64()), ("filename", pa.string()), ("
                        # where the image bytes are (manifests.schema.image_range): null container = a loose file
                        ("container", pa.string()), ("container_size", pa.int64()), ("member_offset", pa.int64()),
                        ("row_group", pa.int32()), ("row_index", pa.int64()), ("size", pa.int64()),
-                       ("conditioning", pa.string()),
+                       ("conditioning", pa.string()), ("width", pa.int32()), ("height", pa.int32()),  # display size
                        # "alpha", a mask file relative to the source root (a tar member: its byte range), or null
                        ("mask", pa.string()), ("mask_offset", pa.int64()), ("mask_size", pa.int64()),
                        # the caption no other row has: its text goes into the sample's record (caption: its text)
@@ -113,7 +116,8 @@ def plan_units(batch: pa.Table, manifest: str, storage_options: dict | None, bat
                          "caption_keys": sample_caption_keys(rows), "source_key": source_key(rows),
                          "conditioning": rows.column("conditioning"),
                          **{name: rows.column(name) for name in (*_LOCATION, *MASK_COLUMNS, "bucket", "clips",
-                                                                   "clip_starts", "clip_captions")}})
+                                                                   "clip_starts", "clip_captions", "width",
+                                                                   "height")}})
         for i, unit in enumerate(cut_units(rows, batch_size, shard_records, max_clips)):
             name = f"{work.group.part}#{work.group.index}.{i}"
             yield pa.table({"unit": [name], "bucket": [unit.column("bucket")[0].as_py()],
@@ -212,17 +216,25 @@ class _EncoderActor:
             encoder = self.make_encoder(use_gpu=bool(gpus))
         except (BucketeerError, OSError) as e:  # a bad path or subfolder, a file from_pretrained cannot get
             raise UsageError(f"an encoder failed to load: {e}") from None
-        self.fs, self.root = open_url(self.cache, self.storage_options)
-        if is_local(self.fs) and not os.path.exists(join(self.root, VISIBLE_MARKER)):
-            raise UsageError(f"--out {self.root} is not visible on {socket.gethostname()}: embed workers write "
-                             "their shards themselves, so --out must be a folder every node shares (or an "
-                             "s3:// URL)")  # fmt: skip
+        self._open_out()
         device = "cuda" if gpus and not notice else "cpu"
         self.use_gpu = bool(gpus)
         self.worker = json.dumps({"encoder": encoder.describe(), "host": socket.gethostname(), "gpus": gpus,
                                   "node": node, "device": device,
                                   "notice": notice}, sort_keys=True)  # fmt: skip
         return encoder
+
+    def _text_record(self, key: int, tokens: tuple, pooled: Any) -> TextRecord:
+        return TextRecord(caption_key=key, tokens=tuple(to_storage(t, self.dtype) for t in tokens),
+                          pooled=None if pooled is None else to_storage(pooled, self.dtype), dtype=self.dtype)
+
+    def _open_out(self) -> None:
+        """The cache folder this worker writes its shards to; a local one must be the driver's (its marker seen)."""
+        self.fs, self.root = open_url(self.cache, self.storage_options)
+        if is_local(self.fs) and not os.path.exists(join(self.root, VISIBLE_MARKER)):
+            raise UsageError(f"--out {self.root} is not visible on {socket.gethostname()}: embed workers write "
+                             "their shards themselves, so --out must be a folder every node shares (or an "
+                             "s3:// URL)")  # fmt: skip
 
     def _result(self, kind: str, shard: ShardWriter) -> tuple[bytes, int]:
         if not len(shard):
@@ -251,12 +263,13 @@ class LatentWriter(_EncoderActor):
     def __init__(self, make_encoder: Callable[..., Encoder], dtype: str, cache: str, storage_options: dict | None,
                  batch_size: int, threads: int | None = None, crops: int = 1, flip: bool = False,
                  make_text: Callable[..., Encoder] | None = None, text_batch_size: int = 128,
-                 device: str | None = None, reference: int | None = None):
+                 device: str | None = None, reference: int | None = None, reuse: ReuseTable | None = None):
         super().__init__(make_encoder, dtype, cache, storage_options, threads, device)
         self.batch_size, self.crops, self.flips = batch_size, crops, 2 if flip else 1
         self.make_text, self.text_batch_size = make_text, text_batch_size
         self.text_encoder: Encoder | None = None
         self.reference = reference
+        self.reuse = reuse or ReuseTable()  # embed --reuse: other caches' text records, for inline captions
 
     def _build(self) -> Encoder:
         encoder = super()._build()
@@ -265,10 +278,6 @@ class LatentWriter(_EncoderActor):
             self.text_encoder = self.make_text(use_gpu=self.use_gpu)
             self.worker = json.dumps({**json.loads(self.worker), "text": self.text_encoder.describe()}, sort_keys=True)
         return encoder
-
-    def _text_record(self, key: int, tokens: tuple, pooled: Any) -> TextRecord:
-        return TextRecord(caption_key=key, tokens=tuple(to_storage(t, self.dtype) for t in tokens),
-                          pooled=None if pooled is None else to_storage(pooled, self.dtype), dtype=self.dtype)
 
     def _reference_texts(self, rows: list[dict], refs: np.ndarray) -> dict[int, TextRecord]:
         """Each row's text, encoded with its reference ``refs[i]`` ``(h, w, 3)``, by its key; sets the rows'
@@ -284,22 +293,29 @@ class LatentWriter(_EncoderActor):
                     out[r["caption_key"]] = self._text_record(r["caption_key"], tokens, pooled)
         return out
 
-    def _texts(self, rows: list[dict]) -> dict[int, TextRecord]:
-        """The text records of the inline captions of ``rows``, by caption key (encoded here)."""
+    def _texts(self, rows: list[dict]) -> tuple[dict[int, TextRecord], int]:
+        """The text records of the inline captions of ``rows``, by caption key: taken from a ``--reuse`` cache that
+        holds them, the others encoded here; and how many were taken."""
         wanted = [(r["caption_key"], r["caption"]) for r in rows if r.get("text_inline")]
         if not wanted:
-            return {}
+            return {}, 0
+        out: dict[int, TextRecord] = self.reuse.take_texts([k for k, _ in wanted]) if self.reuse.texts else {}
+        taken = len(out)
+        wanted = [(k, c) for k, c in wanted if k not in out]  # the rest: encoded here
+        if not wanted:
+            return out, taken
         assert self.make_text is not None, "inline captions need the text encoders"
-        out: dict[int, TextRecord] = {}
         for start in range(0, len(wanted), self.text_batch_size):
             batch = wanted[start : start + self.text_batch_size]
             with self.lock:
                 if self.text_encoder is None:
                     self.text_encoder = self.make_text(use_gpu=self.use_gpu)
+                    if self.reuse.texts:  # text taken from another cache and text encoded here: the same encoders
+                        check_text_weights(self.reuse.text_described, self.text_encoder.describe())
                 encoded = self.text_encoder.encode([c for _, c in batch])
                 for (key, _), (tokens, pooled) in zip(batch, encoded):
                     out[key] = self._text_record(key, tokens, pooled)
-        return out
+        return out, taken
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         encoder = self._load()
@@ -307,30 +323,36 @@ class LatentWriter(_EncoderActor):
         for item in batch.to_pylist():
             before = throttle_mark()
             rows = from_ipc(item["rows"])
-            shard = ShardWriter("samples", max_records=rows.num_rows + 1, max_bytes=1 << 62)
+            taken = from_ipc(item["taken"]).to_pylist() if item.get("taken") else []  # embed --reuse: records to copy
+            shard = ShardWriter("samples", max_records=rows.num_rows + len(taken) + 1, max_bytes=1 << 62)
             meta = rows.to_pylist()
+            texts_taken = 0
             if self.reference:  # the text of (caption, reference): every row's, keyed by both
                 texts = self._reference_texts(meta, self._conditioning(item, len(meta))[:, 0])
             else:
-                texts = self._texts(meta)
+                texts, texts_taken = self._texts(meta + taken)
             if is_video_bucket(item["bucket"]):  # WxHxF: pipeline.embed.clips
                 records = clip_records(item, meta, self._encode_clips(encoder), self.flips, self.batch_size, self.dtype)
             else:
                 records = self._image_records(encoder, item, meta)
-            for r, record in records:
+            for r, record in chain(records, ((t, retarget(t["record"], t)) for t in taken)):
                 inline = bool(r.get("text_inline"))
                 if inline:
                     record = replace(record, text=texts[r["caption_key"]])
                 shard.append(encode_sample(record, inline_text=inline), sample_id=r["sample_id"],
                              caption_key=r["caption_key"], caption_keys=r["caption_keys"], bucket=item["bucket"],
-                             source_key=r["source_key"], text_inline=inline)  # fmt: skip
+                             source_key=r["source_key"], text_inline=inline,
+                             latent_key=record_latent_key(record))  # fmt: skip
             samples, size = self._result("samples", shard)
             out.append({"unit": item["unit"], "samples": samples, "errors": item["errors"], "shard_bytes": size,
-                        "worker": self.worker, "throttled": carry_spans(item.get("throttled"), before)})  # fmt: skip
+                        "worker": self.worker, "throttled": carry_spans(item.get("throttled"), before),
+                        "taken": len(taken), "refused": int(item.get("refused") or 0),
+                        "texts_taken": texts_taken})  # fmt: skip
         return pa.Table.from_pylist(out, schema=pa.schema([("unit", pa.string()), ("samples", pa.binary()),
                                                           ("errors", pa.binary()), ("shard_bytes", pa.int64()),
-                                                          ("worker", pa.string()),
-                                                          ("throttled", SPANS)]))  # fmt: skip
+                                                          ("worker", pa.string()), ("throttled", SPANS),
+                                                          ("taken", pa.int64()), ("refused", pa.int64()),
+                                                          ("texts_taken", pa.int64())]))  # fmt: skip
 
     def _encode_clips(self, encoder: Encoder) -> Callable[[np.ndarray], np.ndarray]:
         """Clips ``(b, F, H, W, 3)`` -> their latents in the storage dtype, one forward pass at a time."""
@@ -385,23 +407,44 @@ class LatentWriter(_EncoderActor):
 
 
 class TextWriter(_EncoderActor):
-    """Ray Data actor (batch size ``--text-batch-size``): captions -> one shard of text records,
-    written here; returns ``texts`` (index rows, IPC), ``shard_bytes``, ``worker``."""
+    """Ray Data actor (batch size ``--text-batch-size``): captions -> one shard of text records, written here; returns
+    ``texts`` (index rows, IPC), ``shard_bytes``, ``worker``, ``taken``. ``reuse`` (``embed --reuse``): captions another
+    cache holds are copied from it, checked (:meth:`~pipeline.embed.reuse.ReuseTable.take_texts`); the text encoders
+    load for the first caption left to encode (until then ``worker`` describes those the taken records came from)."""
+
+    def __init__(self, make_encoder: Callable[..., Encoder], dtype: str, cache: str, storage_options: dict | None,
+                 threads: int | None = None, device: str | None = None, reuse: ReuseTable | None = None):
+        super().__init__(make_encoder, dtype, cache, storage_options, threads, device)
+        self.reuse = reuse or ReuseTable()
+
+    def _reused_worker(self) -> str:  # an actor that has loaded nothing: every caption so far was taken
+        gpus, node = self._where()
+        self._open_out()
+        return json.dumps({"encoder": self.reuse.text_described, "host": socket.gethostname(), "gpus": gpus,
+                           "node": node, "device": "cuda" if gpus else "cpu", "notice": None, "reused": True},
+                          sort_keys=True)  # fmt: skip
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         before = throttle_mark()
-        encoder = self._load()
         keys = batch.column("caption_key").to_pylist()
-        with self.lock:
-            encoded = encoder.encode(batch.column("caption").to_pylist())
-            tensors = [(tuple(to_storage(t, self.dtype) for t in tokens),
-                        None if pooled is None else to_storage(pooled, self.dtype)) for tokens, pooled in encoded]
+        records = self.reuse.take_texts(keys) if self.reuse.texts else {}
+        taken = len(records)
+        todo = [i for i, key in enumerate(keys) if key not in records]
+        if todo:
+            encoder = self._load()
+            if self.reuse.texts:  # text taken from another cache and text encoded here: the same encoders
+                check_text_weights(self.reuse.text_described, encoder.describe())
+            captions = batch.column("caption").to_pylist()
+            with self.lock:
+                encoded = encoder.encode([captions[i] for i in todo])
+                for i, (tokens, pooled) in zip(todo, encoded):
+                    records[keys[i]] = self._text_record(keys[i], tokens, pooled)
+        worker = self.worker or self._reused_worker()
         shard = ShardWriter("texts", max_records=len(keys) + 1, max_bytes=1 << 62)
-        for key, (tokens, pooled) in zip(keys, tensors):
-            shard.append(encode_text(TextRecord(caption_key=key, tokens=tokens, pooled=pooled, dtype=self.dtype)),
-                         caption_key=key)  # fmt: skip
+        for key in keys:
+            shard.append(encode_text(records[key]), caption_key=key)
         texts, size = self._result("texts", shard)
         carried = [span for spans in batch.column("throttled").to_pylist() for span in spans] \
             if "throttled" in batch.column_names else []  # fmt: skip
-        return pa.table({"texts": pa.array([texts], pa.binary()), "shard_bytes": [size], "worker": [self.worker],
-                         "throttled": pa.array([carry_spans(carried, before)], SPANS)})  # fmt: skip
+        return pa.table({"texts": pa.array([texts], pa.binary()), "shard_bytes": [size], "worker": [worker],
+                         "throttled": pa.array([carry_spans(carried, before)], SPANS), "taken": [taken]})  # fmt: skip
