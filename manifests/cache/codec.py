@@ -22,6 +22,12 @@ holds both, and every reader reads both):
   a Huffman code shared with the latents' exponents does not) come last, after the low planes, in a
   third member deflated at the default level and strategy (``benchmarks/cache_bytes.py``); their
   entries keep ``data_offsets`` (a record without such tensors has two members, as before).
+  Float8 codes (``F8_E4M3``: compact text records, :mod:`manifests.cache.compact`) of a few hundred elements
+  or more come after those, in a member of their own deflated with **run-length** matching only
+  (``Z_RLE``): the codes' byte histogram is skewed (Huffman pays), and the zero rows of a left-padded
+  prompt (FLUX.2-dev's) are runs that Huffman-only codes at a bit a byte and ``Z_RLE`` at almost nothing:
+  deflate -6's bytes in ~57% of its time, inflated fastest (``benchmarks/compact_text.py``). Entries keep
+  ``data_offsets``; a reader that predates the tag refuses the record (unsupported dtype).
 
 Tensors come back as numpy arrays (numpy has no bfloat16: a BF16 tensor comes back as its raw
 ``uint16`` bits with the tag ``"BF16"``), viewing the decompressed buffer where the layout allows
@@ -61,6 +67,7 @@ RECORD_LAYOUT = "planar"  # what encode_record writes by default; recorded in _c
 LAYOUTS = ("plain", "planar")
 HIGH_LEVEL = 6  # zlib level of the high-plane member (Huffman-only: the level only sizes zlib's buffers)
 HIGH_STRATEGY = zlib.Z_HUFFMAN_ONLY
+CODES_STRATEGY = zlib.Z_RLE  # float8 codes: Huffman plus runs (a padded prompt's zero rows)
 
 # safetensors dtype tag -> numpy dtype of the stored bits (BF16 has no numpy dtype: raw uint16)
 DTYPES: dict[str, np.dtype] = {
@@ -72,6 +79,7 @@ DTYPES: dict[str, np.dtype] = {
     "I64": np.dtype("<i8"),
     "U8": np.dtype("u1"),
     "U16": np.dtype("<u2"),
+    "F8_E4M3": np.dtype("u1"),  # float8_e4m3fn bits (compact text records: manifests.cache.compact)
 }
 PLANAR_TAGS = frozenset({"BF16", "F16", "F32"})  # floats whose high byte plane compresses and low ones do not
 _PLANAR_MIN = 256  # elements: below this a tensor is stored whole (its planes would gain nothing)
@@ -149,11 +157,11 @@ def encode_planar(tensors: Mapping[str, tuple[np.ndarray, str]], metadata: Mappi
     header: dict[str, Any] = {"__metadata__": {str(k): str(v) for k, v in metadata.items()}}
     arrays = {name: _checked(name, *tensors[name]) for name in sorted(tensors)}
     split = {n for n, a in arrays.items() if tensors[n][1] in PLANAR_TAGS and a.size >= _PLANAR_MIN}
-    dense = _dense(tensors)
+    dense, codes = _dense(tensors), _codes(tensors)
     high, low, offset = [], [], 0
     for name, array in arrays.items():
         entry: dict[str, Any] = {"dtype": tensors[name][1], "shape": list(array.shape)}
-        if name in dense:
+        if name in dense or name in codes:
             header[name] = entry  # its bytes go last (below)
             continue
         if name in split:
@@ -172,7 +180,7 @@ def encode_planar(tensors: Mapping[str, tuple[np.ndarray, str]], metadata: Mappi
             low.append(np.ascontiguousarray(planes[:, :-1].T).tobytes())  # (itemsize - 1, n)
             header[name]["planes"][1] = offset
             offset += array.size * (array.itemsize - 1)
-    for name in sorted(dense):  # byte tensors after the low planes: their own deflated member
+    for name in [*sorted(dense), *sorted(codes)]:  # byte tensors, then float8 codes: a deflated member each
         low.append(arrays[name].tobytes())
         header[name]["data_offsets"] = [offset, offset + arrays[name].nbytes]
         offset += arrays[name].nbytes
@@ -182,6 +190,11 @@ def encode_planar(tensors: Mapping[str, tuple[np.ndarray, str]], metadata: Mappi
 def _dense(tensors: Mapping[str, tuple[np.ndarray, str]]) -> set[str]:
     """The byte tensors that :func:`encode_planar` puts last (the third member of a planar record)."""
     return {n for n, (a, tag) in tensors.items() if tag == "U8" and np.asarray(a).size >= _PLANAR_MIN}
+
+
+def _codes(tensors: Mapping[str, tuple[np.ndarray, str]]) -> set[str]:
+    """The float8 code tensors that :func:`encode_planar` puts after the byte tensors (their own member)."""
+    return {n for n, (a, tag) in tensors.items() if tag == "F8_E4M3" and np.asarray(a).size >= _PLANAR_MIN}
 
 
 def _planes(body: memoryview, name: str, tag: str, shape: list[int], where: Any) -> np.ndarray:
@@ -250,10 +263,13 @@ def encode_record(tensors: Mapping[str, tuple[np.ndarray, str]], metadata: Mappi
         return gzip_compress(encode_tensors(tensors, metadata))
     assert layout == "planar", layout
     head, low = encode_planar(tensors, metadata)
-    tail = sum(np.asarray(tensors[n][0]).nbytes for n in _dense(tensors))  # byte tensors: last, LZ-deflated
+    tail = sum(np.asarray(tensors[n][0]).nbytes for n in _codes(tensors))  # float8 codes: last, run-length
+    low, codes = low[: len(low) - tail], low[len(low) - tail :]
+    tail = sum(np.asarray(tensors[n][0]).nbytes for n in _dense(tensors))  # byte tensors: before, LZ-deflated
     low, dense = low[: len(low) - tail], low[len(low) - tail :]
     return (_deflate(head, HIGH_LEVEL, HIGH_STRATEGY) + (_deflate(low, 0) if low else b"")
-            + (_deflate(dense, 6) if dense else b""))  # fmt: skip
+            + (_deflate(dense, 6) if dense else b"")
+            + (_deflate(codes, HIGH_LEVEL, CODES_STRATEGY) if codes else b""))  # fmt: skip
 
 
 def decode_record(data: bytes) -> tuple[dict[str, tuple[np.ndarray, str]], dict[str, str]]:

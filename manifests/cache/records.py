@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from manifests.cache.compact import compact_tokens, expanded_tokens
 from manifests.cache.codec import (
     DTYPES,
     GZIP_BACKEND,
@@ -371,8 +372,9 @@ def _variants(tensors: dict[str, tuple[np.ndarray, str]], latent: np.ndarray, ta
     return out
 
 
-def _text_tensors(record: TextRecord, prefix: str = "") -> dict[str, tuple[np.ndarray, str]]:
-    tensors = {f"{prefix}tokens.{i}": (t, record.dtype) for i, t in enumerate(record.tokens)}
+def _text_tensors(record: TextRecord, prefix: str = "", mode: str | None = None) -> dict[str, tuple[np.ndarray, str]]:
+    tensors = compact_tokens([to_float32(t, record.dtype) for t in record.tokens], prefix, mode) if mode else \
+        {f"{prefix}tokens.{i}": (t, record.dtype) for i, t in enumerate(record.tokens)}  # compact: float8 + scales
     if record.pooled is not None:
         tensors[f"{prefix}pooled"] = (record.pooled, record.dtype)
     return tensors
@@ -385,6 +387,9 @@ def _text_of(tensors: dict[str, tuple[np.ndarray, str]], key: str, count: str, p
     tokens = tuple(tensors[f"{prefix}tokens.{i}"][0] for i in range(n))
     tags = {tensors[f"{prefix}tokens.{i}"][1] for i in range(n)}
     pooled = tensors[f"{prefix}pooled"][0] if f"{prefix}pooled" in tensors else None
+    if "F8_E4M3" in tags:  # compact: the token parts dequantized, the pooled vector widened, all float32
+        tokens, tags = expanded_tokens(tensors, prefix, n), {"F32"}
+        pooled = None if pooled is None else to_float32(pooled, tensors[f"{prefix}pooled"][1])
     return TextRecord(caption_key=int(key), tokens=tokens, pooled=pooled, dtype=tags.pop() if tags else "F32")
 
 
@@ -395,10 +400,11 @@ def _inline_text(tensors: dict[str, tuple[np.ndarray, str]], meta: dict[str, str
     return _text_of(tensors, meta["caption_key"], meta["text_encoders"], "text.")
 
 
-def encode_text(record: TextRecord, layout: str = RECORD_LAYOUT) -> bytes:
-    """The compressed bytes of a caption's text record."""
+def encode_text(record: TextRecord, layout: str = RECORD_LAYOUT, compact: str | None = None) -> bytes:
+    """The compressed bytes of a caption's text record; ``compact="fp8"``: its token parts as float8 codes
+    (:func:`manifests.cache.compact.compact_tokens`), which :func:`decode_text` gives back as float32 (``F32``)."""
     meta = {"kind": "text", "caption_key": str(record.caption_key), "encoders": str(len(record.tokens))}
-    return encode_record(_text_tensors(record), meta, layout)
+    return encode_record(_text_tensors(record, mode=compact), meta, layout)
 
 
 def decode_text(data: bytes) -> TextRecord:
