@@ -157,6 +157,8 @@ class Tally:
     read_bytes: int = 0
     captions: int = 0
     text_elements: int = 0
+    text_rows: int = 0  # token rows of every part (--text-dtype fp8 stores a float32 scale per row)
+    pooled_elements: int = 0
     taken: Counter = field(default_factory=Counter)  # --reuse: rows per bucket whose record another cache holds
     texts_taken: int = 0  # --reuse: captions whose text record another cache holds
     hashed_bytes: int = 0  # --reuse: image bytes read to hash them
@@ -191,31 +193,6 @@ def _reuse_table(job: Any):
     return table
 
 
-def _taken(job: Any, table: Any, reuse: Any, source: str, image_column: str | None) -> tuple[Counter, int]:
-    """``(rows per bucket whose record the --reuse caches hold, bytes read)``: each image of ``table`` (manifest rows
-    to embed) read and hashed, its key looked up as embed's decode tasks look it up."""
-    from manifests.storage import open_url
-    from pipeline.embed.imaging import fetch_images
-    from pipeline.embed.reuse import content_hash, expected_latent_key
-
-    fs, root = open_url(source, dict(job.storage_options))
-    rows = table.to_pylist()
-    blobs = fetch_images(fs, root, rows, image_column=image_column)
-    found: Counter = Counter()
-    read = 0
-    for row, blob in zip(rows, blobs):
-        if isinstance(blob, BaseException) or not blob:
-            continue
-        read += len(blob)
-        if row.get("mask") or row.get("conditioning") or not row.get("width") or not row.get("height"):
-            continue
-        key = expected_latent_key(content_hash(blob), row["bucket"], row["height"], row["width"], row["sample_id"],
-                                  crop=job.crop, seed=job.seed, crops=job.crops, flip=job.flip)  # fmt: skip
-        if reuse.has_latents(np.array([key], np.uint64))[0]:
-            found[row["bucket"]] += 1
-    return found, read
-
-
 def _tally(job: Any, work: Any, prompts: dict) -> Tally:
     """One pass over the row groups with work (one at a time: nothing per row is kept), counting rows per bucket and
     the text elements of every caption to encode through the family's own tokenization
@@ -234,19 +211,24 @@ def _tally(job: Any, work: Any, prompts: dict) -> Tally:
     reference = FAMILIES[job.family].reference  # one text per sample: its instruction and its reference's tokens
     area, small, per_size = edit.reference_area(job), np.zeros((56, 56, 3), np.uint8), {}
 
-    def elements(texts: list[str], images: list[np.ndarray] | None = None) -> int:
+    def elements(texts: list[str], images: list[np.ndarray] | None = None, count: bool = True) -> int:
         total = 0
         for start in range(0, len(texts), CHUNK):
             some = None if images is None else images[start : start + CHUNK]
             for counts in encoders.rows(texts[start : start + CHUNK], images=some):
                 total += sum(n * d for n, d in zip(counts, widths)) + pooled
+                if count:
+                    tally.text_rows += sum(counts)
+                    tally.pooled_elements += pooled
         return total
 
     def reference_tokens(bucket: str) -> int:  # a reference's tokens depend on its size alone: one run per size
         bw, bh = parse_bucket(bucket)
         size = edit.reference_size(bh, bw, area)
         if size not in per_size:
-            per_size[size] = elements([""], [np.zeros((*size, 3), np.uint8)]) - elements([""], [small])
+            per_size[size] = (elements([""], [np.zeros((*size, 3), np.uint8)], count=False)
+                              - elements([""], [small], count=False))  # fmt: skip
+        tally.text_rows += per_size[size] // widths[0]  # its rows (one text encoder: Qwen2.5-VL)
         return per_size[size]
 
     reuse = _reuse_table(job) if job.reuse else None
@@ -254,6 +236,7 @@ def _tally(job: Any, work: Any, prompts: dict) -> Tally:
         from manifests.cache.records import caption_key
         from manifests.manifest import read_manifest_meta
         from pipeline.embed.job import image_column
+        from pipeline.embed.reuse import held_latents
 
         manifest = read_manifest_meta(job.manifest, so)
         source, column = job.source or manifest.source, image_column(manifest)
@@ -281,7 +264,8 @@ def _tally(job: Any, work: Any, prompts: dict) -> Tally:
                 tally.conditioned.update(b for b, c in zip(buckets, has) if c)
             tally.read_bytes += int(np.asarray(table.column("size").fill_null(0)).sum())
             if reuse is not None and reuse.latents:
-                found, hashed = _taken(job, table, reuse, source, column)
+                found, hashed = held_latents(reuse, table.to_pylist(), source, so, column, crop=job.crop,
+                                             seed=job.seed, crops=job.crops, flip=job.flip)  # fmt: skip
                 tally.taken.update(found)
                 tally.hashed_bytes += hashed
             if reference:
@@ -389,8 +373,11 @@ def estimate(job: EstimateJob) -> Bill:
     work, prompts = _work(e)
     tally = _tally(e, work, prompts)
     element = ELEMENT_BYTES[e.dtype]
+    text_bytes = tally.text_elements * element
+    if e.text_dtype == "fp8":  # a byte a token value, a float32 scale a row, the pooled vector in float32
+        text_bytes = tally.text_elements - tally.pooled_elements + 4 * (tally.text_rows + tally.pooled_elements)
     bill = Bill(samples=work.samples, to_embed=sum(tally.rows.values()), captions=tally.captions,
-                variants=e.crops * (2 if e.flip else 1), text_bytes=tally.text_elements * element,
+                variants=e.crops * (2 if e.flip else 1), text_bytes=text_bytes,
                 requests=sum(tally.rows.values()) + sum(tally.conditioned.values()), read_bytes=tally.read_bytes)
     bill.latent_bytes, bill.pixels = _latent_bytes(e, tally, element)
     bill.taken, bill.texts_taken, bill.hashed_bytes = sum(tally.taken.values()), tally.texts_taken, tally.hashed_bytes

@@ -264,6 +264,7 @@ class TextInfo(JsonRecord):
     layout: TextLayout | None = nested(TextLayout.from_json, default=None)
     empty_caption_key: int | None = None  # its text record: caption dropout, and a null caption's text
     validation_prompts: tuple[ValidationPrompt, ...] | None = nested(each(ValidationPrompt.from_json), default=None)
+    compact: str | None = optional()  # embed --text-dtype fp8: float8 codes + scales, read back as float32
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -231,13 +231,14 @@ def _pair(text: str) -> tuple[int, int]:
     return int(a), int(b)
 
 
-def encode_sample(record: SampleRecord, inline_text: bool = False, layout: str = RECORD_LAYOUT) -> bytes:
+def encode_sample(record: SampleRecord, inline_text: bool = False, layout: str = RECORD_LAYOUT,
+                  compact: str | None = None) -> bytes:  # fmt: skip
     """The compressed bytes of a sample record.
 
     Its text is stored separately, by caption, unless ``inline_text``: then ``record.text`` (the text
-    record of ``record.caption_key``, a caption no other sample has) goes into the same record, so a
-    reader fetches both with one ranged read, and the caption's text index row names this record too.
-    ``layout``: see :mod:`manifests.cache.codec` (``plain`` only to write caches as older bucketeers did).
+    record of ``record.caption_key``, a caption no other sample has) goes into the same record (``compact``: as
+    :func:`encode_text`), so a reader fetches both with one ranged read, and the caption's text index row names
+    this record too. ``layout``: :mod:`manifests.cache.codec`'s (``plain``: to write caches as older versions did).
     """
     meta = {
         "kind": "sample",
@@ -275,7 +276,7 @@ def encode_sample(record: SampleRecord, inline_text: bool = False, layout: str =
     if inline_text:
         text = record.text
         assert text is not None and text.caption_key == record.caption_key, "inline text: the sample's own caption's"
-        tensors.update(_text_tensors(text, "text."))
+        tensors.update(_text_tensors(text, "text.", compact))
         meta["text_encoders"] = str(len(text.tokens))
     return encode_record(tensors, meta, layout)
 

@@ -154,7 +154,7 @@ def _check_text(blob: bytes, row: dict, meta: CacheMeta, layout: TextLayout) -> 
     problem = text_mismatch(record, row["caption_key"])
     if problem:
         raise _NotNamed(problem)
-    dtype = meta.text.dtype if meta.text else None
+    dtype = ("F32" if meta.text.compact else meta.text.dtype) if meta.text else None  # compact: read back widened
     problem = layout.check(record)
     if problem:
         return problem

@@ -50,7 +50,8 @@ from manifests.errors import UsageError
 from pipeline.embed.work import UNIT_PIXEL_BYTES, EmbedWork
 from pipeline.embed.prepare import prepare_unit
 from pipeline.embed.reuse import ReuseTable
-from pipeline.embed.workers import LatentWriter, TextWriter, plan_units, prompt_rows, read_captions
+from pipeline.embed.work import prompt_rows, read_captions
+from pipeline.embed.workers import LatentWriter, TextWriter, plan_units
 from pipeline.ray_output import ray_false_alarms_dropped
 
 __all__ = ["Placement", "NodeShape", "place_encoders", "size_cpus", "configure_ray_data", "caption_pipeline",
@@ -250,10 +251,10 @@ def _items(work: list) -> Any:
 
 def caption_pipeline(work: EmbedWork, prompts: dict[int, str], manifest: str, storage_options: dict | None,
                      make_text: Callable, dtype: str, out: str, text_batch_size: int, placement: Placement,
-                     reuse: ReuseTable | None = None):  # fmt: skip
+                     reuse: ReuseTable | None = None, compact: str | None = None):  # fmt: skip
     """The captions pipeline: one text shard per ``text_batch_size`` new captions; ``prompts``
     (caption key -> text: the empty caption, validation prompts) are encoded with them; ``reuse``: the text records
-    other caches hold, taken instead of encoded (``embed --reuse``)."""
+    other caches hold, taken instead of encoded (``embed --reuse``); ``compact``: ``--text-dtype fp8``'s mode."""
     import ray.data
 
     captions = []
@@ -270,7 +271,7 @@ def caption_pipeline(work: EmbedWork, prompts: dict[int, str], manifest: str, st
                      compute=placement.pool(texts),
                      fn_constructor_kwargs={"make_encoder": make_text, "dtype": dtype, "cache": out,
                                             "storage_options": storage_options, "threads": placement.threads,
-                                            "reuse": reuse},
+                                            "reuse": reuse, "compact": compact},
                      **placement.actor_options())
     )  # fmt: skip
 
@@ -282,7 +283,8 @@ def image_pipeline(work: EmbedWork, manifest: str, source: str, storage_options:
     crops, flip, conditioning (the root of the manifest's conditioning images, or None), image_column (a
     parquet-sourced manifest's, else None), text_batch_size, max_clips (a video manifest's, else None), reference
     (the reference area of a family whose text sees each sample's reference image, else None), reuse (``embed
-    --reuse``: the :class:`~pipeline.embed.reuse.ReuseTable` of the records other caches hold, else None).
+    --reuse``: the :class:`~pipeline.embed.reuse.ReuseTable` of the records other caches hold, else None), compact
+    (``--text-dtype fp8``: the inline texts' mode, else None).
     ``make_text``: the text encoders, for the captions
     that only one sample has (their text goes into its record: ``work.images[i].inline``)."""
     units = (
@@ -309,7 +311,8 @@ def image_pipeline(work: EmbedWork, manifest: str, source: str, storage_options:
                                             "threads": placement.threads, "crops": options["crops"],
                                             "flip": options["flip"], "make_text": make_text,
                                             "text_batch_size": options.get("text_batch_size", 128),
-                                            "reference": options.get("reference"), "reuse": options.get("reuse")},
+                                            "reference": options.get("reference"), "reuse": options.get("reuse"),
+                                            "compact": options.get("compact")},
                      **placement.actor_options())
     )  # fmt: skip
 

@@ -22,7 +22,7 @@ from manifests.throttles import ThrottleTally, job_throttles
 from manifests.storage import call_storage, is_local, join, open_url
 from pipeline.embed.dataflow import Placement
 from pipeline.embed.reuse import ReuseTable
-from pipeline.embed.settings import cache_info, committed_text, full_settings, refuse
+from pipeline.embed.settings import cache_info, committed_text, compact_mode, full_settings, refuse
 from pipeline.embed.work import EmbedWork
 
 __all__ = ["EmbedDriver"]
@@ -116,7 +116,7 @@ class EmbedDriver:
                 self._open(committed_text(self.committed))
             return  # else a family whose image workers encode every text: their first result describes it
         args = (work, prompts, self.manifest, self.so, make_text, self.request["dtype"], self.out, batch_size,
-                self.placement, self.reuse)  # fmt: skip
+                self.placement, self.reuse, compact_mode(self.request))  # fmt: skip
         if self.placement.executor == "local":
             from pipeline.embed.local import caption_results
 

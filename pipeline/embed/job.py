@@ -142,7 +142,8 @@ def request_settings_of(job: EmbedJob, manifest: ManifestMeta) -> dict[str, Any]
                             crop=job.crop, seed=job.seed, crops=job.crops, flip=job.flip,
                             conditioning=manifest.conditioning is not None, masks=manifest.masks is not None,
                             max_clips=job.max_clips if manifest.frame_ladder is not None else None,
-                            reference=qwen_image_edit.reference_area(job))  # fmt: skip
+                            reference=qwen_image_edit.reference_area(job),
+                            compact=None if job.text_dtype == "exact" else job.text_dtype)  # fmt: skip
 
 
 def _factories(job: EmbedJob, dtype: str):
@@ -163,7 +164,8 @@ def _image_options(job: EmbedJob, manifest: ManifestMeta, source: str) -> dict[s
             "crops": job.crops, "flip": job.flip, "conditioning": _conditioning_root(manifest, source),
             "max_pixels": int(manifest.max_pixels or MAX_PIXELS), "text_batch_size": job.text_batch_size,
             "image_column": image_column(manifest), "reference": qwen_image_edit.reference_area(job),
-            "max_clips": job.max_clips if manifest.frame_ladder is not None else None}  # fmt: skip
+            "max_clips": job.max_clips if manifest.frame_ladder is not None else None,
+            "compact": None if job.text_dtype == "exact" else job.text_dtype}  # fmt: skip
 
 
 def run(job: EmbedJob) -> EmbedResult:

@@ -29,7 +29,8 @@ from pipeline.embed.dataflow import Placement
 from pipeline.embed.work import EmbedWork
 from pipeline.embed.prepare import prepare_unit
 from pipeline.embed.reuse import ReuseTable
-from pipeline.embed.workers import LatentWriter, TextWriter, plan_units, prompt_rows, read_captions
+from pipeline.embed.work import prompt_rows, read_captions
+from pipeline.embed.workers import LatentWriter, TextWriter, plan_units
 
 __all__ = ["local_placement", "caption_results", "image_results"]
 
@@ -53,14 +54,15 @@ def _one(row: dict[str, Any]) -> pa.Table:
 
 def caption_results(work: EmbedWork, prompts: dict[int, str], manifest: str, storage_options: dict | None,
                     make_text: Callable, dtype: str, out: str, text_batch_size: int,
-                    placement: Placement, reuse: ReuseTable | None = None) -> Iterator[dict[str, Any]]:  # fmt: skip
+                    placement: Placement, reuse: ReuseTable | None = None,
+                    compact: str | None = None) -> Iterator[dict[str, Any]]:  # fmt: skip
     """The result rows of the captions pipeline (:func:`pipeline.embed.dataflow.caption_pipeline`), in order."""
     tables = [read_captions(_one(g.item()), manifest, storage_options) for g in work.captions]
     if prompts:
         tables.append(prompt_rows(prompts))
     captions = pa.concat_tables(tables)
     writer = TextWriter(make_text, dtype, out, storage_options, placement.threads, device=placement.device,
-                        reuse=reuse)  # fmt: skip
+                        reuse=reuse, compact=compact)  # fmt: skip
     for start in range(0, captions.num_rows, text_batch_size):
         yield from writer(captions.slice(start, text_batch_size)).to_pylist()
     del writer  # the text encoders leave the device to the VAE, as a Ray text actor does when it ends
@@ -82,7 +84,8 @@ def image_results(work: EmbedWork, manifest: str, source: str, storage_options: 
     writer = LatentWriter(make_vae, dtype, out, storage_options, options["batch_size"], placement.threads,
                           crops=options["crops"], flip=options["flip"], make_text=make_text,
                           text_batch_size=options.get("text_batch_size", 128), device=placement.device,
-                          reference=options.get("reference"), reuse=options.get("reuse"))  # fmt: skip
+                          reference=options.get("reference"), reuse=options.get("reuse"),
+                          compact=options.get("compact"))  # fmt: skip
 
     def units() -> Iterator[pa.Table]:
         for group in work.images:

@@ -55,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="text file (local path or URL), one prompt per line: embedded into the cache and listed "
                         "in _cache.json, so the trainer samples validation images without text encoders")
     g.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="stored tensor dtype")
+    g.add_argument("--text-dtype", choices=("exact", "fp8"), default="exact",
+                   help="text records: exact (in --dtype) or fp8: float8 e4m3 codes with a float32 scale per token, "
+                        "about 0.63x bf16's bytes, each value within 2^-4 (docs/embed.md: Compact text records)")
     g.add_argument("--features", choices=("dinov2",), default=None,
                    help="also store DINOv2 patch features of each variant's crop (float16, beside the latent) for "
                         "the trainer's repa: config (docs/embed.md: REPA)")
@@ -126,6 +129,7 @@ class EmbedJob:
     latents: str = "mean"  # mean | posterior
     validation_prompts: str | None = None  # a file, one prompt a line
     dtype: str = "bf16"  # bf16 | fp16 | fp32
+    text_dtype: str = "exact"  # exact (dtype) | fp8 (manifests.cache.compact: e4m3 codes, a scale per row)
     features: str | None = None  # dinov2: DINOv2 patch features in every record (REPA)
     features_model: str = "default"
     crop: str = "center"  # center | random
@@ -151,6 +155,7 @@ class EmbedJob:
         choices = (("--family", self.family, tuple(FAMILIES)), ("--latents", self.latents, LATENTS),
                    ("--executor", self.executor, EXECUTORS),
                    ("--dtype", self.dtype, tuple(STORAGE_DTYPES)), ("--device", self.device, DEVICES),
+                   ("--text-dtype", self.text_dtype, ("exact", "fp8")),
                    ("--crop", self.crop, ("center", "random")),
                    ("--text-layer", self.text_layer, (None, "last", "penultimate")))  # fmt: skip
         for option, value, allowed in choices:
@@ -184,7 +189,8 @@ def job_from_args(args: argparse.Namespace) -> EmbedJob:
         vae_subfolder=args.vae_subfolder, text_encoders=tuple_or_none(args.text_encoder),
         text_encoder_subfolders=tuple_or_none(args.text_encoder_subfolder), text_layer=args.text_layer,
         max_text_tokens=args.max_text_tokens, latents=args.latents, validation_prompts=args.validation_prompts,
-        dtype=args.dtype, features=args.features, features_model=args.features_model, crop=args.crop, seed=args.seed,
+        dtype=args.dtype, text_dtype=args.text_dtype, features=args.features, features_model=args.features_model,
+        crop=args.crop, seed=args.seed,
         flip=args.flip, crops=args.crops, max_clips=args.max_clips, reference_resolution=args.reference_resolution,
         source=args.source, reuse=parse_reuse(args.reuse),
         storage_options=parse_storage_options(args.storage_options), batch_size=args.batch_size,

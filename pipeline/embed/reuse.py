@@ -30,6 +30,7 @@ a check is encoded instead and counted as refused.
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
@@ -43,10 +44,10 @@ from manifests.cache.records import RecordError, SampleRecord, TextRecord, crc32
 from manifests.errors import UsageError
 from manifests.frames import is_video_bucket
 from manifests.storage import join, open_url, read_many, redact
-from pipeline.embed.imaging import cover_and_crop
+from pipeline.embed.imaging import cover_and_crop, fetch_images
 
 __all__ = ["ReuseTable", "latent_identity", "text_identity", "expected_latent_key", "content_hash", "take_latents",
-           "retarget", "build_reuse", "check_text_weights", "parse_reuse"]  # fmt: skip
+           "retarget", "build_reuse", "check_text_weights", "parse_reuse", "held_latents"]  # fmt: skip
 
 _SAMPLE_COLUMNS = ["latent_key", "shard", "offset", "length", "crc32"]
 _TEXT_COLUMNS = ["caption_key", "shard", "offset", "length", "crc32"]
@@ -82,7 +83,7 @@ def text_identity(settings: Mapping[str, Any]) -> dict[str, Any]:
     compared when this run loads its encoders (:func:`check_text_weights`)."""
     text = settings.get("text", {})
     return {"family": settings.get("family"), "dtype": settings.get("dtype"), "layer": text.get("layer"),
-            "max_text_tokens": text.get("max_text_tokens"),
+            "max_text_tokens": text.get("max_text_tokens"), "compact": text.get("compact"),
             "encoders": [{"id": e.get("id"), "subfolder": e.get("subfolder")} for e in text.get("encoders", [])]}
 
 
@@ -233,6 +234,26 @@ def take_latents(table: ReuseTable, bucket: str, rows: list[dict], blobs: list, 
     return contents, taken, refused
 
 
+def held_latents(table: ReuseTable, rows: list[dict], source: str, storage_options: dict, image_column: str | None,
+                 *, crop: str, seed: int, crops: int, flip: bool) -> tuple[Counter, int]:
+    """``(rows per bucket whose record ``table`` holds, image bytes read)``: what ``bucketeer estimate --reuse``
+    counts. Each image of ``rows`` (manifest rows to embed) is read and hashed, its key looked up as the decode tasks
+    look it up (:func:`take_latents`; the record itself is not read)."""
+    fs, root = open_url(source, storage_options)
+    found: Counter = Counter()
+    read = 0
+    for row, blob in zip(rows, fetch_images(fs, root, rows, image_column=image_column)):
+        if isinstance(blob, BaseException) or not blob:
+            continue
+        read += len(blob)
+        if row.get("mask") or row.get("conditioning") or not row.get("width") or not row.get("height"):
+            continue
+        key = expected_latent_key(content_hash(blob), row["bucket"], row["height"], row["width"], row["sample_id"],
+                                  crop=crop, seed=seed, crops=crops, flip=flip)  # fmt: skip
+        found[row["bucket"]] += int(table.has_latents(np.array([key], np.uint64))[0])
+    return found, read
+
+
 def retarget(data: bytes, row: dict) -> SampleRecord:
     """A taken record (its bytes) as the record of ``row``: its sample id and captions, no inline text (the writer
     adds this row's), its latents, geometry, features and content as they were."""
@@ -261,6 +282,8 @@ def build_reuse(urls: tuple[str, ...], storage_options: dict, settings: Mapping[
         why += [f"text: {line}" for line in settings_diff(text_identity(hashed), want_text)]
         if reference:
             why.append("text: this family's text depends on each sample's reference image")
+        if want_text["compact"]:  # quantized again, read-back values would not give a fresh encode's scales
+            why.append("text: --text-dtype fp8 records are encoded, not copied")
         latents = not any(w.startswith("latents:") for w in why)
         texts = not reference and not any(w.startswith("text:") for w in why)
         sources.append(ReuseSource(url, meta, latents, texts, tuple(why)))

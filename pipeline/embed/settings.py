@@ -24,11 +24,14 @@ from pipeline.embed.families import get_family, qwen_image_edit
 # what ``_cache.json`` settings ``masks`` says when the records carry loss masks (SampleRecord.mask)
 MASKS_SETTING = "uint8 0..255 at the latent grid: cropped and flipped like the image, area-averaged"
 
+# what ``_cache.json`` settings ``text.compact`` says of ``embed --text-dtype fp8`` (manifests.cache.compact)
+COMPACT_TEXT = {"fp8": "float8 e4m3 codes, a float32 scale per row (amax / 448), read back as float32"}
+
 # what ``_cache.json`` settings ``video.clips`` says: which clips of a video its record holds
 VIDEO_CLIPS = "up to max_clips of the video's non-overlapping clips, evenly spaced; one variant each (x2 with flip)"
 
-__all__ = ["MASKS_SETTING", "VIDEO_CLIPS", "request_settings", "check_early", "vae_settings", "full_settings",
-           "committed_text",
+__all__ = ["MASKS_SETTING", "VIDEO_CLIPS", "COMPACT_TEXT", "compact_mode", "request_settings", "check_early",
+           "vae_settings", "full_settings", "committed_text",
            "cache_info", "refuse"]
 
 _VAE_KEYS = ("class", "weights_sha256", "factor", "channels", "scaling_factor", "shift_factor")
@@ -38,7 +41,7 @@ _VIDEO_VAE_KEYS = ("latents_mean", "latents_std", "temporal_factor")
 def request_settings(
     latent: LatentSpec, text: TextSpec, *, dtype: str, bucket_spec: dict, crop: str, seed: int, crops: int,
     flip: bool, conditioning: bool = False, masks: bool = False, max_clips: int | None = None,
-    reference: int | None = None,
+    reference: int | None = None, compact: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """The settings known before any model is loaded (checked first, so a mismatch fails fast).
     ``dtype``: the stored dtype (``BF16``, ...); ``conditioning``: the manifest pairs its samples with
@@ -47,7 +50,8 @@ def request_settings(
     is refused); ``masks``: the manifest has loss masks (``scan --masks``); ``max_clips``: a video manifest's
     ``--max-clips`` (None for images: a ``video`` section only in video caches); ``reference``: the area in pixels
     a ``reference`` family resizes its conditioning images to (``--reference-resolution`` squared), which the
-    ``conditioning`` setting names."""
+    ``conditioning`` setting names; ``compact``: ``--text-dtype fp8`` (:data:`COMPACT_TEXT` says what it stores), a
+    ``text.compact`` setting only then."""
     features = latent.features
     return {
         "format_version": CACHE_FORMAT_VERSION,
@@ -62,7 +66,8 @@ def request_settings(
         "model": None if text.model is None else text.model.ident,
         "vae": {"id": latent.source.ident, "subfolder": latent.source.subfolder},
         "text": {"layer": text.layer, "max_text_tokens": text.max_tokens,
-                 "encoders": [{"id": t.ident, "subfolder": t.subfolder} for t in text.sources]},
+                 "encoders": [{"id": t.ident, "subfolder": t.subfolder} for t in text.sources],
+                 **({"compact": COMPACT_TEXT[compact]} if compact else {})},
         # only when used, so that caches made before these options keep their settings (and fingerprint)
         **({"variants": {"crops": crops, "flip": flip}} if crops > 1 or flip else {}),
         **({"conditioning": qwen_image_edit.conditioning_setting(reference) if reference else
@@ -72,6 +77,12 @@ def request_settings(
         **({"video": {"max_clips": max_clips, "clips": VIDEO_CLIPS, "decoder": "pyav"}}
            if max_clips is not None else {}),
     }  # fmt: skip
+
+
+def compact_mode(settings: dict) -> str | None:
+    """``--text-dtype``'s compact mode (``"fp8"``) of requested or hashed ``settings``, None for exact text."""
+    said = settings.get("text", {}).get("compact")
+    return next((mode for mode, text in COMPACT_TEXT.items() if text == said), None) if said else None
 
 
 def check_early(url: str, storage_options: dict, request: dict) -> CacheMeta | None:
@@ -133,6 +144,7 @@ def cache_info(so: dict, settings: dict, vae: dict, text: dict, validation: list
                    **({"normalised": vae["normalised"]} if vae.get("normalised") else {})},
         "text": {"family": text["family"], "pipeline": text["pipeline"], "dtype": settings["dtype"],
                  "layer": text["layer"], "max_tokens": text["max_tokens"], "pooled_dim": text["pooled_dim"],
+                 **({"compact": settings["text"]["compact"]} if settings["text"].get("compact") else {}),
                  "encoders": [{"id": e["id"], "class": e["class"], "hidden_size": e["hidden_size"],
                                "max_length": e["max_length"]} for e in text["encoders"]],
                  "layout": text["layout"],

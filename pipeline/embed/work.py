@@ -34,9 +34,11 @@ from manifests.cache import IndexLookup, KeySet, source_key
 from manifests.cache.records import caption_key
 from manifests.manifest import RowGroup, read_row_group, sample_row_groups
 from manifests.schema import CONDITIONING_COLUMNS, LOCATION_COLUMNS, MASK_COLUMNS
+from manifests.throttles import SPANS, carry_spans, throttle_mark
 
 __all__ = ["MANIFEST_COLUMNS", "PROBE_FILES", "UNIT_PIXEL_BYTES", "GroupWork", "EmbedWork", "find_work",
-           "caption_keys", "flat_captions", "sample_caption_keys", "unit_size", "cut_units"]  # fmt: skip
+           "caption_keys", "flat_captions", "sample_caption_keys", "unit_size", "cut_units", "read_captions",
+           "prompt_rows"]  # fmt: skip
 
 # what a row's freshness, caption and probe need: the source-key columns, the caption and where the image is; its
 # display size (the latent key embed --reuse looks up)
@@ -258,3 +260,28 @@ def cut_units(rows: pa.Table, batch_size: int, shard_records: int, max_clips: in
         size = unit_size(buckets[start].as_py(), batch_size, shard_records, max_clips)
         for at in range(start, end, size):
             yield rows.slice(at, min(size, end - at))
+
+
+def read_captions(batch: pa.Table, manifest: str, storage_options: dict | None) -> pa.Table:
+    """Ray Data ``map_batches`` (batch size 1): a row group's new captions (positions in its
+    :func:`~pipeline.embed.work.flat_captions`) -> ``(caption_key, caption)`` rows, shortest first (so
+    that a text batch pads little)."""
+    tables = []
+    for item in batch.to_pylist():
+        before = throttle_mark()
+        work = GroupWork.from_item(item)
+        captions, _ = flat_captions(read_row_group(manifest, work.group, ["caption", "captions"], storage_options))
+        captions = captions.take(pa.array(work.rows)).fill_null("").cast(pa.string())  # the prompts' type
+        order = np.argsort([len(c) for c in captions.to_pylist()], kind="stable")
+        captions = captions.take(pa.array(order))
+        throttled = pa.array([carry_spans(None, before)] * len(captions), SPANS)
+        tables.append(pa.table({"caption_key": caption_keys(captions), "caption": captions, "throttled": throttled}))
+    return pa.concat_tables(tables)
+
+
+def prompt_rows(prompts: dict[int, str]) -> pa.Table:
+    """The driver's captions (caption key -> text: the empty caption, validation prompts) as rows of
+    :func:`read_captions`' schema, to encode with the manifest's."""
+    return pa.table({"caption_key": pa.array(list(prompts), pa.uint64()),
+                     "caption": pa.array(list(prompts.values()), pa.string()),
+                     "throttled": pa.array([[]] * len(prompts), SPANS)})  # fmt: skip

@@ -11,8 +11,8 @@ Images (one unit = rows of one bucket that become one shard):
   batches, compresses the records, **writes the unit's shard itself** and returns only its index
   rows. Two calls run at once: one compresses and writes while the other has the encoder.
 
-Captions: :func:`read_captions` (CPU task per row group) reads the first row of each caption the
-driver found new; :class:`TextWriter` (encoder actor) encodes a batch of them into one text shard.
+Captions: :func:`~pipeline.embed.work.read_captions` (CPU task per row group) reads the first row of each caption
+the driver found new; :class:`TextWriter` (encoder actor) encodes a batch of them into one text shard.
 
 Every result is one small row: index rows as Arrow IPC bytes, the shard's size, and a JSON
 description of the worker (its encoder's ``describe()``, node, device) that the driver checks and
@@ -58,11 +58,10 @@ from pipeline.embed.imaging import check_source
 from pipeline.embed.masks import variant_masks
 from pipeline.embed.reuse import ReuseTable, check_text_weights, retarget
 from pipeline.embed.samples import sample_record, variant_pixels
-from pipeline.embed.work import MANIFEST_COLUMNS, GroupWork, caption_keys, cut_units, flat_captions, \
-    sample_caption_keys
+from pipeline.embed.work import MANIFEST_COLUMNS, GroupWork, caption_keys, cut_units, sample_caption_keys
 
-__all__ = ["check_source", "describe_encoder", "plan_units", "read_captions", "LatentWriter", "TextWriter", "to_ipc",
-           "from_ipc", "UNIT_ROWS", "VISIBLE_MARKER"]  # fmt: skip
+__all__ = ["check_source", "describe_encoder", "plan_units", "LatentWriter", "TextWriter", "to_ipc", "from_ipc",
+           "UNIT_ROWS", "VISIBLE_MARKER"]  # fmt: skip
 
 # the rows of a unit, as plan_units hands them to prepare_unit (conditioning: relative to its root)
 UNIT_ROWS = pa.schema([("sample_id", pa.uint64()), ("filename", pa.string()), ("caption_key", pa.uint64()),
@@ -125,31 +124,6 @@ def plan_units(batch: pa.Table, manifest: str, storage_options: dict | None, bat
                             "throttled": throttled})
 
 
-def read_captions(batch: pa.Table, manifest: str, storage_options: dict | None) -> pa.Table:
-    """Ray Data ``map_batches`` (batch size 1): a row group's new captions (positions in its
-    :func:`~pipeline.embed.work.flat_captions`) -> ``(caption_key, caption)`` rows, shortest first (so
-    that a text batch pads little)."""
-    tables = []
-    for item in batch.to_pylist():
-        before = throttle_mark()
-        work = GroupWork.from_item(item)
-        captions, _ = flat_captions(read_row_group(manifest, work.group, ["caption", "captions"], storage_options))
-        captions = captions.take(pa.array(work.rows)).fill_null("").cast(pa.string())  # the prompts' type
-        order = np.argsort([len(c) for c in captions.to_pylist()], kind="stable")
-        captions = captions.take(pa.array(order))
-        throttled = pa.array([carry_spans(None, before)] * len(captions), SPANS)
-        tables.append(pa.table({"caption_key": caption_keys(captions), "caption": captions, "throttled": throttled}))
-    return pa.concat_tables(tables)
-
-
-def prompt_rows(prompts: dict[int, str]) -> pa.Table:
-    """The driver's captions (caption key -> text: the empty caption, validation prompts) as rows of
-    :func:`read_captions`' schema, to encode with the manifest's."""
-    return pa.table({"caption_key": pa.array(list(prompts), pa.uint64()),
-                     "caption": pa.array(list(prompts.values()), pa.string()),
-                     "throttled": pa.array([[]] * len(prompts), SPANS)})  # fmt: skip
-
-
 # ---------------------------------------------------------------- encoder actors (Ray Data actor pools)
 
 
@@ -178,8 +152,10 @@ class _EncoderActor:
     that lets one call at a time use the device, and the worker description sent with results."""
 
     def __init__(self, make_encoder: Callable[..., Encoder], dtype: str, cache: str, storage_options: dict | None,
-                 threads: int | None = None, device: str | None = None):
+                 threads: int | None = None, device: str | None = None, compact: str | None = None):
         self.make_encoder, self.dtype, self.threads = make_encoder, dtype, threads
+        # --text-dtype fp8: text kept in float32 until encode_text quantizes it once (manifests.cache.compact)
+        self.compact, self.text_dtype = compact, "F32" if compact else dtype
         self.cache, self.storage_options = cache, storage_options
         self.device = device  # None: a Ray actor, on the GPUs Ray gave it; cuda | cpu: in this process, no Ray
         self.encoder: Encoder | None = None
@@ -225,8 +201,8 @@ class _EncoderActor:
         return encoder
 
     def _text_record(self, key: int, tokens: tuple, pooled: Any) -> TextRecord:
-        return TextRecord(caption_key=key, tokens=tuple(to_storage(t, self.dtype) for t in tokens),
-                          pooled=None if pooled is None else to_storage(pooled, self.dtype), dtype=self.dtype)
+        return TextRecord(caption_key=key, tokens=tuple(to_storage(t, self.text_dtype) for t in tokens),
+                          pooled=None if pooled is None else to_storage(pooled, self.text_dtype), dtype=self.text_dtype)
 
     def _open_out(self) -> None:
         """The cache folder this worker writes its shards to; a local one must be the driver's (its marker seen)."""
@@ -263,8 +239,9 @@ class LatentWriter(_EncoderActor):
     def __init__(self, make_encoder: Callable[..., Encoder], dtype: str, cache: str, storage_options: dict | None,
                  batch_size: int, threads: int | None = None, crops: int = 1, flip: bool = False,
                  make_text: Callable[..., Encoder] | None = None, text_batch_size: int = 128,
-                 device: str | None = None, reference: int | None = None, reuse: ReuseTable | None = None):
-        super().__init__(make_encoder, dtype, cache, storage_options, threads, device)
+                 device: str | None = None, reference: int | None = None, reuse: ReuseTable | None = None,
+                 compact: str | None = None):
+        super().__init__(make_encoder, dtype, cache, storage_options, threads, device, compact)
         self.batch_size, self.crops, self.flips = batch_size, crops, 2 if flip else 1
         self.make_text, self.text_batch_size = make_text, text_batch_size
         self.text_encoder: Encoder | None = None
@@ -339,7 +316,7 @@ class LatentWriter(_EncoderActor):
                 inline = bool(r.get("text_inline"))
                 if inline:
                     record = replace(record, text=texts[r["caption_key"]])
-                shard.append(encode_sample(record, inline_text=inline), sample_id=r["sample_id"],
+                shard.append(encode_sample(record, inline_text=inline, compact=self.compact), sample_id=r["sample_id"],
                              caption_key=r["caption_key"], caption_keys=r["caption_keys"], bucket=item["bucket"],
                              source_key=r["source_key"], text_inline=inline,
                              latent_key=record_latent_key(record))  # fmt: skip
@@ -413,8 +390,9 @@ class TextWriter(_EncoderActor):
     load for the first caption left to encode (until then ``worker`` describes those the taken records came from)."""
 
     def __init__(self, make_encoder: Callable[..., Encoder], dtype: str, cache: str, storage_options: dict | None,
-                 threads: int | None = None, device: str | None = None, reuse: ReuseTable | None = None):
-        super().__init__(make_encoder, dtype, cache, storage_options, threads, device)
+                 threads: int | None = None, device: str | None = None, reuse: ReuseTable | None = None,
+                 compact: str | None = None):
+        super().__init__(make_encoder, dtype, cache, storage_options, threads, device, compact)
         self.reuse = reuse or ReuseTable()
 
     def _reused_worker(self) -> str:  # an actor that has loaded nothing: every caption so far was taken
@@ -442,7 +420,7 @@ class TextWriter(_EncoderActor):
         worker = self.worker or self._reused_worker()
         shard = ShardWriter("texts", max_records=len(keys) + 1, max_bytes=1 << 62)
         for key in keys:
-            shard.append(encode_text(records[key]), caption_key=key)
+            shard.append(encode_text(records[key], compact=self.compact), caption_key=key)
         texts, size = self._result("texts", shard)
         carried = [span for spans in batch.column("throttled").to_pylist() for span in spans] \
             if "throttled" in batch.column_names else []  # fmt: skip
