@@ -194,3 +194,18 @@ def test_a_cache_that_took_records_trains_on_two_processes(datasets, tmp_path):
            out / "rec")  # fmt: skip
     for rank in (0, 1):  # each rank trained exactly its plan's batches, the taken records among them
         assert consumed(out / "rec", rank) == rows(plan, rank)
+
+
+@pytest.mark.s3
+def test_reuse_from_a_cache_on_s3(datasets, s3, tmp_path):
+    """The other cache on an S3-compatible store (R2 as users have it): records taken with ranged reads over HTTP,
+    the credentials nowhere in what the run writes."""
+    remote = s3.fresh_url("ca")
+    s3.fs.put(datasets["ca"] + "/", remote + "/", recursive=True)
+    s3.fs.invalidate_cache()
+    out = str(tmp_path / "cb")
+    result = embed_cache(datasets["mb"], out, reuse=(remote,), storage_options=dict(s3.storage_options),
+                         executor="local")  # fmt: skip
+    assert (result.reused_samples, result.refused) == (SHARED, 0)
+    assert record_bytes(out) == record_bytes(_fresh(datasets, tmp_path))
+    assert "testing-secret-key" not in Path(out, "_cache.json").read_text()
