@@ -435,8 +435,9 @@ def wan_rows(folder: str, clip: tuple[int, int, int], gpu: bool, iters: int) -> 
 
 
 def clip_rows(folder: str, images: Path, gpu: bool, batch: int, iters: int) -> list[Row]:
-    """Images/s of annotate's CLIP embedding (``ImageEmbedder``: the model's image processor on the CPU, then
-    the vision tower and projection) on ``batch`` of the dataset's JPEGs, decoded and downscaled beforehand
+    """Images/s of annotate's CLIP embedding (``ImageEmbedder``: on cuda each image sent as uint8 and resized,
+    cropped and normalised there by ``device_pixels``, on the CPU the model's image processor; then the vision
+    tower and projection) on ``batch`` of the dataset's JPEGs, decoded and downscaled beforehand
     as annotate does (long side 768), against the vision tower alone on processed pixels on the device."""
     import torch
     from PIL import Image
@@ -457,9 +458,10 @@ def clip_rows(folder: str, images: Path, gpu: bool, batch: int, iters: int) -> l
     t_ours = _timed(lambda: ours(pictures), gpu, iters)
     cfg = ours.model.config
     rate, ceiling = batch / t_ours, batch / t_alone
+    how = "pixels prepared on the device" if gpu else "processor on 1 CPU thread"
     return [Row("annotate", f"CLIP vision ({cfg.hidden_size} wide x {cfg.num_hidden_layers}, patch {cfg.patch_size},"
-                f" {cfg.image_size} px) embedding, batch {batch}: ImageEmbedder (processor on 1 CPU thread) vs the "
-                "tower alone", f"{rate:.1f} vs {ceiling:.1f} images/s ({rate / ceiling:.2f}x)",
+                f" {cfg.image_size} px) embedding, batch {batch}: ImageEmbedder ({how}) vs the tower alone",
+                f"{rate:.1f} vs {ceiling:.1f} images/s ({rate / ceiling:.2f}x)",
                 values={"images_per_second": rate, "alone": ceiling})]  # fmt: skip
 
 

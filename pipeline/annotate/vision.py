@@ -33,7 +33,7 @@ from manifests.errors import UsageError
 from pipeline.embed.families.tiny import build_once
 
 __all__ = ["HEAD_TASKS", "VisionSpec", "ImageEmbedder", "describe_vision", "build_default_embedder",
-           "build_default_head", "load_head"]  # fmt: skip
+           "build_default_head", "load_head", "device_pixels"]  # fmt: skip
 
 HEAD_TASKS = ("aesthetic", "safety", "watermark")
 EMBEDDER_VERSION, HEADS_VERSION = "clip-vision-tiny-v1", "heads-v1"
@@ -232,12 +232,50 @@ class ImageEmbedder:
                       for task, source in spec.heads}  # fmt: skip
 
     def __call__(self, images: list):
-        """``(embeddings (n, D) float32 L2-normalised numpy, {task: (n,) float32 scores})``."""
+        """``(embeddings (n, D) float32 L2-normalised numpy, {task: (n,) float32 scores})``. On cuda the images are
+        resized, cropped and normalised there (:func:`device_pixels`), not by the processor on one CPU thread."""
         import torch
 
-        pixels = self.processor(images=images, return_tensors="pt")["pixel_values"]
+        pixels = device_pixels(images, self.processor, self.device) if self.device == "cuda" else None
+        if pixels is None:
+            pixels = self.processor(images=images, return_tensors="pt")["pixel_values"]
         with torch.inference_mode():
             out = self.model(pixel_values=pixels.to(self.device, self.model.dtype)).image_embeds.float()
             emb = torch.nn.functional.normalize(out, dim=-1).cpu()  # (n, D)
             scores = {task: head(emb).numpy().astype("float32") for task, head in self.heads.items()}
         return emb.numpy(), scores
+
+
+def device_pixels(images: list, processor, device: str):
+    """CLIP's preprocessing as ``processor`` sets it (shortest-edge resize, bicubic and antialiased; center crop;
+    rescale; normalise) computed on ``device``: each image travels there as uint8, and the resize, the crop and the
+    arithmetic run there. ``(n, 3, crop_h, crop_w)`` float32, within a few intensity levels of the processor's own
+    (PIL's bicubic and torch's antialiased one differ by about a level: ``tests/test_annotate_device_pixels.py``).
+    None when the processor is not CLIP's kind (another resize rule, no center crop): the caller runs it instead."""
+    import numpy as np
+    import torch
+
+    size, crop = getattr(processor, "size", None), getattr(processor, "crop_size", None)
+    size, crop = (vars(x) if x is not None and not isinstance(x, dict) else x for x in (size, crop))
+    if not (getattr(processor, "do_resize", False) and getattr(processor, "do_center_crop", False) and size
+            and size.get("shortest_edge") and crop and crop.get("height")):  # fmt: skip
+        return None
+    short, (ch, cw) = int(size["shortest_edge"]), (int(crop["height"]), int(crop["width"]))
+    scale = float(processor.rescale_factor) if processor.do_rescale else 1.0
+    mean, std = ((torch.tensor(v if processor.do_normalize else d, dtype=torch.float32, device=device).view(3, 1, 1))
+                 for v, d in ((processor.image_mean, (0.0,) * 3), (processor.image_std, (1.0,) * 3)))  # fmt: skip
+    out = []
+    for image in images:
+        pixels = np.array(image.convert("RGB") if hasattr(image, "convert") else image, np.uint8)  # (H, W, 3) own
+        x = torch.from_numpy(pixels).to(device).permute(2, 0, 1)[None].float()  # (1, 3, H, W): uint8 travels
+        h, w = x.shape[-2:]
+        long = int(short * max(h, w) / min(h, w))  # transformers' get_resize_output_image_size, not square
+        nh, nw = (short, long) if h <= w else (long, short)
+        if (nh, nw) != (h, w):  # rounded to uint8 levels, as the processor's resize returns
+            x = torch.nn.functional.interpolate(x, size=(nh, nw), mode="bicubic", align_corners=False,
+                                                antialias=True).round_().clamp_(0, 255)  # fmt: skip
+        if nh < ch or nw < cw:
+            return None  # the processor pads what is smaller than its crop
+        top, left = (nh - ch) // 2, (nw - cw) // 2
+        out.append((x[..., top : top + ch, left : left + cw] * scale - mean) / std)
+    return torch.cat(out)
