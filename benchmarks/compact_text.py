@@ -1,6 +1,6 @@
 """Compact text records (``encode_text(..., compact="fp8")``): bytes per caption and the denoiser's error.
 
-    python benchmarks/compact_text.py [--caption-tokens 120] [--blocks 1] [--batch 4] [--rounds 1]
+    python benchmarks/compact_text.py [--caption-tokens 120] [--blocks 1] [--batch 4] [--rounds 3]
 
 One run, side by side, saved through :mod:`benchmarks.results` as ``results/compact_text.json``:
 
@@ -439,7 +439,7 @@ def main() -> None:
     parser.add_argument("--caption-tokens", type=int, default=120, help="tokens of a typical caption (bytes table)")
     parser.add_argument("--blocks", type=int, default=1, help="blocks of each kind in the real-width transformers")
     parser.add_argument("--batch", type=int, default=4, help="captions in the real-width denoiser batch (<= 4)")
-    parser.add_argument("--rounds", type=int, default=1, help="rounds (the bytes and errors are the same in each)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds (the bytes and errors are the same in each)")
     parser.add_argument("--skip-real-width", action="store_true", help="leave out the real-width transformers")
     args = parser.parse_args()
     import warnings

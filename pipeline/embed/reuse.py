@@ -240,18 +240,18 @@ def held_latents(table: ReuseTable, rows: list[dict], source: str, storage_optio
     counts. Each image of ``rows`` (manifest rows to embed) is read and hashed, its key looked up as the decode tasks
     look it up (:func:`take_latents`; the record itself is not read)."""
     fs, root = open_url(source, storage_options)
-    found: Counter = Counter()
-    read = 0
+    buckets, keys, read = [], [], 0
     for row, blob in zip(rows, fetch_images(fs, root, rows, image_column=image_column)):
         if isinstance(blob, BaseException) or not blob:
             continue
         read += len(blob)
         if row.get("mask") or row.get("conditioning") or not row.get("width") or not row.get("height"):
             continue
-        key = expected_latent_key(content_hash(blob), row["bucket"], row["height"], row["width"], row["sample_id"],
-                                  crop=crop, seed=seed, crops=crops, flip=flip)  # fmt: skip
-        found[row["bucket"]] += int(table.has_latents(np.array([key], np.uint64))[0])
-    return found, read
+        buckets.append(row["bucket"])
+        keys.append(expected_latent_key(content_hash(blob), row["bucket"], row["height"], row["width"],
+                                        row["sample_id"], crop=crop, seed=seed, crops=crops, flip=flip))  # fmt: skip
+    held = table.has_latents(np.array(keys, np.uint64))  # one lookup for the rows
+    return Counter(b for b, h in zip(buckets, held) if h), read
 
 
 def retarget(data: bytes, row: dict) -> SampleRecord:

@@ -393,14 +393,23 @@ class TextWriter(_EncoderActor):
                  threads: int | None = None, device: str | None = None, reuse: ReuseTable | None = None,
                  compact: str | None = None):
         super().__init__(make_encoder, dtype, cache, storage_options, threads, device, compact)
-        self.reuse = reuse or ReuseTable()
+        self.reuse, self.reused_worker = reuse or ReuseTable(), ""
+
+    def _build(self) -> Encoder:
+        encoder = super()._build()
+        if self.reuse.texts:  # text taken from another cache and text encoded here: the same encoders, checked once
+            check_text_weights(self.reuse.text_described, encoder.describe())
+        return encoder
 
     def _reused_worker(self) -> str:  # an actor that has loaded nothing: every caption so far was taken
+        if self.reused_worker:
+            return self.reused_worker
         gpus, node = self._where()
         self._open_out()
-        return json.dumps({"encoder": self.reuse.text_described, "host": socket.gethostname(), "gpus": gpus,
-                           "node": node, "device": "cuda" if gpus else "cpu", "notice": None, "reused": True},
-                          sort_keys=True)  # fmt: skip
+        self.reused_worker = json.dumps({"encoder": self.reuse.text_described, "host": socket.gethostname(),
+                                         "gpus": gpus, "node": node, "device": "cuda" if gpus else "cpu",
+                                         "notice": None, "reused": True}, sort_keys=True)  # fmt: skip
+        return self.reused_worker
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         before = throttle_mark()
@@ -410,8 +419,6 @@ class TextWriter(_EncoderActor):
         todo = [i for i, key in enumerate(keys) if key not in records]
         if todo:
             encoder = self._load()
-            if self.reuse.texts:  # text taken from another cache and text encoded here: the same encoders
-                check_text_weights(self.reuse.text_described, encoder.describe())
             captions = batch.column("caption").to_pylist()
             with self.lock:
                 encoded = encoder.encode([captions[i] for i in todo])
