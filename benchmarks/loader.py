@@ -255,19 +255,28 @@ class Consumer:
 
 
 def _ours_loader(root: str, setting: dict, storage_options: dict | None):
-    """``(reader, BatchLoader)`` of ours' plan with the trainer's defaults but ``setting``'s read threads or
-    read processes."""
+    """``(reader, BatchLoader)`` of ours' plan with the trainer's defaults (``{"defaults": True}``: its
+    ``read_processes: auto`` resolved as the trainer resolves it for one rank on this machine) or with ``setting``'s
+    read threads or read processes."""
     from manifests.cache import CacheReader
+    from manifests.storage import is_local
     from train.config import TrainConfig
     from train.data import BatchLoader, rank_steps
+    from train.data.processes import choose_readers
 
     knobs = ("read_threads", "prefetch", "read_processes")
-    cfg = replace(TrainConfig(), **{k: v for k, v in setting.items() if k in knobs})
+    cfg = replace(TrainConfig(), **{"read_processes": 0, **{k: v for k, v in setting.items() if k in knobs}})
+    if setting.get("defaults"):
+        cfg = TrainConfig()
     reader = CacheReader(f"{root}/cache", storage_options)
+    processes, why = choose_readers(cfg.read_processes, local=is_local(reader.fs), cores=len(os.sched_getaffinity(0)),
+                                    ranks=1)  # fmt: skip
+    if setting.get("defaults"):
+        print(f"ours with the trainer's defaults: {why}", file=sys.stderr, flush=True)
     steps = rank_steps(f"{root}/{ours_plan(SHUFFLE)}", 0, storage_options)
     return reader, BatchLoader(reader, steps, reader.meta.latent, prefetch=cfg.prefetch, read_threads=cfg.read_threads,
                                widen=cfg.loader_float32, read_ahead_mb=cfg.read_ahead_mb,
-                               read_processes=cfg.read_processes)  # fmt: skip
+                               read_processes=processes)  # fmt: skip
 
 
 def read_ours(root: str, setting: dict, storage_options: dict | None, step: Consumer) -> int:
@@ -390,9 +399,11 @@ def sweep(tool: str, workers: list[int], compressions: list[str], read_threads: 
     """The settings of ``tool`` that a run measures: each peer's worker counts in its native tensor
     encoding uncompressed, then each other compression and its other encoding at the most workers
     swept (a run on the shared 2-core machine cannot afford the full grid); ours' read threads
-    (with the trainer's prefetch), then ``processes`` read processes (``read_processes``)."""
+    (with the trainer's prefetch), then ``processes`` read processes (``read_processes``), then the trainer's
+    defaults (``read_processes: auto``: what a user who sets nothing gets)."""
     if tool == "ours":
-        return [{"read_threads": t} for t in read_threads] + [{"read_processes": k} for k in processes if k]
+        return ([{"read_threads": t} for t in read_threads] + [{"read_processes": k} for k in processes if k]
+                + [{"defaults": True}])  # fmt: skip
     native, other = {"litdata": ("tensor", "numpy"), "mosaic": ("ndarray", "bytes")}[tool]
     most = max(workers)
     return ([{"encoding": native, "compression": compressions[0], "workers": w} for w in workers]
@@ -401,7 +412,9 @@ def sweep(tool: str, workers: list[int], compressions: list[str], read_threads: 
 
 
 def label(setting: dict) -> str:
-    """A setting as the tables name it: ``tensor zstd 4w``, ``2 threads``."""
+    """A setting as the tables name it: ``tensor zstd 4w``, ``2 threads``, ``defaults``."""
+    if setting.get("defaults"):
+        return "defaults"
     if setting.get("read_processes"):
         return f"{setting['read_processes']} read processes"
     if "read_threads" in setting:
@@ -693,6 +706,10 @@ def record(run, rounds: list[dict], settings: dict[str, list[dict]], stores: lis
                 for peer in (t for t in tools if t != "ours" and "ours" in tools):
                     run.add(f"{store}: ours / {peer}, samples/s", at["ours"]["rate"] / at[peer]["rate"], "x",
                             target=">= 1.2", note="each at its best")  # fmt: skip
+                    if "defaults" in r["figures"][store]["ours"]:  # what a user who sets nothing gets
+                        ours = r["figures"][store]["ours"]["defaults"]["rate"]
+                        run.add(f"{store}: ours with the trainer's defaults / {peer} at its best, samples/s",
+                                ours / at[peer]["rate"], "x", target=">= 1.2")  # fmt: skip
                 cpu = {t: at[t]["cpu_ms"] + at[t]["server_ms"] for t in tools}  # local: no server, 0
                 for tool in tools:
                     what = "reader + moto server CPU-ms/sample" if store == "s3" else "CPU-ms/sample"

@@ -15,9 +15,9 @@ def test_the_sweep_covers_worker_counts_then_compression_and_the_other_encoding_
     mds = [loader.label(s) for s in loader.sweep("mosaic", [1, 2], ["none"], [1])]
     assert mds == ["ndarray none 1w", "ndarray none 2w", "bytes none 2w"]
     assert [loader.label(s) for s in loader.sweep("ours", [4], ["none"], [1, 2])] == ["1 read threads",
-                                                                                     "2 read threads"]
+                                                                                     "2 read threads", "defaults"]
     ours = loader.sweep("ours", [4], ["none"], [2], processes=[2, 4])
-    assert [loader.label(s) for s in ours] == ["2 read threads", "2 read processes", "4 read processes"]
+    assert [loader.label(s) for s in ours] == ["2 read threads", "2 read processes", "4 read processes", "defaults"]
     assert ours[1] == {"read_processes": 2}  # the trainer's config key, passed to its BatchLoader as it is
     setting = {"encoding": "tensor", "compression": "zstd", "workers": 4}
     assert loader.dataset("litdata", setting) == "litdata-tensor-zstd"

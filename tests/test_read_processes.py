@@ -92,3 +92,26 @@ def test_a_killed_read_process_stops_the_run_with_its_name_instead_of_hanging(tr
             pass
     assert time.monotonic() - t < 30 and loader._pool.procs == []
     assert set(os.listdir("/dev/shm")) <= segments  # the dead one's slots unlinked for it, the other's by itself
+
+
+def test_auto_reads_a_local_cache_in_processes_with_two_cores_per_rank_and_object_storage_on_threads(tmp_path):
+    from train.config import TrainConfig, load_config
+    from train.data.processes import AUTO_PROCESSES, choose_readers
+
+    assert TrainConfig().read_processes == "auto"  # what a user who sets nothing gets
+    assert choose_readers("auto", local=True, cores=2, ranks=1)[0] == AUTO_PROCESSES == 2
+    assert choose_readers("auto", local=True, cores=16, ranks=8)[0] == 2
+    processes, why = choose_readers("auto", local=True, cores=8, ranks=8)  # 1 core per rank: threads
+    assert processes == 0 and "fewer than 2 cores per rank" in why and "8 cores for 8 ranks" in why
+    processes, why = choose_readers("auto", local=False, cores=64, ranks=1)
+    assert processes == 0 and "object storage" in why
+    assert choose_readers(0, local=True, cores=64, ranks=1) == (0, "read_processes: 0 (config)")
+    assert choose_readers(3, local=False, cores=1, ranks=1)[0] == 3  # a number is taken as it is
+    for value, ok in (("auto", True), (0, True), (4, True), (-1, False), ("two", False), (True, False), (1.5, False)):
+        cfg = tmp_path / "c.yaml"
+        cfg.write_text(f"read_processes: {str(value).lower() if isinstance(value, bool) else value}\n")
+        if ok:
+            assert load_config(cfg).read_processes == value
+        else:
+            with pytest.raises(UsageError, match="read_processes must be auto or a number >= 0"):
+                load_config(cfg)

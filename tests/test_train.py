@@ -167,6 +167,7 @@ def test_a_corrupt_record_stops_the_run_or_is_skipped_when_asked(run, cli, train
     captured = capsys.readouterr()
     assert f"skipping bad record (--skip-bad-records): sample {bad}" in captured.err
     assert "1 bad records skipped" in captured.out
+    assert "loader: read_processes: auto -> " in captured.out  # the default, and what it chose, in the log
     step1 = records(tmp_path / "rec")[1]
     assert step1["skipped"] == [bad] and bad not in step1["sample_ids"] and len(step1["sample_ids"]) == 3
 

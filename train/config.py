@@ -66,9 +66,9 @@ class TrainConfig:
     prefetch: int = 4  # batches read ahead of the model
     read_threads: int = 2  # of those, batches being read at once (concurrent ranged reads + decode)
     # > 0: read and decode in this many processes (forked from a fork server) instead of read_threads threads,
-    # out of the training step's GIL (batches come back through shared memory, one copy); worth it when the
-    # step's Python is busy
-    read_processes: int = 0
+    # out of the training step's GIL (batches come back through shared memory, one copy); 0: threads; auto: 2
+    # processes for a cache on a local disk with >= 2 cores per rank, else threads (the log says which)
+    read_processes: int | str = "auto"
     # records read ahead of the model, per rank, in MB: the loader reads groups of steps at once so that ranges
     # close in a shard merge into one request across steps (at least `prefetch` steps ahead whatever the budget)
     read_ahead_mb: float = 256
@@ -118,7 +118,8 @@ class TrainConfig:
             (self.log_every >= 1, "log_every must be >= 1"),
             (self.prefetch >= 1, "prefetch must be >= 1"),
             (1 <= self.read_threads <= self.prefetch, "read_threads must be between 1 and prefetch"),
-            (self.read_processes >= 0, "read_processes must be >= 0 (0: read on read_threads threads)"),
+            (self.read_processes == "auto" or (type(self.read_processes) is int and self.read_processes >= 0),
+             "read_processes must be auto or a number >= 0 (0: read on read_threads threads)"),
             (self.read_ahead_mb >= 0, "read_ahead_mb must be >= 0 (0: read prefetch steps ahead)"),
             (self.max_grad_norm > 0, "max_grad_norm must be > 0"),
             (len(self.adam_betas) == 2, "adam_betas must be two numbers, e.g. [0.9, 0.999]"),
@@ -186,6 +187,10 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> TrainConfig
             except UsageError as e:
                 raise UsageError(f"{path}: {e}") from None
             continue
+        if name == "read_processes":  # auto | a number >= 0
+            if value == "auto" or (type(value) is int and value >= 0):
+                continue
+            raise UsageError(f"config {path}: read_processes must be auto or a number >= 0, got {value!r}")
         want = OPTIONAL.get(name) or type(getattr(defaults, name))
         if value is None and name in OPTIONAL:  # written out as null: the default
             continue

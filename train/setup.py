@@ -165,7 +165,9 @@ def setup_data(job: TrainJob, launch: Launch, position: Position) -> Data:
     import torch
 
     from manifests.cache import CacheReader
+    from manifests.storage import is_local
     from train.data import BatchLoader, rank_steps
+    from train.data.processes import choose_readers
 
     accelerator, cursor, cfg, output = launch.accelerator, position.cursor, launch.cfg, launch.output
     caches = list(job.caches)
@@ -191,13 +193,17 @@ def setup_data(job: TrainJob, launch: Launch, position: Position) -> Data:
     counts = accelerator.gather(torch.tensor([len(steps)], device=accelerator.device)).tolist()
     if len(set(counts)) != 1:  # a plan invariant; checked because a violation would hang DDP
         raise UsageError(f"ranks have different step counts {counts}: run `bucketeer plan --check`")
+    processes, why = choose_readers(cfg.read_processes, local=all(is_local(r.fs) for r in readers),
+                                    cores=len(os.sched_getaffinity(0)),
+                                    ranks=int(os.environ.get("LOCAL_WORLD_SIZE") or accelerator.num_processes))
+    accelerator.print(f"loader: {why}")
     loader = BatchLoader(readers, steps, reader.meta.latent, rank=accelerator.process_index,
                          prefetch=cfg.prefetch, read_threads=cfg.read_threads,
                          skip_bad_records=job.skip_bad_records, pin_memory=accelerator.device.type == "cuda",
                          log=lambda line: print(redact(line), file=sys.stderr, flush=True),
                          caption_dropout=cfg.caption_dropout, seed=cfg.seed,
                          posterior_sampling=cfg.posterior_sampling, widen=cfg.loader_float32,
-                         read_ahead_mb=cfg.read_ahead_mb, read_processes=cfg.read_processes)  # fmt: skip
+                         read_ahead_mb=cfg.read_ahead_mb, read_processes=processes)  # fmt: skip
     return Data(reader, steps, loader, reader.meta.family or "generic")
 
 

@@ -34,8 +34,9 @@ import torch
 from manifests.errors import UsageError
 from train.data.batch import TENSORS, Batch
 
-__all__ = ["ProcessReads", "SLOTS"]
+__all__ = ["ProcessReads", "SLOTS", "choose_readers", "AUTO_PROCESSES"]
 
+AUTO_PROCESSES = 2  # read processes ``read_processes: auto`` starts where it picks processes
 SLOTS = 2  # shared-memory batch slots per worker process: one being filled while the other is copied out
 ALIGN = 64  # tensor offsets in a slot (bytes)
 
@@ -175,6 +176,24 @@ def _context() -> Any:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([__name__])
     return ctx
+
+
+def choose_readers(setting: int | str, *, local: bool, cores: int, ranks: int) -> tuple[int, str]:
+    """``(read processes, why)`` of the config's ``read_processes``: a number is taken as it is; ``auto`` picks
+    :data:`AUTO_PROCESSES` processes for a cache on a local disk when this node has at least 2 cores per rank
+    (reading and decoding then run beside the step's Python instead of taking turns with it for one GIL:
+    ``benchmarks/loader.py``'s local table), and threads (0) otherwise: a cache on object storage (its reads wait on
+    the network, which threads overlap as well; processes were not measured there) or too few cores (a process per
+    reader would only add copies)."""
+    if setting != "auto":
+        return int(setting), f"read_processes: {setting} (config)"
+    per_rank = cores // max(ranks, 1)
+    where = f"{cores} cores for {ranks} rank{'s' if ranks != 1 else ''} on this node"
+    if not local:
+        return 0, f"read_processes: auto -> threads (the cache is on object storage; {where})"
+    if per_rank < 2:
+        return 0, f"read_processes: auto -> threads ({where}: fewer than 2 cores per rank)"
+    return AUTO_PROCESSES, f"read_processes: auto -> {AUTO_PROCESSES} processes (a local cache; {where})"
 
 
 class ProcessReads:
