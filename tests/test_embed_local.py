@@ -73,3 +73,32 @@ def test_local_runs_where_ray_polars_and_s3fs_are_absent(tmp_path):
     assert "in this process (no Ray)" in proc.stdout and "5 embedded, 0 error rows" in proc.stdout
     meta = json.loads((tmp_path / "cache" / "_cache.json").read_text())
     assert meta["counts"]["samples"] == 5
+
+
+def test_encoder_calls_overlap_two_at_a_time_and_their_results_keep_the_units_order():
+    """As Ray's two concurrent calls per encoder actor: while one call holds the device (the lock), the other
+    compresses and writes; a slow first call does not reorder the results, and an error comes in its turn."""
+    import threading
+    import time
+
+    from pipeline.embed.local import CALLS, in_order
+
+    assert CALLS == 2
+    device, spans, seen = threading.Lock(), {}, []
+
+    def call(i: int) -> int:
+        start = time.monotonic()
+        with device:  # the forward pass: one at a time
+            time.sleep(0.01)
+        time.sleep(0.2 if i == 0 else 0.05)  # compression and the shard write: outside the lock
+        spans[i] = (start, time.monotonic())
+        if i == 4:
+            raise OSError("storage refused shard 4")
+        return i
+
+    with pytest.raises(OSError, match="shard 4"):
+        for got in in_order(call, iter(range(8))):
+            seen.append(got)
+    assert seen == [0, 1, 2, 3]  # in order though 1 finished before 0; the error after the results before it
+    assert spans[1][0] < spans[0][1]  # call 1 ran while call 0 compressed
+    assert 7 not in spans  # the calls after the error were not started

@@ -8,12 +8,15 @@ here), so the shards, index rows and ``_cache.json`` are what a Ray run of the s
     captions: row groups -read_captions-> (key, caption) -TextWriter, text_batch_size at a time-> text index rows
     images:   row groups -plan_units-> units -prepare_unit (decode threads)-> pixels -LatentWriter-> index rows
 
-Decoding a unit (fetch, decode, resize, crop) runs on a thread pool ahead of the encoder: Pillow's decode
-and resize and the storage reads release the GIL, so ``decode_threads`` units decode while the encoder,
-in this thread, encodes, compresses and writes the one before. At most ``2 x decode_threads`` units are
-decoded ahead (each ~128 MB of pixels at most, :data:`~pipeline.embed.work.UNIT_PIXEL_BYTES`): a slow
-encoder never lets pixels pile up. What Ray adds and this does not: several GPUs or nodes, restarts of a
-failed worker (here a failure stops the job; a rerun resumes from the last commit, as after a kill).
+Decoding a unit (fetch, decode, resize, crop) runs on a thread pool ahead of the encoder: Pillow's decode and
+resize and the storage reads release the GIL, so ``decode_threads`` units decode while the encoder encodes,
+compresses and writes the one before. The encoder is called on :data:`CALLS` threads, as Ray gives an encoder
+actor two concurrent calls: its lock lets one forward pass run at a time, so one call compresses (gzip of its
+latent and text records, GIL released) and writes its shard while the other holds the device, which then never
+waits for a record's compression; results come back in the order of their units. At most ``2 x decode_threads``
+units are decoded ahead (each ~128 MB of pixels at most, :data:`~pipeline.embed.work.UNIT_PIXEL_BYTES`): a slow
+encoder never lets pixels pile up. What Ray adds and this does not: several GPUs or nodes, restarts of a failed
+worker (here a failure stops the job; a rerun resumes from the last commit, as after a kill).
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ from pipeline.embed.reuse import ReuseTable
 from pipeline.embed.work import prompt_rows, read_captions
 from pipeline.embed.workers import LatentWriter, TextWriter, plan_units
 
-__all__ = ["local_placement", "caption_results", "image_results"]
+__all__ = ["local_placement", "caption_results", "image_results", "CALLS"]
+
+CALLS = 2  # encoder calls in flight, as Ray's max_concurrent_calls_per_actor (pipeline.embed.dataflow)
 
 
 def local_placement(device: str, threads: int | None) -> Placement:
@@ -63,8 +68,9 @@ def caption_results(work: EmbedWork, prompts: dict[int, str], manifest: str, sto
     captions = pa.concat_tables(tables)
     writer = TextWriter(make_text, dtype, out, storage_options, placement.threads, device=placement.device,
                         reuse=reuse, compact=compact)  # fmt: skip
-    for start in range(0, captions.num_rows, text_batch_size):
-        yield from writer(captions.slice(start, text_batch_size)).to_pylist()
+    batches = (captions.slice(start, text_batch_size) for start in range(0, captions.num_rows, text_batch_size))
+    for table in in_order(writer, batches):
+        yield from table.to_pylist()
     del writer  # the text encoders leave the device to the VAE, as a Ray text actor does when it ends
     _free_device()
 
@@ -95,19 +101,40 @@ def image_results(work: EmbedWork, manifest: str, source: str, storage_options: 
     ahead = 2 * placement.decode_threads
     with ThreadPoolExecutor(placement.decode_threads, thread_name_prefix="bucketeer-decode") as pool:
         pending: deque[Future] = deque()
-        queued = units()
-        try:
-            for unit in queued:
-                pending.append(pool.submit(prepare_unit, unit, **prepare))
-                if len(pending) >= ahead:
-                    yield from writer(pending.popleft().result()).to_pylist()
-            while pending:
-                yield from writer(pending.popleft().result()).to_pylist()
-        finally:  # stopped early (an error, a kill): decoded units not yet encoded are dropped, unwritten
-            for future in pending:
-                future.cancel()
+
+        def decoded() -> Iterator[pa.Table]:
+            try:
+                for unit in units():
+                    pending.append(pool.submit(prepare_unit, unit, **prepare))
+                    if len(pending) >= ahead:
+                        yield pending.popleft().result()
+                while pending:
+                    yield pending.popleft().result()
+            finally:  # stopped early (an error, a kill): decoded units not yet encoded are dropped, unwritten
+                for future in pending:
+                    future.cancel()
+
+        for table in in_order(writer, decoded()):
+            yield from table.to_pylist()
     del writer
     _free_device()
+
+
+def in_order(call: Callable[[Any], Any], items: Iterator[Any], calls: int = CALLS) -> Iterator[Any]:
+    """``call(item)`` of each item, ``calls`` of them in flight on threads, the results in the items' order. An
+    error is raised in its turn, after the results before it; the calls not started then are dropped."""
+    with ThreadPoolExecutor(calls, thread_name_prefix="bucketeer-encode") as pool:
+        running: deque[Future] = deque()
+        try:
+            for item in items:
+                running.append(pool.submit(call, item))
+                if len(running) >= calls:
+                    yield running.popleft().result()
+            while running:
+                yield running.popleft().result()
+        finally:
+            for future in running:
+                future.cancel()
 
 
 def _free_device() -> None:
