@@ -22,8 +22,8 @@ from pathlib import Path
 from manifests.plan import PlanMeta
 from manifests.errors import UsageError
 
-__all__ = ["plan_grad_accum", "plan_micro_batch", "check_backend", "prepare_fsdp_wrap", "configure_deepspeed",
-           "is_sharded", "save_model"]
+__all__ = ["choose_attention", "plan_grad_accum", "plan_micro_batch", "check_backend", "prepare_fsdp_wrap",
+           "configure_deepspeed", "is_sharded", "save_model"]
 
 ACCUM_ENV = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"  # set by `accelerate launch` from a deepspeed_config
 
@@ -48,6 +48,29 @@ def plan_grad_accum(plan_meta: PlanMeta, config_value: int | None, plan_name: st
 def plan_micro_batch(plan_meta: PlanMeta) -> int:
     """Samples per rank per step: the plan's batch size (packing mode: the largest bucket batch)."""
     return max(b.batch_size for b in plan_meta.buckets.values())
+
+
+def choose_attention(setting: str, capability: tuple[int, int] | None, torch_version: str) -> tuple[bool | None, str]:
+    """``(allow cuDNN attention, why)`` of the config's ``cudnn_attention`` on a device of compute ``capability``
+    (None: no CUDA; then nothing to choose, ``(None, "")``). ``auto`` turns it off where torch prefers it (2.10 and
+    newer on sm90 and sm100, with the cuDNN its wheels bundle): the Flux-width trainer failed there twice
+    (``CUBLAS_STATUS_EXECUTION_FAILED``, then an illegal memory access) and the lead is cuDNN's attention backward,
+    which since cuDNN 9.5 takes a gradient whose strides differ from the output's as it is, and Flux's
+    single-stream blocks hand it one with a row stride of 5 x the width where the double-stream blocks' is 1 x
+    (``tests/test_train_attention.py``). Unconfirmed on a GPU; with it off torch runs flash attention, the
+    backend it chose before 2.10. ``on`` leaves torch's choice; ``off`` turns it off everywhere."""
+    if capability is None:
+        return None, ""
+    if setting == "on":
+        return True, "attention: torch's choice of SDPA backend (cudnn_attention: on)"
+    if setting == "off":
+        return False, "attention: cuDNN SDPA off (cudnn_attention: off); flash or memory-efficient attention"
+    major, minor = (int(x) for x in torch_version.split("+")[0].split(".")[:2])
+    if (major, minor) >= (2, 10) and capability[0] in (9, 10):
+        return False, (f"attention: cuDNN SDPA off (cudnn_attention: auto: torch {torch_version} prefers it on "
+                       f"sm{capability[0]}{capability[1]}, where the Flux-width trainer failed with an illegal "
+                       "memory access, cause unconfirmed; flash attention instead; cudnn_attention: on allows it)")
+    return None, f"attention: torch's choice of SDPA backend (sm{capability[0]}{capability[1]}, torch {torch_version})"
 
 
 def check_backend(accelerator) -> None:

@@ -75,6 +75,9 @@ class TrainConfig:
     # widen latents and text to float32 (and scale the latents) on the CPU in the loader; false: hand the
     # stored bf16 to the device and widen there (half the bytes to copy, no loader CPU; the same values)
     loader_float32: bool = False
+    # cuDNN's attention on CUDA: auto (off where torch >= 2.10 prefers it, sm90/sm100: train.backends.choose_attention)
+    # | on (torch's choice) | off
+    cudnn_attention: str = "auto"
     model: dict[str, Any] = field(default_factory=dict)
     # what is trained (train/recipes/): the family's recipe and where its weights start
     family: str | None = None  # the cache's family; set, it must agree (a check that the right cache is passed)
@@ -117,6 +120,7 @@ class TrainConfig:
             (self.keep_checkpoints >= 1, "keep_checkpoints must be >= 1"),
             (self.log_every >= 1, "log_every must be >= 1"),
             (self.prefetch >= 1, "prefetch must be >= 1"),
+            (self.cudnn_attention in ("auto", "on", "off"), "cudnn_attention must be auto, on or off"),
             (1 <= self.read_threads <= self.prefetch, "read_threads must be between 1 and prefetch"),
             (self.read_processes == "auto" or (type(self.read_processes) is int and self.read_processes >= 0),
              "read_processes must be auto or a number >= 0 (0: read on read_threads threads)"),
@@ -187,6 +191,8 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> TrainConfig
             except UsageError as e:
                 raise UsageError(f"{path}: {e}") from None
             continue
+        if name == "cudnn_attention" and isinstance(value, bool):  # YAML 1.1 reads on/off as booleans
+            value = data[name] = "on" if value else "off"
         if name == "read_processes":  # auto | a number >= 0
             if value == "auto" or (type(value) is int and value >= 0):
                 continue

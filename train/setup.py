@@ -117,6 +117,7 @@ def setup_launch(job: TrainJob) -> Launch:
         project_dir=str(output.local("logs")),
     )
     check_backend(accelerator)
+    _choose_attention(accelerator, cfg.cudnn_attention)
     if cfg.expert == "both" and accelerator.distributed_type.name in ("FSDP", "DEEPSPEED"):
         raise UsageError(f"config expert: both runs under DDP only ({accelerator.distributed_type.value} here shards "
                          "a model whose steps leave half of it unused): use a DDP accelerate config, or train each "
@@ -130,6 +131,21 @@ def setup_launch(job: TrainJob) -> Launch:
                           "checkpoint only between optimizer steps)")  # fmt: skip
     epochs = root_meta.inputs.epochs
     return Launch(accelerator, cfg, output, root_url, root_meta, grad_accum, max_steps, epochs)
+
+
+def _choose_attention(accelerator: Any, setting: str) -> None:
+    """Apply :func:`train.backends.choose_attention` on a CUDA device, and say what it chose."""
+    import torch
+
+    from train.backends import choose_attention
+
+    cuda = accelerator.device.type == "cuda"
+    allow, why = choose_attention(setting, torch.cuda.get_device_capability(accelerator.device) if cuda else None,
+                                  torch.__version__)  # fmt: skip
+    if allow is not None:
+        torch.backends.cuda.enable_cudnn_sdp(allow)
+    if why:
+        accelerator.print(why)
 
 
 def setup_position(job: TrainJob, launch: Launch) -> Position:
