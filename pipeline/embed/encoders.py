@@ -32,6 +32,7 @@ import numpy as np
 from manifests.errors import UsageError
 from pipeline.embed import memory
 from pipeline.embed.families import Family, TextModel, family_of_pipeline, get_family
+from pipeline.embed.families.base import PAD_STEP
 from pipeline.embed.families.tiny import DEFAULT_NOTICE
 from pipeline.embed.latents import LatentSpec
 from pipeline.embed.loading import DEFAULT_ID, LATENTS, EncoderSource, check_local, device_and_dtype, weights_sha256
@@ -309,12 +310,46 @@ class TextEncoders:
 
         if not self.layout.masked:
             return [tuple(self.layout.lengths)] * len(captions)
+        if self.family.count_tokens is not None and images is None:  # the tokenizer's counts: no model run
+            return [(n,) for n in self.family.count_tokens(self.models, list(captions), self.options)]
         with torch.inference_mode():
             extra = {} if images is None else {"images": images}
             prompt = self.family.encode(self.models, list(captions), self.options, **extra)
         counts = [r.tolist() for r in prompt.rows] if prompt.rows is not None else \
             [[p.shape[1]] * len(captions) for p in prompt.parts]  # fmt: skip
         return [tuple(int(c[i]) for c in counts) for i in range(len(captions))]
+
+    def _by_length(self, captions: list[str]) -> list[tuple[tuple[Any, ...], Any]]:
+        """:meth:`encode` of ``captions`` grouped by padded length: a caption's tokens rounded up to a multiple of
+        :data:`~pipeline.embed.families.base.PAD_STEP` (at most ``max_tokens``), each group padded to its length
+        instead of ``max_tokens``, so the padding the pipeline computes and drops is not computed. The same rows up
+        to float rounding: the family's encoder does not see past a caption's mask (``count_tokens``), but its
+        attention sums over another padded length (on the CPU: equal, or 1 ulp of float32 apart). A caption's group
+        is a function of its own length, whatever the captions beside it."""
+        limit = int(self.options.max_tokens)
+        counts = self.family.count_tokens(self.models, list(captions), self.options)
+        lengths = [min(limit, -(-max(n, 1) // PAD_STEP) * PAD_STEP) for n in counts]
+        out: list[Any] = [None] * len(captions)
+        for length in sorted(set(lengths)):
+            group = [i for i, n in enumerate(lengths) if n == length]
+            options = self.options if length == limit else replace(self.options, max_tokens=length)
+            for i, got in zip(group, self._plain([captions[i] for i in group], options)):
+                out[i] = got
+        return out
+
+    def _plain(self, captions: list[str], options: Any,
+               images: list[np.ndarray] | None = None) -> list[tuple[tuple[Any, ...], Any]]:  # fmt: skip
+        """One batch through the family's encode, padded as ``options`` say: per caption ``(tokens, pooled)``."""
+        import torch
+
+        with torch.inference_mode():
+            extra = {} if images is None else {"images": images}
+            prompt = self.family.encode(self.models, list(captions), options, **extra)
+            parts = [p.float().cpu() for p in prompt.parts]  # (B, L_i, D_i) each
+            rows = None if prompt.rows is None else [r.cpu().tolist() for r in prompt.rows]
+            pooled = None if prompt.pooled is None else prompt.pooled.float().cpu()  # (B, P)
+        return [(tuple(p[j] if rows is None else p[j, : int(rows[i][j])] for i, p in enumerate(parts)),
+                 None if pooled is None else pooled[j]) for j in range(len(captions))]  # fmt: skip
 
     def _max_tokens(self, asked: int | None) -> int | None:
         default = self.family.max_text_tokens(self.pipeline)
@@ -331,17 +366,11 @@ class TextEncoders:
                 "max_tokens": self.options.max_tokens, "layer": self.options.layer}  # fmt: skip
 
     def encode(self, captions: list[str], images: list[np.ndarray] | None = None) -> list[tuple[tuple[Any, ...], Any]]:
-        """``images``: a ``reference`` family's reference image per caption (``(h, w, 3)`` uint8)."""
-        import torch
+        """``images``: a ``reference`` family's reference image per caption (``(h, w, 3)`` uint8). On a GPU, a family
+        with ``count_tokens`` is encoded in groups by length (:meth:`_by_length`); on the CPU every batch is padded
+        as the pipeline pads it, so that the records equal its ``encode_prompt`` bit for bit (a group's shorter
+        padding can move a long caption's rows by an ulp of float32: another summation order in attention)."""
 
-        with torch.inference_mode():
-            extra = {} if images is None else {"images": images}
-            prompt = self.family.encode(self.models, list(captions), self.options, **extra)
-            parts = [p.float().cpu() for p in prompt.parts]  # (B, L_i, D_i) each
-            rows = None if prompt.rows is None else [r.cpu().tolist() for r in prompt.rows]
-            pooled = None if prompt.pooled is None else prompt.pooled.float().cpu()  # (B, P)
-        out = []
-        for j in range(len(captions)):
-            tokens = tuple(p[j] if rows is None else p[j, : int(rows[i][j])] for i, p in enumerate(parts))
-            out.append((tokens, None if pooled is None else pooled[j]))
-        return out
+        if self.family.count_tokens is not None and images is None and len(captions) > 1 and self.device.type == "cuda":
+            return self._by_length(captions)
+        return self._plain(captions, self.options, images)

@@ -14,7 +14,16 @@ from typing import Any, Callable, Protocol
 
 from manifests.cache.text_layout import TextLayout
 
-__all__ = ["Family", "PromptParts", "TextModel", "TextOptions"]
+__all__ = ["Family", "PromptParts", "TextModel", "TextOptions", "PAD_STEP", "token_counts"]
+
+PAD_STEP = 64  # a length group's padding: its longest caption's tokens, rounded up to this
+
+
+def token_counts(tokenizer: Any, texts: list[str], max_tokens: int, **kwargs: Any) -> list[int]:
+    """The tokens ``tokenizer`` gives each text, truncated at ``max_tokens`` as the family's encode truncates it
+    (``kwargs``: the rest of that call's tokenizer arguments, e.g. ``add_special_tokens``)."""
+    ids = tokenizer(texts, truncation=True, max_length=max_tokens, **kwargs).input_ids
+    return [len(x) for x in ids]
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,11 @@ class Family:
     (:mod:`.qwen_image_edit`). ``processor``: the pipeline subfolder of its multimodal processor (None: none).
     ``kind_of(model_index)``: the family a folder of one of its pipeline classes is, where one class serves
     several (``WanPipeline``: ``wan``, ``wan2.2-a14b``, ``wan2.2-ti2v-5b``); None: this family.
+    ``count_tokens(models, captions, options)``: each caption's real tokens (its rows in a masked layout), from
+    the tokenizer alone, for a family whose rows do not depend on how far the batch is padded (T5 with its mask, a
+    causal LM padded on the right): its captions are then encoded in groups by length, each padded to a multiple
+    of :data:`PAD_STEP` instead of ``max_tokens`` (:meth:`pipeline.embed.encoders.TextEncoders.encode`). None:
+    every batch is padded as the pipeline pads it.
     """
 
     name: str
@@ -86,3 +100,4 @@ class Family:
     reference: bool = False
     processor: str | None = None
     kind_of: Callable[[dict[str, Any]], str] | None = None
+    count_tokens: Callable[[list[TextModel], list[str], TextOptions], list[int]] | None = None

@@ -11,7 +11,7 @@ zeros and builds the mask from the stored length. No pooled embedding.
 from __future__ import annotations
 
 from manifests.cache.text_layout import TextLayout
-from pipeline.embed.families.base import Family, PromptParts, TextModel, TextOptions
+from pipeline.embed.families.base import Family, PromptParts, TextModel, TextOptions, token_counts
 
 T5_TOKENS = {"PixArtAlphaPipeline": 120, "PixArtSigmaPipeline": 300}
 
@@ -20,6 +20,12 @@ def layout(models: list[TextModel], options: TextOptions) -> TextLayout:
     (t5,) = models
     return TextLayout(family="pixart", join="features", masked=True, lengths=(int(options.max_tokens),),
                       widths=(int(t5.model.config.d_model),))  # fmt: skip
+
+
+def count_tokens(models: list[TextModel], captions: list[str], options: TextOptions) -> list[int]:
+    (t5,) = models
+    return token_counts(t5.tokenizer, [c.lower().strip() for c in captions], int(options.max_tokens),
+                        add_special_tokens=True)  # fmt: skip
 
 
 def encode(models: list[TextModel], captions: list[str], options: TextOptions) -> PromptParts:
@@ -40,4 +46,5 @@ FAMILY = Family(
     layout=layout,
     encode=encode,
     max_text_tokens=lambda pipeline: T5_TOKENS.get(pipeline or "", 120),
+    count_tokens=count_tokens,
 )

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 
 from manifests.cache.text_layout import TextLayout
-from pipeline.embed.families.base import Family, PromptParts, TextModel, TextOptions
+from pipeline.embed.families.base import Family, PromptParts, TextModel, TextOptions, token_counts
 
 T5_TOKENS = 512  # WanPipeline.__call__'s max_sequence_length
 
@@ -28,6 +28,14 @@ def layout(models: list[TextModel], options: TextOptions, family: str = "wan") -
     (t5,) = models
     return TextLayout(family=family, join="features", masked=True, lengths=(int(options.max_tokens),),
                       widths=(int(t5.model.config.d_model),))  # fmt: skip
+
+
+def count_tokens(models: list[TextModel], captions: list[str], options: TextOptions) -> list[int]:
+    from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+    (t5,) = models
+    return token_counts(t5.tokenizer, [prompt_clean(c) for c in captions], int(options.max_tokens),
+                        add_special_tokens=True)  # fmt: skip
 
 
 def encode(models: list[TextModel], captions: list[str], options: TextOptions) -> PromptParts:
@@ -52,7 +60,7 @@ def kind_of(index: dict) -> str:
 def _family(name: str, summary: str) -> Family:
     return Family(name=name, summary=summary, pipelines=("WanPipeline",), text_encoders=("text_encoder",),
                   text_classes=("UMT5EncoderModel",), layout=functools.partial(layout, family=name), encode=encode,
-                  max_text_tokens=lambda pipeline: T5_TOKENS, kind_of=kind_of)  # fmt: skip
+                  max_text_tokens=lambda pipeline: T5_TOKENS, kind_of=kind_of, count_tokens=count_tokens)  # fmt: skip
 
 
 FAMILY = _family("wan", "Wan 2.x (video): UMT5 (512, masked; real tokens stored, zero-padded by the trainer)")

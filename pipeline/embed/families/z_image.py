@@ -6,14 +6,15 @@ the caption, ``<|im_end|>\\n<|im_start|>assistant\\n``), padded to ``max_sequenc
 Qwen3 with the boolean attention mask and ``output_hidden_states=True``; ``hidden_states[-2]`` at the mask's
 positions is each caption's embedding, a list of ``(n_i, 2560)`` tensors of different lengths that
 ``ZImageTransformer2DModel`` takes as they are (it pads each to a multiple of 32 with its own learned pad
-token). So the real tokens are stored, nothing else. Every batch has the same padded shape, so a caption's
-rows do not depend on the captions beside it.
+token). So the real tokens are stored, nothing else. On the CPU every batch has the same padded shape, so a
+caption's rows do not depend on the captions beside it; on a GPU captions are padded by length group
+(:func:`count_tokens`: right-padded and causal, a caption's rows do not see the padding after them).
 """
 
 from __future__ import annotations
 
 from manifests.cache.text_layout import TextLayout
-from pipeline.embed.families.base import Family, PromptParts, TextModel, TextOptions
+from pipeline.embed.families.base import Family, PromptParts, TextModel, TextOptions, token_counts
 from pipeline.embed.families.qwen_image import pad_parts, width
 
 __all__ = ["FAMILY", "TOKENS", "chat"]
@@ -31,6 +32,11 @@ def layout(models: list[TextModel], options: TextOptions) -> TextLayout:
     (qwen3,) = models
     return TextLayout(family="z-image", join="features", masked=True, lengths=(int(options.max_tokens),),
                       widths=(width(qwen3.model),))  # fmt: skip
+
+
+def count_tokens(models: list[TextModel], captions: list[str], options: TextOptions) -> list[int]:
+    (qwen3,) = models  # right-padded and causal: a caption's rows do not depend on the padding after them
+    return token_counts(qwen3.tokenizer, [chat(qwen3.tokenizer, c) for c in captions], int(options.max_tokens))
 
 
 def encode(models: list[TextModel], captions: list[str], options: TextOptions) -> PromptParts:
@@ -51,4 +57,5 @@ FAMILY = Family(
     layout=layout,
     encode=encode,
     max_text_tokens=lambda pipeline: TOKENS,
+    count_tokens=count_tokens,
 )
