@@ -214,7 +214,9 @@ class TransformersCaptioner:
         self.processor, self.model = load_captioner(spec, self.device)
         self.processor.tokenizer.padding_side = "left"  # generation continues every row from its end
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": spec.prompt}]}]
-        self.text = self.processor.apply_chat_template(messages, add_generation_prompt=True)
+        # a Qwen-VL processor built without torchvision (load_processor) has no template: its tokenizer's
+        template = self.processor if self.processor.chat_template else self.processor.tokenizer
+        self.text = template.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         self.eos = eos_ids(self.model)
 
     def caption(self, images: list) -> list[tuple[str, int]]:
