@@ -4,6 +4,7 @@
     python3 benchmarks/gpu_check.py --wheels .gpu-wheels [--budget 440] [--families sdxl,flux] [--backends ...]
     python3 benchmarks/gpu_check.py --wheels .gpu-wheels --families qwen-image,z-image --sections setup,vae,text
     python3 benchmarks/gpu_check.py --smoke          # every section's code on the CPU, tiny models, in a minute
+    python3 benchmarks/gpu_check.py --wheels .gpu-wheels --sections setup,vae --compile   # + the compiled VAE rows
     make gpu-rehearsal                               # --smoke in a venv holding only what the GPU machine has
 
 Made for the GPU machine we get: its own ``python3`` (CUDA torch and most of what is imported), no network, no
@@ -18,7 +19,12 @@ folder of 1216x1088 JPEGs. In order, so that a cut budget loses the least:
 
 1. **sdxl**: ``vae``: ``LatentEncoder.encode`` (host uint8 in, fp32 posterior mean out) at batch 1..16 against
    diffusers' ``vae.encode`` alone (on-device input), with the GPU's busy fraction (NVML ``utilization.gpu``:
-   the share of 100 ms periods with a kernel running) over bucketeer's calls; ``text``: ``TextEncoders.encode``
+   the share of 100 ms periods with a kernel running) over bucketeer's calls; then at batch 16 the encoder as embed
+   tunes it on cuda (:mod:`pipeline.embed.vae_speed`: NHWC, ``cudnn.benchmark``, SDPA) against ``vae.encode`` as
+   diffusers ships it (NCHW input, autotuning off), with the largest latent difference between the two (target
+   >= 1.3x, the difference within bf16 rounding: over 5% of the largest latent fails the row), and with
+   ``--compile`` a row of that encoder also compiled (``embed --compile-vae``; its compile timed apart; skipped
+   with the reason where torch.compile fails); ``text``: ``TextEncoders.encode``
    against the pipeline's ``encode_prompt``, and how far the cache's joined bf16 records are from its output;
    ``embed``: ``bucketeer embed --executor local --device cuda`` end to end (read, decode on threads, VAE,
    gzip, shards, commit: images/s steady state, busy fraction over its image phase, captions/s of its text
@@ -40,6 +46,20 @@ folder of 1216x1088 JPEGs. In order, so that a cut budget loses the least:
    is skipped and its rows say why; a family's folder is removed after its rows.
 5. DeepSpeed ZeRO-2/3 (sdxl), where its source archive builds offline there; the Ray embed job and the vLLM
    annotate engine (rows that say why they skip where Ray or vLLM is absent).
+6. **train-cudnn** (only when named: ``--families flux --sections setup,vae,text,embed,loader,train,train-cudnn``):
+   the Flux trainer again with ``cudnn_attention: on`` (torch's own choice of attention backend), against the
+   default row's ``auto`` (cuDNN's attention off on sm90/sm100): the lead on its CUDA error confirmed when this one
+   fails and the default passes. ``sdpa`` (in the default run, first): :mod:`benchmarks.gpu_sdpa`'s micro-repro,
+   the two gradient layouts of Flux's blocks through each SDPA backend.
+7. **caption** (only when named: ``--sections caption``; ``--smoke``: the tiny shape): Qwen2.5-VL-7B-Instruct's
+   shape, random weights, through annotate's transformers engine, batch 1..64 (:mod:`benchmarks.gpu_caption`).
+
+Every row that runs a model (the VAE rows, text, repa, wan, CLIP, train) also says the model's achieved TFLOP/s
+and its share of the GPU's bf16 dense peak (:mod:`benchmarks.gpu_flops`: H100 SXM and H200 989, H100 PCIe 756,
+A100 312, L40S 362, RTX 4090 165, ...; another GPU's share is ``unknown``, a CPU's ``n/a``): the FLOPs of one call
+(matrix products, convolutions, attention) counted by ``FlopCounterMode`` once per model and input shape, in the
+timing's warm-up call (the trainer's: its first step, forward and backward, a warm-up step), over the measured
+seconds per call (the encoders: bucketeer's calls; ``values`` also hold the model alone's).
 
 accelerate does not wrap a model in DDP at world size 1 (``use_distributed`` needs 2 processes): the ``ddp``
 row is the 1-GPU loop the DDP config runs, without all-reduce. Everything is per GPU: on a machine with several
@@ -65,8 +85,9 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.gpu_flops import throughput, throughput_text  # noqa: E402
 from benchmarks.gpu_measures import (BusySampler, Row, annotate_rows, clip_rows, decode_rows, loader_rate,  # noqa: E402
-                                     repa_rows, text_vs_pipeline, vae_sweep, wan_rows)
+                                     repa_rows, text_vs_pipeline, vae_sweep, vae_tuned_rows, wan_rows)
 from benchmarks.gpu_models import ENCODER_FAMILIES  # noqa: E402
 
 RESULT_MARK = "GPU_CHECK_RESULT "
@@ -75,6 +96,7 @@ FULL_FAMILIES = ("sdxl", "flux")  # every section; the others (ENCODER_FAMILIES)
 FAMILIES = FULL_FAMILIES + ENCODER_FAMILIES  # what --families all runs, in this order
 DEFAULT_FAMILIES = "sdxl,flux"  # the default run stays under 8 minutes
 SECONDS_PER_GB = 3.0  # an encoder family's folder: written once, read twice (bucketeer's, the pipeline's) at ~1 GB/s
+CAPTION_SECONDS = 420  # --sections caption: the 7B folder written and loaded, then the batch sweep
 BACKENDS: dict[str, list[str]] = {  # accelerate launch flags, 1 process
     "ddp": ["--config_file", "infra/accelerate/ddp-1x8.yaml"],
     "fsdp2": ["--config_file", "infra/accelerate/fsdp2-1x8.yaml"],
@@ -259,6 +281,14 @@ class Check:
         s = self.sizes
         return vae_sweep(family, self.done[f"model-{family}"], s.bucket, s.vae_batches, self.gpu, s.vae_images)
 
+    def vae_tuned(self, family: str) -> list[Row]:
+        """The encoder as embed tunes it on cuda against diffusers' as shipped, at the sweep's largest batch (and,
+        with ``--compile``, compiled)."""
+        self._needs(f"model-{family}")
+        s = self.sizes
+        return vae_tuned_rows(family, self.done[f"model-{family}"], s.bucket, max(s.vae_batches), self.gpu,
+                              s.vae_images, compile=self.args.compile)  # fmt: skip
+
     def text(self, family: str) -> list[Row]:
         self._needs(f"model-{family}")
         s = self.sizes
@@ -356,8 +386,11 @@ class Check:
                     f"to {self.device} (trainer defaults: prefetch 4, 2 read threads)", f"{rate:.1f} samples/s",
                     values={"samples_per_second": rate})]  # fmt: skip
 
-    def train(self, family: str, backend: str) -> list[Row]:
+    def train(self, family: str, backend: str, cudnn_attention: str = "auto") -> list[Row]:
+        """The trainer's row; ``cudnn_attention``: the config's (``train.backends.choose_attention``; ``on`` for the
+        ``train-cudnn`` section, which runs Flux with torch's own choice to confirm or rule out the lead)."""
         what = f"{family} {self.sizes.denoisers[family]}, {backend}, batch {self.sizes.train_batch[family]}, AdamW"
+        what += "" if cudnn_attention == "auto" else f", cudnn_attention: {cudnn_attention}"
         if f"plan-{family}" not in self.done:
             return [Row("train", what, "failed: no plan (the embed or loader section failed)", status="failed")]
         if not self.gpu and backend != "ddp":
@@ -366,12 +399,13 @@ class Check:
             why = self._deepspeed()
             if why:
                 return [Row("train", what, f"skipped: {why}", status="skipped")]
-        out = self.work / f"train-{family}-{backend}"
+        out = self.work / f"train-{family}-{backend}-{cudnn_attention}"
         shutil.rmtree(out, ignore_errors=True)
-        config = self.work / f"train-{family}.yaml"
+        config = self.work / f"train-{family}-{cudnn_attention}.yaml"
         config.write_text(json.dumps({"family": family, "mixed_precision": "bf16" if self.gpu else "no", "lr": 1e-5,
                                       "lr_schedule": "constant", "checkpoint_every": 10**9,
-                                      "log_every": self.sizes.log_every, "validation_every": 0}))  # fmt: skip
+                                      "log_every": self.sizes.log_every, "validation_every": 0,
+                                      "cudnn_attention": cudnn_attention}))  # fmt: skip
         worker = [str(Path(__file__).resolve()), "--train-worker", "--plan", self.done[f"plan-{family}"],
                   "--cache", self.done[f"cache-{family}"], "--config", str(config), "--output-dir", str(out),
                   "--max-steps", str(self.sizes.train_steps)]  # fmt: skip
@@ -395,9 +429,11 @@ class Check:
                 row.values["launch_blocking"] = "passed" if again is None else again.values.get("traceback")
             return [row]
         r = json.loads(found[-1][len(RESULT_MARK):])
+        counted = throughput(r.get("flops_per_step"), r["step_time_s"], self.gpu)  # forward + backward, one step
         result = (f"step {r['step_time_s'] * 1000:.0f} ms, data-wait {r['data_wait']:.1%}, {r['samples_per_s']:.2f} "
-                  f"samples/s, peak {r['peak_gb']:.1f} GB; {r['distributed_type']}, {r['stop']}")  # fmt: skip
-        return [Row("train", what, result, values=r)]
+                  f"samples/s, peak {r['peak_gb']:.1f} GB; {throughput_text(counted)}; {r['distributed_type']}, "
+                  f"{r['stop']}")  # fmt: skip
+        return [Row("train", what, result, values={**r, **counted})]
 
     def _launch(self, cmd: list[str], env: dict[str, str]) -> tuple[int | None, str, str]:
         """Run a trainer command, time-boxed by the budget (240 s at most): ``(exit code, stdout, stderr)``;
@@ -481,6 +517,21 @@ class Check:
     def annotate_vllm(self) -> list[Row]:
         return annotate_rows(self.work, self.gpu, images=8 if self.smoke else 256)
 
+    def sdpa(self) -> list[Row]:
+        """:mod:`benchmarks.gpu_sdpa` in a child process: a backend that faults takes its CUDA context with it."""
+        code, stdout, stderr = self._launch([sys.executable, "-m", "benchmarks.gpu_sdpa"], {})
+        rows = [Row(**json.loads(line)) for line in stdout.splitlines() if line.startswith("{")]
+        if code != 0:
+            last = (stderr.strip().splitlines() or ["(no error output)"])[-1][:300]
+            rows.append(Row("sdpa", "the micro-repro's process", f"failed: exit {code}: {last}", status="failed"))
+        return rows
+
+    def caption(self) -> list[Row]:
+        from benchmarks.gpu_caption import REAL_SWEEP, SMOKE_SWEEP, caption_rows
+
+        seconds = min(CAPTION_SECONDS, self.deadline - time.monotonic()) - 10  # its rows before the section's box
+        return caption_rows(self.work / "caption", self.device, SMOKE_SWEEP if self.smoke else REAL_SWEEP, seconds)
+
 
 def _free_port() -> int:
     """A TCP port free on 127.0.0.1 now, for the launcher's rendezvous (one trainer run at a time)."""
@@ -549,6 +600,7 @@ def run_check(args: argparse.Namespace) -> int:
     try:
         full = [f for f in check.families if f in FULL_FAMILIES]
         first = full[0] if full else None
+        check.section("sdpa", check.sdpa, 60)  # the lead on the Flux trainer's CUDA error, before any trainer runs
         if first:
             _family_sections(check, first, first)
         check.section("setup-vision", check.prepare_vision, 90)
@@ -565,6 +617,10 @@ def run_check(args: argparse.Namespace) -> int:
                 check.section("train", lambda b=backend: check.train(first, b), 240)
             check.section("embed-ray", lambda: check.embed_ray(first), 120)
         check.section("annotate", check.annotate_vllm, 120)
+        if "train-cudnn" in check.sections and "flux" in full:  # opt-in: Flux trained with cuDNN's attention allowed
+            check.section("train-cudnn", lambda: check.train("flux", "ddp", cudnn_attention="on"), 240)
+        if "caption" in check.sections:  # opt-in: a 17 GB folder and minutes, beyond the default run's 8
+            check.section("caption", check.caption, CAPTION_SECONDS)
     finally:
         if not args.keep and not args.work_dir:
             shutil.rmtree(check.work, ignore_errors=True)
@@ -591,6 +647,7 @@ def _family_sections(check: Check, family: str, first: str) -> None:
     """One of FULL_FAMILIES's sections, in order: what the later ones need first (``records``: ``first``'s)."""
     check.section("setup", lambda: check.prepare(family), 180)
     check.section("vae", lambda: check.vae(family), 90)
+    check.section("vae", lambda: check.vae_tuned(family), 300 if check.args.compile else 60)
     check.section("text", lambda: check.text(family), 120)
     check.section("embed", lambda: check.embed(family), 150)
     if family == first:
@@ -612,6 +669,7 @@ def _encoder_sections(check: Check, family: str) -> None:
     gb = (need or 0) / 1e9
     check.section("setup", lambda: check.prepare_encoders(family, need), int(120 + SECONDS_PER_GB * gb))
     check.section("vae", lambda: check.vae(family), 90)
+    check.section("vae", lambda: check.vae_tuned(family), 300 if check.args.compile else 60)
     check.section("text", lambda: check.text(family), int(120 + 1.5 * SECONDS_PER_GB * gb))
     shutil.rmtree(check.work / f"model-{family}", ignore_errors=True)
     check.done.pop(f"model-{family}", None)
@@ -714,10 +772,34 @@ def train_worker(args: argparse.Namespace) -> None:
         raise
 
 
+def _count_first_step(trainer) -> dict[str, Any]:
+    """Make ``trainer``'s first ``train_step`` (a warm-up step, left out of the timings) count its FLOPs (forward,
+    backward; the optimizer's element-wise work is not counted); the dict gets ``flops`` or ``error``."""
+    from benchmarks.gpu_flops import count_flops
+
+    counted: dict[str, Any] = {}
+    step = trainer.train_step
+
+    def counting_step(batch):
+        if counted:
+            return step(batch)
+        try:
+            counted["flops"], loss = count_flops(lambda: step(batch))
+        except Exception as e:  # the counter failed mid-step: the step again without it, from zeroed gradients
+            counted["error"] = f"{type(e).__name__}: {e}"[:200]
+            trainer.parts.optimizer.zero_grad(set_to_none=True)
+            loss = step(batch)
+        return loss
+
+    trainer.train_step = counting_step  # the loop calls self.train_step
+    return counted
+
+
 def _train_rank(args: argparse.Namespace, torch, TrainJob, Trainer, load_config) -> None:
     job = TrainJob(plan=args.plan, caches=(args.cache,), config=load_config(args.config), output_dir=args.output_dir,
                    max_steps=args.max_steps)  # fmt: skip
     trainer = Trainer.setup(job)
+    counted = _count_first_step(trainer)
     stop = trainer.loop()
     windows = [json.loads(line) for line in Path(trainer.output.local("metrics.jsonl")).read_text().splitlines()]
     measured = windows[1:] or windows
@@ -726,7 +808,8 @@ def _train_rank(args: argparse.Namespace, torch, TrainJob, Trainer, load_config)
     result = {"step_time_s": mean("step_time_s"), "data_wait": mean("data_wait"),
               "samples_per_s": mean("samples_per_s"), "steps": trainer.cursor.position, "stop": stop.value,
               "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0,
-              "distributed_type": str(trainer.accelerator.distributed_type)}  # fmt: skip
+              "distributed_type": str(trainer.accelerator.distributed_type), "flops_per_step": counted.get("flops"),
+              "flops_error": counted.get("error")}  # fmt: skip
     if trainer.accelerator.is_main_process:
         print(RESULT_MARK + json.dumps(result), flush=True)
     sys.stdout.flush()
@@ -747,7 +830,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds for the sections (under 8 minutes with set-up, teardown and output); late ones skip")
     p.add_argument("--sections", default="", metavar="A,B",
                    help="run only these sections (e.g. setup,embed,loader,train: what a trainer row needs); "
-                        "default: all")
+                        "default: all but caption (Qwen2.5-VL-7B through the caption engine), run only when named")
+    p.add_argument("--compile", action="store_true",
+                   help="also time each VAE's encoder compiled (embed --compile-vae): a row of its own per family, "
+                        "its compile (a minute or more each) timed apart")
     p.add_argument("--rehearsal", action="store_true",
                    help="with --smoke: refuse to run where Ray or vLLM is installed; a summary of what was filled")
     p.add_argument("--wheels", default=None, metavar="DIR",

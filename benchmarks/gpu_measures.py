@@ -1,6 +1,8 @@
 """The measures of ``gpu_check.py`` that need no Ray and no launcher: GPU busy sampling, encoders alone,
 JPEG decode on CPU and GPU, the trainer's loader alone, and the annotate row. Each runs on a CPU too
-(``--smoke``); timings on CUDA synchronize the device before the clock stops."""
+(``--smoke``); timings on CUDA synchronize the device before the clock stops. A row that runs a model also says
+its achieved TFLOP/s and share of the GPU's bf16 dense peak (:mod:`benchmarks.gpu_flops`: the FLOPs counted once,
+in the timing's warm-up call)."""
 
 from __future__ import annotations
 
@@ -10,14 +12,17 @@ import shutil
 import subprocess
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["Row", "BusySampler", "vae_sweep", "captions", "text_vs_pipeline", "decode_rows", "loader_rate",
-           "repa_rows", "wan_rows", "clip_rows", "annotate_rows"]
+from benchmarks.gpu_flops import throughput, throughput_text, timed_counted
+
+__all__ = ["Row", "BusySampler", "vae_sweep", "vae_tuned_rows", "captions", "text_vs_pipeline", "decode_rows",
+           "loader_rate", "repa_rows", "wan_rows", "clip_rows", "annotate_rows"]
 
 
 @dataclass
@@ -118,6 +123,13 @@ def _timed_output(fn: Callable[[], Any], gpu: bool, iters: int) -> tuple[float, 
     return (time.perf_counter() - t0) / iters, out
 
 
+def _rates(flops: int, t_ours: float, t_alone: float, gpu: bool) -> tuple[str, dict[str, Any]]:
+    """``(phrase, values)`` of a model's FLOPs per call run by bucketeer in ``t_ours`` and alone in ``t_alone``
+    seconds: the phrase and ``tflops``/``peak_fraction`` are bucketeer's, ``tflops_alone`` the model's alone."""
+    ours = throughput(flops, t_ours, gpu)
+    return f"; {throughput_text(ours)}", {**ours, "tflops_alone": throughput(flops, t_alone, gpu)["tflops"]}
+
+
 def _free() -> None:
     import gc
 
@@ -134,7 +146,8 @@ def vae_sweep(family: str, folder: str, bucket: tuple[int, int], batches: tuple[
     -> the fp32 latents on the device as the family's denoiser sees them, as the embed worker calls it) against
     the same diffusers VAE's ``encode`` alone (bf16 pixels already on the device, the posterior mean left there;
     a 3D VAE, Qwen-Image's, given 1-frame clips as its pipeline does); the GPU's busy fraction (NVML) over
-    bucketeer's calls. About ``images_per_size`` images per timing (one warm-up call before)."""
+    bucketeer's calls; the VAE's TFLOP/s in bucketeer's calls. About ``images_per_size`` images per timing (one
+    warm-up call before, in which the FLOPs are counted)."""
     import torch
 
     from pipeline.embed.latents import LatentSpec
@@ -152,7 +165,7 @@ def vae_sweep(family: str, folder: str, bucket: tuple[int, int], batches: tuple[
         x = x.unsqueeze(2) if clips else x
         iters = max(1, images_per_size // b)
         with torch.inference_mode():
-            t_alone = _timed(lambda: vae.encode(x).latent_dist.mean, gpu, iters)
+            t_alone, _, flops = timed_counted(lambda: vae.encode(x).latent_dist.mean, gpu, iters)
         sampler = BusySampler.start() if gpu else None
         started = time.time()
         try:
@@ -161,13 +174,108 @@ def vae_sweep(family: str, folder: str, bucket: tuple[int, int], batches: tuple[
             samples = sampler.stop() if sampler else None
         busy = BusySampler.mean(samples, started, time.time()) if samples else None
         rate, ceiling = b / t_ours, b / t_alone
+        said, counted = _rates(flops, t_ours, t_alone, gpu)
         rows.append(Row("vae", f"{family} VAE ({type(vae).__name__}) {w}x{h} {_dtype_name(dtype)}, batch {b}: "
                         f"LatentEncoder.encode (host uint8 in) vs its encode alone (bf16 input on the device)",
                         f"{rate:.1f} vs {ceiling:.1f} images/s ({rate / ceiling:.2f}x); GPU busy "
-                        f"{'n/a' if busy is None else f'{busy:.0%}'}",
+                        f"{'n/a' if busy is None else f'{busy:.0%}'}{said}",
                         ">= 0.9x alone, busy >= 90%" if gpu else "",
-                        values={"batch": b, "images_per_second": rate, "alone": ceiling, "busy": busy}))  # fmt: skip
+                        values={"batch": b, "images_per_second": rate, "alone": ceiling, "busy": busy,
+                                **counted}))  # fmt: skip
     return rows  # the caller frees the device memory (gpu_check: after each section)
+
+
+@contextmanager
+def _cudnn_benchmark(on: bool):
+    """``torch.backends.cudnn.benchmark`` set to ``on`` inside, as it was after (a process-wide switch)."""
+    import torch
+
+    was = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = on
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = was
+
+
+def vae_tuned_rows(family: str, folder: str, bucket: tuple[int, int], batch: int, gpu: bool, images: int,
+                   compile: bool = False) -> list[Row]:  # fmt: skip
+    """The VAE encoder as embed runs it on cuda (:func:`pipeline.embed.vae_speed.tune_vae`: NHWC, cuDNN autotuning,
+    SDPA) against diffusers' ``vae.encode`` as shipped (``from_pretrained`` in bf16, NCHW input, cuDNN autotuning
+    off: PyTorch's default), both on the same bf16 batch on the device, posterior mean out: images/s, the largest
+    latent difference (absolute, and over the largest latent), TFLOP/s. With ``compile``, a row of the encoder
+    also compiled (``embed --compile-vae``; compiled in a first call timed apart): skipped with the reason where
+    torch.compile fails, or for a 3D VAE (not compiled)."""
+    import copy
+
+    import torch
+
+    from pipeline.embed.latents import _vae_class
+    from pipeline.embed.vae_speed import as_input, tune_vae
+
+    device, dtype = torch.device("cuda" if gpu else "cpu"), torch.bfloat16
+    shipped = _vae_class(folder, "vae").from_pretrained(folder, subfolder="vae", torch_dtype=dtype).to(device).eval()
+    w, h = bucket
+    pixels = np.random.default_rng(0).integers(0, 255, (batch, h, w, 3), dtype=np.uint8)
+    x = torch.from_numpy(pixels).to(device).permute(0, 3, 1, 2).float().div(127.5).sub(1).to(dtype).contiguous()
+    clips = shipped.encoder.conv_in.weight.ndim == 5  # Qwen-Image's: 1-frame clips
+    iters = max(2, images // batch)
+    name = f"{family} VAE ({type(shipped).__name__}) {w}x{h} bf16, batch {batch}"
+
+    def encoder(vae, pixels_in):
+        return lambda: vae.encode(pixels_in.unsqueeze(2) if clips else pixels_in).latent_dist.mean
+
+    with torch.inference_mode(), _cudnn_benchmark(False):
+        t_shipped, reference, flops = timed_counted(encoder(shipped, x), gpu, iters)
+    reference = reference.float()
+    tuned = copy.deepcopy(shipped)
+    tuning = tune_vae(tuned, channels_last=True)
+    with torch.inference_mode(), _cudnn_benchmark(gpu):
+        t_tuned, latents = _timed_output(encoder(tuned, as_input(x, tuning)), gpu, iters)
+    tuned = None
+    applied = ", ".join(k for k, on in (("NHWC", tuning.channels_last), ("cudnn.benchmark", gpu)) if on) or "nothing"
+    rows = [_tuned_row(f"{name}: the tuned encoder ({applied}; SDPA) vs diffusers' vae.encode as shipped",
+                       batch, t_tuned, t_shipped, latents, reference, flops, gpu,
+                       ">= 1.3x as shipped" if gpu and tuning.channels_last else "")]  # fmt: skip
+    if not compile:
+        return rows
+    what = f"{name}: the tuned encoder compiled (embed --compile-vae) vs diffusers' vae.encode as shipped"
+    compiled = copy.deepcopy(shipped)
+    tuning = tune_vae(compiled, channels_last=True, compile=True)
+    if not tuning.compiled:
+        return rows + [Row("vae", what, "skipped: a 3D VAE's encoder is not compiled", status="skipped")]
+    try:
+        with torch.inference_mode(), _cudnn_benchmark(gpu):
+            call = encoder(compiled, as_input(x, tuning))
+            t0 = time.perf_counter()
+            call()  # the compile
+            _sync(gpu)
+            seconds = time.perf_counter() - t0
+            t_compiled, latents = _timed_output(call, gpu, iters)
+    except Exception as e:  # inductor needs a compiler (triton, or a C++ one on a CPU): the row says why not
+        line = (str(e).strip().splitlines() or [""])[0][:200]
+        return rows + [Row("vae", what, f"skipped: torch.compile fails here: {type(e).__name__}: {line}",
+                           status="skipped")]  # fmt: skip
+    row = _tuned_row(what, batch, t_compiled, t_shipped, latents, reference, flops, gpu,
+                     ">= 1.3x as shipped" if gpu else "")  # fmt: skip
+    row.result += f"; compiled in {seconds:.0f} s"
+    row.values["compile_seconds"] = seconds
+    return rows + [row]
+
+
+def _tuned_row(what: str, batch: int, t_tuned: float, t_shipped: float, latents, reference, flops: int, gpu: bool,
+               target: str) -> Row:  # fmt: skip
+    """A row of :func:`vae_tuned_rows`: failed when the latents are further apart than bf16 rounding (5% of the
+    largest latent: the CPU tests see 1-2%)."""
+    diff = float((latents.float() - reference).abs().max())
+    rel = diff / max(float(reference.abs().max()), 1e-30)
+    rate, ceiling = batch / t_tuned, batch / t_shipped
+    counted = throughput(flops, t_tuned, gpu)
+    return Row("vae", what, f"{rate:.1f} vs {ceiling:.1f} images/s ({rate / ceiling:.2f}x); latents differ by at most "
+               f"{diff:.2e} ({rel:.1%} of the largest); {throughput_text(counted)}", target,
+               status="ok" if rel < 0.05 else "failed",
+               values={"tuned_batch": batch, "images_per_second": rate, "shipped": ceiling, "speedup": rate / ceiling,
+                       "max_abs_diff": diff, "max_rel_diff": rel, **counted})  # fmt: skip
 
 
 def _dtype_name(dtype) -> str:
@@ -237,7 +345,8 @@ def text_vs_pipeline(family: str, folder: str, batch: int, gpu: bool, iters: int
     text worker calls) against the family's diffusers pipeline's ``encode_prompt`` (its outputs left on the
     device), on the same batch of :func:`captions`, both in the same compute dtype; and how far the cache's joined
     embeddings (``TextLayout.prompt_embeds`` of the bf16 records) are from ``encode_prompt``'s rounded to bf16
-    (relative L2 error: 0 when the records are exactly what the pipeline computes). ``reference`` (w, h): a
+    (relative L2 error: 0 when the records are exactly what the pipeline computes); the TFLOP/s of bucketeer's
+    calls (its text models' FLOPs, counted in its warm-up call). ``reference`` (w, h): a
     reference family's (Qwen-Image-Edit) image size: each caption is an instruction with its own reference of that
     size, encoded as the embed worker calls it (``encode(instructions, images=references)``). The two models are
     loaded one after the other (a 24B text encoder twice would not fit one GPU)."""
@@ -261,7 +370,7 @@ def text_vs_pipeline(family: str, folder: str, batch: int, gpu: bool, iters: int
         noise = np.random.default_rng(1).integers(0, 256, (batch, h, w, 3), dtype=np.uint8)
         images = [reference_pixels(crop, w * h) for crop in noise]  # as the workers resize it (here: unchanged)
     extra = {} if images is None else {"images": images}
-    t_ours, encoded = _timed_output(lambda: ours.encode(texts, **extra), gpu, iters)
+    t_ours, encoded, flops = timed_counted(lambda: ours.encode(texts, **extra), gpu, iters)
     layout = TextLayout.from_json(ours.describe()["layout"])
     ours = None  # its models freed before the pipeline's load (the timing's closure holds the name, not them)
     _free()
@@ -288,10 +397,11 @@ def text_vs_pipeline(family: str, folder: str, batch: int, gpu: bool, iters: int
                       "images=references)"), "pairs/s"  # fmt: skip
     errors = f"{err:.1e}" + ("" if err_pooled is None else f", {err_pooled:.1e}")
     ok = err < 1e-2 and (err_pooled is None or err_pooled < 1e-2)
+    counted = throughput(flops, t_ours, gpu)  # bucketeer's FLOPs: a pruned LLM runs fewer than the pipeline's
     return [Row("text", f"{family} {TEXT_NAMES[family]} {_dtype_name(dtype)}, {what}: TextEncoders.encode vs the "
-                "pipeline's encode_prompt", f"{rate:.1f} vs {ceiling:.1f} {unit} ({rate / ceiling:.2f}x)",
-                ">= 0.9x encode_prompt" if gpu else "",
-                values={"captions_per_second": rate, "encode_prompt": ceiling}),
+                "pipeline's encode_prompt", f"{rate:.1f} vs {ceiling:.1f} {unit} ({rate / ceiling:.2f}x); "
+                f"{throughput_text(counted)}", ">= 0.9x encode_prompt" if gpu else "",
+                values={"captions_per_second": rate, "encode_prompt": ceiling, **counted}),
             Row("text", f"{family}: the cache's joined bf16 text records vs encode_prompt's output in bf16 "
                 f"(relative L2 error: embeds{'' if err_pooled is None else ', ' + _pooled_name(family)})", errors,
                 "0 (the same numbers)", status="ok" if ok else "failed",
@@ -396,13 +506,15 @@ def repa_rows(folder: str, size: tuple[int, int], batch: int, gpu: bool, iters: 
     x = preprocess(torch.from_numpy(pixels).to(ours.device), ours.input_size, ours.mean, ours.std)
     x = x.to(ours.compute_dtype)
     with torch.inference_mode():
-        t_alone = _timed(lambda: ours.model(pixel_values=x).last_hidden_state, gpu, iters)
+        t_alone, _, flops = timed_counted(lambda: ours.model(pixel_values=x).last_hidden_state, gpu, iters)
     t_ours = _timed(lambda: ours.encode(pixels), gpu, iters)
     grid, dim = ours.grid, int(ours.model.config.hidden_size)
     rate, ceiling = batch / t_ours, batch / t_alone
+    said, counted = _rates(flops, t_ours, t_alone, gpu)
     return [Row("repa", f"DINOv2 ({dim} wide, {grid[0]}x{grid[1]} patches) features of {w}x{h} crops, batch "
                 f"{batch}: FeatureEncoder.encode vs the model alone", f"{rate:.1f} vs {ceiling:.1f} images/s "
-                f"({rate / ceiling:.2f}x)", values={"images_per_second": rate, "alone": ceiling})]  # fmt: skip
+                f"({rate / ceiling:.2f}x){said}", values={"images_per_second": rate, "alone": ceiling,
+                                                          **counted})]  # fmt: skip
 
 
 def wan_rows(folder: str, clip: tuple[int, int, int], gpu: bool, iters: int) -> list[Row]:
@@ -423,15 +535,17 @@ def wan_rows(folder: str, clip: tuple[int, int, int], gpu: bool, iters: int) -> 
     pixels = np.random.default_rng(0).integers(0, 255, (1, f, h, w, 3), dtype=np.uint8)
     x = torch.from_numpy(pixels).to(device).permute(0, 4, 1, 2, 3).float().div(127.5).sub(1).to(dtype)
     with torch.inference_mode():
-        t_alone = _timed(lambda: alone.encode(x).latent_dist.mean, gpu, iters)
+        t_alone, _, flops = timed_counted(lambda: alone.encode(x).latent_dist.mean, gpu, iters)
     if gpu:
         torch.cuda.reset_peak_memory_stats()
     t_ours = _timed(lambda: ours.encode(pixels), gpu, iters)
     peak = torch.cuda.max_memory_allocated() / 1e9 if gpu else 0.0
+    said, counted = _rates(flops, t_ours, t_alone, gpu)
     return [Row("wan", f"Wan 2.1 VAE {w}x{h}x{f} {_dtype_name(dtype)}, one clip: LatentEncoder.encode vs "
                 "AutoencoderKLWan.encode alone", f"{1 / t_ours:.3f} vs {1 / t_alone:.3f} clips/s "
-                f"({t_alone / t_ours:.2f}x), {t_ours:.2f} s a clip; peak {peak:.1f} GB",
-                values={"clips_per_second": 1 / t_ours, "alone": 1 / t_alone, "peak_gb": peak})]  # fmt: skip
+                f"({t_alone / t_ours:.2f}x), {t_ours:.2f} s a clip; peak {peak:.1f} GB{said}",
+                values={"clips_per_second": 1 / t_ours, "alone": 1 / t_alone, "peak_gb": peak,
+                        **counted})]  # fmt: skip
 
 
 def clip_rows(folder: str, images: Path, gpu: bool, batch: int, iters: int) -> list[Row]:
@@ -454,15 +568,16 @@ def clip_rows(folder: str, images: Path, gpu: bool, batch: int, iters: int) -> l
     pictures = (pictures * (batch // len(pictures) + 1))[:batch]
     x = ours.processor(images=pictures, return_tensors="pt")["pixel_values"].to(ours.device, ours.model.dtype)
     with torch.inference_mode():
-        t_alone = _timed(lambda: ours.model(pixel_values=x).image_embeds, gpu, iters)
+        t_alone, _, flops = timed_counted(lambda: ours.model(pixel_values=x).image_embeds, gpu, iters)
     t_ours = _timed(lambda: ours(pictures), gpu, iters)
     cfg = ours.model.config
     rate, ceiling = batch / t_ours, batch / t_alone
     how = "pixels prepared on the device" if gpu else "processor on 1 CPU thread"
+    said, counted = _rates(flops, t_ours, t_alone, gpu)
     return [Row("annotate", f"CLIP vision ({cfg.hidden_size} wide x {cfg.num_hidden_layers}, patch {cfg.patch_size},"
                 f" {cfg.image_size} px) embedding, batch {batch}: ImageEmbedder ({how}) vs the tower alone",
-                f"{rate:.1f} vs {ceiling:.1f} images/s ({rate / ceiling:.2f}x)",
-                values={"images_per_second": rate, "alone": ceiling})]  # fmt: skip
+                f"{rate:.1f} vs {ceiling:.1f} images/s ({rate / ceiling:.2f}x){said}",
+                values={"images_per_second": rate, "alone": ceiling, **counted})]  # fmt: skip
 
 
 def annotate_rows(work: Path, gpu: bool, images: int = 256) -> list[Row]:

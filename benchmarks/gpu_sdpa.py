@@ -8,7 +8,7 @@ blocks' one of ``(B, L, dim)`` (row stride 3,072). Here one q/k/v shape at Flux'
 backward under ``sdpa_kernel(backend)`` with the gradient in each layout, in both orders (a graph cached on the
 first layout replays on the second), each against the math backend in float32. A row per backend and order: the
 largest relative gradient error, or the error the backend raised. On the CPU (``--smoke``) only the math backend
-runs, at a tiny shape."""
+runs, at a tiny shape. ``python -m benchmarks.gpu_sdpa``: the rows as JSON lines."""
 
 from __future__ import annotations
 
@@ -81,6 +81,17 @@ def sdpa_stride_rows(gpu: bool) -> list[Row]:
     return rows
 
 
+def main() -> None:
+    """Print each row as one JSON line (``gpu_check.py`` runs this in a child: an illegal memory access would
+    leave the CUDA context of its own process unusable for the sections after it)."""
+    import json
+    from dataclasses import asdict
+
+    import torch
+
+    for row in sdpa_stride_rows(torch.cuda.is_available()):
+        print(json.dumps(asdict(row)), flush=True)
+
+
 if __name__ == "__main__":
-    for row in sdpa_stride_rows(__import__("torch").cuda.is_available()):
-        print(f"| {row.section} | {row.measure} | {row.result} | {row.target} |")
+    main()

@@ -53,6 +53,13 @@ def test_smoke_runs_every_section_on_the_cpu_without_ray_polars_or_s3fs(tmp_path
     assert skipped["embed-ray"].startswith("skipped: needs ray") and "vllm does not import" in skipped["annotate"]
     by = {(r["section"], r["values"].get("batch")): r for r in rows}
     assert by[("vae", 1)]["values"]["images_per_second"] > 0 and by[("vae", 2)]["values"]["alone"] > 0
+    (tuned,) = [r for r in rows if r["values"].get("tuned_batch")]  # the tuned encoder vs diffusers' as shipped
+    assert tuned["values"]["shipped"] > 0 and 0 < tuned["values"]["max_rel_diff"] < 0.05
+    # every row that runs a model says its TFLOP/s; on a CPU there is no peak to divide by
+    modelled = [r for r in rows if r["section"] in ("vae", "repa", "wan", "train") or "CLIP vision" in r["measure"]
+                or "TextEncoders.encode vs" in r["measure"]]  # fmt: skip
+    assert len(modelled) == 9 and all(r["values"]["tflops"] > 0 for r in modelled if r["status"] == "ok")
+    assert all("fraction n/a (no GPU peak)" in r["result"] for r in modelled if r["status"] == "ok")
     text = [r for r in rows if r["section"] == "text"]
     assert text[1]["values"]["rel_error"] == 0.0  # the cache's text is exactly encode_prompt's
     embed = next(r for r in rows if r["section"] == "embed")
@@ -86,8 +93,8 @@ def test_smoke_runs_the_encoder_families_rows_without_ray_polars_or_s3fs(tmp_pat
     assert [r for r in rows if r["status"] != "ok"] == []
     assert [(r["section"], r["measure"].split(":")[0].split(" ")[0]) for r in rows] == [
         (section, family) for family in ("flux2", "qwen-image-edit")
-        for section in ("setup", "vae", "vae", "text", "text")]  # fmt: skip
-    vae = {(r["measure"].split(" ")[0], r["values"]["batch"]): r for r in rows if r["section"] == "vae"}
+        for section in ("setup", "vae", "vae", "vae", "text", "text")]  # fmt: skip
+    vae = {(r["measure"].split(" ")[0], r["values"]["batch"]): r for r in rows if "batch" in r["values"]}
     assert "AutoencoderKLFlux2" in vae["flux2", 1]["measure"] and "QwenImage" in vae["qwen-image-edit", 2]["measure"]
     assert all(r["values"]["images_per_second"] > 0 and r["values"]["alone"] > 0 for r in vae.values())
     text = [r for r in rows if r["section"] == "text"]

@@ -150,13 +150,14 @@ class FeatureEncoder:
                 "grid": list(self.grid), "dim": int(self.model.config.hidden_size), "resize": RESIZE,
                 "mean": list(self.mean), "std": list(self.std)}  # fmt: skip
 
-    def encode(self, pixels: np.ndarray):
-        """``(B, gh, gw, D)`` float32 torch tensor on the CPU of ``pixels`` uint8 ``(B, H, W, 3)``."""
+    def encode(self, pixels: Any):
+        """``(B, gh, gw, D)`` float32 torch tensor on the CPU of ``pixels`` uint8 ``(B, H, W, 3)``: a numpy array, or
+        a torch tensor on any device (the VAE's batch, already on the GPU, is not copied again)."""
         import torch
 
         with torch.inference_mode():
-            x = preprocess(torch.from_numpy(np.ascontiguousarray(pixels)).to(self.device), self.input_size,
-                           self.mean, self.std).to(self.compute_dtype)  # fmt: skip
+            x = pixels if isinstance(pixels, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(pixels))
+            x = preprocess(x.to(self.device), self.input_size, self.mean, self.std).to(self.compute_dtype)
             tokens = self.model(pixel_values=x).last_hidden_state[:, self.skip :]  # (B, gh * gw, D)
             gh, gw = self.grid
             return tokens.float().reshape(len(x), gh, gw, -1).cpu()

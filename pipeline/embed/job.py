@@ -133,7 +133,7 @@ def _specs(job: EmbedJob):
                                  home=home)  # fmt: skip
     if job.features:  # run on the VAE's worker, on the same pixels
         latent = dataclasses.replace(latent, features=FeatureSpec(job.features, job.features_model, home))
-    return latent, text
+    return dataclasses.replace(latent, compile=job.compile_vae), text  # how it runs: not in the settings
 
 
 def request_settings_of(job: EmbedJob, manifest: ManifestMeta) -> dict[str, Any]:

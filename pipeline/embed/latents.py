@@ -21,6 +21,7 @@ import numpy as np
 
 from pipeline.embed.families import flux2, hunyuan_video15, ltx2, qwen_image
 from pipeline.embed.loading import EncoderSource, check_local, device_and_dtype, weights_sha256
+from pipeline.embed.vae_speed import as_input, gpu_tuning, tune_vae
 
 if TYPE_CHECKING:  # a diffusers model's .config
     from diffusers.configuration_utils import FrozenDict
@@ -31,11 +32,13 @@ __all__ = ["LatentSpec", "LatentEncoder", "VAE_PATHS", "VAE_CLASSES"]
 @dataclass(frozen=True)
 class LatentSpec:
     """The VAE to load and what to keep of its posterior (``latents``: one of :data:`LATENTS`); ``features``: a
-    :class:`pipeline.embed.features.FeatureSpec` run on the same pixels (``--features``), or None."""
+    :class:`pipeline.embed.features.FeatureSpec` run on the same pixels (``--features``), or None; ``compile``:
+    ``torch.compile`` its encoder (``--compile-vae``: :mod:`pipeline.embed.vae_speed`, not fingerprinted)."""
 
     source: EncoderSource
     latents: str = "mean"
     features: Any = None
+    compile: bool = False
 
     def load(self, *, use_gpu: bool = False, dtype: str = "BF16", compute: str | None = None) -> "LatentEncoder":
         """The VAE, loaded (``compute``: :func:`~pipeline.embed.loading.device_and_dtype`'s)."""
@@ -130,7 +133,9 @@ class LatentEncoder:
     """``AutoencoderKL`` latents: uint8 pixels ``(B, H, W, 3)`` -> ``{"latent": posterior mean (B, C, H/f, W/f)}``,
     plus ``"latent_std"`` (same shape) with ``--latents posterior``. A video VAE (``AutoencoderKLWan``, when the
     folder's config names it) takes clips ``(B, F, H, W, 3)`` -> ``(B, C, F', H/f, W/f)``, F' = (F - 1) //
-    temporal_factor + 1 (an image is a 1-frame clip). Flux 2 and Qwen-Image VAEs: see the module docstring."""
+    temporal_factor + 1 (an image is a 1-frame clip). Flux 2 and Qwen-Image VAEs: see the module docstring.
+    On cuda the VAE is tuned (:mod:`pipeline.embed.vae_speed`: NHWC, cuDNN autotuning, and with ``compile`` its
+    encoder compiled); a batch goes to the device once, pinned, and the features model takes it from there."""
 
     def __init__(self, spec: LatentSpec, *, use_gpu: bool = False, dtype: str = "BF16", compute: str | None = None):
         path, subfolder = spec.source.resolve("vae")
@@ -144,6 +149,9 @@ class LatentEncoder:
         self.vae.to(self.device)
         if self.compute_dtype != self.vae.dtype:
             self.vae.to(dtype=self.compute_dtype)
+        self.tuning = tune_vae(self.vae, **gpu_tuning(self.device, spec.compile))
+        self._pinned: dict[tuple[int, ...], Any] = {}  # cuda: host buffers the batches are copied from
+        self._copied: Any = None  # the event after the last copy out of one of them
         self.subfolder = subfolder
         self.features = None if spec.features is None else spec.features.load(use_gpu=use_gpu, dtype=dtype)
 
@@ -158,6 +166,7 @@ class LatentEncoder:
             "latents": self.latents,
             "device": str(self.device),  # where it runs: recorded in _cache.json, not fingerprinted
             "compute_dtype": str(self.compute_dtype).replace("torch.", ""),
+            "tuning": self.tuning.describe(),  # how it runs (vae_speed): not fingerprinted either
             "features": None if self.features is None else self.features.describe(),
         }
 
@@ -166,13 +175,35 @@ class LatentEncoder:
         import torch
 
         with torch.inference_mode():
-            batch = batch if batch.flags.writeable else batch.copy()  # Ray hands out read-only arrays
-            extra = {} if self.features is None else {"features": self.features.encode(batch[:features_of])}
-            x = torch.from_numpy(batch).to(self.device)
+            pixels = self._to_device(batch)  # (B, H, W, 3) uint8, or a clip (B, F, H, W, 3)
+            # the features model takes the batch where it already is: no second copy from the host
+            extra = {} if self.features is None else {"features": self.features.encode(pixels[:features_of])}
             # (B, 3, H, W) uint8, or a clip (B, 3, F, H, W)
-            x = x.permute(0, 4, 1, 2, 3) if x.ndim == 5 else x.permute(0, 3, 1, 2)
+            x = pixels.permute(0, 4, 1, 2, 3) if pixels.ndim == 5 else pixels.permute(0, 3, 1, 2)
             # [-1, 1] in float32, then the compute dtype, as diffusers' image processor does: in bf16 the division
             # rounds to 1/128 above 1.0 and the subtraction keeps that, up to half a level off for bright pixels
-            x = (x.float() / 127.5 - 1.0).to(self.compute_dtype)
+            x = as_input((x.float() / 127.5 - 1.0).to(self.compute_dtype), self.tuning)
             out = self.kind.latents(self.vae, x, self.latents == "posterior")
+            if self.tuning.channels_last:  # NHWC latents back in the usual layout, as the untuned path returns them
+                out = {k: v.contiguous() for k, v in out.items()}
             return {**out, **extra}
+
+    def _to_device(self, batch: np.ndarray):
+        """``batch`` as a uint8 tensor on the device: on cuda copied once into pinned memory, then sent without
+        blocking the host (the kernels that read it wait on the stream); on the CPU the array itself."""
+        import torch
+
+        if self.device.type == "cuda":
+            pinned = self._pinned.get(batch.shape)  # pinning is a slow allocation: one buffer per shape, reused
+            if pinned is None:
+                if len(self._pinned) >= 4:  # buckets come in runs: a few shapes at a time
+                    self._pinned.clear()
+                pinned = self._pinned[batch.shape] = torch.empty(batch.shape, dtype=torch.uint8, pin_memory=True)
+            if self._copied is not None:
+                self._copied.synchronize()  # the last copy out of a buffer has left it
+            pinned.numpy()[...] = batch
+            on_device = pinned.to(self.device, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+            return on_device
+        return torch.from_numpy(batch if batch.flags.writeable else batch.copy())  # Ray hands out read-only arrays

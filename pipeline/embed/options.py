@@ -96,6 +96,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="where the encoders run: cuda (one GPU per encoder actor, requested from Ray: the job waits "
                         "for GPU nodes), cpu, or auto: cuda when the cluster has GPUs or its autoscaler reports it "
                         "can add some, else cpu")
+    g.add_argument("--compile-vae", action="store_true",
+                   help="torch.compile the VAE's encoder (2D VAEs: SDXL's, Flux's, Flux 2's): compiled at its first "
+                        "batches (minutes), faster after; latents the same within bf16 rounding, so the cache's "
+                        "fingerprint does not change (docs/embed.md: The VAE on a GPU)")
     g.add_argument("--vae-workers", type=int, default=None,
                    help="most encoder actors per phase (text, then VAE) (default: one per GPU the cluster has or "
                         "can add, or 1 on CPU)")
@@ -145,6 +149,7 @@ class EmbedJob:
     text_batch_size: int = 128
     shard_records: int = SHARD_RECORDS
     device: str = "auto"  # auto | cuda | cpu
+    compile_vae: bool = False  # torch.compile the VAE encoder (pipeline.embed.vae_speed; not fingerprinted)
     vae_workers: int | None = None
     torch_threads: int | None = None
     commit_seconds: float = COMMIT_SECONDS
@@ -195,6 +200,6 @@ def job_from_args(args: argparse.Namespace) -> EmbedJob:
         source=args.source, reuse=parse_reuse(args.reuse),
         storage_options=parse_storage_options(args.storage_options), batch_size=args.batch_size,
         text_batch_size=args.text_batch_size, shard_records=args.shard_records, device=args.device,
-        vae_workers=args.vae_workers, torch_threads=args.torch_threads, commit_seconds=args.commit_seconds,
-        executor=args.executor, ray_address=args.ray_address,
+        compile_vae=args.compile_vae, vae_workers=args.vae_workers, torch_threads=args.torch_threads,
+        commit_seconds=args.commit_seconds, executor=args.executor, ray_address=args.ray_address,
     )  # fmt: skip
