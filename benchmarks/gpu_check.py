@@ -53,6 +53,10 @@ folder of 1216x1088 JPEGs. In order, so that a cut budget loses the least:
    the two gradient layouts of Flux's blocks through each SDPA backend.
 7. **caption** (only when named: ``--sections caption``; ``--smoke``: the tiny shape): Qwen2.5-VL-7B-Instruct's
    shape, random weights, through annotate's transformers engine, batch 1..64 (:mod:`benchmarks.gpu_caption`).
+8. **video** (only when named: ``--sections video --budget 600``; ``--smoke``: the tiny VAEs): the video families'
+   VAEs at their published configs and clip sizes, Wan 2.2 TI2V-5B's, LTX-2's and HunyuanVideo 1.5's (121 frames
+   at up to 1280x720, untiled, bf16: clips/s, peak memory, TFLOP/s, as the Wan 2.1 row), and TransNetV2's scene
+   cuts on cuda against the CPU (frames/s) (:mod:`benchmarks.gpu_video`).
 
 Every row that runs a model (the VAE rows, text, repa, wan, CLIP, train) also says the model's achieved TFLOP/s
 and its share of the GPU's bf16 dense peak (:mod:`benchmarks.gpu_flops`: H100 SXM and H200 989, H100 PCIe 756,
@@ -621,6 +625,11 @@ def run_check(args: argparse.Namespace) -> int:
             check.section("train-cudnn", lambda: check.train("flux", "ddp", cudnn_attention="on"), 240)
         if "caption" in check.sections:  # opt-in: a 17 GB folder and minutes, beyond the default run's 8
             check.section("caption", check.caption, CAPTION_SECONDS)
+        if "video" in check.sections:  # opt-in: three 0.7-1.3B VAEs on 121-frame clips, beyond the default run
+            from benchmarks.gpu_video import video_parts
+
+            for seconds, part in video_parts(check.work / "video", check.gpu, check.smoke):
+                check.section("video", part, seconds)
     finally:
         if not args.keep and not args.work_dir:
             shutil.rmtree(check.work, ignore_errors=True)
@@ -830,7 +839,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds for the sections (under 8 minutes with set-up, teardown and output); late ones skip")
     p.add_argument("--sections", default="", metavar="A,B",
                    help="run only these sections (e.g. setup,embed,loader,train: what a trainer row needs); "
-                        "default: all but caption (Qwen2.5-VL-7B through the caption engine), run only when named")
+                        "default: all but caption (Qwen2.5-VL-7B through the caption engine) and video (the video "
+                        "VAEs and TransNetV2), run only when named")
     p.add_argument("--compile", action="store_true",
                    help="also time each VAE's encoder compiled (embed --compile-vae): a row of its own per family, "
                         "its compile (a minute or more each) timed apart")

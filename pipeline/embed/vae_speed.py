@@ -49,8 +49,9 @@ def gpu_tuning(device: Any, compile: bool = False) -> dict[str, bool]:
 
 
 def is_2d(vae: Any) -> bool:
-    """Whether ``vae``'s encoder convolves images (4-D weights), not clips: what channels_last and compile take."""
-    return vae.encoder.conv_in.weight.ndim == 4
+    """Whether ``vae``'s encoder convolves images (4-D weights), not clips: what channels_last and compile take.
+    Its first convolution's weight: LTX-2's and HunyuanVideo 1.5's causal 3D convolutions hold it in ``.conv``."""
+    return next(p for p in vae.encoder.conv_in.parameters() if p.ndim > 1).ndim == 4
 
 
 def sdpa_attention(vae: Any) -> list[str]:
