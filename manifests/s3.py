@@ -39,6 +39,7 @@ be lost on the way. Imported only for ``s3://`` URLs, so ``manifests`` loads wit
 from __future__ import annotations
 
 import asyncio
+import functools
 import io
 import math
 import os
@@ -106,9 +107,16 @@ def rate_floor() -> tuple[float, float]:
 
     Raises UsageError naming the variable when a value is not a number in range.
     """
+    # read on every GET (a test or job may change the variables between reads): parsed once per text
+    return _rate_floor(os.environ.get(MIN_RATE_ENV, ""), os.environ.get(RATE_WINDOW_ENV, ""))
+
+
+@functools.lru_cache(maxsize=16)
+def _rate_floor(rate_text: str, window_text: str) -> tuple[float, float]:
     out = []
-    for name, default, low in ((MIN_RATE_ENV, DEFAULT_MIN_RATE, 0.0), (RATE_WINDOW_ENV, DEFAULT_RATE_WINDOW, 1e-9)):
-        text = os.environ.get(name, "").strip()
+    for name, default, low, raw in ((MIN_RATE_ENV, DEFAULT_MIN_RATE, 0.0, rate_text),
+                                    (RATE_WINDOW_ENV, DEFAULT_RATE_WINDOW, 1e-9, window_text)):  # fmt: skip
+        text = raw.strip()
         try:
             value = float(text) if text else default
         except ValueError:

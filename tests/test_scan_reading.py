@@ -80,3 +80,23 @@ def test_a_local_disk_gives_the_same_rows(store):
     local_fs, local_root = open_url(str(ds))
     local = _rows(probe_files(local_fs, local_root, items))
     assert local == remote
+
+
+def test_both_s3_clients_give_the_same_rows_from_the_same_gets(store, monkeypatch):
+    """obstore's reads are blocking GETs from the task's threads (``blocking_reads``: an awaited obstore GET costs
+    about 4 context switches more, manifests/objstore.py), s3fs's are awaited on its event loop: the same rows from
+    the same requests either way, the header past the first read included."""
+    import obstore
+
+    server, ds, items, _ = store
+    real, awaited = obstore.get_range_async, []
+    monkeypatch.setattr(obstore, "get_range_async", lambda *a, **k: awaited.append(a) or real(*a, **k))
+    rows, requests = {}, {}
+    for client in ("obstore", "fsspec"):
+        fs, root = open_url("s3://b/ds", {**options(server), "bucketeer_client": client})
+        server.reset()
+        rows[client] = _rows(probe_files(fs, root, items, in_flight=4))
+        requests[client] = sorted(server.requests)
+    assert rows["obstore"] == rows["fsspec"] and requests["obstore"] == requests["fsspec"]
+    assert len(requests["obstore"]) == sum(r["requests"] for r in rows["obstore"].values())
+    assert not awaited  # no GET went through obstore's event-loop API

@@ -11,7 +11,9 @@ are made depends on the filesystem, all through :mod:`manifests.retry`:
 - an asynchronous filesystem (s3fs, and any fsspec ``AsyncFileSystem``): up to ``in_flight``
   requests on its event loop (``_cat_file`` with a byte range, never a HEAD first), with the
   async retry layer;
-- any other filesystem: ``in_flight`` threads calling ``cat_file``.
+- any other filesystem, and an asynchronous one whose ``blocking_reads`` says its blocking reads cost
+  less (obstore's, :class:`manifests.objstore.ObstoreS3FileSystem`): ``in_flight`` threads calling
+  ``cat_file``.
 
 Reads that finished but were not probed yet are bounded by ``in_flight`` too, so a task's memory
 stays near ``in_flight x first_read`` whatever its batch size. A sidecar is read as listed (an empty
@@ -96,7 +98,7 @@ def probe_files(
     local = type(fs) is LocalFileSystem  # a subclass may override its reads: it gets the generic path
     if local:
         reads = _local_reads(root, items, first_read)
-    elif getattr(fs, "async_impl", False):
+    elif getattr(fs, "async_impl", False) and not getattr(fs, "blocking_reads", False):
         reads = _async_reads(fs, root, items, first_read, max(1, in_flight))
     else:
         reads = _threaded_reads(fs, root, items, first_read, max(1, in_flight))
