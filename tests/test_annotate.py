@@ -90,6 +90,8 @@ def captioned(tmp_path_factory, ray_local) -> Captioned:
     ids = set(samples.column("sample_id").to_pylist())
     cut = samples.filter(pa.compute.equal(samples.column("filename"), "zz_cut.jpg")).column("sample_id")[0].as_py()
     assert (result.captioned, result.errors, result.engine) == (10, 1, "transformers")
+    # the units' times: on the actors, within the run (the actor's start and model load left out)
+    assert 0 < result.units_seconds < result.seconds and result.worker_cpu_seconds > 0
     return Captioned(root, manifest, out, ids, cut)
 
 

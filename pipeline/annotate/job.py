@@ -51,7 +51,6 @@ from manifests.annotations import (AnnotationsCounts, AnnotationsMeta, TaskSetti
 from manifests.errors import BucketeerError, UsageError
 from manifests.lock import writer_lock
 from manifests.manifest import read_manifest_meta, read_row_group, sample_row_groups
-from manifests.progress import Progress
 from manifests.throttles import ThrottleTally, counting_throttles, job_throttles
 from manifests.schema import MAX_PIXELS
 from manifests.storage import parse_storage_options, redact
@@ -114,7 +113,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="images per unit (one part file; what a lost worker costs at most)")
     g.add_argument("--workers", type=int, default=None,
                    help="most engine actors (default: one per GPU the cluster has or can add, or 1 on CPU)")
-    g.add_argument("--torch-threads", type=int, default=None, help="torch threads per CPU actor")
+    g.add_argument("--torch-threads", type=int, default=None,
+                   help="torch threads of each unit a CPU actor runs (two at a time; it asks Ray for the CPUs of "
+                        "both); default: half the CPUs of a node")
     g.add_argument("--source", default=None, help="dataset root, if it moved since the scan (default: the manifest's)")
     g.add_argument("--storage-options", default=None, help="JSON fsspec options for all URLs, e.g. an endpoint_url")
     g.add_argument("--ray-address", default=None, help="Ray cluster address (default: start Ray on this machine)")
@@ -203,7 +204,8 @@ class AnnotateResult:
     skipped: int = 0
     images_per_second: float | None = None
     tokens_per_second: float | None = None
-    worker_cpu_seconds: float = 0.0  # CPU time of the engine actors' units (fetch, decode, tasks, writes; not Ray's)
+    worker_cpu_seconds: float = 0.0  # CPU of the engine actors' processes while they ran units (dataflow.UnitTimes)
+    units_seconds: float | None = None  # from the first unit's start to the last unit's end (not under vllm)
 
 
 def job_from_args(args: argparse.Namespace) -> AnnotateJob:
@@ -312,8 +314,11 @@ def _check_settings(job: AnnotateJob, settings: str, tasks: tuple[TaskSettings, 
 
 def _placement_line(engine: str, placement) -> str:
     if placement.device == "cpu":
-        return (f"engine {engine} on CPU: {placement.workers} actor(s) x {placement.threads} torch thread(s), "
-                f"{placement.actor_cpus:g} CPU each")  # fmt: skip
+        from pipeline.annotate.dataflow import units_at_once
+
+        units = units_at_once(placement)
+        return (f"engine {engine} on CPU: {placement.workers} actor(s), each {units} unit(s) at a time x "
+                f"{placement.threads} torch thread(s), {placement.actor_cpus:g} CPU asked of Ray")  # fmt: skip
     reach = f", up to {placement.gpus_max} as its autoscaler adds nodes" if placement.gpus_max else ""
     count = f"{placement.workers}" if engine == "vllm" else f"up to {placement.workers}"  # vLLM: a fixed pool
     return (f"engine {engine} on GPU: {count} replica(s), one per GPU (the cluster has "
@@ -361,7 +366,8 @@ def _annotate(job: AnnotateJob) -> AnnotateResult:
         print(f"bucketeer annotate: {', '.join(defaults)} from the embedded DEFAULT random-weight models: their "
               "values are NOISE, for trying the pipeline only (docs/annotate.md)", file=sys.stderr, flush=True)
     ray, _ = init_ray(job.ray_address)
-    from pipeline.embed.dataflow import configure_ray_data, place_encoders
+    from pipeline.annotate.dataflow import place_annotators, run_units
+    from pipeline.embed.dataflow import configure_ray_data
 
     configure_ray_data()
     described = _describe(ray, plan)
@@ -370,17 +376,21 @@ def _annotate(job: AnnotateJob) -> AnnotateResult:
     committed = _check_settings(job, settings, tasks)
     lookup, _ = committed_lookup(job.out, so, settings)
     work = _find_work(job, manifest, lookup)
-    placement = place_encoders(ray, job.device, job.workers, job.torch_threads)
+    placement = place_annotators(ray, job)
     engine = _pick_engine(job, placement)
     c = work.counts
     print(f"bucketeer annotate: {work.samples} samples in the manifest, {c['fresh'] + c['failed']} already annotated, "
           f"{c['stale']} changed since, {c['retry']} read failures (retrying), {c['missing']} new: {work.todo} to "
           f"annotate: {plan.summary()}; {_placement_line(engine, placement)}",
           flush=True)  # fmt: skip
-    done = {"captioned": 0, "errors": 0, "tokens": 0, "cpu_ms": 0}
-    steady, steady_seconds = dict(done), None
+    done = {"captioned": 0, "errors": 0, "tokens": 0}
+    steady, steady_seconds, times = dict(done), None, None
     if work.todo:
-        done, steady, steady_seconds = _run_units(job, work, plan, settings, engine, placement, source, manifest)
+        from pipeline.embed.job import image_column
+
+        options = {"source": source, "max_pixels": int(manifest.max_pixels or MAX_PIXELS),
+                   "image_column": image_column(manifest), "settings": settings}  # fmt: skip
+        done, steady, steady_seconds, times = run_units(job, work.groups, work.todo, plan, engine, placement, options)
     meta = _commit(job, manifest, tasks, settings, engine)
     # the error rows this run wrote: every sample it worked on is now annotated or an error, and the errors
     # before it that it did not redo ("failed") are still there. Read back from storage, as the counts of
@@ -396,41 +406,8 @@ def _annotate(job: AnnotateJob) -> AnnotateResult:
                           engine=engine, up_to_date=not work.todo and committed is not None,
                           captioned=done["captioned"], errors=errors, skipped=work.samples - work.todo,
                           images_per_second=rates[0], tokens_per_second=rates[1],
-                          worker_cpu_seconds=done["cpu_ms"] / 1000)  # fmt: skip
-
-
-def _run_units(job: AnnotateJob, work: _Work, plan: TaskPlan, settings: str, engine: str, placement, source: str,
-             manifest) -> tuple[dict[str, int], dict[str, int], float | None]:  # fmt: skip
-    """Run the Ray Data pipeline of ``engine``: what it did, what it did after its first unit, and the seconds
-    that took (None with a single unit)."""
-    from pipeline.annotate.dataflow import annotate_pipeline
-    from pipeline.embed.dataflow import results
-
-    so = dict(job.storage_options)
-    from pipeline.embed.job import image_column
-
-    options = {"source": source, "max_pixels": int(manifest.max_pixels or MAX_PIXELS),
-               "image_column": image_column(manifest), "settings": settings}  # fmt: skip
-    dataset = annotate_pipeline(job, work.groups, plan, engine, placement, options, so)
-    tally = job_throttles() or ThrottleTally()
-    done = {"captioned": 0, "errors": 0, "tokens": 0, "cpu_ms": 0}
-    first: float | None = None
-    at_first = dict(done)
-    with Progress("annotate", ",".join(plan.tasks), total=work.todo, unit="images") as progress:
-        for row in results(dataset):
-            tally.add(*(row.get("throttled") or ()))
-            now = time.time()
-            for k in done:
-                done[k] += int(row.get(k, 0))
-            if first is None:  # start-up and model loading end with the first unit done
-                first, at_first = now, dict(done)
-            elapsed = now - first
-            extra = ({"tokens/s": round((done["tokens"] - at_first["tokens"]) / elapsed, 1)}
-                     if elapsed > 0 and plan.caption else {})  # fmt: skip
-            progress.update(int(row["captioned"]) + int(row["errors"]), **extra)
-    steady = {k: done[k] - at_first[k] for k in done}
-    seconds = (time.time() - first) if first is not None and steady["captioned"] else None
-    return done, steady, seconds
+                          worker_cpu_seconds=round(times.cpu_seconds, 3) if times else 0.0,
+                          units_seconds=times.wall_seconds if times else None)  # fmt: skip
 
 
 def _commit(job: AnnotateJob, manifest, tasks: tuple[TaskSettings, ...], settings: str,

@@ -9,7 +9,9 @@
   ranged read, parquet bytes by row group), decodes each once (:func:`pipeline.embed.imaging.prepare_views`:
   EXIF orientation, the manifest's pixel limit, JPEG draft decoding), runs every task of the
   :class:`~pipeline.annotate.tasks.TaskPlan` on it (captions and embeddings in batches), and **writes the
-  unit's part itself** (and its error part), returning one small summary row.
+  unit's part itself** (and its error part), returning one small summary row (with the unit's times, which
+  the driver adds up per actor process: :class:`pipeline.annotate.dataflow.UnitTimes`). An actor runs two
+  units at a time, each with its own model passes of ``--torch-threads`` threads.
 
 A unit is what a lost worker costs: Ray Data retries it elsewhere, and the rewrite lands on the same
 part name (:func:`manifests.annotations.part_name`).
@@ -337,6 +339,8 @@ class AnnotateWriter:
         tokens = cols.get("generated_tokens")
         return {"part": name, "captioned": len(good), "errors": len(errors),
                 "tokens": int(np.sum(tokens.to_numpy())) if tokens is not None and len(tokens) else 0,
-                "seconds": time.time() - start, "cpu_ms": round(1000 * (time.process_time() - cpu)),
+                # this process's CPU seconds (every thread) at the unit's start and end: units of an actor overlap,
+                # so the driver counts each process once over its units (pipeline.annotate.dataflow.UnitTimes)
+                "started": start, "seconds": time.time() - start, "cpu_start": cpu, "cpu_end": time.process_time(),
                 "node": self.node, "pid": os.getpid(), "device": self.device,
                 "throttled": [*throttled, throttle_span(before)]}  # fmt: skip
