@@ -51,22 +51,26 @@ class _Cluster:
 
 
 @pytest.mark.parametrize("cpus, torch_threads, threads, actor_cpus", [
-    ((2.0,), None, 1, 1.0),  # this machine: as before
-    ((16.0,), None, 8, 15.0),  # two units of 8 threads: the node less the stage before's CPU
-    ((16.0,), 3, 3, 6.0),
-    ((4.0, 16.0), None, 8, 15.0),  # sized for the largest node
+    ((2.0,), None, 1, {2: 1.0, 1: 1.0}),  # this machine: as before
+    ((16.0,), None, 8, {2: 15.0, 1: 8.0}),  # two units of 8 threads: the node less the stage before's CPU
+    ((16.0,), 3, 3, {2: 6.0, 1: 3.0}),
+    ((4.0, 16.0), None, 8, {2: 15.0, 1: 8.0}),  # sized for the largest node
 ])  # fmt: skip
 def test_placement_of_cpu_actors_and_its_line(cpus, torch_threads, threads, actor_cpus):
+    """``actor_cpus``: by the units an actor runs at once (2 on Ray 2.60; 1 on a Ray too old for two calls per
+    actor, as pyproject's floor is: ``make test-floors``)."""
+    import ray
+
     job = AnnotateJob(manifest="m", out="o", device="cpu", torch_threads=torch_threads)
     placement = place_annotators(_Cluster(*cpus), job)
-    assert (placement.device, placement.workers, placement.threads) == ("cpu", 1, threads)
-    assert placement.actor_cpus == pytest.approx(actor_cpus)
-    assert placement.actor_options() == {"num_cpus": placement.actor_cpus}
     units = units_at_once(placement)
-    assert units == 2  # Ray 2.60 runs two calls per actor
+    assert units == (2 if tuple(map(int, ray.__version__.split(".")[:2])) >= (2, 60) else units) and units in (1, 2)
+    assert (placement.device, placement.workers, placement.threads) == ("cpu", 1, threads)
+    assert placement.actor_cpus == pytest.approx(actor_cpus[units])
+    assert placement.actor_options() == {"num_cpus": placement.actor_cpus}
     assert _placement_line("transformers", placement) == (
         f"engine transformers on CPU: 1 actor(s), each {units} unit(s) at a time x {threads} torch thread(s), "
-        f"{actor_cpus:g} CPU asked of Ray")  # fmt: skip
+        f"{actor_cpus[units]:g} CPU asked of Ray")  # fmt: skip
 
 
 def test_each_actor_process_is_counted_once_over_its_units():
