@@ -11,6 +11,7 @@ end to end, and the existing trainer trains on that PixArt-family cache.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -324,6 +325,8 @@ def test_train_on_a_pixart_family_cache(pixart_cache, tmp_path):
                            "--output-dir", str(out), "--max-steps", "3"], capture_output=True, text=True,
                           timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
+    if len(os.sched_getaffinity(0)) >= 2:  # python -m train, a local cache: the default reads in processes
+        assert "loader: read_processes: auto -> 2 processes (a local cache;" in proc.stdout, proc.stdout[-2000:]
     losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 3 and all(np.isfinite(losses)), losses
     model = PixArtTransformer2DModel.from_pretrained(out / "model")

@@ -105,6 +105,8 @@ def test_auto_reads_a_local_cache_in_processes_with_two_cores_per_rank_and_objec
     assert processes == 0 and "fewer than 2 cores per rank" in why and "8 cores for 8 ranks" in why
     processes, why = choose_readers("auto", local=False, cores=64, ranks=1)
     assert processes == 0 and "object storage" in why
+    processes, why = choose_readers("auto", local=True, cores=16, ranks=1, safe_main=False)  # a script of yours
+    assert processes == 0 and "__main__" in why and "read_processes: 2" in why
     assert choose_readers(0, local=True, cores=64, ranks=1) == (0, "read_processes: 0 (config)")
     assert choose_readers(3, local=False, cores=1, ranks=1)[0] == 3  # a number is taken as it is
     for value, ok in (("auto", True), (0, True), (4, True), (-1, False), ("two", False), (True, False), (1.5, False)):

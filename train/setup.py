@@ -183,7 +183,7 @@ def setup_data(job: TrainJob, launch: Launch, position: Position) -> Data:
     from manifests.cache import CacheReader
     from manifests.storage import is_local
     from train.data import BatchLoader, rank_steps
-    from train.data.processes import choose_readers
+    from train.data.processes import choose_readers, main_is_safe
 
     accelerator, cursor, cfg, output = launch.accelerator, position.cursor, launch.cfg, launch.output
     caches = list(job.caches)
@@ -211,7 +211,8 @@ def setup_data(job: TrainJob, launch: Launch, position: Position) -> Data:
         raise UsageError(f"ranks have different step counts {counts}: run `bucketeer plan --check`")
     processes, why = choose_readers(cfg.read_processes, local=all(is_local(r.fs) for r in readers),
                                     cores=len(os.sched_getaffinity(0)),
-                                    ranks=int(os.environ.get("LOCAL_WORLD_SIZE") or accelerator.num_processes))
+                                    ranks=int(os.environ.get("LOCAL_WORLD_SIZE") or accelerator.num_processes),
+                                    safe_main=main_is_safe())  # fmt: skip
     accelerator.print(f"loader: {why}")
     loader = BatchLoader(readers, steps, reader.meta.latent, rank=accelerator.process_index,
                          prefetch=cfg.prefetch, read_threads=cfg.read_threads,

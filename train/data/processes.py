@@ -178,19 +178,35 @@ def _context() -> Any:
     return ctx
 
 
-def choose_readers(setting: int | str, *, local: bool, cores: int, ranks: int) -> tuple[int, str]:
+def main_is_safe() -> bool:
+    """Whether read processes may start beside this process's main module: it is the trainer's own
+    (``python -m train``, ``accelerate launch -m train``) or there is no file to run again (a notebook, ``-c``). A
+    script of yours is imported again in each read process, and one without the ``__main__`` guard would run."""
+    import sys
+
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    return getattr(spec, "name", None) in ("train.__main__", "train") or not getattr(main, "__file__", None)
+
+
+def choose_readers(setting: int | str, *, local: bool, cores: int, ranks: int,
+                   safe_main: bool = True) -> tuple[int, str]:  # fmt: skip
     """``(read processes, why)`` of the config's ``read_processes``: a number is taken as it is; ``auto`` picks
     :data:`AUTO_PROCESSES` processes for a cache on a local disk when this node has at least 2 cores per rank
     (reading and decoding then run beside the step's Python instead of taking turns with it for one GIL:
     ``benchmarks/loader.py``'s local table), and threads (0) otherwise: a cache on object storage (its reads wait on
     the network, which threads overlap as well; processes were not measured there) or too few cores (a process per
-    reader would only add copies)."""
+    reader would only add copies). ``safe_main`` (:func:`main_is_safe`) False: threads, for a script's main module
+    would run again in each read process."""
     if setting != "auto":
         return int(setting), f"read_processes: {setting} (config)"
     per_rank = cores // max(ranks, 1)
     where = f"{cores} cores for {ranks} rank{'s' if ranks != 1 else ''} on this node"
     if not local:
         return 0, f"read_processes: auto -> threads (the cache is on object storage; {where})"
+    if not safe_main:
+        return 0, ("read_processes: auto -> threads (run from a script, which each read process would import "
+                   "again: set read_processes: 2 with an `if __name__ == \"__main__\":` guard to read in processes)")
     if per_rank < 2:
         return 0, f"read_processes: auto -> threads ({where}: fewer than 2 cores per rank)"
     return AUTO_PROCESSES, f"read_processes: auto -> {AUTO_PROCESSES} processes (a local cache; {where})"
