@@ -262,14 +262,14 @@ def _ours_loader(root: str, setting: dict, storage_options: dict | None):
     from manifests.storage import is_local
     from train.config import TrainConfig
     from train.data import BatchLoader, rank_steps
-    from train.data.processes import choose_readers
+    from train.data.processes import choose_readers, usable_cores
 
     knobs = ("read_threads", "prefetch", "read_processes")
     cfg = replace(TrainConfig(), **{"read_processes": 0, **{k: v for k, v in setting.items() if k in knobs}})
     if setting.get("defaults"):
         cfg = TrainConfig()
     reader = CacheReader(f"{root}/cache", storage_options)
-    processes, why = choose_readers(cfg.read_processes, local=is_local(reader.fs), cores=len(os.sched_getaffinity(0)),
+    processes, why = choose_readers(cfg.read_processes, local=is_local(reader.fs), cores=usable_cores(),
                                     ranks=1)  # fmt: skip
     if setting.get("defaults"):
         print(f"ours with the trainer's defaults: {why}", file=sys.stderr, flush=True)

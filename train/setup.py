@@ -183,7 +183,7 @@ def setup_data(job: TrainJob, launch: Launch, position: Position) -> Data:
     from manifests.cache import CacheReader
     from manifests.storage import is_local
     from train.data import BatchLoader, rank_steps
-    from train.data.processes import choose_readers, main_is_safe
+    from train.data.processes import choose_readers, main_is_safe, usable_cores
 
     accelerator, cursor, cfg, output = launch.accelerator, position.cursor, launch.cfg, launch.output
     caches = list(job.caches)
@@ -210,7 +210,7 @@ def setup_data(job: TrainJob, launch: Launch, position: Position) -> Data:
     if len(set(counts)) != 1:  # a plan invariant; checked because a violation would hang DDP
         raise UsageError(f"ranks have different step counts {counts}: run `bucketeer plan --check`")
     processes, why = choose_readers(cfg.read_processes, local=all(is_local(r.fs) for r in readers),
-                                    cores=len(os.sched_getaffinity(0)),
+                                    cores=usable_cores(),
                                     ranks=int(os.environ.get("LOCAL_WORLD_SIZE") or accelerator.num_processes),
                                     safe_main=main_is_safe())  # fmt: skip
     accelerator.print(f"loader: {why}")

@@ -34,7 +34,7 @@ import torch
 from manifests.errors import UsageError
 from train.data.batch import TENSORS, Batch
 
-__all__ = ["ProcessReads", "SLOTS", "choose_readers", "AUTO_PROCESSES"]
+__all__ = ["ProcessReads", "SLOTS", "choose_readers", "AUTO_PROCESSES", "main_is_safe", "usable_cores"]
 
 AUTO_PROCESSES = 2  # read processes ``read_processes: auto`` starts where it picks processes
 SLOTS = 2  # shared-memory batch slots per worker process: one being filled while the other is copied out
@@ -176,6 +176,13 @@ def _context() -> Any:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([__name__])
     return ctx
+
+
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity on Linux; elsewhere, macOS included, the machine's count)."""
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def main_is_safe() -> bool:
