@@ -33,9 +33,18 @@ def tiny(tmp_path_factory) -> str:
     return str(build_tiny("ltx-2", tmp_path_factory.mktemp("tiny-ltx2") / "ltx-2"))
 
 
-def test_cached_text_is_encode_prompts_real_rows_and_the_connectors_give_the_same(tiny):
+@pytest.fixture(scope="module")
+def tiny23(tmp_path_factory) -> str:
+    """LTX-2.3's layout of the same classes (per-modality connectors, BWE vocoder): ``--family ltx-2`` takes it."""
+    quiet_loading()
+    return str(build_tiny("ltx-2", tmp_path_factory.mktemp("tiny-ltx23") / "ltx-2.3", variant="2.3"))
+
+
+@pytest.mark.parametrize("variant", ["2.0", "2.3"])
+def test_cached_text_is_encode_prompts_real_rows_and_the_connectors_give_the_same(request, variant):
     from diffusers import LTX2Pipeline
 
+    tiny = request.getfixturevalue("tiny" if variant == "2.0" else "tiny23")
     encoders = _specs("ltx-2", tiny)[1].load()
     info = encoders.describe()
     layout = TextLayout.from_json(info["layout"])

@@ -39,12 +39,21 @@ def data(tmp_path_factory) -> WanData:
     return build(tmp_path_factory.mktemp("ltx2"))
 
 
-def _by_hand(data: WanData, batch, model, generator) -> torch.Tensor:
-    """The loss of ``batch`` from the cached records and the pipeline's parts (see the module docstring)."""
+@pytest.fixture(scope="module")
+def ltx23(tmp_path_factory) -> str:
+    """A tiny LTX-2.3 folder (the same classes in 2.3's layout); the cache's Gemma rows and latents fit it too."""
+    from pipeline.embed.families.tiny import build_tiny
+
+    return str(build_tiny("ltx-2", tmp_path_factory.mktemp("ltx23") / "ltx-2.3", variant="2.3"))
+
+
+def _by_hand(data: WanData, batch, model, generator, folder: str | None = None, cross: bool = False) -> torch.Tensor:
+    """The loss of ``batch`` from the cached records and the pipeline's parts (see the module docstring); ``folder``:
+    the pipeline's (default the cache's model), ``cross``: the pipeline's ``use_cross_timestep``."""
     from diffusers import LTX2Pipeline
     from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift
 
-    pipe = LTX2Pipeline.from_pretrained(data.model, text_encoder=None, tokenizer=None)
+    pipe = LTX2Pipeline.from_pretrained(folder or data.model, text_encoder=None, tokenizer=None)
     reader = CacheReader(data.cache)
     records = [r.variant(v) for r, v in zip(reader.read(batch.sample_ids), batch.variants)]
     x0 = torch.from_numpy(np.stack([to_float32(r.latent, r.dtype) for r in records]))  # stored normalised
@@ -73,7 +82,7 @@ def _by_hand(data: WanData, batch, model, generator) -> torch.Tensor:
                      height=h, width=w, fps=24.0, audio_num_frames=steps,
                      video_coords=pipe.transformer.rope.prepare_video_coords(b, f, h, w, "cpu", fps=24.0),
                      audio_coords=pipe.transformer.audio_rope.prepare_audio_coords(b, steps, "cpu"),
-                     use_cross_timestep=False, return_dict=False)  # fmt: skip
+                     use_cross_timestep=cross, return_dict=False)  # fmt: skip
     return ((video - pipe._pack_latents(eps - x0)) ** 2).mean()
 
 
@@ -93,6 +102,29 @@ def test_the_loss_is_the_pipelines_denoising_step_on_the_video(data):
             loss = denoiser.loss(denoiser.model, batch, step_generator(0, batch.epoch, batch.step, 0))
             want = _by_hand(data, batch, folder, step_generator(0, batch.epoch, batch.step, 0))
         torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+
+
+def test_an_ltx23_folder_trains_with_the_cross_modality_sigma_and_validates_with_its_bwe_vocoder(data, ltx23):
+    """LTX-2.3 is the same pipeline class in another layout: the loss is its denoising step with
+    ``use_cross_timestep=True`` (2.3's behaviour; the legacy False gives another loss), and validation builds the
+    pipeline around the folder's ``LTX2VocoderWithBWE``."""
+    from diffusers import AutoencoderKLLTX2Video, LTX2VideoTransformer3DModel
+    from diffusers.pipelines.ltx2.vocoder import LTX2VocoderWithBWE
+
+    from train.model import step_generator
+
+    denoiser = _setup(data, pretrained=ltx23)
+    folder = LTX2VideoTransformer3DModel.from_pretrained(ltx23, subfolder="transformer")
+    assert folder.prompt_modulation and not hasattr(folder, "caption_projection")  # 2.3's layout indeed
+    batch = _batches(data)[0]
+    with torch.no_grad():
+        loss = denoiser.loss(denoiser.model, batch, step_generator(0, batch.epoch, batch.step, 0))
+        want = _by_hand(data, batch, folder, step_generator(0, batch.epoch, batch.step, 0), ltx23, cross=True)
+        legacy = _by_hand(data, batch, folder, step_generator(0, batch.epoch, batch.step, 0), ltx23, cross=False)
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    assert (loss - legacy).abs() > 1e-4  # the flag does change what the model sees
+    pipe = denoiser.pipeline(denoiser.model, AutoencoderKLLTX2Video.from_pretrained(ltx23, subfolder="vae"))
+    assert isinstance(pipe.vocoder, LTX2VocoderWithBWE)
 
 
 def test_only_the_video_stream_trains_and_every_trained_parameter_gets_a_gradient(data):

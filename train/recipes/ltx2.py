@@ -22,6 +22,11 @@ cross-attention ``attn2`` and the audio-to-video ``audio_to_video_attn``; a full
 audio-stream parameter: none of them would get a gradient worth the name, and DDP refuses the ones with none).
 Training the joint loss on the clip's own audio (decoded, resampled, mel, the audio VAE) is not done.
 
+LTX-2.3 folders (the same ``LTX2Pipeline`` class; connectors with ``per_modality_projections``, a transformer with
+``cross_attn_mod``) load as they are: the audio-video cross-attention is modulated by the other stream's sigma
+(``use_cross_timestep``, what 2.3 was trained with; 2.0 the legacy own sigma), and validation loads the vocoder class
+the folder names (2.3: ``LTX2VocoderWithBWE``).
+
 Not yet: ``masked_loss`` and ``repa`` (refused in one line, as for Wan).
 """
 
@@ -112,6 +117,11 @@ def setup(cfg: TrainConfig, meta: CacheMeta) -> Denoiser:
     audio_width = int(audio["latent_channels"]) * mel
     check_matches("audio features (audio_in_channels)", transformer.config.audio_in_channels, audio_width, source)
 
+    # LTX-2.3 (prompt modulation) was trained with the cross-modality sigma modulating audio-video attention: the
+    # pipeline's use_cross_timestep=True ("the LTX-2.3/2.5 behavior"); LTX-2.0 the legacy False. At inference both
+    # streams share one sigma, so only here (audio fed as pure noise) does the choice matter
+    cross_timestep = bool(getattr(transformer, "prompt_modulation", False))
+
     def text_states(batch: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The connectors' video and audio text states and mask, as the pipeline computes them."""
         text, mask = left_pad(batch.text.float(), batch.text_mask, layout.length)
@@ -136,7 +146,7 @@ def setup(cfg: TrainConfig, meta: CacheMeta) -> Denoiser:
                 "video_coords": transformer.rope.prepare_video_coords(b, f // pt, h // p, w // p, noisy.device,
                                                                  fps=FRAME_RATE),
                 "audio_coords": transformer.audio_rope.prepare_audio_coords(b, steps, noisy.device),
-                "use_cross_timestep": False, "return_dict": False}  # fmt: skip
+                "use_cross_timestep": cross_timestep, "return_dict": False}  # fmt: skip
 
     def loss(model: torch.nn.Module, batch: Any, generator: torch.Generator) -> torch.Tensor:
         b, c, f, h, w = batch.latents.shape
@@ -155,11 +165,14 @@ def setup(cfg: TrainConfig, meta: CacheMeta) -> Denoiser:
 
     def pipeline(model: torch.nn.Module, vae: Any) -> Any:
         from diffusers import AutoencoderKLLTX2Audio
-        from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+        from diffusers.pipelines.ltx2 import vocoder as vocoders
 
         device, dtype = model.device, model.dtype
         audio_vae = AutoencoderKLLTX2Audio.from_pretrained(source, subfolder="audio_vae", torch_dtype=dtype)
-        vocoder = LTX2Vocoder.from_pretrained(source, subfolder="vocoder", torch_dtype=dtype)
+        name = vocoders.LTX2Vocoder.load_config(source, subfolder="vocoder").get("_class_name", "LTX2Vocoder")
+        if name not in ("LTX2Vocoder", "LTX2VocoderWithBWE"):  # LTX-2.3 folders ship the BWE one
+            raise UsageError(f"{source}: vocoder class {name!r} is neither LTX-2's nor LTX-2.3's; validation needs one")
+        vocoder = getattr(vocoders, name).from_pretrained(source, subfolder="vocoder", torch_dtype=dtype)
         return LTX2Pipeline(scheduler=scheduler, vae=vae, audio_vae=audio_vae.to(device), text_encoder=None,
                             tokenizer=None, connectors=connectors.to(device), transformer=model,
                             vocoder=vocoder.to(device))  # fmt: skip

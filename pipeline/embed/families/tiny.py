@@ -302,7 +302,8 @@ _PIPELINES["hunyuanvideo-1.5"], _SEEDS["hunyuanvideo-1.5"] = tiny_hunyuan.hunyua
 
 def tiny_pipeline(family: str, variant: str | None = None) -> object:
     """The tiny random-weight pipeline object of ``family`` (see the module docstring), not saved; its weights a
-    function of the family (seeded). ``variant``: ``"sigma"`` for pixart gives a ``PixArtSigmaPipeline``; a
+    function of the family (seeded). ``variant``: ``"sigma"`` for pixart gives a ``PixArtSigmaPipeline``, ``"2.3"`` for
+    ltx-2 LTX-2.3's layout; a
     ``QwenImageEditPipeline``'s processor is None (:func:`save_pipeline` writes it from its parts). Raises
     ValueError for a family without a tiny model (and for ``generic``, which is no pipeline)."""
     import torch
@@ -312,6 +313,8 @@ def tiny_pipeline(family: str, variant: str | None = None) -> object:
     torch.manual_seed(_SEEDS[family])
     if family == "qwen-image-edit":
         return tiny_qwen.qwen_image("QwenImageEditPipeline", processor=None)
+    if family == "ltx-2":
+        return tiny_ltx2.ltx2(variant)  # "2.3": LTX-2.3's layout of the same classes
     return _pixart(variant or "alpha") if family == "pixart" else _PIPELINES[family]()
 
 

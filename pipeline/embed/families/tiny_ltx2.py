@@ -14,6 +14,11 @@
   ``FlowMatchEulerDiscreteScheduler`` (dynamic exponential shift, 0.95 at 1024 tokens to 2.05 at 4096, terminal
   0.1).
 
+``variant="2.3"`` builds LTX-2.3's layout of the same pipeline class, as the published 2.3 folders configure it
+(diffusers/LTX-2.3-Diffusers): connectors with ``per_modality_projections`` (per-token RMS norm, one projection per
+modality, no caption projection in the transformer) and gated attention; a transformer with ``gated_attn`` and
+``cross_attn_mod`` (its ``prompt_adaln`` modulates the text cross-attention by sigma); ``LTX2VocoderWithBWE``.
+
 Built by :func:`pipeline.embed.families.tiny.build_tiny` (which seeds it).
 """
 
@@ -21,9 +26,10 @@ from __future__ import annotations
 
 from manifests.errors import UsageError
 
-__all__ = ["GEMMA_WIDTH", "GEMMA_LAYERS", "connectors_supported", "ltx2"]
+__all__ = ["GEMMA_WIDTH", "GEMMA_LAYERS", "VARIANTS", "connectors_supported", "ltx2"]
 
 GEMMA_WIDTH, GEMMA_LAYERS = 32, 2  # Gemma 3 12B: 3840 wide, 48 layers
+VARIANTS = ("2.0", "2.3")
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_image>", "<image_soft_token>", "<end_of_image>"]
 
 
@@ -69,8 +75,9 @@ def connectors_supported() -> bool:
     return "video_hidden_dim" in inspect.signature(LTX2TextConnectors.__init__).parameters
 
 
-def ltx2():
-    """``LTX2Pipeline`` of the module docstring's tiny components (unseeded: the caller seeds)."""
+def ltx2(variant: str | None = None):
+    """``LTX2Pipeline`` of the module docstring's tiny components (unseeded: the caller seeds); ``variant``: "2.0"
+    (None) or "2.3"."""
     import torch
     from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler,
                            LTX2Pipeline, LTX2VideoTransformer3DModel)  # fmt: skip
@@ -81,13 +88,19 @@ def ltx2():
 
         raise UsageError(f"--family ltx-2 --model default needs a newer diffusers than {diffusers.__version__} "
                          "(its LTX-2 text connectors were reworked after 0.37): pip install -U diffusers")
-    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
 
+    if (variant or "2.0") not in VARIANTS:
+        raise ValueError(f"ltx-2 variant {variant!r}: the tiny pipeline has {VARIANTS}")
+    v23 = variant == "2.3"
     tokenizer = gemma_tokenizer()
     connectors = LTX2TextConnectors(caption_channels=GEMMA_WIDTH, text_proj_in_factor=GEMMA_LAYERS + 1,
-                                    video_connector_num_attention_heads=2, video_connector_attention_head_dim=16,
-                                    audio_connector_num_attention_heads=2, audio_connector_attention_head_dim=16,
-                                    video_hidden_dim=16, audio_hidden_dim=8)  # fmt: skip
+                                    video_connector_num_attention_heads=2, audio_connector_num_attention_heads=2,
+                                    # 2.3: the connectors run at the transformer's text widths (video 16, audio 8)
+                                    video_connector_attention_head_dim=8 if v23 else 16,
+                                    audio_connector_attention_head_dim=4 if v23 else 16,
+                                    video_hidden_dim=16, audio_hidden_dim=8, per_modality_projections=v23,
+                                    video_gated_attn=v23, audio_gated_attn=v23)  # fmt: skip
     vae = AutoencoderKLLTX2Video(latent_channels=8, block_out_channels=(8, 16, 16, 16),
                                  decoder_block_out_channels=(8, 16, 32), layers_per_block=(1, 1, 1, 1, 1),
                                  decoder_layers_per_block=(1, 1, 1, 1), spatial_compression_ratio=32,
@@ -99,11 +112,20 @@ def ltx2():
                                        mel_bins=16)  # fmt: skip
     vocoder = LTX2Vocoder(in_channels=32, hidden_channels=16, upsample_kernel_sizes=[4, 4], upsample_factors=[2, 2],
                           resnet_kernel_sizes=[3], resnet_dilations=[[1]])  # fmt: skip
+    if v23:
+        vocoder = LTX2VocoderWithBWE(in_channels=32, hidden_channels=16, upsample_kernel_sizes=[4, 4],
+                                     upsample_factors=[2, 2], resnet_kernel_sizes=[3], resnet_dilations=[[1]],
+                                     bwe_in_channels=32, bwe_hidden_channels=16, bwe_upsample_kernel_sizes=[8, 8, 7],
+                                     bwe_upsample_factors=[4, 4, 3], bwe_resnet_kernel_sizes=[3],
+                                     bwe_resnet_dilations=[[1]], num_mel_channels=16, filter_length=64, hop_length=16,
+                                     window_length=64)  # fmt: skip (BWE: hop 16 x 3 = 4 x 4 x 3 upsampling)
     audio_width = 2 * (16 // audio_vae.mel_compression_ratio)
     transformer = LTX2VideoTransformer3DModel(
         in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16,
         audio_in_channels=audio_width, audio_out_channels=audio_width, audio_num_attention_heads=2,
         audio_attention_head_dim=4, audio_cross_attention_dim=8, num_layers=2, caption_channels=GEMMA_WIDTH,
+        gated_attn=v23, cross_attn_mod=v23, audio_gated_attn=v23, audio_cross_attn_mod=v23,
+        use_prompt_embeddings=not v23,
     )  # fmt: skip
     scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05,
                                                 base_image_seq_len=1024, max_image_seq_len=4096, shift_terminal=0.1,
