@@ -93,6 +93,7 @@ from benchmarks.gpu_flops import throughput, throughput_text  # noqa: E402
 from benchmarks.gpu_measures import (BusySampler, Row, annotate_rows, clip_rows, decode_rows, loader_rate,  # noqa: E402
                                      repa_rows, text_vs_pipeline, vae_sweep, vae_tuned_rows, wan_rows)
 from benchmarks.gpu_models import ENCODER_FAMILIES  # noqa: E402
+from manifests.families import SPECS  # noqa: E402
 
 RESULT_MARK = "GPU_CHECK_RESULT "
 ERROR_MARK = "GPU_CHECK_ERROR "  # a trainer rank's exception, on its stdout
@@ -136,8 +137,8 @@ class Sizes:
     denoisers: dict[str, str]  # what each family trains, for the table
 
 
-_TEXT_BATCH = {"sdxl": 128, "flux": 32, "chroma": 32, "z-image": 32, "flux2-klein": 16, "qwen-image": 32,
-               "qwen-image-edit": 8, "flux2": 8}  # (instruction, reference) pairs for qwen-image-edit  # fmt: skip
+# captions per text-encoder call at real size ((instruction, reference) pairs for qwen-image-edit): FamilySpec.sizes
+_TEXT_BATCH = {name: spec.sizes.text_batch for name, spec in SPECS.items() if spec.sizes is not None}
 REAL = Sizes((1216, 1088), (1024, 1024), 384, 96, (1, 4, 8, 16), 32, _TEXT_BATCH, 2,
              {"sdxl": 1, "flux": 1}, 4, 12, (8, (512, 512)), 64, (81, 480, 832), 64, 3, 150,
              {"sdxl": "UNet (2.57B)", "flux": "Flux-width transformer, 4+8 of 19+38 blocks (2.5B)"})  # fmt: skip

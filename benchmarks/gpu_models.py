@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.real_configs import FLUX1_VAE, MISTRAL_SMALL_31, QWEN3_4B, QWEN_VL_7B, SDXL_VAE, T5_XXL
+from manifests.families import SPECS
 
 __all__ = ["REAL", "TINY", "VISION", "build_folder", "build_vision", "make_jpegs", "write_jpeg_manifest",
            "FLUX_BLOCKS", "ENCODER_FAMILIES", "TEXT_NAMES", "real_encoders", "encoders_bytes",
@@ -239,14 +240,8 @@ def _model_index(family: str, configs: dict[str, Any], tokenizers: dict[str, Any
 
 # smallest first (what `--families all` runs in this order, so that a cut budget loses the largest)
 ENCODER_FAMILIES = ("chroma", "z-image", "flux2-klein", "qwen-image", "qwen-image-edit", "flux2")
-TEXT_NAMES = {  # what the text rows call each family's text encoder (real size)
-    "sdxl": "CLIP-L + CLIP-bigG (77 tokens)", "flux": "CLIP-L + T5-XXL (512 tokens)",
-    "chroma": "T5-XXL (512 tokens, run masked)", "z-image": "Qwen3-4B (chat template, real tokens)",
-    "flux2-klein": "Qwen3-4B (chat, 512 tokens, hidden states 9/18/27)",
-    "qwen-image": "Qwen2.5-VL-7B (template + caption, real tokens)",
-    "qwen-image-edit": "Qwen2.5-VL-7B (template + instruction + reference image)",
-    "flux2": "Mistral Small 3.1 24B (chat, 512 tokens, hidden states 10/20/30)",
-}  # fmt: skip
+# what the text rows call each family's text encoder (real size): manifests/families (FamilySpec.sizes)
+TEXT_NAMES = {name: spec.sizes.text_name for name, spec in SPECS.items() if spec.sizes is not None}
 
 
 def real_encoders(family: str, tokenizer) -> tuple[Any, Any]:

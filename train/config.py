@@ -15,16 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from manifests.errors import MissingError, UsageError
+from manifests.families import SPECS
 from train.masks import MaskedLoss
 from train.shift import parse_shift
 
 __all__ = ["TrainConfig", "load_config", "default_config", "DEFAULT_CONFIG"]
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "tiny.yaml"
-# families whose default config fine-tunes the cache's --model
-FINE_TUNED = ("sdxl", "sd3", "flux", "wan", "wan2.2-a14b", "wan2.2-ti2v-5b")
-FINE_TUNED += ("ltx-2",)  # train/configs/ltx-2.yaml
-FINE_TUNED += ("hunyuanvideo-1.5",)  # train/configs/hunyuanvideo-1.5.yaml
+# families whose default config (train/configs/<family>.yaml) fine-tunes the cache's --model: Objective.config
+FINE_TUNED = tuple(name for name, spec in SPECS.items() if spec.objective is not None and spec.objective.config)
 LR_SCHEDULES = ("cosine", "linear", "constant")
 WEIGHTING_SCHEMES = ("logit_normal", "uniform", "mode")
 MIXED_PRECISION = ("no", "bf16", "fp16")

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Iterator
 
 from manifests.errors import UsageError
+from manifests.families import SPECS, demo_families, video_families
 from pipeline.demo.local_s3 import DEMO_BUCKET, local_credentials, local_s3_server, upload_folder
 from pipeline.demo.summary import summary_text
 from pipeline.demo.trainer import WORLD_SIZE, family_config, train
@@ -37,21 +38,15 @@ CURATION_FROM = 40  # --images from which some of them are planted duplicates an
 # its captions are noise), clips cut inside the shots with each clip's own shot's caption (rebucket --scenes), and a
 # planted still clip left out by the plan's --where (the stills, images of the manifest, are 1-frame samples)
 VIDEO_ANNOTATE_TASKS, VIDEO_WHERE = "scenes,motion,caption", "motion > 0.5 OR frames = 1"
-FAMILIES = ("pixart", "sdxl", "sd3", "flux", "wan")
-FAMILIES += ("qwen-image", "z-image")  # tiny Qwen2.5-VL / Qwen3 text encoders (pipeline.embed.families.tiny_qwen)
-FAMILIES += ("flux2", "flux2-klein", "chroma")  # docs/families-flux2-chroma.md
-FAMILIES += ("qwen-image-edit",)  # (target, reference) pairs: a grey reference per image, scan --conditioning
-FAMILIES += ("wan2.2-a14b", "wan2.2-ti2v-5b")  # video, as wan: docs/families-video.md
-VIDEO = ("wan", "wan2.2-a14b", "wan2.2-ti2v-5b")  # families trained on generated clips
-FAMILIES, VIDEO = FAMILIES + ("ltx-2",), VIDEO + ("ltx-2",)  # video (its audio stream untrained): families-video.md
-FAMILIES, VIDEO = FAMILIES + ("hunyuanvideo-1.5",), VIDEO + ("hunyuanvideo-1.5",)  # docs/families-video.md
+# the families a demo runs (manifests/families: FamilySpec.demo), those trained on generated clips (.video);
+# qwen-image-edit's are (target, reference) pairs: a grey reference per image, scan --conditioning
+FAMILIES, VIDEO = demo_families(), video_families()
 # --family wan: short clips at ~128² (the tiny Wan VAE runs each 17-frame clip in about a second on a CPU), frame
 # buckets 9 and 17 (4k+1, as Wan's causal VAE takes them), sides in steps of 16 (VAE 8 x patch 2); Wan 2.2's
 # TI2V VAE compresses 16x: steps of 32
 VIDEO_RESOLUTION, VIDEO_BUCKET_STEP, VIDEO_FRAMES = 128, 16, "9,17"
-VIDEO_BUCKET_STEPS = {"wan2.2-ti2v-5b": 32}
-VIDEO_BUCKET_STEPS["ltx-2"] = 32  # LTX-2's VAE is 32x; its 8k + 1 frames: 9 and 17 are
-VIDEO_BUCKET_STEPS["hunyuanvideo-1.5"] = 32  # its VAE compresses 16x too
+# LTX-2's VAE is 32x (its 8k + 1 frames: 9 and 17 are), HunyuanVideo 1.5's 16x: FamilySpec.bucket_step
+VIDEO_BUCKET_STEPS = {name: SPECS[name].bucket_step for name in VIDEO if SPECS[name].bucket_step}
 VALIDATION_PROMPTS = "a red circle on a blue background\na photo of a cat\n"
 
 

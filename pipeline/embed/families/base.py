@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from manifests.cache.text_layout import TextLayout
+from manifests.families import spec_of
 
-__all__ = ["Family", "PromptParts", "TextModel", "TextOptions", "PAD_STEP", "token_counts"]
+__all__ = ["Family", "PromptParts", "TextModel", "TextOptions", "PAD_STEP", "declared", "token_counts"]
 
 PAD_STEP = 64  # a length group's padding: its longest caption's tokens, rounded up to this
 
@@ -84,6 +85,8 @@ class Family:
     causal LM padded on the right): its captions are then encoded in groups by length, each padded to a multiple
     of :data:`PAD_STEP` instead of ``max_tokens`` (:meth:`pipeline.embed.encoders.TextEncoders.encode`). None:
     every batch is padded as the pipeline pads it.
+    ``vae_shift``: the pipeline subtracts its VAE config's ``shift_factor`` (False: it scales only, as Kandinsky 5
+    does with FLUX.1's VAE; the latent encoder then records ``shift_factor`` null, :mod:`pipeline.embed.latents`).
     """
 
     name: str
@@ -101,3 +104,22 @@ class Family:
     processor: str | None = None
     kind_of: Callable[[dict[str, Any]], str] | None = None
     count_tokens: Callable[[list[TextModel], list[str], TextOptions], list[int]] | None = None
+    vae_shift: bool = True
+    tokenizer: str | None = None  # the tokenizer's pipeline subfolder where it is no tokenizer* twin of the
+    # text encoder's (Qwen-Image 2.1: processor, the Qwen3VLProcessor's folder); None: that twin
+    # companions(folder, ident, dtype, device, weights): what encode runs besides the text encoders, loaded from the
+    # pipeline folder and appended to its models, their info in the fingerprint (Anima: T5 tokenizer + LLM adapter)
+    companions: Callable[[str, str, Any, Any, bool], list[TextModel]] | None = None
+
+
+def declared(name: str, **code: Any) -> Family:
+    """Family ``name`` as :mod:`manifests.families` declares it (pipeline classes, text encoders and their
+    classes, lengths, VAE subfolder, processor, reference), with ``code``: the functions that are its own
+    (``layout``, ``encode``, and ``prune``, ``count_tokens``, ``kind_of`` where it has them)."""
+    spec = spec_of(name)
+    text = spec.text
+    return Family(name=name, summary=spec.summary, pipelines=spec.pipelines,
+                  text_encoders=tuple(e.subfolder for e in text.encoders),
+                  text_classes=tuple(e.cls for e in text.encoders), max_text_tokens=text.max_tokens,
+                  text_tokens_limit=text.limit, vae=spec.vae.subfolder, reference=spec.reference,
+                  processor=text.processor, **code)  # fmt: skip

@@ -17,9 +17,10 @@ change what the denoiser sees.
 from __future__ import annotations
 
 from manifests.cache.text_layout import TextLayout
-from pipeline.embed.families.base import Family, PromptParts, TextModel, TextOptions
+from manifests.families import spec_of
+from pipeline.embed.families.base import PromptParts, TextModel, TextOptions, declared
 
-T5_TOKENS = 512  # ChromaPipeline's max_sequence_length (its maximum too)
+T5_TOKENS = spec_of("chroma").text.max_tokens(None)  # 512: ChromaPipeline's max_sequence_length (its maximum too)
 MASK_SOURCE = "the transformer's text attention mask (1 on the caption's tokens and the first pad, then 0)"
 
 
@@ -43,13 +44,4 @@ def encode(models: list[TextModel], captions: list[str], options: TextOptions) -
     return PromptParts([embeds], pooled=(positions <= n.unsqueeze(1)).to(embeds.dtype))  # (B, L) of 0 and 1
 
 
-FAMILY = Family(
-    name="chroma",
-    summary="Chroma: T5 (512, run masked; all rows stored) and the transformer's mask (real tokens + 1)",
-    pipelines=("ChromaPipeline",),
-    text_encoders=("text_encoder",),
-    text_classes=("T5EncoderModel",),
-    layout=layout,
-    encode=encode,
-    max_text_tokens=lambda pipeline: T5_TOKENS,
-)
+FAMILY = declared("chroma", layout=layout, encode=encode)

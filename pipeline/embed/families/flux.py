@@ -10,9 +10,10 @@ makes them from the length.
 from __future__ import annotations
 
 from manifests.cache.text_layout import TextLayout
-from pipeline.embed.families.base import Family, PromptParts, TextModel, TextOptions
+from manifests.families import spec_of
+from pipeline.embed.families.base import PromptParts, TextModel, TextOptions, declared
 
-T5_TOKENS = 512  # the pipeline's max_sequence_length
+T5_TOKENS = spec_of("flux").text.max_tokens(None)  # the pipeline's max_sequence_length (512)
 
 
 def layout(models: list[TextModel], options: TextOptions) -> TextLayout:
@@ -32,13 +33,4 @@ def encode(models: list[TextModel], captions: list[str], options: TextOptions) -
     return PromptParts([t5(ids, output_hidden_states=False)[0]], pooled=pooled)
 
 
-FAMILY = Family(
-    name="flux",
-    summary="Flux.1: T5 (512, unmasked), pooled CLIP-L",
-    pipelines=("FluxPipeline",),
-    text_encoders=("text_encoder", "text_encoder_2"),
-    text_classes=("CLIPTextModel", "T5EncoderModel"),
-    layout=layout,
-    encode=encode,
-    max_text_tokens=lambda pipeline: T5_TOKENS,
-)
+FAMILY = declared("flux", layout=layout, encode=encode)

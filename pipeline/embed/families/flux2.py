@@ -31,10 +31,11 @@ from __future__ import annotations
 from typing import Any
 
 from manifests.cache.text_layout import TextLayout
+from manifests.families import spec_of
 from manifests.errors import UsageError
-from pipeline.embed.families.base import Family, PromptParts, TextModel, TextOptions
+from pipeline.embed.families.base import PromptParts, TextModel, TextOptions, declared
 
-TOKENS = 512  # the pipelines' max_sequence_length
+TOKENS = spec_of("flux2").text.max_tokens(None)  # 512: the pipelines' max_sequence_length
 DEV_LAYERS = (10, 20, 30)  # Flux2Pipeline's text_encoder_out_layers
 KLEIN_LAYERS = (9, 18, 27)  # Flux2KleinPipeline's
 
@@ -111,29 +112,9 @@ def encode_klein(models: list[TextModel], captions: list[str], options: TextOpti
     return PromptParts([hidden_states(m, ids, mask, KLEIN_LAYERS)])
 
 
-FAMILY = Family(
-    name="flux2",
-    summary="FLUX.2-dev: Mistral Small 3.1 chat, hidden states 10/20/30 side by side (512, unmasked)",
-    pipelines=("Flux2Pipeline",),
-    text_encoders=("text_encoder",),
-    text_classes=("Mistral3ForConditionalGeneration",),
-    layout=_layout("flux2"),
-    encode=encode_dev,
-    max_text_tokens=lambda pipeline: TOKENS,
-    prune=lambda model: prune(model, DEV_LAYERS),
-)
-
-KLEIN = Family(
-    name="flux2-klein",
-    summary="FLUX.2 [klein]: Qwen3 chat, hidden states 9/18/27 side by side (512, unmasked)",
-    pipelines=("Flux2KleinPipeline",),
-    text_encoders=("text_encoder",),
-    text_classes=("Qwen3ForCausalLM",),
-    layout=_layout("flux2-klein"),
-    encode=encode_klein,
-    max_text_tokens=lambda pipeline: TOKENS,
-    prune=lambda model: prune(model, KLEIN_LAYERS),
-)
+FAMILY = declared("flux2", layout=_layout("flux2"), encode=encode_dev, prune=lambda model: prune(model, DEV_LAYERS))
+KLEIN = declared("flux2-klein", layout=_layout("flux2-klein"), encode=encode_klein,
+                 prune=lambda model: prune(model, KLEIN_LAYERS))
 
 
 # ---------------------------------------------------------------- latents (AutoencoderKLFlux2)
@@ -144,11 +125,12 @@ LATENT_USAGE = ("latents as the Flux 2 pipelines' transformer sees them: the pos
                 "(Flux2Pipeline._encode_vae_image); scaling 1, shift 0")  # fmt: skip
 
 
-def denoiser_latents(vae: Any, mean: Any, std: Any = None) -> tuple[Any, Any]:
+def denoiser_latents(vae: Any, mean: Any, std: Any = None, eps: float | None = None) -> tuple[Any, Any]:
     """``(latent, latent_std or None)`` ``(B, 4C, h/2, w/2)`` float32 of an ``AutoencoderKLFlux2`` posterior
     ``mean`` (and ``std``) ``(B, C, h, w)``: patchified and normalised as ``Flux2Pipeline._encode_vae_image``
-    does (a posterior draw ``mean + std * noise`` normalises to ``latent + latent_std * noise``). Raises
-    UsageError when ``h`` or ``w`` is odd (an image side that is not a multiple of 16 pixels)."""
+    does (a posterior draw ``mean + std * noise`` normalises to ``latent + latent_std * noise``); ``eps``: the
+    batch-norm eps (None: the config's ``batch_norm_eps``, as Flux 2's; ERNIE-Image's pipeline hard-codes 1e-5).
+    Raises UsageError when ``h`` or ``w`` is odd (an image side that is not a multiple of 16 pixels)."""
     import torch
     from diffusers import Flux2Pipeline
 
@@ -158,6 +140,7 @@ def denoiser_latents(vae: Any, mean: Any, std: Any = None) -> tuple[Any, Any]:
                          "multiples of 16 pixels; scan with a --bucket-step that is a multiple of 16")  # fmt: skip
     bn = vae.bn
     bn_mean = bn.running_mean.view(1, -1, 1, 1).to(mean.device, torch.float32)
-    bn_std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(mean.device, torch.float32)
+    eps = vae.config.batch_norm_eps if eps is None else eps
+    bn_std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + eps).to(mean.device, torch.float32)
     latent = (Flux2Pipeline._patchify_latents(mean.float()) - bn_mean) / bn_std
     return latent, None if std is None else Flux2Pipeline._patchify_latents(std.float()) / bn_std

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from manifests.cache.text_layout import TextLayout
 from manifests.errors import UsageError
-from pipeline.embed.families.base import Family, PromptParts, TextModel, TextOptions
+from pipeline.embed.families.base import PromptParts, TextModel, TextOptions, declared
 
 LAYERS = ("last", "penultimate")
 
@@ -60,12 +60,4 @@ def encode(models: list[TextModel], captions: list[str], options: TextOptions) -
     return PromptParts(parts, rows=rows, pooled=pooled)
 
 
-FAMILY = Family(
-    name="generic",
-    summary="any --text-encoder(s): real tokens of each (masked), side by side; for bucketeer's own trainer",
-    pipelines=(),
-    text_encoders=(),
-    text_classes=(),
-    layout=layout,
-    encode=encode,
-)
+FAMILY = declared("generic", layout=layout, encode=encode)

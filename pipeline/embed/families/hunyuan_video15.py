@@ -30,11 +30,12 @@ import inspect
 from typing import Any
 
 from manifests.cache.text_layout import TextLayout
-from pipeline.embed.families.base import Family, PromptParts, TextModel, TextOptions
+from manifests.families import spec_of
+from pipeline.embed.families.base import PromptParts, TextModel, TextOptions, declared
 
 __all__ = ["FAMILY", "TOKENS", "BYT5_TOKENS", "CROP", "system_message", "vae_description", "vae_latents"]
 
-TOKENS = 1000  # HunyuanVideo15Pipeline.tokenizer_max_length
+TOKENS = spec_of("hunyuanvideo-1.5").text.max_tokens(None)  # 1000: HunyuanVideo15Pipeline.tokenizer_max_length
 BYT5_TOKENS = 256  # HunyuanVideo15Pipeline.tokenizer_2_max_length
 CROP = 108  # HunyuanVideo15Pipeline.prompt_template_encode_start_idx
 SKIP = 2  # _get_mllm_prompt_embeds' num_hidden_layers_to_skip: hidden_states[-3]
@@ -111,14 +112,4 @@ def encode(models: list[TextModel], captions: list[str], options: TextOptions) -
     return PromptParts([a, b], rows=[na, nb])
 
 
-FAMILY = Family(
-    name="hunyuanvideo-1.5",
-    summary="HunyuanVideo 1.5 (video): Qwen2.5-VL hidden_states[-3] (1000, masked) and glyph ByT5 (256, masked), "
-    "two streams",
-    pipelines=("HunyuanVideo15Pipeline",),
-    text_encoders=("text_encoder", "text_encoder_2"),
-    text_classes=("Qwen2_5_VLTextModel", "T5EncoderModel"),
-    layout=layout,
-    encode=encode,
-    max_text_tokens=lambda pipeline: TOKENS,
-)
+FAMILY = declared("hunyuanvideo-1.5", layout=layout, encode=encode)

@@ -22,11 +22,12 @@ from __future__ import annotations
 from typing import Any
 
 from manifests.cache.text_layout import TextLayout
-from pipeline.embed.families.base import Family, PromptParts, TextModel, TextOptions
+from manifests.families import spec_of
+from pipeline.embed.families.base import PromptParts, TextModel, TextOptions, declared
 
 __all__ = ["FAMILY", "TEXT_TOKENS", "LATENT_USAGE", "vae_description", "vae_latents"]
 
-TEXT_TOKENS = 1024  # LTX2Pipeline.__call__'s max_sequence_length
+TEXT_TOKENS = spec_of("ltx-2").text.max_tokens(None)  # 1024: LTX2Pipeline.__call__'s max_sequence_length
 LATENT_USAGE = ("clip latents (C, F', h, w), F' = (F - 1) // temporal_factor + 1, stored normalised as "
                 "LTX2Pipeline._normalize_latents does: z = latent")  # fmt: skip
 NORMALISED = "(z - latents_mean) * scaling_factor / latents_std, LTX2Pipeline._normalize_latents"
@@ -104,9 +105,4 @@ def _prune(model: Any) -> Any:
     return model.get_decoder()
 
 
-FAMILY = Family(name="ltx-2", summary="LTX-2 (video, no audio training): Gemma 3, every layer's states (1024, "
-                "masked, left-padded; real tokens stored), clip latents stored normalised",
-                pipelines=("LTX2Pipeline",), text_encoders=("text_encoder",),
-                text_classes=("Gemma3ForConditionalGeneration",),
-                layout=layout,
-                encode=encode, max_text_tokens=lambda pipeline: TEXT_TOKENS, prune=_prune)  # fmt: skip
+FAMILY = declared("ltx-2", layout=layout, encode=encode, prune=_prune)

@@ -11,9 +11,10 @@ zeros and builds the mask from the stored length. No pooled embedding.
 from __future__ import annotations
 
 from manifests.cache.text_layout import TextLayout
-from pipeline.embed.families.base import Family, PromptParts, TextModel, TextOptions, token_counts
+from manifests.families import spec_of
+from pipeline.embed.families.base import PromptParts, TextModel, TextOptions, declared, token_counts
 
-T5_TOKENS = {"PixArtAlphaPipeline": 120, "PixArtSigmaPipeline": 300}
+T5_TOKENS = dict(spec_of("pixart").text.tokens)  # alpha 120, sigma 300
 
 
 def layout(models: list[TextModel], options: TextOptions) -> TextLayout:
@@ -37,14 +38,4 @@ def encode(models: list[TextModel], captions: list[str], options: TextOptions) -
     return PromptParts([t5(enc.input_ids, attention_mask=mask)[0]], rows=[mask.sum(dim=1)])
 
 
-FAMILY = Family(
-    name="pixart",
-    summary="PixArt-alpha/-sigma: T5 (120/300, masked; real tokens stored)",
-    pipelines=tuple(T5_TOKENS),
-    text_encoders=("text_encoder",),
-    text_classes=("T5EncoderModel",),
-    layout=layout,
-    encode=encode,
-    max_text_tokens=lambda pipeline: T5_TOKENS.get(pipeline or "", 120),
-    count_tokens=count_tokens,
-)
+FAMILY = declared("pixart", layout=layout, encode=encode, count_tokens=count_tokens)

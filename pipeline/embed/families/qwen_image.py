@@ -27,14 +27,16 @@ from __future__ import annotations
 from typing import Any
 
 from manifests.cache.text_layout import TextLayout
-from pipeline.embed.families.base import Family, PromptParts, TextModel, TextOptions
+from manifests.families import spec_of
+from pipeline.embed.families.base import PromptParts, TextModel, TextOptions, declared
 
 __all__ = ["FAMILY", "TEMPLATE", "DROP", "TOKENS", "CALL_TOKENS", "NORMALISED", "encode_groups", "vae_description",
            "vae_latents"]
 
 # QwenImagePipeline.tokenizer_max_length: encode_prompt's max_sequence_length, check_inputs' most
-TOKENS = 1024
-CALL_TOKENS = 512  # QwenImagePipeline.__call__'s max_sequence_length: what a default inference call keeps
+TOKENS = spec_of("qwen-image").text.limit  # 1024
+# 512: QwenImagePipeline.__call__'s max_sequence_length: what a default inference call keeps
+CALL_TOKENS = spec_of("qwen-image").text.max_tokens(None)
 DROP = 34  # QwenImagePipeline.prompt_template_encode_start_idx: the template's tokens before the caption
 TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
             "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
@@ -118,15 +120,4 @@ def encode(models: list[TextModel], captions: list[str], options: TextOptions) -
     return pad_parts(encode_groups(qwen, [TEMPLATE.format(c) for c in captions], run))
 
 
-FAMILY = Family(
-    name="qwen-image",
-    summary="Qwen-Image: Qwen2.5-VL last hidden states of the caption in its template (512 as __call__ cuts, up to "
-            "1024; masked; prefix dropped)",
-    pipelines=("QwenImagePipeline",),
-    text_encoders=("text_encoder",),
-    text_classes=("Qwen2_5_VLModel",),
-    layout=layout,
-    encode=encode,
-    max_text_tokens=lambda pipeline: CALL_TOKENS,
-    text_tokens_limit=TOKENS,
-)
+FAMILY = declared("qwen-image", layout=layout, encode=encode)

@@ -48,7 +48,7 @@ import numpy as np
 
 from manifests.cache.text_layout import TextLayout
 from manifests.errors import UsageError
-from pipeline.embed.families.base import Family, PromptParts, TextModel, TextOptions
+from pipeline.embed.families.base import PromptParts, TextModel, TextOptions, declared
 from pipeline.embed.families.qwen_image import pad_parts, width
 
 __all__ = ["FAMILY", "TEMPLATE", "DROP", "REFERENCE_AREA", "conditioning_setting", "reference_size", "reference_pixels",
@@ -154,15 +154,4 @@ def encode(models: list[TextModel], captions: list[str], options: TextOptions,
     return pad_parts(rows)
 
 
-FAMILY = Family(
-    name="qwen-image-edit",
-    summary="Qwen-Image-Edit: Qwen2.5-VL last hidden states of the instruction with its reference image "
-            "(scan --conditioning; per sample, inline; prefix dropped)",
-    pipelines=("QwenImageEditPipeline",),
-    text_encoders=("text_encoder",),
-    text_classes=("Qwen2_5_VLModel",),
-    layout=layout,
-    encode=encode,
-    reference=True,
-    processor="processor",
-)
+FAMILY = declared("qwen-image-edit", layout=layout, encode=encode)

@@ -14,9 +14,10 @@ zero-padded join (the trainer rebuilds it: :class:`manifests.cache.text_layout.T
 from __future__ import annotations
 
 from manifests.cache.text_layout import TextLayout
-from pipeline.embed.families.base import Family, PromptParts, TextModel, TextOptions
+from manifests.families import spec_of
+from pipeline.embed.families.base import PromptParts, TextModel, TextOptions, declared
 
-T5_TOKENS = 256  # the pipeline's max_sequence_length
+T5_TOKENS = spec_of("sd3").text.max_tokens(None)  # the pipeline's max_sequence_length (256)
 
 
 def layout(models: list[TextModel], options: TextOptions) -> TextLayout:
@@ -46,13 +47,4 @@ def encode(models: list[TextModel], captions: list[str], options: TextOptions) -
     return PromptParts(parts, pooled=torch.cat(pooled, dim=-1))
 
 
-FAMILY = Family(
-    name="sd3",
-    summary="Stable Diffusion 3 / 3.5: CLIP-L | CLIP-G (77) then T5 (256) on the sequence, pooled both CLIPs",
-    pipelines=("StableDiffusion3Pipeline",),
-    text_encoders=("text_encoder", "text_encoder_2", "text_encoder_3"),
-    text_classes=("CLIPTextModelWithProjection", "CLIPTextModelWithProjection", "T5EncoderModel"),
-    layout=layout,
-    encode=encode,
-    max_text_tokens=lambda pipeline: T5_TOKENS,
-)
+FAMILY = declared("sd3", layout=layout, encode=encode)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from manifests.cache.text_layout import TextLayout
 from manifests.errors import UsageError
-from pipeline.embed.families.base import Family, PromptParts, TextModel, TextOptions
+from pipeline.embed.families.base import PromptParts, TextModel, TextOptions, declared
 
 
 def layout(models: list[TextModel], options: TextOptions) -> TextLayout:
@@ -41,12 +41,4 @@ def encode(models: list[TextModel], captions: list[str], options: TextOptions) -
     return PromptParts(parts, pooled=pooled)
 
 
-FAMILY = Family(
-    name="sdxl",
-    summary="Stable Diffusion XL: CLIP-L + CLIP-G penultimate states (77 x 2048), pooled CLIP-G projection",
-    pipelines=("StableDiffusionXLPipeline",),
-    text_encoders=("text_encoder", "text_encoder_2"),
-    text_classes=("CLIPTextModel", "CLIPTextModelWithProjection"),
-    layout=layout,
-    encode=encode,
-)
+FAMILY = declared("sdxl", layout=layout, encode=encode)

@@ -48,6 +48,7 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
+from manifests.families import SPECS
 from pipeline.embed.families import tiny_hunyuan, tiny_ltx2, tiny_qwen, tiny_wan22
 
 __all__ = ["DEFAULT_NOTICE", "TINY_VERSION", "build_tiny", "ensure_tiny", "tiny_dir", "tiny_pipeline", "save_pipeline",
@@ -264,8 +265,8 @@ def _build_generic(target: Path) -> None:
 _PIPELINES: dict[str, Callable[[], object]] = {"sdxl": _sdxl, "sd3": _sd3, "flux": _flux, "pixart": _pixart,
                                                "wan": _wan}  # fmt: skip
 _PIPELINES.update({"qwen-image": tiny_qwen.qwen_image, "z-image": tiny_qwen.z_image})  # tiny_qwen.py
-_SEEDS = {"generic": 0, "sdxl": 1, "sd3": 3, "flux": 4, "pixart": 5, "wan": 6}
-_SEEDS.update({"qwen-image": 7, "z-image": 9, "qwen-image-edit": 8})
+# each family's seed: manifests/families (FamilySpec.tiny_seed)
+_SEEDS = {name: spec.tiny_seed for name, spec in SPECS.items() if spec.tiny_seed is not None}
 
 
 def _tiny_flux2(family: str) -> object:
@@ -292,12 +293,10 @@ def _chroma():
 
 
 _PIPELINES.update({"chroma": _chroma, **{f: functools.partial(_tiny_flux2, f) for f in ("flux2", "flux2-klein")}})
-_SEEDS.update({"flux2": 21, "flux2-klein": 22, "chroma": 23})
 _PIPELINES.update({"wan2.2-a14b": lambda: tiny_wan22.wan22_a14b(*_umt5()),
                    "wan2.2-ti2v-5b": lambda: tiny_wan22.wan22_ti2v(*_umt5())})
-_SEEDS.update({"wan2.2-a14b": 31, "wan2.2-ti2v-5b": 32})
-_PIPELINES["ltx-2"], _SEEDS["ltx-2"] = tiny_ltx2.ltx2, 41
-_PIPELINES["hunyuanvideo-1.5"], _SEEDS["hunyuanvideo-1.5"] = tiny_hunyuan.hunyuan_video15, 33  # tiny_hunyuan.py
+_PIPELINES["ltx-2"] = tiny_ltx2.ltx2
+_PIPELINES["hunyuanvideo-1.5"] = tiny_hunyuan.hunyuan_video15  # tiny_hunyuan.py
 
 
 def tiny_pipeline(family: str, variant: str | None = None) -> object:

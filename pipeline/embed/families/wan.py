@@ -19,9 +19,10 @@ from __future__ import annotations
 import functools
 
 from manifests.cache.text_layout import TextLayout
-from pipeline.embed.families.base import Family, PromptParts, TextModel, TextOptions, token_counts
+from manifests.families import spec_of, video_families
+from pipeline.embed.families.base import Family, PromptParts, TextModel, TextOptions, declared, token_counts
 
-T5_TOKENS = 512  # WanPipeline.__call__'s max_sequence_length
+T5_TOKENS = spec_of("wan").text.max_tokens(None)  # 512: WanPipeline.__call__'s max_sequence_length
 
 
 def layout(models: list[TextModel], options: TextOptions, family: str = "wan") -> TextLayout:
@@ -57,15 +58,12 @@ def kind_of(index: dict) -> str:
     return "wan2.2-ti2v-5b" if index.get("expand_timesteps") else "wan"
 
 
-def _family(name: str, summary: str) -> Family:
-    return Family(name=name, summary=summary, pipelines=("WanPipeline",), text_encoders=("text_encoder",),
-                  text_classes=("UMT5EncoderModel",), layout=functools.partial(layout, family=name), encode=encode,
-                  max_text_tokens=lambda pipeline: T5_TOKENS, kind_of=kind_of, count_tokens=count_tokens)  # fmt: skip
+def _family(name: str) -> Family:
+    return declared(name, layout=functools.partial(layout, family=name), encode=encode, kind_of=kind_of,
+                    count_tokens=count_tokens)
 
 
-FAMILY = _family("wan", "Wan 2.x (video): UMT5 (512, masked; real tokens stored, zero-padded by the trainer)")
-A14B = _family("wan2.2-a14b", "Wan 2.2 A14B (video, two experts by timestep): UMT5 as wan, Wan 2.1's VAE")
-TI2V = _family("wan2.2-ti2v-5b", "Wan 2.2 TI2V-5B (video): UMT5 as wan, Wan 2.2's VAE (48 channels, 16x)")
-VIDEO_FAMILIES = (FAMILY.name, A14B.name, TI2V.name)  # families whose VAE takes clips
-VIDEO_FAMILIES += ("ltx-2",)  # pipeline.embed.families.ltx2
-VIDEO_FAMILIES += ("hunyuanvideo-1.5",)  # pipeline.embed.families.hunyuan_video15: its own VAE takes clips
+FAMILY = _family("wan")
+A14B = _family("wan2.2-a14b")
+TI2V = _family("wan2.2-ti2v-5b")
+VIDEO_FAMILIES = video_families()  # families whose VAE takes clips (manifests/families: FamilySpec.video)

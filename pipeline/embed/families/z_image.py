@@ -14,12 +14,13 @@ caption's rows do not depend on the captions beside it; on a GPU captions are pa
 from __future__ import annotations
 
 from manifests.cache.text_layout import TextLayout
-from pipeline.embed.families.base import Family, PromptParts, TextModel, TextOptions, token_counts
+from manifests.families import spec_of
+from pipeline.embed.families.base import PromptParts, TextModel, TextOptions, declared, token_counts
 from pipeline.embed.families.qwen_image import pad_parts, width
 
 __all__ = ["FAMILY", "TOKENS", "chat"]
 
-TOKENS = 512  # ZImagePipeline's max_sequence_length
+TOKENS = spec_of("z-image").text.max_tokens(None)  # 512: ZImagePipeline's max_sequence_length
 
 
 def chat(tokenizer, caption: str) -> str:
@@ -48,14 +49,4 @@ def encode(models: list[TextModel], captions: list[str], options: TextOptions) -
     return pad_parts([h[k] for h, k in zip(hidden, mask)])  # the mask's rows, wherever the tokenizer pads
 
 
-FAMILY = Family(
-    name="z-image",
-    summary="Z-Image: Qwen3 second-to-last hidden states of the chat-templated caption (512, masked; real tokens)",
-    pipelines=("ZImagePipeline",),
-    text_encoders=("text_encoder",),
-    text_classes=("Qwen3Model",),
-    layout=layout,
-    encode=encode,
-    max_text_tokens=lambda pipeline: TOKENS,
-    count_tokens=count_tokens,
-)
+FAMILY = declared("z-image", layout=layout, encode=encode, count_tokens=count_tokens)
