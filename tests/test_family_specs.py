@@ -41,6 +41,11 @@ def test_every_class_a_spec_names_exists_and_has_its_code(name):
     if spec.objective is not None:
         assert name in RECIPES and hasattr(diffusers, spec.objective.denoiser), spec.objective
     assert (Path(DOCS).parent / spec.docs).exists(), spec.docs
+    if spec.tiny:  # its builder exists (built by the family's own tests)
+        import importlib
+
+        module, function = spec.tiny.split(":")
+        assert callable(getattr(importlib.import_module(f"pipeline.embed.families.{module}"), function))
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))
@@ -90,6 +95,10 @@ def test_a_spec_refuses_what_it_cannot_mean_and_an_unknown_family_is_named():
     base = SPECS["flux"]
     with pytest.raises(ValueError, match="normalise 'zscore'"):
         FamilySpec(**{**base.__dict__, "vae": type(base.vae)("AutoencoderKL", "zscore")})
+    with pytest.raises(ValueError, match="a recipe exactly when it has an objective"):
+        FamilySpec(**{**base.__dict__, "recipe": ""})
+    with pytest.raises(ValueError, match="is not 'module:NAME'"):
+        FamilySpec(**{**base.__dict__, "embed": "flux.FAMILY"})
     with pytest.raises(UsageError, match="bucketeer knows"):
         spec_of("flux3")
 

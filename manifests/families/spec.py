@@ -116,7 +116,10 @@ class FamilySpec:
     runs it; ``bucket_step``: the demo's bucket side step where the VAE's factor times the patch is not 16.
     ``video``: trained on clips. ``reference``: its text sees each sample's reference image. ``sizes``: its real
     sizes in the GPU check (None: not there). ``licence``: what the model card says of training and use.
-    ``docs``: the page that explains it."""
+    ``docs``: the page that explains it. ``embed`` / ``recipe``: where its code is, ``"module:NAME"`` of
+    ``pipeline.embed.families`` (its ``Family``) and of ``train.recipes`` (its ``Recipe``; empty without an
+    objective), imported by those packages' registries; ``tiny``: ``"module:function"`` of
+    ``pipeline.embed.families`` building its tiny pipeline (empty: one of ``tiny.py``'s own)."""
 
     name: str
     summary: str
@@ -132,8 +135,17 @@ class FamilySpec:
     video: bool = False
     reference: bool = False
     sizes: Sizes | None = None
+    embed: str = ""
+    recipe: str = ""
+    tiny: str = ""
 
     def __post_init__(self) -> None:
+        for what, where in (("embed", self.embed), ("recipe", self.recipe), ("tiny", self.tiny)):
+            if where and where.count(":") != 1:
+                raise ValueError(f"family {self.name}: {what} {where!r} is not 'module:NAME'")
+        if not self.embed or bool(self.recipe) != (self.objective is not None):
+            raise ValueError(f"family {self.name}: it needs its embed code, and a recipe exactly when it has an "
+                             "objective")
         if self.text.rows not in ROWS:
             raise ValueError(f"family {self.name}: rows {self.text.rows!r} is not one of {ROWS}")
         if self.vae.normalise not in NORMALISE:

@@ -36,23 +36,25 @@ streams, the zero t2v condition): :mod:`train.recipes.hunyuan_video15`.
 
 from __future__ import annotations
 
+import importlib
 
 from manifests.cache.meta import CacheMeta
 from manifests.errors import UsageError
+from manifests.families import SPECS
 from train.config import TrainConfig
-from train.recipes import chroma, flux, flux2, hunyuan_video15, ltx2, pixart, qwen_image, sd3, sdxl, wan, z_image
 from train.recipes.base import Denoiser, PromptEmbeds, Recipe
 
 __all__ = ["RECIPES", "Denoiser", "PromptEmbeds", "Recipe", "recipe_for"]
 
-RECIPES: dict[str, Recipe] = {"sdxl": sdxl.RECIPE, "sd3": sd3.RECIPE, "flux": flux.RECIPE, "pixart": pixart.RECIPE,
-                              "wan": wan.RECIPE, "generic": pixart.RECIPE}  # fmt: skip
-RECIPES.update({r.family: r for r in (flux2.RECIPE, flux2.KLEIN_RECIPE, chroma.RECIPE)})
-RECIPES.update({"qwen-image": qwen_image.RECIPE, "z-image": z_image.RECIPE})
-RECIPES["qwen-image-edit"] = qwen_image.EDIT_RECIPE
-RECIPES.update({r.family: r for r in (wan.A14B_RECIPE, wan.TI2V_RECIPE)})  # docs/families-video.md
-RECIPES[ltx2.RECIPE.family] = ltx2.RECIPE  # docs/families-video.md: video stream only, audio fed as noise
-RECIPES[hunyuan_video15.RECIPE.family] = hunyuan_video15.RECIPE  # docs/families-video.md
+
+def _code(where: str) -> Recipe:
+    """The ``Recipe`` a declaration's ``recipe`` (``"module:NAME"``) names."""
+    module, name = where.split(":")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+
+# every declared family with an objective (manifests/families); generic trains as pixart does
+RECIPES: dict[str, Recipe] = {name: _code(spec.recipe) for name, spec in SPECS.items() if spec.recipe}
 
 
 def recipe_for(cfg: TrainConfig, meta: CacheMeta) -> Recipe:

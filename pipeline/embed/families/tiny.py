@@ -269,6 +269,14 @@ _PIPELINES.update({"qwen-image": tiny_qwen.qwen_image, "z-image": tiny_qwen.z_im
 _SEEDS = {name: spec.tiny_seed for name, spec in SPECS.items() if spec.tiny_seed is not None}
 
 
+def _declared(where: str) -> object:
+    """The pipeline built by a declaration's ``tiny`` (``"module:function"`` of this package), imported when built."""
+    import importlib
+
+    module, name = where.split(":")
+    return getattr(importlib.import_module(f"pipeline.embed.families.{module}"), name)()
+
+
 def _tiny_flux2(family: str) -> object:
     """A pipeline of :mod:`pipeline.embed.families.tiny_flux2` (Flux 2, Flux 2 Klein)."""
     from pipeline.embed.families.tiny_flux2 import PIPELINES
@@ -297,6 +305,7 @@ _PIPELINES.update({"wan2.2-a14b": lambda: tiny_wan22.wan22_a14b(*_umt5()),
                    "wan2.2-ti2v-5b": lambda: tiny_wan22.wan22_ti2v(*_umt5())})
 _PIPELINES["ltx-2"] = tiny_ltx2.ltx2
 _PIPELINES["hunyuanvideo-1.5"] = tiny_hunyuan.hunyuan_video15  # tiny_hunyuan.py
+_PIPELINES.update({name: functools.partial(_declared, spec.tiny) for name, spec in SPECS.items() if spec.tiny})
 
 
 def tiny_pipeline(family: str, variant: str | None = None) -> object:
