@@ -8,13 +8,13 @@ and the docs table (``docs/families.md``, written by ``python -m tests.test_fami
 from __future__ import annotations
 
 from manifests.errors import UsageError
-from manifests.families import images, video
+from manifests.families import images, recent, video
 from manifests.families.spec import Encoder, FamilySpec, Objective, Sizes, Text, Vae
 
 __all__ = ["SPECS", "Encoder", "FamilySpec", "Objective", "Sizes", "Text", "Vae", "spec_of", "demo_families",
            "video_families"]  # fmt: skip
 
-SPECS: dict[str, FamilySpec] = {s.name: s for s in (*images.SPECS, *video.SPECS)}
+SPECS: dict[str, FamilySpec] = {s.name: s for s in (*images.SPECS, *video.SPECS, *recent.SPECS)}
 
 
 def spec_of(name: str) -> FamilySpec:

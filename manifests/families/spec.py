@@ -43,7 +43,8 @@ class Text:
     states are kept. ``mask``: how the denoiser learns each caption's extent (``"mask"``, ``"lengths"``, a
     ``"list"`` of unpadded rows, ``"none"``: it reads the padding too). ``rows``: :data:`ROWS`. ``pooled``: the
     pooled vector, if any. ``processor``: the pipeline subfolder of a multimodal processor the text sees an image
-    through (None: none)."""
+    through (None: none). ``tokenizer``: the tokenizer's subfolder where it is not the text encoder's ``tokenizer*``
+    twin (Qwen-Image 2.1: its processor's)."""
 
     encoders: tuple[Encoder, ...]
     prompt: str
@@ -54,6 +55,7 @@ class Text:
     limit: int | None = None
     pooled: str | None = None
     processor: str | None = None
+    tokenizer: str | None = None
 
     def max_tokens(self, pipeline: str | None) -> int | None:
         """The default length for ``pipeline`` (None: the family's first class, or its only length)."""
@@ -67,7 +69,8 @@ class Vae:
     """The family's VAE: diffusers class (a ``pipeline.embed.latents.VAE_PATHS`` key), ``normalise``
     (:data:`NORMALISE`: what turns the posterior into what the denoiser reads), ``stored``: whether the cache holds
     latents already normalised (else the loader applies ``normalise`` from ``_cache.json``); ``factor`` /
-    ``temporal``: its compression; ``channels``: latent channels of the published VAE."""
+    ``temporal``: its compression; ``channels``: latent channels of the published VAE; ``bn_eps``: a batch-norm
+    eps of the family's own for ``bn_patch2`` (ERNIE-Image's pipeline hard-codes 1e-5; None: the config's)."""
 
     cls: str
     normalise: str
@@ -76,6 +79,7 @@ class Vae:
     stored: Literal["posterior", "normalised"] = "posterior"
     temporal: int | None = None
     subfolder: str = "vae"
+    bn_eps: float | None = None
 
 
 @dataclass(frozen=True)

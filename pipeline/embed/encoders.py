@@ -204,19 +204,23 @@ def _load_text_model(path: str, subfolder: str, class_name: str, what: str, dtyp
 
 
 def _pipeline_index(model: EncoderSource | None) -> dict:
-    """The ``model_index.json`` of ``--model`` (empty: no model, or it has none)."""
+    """The ``model_index.json`` of ``--model``, else its ``modular_model_index.json`` (a modular pipeline's, e.g.
+    ``AnimaModularPipeline``: ``_class_name`` names it too); empty: no model, or it has neither."""
     if model is None:
         return {}
     path, _ = model.resolve()
     if os.path.isdir(path):
-        index = Path(path, "model_index.json")
-        return json.loads(index.read_text()) if index.is_file() else {}
-    from diffusers import DiffusionPipeline
+        index = next((p for p in (Path(path, "model_index.json"), Path(path, "modular_model_index.json"))
+                      if p.is_file()), None)  # fmt: skip
+        return json.loads(index.read_text()) if index is not None else {}
+    from diffusers import DiffusionPipeline, ModularPipeline
 
-    try:
-        return dict(DiffusionPipeline.load_config(path))
-    except OSError:  # no model_index.json in the repo: its subfolders are loaded (and checked) one by one
-        return {}
+    for pipeline in (DiffusionPipeline, ModularPipeline):
+        try:
+            return dict(pipeline.load_config(path))
+        except OSError:  # no such index in the repo: its subfolders are loaded (and checked) one by one
+            continue
+    return {}
 
 
 def _check_pipeline(fam: Family, index: dict, model: EncoderSource | None) -> None:
@@ -262,9 +266,10 @@ class TextEncoders:
                                        self.compute_dtype, memory.free_bytes(self.device) if device_memory is None
                                        else device_memory)  # fmt: skip
         self.models: list[TextModel] = []
+        read_weights = weights  # (the loop rebinds weights to each model's hash)
         for source, path, subfolder, class_name, full_config in found:
             # a pipeline repo keeps text_encoder_2's tokenizer in tokenizer_2; a bare model repo, beside it
-            tok_sub = subfolder.replace("text_encoder", "tokenizer") if subfolder else ""
+            tok_sub = (self.family.tokenizer or subfolder.replace("text_encoder", "tokenizer")) if subfolder else ""
             check_local(path, tok_sub, "--text-encoder", "tokenizer", ("tokenizer_config.json", "tokenizer.json"),
                          " The tokenizer is read from the tokenizer* folder matching --text-encoder-subfolder "
                          "(text_encoder_2 -> tokenizer_2), or from beside config.json without one.")
@@ -300,6 +305,10 @@ class TextEncoders:
                     "hidden_size": int(getattr(config, "hidden_size", None) or config.d_model),
                     **({"processor": processor_identity(processor)} if processor is not None else {})}
             self.models.append(TextModel(tokenizer, model, self.device, info, processor))  # fmt: skip
+        if self.family.companions is not None:  # what encode runs besides them, from the pipeline folder
+            folder = spec.model or replace(spec.sources[0], subfolder=None)
+            self.models += self.family.companions(folder.resolve()[0], folder.ident, self.compute_dtype,
+                                                  self.device, read_weights)  # fmt: skip
         self.options = replace(spec, max_tokens=self._max_tokens(spec.max_tokens))
         self.layout = self.family.layout(self.models, self.options)
 

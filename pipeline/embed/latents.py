@@ -14,12 +14,15 @@ Qwen-Image's (normalised per channel as ``QwenImageEditPipeline._encode_vae_imag
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from pipeline.embed.families import flux2, hunyuan_video15, ltx2, qwen_image
+from manifests.families import SPECS
+from pipeline.embed.families import FAMILIES, flux2, hunyuan_video15, ltx2, qwen_image
+from pipeline.embed.families import qwen_image21
 from pipeline.embed.loading import EncoderSource, check_local, device_and_dtype, weights_sha256
 from pipeline.embed.vae_speed import as_input, gpu_tuning, tune_vae
 
@@ -53,10 +56,21 @@ def latent_shape(spec: LatentSpec) -> dict[str, Any]:
     path, subfolder = spec.source.resolve("vae")
     check_local(path, subfolder, "--vae", "vae", ("config.json",))
     cls = _vae_class(path, subfolder)
-    kind = VAE_PATHS[cls.__name__]
+    kind = vae_kind(cls.__name__, spec.source.family)
     with torch.device("meta"):
         vae = cls.from_config(cls.load_config(path, subfolder=subfolder))
-    return kind.shape(vae if kind.of_model else vae.config)
+    return family_shape(kind.shape(vae if kind.of_model else vae.config), spec.source.family)
+
+
+def family_shape(shape: dict[str, Any], family: str) -> dict[str, Any]:
+    """``shape`` as ``family``'s pipeline normalises its VAE's latents: ``shift_factor`` null where the pipeline
+    subtracts none though the config has one (``Family.vae_shift``: Kandinsky 5 with FLUX.1's VAE), so that
+    ``_cache.json`` says so, the loader applies none, and ``embed --reuse`` tells these latents from Flux's."""
+    fam = FAMILIES.get(family)
+    if fam is None or fam.vae_shift or shape.get("shift_factor") is None:
+        return shape
+    return {**shape, "shift_factor": None,
+            "usage": f"z = latent * scaling_factor ({family}'s pipeline applies no shift_factor)"}  # fmt: skip
 
 
 def _kl_shape(cfg: FrozenDict) -> dict[str, Any]:
@@ -71,9 +85,15 @@ def _wan_shape(cfg: FrozenDict) -> dict[str, Any]:  # no scaling factor: the tra
             "latents_std": [float(x) for x in cfg.latents_std], "temporal_factor": int(cfg.scale_factor_temporal)}
 
 
-def _flux2_shape(cfg: FrozenDict) -> dict[str, Any]:  # patchified 2x2 and normalised by the batch-norm statistics
-    return {"factor": 2 ** len(cfg.block_out_channels), "channels": 4 * int(cfg.latent_channels),
-            "scaling_factor": 1.0, "shift_factor": None, "usage": flux2.LATENT_USAGE}
+def _flux2_shape(cfg: FrozenDict, eps: float | None = None) -> dict[str, Any]:
+    """Patchified 2x2 and normalised by the batch-norm statistics; ``eps``: a family's own batch-norm eps, recorded
+    (so that ``embed --reuse`` tells its latents from Flux 2's), None: the config's."""
+    shape = {"factor": 2 ** len(cfg.block_out_channels), "channels": 4 * int(cfg.latent_channels),
+             "scaling_factor": 1.0, "shift_factor": None, "usage": flux2.LATENT_USAGE}  # fmt: skip
+    if eps is not None:
+        shape["usage"] += f"; the batch-norm eps is {eps!r}, the family pipeline's own, not the config's"
+        shape["normalised"] = {"batch_norm_eps": eps, "how": flux2.BN_NORMALISED}
+    return shape
 
 
 def _posterior(vae: Any, x: Any, std: bool) -> dict[str, Any]:
@@ -85,10 +105,11 @@ def _posterior(vae: Any, x: Any, std: bool) -> dict[str, Any]:
     return out
 
 
-def _flux2_latents(vae: Any, x: Any, std: bool) -> dict[str, Any]:
-    """Flux 2: the posterior as the transformer sees it, ``(B, 4C, h/2, w/2)`` normalised (std likewise)."""
+def _flux2_latents(vae: Any, x: Any, std: bool, eps: float | None = None) -> dict[str, Any]:
+    """Flux 2: the posterior as the transformer sees it, ``(B, 4C, h/2, w/2)`` normalised (std likewise), with the
+    batch-norm ``eps`` (None: the config's)."""
     out = _posterior(vae, x, std)
-    latent, scaled = flux2.denoiser_latents(vae, out["latent"], out.get("latent_std"))
+    latent, scaled = flux2.denoiser_latents(vae, out["latent"], out.get("latent_std"), eps=eps)
     return {"latent": latent, **({"latent_std": scaled} if scaled is not None else {})}
 
 
@@ -114,8 +135,21 @@ VAE_PATHS: dict[str, VaeKind] = {
     "AutoencoderKLLTX2Video": VaeKind(ltx2.vae_description, ltx2.vae_latents, video=True, of_model=True),
     # clips one at a time, scaled by scaling_factor in the loader
     "AutoencoderKLHunyuanVideo15": VaeKind(hunyuan_video15.vae_description, hunyuan_video15.vae_latents, video=True),
+    # Qwen-Image 2.1's: RGBA in (alpha +1), 16x, 64 channels, stored normalised per channel
+    "AutoencoderKLQwenImage21": VaeKind(qwen_image21.vae_description,
+                                        lambda vae, x, std: qwen_image21.vae_latents(vae, x, std=std)),
 }
 VAE_CLASSES = tuple(VAE_PATHS)
+
+
+def vae_kind(cls_name: str, family: str) -> VaeKind:
+    """The path of a ``cls_name`` VAE for ``family``: the class's, with the batch-norm eps the family declares where
+    its pipeline has one of its own (``Vae.bn_eps``, manifests/families: ERNIE-Image on FLUX.2's VAE)."""
+    spec = SPECS.get(family)
+    eps = spec.vae.bn_eps if spec is not None and cls_name == "AutoencoderKLFlux2" else None
+    if eps is None:
+        return VAE_PATHS[cls_name]
+    return VaeKind(functools.partial(_flux2_shape, eps=eps), functools.partial(_flux2_latents, eps=eps))
 
 
 def _vae_class(path: str, subfolder: str | None):
@@ -143,7 +177,7 @@ class LatentEncoder:
         check_local(path, subfolder, "--vae", "vae", ("config.json",))
         self.device, self.compute_dtype = device_and_dtype(use_gpu, dtype, compute)
         self.vae = _vae_class(path, subfolder).from_pretrained(path, subfolder=subfolder).eval()
-        self.kind = VAE_PATHS[type(self.vae).__name__]
+        self.kind = vae_kind(type(self.vae).__name__, spec.source.family)
         self.video = self.kind.video
         self.weights = weights_sha256(self.vae)  # of the weights as published, before any cast
         self.vae.to(self.device)
@@ -152,11 +186,11 @@ class LatentEncoder:
         self.tuning = tune_vae(self.vae, **gpu_tuning(self.device, spec.compile))
         self._pinned: dict[tuple[int, ...], Any] = {}  # cuda: host buffers the batches are copied from
         self._copied: Any = None  # the event after the last copy out of one of them
-        self.subfolder = subfolder
+        self.subfolder, self.family = subfolder, spec.source.family
         self.features = None if spec.features is None else spec.features.load(use_gpu=use_gpu, dtype=dtype)
 
     def describe(self) -> dict[str, Any]:
-        shape = self.kind.shape(self.vae if self.kind.of_model else self.vae.config)
+        shape = family_shape(self.kind.shape(self.vae if self.kind.of_model else self.vae.config), self.family)
         return {
             "id": self.id,
             "subfolder": self.subfolder,

@@ -114,12 +114,15 @@ class Family:
 
 def declared(name: str, **code: Any) -> Family:
     """Family ``name`` as :mod:`manifests.families` declares it (pipeline classes, text encoders and their
-    classes, lengths, VAE subfolder, processor, reference), with ``code``: the functions that are its own
-    (``layout``, ``encode``, and ``prune``, ``count_tokens``, ``kind_of`` where it has them)."""
+    classes, lengths, tokenizer and processor subfolders, VAE subfolder, whether its pipeline shifts the VAE's
+    latents, reference), with ``code``: the functions that are its own (``layout``, ``encode``, and ``prune``,
+    ``count_tokens``, ``kind_of``, ``companions`` where it has them)."""
     spec = spec_of(name)
     text = spec.text
-    return Family(name=name, summary=spec.summary, pipelines=spec.pipelines,
-                  text_encoders=tuple(e.subfolder for e in text.encoders),
-                  text_classes=tuple(e.cls for e in text.encoders), max_text_tokens=text.max_tokens,
-                  text_tokens_limit=text.limit, vae=spec.vae.subfolder, reference=spec.reference,
-                  processor=text.processor, **code)  # fmt: skip
+    data = dict(name=name, summary=spec.summary, pipelines=spec.pipelines,
+                text_encoders=tuple(e.subfolder for e in text.encoders),
+                text_classes=tuple(e.cls for e in text.encoders), max_text_tokens=text.max_tokens,
+                text_tokens_limit=text.limit, vae=spec.vae.subfolder, reference=spec.reference,
+                processor=text.processor, tokenizer=text.tokenizer,
+                vae_shift=spec.vae.normalise != "scale")  # fmt: skip
+    return Family(**{**data, **code})

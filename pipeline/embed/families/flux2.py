@@ -119,6 +119,7 @@ KLEIN = declared("flux2-klein", layout=_layout("flux2-klein"), encode=encode_kle
 
 # ---------------------------------------------------------------- latents (AutoencoderKLFlux2)
 
+BN_NORMALISED = "(patchify(z) - bn.running_mean) / sqrt(bn.running_var + batch_norm_eps), at embed"
 LATENT_USAGE = ("latents as the Flux 2 pipelines' transformer sees them: the posterior mean (C, h, w) patchified "
                 "2x2 to (4C, h/2, w/2) (Flux2Pipeline._patchify_latents) and normalised by the VAE's batch-norm "
                 "running statistics, (z - running_mean) / sqrt(running_var + batch_norm_eps) "
