@@ -3,7 +3,7 @@ explains them."""
 
 from __future__ import annotations
 
-from manifests.families.images import FLUX1_VAE
+from manifests.families.images import FLUX1_VAE, QWEN_IMAGE_VAE
 from manifests.families.spec import Encoder, FamilySpec, Objective, Text, Vae
 
 __all__ = ["SPECS"]
@@ -37,4 +37,14 @@ SPECS = (
         FLUX1_VAE, Objective("LongCatImageTransformer2DModel", "flow", "sigma", "dynamic", patch=2, config=True),
         52, "families-mid-2026.md", "Apache-2.0",
         embed="longcat_image:FAMILY", recipe="longcat_image:RECIPE", tiny="tiny_longcat:longcat_image"),
+    FamilySpec(
+        "krea-2", "Krea 2: Qwen3-VL-4B hidden states 2, 5, ..., 35 stacked per token (12 x 2560) of the caption in "
+        "Qwen-Image's template (512; masked: caption + suffix rows)", ("Krea2Pipeline",),
+        Text((Encoder("text_encoder", "Qwen3VLModel"),), "Qwen-Image's system prefix + caption padded to 512 + 34 - 5, "
+             "then the 5-token assistant suffix after the padding; positions cumsum(mask) - 1; 34 prefix tokens "
+             "dropped", "hidden states 2, 5, ..., 35 stacked per token", "mask", "real", {"": 512}),
+        QWEN_IMAGE_VAE,
+        Objective("Krea2Transformer2DModel", "flow", "sigma", "dynamic", patch=2, config=True),  # mu 1.15: distilled
+        51, "families-mid-2026.md", "Krea 2 Community License (Krea-2-Raw released for fine-tuning; terms not seen)",
+        embed="krea2:FAMILY", recipe="krea2:RECIPE", tiny="tiny_krea2:krea2"),
 )
