@@ -132,8 +132,13 @@ def save_lora(model: torch.nn.Module, directory: Path, record: LoraRecord) -> No
         return
     layers = get_peft_model_state_dict(model)  # adapter weights, without peft's adapter name in the keys
     metadata = model.peft_config["default"].to_dict()  # rank, alpha, targets: the loaders rebuild the scale from it
-    pipeline.save_lora_weights(str(directory), weight_name=LORA_FILE, **{
-        f"{record.component}_lora_layers": layers, f"{record.component}_lora_adapter_metadata": metadata})
+    if pipeline.save_lora_weights.__qualname__ == "LoraBaseMixin.save_lora_weights":  # loaders, no saver: Anima's
+        # (it raises NotImplementedError); the helper every saver calls writes the same format
+        pipeline._save_lora_weights(str(directory), {record.component: layers}, {record.component: metadata},
+                                    weight_name=LORA_FILE)  # fmt: skip
+    else:
+        pipeline.save_lora_weights(str(directory), weight_name=LORA_FILE, **{
+            f"{record.component}_lora_layers": layers, f"{record.component}_lora_adapter_metadata": metadata})
     record.write(Path(directory) / RECORD_FILE)
 
 

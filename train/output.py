@@ -218,10 +218,17 @@ def how_to_load(output: OutputDir, *, model_class: str, pipeline: str | None, co
         lines += [f"LoRA adapters in {', '.join(f for f, _ in exports)}{also}; load them into the base "
                   f"pipeline{local}:",
                   f"    from diffusers import {pipeline}",
-                  f"    pipe = {pipeline}.from_pretrained({redact(str(base))!r})"]  # fmt: skip
+                  f"    pipe = {pipeline}.from_pretrained({redact(str(base))!r})",
+                  *_modular_components(pipeline)]  # fmt: skip
         for folder, load in exports:
             into = "".join(f", {k}={v!r}" for k, v in (load or {}).items())  # e.g. load_into_transformer_2=True
             lines.append(f"    pipe.load_lora_weights({folder!r}{into})")
+    elif pipeline is not None and base is not None and pipeline.endswith("ModularPipeline"):
+        lines += [f"the trained {component} in {folder}{also}; load it into the base pipeline{local}:",
+                  f"    from diffusers import {model_class}, {pipeline}",
+                  f"    {component} = {model_class}.from_pretrained({folder!r})",
+                  f"    pipe = {pipeline}.from_pretrained({redact(str(base))!r})",
+                  *_modular_components(pipeline), f"    pipe.update_components({component}={component})"]  # fmt: skip
     elif pipeline is not None and base is not None:
         lines += [f"the trained {component} in {folder}{also}; load it into the base pipeline{local}:",
                   f"    from diffusers import {model_class}, {pipeline}",
@@ -232,6 +239,12 @@ def how_to_load(output: OutputDir, *, model_class: str, pipeline: str | None, co
                   "    from diffusers import " + model_class,
                   f"    model = {model_class}.from_pretrained({folder!r})"]  # fmt: skip
     return lines
+
+
+def _modular_components(pipeline: str) -> list[str]:
+    """A modular pipeline's (``AnimaModularPipeline``) ``from_pretrained`` reads its index only: the line that loads
+    its components; none for a ``DiffusionPipeline``."""
+    return ["    pipe.load_components()"] if pipeline.endswith("ModularPipeline") else []
 
 
 def _has_lora_loaders(pipeline: str) -> bool:

@@ -47,4 +47,13 @@ SPECS = (
         Objective("Krea2Transformer2DModel", "flow", "sigma", "dynamic", patch=2, config=True),  # mu 1.15: distilled
         51, "families-mid-2026.md", "Krea 2 Community License (Krea-2-Raw released for fine-tuning; terms not seen)",
         embed="krea2:FAMILY", recipe="krea2:RECIPE", tiny="tiny_krea2:krea2"),
+    FamilySpec(
+        "anima", "Anima (AnimaModularPipeline): Qwen3 last hidden states + T5 ids through the frozen LLM adapter "
+        "(512, masked; the adapter's real rows, zero-padded to 512 by the trainer)", ("AnimaModularPipeline",),
+        Text((Encoder("text_encoder", "Qwen3Model"),), "the caption as it is (no template), one at a time, and its "
+             "T5 token ids (no T5 model)", "last, through the frozen AnimaTextConditioner (LLM adapter)", "none",
+             "real", {"": 512}),
+        QWEN_IMAGE_VAE, Objective("CosmosTransformer3DModel", "flow", "sigma", "scheduler", patch=2),
+        57, "families-mid-2026.md", "CircleStone Labs Non-Commercial License v1.2 (+ NVIDIA Open Model License): "
+        "non-commercial", embed="anima:FAMILY", recipe="anima:RECIPE", tiny="tiny_anima:anima"),
 )

@@ -338,7 +338,7 @@ def save_pipeline(pipe, folder: str | os.PathLike) -> Path:
         if type(pipe).__name__ == "QwenImageEditPipeline":
             tiny_qwen.save_qwen_image_edit(folder, pipe)
         else:
-            pipe.save_pretrained(folder)
+            pipe.save_pretrained(str(folder))  # str: a ModularPipeline's splits it
     finally:
         logging.set_verbosity(verbosity)
     return Path(folder)
