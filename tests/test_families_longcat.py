@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline.embed.families.base import missing_classes
 from manifests.cache import TextLayout
 from manifests.errors import UsageError
 from pipeline.embed.encoders import encoder_specs
@@ -31,6 +32,9 @@ from pipeline.embed.families.tiny import build_tiny, save_pipeline, tiny_pipelin
 from pipeline.embed.families.tiny_qwen import QWEN_WIDTH
 from pipeline.embed.loading import quiet_loading, to_storage
 from tests.checkpoint_text import recorded_inputs, sequences
+
+MISSING = missing_classes("longcat-image")  # why this diffusers cannot run the family (None: it can)
+pytestmark = pytest.mark.skipif(MISSING is not None, reason=str(MISSING))
 
 FAMILY = "longcat-image"
 QUOTED = 'a sign saying "HELLO"'
@@ -113,7 +117,7 @@ def test_bf16_text_equals_the_pipelines_bf16_encode_prompt(folders):
     _, spec = encoder_specs(family=FAMILY, model=folders["real"], vae=None, vae_subfolder=None, text_encoders=None,
                             text_subfolders=None)  # fmt: skip
     encoders = spec.load(dtype="BF16", compute="BF16")
-    pipe = DiffusionPipeline.from_pretrained(folders["real"], dtype=torch.bfloat16)
+    pipe = DiffusionPipeline.from_pretrained(folders["real"], torch_dtype=torch.bfloat16)
     with torch.no_grad():
         embeds, _ = pipe.encode_prompt(list(CAPTIONS))
     for i, (tokens, _) in enumerate(encoders.encode(list(CAPTIONS))):

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline.embed.families.base import missing_classes
 from manifests.cache import CacheReader
 from manifests.errors import UsageError
 from tests.embed_data import embed_cache, make_dataset
@@ -31,6 +32,9 @@ from tests.test_train_families import write
 from tests.train_dataset import printed_code, train_quiet
 from train.config import TrainConfig
 from train.data import BatchLoader, rank_steps
+
+MISSING = missing_classes("krea-2")  # why this diffusers cannot run the family (None: it can)
+pytestmark = pytest.mark.skipif(MISSING is not None, reason=str(MISSING))
 
 RANK = 4
 

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline.embed.families.base import missing_classes
 from manifests.cache import CacheReader
 from manifests.cache.records import to_float32
 from manifests.errors import UsageError
@@ -30,6 +31,9 @@ from tests.test_train_wan22 import _trained_with_adapters
 from tests.train_dataset import printed_code, recipe_outputs, train_quiet, write_settings
 from train.config import TrainConfig
 from train.data import BatchLoader, rank_steps
+
+MISSING = missing_classes("longcat-image")  # why this diffusers cannot run the family (None: it can)
+pytestmark = pytest.mark.skipif(MISSING is not None, reason=str(MISSING))
 
 FAMILY = "longcat-image"
 

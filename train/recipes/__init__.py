@@ -42,6 +42,7 @@ from manifests.cache.meta import CacheMeta
 from manifests.errors import UsageError
 from manifests.families import SPECS
 from train.config import TrainConfig
+from pipeline.embed.families.base import missing_classes
 from train.recipes.base import Denoiser, PromptEmbeds, Recipe
 
 __all__ = ["RECIPES", "Denoiser", "PromptEmbeds", "Recipe", "recipe_for"]
@@ -66,4 +67,6 @@ def recipe_for(cfg: TrainConfig, meta: CacheMeta) -> Recipe:
                          f"train {family} on this cache, or embed with --family {cfg.family}")
     if family not in RECIPES:
         raise UsageError(f"no training recipe for family {family!r}; recipes: {sorted(RECIPES)}")
+    if family in SPECS and (missing := missing_classes(family)) is not None:
+        raise UsageError(missing)
     return RECIPES[family]

@@ -13,7 +13,7 @@ import importlib
 
 from manifests.errors import UsageError
 from manifests.families import SPECS
-from pipeline.embed.families.base import Family, PromptParts, TextModel, TextOptions
+from pipeline.embed.families.base import Family, PromptParts, TextModel, TextOptions, missing_classes
 
 __all__ = ["FAMILIES", "Family", "PromptParts", "TextModel", "TextOptions", "get_family", "family_of_pipeline"]
 
@@ -31,6 +31,8 @@ def get_family(name: str) -> Family:
     """The family called ``name``; UsageError naming the known ones otherwise."""
     if name not in FAMILIES:
         raise UsageError(f"--family {name!r}: bucketeer knows {sorted(FAMILIES)}")
+    if (missing := missing_classes(name)) is not None:
+        raise UsageError(missing)
     return FAMILIES[name]
 
 

@@ -15,7 +15,8 @@ from typing import Any, Callable, Protocol
 from manifests.cache.text_layout import TextLayout
 from manifests.families import spec_of
 
-__all__ = ["Family", "PromptParts", "TextModel", "TextOptions", "PAD_STEP", "declared", "token_counts"]
+__all__ = ["Family", "PromptParts", "TextModel", "TextOptions", "PAD_STEP", "declared", "missing_classes",
+           "token_counts"]  # fmt: skip
 
 PAD_STEP = 64  # a length group's padding: its longest caption's tokens, rounded up to this
 
@@ -110,6 +111,20 @@ class Family:
     # companions(folder, ident, dtype, device, weights): what encode runs besides the text encoders, loaded from the
     # pipeline folder and appended to its models, their info in the fingerprint (Anima: T5 tokenizer + LLM adapter)
     companions: Callable[[str, str, Any, Any, bool], list[TextModel]] | None = None
+
+
+def missing_classes(name: str) -> str | None:
+    """Why family ``name`` cannot run with the installed diffusers, in one line: the classes its declaration names
+    (pipeline, VAE, denoiser) that this diffusers lacks. None: it has them all."""
+    import diffusers
+
+    spec = spec_of(name)
+    wanted = [*spec.pipelines, spec.vae.cls, *((spec.objective.denoiser,) if spec.objective else ())]
+    lacking = [cls for cls in wanted if not hasattr(diffusers, cls)]
+    if not lacking:
+        return None
+    return (f"--family {name} needs diffusers' {', '.join(lacking)}, which diffusers {diffusers.__version__} does "
+            f"not have: pip install -U diffusers (0.42.1 has them)")
 
 
 def declared(name: str, **code: Any) -> Family:

@@ -48,6 +48,7 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
+from manifests.errors import UsageError
 from manifests.families import SPECS
 from pipeline.embed.families import tiny_hunyuan, tiny_ltx2, tiny_qwen, tiny_wan22
 
@@ -316,8 +317,12 @@ def tiny_pipeline(family: str, variant: str | None = None) -> object:
     ValueError for a family without a tiny model (and for ``generic``, which is no pipeline)."""
     import torch
 
+    from pipeline.embed.families.base import missing_classes
+
     if family not in _PIPELINES and family != "qwen-image-edit":
         raise ValueError(f"no tiny model for family {family!r}; families: {sorted(_SEEDS)}")
+    if (missing := missing_classes(family)) is not None:
+        raise UsageError(missing)
     torch.manual_seed(_SEEDS[family])
     if family == "qwen-image-edit":
         return tiny_qwen.qwen_image("QwenImageEditPipeline", processor=None)
