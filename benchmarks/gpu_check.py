@@ -37,13 +37,14 @@ folder of 1216x1088 JPEGs. In order, so that a cut budget loses the least:
    480x832x81 clip (clips/s, peak memory), annotate's CLIP ViT-L/14 embedding (``ImageEmbedder`` vs the tower
    alone), JPEG decode (Pillow on one thread vs nvJPEG).
 3. **flux** (CLIP-L + T5-XXL at 512 tokens; a Flux-width transformer of 4 + 8 blocks): as sdxl.
-4. **the encoder families** (``--families chroma,z-image,flux2-klein,qwen-image,qwen-image-edit,flux2`` or
-   ``all``; not in the default run): per family ``setup`` (its folder: the text encoder and VAE at the published
-   sizes of :mod:`benchmarks.real_configs`, random weights, bf16, no denoiser), ``vae`` (the sweep above against
-   that VAE's own ``encode``) and ``text`` (against the pipeline's ``encode_prompt``, and the exactness row;
-   Qwen-Image-Edit: (instruction, 1024² reference) pairs as the embed worker encodes them). Each section's box
-   grows with the folder's size; a folder the disk, the GPU or the budget left cannot hold (Flux 2's is 48 GB)
-   is skipped and its rows say why; a family's folder is removed after its rows.
+4. **the encoder families** (``--families chroma,z-image,flux2-klein,qwen-image,qwen-image-edit,flux2``, those of
+   mid-2026 ``anima,ernie-image,krea-2,longcat-image,kandinsky-5,qwen-image-2.1``, or ``all``; not in the default
+   run): per family ``setup`` (its folder: the text models and VAE at the published sizes of
+   :mod:`benchmarks.real_configs`, random weights, bf16, no denoiser), ``vae`` (the sweep above against that VAE's
+   own ``encode``) and ``text`` (against the pipeline's ``encode_prompt``, and the exactness row; Qwen-Image-Edit:
+   (instruction, 1024² reference) pairs as the embed worker encodes them). Each section's box grows with the
+   folder's size; a folder the disk, the GPU or the budget left cannot hold (Flux 2's is 48 GB) is skipped and its
+   rows say why; a family's folder is removed after its rows.
 5. DeepSpeed ZeRO-2/3 (sdxl), where its source archive builds offline there; the Ray embed job and the vLLM
    annotate engine (rows that say why they skip where Ray or vLLM is absent).
 6. **train-cudnn** (only when named: ``--families flux --sections setup,vae,text,embed,loader,train,train-cudnn``):

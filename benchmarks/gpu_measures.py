@@ -145,7 +145,8 @@ def vae_sweep(family: str, folder: str, bucket: tuple[int, int], batches: tuple[
     """Images/s of the family's VAE at each batch size: bucketeer's ``LatentEncoder.encode`` (uint8 host pixels
     -> the fp32 latents on the device as the family's denoiser sees them, as the embed worker calls it) against
     the same diffusers VAE's ``encode`` alone (bf16 pixels already on the device, the posterior mean left there;
-    a 3D VAE, Qwen-Image's, given 1-frame clips as its pipeline does); the GPU's busy fraction (NVML) over
+    a 3D VAE, Qwen-Image's, given 1-frame clips and Qwen-Image 2.1's RGBA, as their pipelines do: :func:`_rgba`,
+    :func:`_takes_clips`); the GPU's busy fraction (NVML) over
     bucketeer's calls; the VAE's TFLOP/s in bucketeer's calls. About ``images_per_size`` images per timing (one
     warm-up call before, in which the FLOPs are counted)."""
     import torch
@@ -155,13 +156,13 @@ def vae_sweep(family: str, folder: str, bucket: tuple[int, int], batches: tuple[
 
     ours = LatentSpec(EncoderSource(folder, "vae")).load(use_gpu=gpu, dtype="BF16")
     device, dtype, vae = ours.device, ours.compute_dtype, ours.vae
-    clips = vae.encoder.conv_in.weight.ndim == 5  # a 3D convolution: images go in as 1-frame clips
+    clips = _takes_clips(vae)
     rng = np.random.default_rng(0)
     rows = []
     w, h = bucket
     for b in batches:
         pixels = rng.integers(0, 255, (b, h, w, 3), dtype=np.uint8)
-        x = torch.from_numpy(pixels).to(device).permute(0, 3, 1, 2).float().div(127.5).sub(1).to(dtype)
+        x = _rgba(vae, torch.from_numpy(pixels).to(device).permute(0, 3, 1, 2).float().div(127.5).sub(1).to(dtype))
         x = x.unsqueeze(2) if clips else x
         iters = max(1, images_per_size // b)
         with torch.inference_mode():
@@ -183,6 +184,22 @@ def vae_sweep(family: str, folder: str, bucket: tuple[int, int], batches: tuple[
                         values={"batch": b, "images_per_second": rate, "alone": ceiling, "busy": busy,
                                 **counted}))  # fmt: skip
     return rows  # the caller frees the device memory (gpu_check: after each section)
+
+
+def _takes_clips(vae) -> bool:
+    """Whether ``vae`` encodes clips ``(B, C, F, H, W)``, an image as a 1-frame one: a 3D VAE (Qwen-Image's,
+    Qwen-Image 2.1's, whose convolutions hold 2D weights)."""
+    return vae.encoder.conv_in.weight.ndim == 5 or type(vae).__name__ == "AutoencoderKLQwenImage21"
+
+
+def _rgba(vae, x):
+    """``x`` (B, 3, H, W) in [-1, 1] as ``vae`` reads it: Qwen-Image 2.1's VAE takes RGBA, an opaque image's alpha +1
+    (what its pipeline hands it, and embed's ``qwen_image21.vae_latents``); the others RGB as it is."""
+    import torch
+
+    if getattr(vae.config, "in_channels", 3) != 4:
+        return x
+    return torch.cat([x, torch.ones_like(x[:, :1])], dim=1)
 
 
 @contextmanager
@@ -217,8 +234,9 @@ def vae_tuned_rows(family: str, folder: str, bucket: tuple[int, int], batch: int
     shipped = _vae_class(folder, "vae").from_pretrained(folder, subfolder="vae", torch_dtype=dtype).to(device).eval()
     w, h = bucket
     pixels = np.random.default_rng(0).integers(0, 255, (batch, h, w, 3), dtype=np.uint8)
-    x = torch.from_numpy(pixels).to(device).permute(0, 3, 1, 2).float().div(127.5).sub(1).to(dtype).contiguous()
-    clips = shipped.encoder.conv_in.weight.ndim == 5  # Qwen-Image's: 1-frame clips
+    x = torch.from_numpy(pixels).to(device).permute(0, 3, 1, 2).float().div(127.5).sub(1).to(dtype)
+    x = _rgba(shipped, x).contiguous()
+    clips = _takes_clips(shipped)
     iters = max(2, images // batch)
     name = f"{family} VAE ({type(shipped).__name__}) {w}x{h} bf16, batch {batch}"
 
@@ -302,7 +320,8 @@ def captions(batch: int) -> list[str]:
 def _prompt(family: str, pipe, captions: list[str], images: list[np.ndarray] | None, device) -> tuple[Any, Any]:
     """``(prompt embeddings, pooled or mask or None)`` of ``family``'s pipeline's own ``encode_prompt`` on the
     captions (Qwen-Image-Edit: each instruction with its reference ``images[i]``, one pair a call, as its
-    ``__call__`` encodes one; Z-Image's list of real rows zero-padded to a batch)."""
+    ``__call__`` encodes one; Z-Image's and ERNIE-Image's lists of real rows zero-padded to a batch; Krea 2's and
+    Anima's rows that reach the transformer, as the cache stores them)."""
     import torch
     from PIL import Image
 
@@ -322,20 +341,57 @@ def _prompt(family: str, pipe, captions: list[str], images: list[np.ndarray] | N
         rows = [pipe.encode_prompt([c], image=Image.fromarray(image), device=device)[0][0]
                 for c, image in zip(captions, images)]  # fmt: skip
         return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True), None
+    if family == "ernie-image":  # one (n, D) per caption, each run alone
+        return torch.nn.utils.rnn.pad_sequence(pipe.encode_prompt(captions, device=device), batch_first=True), None
+    if family == "qwen-image-2.1":  # (embeds, mask, image mask); one token count: nothing padded, mask None
+        return pipe.encode_prompt(captions, device=device)[0], None
+    if family == "krea-2":  # (B, L, 12, D): the rows its mask keeps (caption + suffix), 12 layers side by side
+        embeds, mask = pipe.encode_prompt(captions, device=device)
+        return torch.stack([e[m].flatten(1) for e, m in zip(embeds, mask)]), None
+    if family == "longcat-image":  # all 512 rows; on the pipeline's execution device
+        return pipe.encode_prompt(list(captions))[0], None
+    if family == "anima":
+        return torch.stack([_anima_text(pipe, c, device) for c in captions]), None
+    if family == "kandinsky-5":  # (Qwen rows, CLIP-L pooled, cumulative row counts); one token count: no padding
+        embeds, pooled, _ = pipe.encode_prompt(captions, device=device)
+        return embeds, pooled
     embeds, _ = pipe.encode_prompt(captions, device=device)  # flux2, flux2-klein, qwen-image (no pad: mask None)
     return embeds, None
 
 
-def _load_pipeline(family: str, folder: str, dtype, device):
-    """The family's diffusers pipeline without its VAE and denoiser (Qwen-Image-Edit's processor loaded as
-    bucketeer loads it: transformers 5.x without torchvision cannot build its own)."""
-    from diffusers import DiffusionPipeline
+def _anima_text(pipe, caption: str, device):
+    """What ``AnimaModularPipeline`` hands its transformer for ``caption`` (its text encoder step, then its LLM
+    adapter's conditioning step, one prompt a call as ``__call__`` runs one), without the zero rows past the
+    caption's T5 tokens that pad it to 512 (the trainer's padding, not stored): ``(n, D)``."""
+    from diffusers.modular_pipelines.anima.before_denoise import AnimaTextConditioningStep
+    from diffusers.modular_pipelines.anima.encoders import AnimaTextEncoderStep
 
+    text = AnimaTextEncoderStep.encode_prompt(pipe, [caption], prepare_unconditional_embeds=False, device=device)
+    dtype = pipe.text_conditioner.dtype  # the pipeline's output dtype is its transformer's: the same here
+    rows = AnimaTextConditioningStep._condition_prompt_embeds(
+        pipe, text["qwen_prompt_embeds"], text["qwen_attention_mask"], text["t5_input_ids"],
+        text["t5_attention_mask"], device, dtype, dtype)[0]  # fmt: skip
+    return rows[: int(text["t5_attention_mask"][0].sum())]
+
+
+def _load_pipeline(family: str, folder: str, dtype, device):
+    """The family's diffusers pipeline without its VAE and denoiser (Qwen-Image-Edit's and Qwen-Image 2.1's
+    processors loaded as bucketeer loads them: transformers 5.x without torchvision cannot build their own; Anima's
+    modular pipeline with its text components only)."""
+    from diffusers import DiffusionPipeline, ModularPipeline
+
+    from pipeline.embed.families.qwen_image21 import load_processor
     from pipeline.embed.processors import load_qwen2vl_processor
 
+    if family == "anima":
+        pipe = ModularPipeline.from_pretrained(folder)
+        pipe.load_components(["text_encoder", "tokenizer", "t5_tokenizer", "text_conditioner"], dtype=dtype)
+        return pipe.to(device)
     skip = {"vae": None, "unet" if family == "sdxl" else "transformer": None}
     if family == "qwen-image-edit":
         skip["processor"] = load_qwen2vl_processor(folder)
+    if family == "qwen-image-2.1":
+        skip["processor"] = load_processor(folder)
     return DiffusionPipeline.from_pretrained(folder, dtype=dtype, **skip).to(device)
 
 

@@ -19,10 +19,13 @@ noise, the shapes and the FLOPs are real.
   plus activations, so every block and kernel shape of Flux runs, 12/57 of the depth.
 
 - the encoder families (:data:`ENCODER_FAMILIES`: ``flux2``, ``flux2-klein``, ``chroma``, ``qwen-image``,
-  ``qwen-image-edit``, ``z-image``): their text encoder and VAE only (:func:`build_encoders_folder`), at the
-  published sizes of :mod:`benchmarks.real_configs` (Mistral Small 3.1 24B, Qwen3-4B, T5-XXL, Qwen2.5-VL-7B;
-  ``AutoencoderKLFlux2``, Flux.1's VAE, ``AutoencoderKLQwenImage``), built straight in bf16 (24B in fp32 would
-  not fit one GPU) into the family's tiny pipeline in place of its tiny ones, the denoiser left out.
+  ``qwen-image-edit``, ``z-image``, and those of mid-2026: ``anima``, ``ernie-image``, ``krea-2``,
+  ``longcat-image``, ``kandinsky-5``, ``qwen-image-2.1``): their text models and VAE only
+  (:func:`build_encoders_folder`), at the published sizes of :mod:`benchmarks.real_configs` (Mistral Small 3.1
+  24B, Qwen3-4B, T5-XXL, Qwen2.5-VL-7B, Ministral 3 3B, Qwen3-VL-4B and -8B, Qwen3-0.6B with Anima's LLM adapter,
+  Kandinsky 5's CLIP-L; ``AutoencoderKLFlux2``, Flux.1's VAE, ``AutoencoderKLQwenImage``,
+  ``AutoencoderKLQwenImage21``), built straight in bf16 (24B in fp32 would not fit one GPU) into the family's tiny
+  pipeline in place of its tiny ones, the denoiser left out.
 
 The tokenizers are the tiny in-memory ones of :mod:`pipeline.embed.families.tiny` (every text
 tokenizes; ids fall inside the real vocabularies): sequence lengths (77, 512) are the real ones.
@@ -38,12 +41,13 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.real_configs import FLUX1_VAE, MISTRAL_SMALL_31, QWEN3_4B, QWEN_VL_7B, SDXL_VAE, T5_XXL
+from benchmarks.real_configs import (ANIMA_TEXT_CONDITIONER, FLUX1_VAE, MINISTRAL3_3B_TEXT, MISTRAL_SMALL_31, QWEN3_06B,
+                                     QWEN3_4B, QWEN3_VL_4B, QWEN3_VL_8B, QWEN_IMAGE21_VAE, QWEN_VL_7B, SDXL_VAE, T5_XXL)
 from manifests.families import SPECS
 
 __all__ = ["REAL", "TINY", "VISION", "build_folder", "build_vision", "make_jpegs", "write_jpeg_manifest",
-           "FLUX_BLOCKS", "ENCODER_FAMILIES", "TEXT_NAMES", "real_encoders", "encoders_bytes",
-           "build_encoders_folder"]  # fmt: skip
+           "FLUX_BLOCKS", "ENCODER_FAMILIES", "TEXT_NAMES", "real_encoders", "real_text_parts", "text_tokenizer",
+           "encoders_bytes", "build_encoders_folder"]  # fmt: skip
 
 FLUX_BLOCKS = (4, 8)  # double-stream, single-stream blocks of the Flux-width transformer (real: 19, 38)
 
@@ -239,7 +243,12 @@ def _model_index(family: str, configs: dict[str, Any], tokenizers: dict[str, Any
 # ---------------------------------------------------------------- families measured by their encoders alone
 
 # smallest first (what `--families all` runs in this order, so that a cut budget loses the largest)
-ENCODER_FAMILIES = ("chroma", "z-image", "flux2-klein", "qwen-image", "qwen-image-edit", "flux2")
+ENCODER_FAMILIES = ("anima", "ernie-image", "chroma", "z-image", "flux2-klein", "krea-2", "longcat-image", "qwen-image",
+                    "qwen-image-edit", "kandinsky-5", "qwen-image-2.1", "flux2")
+# ERNIE-Image's Pixtral tower (Ministral 3 3B's), which the family never runs: its config was not found
+# (benchmarks/real_configs.py), so transformers' default PixtralVisionConfig (1024 wide, 24 layers: 0.40B) stands in
+# for it (with its 0.02B projector); it counts in the folder's bytes and the GPU memory check, never in a row's time
+ERNIE_VISION: dict[str, Any] = {}
 # what the text rows call each family's text encoder (real size): manifests/families (FamilySpec.sizes)
 TEXT_NAMES = {name: spec.sizes.text_name for name, spec in SPECS.items() if spec.sizes is not None}
 
@@ -247,9 +256,10 @@ TEXT_NAMES = {name: spec.sizes.text_name for name, spec in SPECS.items() if spec
 def real_encoders(family: str, tokenizer) -> tuple[Any, Any]:
     """``(text encoder, VAE)`` of ``family`` (one of :data:`ENCODER_FAMILIES`) at the published sizes
     (:mod:`benchmarks.real_configs`), random weights, built on the current default device in the current default
-    dtype: the classes the family's pipeline loads (Mistral 3 with its Pixtral tower, Qwen2.5-VL with its vision
-    tower and ``lm_head``). Special-token ids are ``tokenizer``'s (the tiny pipeline's, whose ids all lie inside
-    the real vocabularies): Qwen2.5-VL finds the reference image's tokens by them."""
+    dtype: the classes the family's pipeline loads (Mistral 3 with its Pixtral tower, Qwen2.5-VL and Qwen3-VL with
+    their vision towers and, where the pipeline loads one, ``lm_head``). Special-token ids are ``tokenizer``'s
+    (:func:`text_tokenizer` of the tiny pipeline, whose ids all lie inside the real vocabularies): Qwen2.5-VL finds
+    the reference image's tokens by them. The family's other text models: :func:`real_text_parts`."""
     import diffusers
     import transformers as tf
 
@@ -264,13 +274,50 @@ def real_encoders(family: str, tokenizer) -> tuple[Any, Any]:
         return tf.Qwen3Model(tf.Qwen3Config(**QWEN3_4B)), diffusers.AutoencoderKL(**FLUX1_VAE)
     if family == "chroma":
         return _model("flux", "text_encoder_2", T5_XXL), diffusers.AutoencoderKL(**FLUX1_VAE)
-    if family in ("qwen-image", "qwen-image-edit"):
-        ids = {f"{name}_token_id": tokenizer.convert_tokens_to_ids(f"<|{token}|>") for name, token in
-               (("image", "image_pad"), ("video", "video_pad"), ("vision_start", "vision_start"),
-                ("vision_end", "vision_end"))}  # fmt: skip
-        text = tf.Qwen2_5_VLForConditionalGeneration(tf.Qwen2_5_VLConfig(**QWEN_VL_7B, **ids))
+    if family in ("qwen-image", "qwen-image-edit", "longcat-image", "kandinsky-5"):  # Kandinsky's CLIP-L: parts
+        text = tf.Qwen2_5_VLForConditionalGeneration(tf.Qwen2_5_VLConfig(**QWEN_VL_7B, **_vision_ids(tokenizer)))
+        flux1 = family in ("longcat-image", "kandinsky-5")
+        return text, diffusers.AutoencoderKL(**FLUX1_VAE) if flux1 else diffusers.AutoencoderKLQwenImage()
+    if family == "qwen-image-2.1":  # the pipeline loads Qwen3-VL-8B with its (untied) lm_head
+        text = tf.Qwen3VLForConditionalGeneration(tf.Qwen3VLConfig(**{**QWEN3_VL_8B, **_vision_ids(tokenizer)}))
+        return text, diffusers.AutoencoderKLQwenImage21(**QWEN_IMAGE21_VAE)
+    if family == "krea-2":
+        text = tf.Qwen3VLModel(tf.Qwen3VLConfig(**{**QWEN3_VL_4B, **_vision_ids(tokenizer)}))
         return text, diffusers.AutoencoderKLQwenImage()
+    if family == "ernie-image":
+        config = tf.Mistral3Config(text_config=MINISTRAL3_3B_TEXT, vision_config=tf.PixtralVisionConfig(**ERNIE_VISION),
+                                   image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"))  # fmt: skip
+        return tf.Mistral3Model(config), diffusers.AutoencoderKLFlux2()
+    if family == "anima":  # Qwen3-0.6B(-Base) without lm_head; the LLM adapter: real_text_parts
+        return tf.Qwen3Model(tf.Qwen3Config(**QWEN3_06B)), diffusers.AutoencoderKLQwenImage()
     raise ValueError(f"no real-size encoders for family {family!r}: {ENCODER_FAMILIES}")
+
+
+def real_text_parts(family: str, pipe) -> dict[str, Any]:
+    """The text models of ``family`` beside its text encoder, at the published sizes, by pipeline component (built
+    as :func:`real_encoders` builds): Anima's LLM adapter (``text_conditioner``, run at embed), Kandinsky 5's CLIP-L
+    (``text_encoder_2``, its special-token ids those of ``pipe``'s ``tokenizer_2``); {} for the others."""
+    if family == "kandinsky-5":
+        return {"text_encoder_2": _clip(_CLIP_L, pipe.tokenizer_2, projection=False)}
+    if family != "anima":
+        return {}
+    from diffusers import AnimaTextConditioner
+
+    return {"text_conditioner": AnimaTextConditioner(**ANIMA_TEXT_CONDITIONER)}
+
+
+def _vision_ids(tokenizer) -> dict[str, int]:
+    """Qwen2.5-VL's and Qwen3-VL's image and video token ids, as ``tokenizer`` numbers them."""
+    return {f"{name}_token_id": tokenizer.convert_tokens_to_ids(f"<|{token}|>") for name, token in
+            (("image", "image_pad"), ("video", "video_pad"), ("vision_start", "vision_start"),
+             ("vision_end", "vision_end"))}  # fmt: skip
+
+
+def text_tokenizer(pipe):
+    """The tokenizer of ``pipe``'s text encoder: its ``tokenizer``, or its processor's (Qwen-Image 2.1 has only a
+    processor)."""
+    tokenizer = getattr(pipe, "tokenizer", None)
+    return tokenizer if tokenizer is not None else pipe.processor.tokenizer
 
 
 def _tied(model):
@@ -281,43 +328,47 @@ def _tied(model):
 
 
 def encoders_bytes(family: str) -> int:
-    """Bytes of ``family``'s real-size text encoder and VAE in bf16 (counted on the meta device): its folder."""
+    """Bytes of ``family``'s real-size text models and VAE in bf16 (counted on the meta device): its folder."""
     import torch
 
     from pipeline.embed.families.tiny import tiny_pipeline
     from pipeline.embed.memory import parameter_count
 
-    tokenizer = tiny_pipeline(family).tokenizer
+    pipe = tiny_pipeline(family)
     with torch.device("meta"):
-        return 2 * sum(parameter_count(m) for m in real_encoders(family, tokenizer))
+        models = (*real_encoders(family, text_tokenizer(pipe)), *real_text_parts(family, pipe).values())
+        return 2 * sum(parameter_count(m) for m in models)
 
 
 def build_encoders_folder(family: str, folder: str | os.PathLike, *, real: bool, device: str = "cpu") -> Path:
     """``family``'s diffusers pipeline folder without its denoiser (the rows of :data:`ENCODER_FAMILIES` need none:
     ``model_index.json`` says ``transformer: [null, null]``, and ``DiffusionPipeline.from_pretrained`` loads the
-    rest): the family's tiny pipeline (:func:`pipeline.embed.families.tiny.tiny_pipeline`: its tokenizer, scheduler
-    and, for Qwen-Image-Edit, processor), with ``real``: its text encoder and VAE replaced by
-    :func:`real_encoders` built in bf16 on ``device`` (cuda: 24B parameters in seconds; fp32 would not fit one GPU);
-    saved in bf16. A folder already complete is kept."""
+    rest; Anima's ``modular_model_index.json`` the same): the family's tiny pipeline
+    (:func:`pipeline.embed.families.tiny.tiny_pipeline`: its tokenizers, scheduler and processor), with ``real``:
+    its text encoder and VAE replaced by :func:`real_encoders` (and its other text models by
+    :func:`real_text_parts`) built in bf16 on ``device`` (cuda: 24B parameters in seconds; fp32 would not fit one
+    GPU); saved in bf16. A folder already complete is kept."""
     import torch
 
     from pipeline.embed.families.tiny import save_pipeline, tiny_pipeline
 
     target = Path(folder)
-    if (target / "model_index.json").exists():
+    if (target / "model_index.json").exists() or (target / "modular_model_index.json").exists():
         return target
     pipe = tiny_pipeline(family)
-    pipe.register_modules(transformer=None)
+    replace = getattr(pipe, "update_components", None) or pipe.register_modules  # a ModularPipeline's, or not
+    replace(transformer=None)
     if real:
         torch.manual_seed(0)
         default = torch.get_default_dtype()
         torch.set_default_dtype(torch.bfloat16)
         try:
             with torch.device(device):
-                text, vae = real_encoders(family, pipe.tokenizer)
+                text, vae = real_encoders(family, text_tokenizer(pipe))
+                parts = real_text_parts(family, pipe)
         finally:
             torch.set_default_dtype(default)
-        pipe.register_modules(text_encoder=text, vae=vae)
+        replace(text_encoder=text, vae=vae, **parts)
     pipe.to(dtype=torch.bfloat16)
     save_pipeline(pipe, target)
     if device == "cuda":

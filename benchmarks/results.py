@@ -15,9 +15,10 @@ A figure is the **median** of its rounds, shown with its min and max; a target i
 meets it; a figure whose rounds saw a 1-minute load above :data:`QUIET_LOAD` is marked ``(load L)``: on this
 2-core machine another process then shared the cores, and the figure is not a quiet-machine result.
 
-The tables published in benchmarks/README.md, docs/benchmarks.md and docs/review.md are generated from these
-files between ``<!-- results: NAME -->`` and ``<!-- /results -->`` markers (``python -m benchmarks.results --write``;
-``make bench`` runs it last); tests/test_bench_results.py checks that every table equals its file.
+The tables published in benchmarks/README.md, docs/benchmarks.md, docs/review.md and docs/families-mid-2026.md
+are generated from these files between ``<!-- results: NAME -->`` and ``<!-- /results -->`` markers (``python -m
+benchmarks.results --write``; ``make bench`` runs it last); tests/test_bench_results.py checks that every table
+equals its file.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 ROOT = HERE.parent
 #: the documents whose ``<!-- results: NAME -->`` blocks are generated from results/NAME.json
-DOCUMENTS = (HERE / "README.md", ROOT / "docs" / "benchmarks.md", ROOT / "docs" / "review.md")
+DOCUMENTS = (HERE / "README.md", ROOT / "docs" / "benchmarks.md", ROOT / "docs" / "review.md",
+             ROOT / "docs" / "families-mid-2026.md")
 #: above this 1-minute load (2 cores) a round is not a quiet-machine round
 QUIET_LOAD = 2.0
 _BLOCK = re.compile(r"(<!-- results: ([\w.-]+) -->\n)(.*?)(<!-- /results -->)", re.S)

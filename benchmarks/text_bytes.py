@@ -4,7 +4,8 @@
 
 Each table is saved through :mod:`benchmarks.results` (``--rounds`` rounds; the figures are computed, so every
 round gives the same bytes): ``text_bytes.json`` (the families at their default lengths), ``text_bytes-qwen.json``
-(Qwen-Image, Z-Image, Qwen-Image-Edit) and ``text_bytes-flux2.json`` (Flux 2, Flux 2 Klein, Chroma).
+(Qwen-Image, Z-Image, Qwen-Image-Edit), ``text_bytes-flux2.json`` (Flux 2, Flux 2 Klein, Chroma) and
+``text_bytes-recent.json`` (ERNIE-Image, Qwen-Image 2.1, Krea 2, LongCat-Image, Anima).
 
 No weights are downloaded: the sizes are the published configs' (CLIP ViT-L/14 text: 768 wide,
 projection 768; OpenCLIP bigG text: 1280, projection 1280; T5-v1.1-XXL: 4096) and each family's
@@ -25,7 +26,8 @@ parameters, and a caption's record is its real rows (Qwen-Image: the caption's t
 closing ones, 3584 wide; Z-Image: + the chat template's 8, 2560 wide) against ``encode_prompt``'s fp32 output
 for that caption alone and padded to the pipeline's length (what a fixed-shape cache stores).
 
-Then Flux 2, Flux 2 Klein and Chroma at real size (:mod:`sizes_flux2`: parameter counts on the meta device).
+Then Flux 2, Flux 2 Klein and Chroma at real size (:mod:`sizes_flux2`: parameter counts on the meta device), and
+the families of mid-2026 (:mod:`benchmarks.sizes_recent`: the same, a ``--qwen-tokens`` caption).
 
 Qwen-Image-Edit (:func:`qwen_image_edit`): a sample's text record is its rows of (instruction, reference): the
 reference's image tokens are counted by Qwen2.5-VL's own image processor (the published config: patch 14, merge 2,
@@ -86,14 +88,17 @@ def record(layout: TextLayout, tokens: int, rng: np.random.Generator) -> TextRec
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pixart-tokens", type=int, default=40, help="real T5 tokens of a typical PixArt caption")
-    parser.add_argument("--qwen-tokens", type=int, default=40, help="tokens of a typical Qwen-Image / Z-Image caption")
+    parser.add_argument("--qwen-tokens", type=int, default=40,
+                        help="tokens of a typical caption (Qwen-Image, Z-Image, the families of mid-2026)")
     parser.add_argument("--instruction-tokens", type=int, default=20, help="tokens of a typical edit instruction")
     parser.add_argument("--rounds", type=int, default=3, help="rounds (every one computes the same bytes)")
     args = parser.parse_args()
     command = "python benchmarks/text_bytes.py" + "".join(f" {a}" for a in sys.argv[1:])
     runs = [Run(name, command, tools=["transformers", "diffusers"])
-            for name in ("text_bytes", "text_bytes-qwen", "text_bytes-flux2")]
+            for name in ("text_bytes", "text_bytes-qwen", "text_bytes-flux2", "text_bytes-recent")]
     from sizes_flux2 import print_sizes  # Flux 2, Flux 2 Klein, Chroma: real sizes on the meta device
+
+    from benchmarks.sizes_recent import recent_sizes  # the families of mid-2026, the same way
 
     for _ in range(args.rounds):
         with runs[0].round():
@@ -104,6 +109,8 @@ def main() -> None:
         with runs[2].round():
             print()
             print_sizes(np.random.default_rng(0), runs[2])
+        with runs[3].round():
+            recent_sizes(args.qwen_tokens, np.random.default_rng(0), runs[3])
     for run in runs:
         run.save()
 

@@ -46,8 +46,8 @@ def test_smoke_runs_every_section_on_the_cpu_without_ray_polars_or_s3fs(tmp_path
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((out / "gpu-check.json").read_text())
     rows = result["rows"]
-    assert {r["section"] for r in rows} == {"setup", "vae", "text", "embed", "records", "loader", "train", "repa",
-                                            "wan", "annotate", "decode", "embed-ray"}  # fmt: skip
+    assert {r["section"] for r in rows} == {"sdpa", "setup", "vae", "text", "embed", "records", "loader", "train",
+                                            "repa", "wan", "annotate", "decode", "embed-ray"}  # fmt: skip
     assert [r for r in rows if r["status"] == "failed"] == []
     skipped = {r["section"]: r["result"] for r in rows if r["status"] == "skipped"}
     assert skipped["embed-ray"].startswith("skipped: needs ray") and "vllm does not import" in skipped["annotate"]
@@ -131,29 +131,44 @@ def test_an_encoder_family_that_does_not_fit_is_skipped_with_the_reason():
 # benchmarks/text_bytes.py counts them)
 ENCODER_PARAMS = {"flux2": (24.01e9, 84.05e6), "flux2-klein": (4.022e9, 84.05e6), "chroma": (4.762e9, 83.82e6),
                   "z-image": (4.022e9, 83.82e6), "qwen-image": (8.292e9, 126.89e6),
-                  "qwen-image-edit": (8.292e9, 126.89e6)}  # fmt: skip
+                  "qwen-image-edit": (8.292e9, 126.89e6), "longcat-image": (8.292e9, 83.82e6),
+                  "krea-2": (4.438e9, 126.89e6), "qwen-image-2.1": (8.767e9, 337.74e6),
+                  # ERNIE: Ministral 3 3B's text model (3.43B) + transformers' default Pixtral tower (config unknown)
+                  "ernie-image": (3.849e9, 84.05e6), "anima": (0.596e9, 126.89e6),
+                  "kandinsky-5": (8.292e9, 83.82e6)}  # fmt: skip
+# the families' other text models: Anima's LLM adapter, Kandinsky 5's CLIP-L
+PART_PARAMS = {"text_conditioner": 134.66e6, "text_encoder_2": 123.06e6}
 
 
 def test_the_encoder_families_real_size_models_have_the_published_sizes_and_the_tokenizers_ids():
     """On the meta device: each family's text encoder and VAE at the published sizes, the classes its pipeline
     loads, and the special tokens Qwen2.5-VL finds a reference image by those of the tokenizer the folder holds."""
-    from benchmarks.gpu_models import ENCODER_FAMILIES, real_encoders
+    from benchmarks.gpu_models import ENCODER_FAMILIES, real_encoders, real_text_parts, text_tokenizer
+    from pipeline.embed.families.base import missing_classes
     from pipeline.embed.families.tiny import tiny_pipeline
 
     assert set(ENCODER_FAMILIES) == set(ENCODER_PARAMS)
     for family, (text_params, vae_params) in ENCODER_PARAMS.items():
+        if missing_classes(family) is not None:  # an older diffusers (the floors) has not its pipeline
+            continue
         pipe = tiny_pipeline(family)
+        tok = text_tokenizer(pipe)
         with torch.device("meta"):
-            text, vae = real_encoders(family, pipe.tokenizer)
+            text, vae = real_encoders(family, tok)
+            parts = real_text_parts(family, pipe)
         assert (type(text), type(vae)) == (type(pipe.text_encoder), type(pipe.vae)), family
         for model, published in ((text, text_params), (vae, vae_params)):
             assert abs(sum(p.numel() for p in model.parameters()) / published - 1) < 1e-3, (family, type(model))
-        if family.startswith("qwen-image"):
-            tok = pipe.tokenizer
+        for name, model in parts.items():  # the pipeline's class and size; Anima's T5 ids in range
+            assert type(model) is type(getattr(pipe, name)), (family, name)
+            assert abs(sum(p.numel() for p in model.parameters()) / PART_PARAMS[name] - 1) < 1e-3, (family, name)
+            if name == "text_conditioner":
+                assert max(pipe.t5_tokenizer.get_vocab().values()) < model.config.target_vocab_size
+        if family.startswith("qwen-image") or family in ("krea-2", "longcat-image", "kandinsky-5"):
             assert text.config.image_token_id == tok.convert_tokens_to_ids("<|image_pad|>")
             assert text.config.vision_start_token_id == tok.convert_tokens_to_ids("<|vision_start|>")
         vocab = text.config.get_text_config().vocab_size
-        assert max(pipe.tokenizer.get_vocab().values()) < vocab  # every id the tokenizer gives is in the vocabulary
+        assert max(tok.get_vocab().values()) < vocab  # every id the tokenizer gives is in the vocabulary
 
 
 @pytest.mark.slow
@@ -186,12 +201,30 @@ def test_the_real_size_folders_path_on_shrunk_language_models(tmp_path, monkeypa
         "out_hidden_size": 32, "fullatt_block_indexes": [1]}})  # fmt: skip
     monkeypatch.setattr(gpu_models, "T5_XXL", {**gpu_models.T5_XXL, "d_model": 32, "d_ff": 48, "num_heads": 2,
                                                "d_kv": 16, "num_layers": 2})  # fmt: skip
+    # the 2026 families: ERNIE reads hidden_states[-2], Krea 2 hidden state 35; Anima's adapter reads Qwen3's width
+    monkeypatch.setattr(gpu_models, "MINISTRAL3_3B_TEXT", {**gpu_models.MINISTRAL3_3B_TEXT, **small,
+                                                           "num_hidden_layers": 3})  # fmt: skip
+    monkeypatch.setattr(gpu_models, "ERNIE_VISION", {"hidden_size": 32, "intermediate_size": 48,
+                                                     "num_hidden_layers": 1, "num_attention_heads": 2})  # fmt: skip
+    qwen3_vl = {"vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
+                                  "out_hidden_size": 32, "deepstack_visual_indexes": [1]}}  # fmt: skip
+    for name, layers in (("QWEN3_VL_8B", 2), ("QWEN3_VL_4B", 36)):
+        config = getattr(gpu_models, name)
+        monkeypatch.setattr(gpu_models, name, {**config, "text_config": {
+            **config["text_config"], **small, "num_hidden_layers": layers, "rope_parameters": {
+                **config["text_config"]["rope_parameters"], "mrope_section": [2, 3, 3]}},
+            "vision_config": {**config["vision_config"], **qwen3_vl["vision_config"]}})  # fmt: skip
+    monkeypatch.setattr(gpu_models, "QWEN3_06B", {**gpu_models.QWEN3_06B, **small, "num_hidden_layers": 2})
+    monkeypatch.setattr(gpu_models, "ANIMA_TEXT_CONDITIONER", {
+        **gpu_models.ANIMA_TEXT_CONDITIONER, "source_dim": 32, "target_dim": 32, "model_dim": 32, "num_layers": 1,
+        "num_attention_heads": 2})  # fmt: skip
     swept = set()  # VAE classes measured: Chroma's and Z-Image's are Flux.1's, Klein's is Flux 2's
     for family in [f for f in gpu_models.ENCODER_FAMILIES if f != "qwen-image"]:  # its models are the edit's
         monkeypatch.setattr(gpu_models, "QWEN3_4B", {**qwen3, **small, "num_hidden_layers": depth.get(family, 2)})
         folder = gpu_models.build_encoders_folder(family, tmp_path / family, real=True)
-        index = json.loads((folder / "model_index.json").read_text())
-        assert index["transformer"] == [None, None] and not (folder / "transformer").exists()
+        index_file = folder / ("modular_model_index.json" if family == "anima" else "model_index.json")
+        index = json.loads(index_file.read_text())
+        assert index["transformer"][:2] == [None, None] and not (folder / "transformer").exists()
         weights = next((folder / "vae").glob("*.safetensors"))
         with safe_open(weights, "pt") as f:
             assert {f.get_slice(k).get_dtype() for k in f.keys()} - {"I64"} == {"BF16"}, family  # I64: a counter

@@ -123,7 +123,9 @@ class FamilySpec:
     ``docs``: the page that explains it. ``embed`` / ``recipe``: where its code is, ``"module:NAME"`` of
     ``pipeline.embed.families`` (its ``Family``) and of ``train.recipes`` (its ``Recipe``; empty without an
     objective), imported by those packages' registries; ``tiny``: ``"module:function"`` of
-    ``pipeline.embed.families`` building its tiny pipeline (empty: one of ``tiny.py``'s own)."""
+    ``pipeline.embed.families`` building its tiny pipeline (empty: one of ``tiny.py``'s own). ``diffusers``: the
+    oldest diffusers whose pipeline its code reproduces (empty: the project's floor), where an older one computes
+    otherwise (Kandinsky 5's template changed after 0.37)."""
 
     name: str
     summary: str
@@ -142,6 +144,7 @@ class FamilySpec:
     embed: str = ""
     recipe: str = ""
     tiny: str = ""
+    diffusers: str = ""
 
     def __post_init__(self) -> None:
         for what, where in (("embed", self.embed), ("recipe", self.recipe), ("tiny", self.tiny)):

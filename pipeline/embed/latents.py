@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from manifests.families import SPECS
-from pipeline.embed.families import FAMILIES, flux2, hunyuan_video15, ltx2, qwen_image
-from pipeline.embed.families import qwen_image21
+from pipeline.embed.families import flux2, hunyuan_video15, kandinsky5, ltx2, qwen_image, qwen_image21
 from pipeline.embed.loading import EncoderSource, check_local, device_and_dtype, weights_sha256
 from pipeline.embed.vae_speed import as_input, gpu_tuning, tune_vae
 
@@ -64,10 +63,11 @@ def latent_shape(spec: LatentSpec) -> dict[str, Any]:
 
 def family_shape(shape: dict[str, Any], family: str) -> dict[str, Any]:
     """``shape`` as ``family``'s pipeline normalises its VAE's latents: ``shift_factor`` null where the pipeline
-    subtracts none though the config has one (``Family.vae_shift``: Kandinsky 5 with FLUX.1's VAE), so that
-    ``_cache.json`` says so, the loader applies none, and ``embed --reuse`` tells these latents from Flux's."""
-    fam = FAMILIES.get(family)
-    if fam is None or fam.vae_shift or shape.get("shift_factor") is None:
+    subtracts none though the config has one (the family declares ``Vae.normalise`` ``"scale"``: Kandinsky 5 with
+    FLUX.1's VAE), so that ``_cache.json`` says so, the loader applies none, and ``embed --reuse`` tells these
+    latents from Flux's."""
+    spec = SPECS.get(family)
+    if spec is None or spec.vae.normalise != "scale" or shape.get("shift_factor") is None:
         return shape
     return {**shape, "shift_factor": None,
             "usage": f"z = latent * scaling_factor ({family}'s pipeline applies no shift_factor)"}  # fmt: skip
@@ -135,6 +135,8 @@ VAE_PATHS: dict[str, VaeKind] = {
     "AutoencoderKLLTX2Video": VaeKind(ltx2.vae_description, ltx2.vae_latents, video=True, of_model=True),
     # clips one at a time, scaled by scaling_factor in the loader
     "AutoencoderKLHunyuanVideo15": VaeKind(hunyuan_video15.vae_description, hunyuan_video15.vae_latents, video=True),
+    # HunyuanVideo 1.0's (Kandinsky 5 video): the posterior, scaled by scaling_factor in the loader
+    "AutoencoderKLHunyuanVideo": VaeKind(kandinsky5.vae_description, kandinsky5.vae_latents, video=True),
     # Qwen-Image 2.1's: RGBA in (alpha +1), 16x, 64 channels, stored normalised per channel
     "AutoencoderKLQwenImage21": VaeKind(qwen_image21.vae_description,
                                         lambda vae, x, std: qwen_image21.vae_latents(vae, x, std=std)),

@@ -9,6 +9,7 @@ them for a batch of captions as :class:`PromptParts` (a ``reference`` family's t
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -86,8 +87,6 @@ class Family:
     causal LM padded on the right): its captions are then encoded in groups by length, each padded to a multiple
     of :data:`PAD_STEP` instead of ``max_tokens`` (:meth:`pipeline.embed.encoders.TextEncoders.encode`). None:
     every batch is padded as the pipeline pads it.
-    ``vae_shift``: the pipeline subtracts its VAE config's ``shift_factor`` (False: it scales only, as Kandinsky 5
-    does with FLUX.1's VAE; the latent encoder then records ``shift_factor`` null, :mod:`pipeline.embed.latents`).
     """
 
     name: str
@@ -105,7 +104,6 @@ class Family:
     processor: str | None = None
     kind_of: Callable[[dict[str, Any]], str] | None = None
     count_tokens: Callable[[list[TextModel], list[str], TextOptions], list[int]] | None = None
-    vae_shift: bool = True
     tokenizer: str | None = None  # the tokenizer's pipeline subfolder where it is no tokenizer* twin of the
     # text encoder's (Qwen-Image 2.1: processor, the Qwen3VLProcessor's folder); None: that twin
     # companions(folder, ident, dtype, device, weights): what encode runs besides the text encoders, loaded from the
@@ -115,29 +113,37 @@ class Family:
 
 def missing_classes(name: str) -> str | None:
     """Why family ``name`` cannot run with the installed diffusers, in one line: the classes its declaration names
-    (pipeline, VAE, denoiser) that this diffusers lacks. None: it has them all."""
+    (pipeline, VAE, denoiser) that this diffusers lacks, or a diffusers older than the one its code reproduces
+    (``FamilySpec.diffusers``). None: it can."""
     import diffusers
 
     spec = spec_of(name)
     wanted = [*spec.pipelines, spec.vae.cls, *((spec.objective.denoiser,) if spec.objective else ())]
     lacking = [cls for cls in wanted if not hasattr(diffusers, cls)]
-    if not lacking:
-        return None
-    return (f"--family {name} needs diffusers' {', '.join(lacking)}, which diffusers {diffusers.__version__} does "
-            f"not have: pip install -U diffusers (0.42.1 has them)")
+    if lacking:
+        return (f"--family {name} needs diffusers' {', '.join(lacking)}, which diffusers {diffusers.__version__} "
+                f"does not have: pip install -U diffusers (0.42.1 has them)")
+    if spec.diffusers and _release(diffusers.__version__) < _release(spec.diffusers):
+        return (f"--family {name} reproduces diffusers {spec.diffusers}'s {spec.pipelines[0]}, which diffusers "
+                f"{diffusers.__version__} computes otherwise: pip install -U diffusers (0.42.1 has them)")
+    return None
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``"0.42.1"`` -> ``(0, 42, 1)`` (a pre-release or local suffix ignored)."""
+    return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3])
 
 
 def declared(name: str, **code: Any) -> Family:
     """Family ``name`` as :mod:`manifests.families` declares it (pipeline classes, text encoders and their
-    classes, lengths, tokenizer and processor subfolders, VAE subfolder, whether its pipeline shifts the VAE's
-    latents, reference), with ``code``: the functions that are its own (``layout``, ``encode``, and ``prune``,
-    ``count_tokens``, ``kind_of``, ``companions`` where it has them)."""
+    classes, lengths, tokenizer and processor subfolders, VAE subfolder, reference), with ``code``: the functions
+    that are its own (``layout``, ``encode``, and ``prune``, ``count_tokens``, ``kind_of``, ``companions`` where it
+    has them)."""
     spec = spec_of(name)
     text = spec.text
     data = dict(name=name, summary=spec.summary, pipelines=spec.pipelines,
                 text_encoders=tuple(e.subfolder for e in text.encoders),
                 text_classes=tuple(e.cls for e in text.encoders), max_text_tokens=text.max_tokens,
                 text_tokens_limit=text.limit, vae=spec.vae.subfolder, reference=spec.reference,
-                processor=text.processor, tokenizer=text.tokenizer,
-                vae_shift=spec.vae.normalise != "scale")  # fmt: skip
+                processor=text.processor, tokenizer=text.tokenizer)  # fmt: skip
     return Family(**{**data, **code})
