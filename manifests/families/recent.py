@@ -79,7 +79,7 @@ SPECS = (
         ("Kandinsky5T2IPipeline",),
         Text(K5_ENCODERS, f"Kandinsky 5's image system message + user turn (no assistant turn), its 40 prefix tokens "
              f"dropped; {K5_CUT}", "last", "list", "real", {"": 512}, limit=1024, pooled=K5_POOLED),
-        Vae("AutoencoderKL", "scale", channels=16), K5_OBJECTIVE, 54, "families-mid-2026.md", "MIT",
+        Vae("AutoencoderKL", "scale_no_shift", channels=16), K5_OBJECTIVE, 54, "families-mid-2026.md", "MIT",
         embed="kandinsky5:FAMILY", recipe="kandinsky5:RECIPE", tiny="tiny_kandinsky:kandinsky5", diffusers="0.42",
         sizes=Sizes("Qwen2.5-VL-7B + CLIP-L (template + caption, real tokens; pooled CLIP-L)", 32,
                     ("QWEN_VL_7B", "FLUX1_VAE", "KANDINSKY5_T2I"))),  # fmt: skip

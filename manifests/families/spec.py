@@ -19,8 +19,10 @@ from typing import Literal, Mapping
 __all__ = ["Encoder", "Text", "Vae", "Objective", "Sizes", "FamilySpec", "ROWS", "NORMALISE", "SHIFTS"]
 
 ROWS = ("real", "all")  # a masked layout stores each caption's real rows; an unmasked one every row the model sees
-# how the cache's latents relate to the VAE's posterior (what the loader or the embed applies)
-NORMALISE = ("scale", "scale_shift", "per_channel", "bn_patch2", "ltx", "none")
+# how the cache's latents relate to the VAE's posterior (what the loader or the embed applies); "scale": the config's
+# scaling_factor (and its shift_factor where it has one); "scale_no_shift": scaling_factor only, although the
+# config has a shift_factor (the pipeline ignores it: Kandinsky 5 on FLUX.1's VAE)
+NORMALISE = ("scale", "scale_no_shift", "scale_shift", "per_channel", "bn_patch2", "ltx", "none")
 SHIFTS = ("scheduler", "dynamic", "flux2_empirical", "none")  # the timestep shift a recipe applies by default
 
 

@@ -63,11 +63,11 @@ def latent_shape(spec: LatentSpec) -> dict[str, Any]:
 
 def family_shape(shape: dict[str, Any], family: str) -> dict[str, Any]:
     """``shape`` as ``family``'s pipeline normalises its VAE's latents: ``shift_factor`` null where the pipeline
-    subtracts none though the config has one (the family declares ``Vae.normalise`` ``"scale"``: Kandinsky 5 with
-    FLUX.1's VAE), so that ``_cache.json`` says so, the loader applies none, and ``embed --reuse`` tells these
+    subtracts none though the config has one (the family declares ``Vae.normalise`` ``"scale_no_shift"``: Kandinsky 5
+    with FLUX.1's VAE), so that ``_cache.json`` says so, the loader applies none, and ``embed --reuse`` tells these
     latents from Flux's."""
     spec = SPECS.get(family)
-    if spec is None or spec.vae.normalise != "scale" or shape.get("shift_factor") is None:
+    if spec is None or spec.vae.normalise != "scale_no_shift" or shape.get("shift_factor") is None:
         return shape
     return {**shape, "shift_factor": None,
             "usage": f"z = latent * scaling_factor ({family}'s pipeline applies no shift_factor)"}  # fmt: skip

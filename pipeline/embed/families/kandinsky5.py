@@ -31,9 +31,10 @@ for text its ``__call__`` and ``decode`` are its tokenizer's, which is what is l
 
 The latents: ``Kandinsky5T2IPipeline`` decodes ``latents / scaling_factor`` (``:804``) with FLUX.1's VAE and its
 image-to-image sibling encodes ``latent_dist.sample() * scaling_factor`` (``pipeline_kandinsky_i2i.py:538-543``):
-**no** ``shift_factor``, although the VAE's config has one. The family declares it (``Vae.normalise`` ``"scale"``,
-manifests/families/recent.py), the latent encoder records ``shift_factor`` null (:mod:`pipeline.embed.latents`)
-and the loader multiplies by ``scaling_factor`` only. The video pipeline's ``AutoencoderKLHunyuanVideo`` has no shift.
+**no** ``shift_factor``, although the VAE's config has one. The family declares it (``Vae.normalise``
+``"scale_no_shift"``, manifests/families/recent.py), the latent encoder records ``shift_factor`` null
+(:mod:`pipeline.embed.latents`) and the loader multiplies by ``scaling_factor`` only. The video pipeline's
+``AutoencoderKLHunyuanVideo`` has no shift.
 """
 
 from __future__ import annotations
