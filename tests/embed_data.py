@@ -80,6 +80,28 @@ def embed_cache(manifest: str, out: str, **options: Any) -> EmbedResult:
     return run(EmbedJob(manifest=manifest, out=out, **{"batch_size": 4, "shard_records": 4, **options}))
 
 
+def family_plan(base, family: str, prompts: str = "a red cat\n", **embed: Any) -> dict[str, str]:
+    """A tiny ``family`` pipeline folder under ``base``, a cache of 6 generated images (buckets 64x64: 4 images,
+    128x32, 32x128) embedded with it and the validation ``prompts``, and a one-rank plan of 3 epochs of batches of
+    2: ``{"model", "cache", "plan", "manifest"}`` (``embed``: more EmbedJob options)."""
+    from pathlib import Path
+
+    from pipeline import PlanJob, run
+    from pipeline.embed.families.tiny import build_tiny
+    from pipeline.embed.loading import quiet_loading
+
+    quiet_loading()
+    base = Path(base)
+    manifest, prompt_file = str(base / "manifest"), base / "prompts.txt"
+    make_dataset(str(base / "data"), manifest, 6)
+    prompt_file.write_text(prompts)
+    model, cache, plan = str(build_tiny(family, base / family)), str(base / "cache"), str(base / "plan")
+    embed_cache(manifest, cache, family=family, model=model, validation_prompts=str(prompt_file), **embed)
+    run(PlanJob(manifests=(manifest,), out=plan, world_size=1, batch_size=2, epochs=3, cache=(cache,),
+                leftover="pad"))  # fmt: skip
+    return {"model": model, "cache": cache, "plan": plan, "manifest": manifest}
+
+
 def embed_args(manifest: str, out: str, *extra: str) -> EmbedJob:
     """The :class:`EmbedJob` that ``bucketeer embed MANIFEST --out OUT --batch-size 4 --shard-records 4 *extra``
     parses into (argparse's SystemExit for an unknown option)."""

@@ -22,7 +22,7 @@ import torch
 from pipeline.embed.families.base import missing_classes
 from manifests.cache import CacheReader
 from manifests.errors import UsageError
-from tests.embed_data import embed_cache, make_dataset
+from tests.embed_data import family_plan
 from tests.test_train_families import write
 from tests.train_dataset import printed_code, train_quiet
 from train.config import TrainConfig
@@ -36,20 +36,7 @@ RANK = 4
 
 @pytest.fixture(scope="module")
 def anima(tmp_path_factory, ray_local) -> dict[str, str]:
-    from pipeline import PlanJob, run
-    from pipeline.embed.families.tiny import build_tiny
-    from pipeline.embed.loading import quiet_loading
-
-    quiet_loading()
-    base = tmp_path_factory.mktemp("train-anima")
-    manifest, prompts = str(base / "manifest"), base / "prompts.txt"
-    make_dataset(str(base / "data"), manifest, 6)  # buckets 64x64 (4 images), 128x32, 32x128
-    prompts.write_text("a red cat\n")
-    model, cache, plan = str(build_tiny("anima", base / "anima")), str(base / "cache"), str(base / "plan")
-    embed_cache(manifest, cache, family="anima", model=model, validation_prompts=str(prompts))
-    run(PlanJob(manifests=(manifest,), out=plan, world_size=1, batch_size=2, epochs=3, cache=(cache,),
-                leftover="pad"))  # fmt: skip
-    return {"model": model, "cache": cache, "plan": plan}
+    return family_plan(tmp_path_factory.mktemp("train-anima"), "anima")
 
 
 def _batches(f: dict[str, str]):

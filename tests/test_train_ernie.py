@@ -33,21 +33,10 @@ pytestmark = pytest.mark.skipif(MISSING is not None, reason=str(MISSING))
 
 @pytest.fixture(scope="module")
 def ernie(tmp_path_factory) -> dict[str, str]:
-    from pipeline import PlanJob, run
-    from pipeline.embed.families.tiny import build_tiny
-    from pipeline.embed.loading import quiet_loading
-    from tests.embed_data import embed_cache, make_dataset
+    from tests.embed_data import family_plan
 
-    quiet_loading()
-    base = tmp_path_factory.mktemp("train-ernie")
-    manifest, prompts = str(base / "manifest"), base / "prompts.txt"
-    make_dataset(str(base / "data"), manifest, 6)  # buckets 64x64 (4 images), 128x32, 32x128; image 5 uncaptioned
-    prompts.write_text("a red cat\na blue dog on a long red carpet\n")
-    model, cache, plan = str(build_tiny("ernie-image", base / "model")), str(base / "cache"), str(base / "plan")
-    embed_cache(manifest, cache, family="ernie-image", model=model, validation_prompts=str(prompts), executor="local")
-    run(PlanJob(manifests=(manifest,), out=plan, world_size=1, batch_size=2, epochs=3, cache=(cache,),
-                leftover="pad"))  # fmt: skip
-    return {"model": model, "cache": cache, "plan": plan}
+    return family_plan(tmp_path_factory.mktemp("train-ernie"), "ernie-image",
+                       "a red cat\na blue dog on a long red carpet\n", executor="local")  # fmt: skip
 
 
 def _batches(f: dict[str, str]):

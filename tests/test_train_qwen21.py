@@ -26,7 +26,7 @@ from pipeline.embed.families.base import missing_classes
 from manifests.cache import CacheReader
 from manifests.errors import UsageError
 from manifests.manifest import read_manifest
-from tests.embed_data import embed_cache, make_dataset
+from tests.embed_data import family_plan
 from tests.test_train_families import write
 from tests.train_dataset import printed_code, train_quiet
 from train.config import TrainConfig
@@ -41,20 +41,7 @@ RANK = 4
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, ray_local) -> dict[str, str]:
-    from pipeline import PlanJob, run
-    from pipeline.embed.families.tiny import build_tiny
-    from pipeline.embed.loading import quiet_loading
-
-    quiet_loading()
-    base = tmp_path_factory.mktemp("train-qwen21")
-    manifest, prompts = str(base / "manifest"), base / "prompts.txt"
-    make_dataset(str(base / "data"), manifest, 6)  # buckets 64x64 (4 images), 128x32, 32x128
-    prompts.write_text("a red cat\n")
-    model, cache, plan = str(build_tiny(FAMILY, base / FAMILY)), str(base / "cache"), str(base / "plan")
-    embed_cache(manifest, cache, family=FAMILY, model=model, validation_prompts=str(prompts))
-    run(PlanJob(manifests=(manifest,), out=plan, world_size=1, batch_size=2, epochs=3, cache=(cache,),
-                leftover="pad"))  # fmt: skip
-    return {"model": model, "cache": cache, "plan": plan, "manifest": manifest}
+    return family_plan(tmp_path_factory.mktemp("train-qwen21"), FAMILY)
 
 
 def _batches(f: dict[str, str]):
