@@ -24,7 +24,7 @@ from manifests.cache import CacheReader
 from manifests.errors import UsageError
 from tests.embed_data import family_plan
 from tests.test_train_families import write
-from tests.train_dataset import printed_code, train_quiet
+from tests.train_dataset import printed_code, recipe_outputs, train_quiet
 from train.config import TrainConfig
 from train.data import BatchLoader, rank_steps
 
@@ -114,21 +114,11 @@ def lora_run(anima, tmp_path_factory) -> dict[str, Any]:
 
 def _output(anima, model: torch.nn.Module) -> torch.Tensor:
     """``model``'s output on the first batch of the plan, through the recipe's loss (fixed noise)."""
-    from train.model import step_generator
     from train.recipes import recipe_for
 
     reader, batches = _batches(anima)
-    batch = batches[0]
     cfg = TrainConfig(family="anima")
-    recipe = recipe_for(cfg, reader.meta).setup(cfg, reader.meta)
-    outputs = []
-    hook = model.register_forward_hook(lambda module, args, out: outputs.append(out[0]))
-    try:
-        with torch.no_grad():
-            recipe.loss(model, batch, step_generator(0, batch.epoch, batch.step, 0))
-    finally:
-        hook.remove()
-    return outputs[0]
+    return recipe_outputs(recipe_for(cfg, reader.meta).setup(cfg, reader.meta), model, batches[0])
 
 
 def _base(anima) -> torch.nn.Module:

@@ -28,7 +28,7 @@ from manifests.errors import UsageError
 from manifests.manifest import read_manifest
 from tests.embed_data import family_plan
 from tests.test_train_families import write
-from tests.train_dataset import printed_code, train_quiet
+from tests.train_dataset import printed_code, recipe_outputs, train_quiet
 from train.config import TrainConfig
 from train.data import BatchLoader, rank_steps
 
@@ -172,20 +172,11 @@ def _printed_pipeline(printed: str, after: str, base: str):
 
 def _output(tiny, model: torch.nn.Module) -> torch.Tensor:
     """``model``'s output on the first batch of the plan, through the recipe's loss (fixed noise)."""
-    from train.model import step_generator
     from train.recipes import recipe_for
 
     reader, batches = _batches(tiny)
     cfg = TrainConfig(family=FAMILY)
-    recipe = recipe_for(cfg, reader.meta).setup(cfg, reader.meta)
-    outputs = []
-    hook = model.register_forward_hook(lambda module, args, out: outputs.append(out[0]))
-    try:
-        with torch.no_grad():
-            recipe.loss(model, batches[0], step_generator(0, batches[0].epoch, batches[0].step, 0))
-    finally:
-        hook.remove()
-    return outputs[0]
+    return recipe_outputs(recipe_for(cfg, reader.meta).setup(cfg, reader.meta), model, batches[0])
 
 
 def _base(tiny) -> torch.nn.Module:
