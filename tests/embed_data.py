@@ -102,6 +102,15 @@ def family_plan(base, family: str, prompts: str = "a red cat\n", **embed: Any) -
     return {"model": model, "cache": cache, "plan": plan, "manifest": manifest}
 
 
+def plan_batches(data: dict[str, str]):
+    """``(reader, batches)``: the cache of a :func:`family_plan` and rank 0's batches of its plan, as the trainer
+    reads them."""
+    from train.data import BatchLoader, rank_steps
+
+    reader = CacheReader(data["cache"])
+    return reader, list(BatchLoader(reader, list(rank_steps(data["plan"], 0)), reader.meta.latent))
+
+
 def embed_args(manifest: str, out: str, *extra: str) -> EmbedJob:
     """The :class:`EmbedJob` that ``bucketeer embed MANIFEST --out OUT --batch-size 4 --shard-records 4 *extra``
     parses into (argparse's SystemExit for an unknown option)."""

@@ -25,7 +25,6 @@ from pipeline.embed.families.base import missing_classes
 from manifests.cache import CacheReader
 from tests.train_dataset import logged_losses, printed_code, recipe_outputs, train_quiet, write_settings
 from train.config import TrainConfig
-from train.data import BatchLoader, rank_steps
 
 MISSING = missing_classes("ernie-image")  # why this diffusers cannot run the family (None: it can)
 pytestmark = pytest.mark.skipif(MISSING is not None, reason=str(MISSING))
@@ -40,8 +39,9 @@ def ernie(tmp_path_factory) -> dict[str, str]:
 
 
 def _batches(f: dict[str, str]):
-    reader = CacheReader(f["cache"])
-    return reader, list(BatchLoader(reader, list(rank_steps(f["plan"], 0)), reader.meta.latent))
+    from tests.embed_data import plan_batches
+
+    return plan_batches(f)
 
 
 def _denoiser(reader: CacheReader, **cfg):

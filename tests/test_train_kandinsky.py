@@ -28,11 +28,10 @@ import torch
 from pipeline.embed.families.base import missing_classes
 from manifests.cache import CacheReader
 from manifests.errors import UsageError
-from tests.embed_data import family_plan
+from tests.embed_data import family_plan, plan_batches
 from tests.test_train_families import write
 from tests.train_dataset import printed_code, train_quiet
 from train.config import TrainConfig
-from train.data import BatchLoader, rank_steps
 
 MISSING = missing_classes("kandinsky-5")  # why this diffusers cannot run the families (None: it can)
 pytestmark = pytest.mark.skipif(MISSING is not None, reason=str(MISSING))
@@ -47,8 +46,7 @@ def image(tmp_path_factory, ray_local) -> dict[str, str]:
 
 
 def _batches(f: dict[str, str]):
-    reader = CacheReader(f["cache"])
-    return reader, list(BatchLoader(reader, list(rank_steps(f["plan"], 0)), reader.meta.latent))
+    return plan_batches(f)
 
 
 def _setup(f: dict[str, str], **config):

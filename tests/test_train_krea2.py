@@ -25,13 +25,11 @@ import pytest
 import torch
 
 from pipeline.embed.families.base import missing_classes
-from manifests.cache import CacheReader
 from manifests.errors import UsageError
-from tests.embed_data import family_plan
+from tests.embed_data import family_plan, plan_batches
 from tests.test_train_families import write
 from tests.train_dataset import printed_code, recipe_outputs, train_quiet
 from train.config import TrainConfig
-from train.data import BatchLoader, rank_steps
 
 MISSING = missing_classes("krea-2")  # why this diffusers cannot run the family (None: it can)
 pytestmark = pytest.mark.skipif(MISSING is not None, reason=str(MISSING))
@@ -52,8 +50,7 @@ def krea(tmp_path_factory, ray_local) -> dict[str, str]:
 
 
 def _batches(f: dict[str, str]):
-    reader = CacheReader(f["cache"])
-    return reader, list(BatchLoader(reader, list(rank_steps(f["plan"], 0)), reader.meta.latent))
+    return plan_batches(f)
 
 
 def _pipe():

@@ -23,14 +23,12 @@ import pytest
 import torch
 
 from pipeline.embed.families.base import missing_classes
-from manifests.cache import CacheReader
 from manifests.errors import UsageError
 from manifests.manifest import read_manifest
-from tests.embed_data import family_plan
+from tests.embed_data import family_plan, plan_batches
 from tests.test_train_families import write
 from tests.train_dataset import printed_code, recipe_outputs, train_quiet
 from train.config import TrainConfig
-from train.data import BatchLoader, rank_steps
 
 MISSING = missing_classes("qwen-image-2.1")  # why this diffusers cannot run the family (None: it can)
 pytestmark = pytest.mark.skipif(MISSING is not None, reason=str(MISSING))
@@ -45,8 +43,7 @@ def tiny(tmp_path_factory, ray_local) -> dict[str, str]:
 
 
 def _batches(f: dict[str, str]):
-    reader = CacheReader(f["cache"])
-    return reader, list(BatchLoader(reader, list(rank_steps(f["plan"], 0)), reader.meta.latent))
+    return plan_batches(f)
 
 
 def _pipeline(model: str, **components):
